@@ -1,0 +1,67 @@
+"""Typed errors of kvlife.
+
+Every failure a caller can act on has its own class, and every message names what was
+wrong (the object, the path, the field) so that no one has to read a traceback from deep
+inside a tier to find out. All inherit from :class:`KVLifeError`.
+"""
+
+from __future__ import annotations
+
+
+class KVLifeError(Exception):
+    """Base class of every error kvlife raises on purpose."""
+
+
+class IllegalTransition(KVLifeError):
+    """A lifecycle move that the transition table does not allow."""
+
+    def __init__(self, obj: str, state: str, move: str) -> None:
+        self.obj = obj
+        self.state = state
+        self.move = move
+        super().__init__(f"illegal lifecycle move {move!r} for object {obj} in state {state}")
+
+
+class LayoutMismatch(KVLifeError, ValueError):
+    """A KV array whose dtype or shape does not match the model identity's KV layout."""
+
+
+class PartialChunkError(KVLifeError, ValueError):
+    """A chunk with fewer tokens than the layout's tokens per chunk was offered for storage."""
+
+
+class InvalidArgument(KVLifeError, ValueError):
+    """An argument with a value kvlife cannot use (named in the message)."""
+
+
+class StorePathError(KVLifeError, OSError):
+    """The store path cannot be created, opened or written."""
+
+
+class StoreLockedError(KVLifeError):
+    """Another process holds the store open (kvlife stores are single-process)."""
+
+
+class StoreFormatError(KVLifeError):
+    """The store on disk was written in a format this version cannot read."""
+
+
+class StoreClosedError(KVLifeError):
+    """An operation on a store that has been closed."""
+
+
+class StorageFullError(KVLifeError, OSError):
+    """The device ran out of space (ENOSPC) or the tier's byte budget cannot hold the data."""
+
+
+class ChecksumMismatch(KVLifeError):
+    """A replica's bytes do not match the checksum recorded when it was sealed."""
+
+    def __init__(self, key_hex: str, where: str, detail: str) -> None:
+        self.key_hex = key_hex
+        self.where = where
+        super().__init__(f"replica {key_hex[:16]}… in {where} is corrupt: {detail}")
+
+
+class ReplicaNotFound(KVLifeError, KeyError):
+    """A tier was asked for a replica it does not hold."""

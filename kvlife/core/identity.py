@@ -1,0 +1,299 @@
+"""Identity of a KV chunk: model identity, namespace and the chunk key.
+
+A chunk of KV is only reusable by a request that would have computed exactly the same
+bytes. That depends on far more than the token ids: the weights, the tokenizer, the
+adapter, the position encoding, the chunk's absolute start position, the KV layout and
+dtype, and on who may see it (the namespace). :func:`chunk_key` hashes all of them with
+BLAKE3 over a canonical, fixed-width, length-prefixed encoding, so changing any field
+changes the key and the key is the same in every process (no ``hash()``, no dict order).
+
+Canonical encoding of a chunk key (all integers little-endian)::
+
+    b"kvlife.chunk.v1\\0" | identity digest (32) | namespace salt (32)
+    | parent key (32, zeros for the first chunk) | start position (u64)
+    | token count (u32) | token ids (u32 each) | extra-key count (u32)
+    | per extra key: length (u32) + bytes
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NewType
+
+import blake3
+import msgpack
+import numpy as np
+
+from kvlife.core.errors import InvalidArgument
+
+ChunkKey = NewType("ChunkKey", bytes)
+"""32-byte BLAKE3 digest naming one chunk of KV."""
+
+Digest = NewType("Digest", bytes)
+"""32-byte BLAKE3 digest of an identity or namespace."""
+
+KEY_BYTES = 32
+ROOT_PARENT = ChunkKey(b"\0" * KEY_BYTES)
+"""Parent key of the first chunk of a prompt."""
+
+_CHUNK_TAG = b"kvlife.chunk.v1\0"
+_IDENTITY_TAG = "kvlife.identity.v1"
+_NAMESPACE_TAG = "kvlife.namespace.v1"
+
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+"""KV dtypes kvlife knows, with their size in bytes."""
+
+
+def digest_bytes(data: bytes) -> Digest:
+    """BLAKE3-256 of ``data``."""
+    return Digest(blake3.blake3(data).digest())
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape and dtype of one chunk of KV.
+
+    A chunk is stored as one array of shape
+    ``(num_layers, 2, num_kv_heads, tokens_per_chunk, head_dim)`` (axis 1: keys, values).
+    """
+
+    num_layers: int
+    """Transformer layers that hold KV."""
+    num_kv_heads: int
+    """Key/value heads per layer (after grouped-query sharing)."""
+    head_dim: int
+    """Size of one head's key or value vector."""
+    dtype: str
+    """Element type, one of :data:`DTYPE_ITEMSIZE`."""
+    tokens_per_chunk: int
+    """Tokens in one chunk; only full chunks are stored."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidArgument(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise InvalidArgument(
+                f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}"
+            )
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def chunk_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, self.tokens_per_chunk, self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return self.bytes_per_token * self.tokens_per_chunk
+
+
+@dataclass(frozen=True, slots=True)
+class ModelIdentity:
+    """Everything about the model that changes the KV it computes.
+
+    Digests are hex strings (any stable digest of the thing named); an empty adapter id
+    means no adapter.
+    """
+
+    model_id: str
+    """Human-readable model name (not trusted alone: the digests are)."""
+    weights_digest: str
+    """Digest of the weights, i.e. the model version."""
+    tokenizer_digest: str
+    """Digest of the tokenizer (vocabulary, merges, special tokens)."""
+    layout: KVLayout
+    """KV layout, including dtype and tokens per chunk."""
+    position_encoding_digest: str = ""
+    """Digest of the position-encoding configuration (RoPE base, scaling)."""
+    adapter_id: str = ""
+    """Adapter (LoRA) name, empty for none."""
+    adapter_digest: str = ""
+    """Digest of the adapter's weights, empty for none."""
+    _digest: Digest = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("model_id", "weights_digest", "tokenizer_digest"):
+            if not getattr(self, name):
+                raise InvalidArgument(f"ModelIdentity.{name} must not be empty")
+        if bool(self.adapter_id) != bool(self.adapter_digest):
+            raise InvalidArgument(
+                "ModelIdentity.adapter_id and adapter_digest must be given together "
+                f"(got id={self.adapter_id!r}, digest={self.adapter_digest!r})"
+            )
+        lay = self.layout
+        encoded = msgpack.packb(
+            [
+                _IDENTITY_TAG,
+                self.model_id,
+                self.weights_digest,
+                self.tokenizer_digest,
+                self.position_encoding_digest,
+                self.adapter_id,
+                self.adapter_digest,
+                [lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype, lay.tokens_per_chunk],
+            ]
+        )
+        object.__setattr__(self, "_digest", digest_bytes(encoded))
+
+    @property
+    def digest(self) -> Digest:
+        """BLAKE3 of the canonical msgpack encoding of every field."""
+        return self._digest
+
+
+class NamespaceKind(enum.Enum):
+    """Who may see a chunk."""
+
+    PUBLIC = "public"
+    ORGANISATION = "organisation"
+    USER = "user"
+    REQUEST = "request"
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Visibility scope of a chunk, carried into the key as a salt.
+
+    ``name`` identifies the organisation, user or request; it must be empty for PUBLIC
+    and non-empty otherwise. Identical text in two namespaces never shares a key.
+    """
+
+    kind: NamespaceKind
+    """Level of sharing."""
+    name: str = ""
+    """Organisation, user or request id (empty for PUBLIC)."""
+    _salt: Digest = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, NamespaceKind):
+            raise InvalidArgument(f"Namespace.kind must be a NamespaceKind, got {self.kind!r}")
+        if (self.kind is NamespaceKind.PUBLIC) != (self.name == ""):
+            raise InvalidArgument(
+                f"Namespace {self.kind.value} needs "
+                + ("an empty name" if self.kind is NamespaceKind.PUBLIC else "a name")
+                + f", got {self.name!r}"
+            )
+        salt = digest_bytes(msgpack.packb([_NAMESPACE_TAG, self.kind.value, self.name]))
+        object.__setattr__(self, "_salt", salt)
+
+    @property
+    def salt(self) -> Digest:
+        return self._salt
+
+    def __str__(self) -> str:
+        return self.kind.value if not self.name else f"{self.kind.value}:{self.name}"
+
+    @classmethod
+    def public(cls) -> Namespace:
+        return cls(NamespaceKind.PUBLIC)
+
+    @classmethod
+    def parse(cls, text: str) -> Namespace:
+        """Inverse of ``str()``: ``public``, ``user:alice``, ``organisation:acme`` …"""
+        kind, _, name = text.partition(":")
+        try:
+            return cls(NamespaceKind(kind), name)
+        except ValueError as exc:
+            raise InvalidArgument(f"unknown namespace kind in {text!r}") from exc
+
+
+PUBLIC = Namespace.public()
+
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+
+
+def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian u32 bytes (the form hashed into keys)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) >= 2**32):
+        raise InvalidArgument("token ids must be integers in [0, 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def _extras(extra_keys: Sequence[bytes]) -> bytes:
+    parts = [_U32.pack(len(extra_keys))]
+    for extra in extra_keys:
+        parts.append(_U32.pack(len(extra)))
+        parts.append(bytes(extra))
+    return b"".join(parts)
+
+
+def chunk_key(
+    identity_digest: bytes,
+    namespace_salt: bytes,
+    parent: bytes,
+    start: int,
+    tokens: Sequence[int] | np.ndarray,
+    extra_keys: Sequence[bytes] = (),
+) -> ChunkKey:
+    """Key of one chunk (see the module docstring for the encoding)."""
+    if len(identity_digest) != KEY_BYTES or len(namespace_salt) != KEY_BYTES:
+        raise InvalidArgument("identity digest and namespace salt must be 32 bytes")
+    if len(parent) != KEY_BYTES:
+        raise InvalidArgument(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
+    if start < 0:
+        raise InvalidArgument(f"chunk start position must be >= 0, got {start}")
+    tb = token_bytes(tokens)
+    return _key_from_parts(identity_digest + namespace_salt, parent, start, tb, _extras(extra_keys))
+
+
+def _key_from_parts(prefix: bytes, parent: bytes, start: int, tb: bytes, extras: bytes) -> ChunkKey:
+    data = b"".join(
+        (_CHUNK_TAG, prefix, parent, _U64.pack(start), _U32.pack(len(tb) // 4), tb, extras)
+    )
+    return ChunkKey(blake3.blake3(data).digest())
+
+
+def prompt_chunk_keys(
+    identity: ModelIdentity,
+    namespace: Namespace,
+    tokens: Sequence[int] | np.ndarray,
+    *,
+    start: int = 0,
+    parent: bytes = ROOT_PARENT,
+    extra_keys: Sequence[bytes] = (),
+) -> list[ChunkKey]:
+    """Keys of every full chunk of ``tokens``, prefix-chained from ``parent``.
+
+    ``start`` is the absolute position of ``tokens[0]``. A trailing partial chunk gets
+    no key: kvlife stores and looks up full chunks only. ``extra_keys`` apply to every
+    chunk (for example a multimodal input digest).
+    """
+    if start < 0:
+        raise InvalidArgument(f"start position must be >= 0, got {start}")
+    if len(parent) != KEY_BYTES:
+        raise InvalidArgument(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
+    tb = token_bytes(tokens)
+    n = identity.layout.tokens_per_chunk
+    step = 4 * n
+    prefix = identity.digest + namespace.salt
+    extras = _extras(extra_keys)
+    keys: list[ChunkKey] = []
+    for i in range(len(tb) // step):
+        parent = _key_from_parts(
+            prefix, parent, start + i * n, tb[i * step : (i + 1) * step], extras
+        )
+        keys.append(ChunkKey(parent))
+    return keys

@@ -1,0 +1,66 @@
+"""Payload helpers: KV arrays as numpy without pickling, torch tensors when torch is present.
+
+kvlife stores plain arrays. Torch tensors are accepted on the CPU and viewed as numpy
+without a copy (bfloat16 through a 16-bit integer view, since numpy has no bfloat16).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from kvlife.core.errors import LayoutMismatch
+from kvlife.core.identity import KVLayout
+
+_NUMPY_NAME = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+"""Storage dtype in numpy for KV dtypes numpy lacks (the bits are kept exactly)."""
+
+
+def numpy_dtype(kv_dtype: str) -> np.dtype[Any]:
+    """The numpy dtype kvlife uses to hold ``kv_dtype``."""
+    return np.dtype(_NUMPY_NAME.get(kv_dtype, kv_dtype))
+
+
+def is_torch_tensor(obj: object) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def as_numpy(obj: object, kv_dtype: str) -> np.ndarray:
+    """View ``obj`` (numpy array or CPU torch tensor) as numpy, checking its dtype."""
+    if is_torch_tensor(obj):
+        tensor: Any = obj
+        if tensor.device.type != "cpu":
+            raise LayoutMismatch(f"KV tensor is on {tensor.device}; kvlife tiers take CPU tensors")
+        tname = str(tensor.dtype).removeprefix("torch.")
+        if tname != kv_dtype:
+            raise LayoutMismatch(f"KV tensor has dtype {tname}, the layout says {kv_dtype}")
+        if kv_dtype in _NUMPY_NAME:
+            import torch
+
+            bits = {"uint16": torch.int16, "uint8": torch.uint8}[_NUMPY_NAME[kv_dtype]]
+            arr: np.ndarray = tensor.contiguous().view(bits).numpy()
+            return arr.view(numpy_dtype(kv_dtype))
+        out: np.ndarray = tensor.numpy()
+        return out
+    if not isinstance(obj, np.ndarray):
+        raise LayoutMismatch(
+            f"KV must be a numpy array or a torch tensor, got {type(obj).__name__}"
+        )
+    if obj.dtype != numpy_dtype(kv_dtype):
+        raise LayoutMismatch(
+            f"KV array has dtype {obj.dtype}, the layout says {kv_dtype}"
+            + (f" (held as {numpy_dtype(kv_dtype)})" if kv_dtype in _NUMPY_NAME else "")
+        )
+    return obj
+
+
+def check_chunk(arr: np.ndarray, layout: KVLayout, what: str) -> None:
+    """Raise LayoutMismatch unless ``arr`` has the shape of one chunk of ``layout``."""
+    if arr.shape != layout.chunk_shape:
+        raise LayoutMismatch(
+            f"{what} has shape {arr.shape}; layout needs {layout.chunk_shape} "
+            "(layers, k/v, kv_heads, tokens_per_chunk, head_dim)"
+        )

@@ -1,0 +1,88 @@
+"""The in-memory index of objects: by key, by parent (prefix tree), by model version,
+adapter and namespace, so that lookups are dict probes and invalidation finds its victims
+without a scan."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+from kvlife.core.identity import ChunkKey
+from kvlife.core.objects import ObjectRecord
+
+N = TypeVar("N", str, bytes)
+
+
+class ObjectIndex:
+    """Records by key plus secondary indexes. Not thread-safe: the store holds its lock."""
+
+    def __init__(self) -> None:
+        self._records: dict[ChunkKey, ObjectRecord] = {}
+        self._children: defaultdict[bytes, set[ChunkKey]] = defaultdict(set)
+        self._by_weights: defaultdict[str, set[ChunkKey]] = defaultdict(set)
+        self._by_adapter: defaultdict[str, set[ChunkKey]] = defaultdict(set)
+        self._by_namespace: defaultdict[str, set[ChunkKey]] = defaultdict(set)
+
+    def add(self, rec: ObjectRecord) -> None:
+        self._records[rec.key] = rec
+        info = rec.info
+        self._children[bytes(info.parent)].add(rec.key)
+        self._by_weights[info.weights_digest].add(rec.key)
+        if info.adapter_id:
+            self._by_adapter[info.adapter_id].add(rec.key)
+        self._by_namespace[info.namespace].add(rec.key)
+
+    def remove(self, key: ChunkKey) -> ObjectRecord | None:
+        rec = self._records.pop(key, None)
+        if rec is None:
+            return None
+        info = rec.info
+        _discard(self._children, bytes(info.parent), key)
+        _discard(self._by_weights, info.weights_digest, key)
+        _discard(self._by_adapter, info.adapter_id, key)
+        _discard(self._by_namespace, info.namespace, key)
+        return rec
+
+    def get(self, key: ChunkKey) -> ObjectRecord | None:
+        return self._records.get(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[ObjectRecord]:
+        return iter(list(self._records.values()))
+
+    def by_weights(self, digest: str) -> set[ChunkKey]:
+        return set(self._by_weights.get(digest, ()))
+
+    def by_adapter(self, adapter_id: str) -> set[ChunkKey]:
+        return set(self._by_adapter.get(adapter_id, ()))
+
+    def by_namespace(self, namespace: str) -> set[ChunkKey]:
+        return set(self._by_namespace.get(namespace, ()))
+
+    def subtree(self, roots: Iterable[ChunkKey]) -> list[ChunkKey]:
+        """The given keys and every key chained after them, parents before children."""
+        out: list[ChunkKey] = []
+        stack = [k for k in roots if k in self._records]
+        seen: set[ChunkKey] = set()
+        while stack:
+            key = stack.pop()
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(key)
+            stack.extend(self._children.get(bytes(key), ()))
+        return out
+
+
+def _discard(table: defaultdict[N, set[ChunkKey]], name: N, key: ChunkKey) -> None:
+    members = table.get(name)
+    if members is not None:
+        members.discard(key)
+        if not members:
+            del table[name]

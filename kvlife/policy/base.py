@@ -1,0 +1,70 @@
+"""Eviction policy interface, kept free of I/O so the live store and the simulator share it.
+
+A policy only orders keys. The store tells it what was inserted, touched and removed,
+and asks :meth:`EvictionPolicy.evict` for victims. ``evict`` is atomic: it either
+returns exactly ``n`` victims (and forgets them) or returns None and changes nothing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Hashable
+from typing import Generic, TypeVar
+
+from kvlife.core.errors import InvalidArgument
+
+K = TypeVar("K", bound=Hashable)
+
+
+class EvictionPolicy(ABC, Generic[K]):
+    """Orders resident keys for eviction."""
+
+    name: str
+
+    @abstractmethod
+    def insert(self, key: K) -> None:
+        """A key became resident (inserting a resident key counts as a touch)."""
+
+    @abstractmethod
+    def touch(self, key: K) -> None:
+        """A resident key was used."""
+
+    @abstractmethod
+    def remove(self, key: K) -> None:
+        """A key left for another reason (deleted, invalidated); unknown keys are ignored."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: Collection[K] = ()) -> list[K] | None:
+        """Choose and forget ``n`` victims not in ``protected``; None (no change) if impossible."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+
+_REGISTRY: dict[str, Callable[[], EvictionPolicy[object]]] = {}
+
+
+def register_policy(name: str, factory: Callable[[], EvictionPolicy[object]]) -> None:
+    """Register a policy factory by name (a duplicate name is an error)."""
+    if name in _REGISTRY:
+        raise InvalidArgument(f"eviction policy {name!r} is already registered")
+    _REGISTRY[name] = factory
+
+
+def make_policy(name: str) -> EvictionPolicy[object]:
+    """A new policy instance by registered name."""
+    from kvlife.policy import lru  # noqa: F401  (registers the built-in policies)
+
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise InvalidArgument(f"unknown eviction policy {name!r}; known: {sorted(_REGISTRY)}")
+    return factory()
+
+
+def policy_names() -> list[str]:
+    from kvlife.policy import lru  # noqa: F401
+
+    return sorted(_REGISTRY)

@@ -1,0 +1,58 @@
+"""Least-recently-used eviction.
+
+Semantics: ``insert`` and ``touch`` make a key the most recent; ``evict`` takes the least
+recent keys, skipping protected ones.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Hashable
+from typing import TypeVar
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.policy.base import EvictionPolicy, register_policy
+
+K = TypeVar("K", bound=Hashable)
+
+
+class LRUPolicy(EvictionPolicy[K]):
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[K, None] = OrderedDict()
+
+    def insert(self, key: K) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def touch(self, key: K) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def remove(self, key: K) -> None:
+        self._order.pop(key, None)
+
+    def evict(self, n: int, protected: Collection[K] = ()) -> list[K] | None:
+        if n < 0:
+            raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        victims: list[K] = []
+        for key in self._order:
+            if len(victims) == n:
+                break
+            if key not in protected:
+                victims.append(key)
+        if len(victims) < n:
+            return None
+        for key in victims:
+            del self._order[key]
+        return victims
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+register_policy("lru", LRUPolicy)

@@ -1,0 +1,114 @@
+"""Replica frames: the on-disk form of one replica inside a segment file.
+
+Layout (all integers little-endian)::
+
+    header, HEADER_BYTES long (zero padded):
+      magic 8s "KVLFRAME" | format version u16 | flags u16 | payload length u64
+      | key 32s | payload checksum 16s (xxh3-128) | dtype 16s | ndim u8 | shape 8 x u64
+      | transform 24s | header checksum u64 (xxh3-64 of the bytes before it)
+    payload, padded with zeros to a multiple of ALIGN
+
+The header names the replica completely, so a frame can be checked on its own; the
+header checksum catches a torn or overwritten header, the payload checksum a torn or
+overwritten payload.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvlife.core.errors import StoreFormatError
+from kvlife.tiers.disk.fileio import ALIGN, round_up
+
+MAGIC = b"KVLFRAME"
+FRAME_VERSION = 1
+HEADER_BYTES = ALIGN
+MAX_NDIM = 8
+
+_BODY = struct.Struct("<8sHHQ32s16s16sB8Q24s")
+_HCHECK = struct.Struct("<Q")
+HEADER_USED = _BODY.size + _HCHECK.size
+
+
+class FrameError(Exception):
+    """A frame that does not verify (the message says which check failed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    key: bytes
+    payload_len: int
+    checksum: bytes
+    dtype: str
+    shape: tuple[int, ...]
+    transform: str
+    version: int = FRAME_VERSION
+
+    @property
+    def frame_len(self) -> int:
+        return frame_len(self.payload_len)
+
+
+def frame_len(payload_len: int) -> int:
+    return HEADER_BYTES + round_up(payload_len)
+
+
+def payload_checksum(data: np.ndarray) -> bytes:
+    """xxh3-128 of a contiguous array's bytes (read in place, no copy)."""
+    return bytes(xxhash.xxh3_128_digest(data.data))
+
+
+def pack_header(h: FrameHeader, out: memoryview) -> None:
+    """Write the header into the first HEADER_BYTES of ``out`` (the rest zeroed)."""
+    if len(h.shape) > MAX_NDIM:
+        raise ValueError(f"replica has {len(h.shape)} dimensions, frames hold {MAX_NDIM}")
+    shape = list(h.shape) + [0] * (MAX_NDIM - len(h.shape))
+    body = _BODY.pack(
+        MAGIC,
+        h.version,
+        0,
+        h.payload_len,
+        h.key,
+        h.checksum,
+        h.dtype.encode(),
+        len(h.shape),
+        *shape,
+        h.transform.encode(),
+    )
+    out[: len(body)] = body
+    out[len(body) : HEADER_USED] = _HCHECK.pack(xxhash.xxh3_64_intdigest(body))
+    out[HEADER_USED:HEADER_BYTES] = bytes(HEADER_BYTES - HEADER_USED)
+
+
+def unpack_header(buf: memoryview | bytes) -> FrameHeader:
+    """Parse and check a header; raise FrameError or StoreFormatError."""
+    if len(buf) < HEADER_USED:
+        raise FrameError(f"header truncated to {len(buf)} bytes")
+    body = bytes(buf[: _BODY.size])
+    if body[:8] != MAGIC:
+        raise FrameError("bad magic")
+    (hcheck,) = _HCHECK.unpack(bytes(buf[_BODY.size : HEADER_USED]))
+    if hcheck != xxhash.xxh3_64_intdigest(body):
+        raise FrameError("header checksum mismatch")
+    fields = _BODY.unpack(body)
+    version = fields[1]
+    if version > FRAME_VERSION:
+        raise StoreFormatError(
+            f"frame format version {version} is newer than this kvlife reads ({FRAME_VERSION})"
+        )
+    ndim = fields[7]
+    if ndim > MAX_NDIM:
+        raise FrameError(f"header claims {ndim} dimensions")
+    return FrameHeader(
+        key=fields[4],
+        payload_len=fields[3],
+        checksum=fields[5],
+        dtype=fields[6].rstrip(b"\0").decode(),
+        shape=tuple(fields[8 : 8 + ndim]),
+        transform=fields[16].rstrip(b"\0").decode(),
+        version=version,
+    )

@@ -1,0 +1,131 @@
+"""Host-DRAM tier: arrays held in process memory under a byte budget.
+
+Stores copy the caller's array once (the caller may reuse its buffer; a stored replica
+must never change under a reader). Reads into a caller's buffer are one copy; reads
+without a buffer hand back a read-only view of the held array, no copy. No pickling.
+DRAM is trusted like the engine's own memory: replicas here carry no checksum; one is
+computed when a replica is written to a checksummed tier.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvlife.core.errors import InvalidArgument, ReplicaNotFound
+from kvlife.core.identity import ChunkKey
+from kvlife.tiers.base import (
+    CapacityShortfall,
+    ReadResult,
+    ReplicaMeta,
+    Reservation,
+    Tier,
+    check_payloads,
+)
+
+
+@dataclass(slots=True)
+class _Held:
+    meta: ReplicaMeta
+    array: np.ndarray
+
+
+class MemoryTier(Tier):
+    """Replicas in host DRAM, at most ``capacity_bytes`` of payload."""
+
+    def __init__(self, capacity_bytes: int, name: str = "dram") -> None:
+        if capacity_bytes < 0:
+            raise InvalidArgument(f"memory tier capacity must be >= 0, got {capacity_bytes}")
+        self.name = name
+        self.capacity_bytes = capacity_bytes
+        self._held: dict[ChunkKey, _Held] = {}
+        self._used = 0
+        self._reserved = 0
+        self._lock = threading.Lock()
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used + self._reserved
+
+    def prepare_store(self, metas: Sequence[ReplicaMeta]) -> Reservation | CapacityShortfall:
+        need = sum(m.nbytes for m in metas)
+        with self._lock:
+            over = self._used + self._reserved + need - self.capacity_bytes
+            if over > 0:
+                return CapacityShortfall(over)
+            self._reserved += need
+        return Reservation(self.name, list(metas), need)
+
+    def commit_store(self, reservation: Reservation, payloads: Sequence[np.ndarray]) -> None:
+        if reservation.done:
+            raise InvalidArgument("reservation already completed")
+        try:
+            check_payloads(reservation.metas, payloads)
+            copies = []
+            for arr in payloads:
+                held = np.empty(arr.shape, arr.dtype)
+                np.copyto(held, arr)
+                held.flags.writeable = False
+                copies.append(held)
+        except BaseException:
+            self.cancel_store(reservation)
+            raise
+        with self._lock:
+            self._reserved -= reservation.nbytes
+            for meta, held in zip(reservation.metas, copies, strict=True):
+                old = self._held.pop(meta.key, None)
+                if old is not None:
+                    self._used -= old.meta.nbytes
+                self._held[meta.key] = _Held(meta, held)
+                self._used += meta.nbytes
+            reservation.done = True
+
+    def cancel_store(self, reservation: Reservation) -> None:
+        with self._lock:
+            if not reservation.done:
+                self._reserved -= reservation.nbytes
+                reservation.done = True
+
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._held
+
+    def meta(self, key: ChunkKey) -> ReplicaMeta:
+        held = self._held.get(key)
+        if held is None:
+            raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
+        return held.meta
+
+    def read_batch(
+        self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
+    ) -> list[ReadResult]:
+        results: list[ReadResult] = []
+        for i, key in enumerate(keys):
+            held = self._held.get(key)
+            if held is None:
+                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
+            out = outs[i] if outs is not None else None
+            if out is None:
+                results.append(held.array)
+            else:
+                if out.shape != held.array.shape or out.dtype != held.array.dtype:
+                    raise InvalidArgument(
+                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
+                        f"{held.array.dtype}{list(held.array.shape)}"
+                    )
+                np.copyto(out, held.array)
+                results.append(out)
+        return results
+
+    def delete(self, key: ChunkKey) -> int:
+        with self._lock:
+            held = self._held.pop(key, None)
+            if held is None:
+                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
+            self._used -= held.meta.nbytes
+            return held.meta.nbytes
+
+    def replica_keys(self) -> list[ChunkKey]:
+        return list(self._held)
