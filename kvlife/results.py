@@ -20,6 +20,8 @@ class PutResult:
     """Chunks newly stored."""
     already_present: int
     """Chunks that were already indexed (touched, not rewritten)."""
+    in_flight: int
+    """Chunks left to another pending put that is writing the same key."""
     dropped: int
     """Chunks that did not fit in any tier (not stored, counted)."""
     tokens_stored_or_present: int

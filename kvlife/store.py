@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
@@ -109,6 +109,20 @@ class StoreConfig:
             raise InvalidArgument("write_through needs a disk tier (disk_bytes > 0)")
 
 
+@dataclass(slots=True)
+class PendingPut:
+    """TENTATIVE chunks of one prompt between ``prepare_put`` and ``commit_put``."""
+
+    keys: list[ChunkKey]
+    tokens_per_chunk: int
+    request_id: str
+    items: list[tuple[ObjectRecord, np.ndarray]] = field(default_factory=list)
+    present: int = 0
+    in_flight: int = 0
+    """Chunks another pending put is writing (one object per key)."""
+    done: bool = False
+
+
 class KVStore:
     """Typed KV objects with full identity, an enforced lifecycle and crash-safe tiers."""
 
@@ -126,6 +140,9 @@ class KVStore:
         self._emitting = not isinstance(self.sink, NullSink)
         self._lock = threading.RLock()
         self._seq = 0
+        self._tentative = 0
+        self._pending_puts: dict[int, PendingPut] = {}
+        self._pending_keys: set[ChunkKey] = set()
         self._closed = False
         self.counters = StoreCounters()
         self._index = ObjectIndex()
@@ -186,7 +203,13 @@ class KVStore:
         reason: str = "",
         request_id: str = "",
     ) -> None:
-        new_state = check_move(rec.key.hex(), rec.state, move)
+        old_state = rec.state
+        new_state = check_move(rec.key.hex(), old_state, move)
+        if new_state is not old_state:
+            if new_state is ObjectState.TENTATIVE:
+                self._tentative += 1
+            elif old_state is ObjectState.TENTATIVE:
+                self._tentative -= 1
         rec.state = new_state
         self._seq += 1
         if self._emitting:
@@ -231,13 +254,43 @@ class KVStore:
         extra_keys: Sequence[bytes] = (),
         request_id: str = "",
     ) -> PutResult:
-        """Store the full chunks of a prompt's KV.
+        """Store the full chunks of a prompt's KV (``prepare_put`` + ``commit_put``).
 
         ``kv`` is one array (or CPU tensor) shaped ``(layers, 2, kv_heads, T, head_dim)``
         with ``chunks * tokens_per_chunk <= T <= len(tokens)``, or a sequence of chunk
         arrays shaped like ``identity.layout.chunk_shape``. A trailing partial chunk is
         never stored (it is recomputed on the next request). Everything is validated
         before anything is written.
+        """
+        pending = self.prepare_put(
+            identity,
+            namespace,
+            tokens,
+            kv,
+            start=start,
+            parent=parent,
+            extra_keys=extra_keys,
+            request_id=request_id,
+        )
+        return self.commit_put(pending)
+
+    def prepare_put(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        kv: object,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+        request_id: str = "",
+    ) -> PendingPut:
+        """Validate and create TENTATIVE objects for the prompt's new chunks.
+
+        Nothing is written or visible until :meth:`commit_put`; :meth:`abort_put` rolls
+        back. The arrays in ``kv`` are referenced, not copied: keep them unchanged until
+        the commit or abort.
         """
         self._check_open()
         keys = prompt_chunk_keys(
@@ -249,15 +302,16 @@ class KVStore:
         with self._lock:
             self._check_open()
             self.counters.puts += 1
-            new: list[tuple[ObjectRecord, np.ndarray]] = []
-            present = 0
+            pending = PendingPut(keys, layout.tokens_per_chunk, request_id)
             prev = parent
             for i, (key, arr) in enumerate(zip(keys, chunks, strict=True)):
                 rec = self._index.get(key)
                 if rec is not None:
-                    present += 1
+                    pending.present += 1
                     for t in rec.tiers:
                         self._policies[t].touch(key)
+                elif key in self._pending_keys:
+                    pending.in_flight += 1  # one object per key: the other put writes it
                 else:
                     info = ObjectInfo.for_chunk(
                         identity, namespace, prev, start + i * layout.tokens_per_chunk
@@ -266,25 +320,71 @@ class KVStore:
                         key, info, dtype.name, layout.chunk_shape, layout.chunk_nbytes
                     )
                     self._move(rec, Move.PUT, nbytes=rec.nbytes, request_id=request_id)
-                    new.append((rec, arr))
+                    pending.items.append((rec, arr))
+                    self._pending_keys.add(key)
                 prev = key
-            stored = self._store_new(new, request_id)
+            self._pending_puts[id(pending)] = pending
+            return pending
+
+    def commit_put(self, pending: PendingPut) -> PutResult:
+        """Write, make durable as the tier promises, then index the pending chunks.
+
+        On a write error every chunk of the batch is aborted and the typed error is
+        raised; nothing of the batch is visible.
+        """
+        self._check_open()
+        with self._lock:
+            self._finish_pending(pending)
+            fresh = pending.items
+            stored = self._store_new(fresh, pending.request_id)
             self.counters.chunks_stored += stored
-            self.counters.chunks_already_present += present
-            self.counters.chunks_dropped += len(new) - stored
+            self.counters.chunks_already_present += pending.present
+            self.counters.chunks_dropped += len(fresh) - stored
             covered = 0
-            for key in keys:
+            for key in pending.keys:
                 if key not in self._index:
                     break
                 covered += 1
             return PutResult(
-                chunks=len(keys),
+                chunks=len(pending.keys),
                 stored=stored,
-                already_present=present,
-                dropped=len(new) - stored,
-                tokens_stored_or_present=covered * layout.tokens_per_chunk,
-                keys=keys,
+                already_present=pending.present,
+                in_flight=pending.in_flight,
+                dropped=len(fresh) - stored,
+                tokens_stored_or_present=covered * pending.tokens_per_chunk,
+                keys=pending.keys,
             )
+
+    def abort_put(self, pending: PendingPut, reason: str = "aborted by caller") -> None:
+        """Roll back a pending put: its TENTATIVE objects become DELETED."""
+        with self._lock:
+            self._finish_pending(pending)
+            for rec, _ in pending.items:
+                self._move(rec, Move.ABORT, reason=reason)
+                self.counters.aborted += 1
+
+    def _finish_pending(self, pending: PendingPut) -> None:
+        if pending.done or self._pending_puts.pop(id(pending), None) is None:
+            raise InvalidArgument(
+                "this pending put was already committed or aborted, or its store was closed"
+            )
+        pending.done = True
+        for rec, _ in pending.items:
+            self._pending_keys.discard(rec.key)
+
+    def evict(self, tier_name: str, nbytes: int) -> int:
+        """Evict least valuable replicas from a tier until ``nbytes`` are freed (DRAM
+        victims are written back to disk first). Returns the bytes freed."""
+        self._check_open()
+        if nbytes < 0:
+            raise InvalidArgument(f"cannot free a negative number of bytes ({nbytes})")
+        with self._lock:
+            policy = self._policies.get(tier_name)
+            if policy is None:
+                raise InvalidArgument(f"store has no tier {tier_name!r}")
+            victims = self._choose_victims(tier_name, policy, CapacityShortfall(nbytes), set())
+            self._evict(tier_name, victims)
+            return sum(r.nbytes for r in victims)
 
     def _store_new(self, items: list[tuple[ObjectRecord, np.ndarray]], request_id: str) -> int:
         """Write TENTATIVE objects to the first tier that takes them; returns how many."""
@@ -676,6 +776,7 @@ class KVStore:
                 if rec.state is not None:
                     by_state[rec.state.value] += 1
                     bytes_by_state[rec.state.value] += rec.nbytes
+            by_state[ObjectState.TENTATIVE.value] = self._tentative
             tiers: list[TierInfo] = []
             if self.dram is not None:
                 tiers.append(
@@ -716,6 +817,8 @@ class KVStore:
         with self._lock:
             if self._closed:
                 return
+            for pending in list(self._pending_puts.values()):
+                self.abort_put(pending, reason="store closed")
             try:
                 if flush:
                     self.flush()
@@ -738,7 +841,7 @@ class KVStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def replica_keys(self) -> list[ChunkKey]:
+    def indexed_keys(self) -> list[ChunkKey]:
         """Keys of every indexed object."""
         with self._lock:
             return [r.key for r in self._index if r.state is INDEXED]

@@ -1,0 +1,260 @@
+"""Chunk keys: every identity field changes the key; keys are stable across processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import blake3
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.core.identity import (
+    DTYPE_ITEMSIZE,
+    PUBLIC,
+    ROOT_PARENT,
+    ChunkKey,
+    KVLayout,
+    ModelIdentity,
+    Namespace,
+    NamespaceKind,
+    chunk_key,
+    prompt_chunk_keys,
+)
+
+text = st.text(min_size=1, max_size=12)
+pos = st.integers(min_value=1, max_value=64)
+
+layouts = st.builds(
+    KVLayout,
+    num_layers=pos,
+    num_kv_heads=pos,
+    head_dim=pos,
+    dtype=st.sampled_from(sorted(DTYPE_ITEMSIZE)),
+    tokens_per_chunk=st.integers(min_value=1, max_value=8),
+)
+
+
+@st.composite
+def identities(draw: st.DrawFn) -> ModelIdentity:
+    adapter = draw(st.booleans())
+    return ModelIdentity(
+        model_id=draw(text),
+        weights_digest=draw(text),
+        tokenizer_digest=draw(text),
+        layout=draw(layouts),
+        position_encoding_digest=draw(st.text(max_size=8)),
+        adapter_id=draw(text) if adapter else "",
+        adapter_digest=draw(text) if adapter else "",
+    )
+
+
+namespaces = st.one_of(
+    st.just(PUBLIC),
+    st.builds(
+        Namespace,
+        st.sampled_from([NamespaceKind.ORGANISATION, NamespaceKind.USER, NamespaceKind.REQUEST]),
+        text,
+    ),
+)
+
+
+def _different(value: object) -> object:
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, str):
+        return value + "x"
+    raise AssertionError(value)
+
+
+IDENTITY_FIELDS = ["model_id", "weights_digest", "tokenizer_digest", "position_encoding_digest"]
+LAYOUT_FIELDS = ["num_layers", "num_kv_heads", "head_dim", "tokens_per_chunk"]
+
+
+def _key(ident: ModelIdentity, ns: Namespace, tokens: list[int], start: int = 0) -> ChunkKey:
+    return chunk_key(ident.digest, ns.salt, ROOT_PARENT, start, tokens)
+
+
+@settings(max_examples=60, deadline=None)
+@given(identities(), namespaces, st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=32))
+def test_every_identity_field_changes_the_key(
+    ident: ModelIdentity, ns: Namespace, tokens: list[int]
+) -> None:
+    base = _key(ident, ns, tokens)
+    assert _key(ident, ns, tokens) == base
+    for name in IDENTITY_FIELDS:
+        other = dataclasses.replace(ident, **{name: _different(getattr(ident, name))})
+        assert _key(other, ns, tokens) != base, name
+    for name in LAYOUT_FIELDS:
+        lay = dataclasses.replace(ident.layout, **{name: getattr(ident.layout, name) + 1})
+        assert _key(dataclasses.replace(ident, layout=lay), ns, tokens) != base, name
+    other_dtype = next(d for d in sorted(DTYPE_ITEMSIZE) if d != ident.layout.dtype)
+    lay = dataclasses.replace(ident.layout, dtype=other_dtype)
+    assert _key(dataclasses.replace(ident, layout=lay), ns, tokens) != base, "dtype"
+    if ident.adapter_id:
+        for name in ("adapter_id", "adapter_digest"):
+            other = dataclasses.replace(ident, **{name: getattr(ident, name) + "x"})
+            assert _key(other, ns, tokens) != base, name
+        bare = dataclasses.replace(ident, adapter_id="", adapter_digest="")
+        assert _key(bare, ns, tokens) != base, "adapter removed"
+    else:
+        with_adapter = dataclasses.replace(ident, adapter_id="lora", adapter_digest="d")
+        assert _key(with_adapter, ns, tokens) != base, "adapter added"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    identities(),
+    namespaces,
+    st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=32),
+    st.integers(0, 2**40),
+    st.data(),
+)
+def test_namespace_position_parent_tokens_and_extras_change_the_key(
+    ident: ModelIdentity, ns: Namespace, tokens: list[int], start: int, data: st.DataObject
+) -> None:
+    base = chunk_key(ident.digest, ns.salt, ROOT_PARENT, start, tokens)
+    other_ns = data.draw(namespaces.filter(lambda n: n != ns))
+    assert chunk_key(ident.digest, other_ns.salt, ROOT_PARENT, start, tokens) != base
+    assert chunk_key(ident.digest, ns.salt, ROOT_PARENT, start + 1, tokens) != base
+    parent = ChunkKey(bytes(range(32)))
+    assert chunk_key(ident.digest, ns.salt, parent, start, tokens) != base
+    i = data.draw(st.integers(0, len(tokens) - 1))
+    changed = list(tokens)
+    changed[i] = (changed[i] + 1) % 2**32
+    assert chunk_key(ident.digest, ns.salt, ROOT_PARENT, start, changed) != base
+    assert chunk_key(ident.digest, ns.salt, ROOT_PARENT, start, tokens[:-1]) != base
+    assert chunk_key(ident.digest, ns.salt, ROOT_PARENT, start, tokens, [b"img"]) != base
+    assert chunk_key(ident.digest, ns.salt, ROOT_PARENT, start, tokens, [b"im", b"g"]) != (
+        chunk_key(ident.digest, ns.salt, ROOT_PARENT, start, tokens, [b"img"])
+    )
+
+
+def test_prompt_keys_are_prefix_chained(identity: ModelIdentity) -> None:
+    tokens = list(range(100))
+    keys = prompt_chunk_keys(identity, PUBLIC, tokens)
+    assert len(keys) == 100 // identity.layout.tokens_per_chunk
+    n = identity.layout.tokens_per_chunk
+    parent = ROOT_PARENT
+    for i, key in enumerate(keys):
+        assert key == chunk_key(
+            identity.digest, PUBLIC.salt, parent, i * n, tokens[i * n : (i + 1) * n]
+        )
+        parent = key
+    # a shared prefix shares keys; a difference in chunk 2 changes chunk 2 and everything after
+    other = tokens[:]
+    other[2 * n + 3] += 1
+    keys2 = prompt_chunk_keys(identity, PUBLIC, other)
+    assert keys2[:2] == keys[:2]
+    assert all(a != b for a, b in zip(keys2[2:], keys[2:], strict=True))
+
+
+_SCRIPT = """
+import json, sys
+from kvlife.core.identity import KVLayout, ModelIdentity, Namespace, NamespaceKind
+from kvlife.core.identity import prompt_chunk_keys
+lay = KVLayout(30, 3, 64, "float16", 256)
+ident = ModelIdentity("m", "w", "t", lay, "rope", "lora", "ld")
+ns = Namespace(NamespaceKind.USER, "alice")
+keys = prompt_chunk_keys(ident, ns, list(range(1000)), start=7, extra_keys=[b"x"])
+print(json.dumps([k.hex() for k in keys]))
+"""
+
+
+def test_keys_equal_across_processes_with_different_hash_seeds() -> None:
+    outputs = []
+    for seed in ("0", "1", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        proc = subprocess.run(
+            [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True
+        )
+        outputs.append(json.loads(proc.stdout))
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert len(outputs[0]) == 3
+    assert len(set(outputs[0])) == 3
+
+
+def test_key_follows_the_documented_encoding() -> None:
+    """Recompute a key from the byte layout in the identity module's docstring: a silent
+    change of the canonical encoding would orphan every stored chunk."""
+    lay = KVLayout(30, 3, 64, "float16", 256)
+    ident = ModelIdentity("m", "w", "t", lay, "rope", "lora", "ld")
+    ns = Namespace(NamespaceKind.ORGANISATION, "acme")
+    parent = ChunkKey(bytes(range(32)))
+    tokens = np.arange(256) * 7
+    extras = [b"img-digest", b""]
+    ident_digest = blake3.blake3(
+        msgpack.packb(
+            ["kvlife.identity.v1", "m", "w", "t", "rope", "lora", "ld", [30, 3, 64, "float16", 256]]
+        )
+    ).digest()
+    salt = blake3.blake3(msgpack.packb(["kvlife.namespace.v1", "organisation", "acme"])).digest()
+    encoded = (
+        b"kvlife.chunk.v1\0"
+        + ident_digest
+        + salt
+        + bytes(parent)
+        + struct.pack("<Q", 1234)
+        + struct.pack("<I", 256)
+        + tokens.astype("<u4").tobytes()
+        + struct.pack("<I", 2)
+        + struct.pack("<I", 10)
+        + b"img-digest"
+        + struct.pack("<I", 0)
+    )
+    assert ident.digest == ident_digest
+    assert ns.salt == salt
+    key = chunk_key(ident.digest, ns.salt, parent, 1234, tokens, extras)
+    assert key == blake3.blake3(encoded).digest()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_layers": 0}, "num_layers"),
+        ({"head_dim": -1}, "head_dim"),
+        ({"dtype": "float64"}, "dtype"),
+        ({"tokens_per_chunk": 0}, "tokens_per_chunk"),
+    ],
+)
+def test_bad_layouts_are_rejected(kwargs: dict[str, object], match: str) -> None:
+    base: dict[str, object] = {
+        "num_layers": 2,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "dtype": "float16",
+        "tokens_per_chunk": 4,
+    }
+    base.update(kwargs)
+    with pytest.raises(InvalidArgument, match=match):
+        KVLayout(**base)  # type: ignore[arg-type]
+
+
+def test_bad_identity_and_tokens_are_rejected(identity: ModelIdentity) -> None:
+    with pytest.raises(InvalidArgument, match="weights_digest"):
+        dataclasses.replace(identity, weights_digest="")
+    with pytest.raises(InvalidArgument, match="adapter"):
+        dataclasses.replace(identity, adapter_id="lora")
+    with pytest.raises(InvalidArgument, match="name"):
+        Namespace(NamespaceKind.USER, "")
+    with pytest.raises(InvalidArgument, match="empty name"):
+        Namespace(NamespaceKind.PUBLIC, "bob")
+    with pytest.raises(InvalidArgument, match="token ids"):
+        prompt_chunk_keys(identity, PUBLIC, [-1] * 16)
+    with pytest.raises(InvalidArgument, match="one-dimensional"):
+        prompt_chunk_keys(identity, PUBLIC, np.zeros((2, 16), dtype=np.int64))
+    with pytest.raises(InvalidArgument, match="start"):
+        prompt_chunk_keys(identity, PUBLIC, list(range(16)), start=-1)
+    assert Namespace.parse(str(Namespace(NamespaceKind.USER, "a:b"))) == Namespace(
+        NamespaceKind.USER, "a:b"
+    )

@@ -1,0 +1,238 @@
+"""Random put / commit / abort / lookup / load / invalidate / evict / crash-and-reopen
+sequences against a plain model of what the store must and may serve.
+
+The model keeps, per chunk key, the bytes that were committed. ``must`` holds keys the
+store is obliged to serve (committed, durable, not invalidated, not possibly evicted);
+``maybe`` holds keys it may serve (committed, but a disk eviction may have dropped them).
+Checked after every step: only INDEXED objects are served, served bytes equal what was
+put, lookups find every ``must`` chunk of a prompt's prefix, and the event stream obeys
+the transition table.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    rule,
+)
+
+from kvlife.core.events import MemorySink
+from kvlife.core.identity import (
+    PUBLIC,
+    ChunkKey,
+    ModelIdentity,
+    Namespace,
+    NamespaceKind,
+    prompt_chunk_keys,
+)
+from kvlife.core.lifecycle import Move, ObjectState, check_move
+from kvlife.store import KVStore, PendingPut
+from tests.conftest import TINY, prompt_kv, tiny_identity
+
+N = TINY.tokens_per_chunk
+ALICE = Namespace(NamespaceKind.USER, "alice")
+IDENTITIES = [tiny_identity(), tiny_identity(weights_digest="w1")]
+NAMESPACES = [PUBLIC, ALICE]
+
+
+@dataclass
+class Prompt:
+    identity: ModelIdentity
+    namespace: Namespace
+    tokens: np.ndarray
+    kv: np.ndarray
+    keys: list[ChunkKey]
+    number: int = 0
+
+    def __repr__(self) -> str:
+        return f"PROMPTS[{self.number}]"
+
+
+def _prompts() -> list[Prompt]:
+    out: list[Prompt] = []
+    base_tokens, base_kv = prompt_kv(1, 4 * N)
+    for p in range(6):
+        tokens, kv = prompt_kv(50 + p, 3 * N + 5)
+        if p % 2 == 0:  # share the first two chunks with the base prompt
+            tokens = np.concatenate([base_tokens[: 2 * N], tokens[2 * N :]])
+            kv = np.concatenate([base_kv[:, :, :, : 2 * N], kv[:, :, :, 2 * N :]], axis=3)
+        for ident in IDENTITIES:
+            for ns in NAMESPACES:
+                keys = prompt_chunk_keys(ident, ns, tokens)
+                out.append(Prompt(ident, ns, tokens, kv, keys, len(out)))
+    return out
+
+
+PROMPTS = _prompts()
+
+
+class StoreMachine(RuleBasedStateMachine):
+    dram_chunks = 6
+    disk_bytes = 64 << 20
+    write_through = True
+
+    pendings = Bundle("pendings")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="kvlife-sm-"))
+        self.sink = MemorySink()
+        self.store = self._open()
+        self.expected: dict[ChunkKey, np.ndarray] = {}
+        self.must: set[ChunkKey] = set()
+        self.maybe: set[ChunkKey] = set()
+        self.states: dict[str, ObjectState | None] = {}
+
+    def _open(self) -> KVStore:
+        return KVStore.open(
+            self.dir,
+            dram_bytes=self.dram_chunks * TINY.chunk_nbytes,
+            disk_bytes=self.disk_bytes,
+            segment_bytes=64 << 10,
+            write_through=self.write_through,
+            sink=self.sink,
+        )
+
+    def teardown(self) -> None:
+        self.store.close(flush=False)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ rules
+
+    def _record_put(self, p: Prompt, stored_or_present: int) -> None:
+        for i, key in enumerate(p.keys[: stored_or_present // N]):
+            self.expected[key] = np.ascontiguousarray(p.kv[:, :, :, i * N : (i + 1) * N])
+            if self.write_through:
+                self.must.add(key)
+                self.maybe.discard(key)
+            else:
+                self.maybe.add(key)
+
+    @rule(p=st.sampled_from(PROMPTS))
+    def put(self, p: Prompt) -> None:
+        res = self.store.put_prompt(p.identity, p.namespace, p.tokens, p.kv)
+        assert res.chunks == 3
+        self._record_put(p, res.tokens_stored_or_present)
+
+    @rule(target=pendings, p=st.sampled_from(PROMPTS))
+    def prepare(self, p: Prompt) -> tuple[Prompt, PendingPut]:
+        return p, self.store.prepare_put(p.identity, p.namespace, p.tokens, p.kv)
+
+    @rule(item=consumes(pendings))
+    def commit(self, item: tuple[Prompt, PendingPut]) -> None:
+        p, pending = item
+        if pending.done:  # lost in a crash
+            return
+        res = self.store.commit_put(pending)
+        self._record_put(p, res.tokens_stored_or_present)
+
+    @rule(item=consumes(pendings))
+    def abort(self, item: tuple[Prompt, PendingPut]) -> None:
+        _, pending = item
+        if pending.done:
+            return
+        self.store.abort_put(pending)
+
+    @rule(p=st.sampled_from(PROMPTS))
+    def lookup(self, p: Prompt) -> None:
+        hit = self.store.lookup(p.identity, p.namespace, p.tokens)
+        found = len(hit.hits)
+        for h in hit.hits:
+            assert h.key in self.must or h.key in self.maybe, "served a chunk never committed"
+        if found < len(p.keys):
+            assert p.keys[found] not in self.must, "a chunk the store must hold was missed"
+
+    @rule(p=st.sampled_from(PROMPTS), into_buffers=st.booleans())
+    def load(self, p: Prompt, into_buffers: bool) -> None:
+        hit = self.store.lookup(p.identity, p.namespace, p.tokens)
+        outs = [np.empty(TINY.chunk_shape, np.float16) for _ in hit.hits] if into_buffers else None
+        res = self.store.load(hit, outs)
+        assert res.loaded == len(hit.hits) and not res.corrupt
+        for h, arr in zip(hit.hits, res.arrays, strict=True):
+            assert np.array_equal(arr, self.expected[h.key]), "served bytes differ from the put"
+
+    @rule(which=st.sampled_from(["weights", "namespace", "prefix"]), p=st.sampled_from(PROMPTS))
+    def invalidate(self, which: str, p: Prompt) -> None:
+        if which == "weights":
+            self.store.invalidate(weights_digest=p.identity.weights_digest)
+            gone = {k for q in PROMPTS if q.identity == p.identity for k in q.keys}
+        elif which == "namespace":
+            self.store.invalidate(namespace=p.namespace)
+            gone = {k for q in PROMPTS if q.namespace == p.namespace for k in q.keys}
+        else:
+            self.store.invalidate(prefix=p.keys[1])
+            # the prefix and everything chained after it, in any prompt
+            gone = {
+                k for q in PROMPTS if p.keys[1] in q.keys for k in q.keys[q.keys.index(p.keys[1]) :]
+            }
+        self.must -= gone
+        self.maybe -= gone
+
+    @rule(chunks=st.integers(1, 8))
+    def evict_dram(self, chunks: int) -> None:
+        self.store.evict("dram", chunks * TINY.chunk_nbytes)
+        if not self.write_through:
+            self.maybe |= self.must
+            self.must.clear()
+
+    @rule(chunks=st.integers(1, 8))
+    def evict_disk(self, chunks: int) -> None:
+        self.store.evict("disk", chunks * TINY.chunk_nbytes)
+        self.maybe |= self.must
+        self.must.clear()
+
+    @rule()
+    def crash_and_reopen(self) -> None:
+        self.store.close(flush=False)
+        self._check_events()
+        self.states.clear()  # a new process: every object starts from the catalog
+        self.store = self._open()
+        if not self.write_through:
+            self.maybe |= self.must
+            self.must.clear()
+
+    # ------------------------------------------------------------------ invariants
+
+    def _check_events(self) -> None:
+        for e in self.sink.take():
+            before = self.states.get(e.key)
+            if before is ObjectState.DELETED:
+                before = None  # the key may be stored again as a new object
+            after = check_move(e.key, before, Move(e.kind))
+            assert after is not None and after.value == e.state, e
+            self.states[e.key] = after
+
+    @invariant()
+    def events_obey_the_table(self) -> None:
+        self._check_events()
+
+    @invariant()
+    def only_indexed_objects_are_served(self) -> None:
+        for key in self.store.indexed_keys():
+            state = self.states.get(key.hex())
+            assert state is ObjectState.INDEXED, (key.hex(), state)
+
+
+class WriteBackMachine(StoreMachine):
+    """Write-back, small disk: eviction everywhere; the model only knows what may be served."""
+
+    dram_chunks = 4
+    disk_bytes = 12 * 8192
+    write_through = False
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestWriteBackMachine = WriteBackMachine.TestCase
+TestWriteBackMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
