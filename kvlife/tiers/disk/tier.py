@@ -645,6 +645,9 @@ class DiskTier(Tier):
             self._closed = True
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
+            active = getattr(self, "_active", None)
+            if active is not None and active.live == 0 and active.id in self._segments:
+                self._unlink_segment(active)  # leave no empty segment file behind
             for seg in self._segments.values():
                 with contextlib.suppress(OSError):
                     self.io.close(seg.fd)

@@ -1,0 +1,170 @@
+"""The ``kvlife`` command line: info, check, demo, bench and experiments.
+
+Subcommands import their modules lazily so that ``kvlife info`` does not pay for numba
+or matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvlife.core.errors import KVLifeError
+
+GiB = 1 << 30
+
+
+def _fmt_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _open_existing(path: str) -> object:
+    from kvlife.store import KVStore
+
+    p = Path(path)
+    if not (p / "disk" / "catalog.sqlite").exists():
+        raise KVLifeError(f"{p} is not a kvlife store (no disk/catalog.sqlite)")
+    # budgets only bound new writes; an existing store is opened with room for what it holds
+    return KVStore.open(p, dram_bytes=0, disk_bytes=1 << 50)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from kvlife.report import render_table
+    from kvlife.store import KVStore
+
+    store = _open_existing(args.path)
+    assert isinstance(store, KVStore)
+    try:
+        info = store.info()
+    finally:
+        store.close(flush=False)
+    if args.json:
+        print(json.dumps(info.to_json(), indent=2))
+        return 0
+    print(f"store {info.path}")
+    rows = []
+    for t in info.tiers:
+        rows.append([t.name, str(t.replicas), _fmt_bytes(t.used_bytes)])
+        extra = {k: v for k, v in t.details.items() if k in ("direct_io", "live_bytes", "segments")}
+        if extra:
+            rows.append(["", "", ", ".join(f"{k}={v}" for k, v in extra.items())])
+    print(render_table(["tier", "replicas", "used"], rows))
+    print()
+    print(
+        render_table(
+            ["state", "objects", "bytes"],
+            [
+                [s, str(n), _fmt_bytes(info.bytes_by_state[s])]
+                for s, n in info.objects_by_state.items()
+            ],
+        )
+    )
+    print()
+    nonzero = [[k, str(v)] for k, v in info.lifetime_counters.items() if v]
+    print(render_table(["lifetime counter", "value"], nonzero or [["(none)", ""]]))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from kvlife.store import KVStore
+
+    store = _open_existing(args.path)
+    assert isinstance(store, KVStore)
+    try:
+        assert store.disk is not None
+        report = store.disk.check(fix=args.fix)
+        dropped = store.disk.stats.recovery_dropped
+    finally:
+        store.close(flush=False)
+    print(f"checked {report.rows} replicas: {report.ok} ok, {len(report.problems)} bad")
+    if dropped:
+        print(f"{dropped} replicas failed verification on open and were dropped")
+    for problem in report.problems:
+        print(f"  bad: {problem}")
+    for name in report.orphan_segments:
+        print(f"  orphan segment: {name}")
+    if report.fixed:
+        print("fixed: bad replicas dropped, orphan segments deleted")
+    return 0 if report.clean or report.fixed else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvlife.demo import run_demo
+
+    return run_demo(args)
+
+
+def _forward(module: str, argv: Sequence[str]) -> int:
+    import importlib
+
+    mod = importlib.import_module(module)
+    result: int = mod.main(list(argv))
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvlife", description="KV-cache storage with identity, lifecycle and crash safety"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("info", help="tiers, objects per state, bytes and counters of a store")
+    p.add_argument("path", help="store directory")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("check", help="audit the catalog against the segment files")
+    p.add_argument("path", help="store directory")
+    p.add_argument("--fix", action="store_true", help="drop bad replicas, delete orphan segments")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("demo", help="run a store workload end to end and print a summary")
+    p.add_argument("--dir", default=None, help="store directory (default: a fresh temp dir)")
+    p.add_argument("--users", type=int, default=8, help="chat users")
+    p.add_argument("--turns", type=int, default=6, help="turns per user")
+    p.add_argument("--dram-mib", type=int, default=128, help="DRAM tier budget, MiB")
+    p.add_argument("--disk-mib", type=int, default=4096, help="disk tier budget, MiB")
+    p.add_argument("--json", default=None, help="write the summary as JSON to this file")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo)
+
+    sub.add_parser("bench", help="benchmarks: `kvlife bench io|ssd --help`", add_help=False)
+    sub.add_parser(
+        "experiment", help="experiments: `kvlife experiment lifetime-hints --help`", add_help=False
+    )
+    return parser
+
+
+BENCHES = {"io": "kvlife.bench.io", "ssd": "kvlife.sim.bench_ssd"}
+EXPERIMENTS = {"lifetime-hints": "kvlife.sim.lifetime_hints"}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] in (["bench"], ["experiment"]):
+            table = BENCHES if argv[0] == "bench" else EXPERIMENTS
+            if len(argv) < 2 or argv[1] not in table:
+                print(f"usage: kvlife {argv[0]} {{{','.join(table)}}} [options]", file=sys.stderr)
+                return 2
+            return _forward(table[argv[1]], argv[2:])
+        args = build_parser().parse_args(argv)
+        result: int = args.func(args)
+        return result
+    except KVLifeError as exc:
+        print(f"kvlife: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
