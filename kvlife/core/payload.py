@@ -64,3 +64,19 @@ def check_chunk(arr: np.ndarray, layout: KVLayout, what: str) -> None:
             f"{what} has shape {arr.shape}; layout needs {layout.chunk_shape} "
             "(layers, k/v, kv_heads, tokens_per_chunk, head_dim)"
         )
+
+
+def to_torch(arr: np.ndarray, kv_dtype: str) -> Any:
+    """A CPU torch tensor sharing ``arr``'s memory, in the KV dtype (bfloat16 restored).
+
+    Read-only arrays (DRAM hits served without a copy) are copied first, since torch
+    tensors are always writable.
+    """
+    import torch
+
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    tensor = torch.from_numpy(arr)
+    if kv_dtype in _NUMPY_NAME:
+        return tensor.view(getattr(torch, kv_dtype))
+    return tensor
