@@ -80,7 +80,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     assert isinstance(store, KVStore)
     try:
         assert store.disk is not None
-        report = store.disk.check(fix=args.fix)
+        report = store.check(fix=args.fix)
         dropped = store.disk.stats.recovery_dropped
     finally:
         store.close(flush=False)

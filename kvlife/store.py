@@ -66,6 +66,7 @@ from kvlife.results import (
 )
 from kvlife.tiers.base import CapacityShortfall, ReplicaMeta, Reservation, Tier
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
+from kvlife.tiers.disk.tier import CheckReport
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.memory import MemoryTier
 
@@ -580,6 +581,7 @@ class KVStore:
         n = identity.layout.tokens_per_chunk
         hits: list[ChunkHit] = []
         with self._lock:
+            self._reap_lost()
             get = self._index.get
             for i, key in enumerate(keys):
                 rec = get(key)
@@ -602,7 +604,8 @@ class KVStore:
     ) -> LoadResult:
         """Load the hits of ``lookup`` in order, verifying every disk read.
 
-        Into ``outs`` (one buffer per hit) or new arrays (read-only views for DRAM hits).
+        Into ``outs`` (one buffer per hit) or new read-only arrays (zero-copy views of
+        DRAM replicas; fresh disk reads, which promotion then adopts into DRAM).
         The first chunk that is gone or fails verification ends the result: it and every
         chunk after it are misses; a corrupt replica is invalidated (reason ``corrupt``).
         """
@@ -611,6 +614,7 @@ class KVStore:
         if outs is not None and len(outs) != len(hits):
             raise InvalidArgument(f"{len(outs)} output buffers for {len(hits)} hits")
         with self._lock:
+            self._reap_lost()
             self.counters.loads += 1
             recs: list[ObjectRecord] = []
             for hit in hits:
@@ -650,20 +654,25 @@ class KVStore:
             self.counters.chunks_loaded_disk += out.tiers.get(DISK, 0)
             self.counters.bytes_loaded += sum(a.nbytes for a in out.arrays)
             if promote and self.dram is not None and self.config.promote_on_hit:
-                self._promote(promote)
+                self._promote(promote, adopt=outs is None)
             return out
 
     def _corrupt(self, rec: ObjectRecord, tier_name: str, detail: str) -> None:
         self.counters.corrupt += 1
         self._drop(rec, Move.CORRUPT, f"corrupt: {detail}")
 
-    def _promote(self, items: list[tuple[ObjectRecord, np.ndarray]]) -> None:
+    def _promote(self, items: list[tuple[ObjectRecord, np.ndarray]], *, adopt: bool) -> None:
+        """Copy disk hits into DRAM; arrays the disk read allocated are adopted, not copied
+        (they become read-only, like every DRAM hit handed out without a buffer)."""
         recs = [r for r, _ in items]
         res = self._make_room(DRAM, recs, protected={r.key for r in recs})
         if res is None:
             return
         assert self.dram is not None
-        self.dram.commit_store(res, [a for _, a in items])
+        if adopt:
+            self.dram.commit_adopt(res, [a for _, a in items])
+        else:
+            self.dram.commit_store(res, [a for _, a in items])
         for rec in recs:
             rec.tiers.add(DRAM)
             self._policies[DRAM].insert(rec.key)
@@ -748,6 +757,18 @@ class KVStore:
             policy.insert(key)
             self.counters.recovered += 1
         self.counters.recovery_dropped += len(self.disk.take_lost())
+
+    def check(self, fix: bool = False) -> CheckReport:
+        """Audit every disk replica (payload checksums included) and the segment files;
+        with ``fix``, drop bad replicas (their objects are invalidated as corrupt) and
+        delete orphan segments."""
+        self._check_open()
+        with self._lock:
+            if self.disk is None:
+                return CheckReport()
+            report = self.disk.check(fix=fix)
+            self._reap_lost()
+            return report
 
     def flush(self) -> int:
         """Write every DRAM-only object to disk; returns how many became durable."""

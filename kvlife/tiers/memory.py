@@ -1,8 +1,11 @@
 """Host-DRAM tier: arrays held in process memory under a byte budget.
 
 Stores copy the caller's array once (the caller may reuse its buffer; a stored replica
-must never change under a reader). Reads into a caller's buffer are one copy; reads
-without a buffer hand back a read-only view of the held array, no copy. No pickling.
+must never change under a reader) into 4096-aligned memory, so that a write-back to
+the disk tier goes out by direct I/O without a staging copy. ``commit_adopt`` takes
+over arrays nobody else writes (fresh disk reads) without copying. Reads into a
+caller's buffer are one copy; reads without a buffer hand back a read-only view of the
+held array, no copy. No pickling.
 DRAM is trusted like the engine's own memory: replicas here carry no checksum; one is
 computed when a replica is written to a checksummed tier.
 """
@@ -25,6 +28,7 @@ from kvlife.tiers.base import (
     Tier,
     check_payloads,
 )
+from kvlife.tiers.buffers import aligned_empty
 
 
 @dataclass(slots=True)
@@ -66,13 +70,30 @@ class MemoryTier(Tier):
             check_payloads(reservation.metas, payloads)
             copies = []
             for arr in payloads:
-                held = np.empty(arr.shape, arr.dtype)
+                held = aligned_empty(arr.nbytes).view(arr.dtype).reshape(arr.shape)
                 np.copyto(held, arr)
                 held.flags.writeable = False
                 copies.append(held)
         except BaseException:
             self.cancel_store(reservation)
             raise
+        self._publish(reservation, copies)
+
+    def commit_adopt(self, reservation: Reservation, arrays: Sequence[np.ndarray]) -> None:
+        """Publish arrays the caller hands over for good (no copy): they are made
+        read-only. For buffers nobody else writes, e.g. freshly read disk replicas."""
+        if reservation.done:
+            raise InvalidArgument("reservation already completed")
+        try:
+            check_payloads(reservation.metas, arrays)
+        except BaseException:
+            self.cancel_store(reservation)
+            raise
+        for arr in arrays:
+            arr.flags.writeable = False
+        self._publish(reservation, arrays)
+
+    def _publish(self, reservation: Reservation, copies: Sequence[np.ndarray]) -> None:
         with self._lock:
             self._reserved -= reservation.nbytes
             for meta, held in zip(reservation.metas, copies, strict=True):

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlife.core.errors import StoreFormatError, StorePathError
+from kvlife.core.errors import KVLifeError, StoreFormatError, StorePathError
 
 CATALOG_VERSION = 1
 
@@ -34,6 +34,18 @@ CREATE TABLE IF NOT EXISTS replicas (
 CREATE INDEX IF NOT EXISTS replicas_seg ON replicas (seg);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
+
+
+class CatalogCorrupt(KVLifeError):
+    """The catalog database cannot be read."""
+
+    def __init__(self, path: Path, exc: Exception) -> None:
+        self.path = path
+        super().__init__(
+            f"catalog {path} is damaged ({exc}). Nothing was served from it. The segment "
+            "files are untouched; move the catalog (and its -wal/-shm files) away to start "
+            "the store empty."
+        )
 
 
 @dataclass(slots=True)
@@ -66,12 +78,16 @@ class Catalog:
         self.path = path
         try:
             self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise StorePathError(f"cannot open catalog {path}: {exc}") from exc
+        try:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(_SCHEMA)
+            version = self.get_meta("catalog_version")
         except sqlite3.DatabaseError as exc:
-            raise StorePathError(f"cannot open catalog {path}: {exc}") from exc
-        version = self.get_meta("catalog_version")
+            self._db.close()
+            raise CatalogCorrupt(path, exc) from exc
         if version is None:
             self.set_meta("catalog_version", str(CATALOG_VERSION))
         elif int(version) > CATALOG_VERSION:
@@ -89,10 +105,15 @@ class Catalog:
         self._db.execute("INSERT OR REPLACE INTO meta (k, v) VALUES (?, ?)", (k, v))
 
     def rows(self) -> Iterator[CatalogRow]:
-        cur = self._db.execute(
-            "SELECT key, seg, off, nbytes, checksum, dtype, shape, transform, info FROM replicas"
-        )
-        for r in cur:
+        """Every row (read fully first, so a damaged database fails before any is used)."""
+        try:
+            data = self._db.execute(
+                "SELECT key, seg, off, nbytes, checksum, dtype, shape, transform, info "
+                "FROM replicas"
+            ).fetchall()
+        except sqlite3.DatabaseError as exc:
+            raise CatalogCorrupt(self.path, exc) from exc
+        for r in data:
             yield CatalogRow(r[0], r[1], r[2], r[3], r[4], r[5], _shape_parse(r[6]), r[7], r[8])
 
     def insert(self, rows: Iterable[CatalogRow]) -> None:

@@ -9,29 +9,12 @@ half-visible. O_DIRECT is used where the filesystem accepts it; where it does no
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-ALIGN = 4096
-"""Alignment of offsets, lengths and buffer addresses for direct I/O."""
-
-
-def round_up(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
-
-
-def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
-    """A uint8 array of ``nbytes`` whose data pointer is ``align``-aligned."""
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    offset = (-raw.ctypes.data) % align
-    return raw[offset : offset + nbytes]
-
-
-def is_aligned(arr: np.ndarray, align: int = ALIGN) -> bool:
-    return arr.ctypes.data % align == 0 and arr.nbytes % align == 0
+from kvlife.tiers.buffers import ALIGN, aligned_empty
 
 
 def probe_direct_io(directory: Path) -> bool:
@@ -95,31 +78,3 @@ class FileIO:
 
     def size(self, fd: int) -> int:
         return os.fstat(fd).st_size
-
-
-class StagingPool:
-    """Reusable aligned buffers for frames that cannot go straight from the caller's memory.
-
-    Fresh memory costs a page fault per page on first touch, which at 16 MiB frames costs
-    as much as the write itself; reusing a few warm buffers avoids it. ``get`` returns a
-    buffer at least as large as asked (slice it); ``put`` gives the whole buffer back.
-    """
-
-    def __init__(self, keep: int) -> None:
-        self._free: list[np.ndarray] = []
-        self._keep = keep
-        self._lock = threading.Lock()
-
-    def get(self, nbytes: int) -> np.ndarray:
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                if buf.nbytes >= nbytes:
-                    return self._free.pop(i)
-        return aligned_empty(round_up(nbytes))
-
-    def put(self, buf: np.ndarray) -> None:
-        with self._lock:
-            self._free.append(buf)
-            if len(self._free) > self._keep:
-                self._free.sort(key=lambda b: b.nbytes)
-                del self._free[0]

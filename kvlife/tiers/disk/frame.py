@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 from kvlife.core.errors import StoreFormatError
-from kvlife.tiers.disk.fileio import ALIGN, round_up
+from kvlife.tiers.buffers import ALIGN, round_up
 
 MAGIC = b"KVLFRAME"
 FRAME_VERSION = 1

@@ -47,15 +47,9 @@ from kvlife.tiers.base import (
     Tier,
     check_payloads,
 )
+from kvlife.tiers.buffers import ALIGN, StagingPool, aligned_empty, is_aligned, prefault
 from kvlife.tiers.disk.catalog import Catalog, CatalogRow
-from kvlife.tiers.disk.fileio import (
-    ALIGN,
-    FileIO,
-    StagingPool,
-    aligned_empty,
-    is_aligned,
-    probe_direct_io,
-)
+from kvlife.tiers.disk.fileio import FileIO, probe_direct_io
 from kvlife.tiers.disk.frame import (
     HEADER_BYTES,
     FrameError,
@@ -189,6 +183,7 @@ class DiskTier(Tier):
         self._segments: dict[int, _Segment] = {}
         self._reserved = 0
         self._lost: list[tuple[ChunkKey, str]] = []
+        self._dir_dirty = False
         self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingPool(keep=config.io_depth + 1)
         self._closed = False
@@ -295,6 +290,7 @@ class DiskTier(Tier):
                 self._finish_write(*inflight.pop(0))
             for sid in sorted(touched):
                 self.io.fdatasync(self._segments[sid].fd)
+            self._sync_dir()
             self.catalog.insert(rows)
         except BaseException as exc:
             for fut, _, staged in inflight:
@@ -355,12 +351,17 @@ class DiskTier(Tier):
         try:
             fd = self.io.open(path, create=True)
             self.io.truncate(fd, 0)
-            self.io.fsync_dir(self._segdir)
         except OSError as exc:
             raise _os_error(exc, f"creating segment {path}") from exc
         seg = _Segment(sid, path, fd, 0)
         self._segments[sid] = seg
+        self._dir_dirty = True  # made durable by the next commit, before any row names it
         return seg
+
+    def _sync_dir(self) -> None:
+        if self._dir_dirty:
+            self.io.fsync_dir(self._segdir)
+            self._dir_dirty = False
 
     # ------------------------------------------------------------------ reads
 
@@ -409,7 +410,11 @@ class DiskTier(Tier):
                     fut = self._submit(self.io.preadv, seg.fd, [hdr, u8], row.off)
                     return _PendingRead(fut, row, hdr, u8, out, None)
         flen = frame_len(row.nbytes)
-        staged = self._staging.get(flen) if out is not None else aligned_empty(flen)
+        if out is not None:
+            staged = self._staging.get(flen)
+        else:
+            staged = aligned_empty(flen)
+            prefault(staged)
         frame = staged[:flen]
         fut = self._submit(self.io.preadv, seg.fd, [frame], row.off)
         payload = frame[HEADER_BYTES : HEADER_BYTES + row.nbytes]
@@ -525,6 +530,7 @@ class DiskTier(Tier):
             moves.append((row.key, dst.id, off))
         for sid in touched:
             self.io.fdatasync(self._segments[sid].fd)
+        self._sync_dir()
         self.catalog.relocate(moves)
         self.catalog.delete([r.key for r in dropped])
         for key, sid, off in moves:
