@@ -337,7 +337,14 @@ class KVStore:
         with self._lock:
             self._finish_pending(pending)
             fresh = pending.items
-            stored = self._store_new(fresh, pending.request_id)
+            try:
+                stored = self._store_new(fresh, pending.request_id)
+            except BaseException:
+                for rec, _ in fresh:  # e.g. a fault while making room: nothing of it stays
+                    if rec.state is ObjectState.TENTATIVE:
+                        self._move(rec, Move.ABORT, reason="write failed")
+                        self.counters.aborted += 1
+                raise
             self.counters.chunks_stored += stored
             self.counters.chunks_already_present += pending.present
             self.counters.chunks_dropped += len(fresh) - stored
@@ -415,7 +422,13 @@ class KVStore:
                     done += 1
         if self.config.write_through:
             pending = [r for r, _ in items if r.state is INDEXED and DISK not in r.tiers]
-            self._write_back(pending, reason="write-through", raise_errors=True)
+            try:
+                self._write_back(pending, reason="write-through", raise_errors=True)
+            except BaseException:
+                for rec in pending:  # not durable, so not stored: the put is all or nothing
+                    if rec.state is INDEXED and DISK not in rec.tiers:
+                        self._drop(rec, Move.INVALIDATE, "write-through failed")
+                raise
         return done
 
     def _commit(
@@ -469,6 +482,7 @@ class KVStore:
     ) -> list[ObjectRecord]:
         victims: list[ObjectRecord] = []
         freed = 0
+        footprint = self._tier(tier_name).footprint
         while freed < short.need_bytes:
             got = policy.evict(1, protected)
             if not got:
@@ -477,7 +491,7 @@ class KVStore:
             if rec is None or tier_name not in rec.tiers:
                 continue
             victims.append(rec)
-            freed += rec.nbytes
+            freed += footprint(rec.nbytes)
         return victims
 
     def _evict(self, tier_name: str, victims: list[ObjectRecord]) -> None:

@@ -226,12 +226,14 @@ class FcfsServer:
         return start, end
 
 
-def _check_positive(owner: str, field_name: str, value: float) -> None:
+def check_positive(owner: str, field_name: str, value: float) -> None:
+    """Raise DeviceConfigError unless ``value`` is a finite number > 0."""
     if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
         raise DeviceConfigError(f"{owner}.{field_name} must be a finite number > 0, got {value!r}")
 
 
-def _check_non_negative(owner: str, field_name: str, value: float) -> None:
+def check_non_negative(owner: str, field_name: str, value: float) -> None:
+    """Raise DeviceConfigError unless ``value`` is a finite number >= 0."""
     if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
         raise DeviceConfigError(f"{owner}.{field_name} must be a finite number >= 0, got {value!r}")
 
@@ -251,8 +253,8 @@ class MemoryConfig:
     """Sustained bandwidth shared by all requests (bytes per second)."""
 
     def __post_init__(self) -> None:
-        _check_positive("MemoryConfig", "latency_s", self.latency_s)
-        _check_positive("MemoryConfig", "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
+        check_positive("MemoryConfig", "latency_s", self.latency_s)
+        check_positive("MemoryConfig", "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
 
 
 class MemoryDevice(DeviceModel[DeviceStats]):

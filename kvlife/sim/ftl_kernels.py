@@ -23,11 +23,17 @@ Model, in short:
   victim is the sealed block with the fewest valid pages (greedy, found in O(pages per
   block) through per-valid-count bucket lists) or the best (1-u)*age/(1+u) score
   (cost-benefit, Rosenblum and Ousterhout's LFS cleaner; a full scan).
-- Timing: every die and every channel is a first-come-first-served server with a
-  busy-until time. A page read occupies its die for tR and then its channel for one
-  page transfer; a program occupies the channel, then the die for tPROG; an erase
-  occupies every die of the superblock for tBERS. GC reads, programs and erases queue on
-  the same servers as host I/O, so GC shows up in host read and write latency.
+- Timing: every die is a first-come-first-served server with a busy-until time, served
+  in the order operations are issued. A page read occupies its die for tR, a program
+  for tPROG, an erase occupies every die of the superblock for the (pro-rated) tBERS.
+  Each channel is a FCFS pipe of page transfers whose slot is reserved when the
+  operation is issued (a fluid approximation of the controller's out-of-order channel
+  scheduling: reserving the slot when the die finishes would let one backlogged die
+  push every later transfer on its channel into the future). A read completes at
+  ``max(sense done + transfer, channel slot end)``. A GC copy's program is booked on its
+  die when the GC issues it, not when its source read finishes, for the same reason.
+  GC reads, programs and erases queue on the same dies and channels as host I/O, so GC
+  shows up in host read and write latency.
 """
 
 from __future__ import annotations
@@ -198,28 +204,35 @@ def new_ftl_arrays(
 
 @njit(cache=True, inline="always")
 def _t_read(st: FtlArrays, die: int, t: float) -> float:
+    """Read one page issued at ``t``: sense on the die (FCFS), then cross the channel."""
     nd = st.prm[P_NDIES]
     ch = nd + die % st.prm[P_NCHANNELS]
     start = max(t, st.busy[die])
     sensed = start + st.fprm[F_T_READ]
     st.busy[die] = sensed
-    xstart = max(sensed, st.busy[ch])
-    done = xstart + st.fprm[F_T_XFER]
-    st.busy[ch] = done
-    return float(done)
+    xfer = st.fprm[F_T_XFER]
+    slot_end = max(t, st.busy[ch]) + xfer
+    st.busy[ch] = slot_end
+    return float(max(sensed + xfer, slot_end))
 
 
 @njit(cache=True, inline="always")
-def _t_prog(st: FtlArrays, die: int, t: float) -> float:
+def _t_prog(st: FtlArrays, die: int, t_issue: float, t_ready: float) -> float:
+    """Program one page issued at ``t_issue`` whose data is available at ``t_ready``.
+
+    The die time is booked FCFS at issue (work-conserving: a GC copy whose source read is
+    still queued does not leave its destination die idle, as an out-of-order controller
+    would fill that gap); the returned completion also respects the data dependency.
+    """
     nd = st.prm[P_NDIES]
     ch = nd + die % st.prm[P_NCHANNELS]
-    xstart = max(t, st.busy[ch])
-    xdone = xstart + st.fprm[F_T_XFER]
-    st.busy[ch] = xdone
-    start = max(xdone, st.busy[die])
-    done = start + st.fprm[F_T_PROG]
-    st.busy[die] = done
-    return float(done)
+    xfer = st.fprm[F_T_XFER]
+    t_prog = st.fprm[F_T_PROG]
+    slot_end = max(t_issue, st.busy[ch]) + xfer
+    st.busy[ch] = slot_end
+    end = max(slot_end, st.busy[die]) + t_prog
+    st.busy[die] = end
+    return float(max(end, t_ready + xfer + t_prog))
 
 
 @njit(cache=True)
@@ -334,7 +347,9 @@ def _seal(st: FtlArrays, b: int) -> None:
 
 
 @njit(cache=True)
-def _program(st: FtlArrays, stream: int, kind: int, lpn: int, t: float) -> float:
+def _program(
+    st: FtlArrays, stream: int, kind: int, lpn: int, t_issue: float, t_ready: float
+) -> float:
     """Write one logical page into the open block of (stream, kind); returns completion."""
     b = st.open_blk[stream, kind]
     if b < 0:
@@ -353,7 +368,7 @@ def _program(st: FtlArrays, stream: int, kind: int, lpn: int, t: float) -> float
     st.l2p[lpn] = ppn
     st.blk[b, B_VALID] += 1
     st.ctr[C_NAND_WRITES] += 1
-    done = _t_prog(st, off % st.prm[P_NDIES], t)
+    done = _t_prog(st, off % st.prm[P_NDIES], t_issue, t_ready)
     if off + 1 == ppb:
         _seal(st, b)
         st.open_blk[stream, kind] = -1
@@ -380,7 +395,7 @@ def _gc_one(st: FtlArrays, t: float) -> float:
             tr = _t_read(st, off % nd, t)
             st.p2l[base + off] = UNMAPPED
             st.blk[v, B_VALID] -= 1
-            d = _program(st, stream, K_GC, lpn, tr)
+            d = _program(st, stream, K_GC, lpn, t, tr)
             done = max(done, d)
             copies += 1
     if st.blk[v, B_VALID] != 0:
@@ -421,7 +436,7 @@ def _host_write_page(st: FtlArrays, lpn: int, stream: int, t: float) -> float:
     st.ctr[C_HOST_WRITES] += 1
     if st.open_blk[stream, K_HOST] < 0:
         _collect_garbage(st, t)
-    return _program(st, stream, K_HOST, lpn, t)
+    return _program(st, stream, K_HOST, lpn, t, t)
 
 
 @njit(cache=True, inline="always")
@@ -525,6 +540,8 @@ def replay_objects(
         kind = op_kind[i]
         done = t
         if kind == OP_WRITE:
+            if n > 0 and lpn_table[off] != UNMAPPED:
+                raise FtlInvariantError("object written twice in one replay")
             top = free_top[0]
             if top < n:
                 raise FtlInvariantError("object write needs more logical pages than are free")
@@ -538,12 +555,18 @@ def replay_objects(
             out_latency[i] = done + t_cmd - t
         elif kind == OP_READ:
             for k in range(n):
-                done = max(done, _host_read_page(st, lpn_table[off + k], t))
+                lpn = lpn_table[off + k]
+                if lpn < 0:
+                    st.ctr[C_UNMAPPED_READS] += 1
+                else:
+                    done = max(done, _host_read_page(st, lpn, t))
             out_latency[i] = done + t_cmd - t
         else:
             top = free_top[0]
             for k in range(n):
                 lpn = lpn_table[off + k]
+                if lpn < 0:
+                    raise FtlInvariantError("object deleted that is not stored")
                 _trim_page(st, lpn)
                 free_lpns[top] = lpn
                 top += 1

@@ -143,6 +143,16 @@ class SSDConfig:
     """Victim selection."""
     gc_reserve_blocks: int = 1
     """GC runs when a stream needs a block and at most this many blocks are free."""
+    die_block_pages: int | None = 1024
+    """Pages of one real per-die NAND block, or None to charge the full erase time.
+
+    A simulated block is a superblock striped over all dies and is usually much smaller
+    than a real one (so that a small simulated device still has many blocks), leaving each
+    die only ``pages_per_block / n_dies`` pages of it. Charging a full tBERS per die for so
+    few pages would overstate the erase cost of GC per page by that ratio, so the erase
+    time is charged pro rata: ``erase_s * min(1, pages per die / die_block_pages)``.
+    3D TLC blocks hold on the order of a thousand 16 KiB pages or more.
+    """
 
     def __post_init__(self) -> None:
         _require_int("SSDConfig", "n_blocks", self.n_blocks, 1)
@@ -183,6 +193,8 @@ class SSDConfig:
             raise DeviceConfigError(
                 f"SSDConfig.controller_overhead_s must be a finite number >= 0, got {v!r}"
             )
+        if self.die_block_pages is not None:
+            _require_int("SSDConfig", "die_block_pages", self.die_block_pages, 1)
         if self.physical_pages > _MAX_PAGES:
             raise DeviceConfigError(
                 f"SSDConfig: {self.physical_pages} physical pages exceed the model's limit "
@@ -226,6 +238,15 @@ class SSDConfig:
     @property
     def nand_timing(self) -> NandTiming:
         return self.timing if self.timing is not None else NAND_TIMING[self.cell]
+
+    @property
+    def erase_charge_s(self) -> float:
+        """Die time charged for erasing one die's share of a block (see ``die_block_pages``)."""
+        t = self.nand_timing.erase_s
+        if self.die_block_pages is None:
+            return t
+        per_die = -(-self.pages_per_block // self.n_dies)
+        return t * min(1.0, per_die / self.die_block_pages)
 
     @property
     def effective_op(self) -> float:
@@ -350,7 +371,7 @@ class Ftl:
             n_channels=config.n_channels,
             t_read=tm.read_s,
             t_prog=tm.program_s,
-            t_erase=tm.erase_s,
+            t_erase=config.erase_charge_s,
             t_xfer=config.page_bytes / config.channel_bytes_per_s,
             t_cmd=config.controller_overhead_s,
         )
@@ -360,7 +381,8 @@ class Ftl:
         """The kernel state (for kernels such as :func:`~kvlife.sim.ftl_kernels.replay_objects`)."""
         return self._st
 
-    def _check_stream(self, stream: int) -> None:
+    def check_stream(self, stream: int) -> None:
+        """Raise RequestError unless ``stream`` names one of the device's streams."""
         if isinstance(stream, bool) or not isinstance(stream, int | np.integer):
             raise RequestError(f"stream must be an integer, got {stream!r}")
         if not 0 <= stream < self.config.n_streams:
@@ -370,7 +392,7 @@ class Ftl:
 
     def write(self, t_now: float, lpns: NDArray[np.integer] | list[int], stream: int = 0) -> float:
         """One write command of the given logical pages on ``stream``."""
-        self._check_stream(stream)
+        self.check_stream(stream)
         arr = _as_lpns(lpns, self.config.logical_pages)
         return float(fk.write_pages(self._st, arr, int(stream), float(t_now)))
 
@@ -386,7 +408,7 @@ class Ftl:
 
     def fill_sequential(self, stream: int = 0, t_now: float = 0.0) -> float:
         """Write every logical page once, in order (the usual preconditioning)."""
-        self._check_stream(stream)
+        self.check_stream(stream)
         return float(
             fk.write_sequential(self._st, 0, self.config.logical_pages, int(stream), t_now)
         )
@@ -395,7 +417,7 @@ class Ftl:
         self, count: int, seed: int, stream: int = 0, t_now: float = 0.0
     ) -> float:
         """Overwrite ``count`` uniformly random logical pages (seeded), submitted at ``t_now``."""
-        self._check_stream(stream)
+        self.check_stream(stream)
         if count < 0:
             raise RequestError(f"count must be >= 0, got {count}")
         return float(fk.write_uniform_random(self._st, int(count), int(seed), int(stream), t_now))
@@ -404,6 +426,16 @@ class Ftl:
         """Whether each logical page currently maps to a physical page."""
         arr = _as_lpns(lpns, self.config.logical_pages)
         return np.asarray(self._st.l2p[arr] != fk.UNMAPPED)
+
+    def placement(self, lpns: NDArray[np.integer] | list[int]) -> NDArray[np.int64]:
+        """Physical block holding each logical page, or -1 where unmapped."""
+        arr = _as_lpns(lpns, self.config.logical_pages)
+        ppn = self._st.l2p[arr].astype(np.int64)
+        return np.where(ppn >= 0, ppn // self.config.pages_per_block, -1)
+
+    def block_stream(self, blocks: NDArray[np.integer] | list[int]) -> NDArray[np.int64]:
+        """Stream that owns each block (its last writer since the last erase)."""
+        return np.array(self._st.blk[np.asarray(blocks, dtype=np.int64), fk.B_STREAM])
 
     def counters(self) -> FtlCounters:
         c = self._st.ctr
@@ -435,7 +467,8 @@ class Ftl:
         """Erases per physical block (a copy)."""
         return np.array(self._st.blk[:, fk.B_ERASES])
 
-    def _add_unmapped_reads(self, n: int) -> None:
+    def count_unmapped_reads(self, n: int) -> None:
+        """Count ``n`` page reads of space no logical page backs (reads past a key's end)."""
         self._st.ctr[fk.C_UNMAPPED_READS] += n
 
     def audit(self) -> list[str]:
@@ -630,7 +663,7 @@ class SSDModel(DeviceModel[SSDStats], SupportsWriteHints):
 
     def write_hinted(self, t_now: float, nbytes: int, key: int, hint: int) -> float:
         self._admit(t_now, nbytes)
-        self.ftl._check_stream(hint)
+        self.ftl.check_stream(hint)
         ext = self._allocate(key, self.pages_for(nbytes))
         done = self.ftl.write(t_now, ext, int(hint))
         return self._record_write(t_now, nbytes, done)
@@ -641,7 +674,7 @@ class SSDModel(DeviceModel[SSDStats], SupportsWriteHints):
         ext = self._extents.get(key)
         lpns = ext[:n] if ext is not None else np.empty(0, dtype=np.int64)
         if n > lpns.size:
-            self.ftl._add_unmapped_reads(n - int(lpns.size))
+            self.ftl.count_unmapped_reads(n - int(lpns.size))
         done = self.ftl.read(t_now, lpns)
         return self._record_read(t_now, nbytes, done)
 

@@ -121,6 +121,10 @@ class Tier(ABC):
     @abstractmethod
     def replica_keys(self) -> list[ChunkKey]: ...
 
+    def footprint(self, nbytes: int) -> int:
+        """Capacity a replica of ``nbytes`` payload bytes takes (framing included)."""
+        return nbytes
+
     def close(self) -> None:
         """Release files and threads."""
 

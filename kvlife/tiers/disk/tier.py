@@ -201,6 +201,9 @@ class DiskTier(Tier):
     def used_bytes(self) -> int:
         return sum(s.length for s in self._segments.values()) + self._reserved
 
+    def footprint(self, nbytes: int) -> int:
+        return frame_len(nbytes)
+
     @property
     def segment_count(self) -> int:
         return len(self._segments)
@@ -499,6 +502,16 @@ class DiskTier(Tier):
             self._compact_segment(seg)
 
     def _compact_segment(self, seg: _Segment) -> None:
+        start = {sid: s.length for sid, s in self._segments.items()}
+        try:
+            self._copy_live_frames(seg)
+        except OSError as exc:
+            for sid, length in start.items():  # the copies are garbage; rows still point home
+                if sid in self._segments:
+                    self._segments[sid].length = length
+            raise _os_error(exc, f"compacting segment {seg.path.name}") from exc
+
+    def _copy_live_frames(self, seg: _Segment) -> None:
         rows = sorted((r for r in self._entries.values() if r.seg == seg.id), key=lambda r: r.off)
         moves: list[tuple[bytes, int, int]] = []
         dropped: list[CatalogRow] = []
