@@ -339,6 +339,8 @@ class KVStore:
             fresh = pending.items
             try:
                 stored = self._store_new(fresh, pending.request_id)
+                if self.config.write_through:
+                    self._write_through(pending.keys, [r for r, _ in fresh])
             except BaseException:
                 for rec, _ in fresh:  # e.g. a fault while making room: nothing of it stays
                     if rec.state is ObjectState.TENTATIVE:
@@ -420,16 +422,22 @@ class KVStore:
                     self.counters.aborted += 1
                 else:
                     done += 1
-        if self.config.write_through:
-            pending = [r for r, _ in items if r.state is INDEXED and DISK not in r.tiers]
-            try:
-                self._write_back(pending, reason="write-through", raise_errors=True)
-            except BaseException:
-                for rec in pending:  # not durable, so not stored: the put is all or nothing
-                    if rec.state is INDEXED and DISK not in rec.tiers:
-                        self._drop(rec, Move.INVALIDATE, "write-through failed")
-                raise
         return done
+
+    def _write_through(self, keys: list[ChunkKey], new: list[ObjectRecord]) -> None:
+        """Make every indexed chunk of a prompt durable, present ones included (their
+        disk replica may have been evicted). On failure the put's new chunks are dropped:
+        not durable means not stored."""
+        recs = [self._index.get(k) for k in keys]
+        pending = [r for r in recs if r is not None and DISK not in r.tiers]
+        try:
+            for i in range(0, len(pending), 64):
+                self._write_back(pending[i : i + 64], reason="write-through", raise_errors=True)
+        except BaseException:
+            for rec in new:
+                if rec.state is INDEXED and DISK not in rec.tiers:
+                    self._drop(rec, Move.INVALIDATE, "write-through failed")
+            raise
 
     def _commit(
         self,
