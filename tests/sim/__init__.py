@@ -1,0 +1,1 @@
+"""Tests of the device models and the lifetime-hints experiment (kvlife.sim)."""
