@@ -37,7 +37,7 @@ def _open_existing(path: str) -> object:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from kvlife.report import render_table
+    from kvlife.report import format_table
     from kvlife.store import KVStore
 
     store = _open_existing(args.path)
@@ -56,10 +56,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         extra = {k: v for k, v in t.details.items() if k in ("direct_io", "live_bytes", "segments")}
         if extra:
             rows.append(["", "", ", ".join(f"{k}={v}" for k, v in extra.items())])
-    print(render_table(["tier", "replicas", "used"], rows))
+    print(format_table(["tier", "replicas", "used"], rows))
     print()
     print(
-        render_table(
+        format_table(
             ["state", "objects", "bytes"],
             [
                 [s, str(n), _fmt_bytes(info.bytes_by_state[s])]
@@ -69,7 +69,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     )
     print()
     nonzero = [[k, str(v)] for k, v in info.lifetime_counters.items() if v]
-    print(render_table(["lifetime counter", "value"], nonzero or [["(none)", ""]]))
+    print(format_table(["lifetime counter", "value"], nonzero or [["(none)", ""]]))
     return 0
 
 

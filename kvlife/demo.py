@@ -31,7 +31,7 @@ from kvlife.core.identity import (
     NamespaceKind,
     prompt_chunk_keys,
 )
-from kvlife.report import render_table
+from kvlife.report import format_table
 from kvlife.store import KVStore
 
 MiB = 1 << 20
@@ -218,7 +218,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"kvlife demo: {args.users} users x {args.turns} turns + 1 after restart, "
         f"{identity.model_id}, {SMOLLM2_LAYOUT.bytes_per_token} B of KV per token"
     )
-    print(render_table(headers, rows))
+    print(format_table(headers, rows))
     c = info.lifetime_counters
     disk = next(t for t in info.tiers if t.name == "disk")
     summary = [
@@ -234,7 +234,7 @@ def run_demo(args: argparse.Namespace) -> int:
         ["wall time", f"{elapsed:.1f} s"],
     ]
     print()
-    print(render_table(["summary", ""], summary))
+    print(format_table(["summary", ""], summary))
     wrong = sum(p.wrong_kv_served for p in phases)
     caught = sum(p.corrupt_caught for p in phases)
     print()

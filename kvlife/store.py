@@ -66,8 +66,8 @@ from kvlife.results import (
 )
 from kvlife.tiers.base import CapacityShortfall, ReplicaMeta, Reservation, Tier
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
-from kvlife.tiers.disk.tier import CheckReport
 from kvlife.tiers.disk.fileio import FileIO
+from kvlife.tiers.disk.tier import CheckReport
 from kvlife.tiers.memory import MemoryTier
 
 GiB = 1 << 30

@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+from typing import Any
 
 import blake3
 import msgpack
@@ -67,14 +68,8 @@ namespaces = st.one_of(
 )
 
 
-def _different(value: object) -> object:
-    if isinstance(value, bool):
-        return not value
-    if isinstance(value, int):
-        return value + 1
-    if isinstance(value, str):
-        return value + "x"
-    raise AssertionError(value)
+def _different(value: str) -> str:
+    return value + "x"
 
 
 IDENTITY_FIELDS = ["model_id", "weights_digest", "tokenizer_digest", "position_encoding_digest"]
@@ -93,7 +88,8 @@ def test_every_identity_field_changes_the_key(
     base = _key(ident, ns, tokens)
     assert _key(ident, ns, tokens) == base
     for name in IDENTITY_FIELDS:
-        other = dataclasses.replace(ident, **{name: _different(getattr(ident, name))})
+        changed: dict[str, Any] = {name: _different(getattr(ident, name))}
+        other = dataclasses.replace(ident, **changed)
         assert _key(other, ns, tokens) != base, name
     for name in LAYOUT_FIELDS:
         lay = dataclasses.replace(ident.layout, **{name: getattr(ident.layout, name) + 1})

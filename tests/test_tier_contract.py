@@ -12,8 +12,8 @@ import pytest
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaNotFound
 from kvlife.core.identity import ChunkKey
 from kvlife.tiers.base import CapacityShortfall, ReplicaMeta, Reservation, Tier
+from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
-from kvlife.tiers.disk.fileio import aligned_empty
 from kvlife.tiers.memory import MemoryTier
 
 CAP = 1 << 20

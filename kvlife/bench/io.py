@@ -51,8 +51,8 @@ import numpy as np
 from tqdm import tqdm
 
 from kvlife.bench.peer_lmcache import LMCacheDiskPeer, PeerUnavailable, check_available
-from kvlife.bench.table import format_table
 from kvlife.core.identity import PUBLIC, ChunkKey, KVLayout, ModelIdentity, prompt_chunk_keys
+from kvlife.report import format_table
 from kvlife.store import KVStore
 from kvlife.tiers.base import ReplicaMeta
 from kvlife.tiers.buffers import ALIGN, aligned_empty

@@ -1,0 +1,108 @@
+"""Shape of ``kvlife bench io --quick`` output: keys present, numbers positive and finite.
+
+Never asserts that anything is fast: the numbers of a quick run on a shared machine mean
+nothing; the full benchmark is run by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from kvlife.bench.io import (
+    IOBenchConfig,
+    format_report,
+    main,
+    parse_size,
+    run_io_bench,
+    size_label,
+)
+from kvlife.report import format_table
+
+RATIO_KEYS = ("disk_store_vs_raw", "disk_load_vs_raw", "mem_put_vs_memcpy", "mem_get_vs_memcpy")
+
+
+def _positive_finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def test_quick_run_writes_json_of_the_right_shape(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the default scratch directory is made in the cwd
+    out = tmp_path / "out.json"
+    assert main(["--quick", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text(encoding="utf-8"))
+    for key in ("limits", "kvlife", "ratios", "lookup_128_chunks_us", "direct_io", "targets"):
+        assert key in doc
+    labels = [size_label(s) for s in IOBenchConfig.quick_config().sizes]
+    assert list(doc["ratios"]) == labels
+    for label in labels:
+        for key in RATIO_KEYS:
+            assert _positive_finite(doc["ratios"][label][key]), (label, key)
+        for key in ("memcpy_gbps", "raw_write_gbps", "raw_read_gbps"):
+            assert _positive_finite(doc["limits"][label][key]), (label, key)
+        for key, value in doc["kvlife"][label].items():
+            assert _positive_finite(value), (label, key)
+    assert _positive_finite(doc["lookup_128_chunks_us"])
+    assert doc["lookup"]["chunks"] == 128
+    assert isinstance(doc["direct_io"], bool)
+    assert "peers" not in doc
+    # the scratch directory is removed afterwards
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".kvlife-bench-io-")]
+    printed = capsys.readouterr().out
+    assert "disk store (aligned)" in printed and "lookup of a 128-chunk prompt" in printed
+
+
+def test_run_io_bench_returns_the_same_document(tmp_path: Path) -> None:
+    cfg = IOBenchConfig.quick_config(
+        sizes=(8192,), batch=2, repeat=1, lookup_iters=3, directory=tmp_path, progress=False
+    )
+    doc = run_io_bench(cfg)
+    assert list(doc["ratios"]) == ["8KiB"]  # type: ignore[call-overload]
+    assert "lookup of a 128-chunk prompt" in format_report(doc)
+    json.dumps(doc, allow_nan=False)
+
+
+def test_missing_peer_is_skipped_with_a_reason(tmp_path: Path, monkeypatch) -> None:
+    import kvlife.bench.io as io_mod
+    from kvlife.bench.peer_lmcache import PeerUnavailable
+
+    def unavailable() -> str:
+        raise PeerUnavailable("lmcache is not installed here")
+
+    monkeypatch.setattr(io_mod, "check_available", unavailable)
+    cfg = IOBenchConfig.quick_config(
+        sizes=(8192,),
+        batch=2,
+        repeat=1,
+        lookup_iters=3,
+        directory=tmp_path,
+        progress=False,
+        peer="lmcache",
+    )
+    doc = run_io_bench(cfg)
+    assert doc["peers"] == {
+        "lmcache": {"available": False, "reason": "lmcache is not installed here"}
+    }
+
+
+def test_sizes_parse_and_print() -> None:
+    assert parse_size("256KiB") == 256 * 1024
+    assert parse_size("2MiB") == parse_size("2M") == 2 << 20
+    assert parse_size("4096") == 4096
+    assert size_label(16 << 20) == "16MiB"
+    with pytest.raises(ValueError):
+        parse_size("lots")
+    with pytest.raises(ValueError):
+        IOBenchConfig(sizes=(1000,))
+
+
+def test_table_aligns_columns() -> None:
+    text = format_table(["name", "GB/s"], [["a", "1.50"], ["longer", "12.00"]])
+    lines = text.splitlines()
+    assert lines[0].startswith("name") and lines[2].endswith(" 1.50")
+    assert len(lines[2]) == len(lines[3])
+    with pytest.raises(ValueError):
+        format_table(["a", "b"], [["only one"]])
