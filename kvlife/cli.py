@@ -30,8 +30,8 @@ def _open_existing(path: str) -> object:
     from kvlife.store import KVStore
 
     p = Path(path)
-    if not (p / "disk" / "catalog.sqlite").exists():
-        raise KVLifeError(f"{p} is not a kvlife store (no disk/catalog.sqlite)")
+    if not (p / "disk").is_dir():
+        raise KVLifeError(f"{p} is not a kvlife store (no disk/ directory)")
     # budgets only bound new writes; an existing store is opened with room for what it holds
     return KVStore.open(p, dram_bytes=0, disk_bytes=1 << 50)
 

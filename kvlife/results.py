@@ -83,6 +83,8 @@ class LoadResult:
     """Chunks whose replica failed verification (now invalidated)."""
     vanished: int = 0
     """Chunks invalidated or evicted between lookup and load."""
+    read_errors: int = 0
+    """Chunks whose read failed with an I/O error (a miss; the replica is kept)."""
 
     @property
     def complete(self) -> bool:
@@ -105,6 +107,7 @@ class StoreCounters:
     chunks_loaded_disk: int = 0
     bytes_loaded: int = 0
     corrupt: int = 0
+    read_errors: int = 0
     vanished: int = 0
     demotions: int = 0
     promotions: int = 0

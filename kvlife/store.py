@@ -31,11 +31,11 @@ from typing import IO, Literal
 import numpy as np
 
 from kvlife.core.errors import (
-    ChecksumMismatch,
     InvalidArgument,
     KVLifeError,
     LayoutMismatch,
     PartialChunkError,
+    ReplicaReadError,
     StorageFullError,
     StoreClosedError,
     StoreLockedError,
@@ -64,7 +64,7 @@ from kvlife.results import (
     StoreInfo,
     TierInfo,
 )
-from kvlife.tiers.base import CapacityShortfall, ReplicaMeta, Reservation, Tier
+from kvlife.tiers.base import CapacityShortfall, ReadResult, ReplicaMeta, Reservation, Tier
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.disk.tier import CheckReport
@@ -646,7 +646,7 @@ class KVStore:
                 recs.append(rec)
             vanished = len(hits) - len(recs)
             where = [DRAM if DRAM in r.tiers else DISK for r in recs]
-            results: list[np.ndarray | ChecksumMismatch | None] = [None] * len(recs)
+            results: list[ReadResult | None] = [None] * len(recs)
             for tier_name in (DRAM, DISK):
                 idx = [i for i, w in enumerate(where) if w == tier_name]
                 if not idx:
@@ -659,6 +659,10 @@ class KVStore:
             out = LoadResult([], 0, len(hits), vanished=vanished)
             promote: list[tuple[ObjectRecord, np.ndarray]] = []
             for rec, tier_name, res in zip(recs, where, results, strict=True):
+                if isinstance(res, ReplicaReadError):
+                    self.counters.read_errors += 1  # a miss; the replica may read next time
+                    out.read_errors += 1
+                    break
                 if not isinstance(res, np.ndarray):
                     self._corrupt(rec, tier_name, str(res))
                     out.corrupt.append(rec.key)
@@ -670,7 +674,7 @@ class KVStore:
                 if tier_name == DISK:
                     promote.append((rec, r))
             out.loaded = len(out.arrays)
-            out.vanished = vanished if not out.corrupt else 0
+            out.vanished = vanished if not (out.corrupt or out.read_errors) else 0
             self.counters.vanished += out.vanished
             self.counters.chunks_loaded_dram += out.tiers.get(DRAM, 0)
             self.counters.chunks_loaded_disk += out.tiers.get(DISK, 0)

@@ -198,3 +198,19 @@ def test_compaction_reclaims_and_counts(tmp_path: Path) -> None:
         assert np.array_equal(t.read(key(i)), arrs[i])
     assert t.used_bytes <= cfg.capacity_bytes
     t.close()
+
+
+def test_memory_tier_never_recycles_a_buffer_someone_still_reads() -> None:
+    t = MemoryTier(CAP)
+    a, b = payload(1), payload(2)
+    t.store([meta(1, a)], [a])
+    view = t.read(key(1))  # zero-copy, read-only
+    assert not view.flags.writeable
+    t.delete(key(1))
+    t.store([meta(2, b)], [b])  # same size: would reuse the freed buffer if it could
+    assert np.array_equal(view, a), "a live view changed under its reader"
+    del view
+    t.delete(key(2))
+    t.store([meta(3, a)], [a])  # the buffer of key 2 is free now and may be reused
+    assert np.array_equal(t.read(key(3)), a)
+    assert t.used_bytes == a.nbytes

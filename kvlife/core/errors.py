@@ -65,3 +65,13 @@ class ChecksumMismatch(KVLifeError):
 
 class ReplicaNotFound(KVLifeError, KeyError):
     """A tier was asked for a replica it does not hold."""
+
+
+class ReplicaReadError(KVLifeError):
+    """A replica could not be read (an I/O error): a miss, but not proof of corruption,
+    so the replica is kept."""
+
+    def __init__(self, key_hex: str, where: str, detail: str) -> None:
+        self.key_hex = key_hex
+        self.where = where
+        super().__init__(f"replica {key_hex[:16]}… in {where} could not be read: {detail}")

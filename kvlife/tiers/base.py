@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.core.errors import ChecksumMismatch, InvalidArgument
+from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaReadError
 from kvlife.core.identity import ChunkKey
 
 
@@ -70,8 +70,9 @@ class Reservation:
     done: bool = False
 
 
-ReadResult = np.ndarray | ChecksumMismatch
-"""Per replica: the verified array, or the mismatch that made it unusable."""
+ReadResult = np.ndarray | ChecksumMismatch | ReplicaReadError
+"""Per replica: the verified array, the mismatch that proves it corrupt, or the I/O
+error that kept it from being read (a miss, the replica is kept)."""
 
 
 class Tier(ABC):
@@ -131,9 +132,9 @@ class Tier(ABC):
     def read(self, key: ChunkKey) -> np.ndarray:
         """One replica as a new array; raises ChecksumMismatch on corruption."""
         (result,) = self.read_batch([key])
-        if isinstance(result, ChecksumMismatch):
-            raise result
-        return result
+        if isinstance(result, np.ndarray):
+            return result
+        raise result
 
     def store(self, metas: Sequence[ReplicaMeta], payloads: Sequence[np.ndarray]) -> bool:
         """prepare + commit in one call; False (nothing stored) when it does not fit."""

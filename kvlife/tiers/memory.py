@@ -12,6 +12,7 @@ computed when a replica is written to a checksummed tier.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +36,45 @@ from kvlife.tiers.buffers import aligned_empty
 class _Held:
     meta: ReplicaMeta
     array: np.ndarray
+    raw: np.ndarray | None
+    """The aligned byte buffer under ``array`` when this tier allocated it (recyclable)."""
+
+
+class _BufferPool:
+    """Warm aligned buffers of freed replicas, reused by later stores of the same size.
+
+    A fresh buffer costs a page fault per page on first touch, about as much as the copy
+    into it. Buffers are recycled only when no view of them is alive, and the pool never
+    holds more than the tier's unused budget, so the tier's memory stays within it.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self.nbytes = 0
+
+    def take(self, nbytes: int) -> np.ndarray:
+        stack = self._free.get(nbytes)
+        if stack:
+            self.nbytes -= nbytes
+            return stack.pop()
+        return aligned_empty(nbytes)
+
+    def give(self, raw: np.ndarray, room: int) -> None:
+        """Keep ``raw`` if no one else references its memory and ``room`` allows."""
+        owner = raw.base
+        # references: raw.base, the local name, getrefcount's argument
+        if owner is None or sys.getrefcount(owner) > 3 or raw.nbytes > room:
+            return
+        self._free.setdefault(raw.nbytes, []).append(raw)
+        self.nbytes += raw.nbytes
+
+    def shrink(self, limit: int) -> None:
+        """Drop pooled buffers until at most ``limit`` bytes are pooled."""
+        for size in sorted(self._free, reverse=True):
+            stack = self._free[size]
+            while stack and self.nbytes > limit:
+                stack.pop()
+                self.nbytes -= size
 
 
 class MemoryTier(Tier):
@@ -48,6 +88,7 @@ class MemoryTier(Tier):
         self._held: dict[ChunkKey, _Held] = {}
         self._used = 0
         self._reserved = 0
+        self._pool = _BufferPool()
         self._lock = threading.Lock()
 
     @property
@@ -69,15 +110,20 @@ class MemoryTier(Tier):
         try:
             check_payloads(reservation.metas, payloads)
             copies = []
-            for arr in payloads:
-                held = aligned_empty(arr.nbytes).view(arr.dtype).reshape(arr.shape)
+            raws = []
+            with self._lock:
+                self._pool.shrink(self.capacity_bytes - self._used - self._reserved)
+                for arr in payloads:
+                    raws.append(self._pool.take(arr.nbytes))
+            for arr, raw in zip(payloads, raws, strict=True):
+                held = raw.view(arr.dtype).reshape(arr.shape)
                 np.copyto(held, arr)
                 held.flags.writeable = False
                 copies.append(held)
         except BaseException:
             self.cancel_store(reservation)
             raise
-        self._publish(reservation, copies)
+        self._publish(reservation, copies, raws)
 
     def commit_adopt(self, reservation: Reservation, arrays: Sequence[np.ndarray]) -> None:
         """Publish arrays the caller hands over for good (no copy): they are made
@@ -91,16 +137,21 @@ class MemoryTier(Tier):
             raise
         for arr in arrays:
             arr.flags.writeable = False
-        self._publish(reservation, arrays)
+        self._publish(reservation, arrays, [None] * len(arrays))
 
-    def _publish(self, reservation: Reservation, copies: Sequence[np.ndarray]) -> None:
+    def _publish(
+        self,
+        reservation: Reservation,
+        copies: Sequence[np.ndarray],
+        raws: Sequence[np.ndarray | None],
+    ) -> None:
         with self._lock:
             self._reserved -= reservation.nbytes
-            for meta, held in zip(reservation.metas, copies, strict=True):
+            for meta, held, raw in zip(reservation.metas, copies, raws, strict=True):
                 old = self._held.pop(meta.key, None)
                 if old is not None:
                     self._used -= old.meta.nbytes
-                self._held[meta.key] = _Held(meta, held)
+                self._held[meta.key] = _Held(meta, held, raw)
                 self._used += meta.nbytes
             reservation.done = True
 
@@ -145,8 +196,14 @@ class MemoryTier(Tier):
             held = self._held.pop(key, None)
             if held is None:
                 raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
-            self._used -= held.meta.nbytes
-            return held.meta.nbytes
+            nbytes = held.meta.nbytes
+            self._used -= nbytes
+            raw = held.raw
+            del held  # drop our view so that only outside views keep the buffer alive
+            if raw is not None:
+                room = self.capacity_bytes - self._used - self._reserved - self._pool.nbytes
+                self._pool.give(raw, room)
+            return nbytes
 
     def replica_keys(self) -> list[ChunkKey]:
         return list(self._held)

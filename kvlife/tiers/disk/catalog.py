@@ -48,6 +48,20 @@ class CatalogCorrupt(KVLifeError):
         )
 
 
+class CatalogMissing(KVLifeError):
+    """Segment files hold data but the catalog that says which frames are committed is
+    gone. Frames alone cannot tell committed from invalidated data, so kvlife refuses to
+    guess (and refuses to delete the segments)."""
+
+    def __init__(self, path: Path, segments: Path) -> None:
+        self.path = path
+        super().__init__(
+            f"catalog {path} is missing but {segments} holds segment files. Without the "
+            "catalog no frame can be trusted to be committed and not invalidated. Restore "
+            f"the catalog, or move {segments} away to start the store empty."
+        )
+
+
 @dataclass(slots=True)
 class CatalogRow:
     """Where one replica's frame lives and what it must verify to."""

@@ -35,6 +35,7 @@ from kvlife.core.errors import (
     ChecksumMismatch,
     InvalidArgument,
     ReplicaNotFound,
+    ReplicaReadError,
     StorageFullError,
     StorePathError,
 )
@@ -48,7 +49,7 @@ from kvlife.tiers.base import (
     check_payloads,
 )
 from kvlife.tiers.buffers import ALIGN, StagingPool, aligned_empty, is_aligned, prefault
-from kvlife.tiers.disk.catalog import Catalog, CatalogRow
+from kvlife.tiers.disk.catalog import Catalog, CatalogMissing, CatalogRow
 from kvlife.tiers.disk.fileio import FileIO, probe_direct_io
 from kvlife.tiers.disk.frame import (
     HEADER_BYTES,
@@ -187,7 +188,12 @@ class DiskTier(Tier):
         self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingPool(keep=config.io_depth + 1)
         self._closed = False
-        self.catalog = Catalog(self.directory / "catalog.sqlite")
+        catalog_path = self.directory / "catalog.sqlite"
+        if not catalog_path.exists() and any(
+            p.stat().st_size > 0 for p in self._scan_segments().values()
+        ):
+            raise CatalogMissing(catalog_path, self._segdir)
+        self.catalog = Catalog(catalog_path)
         try:
             self._recover()
             self._active = self._new_segment()
@@ -430,7 +436,7 @@ class DiskTier(Tier):
             try:
                 got = p.future.result()
             except OSError as exc:
-                return ChecksumMismatch(row.key.hex(), where, f"read failed: {exc}")
+                return ReplicaReadError(row.key.hex(), where, str(exc))
             need = HEADER_BYTES + row.nbytes
             if got < need:
                 return ChecksumMismatch(row.key.hex(), where, f"truncated: {got} of {need} bytes")

@@ -1,0 +1,1 @@
+"""Helpers shared by the recovery tests: a deterministic workload and the crash child."""
