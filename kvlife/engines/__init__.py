@@ -1,0 +1,1 @@
+"""Engine adapters: kvlife as the prefix-KV store of an inference engine."""
