@@ -97,6 +97,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.synthetic:
+        from kvlife.demo_synthetic import run_synthetic_demo
+
+        return run_synthetic_demo(args)
     from kvlife.demo import run_demo
 
     return run_demo(args)
@@ -126,14 +130,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fix", action="store_true", help="drop bad replicas, delete orphan segments")
     p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser("demo", help="run a store workload end to end and print a summary")
+    p = sub.add_parser(
+        "demo",
+        help="SmolLM2 chat with and without kvlife (--synthetic: store-only workload with "
+        "fault injection and restart)",
+    )
+    p.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="run the store-only workload (synthetic KV, no model)",
+    )
     p.add_argument("--dir", default=None, help="store directory (default: a fresh temp dir)")
-    p.add_argument("--users", type=int, default=8, help="chat users")
-    p.add_argument("--turns", type=int, default=6, help="turns per user")
-    p.add_argument("--dram-mib", type=int, default=128, help="DRAM tier budget, MiB")
+    p.add_argument(
+        "--dram-mib",
+        type=int,
+        default=None,
+        help="DRAM tier budget, MiB (default 48; synthetic: 128)",
+    )
     p.add_argument("--disk-mib", type=int, default=4096, help="disk tier budget, MiB")
-    p.add_argument("--json", default=None, help="write the summary as JSON to this file")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per turn")
+    p.add_argument("--chunk-tokens", type=int, default=64, help="tokens per KV chunk")
+    p.add_argument("--users", type=int, default=8, help="synthetic: chat users")
+    p.add_argument("--turns", type=int, default=6, help="synthetic: turns per user")
+    p.add_argument("--json", default=None, help="write the results as JSON to this file")
+    p.add_argument("--seed", type=int, default=0, help="synthetic: workload seed")
     p.set_defaults(func=cmd_demo)
 
     sub.add_parser("bench", help="benchmarks: `kvlife bench io|ssd --help`", add_help=False)
@@ -143,8 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-BENCHES = {"io": "kvlife.bench.io", "ssd": "kvlife.sim.bench_ssd"}
-EXPERIMENTS = {"lifetime-hints": "kvlife.sim.lifetime_hints"}
+BENCHES = {"io": "kvlife.bench.io", "ttft": "kvlife.bench.ttft", "ssd": "kvlife.sim.bench_ssd"}
+EXPERIMENTS = {
+    "lifetime-hints": "kvlife.sim.lifetime_hints",
+    "identity": "kvlife.experiments.identity",
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             return _forward(table[argv[1]], argv[2:])
         args = build_parser().parse_args(argv)
+        if args.command == "demo" and args.dram_mib is None:
+            args.dram_mib = 128 if args.synthetic else 16
         result: int = args.func(args)
         return result
     except KVLifeError as exc:

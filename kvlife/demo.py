@@ -1,12 +1,12 @@
-"""``kvlife demo``: a multi-tenant chat workload through a real store, end to end.
+"""``kvlife demo``: SmolLM2 serving a multi-turn chat, with and without kvlife.
 
-The engine is stood in for by a deterministic KV generator (the KV of a chunk is
-BLAKE3-XOF of its key, so any served chunk can be checked bit for bit against what a
-recompute would give); a later issue puts a real model here. The workload: two
-organisations whose users share their organisation's system prompt, several turns per
-user with the assistant's reply appended to the history. Midway, one byte of a stored
-replica is flipped on disk; the store must catch it on load, recompute, and count it.
-Then the store is closed and reopened (a restart) and every user sends one more turn.
+The built-in workload (``kvlife/data/chat_workload.json``) has one shared system prompt
+and several users with several turns each; every turn's prompt is the system prompt,
+the user's history (questions and the model's answers) and the new question. The same
+turns run twice, round-robin across users: once with no KV reuse, once with kvlife
+(DRAM + disk tiers, DRAM small enough that chunks are demoted to disk). Per turn it
+prints TTFT with and without, the tokens served from each tier, and whether the greedy
+outputs are identical.
 """
 
 from __future__ import annotations
@@ -16,243 +16,251 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from importlib import resources
 from pathlib import Path
+from typing import Any
 
-import blake3
-import numpy as np
 from tqdm import tqdm
 
-from kvlife.core.identity import (
-    ChunkKey,
-    KVLayout,
-    ModelIdentity,
-    Namespace,
-    NamespaceKind,
-    prompt_chunk_keys,
-)
+from kvlife.core.identity import Namespace, NamespaceKind
 from kvlife.report import format_table
-from kvlife.store import KVStore
 
 MiB = 1 << 20
-SMOLLM2_LAYOUT = KVLayout(
-    num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16", tokens_per_chunk=256
-)
-"""SmolLM2-135M's KV shape (23,040 bytes per token in fp16)."""
-VOCAB = 49_152
-SYSTEM_TOKENS = 1024
-USER_TOKENS = (120, 400)
-REPLY_TOKENS = (80, 300)
-
-
-def synthetic_kv(key: ChunkKey, layout: KVLayout) -> np.ndarray:
-    """The stand-in engine's KV of one chunk: a pure function of the chunk key."""
-    raw = blake3.blake3(key).digest(length=layout.chunk_nbytes)
-    return np.frombuffer(raw, dtype=np.uint16).view(np.float16).reshape(layout.chunk_shape)
 
 
 @dataclass
-class PhaseStats:
-    name: str
-    requests: int = 0
-    prompt_tokens: int = 0
-    tokens_dram: int = 0
-    tokens_disk: int = 0
-    tokens_computed: int = 0
-    lookup_s: float = 0.0
-    load_s: float = 0.0
-    put_s: float = 0.0
-    corrupt_caught: int = 0
-    wrong_kv_served: int = 0
+class TurnRow:
+    user: str
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    from_dram: int
+    from_disk: int
+    ttft_without_s: float
+    ttft_with_s: float
+    same_output: bool
+    answer: str
 
     @property
-    def hit_ratio(self) -> float:
-        return (self.tokens_dram + self.tokens_disk) / max(self.prompt_tokens, 1)
+    def speedup(self) -> float:
+        return self.ttft_without_s / self.ttft_with_s if self.ttft_with_s > 0 else 0.0
 
 
-@dataclass
-class User:
-    name: str
-    org: str
-    history: list[int] = field(default_factory=list)
+def load_workload() -> dict[str, Any]:
+    text = resources.files("kvlife").joinpath("data/chat_workload.json").read_text("utf-8")
+    data: dict[str, Any] = json.loads(text)
+    return data
 
 
-def _turn(
-    store: KVStore,
-    identity: ModelIdentity,
-    user: User,
-    system: dict[str, list[int]],
-    rng: np.random.Generator,
-    stats: PhaseStats,
-) -> None:
-    ns = Namespace(NamespaceKind.ORGANISATION, user.org)
-    lay = identity.layout
-    user_msg = rng.integers(0, VOCAB, int(rng.integers(*USER_TOKENS))).tolist()
-    prompt = system[user.org] + user.history + user_msg
-    t0 = time.perf_counter()
-    hit = store.lookup(identity, ns, prompt)
-    t1 = time.perf_counter()
-    loaded = store.load(hit, request_id=f"{user.name}#{len(user.history)}")
-    t2 = time.perf_counter()
-    keys = prompt_chunk_keys(identity, ns, prompt)
-    for i, arr in enumerate(loaded.arrays):
-        if not np.array_equal(arr.view(np.uint16), synthetic_kv(keys[i], lay).view(np.uint16)):
-            stats.wrong_kv_served += 1
-    stats.corrupt_caught += len(loaded.corrupt)
-    # "prefill" the rest: every full chunk's KV, the cached ones included, for the put
-    kv = [synthetic_kv(k, lay) for k in keys]
-    t3 = time.perf_counter()
-    store.put_prompt(identity, ns, prompt, kv)
-    t4 = time.perf_counter()
-    stats.requests += 1
-    stats.prompt_tokens += len(prompt)
-    stats.tokens_dram += loaded.tiers.get("dram", 0) * lay.tokens_per_chunk
-    stats.tokens_disk += loaded.tiers.get("disk", 0) * lay.tokens_per_chunk
-    stats.tokens_computed += len(prompt) - loaded.loaded * lay.tokens_per_chunk
-    stats.lookup_s += t1 - t0
-    stats.load_s += t2 - t1
-    stats.put_s += t4 - t3
-    reply = rng.integers(0, VOCAB, int(rng.integers(*REPLY_TOKENS))).tolist()
-    user.history += user_msg + reply
+class _Encoder:
+    """Text -> token ids with the model's chat template, or bytes for tokenizer-less
+    test models."""
+
+    def __init__(self, tokenizer: Any | None, vocab: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab = vocab
+
+    def chat(self, system: str, history: list[tuple[str, str]], question: str) -> list[int]:
+        if self.tokenizer is None:
+            text = system + "".join(q + a for q, a in history) + question
+            return [b % self.vocab for b in text.encode()]
+        messages = [{"role": "system", "content": system}]
+        for q, a in history:
+            messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        messages.append({"role": "user", "content": question})
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(i) for i in ids)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def _flip_one_byte(store_dir: Path, rng: np.random.Generator) -> str:
-    """Damage one stored payload on disk the way a bad sector or torn write would."""
-    segs = sorted((store_dir / "disk" / "segments").glob("seg-*.kvs"))
-    segs = [s for s in segs if s.stat().st_size > 0]
-    if not segs:
-        return "no segment to damage"
-    seg = segs[0]
-    frame = 4096 + SMOLLM2_LAYOUT.chunk_nbytes
-    frames = seg.stat().st_size // frame
-    off = int(rng.integers(0, max(frames, 1))) * frame + 4096 + 12345
-    with seg.open("r+b") as fh:
-        fh.seek(off)
-        b = fh.read(1)
-        fh.seek(off)
-        fh.write(bytes([b[0] ^ 0x40]))
-    return f"{seg.name} at byte {off}"
+def run_chat(
+    loaded: Any,
+    *,
+    store_dir: Path | None,
+    dram_bytes: int,
+    disk_bytes: int,
+    max_new_tokens: int,
+    tokens_per_chunk: int,
+    progress: bool = True,
+) -> tuple[list[TurnRow], dict[str, Any]]:
+    """Run the workload without and with kvlife; return per-turn rows and store info."""
+    from kvlife.engines.hf import HFEngine
+    from kvlife.store import KVStore
 
-
-def run_demo(args: argparse.Namespace) -> int:
-    rng = np.random.default_rng(args.seed)
-    identity = ModelIdentity(
-        model_id="SmolLM2-135M-Instruct (synthetic KV)",
-        weights_digest="synthetic-v1",
-        tokenizer_digest="synthetic-tok-v1",
-        layout=SMOLLM2_LAYOUT,
-    )
+    work = load_workload()
+    enc = _Encoder(loaded.tokenizer, int(loaded.model.config.vocab_size))
+    ns = Namespace(NamespaceKind.ORGANISATION, "northwind")
+    order = [
+        (u["name"], t, q)
+        for t in range(max(len(u["turns"]) for u in work["users"]))
+        for u in work["users"]
+        if t < len(u["turns"])
+        for q in [u["turns"][t]]
+    ]
+    outputs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
     tmp = None
-    if args.dir is None:
+    if store_dir is None:
         tmp = tempfile.mkdtemp(prefix="kvlife-demo-", dir=".")
         store_dir = Path(tmp)
-    else:
-        store_dir = Path(args.dir)
-    shared_text = rng.integers(0, VOCAB, SYSTEM_TOKENS).tolist()
-    # both organisations use the same system prompt text: namespaces must keep them apart
-    system = {"acme": shared_text, "globex": list(shared_text)}
-    users = [User(f"user{i}", "acme" if i % 3 else "globex") for i in range(args.users)]
-    dram_bytes, disk_bytes = args.dram_mib * MiB, args.disk_mib * MiB
-    phases: list[PhaseStats] = []
-    fault = ""
-    started = time.perf_counter()
+    info: dict[str, Any] = {}
     try:
-        store = KVStore.open(store_dir, dram_bytes=dram_bytes, disk_bytes=disk_bytes)
-        total = args.users * args.turns + args.users
-        with tqdm(total=total, desc="demo requests", unit="req", leave=False) as bar:
-            for turn in range(args.turns):
-                if turn == args.turns // 2 and not fault:
-                    store.flush()
-                    fault = _flip_one_byte(store_dir, rng)
-                    phases.append(PhaseStats("turns after fault"))
-                elif not phases:
-                    phases.append(PhaseStats("turns before fault"))
-                for user in users:
-                    _turn(store, identity, user, system, rng, phases[-1])
+        with tqdm(
+            total=2 * len(order), desc="demo turns", unit="turn", disable=not progress, leave=False
+        ) as bar:
+            for mode in ("without", "with"):
+                store = (
+                    KVStore.open(store_dir, dram_bytes=dram_bytes, disk_bytes=disk_bytes)
+                    if mode == "with"
+                    else None
+                )
+                engine = HFEngine.for_model(loaded, store, tokens_per_chunk=tokens_per_chunk)
+                history: dict[str, list[tuple[str, str]]] = {}
+                for user, t, question in order:
+                    hist = history.setdefault(user, [])
+                    ids = enc.chat(work["system"], hist, question)
+                    turn = engine.generate(
+                        ids, ns, max_new_tokens=max_new_tokens, request_id=f"{user}#{t}"
+                    )
+                    answer = enc.decode(turn.output_ids)
+                    hist.append((question, answer))
+                    outputs[mode].append(
+                        {
+                            "user": user,
+                            "turn": t,
+                            "ids": len(ids),
+                            "turn_result": turn,
+                            "answer": answer,
+                            "output_ids": turn.output_ids,
+                        }
+                    )
                     bar.update()
-            assert store.disk is not None
-            written = store.disk.stats.bytes_written
-            store.close()
-            store = KVStore.open(store_dir, dram_bytes=dram_bytes, disk_bytes=disk_bytes)
-            recovered = store.counters.recovered
-            phases.append(PhaseStats("after restart"))
-            for user in users:
-                _turn(store, identity, user, system, rng, phases[-1])
-                bar.update()
-        info = store.info()
-        assert store.disk is not None
-        written += store.disk.stats.bytes_written
-        read = store.disk.stats.bytes_read
-        store.close()
+                if store is not None:
+                    info = store.info().to_json()
+                    store.close()
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    elapsed = time.perf_counter() - started
+    rows = []
+    for a, b in zip(outputs["without"], outputs["with"], strict=True):
+        ta, tb = a["turn_result"], b["turn_result"]
+        rows.append(
+            TurnRow(
+                user=a["user"],
+                turn=a["turn"] + 1,
+                prompt_tokens=b["ids"],
+                cached_tokens=tb.cached_tokens,
+                from_dram=tb.tiers.get("dram", 0) * tokens_per_chunk,
+                from_disk=tb.tiers.get("disk", 0) * tokens_per_chunk,
+                ttft_without_s=ta.ttft_s,
+                ttft_with_s=tb.ttft_s,
+                same_output=a["output_ids"] == b["output_ids"],
+                answer=b["answer"],
+            )
+        )
+    return rows, info
 
+
+def run_demo(args: argparse.Namespace) -> int:
+    from kvlife.engines.models import load_smollm2
+
+    t0 = time.perf_counter()
+    print("loading SmolLM2-135M-Instruct (first run converts the GGUF, ~30 s) ...", flush=True)
+    loaded = load_smollm2()
+    load_s = time.perf_counter() - t0
+    rows, info = run_chat(
+        loaded,
+        store_dir=Path(args.dir) if args.dir else None,
+        dram_bytes=args.dram_mib * MiB,
+        disk_bytes=args.disk_mib * MiB,
+        max_new_tokens=args.max_new_tokens,
+        tokens_per_chunk=args.chunk_tokens,
+    )
     headers = [
-        "phase",
-        "requests",
+        "user",
+        "turn",
         "prompt tok",
-        "from DRAM",
-        "from disk",
-        "computed",
-        "hit ratio",
-        "corrupt caught",
-        "wrong KV served",
+        "cached",
+        "DRAM",
+        "disk",
+        "TTFT without",
+        "TTFT with",
+        "speedup",
+        "same output",
     ]
-    rows = [
+    table = [
         [
-            p.name,
-            str(p.requests),
-            str(p.prompt_tokens),
-            str(p.tokens_dram),
-            str(p.tokens_disk),
-            str(p.tokens_computed),
-            f"{p.hit_ratio:.1%}",
-            str(p.corrupt_caught),
-            str(p.wrong_kv_served),
+            r.user,
+            str(r.turn),
+            str(r.prompt_tokens),
+            str(r.cached_tokens),
+            str(r.from_dram),
+            str(r.from_disk),
+            f"{r.ttft_without_s * 1e3:.0f} ms",
+            f"{r.ttft_with_s * 1e3:.0f} ms",
+            f"{r.speedup:.2f}x",
+            "yes" if r.same_output else "NO",
         ]
-        for p in phases
+        for r in rows
     ]
     print(
-        f"kvlife demo: {args.users} users x {args.turns} turns + 1 after restart, "
-        f"{identity.model_id}, {SMOLLM2_LAYOUT.bytes_per_token} B of KV per token"
+        f"kvlife demo: {loaded.model_id}, {len(rows)} turns, greedy, "
+        f"{args.max_new_tokens} new tokens per turn"
     )
-    print(format_table(headers, rows))
-    c = info.lifetime_counters
-    disk = next(t for t in info.tiers if t.name == "disk")
+    print(format_table(headers, table))
+    same = sum(r.same_output for r in rows)
+    hit_rows = [r for r in rows if r.cached_tokens]
+    hit_speedup = (
+        sum(r.ttft_without_s for r in hit_rows) / max(sum(r.ttft_with_s for r in hit_rows), 1e-9)
+        if hit_rows
+        else 0.0
+    )
+    total_without = sum(r.ttft_without_s for r in rows)
+    total_with = sum(r.ttft_with_s for r in rows)
+    prompt = sum(r.prompt_tokens for r in rows)
+    cached = sum(r.cached_tokens for r in rows)
+    c = info.get("counters", {})
     summary = [
-        ["fault injected", fault or "none"],
-        ["objects recovered after restart", str(recovered)],
-        ["demotions DRAM->disk / promotions", f"{c['demotions']} / {c['promotions']}"],
-        ["disk bytes written (both runs)", f"{written / MiB:.1f} MiB"],
-        ["disk bytes read (after restart)", f"{read / MiB:.1f} MiB"],
-        ["direct I/O", str(disk.details.get("direct_io"))],
-        ["lookup time (all requests)", f"{sum(p.lookup_s for p in phases) * 1e3:.1f} ms"],
-        ["load time (all requests)", f"{sum(p.load_s for p in phases) * 1e3:.1f} ms"],
-        ["put time (all requests)", f"{sum(p.put_s for p in phases) * 1e3:.1f} ms"],
-        ["wall time", f"{elapsed:.1f} s"],
+        ["turns with identical greedy output", f"{same} of {len(rows)}"],
+        ["prompt tokens served from kvlife", f"{cached} of {prompt} ({cached / prompt:.0%})"],
+        [
+            "  from DRAM / from disk",
+            f"{sum(r.from_dram for r in rows)} / {sum(r.from_disk for r in rows)}",
+        ],
+        ["total TTFT without / with kvlife", f"{total_without:.2f} s / {total_with:.2f} s"],
+        ["TTFT speedup on turns with a hit", f"{hit_speedup:.2f}x" if hit_rows else "-"],
+        [
+            "chunks stored / demoted / promoted",
+            f"{c.get('chunks_stored', 0)} / {c.get('demotions', 0)} / {c.get('promotions', 0)}",
+        ],
+        ["corrupt replicas caught", str(c.get("corrupt", 0))],
+        ["model load", f"{load_s:.1f} s"],
     ]
     print()
     print(format_table(["summary", ""], summary))
-    wrong = sum(p.wrong_kv_served for p in phases)
-    caught = sum(p.corrupt_caught for p in phases)
     print()
-    print(
-        f"verified every served chunk bit for bit: {wrong} wrong; "
-        f"{caught} corrupt replica(s) caught and recomputed"
-    )
+    if same == len(rows):
+        print("greedy outputs with and without kvlife are identical on every turn")
+    else:
+        print(f"WARNING: {len(rows) - same} turn(s) produced different output with kvlife")
     if args.json:
         Path(args.json).write_text(
             json.dumps(
                 {
-                    "phases": [asdict(p) | {"hit_ratio": p.hit_ratio} for p in phases],
-                    "fault": fault,
-                    "recovered": recovered,
-                    "lifetime_counters": c,
-                    "wall_s": elapsed,
+                    "model": loaded.model_id,
+                    "turns": [asdict(r) | {"speedup": r.speedup} for r in rows],
+                    "identical_outputs": same == len(rows),
+                    "store": info,
+                    "total_ttft_without_s": total_without,
+                    "total_ttft_with_s": total_with,
                 },
                 indent=2,
             )
         )
-    return 0 if wrong == 0 else 1
+    return 0 if same == len(rows) else 1

@@ -26,6 +26,7 @@ def test_demo_runs_and_serves_no_wrong_kv(
     out = tmp_path / "demo.json"
     args = [
         "demo",
+        "--synthetic",
         "--dir",
         str(tmp_path / "s"),
         "--users",

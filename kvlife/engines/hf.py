@@ -167,7 +167,6 @@ class HFEngine:
     ) -> Prefill:
         """Reuse the stored prefix of ``ids`` and prefill the rest."""
         self._check_length(ids, start, 0)
-        torch = self.torch
         lay = self.identity.layout
         n, tpc = len(ids), lay.tokens_per_chunk
         t0 = time.perf_counter()
@@ -176,7 +175,6 @@ class HFEngine:
             hits = self.store.lookup(self.identity, namespace, list(ids), start=start)
         usable = min(len(hits.hits), (n - 1) // tpc)
         t1 = time.perf_counter()
-        cache = self._new_cache()
         loaded_chunks: list[np.ndarray] = []
         tiers: dict[str, int] = {}
         corrupt = 0
@@ -187,37 +185,66 @@ class HFEngine:
             sub = LookupResult(hits.hits[:usable], hits.chunks_total, tpc)
             res = self.store.load(sub, outs, request_id=request_id)
             tiers, corrupt = res.tiers, len(res.corrupt)
-            cached = res.loaded * tpc
             loaded_chunks = outs[: res.loaded]
-            if cached:
-                for layer in range(lay.num_layers):
-                    k = to_torch(buf[layer, 0, :, :cached], lay.dtype)[None]
-                    v = to_torch(buf[layer, 1, :, :cached], lay.dtype)[None]
-                    cache.update(k, v, layer)
+            cache = self._inject(buf, res.loaded * tpc)
         else:
-            cached = 0
+            cache = self._new_cache()
         t2 = time.perf_counter()
+        pre = self._prefill_suffix(ids, cache, start)
+        pre.tiers, pre.corrupt, pre.loaded_chunks = tiers, corrupt, loaded_chunks
+        pre.lookup_s, pre.load_s = t1 - t0, t2 - t1
+        return pre
+
+    def prefill_with_chunks(
+        self, ids: Sequence[int], chunks: Sequence[np.ndarray], *, start: int = 0
+    ) -> Prefill:
+        """Prefill ``ids`` reusing the given KV chunks for its leading tokens, whatever
+        their origin (no store involved): for experiments that serve KV another way."""
+        self._check_length(ids, start, 0)
+        lay = self.identity.layout
+        tpc = lay.tokens_per_chunk
+        usable = min(len(chunks), (len(ids) - 1) // tpc)
+        if not usable:
+            return self._prefill_suffix(ids, self._new_cache(), start)
+        buf = np.concatenate([np.asarray(c) for c in chunks[:usable]], axis=3)
+        buf = buf.astype(numpy_dtype(lay.dtype), copy=False)
+        return self._prefill_suffix(ids, self._inject(buf, usable * tpc), start)
+
+    def _inject(self, buf: np.ndarray, tokens: int) -> Any:
+        """A cache holding the first ``tokens`` positions of ``buf`` (layers, 2, heads,
+        T, dim), as views (no copy)."""
+        lay = self.identity.layout
+        cache = self._new_cache()
+        if tokens:
+            for layer in range(lay.num_layers):
+                k = to_torch(buf[layer, 0, :, :tokens], lay.dtype)[None]
+                v = to_torch(buf[layer, 1, :, :tokens], lay.dtype)[None]
+                cache.update(k, v, layer)
+        return cache
+
+    def _prefill_suffix(self, ids: Sequence[int], cache: Any, start: int) -> Prefill:
+        torch = self.torch
+        cached = int(cache.get_seq_length())
+        n = len(ids)
+        t0 = time.perf_counter()
         suffix = torch.tensor([list(ids[cached:])], dtype=torch.long)
-        positions = torch.arange(start + cached, start + n)[None]
         with torch.no_grad():
             out = self.model(
                 input_ids=suffix,
                 cache=cache,
-                position_ids=positions,
+                position_ids=torch.arange(start + cached, start + n)[None],
                 cache_position=torch.arange(cached, n),
                 use_cache=True,
             )
-        t3 = time.perf_counter()
         return Prefill(
             cache=out.cache,
             logits=out.logits[0],
             cached_tokens=cached,
-            tiers=tiers,
-            corrupt=corrupt,
-            lookup_s=t1 - t0,
-            load_s=t2 - t1,
-            prefill_s=t3 - t2,
-            loaded_chunks=loaded_chunks,
+            tiers={},
+            corrupt=0,
+            lookup_s=0.0,
+            load_s=0.0,
+            prefill_s=time.perf_counter() - t0,
         )
 
     def _new_cache(self) -> Any:
@@ -242,30 +269,9 @@ class HFEngine:
         if max_new_tokens < 1:
             raise ContextTooLong(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self._check_length(ids, start, max_new_tokens)
-        torch = self.torch
         t0 = time.perf_counter()
         pre = self.prefill(ids, namespace, start=start, request_id=request_id)
-        token = int(torch.argmax(pre.logits[-1]))
-        ttft = time.perf_counter() - t0
-        out_ids = [token]
-        eos = getattr(self.config, "eos_token_id", None)
-        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        cache = pre.cache
-        pos = start + len(ids)
-        t1 = time.perf_counter()
-        with torch.no_grad():
-            while len(out_ids) < max_new_tokens and not (stop_at_eos and token in eos_ids):
-                out = self.model(
-                    input_ids=torch.tensor([[token]], dtype=torch.long),
-                    cache=cache,
-                    position_ids=torch.tensor([[pos]]),
-                    cache_position=torch.tensor([pos - start]),
-                    use_cache=True,
-                )
-                cache = out.cache
-                token = int(torch.argmax(out.logits[0, -1]))
-                out_ids.append(token)
-                pos += 1
+        out_ids, cache, first_at = self.decode(pre, start + len(ids), max_new_tokens, stop_at_eos)
         t2 = time.perf_counter()
         stored = 0
         if store_output and self.store is not None:
@@ -277,14 +283,42 @@ class HFEngine:
             cached_tokens=pre.cached_tokens,
             tiers=pre.tiers,
             corrupt=pre.corrupt,
-            ttft_s=ttft,
-            decode_s=t2 - t1,
+            ttft_s=first_at - t0,
+            decode_s=t2 - first_at,
             store_s=t3 - t2,
             stored_chunks=stored,
             lookup_s=pre.lookup_s,
             load_s=pre.load_s,
             prefill_s=pre.prefill_s,
         )
+
+    def decode(
+        self, pre: Prefill, position: int, max_new_tokens: int, stop_at_eos: bool = True
+    ) -> tuple[list[int], Any, float]:
+        """Greedy tokens after a prefill: (token ids, final cache, time the first token
+        was chosen). ``position`` is the absolute position of the first new token."""
+        torch = self.torch
+        token = int(torch.argmax(pre.logits[-1]))
+        first_at = time.perf_counter()
+        out_ids = [token]
+        eos = getattr(self.config, "eos_token_id", None)
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        cache = pre.cache
+        offset = position - int(cache.get_seq_length())  # start of the request
+        with torch.no_grad():
+            while len(out_ids) < max_new_tokens and not (stop_at_eos and token in eos_ids):
+                out = self.model(
+                    input_ids=torch.tensor([[token]], dtype=torch.long),
+                    cache=cache,
+                    position_ids=torch.tensor([[position]]),
+                    cache_position=torch.tensor([position - offset]),
+                    use_cache=True,
+                )
+                cache = out.cache
+                token = int(torch.argmax(out.logits[0, -1]))
+                out_ids.append(token)
+                position += 1
+        return out_ids, cache, first_at
 
     def _store(
         self,

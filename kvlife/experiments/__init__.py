@@ -1,0 +1,1 @@
+"""Experiments that answer research questions with kvlife's components."""
