@@ -12,7 +12,7 @@ import pytest
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaNotFound
 from kvlife.core.identity import ChunkKey
 from kvlife.tiers.base import CapacityShortfall, ReplicaMeta, Reservation, Tier
-from kvlife.tiers.buffers import aligned_empty
+from kvlife.tiers.buffers import aligned_empty, aligned_runs
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
 from kvlife.tiers.memory import MemoryTier
 
@@ -214,3 +214,23 @@ def test_memory_tier_never_recycles_a_buffer_someone_still_reads() -> None:
     t.store([meta(3, a)], [a])  # the buffer of key 2 is free now and may be reused
     assert np.array_equal(t.read(key(3)), a)
     assert t.used_bytes == a.nbytes
+
+
+def test_strided_output_buffers_are_filled(tier: Tier) -> None:
+    """A chunk slice of a per-layer buffer (strided) is filled exactly; on disk it is read
+    straight into it when its pieces are aligned."""
+    big = aligned_empty(2 * 3 * 1024 * 16 * 4).view(np.float32).reshape(2, 3, 1024, 16)
+    chunks = [
+        np.random.default_rng(i).standard_normal((2, 3, 256, 16)).astype(np.float32)
+        for i in range(4)
+    ]
+    tier.store([meta(i, c) for i, c in enumerate(chunks)], chunks)
+    outs: list[np.ndarray | None] = [big[:, :, i * 256 : (i + 1) * 256] for i in range(4)]
+    assert aligned_runs(outs[1]) is not None  # 6 pieces of 16 KiB: the direct path
+    got = tier.read_batch([key(i) for i in range(4)], outs)
+    for i, c in enumerate(chunks):
+        assert got[i] is outs[i]
+        assert np.array_equal(big[:, :, i * 256 : (i + 1) * 256], c)
+    odd = np.empty((2, 3, 300, 16), np.float32)[:, :, :256]  # unaligned: staged, same bytes
+    (res,) = tier.read_batch([key(2)], [odd])
+    assert np.array_equal(res, chunks[2])

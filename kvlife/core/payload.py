@@ -80,3 +80,20 @@ def to_torch(arr: np.ndarray, kv_dtype: str) -> Any:
     if kv_dtype in _NUMPY_NAME:
         return tensor.view(getattr(torch, kv_dtype))
     return tensor
+
+
+def cast_kv(arr: np.ndarray, kv_dtype: str) -> np.ndarray:
+    """Float KV converted by value to ``kv_dtype`` in kvlife's numpy form (bfloat16 via
+    torch, since numpy has none). Arrays already in that form are returned as they are."""
+    target = numpy_dtype(kv_dtype)
+    if arr.dtype == target:
+        return arr
+    if kv_dtype in _NUMPY_NAME:
+        import torch
+
+        t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+        bits = t.to(getattr(torch, kv_dtype))
+        view = {"uint16": torch.int16, "uint8": torch.uint8}[target.name]
+        out: np.ndarray = bits.view(view).numpy().view(target)
+        return out
+    return arr.astype(target)

@@ -23,12 +23,13 @@ from typing import Any
 import numpy as np
 
 from kvlife.core.identity import ModelIdentity, Namespace
-from kvlife.core.payload import numpy_dtype, to_torch
+from kvlife.core.payload import cast_kv, numpy_dtype, to_torch
 from kvlife.engines.errors import ContextTooLong, IdentityMismatch, UnsupportedModel
 from kvlife.engines.identity import AdapterSpec, llama_shape, model_identity
 from kvlife.engines.models import LoadedModel
 from kvlife.results import LookupResult
 from kvlife.store import KVStore
+from kvlife.tiers.buffers import aligned_empty
 
 
 @dataclass(slots=True)
@@ -180,7 +181,9 @@ class HFEngine:
         corrupt = 0
         if usable and self.store is not None:
             shape = (lay.num_layers, 2, lay.num_kv_heads, usable * tpc, lay.head_dim)
-            buf = np.empty(shape, numpy_dtype(lay.dtype))
+            # aligned, so each chunk's disk read lands in it directly (vectored O_DIRECT)
+            size = int(np.prod(shape)) * numpy_dtype(lay.dtype).itemsize
+            buf = aligned_empty(size).view(numpy_dtype(lay.dtype)).reshape(shape)
             outs = [buf[:, :, :, i * tpc : (i + 1) * tpc, :] for i in range(usable)]
             sub = LookupResult(hits.hits[:usable], hits.chunks_total, tpc)
             res = self.store.load(sub, outs, request_id=request_id)
@@ -199,15 +202,15 @@ class HFEngine:
         self, ids: Sequence[int], chunks: Sequence[np.ndarray], *, start: int = 0
     ) -> Prefill:
         """Prefill ``ids`` reusing the given KV chunks for its leading tokens, whatever
-        their origin (no store involved): for experiments that serve KV another way."""
+        their origin (no store involved): for experiments that serve KV another way.
+        Float chunks of another dtype are converted by value, as a connector would."""
         self._check_length(ids, start, 0)
         lay = self.identity.layout
         tpc = lay.tokens_per_chunk
         usable = min(len(chunks), (len(ids) - 1) // tpc)
         if not usable:
             return self._prefill_suffix(ids, self._new_cache(), start)
-        buf = np.concatenate([np.asarray(c) for c in chunks[:usable]], axis=3)
-        buf = buf.astype(numpy_dtype(lay.dtype), copy=False)
+        buf = np.concatenate([cast_kv(np.asarray(c), lay.dtype) for c in chunks[:usable]], axis=3)
         return self._prefill_suffix(ids, self._inject(buf, usable * tpc), start)
 
     def _inject(self, buf: np.ndarray, tokens: int) -> Any:

@@ -31,6 +31,36 @@ def is_aligned(arr: np.ndarray, align: int = ALIGN) -> bool:
     return arr.ctypes.data % align == 0 and arr.nbytes % align == 0
 
 
+def aligned_runs(arr: np.ndarray, max_runs: int = 1000) -> list[np.ndarray] | None:
+    """``arr``'s memory as uint8 views in C order, one per contiguous trailing block, if
+    every block is aligned for direct I/O and there are at most ``max_runs`` of them
+    (a vectored read or write takes 1024 pieces); else None.
+
+    A chunk slice of a per-layer KV buffer, ``buf[:, :, :, t0:t1, :]``, is such an array:
+    a disk read can land in it directly instead of in a staging copy.
+    """
+    expected = arr.itemsize
+    k = arr.ndim
+    for axis in range(arr.ndim - 1, -1, -1):
+        if arr.shape[axis] != 1 and arr.strides[axis] != expected:
+            break
+        expected *= arr.shape[axis]
+        k = axis
+    outer = arr.shape[:k]
+    count = 1
+    for d in outer:
+        count *= d
+    if count > max_runs or expected % ALIGN:
+        return None
+    runs = []
+    for idx in np.ndindex(*outer):
+        run = arr[idx].reshape(-1).view(np.uint8)
+        if run.ctypes.data % ALIGN:
+            return None
+        runs.append(run)
+    return runs
+
+
 def prefault(buf: np.ndarray) -> None:
     """Touch every page of a fresh buffer so its page faults happen here, not inside a
     device read or a copy that is being timed against the device."""

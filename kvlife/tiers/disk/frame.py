@@ -62,6 +62,16 @@ def payload_checksum(data: np.ndarray) -> bytes:
     return bytes(xxhash.xxh3_128_digest(data.data))
 
 
+def parts_checksum(parts: list[np.ndarray]) -> bytes:
+    """xxh3-128 of the concatenation of contiguous arrays, without concatenating."""
+    if len(parts) == 1:
+        return payload_checksum(parts[0])
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(part.data)
+    return bytes(h.digest())
+
+
 def pack_header(h: FrameHeader, out: memoryview) -> None:
     """Write the header into the first HEADER_BYTES of ``out`` (the rest zeroed)."""
     if len(h.shape) > MAX_NDIM:

@@ -48,7 +48,14 @@ from kvlife.tiers.base import (
     Tier,
     check_payloads,
 )
-from kvlife.tiers.buffers import ALIGN, StagingPool, aligned_empty, is_aligned, prefault
+from kvlife.tiers.buffers import (
+    ALIGN,
+    StagingPool,
+    aligned_empty,
+    aligned_runs,
+    is_aligned,
+    prefault,
+)
 from kvlife.tiers.disk.catalog import Catalog, CatalogMissing, CatalogRow
 from kvlife.tiers.disk.fileio import FileIO, probe_direct_io
 from kvlife.tiers.disk.frame import (
@@ -57,6 +64,7 @@ from kvlife.tiers.disk.frame import (
     FrameHeader,
     frame_len,
     pack_header,
+    parts_checksum,
     payload_checksum,
     unpack_header,
 )
@@ -109,8 +117,8 @@ class _PendingRead:
     row: CatalogRow
     header: np.ndarray
     """Buffer whose first HEADER_BYTES receive the frame header."""
-    payload: np.ndarray
-    """uint8 view that receives the payload."""
+    payload: list[np.ndarray]
+    """uint8 views that receive the payload, in order."""
     out: np.ndarray | None
     """Caller's buffer (filled in place or by copy), None for a new array."""
     staged: np.ndarray | None
@@ -412,12 +420,11 @@ class DiskTier(Tier):
                     f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
                     f"{row.dtype}{list(row.shape)}"
                 )
-            if out.flags.c_contiguous:
-                u8 = out.reshape(-1).view(np.uint8)
-                if is_aligned(u8):
-                    hdr = aligned_empty(HEADER_BYTES)
-                    fut = self._submit(self.io.preadv, seg.fd, [hdr, u8], row.off)
-                    return _PendingRead(fut, row, hdr, u8, out, None)
+            runs = aligned_runs(out)
+            if runs is not None:  # straight into the caller's memory, even if strided
+                hdr = aligned_empty(HEADER_BYTES)
+                fut = self._submit(self.io.preadv, seg.fd, [hdr, *runs], row.off)
+                return _PendingRead(fut, row, hdr, runs, out, None)
         flen = frame_len(row.nbytes)
         if out is not None:
             staged = self._staging.get(flen)
@@ -427,7 +434,7 @@ class DiskTier(Tier):
         frame = staged[:flen]
         fut = self._submit(self.io.preadv, seg.fd, [frame], row.off)
         payload = frame[HEADER_BYTES : HEADER_BYTES + row.nbytes]
-        return _PendingRead(fut, row, frame, payload, out, staged if out is not None else None)
+        return _PendingRead(fut, row, frame, [payload], out, staged if out is not None else None)
 
     def _finish_read(self, p: _PendingRead) -> ReadResult:
         row = p.row
@@ -444,18 +451,17 @@ class DiskTier(Tier):
             problem = self._verify(row, p.header.data[:HEADER_BYTES], p.payload)
             if problem:
                 return ChecksumMismatch(row.key.hex(), where, problem)
-            arr = p.payload.view(np.dtype(row.dtype)).reshape(row.shape)
             if p.out is None:
-                return arr
+                return p.payload[0].view(np.dtype(row.dtype)).reshape(row.shape)
             if p.staged is not None:
-                np.copyto(p.out, arr)
+                np.copyto(p.out, p.payload[0].view(np.dtype(row.dtype)).reshape(row.shape))
             return p.out
         finally:
             if p.staged is not None:
                 self._staging.put(p.staged)
 
     @staticmethod
-    def _verify(row: CatalogRow, hdr: memoryview, payload: np.ndarray | None) -> str:
+    def _verify(row: CatalogRow, hdr: memoryview, payload: list[np.ndarray] | None) -> str:
         """Empty string if the frame matches its row, else what is wrong."""
         try:
             h = unpack_header(hdr)
@@ -465,7 +471,7 @@ class DiskTier(Tier):
             return "header names another key"
         if h.payload_len != row.nbytes or h.checksum != row.checksum:
             return "header disagrees with the catalog"
-        if payload is not None and payload_checksum(payload) != row.checksum:
+        if payload is not None and parts_checksum(payload) != row.checksum:
             return "payload checksum mismatch"
         return ""
 
@@ -533,7 +539,7 @@ class DiskTier(Tier):
                 else self._verify(
                     row,
                     frame.data[:HEADER_BYTES],
-                    frame[HEADER_BYTES : HEADER_BYTES + row.nbytes],
+                    [frame[HEADER_BYTES : HEADER_BYTES + row.nbytes]],
                 )
             )
             if problem:
@@ -617,7 +623,7 @@ class DiskTier(Tier):
             return f"read failed: {exc}"
         if got < (HEADER_BYTES + row.nbytes if full else HEADER_BYTES):
             return f"truncated: {got} bytes"
-        payload = buf[HEADER_BYTES : HEADER_BYTES + row.nbytes] if full else None
+        payload = [buf[HEADER_BYTES : HEADER_BYTES + row.nbytes]] if full else None
         return self._verify(row, buf.data[:HEADER_BYTES], payload)
 
     def check(self, fix: bool = False) -> CheckReport:
