@@ -74,13 +74,24 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from kvlife.store import KVStore
 
     store = _open_existing(args.path)
     assert isinstance(store, KVStore)
     try:
         assert store.disk is not None
-        report = store.check(fix=args.fix)
+        total = store.disk.live_bytes
+        with tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            desc="checking",
+            leave=False,
+            disable=total < (256 << 20),
+        ) as bar:
+            report = store.check(fix=args.fix, progress=bar.update)
         dropped = store.disk.stats.recovery_dropped
     finally:
         store.close(flush=False)
@@ -156,9 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="synthetic: workload seed")
     p.set_defaults(func=cmd_demo)
 
-    sub.add_parser("bench", help="benchmarks: `kvlife bench io|ssd --help`", add_help=False)
     sub.add_parser(
-        "experiment", help="experiments: `kvlife experiment lifetime-hints --help`", add_help=False
+        "bench", help="benchmarks: `kvlife bench io|ttft|ssd|replay --help`", add_help=False
+    )
+    sub.add_parser("replay", help="replay a trace: `kvlife replay --help`", add_help=False)
+    sub.add_parser(
+        "sweep", help="hit ratio against capacity per policy: `kvlife sweep --help`", add_help=False
+    )
+    sub.add_parser(
+        "experiment",
+        help="experiments: `kvlife experiment identity|lifetime-hints --help`",
+        add_help=False,
     )
     return parser
 
@@ -173,10 +192,19 @@ EXPERIMENTS = {
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] in (["replay"], ["sweep"]) or argv[:2] == ["bench", "replay"]:
+            from kvlife.replay import cli as replay_cli
+
+            if argv[0] == "replay":
+                return replay_cli.replay_main(argv[1:])
+            if argv[0] == "sweep":
+                return replay_cli.sweep_main(argv[1:])
+            return replay_cli.bench_main(argv[2:])
         if argv[:1] in (["bench"], ["experiment"]):
             table = BENCHES if argv[0] == "bench" else EXPERIMENTS
             if len(argv) < 2 or argv[1] not in table:
-                print(f"usage: kvlife {argv[0]} {{{','.join(table)}}} [options]", file=sys.stderr)
+                names = [*table, "replay"] if argv[0] == "bench" else list(table)
+                print(f"usage: kvlife {argv[0]} {{{','.join(names)}}} [options]", file=sys.stderr)
                 return 2
             return _forward(table[argv[1]], argv[2:])
         args = build_parser().parse_args(argv)

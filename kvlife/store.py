@@ -23,7 +23,7 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Literal
@@ -308,9 +308,7 @@ class KVStore:
             for i, (key, arr) in enumerate(zip(keys, chunks, strict=True)):
                 rec = self._index.get(key)
                 if rec is not None:
-                    pending.present += 1
-                    for t in rec.tiers:
-                        self._policies[t].touch(key)
+                    pending.present += 1  # touched in commit_put, in prompt order
                 elif key in self._pending_keys:
                     pending.in_flight += 1  # one object per key: the other put writes it
                 else:
@@ -338,7 +336,7 @@ class KVStore:
             self._finish_pending(pending)
             fresh = pending.items
             try:
-                stored = self._store_new(fresh, pending.request_id)
+                stored = self._store_new(fresh, pending.request_id, set(pending.keys))
                 if self.config.write_through:
                     self._write_through(pending.keys, [r for r, _ in fresh])
             except BaseException:
@@ -347,6 +345,7 @@ class KVStore:
                         self._move(rec, Move.ABORT, reason="write failed")
                         self.counters.aborted += 1
                 raise
+            self._touch_in_order(pending.keys, {r.key for r, _ in fresh})
             self.counters.chunks_stored += stored
             self.counters.chunks_already_present += pending.present
             self.counters.chunks_dropped += len(fresh) - stored
@@ -396,15 +395,40 @@ class KVStore:
             self._evict(tier_name, victims)
             return sum(r.nbytes for r in victims)
 
-    def _store_new(self, items: list[tuple[ObjectRecord, np.ndarray]], request_id: str) -> int:
-        """Write TENTATIVE objects to the first tier that takes them; returns how many."""
+    def _touch_in_order(self, keys: list[ChunkKey], new: set[ChunkKey]) -> None:
+        """Tell each tier's policy about a put's chunks in prompt order: the new ones are
+        inserted, present ones touched. Policies then see one use per chunk in the order
+        of the prompt, which is what the replay simulator models (docs/replay.md)."""
+        for key in keys:
+            rec = self._index.get(key)
+            if rec is None or rec.state is not INDEXED:
+                continue
+            for tier_name in (DRAM, DISK):
+                if tier_name in rec.tiers:
+                    policy = self._policies[tier_name]
+                    if key in new and key not in policy:
+                        policy.insert(key)
+                    else:
+                        policy.touch(key)
+
+    def _store_new(
+        self,
+        items: list[tuple[ObjectRecord, np.ndarray]],
+        request_id: str,
+        protected: set[ChunkKey],
+    ) -> int:
+        """Write TENTATIVE objects to the first tier that takes them; returns how many.
+
+        Making room never evicts a chunk in ``protected`` (the whole prompt being put).
+        Policies learn of the new objects in :meth:`_touch_in_order`.
+        """
         if not items:
             return 0
         first = DRAM if self.dram is not None else DISK
         recs = [r for r, _ in items]
-        res = self._make_room(first, recs, protected={r.key for r in recs})
+        res = self._make_room(first, recs, protected=protected)
         if res is not None:
-            self._commit(first, res, items, request_id)
+            self._commit(first, res, items, request_id, insert=False)
             done = len(items)
         else:
             done = 0
@@ -412,9 +436,9 @@ class KVStore:
                 placed = False
                 for tier_name in (DRAM, DISK):
                     if tier_name in self._policies:
-                        r = self._make_room(tier_name, [item[0]], protected={item[0].key})
+                        r = self._make_room(tier_name, [item[0]], protected=protected)
                         if r is not None:
-                            self._commit(tier_name, r, [item], request_id)
+                            self._commit(tier_name, r, [item], request_id, insert=False)
                             placed = True
                             break
                 if not placed:
@@ -445,6 +469,8 @@ class KVStore:
         res: Reservation,
         items: list[tuple[ObjectRecord, np.ndarray]],
         request_id: str,
+        *,
+        insert: bool = True,
     ) -> None:
         tier = self._tier(tier_name)
         try:
@@ -462,7 +488,8 @@ class KVStore:
             self._move(rec, Move.INDEX, tier=tier_name)
             rec.tiers.add(tier_name)
             self._index.add(rec)
-            policy.insert(rec.key)
+            if insert:
+                policy.insert(rec.key)
 
     def _make_room(
         self, tier_name: str, recs: Sequence[ObjectRecord], protected: set[ChunkKey]
@@ -784,7 +811,9 @@ class KVStore:
             self.counters.recovered += 1
         self.counters.recovery_dropped += len(self.disk.take_lost())
 
-    def check(self, fix: bool = False) -> CheckReport:
+    def check(
+        self, fix: bool = False, progress: Callable[[int], object] | None = None
+    ) -> CheckReport:
         """Audit every disk replica (payload checksums included) and the segment files;
         with ``fix``, drop bad replicas (their objects are invalidated as corrupt) and
         delete orphan segments."""
@@ -792,7 +821,7 @@ class KVStore:
         with self._lock:
             if self.disk is None:
                 return CheckReport()
-            report = self.disk.check(fix=fix)
+            report = self.disk.check(fix=fix, progress=progress)
             self._reap_lost()
             return report
 

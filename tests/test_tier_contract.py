@@ -225,12 +225,13 @@ def test_strided_output_buffers_are_filled(tier: Tier) -> None:
         for i in range(4)
     ]
     tier.store([meta(i, c) for i, c in enumerate(chunks)], chunks)
-    outs: list[np.ndarray | None] = [big[:, :, i * 256 : (i + 1) * 256] for i in range(4)]
-    assert aligned_runs(outs[1]) is not None  # 6 pieces of 16 KiB: the direct path
+    views = [big[:, :, i * 256 : (i + 1) * 256] for i in range(4)]
+    assert aligned_runs(views[1]) is not None  # 6 pieces of 16 KiB: the direct path
+    outs: list[np.ndarray | None] = list(views)
     got = tier.read_batch([key(i) for i in range(4)], outs)
     for i, c in enumerate(chunks):
         assert got[i] is outs[i]
         assert np.array_equal(big[:, :, i * 256 : (i + 1) * 256], c)
     odd = np.empty((2, 3, 300, 16), np.float32)[:, :, :256]  # unaligned: staged, same bytes
     (res,) = tier.read_batch([key(2)], [odd])
-    assert np.array_equal(res, chunks[2])
+    assert isinstance(res, np.ndarray) and np.array_equal(res, chunks[2])

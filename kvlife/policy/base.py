@@ -44,6 +44,19 @@ class EvictionPolicy(ABC, Generic[K]):
     def __len__(self) -> int: ...
 
 
+class SupportsClassHints(ABC, Generic[K]):
+    """Capability: the policy accepts an object class (a small integer) with an insert.
+
+    The class is a hint from whoever knows the workload (the replay engine passes the
+    request category and the block's position bucket); a plain :meth:`EvictionPolicy.insert`
+    means class 0.
+    """
+
+    @abstractmethod
+    def insert_classed(self, key: K, cls: int) -> None:
+        """Like :meth:`EvictionPolicy.insert`, with the object's class."""
+
+
 _REGISTRY: dict[str, Callable[[], EvictionPolicy[object]]] = {}
 
 
@@ -56,8 +69,7 @@ def register_policy(name: str, factory: Callable[[], EvictionPolicy[object]]) ->
 
 def make_policy(name: str) -> EvictionPolicy[object]:
     """A new policy instance by registered name."""
-    from kvlife.policy import lru  # noqa: F401  (registers the built-in policies)
-
+    _load_builtins()
     factory = _REGISTRY.get(name)
     if factory is None:
         raise InvalidArgument(f"unknown eviction policy {name!r}; known: {sorted(_REGISTRY)}")
@@ -65,6 +77,17 @@ def make_policy(name: str) -> EvictionPolicy[object]:
 
 
 def policy_names() -> list[str]:
-    from kvlife.policy import lru  # noqa: F401
-
+    """Registered policy names, sorted."""
+    _load_builtins()
     return sorted(_REGISTRY)
+
+
+BUILTIN_POLICIES = ("lru", "lfu", "s3fifo", "arc", "lifespan")
+"""Built-in policies (one module each in :mod:`kvlife.policy`), imported on first use."""
+
+
+def _load_builtins() -> None:
+    import importlib
+
+    for name in BUILTIN_POLICIES:
+        importlib.import_module(f"kvlife.policy.{name}")

@@ -626,13 +626,18 @@ class DiskTier(Tier):
         payload = [buf[HEADER_BYTES : HEADER_BYTES + row.nbytes]] if full else None
         return self._verify(row, buf.data[:HEADER_BYTES], payload)
 
-    def check(self, fix: bool = False) -> CheckReport:
+    def check(
+        self, fix: bool = False, progress: Callable[[int], object] | None = None
+    ) -> CheckReport:
         """Audit every row against its frame (payload checksums included) and list
-        segment files no row refers to. With ``fix``: drop bad rows, delete orphans."""
+        segment files no row refers to. With ``fix``: drop bad rows, delete orphans.
+        ``progress`` is called with each replica's byte count as it is checked."""
         report = CheckReport()
         with self._lock:
             referenced = {r.seg for r in self._entries.values()} | {self._active.id}
             for row in list(self._entries.values()):
+                if progress is not None:
+                    progress(row.nbytes)
                 report.rows += 1
                 problem = self._check_row(row, full=True, header=True)
                 if problem:

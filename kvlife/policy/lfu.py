@@ -1,0 +1,107 @@
+"""Least-frequently-used eviction (ties: least recently used first).
+
+Semantics: a key's count is 1 when inserted and grows by one per touch (inserting a
+resident key counts as a touch); counts are forgotten when a key leaves. ``evict`` takes
+keys of the lowest count first and, within a count, the least recently used one,
+skipping protected keys. O(1) per touch: one insertion-ordered dict per count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable
+from typing import TypeVar
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.policy.base import EvictionPolicy, register_policy
+
+K = TypeVar("K", bound=Hashable)
+
+
+class LFUPolicy(EvictionPolicy[K]):
+    name = "lfu"
+
+    def __init__(self) -> None:
+        self._count: dict[K, int] = {}
+        self._buckets: dict[int, dict[K, None]] = {}
+        self._min: int | None = None
+        """The lowest count with keys, or None when it must be recomputed."""
+
+    def insert(self, key: K) -> None:
+        if key in self._count:
+            self.touch(key)
+            return
+        self._count[key] = 1
+        self._min = 1
+        bucket = self._buckets.get(1)
+        if bucket is None:
+            self._buckets[1] = {key: None}
+        else:
+            bucket[key] = None
+
+    def touch(self, key: K) -> None:
+        c = self._count.get(key)
+        if c is None:
+            return
+        bucket = self._buckets[c]
+        del bucket[key]
+        if not bucket:
+            del self._buckets[c]
+            if self._min == c:
+                self._min = c + 1
+        c += 1
+        self._count[key] = c
+        nxt = self._buckets.get(c)
+        if nxt is None:
+            self._buckets[c] = {key: None}
+        else:
+            nxt[key] = None
+
+    def remove(self, key: K) -> None:
+        c = self._count.pop(key, None)
+        if c is not None:
+            bucket = self._buckets[c]
+            del bucket[key]
+            if not bucket:
+                del self._buckets[c]
+                if self._min == c:
+                    self._min = None
+
+    def evict(self, n: int, protected: Collection[K] = ()) -> list[K] | None:
+        if n < 0:
+            raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        victims: list[K] = []
+        if n == 0:
+            return victims
+        if n == 1 and self._buckets:
+            if self._min is None:
+                self._min = min(self._buckets)
+            for key in self._buckets[self._min]:
+                if key not in protected:
+                    self.remove(key)
+                    return [key]
+        for c in sorted(self._buckets):
+            for key in self._buckets[c]:
+                if key not in protected:
+                    victims.append(key)
+                    if len(victims) == n:
+                        break
+            if len(victims) == n:
+                break
+        if len(victims) < n:
+            return None
+        for key in victims:
+            self.remove(key)
+        return victims
+
+    def count(self, key: K) -> int:
+        """The key's use count (0 if not resident)."""
+        return self._count.get(key, 0)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._count
+
+    def __len__(self) -> int:
+        return len(self._count)
+
+
+register_policy("lfu", LFUPolicy)

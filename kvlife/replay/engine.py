@@ -1,0 +1,185 @@
+"""The replay engine: a discrete-event simulation of prefill instances and KV tiers.
+
+Cache decisions come from :class:`~kvlife.replay.cache.CacheSim` (requests in arrival
+order, the store's own policy code). Timing is a discrete-event simulation on a virtual
+clock, events ordered by ``(time, sequence)``:
+
+- **arrival**: the request joins the FCFS queue of ``instances`` prefill instances;
+- **start**: an instance takes it; its usable prefix is read from each tier's device
+  model (one read per tier of all its blocks), and prefill of the uncached tokens runs
+  once the reads complete: ``max(input - prefix tokens, 1) / prefill_tokens_per_s``;
+- **prefill done**: the first token is out (TTFT = now - arrival); the new blocks (and
+  promotions) are written to their tier, demotions read from DRAM and written to disk,
+  asynchronously; the instance takes the next request.
+
+Decode runs on separate instances (prefill/decode disaggregation, as in Mooncake), so
+TPOT = ``decode_s_per_token + decode_s_per_context_token x context``, with the context at
+mid-decode. Devices are :mod:`kvlife.sim` models, called in event order.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.replay.cache import DISK, DRAM, CacheRun
+from kvlife.sim.device import DeviceModel, LocalDRAM, MemoryConfig, MemoryDevice
+from kvlife.trace.model import Trace
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeModel:
+    """Inference speed. Default: an 8B-class model on one datacenter GPU per instance."""
+
+    prefill_tokens_per_s: float = 10_000.0
+    """Prefill throughput of one instance (tokens per second)."""
+    decode_s_per_token: float = 0.02
+    """Decode time per output token at an empty context (seconds)."""
+    decode_s_per_context_token: float = 2e-7
+    """Extra decode time per token of context (attention over the KV)."""
+    instances: int = 8
+    """Prefill instances serving the queue."""
+
+    def __post_init__(self) -> None:
+        if not (self.prefill_tokens_per_s > 0 and self.instances >= 1):
+            raise InvalidArgument("prefill_tokens_per_s must be > 0 and instances >= 1")
+        if self.decode_s_per_token < 0 or self.decode_s_per_context_token < 0:
+            raise InvalidArgument("decode times must be >= 0")
+
+
+COMPUTE_PRESETS: dict[str, ComputeModel] = {
+    "gpu-8b": ComputeModel(),
+    # measured by the lead on this machine's CPU (SmolLM2-135M, transformers, fp32)
+    "smollm2-135m-cpu": ComputeModel(
+        prefill_tokens_per_s=500.0, decode_s_per_token=0.05, instances=1
+    ),
+}
+
+DEVICE_KINDS = ("dram", "cxl", "nvme", "rdma", "tcp")
+
+
+def make_device(kind: str, name: str) -> DeviceModel[object]:  # type: ignore[type-var]
+    """A tier timing model by name (see docs/replay.md for the parameters)."""
+    if kind == "dram":
+        return LocalDRAM(name=name)
+    if kind == "cxl":
+        from kvlife.sim.cxl import CXLDramExpander
+
+        return CXLDramExpander(name=name)
+    if kind == "nvme":
+        # a simple bandwidth model of one PCIe 4 NVMe SSD: 80 us, 6.5 GB/s reads
+        return MemoryDevice(MemoryConfig(latency_s=80e-6, bandwidth_bytes_per_s=6.5e9), name)
+    if kind in ("rdma", "tcp"):
+        from kvlife.sim.network import RDMA_100G, TCP_25G, NetworkLink
+
+        return NetworkLink(RDMA_100G if kind == "rdma" else TCP_25G, name)
+    raise InvalidArgument(f"unknown device {kind!r}; known: {', '.join(DEVICE_KINDS)}")
+
+
+@dataclass(slots=True)
+class Timing:
+    """Per-request times (seconds) and the byte timeline of each tier."""
+
+    ttft: NDArray[np.float64]
+    tpot: NDArray[np.float64]
+    queue: NDArray[np.float64]
+    """Time from arrival to start of prefill."""
+    load: NDArray[np.float64]
+    """Time spent reading the usable prefix."""
+    io: dict[str, list[tuple[float, int, int]]] = field(default_factory=dict)
+    """Per tier: (time, bytes read, bytes written) of each device call."""
+    device_stats: dict[str, object] = field(default_factory=dict)
+
+
+_ARRIVAL, _START, _DONE = 0, 1, 2
+
+
+def simulate(
+    trace: Trace,
+    run: CacheRun,
+    compute: ComputeModel,
+    devices: dict[str, DeviceModel[object]],  # type: ignore[type-var]
+    block_bytes: int,
+) -> Timing:
+    """Time the requests of ``trace`` given the cache decisions of ``run``."""
+    n = trace.n_requests
+    arrival = trace.timestamps.tolist()
+    inp = trace.input_tokens.tolist()
+    pd = run.prefix_dram.tolist()
+    pk = run.prefix_disk.tolist()
+    new = run.new.tolist()
+    prom = run.promoted.tolist()
+    dem = run.demoted.tolist()
+    bt = trace.block_tokens
+    first = DRAM if DRAM in devices else DISK
+    dram = devices.get(DRAM)
+    disk = devices.get(DISK)
+    rate = compute.prefill_tokens_per_s
+    ttft = np.zeros(n)
+    queue_t = np.zeros(n)
+    load_t = np.zeros(n)
+    io: dict[str, list[tuple[float, int, int]]] = {name: [] for name in devices}
+    heap: list[tuple[float, int, int, int]] = [(arrival[r], r, _ARRIVAL, r) for r in range(n)]
+    heapq.heapify(heap)
+    seq = n
+    free = compute.instances
+    waiting: deque[int] = deque()
+    push, pop = heapq.heappush, heapq.heappop
+    while heap:
+        t, _, kind, r = pop(heap)
+        if kind == _ARRIVAL:
+            if free:
+                free -= 1
+                push(heap, (t, seq, _START, r))
+                seq += 1
+            else:
+                waiting.append(r)
+        elif kind == _START:
+            queue_t[r] = t - arrival[r]
+            done = t
+            if pd[r] and dram is not None:
+                nb = pd[r] * block_bytes
+                done = max(done, dram.read(t, nb, r))
+                io[DRAM].append((t, nb, 0))
+            if pk[r] and disk is not None:
+                nb = pk[r] * block_bytes
+                done = max(done, disk.read(t, nb, r))
+                io[DISK].append((t, nb, 0))
+            load_t[r] = done - t
+            cached = min((pd[r] + pk[r]) * bt, inp[r])
+            end = done + max(inp[r] - cached, 1) / rate
+            push(heap, (end, seq, _DONE, r))
+            seq += 1
+        else:
+            ttft[r] = t - arrival[r]
+            wrote = (new[r] + prom[r]) * block_bytes
+            if wrote:
+                devices[first].write(t, wrote, r)
+                io[first].append((t, 0, wrote))
+            if dem[r] and dram is not None and disk is not None:
+                nb = dem[r] * block_bytes
+                dram.read(t, nb, r)
+                disk.write(t, nb, r)
+                io[DRAM].append((t, nb, 0))
+                io[DISK].append((t, 0, nb))
+            if waiting:
+                push(heap, (t, seq, _START, waiting.popleft()))
+                seq += 1
+            else:
+                free += 1
+    ctx = trace.input_tokens + trace.output_tokens / 2.0
+    tpot = compute.decode_s_per_token + compute.decode_s_per_context_token * ctx
+    tpot = np.where(trace.output_tokens > 0, tpot, np.nan)
+    return Timing(
+        ttft=ttft,
+        tpot=tpot.astype(np.float64),
+        queue=queue_t,
+        load=load_t,
+        io=io,
+        device_stats={name: d.stats() for name, d in devices.items()},
+    )

@@ -1,0 +1,216 @@
+"""Replay runs: one configuration (:func:`replay`), capacity sweeps (:func:`sweep`),
+and the capacity syntax of the CLI (:func:`parse_capacity`)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.core.events import EventSink
+from kvlife.replay.cache import DISK, DRAM, CacheRun, CacheSim
+from kvlife.replay.engine import ComputeModel, make_device, simulate
+from kvlife.replay.metrics import per_tenant, percentiles, ratio, reuse_distances
+from kvlife.trace.model import Trace
+
+DEFAULT_KV_BYTES_PER_TOKEN = 131072
+"""Llama-3-8B in fp16: 32 layers x 8 KV heads x 128 dims x 2 (K, V) x 2 bytes."""
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+
+
+def parse_capacity(text: str, unique_blocks: int, block_bytes: int) -> int:
+    """Blocks for ``10%`` (of the trace's unique blocks), ``2GiB`` (bytes) or ``0``."""
+    s = text.strip().lower()
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*(%|[kmgt]i?b|b|blocks)?", s)
+    if m is None:
+        raise InvalidArgument(f"capacity {text!r}: use a share like 10% or bytes like 2GiB")
+    value, unit = float(m.group(1)), m.group(2) or ""
+    if unit == "%":
+        return int(unique_blocks * value / 100.0)
+    if unit == "blocks":
+        return int(value)
+    if value == 0:
+        return 0
+    return int(value * _UNITS[unit]) // block_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    """One replay: policy, tier capacities (blocks) and devices, compute model."""
+
+    policy: str = "lru"
+    """Eviction policy by registered name."""
+    dram_blocks: int = 0
+    """DRAM tier capacity in blocks (0: no DRAM tier)."""
+    disk_blocks: int = 0
+    """Disk tier capacity in blocks (0: no disk tier)."""
+    dram_device: str = "dram"
+    """Timing model of the first tier (dram, cxl)."""
+    disk_device: str = "nvme"
+    """Timing model of the second tier (nvme, rdma, tcp, cxl)."""
+    kv_bytes_per_token: int = DEFAULT_KV_BYTES_PER_TOKEN
+    """KV bytes per token of the modelled model."""
+    compute: ComputeModel = field(default_factory=ComputeModel)
+    """Prefill and decode speed."""
+    timing: bool = True
+    """Run the discrete-event timing simulation (off: policy-only)."""
+    class_hints: bool = True
+    """Pass object classes to class-aware policies."""
+
+
+def replay(
+    trace: Trace,
+    cfg: ReplayConfig,
+    *,
+    sink: EventSink | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Replay ``trace`` and return the report dictionary (JSON-ready)."""
+    block_bytes = cfg.kv_bytes_per_token * trace.block_tokens
+    t0 = time.perf_counter()
+    sim = CacheSim(
+        cfg.policy,
+        cfg.dram_blocks,
+        cfg.disk_blocks,
+        sink=sink,
+        block_bytes=block_bytes,
+        track_lifespans=cfg.timing,
+        class_hints=cfg.class_hints,
+    )
+    run = sim.run(trace, progress)
+    t_cache = time.perf_counter() - t0
+    report = summarise(trace, cfg, run, block_bytes)
+    if cfg.timing:
+        devices = {}
+        if cfg.dram_blocks:
+            devices[DRAM] = make_device(cfg.dram_device, DRAM)
+        if cfg.disk_blocks:
+            devices[DISK] = make_device(cfg.disk_device, DISK)
+        timing = simulate(trace, run, cfg.compute, devices, block_bytes)
+        rows = {
+            "prefix": run.prefix_dram + run.prefix_disk,
+            "present": run.present,
+            "new": run.new,
+            "ttft": timing.ttft,
+            "tpot": timing.tpot,
+        }
+        report["ttft_s"] = percentiles(timing.ttft)
+        report["tpot_s"] = percentiles(timing.tpot)
+        report["queue_s"] = percentiles(timing.queue)
+        report["load_s"] = percentiles(timing.load)
+        report["tenants"] = per_tenant(trace, rows, block_bytes)
+        report["lifespan_s"] = {k: percentiles(v) for k, v in sorted(run.lifespans.items())}
+        report["reuse_distance_touches"] = reuse_distances(trace)
+        report["timeline"] = _timeline(timing.io, float(trace.timestamps[-1]) + 1.0)
+        report["_ttft"] = timing.ttft  # for plots; dropped from JSON
+    elapsed = time.perf_counter() - t0
+    report["speed"] = {
+        "seconds": elapsed,
+        "cache_seconds": t_cache,
+        "block_touches_per_s": ratio(trace.n_touches, elapsed),
+    }
+    return report
+
+
+def summarise(trace: Trace, cfg: ReplayConfig, run: CacheRun, block_bytes: int) -> dict[str, Any]:
+    touches = trace.n_touches
+    prefix = int(run.prefix_dram.sum() + run.prefix_disk.sum())
+    tiers: dict[str, Any] = {}
+    read = written = 0
+    for name, tc in run.tiers.items():
+        tiers[name] = {
+            "capacity_blocks": cfg.dram_blocks if name == DRAM else cfg.disk_blocks,
+            "block_hit_ratio": ratio(tc.block_hits, touches),
+            "prefix_hit_ratio": ratio(tc.prefix_hits, touches),
+            "bytes_read": tc.reads * block_bytes,
+            "bytes_written": tc.inserts * block_bytes,
+            "evictions": tc.evictions,
+        }
+        read += tc.reads * block_bytes
+        written += tc.inserts * block_bytes
+    cfg_d = asdict(cfg)
+    return {
+        "trace": {
+            "name": trace.name,
+            "requests": trace.n_requests,
+            "block_touches": touches,
+            "unique_blocks": trace.n_unique_blocks(),
+            "block_tokens": trace.block_tokens,
+        },
+        "config": {**cfg_d, "block_bytes": block_bytes},
+        "block_hit_ratio": ratio(int(run.present.sum()), touches),
+        "prefix_hit_ratio": ratio(prefix, touches),
+        "tiers": tiers,
+        "bytes_requested": touches * block_bytes,
+        "bytes_loaded": prefix * block_bytes,
+        "bytes_stored": int(run.new.sum()) * block_bytes,
+        "read_amplification": ratio(read, prefix * block_bytes),
+        "write_amplification": ratio(written, int(run.new.sum()) * block_bytes),
+        "dropped_blocks": int(run.dropped.sum()),
+        "promotions": int(run.promoted.sum()),
+        "demotions": int(run.demoted.sum()),
+    }
+
+
+def _timeline(io: dict[str, list[tuple[float, int, int]]], end: float) -> dict[str, Any]:
+    """Bytes read and written per tier in 60 bins over the trace."""
+    edges = np.linspace(0.0, end, 61)
+    out: dict[str, Any] = {"t_s": edges[:-1].tolist()}
+    for name, rows in io.items():
+        a = np.asarray(rows, dtype=np.float64).reshape(-1, 3)
+        r, _ = np.histogram(a[:, 0], edges, weights=a[:, 1])
+        w, _ = np.histogram(a[:, 0], edges, weights=a[:, 2])
+        out[name] = {"read": r.tolist(), "written": w.tolist()}
+    return out
+
+
+def sweep(
+    trace: Trace,
+    policies: Sequence[str],
+    shares: Sequence[float],
+    *,
+    tier: str = DRAM,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Policy-only hit ratios of each policy at each capacity (share of unique blocks)."""
+    unique = trace.n_unique_blocks()
+    curves: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    for pol in policies:
+        pts = []
+        for share in shares:
+            cap = max(1, int(unique * share))
+            run = CacheSim(pol, cap if tier == DRAM else 0, cap if tier == DISK else 0).run(trace)
+            pts.append(
+                {
+                    "share": share,
+                    "capacity_blocks": cap,
+                    "block_hit_ratio": ratio(int(run.present.sum()), trace.n_touches),
+                    "prefix_hit_ratio": ratio(
+                        int(run.prefix_dram.sum() + run.prefix_disk.sum()), trace.n_touches
+                    ),
+                }
+            )
+            if progress is not None:
+                progress(1)
+        curves[pol] = pts
+    elapsed = time.perf_counter() - t0
+    runs = len(policies) * len(shares)
+    return {
+        "trace": trace.name,
+        "unique_blocks": unique,
+        "block_touches": trace.n_touches,
+        "ideal_hit_ratio": ratio(trace.n_touches - unique, trace.n_touches),
+        "curves": curves,
+        "speed": {
+            "seconds": elapsed,
+            "block_touches_per_s": ratio(trace.n_touches * runs, elapsed),
+        },
+    }

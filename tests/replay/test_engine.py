@@ -1,0 +1,111 @@
+"""The replay engine, report and CLI entry points (synthetic workloads, small)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.replay.cache import CacheSim
+from kvlife.replay.cli import bench_main, replay_main, sweep_main
+from kvlife.replay.engine import ComputeModel, make_device, simulate
+from kvlife.replay.runner import ReplayConfig, parse_capacity, replay
+from kvlife.trace.model import TraceBuilder
+from kvlife.trace.synthetic import SyntheticConfig, synthetic_trace
+
+TRACE = synthetic_trace(SyntheticConfig(seed=4, sessions=80))
+
+
+def test_parse_capacity() -> None:
+    assert parse_capacity("10%", 1000, 64) == 100
+    assert parse_capacity("2KiB", 1000, 64) == 32
+    assert parse_capacity("1 GB", 1000, 10**6) == 1000
+    assert parse_capacity("0", 1000, 64) == 0
+    assert parse_capacity("7 blocks", 1000, 64) == 7
+    with pytest.raises(InvalidArgument, match="capacity"):
+        parse_capacity("lots", 1000, 64)
+
+
+def test_ttft_by_hand_for_two_requests() -> None:
+    b = TraceBuilder("hand", 100)
+    b.add(0.0, 300, 10, [1, 2, 3])
+    b.add(10.0, 300, 10, [1, 2, 3])  # all three blocks hit
+    trace = b.build()
+    run = CacheSim("lru", 10).run(trace)
+    assert run.prefix_dram.tolist() == [0, 3]
+    cm = ComputeModel(prefill_tokens_per_s=100.0, decode_s_per_token=0.01,
+                      decode_s_per_context_token=0.0, instances=1)  # fmt: skip
+    timing = simulate(trace, run, cm, {"dram": make_device("dram", "dram")}, 1000)
+    assert timing.ttft[0] == pytest.approx(3.0)  # 300 tokens at 100 tokens/s
+    # 1 token of prefill plus a 3000-byte DRAM read (100 ns + 15 ns)
+    assert timing.ttft[1] == pytest.approx(0.01 + 115e-9)
+    assert np.allclose(timing.tpot, 0.01)
+
+
+def test_queueing_on_one_instance() -> None:
+    b = TraceBuilder("q", 100)
+    for i in range(3):
+        b.add(0.0, 100, 1, [10 * i + 1])
+    trace = b.build()
+    run = CacheSim("lru", 10).run(trace)
+    cm = ComputeModel(prefill_tokens_per_s=100.0, instances=1)
+    timing = simulate(trace, run, cm, {"dram": make_device("dram", "dram")}, 64)
+    assert timing.ttft.tolist() == pytest.approx([1.0, 2.0, 3.0])
+    assert timing.queue.tolist() == pytest.approx([0.0, 1.0, 2.0])
+
+
+def test_replay_report_is_deterministic_and_complete() -> None:
+    u = TRACE.n_unique_blocks()
+    cfg = ReplayConfig("lru", dram_blocks=u // 10, disk_blocks=u // 4)
+    a, b = replay(TRACE, cfg), replay(TRACE, cfg)
+    assert np.array_equal(a["_ttft"], b["_ttft"])
+    for key in ("block_hit_ratio", "prefix_hit_ratio", "ttft_s", "tpot_s", "tenants",
+                "lifespan_s", "reuse_distance_touches", "read_amplification"):  # fmt: skip
+        assert key in a
+    assert set(a["tiers"]) == {"dram", "disk"}
+    assert a["prefix_hit_ratio"] <= a["block_hit_ratio"] <= 1 - u / TRACE.n_touches
+    assert a["demotions"] > 0 and a["read_amplification"] > 1.0
+    assert set(a["tenants"]) == set(TRACE.tenant_names)
+    assert sum(t["requests"] for t in a["tenants"].values()) == TRACE.n_requests
+    assert a["ttft_s"]["p50"] <= a["ttft_s"]["p90"] <= a["ttft_s"]["p99"]
+    # more cache, fewer tokens to prefill: TTFT does not get worse
+    big = replay(TRACE, ReplayConfig("lru", dram_blocks=u))
+    assert big["ttft_s"]["mean"] <= a["ttft_s"]["mean"]
+    assert big["block_hit_ratio"] == pytest.approx(1 - u / TRACE.n_touches)
+
+
+def test_cli_replay_writes_json_html_and_events(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, html, ev = tmp_path / "r.json", tmp_path / "r.html", tmp_path / "e.parquet"
+    argv = ["--max-requests", "300", "--policy", "s3fifo", "--dram", "5%", "--disk", "20%",
+            "--json", str(out), "--report", str(html), "--events", str(ev), "--live"]  # fmt: skip
+    assert replay_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "usable-prefix hit ratio" in text and "agrees with simulation: True" in text
+    data = json.loads(out.read_text())
+    assert data["config"]["policy"] == "s3fifo" and data["live"]["agrees"] is True
+    assert set(data["sweep"]["curves"]) >= {"lru", "lfu", "s3fifo", "arc", "lifespan"}
+    page = html.read_text()
+    assert page.count("data:image/png;base64,") == 3
+    assert ev.stat().st_size > 0
+    assert replay_main(["--dram", "lots"]) == 1
+
+
+def test_cli_sweep_and_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "s.json"
+    argv = ["--max-requests", "200", "--policies", "lru,arc", "--shares", "0.1,0.5",
+            "--json", str(out)]  # fmt: skip
+    assert sweep_main(argv) == 0
+    data = json.loads(out.read_text())
+    lru = data["curves"]["lru"]
+    assert lru[0]["block_hit_ratio"] <= lru[1]["block_hit_ratio"] <= data["ideal_hit_ratio"]
+    bench = tmp_path / "b.json"
+    assert bench_main(["--max-requests", "100", "--json", str(bench)]) == 0
+    b = json.loads(bench.read_text())
+    assert b["policy_only"]["lru"]["block_touches_per_s"] > 0
+    assert b["full"]["lru"]["block_touches_per_s"] > 0
+    assert "touches/s" in capsys.readouterr().out
