@@ -200,16 +200,8 @@ class CXLSSD(DeviceModel[CXLSSDStats]):
             self._cache.pop((key, page), None)
 
     def stats(self) -> CXLSSDStats:
-        b = self._base_stats()
-        return CXLSSDStats(
-            name=b.name,
-            reads=b.reads,
-            writes=b.writes,
-            trims=b.trims,
-            bytes_read=b.bytes_read,
-            bytes_written=b.bytes_written,
-            read_latency=b.read_latency,
-            write_latency=b.write_latency,
+        return self._stats_as(
+            CXLSSDStats,
             cache_hits=self._hits,
             cache_misses=self._misses,
             unmapped_page_reads=self._unmapped,

@@ -23,8 +23,8 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from array import array
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field, fields
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -109,6 +109,7 @@ class DeviceStats:
 
 
 StatsT = TypeVar("StatsT", bound=DeviceStats, covariant=True)
+S = TypeVar("S", bound=DeviceStats)
 
 
 class DeviceModel(ABC, Generic[StatsT]):
@@ -179,6 +180,11 @@ class DeviceModel(ABC, Generic[StatsT]):
         self._bytes_written += nbytes
         self._write_lat.add(done - t_now)
         return done
+
+    def _stats_as(self, cls: type[S], **extra: Any) -> S:
+        """Stats of class ``cls`` (a DeviceStats subclass): the common counters plus
+        ``extra`` device-specific fields."""
+        return cls(**asdict_shallow(self._base_stats()), **extra)
 
     def _base_stats(self) -> DeviceStats:
         return DeviceStats(
@@ -294,3 +300,8 @@ class LocalDRAM(MemoryDevice):
 
     def __init__(self, config: MemoryConfig | None = None, name: str = "dram") -> None:
         super().__init__(config or MemoryConfig(), name)
+
+
+def asdict_shallow(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict without deep-copying nested dataclasses."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}

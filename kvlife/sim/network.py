@@ -110,16 +110,8 @@ class NetworkLink(DeviceModel[NetworkStats]):
         self._trims += 1
 
     def stats(self) -> NetworkStats:
-        b = self._base_stats()
-        return NetworkStats(
-            name=b.name,
-            reads=b.reads,
-            writes=b.writes,
-            trims=b.trims,
-            bytes_read=b.bytes_read,
-            bytes_written=b.bytes_written,
-            read_latency=b.read_latency,
-            write_latency=b.write_latency,
+        return self._stats_as(
+            NetworkStats,
             messages=self._messages,
             queue_delay=self._queue.summary(),
             busy_out_s=self._out.busy_time,

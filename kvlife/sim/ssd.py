@@ -685,18 +685,10 @@ class SSDModel(DeviceModel[SSDStats], SupportsWriteHints):
             self._release(ext)
 
     def stats(self) -> SSDStats:
-        base = self._base_stats()
         c = self.ftl.counters()
         erases = self.ftl.erase_counts()
-        return SSDStats(
-            name=base.name,
-            reads=base.reads,
-            writes=base.writes,
-            trims=base.trims,
-            bytes_read=base.bytes_read,
-            bytes_written=base.bytes_written,
-            read_latency=base.read_latency,
-            write_latency=base.write_latency,
+        return self._stats_as(
+            SSDStats,
             ftl=c,
             waf=c.waf,
             live_pages=self.ftl.live_pages,
