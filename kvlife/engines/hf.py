@@ -46,6 +46,8 @@ class Prefill:
     load_s: float
     prefill_s: float
     loaded_chunks: list[np.ndarray] = field(default_factory=list)
+    """The chunks served from the store (views of the engine's landing buffer: valid
+    until the engine's next prefill)."""
 
 
 @dataclass(slots=True)
@@ -108,6 +110,7 @@ class HFEngine:
         if dtype != lay.dtype:
             raise IdentityMismatch(f"identity says KV dtype {lay.dtype}, the model runs {dtype}")
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self._buffer: np.ndarray | None = None
         self._probe_cache()
 
     @classmethod
@@ -181,9 +184,7 @@ class HFEngine:
         corrupt = 0
         if usable and self.store is not None:
             shape = (lay.num_layers, 2, lay.num_kv_heads, usable * tpc, lay.head_dim)
-            # aligned, so each chunk's disk read lands in it directly (vectored O_DIRECT)
-            size = int(np.prod(shape)) * numpy_dtype(lay.dtype).itemsize
-            buf = aligned_empty(size).view(numpy_dtype(lay.dtype)).reshape(shape)
+            buf = self._kv_buffer(shape)
             outs = [buf[:, :, :, i * tpc : (i + 1) * tpc, :] for i in range(usable)]
             sub = LookupResult(hits.hits[:usable], hits.chunks_total, tpc)
             res = self.store.load(sub, outs, request_id=request_id)
@@ -198,6 +199,20 @@ class HFEngine:
         pre.lookup_s, pre.load_s = t1 - t0, t2 - t1
         return pre
 
+    def _kv_buffer(self, shape: tuple[int, ...]) -> np.ndarray:
+        """The engine's reusable, aligned landing buffer for loaded KV, viewed as
+        ``shape``: aligned, so each chunk's disk read lands in it directly (vectored
+        O_DIRECT); reused, so a request does not pay page faults for a fresh buffer.
+        Arrays handed out from it (``Prefill.loaded_chunks``) are valid until the next
+        prefill of this engine."""
+        dtype = numpy_dtype(self.identity.layout.dtype)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        buf = self._buffer
+        if buf is None or buf.nbytes < nbytes:
+            have = 0 if buf is None else buf.nbytes
+            buf = self._buffer = aligned_empty(max(nbytes, have * 3 // 2))  # grow geometrically
+        return buf[:nbytes].view(dtype).reshape(shape)
+
     def prefill_with_chunks(
         self, ids: Sequence[int], chunks: Sequence[np.ndarray], *, start: int = 0
     ) -> Prefill:
@@ -210,7 +225,9 @@ class HFEngine:
         usable = min(len(chunks), (len(ids) - 1) // tpc)
         if not usable:
             return self._prefill_suffix(ids, self._new_cache(), start)
-        buf = np.concatenate([cast_kv(np.asarray(c), lay.dtype) for c in chunks[:usable]], axis=3)
+        parts = [cast_kv(np.asarray(c), lay.dtype) for c in chunks[:usable]]
+        buf = self._kv_buffer((*parts[0].shape[:3], usable * tpc, parts[0].shape[4]))
+        np.concatenate(parts, axis=3, out=buf)
         return self._prefill_suffix(ids, self._inject(buf, usable * tpc), start)
 
     def _inject(self, buf: np.ndarray, tokens: int) -> Any:

@@ -247,17 +247,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
             label=store.replace("_", "-"),
             color=colour,
         )
-        ax2.bar(
-            x + off,
-            [max(r[store]["max_logit_diff"], 1e-7) for r in rows],
-            0.4,
-            label=store.replace("_", "-"),
-            color=colour,
-        )
+        served = [r[store]["chunks_served"] > 0 for r in rows]
+        heights = [
+            max(r[store]["max_logit_diff"], 1e-7) if hit else 0.0
+            for r, hit in zip(rows, served, strict=True)
+        ]
+        ax2.bar(x + off, heights, 0.4, label=store.replace("_", "-"), color=colour)
+        for xi, hit in zip(x + off, served, strict=True):
+            if not hit:  # a miss: nothing served, nothing damaged
+                ax2.text(xi, 2e-7, "miss", ha="center", va="bottom", fontsize=7, rotation=90)
     ax1.set_ylabel("wrong chunks served")
     ax1.legend()
     ax1.set_title(f"Wrong KV reuse under perturbed settings ({result['model'].split(' ')[0]})")
     ax2.set_yscale("log")
+    ax2.set_ylim(1e-7, 1e3)
     ax2.set_ylabel("max |logit diff| vs own prefill")
     ax2.set_xticks(x, names, rotation=20, ha="right", fontsize=8)
     fig.tight_layout()
