@@ -8,9 +8,8 @@ forward returns a ``DynamicCache``); the identity comes from the model itself
 (:func:`kvlife.engines.identity.model_identity`).
 
 At least one prompt token is always prefilled (the logits of the last prompt position
-are needed for the first output token), so a fully cached prompt reuses all but its last
-chunk... unless the prompt does not end on a chunk boundary, in which case every full
-chunk is reused.
+give the first output token), so a prompt that ends exactly on a chunk boundary reuses
+all but its last chunk. One engine serves one request at a time.
 """
 
 from __future__ import annotations
