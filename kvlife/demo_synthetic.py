@@ -1,8 +1,9 @@
 """``kvlife demo --synthetic``: a multi-tenant chat workload through a real store, end to end.
 
-The engine is stood in for by a deterministic KV generator (the KV of a chunk is
+No model: a deterministic KV generator stands in for the engine (the KV of a chunk is
 BLAKE3-XOF of its key, so any served chunk can be checked bit for bit against what a
-recompute would give); a later issue puts a real model here. The workload: two
+recompute would give), which lets the store be exercised at scale, with fault injection
+and a restart, in seconds (``kvlife demo`` runs the real model). The workload: two
 organisations whose users share their organisation's system prompt, several turns per
 user with the assistant's reply appended to the history. Midway, one byte of a stored
 replica is flipped on disk; the store must catch it on load, recompute, and count it.
