@@ -8,6 +8,7 @@ skipping protected keys. O(1) per touch: one insertion-ordered dict per count.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection, Hashable
 from typing import TypeVar
 
@@ -22,7 +23,9 @@ class LFUPolicy(EvictionPolicy[K]):
 
     def __init__(self) -> None:
         self._count: dict[K, int] = {}
-        self._buckets: dict[int, dict[K, None]] = {}
+        # OrderedDicts: evicting from the front of a plain dict leaves deleted slots that
+        # every later "first key" lookup walks over (O(n) after many evictions)
+        self._buckets: dict[int, OrderedDict[K, None]] = {}
         self._min: int | None = None
         """The lowest count with keys, or None when it must be recomputed."""
 
@@ -34,7 +37,7 @@ class LFUPolicy(EvictionPolicy[K]):
         self._min = 1
         bucket = self._buckets.get(1)
         if bucket is None:
-            self._buckets[1] = {key: None}
+            self._buckets[1] = OrderedDict({key: None})
         else:
             bucket[key] = None
 
@@ -52,7 +55,7 @@ class LFUPolicy(EvictionPolicy[K]):
         self._count[key] = c
         nxt = self._buckets.get(c)
         if nxt is None:
-            self._buckets[c] = {key: None}
+            self._buckets[c] = OrderedDict({key: None})
         else:
             nxt[key] = None
 

@@ -94,14 +94,19 @@ class LifespanPolicy(EvictionPolicy[K], SupportsClassHints[K]):
             return None
         victims: list[K] = []
         skip: set[K] = set()
+        clock, last = self._clock, self._last
+        interval, touches, inserts = self._interval, self._touches, self._inserts
         for _ in range(n):
             best: K | None = None
             best_score = -1.0
-            for lru in self._lru.values():
+            for cls, lru in self._lru.items():
                 for key in lru:
                     if key in protected or key in skip:
                         continue
-                    s = self.score(key)
+                    # score(key), inlined: this loop is the policy's hot path
+                    ins = inserts[cls]
+                    reuse = touches[cls] / (ins if ins > 1 else 1)
+                    s = (clock - last[key]) / (interval.get(cls, 1.0) * (0.01 + reuse))
                     if s > best_score:
                         best, best_score = key, s
                     break

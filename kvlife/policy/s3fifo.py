@@ -38,6 +38,8 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         self._ghost: OrderedDict[K, None] = OrderedDict()
         self._freq: dict[K, int] = {}
         self._peak = 0
+        self._ghost_limit = 1
+        """Ghost entries kept: the main queue's share of the peak size."""
 
     def insert(self, key: K) -> None:
         freq = self._freq
@@ -53,6 +55,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         size = len(freq)
         if size > self._peak:
             self._peak = size
+            self._ghost_limit = max(1, size - int(size * SMALL_FRACTION))
 
     def touch(self, key: K) -> None:
         f = self._freq.get(key)
@@ -67,9 +70,8 @@ class S3FIFOPolicy(EvictionPolicy[K]):
     def _remember(self, key: K) -> None:
         ghost = self._ghost
         ghost[key] = None
-        limit = max(1, self._peak - int(self._peak * SMALL_FRACTION))
-        while len(ghost) > limit:
-            ghost.popitem(last=False)
+        if len(ghost) > self._ghost_limit:
+            ghost.popitem(last=False)  # one in, one out: the limit only grows
 
     def _evict_one(self, protected: Collection[K]) -> K:
         small, main, freq = self._small, self._main, self._freq
@@ -106,6 +108,8 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         # when size - n >= len(protected) it is feasible whatever the protected keys are
         if size - n < len(protected) and size - sum(1 for k in protected if k in self._freq) < n:
             return None
+        if n == 1:
+            return [self._evict_one(protected)]
         return [self._evict_one(protected) for _ in range(n)]
 
     def __contains__(self, key: object) -> bool:
