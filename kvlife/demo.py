@@ -97,12 +97,12 @@ def run_chat(
     work = load_workload()
     enc = _Encoder(loaded.tokenizer, int(loaded.model.config.vocab_size))
     ns = Namespace(NamespaceKind.ORGANISATION, "northwind")
-    order = [
-        (u["name"], t, q)
-        for t in range(max(len(u["turns"]) for u in work["users"]))
+    rounds = max(len(u["turns"]) for u in work["users"])
+    order = [  # round-robin: every user's turn t before anyone's turn t + 1
+        (u["name"], t, u["turns"][t])
+        for t in range(rounds)
         for u in work["users"]
         if t < len(u["turns"])
-        for q in [u["turns"][t]]
     ]
     outputs: dict[str, list[dict[str, Any]]] = {"without": [], "with": []}
     tmp = None

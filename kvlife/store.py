@@ -428,7 +428,7 @@ class KVStore:
         recs = [r for r, _ in items]
         res = self._make_room(first, recs, protected=protected)
         if res is not None:
-            self._commit(first, res, items, request_id, insert=False)
+            self._commit(first, res, items, request_id)
             done = len(items)
         else:
             done = 0
@@ -438,7 +438,7 @@ class KVStore:
                     if tier_name in self._policies:
                         r = self._make_room(tier_name, [item[0]], protected=protected)
                         if r is not None:
-                            self._commit(tier_name, r, [item], request_id, insert=False)
+                            self._commit(tier_name, r, [item], request_id)
                             placed = True
                             break
                 if not placed:
@@ -469,9 +469,9 @@ class KVStore:
         res: Reservation,
         items: list[tuple[ObjectRecord, np.ndarray]],
         request_id: str,
-        *,
-        insert: bool = True,
     ) -> None:
+        """Write a batch to one tier and publish it (policies hear of it afterwards, in
+        prompt order, from :meth:`_touch_in_order`)."""
         tier = self._tier(tier_name)
         try:
             tier.commit_store(res, [a for _, a in items])
@@ -480,7 +480,6 @@ class KVStore:
                 self._move(rec, Move.ABORT, tier=tier_name, reason="write failed")
                 self.counters.aborted += 1
             raise
-        policy = self._policies[tier_name]
         for rec, _ in items:
             self._move(rec, Move.WRITE, tier=tier_name, nbytes=rec.nbytes, request_id=request_id)
             self._move(rec, Move.SEAL, tier=tier_name, nbytes=rec.nbytes)
@@ -488,8 +487,6 @@ class KVStore:
             self._move(rec, Move.INDEX, tier=tier_name)
             rec.tiers.add(tier_name)
             self._index.add(rec)
-            if insert:
-                policy.insert(rec.key)
 
     def _make_room(
         self, tier_name: str, recs: Sequence[ObjectRecord], protected: set[ChunkKey]

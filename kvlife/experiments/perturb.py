@@ -6,6 +6,7 @@ an identity, a namespace and a start position."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -120,14 +121,7 @@ def settings(
     def tok() -> Setting:
         m = remap_vocab(base.model, seed=3)
         other_tok = blake3.blake3(f"remapped:{base.identity.tokenizer_digest}".encode()).hexdigest()
-        identity = ident(m)
-        identity = ModelIdentity(
-            identity.model_id,
-            identity.weights_digest,
-            other_tok,
-            identity.layout,
-            identity.position_encoding_digest,
-        )
+        identity = dataclasses.replace(ident(m), tokenizer_digest=other_tok)
         return Setting(
             "other tokenizer",
             m,
