@@ -1,24 +1,47 @@
-"""The Tier interface: one narrow seam that every storage tier implements.
+"""The Tier interface: one narrow seam that every storage tier implements, plus the
+small capability interfaces for what only some tiers can do.
 
 Stores are two-phase: :meth:`Tier.prepare_store` reserves capacity (or reports the
 shortfall as a typed result, never by raising), :meth:`Tier.commit_store` writes the
 payloads, makes them as durable as the tier promises and only then makes them visible;
 on any failure nothing of the batch is visible and the reservation is released.
-Reads verify whatever the tier can verify and raise
-:class:`~kvlife.core.errors.ChecksumMismatch` rather than return wrong bytes.
+
+Reads verify whatever the tier can verify. :meth:`Tier.read_batch` returns per-replica
+outcomes as values (the verified array, the :class:`~kvlife.core.errors.ChecksumMismatch`
+that proves a replica corrupt, or the :class:`~kvlife.core.errors.ReplicaReadError` of an
+I/O failure), never wrong bytes; only :meth:`Tier.read` raises. Reads must be safe to
+run from several threads at once and while another thread writes.
+
+Optional abilities are capability interfaces (:class:`SupportsBatchDelete`,
+:class:`SupportsAudit`, :class:`SupportsAdopt`, :class:`ReportsLostReplicas`,
+:class:`PersistsCounters`); the store tests ``isinstance(tier, Capability)``, never a
+concrete tier class, so a new tier needs no edit of the store.
 """
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NewType
 
 import numpy as np
 
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaReadError
 from kvlife.core.identity import ChunkKey
+
+TierName = NewType("TierName", str)
+"""Name of one tier of a store's chain (``dram``, ``disk``, ...)."""
+
+
+class Durability(enum.Enum):
+    """What a tier promises about a committed replica."""
+
+    VOLATILE = "volatile"
+    """Gone when the process ends (host DRAM)."""
+    DURABLE = "durable"
+    """Survives a process kill and a power cut once ``commit_store`` returned."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +101,10 @@ error that kept it from being read (a miss, the replica is kept)."""
 class Tier(ABC):
     """A place that holds replicas: host DRAM, local disk, a remote store."""
 
-    name: str
+    name: TierName
     capacity_bytes: int
+    durability: Durability = Durability.VOLATILE
+    """What a committed replica survives; a DURABLE tier is recovered at open."""
 
     @property
     @abstractmethod
@@ -111,8 +136,9 @@ class Tier(ABC):
     ) -> list[ReadResult]:
         """Read replicas in order, into ``outs`` where given, else into new arrays.
 
-        A replica that fails verification yields its ChecksumMismatch; the others are
-        unaffected. ReplicaNotFound is raised for a key the tier does not hold.
+        Outcomes are values, one per key: the array, the ChecksumMismatch of a replica
+        that fails verification, or the ReplicaReadError of an I/O failure; the others
+        are unaffected. ReplicaNotFound is raised for a key the tier does not hold.
         """
 
     @abstractmethod
@@ -129,6 +155,10 @@ class Tier(ABC):
     def close(self) -> None:
         """Release files and threads."""
 
+    def details(self) -> dict[str, Any]:
+        """Tier-specific figures for ``info`` (JSON-able)."""
+        return {}
+
     def read(self, key: ChunkKey) -> np.ndarray:
         """One replica as a new array; raises ChecksumMismatch on corruption."""
         (result,) = self.read_batch([key])
@@ -143,6 +173,67 @@ class Tier(ABC):
             return False
         self.commit_store(res, payloads)
         return True
+
+
+class SupportsBatchDelete(ABC):
+    """Capability: drop many replicas at the cost of one (e.g. one catalog transaction)."""
+
+    @abstractmethod
+    def delete_batch(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """Drop replicas; return the payload bytes each held (ReplicaNotFound if absent)."""
+
+
+class SupportsAdopt(ABC):
+    """Capability: publish arrays the caller hands over for good, without a copy."""
+
+    @abstractmethod
+    def commit_adopt(self, reservation: Reservation, arrays: Sequence[np.ndarray]) -> None:
+        """Like ``commit_store`` but takes ownership of ``arrays`` (made read-only)."""
+
+
+class ReportsLostReplicas(ABC):
+    """Capability: the tier may drop replicas by itself (found corrupt by recovery,
+    compaction or an audit) and reports each, with why, exactly once."""
+
+    @abstractmethod
+    def take_lost(self) -> list[tuple[ChunkKey, str]]:
+        """Replicas dropped since the last call, with the reason."""
+
+
+@dataclass(slots=True)
+class AuditReport:
+    """Result of a tier audit (``check``)."""
+
+    rows: int = 0
+    ok: int = 0
+    problems: list[str] = field(default_factory=list)
+    bad_keys: list[bytes] = field(default_factory=list)
+    orphan_segments: list[str] = field(default_factory=list)
+    fixed: bool = False
+
+    @property
+    def clean(self) -> bool:
+        return not self.problems and not self.orphan_segments
+
+
+class SupportsAudit(ABC):
+    """Capability: audit every held replica against its persisted metadata."""
+
+    @abstractmethod
+    def check(
+        self, fix: bool = False, progress: Callable[[int], object] | None = None
+    ) -> AuditReport:
+        """Verify every replica; with ``fix`` repair what can be repaired."""
+
+
+class PersistsCounters(ABC):
+    """Capability: durable storage for the store's lifetime counters."""
+
+    @abstractmethod
+    def load_counters(self) -> dict[str, int]: ...
+
+    @abstractmethod
+    def save_counters(self, counters: dict[str, int]) -> None: ...
 
 
 def check_payloads(metas: Sequence[ReplicaMeta], payloads: Sequence[np.ndarray]) -> None:

@@ -26,7 +26,9 @@ from kvlife.tiers.base import (
     ReadResult,
     ReplicaMeta,
     Reservation,
+    SupportsAdopt,
     Tier,
+    TierName,
     check_payloads,
 )
 from kvlife.tiers.buffers import aligned_empty
@@ -77,13 +79,13 @@ class _BufferPool:
                 self.nbytes -= size
 
 
-class MemoryTier(Tier):
+class MemoryTier(Tier, SupportsAdopt):
     """Replicas in host DRAM, at most ``capacity_bytes`` of payload."""
 
     def __init__(self, capacity_bytes: int, name: str = "dram") -> None:
         if capacity_bytes < 0:
             raise InvalidArgument(f"memory tier capacity must be >= 0, got {capacity_bytes}")
-        self.name = name
+        self.name = TierName(name)
         self.capacity_bytes = capacity_bytes
         self._held: dict[ChunkKey, _Held] = {}
         self._used = 0

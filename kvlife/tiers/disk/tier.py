@@ -25,7 +25,7 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -41,11 +41,18 @@ from kvlife.core.errors import (
 )
 from kvlife.core.identity import ChunkKey
 from kvlife.tiers.base import (
+    AuditReport,
     CapacityShortfall,
+    Durability,
+    PersistsCounters,
     ReadResult,
     ReplicaMeta,
+    ReportsLostReplicas,
     Reservation,
+    SupportsAudit,
+    SupportsBatchDelete,
     Tier,
+    TierName,
     check_payloads,
 )
 from kvlife.tiers.buffers import (
@@ -140,23 +147,11 @@ class DiskStats:
     recovery_dropped: int = 0
 
 
-@dataclass(slots=True)
-class CheckReport:
-    """Result of auditing the catalog against the segment files."""
-
-    rows: int = 0
-    ok: int = 0
-    problems: list[str] = field(default_factory=list)
-    bad_keys: list[bytes] = field(default_factory=list)
-    orphan_segments: list[str] = field(default_factory=list)
-    fixed: bool = False
-
-    @property
-    def clean(self) -> bool:
-        return not self.problems and not self.orphan_segments
+CheckReport = AuditReport
+"""The disk tier's audit result (the capability's report type)."""
 
 
-class DiskTier(Tier):
+class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, PersistsCounters):
     """Segment files plus a SQLite catalog under one directory."""
 
     def __init__(
@@ -167,7 +162,8 @@ class DiskTier(Tier):
         name: str = "disk",
         fileio: FileIO | None = None,
     ) -> None:
-        self.name = name
+        self.name = TierName(name)
+        self.durability = Durability.DURABLE
         self.config = config
         self.capacity_bytes = config.capacity_bytes
         self.directory = Path(directory)
@@ -664,6 +660,20 @@ class DiskTier(Tier):
                         self.io.unlink(self._segdir / name)
                 report.fixed = True
         return report
+
+    def details(self) -> dict[str, object]:
+        return {
+            "direct_io": self.direct_io,
+            "live_bytes": self.live_bytes,
+            "segments": self.segment_count,
+            **asdict(self.stats),
+        }
+
+    def load_counters(self) -> dict[str, int]:
+        return self.catalog.load_counters()
+
+    def save_counters(self, counters: dict[str, int]) -> None:
+        self.catalog.save_counters(counters)
 
     def take_lost(self) -> list[tuple[ChunkKey, str]]:
         """Replicas this tier dropped on its own (recovery, compaction, check), with why."""
