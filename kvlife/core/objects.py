@@ -1,14 +1,22 @@
-"""Logical KV objects: what the store knows about each chunk besides its bytes."""
+"""Logical KV objects and their replicas: what the store knows about each chunk besides
+its bytes, and the one address type of a prompt (:class:`PromptRef`)."""
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NewType
 
 import msgpack
+import numpy as np
 
 from kvlife.core.errors import InvalidArgument
-from kvlife.core.identity import ChunkKey, ModelIdentity, Namespace
+from kvlife.core.identity import ROOT_PARENT, ChunkKey, ModelIdentity, Namespace, prompt_chunk_keys
 from kvlife.core.lifecycle import ObjectState
+
+TierName = NewType("TierName", str)
+"""Name of one tier of a store's chain (``dram``, ``disk``, ...)."""
 
 _INFO_VERSION = 1
 
@@ -82,6 +90,37 @@ class ObjectInfo:
         )
 
 
+class ReplicaState(enum.Enum):
+    """Where one replica stands. Readers count separately (:attr:`Replica.pins`)."""
+
+    WRITING = "writing"
+    """Its bytes are on their way to the tier: counted against the tier, never read."""
+    READY = "ready"
+    """Sealed and readable."""
+    LEAVING = "leaving"
+    """Chosen for eviction: still readable until the tier drops it, no longer counted."""
+
+
+@dataclass(slots=True)
+class Replica:
+    """One copy of an object in one tier (hot metadata)."""
+
+    tier: TierName
+    nbytes: int
+    """Payload bytes in the tier's representation."""
+    transform: str = "exact"
+    """Representation: ``exact`` for the engine's own bytes."""
+    checksum: bytes = b""
+    """Content checksum where the tier keeps one (empty for DRAM)."""
+    state: ReplicaState = ReplicaState.WRITING
+    pins: int = 0
+    """Loads reading this replica right now; a pinned replica is never an eviction victim."""
+
+    @property
+    def readable(self) -> bool:
+        return self.state is not ReplicaState.WRITING
+
+
 @dataclass(slots=True)
 class ObjectRecord:
     """One logical object in the store's index (hot metadata: slots, no frozen copy)."""
@@ -94,5 +133,44 @@ class ObjectRecord:
     nbytes: int
     state: ObjectState | None = None
     """None until the PUT (or RECOVER) move is applied."""
-    tiers: set[str] = field(default_factory=set)
-    """Tiers holding a sealed replica."""
+    replicas: dict[TierName, Replica] = field(default_factory=dict)
+    """Replicas by tier, in no particular order (the chain orders tiers)."""
+
+    def readable_in(self, tier: TierName) -> bool:
+        rep = self.replicas.get(tier)
+        return rep is not None and rep.readable
+
+    @property
+    def pinned(self) -> bool:
+        return any(r.pins for r in self.replicas.values())
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRef:
+    """The address of a prompt's chunks: model identity, namespace, tokens, where they
+    start and what precedes them. Every call that names a prompt takes one of these."""
+
+    identity: ModelIdentity
+    namespace: Namespace
+    tokens: Sequence[int] | np.ndarray
+    start: int = 0
+    """Absolute position of ``tokens[0]``."""
+    parent: ChunkKey = ROOT_PARENT
+    """Key of the chunk before ``tokens[0]`` (zeros at the start of a sequence)."""
+    extra_keys: Sequence[bytes] = ()
+    """Extra identity per chunk (e.g. a multimodal input digest)."""
+
+    def keys(self) -> list[ChunkKey]:
+        """Keys of every full chunk, prefix-chained (validates the arguments)."""
+        return prompt_chunk_keys(
+            self.identity,
+            self.namespace,
+            self.tokens,
+            start=self.start,
+            parent=self.parent,
+            extra_keys=self.extra_keys,
+        )
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.identity.layout.tokens_per_chunk

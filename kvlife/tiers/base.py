@@ -24,16 +24,13 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NewType
+from typing import Any
 
 import numpy as np
 
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaReadError
 from kvlife.core.identity import ChunkKey
-
-TierName = NewType("TierName", str)
-"""Name of one tier of a store's chain (``dram``, ``disk``, ...)."""
-
+from kvlife.core.objects import TierName
 
 class Durability(enum.Enum):
     """What a tier promises about a committed replica."""

@@ -21,6 +21,7 @@ import numpy as np
 
 from kvlife.core.errors import InvalidArgument, ReplicaNotFound
 from kvlife.core.identity import ChunkKey
+from kvlife.core.objects import TierName
 from kvlife.tiers.base import (
     CapacityShortfall,
     ReadResult,
@@ -28,7 +29,6 @@ from kvlife.tiers.base import (
     Reservation,
     SupportsAdopt,
     Tier,
-    TierName,
     check_payloads,
 )
 from kvlife.tiers.buffers import aligned_empty

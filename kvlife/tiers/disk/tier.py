@@ -40,6 +40,7 @@ from kvlife.core.errors import (
     StorePathError,
 )
 from kvlife.core.identity import ChunkKey
+from kvlife.core.objects import TierName
 from kvlife.tiers.base import (
     AuditReport,
     CapacityShortfall,
@@ -52,7 +53,6 @@ from kvlife.tiers.base import (
     SupportsAudit,
     SupportsBatchDelete,
     Tier,
-    TierName,
     check_payloads,
 )
 from kvlife.tiers.buffers import (
