@@ -77,12 +77,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from kvlife.store import KVStore
+    from kvlife.tiers.disk import DiskTier
 
     store = _open_existing(args.path)
     assert isinstance(store, KVStore)
     try:
-        assert store.disk is not None
-        total = store.disk.live_bytes
+        disk = store.tier("disk")
+        assert isinstance(disk, DiskTier)
+        total = disk.live_bytes
         with tqdm(
             total=total,
             unit="B",
@@ -92,7 +94,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             disable=total < (256 << 20),
         ) as bar:
             report = store.check(fix=args.fix, progress=bar.update)
-        dropped = store.disk.stats.recovery_dropped
+        dropped = disk.stats.recovery_dropped
     finally:
         store.close(flush=False)
     print(f"checked {report.rows} replicas: {report.ok} ok, {len(report.problems)} bad")

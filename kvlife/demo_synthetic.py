@@ -34,6 +34,7 @@ from kvlife.core.identity import (
 )
 from kvlife.report import format_table
 from kvlife.store import KVStore
+from kvlife.tiers.disk import DiskTier
 
 MiB = 1 << 20
 SMOLLM2_LAYOUT = KVLayout(
@@ -171,8 +172,7 @@ def run_synthetic_demo(args: argparse.Namespace) -> int:
                 for user in users:
                     _turn(store, identity, user, system, rng, phases[-1])
                     bar.update()
-            assert store.disk is not None
-            written = store.disk.stats.bytes_written
+            written = _disk(store).stats.bytes_written
             store.close()
             store = KVStore.open(store_dir, dram_bytes=dram_bytes, disk_bytes=disk_bytes)
             recovered = store.counters.recovered
@@ -181,9 +181,8 @@ def run_synthetic_demo(args: argparse.Namespace) -> int:
                 _turn(store, identity, user, system, rng, phases[-1])
                 bar.update()
         info = store.info()
-        assert store.disk is not None
-        written += store.disk.stats.bytes_written
-        read = store.disk.stats.bytes_read
+        written += _disk(store).stats.bytes_written
+        read = _disk(store).stats.bytes_read
         store.close()
     finally:
         if tmp is not None:
@@ -257,3 +256,9 @@ def run_synthetic_demo(args: argparse.Namespace) -> int:
             )
         )
     return 0 if wrong == 0 else 1
+
+
+def _disk(store: KVStore) -> DiskTier:
+    tier = store.tier("disk")
+    assert isinstance(tier, DiskTier)
+    return tier

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from kvlife.core.identity import ChunkKey
+from kvlife.core.objects import TierName
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +40,7 @@ class ChunkHit:
     key: ChunkKey
     start: int
     """Absolute position of the chunk's first token."""
-    tier: str
+    tier: TierName
     """Fastest tier holding the chunk when it was looked up."""
 
 
@@ -92,6 +93,22 @@ class LoadResult:
 
 
 @dataclass(slots=True)
+class TierCounters:
+    """Event counters of one tier of the chain."""
+
+    stored: int = 0
+    """Replicas written into this tier (new puts, promotions, demotions, flushes)."""
+    loaded: int = 0
+    """Chunks served to loads from this tier."""
+    bytes_loaded: int = 0
+    evictions: int = 0
+    """Replicas dropped from this tier to make room."""
+
+
+_TIER_PREFIX = "tier."
+
+
+@dataclass(slots=True)
 class StoreCounters:
     """Event counters of a store (since open, and lifetime totals in ``info``)."""
 
@@ -103,29 +120,55 @@ class StoreCounters:
     lookup_chunks_hit: int = 0
     lookup_chunks_miss: int = 0
     loads: int = 0
-    chunks_loaded_dram: int = 0
-    chunks_loaded_disk: int = 0
     bytes_loaded: int = 0
     corrupt: int = 0
     read_errors: int = 0
     vanished: int = 0
     demotions: int = 0
+    demote_failed: int = 0
+    """Demotions whose write failed: the object was dropped (counted, with an event)."""
     promotions: int = 0
-    evictions_dram: int = 0
-    evictions_disk: int = 0
+    promote_failed: int = 0
     invalidated: int = 0
+    evicted: int = 0
+    """Objects dropped because their last replica was evicted."""
     recovered: int = 0
     recovery_dropped: int = 0
     aborted: int = 0
+    per_tier: dict[str, TierCounters] = field(default_factory=dict)
+    """Counters of each tier, by tier name."""
+
+    def tier(self, name: str) -> TierCounters:
+        got = self.per_tier.get(name)
+        if got is None:
+            got = self.per_tier[name] = TierCounters()
+        return got
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        """Flat name -> value; tier counters as ``tier.<name>.<counter>``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "per_tier"}
+        for name, tc in self.per_tier.items():
+            for f in fields(tc):
+                out[f"{_TIER_PREFIX}{name}.{f.name}"] = getattr(tc, f.name)
+        return out
 
     def add(self, other: dict[str, int]) -> StoreCounters:
-        out = StoreCounters(**self.as_dict())
-        for f in fields(self):
-            setattr(out, f.name, getattr(out, f.name) + int(other.get(f.name, 0)))
+        """These counters plus a flat dict of others (as :meth:`as_dict` writes them)."""
+        out = StoreCounters()
+        for src in (self.as_dict(), other):
+            for key, value in src.items():
+                if key.startswith(_TIER_PREFIX):
+                    tier, _, counter = key[len(_TIER_PREFIX) :].rpartition(".")
+                    tc = out.tier(tier)
+                    if counter in _TIER_FIELDS:
+                        setattr(tc, counter, getattr(tc, counter) + int(value))
+                elif key in _STORE_FIELDS:
+                    setattr(out, key, getattr(out, key) + int(value))
         return out
+
+
+_TIER_FIELDS = frozenset(f.name for f in fields(TierCounters))
+_STORE_FIELDS = frozenset(f.name for f in fields(StoreCounters)) - {"per_tier"}
 
 
 @dataclass(slots=True)

@@ -73,8 +73,9 @@ def open_store(path: Path, verify: Verify = "header") -> KVStore:
 
 
 def disk_of(store: KVStore) -> DiskTier:
-    assert store.disk is not None
-    return store.disk
+    tier = store.tier("disk")
+    assert isinstance(tier, DiskTier)
+    return tier
 
 
 def segment_dir(path: Path) -> Path:

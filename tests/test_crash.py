@@ -13,7 +13,7 @@ after every put and invalidation. The parent kills it after a seeded random dela
     (its eviction batch, or the namespace it was invalidating). In the ``durable`` shape
     (no eviction, no invalidation) every acknowledged prompt must load in full. No key
     comes back after an acknowledged invalidation of its namespace;
-(c) recovery dropped nothing and ``store.disk.check()`` is clean (a kill tears no
+(c) recovery dropped nothing and ``disk_of(store).check()`` is clean (a kill tears no
     page-cache write, so a correct commit order leaves nothing torn behind);
 (d) the store takes a put, serves it back and invalidates it.
 
@@ -43,6 +43,7 @@ from tests.helpers.workload import (
     Prompt,
     assert_served_correctly,
     chunk_refs,
+    disk_of,
     invalidation_after,
     load_chunk,
     load_prompt,
@@ -233,7 +234,7 @@ def verify_after_kill(store_path: Path, exp: Expectation) -> None:
     store = SHAPES[exp.shape].open(store_path)
     try:
         assert store.counters.recovery_dropped == 0, "recovery dropped replicas after a kill"
-        disk = store.disk
+        disk = disk_of(store)
         assert disk is not None
         # (a) every indexed key is known and loads bit-exact, (b) invalidations stick.
         keys = store.indexed_keys()
@@ -379,9 +380,8 @@ def test_write_through_put_is_durable_for_chunks_already_in_dram(tmp_path: Path)
     try:
         for p in prompts:
             put(store, p)
-        assert store.disk is not None
-        assert store.counters.evictions_disk > 0
-        on_disk = set(store.disk.replica_keys())
+        assert store.counters.tier("disk").evictions > 0
+        on_disk = set(disk_of(store).replica_keys())
         assert not any(k in on_disk for k in first.keys), "precondition: evicted from disk"
         res = put(store, first)  # acknowledged: write-through promises durability
         assert res.stored + res.already_present == len(first.keys)

@@ -45,6 +45,7 @@ from tests.helpers.workload import (
     Prompt,
     assert_served_correctly,
     chunk_refs,
+    disk_of,
     load_chunk,
     load_prompt,
     make_prompt,
@@ -190,7 +191,7 @@ def test_write_fault_fails_the_put_and_leaves_nothing_of_it(
     try:
         assert visible_chunks(store, new) == 0, "chunks of the failed put are visible after reopen"
         assert_loads_in_full(store, old)
-        assert store.disk is not None and store.disk.check().clean
+        assert disk_of(store).check().clean
         res = put(store, new)
         assert res.stored == len(new.keys)
         assert_loads_in_full(store, [*old, new])
@@ -214,7 +215,7 @@ def test_store_accepts_puts_again_once_the_fault_clears(tmp_path: Path, config_n
             res = put(store, p)
             assert res.stored + res.already_present == len(p.keys)
         assert_loads_in_full(store, [first, second])
-        assert store.disk is not None and store.disk.check().clean
+        assert disk_of(store).check().clean
     finally:
         # No flush on close: what a put acknowledged must already be on disk.
         store.close(flush=not CONFIGS[config_name].write_through)
@@ -243,7 +244,7 @@ def test_write_fault_during_compaction_is_typed_and_harmless(
     )
     refs: dict[ChunkKey, ChunkRef] = {}
     try:
-        disk = store.disk
+        disk = disk_of(store)
         assert disk is not None
         for n in range(400):
             if n % 5 == 0:  # deleted frames leave garbage that compaction must reclaim
@@ -469,10 +470,12 @@ def test_full_disk_budget_evicts_only_what_the_put_needs(tmp_path: Path) -> None
         assert len({p.keys[0] for p in one_chunk}) == frames + 1
         for p in one_chunk[:frames]:
             assert put(store, p).stored == 1
-        assert store.counters.evictions_disk == 0, "precondition: the budget holds 16 frames"
+        assert store.counters.tier("disk").evictions == 0, (
+            "precondition: the budget holds 16 frames"
+        )
         assert put(store, one_chunk[frames]).stored == 1
-        assert store.counters.evictions_disk == 1, (
-            f"one chunk of room cost {store.counters.evictions_disk} evictions"
+        assert store.counters.tier("disk").evictions == 1, (
+            f"one chunk of room cost {store.counters.tier('disk').evictions} evictions"
         )
         assert len(store.indexed_keys()) == frames
     finally:

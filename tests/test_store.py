@@ -91,6 +91,7 @@ def test_demotion_promotion_and_reopen(tmp_path: Path, identity: ModelIdentity) 
         loaded = store.load(hit)
         assert loaded.tiers == {"disk": 4}
         assert_prefix_equal(loaded.arrays, kv)
+        store.drain()  # promotion runs in the background, off the load path
         assert store.counters.promotions == 4
         assert store.lookup(identity, PUBLIC, tokens).tiers() == {"dram": 4}
     kinds = {e.kind for e in sink.take()}

@@ -1,6 +1,12 @@
 """The in-memory index of objects: by key, by parent (prefix tree), by model version,
 adapter and namespace, so that lookups are dict probes and invalidation finds its victims
-without a scan."""
+without a scan.
+
+The prefix tree is gap-safe: the edge from a parent to a child outlives both records, so
+"this chunk and every chunk chained after it" reaches chunks behind a missing one (a
+chunk dropped as corrupt or evicted, whose children are still indexed). An edge is
+dropped only when neither end can lead to an indexed record any more.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +26,9 @@ class ObjectIndex:
     def __init__(self) -> None:
         self._records: dict[ChunkKey, ObjectRecord] = {}
         self._children: defaultdict[bytes, set[ChunkKey]] = defaultdict(set)
+        """parent key -> child keys, kept for absent parents and children alike."""
+        self._parent: dict[ChunkKey, bytes] = {}
+        """child key -> parent key, for every key with an edge."""
         self._by_weights: defaultdict[str, set[ChunkKey]] = defaultdict(set)
         self._by_adapter: defaultdict[str, set[ChunkKey]] = defaultdict(set)
         self._by_namespace: defaultdict[str, set[ChunkKey]] = defaultdict(set)
@@ -27,7 +36,9 @@ class ObjectIndex:
     def add(self, rec: ObjectRecord) -> None:
         self._records[rec.key] = rec
         info = rec.info
-        self._children[bytes(info.parent)].add(rec.key)
+        parent = bytes(info.parent)
+        self._children[parent].add(rec.key)
+        self._parent[rec.key] = parent
         self._by_weights[info.weights_digest].add(rec.key)
         if info.adapter_id:
             self._by_adapter[info.adapter_id].add(rec.key)
@@ -38,11 +49,21 @@ class ObjectIndex:
         if rec is None:
             return None
         info = rec.info
-        _discard(self._children, bytes(info.parent), key)
         _discard(self._by_weights, info.weights_digest, key)
         _discard(self._by_adapter, info.adapter_id, key)
         _discard(self._by_namespace, info.namespace, key)
+        self._prune(key)
         return rec
+
+    def _prune(self, key: bytes) -> None:
+        """Drop the edges of absent keys that no longer lead to any child."""
+        while key not in self._records and not self._children.get(key):
+            self._children.pop(key, None)
+            parent = self._parent.pop(ChunkKey(key), None)
+            if parent is None:
+                return
+            _discard(self._children, parent, ChunkKey(key))
+            key = parent
 
     def get(self, key: ChunkKey) -> ObjectRecord | None:
         return self._records.get(key)
@@ -66,16 +87,18 @@ class ObjectIndex:
         return set(self._by_namespace.get(namespace, ()))
 
     def subtree(self, roots: Iterable[ChunkKey]) -> list[ChunkKey]:
-        """The given keys and every key chained after them, parents before children."""
+        """Indexed keys among ``roots`` and every key chained after them, parents before
+        children, walking through absent chunks."""
         out: list[ChunkKey] = []
-        stack = [k for k in roots if k in self._records]
+        stack = list(roots)
         seen: set[ChunkKey] = set()
         while stack:
             key = stack.pop()
             if key in seen:
                 continue
             seen.add(key)
-            out.append(key)
+            if key in self._records:
+                out.append(key)
             stack.extend(self._children.get(bytes(key), ()))
         return out
 

@@ -151,6 +151,9 @@ def _replay(
             if not np.array_equal(got, want):
                 raise WrongKVServed(f"request {r}: a loaded chunk holds another block's KV")
             loaded_bytes += got.nbytes
+            # promotion runs in the background; wait for it so that the run is sequential,
+            # as the simulation is (the next put must see the promoted chunks)
+            store.drain()
         put = store.put_prompt(model, ns, tokens, _payload(ids, layout), request_id=str(r))
         out["pr"][r] = put.already_present
         out["nw"][r] = put.stored

@@ -32,6 +32,7 @@ from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaReadErr
 from kvlife.core.identity import ChunkKey
 from kvlife.core.objects import TierName
 
+
 class Durability(enum.Enum):
     """What a tier promises about a committed replica."""
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from kvlife.core.events import EventSink, LifecycleEvent
 from kvlife.core.lifecycle import Move
-from tests.helpers.workload import SHAPES, invalidation_after, make_prompt, put
+from tests.helpers.workload import SHAPES, disk_of, invalidation_after, make_prompt, put
 
 
 class Log:
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     log = Log(args.log)
     log.ack("start")
     store = shape.open(args.path, sink=GoneSink(log))
-    disk = store.disk
+    disk = disk_of(store)
     assert disk is not None
     log.ack("ready")
     n = args.first
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
             if not disk.contains(key):
                 log.line(f"nd {key.hex()}")
         log.ack(
-            f"put {n} {store.counters.evictions_disk} "
+            f"put {n} {store.counters.tier('disk').evictions} "
             f"{disk.stats.compaction_bytes_written} {disk.stats.segments_reclaimed}"
         )
         ns = invalidation_after(args.seed, n, shape.invalidate_prob)

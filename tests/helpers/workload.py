@@ -28,6 +28,7 @@ from kvlife.core.identity import (
 )
 from kvlife.results import LoadResult, PutResult
 from kvlife.store import KVStore
+from kvlife.tiers.disk import DiskTier
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -194,3 +195,10 @@ def assert_served_correctly(result: LoadResult, keys: Sequence[ChunkKey]) -> Non
     assert result.loaded == len(result.arrays)
     for i, arr in enumerate(result.arrays):
         assert same_bytes(arr, kv_for_key(keys[i])), f"wrong bytes served for chunk {i}"
+
+
+def disk_of(store: KVStore) -> DiskTier:
+    """The store's disk tier (the tests' default chain has one, named ``disk``)."""
+    tier = store.tier("disk")
+    assert isinstance(tier, DiskTier)
+    return tier

@@ -1,0 +1,308 @@
+"""The placement engine: where a put lands, what to demote or evict and where to, what to
+promote, and in what order each tier's policy is told. No I/O, no clock.
+
+The live store (:mod:`kvlife.store`) and the replay simulator (:mod:`kvlife.replay.cache`)
+both call this engine and execute the :class:`~kvlife.placement.actions.Plan` it returns,
+one with real I/O and one by counting, so a replay takes exactly the store's decisions.
+
+The engine keeps each tier's charged units (bytes in the store, blocks in the simulator)
+and its eviction policy; it learns where objects live from a :class:`Residency` that the
+caller implements over its own records. Every action is applied to the residency as it
+is emitted, so later decisions of the same plan see earlier ones.
+
+The rules (docs/replay.md states them for one tier):
+
+- **lookup**: hits are touched from last to first in the tier that serves them, so the
+  head of a chain is evicted last;
+- **put**: the new objects go to the first tier, room made for all at once without
+  evicting a chunk of the prompt; if that fails each goes to the first tier with room,
+  and those that fit nowhere are rejected. Then every chunk of the prompt, in order, is
+  inserted (new) or touched (present) in each tier holding it;
+- **making room** in tier *i* takes victims one ``evict(1, protected)`` at a time until
+  the shortfall is met. Victims with no replica elsewhere are first copied (demoted) to
+  tier *i+1*, whose room is made the same way protecting only those victims; a victim
+  that then has no replica left is dropped;
+- **promotion** copies hits that were served from a slower tier into the first tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.core.objects import TierName
+from kvlife.placement.actions import Action, Copy, Drop, Evict, Place, Plan, Reject
+from kvlife.policy.base import EvictionPolicy, SupportsClassHints
+
+
+class Residency(Protocol):
+    """Where objects live, as the caller records it (replicas being written count)."""
+
+    def tiers_of(self, key: Hashable) -> Collection[TierName]:
+        """Tiers holding (or receiving) a replica of ``key``; empty if none."""
+        ...
+
+    def size_of(self, key: Hashable) -> int:
+        """Payload size of ``key`` in the caller's units."""
+        ...
+
+    def apply(self, action: Action) -> None:
+        """Record the effect of one action (before the next decision is taken)."""
+        ...
+
+
+@dataclass(slots=True)
+class TierSlot:
+    """One tier as placement sees it."""
+
+    name: TierName
+    capacity: int
+    """Units (bytes or blocks) the tier may hold."""
+    policy: EvictionPolicy[object]
+    footprint: Callable[[int], int] = int
+    """Units a replica of a given payload size takes (framing included)."""
+    used: int = 0
+    """Units charged by replicas placed and not evicted."""
+
+
+class Placement:
+    """The decisions of a tier chain (fastest first)."""
+
+    def __init__(self, slots: Sequence[TierSlot], residency: Residency) -> None:
+        if not slots:
+            raise InvalidArgument("a tier chain needs at least one tier")
+        names = [s.name for s in slots]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"tier names must be unique, got {names}")
+        self.slots = list(slots)
+        self._by_name = {s.name: s for s in slots}
+        self._order = {s.name: i for i, s in enumerate(slots)}
+        self.res = residency
+        self.pinned: Collection[Hashable] = ()
+        """Keys being read right now (the store's pins): never eviction victims."""
+
+    # ------------------------------------------------------------------ queries
+
+    def slot(self, name: TierName) -> TierSlot:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise InvalidArgument(f"no tier {name!r} in the chain {list(self._by_name)}") from None
+
+    def fastest(self, tiers: Collection[TierName]) -> TierName:
+        """The first tier of the chain among ``tiers`` (which must not be empty)."""
+        return min(tiers, key=self._order.__getitem__)
+
+    def next_tier(self, name: TierName) -> TierName | None:
+        i = self._order[name] + 1
+        return self.slots[i].name if i < len(self.slots) else None
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def insert(self, key: Hashable, tier: TierName, cls: int | None = None) -> None:
+        """Tell ``tier``'s policy about a new resident (with a class hint if it takes one)."""
+        pol = self._by_name[tier].policy
+        if cls is not None and isinstance(pol, SupportsClassHints):
+            pol.insert_classed(key, cls)
+        else:
+            pol.insert(key)
+
+    def touch_hits(self, hits: Sequence[tuple[Hashable, TierName]]) -> None:
+        """A lookup's hits (key, serving tier), touched from last to first."""
+        by_name = self._by_name
+        for key, tier in reversed(hits):
+            by_name[tier].policy.touch(key)
+
+    def touch_in_order(
+        self,
+        keys: Sequence[Hashable],
+        new: dict[Hashable, TierName],
+        classes: Sequence[int] | None = None,
+    ) -> None:
+        """Every chunk of a put in prompt order: inserted where it was just placed,
+        touched in every other tier that holds it."""
+        tiers_of = self.res.tiers_of
+        for pos, key in enumerate(keys):
+            held = tiers_of(key)
+            if not held:
+                continue
+            home = new.get(key)
+            for slot in self.slots:
+                if slot.name not in held:
+                    continue
+                if slot.name == home:
+                    self.insert(key, home, classes[pos] if classes is not None else None)
+                else:
+                    slot.policy.touch(key)
+
+    def charge(self, key: Hashable, tier: TierName) -> None:
+        """Count a replica the caller placed by itself (recovery at open)."""
+        slot = self._by_name[tier]
+        slot.used += slot.footprint(self.res.size_of(key))
+        slot.policy.insert(key)
+
+    def release(self, key: Hashable, tier: TierName) -> None:
+        """A replica left ``tier`` outside a plan (failed write, found lost, invalidated)."""
+        slot = self._by_name[tier]
+        slot.used -= slot.footprint(self.res.size_of(key))
+        slot.policy.remove(key)
+        if slot.used < 0:
+            raise AssertionError(f"tier {tier} charged {slot.used} units: accounting broken")
+
+    def forget(self, key: Hashable) -> None:
+        """An object is being deleted: release all its replicas."""
+        for tier in list(self.res.tiers_of(key)):
+            self.release(key, tier)
+        for slot in self.slots:
+            slot.policy.remove(key)
+
+    # ------------------------------------------------------------------ plans
+
+    def plan_put(
+        self,
+        keys: Sequence[Hashable],
+        new: Sequence[Hashable],
+        classes: Sequence[int] | None = None,
+    ) -> tuple[Plan, dict[Hashable, TierName]]:
+        """Place the ``new`` objects of a prompt whose chunks are ``keys`` (in order).
+
+        Returns the plan and where each placed object goes; policies are told about every
+        chunk of the prompt afterwards by :meth:`touch_in_order` (the caller may first add
+        write-through copies, as the store does).
+        """
+        plan = Plan()
+        placed: dict[Hashable, TierName] = {}
+        if new:
+            protected = set(keys)
+            first = self.slots[0].name
+            if self._make_room(plan, first, new, protected):
+                for key in new:
+                    self._place(plan, key, first)
+                    placed[key] = first
+            else:
+                for key in new:
+                    for slot in self.slots:
+                        if self._make_room(plan, slot.name, [key], protected):
+                            self._place(plan, key, slot.name)
+                            placed[key] = slot.name
+                            break
+                    else:
+                        self._emit(plan, Reject(key, "no room in any tier"))
+                        plan.complete = False
+        return plan, placed
+
+    def plan_copies(
+        self, keys: Sequence[Hashable], dst: TierName, reason: str, *, batch: int = 64
+    ) -> Plan:
+        """Copy ``keys`` (from their fastest replica) into ``dst``, making room there
+        batch by batch, protecting each batch. ``complete`` is False if a batch found no
+        room (it and the rest are then not copied)."""
+        plan = Plan()
+        todo = [k for k in keys if dst not in self.res.tiers_of(k)]
+        for i in range(0, len(todo), batch):
+            part = todo[i : i + batch]
+            if not self._copy_into(plan, part, dst, reason, set(part)):
+                plan.complete = False
+                break
+        return plan
+
+    def plan_promote(self, keys: Sequence[Hashable]) -> Plan:
+        """Copy hits served from a slower tier into the first tier (all or none)."""
+        plan = Plan()
+        first = self.slots[0].name
+        todo = [k for k in keys if first not in self.res.tiers_of(k)]
+        if todo:
+            self._copy_into(plan, todo, first, "promote", set(todo))
+        return plan
+
+    def plan_evict(self, tier: TierName, units: int, protected: Collection[Hashable]) -> Plan:
+        """Free at least ``units`` of ``tier`` (as far as its policy allows)."""
+        plan = Plan()
+        plan.complete = self._free(plan, tier, units, protected)
+        return plan
+
+    # ------------------------------------------------------------------ internals
+
+    def _emit(self, plan: Plan, action: Action) -> None:
+        plan.actions.append(action)
+        self.res.apply(action)
+
+    def _place(self, plan: Plan, key: Hashable, tier: TierName) -> None:
+        slot = self._by_name[tier]
+        slot.used += slot.footprint(self.res.size_of(key))
+        self._emit(plan, Place(key, tier))
+
+    def _copy_into(
+        self,
+        plan: Plan,
+        keys: Sequence[Hashable],
+        dst: TierName,
+        reason: str,
+        protected: Collection[Hashable],
+    ) -> bool:
+        if not self._make_room(plan, dst, keys, protected):
+            return False
+        slot = self._by_name[dst]
+        for key in keys:
+            held = self.res.tiers_of(key)
+            if not held:  # evicted while making room (never when protected)
+                continue
+            src = self.fastest(held)
+            slot.used += slot.footprint(self.res.size_of(key))
+            self._emit(plan, Copy(key, src, dst, reason))
+            slot.policy.insert(key)
+        return True
+
+    def _make_room(
+        self,
+        plan: Plan,
+        tier: TierName,
+        keys: Sequence[Hashable],
+        protected: Collection[Hashable],
+    ) -> bool:
+        slot = self._by_name[tier]
+        size_of = self.res.size_of
+        need = sum(slot.footprint(size_of(k)) for k in keys)
+        return self._free(plan, tier, slot.used + need - slot.capacity, protected)
+
+    def _free(
+        self, plan: Plan, tier: TierName, short: int, protected: Collection[Hashable]
+    ) -> bool:
+        if short <= 0:
+            return True
+        slot = self._by_name[tier]
+        if self.pinned:
+            protected = set(protected).union(self.pinned)
+        victims: list[Hashable] = []
+        freed = 0
+        while freed < short:
+            got = slot.policy.evict(1, protected)
+            if not got:
+                break
+            key = got[0]
+            if tier not in self.res.tiers_of(key):
+                continue  # the policy knew a key the tier no longer holds
+            victims.append(key)
+            freed += slot.footprint(self.res.size_of(key))
+        if victims:
+            self._evict(plan, tier, victims)
+        return freed >= short
+
+    def _evict(self, plan: Plan, tier: TierName, victims: list[Hashable]) -> None:
+        nxt = self.next_tier(tier)
+        demoted = True
+        if nxt is not None:
+            only_here = [v for v in victims if len(self.res.tiers_of(v)) == 1]
+            if only_here:
+                demoted = self._copy_into(plan, only_here, nxt, "demote", set(only_here))
+        slot = self._by_name[tier]
+        for key in victims:
+            slot.used -= slot.footprint(self.res.size_of(key))
+            self._emit(plan, Evict(key, tier))
+            if not self.res.tiers_of(key):
+                for s in self.slots:
+                    s.policy.remove(key)
+                why = "evicted" if demoted or nxt is None else f"evicted: no room in {nxt}"
+                self._emit(plan, Drop(key, why))

@@ -1,0 +1,16 @@
+"""The store: a facade (:class:`KVStore`) over a tier chain, placement, the ledger of
+moves, writes, reads, invalidation, recovery and metrics, each in its own module.
+
+- :mod:`.config` settings and the tier chain; :mod:`.lock` the directory lock and the
+  plan sequencer; :mod:`.core` the shared state; :mod:`.ledger` moves and events;
+- :mod:`.writes` puts, write-through, flush, eviction; :mod:`.reads` lookups, loads
+  (sync and async) and promotion; :mod:`.executor` runs placement plans with real I/O;
+- :mod:`.invalidation`, :mod:`.recovery`, :mod:`.metrics`.
+"""
+
+from kvlife.store.config import GiB, MiB, StoreConfig, TierSpec
+from kvlife.store.facade import KVStore
+from kvlife.store.reads import LoadHandle
+from kvlife.store.writes import PendingPut
+
+__all__ = ["GiB", "KVStore", "LoadHandle", "MiB", "PendingPut", "StoreConfig", "TierSpec"]

@@ -1,0 +1,132 @@
+"""Settings of a store: the tier chain and the store-wide options.
+
+``StoreConfig(dram_bytes=..., disk_bytes=...)`` is the embedded default, a host-DRAM tier
+in front of a disk tier. ``tiers=(TierSpec(...), ...)`` names any chain, fastest first;
+each kind is built by the tier registry (:mod:`kvlife.tiers.registry`), so a new kind of
+tier needs no edit here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Literal
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.core.objects import TierName
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """One tier of the chain."""
+
+    kind: str
+    """Registered tier kind (``memory``, ``disk``)."""
+    name: str
+    """Name of the tier in counters, events and lookups (unique in the chain)."""
+    capacity_bytes: int
+    """Budget of the tier (the disk tier's includes garbage awaiting reclaim)."""
+    policy: str = "lru"
+    """Eviction policy by registered name."""
+    options: tuple[tuple[str, object], ...] = ()
+    """Kind-specific settings (e.g. ``segment_bytes`` of a disk tier), as name/value pairs."""
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise InvalidArgument(f"tier name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
+            raise InvalidArgument(
+                f"tier {self.name!r} needs capacity_bytes > 0, got {self.capacity_bytes!r}"
+            )
+
+    @property
+    def tier_name(self) -> TierName:
+        return TierName(self.name)
+
+    def option(self, name: str, default: object) -> object:
+        return dict(self.options).get(name, default)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreConfig:
+    """Settings of a store."""
+
+    dram_bytes: int = 1 * GiB
+    """Host-DRAM tier budget of the default chain (0: no DRAM tier)."""
+    disk_bytes: int = 8 * GiB
+    """Disk tier budget of the default chain, garbage included (0: no disk tier)."""
+    policy: str = "lru"
+    """Eviction policy of each tier of the default chain, by registered name."""
+    write_through: bool = False
+    """Make every put durable (on every durable tier) before it returns."""
+    promote_on_hit: bool = True
+    """Copy hits served from a slower tier into the first tier (in the background)."""
+    segment_bytes: int = 256 * MiB
+    """Disk segment file size."""
+    direct_io: bool | None = None
+    """O_DIRECT on the disk tier: None detects."""
+    verify_on_open: Literal["none", "header", "full"] = "header"
+    """What recovery checks for each durable replica."""
+    tiers: tuple[TierSpec, ...] = ()
+    """An explicit chain, fastest first; overrides dram_bytes/disk_bytes/policy."""
+    io_threads: int = 4
+    """Threads of the asynchronous load/put pool."""
+    chain: tuple[TierSpec, ...] = field(init=False, default=())
+    """The chain in use (``tiers`` or the default built from the budgets)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dram_bytes", "disk_bytes", "segment_bytes", "io_threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidArgument(f"{name} must be an int, got {value!r}")
+        if self.dram_bytes < 0 or self.disk_bytes < 0:
+            raise InvalidArgument(
+                f"tier budgets must be >= 0 (dram_bytes={self.dram_bytes}, "
+                f"disk_bytes={self.disk_bytes})"
+            )
+        if self.io_threads < 1:
+            raise InvalidArgument(f"io_threads must be >= 1, got {self.io_threads}")
+        chain = tuple(self.tiers)
+        if not chain:
+            if self.dram_bytes > 0:
+                chain += (TierSpec("memory", "dram", self.dram_bytes, self.policy),)
+            if self.disk_bytes > 0:
+                chain += (
+                    TierSpec(
+                        "disk",
+                        "disk",
+                        self.disk_bytes,
+                        self.policy,
+                        (
+                            ("segment_bytes", self.segment_bytes),
+                            ("direct_io", self.direct_io),
+                            ("verify_on_open", self.verify_on_open),
+                        ),
+                    ),
+                )
+        if not chain:
+            raise InvalidArgument("a store needs at least one tier (dram_bytes or disk_bytes > 0)")
+        if not all(isinstance(t, TierSpec) for t in chain):
+            raise InvalidArgument("tiers must be TierSpec values")
+        names = [t.name for t in chain]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"tier names must be unique in the chain, got {names}")
+        object.__setattr__(self, "chain", chain)
+        if self.write_through and not any(t.kind == "disk" for t in chain):
+            raise InvalidArgument("write_through needs a durable tier (a disk tier)")
+
+    @classmethod
+    def from_settings(cls, settings: dict[str, object]) -> StoreConfig:
+        """Build from keyword settings, naming any unknown one."""
+        known = {f.name for f in fields(cls) if f.init}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise InvalidArgument(
+                f"unknown store setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        try:
+            return cls(**settings)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise InvalidArgument(f"bad store settings: {exc}") from exc

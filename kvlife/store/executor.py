@@ -1,0 +1,268 @@
+"""The live executor of placement plans: real reads, writes and deletes, outside the
+index lock, with each group's outcome published under it.
+
+Consecutive actions of one kind between the same tiers run as one batch (one
+``commit_store``, one ``delete_batch``). Every planned action runs even when an earlier
+one failed, because placement already counted on it; failures are published as typed,
+counted outcomes:
+
+- a failed **placement** aborts its new objects (nothing of the batch is visible);
+- a failed **demotion** drops the objects whose only other replica was being evicted,
+  counted as ``demote_failed`` and emitted with the reason (never silently);
+- a failed **promotion** or **flush/write-through copy** removes the copy; the source
+  replica stays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvlife.core.errors import ChecksumMismatch, KVLifeError, ReplicaReadError, StorageFullError
+from kvlife.core.identity import ChunkKey
+from kvlife.core.lifecycle import Move, ObjectState
+from kvlife.core.objects import ObjectRecord, ReplicaState, TierName
+from kvlife.placement import Copy, Evict, Place
+from kvlife.store.core import Bound, StoreCore
+from kvlife.tiers.base import CapacityShortfall, ReplicaMeta, SupportsAdopt
+
+INDEXED = ObjectState.INDEXED
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the execution of one plan did."""
+
+    placed: list[ChunkKey] = field(default_factory=list)
+    """New objects now indexed."""
+    failed_places: dict[ChunkKey, Exception] = field(default_factory=dict)
+    failed_copies: list[tuple[Copy, Exception]] = field(default_factory=list)
+    errors: list[Exception] = field(default_factory=list)
+    """Every failure, in order (the first is what a caller raises)."""
+
+
+def execute(
+    core: StoreCore,
+    bound: Sequence[Bound],
+    *,
+    payloads: dict[ChunkKey, np.ndarray] | None = None,
+    sources: dict[ChunkKey, np.ndarray] | None = None,
+    request_id: str = "",
+    protect: set[ChunkKey] | None = None,
+) -> Outcome:
+    """Run a bound plan in order (the caller holds the plan's sequencer turn).
+
+    ``protect``: keys no extra eviction may take while a tier refuses a batch placement
+    made room for (a put's whole prompt; by default the batch itself)."""
+    out = Outcome()
+    for group in _groups(bound):
+        action = group[0].action
+        if isinstance(action, Place):
+            keys = protect if protect is not None else {b.rec.key for b in group}
+            _place(core, action.tier, group, payloads or {}, request_id, keys, out)
+        elif isinstance(action, Copy):
+            _copy(core, action.src, action.dst, group, sources or {}, out)  # protects its batch
+        elif isinstance(action, Evict):
+            _evict(core, action.tier, group, out)
+        # Drop and Reject were fully applied when planned (nothing physical to do)
+    return out
+
+
+def _groups(bound: Sequence[Bound]) -> list[list[Bound]]:
+    groups: list[list[Bound]] = []
+    last: tuple[object, ...] | None = None
+    for b in bound:
+        a = b.action
+        if isinstance(a, Place):
+            sig: tuple[object, ...] = (Place, a.tier)
+        elif isinstance(a, Copy):
+            sig = (Copy, a.src, a.dst, a.reason)
+        elif isinstance(a, Evict):
+            sig = (Evict, a.tier)
+        else:
+            sig = (type(a),)
+        if sig == last:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+            last = sig
+    return groups
+
+
+def meta_of(rec: ObjectRecord) -> ReplicaMeta:
+    return ReplicaMeta(rec.key, rec.dtype, rec.shape, "exact", rec.info.encode())
+
+
+def _write(
+    core: StoreCore,
+    tier_name: TierName,
+    recs: list[ObjectRecord],
+    arrays: list[np.ndarray],
+    protect: set[ChunkKey],
+    *,
+    adopt: bool = False,
+) -> None:
+    """prepare + commit one batch in a tier; raises a typed error on failure.
+
+    Placement made room by its count of live bytes; a tier can still refuse (garbage a
+    disk tier cannot compact yet). Then more victims are evicted, as placement chooses
+    them, until the batch fits or nothing more can go.
+    """
+    tier = core.tiers[tier_name]
+    metas = [meta_of(r) for r in recs]
+    while True:
+        res = tier.prepare_store(metas)
+        if not isinstance(res, CapacityShortfall):
+            break
+        with core.lock:
+            plan = core.placement.plan_evict(tier_name, res.need_bytes, core.protected(protect))
+            bound = core.residency.take()
+        if not plan:
+            raise StorageFullError(
+                f"tier {tier_name} is {res.need_bytes} bytes short for {len(recs)} replicas "
+                "and has nothing left to evict"
+            )
+        extra = execute(core, bound)
+        if extra.errors:
+            raise extra.errors[0]
+    if adopt and isinstance(tier, SupportsAdopt):
+        tier.commit_adopt(res, arrays)
+    else:
+        tier.commit_store(res, arrays)
+
+
+def _place(
+    core: StoreCore,
+    tier_name: TierName,
+    group: list[Bound],
+    payloads: dict[ChunkKey, np.ndarray],
+    request_id: str,
+    protect: set[ChunkKey],
+    out: Outcome,
+) -> None:
+    recs = [b.rec for b in group]
+    try:
+        _write(core, tier_name, recs, [payloads[r.key] for r in recs], protect)
+    except (KVLifeError, OSError) as exc:
+        with core.lock:
+            for b in group:
+                _abort_new(core, b.rec, str(exc))
+                out.failed_places[b.rec.key] = exc
+        out.errors.append(exc)
+        return
+    with core.lock:
+        ledger = core.ledger
+        tc = core.counters.tier(tier_name)
+        for b in group:
+            rec, rep = b.rec, b.replica
+            assert rep is not None
+            rep.state = ReplicaState.READY
+            ledger.move(rec, Move.WRITE, tier=tier_name, nbytes=rec.nbytes, request_id=request_id)
+            ledger.move(rec, Move.SEAL, tier=tier_name, nbytes=rec.nbytes)
+            ledger.move(rec, Move.COMMIT, tier=tier_name)
+            ledger.move(rec, Move.INDEX, tier=tier_name)
+            tc.stored += 1
+            out.placed.append(rec.key)
+
+
+def _abort_new(core: StoreCore, rec: ObjectRecord, why: str) -> None:
+    """A new object whose write failed: it never becomes visible."""
+    if rec.state is not ObjectState.TENTATIVE:
+        return
+    core.placement.forget(rec.key)
+    rec.replicas.clear()
+    core.ledger.move(rec, Move.ABORT, reason=f"write failed: {why}")
+    core.counters.aborted += 1
+    core.index.remove(rec.key)
+
+
+def _copy(
+    core: StoreCore,
+    src: TierName,
+    dst: TierName,
+    group: list[Bound],
+    sources: dict[ChunkKey, np.ndarray],
+    out: Outcome,
+) -> None:
+    recs = [b.rec for b in group]
+    error: Exception | None = None
+    try:
+        got = {r.key: sources[r.key] for r in recs if r.key in sources}
+        missing = [r.key for r in recs if r.key not in got]
+        if missing:
+            for key, res in zip(missing, core.tiers[src].read_batch(missing), strict=True):
+                if isinstance(res, (ChecksumMismatch, ReplicaReadError)):
+                    raise res
+                got[key] = res
+        # arrays read from a slower tier (or handed over by a load) belong to nobody else;
+        # views of a first-tier replica must be copied
+        protect = {r.key for r in recs}
+        _write(
+            core, dst, recs, [got[r.key] for r in recs], protect, adopt=src != core.chain[0].name
+        )
+    except (KVLifeError, OSError) as exc:
+        error = exc
+    doomed: list[tuple[TierName, ChunkKey]] = []
+    with core.lock:
+        for b in group:
+            doomed += _publish_copy(core, b, error, out)
+    core.delete_replicas(doomed)
+    if error is not None:
+        out.errors.append(error)
+
+
+def _publish_copy(
+    core: StoreCore, b: Bound, error: Exception | None, out: Outcome
+) -> list[tuple[TierName, ChunkKey]]:
+    """Publish one copy's outcome (under the lock); returns replicas to delete."""
+    action = b.action
+    assert isinstance(action, Copy)
+    rec, rep = b.rec, b.replica
+    assert rep is not None
+    live = rec.state is INDEXED or rec.state is ObjectState.TENTATIVE
+    planned = live and rec.replicas.get(action.dst) is rep
+    if error is None and planned:
+        rep.state = ReplicaState.READY
+        core.ledger.move(
+            rec,
+            Move.OFFLOAD,
+            tier=action.src,
+            dst=action.dst,
+            nbytes=rec.nbytes,
+            reason=action.reason,
+        )
+        core.counters.tier(action.dst).stored += 1
+        if action.reason == "demote":
+            core.counters.demotions += 1
+        elif action.reason == "promote":
+            core.counters.promotions += 1
+        return []
+    if error is None:  # written, but the object went away meanwhile: delete the copy
+        return [(action.dst, rec.key)]
+    if planned:
+        core.placement.release(rec.key, action.dst)
+        del rec.replicas[action.dst]
+    out.failed_copies.append((action, error))
+    if action.reason == "demote":
+        core.counters.demote_failed += 1
+    elif action.reason == "promote":
+        core.counters.promote_failed += 1
+    if live and not any(r.state is ReplicaState.READY for r in rec.replicas.values()):
+        # the replica being demoted was the last one: dropped, counted, explained
+        return core.retire(rec, Move.INVALIDATE, f"{action.reason} to {action.dst} failed: {error}")
+    return []
+
+
+def _evict(core: StoreCore, tier_name: TierName, group: list[Bound], out: Outcome) -> None:
+    keys = [b.rec.key for b in group]
+    try:
+        core.delete_replicas([(tier_name, k) for k in keys])
+    except (KVLifeError, OSError) as exc:
+        out.errors.append(exc)
+    with core.lock:
+        for b in group:
+            rep = b.replica
+            if b.rec.replicas.get(tier_name) is rep:
+                del b.rec.replicas[tier_name]

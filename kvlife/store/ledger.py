@@ -1,0 +1,67 @@
+"""The ledger: every lifecycle move of the store goes through :meth:`Ledger.move`, which
+checks it against the transition table, counts TENTATIVE objects and emits the event."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvlife.core.events import EventSink, LifecycleEvent, NullSink
+from kvlife.core.lifecycle import Move, ObjectState, check_move
+from kvlife.core.objects import ObjectRecord
+from kvlife.results import StoreCounters
+
+
+class Ledger:
+    """Moves, events and counters of one store (callers hold the store's index lock)."""
+
+    def __init__(self, sink: EventSink | None) -> None:
+        self.sink: EventSink = sink if sink is not None else NullSink()
+        self._emitting = not isinstance(self.sink, NullSink)
+        self._seq = 0
+        self.tentative = 0
+        self.counters = StoreCounters()
+        self._emit_lock = threading.Lock()
+
+    def move(
+        self,
+        rec: ObjectRecord,
+        move: Move,
+        *,
+        tier: str = "",
+        dst: str = "",
+        nbytes: int = 0,
+        reason: str = "",
+        request_id: str = "",
+    ) -> None:
+        old_state = rec.state
+        new_state = check_move(rec.key.hex(), old_state, move)
+        if new_state is not old_state:
+            if new_state is ObjectState.TENTATIVE:
+                self.tentative += 1
+            elif old_state is ObjectState.TENTATIVE:
+                self.tentative -= 1
+        rec.state = new_state
+        if not self._emitting:
+            return
+        with self._emit_lock:
+            self._seq += 1
+            self.sink.emit(
+                LifecycleEvent(
+                    time=time.time(),
+                    seq=self._seq,
+                    kind=move.value,
+                    key=rec.key.hex(),
+                    state=new_state.value if new_state else "",
+                    tier=tier,
+                    dst_tier=dst,
+                    nbytes=nbytes,
+                    namespace=rec.info.namespace,
+                    model=rec.info.weights_digest,
+                    reason=reason,
+                    request_id=request_id,
+                )
+            )
+
+    def flush(self) -> None:
+        self.sink.flush()

@@ -1,0 +1,60 @@
+"""What ``info`` reports (objects by state, per-tier figures, counters) and the lifetime
+counters kept by a tier that persists them."""
+
+from __future__ import annotations
+
+from kvlife.core.lifecycle import ObjectState
+from kvlife.results import StoreInfo, TierInfo
+from kvlife.store.core import StoreCore
+from kvlife.tiers.base import PersistsCounters
+
+
+def counter_store(core: StoreCore) -> PersistsCounters | None:
+    """The first tier that persists counters, if any."""
+    for tier in core.chain:
+        if isinstance(tier, PersistsCounters):
+            return tier
+    return None
+
+
+def load_lifetime(core: StoreCore) -> dict[str, int]:
+    keeper = counter_store(core)
+    return keeper.load_counters() if keeper is not None else {}
+
+
+def save_lifetime(core: StoreCore, base: dict[str, int]) -> None:
+    keeper = counter_store(core)
+    if keeper is not None:
+        with core.lock:
+            total = core.counters.add(base).as_dict()
+        keeper.save_counters(total)
+
+
+def info(core: StoreCore, base: dict[str, int]) -> StoreInfo:
+    core.check_open()
+    with core.lock:
+        by_state: dict[str, int] = {s.value: 0 for s in ObjectState}
+        bytes_by_state: dict[str, int] = {s.value: 0 for s in ObjectState}
+        for rec in core.index:
+            if rec.state is not None and rec.state is not ObjectState.TENTATIVE:
+                by_state[rec.state.value] += 1
+                bytes_by_state[rec.state.value] += rec.nbytes
+        by_state[ObjectState.TENTATIVE.value] = core.ledger.tentative
+        tiers = [
+            TierInfo(
+                t.name,
+                t.capacity_bytes,
+                t.used_bytes,
+                len(t.replica_keys()),
+                {"durability": t.durability.value, **t.details()},
+            )
+            for t in core.chain
+        ]
+        return StoreInfo(
+            str(core.path),
+            tiers,
+            by_state,
+            bytes_by_state,
+            core.counters.as_dict(),
+            core.counters.add(base).as_dict(),
+        )

@@ -1,0 +1,37 @@
+"""Recovery at open: every replica a durable tier kept becomes an INDEXED object again.
+
+Nothing is deleted here. A replica whose object metadata cannot be decoded is not
+served and is counted (``recovery_dropped``); the tier keeps it for ``check`` to report.
+"""
+
+from __future__ import annotations
+
+from kvlife.core.errors import InvalidArgument, KVLifeError
+from kvlife.core.lifecycle import Move
+from kvlife.core.objects import ObjectInfo, ObjectRecord, Replica, ReplicaState
+from kvlife.store.core import StoreCore
+from kvlife.tiers.base import Durability
+
+
+def recover(core: StoreCore) -> None:
+    for tier in core.chain:
+        if tier.durability is not Durability.DURABLE:
+            continue
+        for key in tier.replica_keys():
+            meta = tier.meta(key)
+            try:
+                info = ObjectInfo.decode(meta.info)
+                nbytes = meta.nbytes
+            except (InvalidArgument, KVLifeError, TypeError, ValueError):
+                core.counters.recovery_dropped += 1
+                continue
+            rec = core.index.get(key)
+            if rec is None:
+                rec = ObjectRecord(key, info, meta.dtype, meta.shape, nbytes)
+                core.ledger.move(rec, Move.RECOVER, tier=tier.name, nbytes=nbytes, reason="reopen")
+                core.ledger.move(rec, Move.INDEX, tier=tier.name)
+                core.index.add(rec)
+                core.counters.recovered += 1
+            rec.replicas[tier.name] = Replica(tier.name, nbytes, state=ReplicaState.READY)
+            core.placement.charge(key, tier.name)
+    core.reap_lost()

@@ -1,0 +1,267 @@
+"""Writes: two-phase puts, write-through, flush and explicit eviction.
+
+A put is planned under the index lock (placement decides where the new chunks go and
+what makes room), executed outside it in its sequencer turn, and published under it.
+Its TENTATIVE objects are in the index from ``prepare_put`` on (so a second put of the
+same chunk leaves it to the first) but are never served until they are INDEXED.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvlife.core.errors import (
+    InvalidArgument,
+    LayoutMismatch,
+    PartialChunkError,
+    StorageFullError,
+)
+from kvlife.core.identity import ChunkKey, KVLayout
+from kvlife.core.lifecycle import Move, ObjectState
+from kvlife.core.objects import ObjectInfo, ObjectRecord, PromptRef, TierName
+from kvlife.core.payload import as_numpy, check_chunk, numpy_dtype
+from kvlife.placement import Evict, Plan, Reject
+from kvlife.results import PutResult
+from kvlife.store.core import StoreCore
+from kvlife.store.executor import Outcome, execute
+
+INDEXED = ObjectState.INDEXED
+TENTATIVE = ObjectState.TENTATIVE
+
+
+@dataclass(slots=True)
+class PendingPut:
+    """TENTATIVE chunks of one prompt between ``prepare_put`` and ``commit_put``."""
+
+    keys: list[ChunkKey]
+    tokens_per_chunk: int
+    request_id: str
+    items: list[tuple[ObjectRecord, np.ndarray]] = field(default_factory=list)
+    present: int = 0
+    in_flight: int = 0
+    """Chunks another pending put is writing (one object per key)."""
+    done: bool = False
+
+
+class Writer:
+    """The write side of a store."""
+
+    def __init__(self, core: StoreCore) -> None:
+        self.core = core
+        self._pending: dict[int, PendingPut] = {}
+
+    # ------------------------------------------------------------------ puts
+
+    def prepare_put(self, prompt: PromptRef, kv: object, request_id: str) -> PendingPut:
+        core = self.core
+        core.check_open()
+        keys = prompt.keys()
+        layout = prompt.identity.layout
+        chunks = split_chunks(kv, layout, len(keys), len(prompt.tokens))
+        dtype = numpy_dtype(layout.dtype)
+        n = layout.tokens_per_chunk
+        with core.lock:
+            core.check_open()
+            core.counters.puts += 1
+            pending = PendingPut(keys, n, request_id)
+            prev = prompt.parent
+            for i, (key, arr) in enumerate(zip(keys, chunks, strict=True)):
+                rec = core.index.get(key)
+                if rec is not None and rec.state is INDEXED:
+                    pending.present += 1  # touched at commit, in prompt order
+                elif rec is not None:
+                    pending.in_flight += 1  # one object per key: the other put writes it
+                else:
+                    info = ObjectInfo.for_chunk(
+                        prompt.identity, prompt.namespace, prev, prompt.start + i * n
+                    )
+                    rec = ObjectRecord(
+                        key, info, dtype.name, layout.chunk_shape, layout.chunk_nbytes
+                    )
+                    core.ledger.move(rec, Move.PUT, nbytes=rec.nbytes, request_id=request_id)
+                    core.index.add(rec)
+                    pending.items.append((rec, arr))
+                prev = key
+            self._pending[id(pending)] = pending
+            return pending
+
+    def commit_put(self, pending: PendingPut) -> PutResult:
+        core = self.core
+        core.check_open()
+        with core.lock:
+            self._finish(pending)
+            fresh = [r for r, _ in pending.items]
+            _, placed = core.placement.plan_put(pending.keys, [r.key for r in fresh])
+            wt = Plan()
+            if core.config.write_through:
+                live = [k for k in pending.keys if _live(core, k)]
+                wt = core.placement.plan_copies(live, core.durable[0], "write-through")
+            core.placement.touch_in_order(pending.keys, placed)
+            bound = core.residency.take()
+            for b in bound:
+                if isinstance(b.action, Reject):
+                    core.ledger.move(b.rec, Move.ABORT, reason=b.action.reason)
+                    core.counters.aborted += 1
+                    core.index.remove(b.rec.key)
+            ticket = core.seq.take()
+        with core.seq.turn(ticket):
+            out = execute(
+                core,
+                bound,
+                payloads={r.key: a for r, a in pending.items},
+                request_id=pending.request_id,
+                protect=set(pending.keys),
+            )
+        if core.config.write_through and (not wt.complete or out.failed_copies):
+            self._undo_write_through(fresh, wt, out)
+        if out.failed_places:
+            raise next(iter(out.failed_places.values()))
+        if out.errors and core.config.write_through:
+            raise out.errors[0]
+        with core.lock:
+            stored = len(out.placed)
+            core.counters.chunks_stored += stored
+            core.counters.chunks_already_present += pending.present
+            core.counters.chunks_dropped += len(fresh) - stored
+            covered = 0
+            for key in pending.keys:
+                rec = core.index.get(key)
+                if rec is None or rec.state is not INDEXED:
+                    break
+                covered += 1
+        return PutResult(
+            chunks=len(pending.keys),
+            stored=stored,
+            already_present=pending.present,
+            in_flight=pending.in_flight,
+            dropped=len(fresh) - stored,
+            tokens_stored_or_present=covered * pending.tokens_per_chunk,
+            keys=pending.keys,
+        )
+
+    def _undo_write_through(self, fresh: list[ObjectRecord], wt: Plan, out: Outcome) -> None:
+        """Not durable means not stored: the put's new chunks go, and the error is raised."""
+        core = self.core
+        doomed: list[tuple[TierName, ChunkKey]] = []
+        durable = core.durable[0]
+        with core.lock:
+            for rec in fresh:
+                if rec.state is INDEXED and not rec.readable_in(durable):
+                    doomed += core.retire(rec, Move.INVALIDATE, "write-through failed")
+        core.delete_replicas(doomed)
+        if out.errors:
+            raise out.errors[0]
+        raise StorageFullError(
+            f"tier {durable} of {core.path} cannot hold the put's chunks even after eviction "
+            "(write-through: nothing of the put was stored)"
+        )
+
+    def abort_put(self, pending: PendingPut, reason: str) -> None:
+        core = self.core
+        with core.lock:
+            self._finish(pending)
+            for rec, _ in pending.items:
+                core.ledger.move(rec, Move.ABORT, reason=reason)
+                core.counters.aborted += 1
+                core.index.remove(rec.key)
+
+    def abort_all(self, reason: str) -> None:
+        for pending in list(self._pending.values()):
+            self.abort_put(pending, reason)
+
+    def _finish(self, pending: PendingPut) -> None:
+        if pending.done or self._pending.pop(id(pending), None) is None:
+            raise InvalidArgument(
+                "this pending put was already committed or aborted, or its store was closed"
+            )
+        pending.done = True
+
+    # ------------------------------------------------------------------ flush, evict
+
+    def flush(self) -> int:
+        """Copy every readable object without a durable replica to the first durable
+        tier; raises StorageFullError if it cannot hold them, the write error if one
+        failed."""
+        core = self.core
+        core.check_open()
+        if not core.durable:
+            return 0
+        durable = core.durable[0]
+        with core.lock:
+            keys = [r.key for r in core.index if r.state is INDEXED and durable not in r.replicas]
+            plan = core.placement.plan_copies(keys, durable, "flush")
+            bound = core.residency.take()
+            ticket = core.seq.take()
+        with core.seq.turn(ticket):
+            out = execute(core, bound)
+        if out.errors:
+            raise out.errors[0]
+        if not plan.complete:
+            raise StorageFullError(
+                f"tier {durable} of {core.path} cannot hold the {len(keys)} objects to flush "
+                "even after eviction"
+            )
+        return sum(1 for b in bound if b.action.__class__.__name__ == "Copy") - len(
+            out.failed_copies
+        )
+
+    def evict(self, tier: TierName, nbytes: int) -> int:
+        """Evict from ``tier`` until ``nbytes`` of its budget are free (victims are demoted
+        first where the chain allows). Returns the payload bytes of the replicas evicted."""
+        core = self.core
+        core.check_open()
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidArgument(f"cannot free {nbytes!r} bytes (need an int >= 0)")
+        with core.lock:
+            if tier not in core.tiers:
+                raise InvalidArgument(f"store has no tier {tier!r}; tiers: {list(core.tiers)}")
+            core.placement.plan_evict(tier, nbytes, core.protected(()))
+            bound = core.residency.take()
+            ticket = core.seq.take()
+        with core.seq.turn(ticket):
+            out = execute(core, bound)
+        if out.errors:
+            raise out.errors[0]
+        return sum(
+            b.rec.nbytes for b in bound if isinstance(b.action, Evict) and b.action.tier == tier
+        )
+
+
+def _live(core: StoreCore, key: ChunkKey) -> bool:
+    rec = core.index.get(key)
+    return rec is not None and (rec.state is INDEXED or rec.state is TENTATIVE)
+
+
+def split_chunks(kv: object, layout: KVLayout, nchunks: int, ntokens: int) -> list[np.ndarray]:
+    """Validate ``kv`` against the layout and cut it into ``nchunks`` chunk arrays."""
+    n = layout.tokens_per_chunk
+    if isinstance(kv, (list, tuple)):
+        arrays = [as_numpy(a, layout.dtype) for a in kv]
+        if len(arrays) < nchunks:
+            raise LayoutMismatch(
+                f"{len(arrays)} chunk arrays for a prompt of {nchunks} full chunks"
+            )
+        for i, arr in enumerate(arrays):
+            if arr.ndim == 5 and arr.shape[3] < n and arr.shape[:3] == layout.chunk_shape[:3]:
+                raise PartialChunkError(
+                    f"chunk {i} holds {arr.shape[3]} tokens; only full chunks of {n} tokens "
+                    "are stored (leave a trailing partial chunk out)"
+                )
+            check_chunk(arr, layout, f"chunk {i}")
+        return arrays[:nchunks]
+    arr = as_numpy(kv, layout.dtype)
+    want = (layout.num_layers, 2, layout.num_kv_heads)
+    if arr.ndim != 5 or arr.shape[:3] != want or arr.shape[4] != layout.head_dim:
+        raise LayoutMismatch(
+            f"KV has shape {arr.shape}; layout needs (layers={want[0]}, 2, "
+            f"kv_heads={want[2]}, T, head_dim={layout.head_dim})"
+        )
+    tlen = arr.shape[3]
+    if tlen < nchunks * n or tlen > ntokens:
+        raise LayoutMismatch(
+            f"KV covers {tlen} tokens; the prompt has {ntokens} tokens ({nchunks} full chunks "
+            f"of {n}), so T must lie in [{nchunks * n}, {ntokens}]"
+        )
+    return [arr[:, :, :, i * n : (i + 1) * n, :] for i in range(nchunks)]
