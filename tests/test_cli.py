@@ -80,4 +80,4 @@ def test_errors_are_one_clear_line(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["bench", "nope"]) == 2
     with KVStore.open(tmp_path / "held", dram_bytes=1 << 20, disk_bytes=1 << 20):
         assert main(["info", str(tmp_path / "held")]) == 1
-        assert "open in another process" in capsys.readouterr().err
+        assert "already open in this process" in capsys.readouterr().err
