@@ -1,7 +1,12 @@
-"""The cache model: tiers as policy-ordered key sets, updated exactly as the store does.
+"""The cache model: tiers as policy-ordered key sets, decided by the store's own placement
+engine (:mod:`kvlife.placement`) and executed here by counting.
 
-Per request (arrival order; blocks in prompt order), mirroring :class:`kvlife.store.KVStore`
-``lookup`` + ``load`` + ``put_prompt``:
+The general path (any tiers, events, lifespans) hands every decision to
+:class:`~kvlife.placement.Placement`, exactly as :class:`kvlife.store.KVStore` does, so the
+two cannot drift apart. The one-tier path without events is a hand-inlined copy of the
+same rules for speed (millions of block touches per second); a test keeps it equal to the
+general path. Per request (arrival order; blocks in prompt order), as ``lookup`` +
+``load`` + ``put_prompt`` in the store:
 
 1. **lookup**: the usable prefix is the longest run of leading blocks present in any tier;
    its blocks are touched from last to first in the tier that serves them (DRAM if there).
@@ -24,7 +29,7 @@ Block capacity is counted in blocks (all blocks of a trace have one size).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +37,8 @@ from numpy.typing import NDArray
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.events import EventSink, LifecycleEvent
+from kvlife.core.objects import TierName
+from kvlife.placement import Action, Copy, Drop, Evict, Place, Placement, Reject, TierSlot
 from kvlife.policy.base import EvictionPolicy, SupportsClassHints, make_policy
 from kvlife.trace.model import Trace
 
@@ -120,7 +127,7 @@ class CacheSim:
         self,
         t: float,
         kind: str,
-        key: int,
+        key: Hashable,
         state: str,
         tier: str = "",
         dst: str = "",
@@ -136,7 +143,7 @@ class CacheSim:
                 time=t,
                 seq=self._seq,
                 kind=kind,
-                key=format(key & ((1 << 256) - 1), "064x"),
+                key=format(int(key) & ((1 << 256) - 1), "064x"),  # type: ignore[call-overload]
                 state=state,
                 tier=tier,
                 dst_tier=dst,
@@ -250,195 +257,72 @@ class CacheSim:
         )
 
     def _run_general(self, trace: Trace, progress: Callable[[int], None] | None) -> CacheRun:
-        """Any tiers, with events and lifespans; the reference the fast path must equal."""
+        """Any tiers, with events and lifespans: the placement engine's plans, executed
+        by counting (the store executes the very same plans with real I/O)."""
         n = trace.n_requests
-        pols = self.policies
-        caps = self.caps
-        pd = pols.get(DRAM)
-        pk = pols.get(DISK)
-        first = DRAM if pd is not None else DISK
-        bit = {DRAM: 1, DISK: 2}
-        used = {name: len(p) for name, p in pols.items()}
-        tc = {name: TierCounters() for name in pols}
-        where: dict[int, int] = {}
-        born: dict[int, float] = {}
-        klass: dict[int, int] = {}
-        lifespans: dict[str, list[float]] = {}
-        names = trace.category_names
+        res = _SimResidency(self, trace, n)
+        slots = [
+            TierSlot(TierName(name), self.caps[name], pol) for name, pol in self.policies.items()
+        ]
+        place = Placement(slots, res)
+        first = slots[0].name
+        tc = res.tc
+        out = res.out
         emit = self._emit if self.sink is not None else None
         nb = self.block_bytes
-        classed = {
-            name: isinstance(p, SupportsClassHints) and self.class_hints for name, p in pols.items()
-        }
-        out = {k: np.zeros(n, np.int64) for k in ("pd", "pk", "pr", "nw", "dr", "pm", "dm")}
-        t = 0.0
-        ns = ""
-        rid = ""
-
-        def drop(b: int) -> None:
-            del where[b]
-            for p in pols.values():
-                p.remove(b)
-            if emit is not None:
-                emit(t, "invalidate", b, "invalidated", reason="evicted", ns=ns, rid=rid)
-                emit(t, "delete", b, "deleted", reason="evicted", ns=ns, rid=rid)
-            if self.track:
-                c = klass.pop(b)
-                name = f"{names[c // 4]}/{POS_BUCKETS[c % 4]}"
-                lifespans.setdefault(name, []).append(t - born.pop(b))
-
-        def evict_blocks(tier: str, victims: list[int], r: int) -> None:
-            if tier == DRAM and pk is not None:
-                write_back([v for v in victims if not where[v] & 2], r)
-            m = bit[tier]
-            for v in victims:
-                where[v] &= ~m
-                used[tier] -= 1
-                tc[tier].evictions += 1
-                if emit is not None:
-                    emit(t, "evict", v, "indexed", tier=tier, nbytes=nb, reason="capacity")
-                if not where[v]:
-                    drop(v)
-
-        def make_room(tier: str, k: int, prot: set[int], r: int) -> bool:
-            need = used[tier] + k - caps[tier]
-            if need <= 0:
-                return True
-            pol = pols[tier]
-            victims: list[int] = []
-            while len(victims) < need:
-                got = pol.evict(1, prot)
-                if got is None:
-                    break
-                victims.append(got[0])  # type: ignore[arg-type]
-            if victims:
-                evict_blocks(tier, victims, r)
-            return len(victims) >= need
-
-        def write_back(recs: list[int], r: int) -> None:
-            if not recs:
-                return
-            assert pk is not None
-            if not make_room(DISK, len(recs), set(recs), r):
-                return
-            tc[DRAM].reads += len(recs)
-            tc[DISK].inserts += len(recs)
-            used[DISK] += len(recs)
-            out["dm"][r] += len(recs)
-            for v in recs:
-                where[v] |= 2
-                pk.insert(v)
-                if emit is not None:
-                    emit(t, "offload", v, "indexed", DRAM, DISK, nb, "demote")
-
         blocks = trace.blocks.tolist()
         offs = trace.offsets.tolist()
         times = trace.timestamps.tolist()
         cats = trace.categories.tolist()
         tenants = trace.tenants.tolist()
         tnames = trace.tenant_names
+        where = res.where
         for r in range(n):
-            t = times[r]
-            ns = tnames[tenants[r]]
-            rid = str(r) if emit is not None else ""
+            res.r = r
+            res.t = times[r]
+            res.ns = tnames[tenants[r]]
+            res.rid = str(r) if emit is not None else ""
             req = blocks[offs[r] : offs[r + 1]]
-            # lookup
-            p = 0
+            # lookup: the usable prefix, touched from last to first where it is served
+            hits: list[tuple[Hashable, TierName]] = []
             for b in req:
-                if where.get(b):
-                    p += 1
-                else:
+                w = where.get(b)
+                if not w:
                     break
-            n_dram = 0
-            for j in range(p - 1, -1, -1):
-                b = req[j]
-                if where[b] & 1:
-                    n_dram += 1
-                    pols[DRAM].touch(b)
-                else:
-                    pols[DISK].touch(b)
-            out["pd"][r] = n_dram
-            out["pk"][r] = p - n_dram
+                hits.append((b, place.fastest(w)))
+            place.touch_hits(hits)
+            p = len(hits)
+            n_first = sum(1 for _, tier in hits if tier == first)
+            out["pd"][r] = n_first if first == DRAM else 0
+            out["pk"][r] = p - out["pd"][r]
             for b in req:
-                w = where.get(b, 0)
+                w = where.get(b)
                 if w:
-                    tc[DRAM if w & 1 else DISK].block_hits += 1
-            # load (and promotion of disk hits)
-            if DRAM in tc:
-                tc[DRAM].prefix_hits += n_dram
-                tc[DRAM].reads += n_dram
-            if DISK in tc:
-                tc[DISK].prefix_hits += p - n_dram
-                tc[DISK].reads += p - n_dram
-            if emit is not None:
-                for b in req[:p]:
-                    emit(t, "load", b, "indexed", DRAM if where[b] & 1 else DISK, nbytes=nb)
-            if pd is not None and p > n_dram:
-                prom = [b for b in req[:p] if not where[b] & 1]
-                if make_room(DRAM, len(prom), set(prom), r):
-                    used[DRAM] += len(prom)
-                    tc[DRAM].inserts += len(prom)
-                    out["pm"][r] = len(prom)
-                    for b in prom:
-                        where[b] |= 1
-                        pd.insert(b)
-                        if emit is not None:
-                            emit(t, "offload", b, "indexed", DISK, DRAM, nb, "promote")
+                    tc[place.fastest(w)].block_hits += 1
+            # load, then promotion of the hits served from a slower tier
+            for b, tier in hits:
+                tc[tier].prefix_hits += 1
+                tc[tier].reads += 1
+                if emit is not None:
+                    emit(res.t, "load", b, "indexed", tier, nbytes=nb)
+            slower = [b for b, tier in hits if tier != first]
+            if slower:
+                place.plan_promote(slower)
             # put
             new = [b for b in req if not where.get(b)]
             out["pr"][r] = len(req) - len(new)
-            placed: dict[int, str] = {}
-            if new:
-                prot = set(req)
-                if emit is not None:
-                    for b in new:
-                        emit(t, "put", b, "tentative", nbytes=nb, ns=ns, rid=rid)
-                if make_room(first, len(new), prot, r):
-                    placed = dict.fromkeys(new, first)
-                else:
-                    for b in new:
-                        for tier in pols:
-                            if make_room(tier, 1, prot, r):
-                                placed[b] = tier
-                                used[tier] += 1
-                                break
-                    for tier in placed.values():
-                        used[tier] -= 1
-                for pos, b in enumerate(req):
-                    dst = placed.get(b)
-                    if dst is None:
-                        continue
-                    where[b] = bit[dst]
-                    used[dst] += 1
-                    tc[dst].inserts += 1
-                    if self.track:
-                        born[b] = t
-                        klass[b] = cats[r] * 4 + pos_bucket(pos)
-                    if emit is not None:
-                        emit(t, "write", b, "tentative", dst, nbytes=nb, rid=rid)
-                        emit(t, "seal", b, "tentative", dst, nbytes=nb)
-                        emit(t, "commit", b, "committed", dst)
-                        emit(t, "index", b, "indexed", dst)
-                out["nw"][r] = len(placed)
-                out["dr"][r] = len(new) - len(placed)
-                if emit is not None:
-                    for b in new:
-                        if b not in placed:
-                            emit(t, "abort", b, "deleted", reason="no room in any tier")
-            for pos, b in enumerate(req):
-                w = where.get(b, 0)
-                home = placed.get(b)
-                for name in (DRAM, DISK):
-                    if w & bit[name] and name in pols:
-                        pol = pols[name]
-                        if home == name:
-                            if classed[name]:
-                                cls = cats[r] * 4 + pos_bucket(pos)
-                                pol.insert_classed(b, cls)  # type: ignore[attr-defined]
-                            else:
-                                pol.insert(b)
-                        else:
-                            pol.touch(b)
+            if emit is not None:
+                for b in new:
+                    emit(res.t, "put", b, "tentative", nbytes=nb, ns=res.ns, rid=res.rid)
+            res.positions = {b: pos for pos, b in enumerate(req)}
+            res.cat = cats[r]
+            _, placed = place.plan_put(req, new)
+            classes = None
+            if self.class_hints:
+                classes = [cats[r] * 4 + pos_bucket(pos) for pos in range(len(req))]
+            place.touch_in_order(req, placed, classes)
+            out["nw"][r] = len(placed)
+            out["dr"][r] = len(new) - len(placed)
             if progress is not None and r & 1023 == 1023:
                 progress(1024)
         return CacheRun(
@@ -450,6 +334,83 @@ class CacheSim:
             promoted=out["pm"],
             demoted=out["dm"],
             tiers=tc,
-            lifespans=lifespans,
+            lifespans=res.lifespans,
             resident_at_end=len(where),
         )
+
+
+class _SimResidency:
+    """Where blocks live in the simulation, and the counting executor of placement's
+    actions (the simulator's side of "one placement engine, two executors")."""
+
+    def __init__(self, sim: CacheSim, trace: Trace, n: int) -> None:
+        self.sim = sim
+        self.where: dict[Hashable, set[TierName]] = {}
+        self.tc = {name: TierCounters() for name in sim.policies}
+        self.out = {k: np.zeros(n, np.int64) for k in ("pd", "pk", "pr", "nw", "dr", "pm", "dm")}
+        self.born: dict[Hashable, float] = {}
+        self.klass: dict[Hashable, int] = {}
+        self.lifespans: dict[str, list[float]] = {}
+        self.names = trace.category_names
+        self.emit = sim._emit if sim.sink is not None else None
+        self.nb = sim.block_bytes
+        self.r = 0
+        self.t = 0.0
+        self.ns = ""
+        self.rid = ""
+        self.cat = 0
+        self.positions: dict[Hashable, int] = {}
+
+    def tiers_of(self, key: Hashable) -> Collection[TierName]:
+        return self.where.get(key, ())
+
+    def size_of(self, key: Hashable) -> int:
+        return 1
+
+    def apply(self, action: Action) -> None:
+        emit, nb, t, key = self.emit, self.nb, self.t, action.key
+        if isinstance(action, Place):
+            self.where[key] = {action.tier}
+            self.tc[action.tier].inserts += 1
+            if self.sim.track:
+                self.born[key] = t
+                self.klass[key] = self.cat * 4 + pos_bucket(self.positions[key])
+            if emit is not None:
+                emit(t, "write", key, "tentative", action.tier, nbytes=nb, rid=self.rid)
+                emit(t, "seal", key, "tentative", action.tier, nbytes=nb)
+                emit(t, "commit", key, "committed", action.tier)
+                emit(t, "index", key, "indexed", action.tier)
+        elif isinstance(action, Copy):
+            self.where[key].add(action.dst)
+            self.tc[action.dst].inserts += 1
+            if action.reason == "demote":
+                self.tc[action.src].reads += 1
+                self.out["dm"][self.r] += 1
+            elif action.reason == "promote":
+                self.out["pm"][self.r] += 1
+            if emit is not None:
+                emit(t, "offload", key, "indexed", action.src, action.dst, nb, action.reason)
+        elif isinstance(action, Evict):
+            self.where[key].discard(action.tier)
+            self.tc[action.tier].evictions += 1
+            if emit is not None:
+                emit(t, "evict", key, "indexed", tier=action.tier, nbytes=nb, reason="capacity")
+        elif isinstance(action, Drop):
+            del self.where[key]
+            if emit is not None:
+                emit(
+                    t,
+                    "invalidate",
+                    key,
+                    "invalidated",
+                    reason=action.reason,
+                    ns=self.ns,
+                    rid=self.rid,
+                )
+                emit(t, "delete", key, "deleted", reason=action.reason, ns=self.ns, rid=self.rid)
+            if self.sim.track:
+                c = self.klass.pop(key)
+                name = f"{self.names[c // 4]}/{POS_BUCKETS[c % 4]}"
+                self.lifespans.setdefault(name, []).append(t - self.born.pop(key))
+        elif isinstance(action, Reject) and emit is not None:
+            emit(t, "abort", key, "deleted", reason=action.reason)
