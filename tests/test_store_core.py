@@ -1,0 +1,249 @@
+"""The second store core: gap-safe prefix invalidation, counted demotion failures, a third
+tier with no edit of the facade, lookups that never wait for I/O, asynchronous loads."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvlife.core.events import MemorySink
+from kvlife.core.identity import PUBLIC, ModelIdentity
+from kvlife.store import KVStore, TierSpec
+from kvlife.tiers.disk.fileio import FileIO
+from tests.conftest import TINY, prompt_kv
+from tests.test_corruption import flip, scan_frames
+from tests.test_faults import FaultyIO
+
+CHUNK = TINY.chunk_nbytes
+N = TINY.tokens_per_chunk
+WAIT = 10.0  # seconds; a bound for "does not hang", never a speed claim
+
+
+def chunks_of(kv: np.ndarray, n: int) -> list[np.ndarray]:
+    return [kv[:, :, :, i * N : (i + 1) * N, :] for i in range(n)]
+
+
+def disk_only(path: Path, **kw: object) -> KVStore:
+    return KVStore.open(path, dram_bytes=0, disk_bytes=1 << 24, segment_bytes=1 << 20, **kw)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- bug 1
+
+
+def test_prefix_invalidation_reaches_chunks_behind_a_corrupt_gap(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """A→B→C on disk, B's frame damaged and dropped on load: invalidating from A must take
+    C too, so re-putting A and B never brings C back."""
+    tokens, kv = prompt_kv(7, 3 * N)
+    with disk_only(tmp_path) as store:
+        keys = store.put_prompt(identity, PUBLIC, tokens, kv).keys
+    frame_b = next(f for f in scan_frames(tmp_path) if f.key == keys[1])
+    flip(frame_b.segment, frame_b.payload_offset + 5, 3)
+    with disk_only(tmp_path) as store:
+        loaded = store.load(store.lookup(identity, PUBLIC, tokens))
+        assert loaded.loaded == 1 and loaded.corrupt == [keys[1]]
+        assert set(store.indexed_keys()) == {keys[0], keys[2]}
+        assert store.invalidate(prefix=keys[0]) == 2
+        assert store.indexed_keys() == []
+        store.put_prompt(identity, PUBLIC, tokens[: 2 * N], kv[:, :, :, : 2 * N])
+        hit = store.lookup(identity, PUBLIC, tokens)
+        assert hit.tokens == 2 * N, "an invalidated chunk behind the gap is served again"
+
+
+def test_prefix_invalidation_from_an_absent_root(tmp_path: Path, identity: ModelIdentity) -> None:
+    tokens, kv = prompt_kv(8, 3 * N)
+    with disk_only(tmp_path) as store:
+        keys = store.put_prompt(identity, PUBLIC, tokens, kv).keys
+        store.invalidate(prefix=keys[1])  # B and C
+        store.put_prompt(identity, PUBLIC, tokens, kv)  # all three again
+        assert store.invalidate(prefix=keys[0]) == 3
+
+
+# ---------------------------------------------------------------------- bug 2
+
+
+def test_failed_demotion_is_counted_and_explained(tmp_path: Path, identity: ModelIdentity) -> None:
+    """A demotion whose disk write fails must not drop the DRAM replicas silently."""
+    io = FaultyIO()
+    sink = MemorySink()
+    first_t, first_kv = prompt_kv(20, 4 * N)
+    second_t, second_kv = prompt_kv(21, 4 * N)
+    with KVStore.open(
+        tmp_path, dram_bytes=4 * CHUNK, disk_bytes=1 << 24, segment_bytes=1 << 20,
+        fileio=io, sink=sink,
+    ) as store:  # fmt: skip
+        first = store.put_prompt(identity, PUBLIC, first_t, first_kv)
+        io.arm("pwritev", errno.EIO)
+        second = store.put_prompt(identity, PUBLIC, second_t, second_kv)
+        io.disarm()
+        assert second.stored == 4
+        assert store.counters.demote_failed == 4
+        assert store.counters.demotions == 0
+        gone = {
+            e.key
+            for e in sink.take()
+            if e.kind == "invalidate" and "demote to disk failed" in e.reason
+        }
+        assert gone == {k.hex() for k in first.keys}, "each lost chunk is an explained event"
+        assert store.lookup(identity, PUBLIC, first_t).tokens == 0
+        loaded = store.get(identity, PUBLIC, second_t)
+        assert loaded.loaded == 4
+        for a, b in zip(loaded.arrays, chunks_of(second_kv, 4), strict=True):
+            assert np.array_equal(a, b)
+
+
+# ---------------------------------------------------------------------- a third tier
+
+
+def three_tiers(path: Path, sink: MemorySink | None = None) -> KVStore:
+    chain = (
+        TierSpec("memory", "dram", 4 * CHUNK),
+        TierSpec("memory", "remote", 8 * CHUNK),
+        TierSpec("disk", "disk", 1 << 24, options=(("segment_bytes", 1 << 20),)),
+    )
+    return KVStore.open(path, tiers=chain, sink=sink)
+
+
+def test_a_third_tier_in_the_chain_demotes_promotes_and_recovers(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    prompts = [prompt_kv(30 + i, 4 * N) for i in range(6)]
+    with three_tiers(tmp_path) as store:
+        assert store.tier_names == ["dram", "remote", "disk"]
+        for tokens, kv in prompts:
+            store.put_prompt(identity, PUBLIC, tokens, kv)
+        c = store.counters
+        assert c.tier("remote").stored >= 8 and c.tier("disk").stored >= 4
+        assert c.tier("remote").evictions > 0
+        seen: set[str] = set()
+        for tokens, kv in prompts:
+            hit = store.lookup(identity, PUBLIC, tokens)
+            assert hit.tokens == 4 * N
+            seen.update(hit.tiers())
+            loaded = store.load(hit)
+            store.drain()
+            for a, b in zip(loaded.arrays, chunks_of(kv, 4), strict=True):
+                assert np.array_equal(a, b)
+        assert seen == {"dram", "remote", "disk"} or {"remote", "disk"} <= seen
+        info = {t.name: t for t in store.info().tiers}
+        assert info["remote"].used_bytes <= 8 * CHUNK and info["dram"].used_bytes <= 4 * CHUNK
+    with three_tiers(tmp_path) as store:  # only the durable tier comes back
+        for tokens, _ in prompts:
+            loaded = store.get(identity, PUBLIC, tokens)
+            assert loaded.loaded == 4 and set(loaded.tiers) == {"disk"}
+
+
+# ---------------------------------------------------------------------- I/O outside the lock
+
+
+class StallingIO(FileIO):
+    """Reads at file offsets >= ``from_offset`` block until released (once armed)."""
+
+    def __init__(self) -> None:
+        super().__init__(direct=False)
+        self.armed = False
+        self.from_offset = 0
+        self.release = threading.Event()
+        self.stalled = threading.Event()
+
+    def preadv(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
+        if self.armed and offset >= self.from_offset:
+            self.stalled.set()
+            if not self.release.wait(WAIT * 3):
+                raise OSError(errno.EIO, "test stall was never released")
+        return super().preadv(fd, buffers, offset)
+
+
+def test_lookup_and_put_complete_while_a_disk_read_is_stalled(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    io = StallingIO()
+    cold_t, cold_kv = prompt_kv(40, 2 * N)
+    hot_t, hot_kv = prompt_kv(41, 2 * N)
+    new_t, new_kv = prompt_kv(42, 2 * N)
+    with KVStore.open(
+        tmp_path, dram_bytes=8 * CHUNK, disk_bytes=1 << 24, fileio=io, promote_on_hit=False
+    ) as store:
+        store.put_prompt(identity, PUBLIC, cold_t, cold_kv)
+        store.flush()
+        store.evict("dram", 8 * CHUNK)  # cold now lives on disk only
+        store.put_prompt(identity, PUBLIC, hot_t, hot_kv)
+        io.armed = True
+        result: list[object] = []
+        reader = threading.Thread(
+            target=lambda: result.append(store.get(identity, PUBLIC, cold_t)), daemon=True
+        )
+        reader.start()
+        assert io.stalled.wait(WAIT), "the disk read never started"
+        done = threading.Event()
+
+        def others() -> None:
+            assert store.lookup(identity, PUBLIC, hot_t).tokens == 2 * N
+            assert store.get(identity, PUBLIC, hot_t).loaded == 2
+            assert store.put_prompt(identity, PUBLIC, new_t, new_kv).stored == 2
+            done.set()
+
+        worker = threading.Thread(target=others, daemon=True)
+        worker.start()
+        finished = done.wait(WAIT)
+        assert reader.is_alive(), "the stalled read finished early: the test proves nothing"
+        io.release.set()
+        reader.join(WAIT)
+        worker.join(WAIT)
+        assert finished, "a lookup, a DRAM load or a put waited behind a stalled disk read"
+        (cold,) = result
+        assert cold.loaded == 2  # type: ignore[attr-defined]
+
+
+def test_async_load_hands_out_chunk_zero_while_later_chunks_are_in_flight(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    io = StallingIO()
+    tokens, kv = prompt_kv(50, 4 * N)
+    with disk_only(tmp_path, fileio=io) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+        io.from_offset = 1  # the first frame sits at offset 0: only chunk 0 reads freely
+        io.armed = True
+        hit = store.lookup(identity, PUBLIC, tokens)
+        outs = [np.empty_like(c) for c in chunks_of(kv, 4)]
+        handle = store.load_async(hit, outs)
+        first = handle.chunk(0, timeout=WAIT)
+        assert first is not None and np.array_equal(first, chunks_of(kv, 4)[0])
+        assert not handle.done(), "chunk 0 was only handed out after the whole load"
+        io.release.set()
+        res = handle.wait(timeout=WAIT)
+        assert res.loaded == 4 and handle.done()
+        for a, b in zip(res.arrays, chunks_of(kv, 4), strict=True):
+            assert np.array_equal(a, b)
+        again = store.load(store.lookup(identity, PUBLIC, tokens))
+        assert again.loaded == 4
+
+
+@pytest.mark.parametrize("outs", [False, True])
+def test_async_and_sync_loads_agree(tmp_path: Path, identity: ModelIdentity, outs: bool) -> None:
+    tokens, kv = prompt_kv(60, 5 * N)
+    with KVStore.open(tmp_path, dram_bytes=2 * CHUNK, disk_bytes=1 << 24) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+        hit = store.lookup(identity, PUBLIC, tokens)
+        bufs = [np.empty_like(c) for c in chunks_of(kv, 5)] if outs else None
+        a = store.load_async(hit, bufs).wait(timeout=WAIT)
+        store.drain()
+        b = store.load(store.lookup(identity, PUBLIC, tokens))
+        assert a.loaded == b.loaded == 5
+        for x, y, z in zip(a.arrays, b.arrays, chunks_of(kv, 5), strict=True):
+            assert np.array_equal(x, z) and np.array_equal(y, z)
+
+
+def test_put_async_returns_the_put_result(tmp_path: Path, identity: ModelIdentity) -> None:
+    tokens, kv = prompt_kv(70, 3 * N)
+    with KVStore.open(tmp_path, dram_bytes=16 * CHUNK, disk_bytes=1 << 24) as store:
+        pending = store.prepare_put(identity, PUBLIC, tokens, kv)
+        res = store.put_async(pending).result(timeout=WAIT)
+        assert res.stored == 3
+        assert store.lookup(identity, PUBLIC, tokens).tokens == 3 * N
