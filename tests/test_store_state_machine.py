@@ -1,5 +1,5 @@
-"""Random put / commit / abort / lookup / load / invalidate / evict / crash-and-reopen
-sequences against a plain model of what the store must and may serve.
+"""Random put / commit / abort / lookup / load / invalidate / evict / corrupt-a-replica /
+crash-and-reopen sequences against a plain model of what the store must and may serve.
 
 The model keeps, per chunk key, the bytes that were committed. ``must`` holds keys the
 store is obliged to serve (committed, durable, not invalidated, not possibly evicted);
@@ -37,8 +37,9 @@ from kvlife.core.identity import (
     prompt_chunk_keys,
 )
 from kvlife.core.lifecycle import Move, ObjectState, check_move
-from kvlife.store import KVStore, PendingPut
+from kvlife.store import KVStore, PendingPut, TierSpec
 from tests.conftest import TINY, prompt_kv, tiny_identity
+from tests.test_corruption import flip, scan_frames
 
 N = TINY.tokens_per_chunk
 ALICE = Namespace(NamespaceKind.USER, "alice")
@@ -92,6 +93,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.expected: dict[ChunkKey, np.ndarray] = {}
         self.must: set[ChunkKey] = set()
         self.maybe: set[ChunkKey] = set()
+        self.damaged: set[ChunkKey] = set()
         self.states: dict[str, ObjectState | None] = {}
 
     def _open(self) -> KVStore:
@@ -125,8 +127,10 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(p=st.sampled_from(PROMPTS))
     def put(self, p: Prompt) -> None:
+        allowed = sum(1 for k in p.keys if k in self.must or k in self.maybe)
         res = self.store.put_prompt(p.identity, p.namespace, p.tokens, p.kv)
         assert res.chunks == 3
+        assert res.already_present <= allowed, "a chunk invalidated or never put is present"
         self._record_put(p, res.tokens_stored_or_present)
 
     @rule(target=pendings, p=st.sampled_from(PROMPTS))
@@ -162,12 +166,30 @@ class StoreMachine(RuleBasedStateMachine):
         hit = self.store.lookup(p.identity, p.namespace, p.tokens)
         outs = [np.empty(TINY.chunk_shape, np.float16) for _ in hit.hits] if into_buffers else None
         res = self.store.load(hit, outs)
-        assert res.loaded == len(hit.hits) and not res.corrupt
-        for h, arr in zip(hit.hits, res.arrays, strict=True):
+        assert all(k in self.damaged for k in res.corrupt), "an undamaged replica failed"
+        assert res.loaded == len(hit.hits) or res.corrupt
+        for h, arr in zip(hit.hits, res.arrays, strict=False):
             assert np.array_equal(arr, self.expected[h.key]), "served bytes differ from the put"
 
-    @rule(which=st.sampled_from(["weights", "namespace", "prefix"]), p=st.sampled_from(PROMPTS))
-    def invalidate(self, which: str, p: Prompt) -> None:
+    @rule(p=st.sampled_from(PROMPTS), i=st.integers(0, 2))
+    def corrupt_replica(self, p: Prompt, i: int) -> None:
+        """Flip payload bytes of a chunk's disk frame: never served, at most a miss."""
+        self.store.drain()
+        frames = [f for f in scan_frames(self.dir) if f.key == p.keys[i]]
+        for f in frames:
+            flip(f.segment, f.payload_offset + 3, 2)
+        if frames:
+            self.damaged.add(p.keys[i])
+            if p.keys[i] in self.must:
+                self.must.discard(p.keys[i])
+                self.maybe.add(p.keys[i])
+
+    @rule(
+        which=st.sampled_from(["weights", "namespace", "prefix"]),
+        p=st.sampled_from(PROMPTS),
+        root=st.integers(0, 1),
+    )
+    def invalidate(self, which: str, p: Prompt, root: int) -> None:
         if which == "weights":
             self.store.invalidate(weights_digest=p.identity.weights_digest)
             gone = {k for q in PROMPTS if q.identity == p.identity for k in q.keys}
@@ -175,11 +197,10 @@ class StoreMachine(RuleBasedStateMachine):
             self.store.invalidate(namespace=p.namespace)
             gone = {k for q in PROMPTS if q.namespace == p.namespace for k in q.keys}
         else:
-            self.store.invalidate(prefix=p.keys[1])
-            # the prefix and everything chained after it, in any prompt
-            gone = {
-                k for q in PROMPTS if p.keys[1] in q.keys for k in q.keys[q.keys.index(p.keys[1]) :]
-            }
+            first = p.keys[root]
+            self.store.invalidate(prefix=first)
+            # that chunk and everything chained after it, in any prompt, present or not
+            gone = {k for q in PROMPTS if first in q.keys for k in q.keys[q.keys.index(first) :]}
         self.must -= gone
         self.maybe -= gone
 
@@ -198,6 +219,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule()
     def crash_and_reopen(self) -> None:
+        self.store.drain()
         self.store.close(flush=False)
         self._check_events()
         self.states.clear()  # a new process: every object starts from the catalog
@@ -236,7 +258,22 @@ class WriteBackMachine(StoreMachine):
     write_through = False
 
 
+class ThreeTierMachine(WriteBackMachine):
+    """A third tier (a second memory tier standing in for a remote one) in the chain."""
+
+    def _open(self) -> KVStore:
+        chunk = TINY.chunk_nbytes
+        chain = (
+            TierSpec("memory", "dram", 3 * chunk),
+            TierSpec("memory", "remote", 5 * chunk),
+            TierSpec("disk", "disk", self.disk_bytes, options=(("segment_bytes", 64 << 10),)),
+        )
+        return KVStore.open(self.dir, tiers=chain, sink=self.sink)
+
+
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 TestWriteBackMachine = WriteBackMachine.TestCase
 TestWriteBackMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestThreeTierMachine = ThreeTierMachine.TestCase
+TestThreeTierMachine.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
