@@ -111,10 +111,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.synthetic:
-        from kvlife.demo_synthetic import run_synthetic_demo
+        from kvlife.apps.synthetic import run_synthetic_demo
 
         return run_synthetic_demo(args)
-    from kvlife.demo import run_demo
+    from kvlife.apps.chat import run_demo
 
     return run_demo(args)
 
@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dram-mib",
         type=int,
         default=None,
-        help="DRAM tier budget, MiB (default 48; synthetic: 128)",
+        help="DRAM tier budget, MiB (default 16; synthetic: 128)",
     )
     p.add_argument("--disk-mib", type=int, default=4096, help="disk tier budget, MiB")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per turn")
@@ -170,7 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     sub.add_parser(
-        "bench", help="benchmarks: `kvlife bench io|ttft|ssd|replay --help`", add_help=False
+        "bench",
+        help="benchmarks: `kvlife bench io|ttft|ssd|replay|concurrency|async --help`",
+        add_help=False,
     )
     sub.add_parser("replay", help="replay a trace: `kvlife replay --help`", add_help=False)
     sub.add_parser(
@@ -184,7 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-BENCHES = {"io": "kvlife.bench.io", "ttft": "kvlife.bench.ttft", "ssd": "kvlife.sim.bench_ssd"}
+BENCHES = {
+    "io": "kvlife.bench.io",
+    "ttft": "kvlife.bench.ttft",
+    "ssd": "kvlife.sim.bench_ssd",
+    "concurrency": "kvlife.bench.concurrency",
+    "async": "kvlife.bench.overlap",
+}
 EXPERIMENTS = {
     "lifetime-hints": "kvlife.sim.lifetime_hints",
     "identity": "kvlife.experiments.identity",

@@ -123,7 +123,7 @@ def run_identity_experiment(
     vocab = int(loaded.model.config.vocab_size)
     rng = np.random.default_rng(0)
     if loaded.tokenizer is not None:
-        from kvlife.demo import load_workload
+        from kvlife.apps.chat import load_workload
 
         text = load_workload()["system"]
         prefix = [int(t) for t in loaded.tokenizer(text)["input_ids"]][: prefix_chunks * tpc]

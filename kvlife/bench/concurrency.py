@@ -1,0 +1,297 @@
+"""``kvlife bench concurrency``: loads from many threads while one thread puts and
+demotes, against raw aligned reads at the same queue depth, and lookup latency with I/O
+in flight.
+
+For each thread count T (1, 2, 4, 8 by default), T reader threads each look up and load
+their own prompts from the disk tier into preallocated aligned buffers, while one writer
+thread puts new prompts into a small DRAM tier, so that every put demotes older chunks
+to disk (frame writes, fdatasync, SQLite commits). A probe thread looks up a prompt every
+millisecond and records the latency. The limit is raw ``os.preadv`` of the same block
+size from T threads (:mod:`kvlife.bench.concurrency_raw`), measured in the same
+directory in the same run. Reported per T: aggregate load GB/s, its ratio to raw at
+queue depth T, and lookup P50/P99 against the idle P50/P99 measured before any I/O.
+
+Targets (issue 8): aggregate load >= 0.85x raw at the same queue depth; lookup P99 with
+I/O in flight <= 2x its idle P99. A benchmark, not a test: it prints a table and writes
+JSON; nothing here asserts speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvlife.bench.concurrency_raw import measure_raw_concurrency
+from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
+from kvlife.report import format_table
+from kvlife.store import KVStore
+from kvlife.tiers.buffers import aligned_empty
+
+MiB = 1 << 20
+LOAD_TARGET = 0.85
+LOOKUP_P99_TARGET = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ConcurrencyConfig:
+    """Settings of the benchmark."""
+
+    threads: tuple[int, ...] = (1, 2, 4, 8)
+    """Reader thread counts, one point each."""
+    tokens_per_chunk: int = 128
+    """Chunk size: 8 layers x 8 KV heads x 64 dims x fp16, so 128 tokens = 2 MiB."""
+    chunks_per_prompt: int = 4
+    prompts_per_thread: int = 4
+    seconds: float = 2.0
+    """Time each point runs."""
+    raw_file_bytes: int = 1 << 30
+    directory: Path | None = None
+    """Where the store and the raw file live (default: the current directory)."""
+
+
+@dataclass(slots=True)
+class ConcurrencyPoint:
+    """One thread count."""
+
+    threads: int
+    seconds: float
+    load_gbps: float
+    """Aggregate verified load throughput of the reader threads (1e9 B/s)."""
+    demotions: int
+    """Chunks the writer's puts demoted to disk meanwhile."""
+    lookup_p50_us: float
+    lookup_p99_us: float
+    lookups: int
+    errors: list[str]
+    raw_gbps_same_qd: float = float("nan")
+    load_vs_raw: float = float("nan")
+    lookup_p99_vs_idle: float = float("nan")
+
+
+def _layout(cfg: ConcurrencyConfig) -> KVLayout:
+    return KVLayout(8, 8, 64, "float16", cfg.tokens_per_chunk)
+
+
+def _prompt(seed: int, layout: KVLayout, chunks: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    n = chunks * layout.tokens_per_chunk
+    tokens = rng.integers(0, 50_000, n, dtype=np.int64)
+    shape = (layout.num_layers, 2, layout.num_kv_heads, n, layout.head_dim)
+    return tokens, rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return float(np.percentile(np.asarray(values), q))
+
+
+def run_concurrency_bench(cfg: ConcurrencyConfig) -> dict[str, object]:
+    parent = cfg.directory if cfg.directory is not None else Path.cwd()
+    parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".kvlife-bench-conc-", dir=parent))
+    try:
+        return _run(cfg, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(cfg: ConcurrencyConfig, work: Path) -> dict[str, object]:
+    layout = _layout(cfg)
+    ident = ModelIdentity("bench", "w", "t", layout)
+    chunk = layout.chunk_nbytes
+    most = max(cfg.threads)
+    readers = [
+        [
+            _prompt(1000 * t + p, layout, cfg.chunks_per_prompt)
+            for p in range(cfg.prompts_per_thread)
+        ]
+        for t in range(most)
+    ]
+    store = KVStore.open(
+        work / "store",
+        dram_bytes=4 * cfg.chunks_per_prompt * chunk,
+        disk_bytes=64 << 30,
+        promote_on_hit=False,
+    )
+    try:
+        for prompts in readers:
+            for tokens, kv in prompts:
+                store.put_prompt(ident, PUBLIC, tokens, kv)
+        store.flush()
+        store.evict("dram", 1 << 40)  # the readers' chunks now live on disk only
+        probe_tokens = readers[0][0][0]
+        idle = _lookups(store, ident, probe_tokens, cfg.seconds / 2, threading.Event())
+        points = [_point(cfg, store, ident, readers, t, probe_tokens) for t in cfg.threads]
+        direct = bool(store.tier("disk").details().get("direct_io"))
+    finally:
+        store.close(flush=False)
+    depths = sorted(set(cfg.threads) | {1, 4, 16})
+    raw = measure_raw_concurrency(
+        work, file_bytes=cfg.raw_file_bytes, block_bytes=chunk, queue_depths=depths
+    )
+    idle_p99 = _pct(idle, 99)
+    for p in points:
+        limit = raw.point(p.threads).gbps
+        p.raw_gbps_same_qd = limit
+        p.load_vs_raw = p.load_gbps / limit if limit else float("nan")
+        p.lookup_p99_vs_idle = p.lookup_p99_us / idle_p99 if idle_p99 else float("nan")
+    return {
+        "benchmark": "concurrency",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
+        "chunk_bytes": chunk,
+        "direct_io": direct,
+        "targets": {"load_vs_raw_min": LOAD_TARGET, "lookup_p99_vs_idle_max": LOOKUP_P99_TARGET},
+        "idle_lookup": {"p50_us": _pct(idle, 50), "p99_us": idle_p99, "n": len(idle)},
+        "points": [asdict(p) for p in points],
+        "raw": raw.to_json(),
+    }
+
+
+def _lookups(
+    store: KVStore, ident: ModelIdentity, tokens: np.ndarray, seconds: float, stop: threading.Event
+) -> list[float]:
+    """Lookup latencies (µs), one lookup a millisecond, for ``seconds`` or until ``stop``."""
+    out: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end and not stop.is_set():
+        t0 = time.perf_counter()
+        store.lookup(ident, PUBLIC, tokens)
+        out.append((time.perf_counter() - t0) * 1e6)
+        time.sleep(0.001)
+    return out
+
+
+def _point(
+    cfg: ConcurrencyConfig,
+    store: KVStore,
+    ident: ModelIdentity,
+    readers: list[list[tuple[np.ndarray, np.ndarray]]],
+    threads: int,
+    probe_tokens: np.ndarray,
+) -> ConcurrencyPoint:
+    layout = ident.layout
+    stop = threading.Event()
+    loaded = [0] * threads
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads + 2)
+
+    def reader(t: int) -> None:
+        bufs = [
+            aligned_empty(layout.chunk_nbytes).view(np.float16).reshape(layout.chunk_shape)
+            for _ in range(cfg.chunks_per_prompt)
+        ]
+        try:
+            start.wait()
+            i = 0
+            while not stop.is_set():
+                tokens, _ = readers[t][i % len(readers[t])]
+                hit = store.lookup(ident, PUBLIC, tokens)
+                res = store.load(hit, bufs[: len(hit.hits)])
+                loaded[t] += sum(a.nbytes for a in res.arrays)
+                i += 1
+        except BaseException as exc:  # reported in the result
+            errors.append(exc)
+
+    def writer() -> None:
+        n = 0
+        try:
+            start.wait()
+            while not stop.is_set():
+                tokens, kv = _prompt(
+                    10_000_000 + threads * 100_000 + n, layout, cfg.chunks_per_prompt
+                )
+                store.put_prompt(ident, PUBLIC, tokens, kv)
+                n += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    workers = [threading.Thread(target=reader, args=(t,)) for t in range(threads)]
+    workers.append(threading.Thread(target=writer))
+    for w in workers:
+        w.start()
+    demotions0 = store.counters.demotions
+    start.wait()
+    t0 = time.perf_counter()
+    lat = _lookups(store, ident, probe_tokens, cfg.seconds, stop)
+    stop.set()
+    for w in workers:
+        w.join()
+    wall = time.perf_counter() - t0
+    return ConcurrencyPoint(
+        threads=threads,
+        seconds=wall,
+        load_gbps=sum(loaded) / wall / 1e9,
+        demotions=store.counters.demotions - demotions0,
+        lookup_p50_us=_pct(lat, 50),
+        lookup_p99_us=_pct(lat, 99),
+        lookups=len(lat),
+        errors=[repr(e) for e in errors],
+    )
+
+
+def format_report(result: dict[str, object]) -> str:
+    idle = result["idle_lookup"]
+    assert isinstance(idle, dict)
+    rows = []
+    for p in result["points"]:  # type: ignore[attr-defined]
+        rows.append(
+            [
+                str(p["threads"]),
+                f"{p['load_gbps']:.2f}",
+                f"{p['raw_gbps_same_qd']:.2f}",
+                f"{p['load_vs_raw']:.2f}",
+                str(p["demotions"]),
+                f"{p['lookup_p50_us']:.0f} / {p['lookup_p99_us']:.0f}",
+                f"{p['lookup_p99_vs_idle']:.2f}",
+            ]
+        )
+    head = ["threads", "load GB/s", "raw GB/s (QD=T)", "ratio", "demotions",
+            "lookup P50/P99 µs", "P99 / idle"]  # fmt: skip
+    text = format_table(head, rows)
+    text += f"\nidle lookup P50/P99: {idle['p50_us']:.0f} / {idle['p99_us']:.0f} µs"
+    text += f"; direct I/O: {result['direct_io']}; chunk bytes {result['chunk_bytes']}"
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvlife bench concurrency", description=__doc__.split("\n")[0])
+    p.add_argument("--json", type=Path, help="write the JSON result here")
+    p.add_argument("--dir", type=Path, help="where the store and the raw file go")
+    p.add_argument("--seconds", type=float, default=2.0, help="time per point (default 2)")
+    p.add_argument("--threads", default="1,2,4,8", help="reader thread counts (default 1,2,4,8)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (for tests)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        threads = tuple(int(x) for x in args.threads.split(","))
+    except ValueError:
+        print(f"kvlife bench concurrency: error: bad --threads {args.threads!r}", file=sys.stderr)
+        return 2
+    cfg = ConcurrencyConfig(threads=threads, seconds=args.seconds, directory=args.dir)
+    if args.quick:
+        cfg = ConcurrencyConfig(
+            threads=threads, tokens_per_chunk=8, chunks_per_prompt=2, prompts_per_thread=2,
+            seconds=min(args.seconds, 0.3), raw_file_bytes=8 * MiB, directory=args.dir,
+        )  # fmt: skip
+    result = run_concurrency_bench(cfg)
+    print(format_report(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
