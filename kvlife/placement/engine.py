@@ -80,8 +80,9 @@ class Placement:
         self._by_name = {s.name: s for s in slots}
         self._order = {s.name: i for i, s in enumerate(slots)}
         self.res = residency
-        self.pinned: Collection[Hashable] = ()
-        """Keys being read right now (the store's pins): never eviction victims."""
+        self.shielded: tuple[Collection[Hashable], ...] = ()
+        """Keys no eviction may take whatever the call protects (the store's pinned
+        objects and those with a replica still being written by a pending plan)."""
 
     # ------------------------------------------------------------------ queries
 
@@ -273,8 +274,8 @@ class Placement:
         if short <= 0:
             return True
         slot = self._by_name[tier]
-        if self.pinned:
-            protected = set(protected).union(self.pinned)
+        if any(self.shielded):
+            protected = set(protected).union(*self.shielded)
         victims: list[Hashable] = []
         freed = 0
         while freed < short:

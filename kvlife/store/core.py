@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvlife.core.errors import KVLifeError, ReplicaNotFound, StoreClosedError
 from kvlife.core.events import EventSink
@@ -28,9 +28,6 @@ from kvlife.store.config import StoreConfig
 from kvlife.store.ledger import Ledger
 from kvlife.store.lock import Sequencer
 from kvlife.tiers.base import Durability, ReportsLostReplicas, SupportsBatchDelete, Tier
-
-if TYPE_CHECKING:
-    from kvlife.tiers.disk.fileio import FileIO
 
 INDEXED = ObjectState.INDEXED
 
@@ -53,6 +50,8 @@ class StoreResidency:
         self._index = index
         self._ledger = ledger
         self.bound: list[Bound] = []
+        self.unsettled: dict[ChunkKey, int] = {}
+        """Keys with replicas still WRITING (planned, not yet published), and how many."""
 
     def tiers_of(self, key: Hashable) -> Collection[TierName]:
         rec = self._index.get(key)  # type: ignore[arg-type]
@@ -73,8 +72,10 @@ class StoreResidency:
         rep: Replica | None = None
         if isinstance(action, Place):
             rep = rec.replicas[action.tier] = Replica(action.tier, rec.nbytes)
+            self.unsettled[rec.key] = self.unsettled.get(rec.key, 0) + 1
         elif isinstance(action, Copy):
             rep = rec.replicas[action.dst] = Replica(action.dst, rec.nbytes)
+            self.unsettled[rec.key] = self.unsettled.get(rec.key, 0) + 1
         elif isinstance(action, Evict):
             rep = rec.replicas[action.tier]
             rep.state = ReplicaState.LEAVING
@@ -84,23 +85,39 @@ class StoreResidency:
             self._ledger.counters.tier(action.tier).evictions += 1
         elif isinstance(action, Drop):
             self._ledger.counters.evicted += 1
-            _retire(self._index, self._ledger, rec, Move.INVALIDATE, action.reason)
+            self.retire(rec, Move.INVALIDATE, action.reason)
         self.bound.append(Bound(action, rec, rep))
 
     def take(self) -> list[Bound]:
         bound, self.bound = self.bound, []
         return bound
 
+    def settle(self, rec: ObjectRecord, rep: Replica, state: ReplicaState | None) -> None:
+        """A WRITING replica is published (``state`` READY) or given up (None: removed)."""
+        if rep.state is ReplicaState.WRITING:
+            left = self.unsettled[rec.key] - 1
+            if left:
+                self.unsettled[rec.key] = left
+            else:
+                del self.unsettled[rec.key]
+        if state is None:
+            if rec.replicas.get(rep.tier) is rep:
+                del rec.replicas[rep.tier]
+        else:
+            rep.state = state
 
-def _retire(index: ObjectIndex, ledger: Ledger, rec: ObjectRecord, move: Move, why: str) -> None:
-    """Invalidate (or mark corrupt) and delete a record logically: it is never served
-    again; its replicas are deleted physically by whoever retired it."""
-    if rec.state is INDEXED or rec.state is ObjectState.COMMITTED:
-        ledger.move(rec, move, reason=why)
-    ledger.move(rec, Move.DELETE, reason=why)
-    for rep in rec.replicas.values():
-        rep.state = ReplicaState.LEAVING
-    index.remove(rec.key)
+    def retire(self, rec: ObjectRecord, move: Move, why: str) -> None:
+        """Take a record out of service (never served again; TENTATIVE ones are aborted).
+        Its replicas become LEAVING; whoever retired it deletes them physically."""
+        if rec.state is ObjectState.TENTATIVE:
+            self._ledger.move(rec, Move.ABORT, reason=why)
+        else:
+            if rec.state is INDEXED or rec.state is ObjectState.COMMITTED:
+                self._ledger.move(rec, move, reason=why)
+            self._ledger.move(rec, Move.DELETE, reason=why)
+        for rep in list(rec.replicas.values()):
+            self.settle(rec, rep, ReplicaState.LEAVING)
+        self._index.remove(rec.key)
 
 
 class StoreCore:
@@ -131,10 +148,11 @@ class StoreCore:
             self.residency,
         )
         self.pinned: dict[ChunkKey, int] = {}
-        self.placement.pinned = self.pinned
+        self.placement.shielded = (self.pinned, self.residency.unsettled)
         self.durable = [t.name for t in chain if t.durability is Durability.DURABLE]
         self.closed = False
-        self.fileio: FileIO | None = None
+        self._bg: ThreadPoolExecutor | None = None
+        self._bg_lock = threading.Lock()
 
     def check_open(self) -> None:
         if self.closed:
@@ -151,9 +169,10 @@ class StoreCore:
         return None
 
     def protected(self, keys: Iterable[ChunkKey]) -> set[ChunkKey]:
-        """``keys`` plus every pinned key: no eviction may take them."""
+        """``keys`` plus every pinned or unsettled key: no eviction may take them."""
         out = set(keys)
         out.update(self.pinned)
+        out.update(self.residency.unsettled)
         return out
 
     # ------------------------------------------------------------------ pins
@@ -181,8 +200,39 @@ class StoreCore:
         delete physically."""
         doomed = [(t, rec.key) for t in rec.replicas]
         self.placement.forget(rec.key)
-        _retire(self.index, self.ledger, rec, move, why)
+        self.residency.retire(rec, move, why)
         return doomed
+
+    # ------------------------------------------------------------------ background work
+
+    def later(self, ticket: int, job: Callable[[], object]) -> None:
+        """Run ``job`` in the background thread in ``ticket``'s sequencer turn. Call under
+        the lock right after taking the ticket: the one background thread runs jobs in
+        the order they were submitted, which must be ticket order."""
+        with self._bg_lock:
+            if self._bg is None:
+                self._bg = ThreadPoolExecutor(1, thread_name_prefix="kvlife-bg")
+            bg = self._bg
+
+        def run() -> None:
+            with self.seq.turn(ticket):
+                job()
+
+        bg.submit(run)
+
+    def delete_later(self, doomed: list[tuple[TierName, ChunkKey]]) -> None:
+        """Physical deletes for a reader, who must not wait for pending plans. Call under
+        the lock, where the objects were retired: deletes go by key, so they must run
+        before any later plan could write the key again."""
+        if doomed:
+            self.later(self.seq.take(), lambda: self.delete_replicas(doomed))
+
+    def stop_background(self) -> None:
+        self.seq.wait_idle()
+        with self._bg_lock:
+            if self._bg is not None:
+                self._bg.shutdown(wait=True)
+            self._bg = None
 
     def delete_replicas(self, doomed: Iterable[tuple[TierName, ChunkKey]]) -> None:
         """Physical deletes (outside the lock), batched per tier; absent replicas are

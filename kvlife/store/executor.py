@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvlife.core.errors import ChecksumMismatch, KVLifeError, ReplicaReadError, StorageFullError
+from kvlife.core.errors import (
+    ChecksumMismatch,
+    KVLifeError,
+    ReplicaNotFound,
+    ReplicaReadError,
+    StorageFullError,
+)
 from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import Move, ObjectState
 from kvlife.core.objects import ObjectRecord, ReplicaState, TierName
@@ -152,19 +158,24 @@ def _place(
                 out.failed_places[b.rec.key] = exc
         out.errors.append(exc)
         return
+    gone: list[tuple[TierName, ChunkKey]] = []
     with core.lock:
         ledger = core.ledger
         tc = core.counters.tier(tier_name)
         for b in group:
             rec, rep = b.rec, b.replica
             assert rep is not None
-            rep.state = ReplicaState.READY
+            if rec.state is not ObjectState.TENTATIVE or rec.replicas.get(tier_name) is not rep:
+                gone.append((tier_name, rec.key))  # given up meanwhile: its bytes go too
+                continue
+            core.residency.settle(rec, rep, ReplicaState.READY)
             ledger.move(rec, Move.WRITE, tier=tier_name, nbytes=rec.nbytes, request_id=request_id)
             ledger.move(rec, Move.SEAL, tier=tier_name, nbytes=rec.nbytes)
             ledger.move(rec, Move.COMMIT, tier=tier_name)
             ledger.move(rec, Move.INDEX, tier=tier_name)
             tc.stored += 1
             out.placed.append(rec.key)
+    core.delete_replicas(gone)
 
 
 def _abort_new(core: StoreCore, rec: ObjectRecord, why: str) -> None:
@@ -172,10 +183,18 @@ def _abort_new(core: StoreCore, rec: ObjectRecord, why: str) -> None:
     if rec.state is not ObjectState.TENTATIVE:
         return
     core.placement.forget(rec.key)
-    rec.replicas.clear()
+    for rep in list(rec.replicas.values()):
+        core.residency.settle(rec, rep, None)
     core.ledger.move(rec, Move.ABORT, reason=f"write failed: {why}")
     core.counters.aborted += 1
     core.index.remove(rec.key)
+
+
+def _planned(b: Bound, tier: TierName) -> bool:
+    """The bound replica is still the object's, and the object still live."""
+    rec = b.rec
+    live = rec.state is INDEXED or rec.state is ObjectState.TENTATIVE
+    return live and rec.replicas.get(tier) is b.replica
 
 
 def _copy(
@@ -186,30 +205,45 @@ def _copy(
     sources: dict[ChunkKey, np.ndarray],
     out: Outcome,
 ) -> None:
-    recs = [b.rec for b in group]
+    with core.lock:  # objects invalidated since the plan was made need no copy
+        todo = [b for b in group if _planned(b, dst)]
     error: Exception | None = None
-    try:
-        got = {r.key: sources[r.key] for r in recs if r.key in sources}
-        missing = [r.key for r in recs if r.key not in got]
-        if missing:
-            for key, res in zip(missing, core.tiers[src].read_batch(missing), strict=True):
-                if isinstance(res, (ChecksumMismatch, ReplicaReadError)):
-                    raise res
-                got[key] = res
-        # arrays read from a slower tier (or handed over by a load) belong to nobody else;
-        # views of a first-tier replica must be copied
-        protect = {r.key for r in recs}
-        _write(
-            core, dst, recs, [got[r.key] for r in recs], protect, adopt=src != core.chain[0].name
-        )
-    except (KVLifeError, OSError) as exc:
-        error = exc
+    for attempt in (0, 1):
+        if not todo:
+            return
+        recs = [b.rec for b in todo]
+        try:
+            got = {r.key: sources[r.key] for r in recs if r.key in sources}
+            missing = [r.key for r in recs if r.key not in got]
+            if missing:
+                for key, res in zip(missing, core.tiers[src].read_batch(missing), strict=True):
+                    if isinstance(res, (ChecksumMismatch, ReplicaReadError)):
+                        raise res
+                    got[key] = res
+            # arrays read from a slower tier (or handed over by a load) belong to nobody
+            # else; views of a first-tier replica must be copied
+            protect = {r.key for r in recs}
+            adopt = src != core.chain[0].name
+            _write(core, dst, recs, [got[r.key] for r in recs], protect, adopt=adopt)
+            error = None
+            break
+        except ReplicaNotFound as exc:
+            error = exc
+            if attempt == 0:  # invalidated while the read ran? then only the others go
+                with core.lock:
+                    todo = [b for b in todo if _planned(b, dst)]
+        except (KVLifeError, OSError) as exc:
+            error = exc
+            break
     doomed: list[tuple[TierName, ChunkKey]] = []
+    failed = 0
     with core.lock:
-        for b in group:
+        for b in todo:
+            if error is not None and _planned(b, dst):
+                failed += 1
             doomed += _publish_copy(core, b, error, out)
     core.delete_replicas(doomed)
-    if error is not None:
+    if error is not None and failed:
         out.errors.append(error)
 
 
@@ -221,10 +255,9 @@ def _publish_copy(
     assert isinstance(action, Copy)
     rec, rep = b.rec, b.replica
     assert rep is not None
-    live = rec.state is INDEXED or rec.state is ObjectState.TENTATIVE
-    planned = live and rec.replicas.get(action.dst) is rep
+    planned = _planned(b, action.dst)
     if error is None and planned:
-        rep.state = ReplicaState.READY
+        core.residency.settle(rec, rep, ReplicaState.READY)
         core.ledger.move(
             rec,
             Move.OFFLOAD,
@@ -239,17 +272,16 @@ def _publish_copy(
         elif action.reason == "promote":
             core.counters.promotions += 1
         return []
-    if error is None:  # written, but the object went away meanwhile: delete the copy
-        return [(action.dst, rec.key)]
-    if planned:
-        core.placement.release(rec.key, action.dst)
-        del rec.replicas[action.dst]
-    out.failed_copies.append((action, error))
+    if not planned:  # the object went away meanwhile: whatever was written goes too
+        return [(action.dst, rec.key)] if error is None else []
+    core.placement.release(rec.key, action.dst)
+    core.residency.settle(rec, rep, None)
+    out.failed_copies.append((action, error))  # type: ignore[arg-type]
     if action.reason == "demote":
         core.counters.demote_failed += 1
     elif action.reason == "promote":
         core.counters.promote_failed += 1
-    if live and not any(r.state is ReplicaState.READY for r in rec.replicas.values()):
+    if not any(r.state is ReplicaState.READY for r in rec.replicas.values()):
         # the replica being demoted was the last one: dropped, counted, explained
         return core.retire(rec, Move.INVALIDATE, f"{action.reason} to {action.dst} failed: {error}")
     return []

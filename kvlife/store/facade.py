@@ -225,8 +225,13 @@ class KVStore:
     def flush(self) -> int:
         """Make every object durable; returns how many replicas were copied."""
         done = self._writer.flush()
-        metrics.save_lifetime(self._core, self._lifetime_base)
+        self._save_counters()
         return done
+
+    def _save_counters(self) -> None:
+        core = self._core
+        with core.seq.turn(core.seq.take()):  # the catalog is written in plan order only
+            metrics.save_lifetime(core, self._lifetime_base)
 
     def drain(self) -> None:
         """Wait for background work (promotions) planned so far."""
@@ -237,12 +242,13 @@ class KVStore:
     ) -> AuditReport:
         """Audit every tier that can be audited (payload checksums included); with
         ``fix`` bad replicas are dropped (their objects invalidated as corrupt)."""
-        self._core.check_open()
-        self.drain()
+        core = self._core
+        core.check_open()
         report = AuditReport()
-        for tier in self._core.chain:
+        for tier in core.chain:
             if isinstance(tier, SupportsAudit):
-                got = tier.check(fix=fix, progress=progress)
+                with core.seq.turn(core.seq.take()):  # after every plan made before it
+                    got = tier.check(fix=fix, progress=progress)
                 report.rows += got.rows
                 report.ok += got.ok
                 report.problems += got.problems
@@ -250,8 +256,7 @@ class KVStore:
                 report.orphan_segments += got.orphan_segments
                 report.fixed = report.fixed or got.fixed
         with self._core.lock:
-            doomed = self._core.reap_lost()
-        self._core.delete_replicas(doomed)
+            self._core.delete_later(self._core.reap_lost())
         return report
 
     def info(self) -> StoreInfo:
@@ -292,7 +297,7 @@ class KVStore:
             if flush:
                 self.flush()
             else:
-                metrics.save_lifetime(core, self._lifetime_base)
+                self._save_counters()
         finally:
             core.closed = True
             core.ledger.flush()

@@ -156,7 +156,6 @@ class Reader:
     def __init__(self, core: StoreCore) -> None:
         self.core = core
         self._pool: ThreadPoolExecutor | None = None
-        self._promoter: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lookup
@@ -183,7 +182,7 @@ class Reader:
             core.counters.lookups += 1
             core.counters.lookup_chunks_hit += len(hits)
             core.counters.lookup_chunks_miss += len(keys) - len(hits)
-        core.delete_replicas(doomed)
+            core.delete_later(doomed)
         return LookupResult(hits, len(keys), n)
 
     # ------------------------------------------------------------------ load
@@ -210,7 +209,7 @@ class Reader:
                 items.append(
                     _Item(rec, tier, core.pin(rec, tier), outs[i] if outs is not None else None)
                 )
-        core.delete_replicas(doomed)
+            core.delete_later(doomed)
         return items, len(hits) - len(items)
 
     def load(
@@ -306,36 +305,31 @@ class Reader:
                 out.vanished = 0
             core.counters.vanished += out.vanished
             core.counters.bytes_loaded += sum(a.nbytes for a in out.arrays)
-            job: tuple[list[Bound], int] | None = None
             if promote and core.config.promote_on_hit and len(core.chain) > 1:
                 core.placement.plan_promote([it.rec.key for it in promote])
-                job = (core.residency.take(), core.seq.take())
+                bound = core.residency.take()
+                owned = {
+                    it.rec.key: it.result
+                    for it in promote
+                    if it.out is None and isinstance(it.result, np.ndarray)
+                }
+                # submitted under the lock with its ticket: background jobs queue in
+                # ticket order, so the one background thread never waits on a later one
+                core.later(core.seq.take(), lambda: self._promote(bound, promote, owned))
             elif promote:
                 for it in promote:
                     core.unpin(it.rec, it.rep)
-        core.delete_replicas(doomed)
-        if job is not None:
-            owned = {
-                it.rec.key: it.result
-                for it in promote
-                if it.out is None and isinstance(it.result, np.ndarray)
-            }
-            self._promote_pool().submit(self._promote, job[0], job[1], promote, owned)
+            core.delete_later(doomed)
         return out
 
     def _promote(
-        self,
-        bound: list[Bound],
-        ticket: int,
-        pinned: list[_Item],
-        owned: dict[ChunkKey, np.ndarray],
+        self, bound: list[Bound], pinned: list[_Item], owned: dict[ChunkKey, np.ndarray]
     ) -> None:
-        core = self.core
-        with core.seq.turn(ticket):
-            try:
-                execute(core, bound, sources=owned)
-            finally:  # inside the turn, so that drain() returns with the pins released
-                self._unpin_all(pinned)
+        """Execute a promotion plan (in its turn, on the background thread)."""
+        try:
+            execute(self.core, bound, sources=owned)
+        finally:  # inside the turn, so that drain() returns with the pins released
+            self._unpin_all(pinned)
 
     def _unpin_all(self, items: list[_Item]) -> None:
         with self.core.lock:
@@ -352,12 +346,6 @@ class Reader:
                 )
             return self._pool
 
-    def _promote_pool(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._promoter is None:
-                self._promoter = ThreadPoolExecutor(1, thread_name_prefix="kvlife-promote")
-            return self._promoter
-
     def drain(self) -> None:
         """Wait until every planned promotion (and any plan taken before) has run."""
         self.core.seq.wait_idle()
@@ -365,7 +353,7 @@ class Reader:
     def close(self) -> None:
         self.drain()
         with self._pool_lock:
-            for pool in (self._pool, self._promoter):
-                if pool is not None:
-                    pool.shutdown(wait=True)
-            self._pool = self._promoter = None
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool = None
+        self.core.stop_background()

@@ -150,7 +150,9 @@ class Writer:
             for rec in fresh:
                 if rec.state is INDEXED and not rec.readable_in(durable):
                     doomed += core.retire(rec, Move.INVALIDATE, "write-through failed")
-        core.delete_replicas(doomed)
+            ticket = core.seq.take()
+        with core.seq.turn(ticket):
+            core.delete_replicas(doomed)
         if out.errors:
             raise out.errors[0]
         raise StorageFullError(
