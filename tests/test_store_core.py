@@ -247,3 +247,55 @@ def test_put_async_returns_the_put_result(tmp_path: Path, identity: ModelIdentit
         res = store.put_async(pending).result(timeout=WAIT)
         assert res.stored == 3
         assert store.lookup(identity, PUBLIC, tokens).tokens == 3 * N
+
+
+# ---------------------------------------------------------------------- decided rules
+
+
+def test_write_back_put_larger_than_every_tier_drops_what_fits_nowhere(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """Write-back: a cache does not fail a request because it is full. Chunks that fit in
+    no tier are not stored, counted and explained (abort events); the rest is served."""
+    sink = MemorySink()
+    tokens, kv = prompt_kv(80, 8 * N)
+    frame = 4096 + ((CHUNK + 4095) // 4096) * 4096
+    store = KVStore.open(
+        tmp_path, dram_bytes=2 * CHUNK, disk_bytes=3 * frame, segment_bytes=1 << 20, sink=sink
+    )
+    try:
+        res = store.put_prompt(identity, PUBLIC, tokens, kv)
+        assert res.stored + res.dropped == 8 and res.dropped >= 3
+        assert store.counters.chunks_dropped == res.dropped
+        aborted = [e for e in sink.take() if e.kind == "abort"]
+        assert len(aborted) == res.dropped and all("no room" in e.reason for e in aborted)
+        assert store.get(identity, PUBLIC, tokens).loaded == 8 - res.dropped
+    finally:
+        store.close(flush=False)
+
+
+def test_write_through_put_larger_than_the_disk_is_storage_full_and_stores_nothing(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    from kvlife.core.errors import StorageFullError
+
+    tokens, kv = prompt_kv(81, 8 * N)
+    frame = 4096 + ((CHUNK + 4095) // 4096) * 4096
+    with KVStore.open(
+        tmp_path, dram_bytes=16 * CHUNK, disk_bytes=3 * frame, segment_bytes=1 << 20,
+        write_through=True,
+    ) as store:  # fmt: skip
+        with pytest.raises(StorageFullError):
+            store.put_prompt(identity, PUBLIC, tokens, kv)
+        assert store.lookup(identity, PUBLIC, tokens).tokens == 0
+        assert store.indexed_keys() == []
+
+
+def test_unknown_open_setting_is_named(tmp_path: Path) -> None:
+    from kvlife.core.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="write_trough"):
+        KVStore.open(tmp_path, write_trough=True)
+    with pytest.raises(InvalidArgument, match="dram_bytes"):
+        KVStore.open(tmp_path, dram_bytes="1G")  # type: ignore[arg-type]
+    assert not (tmp_path / "disk").exists(), "a refused open left files behind"
