@@ -46,7 +46,12 @@ class Outcome:
     failed_places: dict[ChunkKey, Exception] = field(default_factory=dict)
     failed_copies: list[tuple[Copy, Exception]] = field(default_factory=list)
     errors: list[Exception] = field(default_factory=list)
-    """Every failure, in order (the first is what a caller raises)."""
+    """Failed placements and deletes, in order (the first is what a caller raises).
+    Failed copies are outcomes, counted and listed in ``failed_copies``."""
+
+    def copy_errors(self, reason: str) -> list[Exception]:
+        """Errors of the failed copies made for ``reason`` (e.g. ``flush``)."""
+        return [err for copy, err in self.failed_copies if copy.reason == reason]
 
 
 def execute(
@@ -236,15 +241,10 @@ def _copy(
             error = exc
             break
     doomed: list[tuple[TierName, ChunkKey]] = []
-    failed = 0
     with core.lock:
         for b in todo:
-            if error is not None and _planned(b, dst):
-                failed += 1
             doomed += _publish_copy(core, b, error, out)
     core.delete_replicas(doomed)
-    if error is not None and failed:
-        out.errors.append(error)
 
 
 def _publish_copy(
@@ -276,7 +276,8 @@ def _publish_copy(
         return [(action.dst, rec.key)] if error is None else []
     core.placement.release(rec.key, action.dst)
     core.residency.settle(rec, rep, None)
-    out.failed_copies.append((action, error))  # type: ignore[arg-type]
+    assert error is not None
+    out.failed_copies.append((action, error))
     if action.reason == "demote":
         core.counters.demote_failed += 1
     elif action.reason == "promote":

@@ -25,7 +25,7 @@ from kvlife.core.payload import as_numpy, check_chunk, numpy_dtype
 from kvlife.placement import Evict, Plan, Reject
 from kvlife.results import PutResult
 from kvlife.store.core import StoreCore
-from kvlife.store.executor import Outcome, execute
+from kvlife.store.executor import execute
 
 INDEXED = ObjectState.INDEXED
 TENTATIVE = ObjectState.TENTATIVE
@@ -114,11 +114,12 @@ class Writer:
                 request_id=pending.request_id,
                 protect=set(pending.keys),
             )
-        if core.config.write_through and (not wt.complete or out.failed_copies):
-            self._undo_write_through(fresh, wt, out)
+        wt_errors = out.copy_errors("write-through")
+        if core.config.write_through and (not wt.complete or wt_errors):
+            self._undo_write_through(fresh, wt_errors)
         if out.failed_places:
             raise next(iter(out.failed_places.values()))
-        if out.errors and core.config.write_through:
+        if out.errors:
             raise out.errors[0]
         with core.lock:
             stored = len(out.placed)
@@ -141,7 +142,7 @@ class Writer:
             keys=pending.keys,
         )
 
-    def _undo_write_through(self, fresh: list[ObjectRecord], wt: Plan, out: Outcome) -> None:
+    def _undo_write_through(self, fresh: list[ObjectRecord], errors: list[Exception]) -> None:
         """Not durable means not stored: the put's new chunks go, and the error is raised."""
         core = self.core
         doomed: list[tuple[TierName, ChunkKey]] = []
@@ -153,8 +154,8 @@ class Writer:
             ticket = core.seq.take()
         with core.seq.turn(ticket):
             core.delete_replicas(doomed)
-        if out.errors:
-            raise out.errors[0]
+        if errors:
+            raise errors[0]
         raise StorageFullError(
             f"tier {durable} of {core.path} cannot hold the put's chunks even after eviction "
             "(write-through: nothing of the put was stored)"
@@ -198,8 +199,9 @@ class Writer:
             ticket = core.seq.take()
         with core.seq.turn(ticket):
             out = execute(core, bound)
-        if out.errors:
-            raise out.errors[0]
+        failed = out.copy_errors("flush") + out.errors
+        if failed:
+            raise failed[0]
         if not plan.complete:
             raise StorageFullError(
                 f"tier {durable} of {core.path} cannot hold the {len(keys)} objects to flush "
