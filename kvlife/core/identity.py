@@ -23,7 +23,7 @@ import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import Any, NewType
 
 import blake3
 import msgpack
@@ -278,7 +278,7 @@ def prompt_chunk_keys(
     namespace: Namespace,
     tokens: Sequence[int] | np.ndarray,
     *,
-    start: int = 0,
+    start: int | np.integer[Any] = 0,
     parent: bytes = ROOT_PARENT,
     extra_keys: Sequence[bytes] = (),
 ) -> list[ChunkKey]:
@@ -289,7 +289,7 @@ def prompt_chunk_keys(
     chunk (for example a multimodal input digest). Arguments of the wrong type raise
     InvalidArgument naming the argument.
     """
-    start = _check_prompt_args(identity, namespace, start, parent, extra_keys)
+    pos = _check_prompt_args(identity, namespace, start, parent, extra_keys)
     tb = token_bytes(tokens)
     n = identity.layout.tokens_per_chunk
     step = 4 * n
@@ -307,7 +307,7 @@ def prompt_chunk_keys(
     keys: list[ChunkKey] = []
     for i in range(len(tb) // step):
         part = tokens_mv[i * step : (i + 1) * step]
-        key = hasher(join((head, key, pack_u64(start + i * n), count_field, part, extras))).digest()
+        key = hasher(join((head, key, pack_u64(pos + i * n), count_field, part, extras))).digest()
         keys.append(ChunkKey(key))
     return keys
 
