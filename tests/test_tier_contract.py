@@ -449,3 +449,20 @@ def test_compaction_beside_a_stalled_read(tmp_path: Path, direct: bool | None) -
     finally:
         io.release.set()
         t.close()
+
+
+def test_new_array_memory_is_reused_only_after_its_last_view_dies(tier: Tier) -> None:
+    """Reads into new arrays may recycle the memory of earlier results, but never while
+    any view of it is alive (a slice kept by the engine must not change under it)."""
+    a, b = payload(1, n=8192), payload(2, n=8192)
+    tier.store([meta(1, a), meta(2, b)], [a, b])
+    (x,) = tier.read_batch([key(1)])
+    assert isinstance(x, np.ndarray)
+    kept = x.reshape(4, -1)[1:3]
+    del x
+    later = [tier.read_batch([key(2)])[0] for _ in range(4)]
+    assert np.array_equal(kept, a.reshape(4, -1)[1:3])
+    del later
+    again = [tier.read_batch([key(2)])[0] for _ in range(4)]  # may reuse freed memory
+    assert all(np.array_equal(g, b) for g in again)
+    assert np.array_equal(kept, a.reshape(4, -1)[1:3])

@@ -184,6 +184,15 @@ class RecyclingPool:
         with self._lock:
             self._out -= size
             limit = min(self.keep_bytes, self._peak)
+            # Idle buffers of other sizes make room first: the size just given back is
+            # the one in use now (KV chunks of one model have one size).
+            for other in sorted(self._free, reverse=True):
+                if self.idle_bytes + size <= limit:
+                    break
+                stack = self._free[other]
+                while other != size and stack and self.idle_bytes + size > limit:
+                    stack.pop()
+                    self.idle_bytes -= other
             if self.idle_bytes + size <= limit:
                 self._free.setdefault(size, []).append((mapping, offset))
                 self.idle_bytes += size
