@@ -460,9 +460,9 @@ def test_new_array_memory_is_reused_only_after_its_last_view_dies(tier: Tier) ->
     assert isinstance(x, np.ndarray)
     kept = x.reshape(4, -1)[1:3]
     del x
-    later = [tier.read_batch([key(2)])[0] for _ in range(4)]
+    later = [tier.read(key(2)) for _ in range(4)]
     assert np.array_equal(kept, a.reshape(4, -1)[1:3])
     del later
-    again = [tier.read_batch([key(2)])[0] for _ in range(4)]  # may reuse freed memory
+    again = [tier.read(key(2)) for _ in range(4)]  # may reuse freed memory
     assert all(np.array_equal(g, b) for g in again)
     assert np.array_equal(kept, a.reshape(4, -1)[1:3])
