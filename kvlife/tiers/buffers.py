@@ -113,26 +113,33 @@ class StagingPool:
     Fresh memory costs a page fault per page on first touch, which at 16 MiB frames costs
     as much as the write itself; reusing a few warm buffers avoids it. ``get`` returns a
     buffer at least as large as asked (slice it); ``put`` gives the whole buffer back.
+    At most ``keep`` buffers are kept idle, or more while they total at most
+    ``keep_bytes`` (a write pipeline of many small frames has many in flight).
     """
 
-    def __init__(self, keep: int) -> None:
+    def __init__(self, keep: int, keep_bytes: int = 64 << 20) -> None:
         self._free: list[np.ndarray] = []
         self._keep = keep
+        self._keep_bytes = keep_bytes
+        self._idle = 0
         self._lock = threading.Lock()
 
     def get(self, nbytes: int) -> np.ndarray:
         with self._lock:
             for i, buf in enumerate(self._free):
                 if buf.nbytes >= nbytes:
+                    self._idle -= buf.nbytes
                     return self._free.pop(i)
         return aligned_empty(round_up(nbytes))
 
     def put(self, buf: np.ndarray) -> None:
         with self._lock:
             self._free.append(buf)
-            if len(self._free) > self._keep:
+            self._idle += buf.nbytes
+            if len(self._free) > self._keep and self._idle > self._keep_bytes:
                 self._free.sort(key=lambda b: b.nbytes)
-                del self._free[0]
+                while len(self._free) > self._keep and self._idle > self._keep_bytes:
+                    self._idle -= self._free.pop(0).nbytes
 
 
 class RecyclingPool:

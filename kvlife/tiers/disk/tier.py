@@ -133,6 +133,45 @@ class _Segment:
     """No row names it any more; removed when ``readers`` reaches 0."""
 
 
+WRITE_GROUP_BYTES = 8 << 20
+"""Consecutive frames of one segment are written by one pwritev up to this size: fewer
+system calls and hand-offs to the I/O thread, and larger requests for the device."""
+_IOV_MAX = 1024
+
+
+@dataclass(slots=True)
+class _WriteGroup:
+    """Consecutive frames of one segment written by one pwritev."""
+
+    seg: _Segment
+    off: int
+    bufs: list[np.ndarray] = dataclasses.field(default_factory=list)
+    length: int = 0
+    staged: list[np.ndarray] = dataclasses.field(default_factory=list)
+    future: Future[int] | None = None
+
+    def takes(self, seg: _Segment, off: int, flen: int, nbufs: int) -> bool:
+        """True if a frame at ``seg``/``off`` continues this group within its limits."""
+        return (
+            seg is self.seg
+            and off == self.off + self.length
+            and self.length + flen <= WRITE_GROUP_BYTES
+            and len(self.bufs) + nbufs <= _IOV_MAX
+        )
+
+    def add(self, bufs: list[np.ndarray], flen: int, staged: np.ndarray | None) -> None:
+        self.bufs.extend(bufs)
+        self.length += flen
+        if staged is not None:
+            self.staged.append(staged)
+
+    def release(self, pool: StagingPool) -> None:
+        """Give the staging buffers back (once)."""
+        for buf in self.staged:
+            pool.put(buf)
+        self.staged.clear()
+
+
 @dataclass(slots=True)
 class DiskStats:
     """Byte and event counters of a disk tier since it was opened."""
@@ -285,7 +324,8 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
             start = {sid: s.length for sid, s in self._segments.items()}
         rows: list[CatalogRow] = []
         touched: set[int] = set()
-        inflight: list[tuple[Future[int], int, np.ndarray | None]] = []
+        inflight: list[_WriteGroup] = []
+        group: _WriteGroup | None = None
         try:
             for meta, arr in zip(metas, payloads, strict=True):
                 u8 = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
@@ -297,10 +337,12 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
                     seg.length += flen
                 touched.add(seg.id)
                 bufs, staged, checksum = self._frame_buffers(meta, u8)
-                fut = self._submit(self.io.pwritev, seg.fd, bufs, off)
-                inflight.append((fut, flen, staged))
-                if len(inflight) >= self.config.io_depth:
-                    self._finish_write(*inflight.pop(0))
+                if group is not None and not group.takes(seg, off, flen, len(bufs)):
+                    self._submit_group(group, inflight)
+                    group = None
+                if group is None:
+                    group = _WriteGroup(seg, off)
+                group.add(bufs, flen, staged)
                 rows.append(
                     CatalogRow(
                         meta.key,
@@ -314,17 +356,22 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
                         meta.info,
                     )
                 )
+            if group is not None:
+                self._submit_group(group, inflight)
+                group = None
             while inflight:
-                self._finish_write(*inflight.pop(0))
+                self._finish_write(inflight.pop(0))
             for sid in sorted(touched):
                 self.io.fdatasync(self._segments[sid].fd)
             self._sync_dir()
             self.catalog.insert(rows)
         except BaseException as exc:
-            for fut, _, staged in inflight:
-                fut.exception()
-                if staged is not None:
-                    self._staging.put(staged)
+            for g in inflight:
+                if g.future is not None:
+                    g.future.exception()
+                g.release(self._staging)
+            if group is not None:
+                group.release(self._staging)
             with self._lock:
                 for sid, length in start.items():
                     if sid in self._segments:
@@ -365,14 +412,21 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         pack_header(header, hdr.data)
         return ([hdr, body] if n else [hdr]), staged, checksum
 
-    def _finish_write(self, fut: Future[int], flen: int, staged: np.ndarray | None) -> None:
+    def _submit_group(self, group: _WriteGroup, inflight: list[_WriteGroup]) -> None:
+        """Queue one group's pwritev, keeping at most ``io_depth`` groups in flight."""
+        group.future = self._submit(self.io.pwritev, group.seg.fd, group.bufs, group.off)
+        inflight.append(group)
+        if len(inflight) >= self.config.io_depth:
+            self._finish_write(inflight.pop(0))
+
+    def _finish_write(self, group: _WriteGroup) -> None:
+        assert group.future is not None
         try:
-            written = fut.result()
+            written = group.future.result()
         finally:
-            if staged is not None:
-                self._staging.put(staged)
-        if written != flen:
-            raise OSError(errno.EIO, f"short write: {written} of {flen} bytes")
+            group.release(self._staging)
+        if written != group.length:
+            raise OSError(errno.EIO, f"short write: {written} of {group.length} bytes")
 
     def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
         """Run a write on the writer's I/O thread (it overlaps the next frame's checksum)."""
