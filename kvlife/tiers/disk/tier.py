@@ -234,6 +234,7 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         self._write_mutex = threading.Lock()
         self._read_pool: ThreadPoolExecutor | None = None
         self._new_arrays = RecyclingPool(config.read_pool_bytes)
+        self._callers = 0
         self._closed = False
         catalog_path = self.directory / "catalog.sqlite"
         if not catalog_path.exists() and any(
@@ -480,8 +481,10 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
 
         The tier lock is held only to look the rows up and pin their segments (a pinned
         segment is unlinked by compaction or its last delete only when its last reader
-        leaves); the reads run without it, in the caller's thread plus up to
-        ``io_depth - 1`` helpers, so N callers keep at least N reads in flight.
+        leaves); the reads run without it, in the caller's thread plus helpers. The
+        tier's ``io_depth`` is shared among concurrent callers (one alone gets
+        ``io_depth - 1`` helpers, ``io_depth`` or more callers get none), so N callers
+        keep max(N, io_depth) reads in flight without piling threads onto the CPUs.
         """
         if outs is not None and len(outs) != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
@@ -490,6 +493,8 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
             pinned = {row.seg: self._segments[row.seg] for row in rows}
             for seg in pinned.values():
                 seg.readers += 1
+            self._callers += 1
+            share = max(1, self.config.io_depth // self._callers)
         got: list[int] = []
         try:
             plan = [
@@ -502,10 +507,11 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
                         f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
                         f"{row.dtype}{list(row.shape)}"
                     )
-            return self._read_all(plan, got)
+            return self._read_all(plan, got, share)
         finally:
             retired: list[_Segment] = []
             with self._lock:
+                self._callers -= 1
                 self.stats.bytes_read += sum(got)
                 for seg in pinned.values():
                     seg.readers -= 1
@@ -514,11 +520,14 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
             self._remove_segments(retired)
 
     def _read_all(
-        self, plan: list[tuple[CatalogRow, _Segment, np.ndarray | None]], got: list[int]
+        self,
+        plan: list[tuple[CatalogRow, _Segment, np.ndarray | None]],
+        got: list[int],
+        depth: int,
     ) -> list[ReadResult]:
         n = len(plan)
         results: list[ReadResult | None] = [None] * n
-        helpers_wanted = min(self.config.io_depth, n) - 1
+        helpers_wanted = min(depth, n) - 1
         if helpers_wanted <= 0:
             for i, (row, seg, out) in enumerate(plan):
                 results[i] = self._read_one(row, seg, out, got)
