@@ -466,3 +466,60 @@ def test_new_array_memory_is_reused_only_after_its_last_view_dies(tier: Tier) ->
     again = [tier.read(key(2)) for _ in range(4)]  # may reuse freed memory
     assert all(np.array_equal(g, b) for g in again)
     assert np.array_equal(kept, a.reshape(4, -1)[1:3])
+
+
+class BarrierIO(FileIO):
+    """Fault seam: once armed, every ``preadv`` waits until ``parties`` are inside at
+    once (a broken barrier, after a deadline, proves they never were)."""
+
+    def __init__(self, direct: bool, parties: int) -> None:
+        super().__init__(direct)
+        self.armed = False
+        self.barrier = threading.Barrier(parties, timeout=30)
+
+    def preadv(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
+        if self.armed:
+            self.barrier.wait()
+        return super().preadv(fd, buffers, offset)
+
+
+@pytest.mark.parametrize("direct", [None, False], ids=["direct-if-supported", "buffered"])
+def test_n_reader_threads_have_n_reads_in_flight(tmp_path: Path, direct: bool | None) -> None:
+    n = 6  # more than the tier's io_depth: each caller issues its own read
+    io = BarrierIO(False, n)
+    t = DiskTier(tmp_path, DiskTierConfig(CAP, direct_io=direct, io_depth=4), fileio=io)
+    try:
+        arrs = [payload(i) for i in range(n)]
+        t.store([meta(i, a) for i, a in enumerate(arrs)], arrs)
+        io.armed = True
+        got: dict[int, object] = {}
+        threads = [
+            threading.Thread(target=lambda i=i: got.update({i: t.read(key(i))}), daemon=True)
+            for i in range(n)
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=60)
+        assert not io.barrier.broken, "the readers never had their reads in flight together"
+        for i in range(n):
+            assert np.array_equal(got[i], arrs[i])  # type: ignore[arg-type]
+    finally:
+        io.barrier.abort()
+        t.close()
+
+
+@pytest.mark.parametrize("direct", [None, False], ids=["direct-if-supported", "buffered"])
+def test_one_caller_keeps_io_depth_reads_in_flight(tmp_path: Path, direct: bool | None) -> None:
+    io = BarrierIO(False, 4)
+    t = DiskTier(tmp_path, DiskTierConfig(CAP, direct_io=direct, io_depth=4), fileio=io)
+    try:
+        arrs = [payload(i) for i in range(8)]
+        t.store([meta(i, a) for i, a in enumerate(arrs)], arrs)
+        io.armed = True
+        got = _in_thread(lambda: t.read_batch([key(i) for i in range(8)]), timeout=60)
+        assert isinstance(got, list)
+        assert all(np.array_equal(g, a) for g, a in zip(got, arrs, strict=True))
+    finally:
+        io.barrier.abort()
+        t.close()
