@@ -131,6 +131,8 @@ class _Segment:
     """Reads in flight on this segment (its file must outlive them)."""
     doomed: bool = False
     """No row names it any more; removed when ``readers`` reaches 0."""
+    removing: bool = False
+    """Its file is being closed and unlinked (by exactly one thread)."""
 
 
 WRITE_GROUP_BYTES = 8 << 20
@@ -517,7 +519,7 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
                     seg.readers -= 1
                     if seg.doomed and seg.readers == 0:
                         retired.append(seg)
-            self._remove_segments(retired)
+            self._remove_segments(retired, quiet=True)
 
     def _read_all(
         self,
@@ -660,10 +662,23 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         seg.doomed = True
         return seg.readers == 0
 
-    def _remove_segments(self, segs: Sequence[_Segment]) -> None:
+    def _remove_segments(self, segs: Sequence[_Segment], *, quiet: bool = False) -> None:
         """Close and unlink retired segments, outside the tier lock. A doomed segment
-        stays in the segment table until its file is gone, so its id is not reused."""
+        stays in the segment table until its file is gone, so its id is not reused.
+
+        ``quiet`` (a reader leaving): an OSError leaves the file for ``check --fix`` to
+        delete as an orphan instead of failing a read that has its bytes.
+        """
+        if quiet:
+            for seg in segs:
+                with contextlib.suppress(OSError):
+                    self._remove_segments([seg])
+            return
         for seg in segs:
+            with self._lock:  # an audit's fix may retire the same segment: close once
+                if seg.removing:
+                    continue
+                seg.removing = True
             try:
                 self.io.close(seg.fd)
             finally:
