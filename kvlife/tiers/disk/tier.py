@@ -1,11 +1,18 @@
 """The disk tier: replicas framed and packed into large segment files.
 
 Writes go to the active segment with aligned O_DIRECT ``pwritev`` where the filesystem
-allows it (buffered I/O elsewhere), pipelined through one I/O thread so that checksums
-and staging copies overlap the device. A batch is committed in this order: frames
-written, segment fdatasync'ed, catalog rows inserted in one SQLite transaction, entries
-made visible. Reads verify the frame header against the catalog row and the payload's
+allows it (buffered I/O elsewhere): consecutive frames in one vectored call of up to
+8 MiB, queued to the writer's I/O thread so that checksums and staging copies of the
+next frames overlap the device. A batch is committed in this order: frames written,
+segment fdatasync'ed, catalog rows inserted in one SQLite transaction, entries made
+visible. Reads verify the frame header against the catalog row and the payload's
 xxh3-128 before anything is handed out.
+
+Concurrency: writers (stores, deletes, compaction, counters) are serialized by a write
+mutex; the tier lock guards metadata only and is never held across a read, a write or
+an fsync. Reads run in the caller's thread (plus helpers sharing ``io_depth``), so they
+neither wait for a writer's I/O nor for each other; each pins the segments it reads, and
+a segment emptied by deletes or compaction is unlinked when its last reader leaves.
 
 Deleted replicas leave garbage in their segment. A segment whose last live replica goes
 is unlinked at once; when space runs short, sealed segments with the most garbage are
