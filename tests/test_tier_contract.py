@@ -13,6 +13,7 @@ import pytest
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaNotFound
 from kvlife.core.identity import ChunkKey
 from kvlife.tiers.base import (
+    AuditReport,
     CapacityShortfall,
     ReplicaMeta,
     ReportsLostReplicas,
@@ -522,4 +523,43 @@ def test_one_caller_keeps_io_depth_reads_in_flight(tmp_path: Path, direct: bool 
         assert all(np.array_equal(g, a) for g, a in zip(got, arrs, strict=True))
     finally:
         io.barrier.abort()
+        t.close()
+
+
+def test_check_fix_beside_a_writer_finishes(tmp_path: Path) -> None:
+    """An audit that drops a corrupt replica takes the writers' mutex before the tier
+    lock, like every writer, so it cannot deadlock with a concurrent store."""
+    t = DiskTier(tmp_path, DiskTierConfig(CAP, segment_bytes=64 << 10))
+    try:
+        a = payload(1)
+        t.store([meta(1, a)], [a])
+        seg = sorted((tmp_path / "segments").glob("seg-*.kvs"))[0]
+        with seg.open("r+b") as fh:
+            fh.seek(4096 + 10)
+            fh.write(b"\xff\xfe")
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def writer() -> None:
+            i = 100
+            try:
+                while not stop.is_set():
+                    b = payload(i)
+                    t.store([meta(i, b)], [b])
+                    t.delete(key(i))
+                    i += 1
+            except BaseException as exc:
+                errors.append(exc)
+
+        w = threading.Thread(target=writer, daemon=True)
+        w.start()
+        try:
+            report = _in_thread(lambda: t.check(fix=True), timeout=60)
+        finally:
+            stop.set()
+            w.join(timeout=60)
+        assert not w.is_alive() and not errors, errors
+        assert isinstance(report, AuditReport) and report.bad_keys == [key(1)]
+        assert not t.contains(key(1))
+    finally:
         t.close()

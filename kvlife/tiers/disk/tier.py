@@ -240,7 +240,7 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         self._dir_dirty = False
         self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingPool(keep=config.io_depth + 1)
-        self._write_mutex = threading.Lock()
+        self._write_mutex = threading.RLock()  # check --fix deletes while holding it
         self._read_pool: ThreadPoolExecutor | None = None
         self._new_arrays = RecyclingPool(config.read_pool_bytes)
         self._callers = 0
@@ -864,7 +864,8 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         segment files no row refers to. With ``fix``: drop bad rows, delete orphans.
         ``progress`` is called with each replica's byte count as it is checked."""
         report = CheckReport()
-        with self._lock:
+        # the write mutex first, as every writer takes it: --fix deletes through it
+        with self._write_mutex, self._lock:
             referenced = {r.seg for r in self._entries.values()} | {self._active.id}
             for row in list(self._entries.values()):
                 if progress is not None:
@@ -905,7 +906,8 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         }
 
     def load_counters(self) -> dict[str, int]:
-        return self.catalog.load_counters()
+        with self._write_mutex:  # the catalog connection is not read mid-transaction
+            return self.catalog.load_counters()
 
     def save_counters(self, counters: dict[str, int]) -> None:
         with self._write_mutex:  # one catalog transaction at a time
