@@ -23,6 +23,7 @@ from kvlife.bench.io import (
 from kvlife.report import format_table
 
 RATIO_KEYS = ("disk_store_vs_raw", "disk_load_vs_raw", "mem_put_vs_memcpy", "mem_get_vs_memcpy")
+USER_PATH_KEYS = ("disk_store_unaligned_vs_raw", "disk_writeback_vs_raw", "disk_load_new_vs_raw")
 
 
 def _positive_finite(x: object) -> bool:
@@ -39,8 +40,9 @@ def test_quick_run_writes_json_of_the_right_shape(tmp_path: Path, capsys, monkey
     labels = [size_label(s) for s in IOBenchConfig.quick_config().sizes]
     assert list(doc["ratios"]) == labels
     for label in labels:
-        for key in RATIO_KEYS:
+        for key in RATIO_KEYS + USER_PATH_KEYS:
             assert _positive_finite(doc["ratios"][label][key]), (label, key)
+        assert _positive_finite(doc["diagnostics"][label]["disk_load_new_first_vs_raw"])
         for key in ("memcpy_gbps", "raw_write_gbps", "raw_read_gbps"):
             assert _positive_finite(doc["limits"][label][key]), (label, key)
         for key, value in doc["kvlife"][label].items():
@@ -106,3 +108,23 @@ def test_table_aligns_columns() -> None:
     assert len(lines[2]) == len(lines[3])
     with pytest.raises(ValueError):
         format_table(["a", "b"], [["only one"]])
+
+
+def test_user_paths_are_reported_beside_their_limit_with_a_target(tmp_path: Path) -> None:
+    """From 2 MiB up every user path has a target entry against its raw limit (shape
+    only: whether it is met depends on the machine)."""
+    cfg = IOBenchConfig.quick_config(
+        sizes=(2 << 20,), batch=2, repeat=1, lookup_iters=3, directory=tmp_path, progress=False
+    )
+    doc = run_io_bench(cfg)
+    targets = doc["targets"]
+    assert isinstance(targets, list)
+    by_metric = {t["metric"]: t for t in targets if t["size"] == "2MiB"}
+    for key in RATIO_KEYS + USER_PATH_KEYS:
+        entry = by_metric[key]
+        assert set(entry) == {"metric", "size", "value", "target", "met"}
+        assert _positive_finite(entry["value"]) and isinstance(entry["met"], bool)
+    for key in USER_PATH_KEYS:
+        assert by_metric[key]["target"] == ">= 0.85"
+    text = format_report(doc)
+    assert "disk load new arrays" in text and "≥0.85" in text

@@ -86,8 +86,13 @@ class FaultyIO(FileIO):
         raise OSError(err, f"injected {errno.errorcode[err]}: {os.strerror(err)}")
 
     def pwritev(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
-        self._maybe_fail("pwritev")
-        return super().pwritev(fd, buffers, offset)
+        # One call per buffer, so that "after n calls" fails mid-batch whether or not the
+        # tier groups consecutive frames into one vectored write.
+        done = 0
+        for buf in buffers:
+            self._maybe_fail("pwritev")
+            done += super().pwritev(fd, [buf], offset + done)
+        return done
 
     def preadv(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
         self._maybe_fail("preadv")

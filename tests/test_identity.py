@@ -254,3 +254,37 @@ def test_bad_identity_and_tokens_are_rejected(identity: ModelIdentity) -> None:
     assert Namespace.parse(str(Namespace(NamespaceKind.USER, "a:b"))) == Namespace(
         NamespaceKind.USER, "a:b"
     )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"start": 1.5}, "start"),
+        ({"start": True}, "start"),
+        ({"start": -1}, "start"),
+        ({"extra_keys": ["img"]}, "extra_keys[0]"),
+        ({"extra_keys": b"img"}, "extra_keys"),
+        ({"parent": "00" * 32}, "parent"),
+        ({"parent": b"short"}, "parent"),
+        ({"namespace": "user:alice"}, "namespace"),
+        ({"identity": "m"}, "identity"),
+    ],
+)
+def test_prompt_keys_reject_wrong_argument_types_by_name(
+    kwargs: dict[str, Any], names: str
+) -> None:
+    lay = KVLayout(2, 2, 8, "float16", 4)
+    args: dict[str, Any] = {"identity": ModelIdentity("m", "w", "t", lay), "namespace": PUBLIC}
+    args |= {k: v for k, v in kwargs.items() if k in args}
+    rest = {k: v for k, v in kwargs.items() if k not in ("identity", "namespace")}
+    with pytest.raises(InvalidArgument, match=names.replace("[", r"\[").replace("]", r"\]")):
+        prompt_chunk_keys(args["identity"], args["namespace"], list(range(8)), **rest)
+
+
+def test_prompt_keys_accept_numpy_integer_start() -> None:
+    lay = KVLayout(2, 2, 8, "float16", 4)
+    ident = ModelIdentity("m", "w", "t", lay)
+    tokens = list(range(8))
+    assert prompt_chunk_keys(ident, PUBLIC, tokens, start=np.int64(4)) == prompt_chunk_keys(
+        ident, PUBLIC, tokens, start=4
+    )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import blake3
@@ -11,9 +12,18 @@ import pytest
 
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaNotFound
 from kvlife.core.identity import ChunkKey
-from kvlife.tiers.base import CapacityShortfall, ReplicaMeta, Reservation, Tier
+from kvlife.tiers.base import (
+    AuditReport,
+    CapacityShortfall,
+    ReplicaMeta,
+    ReportsLostReplicas,
+    Reservation,
+    SupportsBatchDelete,
+    Tier,
+)
 from kvlife.tiers.buffers import aligned_empty, aligned_runs
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
+from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.memory import MemoryTier
 
 CAP = 1 << 20
@@ -235,3 +245,321 @@ def test_strided_output_buffers_are_filled(tier: Tier) -> None:
     odd = np.empty((2, 3, 300, 16), np.float32)[:, :, :256]  # unaligned: staged, same bytes
     (res,) = tier.read_batch([key(2)], [odd])
     assert isinstance(res, np.ndarray) and np.array_equal(res, chunks[2])
+
+
+# ---------------------------------------------------------------------- concurrency
+
+
+def _concurrent_payload(i: int) -> np.ndarray:
+    return payload(i, n=20_000)  # 40 kB: about 5 frames per 256 KiB segment
+
+
+def test_many_readers_beside_one_writer_get_exact_bytes_or_a_typed_miss(tier: Tier) -> None:
+    """Readers race a writer that stores, overwrites, deletes and (on disk) compacts:
+    every read is the exact bytes of its key or ReplicaNotFound, never anything else."""
+    window = 8
+    rounds = 120
+    for i in range(window):
+        a = _concurrent_payload(i)
+        assert tier.store([meta(i, a)], [a])
+    newest = [window - 1]
+    stop = threading.Event()
+    failures: list[str] = []
+    counts = {"hits": 0, "misses": 0}
+    count_lock = threading.Lock()
+
+    def writer() -> None:
+        try:
+            for i in range(window, window + rounds):
+                a = _concurrent_payload(i)
+                assert tier.store([meta(i, a)], [a]), f"store {i} did not fit"
+                newest[0] = i
+                if i % 3 == 0:  # overwrite a live key with the same bytes
+                    b = _concurrent_payload(i - 1)
+                    assert tier.store([meta(i - 1, b)], [b])
+                old = [key(j) for j in range(i - window, i - window + 1)]
+                if isinstance(tier, SupportsBatchDelete):
+                    tier.delete_batch(old)
+                else:
+                    for k in old:
+                        tier.delete(k)
+        except BaseException as exc:  # reported by the main thread
+            failures.append(f"writer: {exc!r}")
+        finally:
+            stop.set()
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        hits = misses = 0
+        while not stop.is_set() or hits + misses < 20:
+            top = newest[0]
+            picks = [int(x) for x in rng.integers(max(0, top - window - 2), top + 1, size=2)]
+            outs: list[np.ndarray | None] | None = None
+            if seed % 2:
+                outs = [np.empty(20_000, np.float16), None]
+            try:
+                got = tier.read_batch([key(j) for j in picks], outs)
+            except ReplicaNotFound:
+                misses += 1
+                continue
+            for j, g in zip(picks, got, strict=True):
+                if not isinstance(g, np.ndarray) or not np.array_equal(g, _concurrent_payload(j)):
+                    failures.append(f"reader {seed}: key {j} gave {type(g).__name__}")
+                    return
+            hits += 1
+        with count_lock:
+            counts["hits"] += hits
+            counts["misses"] += misses
+
+    threads = [threading.Thread(target=reader, args=(s,), daemon=True) for s in range(4)]
+    threads.append(threading.Thread(target=writer, daemon=True))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive(), "a thread is stuck: reads and the writer deadlocked"
+    assert not failures, failures
+    assert counts["hits"] > 0
+    if isinstance(tier, ReportsLostReplicas):
+        assert tier.take_lost() == []
+    if isinstance(tier, DiskTier):
+        assert tier.stats.compaction_bytes_written > 0 or tier.stats.segments_reclaimed > 0
+        assert tier.check().clean  # no segment left behind by a deferred unlink
+
+
+class StallingIO(FileIO):
+    """Fault seam: the next ``preadv`` after :meth:`arm` blocks until released."""
+
+    def __init__(self, direct: bool) -> None:
+        super().__init__(direct)
+        self._armed = False
+        self._guard = threading.Lock()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def arm(self) -> None:
+        with self._guard:
+            self._armed = True
+
+    def preadv(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
+        with self._guard:
+            stall, self._armed = self._armed, False
+        if stall:
+            self.entered.set()
+            self.release.wait(timeout=60)
+        return super().preadv(fd, buffers, offset)
+
+
+def _in_thread(fn: Callable[[], object], timeout: float = 30.0) -> object:
+    """Run ``fn`` in another thread; fail if it does not return within ``timeout``
+    (a deadline against a hang, not a timing: the operation must not wait at all)."""
+    box: list[object] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} blocked behind a stalled read"
+    if errors:
+        raise errors[0]
+    return box[0]
+
+
+@pytest.mark.parametrize("direct", [None, False], ids=["direct-if-supported", "buffered"])
+def test_a_stalled_read_blocks_no_writer_and_no_other_reader(
+    tmp_path: Path, direct: bool | None
+) -> None:
+    io = StallingIO(False)
+    t = DiskTier(tmp_path, DiskTierConfig(CAP, segment_bytes=64 << 10, direct_io=direct), fileio=io)
+    try:
+        arrs = {i: payload(i, n=12_000) for i in range(6)}  # 24 kB: 2 frames per segment
+        t.store([meta(i, a) for i, a in arrs.items()], list(arrs.values()))
+        seg_files = set((tmp_path / "segments").glob("seg-*.kvs"))
+        io.arm()
+        stalled: list[object] = []
+        reader = threading.Thread(
+            target=lambda: stalled.extend(t.read_batch([key(0)])), daemon=True
+        )
+        reader.start()
+        assert io.entered.wait(timeout=30), "the reader never reached preadv"
+
+        got = _in_thread(lambda: t.read_batch([key(2), key(3), key(4)]))
+        assert isinstance(got, list)
+        for j, g in zip((2, 3, 4), got, strict=True):
+            assert np.array_equal(g, arrs[j])
+        fresh = payload(7, n=12_000)
+        res = _in_thread(lambda: t.prepare_store([meta(7, fresh)]))
+        assert isinstance(res, Reservation)
+        _in_thread(lambda: t.commit_store(res, [fresh]))
+        # the replica under the stalled read and its segment neighbour go: the segment
+        # has no live frame left but must outlive the read in flight on it
+        _in_thread(lambda: t.delete_batch([key(0), key(1)]))
+        assert not t.contains(key(0))
+        assert seg_files <= set((tmp_path / "segments").glob("seg-*.kvs"))
+
+        io.release.set()
+        reader.join(timeout=30)
+        assert not reader.is_alive()
+        assert len(stalled) == 1 and np.array_equal(stalled[0], arrs[0])  # type: ignore[arg-type]
+        assert t.segment_count < len(seg_files) + 1  # the emptied segment is gone now
+        assert np.array_equal(t.read(key(7)), fresh)
+        assert t.check().clean
+    finally:
+        io.release.set()
+        t.close()
+
+
+@pytest.mark.parametrize("direct", [None, False], ids=["direct-if-supported", "buffered"])
+def test_compaction_beside_a_stalled_read(tmp_path: Path, direct: bool | None) -> None:
+    """prepare_store compacts while a read is stalled on a garbage-laden segment: it does
+    not wait for the read, leaves that segment alone and the read still gets its bytes."""
+    frame = 28_672  # 24 kB payload + header, 2 frames per 64 KiB segment
+    io = StallingIO(False)
+    cfg = DiskTierConfig(6 * frame + frame - 1, segment_bytes=64 << 10, direct_io=direct)
+    t = DiskTier(tmp_path, cfg, fileio=io)
+    try:
+        arrs = {i: payload(i, n=12_000) for i in range(6)}
+        for i, a in arrs.items():
+            assert t.store([meta(i, a)], [a])
+        t.delete_batch([key(1), key(3)])  # segments 1 and 2 are half garbage
+        io.arm()
+        stalled: list[object] = []
+        reader = threading.Thread(
+            target=lambda: stalled.extend(t.read_batch([key(0)])), daemon=True
+        )
+        reader.start()
+        assert io.entered.wait(timeout=30)
+        fresh = payload(7, n=12_000)
+        res = _in_thread(lambda: t.prepare_store([meta(7, fresh)]))
+        assert isinstance(res, Reservation), res  # segment 2 was compacted, not segment 1
+        _in_thread(lambda: t.commit_store(res, [fresh]))
+        assert t.stats.compaction_bytes_written == frame
+        io.release.set()
+        reader.join(timeout=30)
+        assert not reader.is_alive()
+        assert np.array_equal(stalled[0], arrs[0])  # type: ignore[arg-type]
+        for i in (0, 2, 4, 5):
+            assert np.array_equal(t.read(key(i)), arrs[i])
+        assert t.check().clean
+    finally:
+        io.release.set()
+        t.close()
+
+
+def test_new_array_memory_is_reused_only_after_its_last_view_dies(tier: Tier) -> None:
+    """Reads into new arrays may recycle the memory of earlier results, but never while
+    any view of it is alive (a slice kept by the engine must not change under it)."""
+    a, b = payload(1, n=8192), payload(2, n=8192)
+    tier.store([meta(1, a), meta(2, b)], [a, b])
+    (x,) = tier.read_batch([key(1)])
+    assert isinstance(x, np.ndarray)
+    kept = x.reshape(4, -1)[1:3]
+    del x
+    later = [tier.read(key(2)) for _ in range(4)]
+    assert np.array_equal(kept, a.reshape(4, -1)[1:3])
+    del later
+    again = [tier.read(key(2)) for _ in range(4)]  # may reuse freed memory
+    assert all(np.array_equal(g, b) for g in again)
+    assert np.array_equal(kept, a.reshape(4, -1)[1:3])
+
+
+class BarrierIO(FileIO):
+    """Fault seam: once armed, every ``preadv`` waits until ``parties`` are inside at
+    once (a broken barrier, after a deadline, proves they never were)."""
+
+    def __init__(self, direct: bool, parties: int) -> None:
+        super().__init__(direct)
+        self.armed = False
+        self.barrier = threading.Barrier(parties, timeout=30)
+
+    def preadv(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
+        if self.armed:
+            self.barrier.wait()
+        return super().preadv(fd, buffers, offset)
+
+
+@pytest.mark.parametrize("direct", [None, False], ids=["direct-if-supported", "buffered"])
+def test_n_reader_threads_have_n_reads_in_flight(tmp_path: Path, direct: bool | None) -> None:
+    n = 6  # more than the tier's io_depth: each caller issues its own read
+    io = BarrierIO(False, n)
+    t = DiskTier(tmp_path, DiskTierConfig(CAP, direct_io=direct, io_depth=4), fileio=io)
+    try:
+        arrs = [payload(i) for i in range(n)]
+        t.store([meta(i, a) for i, a in enumerate(arrs)], arrs)
+        io.armed = True
+        got: dict[int, object] = {}
+        threads = [
+            threading.Thread(target=lambda i=i: got.update({i: t.read(key(i))}), daemon=True)
+            for i in range(n)
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=60)
+        assert not io.barrier.broken, "the readers never had their reads in flight together"
+        for i in range(n):
+            assert np.array_equal(got[i], arrs[i])  # type: ignore[arg-type]
+    finally:
+        io.barrier.abort()
+        t.close()
+
+
+@pytest.mark.parametrize("direct", [None, False], ids=["direct-if-supported", "buffered"])
+def test_one_caller_keeps_io_depth_reads_in_flight(tmp_path: Path, direct: bool | None) -> None:
+    io = BarrierIO(False, 4)
+    t = DiskTier(tmp_path, DiskTierConfig(CAP, direct_io=direct, io_depth=4), fileio=io)
+    try:
+        arrs = [payload(i) for i in range(8)]
+        t.store([meta(i, a) for i, a in enumerate(arrs)], arrs)
+        io.armed = True
+        got = _in_thread(lambda: t.read_batch([key(i) for i in range(8)]), timeout=60)
+        assert isinstance(got, list)
+        assert all(np.array_equal(g, a) for g, a in zip(got, arrs, strict=True))
+    finally:
+        io.barrier.abort()
+        t.close()
+
+
+def test_check_fix_beside_a_writer_finishes(tmp_path: Path) -> None:
+    """An audit that drops a corrupt replica takes the writers' mutex before the tier
+    lock, like every writer, so it cannot deadlock with a concurrent store."""
+    t = DiskTier(tmp_path, DiskTierConfig(CAP, segment_bytes=64 << 10))
+    try:
+        a = payload(1)
+        t.store([meta(1, a)], [a])
+        seg = sorted((tmp_path / "segments").glob("seg-*.kvs"))[0]
+        with seg.open("r+b") as fh:
+            fh.seek(4096 + 10)
+            fh.write(b"\xff\xfe")
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def writer() -> None:
+            i = 100
+            try:
+                while not stop.is_set():
+                    b = payload(i)
+                    t.store([meta(i, b)], [b])
+                    t.delete(key(i))
+                    i += 1
+            except BaseException as exc:
+                errors.append(exc)
+
+        w = threading.Thread(target=writer, daemon=True)
+        w.start()
+        try:
+            report = _in_thread(lambda: t.check(fix=True), timeout=60)
+        finally:
+            stop.set()
+            w.join(timeout=60)
+        assert not w.is_alive() and not errors, errors
+        assert isinstance(report, AuditReport) and report.bad_keys == [key(1)]
+        assert not t.contains(key(1))
+    finally:
+        t.close()

@@ -14,9 +14,12 @@ kvlife
     :class:`~kvlife.tiers.memory.MemoryTier` put (one copy) and get into caller
     buffers; :class:`~kvlife.tiers.disk.DiskTier` store (xxh3-128 framing, fdatasync,
     SQLite commit) from 4096-aligned memory (the headline: zero-copy direct I/O),
-    from plain ``np.empty`` arrays (one staging copy) and from the memory tier's own
-    held arrays (the DRAM write-back path as it is today), and verified loads into
-    the caller's aligned buffers (headline) and into new arrays; plus the time of
+    from unaligned caller memory (one staging copy) and from the memory tier's own
+    held arrays (the DRAM write-back path), and verified loads into the caller's
+    aligned buffers (headline) and into new arrays (``store.load(hit)`` without
+    buffers: the arrays come from memory recycled when earlier results were garbage
+    collected, so the first repetition pays fresh pages and later ones do not; the
+    first one is reported apart); plus the time of
     :meth:`~kvlife.store.KVStore.lookup` of a 128-chunk prompt, BLAKE3 chunk keys
     included;
 diagnostics
@@ -74,6 +77,9 @@ DISK_TARGET = 0.9
 """Minimum disk store/load ratio vs raw O_DIRECT, for objects of TARGET_MIN_BYTES and up."""
 MEM_TARGET = 0.8
 """Minimum memory tier put/get ratio vs memcpy, for objects of TARGET_MIN_BYTES and up."""
+USER_PATH_TARGET = 0.85
+"""Minimum ratio of the paths users take (stores from unaligned caller memory, DRAM
+write-back, loads into new arrays) against the same raw limit, from TARGET_MIN_BYTES up."""
 TARGET_MIN_BYTES = 2 * MiB
 LOOKUP_TARGET_US = 500.0
 """Maximum time to look up a 128-chunk prompt, key computation included."""
@@ -553,6 +559,8 @@ def _summarise(size: int, n: int, s: dict[str, list[float]]) -> _SizeSummary:
         diagnostics={
             "alloc_copy_gbps": rate("alloc_copy"),
             "alloc_copy_vs_memcpy": ratio("alloc_copy", "memcpy"),
+            # the very first load into new arrays finds no recycled memory
+            "disk_load_new_first_vs_raw": s["raw_read"][0] / s["disk_load_new"][0],
         },
         peer=peer,
     )
@@ -568,6 +576,9 @@ def _targets(ratios: dict[str, dict[str, float]], lookup_us: float) -> list[dict
             ("disk_load_vs_raw", DISK_TARGET),
             ("mem_put_vs_memcpy", MEM_TARGET),
             ("mem_get_vs_memcpy", MEM_TARGET),
+            ("disk_store_unaligned_vs_raw", USER_PATH_TARGET),
+            ("disk_writeback_vs_raw", USER_PATH_TARGET),
+            ("disk_load_new_vs_raw", USER_PATH_TARGET),
         ):
             out.append(
                 {
@@ -724,17 +735,23 @@ _ROWS = (
         "disk_store_unaligned_gbps",
         "raw_write_gbps",
         "disk_store_unaligned_vs_raw",
-        None,
+        USER_PATH_TARGET,
     ),
     (
         "disk store (DRAM write-back)",
         "disk_writeback_gbps",
         "raw_write_gbps",
         "disk_writeback_vs_raw",
-        None,
+        USER_PATH_TARGET,
     ),
     ("disk load into buffers", "disk_load_gbps", "raw_read_gbps", "disk_load_vs_raw", DISK_TARGET),
-    ("disk load new arrays", "disk_load_new_gbps", "raw_read_gbps", "disk_load_new_vs_raw", None),
+    (
+        "disk load new arrays",
+        "disk_load_new_gbps",
+        "raw_read_gbps",
+        "disk_load_new_vs_raw",
+        USER_PATH_TARGET,
+    ),
 )
 _LIMIT_NAMES = {
     "memcpy_gbps": "memcpy",
@@ -772,7 +789,7 @@ def format_report(result: dict[str, object]) -> str:
                     f"{lim[lkey]:.2f}",
                     f"{k[kkey]:.2f}",
                     f"{r[rkey]:.2f}",
-                    f"≥{target:.1f}" if has_target else "-",
+                    f"≥{target:g}" if has_target else "-",
                     ("yes" if r[rkey] >= target else "NO") if has_target and target else "-",
                 ]
             )
@@ -812,6 +829,10 @@ def format_report(result: dict[str, object]) -> str:
     assert isinstance(diag, dict)
     ac = ", ".join(f"{label} {d['alloc_copy_vs_memcpy']:.2f}" for label, d in diag.items())
     lines.append(f"copy into freshly allocated arrays ÷ memcpy (page-fault cost): {ac}")
+    first = ", ".join(f"{label} {d['disk_load_new_first_vs_raw']:.2f}" for label, d in diag.items())
+    lines.append(
+        "disk load new arrays, first repetition (no recycled memory yet) ÷ raw read: " + first
+    )
     if isinstance(lmc, dict) and lmc:
         if lmc.get("available"):
             lines.append(

@@ -10,7 +10,8 @@ Reads verify whatever the tier can verify. :meth:`Tier.read_batch` returns per-r
 outcomes as values (the verified array, the :class:`~kvlife.core.errors.ChecksumMismatch`
 that proves a replica corrupt, or the :class:`~kvlife.core.errors.ReplicaReadError` of an
 I/O failure), never wrong bytes; only :meth:`Tier.read` raises. Reads must be safe to
-run from several threads at once and while another thread writes.
+run from several threads at once and while another thread writes, without waiting for
+that thread's I/O (see :meth:`Tier.read_batch`).
 
 Optional abilities are capability interfaces (:class:`SupportsBatchDelete`,
 :class:`SupportsAudit`, :class:`SupportsAdopt`, :class:`ReportsLostReplicas`,
@@ -137,6 +138,15 @@ class Tier(ABC):
         Outcomes are values, one per key: the array, the ChecksumMismatch of a replica
         that fails verification, or the ReplicaReadError of an I/O failure; the others
         are unaffected. ReplicaNotFound is raised for a key the tier does not hold.
+
+        Concurrency contract: may be called from many threads at once and concurrently
+        with one writer (``prepare_store`` with its reclaim, ``commit_store``,
+        ``delete``). The tier's lock is held only for metadata (looking rows up,
+        reserving offsets, publishing), never across a read, a write or an fsync, so a
+        read never waits for another thread's I/O; N reading threads keep at least N
+        reads in flight. A replica being read is not destroyed under its reader (its
+        storage outlives every read in flight), so each read returns the replica's
+        exact bytes or a typed miss.
         """
 
     @abstractmethod

@@ -114,9 +114,12 @@ class MemoryTier(Tier, SupportsAdopt):
             copies = []
             raws = []
             with self._lock:
-                self._pool.shrink(self.capacity_bytes - self._used - self._reserved)
                 for arr in payloads:
                     raws.append(self._pool.take(arr.nbytes))
+                # Shrink only after taking: the batch's own reservation is what the pooled
+                # buffers are for; shrinking first to the room left beside it emptied the
+                # pool whenever a batch filled the tier, and every put paid fresh pages.
+                self._pool.shrink(self.capacity_bytes - self._used - self._reserved)
             for arr, raw in zip(payloads, raws, strict=True):
                 held = raw.view(arr.dtype).reshape(arr.shape)
                 np.copyto(held, arr)

@@ -1,11 +1,18 @@
 """The disk tier: replicas framed and packed into large segment files.
 
 Writes go to the active segment with aligned O_DIRECT ``pwritev`` where the filesystem
-allows it (buffered I/O elsewhere), pipelined through one I/O thread so that checksums
-and staging copies overlap the device. A batch is committed in this order: frames
-written, segment fdatasync'ed, catalog rows inserted in one SQLite transaction, entries
-made visible. Reads verify the frame header against the catalog row and the payload's
+allows it (buffered I/O elsewhere): consecutive frames in one vectored call of up to
+8 MiB, queued to the writer's I/O thread so that checksums and staging copies of the
+next frames overlap the device. A batch is committed in this order: frames written,
+segment fdatasync'ed, catalog rows inserted in one SQLite transaction, entries made
+visible. Reads verify the frame header against the catalog row and the payload's
 xxh3-128 before anything is handed out.
+
+Concurrency: writers (stores, deletes, compaction, counters) are serialized by a write
+mutex; the tier lock guards metadata only and is never held across a read, a write or
+an fsync. Reads run in the caller's thread (plus helpers sharing ``io_depth``), so they
+neither wait for a writer's I/O nor for each other; each pins the segments it reads, and
+a segment emptied by deletes or compaction is unlinked when its last reader leaves.
 
 Deleted replicas leave garbage in their segment. A segment whose last live replica goes
 is unlinked at once; when space runs short, sealed segments with the most garbage are
@@ -20,7 +27,9 @@ On open, every catalog row's segment and frame header are checked (``verify_on_o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import itertools
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -57,11 +66,12 @@ from kvlife.tiers.base import (
 )
 from kvlife.tiers.buffers import (
     ALIGN,
+    RecyclingPool,
     StagingPool,
     aligned_empty,
     aligned_runs,
     is_aligned,
-    prefault,
+    round_up,
 )
 from kvlife.tiers.disk.catalog import Catalog, CatalogMissing, CatalogRow
 from kvlife.tiers.disk.fileio import FileIO, probe_direct_io
@@ -79,6 +89,8 @@ from kvlife.tiers.disk.frame import (
 MiB = 1 << 20
 _SEG_RE = re.compile(r"^seg-(\d{8})\.kvs$")
 T = TypeVar("T")
+READ_HELPERS = 16
+"""Threads shared by all readers of a tier to keep more than one read of a call in flight."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +106,11 @@ class DiskTierConfig:
     verify_on_open: Literal["none", "header", "full"] = "header"
     """What recovery checks for each catalog row before serving it again."""
     io_depth: int = 4
-    """Frames in flight between the caller's thread and the I/O thread."""
+    """Frames in flight per call: a writer's frames queued for its I/O thread; a
+    reader's frames read at once by its own thread and helpers."""
+    read_pool_bytes: int = 1 << 30
+    """Most idle memory kept warm for reads into new arrays (recycled when the arrays
+    are garbage collected; never more than was handed out at once). 0 disables."""
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -107,6 +123,8 @@ class DiskTierConfig:
             raise InvalidArgument(f"verify_on_open {self.verify_on_open!r} is not none/header/full")
         if self.io_depth < 1:
             raise InvalidArgument(f"io_depth must be >= 1, got {self.io_depth}")
+        if self.read_pool_bytes < 0:
+            raise InvalidArgument(f"read_pool_bytes must be >= 0, got {self.read_pool_bytes}")
 
 
 @dataclass(slots=True)
@@ -116,20 +134,51 @@ class _Segment:
     fd: int
     length: int
     live: int = 0
+    readers: int = 0
+    """Reads in flight on this segment (its file must outlive them)."""
+    doomed: bool = False
+    """No row names it any more; removed when ``readers`` reaches 0."""
+    removing: bool = False
+    """Its file is being closed and unlinked (by exactly one thread)."""
+
+
+WRITE_GROUP_BYTES = 8 << 20
+"""Consecutive frames of one segment are written by one pwritev up to this size: fewer
+system calls and hand-offs to the I/O thread, and larger requests for the device."""
+_IOV_MAX = 1024
 
 
 @dataclass(slots=True)
-class _PendingRead:
-    future: Future[int]
-    row: CatalogRow
-    header: np.ndarray
-    """Buffer whose first HEADER_BYTES receive the frame header."""
-    payload: list[np.ndarray]
-    """uint8 views that receive the payload, in order."""
-    out: np.ndarray | None
-    """Caller's buffer (filled in place or by copy), None for a new array."""
-    staged: np.ndarray | None
-    """Staging buffer to give back to the pool."""
+class _WriteGroup:
+    """Consecutive frames of one segment written by one pwritev."""
+
+    seg: _Segment
+    off: int
+    bufs: list[np.ndarray] = dataclasses.field(default_factory=list)
+    length: int = 0
+    staged: list[np.ndarray] = dataclasses.field(default_factory=list)
+    future: Future[int] | None = None
+
+    def takes(self, seg: _Segment, off: int, flen: int, nbufs: int) -> bool:
+        """True if a frame at ``seg``/``off`` continues this group within its limits."""
+        return (
+            seg is self.seg
+            and off == self.off + self.length
+            and self.length + flen <= WRITE_GROUP_BYTES
+            and len(self.bufs) + nbufs <= _IOV_MAX
+        )
+
+    def add(self, bufs: list[np.ndarray], flen: int, staged: np.ndarray | None) -> None:
+        self.bufs.extend(bufs)
+        self.length += flen
+        if staged is not None:
+            self.staged.append(staged)
+
+    def release(self, pool: StagingPool) -> None:
+        """Give the staging buffers back (once)."""
+        for buf in self.staged:
+            pool.put(buf)
+        self.staged.clear()
 
 
 @dataclass(slots=True)
@@ -191,6 +240,10 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         self._dir_dirty = False
         self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingPool(keep=config.io_depth + 1)
+        self._write_mutex = threading.RLock()  # check --fix deletes while holding it
+        self._read_pool: ThreadPoolExecutor | None = None
+        self._new_arrays = RecyclingPool(config.read_pool_bytes)
+        self._callers = 0
         self._closed = False
         catalog_path = self.directory / "catalog.sqlite"
         if not catalog_path.exists() and any(
@@ -209,7 +262,8 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
 
     @property
     def used_bytes(self) -> int:
-        return sum(s.length for s in self._segments.values()) + self._reserved
+        with self._lock:
+            return sum(s.length for s in self._segments.values()) + self._reserved
 
     def footprint(self, nbytes: int) -> int:
         return frame_len(nbytes)
@@ -220,19 +274,23 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
 
     @property
     def live_bytes(self) -> int:
-        return sum(s.live for s in self._segments.values())
+        with self._lock:
+            return sum(s.live for s in self._segments.values())
 
     def prepare_store(self, metas: Sequence[ReplicaMeta]) -> Reservation | CapacityShortfall:
         need = sum(frame_len(m.nbytes) for m in metas)
-        with self._lock:
-            if self.used_bytes + need > self.capacity_bytes:
+        with self._write_mutex:  # compaction writes: one writer at a time
+            with self._lock:
+                fits = self.used_bytes + need <= self.capacity_bytes
                 short = self.live_bytes + self._reserved + need - self.capacity_bytes
+            if not fits:
                 if short > 0:
                     return CapacityShortfall(short)
                 self._compact(need)
+            with self._lock:
                 if self.used_bytes + need > self.capacity_bytes:
                     return CapacityShortfall(self.used_bytes + need - self.capacity_bytes)
-            self._reserved += need
+                self._reserved += need
         return Reservation(self.name, list(metas), need)
 
     def cancel_store(self, reservation: Reservation) -> None:
@@ -246,46 +304,55 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
     def commit_store(self, reservation: Reservation, payloads: Sequence[np.ndarray]) -> None:
         if reservation.done:
             raise InvalidArgument("reservation already completed")
-        with self._lock:
+        with self._write_mutex:
             try:
                 check_payloads(reservation.metas, payloads)
                 rows = self._write_frames(reservation.metas, payloads)
             finally:
-                self._reserved -= reservation.nbytes
-                reservation.done = True
-            for row in rows:
-                old = self._entries.pop(ChunkKey(row.key), None)
-                if old is not None:
-                    self._drop_live(old)
-                self._entries[ChunkKey(row.key)] = row
-                self._segments[row.seg].live += frame_len(row.nbytes)
+                with self._lock:
+                    self._reserved -= reservation.nbytes
+                    reservation.done = True
+            retired: list[_Segment] = []
+            with self._lock:  # publish: the rows name durable, cataloged bytes
+                for row in rows:
+                    old = self._entries.pop(ChunkKey(row.key), None)
+                    if old is not None and self._drop_live(old):
+                        retired.append(self._segments[old.seg])
+                    self._entries[ChunkKey(row.key)] = row
+                    self._segments[row.seg].live += frame_len(row.nbytes)
+            self._remove_segments(retired)
 
     def _write_frames(
         self, metas: Sequence[ReplicaMeta], payloads: Sequence[np.ndarray]
     ) -> list[CatalogRow]:
-        """Write frames, fdatasync, insert rows; on failure roll the segment tail back."""
-        start = {sid: s.length for sid, s in self._segments.items()}
+        """Write frames, fdatasync, insert rows; on failure roll the segment tail back.
+
+        Runs under the write mutex; the tier lock is taken only to place each frame, so
+        readers of published replicas never wait for these writes or the fdatasync.
+        """
+        with self._lock:
+            start = {sid: s.length for sid, s in self._segments.items()}
         rows: list[CatalogRow] = []
         touched: set[int] = set()
-        inflight: list[tuple[Future[int], int, np.ndarray | None]] = []
+        inflight: list[_WriteGroup] = []
+        group: _WriteGroup | None = None
         try:
             for meta, arr in zip(metas, payloads, strict=True):
                 u8 = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
                 flen = frame_len(u8.nbytes)
-                seg = self._segment_for(flen)
-                start.setdefault(seg.id, 0)
-                off = seg.length
-                seg.length += flen
+                with self._lock:
+                    seg = self._segment_for(flen)
+                    start.setdefault(seg.id, 0)
+                    off = seg.length
+                    seg.length += flen
                 touched.add(seg.id)
-                checksum = payload_checksum(u8)
-                header = FrameHeader(
-                    meta.key, u8.nbytes, checksum, meta.dtype, meta.shape, meta.transform
-                )
-                bufs, staged = self._frame_buffers(header, u8, flen)
-                fut = self._submit(self.io.pwritev, seg.fd, bufs, off)
-                inflight.append((fut, flen, staged))
-                if len(inflight) >= self.config.io_depth:
-                    self._finish_write(*inflight.pop(0))
+                bufs, staged, checksum = self._frame_buffers(meta, u8)
+                if group is not None and not group.takes(seg, off, flen, len(bufs)):
+                    self._submit_group(group, inflight)
+                    group = None
+                if group is None:
+                    group = _WriteGroup(seg, off)
+                group.add(bufs, flen, staged)
                 rows.append(
                     CatalogRow(
                         meta.key,
@@ -299,55 +366,80 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
                         meta.info,
                     )
                 )
+            if group is not None:
+                self._submit_group(group, inflight)
+                group = None
             while inflight:
-                self._finish_write(*inflight.pop(0))
+                self._finish_write(inflight.pop(0))
             for sid in sorted(touched):
                 self.io.fdatasync(self._segments[sid].fd)
             self._sync_dir()
             self.catalog.insert(rows)
         except BaseException as exc:
-            for fut, _, staged in inflight:
-                fut.exception()
-                if staged is not None:
-                    self._staging.put(staged)
-            for sid, length in start.items():
-                if sid in self._segments:
-                    self._segments[sid].length = length
+            for g in inflight:
+                if g.future is not None:
+                    g.future.exception()
+                g.release(self._staging)
+            if group is not None:
+                group.release(self._staging)
+            with self._lock:
+                for sid, length in start.items():
+                    if sid in self._segments:
+                        self._segments[sid].length = length
             if isinstance(exc, OSError):
                 raise _os_error(exc, f"writing {len(metas)} replicas to {self._segdir}") from exc
             raise
-        self.stats.frames_written += len(rows)
-        self.stats.bytes_written += sum(frame_len(r.nbytes) for r in rows)
-        self.stats.payload_bytes_written += sum(r.nbytes for r in rows)
+        with self._lock:
+            self.stats.frames_written += len(rows)
+            self.stats.bytes_written += sum(frame_len(r.nbytes) for r in rows)
+            self.stats.payload_bytes_written += sum(r.nbytes for r in rows)
         return rows
 
     def _frame_buffers(
-        self, header: FrameHeader, u8: np.ndarray, flen: int
-    ) -> tuple[list[np.ndarray], np.ndarray | None]:
-        """Buffers for one frame: a header page + the caller's payload when that is aligned,
-        else one staged copy of the whole frame (returned second, to give back later)."""
-        if is_aligned(u8):
-            hdr = aligned_empty(HEADER_BYTES)
-            pack_header(header, hdr.data)
-            return [hdr, u8], None
-        staged = self._staging.get(flen)
-        frame = staged[:flen]
-        pack_header(header, frame.data)
-        n = u8.nbytes
-        np.copyto(frame[HEADER_BYTES : HEADER_BYTES + n], u8)
-        frame[HEADER_BYTES + n :] = 0
-        return [frame], staged
+        self, meta: ReplicaMeta, u8: np.ndarray
+    ) -> tuple[list[np.ndarray], np.ndarray | None, bytes]:
+        """Buffers for one frame, the staging buffer to give back later (or None) and the
+        payload checksum.
 
-    def _finish_write(self, fut: Future[int], flen: int, staged: np.ndarray | None) -> None:
+        The header always gets a page of its own, so only the payload is ever staged:
+        from aligned caller memory it goes out as it is; from unaligned memory it is
+        copied once into a warm aligned buffer (huge pages from 2 MiB) and checksummed
+        there, while it is still in cache, instead of reading the caller's memory twice.
+        """
+        n = u8.nbytes
+        staged: np.ndarray | None = None
+        if is_aligned(u8):
+            body = u8
+        else:
+            padded = round_up(n)
+            staged = self._staging.get(padded)
+            body = staged[:padded]
+            np.copyto(body[:n], u8)
+            body[n:] = 0
+        checksum = payload_checksum(body[:n])
+        header = FrameHeader(meta.key, n, checksum, meta.dtype, meta.shape, meta.transform)
+        hdr = aligned_empty(HEADER_BYTES)
+        pack_header(header, hdr.data)
+        return ([hdr, body] if n else [hdr]), staged, checksum
+
+    def _submit_group(self, group: _WriteGroup, inflight: list[_WriteGroup]) -> None:
+        """Queue one group's pwritev, keeping at most ``io_depth`` groups in flight."""
+        group.future = self._submit(self.io.pwritev, group.seg.fd, group.bufs, group.off)
+        inflight.append(group)
+        if len(inflight) >= self.config.io_depth:
+            self._finish_write(inflight.pop(0))
+
+    def _finish_write(self, group: _WriteGroup) -> None:
+        assert group.future is not None
         try:
-            written = fut.result()
+            written = group.future.result()
         finally:
-            if staged is not None:
-                self._staging.put(staged)
-        if written != flen:
-            raise OSError(errno.EIO, f"short write: {written} of {flen} bytes")
+            group.release(self._staging)
+        if written != group.length:
+            raise OSError(errno.EIO, f"short write: {written} of {group.length} bytes")
 
     def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        """Run a write on the writer's I/O thread (it overlaps the next frame's checksum)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlife-io")
         return self._pool.submit(fn, *args)
@@ -394,67 +486,133 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
     def read_batch(
         self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
     ) -> list[ReadResult]:
+        """Verified reads, safe from many threads at once and beside one writer.
+
+        The tier lock is held only to look the rows up and pin their segments (a pinned
+        segment is unlinked by compaction or its last delete only when its last reader
+        leaves); the reads run without it, in the caller's thread plus helpers. The
+        tier's ``io_depth`` is shared among concurrent callers (one alone gets
+        ``io_depth - 1`` helpers, ``io_depth`` or more callers get none), so N callers
+        keep max(N, io_depth) reads in flight without piling threads onto the CPUs.
+        """
+        if outs is not None and len(outs) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
         with self._lock:
             rows = [self._row(k) for k in keys]
-            results: list[ReadResult] = []
-            inflight: list[_PendingRead] = []
-            for i, row in enumerate(rows):
-                inflight.append(self._start_read(row, outs[i] if outs is not None else None))
-                if len(inflight) >= self.config.io_depth:
-                    results.append(self._finish_read(inflight.pop(0)))
-            while inflight:
-                results.append(self._finish_read(inflight.pop(0)))
-            return results
+            pinned = {row.seg: self._segments[row.seg] for row in rows}
+            for seg in pinned.values():
+                seg.readers += 1
+            self._callers += 1
+            share = max(1, self.config.io_depth // self._callers)
+        got: list[int] = []
+        try:
+            plan = [
+                (row, pinned[row.seg], outs[i] if outs is not None else None)
+                for i, row in enumerate(rows)
+            ]
+            for row, _, out in plan:
+                if out is not None and (out.shape != row.shape or out.dtype != np.dtype(row.dtype)):
+                    raise InvalidArgument(
+                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
+                        f"{row.dtype}{list(row.shape)}"
+                    )
+            return self._read_all(plan, got, share)
+        finally:
+            retired: list[_Segment] = []
+            with self._lock:
+                self._callers -= 1
+                self.stats.bytes_read += sum(got)
+                for seg in pinned.values():
+                    seg.readers -= 1
+                    if seg.doomed and seg.readers == 0:
+                        retired.append(seg)
+            self._remove_segments(retired, quiet=True)
 
-    def _start_read(self, row: CatalogRow, out: np.ndarray | None) -> _PendingRead:
-        """Issue one frame read: straight into ``out`` when it is aligned, else into a
-        staging buffer (then copied) or, without ``out``, into a new aligned array."""
-        seg = self._segments[row.seg]
-        if out is not None:
-            if out.shape != row.shape or out.dtype != np.dtype(row.dtype):
-                raise InvalidArgument(
-                    f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
-                    f"{row.dtype}{list(row.shape)}"
-                )
-            runs = aligned_runs(out)
-            if runs is not None:  # straight into the caller's memory, even if strided
-                hdr = aligned_empty(HEADER_BYTES)
-                fut = self._submit(self.io.preadv, seg.fd, [hdr, *runs], row.off)
-                return _PendingRead(fut, row, hdr, runs, out, None)
-        flen = frame_len(row.nbytes)
-        if out is not None:
-            staged = self._staging.get(flen)
+    def _read_all(
+        self,
+        plan: list[tuple[CatalogRow, _Segment, np.ndarray | None]],
+        got: list[int],
+        depth: int,
+    ) -> list[ReadResult]:
+        n = len(plan)
+        results: list[ReadResult | None] = [None] * n
+        helpers_wanted = min(depth, n) - 1
+        if helpers_wanted <= 0:
+            for i, (row, seg, out) in enumerate(plan):
+                results[i] = self._read_one(row, seg, out, got)
         else:
-            staged = aligned_empty(flen)
-            prefault(staged)
-        frame = staged[:flen]
-        fut = self._submit(self.io.preadv, seg.fd, [frame], row.off)
-        payload = frame[HEADER_BYTES : HEADER_BYTES + row.nbytes]
-        return _PendingRead(fut, row, frame, [payload], out, staged if out is not None else None)
+            # Work sharing: the caller and its helpers each take the next frame. The
+            # caller never waits for a helper to start, so a pool that is busy (or has a
+            # worker stalled in a device read) slows a batch down but never blocks it.
+            counter = itertools.count()
 
-    def _finish_read(self, p: _PendingRead) -> ReadResult:
-        row = p.row
+            def work() -> None:
+                while (i := next(counter)) < n:
+                    row, seg, out = plan[i]
+                    results[i] = self._read_one(row, seg, out, got)
+
+            pool = self._reader_pool()
+            helpers = [pool.submit(work) for _ in range(helpers_wanted)]
+            work()
+            for h in helpers:
+                if not h.cancel():
+                    h.result()
+        done: list[ReadResult] = []
+        for r in results:
+            if r is None:  # every index is taken by exactly one worker: a bug if not
+                raise RuntimeError("a frame of the batch was not read")
+            done.append(r)
+        return done
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._read_pool is None:
+                self._read_pool = ThreadPoolExecutor(
+                    max_workers=READ_HELPERS, thread_name_prefix="kvlife-read"
+                )
+            return self._read_pool
+
+    def _read_one(
+        self, row: CatalogRow, seg: _Segment, out: np.ndarray | None, got: list[int]
+    ) -> ReadResult:
+        """Read and verify one frame: straight into ``out`` when its memory is aligned,
+        else into a staging buffer (then copied); without ``out`` into a recycled array."""
         where = f"{self.name} seg-{row.seg:08d}@{row.off}"
+        staged: np.ndarray | None = None
+        hdr = aligned_empty(HEADER_BYTES)
+        runs = aligned_runs(out) if out is not None else None
+        if runs is not None:
+            payload = runs
+            bufs = [hdr, *runs]
+        elif out is not None:
+            staged = self._staging.get(round_up(row.nbytes))
+            body = staged[: round_up(row.nbytes)]
+            payload = [body[: row.nbytes]]
+            bufs = [hdr, body] if row.nbytes else [hdr]
+        else:
+            body = self._new_arrays.take(round_up(row.nbytes))
+            payload = [body[: row.nbytes]]
+            bufs = [hdr, body] if row.nbytes else [hdr]
         try:
             try:
-                got = p.future.result()
+                n = self.io.preadv(seg.fd, bufs, row.off)
             except OSError as exc:
                 return ReplicaReadError(row.key.hex(), where, str(exc))
             need = HEADER_BYTES + row.nbytes
-            if got < need:
-                return ChecksumMismatch(row.key.hex(), where, f"truncated: {got} of {need} bytes")
-            self.stats.bytes_read += got
-            problem = self._verify(row, p.header.data[:HEADER_BYTES], p.payload)
+            if n < need:
+                return ChecksumMismatch(row.key.hex(), where, f"truncated: {n} of {need} bytes")
+            got.append(n)
+            problem = self._verify(row, hdr.data, payload)
             if problem:
                 return ChecksumMismatch(row.key.hex(), where, problem)
-            if p.out is None:
-                return p.payload[0].view(np.dtype(row.dtype)).reshape(row.shape)
-            if p.staged is not None:
-                np.copyto(p.out, p.payload[0].view(np.dtype(row.dtype)).reshape(row.shape))
-            return p.out
+            if out is None:
+                return payload[0].view(np.dtype(row.dtype)).reshape(row.shape)
+            if staged is not None:
+                np.copyto(out, payload[0].view(np.dtype(row.dtype)).reshape(row.shape))
+            return out
         finally:
-            if p.staged is not None:
-                self._staging.put(p.staged)
+            if staged is not None:
+                self._staging.put(staged)
 
     @staticmethod
     def _verify(row: CatalogRow, hdr: memoryview, payload: list[np.ndarray] | None) -> str:
@@ -477,58 +635,127 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         return self.delete_batch([key])[0]
 
     def delete_batch(self, keys: Sequence[ChunkKey]) -> list[int]:
-        """Delete replicas in one catalog transaction; returns payload bytes per key."""
-        with self._lock:
-            rows = [self._row(k) for k in keys]
+        """Delete replicas in one catalog transaction; returns payload bytes per key.
+
+        Until the rows leave the in-memory index a concurrent reader may still read
+        them; their bytes stay intact until the segment is unlinked, which waits for
+        its readers.
+        """
+        with self._write_mutex:
+            with self._lock:
+                rows = [self._row(k) for k in keys]
             self.catalog.delete([r.key for r in rows])
-            for row in rows:
-                del self._entries[ChunkKey(row.key)]
-                self._drop_live(row)
+            retired: list[_Segment] = []
+            with self._lock:
+                for row in rows:
+                    del self._entries[ChunkKey(row.key)]
+                    if self._drop_live(row):
+                        retired.append(self._segments[row.seg])
+            self._remove_segments(retired)
             return [r.nbytes for r in rows]
 
-    def _drop_live(self, row: CatalogRow) -> None:
+    def _drop_live(self, row: CatalogRow) -> bool:
+        """Uncount a row's frame (under the lock); True if its segment is now retired and
+        unreferenced, for the caller to remove once the lock is released."""
         seg = self._segments[row.seg]
         seg.live -= frame_len(row.nbytes)
-        if seg.live == 0 and seg is not self._active:
-            self._unlink_segment(seg)
+        if seg.live == 0 and seg is not self._active and not seg.doomed:
+            return self._retire(seg)
+        return False
+
+    def _retire(self, seg: _Segment) -> bool:
+        """Doom a segment no row names any more (under the lock). True if no read is in
+        flight on it, so the caller removes it now; else its last reader does."""
+        seg.doomed = True
+        return seg.readers == 0
+
+    def _remove_segments(self, segs: Sequence[_Segment], *, quiet: bool = False) -> None:
+        """Close and unlink retired segments, outside the tier lock. A doomed segment
+        stays in the segment table until its file is gone, so its id is not reused.
+
+        ``quiet`` (a reader leaving): an OSError leaves the file for ``check --fix`` to
+        delete as an orphan instead of failing a read that has its bytes.
+        """
+        if quiet:
+            for seg in segs:
+                with contextlib.suppress(OSError):
+                    self._remove_segments([seg])
+            return
+        for seg in segs:
+            with self._lock:  # an audit's fix may retire the same segment: close once
+                if seg.removing:
+                    continue
+                seg.removing = True
+            try:
+                self.io.close(seg.fd)
+            finally:
+                self.io.unlink(seg.path)
+                with self._lock:
+                    if self._segments.get(seg.id) is seg:
+                        del self._segments[seg.id]
+                        self.stats.segments_reclaimed += 1
 
     def _unlink_segment(self, seg: _Segment) -> None:
-        self.io.close(seg.fd)
-        self.io.unlink(seg.path)
-        del self._segments[seg.id]
-        self.stats.segments_reclaimed += 1
+        """Retire a segment and remove it now unless a read is in flight on it."""
+        with self._lock:
+            now = self._retire(seg)
+        if now:
+            self._remove_segments([seg])
 
     def _compact(self, need: int) -> None:
-        """Copy live frames out of the most wasteful sealed segments until ``need`` fits."""
-        candidates = sorted(
-            (s for s in self._segments.values() if s is not self._active and s.length > s.live),
-            key=lambda s: s.live / max(s.length, 1),
-        )
+        """Copy live frames out of the most wasteful sealed segments until ``need`` fits.
+        Runs under the write mutex; segments with reads in flight are left for later (a
+        reader that pins one after this choice only delays its unlink)."""
+        with self._lock:
+            candidates = sorted(
+                (
+                    s
+                    for s in self._segments.values()
+                    if s is not self._active
+                    and s.length > s.live
+                    and not s.doomed
+                    and s.readers == 0  # its space would not come back until they leave
+                ),
+                key=lambda s: s.live / max(s.length, 1),
+            )
         for seg in candidates:
             if self.used_bytes + need <= self.capacity_bytes:
                 return
             self._compact_segment(seg)
 
     def _compact_segment(self, seg: _Segment) -> None:
-        start = {sid: s.length for sid, s in self._segments.items()}
+        with self._lock:
+            start = {sid: s.length for sid, s in self._segments.items()}
         try:
             self._copy_live_frames(seg)
         except OSError as exc:
-            for sid, length in start.items():  # the copies are garbage; rows still point home
-                if sid in self._segments:
-                    self._segments[sid].length = length
+            with self._lock:  # the copies are garbage; rows still point home
+                for sid, length in start.items():
+                    if sid in self._segments:
+                        self._segments[sid].length = length
             raise _os_error(exc, f"compacting segment {seg.path.name}") from exc
 
     def _copy_live_frames(self, seg: _Segment) -> None:
-        rows = sorted((r for r in self._entries.values() if r.seg == seg.id), key=lambda r: r.off)
+        """Move the live frames of ``seg`` to the active segment, then retire ``seg``.
+
+        Reads of ``seg`` may run meanwhile: its rows are replaced (never mutated, a
+        reader holds the old one) only once the copies are durable and cataloged, and
+        the file is unlinked when its last reader leaves.
+        """
+        with self._lock:
+            rows = sorted(
+                (r for r in self._entries.values() if r.seg == seg.id), key=lambda r: r.off
+            )
         moves: list[tuple[bytes, int, int]] = []
-        dropped: list[CatalogRow] = []
+        dropped: list[tuple[CatalogRow, str]] = []
         touched: set[int] = set()
+        copied = 0
         for row in rows:
             flen = frame_len(row.nbytes)
             frame = aligned_empty(flen)
             got = self.io.preadv(seg.fd, [frame], row.off)
-            self.stats.compaction_bytes_read += got
+            with self._lock:
+                self.stats.compaction_bytes_read += got
             problem = (
                 f"truncated: {got} of {flen} bytes"
                 if got < flen
@@ -539,29 +766,37 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
                 )
             )
             if problem:
-                dropped.append(row)
-                self._lost.append((ChunkKey(row.key), f"corrupt: {problem} (found by compaction)"))
+                dropped.append((row, problem))
                 continue
-            dst = self._segment_for(flen)
-            off = dst.length
-            dst.length += flen
-            self.io.pwritev(dst.fd, [frame], off)
+            with self._lock:
+                dst = self._segment_for(flen)
+                off = dst.length
+                dst.length += flen
+            written = self.io.pwritev(dst.fd, [frame], off)
+            if written != flen:
+                raise OSError(errno.EIO, f"short write: {written} of {flen} bytes")
             touched.add(dst.id)
-            self.stats.compaction_bytes_written += flen
+            copied += flen
             moves.append((row.key, dst.id, off))
         for sid in touched:
             self.io.fdatasync(self._segments[sid].fd)
         self._sync_dir()
         self.catalog.relocate(moves)
-        self.catalog.delete([r.key for r in dropped])
-        for key, sid, off in moves:
-            row = self._entries[ChunkKey(key)]
-            row.seg, row.off = sid, off
-            self._segments[sid].live += frame_len(row.nbytes)
-        for row in dropped:
-            del self._entries[ChunkKey(row.key)]
-        seg.live = 0
-        self._unlink_segment(seg)
+        self.catalog.delete([r.key for r, _ in dropped])
+        with self._lock:
+            self.stats.compaction_bytes_written += copied
+            for row, problem in dropped:
+                self._lost.append((ChunkKey(row.key), f"corrupt: {problem} (found by compaction)"))
+            for key, sid, off in moves:
+                ck = ChunkKey(key)
+                self._entries[ck] = dataclasses.replace(self._entries[ck], seg=sid, off=off)
+                self._segments[sid].live += frame_len(self._entries[ck].nbytes)
+            for row, _ in dropped:
+                del self._entries[ChunkKey(row.key)]
+            seg.live = 0
+            now = self._retire(seg)
+        if now:
+            self._remove_segments([seg])
 
     # ------------------------------------------------------------------ recovery and audit
 
@@ -629,7 +864,8 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         segment files no row refers to. With ``fix``: drop bad rows, delete orphans.
         ``progress`` is called with each replica's byte count as it is checked."""
         report = CheckReport()
-        with self._lock:
+        # the write mutex first, as every writer takes it: --fix deletes through it
+        with self._write_mutex, self._lock:
             referenced = {r.seg for r in self._entries.values()} | {self._active.id}
             for row in list(self._entries.values()):
                 if progress is not None:
@@ -670,10 +906,12 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         }
 
     def load_counters(self) -> dict[str, int]:
-        return self.catalog.load_counters()
+        with self._write_mutex:  # the catalog connection is not read mid-transaction
+            return self.catalog.load_counters()
 
     def save_counters(self, counters: dict[str, int]) -> None:
-        self.catalog.save_counters(counters)
+        with self._write_mutex:  # one catalog transaction at a time
+            self.catalog.save_counters(counters)
 
     def take_lost(self) -> list[tuple[ChunkKey, str]]:
         """Replicas this tier dropped on its own (recovery, compaction, check), with why."""
@@ -691,6 +929,8 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
             self._closed = True
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
+            if self._read_pool is not None:
+                self._read_pool.shutdown(wait=True)
             active = getattr(self, "_active", None)
             if active is not None and active.live == 0 and active.id in self._segments:
                 self._unlink_segment(active)  # leave no empty segment file behind

@@ -1,0 +1,67 @@
+"""Shape of the raw concurrent read limit (never how fast it is: benchmarks are not tests)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from kvlife.bench.concurrency_raw import (
+    RawConcurrencyResult,
+    RawReadPoint,
+    measure_raw_concurrency,
+)
+from kvlife.core.errors import InvalidArgument
+
+KiB = 1 << 10
+
+
+def _positive_finite(x: object) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.parametrize("direct", [None, False], ids=["direct-if-supported", "buffered"])
+def test_result_has_one_typed_point_per_queue_depth(tmp_path: Path, direct: bool | None) -> None:
+    res = measure_raw_concurrency(
+        tmp_path,
+        file_bytes=1 << 20,
+        block_bytes=64 * KiB,
+        queue_depths=(1, 4, 16),
+        reads_per_point=32,
+        direct=direct,
+    )
+    assert isinstance(res, RawConcurrencyResult)
+    assert [p.queue_depth for p in res.points] == [1, 4, 16]
+    for p in res.points:
+        assert isinstance(p, RawReadPoint)
+        assert p.threads == p.queue_depth and p.block_bytes == 64 * KiB
+        assert p.reads >= p.threads and p.reads % p.threads == 0
+        for x in (p.seconds, p.gbps, p.iops, p.latency_p50_us, p.latency_p99_us):
+            assert _positive_finite(x)
+        assert p.latency_p99_us >= p.latency_p50_us
+    assert res.point(4) is res.points[1]
+    with pytest.raises(InvalidArgument, match="not measured"):
+        res.point(2)
+    if direct is False:
+        assert not res.direct_io and "posix_fadvise" in res.note
+    doc = json.loads(json.dumps(res.to_json(), allow_nan=False))
+    assert [p["queue_depth"] for p in doc["points"]] == [1, 4, 16]
+    assert not list(tmp_path.iterdir()), "the prepared file is removed"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"block_bytes": 1000},
+        {"file_bytes": 3 * 64 * KiB + 1},
+        {"queue_depths": ()},
+        {"queue_depths": (0,)},
+        {"reads_per_point": 0},
+    ],
+)
+def test_bad_arguments_are_typed_errors(tmp_path: Path, kwargs: dict[str, object]) -> None:
+    args: dict[str, object] = {"file_bytes": 1 << 20, "block_bytes": 64 * KiB} | kwargs
+    with pytest.raises(InvalidArgument):
+        measure_raw_concurrency(tmp_path, **args)  # type: ignore[arg-type]
