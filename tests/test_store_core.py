@@ -299,3 +299,30 @@ def test_unknown_open_setting_is_named(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="dram_bytes"):
         KVStore.open(tmp_path, dram_bytes="1G")  # type: ignore[arg-type]
     assert not (tmp_path / "disk").exists(), "a refused open left files behind"
+
+
+def test_garbage_in_the_active_segment_never_refuses_a_batch_that_fits(tmp_path: Path) -> None:
+    """A disk tier whose free space is garbage in its active segment still takes a batch
+    that fits its live budget (it seals and compacts that segment)."""
+    from kvlife.core.identity import ChunkKey
+    from kvlife.tiers.base import Reservation, ReplicaMeta
+    from kvlife.tiers.disk import DiskTier, DiskTierConfig
+    from kvlife.tiers.disk.frame import frame_len
+
+    arr = np.arange(CHUNK // 2, dtype=np.float16).reshape(TINY.chunk_shape)
+    metas = [ReplicaMeta(ChunkKey(bytes([i]) * 32), "float16", TINY.chunk_shape) for i in range(5)]
+    cap = 3 * frame_len(CHUNK)
+    disk = DiskTier(tmp_path, DiskTierConfig(capacity_bytes=cap, segment_bytes=1 << 20))
+    try:
+        res = disk.prepare_store(metas[:3])
+        assert isinstance(res, Reservation)
+        disk.commit_store(res, [arr] * 3)
+        disk.delete_batch([metas[0].key, metas[1].key])
+        res = disk.prepare_store(metas[3:5])
+        assert isinstance(res, Reservation), res
+        disk.commit_store(res, [arr + 1] * 2)
+        assert disk.used_bytes <= cap
+        for m, want in ((metas[2], arr), (metas[3], arr + 1), (metas[4], arr + 1)):
+            assert np.array_equal(disk.read(m.key), want)
+    finally:
+        disk.close()

@@ -722,6 +722,20 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
             if self.used_bytes + need <= self.capacity_bytes:
                 return
             self._compact_segment(seg)
+        # Still short: the garbage is in the active segment. Seal it and compact it like
+        # any other, so that a batch that fits the live budget is never refused.
+        with self._lock:
+            act = self._active
+            roll = (
+                self.used_bytes + need > self.capacity_bytes
+                and act.length > act.live
+                and act.readers == 0
+                and not act.doomed
+            )
+            if roll:
+                self._active = self._new_segment()
+        if roll:
+            self._compact_segment(act)
 
     def _compact_segment(self, seg: _Segment) -> None:
         with self._lock:
