@@ -205,15 +205,30 @@ class AuditReport:
     """Result of a tier audit (``check``)."""
 
     rows: int = 0
+    """Replicas checked."""
     ok: int = 0
+    """Replicas that verified."""
     problems: list[str] = field(default_factory=list)
+    """Everything found wrong now: bad replicas, catalog integrity, generation."""
     bad_keys: list[bytes] = field(default_factory=list)
+    """Keys of the bad replicas among ``problems``."""
     orphan_segments: list[str] = field(default_factory=list)
+    """Segment files no catalog row refers to."""
+    quarantined: list[str] = field(default_factory=list)
+    """Rows an earlier open quarantined (not served), with why."""
+    quarantined_files: list[str] = field(default_factory=list)
+    """Files recovery set aside in ``quarantine/`` (not part of the store any more:
+    listed, deleted by a fix, but not a reason for ``clean`` to be False, since a kill
+    during a write routinely leaves one)."""
+    generation: int | None = None
+    """Catalog generation (transactions that deleted rows), where the tier has one."""
+    actions: list[str] = field(default_factory=list)
+    """What a fix did."""
     fixed: bool = False
 
     @property
     def clean(self) -> bool:
-        return not self.problems and not self.orphan_segments
+        return not self.problems and not self.orphan_segments and not self.quarantined
 
 
 class SupportsAudit(ABC):
