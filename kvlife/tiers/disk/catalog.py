@@ -281,12 +281,20 @@ class Catalog:
         self.migrated_from: int | None = None
         self._superblock = superblock
         self._lock = threading.RLock()
+        self._created: list[Path] = []
         self.version = CATALOG_VERSION
         self.generation = 0
         """Generation of the last committed deleting transaction."""
         try:
             if readonly:
+                # SQLite creates -wal/-shm beside a WAL database even for a read-only
+                # reader; remove the ones this reader created. Without a log to read the
+                # database file is the whole state: open it immutable (creates nothing).
+                wal, shm = (path.with_name(path.name + x) for x in ("-wal", "-shm"))
+                self._created = [p for p in (wal, shm) if not p.exists()]
                 uri = f"file:{quote(str(path))}?mode=ro"
+                if wal in self._created or wal.stat().st_size == 0:
+                    uri += "&immutable=1"
                 self._db = sqlite3.connect(
                     uri, uri=True, isolation_level=None, check_same_thread=False
                 )
@@ -297,7 +305,7 @@ class Catalog:
         try:
             self._open(create, initial_generation)
         except BaseException:
-            self._db.close()
+            self.close()
             raise
 
     def _open(self, create: bool, initial_generation: int) -> None:
@@ -598,6 +606,9 @@ class Catalog:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            for p in self._created:
+                with contextlib.suppress(OSError):
+                    p.unlink()
 
 
 def _rowsum(r: CatalogRow) -> bytes:

@@ -208,6 +208,8 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         self._pinned: dict[int, int] = {}
         """Segments that hold quarantined rows (how many): never reclaimed at runtime."""
         self.quarantine_dir = self.directory / "quarantine"
+        self._sid_floor = 0
+        """Highest segment id seen at open: a new segment never reuses a set-aside name."""
         catalog_path = self.directory / "catalog.sqlite"
         has_data = any(size > 0 for size in self._segment_sizes().values())
         if has_data and not catalog_path.exists():
@@ -385,7 +387,7 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         return seg
 
     def _new_segment(self) -> _Segment:
-        sid = max(self._segments, default=0) + 1
+        sid = max(max(self._segments, default=0), self._sid_floor) + 1
         path = self._segdir / f"seg-{sid:08d}.kvs"
         try:
             fd = self.io.open(path, create=True)
@@ -644,6 +646,7 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         checksum, the frame) are quarantined in the catalog and reported once through
         :meth:`take_lost`; segment files no row names are moved to ``quarantine/``."""
         for sid, path in sorted(self._scan_segments().items()):
+            self._sid_floor = max(self._sid_floor, sid)
             try:
                 fd = self.io.open(path, create=False)
             except OSError as exc:
