@@ -21,7 +21,6 @@ from pathlib import Path
 
 from kvlife.core.identity import ChunkKey, Namespace
 from kvlife.store import KVStore
-from kvlife.tiers.disk.catalog import row_checksum
 from tests.helpers.workload import (
     USERS,
     ChunkRef,
@@ -85,13 +84,20 @@ def build(path: Path, prompts: int = 8, invalidate: Namespace | None = None) -> 
 
 
 def build_crash_image(
-    path: Path, image: Path, prompts: int = 8, invalidate: Namespace = USERS[0]
+    path: Path, image: Path, prompts: int = 8, more: int = 0, invalidate: Namespace = USERS[0]
 ) -> Workload:
-    """Put prompts, close, reopen, invalidate ``invalidate``, and copy the files while the
-    store is still open (the invalidation lives only in the write-ahead log)."""
+    """Put prompts, close, reopen, put ``more`` prompts, invalidate ``invalidate``, and
+    copy the files while the store is still open (the last puts and the invalidation
+    live only in the write-ahead log)."""
     w = _fill(path, prompts)
     store = open_store(path)
     try:
+        for i in range(more):
+            p = make_prompt(SEED + 2, i, USERS[i % len(USERS)])
+            put(store, p)
+            w.prompts.append(p)
+            for ref in chunk_refs(p):
+                w.refs.setdefault(ref.key, ref)
         _invalidate(store, w, invalidate)
         copy_crash_image(path, image)
     finally:
@@ -216,6 +222,8 @@ def sql(path: Path, stmt: str, params: tuple[object, ...] = ()) -> list[tuple[ob
 def reseal_row(path: Path, rowid: int) -> None:
     """Recompute a row's checksum from its fields: what a buggy writer would leave, so
     that the strict field parsing, not the row checksum, must catch the bad field."""
+    from kvlife.tiers.disk.catalog import row_checksum  # new in catalog v2
+
     ((key, seg, off, nbytes, checksum, dtype, shape, transform, info),) = sql(
         path,
         "SELECT key, seg, off, nbytes, checksum, dtype, shape, transform, info "
