@@ -37,6 +37,7 @@ import math
 import re
 import sqlite3
 import threading
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,8 +219,10 @@ def parse_shape(text: str) -> tuple[int, ...]:
 def parse_dtype(name: str) -> np.dtype[np.generic]:
     """Strict dtype name: a numeric numpy dtype spelt as numpy names it."""
     try:
-        dt = np.dtype(name)
-    except (TypeError, ValueError, SyntaxError) as exc:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a deprecated alias is not a name we wrote
+            dt = np.dtype(name)
+    except (TypeError, ValueError, SyntaxError, Warning) as exc:
         raise _BadField(f"field 'dtype' is {_short(name)}, not a numpy dtype ({exc})") from exc
     if dt.name != name or dt.kind not in _DTYPE_KINDS:
         raise _BadField(f"field 'dtype' is {_short(name)}, not a numeric numpy dtype name")
