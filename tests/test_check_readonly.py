@@ -169,3 +169,18 @@ def test_check_of_a_missing_catalog_lists_the_segments_and_fails(
     code, _, err = check(w.path, capsys, "--fix")
     assert code == 1 and "missing" in err and err.count("\n") == 1
     assert snapshot(w.path) == before
+
+
+def test_damaged_superblock_copy_is_reported_then_fixed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    w = build(tmp_path / "s", prompts=4, invalidate=USERS[1])
+    flip(disk_dir(w.path) / "superblock", 4096 + 24, 8)
+    before = snapshot(w.path)
+    code, out, _ = check(w.path, capsys)
+    assert code == 1 and "superblock" in out and "copy 1" in out, out
+    assert snapshot(w.path) == before
+    code, out, _ = check(w.path, capsys, "--fix")
+    assert code == 0 and "rewrote the superblock" in out, out
+    code, out, _ = check(w.path, capsys)
+    assert code == 0, out

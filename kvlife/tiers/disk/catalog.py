@@ -41,6 +41,7 @@ import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import numpy as np
@@ -317,9 +318,11 @@ class Catalog:
         try:
             tables = {
                 str(r[0])
-                for r in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                for r in self._db.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'table'"
+                ).fetchall()
             }
-        except sqlite3.DatabaseError as exc:
+        except sqlite3.Error as exc:
             raise CatalogCorrupt(path, exc) from exc
         if "meta" not in tables:
             if not create or self.readonly:
@@ -329,7 +332,7 @@ class Catalog:
             self.created = True
             return
         version_text = self.get_meta("catalog_version")
-        if version_text is None or not version_text.isdigit():
+        if version_text is None or not re.fullmatch(r"[0-9]{1,9}", version_text):
             raise CatalogCorrupt(path, f"field 'catalog_version' is {version_text!r}")
         version = int(version_text)
         if version > CATALOG_VERSION:
@@ -344,7 +347,7 @@ class Catalog:
             self.generation = self._read_generation() if version >= 2 else 0
             return
         self._exec("PRAGMA synchronous=FULL")
-        mode = self._exec("PRAGMA journal_mode=WAL").fetchone()
+        mode = self._one("PRAGMA journal_mode=WAL")
         if mode is None or str(mode[0]).lower() != "wal":
             raise StorePathError(f"catalog {path} cannot use a write-ahead log (got {mode})")
         if version < CATALOG_VERSION:
@@ -359,7 +362,7 @@ class Catalog:
 
     def _init_schema(self, generation: int) -> None:
         self._exec("PRAGMA synchronous=FULL")
-        mode = self._exec("PRAGMA journal_mode=WAL").fetchone()
+        mode = self._one("PRAGMA journal_mode=WAL")
         if mode is None or str(mode[0]).lower() != "wal":
             raise StorePathError(f"catalog {self.path} cannot use a write-ahead log")
         with self._transaction():
@@ -384,9 +387,7 @@ class Catalog:
                 self._exec("ALTER TABLE replicas ADD COLUMN rowsum BLOB")
             if "quarantine" not in cols:
                 self._exec("ALTER TABLE replicas ADD COLUMN quarantine TEXT")
-            todo = self._exec(
-                f"SELECT rowid, {_COLUMNS} FROM replicas WHERE rowsum IS NULL"
-            ).fetchall()
+            todo = self._exec(f"SELECT rowid, {_COLUMNS} FROM replicas WHERE rowsum IS NULL")
             for r in todo:
                 try:
                     row = _parse_row(tuple(r[1:]), verify_sum=False)
@@ -417,14 +418,22 @@ class Catalog:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _exec(self, sql: str, params: Iterable[object] = ()) -> sqlite3.Cursor:
+    def _exec(self, sql: str, params: Iterable[object] = ()) -> list[Any]:
+        """Run one statement and fetch every row (a damaged page can fail the fetch as
+        well as the execute; both become kvlife errors)."""
         try:
-            return self._db.execute(sql, tuple(params))
+            return self._db.execute(sql, tuple(params)).fetchall()
         except sqlite3.Error as exc:
             raise self._error(exc, sql.split(None, 1)[0].lower()) from exc
 
+    def _one(self, sql: str, params: Iterable[object] = ()) -> Any:
+        rows = self._exec(sql, params)
+        return rows[0] if rows else None
+
     def _error(self, exc: sqlite3.Error, doing: str) -> KVLifeError:
         text = str(exc)
+        if "no such" in text or "malformed" in text:
+            return CatalogCorrupt(self.path, exc)
         if isinstance(exc, sqlite3.OperationalError) or "readonly" in text:
             if "full" in text:
                 return StorageFullError(f"device full while writing catalog {self.path}: {exc}")
@@ -436,7 +445,7 @@ class Catalog:
 
     def get_meta(self, k: str) -> str | None:
         with self._lock:
-            row = self._exec("SELECT v FROM meta WHERE k = ?", (k,)).fetchone()
+            row = self._one("SELECT v FROM meta WHERE k = ?", (k,))
         return None if row is None else str(row[0])
 
     # ------------------------------------------------------------------ reading rows
@@ -447,9 +456,7 @@ class Catalog:
         with self._lock:
             quarantine = "quarantine" if self.version >= 2 else "NULL"
             rowsum = "rowsum" if self.version >= 2 else "NULL"
-            data = self._exec(
-                f"SELECT rowid, {_COLUMNS}, {rowsum}, {quarantine} FROM replicas"
-            ).fetchall()
+            data = self._exec(f"SELECT rowid, {_COLUMNS}, {rowsum}, {quarantine} FROM replicas")
         out: list[ScannedRow] = []
         for r in data:
             raw_key = r[1] if isinstance(r[1], bytes) else repr(r[1]).encode()
@@ -470,7 +477,7 @@ class Catalog:
         with self._lock:
             rows = self._exec(
                 "SELECT rowid, key, quarantine FROM replicas WHERE quarantine IS NOT NULL"
-            ).fetchall()
+            )
         return [
             (int(r[0]), r[1] if isinstance(r[1], bytes) else repr(r[1]).encode(), str(r[2]))
             for r in rows
@@ -481,7 +488,7 @@ class Catalog:
         with self._lock:
             try:
                 rows = self._db.execute("PRAGMA integrity_check").fetchall()
-            except sqlite3.DatabaseError as exc:
+            except sqlite3.Error as exc:
                 return [str(exc)]
         msgs = [str(r[0]) for r in rows]
         return [] if msgs == ["ok"] else msgs
@@ -532,7 +539,7 @@ class Catalog:
         """Delete every row; the generation moves past ``at_least``. Returns rows dropped."""
         with self._lock:
             with self._transaction() as txn:
-                (n,) = self._exec("SELECT count(*) FROM replicas").fetchone()
+                (n,) = self._one("SELECT count(*) FROM replicas")
                 self._exec("DELETE FROM replicas")
                 gen = max(self.generation, at_least) + 1
                 self._exec(
@@ -561,9 +568,9 @@ class Catalog:
         recomputed from the stored fields, which must verify first)."""
         with self._lock, self._transaction():
             for key, seg, off in moves:
-                r = self._exec(
+                r = self._one(
                     f"SELECT rowid, {_COLUMNS}, rowsum FROM replicas WHERE key = ?", (key,)
-                ).fetchone()
+                )
                 if r is None:
                     raise CatalogCorrupt(self.path, f"row {key.hex()[:16]}… vanished")
                 try:
@@ -583,7 +590,7 @@ class Catalog:
 
     def load_counters(self) -> dict[str, int]:
         with self._lock:
-            rows = self._exec("SELECT name, value FROM counters").fetchall()
+            rows = self._exec("SELECT name, value FROM counters")
         out: dict[str, int] = {}
         for name, value in rows:
             if type(name) is not str or type(value) is not int:

@@ -150,6 +150,11 @@ class Superblock:
         """What the file held when this object was made, updated by every write since."""
         return self._state
 
+    def reread(self) -> SuperblockState:
+        """Read the file again (an audit must see damage done since the open)."""
+        self._state = read_superblock(self.path)
+        return self._state
+
     def write(self, generation: int) -> None:
         """Record ``generation`` durably in the copy that does not hold the newest one."""
         gens = list(self._state.generations)

@@ -749,7 +749,7 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
             report.generation = cat.generation
             integrity = cat.integrity()
             report.problems.extend(f"catalog integrity: {m}" for m in integrity)
-            state = self.superblock.read()
+            state = self.superblock.reread()
             report.problems.extend(f"superblock {p}" for p in state.problems)
             if state.generation is not None and state.generation != cat.generation:
                 report.problems.append(
