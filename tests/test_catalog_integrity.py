@@ -374,3 +374,26 @@ def test_catalog_is_safe_to_share_between_threads(tmp_path: Path) -> None:
         assert cat.generation == 6 * 60
     finally:
         cat.close()
+
+
+def test_superblock_write_never_touches_the_newest_copy(tmp_path: Path) -> None:
+    """A torn superblock write can only damage the older copy: the newest acknowledged
+    generation always survives in the other one."""
+    from kvlife.tiers.disk.fileio import FileIO
+    from kvlife.tiers.disk.superblock import SLOT_BYTES, Superblock, read_superblock
+
+    sb = Superblock(tmp_path / "superblock", FileIO(direct=False))
+    try:
+        for gen in range(1, 6):
+            sb.write(gen)
+            state = read_superblock(sb.path)
+            assert state.generation == gen
+            older = 1 - state.generations.index(gen)
+            # tear the copy the next write would use: the newest survives
+            with sb.path.open("r+b") as fh:
+                fh.seek(older * SLOT_BYTES + 3)
+                fh.write(b"\xff")
+            assert read_superblock(sb.path).generation == gen
+            sb.reread()
+    finally:
+        sb.close()
