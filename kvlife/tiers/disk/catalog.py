@@ -520,18 +520,25 @@ class Catalog:
             )
 
     def delete(self, keys: Iterable[bytes]) -> None:
-        """Delete rows by key, bump the generation, then record it in the superblock."""
+        """Delete rows by key, bump the generation, then record it in the superblock
+        (nothing at all for no keys: compaction calls this with none most times)."""
+        data = [(k,) for k in keys]
+        if not data:
+            return
         with self._lock:
             with self._transaction() as txn:
-                txn.many("DELETE FROM replicas WHERE key = ?", [(k,) for k in keys])
+                txn.many("DELETE FROM replicas WHERE key = ?", data)
                 gen = txn.bump()
             self._acknowledge(gen)
 
     def delete_rowids(self, rowids: Iterable[int]) -> None:
         """Delete rows by rowid (``check --fix``: works for a row whose key is damaged)."""
+        data = [(i,) for i in rowids]
+        if not data:
+            return
         with self._lock:
             with self._transaction() as txn:
-                txn.many("DELETE FROM replicas WHERE rowid = ?", [(i,) for i in rowids])
+                txn.many("DELETE FROM replicas WHERE rowid = ?", data)
                 gen = txn.bump()
             self._acknowledge(gen)
 
