@@ -97,7 +97,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         disable=total < (256 << 20),
     ) as bar:
         report = audit_directory(path, progress=bar.update)
-    print(f"checked {report.rows} replicas: {report.ok} ok, {len(report.problems)} bad")
+    print(f"checked {report.rows} replicas: {report.ok} ok, {len(report.bad_keys)} bad")
     if report.generation is not None:
         print(f"catalog generation {report.generation}")
     for problem in report.problems:

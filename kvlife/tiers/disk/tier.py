@@ -817,6 +817,8 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
             self.io.unlink(self.quarantine_dir / name)
         if report.quarantined_files:
             report.actions.append(f"deleted {len(report.quarantined_files)} quarantined files")
+            with contextlib.suppress(OSError):  # left if something else was put there
+                self.quarantine_dir.rmdir()
         if None in self.superblock.read().generations or (
             self.superblock.read().generation != self.catalog.generation
         ):
