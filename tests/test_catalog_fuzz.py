@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from kvlife.core.errors import KVLifeError
-from kvlife.tiers.disk.audit import audit_directory
+from kvlife.tiers.disk.audit import audit_directory, prepare_repair
 from kvlife.tiers.disk.frame import HEADER_USED, frame_len
 from tests.helpers.damage import (
     Workload,
@@ -225,18 +225,43 @@ def run_one(pristine: Workload, tmp: Path, d: Damage) -> None:
     except KVLifeError as exc:
         event(f"refused: {type(exc).__name__}")
         assert committed - gone <= all_segment_names(path), "a refused open deleted a segment"
+    else:
+        try:
+            missing = (committed - gone) - all_segment_names(path)
+            assert not missing, f"open deleted segments that held committed frames: {missing}"
+            got = serve_all(store, w)
+            event(f"opened: {len(got.missed - w.invalidated)} live chunks missed")
+            assert got.served <= w.live
+        finally:
+            try:
+                store.close()
+            except KVLifeError as exc:
+                event(f"close refused: {type(exc).__name__}")
+    fix_then_check(w)
+
+
+def fix_then_check(w: Workload) -> None:
+    """What ``kvlife check --fix`` does; afterwards the audit is clean and the store
+    still serves only right bytes (or it refuses, typed, what it cannot repair)."""
+    try:
+        prepare_repair(w.path)
+        store = open_store(w.path)
+    except KVLifeError as exc:
+        event(f"fix refused: {type(exc).__name__}")
         return
     try:
-        missing = (committed - gone) - all_segment_names(path)
-        assert not missing, f"open deleted segments that held committed frames: {missing}"
-        got = serve_all(store, w)
-        event(f"opened: {len(got.missed - w.invalidated)} live chunks missed")
-        assert got.served <= w.live
+        store.check(fix=True)
     finally:
-        try:
-            store.close()
-        except KVLifeError as exc:
-            event(f"close refused: {type(exc).__name__}")
+        store.close()
+    report = audit_directory(w.path)
+    assert report.clean, report
+    assert not report.quarantined_files, report
+    store = open_store(w.path)
+    try:
+        assert store.counters.recovery_dropped == 0, "the fix left something to drop"
+        assert serve_all(store, w).served <= w.live
+    finally:
+        store.close()
 
 
 _examples = [
