@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -144,6 +145,8 @@ class Superblock:
         self._io = io
         self._fd: int | None = None
         self._buf = aligned_empty(SLOT_BYTES)
+        self._lock = threading.Lock()
+        """Writers come from the catalog (under its lock) and from check --fix."""
         self._state = read_superblock(path)
 
     def read(self) -> SuperblockState:
@@ -152,17 +155,19 @@ class Superblock:
 
     def reread(self) -> SuperblockState:
         """Read the file again (an audit must see damage done since the open)."""
-        self._state = read_superblock(self.path)
-        return self._state
+        with self._lock:
+            self._state = read_superblock(self.path)
+            return self._state
 
     def write(self, generation: int) -> None:
         """Record ``generation`` durably in the copy that does not hold the newest one."""
-        gens = list(self._state.generations)
-        newest = self._state.generation
-        slot = 0 if newest is None else 1 - gens.index(newest)
-        self._write_slot(slot, generation)
-        gens[slot] = generation
-        self._state = SuperblockState(True, tuple(gens))
+        with self._lock:
+            gens = list(self._state.generations)
+            newest = self._state.generation
+            slot = 0 if newest is None else 1 - gens.index(newest)
+            self._write_slot(slot, generation)
+            gens[slot] = generation
+            self._state = SuperblockState(True, tuple(gens))
 
     def write_both(self, generation: int) -> None:
         """Write ``generation`` into both copies, one after the other (repairs a damaged
@@ -189,7 +194,8 @@ class Superblock:
             raise StorePathError(f"cannot write superblock {self.path}: {exc}") from exc
 
     def close(self) -> None:
-        if self._fd is not None:
-            fd, self._fd = self._fd, None
-            with contextlib.suppress(OSError):
-                self._io.close(fd)
+        with self._lock:
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                with contextlib.suppress(OSError):
+                    self._io.close(fd)
