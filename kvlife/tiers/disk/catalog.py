@@ -11,7 +11,7 @@ segment, offset, length, payload checksum, dtype, shape, transform, info), and e
 field is parsed strictly (:meth:`Catalog.scan`), so a row changed after it was written is
 found and quarantined (its ``quarantine`` column says why; it is never served) rather
 than trusted. Nothing here deletes a row except :meth:`Catalog.delete` (the store
-dropped the replica) and :meth:`Catalog.delete_rowids` (``check --fix``).
+dropped the replica) and :meth:`Catalog.delete_quarantined` (``check --fix``).
 
 The catalog also carries a *generation*, bumped by every transaction that deletes rows;
 after such a commit it is recorded in the tier's
@@ -531,14 +531,15 @@ class Catalog:
                 gen = txn.bump()
             self._acknowledge(gen)
 
-    def delete_rowids(self, rowids: Iterable[int]) -> None:
-        """Delete rows by rowid (``check --fix``: works for a row whose key is damaged)."""
+    def delete_quarantined(self, rowids: Iterable[int]) -> None:
+        """Delete quarantined rows by rowid (``check --fix``: works for a row whose key is
+        damaged; a row that is no longer quarantined, e.g. replaced by a new put, stays)."""
         data = [(i,) for i in rowids]
         if not data:
             return
         with self._lock:
             with self._transaction() as txn:
-                txn.many("DELETE FROM replicas WHERE rowid = ?", data)
+                txn.many("DELETE FROM replicas WHERE rowid = ? AND quarantine IS NOT NULL", data)
                 gen = txn.bump()
             self._acknowledge(gen)
 

@@ -797,7 +797,7 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
             self.delete_batch([ChunkKey(k) for k in report.bad_keys])
             report.actions.append(f"dropped {len(report.bad_keys)} bad replicas")
         if rowids:
-            self.catalog.delete_rowids(rowids)  # counted when they were quarantined
+            self.catalog.delete_quarantined(rowids)  # counted when they were quarantined
             report.actions.append(f"deleted {len(rowids)} quarantined catalog rows")
             pinned, self._pinned = self._pinned, {}
             for sid in pinned:
