@@ -74,39 +74,57 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    """Audit read-only; with --fix, repair (the only path that deletes) and audit again."""
     from tqdm import tqdm
 
-    from kvlife.store import KVStore
-    from kvlife.tiers.disk import DiskTier
+    from kvlife.tiers.disk.audit import audit_directory
 
-    store = _open_existing(args.path)
-    assert isinstance(store, KVStore)
-    try:
-        disk = store.tier("disk")
-        assert isinstance(disk, DiskTier)
-        total = disk.live_bytes
-        with tqdm(
-            total=total,
-            unit="B",
-            unit_scale=True,
-            desc="checking",
-            leave=False,
-            disable=total < (256 << 20),
-        ) as bar:
-            report = store.check(fix=args.fix, progress=bar.update)
-        dropped = disk.stats.recovery_dropped
-    finally:
-        store.close(flush=False)
-    print(f"checked {report.rows} replicas: {report.ok} ok, {len(report.problems)} bad")
-    if dropped:
-        print(f"{dropped} replicas failed verification on open and were dropped")
+    path = Path(args.path)
+    if args.fix:
+        actions = _fix(path)
+        for action in actions:
+            print(f"fixed: {action}")
+        if not actions:
+            print("fixed: nothing needed fixing")
+    segments = path / "disk" / "segments"
+    total = sum(f.stat().st_size for f in segments.glob("seg-*.kvs")) if segments.is_dir() else 0
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="checking",
+        leave=False,
+        disable=total < (256 << 20),
+    ) as bar:
+        report = audit_directory(path, progress=bar.update)
+    print(f"checked {report.rows} replicas: {report.ok} ok, {len(report.bad_keys)} bad")
+    if report.generation is not None:
+        print(f"catalog generation {report.generation}")
     for problem in report.problems:
         print(f"  bad: {problem}")
+    for line in report.quarantined:
+        print(f"  quarantined row: {line}")
     for name in report.orphan_segments:
         print(f"  orphan segment: {name}")
-    if report.fixed:
-        print("fixed: bad replicas dropped, orphan segments deleted")
-    return 0 if report.clean or report.fixed else 1
+    for name in report.quarantined_files:
+        print(f"  quarantined file: quarantine/{name} (set aside by recovery; --fix deletes it)")
+    if not report.clean:
+        print("run `kvlife check --fix PATH` to repair" if not args.fix else "not repaired")
+    return 0 if report.clean else 1
+
+
+def _fix(path: Path) -> list[str]:
+    from kvlife.store import KVStore
+    from kvlife.tiers.disk.audit import prepare_repair
+
+    actions = prepare_repair(path)
+    store = _open_existing(str(path))
+    assert isinstance(store, KVStore)
+    try:
+        report = store.check(fix=True)
+    finally:
+        store.close(flush=False)
+    return [*actions, *report.actions]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -138,9 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("check", help="audit the catalog against the segment files")
+    p = sub.add_parser(
+        "check", help="audit a store read-only (catalog, rows, frames, superblock, files)"
+    )
     p.add_argument("path", help="store directory")
-    p.add_argument("--fix", action="store_true", help="drop bad replicas, delete orphan segments")
+    p.add_argument(
+        "--fix",
+        action="store_true",
+        help="repair: drop bad and quarantined replicas, delete orphan and quarantined files",
+    )
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser(

@@ -305,7 +305,7 @@ def test_garbage_in_the_active_segment_never_refuses_a_batch_that_fits(tmp_path:
     """A disk tier whose free space is garbage in its active segment still takes a batch
     that fits its live budget (it seals and compacts that segment)."""
     from kvlife.core.identity import ChunkKey
-    from kvlife.tiers.base import Reservation, ReplicaMeta
+    from kvlife.tiers.base import ReplicaMeta, Reservation
     from kvlife.tiers.disk import DiskTier, DiskTierConfig
     from kvlife.tiers.disk.frame import frame_len
 

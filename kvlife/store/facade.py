@@ -249,12 +249,7 @@ class KVStore:
             if isinstance(tier, SupportsAudit):
                 with core.seq.turn(core.seq.take()):  # after every plan made before it
                     got = tier.check(fix=fix, progress=progress)
-                report.rows += got.rows
-                report.ok += got.ok
-                report.problems += got.problems
-                report.bad_keys += got.bad_keys
-                report.orphan_segments += got.orphan_segments
-                report.fixed = report.fixed or got.fixed
+                report.merge(got)
         with self._core.lock:
             self._core.delete_later(self._core.reap_lost())
         return report

@@ -213,15 +213,42 @@ class AuditReport:
     """Result of a tier audit (``check``)."""
 
     rows: int = 0
+    """Replicas checked."""
     ok: int = 0
+    """Replicas that verified."""
     problems: list[str] = field(default_factory=list)
+    """Everything found wrong now: bad replicas, catalog integrity, generation."""
     bad_keys: list[bytes] = field(default_factory=list)
+    """Keys of the bad replicas among ``problems``."""
     orphan_segments: list[str] = field(default_factory=list)
+    """Segment files no catalog row refers to."""
+    quarantined: list[str] = field(default_factory=list)
+    """Rows an earlier open quarantined (not served), with why."""
+    quarantined_files: list[str] = field(default_factory=list)
+    """Files recovery set aside in ``quarantine/`` (not part of the store any more:
+    listed, deleted by a fix, but not a reason for ``clean`` to be False, since a kill
+    during a write routinely leaves one)."""
+    generation: int | None = None
+    """Catalog generation (transactions that deleted rows), where the tier has one."""
+    actions: list[str] = field(default_factory=list)
+    """What a fix did."""
     fixed: bool = False
 
     @property
     def clean(self) -> bool:
-        return not self.problems and not self.orphan_segments
+        return not self.problems and not self.orphan_segments and not self.quarantined
+
+    def merge(self, other: AuditReport) -> None:
+        """Add another tier's report to this one (a store audits every tier)."""
+        self.rows += other.rows
+        self.ok += other.ok
+        for name in ("problems", "bad_keys", "orphan_segments", "quarantined"):
+            getattr(self, name).extend(getattr(other, name))
+        self.quarantined_files += other.quarantined_files
+        self.actions += other.actions
+        if other.generation is not None:
+            self.generation = other.generation
+        self.fixed = self.fixed or other.fixed
 
 
 class SupportsAudit(ABC):

@@ -69,6 +69,10 @@ class FileIO:
     def unlink(self, path: Path) -> None:
         path.unlink(missing_ok=True)
 
+    def rename(self, src: Path, dst: Path) -> None:
+        """Move a file (recovery sets segments aside in ``quarantine/`` this way)."""
+        os.rename(src, dst)
+
     def fsync_dir(self, directory: Path) -> None:
         fd = os.open(directory, os.O_RDONLY)
         try:

@@ -28,6 +28,9 @@ MAGIC = b"KVLFRAME"
 FRAME_VERSION = 1
 HEADER_BYTES = ALIGN
 MAX_NDIM = 8
+TRANSFORM_BYTES = 24
+"""Room for the transform name in a header."""
+DTYPE_BYTES = 16
 
 _BODY = struct.Struct("<8sHHQ32s16s16sB8Q24s")
 _HCHECK = struct.Struct("<Q")
@@ -122,3 +125,34 @@ def unpack_header(buf: memoryview | bytes) -> FrameHeader:
         transform=fields[16].rstrip(b"\0").decode(),
         version=version,
     )
+
+
+def verify_frame(
+    hdr: memoryview | bytes,
+    payload: list[np.ndarray] | None,
+    *,
+    key: bytes,
+    nbytes: int,
+    checksum: bytes,
+    dtype: str,
+    shape: tuple[int, ...],
+    transform: str,
+) -> str:
+    """Empty string if a frame's header (and ``payload``, when given) matches what its
+    catalog row says in every field, else what differs. Never raises on damaged bytes."""
+    try:
+        h = unpack_header(hdr)
+    except (FrameError, StoreFormatError, UnicodeDecodeError) as exc:
+        return f"header: {exc}"
+    if h.key != key:
+        return "header names another key"
+    if h.payload_len != nbytes or h.checksum != checksum:
+        return "header disagrees with the catalog"
+    if h.dtype != dtype or h.shape != shape or h.transform != transform:
+        return (
+            f"header says {h.dtype}{list(h.shape)} {h.transform!r}, the catalog "
+            f"{dtype}{list(shape)} {transform!r}"
+        )
+    if payload is not None and parts_checksum(payload) != checksum:
+        return "payload checksum mismatch"
+    return ""

@@ -19,9 +19,14 @@ is unlinked at once; when space runs short, sealed segments with the most garbag
 compacted (live frames copied to the active segment, rows relocated in one transaction,
 then the old file unlinked). The bytes compaction reads and writes are counted.
 
-On open, every catalog row's segment and frame header are checked (``verify_on_open``
-``"full"`` also checks payloads); rows that fail are dropped and reported through
-:meth:`DiskTier.take_lost`. Segment files no row refers to are deleted.
+Open never deletes a byte that may hold committed data (docs/recovery.md): it refuses a
+catalog SQLite finds damaged or one behind the superblock's generation (a lost
+write-ahead log tail), then checks every row (its fields and row checksum, its
+segment, its frame header; ``verify_on_open="full"`` also payloads). Rows that fail are
+quarantined in the catalog (never served, reported once through
+:meth:`DiskTier.take_lost`, deleted only by ``check(fix=True)``); segments holding them
+are never reclaimed at runtime. Segment files no row names are moved to
+``quarantine/`` (a zero-byte one, which holds no frame, is removed).
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ from kvlife.tiers.buffers import (
     is_aligned,
     round_up,
 )
-from kvlife.tiers.disk.catalog import Catalog, CatalogMissing, CatalogRow
+from kvlife.tiers.disk.catalog import Catalog, CatalogCorrupt, CatalogMissing, CatalogRow
 from kvlife.tiers.disk.fileio import FileIO, probe_direct_io
 from kvlife.tiers.disk.frame import (
     HEADER_BYTES,
@@ -84,7 +89,10 @@ from kvlife.tiers.disk.frame import (
     parts_checksum,
     payload_checksum,
     unpack_header,
+    verify_frame,
 )
+from kvlife.tiers.disk.superblock import FILE_NAME as SUPERBLOCK_FILE
+from kvlife.tiers.disk.superblock import CatalogRolledBack, Superblock, SuperblockError
 
 MiB = 1 << 20
 _SEG_RE = re.compile(r"^seg-(\d{8})\.kvs$")
@@ -194,6 +202,11 @@ class DiskStats:
     segments_reclaimed: int = 0
     recovered: int = 0
     recovery_dropped: int = 0
+    """Rows this open found bad and quarantined (each reported once by take_lost)."""
+    rows_quarantined: int = 0
+    """Quarantined rows in the catalog at open (not served; ``check --fix`` deletes them)."""
+    segments_quarantined: int = 0
+    """Unreferenced segment files this open moved to ``quarantine/``."""
 
 
 CheckReport = AuditReport
@@ -245,13 +258,28 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         self._new_arrays = RecyclingPool(config.read_pool_bytes)
         self._callers = 0
         self._closed = False
+        self._pinned: dict[int, int] = {}
+        """Segments that hold quarantined rows (how many): never reclaimed at runtime."""
+        self.quarantine_dir = self.directory / "quarantine"
+        self._sid_floor = 0
+        """Highest segment id seen at open: a new segment never reuses a set-aside name."""
         catalog_path = self.directory / "catalog.sqlite"
-        if not catalog_path.exists() and any(
-            p.stat().st_size > 0 for p in self._scan_segments().values()
-        ):
+        has_data = any(size > 0 for size in self._segment_sizes().values())
+        if has_data and not catalog_path.exists():
             raise CatalogMissing(catalog_path, self._segdir)
-        self.catalog = Catalog(catalog_path)
+        self.superblock = Superblock(self.directory / SUPERBLOCK_FILE, self.io)
         try:
+            self.catalog = Catalog(
+                catalog_path,
+                create=not has_data,
+                superblock=self.superblock,
+                initial_generation=self.superblock.read().generation or 0,
+            )
+        except BaseException:
+            self.superblock.close()
+            raise
+        try:
+            self._check_catalog()
             self._recover()
             self._active = self._new_segment()
         except BaseException:
@@ -451,7 +479,7 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         return seg
 
     def _new_segment(self) -> _Segment:
-        sid = max(self._segments, default=0) + 1
+        sid = max(max(self._segments, default=0), self._sid_floor) + 1
         path = self._segdir / f"seg-{sid:08d}.kvs"
         try:
             fd = self.io.open(path, create=True)
@@ -659,7 +687,12 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         unreferenced, for the caller to remove once the lock is released."""
         seg = self._segments[row.seg]
         seg.live -= frame_len(row.nbytes)
-        if seg.live == 0 and seg is not self._active and not seg.doomed:
+        if (
+            seg.live == 0
+            and seg is not self._active
+            and not seg.doomed
+            and seg.id not in self._pinned  # holds quarantined rows: kept for check
+        ):
             return self._retire(seg)
         return False
 
@@ -715,6 +748,7 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
                     and s.length > s.live
                     and not s.doomed
                     and s.readers == 0  # its space would not come back until they leave
+                    and s.id not in self._pinned  # holds quarantined rows
                 ),
                 key=lambda s: s.live / max(s.length, 1),
             )
@@ -731,6 +765,7 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
                 and act.length > act.live
                 and act.readers == 0
                 and not act.doomed
+                and act.id not in self._pinned
             )
             if roll:
                 self._active = self._new_segment()
@@ -816,41 +851,110 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
 
     def _scan_segments(self) -> dict[int, Path]:
         found: dict[int, Path] = {}
-        for p in self._segdir.iterdir():
+        try:
+            names = list(self._segdir.iterdir())
+        except OSError as exc:
+            raise StorePathError(f"cannot list segments in {self._segdir}: {exc}") from exc
+        for p in names:
             m = _SEG_RE.match(p.name)
             if m:
                 found[int(m.group(1))] = p
         return found
 
+    def _segment_sizes(self) -> dict[int, int]:
+        sizes: dict[int, int] = {}
+        for sid, path in self._scan_segments().items():
+            try:
+                sizes[sid] = path.stat().st_size
+            except OSError as exc:
+                raise StorePathError(f"cannot stat segment {path}: {exc}") from exc
+        return sizes
+
+    def _check_catalog(self) -> None:
+        """Refuse a catalog SQLite finds damaged, or one older than the generation the
+        superblock acknowledged (its write-ahead log lost committed deletions)."""
+        cat = self.catalog
+        problems = cat.integrity()
+        if problems:
+            raise CatalogCorrupt(cat.path, "integrity check: " + "; ".join(problems[:3]))
+        state = self.superblock.read()
+        have, acked = cat.generation, state.generation
+        if acked is None:
+            if have > 0:
+                detail = "is missing" if not state.exists else "; ".join(state.problems)
+                raise SuperblockError(self.superblock.path, detail)
+            # Generation 0: no row was ever deleted, so there is nothing to roll back.
+            self.superblock.write_both(0)
+            return
+        if have < acked:
+            raise CatalogRolledBack(cat.path, have, acked)
+        if have > acked:  # the process died between a commit and its superblock write
+            self.superblock.write(have)
+        if None in self.superblock.read().generations:
+            self.superblock.write(have)  # restore the second copy
+
     def _recover(self) -> None:
-        files = self._scan_segments()
-        for sid, path in sorted(files.items()):
+        """Read the catalog and mark; delete nothing. Rows that fail (a field, the row
+        checksum, the frame) are quarantined in the catalog and reported once through
+        :meth:`take_lost`; segment files no row names are moved to ``quarantine/``."""
+        for sid, path in sorted(self._scan_segments().items()):
+            self._sid_floor = max(self._sid_floor, sid)
             try:
                 fd = self.io.open(path, create=False)
             except OSError as exc:
                 raise _os_error(exc, f"opening segment {path}") from exc
             self._segments[sid] = _Segment(sid, path, fd, self.io.size(fd))
-        bad: list[CatalogRow] = []
-        for row in self.catalog.rows():
-            problem = self._check_row(
-                row,
-                full=self.config.verify_on_open == "full",
-                header=self.config.verify_on_open != "none",
-            )
+        referenced: set[int] = set()
+        marks: list[tuple[int, str]] = []
+        for s in self.catalog.scan():
+            if s.seg is not None:
+                referenced.add(s.seg)
+            problem = s.quarantine or s.problem
+            if not problem and s.row is not None:
+                problem = self._check_row(
+                    s.row,
+                    full=self.config.verify_on_open == "full",
+                    header=self.config.verify_on_open != "none",
+                )
             if problem:
-                bad.append(row)
-                self._lost.append((ChunkKey(row.key), f"dropped on open: {problem}"))
+                if s.seg is not None:
+                    self._pinned[s.seg] = self._pinned.get(s.seg, 0) + 1
+                if s.quarantine is None:  # found now: report it, once
+                    marks.append((s.rowid, problem))
+                    self._lost.append((ChunkKey(s.key), f"quarantined on open: {problem}"))
                 continue
-            self._entries[ChunkKey(row.key)] = row
-            self._segments[row.seg].live += frame_len(row.nbytes)
-        if bad:
-            self.catalog.delete([r.key for r in bad])
+            assert s.row is not None
+            self._entries[ChunkKey(s.row.key)] = s.row
+            self._segments[s.row.seg].live += frame_len(s.row.nbytes)
+        self.catalog.quarantine(marks)
         self.stats.recovered = len(self._entries)
-        self.stats.recovery_dropped = len(bad)
+        self.stats.recovery_dropped = len(marks)
+        self.stats.rows_quarantined = sum(self._pinned.values())
         for seg in list(self._segments.values()):
-            if seg.live == 0:
-                self._unlink_segment(seg)
-        self.stats.segments_reclaimed = 0
+            if seg.id not in referenced:
+                self._set_aside(seg)
+
+    def _set_aside(self, seg: _Segment) -> None:
+        """Take a segment no row names out of the store: a zero-byte file (an active
+        segment that never got a frame) is removed, any other is moved to quarantine/."""
+        del self._segments[seg.id]
+        try:
+            self.io.close(seg.fd)
+            if seg.length == 0:
+                self.io.unlink(seg.path)
+                return
+            self.quarantine_dir.mkdir(exist_ok=True)
+            dst = self.quarantine_dir / seg.path.name
+            n = 0
+            while dst.exists():
+                n += 1
+                dst = self.quarantine_dir / f"{seg.path.name}.{n}"
+            self.io.rename(seg.path, dst)
+            self.io.fsync_dir(self.quarantine_dir)
+            self.io.fsync_dir(self._segdir)
+        except OSError as exc:
+            raise _os_error(exc, f"moving unreferenced segment {seg.path} to quarantine") from exc
+        self.stats.segments_quarantined += 1
 
     def _check_row(self, row: CatalogRow, *, full: bool, header: bool) -> str:
         seg = self._segments.get(row.seg)
@@ -869,18 +973,41 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         if got < (HEADER_BYTES + row.nbytes if full else HEADER_BYTES):
             return f"truncated: {got} bytes"
         payload = [buf[HEADER_BYTES : HEADER_BYTES + row.nbytes]] if full else None
-        return self._verify(row, buf.data[:HEADER_BYTES], payload)
+        return verify_frame(
+            buf.data[:HEADER_BYTES],
+            payload,
+            key=row.key,
+            nbytes=row.nbytes,
+            checksum=row.checksum,
+            dtype=row.dtype,
+            shape=row.shape,
+            transform=row.transform,
+        )
 
     def check(
         self, fix: bool = False, progress: Callable[[int], object] | None = None
     ) -> CheckReport:
-        """Audit every row against its frame (payload checksums included) and list
-        segment files no row refers to. With ``fix``: drop bad rows, delete orphans.
-        ``progress`` is called with each replica's byte count as it is checked."""
+        """Audit the catalog (SQLite integrity, generation against the superblock), every
+        row against its frame (payload checksums included), the quarantined rows, and
+        list segment files no row refers to and files in quarantine/.
+
+        With ``fix``: drop bad and quarantined rows, delete orphan segments and the
+        quarantined files, rebuild damaged indexes, rewrite a damaged superblock copy;
+        ``report.actions`` says what was done. ``progress`` is called with each
+        replica's byte count as it is checked."""
         report = CheckReport()
         # the write mutex first, as every writer takes it: --fix deletes through it
         with self._write_mutex, self._lock:
-            referenced = {r.seg for r in self._entries.values()} | {self._active.id}
+            cat = self.catalog
+            report.generation = cat.generation
+            integrity = cat.integrity()
+            report.problems.extend(f"catalog integrity: {m}" for m in integrity)
+            state = self.superblock.reread()
+            report.problems.extend(f"superblock {p}" for p in state.problems)
+            if state.generation is not None and state.generation != cat.generation:
+                report.problems.append(
+                    f"superblock generation {state.generation}, catalog {cat.generation}"
+                )
             for row in list(self._entries.values()):
                 if progress is not None:
                     progress(row.nbytes)
@@ -893,23 +1020,64 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
                     report.bad_keys.append(row.key)
                 else:
                     report.ok += 1
-            for sid, path in self._scan_segments().items():
+            quarantined = cat.quarantined()
+            report.quarantined.extend(f"{k.hex()[:16]}…: {why}" for _, k, why in quarantined)
+            referenced = {r.seg for r in self._entries.values()} | set(self._pinned)
+            referenced.add(self._active.id)
+            for sid, path in sorted(self._scan_segments().items()):
                 if sid not in referenced:
                     report.orphan_segments.append(path.name)
+            report.quarantined_files.extend(self._quarantine_files())
             if fix:
-                if report.bad_keys:
-                    for key in report.bad_keys:
-                        self._lost.append((ChunkKey(key), "dropped by check --fix"))
-                    self.delete_batch([ChunkKey(k) for k in report.bad_keys])
-                for name in report.orphan_segments:
-                    sid = int(name[4:12])
-                    seg = self._segments.get(sid)
-                    if seg is not None:
-                        self._unlink_segment(seg)
-                    else:
-                        self.io.unlink(self._segdir / name)
-                report.fixed = True
+                self._fix(report, integrity, [rowid for rowid, _, _ in quarantined])
         return report
+
+    def _quarantine_files(self) -> list[str]:
+        try:
+            return sorted(p.name for p in self.quarantine_dir.iterdir() if p.is_file())
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise StorePathError(f"cannot list {self.quarantine_dir}: {exc}") from exc
+
+    def _fix(self, report: CheckReport, integrity: list[str], rowids: list[int]) -> None:
+        if integrity:
+            self.catalog.reindex()
+            report.actions.append("rebuilt the catalog's indexes")
+        if report.bad_keys:
+            for key in report.bad_keys:
+                self._lost.append((ChunkKey(key), "dropped by check --fix"))
+            self.delete_batch([ChunkKey(k) for k in report.bad_keys])
+            report.actions.append(f"dropped {len(report.bad_keys)} bad replicas")
+        if rowids:
+            self.catalog.delete_quarantined(rowids)  # counted when they were quarantined
+            report.actions.append(f"deleted {len(rowids)} quarantined catalog rows")
+            pinned, self._pinned = self._pinned, {}
+            for sid in pinned:
+                seg = self._segments.get(sid)
+                if seg is not None and seg.live == 0 and seg is not self._active:
+                    self._unlink_segment(seg)
+        for name in report.orphan_segments:
+            sid = int(name[4:12])
+            seg = self._segments.get(sid)
+            if seg is not None:
+                self._unlink_segment(seg)
+            else:
+                self.io.unlink(self._segdir / name)
+        if report.orphan_segments:
+            report.actions.append(f"deleted {len(report.orphan_segments)} orphan segments")
+        for name in report.quarantined_files:
+            self.io.unlink(self.quarantine_dir / name)
+        if report.quarantined_files:
+            report.actions.append(f"deleted {len(report.quarantined_files)} quarantined files")
+            with contextlib.suppress(OSError):  # left if something else was put there
+                self.quarantine_dir.rmdir()
+        if None in self.superblock.read().generations or (
+            self.superblock.read().generation != self.catalog.generation
+        ):
+            self.superblock.write_both(self.catalog.generation)
+            report.actions.append(f"rewrote the superblock at generation {self.catalog.generation}")
+        report.fixed = True
 
     def details(self) -> dict[str, object]:
         return {
@@ -952,6 +1120,7 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
                 with contextlib.suppress(OSError):
                     self.io.close(seg.fd)
             self.catalog.close()
+            self.superblock.close()
 
 
 def _os_error(exc: OSError, doing: str) -> Exception:
