@@ -69,6 +69,9 @@ class StoreConfig:
     """O_DIRECT on the disk tier: None detects."""
     verify_on_open: Literal["none", "header", "full"] = "header"
     """What recovery checks for each durable replica."""
+    read_pool_bytes: int = 1 * GiB
+    """Warm memory the disk tier may keep for loads into new arrays (on top of the DRAM
+    budget; never more than the caller ever had out at once)."""
     tiers: tuple[TierSpec, ...] = ()
     """An explicit chain, fastest first; overrides dram_bytes/disk_bytes/policy."""
     io_threads: int = 4
@@ -77,7 +80,7 @@ class StoreConfig:
     """The chain in use (``tiers`` or the default built from the budgets)."""
 
     def __post_init__(self) -> None:
-        for name in ("dram_bytes", "disk_bytes", "segment_bytes", "io_threads"):
+        for name in ("dram_bytes", "disk_bytes", "segment_bytes", "io_threads", "read_pool_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidArgument(f"{name} must be an int, got {value!r}")
@@ -103,6 +106,7 @@ class StoreConfig:
                             ("segment_bytes", self.segment_bytes),
                             ("direct_io", self.direct_io),
                             ("verify_on_open", self.verify_on_open),
+                            ("read_pool_bytes", self.read_pool_bytes),
                         ),
                     ),
                 )

@@ -59,7 +59,7 @@ def _memory(spec: TierSpec, ctx: TierContext) -> Tier:
 def _disk(spec: TierSpec, ctx: TierContext) -> Tier:
     from kvlife.tiers.disk import DiskTier, DiskTierConfig
 
-    known = {"segment_bytes", "direct_io", "verify_on_open", "io_depth"}
+    known = {"segment_bytes", "direct_io", "verify_on_open", "io_depth", "read_pool_bytes"}
     opts = dict(spec.options)
     unknown = sorted(set(opts) - known)
     if unknown:
