@@ -1,11 +1,12 @@
 """Faults through the seams: ENOSPC and EIO from the file layer, a locked, newer or
 unwritable store.
 
-I/O faults are injected by a :class:`~kvlife.tiers.disk.fileio.FileIO` subclass passed
-to ``KVStore.open(..., fileio=...)``: a failed put raises a typed error and leaves
-nothing of itself visible (now or after reopen), what was stored before still loads,
-and the store works again once the fault clears. A failed read is a miss, never
-success with bad bytes.
+I/O faults are injected by :class:`kvlife.faults.fileio.FaultyIO` (a
+:class:`~kvlife.tiers.disk.fileio.FileIO` subclass) passed to
+``KVStore.open(..., fileio=...)``: a failed put raises a typed error and leaves nothing
+of itself visible (now or after reopen), what was stored before still loads, and the
+store works again once the fault clears. A failed read is a miss, never success with
+bad bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +33,7 @@ from kvlife.core.errors import (
     StorePathError,
 )
 from kvlife.core.identity import ChunkKey, prompt_chunk_keys
+from kvlife.faults.fileio import FaultyIO
 from kvlife.store import KVStore
 from kvlife.tiers.disk.fileio import FileIO
 from tests.helpers.workload import (
@@ -52,49 +53,6 @@ from tests.helpers.workload import (
 )
 
 SEED = 31337
-
-
-class FaultyIO(FileIO):
-    """A FileIO that fails chosen calls with a chosen errno once armed.
-
-    ``arm(op, err, after=n)`` lets ``n`` more calls of ``op`` succeed, then fails every
-    call of it with ``OSError(err)`` until ``disarm``.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(direct=False)
-        self._armed: dict[str, tuple[int, int]] = {}
-        self.injected: dict[str, int] = {}
-
-    def arm(self, op: str, err: int, after: int = 0) -> None:
-        assert op in ("pwritev", "preadv", "fdatasync"), op
-        self._armed[op] = (err, after)
-
-    def disarm(self) -> None:
-        self._armed.clear()
-
-    def _maybe_fail(self, op: str) -> None:
-        armed = self._armed.get(op)
-        if armed is None:
-            return
-        err, after = armed
-        if after > 0:
-            self._armed[op] = (err, after - 1)
-            return
-        self.injected[op] = self.injected.get(op, 0) + 1
-        raise OSError(err, f"injected {errno.errorcode[err]}: {os.strerror(err)}")
-
-    def pwritev(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
-        self._maybe_fail("pwritev")
-        return super().pwritev(fd, buffers, offset)
-
-    def preadv(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
-        self._maybe_fail("preadv")
-        return super().preadv(fd, buffers, offset)
-
-    def fdatasync(self, fd: int) -> None:
-        self._maybe_fail("fdatasync")
-        super().fdatasync(fd)
 
 
 @dataclass(frozen=True, slots=True)
