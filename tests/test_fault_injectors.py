@@ -224,3 +224,19 @@ def test_read_log_ignores_a_torn_last_line(tmp_path: Path) -> None:
     assert read_log(tmp_path / "absent") == []
     with pytest.raises(ValueError):
         AckLog(tmp_path / "other").line("two\nlines")
+
+
+def test_a_fault_limited_to_a_file_name_spares_the_others(tmp_path: Path) -> None:
+    io = FaultyIO()
+    seg = io.open(tmp_path / "seg-00000001.kvs", create=True)
+    other = io.open(tmp_path / "superblock", create=True)
+    io.arm("fdatasync", errno.EIO, path="seg-*.kvs")
+    io.fdatasync(other)
+    with pytest.raises(OSError):
+        io.fdatasync(seg)
+    stall = io.stall("unlink", path="superblock", timeout_s=0.05)
+    io.unlink(tmp_path / "seg-00000001.kvs")  # not the stalled name: passes at once
+    assert not stall.entered.is_set()
+    assert io.injected == {"fdatasync": 1}
+    io.close(seg)
+    io.close(other)

@@ -11,6 +11,8 @@
   :class:`threading.Event` until the test releases it, so a test can prove that other
   threads make progress while one is stuck inside a disk read or an fsync.
 
+Both take ``path="glob"`` to hit only calls on files (or directories) whose name
+matches, e.g. ``"seg-*.kvs"`` for segment files and not a superblock beside them.
 Every call is counted per operation (``calls``) and every injected failure too
 (``injected``), so a test can assert that its fault really fired.
 """
@@ -18,6 +20,7 @@ Every call is counted per operation (``calls``) and every injected failure too
 from __future__ import annotations
 
 import errno
+import fnmatch
 import os
 import threading
 from collections.abc import Sequence
@@ -53,12 +56,18 @@ def file_op(op: FileOp | str) -> FileOp:
         raise ValueError(f"{op!r} is not a file seam call (one of {names})") from None
 
 
+def _matches(pattern: str | None, path: Path | None) -> bool:
+    return pattern is None or (path is not None and fnmatch.fnmatchcase(path.name, pattern))
+
+
 @dataclass(slots=True)
 class _Fault:
     err: int
     after: int
     """Calls still let through before the fault fires."""
     once: bool
+    path: str | None
+    """Glob on the file name the fault is limited to (None: every file)."""
 
 
 @dataclass(slots=True)
@@ -75,6 +84,8 @@ class Stall:
     """Set once a call is blocked in the seam."""
     released: threading.Event = field(default_factory=threading.Event)
     timed_out: bool = False
+    path: str | None = None
+    """Glob on the file name the stall is limited to (None: every file)."""
 
     def wait_entered(self, timeout_s: float = 10.0) -> bool:
         """Wait until a call is blocked in the stall; False if none came in time."""
@@ -93,28 +104,47 @@ class FaultyIO(FileIO):
         self._lock = threading.Lock()
         self._faults: dict[FileOp, _Fault] = {}
         self._stalls: list[Stall] = []
+        self._paths: dict[int, Path] = {}
         self.calls: dict[str, int] = {}
         """Calls per operation name, failed and stalled ones included."""
         self.injected: dict[str, int] = {}
         """Injected failures per operation name."""
 
-    def arm(self, op: FileOp | str, err: int, after: int = 0, *, once: bool = False) -> None:
+    def arm(
+        self,
+        op: FileOp | str,
+        err: int,
+        after: int = 0,
+        *,
+        once: bool = False,
+        path: str | None = None,
+    ) -> None:
         """Fail calls of ``op`` with ``OSError(err)`` after ``after`` more succeed.
 
-        Sticky until :meth:`disarm` unless ``once``. Re-arming an op replaces its fault.
+        Sticky until :meth:`disarm` unless ``once``. ``path`` limits the fault (and the
+        count of ``after``) to files whose name matches the glob. Re-arming an op
+        replaces its fault.
         """
         if after < 0:
             raise ValueError(f"after must be >= 0, got {after}")
         if err not in errno.errorcode:
             raise ValueError(f"{err} is not an errno")
         with self._lock:
-            self._faults[file_op(op)] = _Fault(err, after, once)
+            self._faults[file_op(op)] = _Fault(err, after, once, path)
 
-    def stall(self, op: FileOp | str, after: int = 0, timeout_s: float = 30.0) -> Stall:
-        """Block the call of ``op`` that comes after ``after`` more, until released."""
+    def stall(
+        self,
+        op: FileOp | str,
+        after: int = 0,
+        timeout_s: float = 30.0,
+        *,
+        path: str | None = None,
+    ) -> Stall:
+        """Block the call of ``op`` that comes after ``after`` more (on files matching
+        ``path``, if given), until released."""
         if after < 0:
             raise ValueError(f"after must be >= 0, got {after}")
-        stall = Stall(file_op(op), after, timeout_s)
+        stall = Stall(file_op(op), after, timeout_s, path=path)
         with self._lock:
             self._stalls.append(stall)
         return stall
@@ -133,13 +163,13 @@ class FaultyIO(FileIO):
         for s in stalls:
             s.release()
 
-    def _enter(self, op: FileOp) -> None:
+    def _enter(self, op: FileOp, path: Path | None) -> None:
         """Count the call, then stall or fail it as armed."""
         stall: Stall | None = None
         with self._lock:
             self.calls[op.value] = self.calls.get(op.value, 0) + 1
             for s in self._stalls:
-                if s.op is op:
+                if s.op is op and _matches(s.path, path):
                     if s.after > 0:
                         s.after -= 1
                     else:
@@ -153,7 +183,7 @@ class FaultyIO(FileIO):
                 raise OSError(errno.ETIMEDOUT, f"stalled {op.value} never released")
         with self._lock:
             fault = self._faults.get(op)
-            if fault is None:
+            if fault is None or not _matches(fault.path, path):
                 return
             if fault.after > 0:
                 fault.after -= 1
@@ -164,38 +194,47 @@ class FaultyIO(FileIO):
         err = fault.err
         raise OSError(err, f"injected {errno.errorcode[err]}: {os.strerror(err)}")
 
+    def _path(self, fd: int) -> Path | None:
+        with self._lock:
+            return self._paths.get(fd)
+
     def open(self, path: Path, create: bool) -> int:
-        self._enter(FileOp.OPEN)
-        return super().open(path, create)
+        self._enter(FileOp.OPEN, path)
+        fd = super().open(path, create)
+        with self._lock:
+            self._paths[fd] = path
+        return fd
 
     def pwritev(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
-        self._enter(FileOp.PWRITEV)
+        self._enter(FileOp.PWRITEV, self._path(fd))
         return super().pwritev(fd, buffers, offset)
 
     def preadv(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
-        self._enter(FileOp.PREADV)
+        self._enter(FileOp.PREADV, self._path(fd))
         return super().preadv(fd, buffers, offset)
 
     def fdatasync(self, fd: int) -> None:
-        self._enter(FileOp.FDATASYNC)
+        self._enter(FileOp.FDATASYNC, self._path(fd))
         super().fdatasync(fd)
 
     def truncate(self, fd: int, length: int) -> None:
-        self._enter(FileOp.TRUNCATE)
+        self._enter(FileOp.TRUNCATE, self._path(fd))
         super().truncate(fd, length)
 
     def close(self, fd: int) -> None:
-        self._enter(FileOp.CLOSE)
+        self._enter(FileOp.CLOSE, self._path(fd))
         super().close(fd)
+        with self._lock:
+            self._paths.pop(fd, None)
 
     def unlink(self, path: Path) -> None:
-        self._enter(FileOp.UNLINK)
+        self._enter(FileOp.UNLINK, path)
         super().unlink(path)
 
     def fsync_dir(self, directory: Path) -> None:
-        self._enter(FileOp.FSYNC_DIR)
+        self._enter(FileOp.FSYNC_DIR, directory)
         super().fsync_dir(directory)
 
     def size(self, fd: int) -> int:
-        self._enter(FileOp.SIZE)
+        self._enter(FileOp.SIZE, self._path(fd))
         return super().size(fd)
