@@ -20,6 +20,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -513,4 +514,37 @@ def test_write_through_put_never_evicts_its_own_present_chunks(tmp_path: Path) -
         assert visible_chunks(store, second) == len(second.keys), "the put evicted its own prefix"
         assert_loads_in_full(store, [second])
     finally:
+        store.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="store: one lock is held across disk reads, so a lookup waits behind another "
+    "thread's read (issue 8, I/O outside the lock)",
+)
+def test_lookup_completes_while_another_thread_is_stalled_in_a_disk_read(
+    tmp_path: Path,
+) -> None:
+    io = FaultyIO()
+    store = DISK_ONLY.open(tmp_path, io)
+    try:
+        stalled, other = fresh_prompt(0), fresh_prompt(100)
+        put(store, stalled)
+        put(store, other)
+        stall = io.stall("preadv", timeout_s=60.0)
+        loader = threading.Thread(target=load_prompt, args=(store, stalled))
+        loader.start()
+        assert stall.wait_entered(10.0), "the load never read from disk"
+        hits: list[int] = []
+        looker = threading.Thread(target=lambda: hits.append(visible_chunks(store, other)))
+        looker.start()
+        looker.join(2.0)
+        finished = not looker.is_alive()
+        stall.release()
+        loader.join(30.0)
+        looker.join(30.0)
+        assert finished, "a lookup waited behind another thread's stalled disk read"
+        assert hits == [len(other.keys)]
+    finally:
+        io.disarm()
         store.close()
