@@ -155,7 +155,9 @@ class PowerCutIO(FileIO):
         self._catalogs = [_norm(p) for p in catalogs]
         self._stash = Path(tempfile.mkdtemp(prefix="kvlife-powercut-")) if stash is None else stash
         self._stash.mkdir(parents=True, exist_ok=True)
-        self._persist = persist
+        self.persist = persist
+        """Chance that a pending 4 KiB page reaches the disk at the cut (may be changed
+        until then)."""
         self._rng = random.Random(seed)
         self._names = itertools.count()
         self._files: dict[tuple[int, int], _File] = {}
@@ -190,7 +192,7 @@ class PowerCutIO(FileIO):
             if self.dead:
                 return
             self._snapshot_catalogs()
-            if self._persist > 0.0:
+            if self.persist > 0.0:
                 self._partial_write_back()
             for f in self._files.values():
                 f.ops.clear()
@@ -444,7 +446,7 @@ class PowerCutIO(FileIO):
                 if not isinstance(op, _Write):
                     continue
                 for lo in range(0, len(op.data), PAGE):
-                    if self._rng.random() < self._persist:
+                    if self._rng.random() < self.persist:
                         os.pwrite(fd, op.data[lo : lo + PAGE], op.offset + lo)
 
     def _snapshot_catalogs(self) -> None:
