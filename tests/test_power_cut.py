@@ -181,6 +181,14 @@ def test_cut_armed_at_a_sync_fires_before_or_after_it(
     assert path.read_bytes() == (b"onetwo" if kept else b"one")
 
 
+def test_cut_armed_after_a_call_that_fails_still_fires(tmp_path: Path) -> None:
+    io = _seam(tmp_path)
+    io.arm(CutPoint(1, "open", "after"))
+    with pytest.raises(PowerCut):
+        io.open(tmp_path / "missing", create=False)
+    assert io.dead and io.cut_at.startswith("after open #1")
+
+
 def test_partial_write_back_keeps_a_share_of_pending_pages(tmp_path: Path) -> None:
     io = _seam(tmp_path, persist=1.0)
     path = tmp_path / "f"

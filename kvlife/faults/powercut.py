@@ -49,7 +49,7 @@ import random
 import shutil
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -267,6 +267,19 @@ class PowerCutIO(FileIO):
             self._cut_after = where
         return False
 
+    @contextlib.contextmanager
+    def _call(self, op: str, *, fails_dead: bool = True) -> Iterator[bool]:
+        """One seam call under the lock: yields True when the seam is dead and the call is
+        to be accepted without effect; cuts after the call (even one that raised) when
+        the cut is armed after it."""
+        with self._lock:
+            dead = self._enter(op, fails_dead=fails_dead)
+            try:
+                yield dead
+            finally:
+                if not dead:
+                    self._leave(op)
+
     def _leave(self, op: str) -> None:
         where, self._cut_after = self._cut_after, ""
         if where:
@@ -276,8 +289,7 @@ class PowerCutIO(FileIO):
     # ------------------------------------------------------------------ the seam
 
     def open(self, path: Path, create: bool) -> int:
-        with self._lock:
-            self._enter("open")
+        with self._call("open"):
             path = _norm(path)
             existed = path.exists()
             fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
@@ -285,16 +297,14 @@ class PowerCutIO(FileIO):
             self._fds[fd] = self._files.setdefault((st.st_dev, st.st_ino), _File())
             if create and not existed:
                 self._entries.append(_Entry("create", path, dirs={path.parent}))
-            self._leave("open")
             return fd
 
     def pwritev(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
-        with self._lock:
-            if self._enter("pwritev", fails_dead=False):
+        with self._call("pwritev", fails_dead=False) as dead:
+            if dead:
                 return sum(b.nbytes for b in buffers)
             data = b"".join(bytes(np.ascontiguousarray(b).data) for b in buffers)
             self._file(fd).ops.append(_Write(offset, data))
-            self._leave("pwritev")
             return len(data)
 
     def preadv(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
@@ -315,8 +325,7 @@ class PowerCutIO(FileIO):
             return got
 
     def fdatasync(self, fd: int) -> None:
-        with self._lock:
-            self._enter("fdatasync")
+        with self._call("fdatasync"):
             f = self._file(fd)
             for op in f.ops:
                 if isinstance(op, _Write):
@@ -324,14 +333,12 @@ class PowerCutIO(FileIO):
                 else:
                     os.ftruncate(fd, op.length)
             f.ops.clear()
-            self._leave("fdatasync")
 
     def truncate(self, fd: int, length: int) -> None:
-        with self._lock:
-            if self._enter("truncate", fails_dead=False):
+        with self._call("truncate", fails_dead=False) as dead:
+            if dead:
                 return
             self._file(fd).ops.append(_Truncate(length))
-            self._leave("truncate")
 
     def close(self, fd: int) -> None:
         with self._lock:
@@ -342,18 +349,16 @@ class PowerCutIO(FileIO):
             os.close(fd)  # pending data stays with the inode, as in a page cache
 
     def unlink(self, path: Path) -> None:
-        with self._lock:
-            if self._enter("unlink", fails_dead=False):
+        with self._call("unlink", fails_dead=False) as dead:
+            if dead:
                 return
             path = _norm(path)
             if path.exists():
                 stash = self._stash_file(path)
                 self._entries.append(_Entry("unlink", path, stash=stash, dirs={path.parent}))
-            self._leave("unlink")
 
     def fsync_dir(self, directory: Path) -> None:
-        with self._lock:
-            self._enter("fsync_dir")
+        with self._call("fsync_dir"):
             d = _norm(directory)
             keep: list[_Entry] = []
             for entry in self._entries:
@@ -363,19 +368,18 @@ class PowerCutIO(FileIO):
                 elif entry.stash is not None:
                     self._forget(entry.stash)  # the removal is durable now
             self._entries = keep
-            self._leave("fsync_dir")
 
     def rename(self, src: Path, dst: Path) -> None:
         """Move ``src`` to ``dst``, replacing it (durable once both directories are synced)."""
-        with self._lock:
-            self._enter("rename")
+        with self._call("rename"):
             src, dst = _norm(src), _norm(dst)
+            if not src.exists():
+                raise FileNotFoundError(errno.ENOENT, "no file to rename", str(src))
             stash = self._stash_file(dst) if dst.exists() else None
             os.rename(src, dst)
             self._entries.append(
                 _Entry("rename", dst, src=src, stash=stash, dirs={src.parent, dst.parent})
             )
-            self._leave("rename")
 
     def replace(self, src: Path, dst: Path) -> None:
         """Same as :meth:`rename` (``os.replace`` semantics)."""
