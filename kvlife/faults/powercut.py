@@ -18,7 +18,7 @@ files hold exactly what is durable: ``fdatasync`` applies a file's pending data 
 :meth:`PowerCutIO.cut` (called on demand, or armed with :meth:`PowerCutIO.arm` to fire
 before or after the k-th call of an operation) cuts the power: pending data is dropped
 (or, with ``persist > 0``, a random share of its 4 KiB pages reaches the disk anyway, as
-a partial write-back would leave it), pending directory changes are undone (newly
+a partial write-back would leave it; pages of files the store still holds open), pending directory changes are undone (newly
 created files vanish, unlinked files come back, renames go back), every file the seam
 opened is closed, and from then on the seam is dead: calls that read or promise
 durability (``open``, ``preadv``, ``size``, ``fdatasync``, ``fsync_dir``, ``rename``)
