@@ -18,14 +18,14 @@ files hold exactly what is durable: ``fdatasync`` applies a file's pending data 
 :meth:`PowerCutIO.cut` (called on demand, or armed with :meth:`PowerCutIO.arm` to fire
 before or after the k-th call of an operation) cuts the power: pending data is dropped
 (or, with ``persist > 0``, a random share of its 4 KiB pages reaches the disk anyway, as
-a partial write-back would leave it; pages of files the store still holds open), pending directory changes are undone (newly
-created files vanish, unlinked files come back, renames go back), every file the seam
-opened is closed, and from then on the seam is dead: calls that read or promise
-durability (``open``, ``preadv``, ``size``, ``fdatasync``, ``fsync_dir``, ``rename``)
-fail with ``EIO``; calls that would only have reached a page cache that no longer
-matters (``pwritev``, ``truncate``, ``unlink``, ``close``) are accepted and do nothing.
-So no later action of the dead store instance can change the disk, and closing it still
-releases its lock.
+a partial write-back would leave it; pages of files the store still holds open), pending
+directory changes are undone (newly created files vanish, unlinked files come back,
+renames go back), every file the seam opened is closed, and from then on the seam is
+dead: calls that read or promise durability (``open``, ``preadv``, ``size``,
+``fdatasync``, ``fsync_dir``, ``rename``) fail with ``EIO``; calls that would only have
+reached a page cache that no longer matters (``pwritev``, ``truncate``, ``unlink``,
+``close``) are accepted and do nothing. So no later action of the dead store instance
+can change the disk, and closing it still releases its lock.
 
 Files outside the seam. The disk tier's SQLite catalog does not write through
 :class:`FileIO`. It runs in WAL mode with ``synchronous=FULL``, so every committed
