@@ -8,7 +8,8 @@ that what is served is bit-exact, that damaged objects are counted (``corrupt`` 
 load finds them, ``recovery_dropped`` when reopening does) and invalidated for good, and
 that ``DiskTier.check`` reports damage that reopening has not already dropped.
 
-Frames are located through the documented segment format (:mod:`kvlife.tiers.disk.frame`).
+Frames are located through the documented segment format (:mod:`kvlife.tiers.disk.frame`)
+by the damage helpers of :mod:`kvlife.faults.damage`.
 """
 
 from __future__ import annotations
@@ -27,15 +28,17 @@ from hypothesis import strategies as st
 
 from kvlife.core.errors import KVLifeError
 from kvlife.core.identity import ChunkKey
+from kvlife.faults.damage import (
+    Frame,
+    catalog_file,
+    flip,
+    overwrite,
+    scan_frames,
+    segment_dir,
+)
 from kvlife.store import KVStore
 from kvlife.tiers.disk.catalog import CatalogMissing
-from kvlife.tiers.disk.frame import (
-    HEADER_BYTES,
-    HEADER_USED,
-    FrameError,
-    frame_len,
-    unpack_header,
-)
+from kvlife.tiers.disk.frame import HEADER_BYTES, HEADER_USED, frame_len
 from kvlife.tiers.disk.tier import DiskTier
 from tests.helpers.workload import (
     IDENTITY,
@@ -76,49 +79,6 @@ def disk_of(store: KVStore) -> DiskTier:
     tier = store.tier("disk")
     assert isinstance(tier, DiskTier)
     return tier
-
-
-def segment_dir(path: Path) -> Path:
-    return path / "disk" / "segments"
-
-
-def catalog_file(path: Path) -> Path:
-    return path / "disk" / "catalog.sqlite"
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """One frame found in a segment file."""
-
-    segment: Path
-    offset: int
-    key: ChunkKey
-    payload_len: int
-
-    @property
-    def payload_offset(self) -> int:
-        return self.offset + HEADER_BYTES
-
-    @property
-    def end(self) -> int:
-        return self.offset + frame_len(self.payload_len)
-
-
-def scan_frames(path: Path) -> list[Frame]:
-    """Every frame whose header verifies, in segment and offset order."""
-    frames: list[Frame] = []
-    for seg in sorted(segment_dir(path).glob("seg-*.kvs")):
-        data = seg.read_bytes()
-        off = 0
-        while off + HEADER_BYTES <= len(data):
-            try:
-                h = unpack_header(data[off : off + HEADER_BYTES])
-            except FrameError:
-                off += HEADER_BYTES
-                continue
-            frames.append(Frame(seg, off, ChunkKey(h.key), h.payload_len))
-            off += frame_len(h.payload_len)
-    return frames
 
 
 @dataclass(slots=True)
@@ -188,21 +148,6 @@ def audit(store: KVStore, built: Built) -> Audit:
         assert got.corrupt == [], "a replica went bad between two loads"
         assert_served_correctly(got, prompt.keys)
     return out
-
-
-def overwrite(path: Path, offset: int, data: bytes) -> None:
-    with path.open("r+b") as fh:
-        fh.seek(offset)
-        fh.write(data)
-
-
-def flip(path: Path, offset: int, length: int) -> None:
-    """Invert ``length`` bytes at ``offset`` (so they surely change)."""
-    with path.open("r+b") as fh:
-        fh.seek(offset)
-        old = fh.read(length)
-        fh.seek(offset)
-        fh.write(bytes(b ^ 0xFF for b in old))
 
 
 def assert_checked(store: KVStore, quarantined: set[ChunkKey]) -> None:

@@ -1,6 +1,7 @@
 """Crash recovery: SIGKILL a writing child at random moments, reopen, check every byte.
 
-A child process (``tests/helpers/crash_child.py``) puts a deterministic workload with
+A child process (the harness of :mod:`kvlife.faults.crash` running
+``tests/helpers/crash_workload.py``) puts a deterministic workload with
 ``write_through=True``, logs every key the store drops, and fsyncs an acknowledgement
 after every put and invalidation. The parent kills it after a seeded random delay of
 0-300 ms (inside segment writes, fdatasync, SQLite commits, compaction, or recovery in
@@ -22,11 +23,8 @@ The store directory is reused across kills, so each round recovers what the last
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +32,8 @@ from pathlib import Path
 import pytest
 
 from kvlife.core.identity import ChunkKey, Namespace, NamespaceKind
+from kvlife.faults import crash
+from kvlife.faults.crash import CrashChild, read_log
 from kvlife.store import KVStore
 from tests.helpers.workload import (
     IDENTITY,
@@ -54,6 +54,7 @@ from tests.helpers.workload import (
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MAX_SLEEP_S = 0.3
 CHILD_START_TIMEOUT_S = 60.0
+WORKLOAD = "tests.helpers.crash_workload:run"
 IN_FLIGHT_EVICTIONS = 24
 """Keys the put in flight may have evicted without logging it (the kill fell between
 the catalog delete and its events). A put needs at most 5 frames (40 KiB): 5 victims,
@@ -76,13 +77,9 @@ class ChildLog:
 
 def parse_log(path: Path) -> ChildLog:
     out = ChildLog()
-    if not path.exists():
-        return out
-    lines = path.read_text(encoding="utf-8").split("\n")
-    # The last element is the text after the final newline: a torn line at most, ignored.
-    for line in lines[:-1]:
-        kind, _, rest = line.partition(" ")
-        parts = rest.split()
+    # read_log ignores the text after the final newline: a torn line at most.
+    for line in read_log(path):
+        kind, parts, rest = line.kind, line.args, line.rest
         if kind == "start":
             out.started = True
         elif kind == "ready":
@@ -96,7 +93,7 @@ def parse_log(path: Path) -> ChildLog:
         elif (kind in ("gone", "nd") and len(parts) == 1) or (kind == "inv" and len(parts) == 2):
             out.entries.append((kind, rest))
         else:
-            raise AssertionError(f"unparsable line {line!r} in {path}")
+            raise AssertionError(f"unparsable line {kind} {rest!r} in {path}")
     return out
 
 
@@ -167,65 +164,44 @@ class Expectation:
         return self.last_invalidation.get(str(ref.namespace), -1) >= self.last_put[key]
 
 
-def child_stderr(log: Path) -> str:
-    return (log.parent / (log.name + ".stderr")).read_text(errors="replace")
+def start_child(store: Path, log: Path, seed: int, first: int, shape: str) -> CrashChild:
+    return crash.start_child(
+        WORKLOAD,
+        store,
+        log,
+        [f"--seed={seed}", f"--first={first}", f"--shape={shape}"],
+        pythonpath=[REPO_ROOT],
+    )
 
 
-def start_child(
-    store: Path, log: Path, seed: int, first: int, shape: str
-) -> subprocess.Popen[bytes]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    cmd = [
-        sys.executable,
-        "-m",
-        "tests.helpers.crash_child",
-        str(store),
-        str(log),
-        f"--seed={seed}",
-        f"--first={first}",
-        f"--shape={shape}",
-    ]
-    with (log.parent / (log.name + ".stderr")).open("wb") as stderr:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
-
-
-def wait_for(proc: subprocess.Popen[bytes], log: Path, ready: bool, warm: str) -> None:
+def wait_for(child: CrashChild, ready: bool, warm: str) -> None:
     """Poll the child's log until it has started, or is ready; a ``warm`` round also
     waits until the child has evicted (``churn``) or put a few prompts (``durable``)."""
-    deadline = time.monotonic() + CHILD_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(
-                f"crash child exited by itself (rc {proc.returncode}):\n{child_stderr(log)}"
-            )
-        got = parse_log(log)
+
+    def going(_: object) -> bool:
+        got = parse_log(child.log)
         warmed = {"": True, "churn": got.evictions > 0, "durable": len(got.puts) >= 20}[warm]
-        if (got.ready if ready else got.started) and warmed:
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"crash child did not get going within {CHILD_START_TIMEOUT_S} s")
+        return (got.ready if ready else got.started) and warmed
+
+    child.wait_until(going, timeout_s=CHILD_START_TIMEOUT_S)
 
 
 def kill_round(store: Path, log: Path, exp: Expectation, rng: random.Random) -> None:
     """Run one child and SIGKILL it at a random moment; record what it acknowledged."""
     first = exp.next_first
-    proc = start_child(store, log, exp.seed, first, exp.shape)
+    child = start_child(store, log, exp.seed, first, exp.shape)
     try:
         # The first round of a store runs until the churn disk is full (so that every
         # later round works under eviction and compaction) or a few prompts are durable.
         warm = exp.shape if exp.kills == 0 else ""
         # Some rounds die inside KVStore.open, while recovery deletes rows and files.
         during_open = not warm and rng.random() < 0.15
-        wait_for(proc, log, ready=not during_open, warm=warm)
+        wait_for(child, ready=not during_open, warm=warm)
         time.sleep(rng.uniform(0.0, 0.03 if during_open else MAX_SLEEP_S))
-        os.kill(proc.pid, signal.SIGKILL)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL, (
-        f"child ended with {proc.returncode}, not by the kill:\n{child_stderr(log)}"
+        returncode = child.kill()
+    assert returncode == -signal.SIGKILL, (
+        f"child ended with {returncode}, not by the kill:\n{child.stderr()}"
     )
     exp.absorb(first, parse_log(log))
 

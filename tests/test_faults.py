@@ -1,15 +1,17 @@
 """Faults through the seams: ENOSPC and EIO from the file layer, a locked, newer or
 unwritable store.
 
-I/O faults are injected by a :class:`~kvlife.tiers.disk.fileio.FileIO` subclass passed
-to ``KVStore.open(..., fileio=...)``: a failed put raises a typed error and leaves
-nothing of itself visible (now or after reopen), what was stored before still loads,
-and the store works again once the fault clears. A failed read is a miss, never
-success with bad bytes.
+I/O faults are injected by :class:`kvlife.faults.fileio.FaultyIO` (a
+:class:`~kvlife.tiers.disk.fileio.FileIO` subclass) passed to
+``KVStore.open(..., fileio=...)``: a failed put raises a typed error and leaves nothing
+of itself visible (now or after reopen), what was stored before still loads, and the
+store works again once the fault clears. A failed read is a miss, never success with
+bad bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -18,7 +20,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-from collections.abc import Sequence
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,7 @@ from kvlife.core.errors import (
     StorePathError,
 )
 from kvlife.core.identity import ChunkKey, prompt_chunk_keys
+from kvlife.faults.fileio import FaultyIO
 from kvlife.store import KVStore
 from kvlife.tiers.disk.fileio import FileIO
 from tests.helpers.workload import (
@@ -53,54 +56,6 @@ from tests.helpers.workload import (
 )
 
 SEED = 31337
-
-
-class FaultyIO(FileIO):
-    """A FileIO that fails chosen calls with a chosen errno once armed.
-
-    ``arm(op, err, after=n)`` lets ``n`` more calls of ``op`` succeed, then fails every
-    call of it with ``OSError(err)`` until ``disarm``.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(direct=False)
-        self._armed: dict[str, tuple[int, int]] = {}
-        self.injected: dict[str, int] = {}
-
-    def arm(self, op: str, err: int, after: int = 0) -> None:
-        assert op in ("pwritev", "preadv", "fdatasync"), op
-        self._armed[op] = (err, after)
-
-    def disarm(self) -> None:
-        self._armed.clear()
-
-    def _maybe_fail(self, op: str) -> None:
-        armed = self._armed.get(op)
-        if armed is None:
-            return
-        err, after = armed
-        if after > 0:
-            self._armed[op] = (err, after - 1)
-            return
-        self.injected[op] = self.injected.get(op, 0) + 1
-        raise OSError(err, f"injected {errno.errorcode[err]}: {os.strerror(err)}")
-
-    def pwritev(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
-        # One call per buffer, so that "after n calls" fails mid-batch whether or not the
-        # tier groups consecutive frames into one vectored write.
-        done = 0
-        for buf in buffers:
-            self._maybe_fail("pwritev")
-            done += super().pwritev(fd, [buf], offset + done)
-        return done
-
-    def preadv(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
-        self._maybe_fail("preadv")
-        return super().preadv(fd, buffers, offset)
-
-    def fdatasync(self, fd: int) -> None:
-        self._maybe_fail("fdatasync")
-        super().fdatasync(fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -484,4 +439,97 @@ def test_full_disk_budget_evicts_only_what_the_put_needs(tmp_path: Path) -> None
         )
         assert len(store.indexed_keys()) == frames
     finally:
+        store.close()
+
+
+# ------------------------------------------------------------------ found by the power-cut tests
+
+
+def test_unlink_fault_while_invalidating_is_typed(tmp_path: Path) -> None:
+    io = FaultyIO()
+    store = KVStore.open(
+        tmp_path, dram_bytes=0, disk_bytes=64 * MiB, segment_bytes=64 * KiB, fileio=io
+    )
+    try:
+        ns = USERS[0]
+        for i in range(12):  # about 40 frames: several sealed segments of this namespace only
+            put(store, make_prompt(SEED, i, namespace=ns))
+        io.arm("unlink", errno.EIO)
+        # A typed refusal is fine; an untyped OSError is the bug.
+        with contextlib.suppress(KVLifeError):
+            store.invalidate(namespace=ns)
+        assert io.injected.get("unlink", 0) >= 1, "no segment was reclaimed"
+    finally:
+        io.disarm()
+        store.close()
+
+
+def test_close_releases_the_lock_when_the_disk_fails(tmp_path: Path) -> None:
+    io = FaultyIO()
+    store = DISK_ONLY.open(tmp_path, io)
+    io.arm("unlink", errno.EIO)  # close unlinks the empty active segment
+    with contextlib.suppress(OSError):
+        store.close()
+    assert io.injected.get("unlink", 0) >= 1
+    DISK_ONLY.open(tmp_path).close()  # the lock must be free again
+
+
+def test_write_through_put_never_evicts_its_own_present_chunks(tmp_path: Path) -> None:
+    """A shared prefix held on disk only (DRAM has moved on) is present for the second
+    prompt; making disk room for that prompt's new chunks must not evict the prefix,
+    or the put returns with its whole prompt unreachable."""
+    store = KVStore.open(
+        tmp_path,
+        dram_bytes=2 * LAYOUT.chunk_nbytes,
+        disk_bytes=8 * 8 * KiB,  # 8 frames, one per segment: eviction frees at once
+        segment_bytes=8 * KiB,
+        write_through=True,
+    )
+    try:
+        ns = USERS[0]
+        rng = np.random.default_rng(SEED)
+
+        def prompt(number: int, chunks: int, prefix: np.ndarray | None = None) -> Prompt:
+            own = rng.integers(0, 1 << 15, size=chunks * LAYOUT.tokens_per_chunk, dtype=np.uint32)
+            tokens = own if prefix is None else np.concatenate([prefix, own])
+            return Prompt(number, ns, tokens, tuple(prompt_chunk_keys(IDENTITY, ns, tokens)))
+
+        first = prompt(0, 3)
+        put(store, first)
+        for i in range(5):  # fill the disk; DRAM keeps only the last two
+            put(store, prompt(1 + i, 1))
+        second = prompt(9, 2, prefix=first.tokens[: 2 * LAYOUT.tokens_per_chunk])
+        res = put(store, second)
+        assert res.already_present == 2 and res.stored == 2
+        assert visible_chunks(store, second) == len(second.keys), "the put evicted its own prefix"
+        assert_loads_in_full(store, [second])
+    finally:
+        store.close()
+
+
+def test_lookup_completes_while_another_thread_is_stalled_in_a_disk_read(
+    tmp_path: Path,
+) -> None:
+    io = FaultyIO()
+    store = DISK_ONLY.open(tmp_path, io)
+    try:
+        stalled, other = fresh_prompt(0), fresh_prompt(100)
+        put(store, stalled)
+        put(store, other)
+        stall = io.stall("preadv", timeout_s=60.0)
+        loader = threading.Thread(target=load_prompt, args=(store, stalled))
+        loader.start()
+        assert stall.wait_entered(10.0), "the load never read from disk"
+        hits: list[int] = []
+        looker = threading.Thread(target=lambda: hits.append(visible_chunks(store, other)))
+        looker.start()
+        looker.join(2.0)
+        finished = not looker.is_alive()
+        stall.release()
+        loader.join(30.0)
+        looker.join(30.0)
+        assert finished, "a lookup waited behind another thread's stalled disk read"
+        assert hits == [len(other.keys)]
+    finally:
+        io.disarm()
         store.close()

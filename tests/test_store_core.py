@@ -13,11 +13,11 @@ import pytest
 
 from kvlife.core.events import MemorySink
 from kvlife.core.identity import PUBLIC, ModelIdentity
+from kvlife.faults.damage import flip, scan_frames
+from kvlife.faults.fileio import FaultyIO
 from kvlife.store import KVStore, TierSpec
 from kvlife.tiers.disk.fileio import FileIO
 from tests.conftest import TINY, prompt_kv
-from tests.test_corruption import flip, scan_frames
-from tests.test_faults import FaultyIO
 
 CHUNK = TINY.chunk_nbytes
 N = TINY.tokens_per_chunk

@@ -37,9 +37,9 @@ from kvlife.core.identity import (
     prompt_chunk_keys,
 )
 from kvlife.core.lifecycle import Move, ObjectState, check_move
+from kvlife.faults.damage import flip, scan_frames
 from kvlife.store import KVStore, PendingPut, TierSpec
 from tests.conftest import TINY, prompt_kv, tiny_identity
-from tests.test_corruption import flip, scan_frames
 
 N = TINY.tokens_per_chunk
 ALICE = Namespace(NamespaceKind.USER, "alice")

@@ -20,8 +20,9 @@ The rules (docs/replay.md states them for one tier):
   inserted (new) or touched (present) in each tier holding it;
 - **making room** in tier *i* takes victims one ``evict(1, protected)`` at a time until
   the shortfall is met. Victims with no replica elsewhere are first copied (demoted) to
-  tier *i+1*, whose room is made the same way protecting only those victims; a victim
-  that then has no replica left is dropped;
+  tier *i+1*, whose room is made the same way, protecting those victims and whatever the
+  caller protects (a put's whole prompt); a victim that then has no replica left is
+  dropped;
 - **promotion** copies hits that were served from a slower tier into the first tier.
 """
 
@@ -195,16 +196,23 @@ class Placement:
         return plan, placed
 
     def plan_copies(
-        self, keys: Sequence[Hashable], dst: TierName, reason: str, *, batch: int = 64
+        self,
+        keys: Sequence[Hashable],
+        dst: TierName,
+        reason: str,
+        *,
+        protected: Collection[Hashable] = (),
+        batch: int = 64,
     ) -> Plan:
         """Copy ``keys`` (from their fastest replica) into ``dst``, making room there
-        batch by batch, protecting each batch. ``complete`` is False if a batch found no
-        room (it and the rest are then not copied)."""
+        batch by batch, protecting each batch and ``protected`` (a write-through put's
+        whole prompt). ``complete`` is False if a batch found no room (it and the rest
+        are then not copied)."""
         plan = Plan()
         todo = [k for k in keys if dst not in self.res.tiers_of(k)]
         for i in range(0, len(todo), batch):
             part = todo[i : i + batch]
-            if not self._copy_into(plan, part, dst, reason, set(part)):
+            if not self._copy_into(plan, part, dst, reason, set(part).union(protected)):
                 plan.complete = False
                 break
         return plan
@@ -288,16 +296,21 @@ class Placement:
             victims.append(key)
             freed += slot.footprint(self.res.size_of(key))
         if victims:
-            self._evict(plan, tier, victims)
+            self._evict(plan, tier, victims, protected)
         return freed >= short
 
-    def _evict(self, plan: Plan, tier: TierName, victims: list[Hashable]) -> None:
+    def _evict(
+        self, plan: Plan, tier: TierName, victims: list[Hashable], protected: Collection[Hashable]
+    ) -> None:
         nxt = self.next_tier(tier)
         demoted = True
         if nxt is not None:
             only_here = [v for v in victims if len(self.res.tiers_of(v)) == 1]
             if only_here:
-                demoted = self._copy_into(plan, only_here, nxt, "demote", set(only_here))
+                # room in the next tier never takes what the caller protects either (a
+                # put's own prompt), nor the victims being demoted
+                keep = set(only_here).union(protected)
+                demoted = self._copy_into(plan, only_here, nxt, "demote", keep)
         slot = self._by_name[tier]
         for key in victims:
             slot.used -= slot.footprint(self.res.size_of(key))

@@ -295,10 +295,15 @@ class KVStore:
                 self._save_counters()
         finally:
             core.closed = True
-            core.ledger.flush()
-            for tier in core.chain:
-                tier.close()
+            errors: list[BaseException] = []
+            for release in (core.ledger.flush, *(t.close for t in core.chain)):
+                try:
+                    release()
+                except BaseException as exc:  # every tier is closed, the lock released
+                    errors.append(exc)
             drop_dir_lock(self.path, self._lockfile)
+            if errors:
+                raise errors[0]
 
     def __enter__(self) -> KVStore:
         return self

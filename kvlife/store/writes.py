@@ -97,7 +97,9 @@ class Writer:
             wt = Plan()
             if core.config.write_through:
                 live = [k for k in pending.keys if _live(core, k)]
-                wt = core.placement.plan_copies(live, core.durable[0], "write-through")
+                wt = core.placement.plan_copies(
+                    live, core.durable[0], "write-through", protected=pending.keys
+                )
             core.placement.touch_in_order(pending.keys, placed)
             bound = core.residency.take()
             for b in bound:

@@ -207,6 +207,8 @@ class DiskStats:
     """Quarantined rows in the catalog at open (not served; ``check --fix`` deletes them)."""
     segments_quarantined: int = 0
     """Unreferenced segment files this open moved to ``quarantine/``."""
+    unlink_failures: int = 0
+    """Emptied segments whose file could not be unlinked (left for ``check --fix``)."""
 
 
 CheckReport = AuditReport
@@ -719,14 +721,22 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
                 if seg.removing:
                     continue
                 seg.removing = True
-            try:
+            with contextlib.suppress(OSError):  # the descriptor is gone either way
                 self.io.close(seg.fd)
-            finally:
+            try:
                 self.io.unlink(seg.path)
+            except OSError:
+                # Its rows are already deleted in a committed transaction, so the caller
+                # (an invalidation, an eviction) did what it promised. The file stays
+                # in the table, so its id is not reused: an orphan for check --fix (or
+                # quarantine at the next open), counted here.
                 with self._lock:
-                    if self._segments.get(seg.id) is seg:
-                        del self._segments[seg.id]
-                        self.stats.segments_reclaimed += 1
+                    self.stats.unlink_failures += 1
+                continue
+            with self._lock:
+                if self._segments.get(seg.id) is seg:
+                    del self._segments[seg.id]
+                    self.stats.segments_reclaimed += 1
 
     def _unlink_segment(self, seg: _Segment) -> None:
         """Retire a segment and remove it now unless a read is in flight on it."""

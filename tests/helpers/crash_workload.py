@@ -1,13 +1,14 @@
-"""Crash child: puts the deterministic workload into a store until it is SIGKILLed.
+"""The crash tests' writer: puts the deterministic workload into a store until SIGKILLed.
 
-Run as ``python -m tests.helpers.crash_child PATH LOG --seed S --first N --shape churn``
-with the repository root on ``PYTHONPATH``. It opens the store with
-``write_through=True`` (so a put that returned is durable) and puts prompts
+Run by the crash harness (:mod:`kvlife.faults.crash`) as
+``python -m kvlife.faults.crash_child tests.helpers.crash_workload:run PATH LOG --seed S
+--first N --shape churn`` with the repository root on ``PYTHONPATH``. It opens the store
+with ``write_through=True`` (so a put that returned is durable) and puts prompts
 ``N, N+1, ...`` forever, invalidating a namespace now and then when the shape says so.
-It appends to ``LOG`` with unbuffered writes (a SIGKILL loses none of them), and fsyncs
-the log before it acknowledges anything:
+It appends to ``LOG`` (an :class:`~kvlife.faults.crash.AckLog`: a SIGKILL loses none of
+its lines) and fsyncs the log before it acknowledges anything:
 
-    start                          about to open the store
+    start                          about to open the store (logged by the child program)
     ready                          the store is open (recovery done)
     gone <key hex>                 the store dropped the key's disk replica or the object
                                    (eviction, invalidation), written as the event is emitted
@@ -24,53 +25,21 @@ differ from what the log says only by that operation's effects.
 from __future__ import annotations
 
 import argparse
-import os
+import time
 from pathlib import Path
 
-from kvlife.core.events import EventSink, LifecycleEvent
-from kvlife.core.lifecycle import Move
+from kvlife.faults.crash import AckLog, DropLogSink
 from tests.helpers.workload import SHAPES, disk_of, invalidation_after, make_prompt, put
 
 
-class Log:
-    """Append-only log written straight to the kernel (no user-space buffer)."""
-
-    def __init__(self, path: Path) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def line(self, text: str) -> None:
-        os.write(self._fd, (text + "\n").encode())
-
-    def ack(self, text: str) -> None:
-        self.line(text)
-        os.fsync(self._fd)
-
-
-class GoneSink(EventSink):
-    """Logs every key whose disk replica (or whole object) the store drops."""
-
-    def __init__(self, log: Log) -> None:
-        self._log = log
-
-    def emit(self, event: LifecycleEvent) -> None:
-        if event.kind == Move.DELETE.value or (
-            event.kind == Move.EVICT.value and event.tier == "disk"
-        ):
-            self._log.line(f"gone {event.key}")
-
-
-def main(argv: list[str] | None = None) -> None:
+def run(path: Path, log: AckLog, argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("path", type=Path, help="store directory")
-    ap.add_argument("log", type=Path, help="acknowledgement log (appended)")
     ap.add_argument("--seed", type=int, required=True, help="workload seed")
     ap.add_argument("--first", type=int, required=True, help="first prompt number to put")
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True, help="tier sizes")
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
-    log = Log(args.log)
-    log.ack("start")
-    store = shape.open(args.path, sink=GoneSink(log))
+    store = shape.open(path, sink=DropLogSink(log, tier="disk"))
     disk = disk_of(store)
     assert disk is not None
     log.ack("ready")
@@ -92,5 +61,12 @@ def main(argv: list[str] | None = None) -> None:
         n += 1
 
 
-if __name__ == "__main__":
-    main()
+def idle(path: Path, log: AckLog, argv: list[str]) -> None:
+    """A child that opens nothing, logs ``ready`` and waits to be killed (harness tests)."""
+    log.ack("ready")
+    while True:
+        time.sleep(1.0)
+
+
+def exit_early(path: Path, log: AckLog, argv: list[str]) -> None:
+    """A child that returns at once: the harness must report it (harness tests)."""

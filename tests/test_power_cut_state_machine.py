@@ -1,0 +1,129 @@
+"""The store state machine of ``test_store_state_machine.py`` with power cuts added.
+
+Every session of the store runs through a :class:`~kvlife.faults.powercut.PowerCutIO`.
+Two more rules: cut the power between two calls, or arm a cut at the k-th file call of a
+put (before or after it, with or without a partial write-back of pending pages) and run
+the put. Either way the dead store is closed, the seam settles (the directory is what a
+power cut leaves), the store is reopened, and recovery must have dropped nothing. The model
+is the base machine's: what a write-through put acknowledged (it returned before the cut)
+must be served; the chunks of a put cut short may or may not be; in write-back mode a cut
+loses DRAM, so nothing is owed. Every other rule and invariant of the base machine (only
+indexed objects served, served bytes equal the put, events obey the table) runs as is.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import rule
+
+from kvlife.core.errors import KVLifeError
+from kvlife.faults.damage import catalog_file
+from kvlife.faults.powercut import CutPoint, PowerCut, PowerCutIO
+from kvlife.store import KVStore
+from tests.conftest import TINY
+from tests.test_store_state_machine import PROMPTS, Prompt, StoreMachine, WriteBackMachine
+
+N = TINY.tokens_per_chunk
+
+
+class PowerCutRules(StoreMachine):
+    """The base rules, every session behind a power-cut seam, plus two cut rules."""
+
+    io: PowerCutIO
+
+    def _open(self) -> KVStore:
+        self.io = PowerCutIO(
+            catalogs=[catalog_file(self.dir)],
+            stash=Path(tempfile.mkdtemp(prefix="kvlife-sm-stash-")),
+        )
+        return KVStore.open(
+            self.dir,
+            dram_bytes=self.dram_chunks * TINY.chunk_nbytes,
+            disk_bytes=self.disk_bytes,
+            segment_bytes=64 << 10,
+            write_through=self.write_through,
+            sink=self.sink,
+            fileio=self.io,
+        )
+
+    def teardown(self) -> None:
+        self.io.cut("teardown")
+        self.store.close(flush=False)
+        self.io.settle()  # removes its stash
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _cut_and_reopen(self) -> None:
+        self.io.cut()
+        self.store.close(flush=False)
+        self.io.settle()
+        self._check_events()
+        self.states.clear()  # a new process: every object starts from the catalog
+        self.store = self._open()
+        # No catalog row may name bytes that were not durable at the cut.
+        assert self.store.counters.recovery_dropped == 0, "recovery dropped replicas"
+        if not self.write_through:  # DRAM is gone: nothing was owed
+            self.maybe |= self.must
+            self.must.clear()
+
+    @rule()
+    def power_cut_between_calls(self) -> None:
+        self._cut_and_reopen()
+
+    @rule(
+        p=st.sampled_from(PROMPTS),
+        nth=st.integers(1, 24),
+        when=st.sampled_from(["before", "after"]),
+        persist=st.sampled_from([0.0, 0.5]),
+    )
+    def power_cut_during_put(
+        self, p: Prompt, nth: int, when: Literal["before", "after"], persist: float
+    ) -> None:
+        self.io.persist = persist
+        self.io.arm(CutPoint(nth, None, when))
+        try:
+            res = self.store.put_prompt(p.identity, p.namespace, p.tokens, p.kv)
+        except (KVLifeError, PowerCut):
+            if not self.io.dead:
+                raise
+        if self.io.dead:  # cut short: each of its chunks may or may not have landed
+            for i, key in enumerate(p.keys):
+                self.expected[key] = np.ascontiguousarray(p.kv[:, :, :, i * N : (i + 1) * N])
+                if key not in self.must:
+                    self.maybe.add(key)
+        else:  # it returned before the cut: acknowledged
+            self._record_put(p, res.tokens_stored_or_present)
+        self._cut_and_reopen()
+
+
+class PowerCutMachine(PowerCutRules):
+    """Write-through, large disk: what a put acknowledged must survive every cut."""
+
+
+class PowerCutWriteBackMachine(PowerCutRules, WriteBackMachine):
+    """Write-back, small disk: eviction everywhere; served bytes must still be right."""
+
+
+def test_stash_directories_are_cleaned(tmp_path: Path) -> None:
+    """settle() removes the seam's stash (the machine creates one per session)."""
+    io = PowerCutIO(stash=tmp_path / "stash")
+    f = tmp_path / "f"
+    f.write_bytes(b"x")
+    io.unlink(f)
+    io.cut()
+    io.settle()
+    assert not (tmp_path / "stash").exists() and f.exists()
+
+
+TestPowerCutMachine = PowerCutMachine.TestCase
+TestPowerCutMachine.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
+TestPowerCutWriteBackMachine = PowerCutWriteBackMachine.TestCase
+TestPowerCutWriteBackMachine.settings = settings(
+    max_examples=15, stateful_step_count=25, deadline=None
+)
