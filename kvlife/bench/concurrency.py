@@ -54,6 +54,8 @@ class ConcurrencyConfig:
     seconds: float = 2.0
     """Time each point runs."""
     raw_file_bytes: int = 1 << 30
+    writer: bool = True
+    """Run the writer thread (puts and demotions) beside the readers."""
     directory: Path | None = None
     """Where the store and the raw file live (default: the current directory)."""
 
@@ -183,7 +185,7 @@ def _point(
     stop = threading.Event()
     loaded = [0] * threads
     errors: list[BaseException] = []
-    start = threading.Barrier(threads + 2)
+    start = threading.Barrier(threads + 1 + int(cfg.writer))
 
     def reader(t: int) -> None:
         bufs = [
@@ -216,7 +218,8 @@ def _point(
             errors.append(exc)
 
     workers = [threading.Thread(target=reader, args=(t,)) for t in range(threads)]
-    workers.append(threading.Thread(target=writer))
+    if cfg.writer:
+        workers.append(threading.Thread(target=writer))
     for w in workers:
         w.start()
     demotions0 = store.counters.demotions
@@ -269,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", type=Path, help="where the store and the raw file go")
     p.add_argument("--seconds", type=float, default=2.0, help="time per point (default 2)")
     p.add_argument("--threads", default="1,2,4,8", help="reader thread counts (default 1,2,4,8)")
+    p.add_argument("--no-writer", action="store_true", help="readers only (no puts meanwhile)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (for tests)")
     return p
 
@@ -280,11 +284,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"kvlife bench concurrency: error: bad --threads {args.threads!r}", file=sys.stderr)
         return 2
-    cfg = ConcurrencyConfig(threads=threads, seconds=args.seconds, directory=args.dir)
+    cfg = ConcurrencyConfig(
+        threads=threads, seconds=args.seconds, directory=args.dir, writer=not args.no_writer
+    )
     if args.quick:
         cfg = ConcurrencyConfig(
             threads=threads, tokens_per_chunk=8, chunks_per_prompt=2, prompts_per_thread=2,
             seconds=min(args.seconds, 0.3), raw_file_bytes=8 * MiB, directory=args.dir,
+            writer=not args.no_writer,
         )  # fmt: skip
     result = run_concurrency_bench(cfg)
     print(format_report(result))

@@ -69,14 +69,18 @@ def run_overlap_bench(
 
             load()  # warm
             t_load = _median_time(load, reps)
-            work_arr = np.random.default_rng(1).random(1 << 16)
+            # One GIL-releasing kernel per chunk, sized to about one chunk's load time, as
+            # an engine's per-chunk work is a few large kernels (attention, matmuls).
             per_chunk = t_load / chunks
-            t_one = _median_time(lambda: np.sqrt(work_arr).sum(), 20)
-            iters = max(1, round(per_chunk / max(t_one, 1e-9)))
+            size = 1 << 16
+            probe = np.random.default_rng(1).random(size)
+            t_probe = _median_time(lambda: np.sqrt(probe).sum(), 20)
+            size = max(1 << 10, int(size * per_chunk / max(t_probe, 1e-9)))
+            work_arr = np.random.default_rng(1).random(size)
+            scratch = np.empty_like(work_arr)
 
             def compute(_: object) -> None:
-                for _ in range(iters):
-                    np.sqrt(work_arr).sum()
+                np.sqrt(work_arr, out=scratch)
 
             def compute_all() -> None:
                 for i in range(chunks):

@@ -1,29 +1,30 @@
 """The actions a placement plan is made of.
 
-A plan is an ordered list: executing it in order is always safe (a copy comes before the
-eviction of its source, an eviction before the placement that needs its room). The live
+Actions are emitted in an order in which executing them is always safe (a copy comes
+before the eviction of its source, an eviction before the placement that needs its room). The live
 store executes actions with real I/O, the replay simulator by counting on its clock.
 Keys are opaque to placement (chunk keys in the store, block ids in the simulator).
+Actions are named tuples: immutable, and cheap enough for a simulator that makes
+millions of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvlife.core.objects import TierName
 
 
-@dataclass(frozen=True, slots=True)
-class Place:
+class Place(NamedTuple):
     """Write a new object's first replica into ``tier``."""
 
     key: Hashable
     tier: TierName
 
 
-@dataclass(frozen=True, slots=True)
-class Copy:
+class Copy(NamedTuple):
     """Copy a replica from ``src`` to ``dst`` (``reason``: demote, promote, write-through,
     flush). The source replica stays unless an :class:`Evict` follows."""
 
@@ -33,24 +34,21 @@ class Copy:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class Evict:
+class Evict(NamedTuple):
     """Drop the replica in ``tier`` to make room."""
 
     key: Hashable
     tier: TierName
 
 
-@dataclass(frozen=True, slots=True)
-class Drop:
+class Drop(NamedTuple):
     """The object lost its last replica: invalidate and delete it (``reason`` says why)."""
 
     key: Hashable
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
-class Reject:
+class Reject(NamedTuple):
     """A new object fits in no tier: it is not stored (aborted, counted)."""
 
     key: Hashable
@@ -62,11 +60,14 @@ Action = Place | Copy | Evict | Drop | Reject
 
 @dataclass(slots=True)
 class Plan:
-    """Actions in execution order, plus whether the request was met in full."""
+    """What a planning call decided: the actions themselves were handed to the
+    residency one by one as they were taken (the store binds them to its records, the
+    simulator executes them at once), so a plan keeps only their count."""
 
-    actions: list[Action] = field(default_factory=list)
+    size: int = 0
+    """Actions emitted."""
     complete: bool = True
     """False when the room asked for could not be made (e.g. a flush the disk cannot hold)."""
 
     def __bool__(self) -> bool:
-        return bool(self.actions)
+        return self.size > 0

@@ -2,13 +2,15 @@
 promote, and in what order each tier's policy is told. No I/O, no clock.
 
 The live store (:mod:`kvlife.store`) and the replay simulator (:mod:`kvlife.replay.cache`)
-both call this engine and execute the :class:`~kvlife.placement.actions.Plan` it returns,
-one with real I/O and one by counting, so a replay takes exactly the store's decisions.
+both call this engine and execute the actions it takes, one with real I/O and one by
+counting, so a replay takes exactly the store's decisions.
 
 The engine keeps each tier's charged units (bytes in the store, blocks in the simulator)
 and its eviction policy; it learns where objects live from a :class:`Residency` that the
-caller implements over its own records. Every action is applied to the residency as it
-is emitted, so later decisions of the same plan see earlier ones.
+caller implements over its own records. Every action is handed to the residency
+(its ``on_*`` hook) as it is taken, in an order that is safe to execute, so later decisions of
+the same plan see earlier ones; the returned :class:`~kvlife.placement.actions.Plan`
+says only how many there were and whether the room asked for was made.
 
 The rules (docs/replay.md states them for one tier):
 
@@ -34,7 +36,7 @@ from typing import Protocol
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.objects import TierName
-from kvlife.placement.actions import Action, Copy, Drop, Evict, Place, Plan, Reject
+from kvlife.placement.actions import Plan
 from kvlife.policy.base import EvictionPolicy, SupportsClassHints
 
 
@@ -49,9 +51,36 @@ class Residency(Protocol):
         """Payload size of ``key`` in the caller's units."""
         ...
 
-    def apply(self, action: Action) -> None:
-        """Record the effect of one action (before the next decision is taken)."""
+    # The actions, one hook each (no action object is built on the hot path; the store
+    # makes its own, the simulator executes the hook at once). Each is called as the
+    # action is taken, before the next decision.
+
+    def on_place(self, key: Hashable, tier: TierName) -> None:
+        """A new object's first replica goes to ``tier`` (:class:`Place`)."""
         ...
+
+    def on_copy(self, key: Hashable, src: TierName, dst: TierName, reason: str) -> None:
+        """A replica is copied (:class:`Copy`)."""
+        ...
+
+    def on_evict(self, key: Hashable, tier: TierName) -> None:
+        """The replica in ``tier`` leaves (:class:`Evict`)."""
+        ...
+
+    def on_drop(self, key: Hashable, reason: str) -> None:
+        """The object lost its last replica (:class:`Drop`)."""
+        ...
+
+    def on_reject(self, key: Hashable, reason: str) -> None:
+        """A new object fits nowhere (:class:`Reject`)."""
+        ...
+
+
+class UniformResidency(Residency, Protocol):
+    """A residency whose objects all have one size (the simulator's blocks): placement
+    then skips the per-key size lookups."""
+
+    uniform_size: int
 
 
 @dataclass(slots=True)
@@ -66,6 +95,12 @@ class TierSlot:
     """Units a replica of a given payload size takes (framing included)."""
     used: int = 0
     """Units charged by replicas placed and not evicted."""
+    unit: int | None = None
+    """Units every replica takes when all objects have one size (set by Placement)."""
+
+    def units(self, res: Residency, key: Hashable) -> int:
+        unit = self.unit
+        return unit if unit is not None else self.footprint(res.size_of(key))
 
 
 class Placement:
@@ -81,6 +116,10 @@ class Placement:
         self._by_name = {s.name: s for s in slots}
         self._order = {s.name: i for i, s in enumerate(slots)}
         self.res = residency
+        uniform = getattr(residency, "uniform_size", None)
+        if isinstance(uniform, int):
+            for slot in self.slots:
+                slot.unit = slot.footprint(uniform)
         self.shielded: tuple[Collection[Hashable], ...] = ()
         """Keys no eviction may take whatever the call protects (the store's pinned
         objects and those with a replica still being written by a pending plan)."""
@@ -95,6 +134,9 @@ class Placement:
 
     def fastest(self, tiers: Collection[TierName]) -> TierName:
         """The first tier of the chain among ``tiers`` (which must not be empty)."""
+        if len(tiers) == 1:
+            for only in tiers:
+                return only
         return min(tiers, key=self._order.__getitem__)
 
     def next_tier(self, name: TierName) -> TierName | None:
@@ -126,29 +168,31 @@ class Placement:
         """Every chunk of a put in prompt order: inserted where it was just placed,
         touched in every other tier that holds it."""
         tiers_of = self.res.tiers_of
+        by_name = self._by_name
         for pos, key in enumerate(keys):
             held = tiers_of(key)
             if not held:
                 continue
-            home = new.get(key)
-            for slot in self.slots:
-                if slot.name not in held:
-                    continue
-                if slot.name == home:
-                    self.insert(key, home, classes[pos] if classes is not None else None)
+            home = new.get(key) if new else None
+            for tier in held:  # each policy sees only its own tier's calls: order-free
+                pol = by_name[tier].policy
+                if tier != home:
+                    pol.touch(key)
+                elif classes is not None and isinstance(pol, SupportsClassHints):
+                    pol.insert_classed(key, classes[pos])
                 else:
-                    slot.policy.touch(key)
+                    pol.insert(key)
 
     def charge(self, key: Hashable, tier: TierName) -> None:
         """Count a replica the caller placed by itself (recovery at open)."""
         slot = self._by_name[tier]
-        slot.used += slot.footprint(self.res.size_of(key))
+        slot.used += slot.units(self.res, key)
         slot.policy.insert(key)
 
     def release(self, key: Hashable, tier: TierName) -> None:
         """A replica left ``tier`` outside a plan (failed write, found lost, invalidated)."""
         slot = self._by_name[tier]
-        slot.used -= slot.footprint(self.res.size_of(key))
+        slot.used -= slot.units(self.res, key)
         slot.policy.remove(key)
         if slot.used < 0:
             raise AssertionError(f"tier {tier} charged {slot.used} units: accounting broken")
@@ -191,7 +235,8 @@ class Placement:
                             placed[key] = slot.name
                             break
                     else:
-                        self._emit(plan, Reject(key, "no room in any tier"))
+                        plan.size += 1
+                        self.res.on_reject(key, "no room in any tier")
                         plan.complete = False
         return plan, placed
 
@@ -234,14 +279,11 @@ class Placement:
 
     # ------------------------------------------------------------------ internals
 
-    def _emit(self, plan: Plan, action: Action) -> None:
-        plan.actions.append(action)
-        self.res.apply(action)
-
     def _place(self, plan: Plan, key: Hashable, tier: TierName) -> None:
         slot = self._by_name[tier]
-        slot.used += slot.footprint(self.res.size_of(key))
-        self._emit(plan, Place(key, tier))
+        slot.used += slot.units(self.res, key)
+        plan.size += 1
+        self.res.on_place(key, tier)
 
     def _copy_into(
         self,
@@ -254,14 +296,17 @@ class Placement:
         if not self._make_room(plan, dst, keys, protected):
             return False
         slot = self._by_name[dst]
+        res = self.res
+        tiers_of, on_copy, insert = res.tiers_of, res.on_copy, slot.policy.insert
+        unit = slot.unit
         for key in keys:
-            held = self.res.tiers_of(key)
+            held = tiers_of(key)
             if not held:  # evicted while making room (never when protected)
                 continue
-            src = self.fastest(held)
-            slot.used += slot.footprint(self.res.size_of(key))
-            self._emit(plan, Copy(key, src, dst, reason))
-            slot.policy.insert(key)
+            slot.used += unit if unit is not None else slot.units(res, key)
+            plan.size += 1
+            on_copy(key, self.fastest(held), dst, reason)
+            insert(key)
         return True
 
     def _make_room(
@@ -272,8 +317,12 @@ class Placement:
         protected: Collection[Hashable],
     ) -> bool:
         slot = self._by_name[tier]
-        size_of = self.res.size_of
-        need = sum(slot.footprint(size_of(k)) for k in keys)
+        res = self.res
+        need = (
+            len(keys) * slot.unit
+            if slot.unit is not None
+            else sum(slot.units(res, k) for k in keys)
+        )
         return self._free(plan, tier, slot.used + need - slot.capacity, protected)
 
     def _free(
@@ -286,15 +335,18 @@ class Placement:
             protected = set(protected).union(*self.shielded)
         victims: list[Hashable] = []
         freed = 0
+        res = self.res
+        evict, tiers_of = slot.policy.evict, res.tiers_of
+        unit = slot.unit
         while freed < short:
-            got = slot.policy.evict(1, protected)
+            got = evict(1, protected)
             if not got:
                 break
             key = got[0]
-            if tier not in self.res.tiers_of(key):
+            if tier not in tiers_of(key):
                 continue  # the policy knew a key the tier no longer holds
             victims.append(key)
-            freed += slot.footprint(self.res.size_of(key))
+            freed += unit if unit is not None else slot.units(res, key)
         if victims:
             self._evict(plan, tier, victims, protected)
         return freed >= short
@@ -304,19 +356,24 @@ class Placement:
     ) -> None:
         nxt = self.next_tier(tier)
         demoted = True
+        res = self.res
+        tiers_of, on_evict, on_drop = res.tiers_of, res.on_evict, res.on_drop
         if nxt is not None:
-            only_here = [v for v in victims if len(self.res.tiers_of(v)) == 1]
+            only_here = [v for v in victims if len(tiers_of(v)) == 1]
             if only_here:
                 # room in the next tier never takes what the caller protects either (a
                 # put's own prompt), nor the victims being demoted
                 keep = set(only_here).union(protected)
                 demoted = self._copy_into(plan, only_here, nxt, "demote", keep)
         slot = self._by_name[tier]
+        why = "evicted" if demoted or nxt is None else f"evicted: no room in {nxt}"
+        unit = slot.unit
         for key in victims:
-            slot.used -= slot.footprint(self.res.size_of(key))
-            self._emit(plan, Evict(key, tier))
-            if not self.res.tiers_of(key):
+            slot.used -= unit if unit is not None else slot.units(res, key)
+            plan.size += 1
+            on_evict(key, tier)
+            if not tiers_of(key):
                 for s in self.slots:
                     s.policy.remove(key)
-                why = "evicted" if demoted or nxt is None else f"evicted: no room in {nxt}"
-                self._emit(plan, Drop(key, why))
+                plan.size += 1
+                on_drop(key, why)

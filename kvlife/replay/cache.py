@@ -38,7 +38,7 @@ from numpy.typing import NDArray
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.events import EventSink, LifecycleEvent
 from kvlife.core.objects import TierName
-from kvlife.placement import Action, Copy, Drop, Evict, Place, Placement, Reject, TierSlot
+from kvlife.placement import Placement, TierSlot
 from kvlife.policy.base import EvictionPolicy, SupportsClassHints, make_policy
 from kvlife.trace.model import Trace
 
@@ -277,6 +277,10 @@ class CacheSim:
         tenants = trace.tenants.tolist()
         tnames = trace.tenant_names
         where = res.where
+        fastest = place.fastest
+        hinted = self.class_hints and any(
+            isinstance(p, SupportsClassHints) for p in self.policies.values()
+        )
         for r in range(n):
             res.r = r
             res.t = times[r]
@@ -284,21 +288,19 @@ class CacheSim:
             res.rid = str(r) if emit is not None else ""
             req = blocks[offs[r] : offs[r + 1]]
             # lookup: the usable prefix, touched from last to first where it is served
-            hits: list[tuple[Hashable, TierName]] = []
+            served: list[TierName | None] = []  # the serving tier of every block, if any
             for b in req:
                 w = where.get(b)
-                if not w:
-                    break
-                hits.append((b, place.fastest(w)))
+                served.append(fastest(w) if w else None)
+            p = served.index(None) if None in served else len(req)
+            hits = [(b, t) for b, t in zip(req[:p], served[:p], strict=True) if t is not None]
             place.touch_hits(hits)
-            p = len(hits)
-            n_first = sum(1 for _, tier in hits if tier == first)
+            n_first = served[:p].count(first)
             out["pd"][r] = n_first if first == DRAM else 0
             out["pk"][r] = p - out["pd"][r]
-            for b in req:
-                w = where.get(b)
-                if w:
-                    tc[place.fastest(w)].block_hits += 1
+            for tier in served:
+                if tier is not None:
+                    tc[tier].block_hits += 1
             # load, then promotion of the hits served from a slower tier
             for b, tier in hits:
                 tc[tier].prefix_hits += 1
@@ -314,12 +316,14 @@ class CacheSim:
             if emit is not None:
                 for b in new:
                     emit(res.t, "put", b, "tentative", nbytes=nb, ns=res.ns, rid=res.rid)
-            res.positions = {b: pos for pos, b in enumerate(req)}
             res.cat = cats[r]
+            if res.track and new:
+                res.positions = {b: pos for pos, b in enumerate(req)}
             _, placed = place.plan_put(req, new)
             classes = None
-            if self.class_hints:
-                classes = [cats[r] * 4 + pos_bucket(pos) for pos in range(len(req))]
+            if hinted and placed:
+                base = cats[r] * 4
+                classes = [base + pos_bucket(pos) for pos in range(len(req))]
             place.touch_in_order(req, placed, classes)
             out["nw"][r] = len(placed)
             out["dr"][r] = len(new) - len(placed)
@@ -360,6 +364,9 @@ class _SimResidency:
         self.rid = ""
         self.cat = 0
         self.positions: dict[Hashable, int] = {}
+        self.track = sim.track
+        self.uniform_size = 1
+        """Every block has one size: placement skips per-key size lookups."""
 
     def tiers_of(self, key: Hashable) -> Collection[TierName]:
         return self.where.get(key, ())
@@ -367,50 +374,49 @@ class _SimResidency:
     def size_of(self, key: Hashable) -> int:
         return 1
 
-    def apply(self, action: Action) -> None:
-        emit, nb, t, key = self.emit, self.nb, self.t, action.key
-        if isinstance(action, Place):
-            self.where[key] = {action.tier}
-            self.tc[action.tier].inserts += 1
-            if self.sim.track:
-                self.born[key] = t
-                self.klass[key] = self.cat * 4 + pos_bucket(self.positions[key])
-            if emit is not None:
-                emit(t, "write", key, "tentative", action.tier, nbytes=nb, rid=self.rid)
-                emit(t, "seal", key, "tentative", action.tier, nbytes=nb)
-                emit(t, "commit", key, "committed", action.tier)
-                emit(t, "index", key, "indexed", action.tier)
-        elif isinstance(action, Copy):
-            self.where[key].add(action.dst)
-            self.tc[action.dst].inserts += 1
-            if action.reason == "demote":
-                self.tc[action.src].reads += 1
-                self.out["dm"][self.r] += 1
-            elif action.reason == "promote":
-                self.out["pm"][self.r] += 1
-            if emit is not None:
-                emit(t, "offload", key, "indexed", action.src, action.dst, nb, action.reason)
-        elif isinstance(action, Evict):
-            self.where[key].discard(action.tier)
-            self.tc[action.tier].evictions += 1
-            if emit is not None:
-                emit(t, "evict", key, "indexed", tier=action.tier, nbytes=nb, reason="capacity")
-        elif isinstance(action, Drop):
-            del self.where[key]
-            if emit is not None:
-                emit(
-                    t,
-                    "invalidate",
-                    key,
-                    "invalidated",
-                    reason=action.reason,
-                    ns=self.ns,
-                    rid=self.rid,
-                )
-                emit(t, "delete", key, "deleted", reason=action.reason, ns=self.ns, rid=self.rid)
-            if self.sim.track:
-                c = self.klass.pop(key)
-                name = f"{self.names[c // 4]}/{POS_BUCKETS[c % 4]}"
-                self.lifespans.setdefault(name, []).append(t - self.born.pop(key))
-        elif isinstance(action, Reject) and emit is not None:
-            emit(t, "abort", key, "deleted", reason=action.reason)
+    def on_place(self, key: Hashable, tier: TierName) -> None:
+        self.where[key] = {tier}
+        self.tc[tier].inserts += 1
+        if self.track:
+            self.born[key] = self.t
+            self.klass[key] = self.cat * 4 + pos_bucket(self.positions[key])
+        emit = self.emit
+        if emit is not None:
+            t, nb = self.t, self.nb
+            emit(t, "write", key, "tentative", tier, nbytes=nb, rid=self.rid)
+            emit(t, "seal", key, "tentative", tier, nbytes=nb)
+            emit(t, "commit", key, "committed", tier)
+            emit(t, "index", key, "indexed", tier)
+
+    def on_copy(self, key: Hashable, src: TierName, dst: TierName, reason: str) -> None:
+        self.where[key].add(dst)
+        self.tc[dst].inserts += 1
+        if reason == "demote":
+            self.tc[src].reads += 1
+            self.out["dm"][self.r] += 1
+        elif reason == "promote":
+            self.out["pm"][self.r] += 1
+        if self.emit is not None:
+            self.emit(self.t, "offload", key, "indexed", src, dst, self.nb, reason)
+
+    def on_evict(self, key: Hashable, tier: TierName) -> None:
+        self.where[key].discard(tier)
+        self.tc[tier].evictions += 1
+        if self.emit is not None:
+            self.emit(self.t, "evict", key, "indexed", tier=tier, nbytes=self.nb, reason="capacity")
+
+    def on_drop(self, key: Hashable, reason: str) -> None:
+        t = self.t
+        del self.where[key]
+        emit = self.emit
+        if emit is not None:
+            emit(t, "invalidate", key, "invalidated", reason=reason, ns=self.ns, rid=self.rid)
+            emit(t, "delete", key, "deleted", reason=reason, ns=self.ns, rid=self.rid)
+        if self.track:
+            c = self.klass.pop(key)
+            name = f"{self.names[c // 4]}/{POS_BUCKETS[c % 4]}"
+            self.lifespans.setdefault(name, []).append(t - self.born.pop(key))
+
+    def on_reject(self, key: Hashable, reason: str) -> None:
+        if self.emit is not None:
+            self.emit(self.t, "abort", key, "deleted", reason=reason)

@@ -22,7 +22,7 @@ from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import Move, ObjectState
 from kvlife.core.objects import ObjectRecord, Replica, ReplicaState, TierName
 from kvlife.index.prefix import ObjectIndex
-from kvlife.placement import Action, Copy, Drop, Evict, Place, Placement, TierSlot
+from kvlife.placement import Action, Copy, Drop, Evict, Place, Placement, Reject, TierSlot
 from kvlife.policy.base import make_policy
 from kvlife.store.config import StoreConfig
 from kvlife.store.ledger import Ledger
@@ -65,7 +65,22 @@ class StoreResidency:
             raise KVLifeError(f"placement asked the size of unknown object {key!r}")
         return rec.nbytes
 
-    def apply(self, action: Action) -> None:
+    def on_place(self, key: Hashable, tier: TierName) -> None:
+        self._apply(Place(key, tier))
+
+    def on_copy(self, key: Hashable, src: TierName, dst: TierName, reason: str) -> None:
+        self._apply(Copy(key, src, dst, reason))
+
+    def on_evict(self, key: Hashable, tier: TierName) -> None:
+        self._apply(Evict(key, tier))
+
+    def on_drop(self, key: Hashable, reason: str) -> None:
+        self._apply(Drop(key, reason))
+
+    def on_reject(self, key: Hashable, reason: str) -> None:
+        self._apply(Reject(key, reason))
+
+    def _apply(self, action: Action) -> None:
         rec = self._index.get(action.key)  # type: ignore[arg-type]
         if rec is None:
             raise KVLifeError(f"placement planned {action} for an object not in the index")
