@@ -33,7 +33,7 @@ from kvlife.tiers.base import AuditReport
 from kvlife.tiers.buffers import ALIGN
 from kvlife.tiers.disk.catalog import Catalog, CatalogCorrupt, CatalogMissing, CatalogRow
 from kvlife.tiers.disk.fileio import FileIO
-from kvlife.tiers.disk.frame import HEADER_BYTES, frame_len, verify_frame
+from kvlife.tiers.disk.frame import HEADER_BYTES, frame_len
 from kvlife.tiers.disk.superblock import FILE_NAME, Superblock, read_superblock
 
 _SEG_RE = re.compile(r"^seg-(\d{8})\.kvs$")
@@ -217,16 +217,7 @@ def _check_frame(
     if len(data) < HEADER_BYTES + row.nbytes:
         return f"truncated: {len(data)} bytes"
     payload = np.frombuffer(data, dtype=np.uint8, offset=HEADER_BYTES)
-    return verify_frame(
-        data[:HEADER_BYTES],
-        [payload],
-        key=row.key,
-        nbytes=row.nbytes,
-        checksum=row.checksum,
-        dtype=row.dtype,
-        shape=row.shape,
-        transform=row.transform,
-    )
+    return row.verify(data[:HEADER_BYTES], [payload])
 
 
 def prepare_repair(path: str | Path) -> list[str]:

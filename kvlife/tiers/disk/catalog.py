@@ -48,7 +48,7 @@ import numpy as np
 import xxhash
 
 from kvlife.core.errors import KVLifeError, StorageFullError, StoreFormatError, StorePathError
-from kvlife.tiers.disk.frame import MAX_NDIM, TRANSFORM_BYTES
+from kvlife.tiers.disk.frame import MAX_NDIM, TRANSFORM_BYTES, verify_frame
 from kvlife.tiers.disk.superblock import Superblock
 
 CATALOG_VERSION = 2
@@ -123,6 +123,34 @@ class CatalogRow:
     shape: tuple[int, ...]
     transform: str
     info: bytes
+
+    def fields(self) -> tuple[bytes, int, int, int, bytes, str, str, str, bytes]:
+        """The persisted fields, in column order (the shape as its text)."""
+        return (
+            self.key,
+            self.seg,
+            self.off,
+            self.nbytes,
+            self.checksum,
+            self.dtype,
+            shape_text(self.shape),
+            self.transform,
+            self.info,
+        )
+
+    def verify(self, header: memoryview | bytes, payload: list[np.ndarray] | None) -> str:
+        """Empty string if a frame's header (and payload, when given) matches this row
+        in every field, else what differs."""
+        return verify_frame(
+            header,
+            payload,
+            key=self.key,
+            nbytes=self.nbytes,
+            checksum=self.checksum,
+            dtype=self.dtype,
+            shape=self.shape,
+            transform=self.transform,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,21 +525,7 @@ class Catalog:
 
     def insert(self, rows: Iterable[CatalogRow]) -> None:
         """Insert (or replace) rows in one durable transaction."""
-        data = [
-            (
-                r.key,
-                r.seg,
-                r.off,
-                r.nbytes,
-                r.checksum,
-                r.dtype,
-                shape_text(r.shape),
-                r.transform,
-                r.info,
-                _rowsum(r),
-            )
-            for r in rows
-        ]
+        data = [(*f, row_checksum(*f)) for f in (r.fields() for r in rows)]
         with self._transaction() as txn:
             txn.many(
                 f"INSERT OR REPLACE INTO replicas ({_COLUMNS}, rowsum, quarantine) "
@@ -630,17 +644,7 @@ class Catalog:
 
 
 def _rowsum(r: CatalogRow) -> bytes:
-    return row_checksum(
-        r.key,
-        r.seg,
-        r.off,
-        r.nbytes,
-        r.checksum,
-        r.dtype,
-        shape_text(r.shape),
-        r.transform,
-        r.info,
-    )
+    return row_checksum(*r.fields())
 
 
 class _Txn:

@@ -82,14 +82,10 @@ from kvlife.tiers.disk.catalog import Catalog, CatalogCorrupt, CatalogMissing, C
 from kvlife.tiers.disk.fileio import FileIO, probe_direct_io
 from kvlife.tiers.disk.frame import (
     HEADER_BYTES,
-    FrameError,
     FrameHeader,
     frame_len,
     pack_header,
-    parts_checksum,
     payload_checksum,
-    unpack_header,
-    verify_frame,
 )
 from kvlife.tiers.disk.superblock import FILE_NAME as SUPERBLOCK_FILE
 from kvlife.tiers.disk.superblock import CatalogRolledBack, Superblock, SuperblockError
@@ -647,17 +643,7 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
     @staticmethod
     def _verify(row: CatalogRow, hdr: memoryview, payload: list[np.ndarray] | None) -> str:
         """Empty string if the frame matches its row, else what is wrong."""
-        try:
-            h = unpack_header(hdr)
-        except FrameError as exc:
-            return f"header: {exc}"
-        if h.key != row.key:
-            return "header names another key"
-        if h.payload_len != row.nbytes or h.checksum != row.checksum:
-            return "header disagrees with the catalog"
-        if payload is not None and parts_checksum(payload) != row.checksum:
-            return "payload checksum mismatch"
-        return ""
+        return row.verify(hdr, payload)
 
     # ------------------------------------------------------------------ deletes and reclaim
 
@@ -983,16 +969,7 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         if got < (HEADER_BYTES + row.nbytes if full else HEADER_BYTES):
             return f"truncated: {got} bytes"
         payload = [buf[HEADER_BYTES : HEADER_BYTES + row.nbytes]] if full else None
-        return verify_frame(
-            buf.data[:HEADER_BYTES],
-            payload,
-            key=row.key,
-            nbytes=row.nbytes,
-            checksum=row.checksum,
-            dtype=row.dtype,
-            shape=row.shape,
-            transform=row.transform,
-        )
+        return row.verify(buf.data[:HEADER_BYTES], payload)
 
     def check(
         self, fix: bool = False, progress: Callable[[int], object] | None = None
