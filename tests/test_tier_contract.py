@@ -12,6 +12,7 @@ import pytest
 
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaNotFound
 from kvlife.core.identity import ChunkKey
+from kvlife.store import TierSpec
 from kvlife.tiers.base import (
     AuditReport,
     CapacityShortfall,
@@ -25,6 +26,7 @@ from kvlife.tiers.buffers import aligned_empty, aligned_runs
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.memory import MemoryTier
+from kvlife.tiers.registry import TierContext, build_tier
 
 CAP = 1 << 20
 
@@ -41,14 +43,22 @@ def meta(i: int, arr: np.ndarray) -> ReplicaMeta:
     return ReplicaMeta(key(i), arr.dtype.name, arr.shape, "exact", b"info%d" % i)
 
 
-@pytest.fixture(params=["memory", "disk", "disk-buffered"])
+SPECS = {
+    "memory": TierSpec("memory", "dram", CAP),
+    # a second memory tier standing in for a remote one, as a store chain would build it
+    "remote": TierSpec("memory", "remote", CAP),
+    "disk": TierSpec("disk", "disk", CAP, options=(("segment_bytes", 256 << 10),)),
+    "disk-buffered": TierSpec(
+        "disk", "disk", CAP, options=(("segment_bytes", 256 << 10), ("direct_io", False))
+    ),
+}
+
+
+@pytest.fixture(params=list(SPECS))
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
-    t: Tier
-    if request.param == "memory":
-        t = MemoryTier(CAP)
-    else:
-        direct = None if request.param == "disk" else False
-        t = DiskTier(tmp_path, DiskTierConfig(CAP, segment_bytes=256 << 10, direct_io=direct))
+    """Every tier kind, built by the registry from a TierSpec, as a store builds it."""
+    t = build_tier(SPECS[request.param], TierContext(tmp_path))
+    assert t.name == SPECS[request.param].name
     yield t
     t.close()
 
