@@ -15,7 +15,7 @@ store directory is held by one process at a time: a second ``open`` raises
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +32,9 @@ from kvlife.store.core import StoreCore
 from kvlife.store.invalidation import invalidate
 from kvlife.store.lock import drop_dir_lock, take_dir_lock
 from kvlife.store.reads import LoadHandle, Reader
-from kvlife.store.recovery import recover
+from kvlife.store.recovery import audit, recover
 from kvlife.store.writes import PendingPut, Writer
-from kvlife.tiers.base import AuditReport, SupportsAudit, Tier
+from kvlife.tiers.base import AuditReport, Tier
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.registry import TierContext, build_tier
 
@@ -72,7 +72,6 @@ class KVStore:
             raise
         self._writer = Writer(self._core)
         self._reader = Reader(self._core)
-        self._put_pool: ThreadPoolExecutor | None = None
 
     @classmethod
     def open(
@@ -142,10 +141,7 @@ class KVStore:
 
     def put_async(self, pending: PendingPut) -> Future[PutResult]:
         """``commit_put`` in the background; ``.result()`` returns or raises as it would."""
-        self._core.check_open()
-        if self._put_pool is None:
-            self._put_pool = ThreadPoolExecutor(1, thread_name_prefix="kvlife-put")
-        return self._put_pool.submit(self._writer.commit_put, pending)
+        return self._writer.put_async(pending)
 
     def abort_put(self, pending: PendingPut, reason: str = "aborted by caller") -> None:
         """Roll back a pending put: its TENTATIVE objects become DELETED."""
@@ -225,13 +221,8 @@ class KVStore:
     def flush(self) -> int:
         """Make every object durable; returns how many replicas were copied."""
         done = self._writer.flush()
-        self._save_counters()
+        metrics.save_lifetime(self._core, self._lifetime_base)
         return done
-
-    def _save_counters(self) -> None:
-        core = self._core
-        with core.seq.turn(core.seq.take()):  # the catalog is written in plan order only
-            metrics.save_lifetime(core, self._lifetime_base)
 
     def drain(self) -> None:
         """Wait for background work (promotions) planned so far."""
@@ -242,17 +233,7 @@ class KVStore:
     ) -> AuditReport:
         """Audit every tier that can be audited (payload checksums included); with
         ``fix`` bad replicas are dropped (their objects invalidated as corrupt)."""
-        core = self._core
-        core.check_open()
-        report = AuditReport()
-        for tier in core.chain:
-            if isinstance(tier, SupportsAudit):
-                with core.seq.turn(core.seq.take()):  # after every plan made before it
-                    got = tier.check(fix=fix, progress=progress)
-                report.merge(got)
-        with self._core.lock:
-            self._core.delete_later(self._core.reap_lost())
-        return report
+        return audit(self._core, fix, progress)
 
     def info(self) -> StoreInfo:
         return metrics.info(self._core, self._lifetime_base)
@@ -287,12 +268,11 @@ class KVStore:
         self._writer.abort_all("store closed")
         try:
             self._reader.close()
-            if self._put_pool is not None:
-                self._put_pool.shutdown(wait=True)
+            self._writer.close()
             if flush:
                 self.flush()
             else:
-                self._save_counters()
+                metrics.save_lifetime(core, self._lifetime_base)
         finally:
             core.closed = True
             errors: list[BaseException] = []

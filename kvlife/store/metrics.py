@@ -23,8 +23,12 @@ def load_lifetime(core: StoreCore) -> dict[str, int]:
 
 
 def save_lifetime(core: StoreCore, base: dict[str, int]) -> None:
+    """Persist the lifetime counters, in a sequencer turn of their own: the catalog is
+    written in plan order only."""
     keeper = counter_store(core)
-    if keeper is not None:
+    if keeper is None:
+        return
+    with core.seq.turn(core.seq.take()):
         with core.lock:
             total = core.counters.add(base).as_dict()
         keeper.save_counters(total)

@@ -1,16 +1,19 @@
-"""Recovery at open: every replica a durable tier kept becomes an INDEXED object again.
+"""Recovery at open and the audit (``check``).
 
-Nothing is deleted here. A replica whose object metadata cannot be decoded is not
-served and is counted (``recovery_dropped``); the tier keeps it for ``check`` to report.
+At open every replica a durable tier kept becomes an INDEXED object again. Nothing is
+deleted there: a replica whose object metadata cannot be decoded is not served and is
+counted (``recovery_dropped``); the tier keeps it for ``check`` to report.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from kvlife.core.errors import InvalidArgument, KVLifeError
 from kvlife.core.lifecycle import Move
 from kvlife.core.objects import ObjectInfo, ObjectRecord, Replica, ReplicaState
 from kvlife.store.core import StoreCore
-from kvlife.tiers.base import Durability
+from kvlife.tiers.base import AuditReport, Durability, SupportsAudit
 
 
 def recover(core: StoreCore) -> None:
@@ -35,3 +38,17 @@ def recover(core: StoreCore) -> None:
             rec.replicas[tier.name] = Replica(tier.name, nbytes, state=ReplicaState.READY)
             core.placement.charge(key, tier.name)
     core.reap_lost()
+
+
+def audit(core: StoreCore, fix: bool, progress: Callable[[int], object] | None) -> AuditReport:
+    """Audit every tier that can be audited, each in a sequencer turn (after every plan
+    made before it); what a fix dropped is taken in as lost replicas."""
+    core.check_open()
+    report = AuditReport()
+    for tier in core.chain:
+        if isinstance(tier, SupportsAudit):
+            with core.seq.turn(core.seq.take()):
+                report.merge(tier.check(fix=fix, progress=progress))
+    with core.lock:
+        core.delete_later(core.reap_lost())
+    return report

@@ -8,6 +8,8 @@ same chunk leaves it to the first) but are never served until they are INDEXED.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +53,22 @@ class Writer:
     def __init__(self, core: StoreCore) -> None:
         self.core = core
         self._pending: dict[int, PendingPut] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    def put_async(self, pending: PendingPut) -> Future[PutResult]:
+        """``commit_put`` on a background thread (puts run one plan at a time anyway)."""
+        self.core.check_open()
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlife-put")
+            return self._pool.submit(self.commit_put, pending)
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool = None
 
     # ------------------------------------------------------------------ puts
 
