@@ -98,7 +98,7 @@ class ReplicaState(enum.Enum):
     READY = "ready"
     """Sealed and readable."""
     LEAVING = "leaving"
-    """Chosen for eviction: still readable until the tier drops it, no longer counted."""
+    """Chosen for eviction (or its object retired): no longer counted, never read."""
 
 
 @dataclass(slots=True)
@@ -118,7 +118,9 @@ class Replica:
 
     @property
     def readable(self) -> bool:
-        return self.state is not ReplicaState.WRITING
+        """Loads may read it: sealed, and not chosen for eviction (a LEAVING replica's
+        bytes may go at any moment)."""
+        return self.state is ReplicaState.READY
 
 
 @dataclass(slots=True)
@@ -139,10 +141,6 @@ class ObjectRecord:
     def readable_in(self, tier: TierName) -> bool:
         rep = self.replicas.get(tier)
         return rep is not None and rep.readable
-
-    @property
-    def pinned(self) -> bool:
-        return any(r.pins for r in self.replicas.values())
 
 
 @dataclass(frozen=True, slots=True)

@@ -176,10 +176,8 @@ class StoreCore:
     def fastest(self, rec: ObjectRecord) -> TierName | None:
         """The first tier of the chain with a READY replica of ``rec`` (one chosen for
         eviction is never read: its bytes may go at any moment)."""
-        reps = rec.replicas
         for tier in self.chain:
-            rep = reps.get(tier.name)
-            if rep is not None and rep.state is ReplicaState.READY:
+            if rec.readable_in(tier.name):
                 return tier.name
         return None
 
