@@ -92,6 +92,8 @@ class LoadHandle:
             self._result = self._reader.publish(
                 self._items, self._requested, self._vanished, self._request_id
             )
+        except BaseException as exc:  # raised to whoever waits, not lost in a pool thread
+            self._error = self._error or exc
         finally:
             self._finished.set()
 
