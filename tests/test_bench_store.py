@@ -1,0 +1,46 @@
+"""bench concurrency and bench async run and write JSON of the documented shape (they
+are benchmarks: nothing here looks at how fast anything was)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvlife.bench import concurrency, overlap
+
+
+def test_bench_concurrency_quick_writes_its_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "c.json"
+    argv = ["--quick", "--threads", "1,2", "--dir", str(tmp_path), "--json", str(out)]
+    assert concurrency.main(argv) == 0
+    assert "raw GB/s" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "concurrency"
+    assert set(doc["targets"]) == {"load_vs_raw_min", "lookup_p99_vs_idle_max"}
+    assert [p["threads"] for p in doc["points"]] == [1, 2]
+    for p in doc["points"]:
+        assert p["errors"] == [], p["errors"]
+        assert p["load_gbps"] > 0 and p["raw_gbps_same_qd"] > 0 and p["lookups"] > 0
+        assert {"load_vs_raw", "lookup_p50_us", "lookup_p99_us", "lookup_p99_vs_idle"} <= set(p)
+    assert {1, 2} <= {p["queue_depth"] for p in doc["raw"]["points"]}
+    assert not list(tmp_path.glob(".kvlife-bench-conc-*")), "scratch directory left behind"
+
+
+def test_bench_concurrency_without_writer_runs(tmp_path: Path) -> None:
+    argv = ["--quick", "--no-writer", "--threads", "1", "--dir", str(tmp_path)]
+    assert concurrency.main(argv) == 0
+
+
+def test_bench_async_quick_writes_its_json(tmp_path: Path) -> None:
+    out = tmp_path / "a.json"
+    assert overlap.main(["--quick", "--dir", str(tmp_path), "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "async"
+    assert set(doc["seconds"]) == {"load", "compute", "sync", "async"}
+    assert all(v > 0 for v in doc["seconds"].values())
+    assert doc["async_vs_max"] > 0 and doc["sync_vs_sum"] > 0
+    assert not list(tmp_path.glob(".kvlife-bench-async-*"))
