@@ -18,6 +18,7 @@ from kvlife.faults.fileio import FaultyIO
 from kvlife.store import KVStore, TierSpec
 from kvlife.tiers.disk.fileio import FileIO
 from tests.conftest import TINY, prompt_kv
+from tests.helpers.workload import disk_of
 
 CHUNK = TINY.chunk_nbytes
 N = TINY.tokens_per_chunk
@@ -54,6 +55,28 @@ def test_prefix_invalidation_reaches_chunks_behind_a_corrupt_gap(
         store.put_prompt(identity, PUBLIC, tokens[: 2 * N], kv[:, :, :, : 2 * N])
         hit = store.lookup(identity, PUBLIC, tokens)
         assert hit.tokens == 2 * N, "an invalidated chunk behind the gap is served again"
+
+
+def test_prefix_invalidation_reaches_behind_a_gap_after_a_restart(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """The same across a restart: the disk tier keeps the link A->B when it deletes B's
+    row while C is still stored, so a later session still knows C is chained after A."""
+    tokens, kv = prompt_kv(9, 3 * N)
+    with disk_only(tmp_path) as store:
+        keys = store.put_prompt(identity, PUBLIC, tokens, kv).keys
+    frame_b = next(f for f in scan_frames(tmp_path) if f.key == keys[1])
+    flip(frame_b.segment, frame_b.payload_offset + 5, 3)
+    with disk_only(tmp_path) as store:
+        assert store.load(store.lookup(identity, PUBLIC, tokens)).corrupt == [keys[1]]
+    with disk_only(tmp_path) as store:  # a new session: B is gone from the catalog
+        assert set(store.indexed_keys()) == {keys[0], keys[2]}
+        assert store.invalidate(prefix=keys[0]) == 2
+    with disk_only(tmp_path) as store:
+        assert store.indexed_keys() == []
+        store.put_prompt(identity, PUBLIC, tokens[: 2 * N], kv[:, :, :, : 2 * N])
+        assert store.lookup(identity, PUBLIC, tokens).tokens == 2 * N
+        assert disk_of(store).load_edges() == [], "a link that leads nowhere was kept"
 
 
 def test_prefix_invalidation_from_an_absent_root(tmp_path: Path, identity: ModelIdentity) -> None:

@@ -65,6 +65,27 @@ class ObjectIndex:
             _discard(self._children, parent, ChunkKey(key))
             key = parent
 
+    def add_edge(self, child: ChunkKey, parent: bytes) -> None:
+        """A link kept for an absent chunk (from a durable tier, at open)."""
+        if child not in self._parent:
+            self._children[parent].add(child)
+            self._parent[child] = parent
+
+    def kept_edge(self, key: ChunkKey) -> bytes | None:
+        """The parent of ``key`` if chunks chained after it are still indexed (the link a
+        durable tier must keep when ``key``'s record goes), else None."""
+        if self._children.get(key):
+            return self._parent.get(key)
+        return None
+
+    def prune_edges(self) -> list[ChunkKey]:
+        """Drop the links of absent keys that lead to no indexed record; returns them."""
+        before = set(self._parent)
+        for key in list(self._parent):
+            if key not in self._records and not self._children.get(key):
+                self._prune(key)
+        return [k for k in before if k not in self._parent]
+
     def get(self, key: ChunkKey) -> ObjectRecord | None:
         return self._records.get(key)
 

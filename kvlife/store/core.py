@@ -27,7 +27,13 @@ from kvlife.policy.base import make_policy
 from kvlife.store.config import StoreConfig
 from kvlife.store.ledger import Ledger
 from kvlife.store.lock import Sequencer
-from kvlife.tiers.base import Durability, ReportsLostReplicas, SupportsBatchDelete, Tier
+from kvlife.tiers.base import (
+    Durability,
+    KeepsEdges,
+    ReportsLostReplicas,
+    SupportsBatchDelete,
+    Tier,
+)
 
 INDEXED = ObjectState.INDEXED
 
@@ -249,7 +255,9 @@ class StoreCore:
 
     def delete_replicas(self, doomed: Iterable[tuple[TierName, ChunkKey]]) -> None:
         """Physical deletes (outside the lock), batched per tier; absent replicas are
-        skipped (a write that failed, a replica the tier already dropped)."""
+        skipped (a write that failed, a replica the tier already dropped). A tier that
+        keeps edges is told the prefix link of every deleted chunk that still has
+        descendants, so that prefix invalidation reaches them after a restart."""
         by_tier: dict[TierName, list[ChunkKey]] = {}
         for tier_name, key in doomed:
             by_tier.setdefault(tier_name, []).append(key)
@@ -258,7 +266,11 @@ class StoreCore:
             present = [k for k in keys if tier.contains(k)]
             if not present:
                 continue
-            if isinstance(tier, SupportsBatchDelete):
+            if isinstance(tier, KeepsEdges):
+                with self.lock:
+                    edges = [(k, p) for k in present if (p := self.index.kept_edge(k))]
+                tier.delete_keeping_edges(present, edges)
+            elif isinstance(tier, SupportsBatchDelete):
                 tier.delete_batch(present)
             else:
                 for key in present:

@@ -1,8 +1,10 @@
 """Recovery at open and the audit (``check``).
 
-At open every replica a durable tier kept becomes an INDEXED object again. Nothing is
-deleted there: a replica whose object metadata cannot be decoded is not served and is
-counted (``recovery_dropped``); the tier keeps it for ``check`` to report.
+At open every replica a durable tier kept becomes an INDEXED object again, and the
+prefix links the tier kept for deleted chunks join the index (so that invalidating a
+prefix still reaches the chunks chained behind a gap). Nothing is deleted there but
+links that lead to nothing stored: a replica whose object metadata cannot be decoded is
+not served and is counted (``recovery_dropped``); the tier keeps it for ``check``.
 """
 
 from __future__ import annotations
@@ -10,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvlife.core.errors import InvalidArgument, KVLifeError
+from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import Move
 from kvlife.core.objects import ObjectInfo, ObjectRecord, Replica, ReplicaState
 from kvlife.store.core import StoreCore
-from kvlife.tiers.base import AuditReport, Durability, SupportsAudit
+from kvlife.tiers.base import AuditReport, Durability, KeepsEdges, SupportsAudit
 
 
 def recover(core: StoreCore) -> None:
@@ -37,6 +40,13 @@ def recover(core: StoreCore) -> None:
                 core.counters.recovered += 1
             rec.replicas[tier.name] = Replica(tier.name, nbytes, state=ReplicaState.READY)
             core.placement.charge(key, tier.name)
+    keepers = [t for t in core.chain if isinstance(t, KeepsEdges)]
+    for keeper in keepers:
+        for child, parent in keeper.load_edges():
+            core.index.add_edge(ChunkKey(child), parent)
+    gone = core.index.prune_edges()  # links that lead to nothing stored any more
+    for keeper in keepers:
+        keeper.forget_edges(gone)
     core.reap_lost()
 
 

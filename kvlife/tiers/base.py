@@ -191,6 +191,26 @@ class SupportsBatchDelete(ABC):
         """Drop replicas; return the payload bytes each held (ReplicaNotFound if absent)."""
 
 
+class KeepsEdges(ABC):
+    """Capability: a durable tier that keeps, beside its replicas, the prefix links
+    (child key -> parent key) of deleted chunks whose descendants it still holds, so
+    that "a chunk and every chunk chained after it" survives a restart across a gap."""
+
+    @abstractmethod
+    def delete_keeping_edges(
+        self, keys: Sequence[ChunkKey], edges: Sequence[tuple[bytes, bytes]]
+    ) -> list[int]:
+        """``delete_batch`` that records ``edges`` in the same durable step."""
+
+    @abstractmethod
+    def load_edges(self) -> list[tuple[bytes, bytes]]:
+        """Every kept link (child, parent)."""
+
+    @abstractmethod
+    def forget_edges(self, children: Sequence[bytes]) -> None:
+        """Drop kept links that lead to nothing any more."""
+
+
 class SupportsAdopt(ABC):
     """Capability: publish arrays the caller hands over for good, without a copy."""
 

@@ -70,7 +70,13 @@ CREATE TABLE IF NOT EXISTS replicas (
 );
 CREATE INDEX IF NOT EXISTS replicas_seg ON replicas (seg);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS edges (child BLOB PRIMARY KEY, parent BLOB NOT NULL, sum BLOB NOT NULL);
 """
+_EDGES_TABLE = (
+    "CREATE TABLE IF NOT EXISTS edges "
+    "(child BLOB PRIMARY KEY, parent BLOB NOT NULL, sum BLOB NOT NULL)"
+)
+_EDGE_TAG = b"kvlife-catalog-edge-v1"
 _COLUMNS = "key, seg, off, nbytes, checksum, dtype, shape, transform, info"
 
 _SHAPE_RE = re.compile(r"^(0|[1-9][0-9]{0,18})(,(0|[1-9][0-9]{0,18}))*$")
@@ -387,6 +393,7 @@ class Catalog:
                 "INSERT OR REPLACE INTO meta (k, v) VALUES ('catalog_version', ?)",
                 (str(CATALOG_VERSION),),
             )
+            self._exec(_EDGES_TABLE)  # catalogs written before edges were kept
 
     def _init_schema(self, generation: int) -> None:
         self._exec("PRAGMA synchronous=FULL")
@@ -533,17 +540,53 @@ class Catalog:
                 data,
             )
 
-    def delete(self, keys: Iterable[bytes]) -> None:
+    def delete(self, keys: Iterable[bytes], edges: Iterable[tuple[bytes, bytes]] = ()) -> None:
         """Delete rows by key, bump the generation, then record it in the superblock
-        (nothing at all for no keys: compaction calls this with none most times)."""
+        (nothing at all for no keys: compaction calls this with none most times).
+
+        ``edges`` (child, parent) are kept in the same transaction: the prefix links of
+        deleted chunks whose descendants are still stored, so that invalidating a
+        prefix reaches them after a restart too."""
         data = [(k,) for k in keys]
         if not data:
             return
+        links = [(c, p, _edge_sum(c, p)) for c, p in edges]
         with self._lock:
             with self._transaction() as txn:
+                if links:
+                    txn.many(
+                        "INSERT OR REPLACE INTO edges (child, parent, sum) VALUES (?, ?, ?)",
+                        links,
+                    )
                 txn.many("DELETE FROM replicas WHERE key = ?", data)
                 gen = txn.bump()
             self._acknowledge(gen)
+
+    def edges(self) -> list[tuple[bytes, bytes]]:
+        """Kept prefix links (child, parent); a link that fails its checksum is skipped
+        (it could only widen an invalidation, never serve anything)."""
+        with self._lock:
+            try:
+                rows = self._exec("SELECT child, parent, sum FROM edges")
+            except KVLifeError:
+                return []  # a catalog from before edges were kept, opened read-only
+        out: list[tuple[bytes, bytes]] = []
+        for child, parent, digest in rows:
+            if (
+                type(child) is bytes
+                and type(parent) is bytes
+                and len(child) == len(parent) == 32
+                and digest == _edge_sum(child, parent)
+            ):
+                out.append((child, parent))
+        return out
+
+    def forget_edges(self, children: Iterable[bytes]) -> None:
+        """Drop kept links that lead to no stored chunk any more."""
+        data = [(c,) for c in children]
+        if data:
+            with self._transaction() as txn:
+                txn.many("DELETE FROM edges WHERE child = ?", data)
 
     def delete_quarantined(self, rowids: Iterable[int]) -> None:
         """Delete quarantined rows by rowid (``check --fix``: works for a row whose key is
@@ -645,6 +688,10 @@ class Catalog:
 
 def _rowsum(r: CatalogRow) -> bytes:
     return row_checksum(*r.fields())
+
+
+def _edge_sum(child: bytes, parent: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(_EDGE_TAG + child + parent)
 
 
 class _Txn:

@@ -59,6 +59,7 @@ from kvlife.tiers.base import (
     AuditReport,
     CapacityShortfall,
     Durability,
+    KeepsEdges,
     PersistsCounters,
     ReadResult,
     ReplicaMeta,
@@ -211,7 +212,9 @@ CheckReport = AuditReport
 """The disk tier's audit result (the capability's report type)."""
 
 
-class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, PersistsCounters):
+class DiskTier(
+    Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, PersistsCounters, KeepsEdges
+):
     """Segment files plus a SQLite catalog under one directory."""
 
     def __init__(
@@ -657,10 +660,15 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
         them; their bytes stay intact until the segment is unlinked, which waits for
         its readers.
         """
+        return self.delete_keeping_edges(keys, ())
+
+    def delete_keeping_edges(
+        self, keys: Sequence[ChunkKey], edges: Sequence[tuple[bytes, bytes]]
+    ) -> list[int]:
         with self._write_mutex:
             with self._lock:
                 rows = [self._row(k) for k in keys]
-            self.catalog.delete([r.key for r in rows])
+            self.catalog.delete([r.key for r in rows], edges)
             retired: list[_Segment] = []
             with self._lock:
                 for row in rows:
@@ -1073,6 +1081,14 @@ class DiskTier(Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, Pe
             "segments": self.segment_count,
             **asdict(self.stats),
         }
+
+    def load_edges(self) -> list[tuple[bytes, bytes]]:
+        with self._write_mutex:  # the catalog connection is not read mid-transaction
+            return self.catalog.edges()
+
+    def forget_edges(self, children: Sequence[bytes]) -> None:
+        with self._write_mutex:
+            self.catalog.forget_edges(children)
 
     def load_counters(self) -> dict[str, int]:
         with self._write_mutex:  # the catalog connection is not read mid-transaction
