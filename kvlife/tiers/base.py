@@ -15,8 +15,9 @@ that thread's I/O (see :meth:`Tier.read_batch`).
 
 Optional abilities are capability interfaces (:class:`SupportsBatchDelete`,
 :class:`SupportsAudit`, :class:`SupportsAdopt`, :class:`ReportsLostReplicas`,
-:class:`PersistsCounters`, :class:`KeepsEdges`); the store tests ``isinstance(tier, Capability)``, never a
-concrete tier class, so a new tier needs no edit of the store.
+:class:`PersistsCounters`, :class:`KeepsEdges`); the store tests
+``isinstance(tier, Capability)``, never a concrete tier class, so a new tier needs no
+edit of the store.
 """
 
 from __future__ import annotations
