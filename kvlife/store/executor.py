@@ -15,6 +15,7 @@ counted outcomes:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from kvlife.core.errors import (
 )
 from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import Move, ObjectState
-from kvlife.core.objects import ObjectRecord, ReplicaState, TierName
+from kvlife.core.objects import ObjectRecord, Replica, ReplicaState, TierName
 from kvlife.placement import Copy, Evict, Place
 from kvlife.store.core import Bound, StoreCore
 from kvlife.tiers.base import CapacityShortfall, ReplicaMeta, SupportsAdopt
@@ -173,6 +174,7 @@ def _place(
             if rec.state is not ObjectState.TENTATIVE or rec.replicas.get(tier_name) is not rep:
                 gone.append((tier_name, rec.key))  # given up meanwhile: its bytes go too
                 continue
+            _sealed(core, tier_name, rec.key, rep)
             core.residency.settle(rec, rep, ReplicaState.READY)
             ledger.move(rec, Move.WRITE, tier=tier_name, nbytes=rec.nbytes, request_id=request_id)
             ledger.move(rec, Move.SEAL, tier=tier_name, nbytes=rec.nbytes)
@@ -181,6 +183,13 @@ def _place(
             tc.stored += 1
             out.placed.append(rec.key)
     core.delete_replicas(gone)
+
+
+def _sealed(core: StoreCore, tier_name: TierName, key: ChunkKey, rep: Replica) -> None:
+    """Record what the tier sealed the replica with (its checksum, where it keeps one)."""
+    with contextlib.suppress(ReplicaNotFound):
+        meta = core.tiers[tier_name].meta(key)
+        rep.checksum, rep.transform = meta.checksum, meta.transform
 
 
 def _abort_new(core: StoreCore, rec: ObjectRecord, why: str) -> None:
@@ -257,6 +266,7 @@ def _publish_copy(
     assert rep is not None
     planned = _planned(b, action.dst)
     if error is None and planned:
+        _sealed(core, action.dst, rec.key, rep)
         core.residency.settle(rec, rep, ReplicaState.READY)
         core.ledger.move(
             rec,

@@ -38,7 +38,9 @@ def recover(core: StoreCore) -> None:
                 core.ledger.move(rec, Move.INDEX, tier=tier.name)
                 core.index.add(rec)
                 core.counters.recovered += 1
-            rec.replicas[tier.name] = Replica(tier.name, nbytes, state=ReplicaState.READY)
+            rec.replicas[tier.name] = Replica(
+                tier.name, nbytes, meta.transform, meta.checksum, ReplicaState.READY
+            )
             core.placement.charge(key, tier.name)
     keepers = [t for t in core.chain if isinstance(t, KeepsEdges)]
     for keeper in keepers:

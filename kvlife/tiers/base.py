@@ -58,6 +58,8 @@ class ReplicaMeta:
     """Representation (``exact`` for the engine's own bytes)."""
     info: bytes = b""
     """Opaque object metadata persisted with the replica (identity fields for recovery)."""
+    checksum: bytes = b""
+    """Content checksum the tier verifies reads against (empty where it keeps none)."""
 
     def __post_init__(self) -> None:
         if len(self.key) != 32:

@@ -504,7 +504,9 @@ class DiskTier(
 
     def meta(self, key: ChunkKey) -> ReplicaMeta:
         row = self._row(key)
-        return ReplicaMeta(ChunkKey(row.key), row.dtype, row.shape, row.transform, row.info)
+        return ReplicaMeta(
+            ChunkKey(row.key), row.dtype, row.shape, row.transform, row.info, row.checksum
+        )
 
     def _row(self, key: ChunkKey) -> CatalogRow:
         row = self._entries.get(key)
