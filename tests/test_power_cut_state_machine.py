@@ -26,7 +26,7 @@ from hypothesis.stateful import rule
 from kvlife.core.errors import KVLifeError
 from kvlife.faults.damage import catalog_file
 from kvlife.faults.powercut import CutPoint, PowerCut, PowerCutIO
-from kvlife.store import KVStore
+from kvlife.tiers.disk.fileio import FileIO
 from tests.conftest import TINY
 from tests.test_store_state_machine import PROMPTS, Prompt, StoreMachine, WriteBackMachine
 
@@ -38,20 +38,12 @@ class PowerCutRules(StoreMachine):
 
     io: PowerCutIO
 
-    def _open(self) -> KVStore:
+    def _fileio(self) -> FileIO:
         self.io = PowerCutIO(
             catalogs=[catalog_file(self.dir)],
             stash=Path(tempfile.mkdtemp(prefix="kvlife-sm-stash-")),
         )
-        return KVStore.open(
-            self.dir,
-            dram_bytes=self.dram_chunks * TINY.chunk_nbytes,
-            disk_bytes=self.disk_bytes,
-            segment_bytes=64 << 10,
-            write_through=self.write_through,
-            sink=self.sink,
-            fileio=self.io,
-        )
+        return self.io
 
     def teardown(self) -> None:
         self.io.cut("teardown")

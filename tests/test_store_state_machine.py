@@ -39,6 +39,7 @@ from kvlife.core.identity import (
 from kvlife.core.lifecycle import Move, ObjectState, check_move
 from kvlife.faults.damage import flip, scan_frames
 from kvlife.store import KVStore, PendingPut, TierSpec
+from kvlife.tiers.disk.fileio import FileIO
 from tests.conftest import TINY, prompt_kv, tiny_identity
 
 N = TINY.tokens_per_chunk
@@ -104,7 +105,12 @@ class StoreMachine(RuleBasedStateMachine):
             segment_bytes=64 << 10,
             write_through=self.write_through,
             sink=self.sink,
+            fileio=self._fileio(),
         )
+
+    def _fileio(self) -> FileIO | None:
+        """The file seam of the next session (a subclass may put a fault seam there)."""
+        return None
 
     def teardown(self) -> None:
         self.store.close(flush=False)
