@@ -27,6 +27,9 @@ _REGISTRY: dict[str, type[Transform]] = {}
 BUILTIN_TRANSFORMS = {
     "exact": "kvlife.transforms.exact",
     "lossless": "kvlife.transforms.lossless",
+    "int8": "kvlife.transforms.quant",
+    "int4": "kvlife.transforms.quant",
+    "int2": "kvlife.transforms.quant",
 }
 """Built-in transform names and the module that registers each."""
 

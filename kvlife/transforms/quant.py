@@ -1,0 +1,310 @@
+"""Group quantisers: ``int8``, and ``int4`` / ``int2`` KIVI-style, with sinks, window, Kitty.
+
+A chunk is ``(layers, 2, kv_heads, tokens, head_dim)``; index 0 of axis 1 holds keys, 1
+values. Keys have outlier channels, so they are quantised per channel in groups of
+``key_group`` tokens (0: all quantised tokens of the chunk); values are quantised per
+token in groups of ``value_group`` along head_dim (0: the whole head_dim), as in KIVI.
+Asymmetric min/scale per group: ``x ~ q * scale + zero``, ``q`` in ``[0, 2**bits - 1]``,
+with zero rounded down and scale up to the metadata dtype (float16 for float16 input,
+float32 for float32) so the declared bound holds after that rounding.
+
+Options: the first ``sink_tokens`` and the last ``window_tokens`` tokens are stored in
+full precision; ``key_hi_fraction`` (Kitty) keeps that fraction of each head's key
+channels (those with the largest range over the chunk) at ``key_hi_bits``.
+
+Payload sections, each padded to 8 bytes: Kitty channel mask (uint8 (L, H, D), only with
+the option), key codes (channel-major), key zero, key scale ((L, H, key groups, D)),
+value codes (token-major), value zero, value scale ((L, H, tokens, value groups)),
+sink tokens and window tokens as raw bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar, Self
+
+import numpy as np
+from numpy.typing import NDArray
+
+from kvlife.core.errors import LayoutMismatch
+from kvlife.transforms.base import (
+    ErrorBound,
+    Exactness,
+    Param,
+    Transform,
+    TransformDescriptor,
+    TransformError,
+)
+from kvlife.transforms.quant_kernels import F16_TO_F32, decode_kernel, encode_kernel
+from kvlife.transforms.registry import register_transform
+
+DTYPES = ("float16", "float32")
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Section sizes of one payload (derived from shape and parameters only)."""
+
+    L: int
+    H: int
+    T: int
+    D: int
+    S: int
+    R: int
+    nq: int
+    gk: int
+    gv: int
+    nhi: int
+    meta: np.dtype[np.generic]
+    sections: tuple[tuple[str, int], ...]
+
+    @property
+    def total(self) -> int:
+        return sum(_pad8(n) for _, n in self.sections)
+
+
+class QuantTransform(Transform):
+    """Shared implementation of the group quantisers (subclasses fix ``bits``)."""
+
+    exactness = Exactness.LOSSY
+    version = 1
+    bits: ClassVar[int]
+    default_key_group: ClassVar[int]
+    default_value_group: ClassVar[int]
+
+    def __init__(
+        self,
+        key_group: int,
+        value_group: int,
+        sink_tokens: int = 0,
+        window_tokens: int = 0,
+        key_hi_fraction: float = 0.0,
+        key_hi_bits: int = 4,
+    ) -> None:
+        if key_group < 0 or value_group < 0 or sink_tokens < 0 or window_tokens < 0:
+            raise TransformError(f"{self.name}: group sizes and token counts must be >= 0")
+        if not 0.0 <= key_hi_fraction <= 1.0:
+            raise TransformError(f"{self.name}: key_hi_fraction must be in [0, 1]")
+        if key_hi_bits not in (2, 4, 8) or (key_hi_fraction > 0 and key_hi_bits < self.bits):
+            raise TransformError(f"{self.name}: key_hi_bits must be 2, 4 or 8 and >= bits")
+        self.key_group = key_group
+        self.value_group = value_group
+        self.sink_tokens = sink_tokens
+        self.window_tokens = window_tokens
+        self.key_hi_fraction = float(key_hi_fraction)
+        self.key_hi_bits = key_hi_bits
+
+    def params(self) -> Mapping[str, Param]:
+        return {
+            "key_group": self.key_group,
+            "value_group": self.value_group,
+            "sink_tokens": self.sink_tokens,
+            "window_tokens": self.window_tokens,
+            "key_hi_fraction": self.key_hi_fraction,
+            "key_hi_bits": self.key_hi_bits,
+        }
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Param]) -> Self:
+        ints = ("key_group", "value_group", "sink_tokens", "window_tokens", "key_hi_bits")
+        unknown = set(params) - {*ints, "key_hi_fraction"}
+        if unknown:
+            raise TransformError(f"{cls.name} does not know parameters {sorted(unknown)}")
+        for k in ints:
+            if k in params and type(params[k]) is not int:
+                raise TransformError(f"{cls.name}: {k} must be an integer, got {params[k]!r}")
+        frac = params.get("key_hi_fraction", 0.0)
+        if isinstance(frac, bool) or not isinstance(frac, int | float):
+            raise TransformError(f"{cls.name}: key_hi_fraction must be a number")
+
+        def get(k: str, default: int) -> int:
+            v = params.get(k, default)
+            assert isinstance(v, int)
+            return v
+
+        return cls(
+            get("key_group", cls.default_key_group),
+            get("value_group", cls.default_value_group),
+            get("sink_tokens", 0),
+            get("window_tokens", 0),
+            float(frac),
+            get("key_hi_bits", 4),
+        )
+
+    @property
+    def error_bound(self) -> ErrorBound:
+        levels = (1 << min(self.bits, self.key_hi_bits if self.key_hi_fraction else self.bits)) - 1
+        # half a step, padded for rounding the scale up to float16 (relative 2**-10)
+        return ErrorBound(0.5 / levels * (1 + 2.0**-8), 2.0**-8, 2.0**-22)
+
+    def check_input(self, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> None:
+        if dtype.name not in DTYPES:
+            raise LayoutMismatch(f"{self.name} quantises {DTYPES}, not {dtype}")
+        if len(shape) != 5 or shape[1] != 2:
+            raise LayoutMismatch(
+                f"{self.name} wants a chunk (layers, 2, kv_heads, tokens, head_dim), got {shape}"
+            )
+
+    def _plan(self, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> _Plan:
+        L, _, H, T, D = shape
+        S = min(self.sink_tokens, T)
+        R = min(self.window_tokens, T - S)
+        nq = T - S - R
+        gk = self.key_group if self.key_group > 0 else max(nq, 1)
+        gv = self.value_group if self.value_group > 0 else max(D, 1)
+        nhi = round(self.key_hi_fraction * D) if self.key_hi_fraction > 0 else 0
+        meta = np.dtype(np.float16) if dtype == np.float16 else np.dtype(np.float32)
+        m = meta.itemsize
+        ngk = -(-nq // gk)
+        ngv = -(-D // gv)
+        kblock = nhi * -(-nq * self.key_hi_bits // 8) + (D - nhi) * -(-nq * self.bits // 8)
+        e = dtype.itemsize
+        sections = (
+            ("hmask", L * H * D if nhi else 0),
+            ("kcodes", L * H * kblock),
+            ("kzero", L * H * ngk * D * m),
+            ("kscale", L * H * ngk * D * m),
+            ("vcodes", L * H * nq * -(-D * self.bits // 8)),
+            ("vzero", L * H * nq * ngv * m),
+            ("vscale", L * H * nq * ngv * m),
+            ("sinks", L * 2 * H * S * D * e),
+            ("window", L * 2 * H * R * D * e),
+        )
+        return _Plan(L, H, T, D, S, R, nq, gk, gv, nhi, meta, sections)
+
+    def payload_nbytes(self, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> int:
+        return self._plan(shape, dtype).total
+
+    def _views(self, buf: NDArray[np.uint8], p: _Plan) -> dict[str, NDArray[np.generic]]:
+        views: dict[str, NDArray[np.generic]] = {}
+        o = 0
+        mt = np.uint16 if p.meta == np.float16 else np.float32
+        ngk = -(-p.nq // p.gk)
+        ngv = -(-p.D // p.gv)
+        shapes: dict[str, tuple[tuple[int, ...], type[np.generic]]] = {
+            "hmask": ((p.L * p.H, p.D if p.nhi else 0), np.uint8),
+            "kcodes": ((p.L * p.H, -1), np.uint8),
+            "kzero": ((p.L * p.H, ngk, p.D), mt),
+            "kscale": ((p.L * p.H, ngk, p.D), mt),
+            "vcodes": ((p.L * p.H * p.nq, -(-p.D * self.bits // 8)), np.uint8),
+            "vzero": ((p.L * p.H * p.nq, ngv), mt),
+            "vscale": ((p.L * p.H * p.nq, ngv), mt),
+            "sinks": ((-1,), np.uint8),
+            "window": ((-1,), np.uint8),
+        }
+        for name, n in p.sections:
+            shape, dt = shapes[name]
+            chunk = buf[o : o + n].view(dt)
+            if name == "kcodes" and p.L * p.H == 0:
+                views[name] = chunk.reshape(0, 0)
+            else:
+                views[name] = chunk.reshape(shape) if chunk.size or 0 in shape else chunk.reshape(
+                    tuple(0 if s == -1 else s for s in shape)
+                )
+            o += _pad8(n)
+        return views
+
+    def _kernel_args(self, p: _Plan) -> tuple[int, ...]:
+        return (
+            p.L, p.H, p.T, p.D, p.S, p.nq, p.gk, p.gv,
+            self.bits, self.key_hi_bits, p.nhi, self.bits,
+        )
+
+    def _encode(self, array: NDArray[np.generic]) -> NDArray[np.uint8]:
+        p = self._plan(array.shape, array.dtype)
+        buf = np.zeros(p.total, np.uint8)  # zeroed: key codes are OR-ed in
+        v = self._views(buf, p)
+        if array.size and p.nq:
+            if not np.isfinite(array).all():
+                raise LayoutMismatch(f"{self.name} cannot quantise non-finite values")
+            flat = array.reshape(-1)
+            x = flat.view(np.uint16) if array.dtype == np.float16 else flat
+            encode_kernel(
+                x, *self._kernel_args(p), v["hmask"], v["kcodes"], v["kzero"], v["kscale"],
+                v["vcodes"], v["vzero"], v["vscale"], F16_TO_F32,
+            )
+        v["sinks"][:] = array[:, :, :, : p.S].reshape(-1).view(np.uint8)
+        v["window"][:] = array[:, :, :, p.T - p.R :].reshape(-1).view(np.uint8)
+        return buf
+
+    def _decode(
+        self, payload: NDArray[np.uint8], desc: TransformDescriptor, out: NDArray[np.generic]
+    ) -> None:
+        p = self._plan(tuple(out.shape), out.dtype)
+        if payload.size != p.total:
+            raise TransformError(f"{self.name} payload has {payload.size} bytes, expected {p.total}")
+        if payload.ctypes.data % 8:
+            payload = payload.copy()  # a view into a frame may be unaligned for the metadata
+        v = self._views(payload, p)
+        if out.size and p.nq:
+            flat = out.reshape(-1)
+            y = flat.view(np.uint16) if out.dtype == np.float16 else flat
+            ymax = float(np.finfo(out.dtype).max)
+            decode_kernel(
+                y, *self._kernel_args(p), v["hmask"], v["kcodes"], v["kzero"], v["kscale"],
+                v["vcodes"], v["vzero"], v["vscale"], F16_TO_F32, ymax,
+            )
+        e = out.dtype
+        out[:, :, :, : p.S] = v["sinks"].view(e).reshape(p.L, 2, p.H, p.S, p.D)
+        out[:, :, :, p.T - p.R :] = v["window"].view(e).reshape(p.L, 2, p.H, p.R, p.D)
+
+    def element_bounds(self, array: NDArray[np.generic]) -> NDArray[np.float64]:
+        """Reference (slow, numpy) per-element bound of the declared :class:`ErrorBound`."""
+        p = self._plan(array.shape, array.dtype)
+        b = self.error_bound
+        x = array.astype(np.float64)
+        out = np.zeros_like(x)
+
+        def fill(sl: NDArray[np.float64], dst: NDArray[np.float64], axis: int) -> None:
+            lo = sl.min(axis=axis, keepdims=True)
+            hi = sl.max(axis=axis, keepdims=True)
+            mag = np.maximum(np.abs(lo), np.abs(hi))
+            dst[...] = b.range_factor * (hi - lo) + b.magnitude_factor * mag + b.absolute
+
+        for g0 in range(0, p.nq, p.gk):
+            t = slice(p.S + g0, p.S + min(p.nq, g0 + p.gk))
+            fill(x[:, 0, :, t], out[:, 0, :, t], 2)
+        for d0 in range(0, p.D, p.gv):
+            d = slice(d0, min(p.D, d0 + p.gv))
+            t = slice(p.S, p.S + p.nq)
+            fill(x[:, 1, :, t, d], out[:, 1, :, t, d], 3)
+        return out
+
+
+@register_transform
+class Int8(QuantTransform):
+    """8 bits: keys per channel over the chunk's tokens, values per token."""
+
+    name = "int8"
+    bits = 8
+    default_key_group = 0
+    default_value_group = 0
+
+
+@register_transform
+class Int4(QuantTransform):
+    """4 bits KIVI-style, keys in groups of 32 tokens, values in groups of 32 channels."""
+
+    name = "int4"
+    bits = 4
+    default_key_group = 32
+    default_value_group = 32
+
+
+@register_transform
+class Int2(QuantTransform):
+    """2 bits KIVI-style (pair with sinks, a window or Kitty channels for quality)."""
+
+    name = "int2"
+    bits = 2
+    default_key_group = 32
+    default_value_group = 32
+
+
+assert math.isfinite(float(F16_TO_F32[0x3C00]))  # the table maps 0x3C00 to 1.0
