@@ -37,7 +37,8 @@ DESCRIPTOR_FORMAT = 1
 """Version of the descriptor encoding itself (not of any transform)."""
 
 FRAME_MAGIC = b"KVTF"
-_FRAME_HEADER = struct.Struct("<4sI")
+_FRAME_HEADER = struct.Struct("<4sIQ")
+"""Frame header: magic, descriptor length, xxh3-64 of the descriptor bytes."""
 
 
 class TransformError(KVLifeError):
@@ -162,7 +163,9 @@ class TransformDescriptor:
             raise TransformError("transform descriptor name/version/dtype have wrong types")
         if not (isinstance(shape, list) and all(isinstance(d, int) for d in shape)):
             raise TransformError("transform descriptor shape is not a list of integers")
-        if not (isinstance(params, list) and all(isinstance(p, list) and len(p) == 2 for p in params)):
+        if not (
+            isinstance(params, list) and all(isinstance(p, list) and len(p) == 2 for p in params)
+        ):
             raise TransformError("transform descriptor params are not (name, value) pairs")
         if not (isinstance(nbytes, int) and isinstance(digest, int)):
             raise TransformError("transform descriptor payload length/checksum are not integers")
@@ -210,15 +213,17 @@ class EncodedPayload:
         d = self.descriptor
         if len(self.payload) != d.payload_nbytes:
             raise TransformError(
-                f"{d.name} payload has {len(self.payload)} bytes, descriptor says {d.payload_nbytes}"
+                f"{d.name} payload has {len(self.payload)} bytes, "
+                f"descriptor says {d.payload_nbytes}"
             )
-        if xxhash.xxh3_64_intdigest(self.payload_view()) != d.payload_xxh3:
+        if xxhash.xxh3_64_intdigest(self.payload_view().data) != d.payload_xxh3:
             raise TransformError(f"{d.name} payload does not match its descriptor's xxh3-64")
 
     def to_frame(self) -> bytes:
         """One self-describing byte string: magic, descriptor length, descriptor, payload."""
         desc = self.descriptor.to_bytes()
-        return _FRAME_HEADER.pack(FRAME_MAGIC, len(desc)) + desc + self.payload_view().tobytes()
+        head = _FRAME_HEADER.pack(FRAME_MAGIC, len(desc), xxhash.xxh3_64_intdigest(desc))
+        return head + desc + self.payload_view().tobytes()
 
     @classmethod
     def from_frame(cls, frame: bytes | memoryview) -> EncodedPayload:
@@ -226,13 +231,18 @@ class EncodedPayload:
         view = memoryview(frame)
         if len(view) < _FRAME_HEADER.size:
             raise TransformError(f"transform frame of {len(view)} bytes is shorter than its header")
-        magic, dlen = _FRAME_HEADER.unpack_from(view)
+        magic, dlen, digest = _FRAME_HEADER.unpack_from(view)
         if magic != FRAME_MAGIC:
             raise TransformError(f"transform frame magic {bytes(magic)!r} is not {FRAME_MAGIC!r}")
         end = _FRAME_HEADER.size + dlen
         if end > len(view):
             raise TransformError("transform frame is truncated inside its descriptor")
-        desc = TransformDescriptor.from_bytes(view[_FRAME_HEADER.size : end])
+        raw = view[_FRAME_HEADER.size : end]
+        # the descriptor has its own checksum: a flipped parameter could otherwise decode
+        # "successfully" with other parameters
+        if xxhash.xxh3_64_intdigest(raw) != digest:
+            raise TransformError("transform frame descriptor does not match its xxh3-64")
+        desc = TransformDescriptor.from_bytes(raw)
         payload = np.frombuffer(view, dtype=np.uint8, offset=end)
         return cls(desc, payload)
 
@@ -297,8 +307,13 @@ class Transform(ABC):
         dt = np.dtype(dtype)
         n = int(np.prod(shape))
         desc = TransformDescriptor(
-            self.name, self.version, dt.name, tuple(shape), _params_of(self.params()),
-            self.payload_nbytes(tuple(shape), dt), (1 << 64) - 1,
+            self.name,
+            self.version,
+            dt.name,
+            tuple(shape),
+            _params_of(self.params()),
+            self.payload_nbytes(tuple(shape), dt),
+            (1 << 64) - 1,
         )
         total = self.payload_nbytes(tuple(shape), dt) + len(desc.to_bytes()) + _FRAME_HEADER.size
         return 8.0 * total / max(n, 1)
@@ -320,7 +335,7 @@ class Transform(ABC):
             arr.shape,
             _params_of(self.params()),
             len(payload),
-            xxhash.xxh3_64_intdigest(view),
+            xxhash.xxh3_64_intdigest(view.data),
         )
         return EncodedPayload(desc, payload)
 

@@ -44,5 +44,7 @@ class ExactTransform(Transform):
         self, payload: NDArray[np.uint8], desc: TransformDescriptor, out: NDArray[np.generic]
     ) -> None:
         if payload.size != out.nbytes:
-            raise TransformError(f"exact payload has {payload.size} bytes for a {out.nbytes}-byte buffer")
+            raise TransformError(
+                f"exact payload has {payload.size} bytes for a {out.nbytes}-byte buffer"
+            )
         np.copyto(out.reshape(-1).view(np.uint8), payload)

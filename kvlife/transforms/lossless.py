@@ -28,7 +28,9 @@ CODECS = ("zstd", "lz4")
 
 
 @njit(cache=True)
-def _shuffle(src: NDArray[np.uint8], dst: NDArray[np.uint8], itemsize: int) -> None:  # pragma: no cover
+def _shuffle(
+    src: NDArray[np.uint8], dst: NDArray[np.uint8], itemsize: int
+) -> None:  # pragma: no cover
     n = src.size // itemsize
     for j in range(itemsize):
         base = j * n
@@ -37,7 +39,9 @@ def _shuffle(src: NDArray[np.uint8], dst: NDArray[np.uint8], itemsize: int) -> N
 
 
 @njit(cache=True)
-def _unshuffle(src: NDArray[np.uint8], dst: NDArray[np.uint8], itemsize: int) -> None:  # pragma: no cover
+def _unshuffle(
+    src: NDArray[np.uint8], dst: NDArray[np.uint8], itemsize: int
+) -> None:  # pragma: no cover
     n = dst.size // itemsize
     for j in range(itemsize):
         base = j * n
@@ -97,7 +101,7 @@ class LosslessTransform(Transform):
     def _encode(self, array: NDArray[np.generic]) -> bytes:
         planes = self._planes(array)
         if self.codec == "zstd":
-            out: bytes = zstandard.ZstdCompressor(level=self.level).compress(planes)
+            out: bytes = zstandard.ZstdCompressor(level=self.level).compress(planes.data)
             return out
         packed: bytes = lz4.block.compress(planes, store_size=False)
         return packed
@@ -108,13 +112,13 @@ class LosslessTransform(Transform):
         nbytes = out.nbytes
         try:
             if self.codec == "zstd":
-                raw = zstandard.ZstdDecompressor().decompress(
-                    payload, max_output_size=nbytes
-                )
+                raw = zstandard.ZstdDecompressor().decompress(payload.data, max_output_size=nbytes)
             else:
                 raw = lz4.block.decompress(payload, uncompressed_size=nbytes)
         except (zstandard.ZstdError, lz4.block.LZ4BlockError) as exc:
-            raise TransformError(f"lossless/{self.codec} payload does not decompress: {exc}") from exc
+            raise TransformError(
+                f"lossless/{self.codec} payload does not decompress: {exc}"
+            ) from exc
         if len(raw) != nbytes:
             raise TransformError(
                 f"lossless/{self.codec} payload decompressed to {len(raw)} bytes, expected {nbytes}"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Self
+from typing import Any, ClassVar, Self, cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -204,16 +204,28 @@ class QuantTransform(Transform):
             if name == "kcodes" and p.L * p.H == 0:
                 views[name] = chunk.reshape(0, 0)
             else:
-                views[name] = chunk.reshape(shape) if chunk.size or 0 in shape else chunk.reshape(
-                    tuple(0 if s == -1 else s for s in shape)
+                views[name] = (
+                    chunk.reshape(shape)
+                    if chunk.size or 0 in shape
+                    else chunk.reshape(tuple(0 if s == -1 else s for s in shape))
                 )
             o += _pad8(n)
         return views
 
     def _kernel_args(self, p: _Plan) -> tuple[int, ...]:
         return (
-            p.L, p.H, p.T, p.D, p.S, p.nq, p.gk, p.gv,
-            self.bits, self.key_hi_bits, p.nhi, self.bits,
+            p.L,
+            p.H,
+            p.T,
+            p.D,
+            p.S,
+            p.nq,
+            p.gk,
+            p.gv,
+            self.bits,
+            self.key_hi_bits,
+            p.nhi,
+            self.bits,
         )
 
     def _encode(self, array: NDArray[np.generic]) -> NDArray[np.uint8]:
@@ -225,12 +237,22 @@ class QuantTransform(Transform):
                 raise LayoutMismatch(f"{self.name} cannot quantise non-finite values")
             flat = array.reshape(-1)
             x = flat.view(np.uint16) if array.dtype == np.float16 else flat
-            encode_kernel(
-                x, *self._kernel_args(p), v["hmask"], v["kcodes"], v["kzero"], v["kscale"],
-                v["vcodes"], v["vzero"], v["vscale"], F16_TO_F32,
+            cast(Any, encode_kernel)(
+                x,
+                *self._kernel_args(p),
+                v["hmask"],
+                v["kcodes"],
+                v["kzero"],
+                v["kscale"],
+                v["vcodes"],
+                v["vzero"],
+                v["vscale"],
+                F16_TO_F32,
             )
-        v["sinks"][:] = array[:, :, :, : p.S].reshape(-1).view(np.uint8)
-        v["window"][:] = array[:, :, :, p.T - p.R :].reshape(-1).view(np.uint8)
+        v["sinks"][:] = np.ascontiguousarray(array[:, :, :, : p.S]).reshape(-1).view(np.uint8)
+        v["window"][:] = (
+            np.ascontiguousarray(array[:, :, :, p.T - p.R :]).reshape(-1).view(np.uint8)
+        )
         return buf
 
     def _decode(
@@ -238,17 +260,28 @@ class QuantTransform(Transform):
     ) -> None:
         p = self._plan(tuple(out.shape), out.dtype)
         if payload.size != p.total:
-            raise TransformError(f"{self.name} payload has {payload.size} bytes, expected {p.total}")
+            raise TransformError(
+                f"{self.name} payload has {payload.size} bytes, expected {p.total}"
+            )
         if payload.ctypes.data % 8:
             payload = payload.copy()  # a view into a frame may be unaligned for the metadata
         v = self._views(payload, p)
         if out.size and p.nq:
             flat = out.reshape(-1)
             y = flat.view(np.uint16) if out.dtype == np.float16 else flat
-            ymax = float(np.finfo(out.dtype).max)
-            decode_kernel(
-                y, *self._kernel_args(p), v["hmask"], v["kcodes"], v["kzero"], v["kscale"],
-                v["vcodes"], v["vzero"], v["vscale"], F16_TO_F32, ymax,
+            ymax = float(np.finfo(cast(Any, out.dtype)).max)
+            cast(Any, decode_kernel)(
+                y,
+                *self._kernel_args(p),
+                v["hmask"],
+                v["kcodes"],
+                v["kzero"],
+                v["kscale"],
+                v["vcodes"],
+                v["vzero"],
+                v["vscale"],
+                F16_TO_F32,
+                ymax,
             )
         e = out.dtype
         out[:, :, :, : p.S] = v["sinks"].view(e).reshape(p.L, 2, p.H, p.S, p.D)

@@ -77,7 +77,9 @@ def decode(encoded: EncodedPayload, out: NDArray[np.generic]) -> Transform:
     d = encoded.descriptor
     cls = transform_class(d.name)
     if d.version != cls.version:
-        raise UnknownTransform(f"transform {d.name!r} version {d.version} is not known (have {cls.version})")
+        raise UnknownTransform(
+            f"transform {d.name!r} version {d.version} is not known (have {cls.version})"
+        )
     transform = cls.from_params(d.param_map)
     transform.decode(encoded, out)
     return transform
