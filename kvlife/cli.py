@@ -216,6 +216,7 @@ BENCHES = {
     "ssd": "kvlife.sim.bench_ssd",
     "concurrency": "kvlife.bench.concurrency",
     "async": "kvlife.bench.overlap",
+    "transforms": "kvlife.bench.transforms",
 }
 EXPERIMENTS = {
     "lifetime-hints": "kvlife.sim.lifetime_hints",

@@ -1,0 +1,29 @@
+"""bench transforms runs and writes JSON of the documented shape (no speeds are checked)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvlife.bench import transforms
+from kvlife.cli import BENCHES
+
+
+def test_bench_transforms_quick_writes_its_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert BENCHES["transforms"] == "kvlife.bench.transforms"
+    out = tmp_path / "t.json"
+    assert transforms.main(["--quick", "--json", str(out)]) == 0
+    assert "enc GB/s" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "transforms" and doc["dtype"] == "float16"
+    labels = {label for label, _, _ in transforms.CONFIGS}
+    assert {p["transform"] for p in doc["points"]} == labels
+    assert {p["data"] for p in doc["points"]} == {"normal", "kv-like"}
+    for p in doc["points"]:
+        assert p["encode_gbps"] > 0 and p["decode_gbps"] > 0 and p["memcpy_gbps"] > 0
+        assert p["bits_per_element"] > 0 and p["ratio"] > 0
+        assert p["exactness"] in ("exact", "lossless", "lossy")
