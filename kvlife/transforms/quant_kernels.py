@@ -16,10 +16,8 @@ channel with its own bit width, for the Kitty option), values token-major.
 # mypy: disable-error-code="no-untyped-call, no-any-return"
 from __future__ import annotations
 
-import math
-
 import numpy as np
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import overload
 from numpy.typing import NDArray
 
@@ -30,12 +28,9 @@ F16_TO_F32 = (
 
 
 @njit(cache=True)
-def f32_to_f16_bits(
-    f: float, scratch: NDArray[np.float32], bits: NDArray[np.uint32]
-) -> int:  # pragma: no cover
-    """float16 bits of ``f`` rounded to nearest even (inf on overflow, NaN kept)."""
-    scratch[0] = f
-    b = bits[0]
+def f16_bits_of_f32_bits(b: int) -> int:  # pragma: no cover
+    """float16 bits of the float32 with bits ``b``, rounded to nearest even (inf on
+    overflow, NaN kept)."""
     sign = (b >> 16) & 0x8000
     e = (b >> 23) & 0xFF
     m = b & 0x7FFFFF
@@ -62,6 +57,15 @@ def f32_to_f16_bits(
     return sign | r
 
 
+@njit(cache=True)
+def f32_to_f16_bits(
+    f: float, scratch: NDArray[np.float32], bits: NDArray[np.uint32]
+) -> int:  # pragma: no cover
+    """float16 bits of ``f`` (through a one-element float32 scratch and its uint32 view)."""
+    scratch[0] = f
+    return f16_bits_of_f32_bits(bits[0])
+
+
 def load(x, i, lut):  # type: ignore[no-untyped-def]  # pragma: no cover
     """Element ``i`` of a flat array as float32 (float16 bits through the table)."""
 
@@ -73,21 +77,32 @@ def _load_ov(x, i, lut):  # type: ignore[no-untyped-def]  # pragma: no cover
     return lambda x, i, lut: np.float32(x[i])
 
 
-def store(x, i, f, scratch, bits):  # type: ignore[no-untyped-def]  # pragma: no cover
-    """Store float32 ``f`` at flat index ``i`` (as float16 bits for a uint16 array)."""
+def store_row(x, base, row, rowbits, n):  # type: ignore[no-untyped-def]  # pragma: no cover
+    """Store float32 ``row[:n]`` at flat ``x[base:base+n]`` (as float16 bits for uint16)."""
 
 
-@overload(store)
-def _store_ov(x, i, f, scratch, bits):  # type: ignore[no-untyped-def]  # pragma: no cover
+@overload(store_row)
+def _store_row_ov(x, base, row, rowbits, n):  # type: ignore[no-untyped-def]  # pragma: no cover
     if isinstance(x.dtype, types.Integer):
 
-        def impl16(x, i, f, scratch, bits):  # type: ignore[no-untyped-def]
-            x[i] = f32_to_f16_bits(f, scratch, bits)
+        def impl16(x, base, row, rowbits, n):  # type: ignore[no-untyped-def]
+            for d in range(n):
+                b = rowbits[d]
+                a = b & 0x7FFFFFFF
+                if 0x38800000 <= a < 0x47800000:
+                    # float16-normal range: rebias the exponent and round to nearest even
+                    # in one add (a carry into the exponent is the correct rounding)
+                    x[base + d] = ((b >> 16) & 0x8000) | (
+                        (a - 0x38000000 + 0xFFF + ((a >> 13) & 1)) >> 13
+                    )
+                else:
+                    x[base + d] = f16_bits_of_f32_bits(b)
 
         return impl16
 
-    def impl32(x, i, f, scratch, bits):  # type: ignore[no-untyped-def]
-        x[i] = f
+    def impl32(x, base, row, rowbits, n):  # type: ignore[no-untyped-def]
+        for d in range(n):
+            x[base + d] = row[d]
 
     return impl32
 
@@ -120,7 +135,7 @@ def _store_rounded_ov(x, i, f, up, lut, scratch, bits):  # type: ignore[no-untyp
     return impl32
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def encode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
     x,
     L,
@@ -143,109 +158,124 @@ def encode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
     vzero,
     vscale,
     lut,
+    finite,
 ):
     """Quantise tokens [S, S+nq) of x (flat, shape (L, 2, H, T, D)) into the outputs.
 
-    kcodes (L*H, kblock) must be zeroed; kzero/kscale (L*H, ngk, D); vcodes (L*H*nq, vrow)
-    zeroed; vzero/vscale (L*H*nq, ngv); hmask (L*H, D) is written when nhi > 0.
+    kcodes (L*H, kblock) must be zeroed (group edges share bytes and are OR-ed);
+    kzero/kscale (L*H, ngk, D); vcodes (L*H*nq, vrow); vzero/vscale (L*H*nq, ngv);
+    hmask (L*H, D) is written when nhi > 0; finite[lh] is NaN unless every quantised
+    value of that (layer, head) is finite (v - v is NaN exactly for inf and NaN).
     """
-    scratch = np.empty(1, np.float32)
-    bits = scratch.view(np.uint32)
     ngk = (nq + gk - 1) // gk
     ngv = (D + gv - 1) // gv
-    mn = np.empty(D, np.float32)
-    mx = np.empty(D, np.float32)
-    zr = np.empty(D, np.float32)
-    inv = np.empty(D, np.float32)
-    bw = np.empty(D, np.int64)
-    off = np.empty(D, np.int64)
-    for li in range(L):
-        for h in range(H):
-            lh = li * H + h
-            kbase = ((li * 2 + 0) * H + h) * T * D
-            vbase = ((li * 2 + 1) * H + h) * T * D
+    # one (layer, head) per iteration: outputs are disjoint, scratch is per iteration
+    for lh in prange(L * H):
+        li = lh // H
+        h = lh % H
+        scratch = np.empty(1, np.float32)
+        bits = scratch.view(np.uint32)
+        # one group of keys converted to float32 once, then scanned twice from L1/L2
+        kb = np.empty((min(gk, nq), D), np.float32)
+        vr = np.empty(D, np.float32)
+        mn = np.empty(D, np.float32)
+        mx = np.empty(D, np.float32)
+        bw = np.empty(D, np.int64)
+        off = np.empty(D, np.int64)
+        fin = np.float32(0.0)
+        kbase = ((li * 2 + 0) * H + h) * T * D
+        vbase = ((li * 2 + 1) * H + h) * T * D
+        for d in range(D):
+            bw[d] = kbits_lo
+        if nhi > 0:
             # Kitty: the channels with the largest range over the chunk get kbits_hi
+            mn[:] = np.inf
+            mx[:] = -np.inf
+            for t in range(S, S + nq):
+                row = kbase + t * D
+                for d in range(D):
+                    v = load(x, row + d, lut)
+                    mn[d] = min(mn[d], v)
+                    mx[d] = max(mx[d], v)
+            order = np.argsort(mn - mx)  # descending range
+            for j in range(D):
+                hmask[lh, j] = 0
+            for j in range(nhi):
+                bw[order[j]] = kbits_hi
+                hmask[lh, order[j]] = 1
+        o = 0
+        for d in range(D):
+            off[d] = o * 8
+            o += (nq * bw[d] + 7) // 8
+        for g in range(ngk):
+            t0 = g * gk
+            n = min(nq, t0 + gk) - t0
+            mn[:] = np.inf
+            mx[:] = -np.inf
+            for tt in range(n):
+                row = kbase + (S + t0 + tt) * D
+                for d in range(D):
+                    v = load(x, row + d, lut)
+                    fin += v - v
+                    kb[tt, d] = v
+                    mn[d] = min(mn[d], v)
+                    mx[d] = max(mx[d], v)
             for d in range(D):
-                bw[d] = kbits_lo
-            if nhi > 0:
-                for d in range(D):
-                    mn[d] = np.inf
-                    mx[d] = -np.inf
-                for t in range(S, S + nq):
-                    row = kbase + t * D
-                    for d in range(D):
-                        v = load(x, row + d, lut)
-                        mn[d] = min(mn[d], v)
-                        mx[d] = max(mx[d], v)
-                order = np.argsort(mn - mx)  # descending range
-                for j in range(D):
-                    hmask[lh, j] = 0
-                for j in range(nhi):
-                    bw[order[j]] = kbits_hi
-                    hmask[lh, order[j]] = 1
-            o = 0
-            for d in range(D):
-                off[d] = o * 8
-                o += (nq * bw[d] + 7) // 8
-            for g in range(ngk):
-                t0 = g * gk
-                t1 = min(nq, t0 + gk)
-                for d in range(D):
-                    mn[d] = np.inf
-                    mx[d] = -np.inf
-                for t in range(t0, t1):
-                    row = kbase + (S + t) * D
-                    for d in range(D):
-                        v = load(x, row + d, lut)
-                        mn[d] = min(mn[d], v)
-                        mx[d] = max(mx[d], v)
-                for d in range(D):
-                    levels = (1 << bw[d]) - 1
-                    z = store_rounded(kzero[lh, g], d, mn[d], False, lut, scratch, bits)
-                    s = store_rounded(
-                        kscale[lh, g], d, (mx[d] - z) / levels, True, lut, scratch, bits
-                    )
-                    zr[d] = z
-                    inv[d] = 1.0 / s if s > 0 else 0.0
-                for t in range(t0, t1):
-                    row = kbase + (S + t) * D
-                    for d in range(D):
-                        levels = (1 << bw[d]) - 1
-                        q = math.floor((load(x, row + d, lut) - zr[d]) * inv[d] + 0.5)
-                        q = min(max(q, 0), levels)
-                        pos = off[d] + t * bw[d]
-                        kcodes[lh, pos >> 3] |= np.uint8(q << (pos & 7))
-            # values: per token, groups of gv along head_dim
-            for t in range(nq):
-                row = vbase + (S + t) * D
-                r = lh * nq + t
-                levels = (1 << vbits) - 1
+                b = bw[d]
+                levels = (1 << b) - 1
+                z = store_rounded(kzero[lh, g], d, mn[d], False, lut, scratch, bits)
+                s = store_rounded(kscale[lh, g], d, (mx[d] - z) / levels, True, lut, scratch, bits)
+                inv = np.float32(1.0 / s) if s > 0 else np.float32(0.0)
+                pos = off[d] + t0 * b
                 acc = 0
-                for g in range(ngv):
-                    d0 = g * gv
-                    d1 = min(D, d0 + gv)
-                    lo = np.float32(np.inf)
-                    hi = np.float32(-np.inf)
-                    for d in range(d0, d1):
-                        v = load(x, row + d, lut)
-                        lo = min(lo, v)
-                        hi = max(hi, v)
-                    z = store_rounded(vzero[r], g, lo, False, lut, scratch, bits)
-                    s = store_rounded(vscale[r], g, (hi - z) / levels, True, lut, scratch, bits)
-                    iv = 1.0 / s if s > 0 else 0.0
-                    for d in range(d0, d1):
-                        q = math.floor((load(x, row + d, lut) - z) * iv + 0.5)
-                        q = min(max(q, 0), levels)
-                        pos = d * vbits
-                        acc |= q << (pos & 7)
-                        if (pos & 7) + vbits == 8:
-                            vcodes[r, pos >> 3] = acc
-                            acc = 0
-                if (D * vbits) & 7 != 0:
-                    vcodes[r, (D * vbits) >> 3] = acc
+                for tt in range(n):
+                    # x - z >= 0 (zero rounded down), so int() truncation is floor
+                    q = min(int((kb[tt, d] - z) * inv + np.float32(0.5)), levels)
+                    if b == 8:
+                        kcodes[lh, pos >> 3] = q
+                        pos += 8
+                        continue
+                    sh = pos & 7
+                    acc |= q << sh
+                    if sh + b == 8:
+                        kcodes[lh, pos >> 3] |= acc
+                        acc = 0
+                    pos += b
+                if pos & 7:
+                    kcodes[lh, pos >> 3] |= acc
+        # values: per token, groups of gv along head_dim
+        levels = (1 << vbits) - 1
+        for t in range(nq):
+            row = vbase + (S + t) * D
+            r = lh * nq + t
+            for d in range(D):
+                vr[d] = load(x, row + d, lut)
+                fin += vr[d] - vr[d]
+            acc = 0
+            for g in range(ngv):
+                d0 = g * gv
+                d1 = min(D, d0 + gv)
+                lo = vr[d0]
+                hi = vr[d0]
+                for d in range(d0, d1):
+                    lo = min(lo, vr[d])
+                    hi = max(hi, vr[d])
+                z = store_rounded(vzero[r], g, lo, False, lut, scratch, bits)
+                s = store_rounded(vscale[r], g, (hi - z) / levels, True, lut, scratch, bits)
+                iv = np.float32(1.0 / s) if s > 0 else np.float32(0.0)
+                for d in range(d0, d1):
+                    q = min(int((vr[d] - z) * iv + np.float32(0.5)), levels)
+                    pos = d * vbits
+                    acc |= q << (pos & 7)
+                    if (pos & 7) + vbits == 8:
+                        vcodes[r, pos >> 3] = acc
+                        acc = 0
+            if (D * vbits) & 7 != 0:
+                vcodes[r, (D * vbits) >> 3] = acc
+        finite[lh] = fin
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def decode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
     out,
     L,
@@ -271,46 +301,50 @@ def decode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
     ymax,
 ):
     """Inverse of :func:`encode_kernel`, writing tokens [S, S+nq) of ``out`` (flat)."""
-    scratch = np.empty(1, np.float32)
-    bits = scratch.view(np.uint32)
     ngk = (nq + gk - 1) // gk
     ngv = (D + gv - 1) // gv
-    zr = np.empty(D, np.float32)
-    sc = np.empty(D, np.float32)
-    bw = np.empty(D, np.int64)
-    off = np.empty(D, np.int64)
-    for li in range(L):
-        for h in range(H):
-            lh = li * H + h
-            kbase = ((li * 2 + 0) * H + h) * T * D
-            vbase = ((li * 2 + 1) * H + h) * T * D
-            o = 0
+    hi_ = np.float32(ymax)
+    lo_ = np.float32(-ymax)
+    for lh in prange(L * H):
+        li = lh // H
+        h = lh % H
+        # decoded float32 values are staged per group/row, then converted
+        kb = np.empty((min(gk, nq), D), np.float32)
+        kbits = kb.view(np.uint32)
+        vr = np.empty(D, np.float32)
+        vbits_row = vr.view(np.uint32)
+        bw = np.empty(D, np.int64)
+        off = np.empty(D, np.int64)
+        kbase = ((li * 2 + 0) * H + h) * T * D
+        vbase = ((li * 2 + 1) * H + h) * T * D
+        o = 0
+        for d in range(D):
+            bw[d] = kbits_hi if (nhi > 0 and hmask[lh, d] != 0) else kbits_lo
+            off[d] = o * 8
+            o += (nq * bw[d] + 7) // 8
+        for g in range(ngk):
+            t0 = g * gk
+            n = min(nq, t0 + gk) - t0
             for d in range(D):
-                bw[d] = kbits_hi if (nhi > 0 and hmask[lh, d] != 0) else kbits_lo
-                off[d] = o * 8
-                o += (nq * bw[d] + 7) // 8
-            for g in range(ngk):
-                t0 = g * gk
-                t1 = min(nq, t0 + gk)
-                for d in range(D):
-                    zr[d] = load(kzero[lh, g], d, lut)
-                    sc[d] = load(kscale[lh, g], d, lut)
-                for t in range(t0, t1):
-                    row = kbase + (S + t) * D
-                    for d in range(D):
-                        pos = off[d] + t * bw[d]
-                        q = (kcodes[lh, pos >> 3] >> (pos & 7)) & ((1 << bw[d]) - 1)
-                        y = min(max(q * sc[d] + zr[d], -ymax), ymax)
-                        store(out, row + d, y, scratch, bits)
-            for t in range(nq):
-                row = vbase + (S + t) * D
-                r = lh * nq + t
-                mask = (1 << vbits) - 1
-                for g in range(ngv):
-                    z = load(vzero[r], g, lut)
-                    s = load(vscale[r], g, lut)
-                    for d in range(g * gv, min(D, g * gv + gv)):
-                        pos = d * vbits
-                        q = (vcodes[r, pos >> 3] >> (pos & 7)) & mask
-                        y = min(max(q * s + z, -ymax), ymax)
-                        store(out, row + d, y, scratch, bits)
+                z = load(kzero[lh, g], d, lut)
+                s = load(kscale[lh, g], d, lut)
+                b = bw[d]
+                mask = (1 << b) - 1
+                pos = off[d] + t0 * b
+                for tt in range(n):
+                    q = (kcodes[lh, pos >> 3] >> (pos & 7)) & mask
+                    kb[tt, d] = min(max(q * s + z, lo_), hi_)
+                    pos += b
+            for tt in range(n):
+                store_row(out, kbase + (S + t0 + tt) * D, kb[tt], kbits[tt], D)
+        mask = (1 << vbits) - 1
+        for t in range(nq):
+            r = lh * nq + t
+            for g in range(ngv):
+                z = load(vzero[r], g, lut)
+                s = load(vscale[r], g, lut)
+                for d in range(g * gv, min(D, g * gv + gv)):
+                    pos = d * vbits
+                    q = (vcodes[r, pos >> 3] >> (pos & 7)) & mask
+                    vr[d] = min(max(q * s + z, lo_), hi_)
+            store_row(out, vbase + (S + t) * D, vr, vbits_row, D)
