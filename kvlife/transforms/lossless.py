@@ -3,21 +3,25 @@
 Byte-shuffle splits each element into byte planes (all low bytes, then all high bytes):
 the high byte of a float16 (sign, exponent, two mantissa bits) varies little across a
 KV chunk, so its plane compresses well while the low mantissa plane is close to random.
-The shuffle is a numba loop because numpy's transpose-copy is several times slower.
+The shuffle is a parallel numba loop because numpy's transpose-copy is several times
+slower.
 
-Payload: the compressed shuffled bytes. Codec errors and a decompressed size that does
-not match the descriptor's shape are :class:`~kvlife.transforms.base.TransformError`.
+Payload: a table of (kind, length) per byte plane, then the planes, each either
+compressed or raw (when a trial on its first 64 KiB does not shrink). Codec errors and a
+decompressed size that does not match the descriptor's shape are
+:class:`~kvlife.transforms.base.TransformError`.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping
 from typing import Self
 
 import lz4.block
 import numpy as np
 import zstandard
-from numba import njit
+from numba import njit, prange
 from numpy.typing import NDArray
 
 from kvlife.core.errors import LayoutMismatch
@@ -25,28 +29,63 @@ from kvlife.transforms.base import Exactness, Param, Transform, TransformDescrip
 from kvlife.transforms.registry import register_transform
 
 CODECS = ("zstd", "lz4")
+SAMPLE = 1 << 16
+"""Bytes of a plane compressed as a trial: a plane that does not shrink there is stored raw."""
+RAW_IF_ABOVE = 0.97
+"""Trial ratio above which a plane is stored raw (the low mantissa bytes of KV are near
+random; compressing them costs most of the time and saves nothing)."""
+_PLANE = struct.Struct("<BQ")  # per plane: 0 raw / 1 compressed, stored length
 
 
-@njit(cache=True)
+@njit(cache=True, parallel=True)
 def _shuffle(
     src: NDArray[np.uint8], dst: NDArray[np.uint8], itemsize: int
 ) -> None:  # pragma: no cover
+    """Byte planes of ``src`` into ``dst``: plane j holds byte j of every element."""
     n = src.size // itemsize
-    for j in range(itemsize):
-        base = j * n
-        for i in range(n):
-            dst[base + i] = src[i * itemsize + j]
+    nblk = (n + 65535) // 65536
+    for blk in prange(nblk):
+        for i in range(blk * 65536, min(n, blk * 65536 + 65536)):
+            for j in range(itemsize):
+                dst[j * n + i] = src[i * itemsize + j]
 
 
-@njit(cache=True)
-def _unshuffle(
-    src: NDArray[np.uint8], dst: NDArray[np.uint8], itemsize: int
+@njit(cache=True, parallel=True)
+def _unshuffle_plane(
+    plane: NDArray[np.uint8], dst: NDArray[np.uint8], itemsize: int, j: int
 ) -> None:  # pragma: no cover
-    n = dst.size // itemsize
-    for j in range(itemsize):
-        base = j * n
-        for i in range(n):
-            dst[i * itemsize + j] = src[base + i]
+    """Byte plane ``j`` back into its place in every element of ``dst``."""
+    n = plane.size
+    nblk = (n + 65535) // 65536
+    for blk in prange(nblk):
+        for i in range(blk * 65536, min(n, blk * 65536 + 65536)):
+            dst[i * itemsize + j] = plane[i]
+
+
+@njit(cache=True, parallel=True)
+def _split16(
+    src: NDArray[np.uint16], lo: NDArray[np.uint8], hi: NDArray[np.uint8]
+) -> None:  # pragma: no cover
+    """The two byte planes of 2-byte elements (float16, bfloat16): a vectorisable loop."""
+    n = src.size
+    nblk = (n + 65535) // 65536
+    for blk in prange(nblk):
+        for i in range(blk * 65536, min(n, blk * 65536 + 65536)):
+            v = src[i]
+            lo[i] = v & 0xFF
+            hi[i] = v >> 8
+
+
+@njit(cache=True, parallel=True)
+def _join16(
+    lo: NDArray[np.uint8], hi: NDArray[np.uint8], dst: NDArray[np.uint16]
+) -> None:  # pragma: no cover
+    """Inverse of :func:`_split16`."""
+    n = dst.size
+    nblk = (n + 65535) // 65536
+    for blk in prange(nblk):
+        for i in range(blk * 65536, min(n, blk * 65536 + 65536)):
+            dst[i] = np.uint16(lo[i]) | (np.uint16(hi[i]) << 8)
 
 
 @register_transform
@@ -86,46 +125,83 @@ class LosslessTransform(Transform):
             raise LayoutMismatch(f"lossless cannot store dtype {dtype}")
 
     def payload_nbytes(self, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> int:
-        # worst case: incompressible data stored in raw blocks plus the codec's frame
+        # a plane that does not shrink is stored raw: at worst the table is added
         n = int(np.prod(shape)) * dtype.itemsize
-        return n + n // 255 + 64
-
-    def _planes(self, array: NDArray[np.generic]) -> NDArray[np.uint8]:
-        raw = array.reshape(-1).view(np.uint8)
-        if not self.shuffle or array.dtype.itemsize == 1:
-            return raw
-        dst = np.empty_like(raw)
-        _shuffle(raw, dst, array.dtype.itemsize)
-        return dst
+        return n + _PLANE.size * (dtype.itemsize if self.shuffle else 1)
 
     def _encode(self, array: NDArray[np.generic]) -> bytes:
-        planes = self._planes(array)
+        raw = array.reshape(-1).view(np.uint8)
+        k = array.dtype.itemsize if self.shuffle else 1
+        if k == 2:
+            planes_buf = np.empty_like(raw)
+            n2 = raw.size // 2
+            _split16(raw.view(np.uint16), planes_buf[:n2], planes_buf[n2:])
+        elif k > 1:
+            planes_buf = np.empty_like(raw)
+            _shuffle(raw, planes_buf, k)
+        else:
+            planes_buf = raw
+        n = raw.size // k
+        table: list[bytes] = []
+        parts: list[bytes | memoryview] = []
+        for j in range(k):
+            plane = planes_buf[j * n : (j + 1) * n]
+            trial = plane[:SAMPLE]
+            packed: bytes | memoryview = plane.data
+            kind = 0
+            if trial.size and len(self._compress(trial)) <= RAW_IF_ABOVE * trial.size:
+                comp = self._compress(plane)
+                if len(comp) < plane.size:
+                    packed, kind = comp, 1
+            table.append(_PLANE.pack(kind, len(packed)))
+            parts.append(packed)
+        return b"".join(table) + b"".join(parts)
+
+    def _compress(self, plane: NDArray[np.uint8]) -> bytes:
         if self.codec == "zstd":
-            out: bytes = zstandard.ZstdCompressor(level=self.level).compress(planes.data)
+            out: bytes = zstandard.ZstdCompressor(level=self.level).compress(plane.data)
             return out
-        packed: bytes = lz4.block.compress(planes, store_size=False)
+        packed: bytes = lz4.block.compress(plane.data, store_size=False)
         return packed
 
     def _decode(
         self, payload: NDArray[np.uint8], desc: TransformDescriptor, out: NDArray[np.generic]
     ) -> None:
-        nbytes = out.nbytes
+        dst = out.reshape(-1).view(np.uint8)
+        k = out.dtype.itemsize if self.shuffle else 1
+        n = dst.size // k
+        pos = k * _PLANE.size
+        planes: list[NDArray[np.uint8]] = []
+        if payload.size < pos:
+            raise TransformError(f"lossless payload of {payload.size} bytes lacks its plane table")
+        for j in range(k):
+            kind, length = _PLANE.unpack_from(payload, j * _PLANE.size)
+            part = payload[pos : pos + length]
+            pos += length
+            if part.size != length or kind not in (0, 1):
+                raise TransformError(f"lossless plane {j} has a bad table entry ({kind}, {length})")
+            plane = self._decompress(part, n) if kind == 1 else part
+            if plane.size != n:
+                raise TransformError(
+                    f"lossless/{self.codec} plane {j} holds {plane.size} bytes, expected {n}"
+                )
+            planes.append(plane)
+        if pos != payload.size:
+            raise TransformError(f"lossless payload has {payload.size - pos} trailing bytes")
+        if k == 1:
+            np.copyto(dst, planes[0])
+        elif k == 2:
+            _join16(planes[0], planes[1], dst.view(np.uint16))
+        else:
+            for j, plane in enumerate(planes):
+                _unshuffle_plane(plane, dst, k, j)
+
+    def _decompress(self, part: NDArray[np.uint8], n: int) -> NDArray[np.uint8]:
         try:
             if self.codec == "zstd":
-                raw = zstandard.ZstdDecompressor().decompress(payload.data, max_output_size=nbytes)
+                raw = zstandard.ZstdDecompressor().decompress(part.data, max_output_size=n)
             else:
-                raw = lz4.block.decompress(payload, uncompressed_size=nbytes)
+                raw = lz4.block.decompress(part.data, uncompressed_size=n)
         except (zstandard.ZstdError, lz4.block.LZ4BlockError) as exc:
-            raise TransformError(
-                f"lossless/{self.codec} payload does not decompress: {exc}"
-            ) from exc
-        if len(raw) != nbytes:
-            raise TransformError(
-                f"lossless/{self.codec} payload decompressed to {len(raw)} bytes, expected {nbytes}"
-            )
-        src = np.frombuffer(raw, dtype=np.uint8)
-        dst = out.reshape(-1).view(np.uint8)
-        if not self.shuffle or out.dtype.itemsize == 1:
-            np.copyto(dst, src)
-        else:
-            _unshuffle(src, dst, out.dtype.itemsize)
+            raise TransformError(f"lossless/{self.codec} plane does not decompress: {exc}") from exc
+        return np.frombuffer(raw, dtype=np.uint8)
