@@ -175,7 +175,7 @@ class LosslessTransform(Transform):
         if payload.size < pos:
             raise TransformError(f"lossless payload of {payload.size} bytes lacks its plane table")
         for j in range(k):
-            kind, length = _PLANE.unpack_from(payload, j * _PLANE.size)
+            kind, length = _PLANE.unpack_from(payload.data, j * _PLANE.size)
             part = payload[pos : pos + length]
             pos += length
             if part.size != length or kind not in (0, 1):
