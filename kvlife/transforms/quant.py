@@ -60,6 +60,8 @@ class _Plan:
     gk: int
     gv: int
     nhi: int
+    kblock: int
+    """Bytes of key codes per (layer, head)."""
     meta: np.dtype[np.generic]
     sections: tuple[tuple[str, int], ...]
 
@@ -175,7 +177,7 @@ class QuantTransform(Transform):
             ("sinks", L * 2 * H * S * D * e),
             ("window", L * 2 * H * R * D * e),
         )
-        return _Plan(L, H, T, D, S, R, nq, gk, gv, nhi, meta, sections)
+        return _Plan(L, H, T, D, S, R, nq, gk, gv, nhi, kblock, meta, sections)
 
     def payload_nbytes(self, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> int:
         return self._plan(shape, dtype).total
@@ -188,26 +190,18 @@ class QuantTransform(Transform):
         ngv = -(-p.D // p.gv)
         shapes: dict[str, tuple[tuple[int, ...], type[np.generic]]] = {
             "hmask": ((p.L * p.H, p.D if p.nhi else 0), np.uint8),
-            "kcodes": ((p.L * p.H, -1), np.uint8),
+            "kcodes": ((p.L * p.H, p.kblock), np.uint8),
             "kzero": ((p.L * p.H, ngk, p.D), mt),
             "kscale": ((p.L * p.H, ngk, p.D), mt),
             "vcodes": ((p.L * p.H * p.nq, -(-p.D * self.bits // 8)), np.uint8),
             "vzero": ((p.L * p.H * p.nq, ngv), mt),
             "vscale": ((p.L * p.H * p.nq, ngv), mt),
-            "sinks": ((-1,), np.uint8),
-            "window": ((-1,), np.uint8),
+            "sinks": ((dict(p.sections)["sinks"],), np.uint8),
+            "window": ((dict(p.sections)["window"],), np.uint8),
         }
         for name, n in p.sections:
             shape, dt = shapes[name]
-            chunk = buf[o : o + n].view(dt)
-            if name == "kcodes" and p.L * p.H == 0:
-                views[name] = chunk.reshape(0, 0)
-            else:
-                views[name] = (
-                    chunk.reshape(shape)
-                    if chunk.size or 0 in shape
-                    else chunk.reshape(tuple(0 if s == -1 else s for s in shape))
-                )
+            views[name] = buf[o : o + n].view(dt).reshape(shape)
             o += _pad8(n)
         return views
 

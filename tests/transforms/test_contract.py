@@ -250,3 +250,12 @@ def test_f16_bit_conversion_matches_numpy() -> None:
     with np.errstate(over="ignore"):
         want = vals.astype(np.float16).view(np.uint16)
     assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["exact", "lossless"])
+def test_bfloat16_as_uint16_view_is_bit_exact(name: str) -> None:
+    # numpy has no bfloat16: engines hand such KV over as its uint16 bits
+    bf16 = (_kv((2, 2, 2, 64, 16), np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    out = np.empty_like(bf16)
+    decode(make_transform(name).encode(bf16), out)
+    assert np.array_equal(out, bf16)
