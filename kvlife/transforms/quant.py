@@ -232,13 +232,7 @@ class QuantTransform(Transform):
             cast(Any, encode_kernel)(
                 x,
                 *self._kernel_args(p),
-                v["hmask"],
-                v["kcodes"],
-                v["kzero"],
-                v["kscale"],
-                v["vcodes"],
-                v["vzero"],
-                v["vscale"],
+                *_sections(v),
                 F16_TO_F32,
                 finite,
             )
@@ -269,13 +263,7 @@ class QuantTransform(Transform):
             cast(Any, decode_kernel)(
                 y,
                 *self._kernel_args(p),
-                v["hmask"],
-                v["kcodes"],
-                v["kzero"],
-                v["kscale"],
-                v["vcodes"],
-                v["vzero"],
-                v["vscale"],
+                *_sections(v),
                 F16_TO_F32,
                 ymax,
             )
@@ -334,3 +322,11 @@ class Int2(QuantTransform):
     bits = 2
     default_key_group = 32
     default_value_group = 32
+
+
+_SECTIONS = ("hmask", "kcodes", "kzero", "kscale", "vcodes", "vzero", "vscale")
+"""The payload sections the encode and decode kernels take, in their argument order."""
+
+
+def _sections(views: dict[str, NDArray[Any]]) -> tuple[NDArray[Any], ...]:
+    return tuple(views[name] for name in _SECTIONS)
