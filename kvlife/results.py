@@ -9,6 +9,7 @@ import numpy as np
 
 from kvlife.core.identity import ChunkKey
 from kvlife.core.objects import TierName
+from kvlife.transforms.contract import Accept
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,17 @@ class ChunkHit:
     start: int
     """Absolute position of the chunk's first token."""
     tier: TierName
-    """Fastest tier holding the chunk when it was looked up."""
+    """Fastest tier holding a replica the lookup's Accept takes, when it was looked up."""
+    transform: str = "exact"
+    """Transform of the replica that will be served (``exact``: the engine's own bytes)."""
+    exactness: str = "exact"
+    """Its class: ``exact``, ``lossless`` or ``lossy``."""
+    stored_nbytes: int = 0
+    """Bytes the tier holds for it (what the load reads)."""
+    decode_nbytes: int = 0
+    """Bytes a decode produces (0: served without decoding)."""
+    decode_seconds: float = 0.0
+    """Estimated decode time, from this store's measured decode speed of the transform."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +64,13 @@ class LookupResult:
     chunks_total: int
     """Full chunks in the prompt."""
     tokens_per_chunk: int
+    accept: Accept = Accept.EXACT
+    """What the lookup accepted; the load serves the same class of replica."""
+    refused: int = 0
+    """1 when the run ended at a chunk whose only readable replicas the Accept refused
+    (or whose transform this reader does not know), else 0."""
+    refusal: str = ""
+    """Why that chunk's replicas were refused."""
 
     @property
     def tokens(self) -> int:
@@ -86,6 +104,13 @@ class LoadResult:
     """Chunks invalidated or evicted between lookup and load."""
     read_errors: int = 0
     """Chunks whose read failed with an I/O error (a miss; the replica is kept)."""
+    unknown_transform: int = 0
+    """Chunks whose frame names a transform or version this reader does not know (a
+    miss; the replica is kept)."""
+    decoded: int = 0
+    """Chunks decoded from a transform's frame."""
+    representations: dict[str, int] = field(default_factory=dict)
+    """Chunks served per transform (``exact`` for the engine's own bytes)."""
 
     @property
     def complete(self) -> bool:
@@ -135,6 +160,16 @@ class StoreCounters:
     recovered: int = 0
     recovery_dropped: int = 0
     aborted: int = 0
+    encoded: int = 0
+    """Replicas encoded for a tier that transforms (puts placed there, demotions, flushes)."""
+    decoded: int = 0
+    """Framed replicas decoded (by loads, and by promotions into a plain tier)."""
+    lookup_chunks_refused: int = 0
+    """Lookups that ended at a chunk whose readable replicas the Accept refused."""
+    unknown_transform: int = 0
+    """Replicas not served because their transform or version is unknown to this reader."""
+    corrupt_frames: int = 0
+    """Transform frames that failed verification (counted in ``corrupt`` as well)."""
     per_tier: dict[str, TierCounters] = field(default_factory=dict)
     """Counters of each tier, by tier name."""
 

@@ -8,7 +8,7 @@
     INDEXED  --corrupt--> INVALIDATED         (checksum mismatch found on read)
     COMMITTED --invalidate--> INVALIDATED     (invalidated before it was published)
 
-Replica moves (allocate, write, seal, offload, load, evict, recover, transform) do not
+Replica moves (allocate, write, seal, offload, load, evict, recover, transform, refuse) do not
 change the object's state but are legal only in the states listed in
 :data:`REPLICA_MOVE_STATES`. :func:`check_move` is the single gate; an illegal move raises
 :class:`~kvlife.core.errors.IllegalTransition` naming the object, its state and the move.
@@ -52,6 +52,8 @@ class Move(enum.Enum):
     LOAD = "load"
     EVICT = "evict"
     RECOVER = "recover"
+    REFUSE = "refuse"
+    """A replica was not served: its transform or version is unknown to this reader."""
 
 
 S = ObjectState
@@ -78,6 +80,7 @@ REPLICA_MOVE_STATES: dict[Move, frozenset[ObjectState]] = {
     Move.TRANSFORM: frozenset({S.INDEXED}),
     Move.LOAD: frozenset({S.INDEXED}),
     Move.EVICT: frozenset({S.TENTATIVE, S.COMMITTED, S.INDEXED, S.INVALIDATED}),
+    Move.REFUSE: frozenset({S.INDEXED}),
 }
 """Replica moves and the object states in which each is legal (the state is unchanged)."""
 

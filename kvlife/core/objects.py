@@ -90,6 +90,97 @@ class ObjectInfo:
         )
 
 
+_FORM_VERSION = 1
+
+FormParam = int | float | bool | str
+"""A transform parameter value (msgpack-native)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Representation:
+    """How one replica's bytes represent its object: which transform its values went
+    through (name, version, parameters) and whether the bytes are still that transform's
+    frame (decoded on load) or already decoded values. A lossy replica decoded into a
+    faster tier keeps its transform: it is never taken for exact."""
+
+    name: str = "exact"
+    """Transform name (``exact`` for the engine's own bytes)."""
+    version: int = 1
+    """Version of that transform's format."""
+    params: tuple[tuple[str, FormParam], ...] = ()
+    """The transform's parameters, sorted by name."""
+    framed: bool = False
+    """The bytes are the transform's self-describing frame (dtype uint8, 1-D)."""
+    descriptor: bytes = b""
+    """The transform descriptor of the frame (kept after decoding, for provenance)."""
+
+    @property
+    def exact(self) -> bool:
+        """The engine's own bytes, never transformed."""
+        return self.name == "exact" and not self.framed
+
+    def encode(self, dtype: str, shape: tuple[int, ...]) -> bytes:
+        """The persisted record (empty for exact): it carries the object's dtype and
+        shape, since a framed replica's own are those of its frame."""
+        if self.exact:
+            return b""
+        return bytes(
+            msgpack.packb(
+                [
+                    _FORM_VERSION,
+                    self.name,
+                    self.version,
+                    [[k, v] for k, v in self.params],
+                    self.framed,
+                    dtype,
+                    list(shape),
+                    self.descriptor,
+                ],
+                use_bin_type=True,
+            )
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> tuple[Representation, str | None, tuple[int, ...] | None]:
+        """Parse a persisted record: the representation and the object's dtype and shape
+        (None, None for the empty record of an exact replica). InvalidArgument if damaged
+        or of an unknown record version."""
+        if not data:
+            return EXACT, None, None
+        try:
+            v = msgpack.unpackb(data, raw=False)
+            if not isinstance(v, list) or not v or v[0] != _FORM_VERSION or len(v) != 8:
+                raise ValueError(f"unknown representation record {v[0] if v else None!r}")
+            _, name, version, params, framed, dtype, shape, desc = v
+            if not (
+                isinstance(name, str)
+                and name
+                and type(version) is int
+                and isinstance(params, list)
+                and all(
+                    isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in params
+                )
+                and all(isinstance(p[1], int | float | bool | str) for p in params)
+                and type(framed) is bool
+                and isinstance(dtype, str)
+                and isinstance(shape, list)
+                and all(type(d) is int and d >= 0 for d in shape)
+                and isinstance(desc, bytes)
+            ):
+                raise ValueError("representation record fields have wrong types")
+            pairs = tuple((str(k), val) for k, val in params)
+            if [k for k, _ in pairs] != sorted({k for k, _ in pairs}):
+                raise ValueError("representation parameters are not sorted and unique")
+            rep = cls(name, version, pairs, framed, desc)
+            return rep, dtype, tuple(shape)
+        except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
+            raise InvalidArgument(f"undecodable representation record: {exc}") from exc
+
+
+EXACT = Representation()
+"""The engine's own bytes."""
+
+
 class ReplicaState(enum.Enum):
     """Where one replica stands. Readers count separately (:attr:`Replica.pins`)."""
 
@@ -108,13 +199,15 @@ class Replica:
     tier: TierName
     nbytes: int
     """Payload bytes in the tier's representation."""
-    transform: str = "exact"
-    """Representation: ``exact`` for the engine's own bytes."""
+    transform: Representation = EXACT
+    """Representation: which transform its values went through, framed or decoded."""
     checksum: bytes = b""
     """Content checksum where the tier keeps one (empty for DRAM)."""
     state: ReplicaState = ReplicaState.WRITING
     pins: int = 0
     """Loads reading this replica right now; a pinned replica is never an eviction victim."""
+    noted: bool = False
+    """Its transform is unknown to this reader and that was explained once (an event)."""
 
     @property
     def readable(self) -> bool:
@@ -137,6 +230,17 @@ class ObjectRecord:
     """None until the PUT (or RECOVER) move is applied."""
     replicas: dict[TierName, Replica] = field(default_factory=dict)
     """Replicas by tier, in no particular order (the chain orders tiers)."""
+
+    @staticmethod
+    def size(dtype: str, shape: tuple[int, ...]) -> int:
+        """Bytes of an array of ``dtype`` and ``shape`` (InvalidArgument if not a dtype)."""
+        try:
+            n = np.dtype(dtype).itemsize
+        except TypeError as exc:
+            raise InvalidArgument(f"{dtype!r} is not a dtype: {exc}") from exc
+        for d in shape:
+            n *= d
+        return n
 
     def readable_in(self, tier: TierName) -> bool:
         rep = self.replicas.get(tier)

@@ -97,10 +97,16 @@ class TierSlot:
     """Units charged by replicas placed and not evicted."""
     unit: int | None = None
     """Units every replica takes when all objects have one size (set by Placement)."""
+    size: Callable[[Hashable], int] | None = None
+    """Payload size of a key's replica in this tier when it differs from the
+    residency's (a tier that encodes what it stores); a pure function of the key."""
 
     def units(self, res: Residency, key: Hashable) -> int:
         unit = self.unit
-        return unit if unit is not None else self.footprint(res.size_of(key))
+        if unit is not None:
+            return unit
+        size = self.size
+        return self.footprint(size(key) if size is not None else res.size_of(key))
 
 
 class Placement:
@@ -119,7 +125,8 @@ class Placement:
         uniform = getattr(residency, "uniform_size", None)
         if isinstance(uniform, int):
             for slot in self.slots:
-                slot.unit = slot.footprint(uniform)
+                if slot.size is None:
+                    slot.unit = slot.footprint(uniform)
         self.shielded: tuple[Collection[Hashable], ...] = ()
         """Keys no eviction may take whatever the call protects (the store's pinned
         objects and those with a replica still being written by a pending plan)."""

@@ -32,6 +32,11 @@ class TierSpec:
     """Eviction policy by registered name."""
     options: tuple[tuple[str, object], ...] = ()
     """Kind-specific settings (e.g. ``segment_bytes`` of a disk tier), as name/value pairs."""
+    transform: str = ""
+    """Registered transform exact replicas are encoded with when written here (a put
+    placed here, a demotion, a flush): e.g. ``int4``; empty: store replicas as given."""
+    transform_params: tuple[tuple[str, int | float | bool | str], ...] = ()
+    """Parameters of ``transform`` (name/value pairs; defaults for those not given)."""
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -40,6 +45,12 @@ class TierSpec:
             raise InvalidArgument(
                 f"tier {self.name!r} needs capacity_bytes > 0, got {self.capacity_bytes!r}"
             )
+        if not isinstance(self.transform, str):
+            raise InvalidArgument(
+                f"tier {self.name!r}: transform must be a name, got {self.transform!r}"
+            )
+        if self.transform_params and not self.transform:
+            raise InvalidArgument(f"tier {self.name!r}: transform_params without a transform")
 
     @property
     def tier_name(self) -> TierName:

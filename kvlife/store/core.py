@@ -25,6 +25,7 @@ from kvlife.index.prefix import ObjectIndex
 from kvlife.placement import Action, Copy, Drop, Evict, Place, Placement, Reject, TierSlot
 from kvlife.policy.base import make_policy
 from kvlife.store.config import StoreConfig
+from kvlife.store.forms import DecodeRates, contract_of, encoded_nbytes, tier_transform
 from kvlife.store.ledger import Ledger
 from kvlife.store.lock import Sequencer
 from kvlife.tiers.base import (
@@ -34,8 +35,22 @@ from kvlife.tiers.base import (
     SupportsBatchDelete,
     Tier,
 )
+from kvlife.transforms.base import Transform, UnknownTransform
+from kvlife.transforms.contract import Accept
 
 INDEXED = ObjectState.INDEXED
+
+
+@dataclass(slots=True)
+class Serving:
+    """Which replica of an object a lookup's Accept lets it serve (or why none)."""
+
+    tier: TierName | None
+    replica: Replica | None
+    refused: str = ""
+    """Why readable replicas were refused (empty when one is served or none exists)."""
+    unknown: list[Replica] | None = None
+    """Replicas whose transform this reader does not know."""
 
 
 @dataclass(slots=True)
@@ -169,11 +184,60 @@ class StoreCore:
             self.residency,
         )
         self.pinned: dict[ChunkKey, int] = {}
+        self.encoders: dict[TierName, Transform] = {
+            TierName(spec.name): tier_transform(spec.name, spec.transform, spec.transform_params)
+            for spec in config.chain
+            if spec.transform
+        }
+        """Tiers that encode the exact replicas written into them, and with what."""
+        self._sizes: dict[tuple[TierName, tuple[int, ...], str], int] = {}
+        for slot in self.placement.slots:
+            if slot.name in self.encoders:
+                slot.size = self._sizer(slot.name)
+        self.decode_rates = DecodeRates()
         self.placement.shielded = (self.pinned, self.residency.unsettled)
         self.durable = [t.name for t in chain if t.durability is Durability.DURABLE]
         self.closed = False
         self._bg: ThreadPoolExecutor | None = None
         self._bg_lock = threading.Lock()
+
+    def _sizer(self, tier: TierName) -> Callable[[Hashable], int]:
+        """Placement's size of a key's replica in a transforming tier: its frame's bound."""
+        t = self.encoders[tier]
+
+        def size(key: Hashable) -> int:
+            rec = self.index.get(key)  # type: ignore[arg-type]
+            if rec is None:
+                raise KVLifeError(f"placement asked the size of unknown object {key!r}")
+            k = (tier, rec.shape, rec.dtype)
+            got = self._sizes.get(k)
+            if got is None:
+                got = self._sizes[k] = encoded_nbytes(t, rec.shape, rec.dtype)
+            return got
+
+        return size
+
+    def serving(self, rec: ObjectRecord, accept: Accept) -> Serving:
+        """The first tier of the chain with a READY replica that ``accept`` takes."""
+        refused = ""
+        unknown: list[Replica] | None = None
+        for tier in self.chain:
+            rep = rec.replicas.get(tier.name)
+            if rep is None or not rep.readable:
+                continue
+            form = rep.transform
+            if form.exact:
+                return Serving(tier.name, rep)
+            try:
+                why = accept.refusal(contract_of(form))
+            except UnknownTransform as exc:
+                unknown = (unknown or []) + [rep]
+                refused = refused or f"{tier.name}: {exc}"
+                continue
+            if not why:
+                return Serving(tier.name, rep)
+            refused = refused or f"{tier.name}: {why}"
+        return Serving(None, None, refused, unknown)
 
     def check_open(self) -> None:
         if self.closed:

@@ -30,10 +30,11 @@ from kvlife.core.errors import (
 )
 from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import Move, ObjectState
-from kvlife.core.objects import ObjectRecord, Replica, ReplicaState, TierName
+from kvlife.core.objects import EXACT, ObjectRecord, Replica, ReplicaState, Representation, TierName
 from kvlife.placement import Copy, Evict, Place
 from kvlife.store.core import Bound, StoreCore
-from kvlife.tiers.base import CapacityShortfall, ReplicaMeta, SupportsAdopt
+from kvlife.store.forms import Converted, convert, meta_for
+from kvlife.tiers.base import CapacityShortfall, SupportsAdopt
 
 INDEXED = ObjectState.INDEXED
 
@@ -60,7 +61,7 @@ def execute(
     bound: Sequence[Bound],
     *,
     payloads: dict[ChunkKey, np.ndarray] | None = None,
-    sources: dict[ChunkKey, np.ndarray] | None = None,
+    sources: dict[ChunkKey, tuple[np.ndarray, Representation]] | None = None,
     request_id: str = "",
     protect: set[ChunkKey] | None = None,
 ) -> Outcome:
@@ -103,10 +104,6 @@ def _groups(bound: Sequence[Bound]) -> list[list[Bound]]:
     return groups
 
 
-def meta_of(rec: ObjectRecord) -> ReplicaMeta:
-    return ReplicaMeta(rec.key, rec.dtype, rec.shape, "exact", rec.info.encode())
-
-
 def _write(
     core: StoreCore,
     tier_name: TierName,
@@ -115,15 +112,22 @@ def _write(
     protect: set[ChunkKey],
     *,
     adopt: bool = False,
-) -> None:
-    """prepare + commit one batch in a tier; raises a typed error on failure.
+    forms: list[Representation] | None = None,
+) -> list[Converted]:
+    """Convert (encode for a transforming tier, decode a frame for a plain one), then
+    prepare + commit one batch in a tier; raises a typed error on failure. ``forms``:
+    the representation of each array (default: exact). Returns what was written.
 
     Placement made room by its count of live bytes; a tier can still refuse (garbage a
-    disk tier cannot compact yet). Then more victims are evicted, as placement chooses
-    them, until the batch fits or nothing more can go.
+    disk tier cannot compact yet, a frame larger than its bound). Then more victims are
+    evicted, as placement chooses them, until the batch fits or nothing more can go.
     """
     tier = core.tiers[tier_name]
-    metas = [meta_of(r) for r in recs]
+    enc = core.encoders.get(tier_name)
+    src = forms if forms is not None else [EXACT] * len(recs)
+    done = [convert(r, a, f, enc, tier_name) for r, a, f in zip(recs, arrays, src, strict=True)]
+    arrays = [c.array for c in done]
+    metas = [meta_for(r, c.array, c.form) for r, c in zip(recs, done, strict=True)]
     while True:
         res = tier.prepare_store(metas)
         if not isinstance(res, CapacityShortfall):
@@ -139,10 +143,13 @@ def _write(
         extra = execute(core, bound)
         if extra.errors:
             raise extra.errors[0]
-    if adopt and isinstance(tier, SupportsAdopt):
+    if (adopt or any(c.changed for c in done)) and isinstance(tier, SupportsAdopt):
+        if not adopt:  # adopt only what this call made: the caller's arrays are copied
+            arrays = [c.array if c.changed else c.array.copy() for c in done]
         tier.commit_adopt(res, arrays)
     else:
         tier.commit_store(res, arrays)
+    return done
 
 
 def _place(
@@ -176,8 +183,18 @@ def _place(
                 continue
             _sealed(core, tier_name, rec.key, rep)
             core.residency.settle(rec, rep, ReplicaState.READY)
-            ledger.move(rec, Move.WRITE, tier=tier_name, nbytes=rec.nbytes, request_id=request_id)
-            ledger.move(rec, Move.SEAL, tier=tier_name, nbytes=rec.nbytes)
+            name = rep.transform.name
+            if rep.transform.framed:
+                core.counters.encoded += 1
+            ledger.move(
+                rec,
+                Move.WRITE,
+                tier=tier_name,
+                nbytes=rec.nbytes,
+                request_id=request_id,
+                transform=name,
+            )
+            ledger.move(rec, Move.SEAL, tier=tier_name, nbytes=rep.nbytes, transform=name)
             ledger.move(rec, Move.COMMIT, tier=tier_name)
             ledger.move(rec, Move.INDEX, tier=tier_name)
             tc.stored += 1
@@ -186,10 +203,12 @@ def _place(
 
 
 def _sealed(core: StoreCore, tier_name: TierName, key: ChunkKey, rep: Replica) -> None:
-    """Record what the tier sealed the replica with (its checksum, where it keeps one)."""
+    """Record what the tier sealed the replica with (its checksum, where it keeps one),
+    its representation and the bytes it takes there."""
     with contextlib.suppress(ReplicaNotFound):
         meta = core.tiers[tier_name].meta(key)
-        rep.checksum, rep.transform = meta.checksum, meta.transform
+        rep.checksum, rep.nbytes = meta.checksum, meta.nbytes
+        rep.transform = Representation.decode(meta.form)[0] if meta.form else EXACT
 
 
 def _abort_new(core: StoreCore, rec: ObjectRecord, why: str) -> None:
@@ -216,12 +235,14 @@ def _copy(
     src: TierName,
     dst: TierName,
     group: list[Bound],
-    sources: dict[ChunkKey, np.ndarray],
+    sources: dict[ChunkKey, tuple[np.ndarray, Representation]],
     out: Outcome,
 ) -> None:
     with core.lock:  # objects invalidated since the plan was made need no copy
         todo = [b for b in group if _planned(b, dst)]
+        held = {b.rec.key: _form_in(b.rec, src) for b in todo}
     error: Exception | None = None
+    written: dict[ChunkKey, Converted] = {}
     for attempt in (0, 1):
         if not todo:
             return
@@ -233,12 +254,21 @@ def _copy(
                 for key, res in zip(missing, core.tiers[src].read_batch(missing), strict=True):
                     if isinstance(res, (ChecksumMismatch, ReplicaReadError)):
                         raise res
-                    got[key] = res
+                    got[key] = (res, held[key])
             # arrays read from a slower tier (or handed over by a load) belong to nobody
             # else; views of a first-tier replica must be copied
             protect = {r.key for r in recs}
             adopt = src != core.chain[0].name
-            _write(core, dst, recs, [got[r.key] for r in recs], protect, adopt=adopt)
+            done = _write(
+                core,
+                dst,
+                recs,
+                [got[r.key][0] for r in recs],
+                protect,
+                adopt=adopt,
+                forms=[got[r.key][1] for r in recs],
+            )
+            written = {r.key: c for r, c in zip(recs, done, strict=True)}
             error = None
             break
         except ReplicaNotFound as exc:
@@ -252,12 +282,21 @@ def _copy(
     doomed: list[tuple[TierName, ChunkKey]] = []
     with core.lock:
         for b in todo:
-            doomed += _publish_copy(core, b, error, out)
+            doomed += _publish_copy(core, b, error, out, written.get(b.rec.key))
     core.delete_replicas(doomed)
 
 
+def _form_in(rec: ObjectRecord, tier: TierName) -> Representation:
+    rep = rec.replicas.get(tier)
+    return rep.transform if rep is not None else EXACT
+
+
 def _publish_copy(
-    core: StoreCore, b: Bound, error: Exception | None, out: Outcome
+    core: StoreCore,
+    b: Bound,
+    error: Exception | None,
+    out: Outcome,
+    written: Converted | None = None,
 ) -> list[tuple[TierName, ChunkKey]]:
     """Publish one copy's outcome (under the lock); returns replicas to delete."""
     action = b.action
@@ -268,6 +307,20 @@ def _publish_copy(
     if error is None and planned:
         _sealed(core, action.dst, rec.key, rep)
         core.residency.settle(rec, rep, ReplicaState.READY)
+        form = rep.transform
+        if written is not None and written.changed and rec.state is INDEXED:
+            core.ledger.move(
+                rec,
+                Move.TRANSFORM,
+                tier=action.dst,
+                nbytes=rep.nbytes,
+                transform=form.name,
+                reason=f"{written.changed}d on {action.reason} ({form.name})",
+            )
+            if written.changed == "encode":
+                core.counters.encoded += 1
+            else:
+                core.counters.decoded += 1
         core.ledger.move(
             rec,
             Move.OFFLOAD,
@@ -275,6 +328,7 @@ def _publish_copy(
             dst=action.dst,
             nbytes=rec.nbytes,
             reason=action.reason,
+            transform=form.name,
         )
         core.counters.tier(action.dst).stored += 1
         if action.reason == "demote":

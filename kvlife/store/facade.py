@@ -37,6 +37,7 @@ from kvlife.store.writes import PendingPut, Writer
 from kvlife.tiers.base import AuditReport, Tier
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.registry import TierContext, build_tier
+from kvlife.transforms.contract import Accept
 
 Tokens = Sequence[int] | np.ndarray
 
@@ -158,10 +159,14 @@ class KVStore:
         start: int = 0,
         parent: ChunkKey = ROOT_PARENT,
         extra_keys: Sequence[bytes] = (),
+        accept: Accept = Accept.EXACT,
     ) -> LookupResult:
-        """The longest run of INDEXED leading chunks, with the fastest tier of each."""
+        """The longest run of INDEXED leading chunks that have a replica ``accept`` takes
+        (default: exact replicas only), each with the fastest such tier, the replica's
+        transform and its estimated decode cost. A chunk whose readable replicas are all
+        refused (or of a transform this reader does not know) ends the run."""
         return self._reader.lookup(
-            PromptRef(identity, namespace, tokens, start, parent, extra_keys)
+            PromptRef(identity, namespace, tokens, start, parent, extra_keys), accept
         )
 
     def load(
@@ -172,8 +177,10 @@ class KVStore:
         request_id: str = "",
     ) -> LoadResult:
         """Load the hits of ``lookup`` in order, verified, into ``outs`` (one buffer per
-        hit) or new read-only arrays. The first chunk that is gone or fails verification
-        ends the result; a corrupt replica is invalidated (reason ``corrupt``)."""
+        hit) or new read-only arrays; framed replicas (a transforming tier's) are
+        verified and decoded into them. Each chunk is served from a replica the lookup's
+        ``accept`` takes. The first chunk that is gone or fails verification ends the
+        result; a corrupt replica is invalidated (reason ``corrupt``)."""
         return self._reader.load(lookup, outs, request_id)
 
     def load_async(

@@ -33,6 +33,7 @@ class Ledger:
         nbytes: int = 0,
         reason: str = "",
         request_id: str = "",
+        transform: str = "exact",
     ) -> None:
         old_state = rec.state
         new_state = check_move(rec.key.hex(), old_state, move)
@@ -56,6 +57,7 @@ class Ledger:
                     tier=tier,
                     dst_tier=dst,
                     nbytes=nbytes,
+                    transform=transform,
                     namespace=rec.info.namespace,
                     model=rec.info.weights_digest,
                     reason=reason,

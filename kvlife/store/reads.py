@@ -27,11 +27,17 @@ from kvlife.core.errors import (
 )
 from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import Move, ObjectState
-from kvlife.core.objects import ObjectRecord, PromptRef, Replica, TierName
+from kvlife.core.objects import ObjectRecord, PromptRef, Replica, Representation, TierName
 from kvlife.results import ChunkHit, LoadResult, LookupResult
-from kvlife.store.core import Bound, StoreCore
+from kvlife.store.core import Bound, Serving, StoreCore
 from kvlife.store.executor import execute
+from kvlife.store.forms import DecodeRates, decode_replica, exactness_of
 from kvlife.tiers.base import ReadResult, Tier
+from kvlife.transforms.base import UnknownTransform
+from kvlife.transforms.contract import Accept
+
+Outcome = ReadResult | ReplicaNotFound | UnknownTransform
+"""A chunk's read: the array, or why it is a miss."""
 
 INDEXED = ObjectState.INDEXED
 
@@ -42,8 +48,9 @@ class _Item:
     tier: TierName
     rep: Replica
     out: np.ndarray | None
-    result: ReadResult | ReplicaNotFound | None = None
-    """The read's outcome; ReplicaNotFound when the replica was deleted under the read."""
+    result: Outcome | None = None
+    """The read's outcome; ReplicaNotFound when the replica was deleted under the read,
+    UnknownTransform when its frame names a transform this reader lacks."""
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -74,8 +81,10 @@ class LoadHandle:
     def __len__(self) -> int:
         return len(self._items)
 
-    def _complete(self, item: _Item, result: ReadResult | BaseException) -> None:
-        if isinstance(result, BaseException) and not isinstance(result, ReplicaNotFound):
+    def _complete(self, item: _Item, result: Outcome | BaseException) -> None:
+        if isinstance(result, BaseException) and not isinstance(
+            result, (ReplicaNotFound, UnknownTransform, ChecksumMismatch, ReplicaReadError)
+        ):
             if not isinstance(result, KVLifeError):  # a bug, not a miss: wait() raises it
                 self._error = self._error or result
             result = ReplicaReadError(item.rec.key.hex(), item.tier, f"read failed: {result}")
@@ -133,23 +142,38 @@ class LoadHandle:
         return self._result
 
 
-def _read_run(tier: Tier, run: Sequence[_Item]) -> list[ReadResult | ReplicaNotFound]:
-    """Read consecutive chunks of one tier; a replica deleted under the read (by an
-    invalidation) is reported as such, one chunk at a time from there on."""
+def _read_run(tier: Tier, run: Sequence[_Item], rates: DecodeRates) -> list[Outcome]:
+    """Read consecutive chunks of one tier (decoding framed replicas into their
+    buffers); a replica deleted under the read (by an invalidation) is reported as such,
+    one chunk at a time from there on."""
     keys = [it.rec.key for it in run]
-    outs = [it.out for it in run] if run[0].out is not None else None
+    outs = [it.out if not it.rep.transform.framed else None for it in run]
+    plain = outs if any(o is not None for o in outs) else None
     try:
-        return list(tier.read_batch(keys, outs))
+        return [
+            _decoded(it, r, rates, tier.name)
+            for it, r in zip(run, tier.read_batch(keys, plain), strict=True)
+        ]
     except ReplicaNotFound:
         pass
-    got: list[ReadResult | ReplicaNotFound] = []
-    for i, key in enumerate(keys):
+    got: list[Outcome] = []
+    for it, key, out in zip(run, keys, outs, strict=True):
         try:
-            got.append(tier.read_batch([key], [outs[i]] if outs is not None else None)[0])
+            got.append(_decoded(it, tier.read_batch([key], [out])[0], rates, tier.name))
         except ReplicaNotFound as exc:
             got.append(exc)
             break  # the first miss ends the result: later chunks are not read
     return got
+
+
+def _decoded(it: _Item, res: ReadResult, rates: DecodeRates, where: TierName) -> Outcome:
+    """A read's outcome, with a framed replica decoded into the item's buffer."""
+    if not it.rep.transform.framed or not isinstance(res, np.ndarray):
+        return res
+    try:
+        return decode_replica(it.rec, it.rep, res, it.out, where, rates)
+    except (ChecksumMismatch, UnknownTransform) as exc:
+        return exc
 
 
 class Reader:
@@ -162,30 +186,57 @@ class Reader:
 
     # ------------------------------------------------------------------ lookup
 
-    def lookup(self, prompt: PromptRef) -> LookupResult:
+    def lookup(self, prompt: PromptRef, accept: Accept = Accept.EXACT) -> LookupResult:
         core = self.core
         core.check_open()
+        if not isinstance(accept, Accept):
+            raise InvalidArgument(f"accept must be an Accept, got {type(accept).__name__}")
         keys = prompt.keys()
         n = prompt.tokens_per_chunk
         start = prompt.start
         hits: list[ChunkHit] = []
+        refusal = ""
         with core.lock:
             doomed = core.reap_lost()
             get = core.index.get
+            rates = core.decode_rates
             for i, key in enumerate(keys):
                 rec = get(key)
                 if rec is None or rec.state is not INDEXED:
                     break
-                tier = core.fastest(rec)
-                if tier is None:
+                got = core.serving(rec, accept)
+                if got.unknown:
+                    self._explain_unknown(rec, got)
+                if got.tier is None or got.replica is None:
+                    refusal = got.refused
                     break
-                hits.append(ChunkHit(i, key, start + i * n, tier))
+                hits.append(_hit(i, key, start + i * n, got, rec, rates))
             core.placement.touch_hits([(h.key, h.tier) for h in hits])
             core.counters.lookups += 1
             core.counters.lookup_chunks_hit += len(hits)
             core.counters.lookup_chunks_miss += len(keys) - len(hits)
+            if refusal:
+                core.counters.lookup_chunks_refused += 1
             core.delete_later(doomed)
-        return LookupResult(hits, len(keys), n)
+        return LookupResult(hits, len(keys), n, accept, int(bool(refusal)), refusal)
+
+    def _explain_unknown(self, rec: ObjectRecord, got: Serving) -> None:
+        """Count and explain (once per replica) replicas whose transform is unknown."""
+        core = self.core
+        for rep in got.unknown or ():
+            if rep.noted:
+                continue
+            rep.noted = True
+            core.counters.unknown_transform += 1
+            form = rep.transform
+            core.ledger.move(
+                rec,
+                Move.REFUSE,
+                tier=rep.tier,
+                nbytes=rep.nbytes,
+                transform=form.name,
+                reason=f"unknown transform {form.name!r} v{form.version}",
+            )
 
     # ------------------------------------------------------------------ load
 
@@ -205,7 +256,7 @@ class Reader:
                 rec = core.index.get(hit.key)
                 if rec is None or rec.state is not INDEXED:
                     break
-                tier = core.fastest(rec)
+                tier = core.serving(rec, lookup.accept).tier
                 if tier is None:
                     break
                 items.append(
@@ -227,7 +278,7 @@ class Reader:
                     j += 1
                 run = items[i:j]
                 tier = self.core.tiers[run[0].tier]
-                got = _read_run(tier, run)
+                got = _read_run(tier, run, self.core.decode_rates)
                 for it, res in zip(run, got, strict=False):
                     it.result = res
                 if any(not isinstance(r, np.ndarray) for r in got):
@@ -246,13 +297,12 @@ class Reader:
         handle = LoadHandle(self, items, len(lookup.hits), vanished, request_id)
         pool = self._io_pool()
         tiers = self.core.tiers
+        rates = self.core.decode_rates
         for item in items:
 
             def read(it: _Item = item) -> None:
                 try:
-                    res = tiers[it.tier].read_batch(
-                        [it.rec.key], [it.out] if it.out is not None else None
-                    )[0]
+                    res = _read_run(tiers[it.tier], [it], rates)[0]
                 except BaseException as exc:  # handed to the handle as a typed miss
                     handle._complete(it, exc)
                     return
@@ -280,8 +330,25 @@ class Reader:
                     core.counters.read_errors += 1  # a miss; the replica may read next time
                     out.read_errors += 1
                     ended = True
+                elif isinstance(res, UnknownTransform):
+                    out.unknown_transform += 1  # a miss; a reader that knows it may serve it
+                    if not it.rep.noted:
+                        it.rep.noted = True
+                        core.counters.unknown_transform += 1
+                        if rec.state is INDEXED:
+                            core.ledger.move(
+                                rec,
+                                Move.REFUSE,
+                                tier=it.tier,
+                                nbytes=it.rep.nbytes,
+                                transform=it.rep.transform.name,
+                                reason=f"unknown transform: {res}",
+                            )
+                    ended = True
                 elif isinstance(res, ChecksumMismatch):
                     core.counters.corrupt += 1
+                    if it.rep.transform.framed and "transform frame" in str(res):
+                        core.counters.corrupt_frames += 1
                     out.corrupt.append(rec.key)
                     if rec.state is INDEXED:
                         doomed += core.retire(rec, Move.CORRUPT, f"corrupt: {res}")
@@ -292,8 +359,18 @@ class Reader:
                 else:
                     out.arrays.append(res)
                     out.tiers[it.tier] = out.tiers.get(it.tier, 0) + 1
+                    form = it.rep.transform
+                    out.representations[form.name] = out.representations.get(form.name, 0) + 1
+                    if form.framed:
+                        out.decoded += 1
+                        core.counters.decoded += 1
                     core.ledger.move(
-                        rec, Move.LOAD, tier=it.tier, nbytes=rec.nbytes, request_id=request_id
+                        rec,
+                        Move.LOAD,
+                        tier=it.tier,
+                        nbytes=rec.nbytes,
+                        request_id=request_id,
+                        transform=form.name,
                     )
                     tc = core.counters.tier(it.tier)
                     tc.loaded += 1
@@ -303,7 +380,7 @@ class Reader:
                         continue  # stays pinned until its promotion ran
                 core.unpin(rec, it.rep)
             out.loaded = len(out.arrays)
-            if out.corrupt or out.read_errors:
+            if out.corrupt or out.read_errors or out.unknown_transform:
                 out.vanished = 0
             core.counters.vanished += out.vanished
             core.counters.bytes_loaded += sum(a.nbytes for a in out.arrays)
@@ -311,7 +388,7 @@ class Reader:
                 core.placement.plan_promote([it.rec.key for it in promote])
                 bound = core.residency.take()
                 owned = {
-                    it.rec.key: it.result
+                    it.rec.key: (it.result, _served(it.rep.transform))
                     for it in promote
                     if it.out is None and isinstance(it.result, np.ndarray)
                 }
@@ -325,7 +402,10 @@ class Reader:
         return out
 
     def _promote(
-        self, bound: list[Bound], pinned: list[_Item], owned: dict[ChunkKey, np.ndarray]
+        self,
+        bound: list[Bound],
+        pinned: list[_Item],
+        owned: dict[ChunkKey, tuple[np.ndarray, Representation]],
     ) -> None:
         """Execute a promotion plan (in its turn, on the background thread)."""
         try:
@@ -359,3 +439,32 @@ class Reader:
                 self._pool.shutdown(wait=True)
             self._pool = None
         self.core.stop_background()
+
+
+def _served(form: Representation) -> Representation:
+    """The representation of what a load returned: a frame's values, decoded."""
+    if not form.framed:
+        return form
+    return Representation(form.name, form.version, form.params, False, form.descriptor)
+
+
+def _hit(
+    i: int, key: ChunkKey, start: int, got: Serving, rec: ObjectRecord, rates: DecodeRates
+) -> ChunkHit:
+    rep = got.replica
+    assert got.tier is not None and rep is not None
+    form = rep.transform
+    if form.exact:
+        return ChunkHit(i, key, start, got.tier, stored_nbytes=rep.nbytes)
+    decode = rec.nbytes if form.framed else 0
+    return ChunkHit(
+        i,
+        key,
+        start,
+        got.tier,
+        form.name,
+        exactness_of(form),
+        rep.nbytes,
+        decode,
+        rates.estimate(form.name, decode) if decode else 0.0,
+    )

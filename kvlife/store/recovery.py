@@ -14,7 +14,14 @@ from collections.abc import Callable
 from kvlife.core.errors import InvalidArgument, KVLifeError
 from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import Move
-from kvlife.core.objects import ObjectInfo, ObjectRecord, Replica, ReplicaState
+from kvlife.core.objects import (
+    EXACT,
+    ObjectInfo,
+    ObjectRecord,
+    Replica,
+    ReplicaState,
+    Representation,
+)
 from kvlife.store.core import StoreCore
 from kvlife.tiers.base import AuditReport, Durability, KeepsEdges, SupportsAudit
 
@@ -27,19 +34,27 @@ def recover(core: StoreCore) -> None:
             meta = tier.meta(key)
             try:
                 info = ObjectInfo.decode(meta.info)
-                nbytes = meta.nbytes
+                form, dtype, shape = Representation.decode(meta.form)
+                if dtype is None or shape is None:
+                    dtype, shape = meta.dtype, meta.shape
+                nbytes = ObjectRecord.size(dtype, shape)
+                if form.name != meta.transform or (form is EXACT) != (meta.transform == "exact"):
+                    raise InvalidArgument(f"representation {form.name!r} vs {meta.transform!r}")
             except (InvalidArgument, KVLifeError, TypeError, ValueError):
                 core.counters.recovery_dropped += 1
                 continue
             rec = core.index.get(key)
+            if rec is not None and (rec.dtype, rec.shape) != (dtype, shape):
+                core.counters.recovery_dropped += 1  # two tiers disagree: serve neither copy
+                continue
             if rec is None:
-                rec = ObjectRecord(key, info, meta.dtype, meta.shape, nbytes)
+                rec = ObjectRecord(key, info, dtype, shape, nbytes)
                 core.ledger.move(rec, Move.RECOVER, tier=tier.name, nbytes=nbytes, reason="reopen")
                 core.ledger.move(rec, Move.INDEX, tier=tier.name)
                 core.index.add(rec)
                 core.counters.recovered += 1
             rec.replicas[tier.name] = Replica(
-                tier.name, nbytes, meta.transform, meta.checksum, ReplicaState.READY
+                tier.name, meta.nbytes, form, meta.checksum, ReplicaState.READY
             )
             core.placement.charge(key, tier.name)
     keepers = [t for t in core.chain if isinstance(t, KeepsEdges)]

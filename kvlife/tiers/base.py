@@ -60,6 +60,10 @@ class ReplicaMeta:
     """Opaque object metadata persisted with the replica (identity fields for recovery)."""
     checksum: bytes = b""
     """Content checksum the tier verifies reads against (empty where it keeps none)."""
+    form: bytes = b""
+    """Opaque record of the replica's representation (the store's transform descriptor,
+    :mod:`kvlife.store.forms`), persisted with the replica like ``info``; empty for the
+    engine's own bytes."""
 
     def __post_init__(self) -> None:
         if len(self.key) != 32:

@@ -271,6 +271,13 @@ class Transform(ABC):
         """The declared bound of a lossy transform; None for exact and lossless ones."""
         return None
 
+    @property
+    def measured_kl(self) -> float | None:
+        """Mean KL of next-token distributions against exact KV, measured on the
+        reference model with these parameters (docs/transforms.md); None where not
+        measured: a lookup that bounds KL then refuses the replica."""
+        return None
+
     @abstractmethod
     def params(self) -> Mapping[str, Param]:
         """This instance's parameters (recorded in the descriptor)."""

@@ -393,6 +393,7 @@ class DiskTier(
                         meta.shape,
                         meta.transform,
                         meta.info,
+                        meta.form,
                     )
                 )
             if group is not None:
@@ -505,7 +506,13 @@ class DiskTier(
     def meta(self, key: ChunkKey) -> ReplicaMeta:
         row = self._row(key)
         return ReplicaMeta(
-            ChunkKey(row.key), row.dtype, row.shape, row.transform, row.info, row.checksum
+            ChunkKey(row.key),
+            row.dtype,
+            row.shape,
+            row.transform,
+            row.info,
+            row.checksum,
+            row.form,
         )
 
     def _row(self, key: ChunkKey) -> CatalogRow:

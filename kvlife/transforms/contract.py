@@ -1,0 +1,136 @@
+"""What a lookup accepts (:class:`Accept`) and what a replica's transform guarantees
+(:class:`Contract`): the correctness contract enforced at every store lookup.
+
+``Accept.EXACT`` (the default of every lookup) takes only the engine's own bytes;
+``Accept.LOSSLESS`` also takes replicas that decode bit-exact; ``Accept.lossy(...)`` also
+takes lossy ones within its limits (a declared :class:`ErrorBound`, a measured mean KL, a
+set of transform names). A replica that does not meet the lookup's ``Accept`` is not a hit.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.transforms.base import ErrorBound, Exactness, Param, UnknownTransform
+from kvlife.transforms.registry import transform_class
+
+_RANK = {Exactness.EXACT: 0, Exactness.LOSSLESS: 1, Exactness.LOSSY: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Contract:
+    """What a replica of one transform (name, version, parameters) guarantees."""
+
+    name: str
+    version: int
+    exactness: Exactness
+    bound: ErrorBound | None
+    """The declared element-wise bound of a lossy transform (None otherwise)."""
+    measured_kl: float | None
+    """Mean KL against exact KV measured on the reference model (0 for exact and
+    lossless; None: not measured)."""
+
+
+EXACT_CONTRACT = Contract("exact", 1, Exactness.EXACT, None, 0.0)
+
+
+@functools.lru_cache(maxsize=256)
+def contract_for(name: str, version: int, params: tuple[tuple[str, Param], ...]) -> Contract:
+    """The contract of a transform as this reader knows it; UnknownTransform when the
+    name or the version is not known here (the store makes that a miss)."""
+    if name == "exact" and not params:
+        return EXACT_CONTRACT
+    cls = transform_class(name)
+    if cls.version != version:
+        raise UnknownTransform(
+            f"transform {name!r} version {version} is not known (this reader has {cls.version})"
+        )
+    t = cls.from_params(dict(params))
+    kl = 0.0 if t.exactness is not Exactness.LOSSY else t.measured_kl
+    return Contract(name, version, t.exactness, t.error_bound, kl)
+
+
+@dataclass(frozen=True, slots=True)
+class Accept:
+    """The weakest representation a lookup takes, and the limits on lossy ones."""
+
+    exactness: Exactness = Exactness.EXACT
+    """EXACT: the engine's own bytes only; LOSSLESS: also bit-exact decodes; LOSSY: also
+    lossy replicas within the limits below."""
+    max_bound: ErrorBound | None = None
+    """Lossy replicas must declare a bound no looser than this, factor by factor."""
+    max_kl: float | None = None
+    """Lossy replicas must have a measured mean KL <= this (unmeasured ones are refused)."""
+    transforms: frozenset[str] | None = None
+    """Lossy replicas must be of one of these transforms (None: any)."""
+
+    EXACT: ClassVar[Accept]
+    LOSSLESS: ClassVar[Accept]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.exactness, Exactness):
+            raise InvalidArgument(f"Accept.exactness must be an Exactness, got {self.exactness!r}")
+        limited = self.max_bound is not None or self.max_kl is not None or self.transforms
+        if limited and self.exactness is not Exactness.LOSSY:
+            raise InvalidArgument("Accept limits on lossy replicas need exactness LOSSY")
+        if self.max_kl is not None and not self.max_kl >= 0:
+            raise InvalidArgument(f"Accept.max_kl must be >= 0, got {self.max_kl}")
+
+    @classmethod
+    def lossy(
+        cls,
+        *,
+        max_kl: float | None = None,
+        max_bound: ErrorBound | None = None,
+        transforms: Iterable[str] | None = None,
+    ) -> Accept:
+        """Exact, lossless, and lossy replicas within the given limits (none: any
+        lossy replica with a declared contract)."""
+        names = frozenset(transforms) if transforms is not None else None
+        return cls(Exactness.LOSSY, max_bound, max_kl, names)
+
+    def refusal(self, contract: Contract) -> str:
+        """Empty when ``contract`` meets this Accept, else why not."""
+        if _RANK[contract.exactness] > _RANK[self.exactness]:
+            return f"{contract.name} is {contract.exactness.value}, the lookup accepts {self.label}"
+        if contract.exactness is not Exactness.LOSSY:
+            return ""
+        if self.transforms is not None and contract.name not in self.transforms:
+            return f"{contract.name} is not among the accepted transforms {sorted(self.transforms)}"
+        if self.max_bound is not None:
+            b, m = contract.bound, self.max_bound
+            if b is None or (
+                b.range_factor > m.range_factor
+                or b.magnitude_factor > m.magnitude_factor
+                or b.absolute > m.absolute
+            ):
+                return f"{contract.name}'s declared bound {b} is looser than {m}"
+        if self.max_kl is not None:
+            kl = contract.measured_kl
+            if kl is None:
+                return f"{contract.name} has no measured KL (the lookup bounds KL)"
+            if kl > self.max_kl:
+                return f"{contract.name}'s measured KL {kl} exceeds {self.max_kl}"
+        return ""
+
+    @property
+    def label(self) -> str:
+        """Short description for reasons and reports."""
+        if self.exactness is not Exactness.LOSSY:
+            return str(self.exactness.value)
+        parts = []
+        if self.transforms is not None:
+            parts.append("/".join(sorted(self.transforms)))
+        if self.max_kl is not None:
+            parts.append(f"kl<={self.max_kl:g}")
+        if self.max_bound is not None:
+            parts.append(f"range<={self.max_bound.range_factor:g}")
+        return "lossy" + (f"({', '.join(parts)})" if parts else "")
+
+
+Accept.EXACT = Accept()
+Accept.LOSSLESS = Accept(Exactness.LOSSLESS)
