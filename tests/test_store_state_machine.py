@@ -38,8 +38,9 @@ from kvlife.core.identity import (
 )
 from kvlife.core.lifecycle import Move, ObjectState, check_move
 from kvlife.faults.damage import flip, scan_frames
-from kvlife.store import KVStore, PendingPut, TierSpec
+from kvlife.store import Accept, KVStore, PendingPut, TierSpec
 from kvlife.tiers.disk.fileio import FileIO
+from kvlife.transforms import make_transform
 from tests.conftest import TINY, prompt_kv, tiny_identity
 
 N = TINY.tokens_per_chunk
@@ -277,9 +278,58 @@ class ThreeTierMachine(WriteBackMachine):
         return KVStore.open(self.dir, tiers=chain, sink=self.sink)
 
 
+class TransformedTierMachine(WriteBackMachine):
+    """Tiers that transform on the way down: DRAM (exact) -> a remote stand-in that
+    stores int8 -> a disk that stores lossless frames. Exact lookups are served bit-exact
+    bytes only; lossless and lossy lookups are served what their class allows, and a
+    lossy replica is always within int8's declared bound."""
+
+    INT8 = make_transform("int8")
+
+    def _open(self) -> KVStore:
+        chunk = TINY.chunk_nbytes
+        chain = (
+            TierSpec("memory", "dram", 3 * chunk),
+            TierSpec("memory", "remote", 5 * chunk, transform="int8"),
+            TierSpec(
+                "disk",
+                "disk",
+                self.disk_bytes,
+                options=(("segment_bytes", 64 << 10),),
+                transform="lossless",
+            ),
+        )
+        return KVStore.open(self.dir, tiers=chain, sink=self.sink)
+
+    @rule(p=st.sampled_from(PROMPTS), lossy=st.booleans())
+    def load_accepting(self, p: Prompt, lossy: bool) -> None:
+        self.store.drain()  # promotions of an earlier load may change the serving tier
+        accept = Accept.lossy() if lossy else Accept.LOSSLESS
+        hit = self.store.lookup(p.identity, p.namespace, p.tokens, accept=accept)
+        for h in hit.hits:
+            assert h.key in self.must or h.key in self.maybe, "served a chunk never committed"
+            assert lossy or h.exactness in ("exact", "lossless"), h
+        res = self.store.load(hit)
+        assert all(k in self.damaged for k in res.corrupt), "an undamaged replica failed"
+        for h, arr in zip(hit.hits, res.arrays, strict=False):
+            want = self.expected[h.key]
+            if h.exactness != "lossy":
+                assert np.array_equal(arr, want), "an exact or lossless replica is not exact"
+                continue
+            assert h.transform == "int8", h
+            bound = self.INT8.element_bounds(want)
+            assert bound is not None
+            err = np.abs(arr.astype(np.float64) - want.astype(np.float64))
+            assert np.all(err <= bound), "a lossy replica is outside its declared bound"
+
+
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 TestWriteBackMachine = WriteBackMachine.TestCase
 TestWriteBackMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 TestThreeTierMachine = ThreeTierMachine.TestCase
 TestThreeTierMachine.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+TestTransformedTierMachine = TransformedTierMachine.TestCase
+TestTransformedTierMachine.settings = settings(
+    max_examples=30, stateful_step_count=30, deadline=None
+)

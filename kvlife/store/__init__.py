@@ -5,6 +5,8 @@ moves, writes, reads, invalidation, recovery and metrics, each in its own module
   plan sequencer; :mod:`.core` the shared state; :mod:`.ledger` moves and events;
 - :mod:`.writes` puts, write-through, flush, eviction; :mod:`.reads` lookups, loads
   (sync and async) and promotion; :mod:`.executor` runs placement plans with real I/O;
+- :mod:`.forms` replica representations: encode for a transforming tier, verified
+  decode of frames, decode-cost estimates;
 - :mod:`.invalidation`, :mod:`.recovery`, :mod:`.metrics`.
 """
 
@@ -12,5 +14,15 @@ from kvlife.store.config import GiB, MiB, StoreConfig, TierSpec
 from kvlife.store.facade import KVStore
 from kvlife.store.reads import LoadHandle
 from kvlife.store.writes import PendingPut
+from kvlife.transforms.contract import Accept
 
-__all__ = ["GiB", "KVStore", "LoadHandle", "MiB", "PendingPut", "StoreConfig", "TierSpec"]
+__all__ = [
+    "Accept",
+    "GiB",
+    "KVStore",
+    "LoadHandle",
+    "MiB",
+    "PendingPut",
+    "StoreConfig",
+    "TierSpec",
+]

@@ -14,6 +14,7 @@ from kvlife.transforms.base import (
     TransformError,
     UnknownTransform,
 )
+from kvlife.transforms.contract import Accept, Contract, contract_for
 from kvlife.transforms.registry import (
     decode,
     decode_frame,
@@ -23,6 +24,8 @@ from kvlife.transforms.registry import (
 )
 
 __all__ = [
+    "Accept",
+    "Contract",
     "EncodedPayload",
     "ErrorBound",
     "Exactness",
@@ -30,6 +33,7 @@ __all__ = [
     "TransformDescriptor",
     "TransformError",
     "UnknownTransform",
+    "contract_for",
     "decode",
     "decode_frame",
     "make_transform",

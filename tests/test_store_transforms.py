@@ -1,0 +1,429 @@
+"""Transforms in the store: replicas typed by their transform, ``lookup(accept=...)``
+refusing what it must, tiers that encode on the way down, restart, unknown transforms and
+corrupt frames as counted misses."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Self
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.core.events import MemorySink
+from kvlife.core.identity import PUBLIC, ChunkKey, ModelIdentity
+from kvlife.faults.damage import flip, scan_frames
+from kvlife.store import Accept, KVStore, StoreConfig, TierSpec
+from kvlife.tiers.disk.catalog import CATALOG_VERSION
+from kvlife.transforms import ErrorBound, Exactness, make_transform
+from kvlife.transforms import registry as transform_registry
+from kvlife.transforms.base import Param
+from kvlife.transforms.contract import Contract
+from kvlife.transforms.exact import ExactTransform
+from kvlife.transforms.registry import register_transform
+from tests.conftest import TINY, prompt_kv
+
+CHUNK = TINY.chunk_nbytes
+N = TINY.tokens_per_chunk
+INT4 = (("key_group", 16), ("value_group", 8))
+DISK_OPTS = (("segment_bytes", 1 << 20),)
+Demoted = tuple[KVStore, tuple[np.ndarray, np.ndarray], list[ChunkKey]]
+
+
+@register_transform
+class ProbeTransform(ExactTransform):
+    """A lossless transform this test module registers (so that a test can take it away
+    or change its version, like a reader that lacks it)."""
+
+    name = "t12probe"
+    version = 1
+    exactness = Exactness.LOSSLESS
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Param]) -> Self:
+        return cls()
+
+
+def chain(
+    dram_chunks: int = 8,
+    disk: str = "int4",
+    params: tuple[tuple[str, int | float | bool | str], ...] = INT4,
+) -> StoreConfig:
+    return StoreConfig(
+        tiers=(
+            TierSpec("memory", "dram", dram_chunks * CHUNK),
+            TierSpec(
+                "disk",
+                "disk",
+                1 << 24,
+                options=DISK_OPTS,
+                transform=disk,
+                transform_params=params,
+            ),
+        )
+    )
+
+
+def chunk_of(kv: np.ndarray, i: int) -> np.ndarray:
+    return np.ascontiguousarray(kv[:, :, :, i * N : (i + 1) * N, :])
+
+
+def within_bound(name: str, params: object, got: np.ndarray, want: np.ndarray) -> bool:
+    t = make_transform(name, dict(params))  # type: ignore[call-overload]
+    bound = t.element_bounds(want)
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    return bool(bound is None and np.array_equal(got, want)) or bool(
+        bound is not None and np.all(err <= bound)
+    )
+
+
+@pytest.fixture
+def demoted(tmp_path: Path, identity: ModelIdentity) -> Iterator[Demoted]:
+    """Four chunks in DRAM (exact) and flushed to an int4 disk tier, then evicted from
+    DRAM: the disk holds the only (lossy) replicas."""
+    tokens, kv = prompt_kv(3, 4 * N)
+    store = KVStore(tmp_path, chain())
+    keys = store.put_prompt(identity, PUBLIC, tokens, kv).keys
+    assert store.flush() == 4
+    store.evict("dram", 8 * CHUNK)
+    yield store, (tokens, kv), keys
+    store.close()
+
+
+def test_exact_lookup_refuses_lossy_replicas(demoted: Demoted, identity: ModelIdentity) -> None:
+    store, (tokens, kv), keys = demoted
+    miss = store.lookup(identity, PUBLIC, tokens)
+    assert miss.hits == [] and miss.refused == 1
+    assert "int4 is lossy" in miss.refusal and "accepts exact" in miss.refusal
+    assert store.lookup(identity, PUBLIC, tokens, accept=Accept.LOSSLESS).hits == []
+    assert store.counters.lookup_chunks_refused == 2
+    hit = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy())
+    assert [h.key for h in hit.hits] == keys
+    for h in hit.hits:
+        assert (h.tier, h.transform, h.exactness) == ("disk", "int4", "lossy")
+        assert 0 < h.stored_nbytes < CHUNK and h.decode_nbytes == CHUNK
+        assert h.decode_seconds > 0
+    outs = [np.full(TINY.chunk_shape, np.nan, np.float16) for _ in hit.hits]
+    res = store.load(hit, outs)
+    assert res.loaded == 4 and res.decoded == 4 and res.representations == {"int4": 4}
+    for i, arr in enumerate(res.arrays):
+        assert arr is outs[i], "decoded somewhere else than the caller's buffer"
+        assert within_bound("int4", INT4, arr, chunk_of(kv, i))
+        assert not np.array_equal(arr, chunk_of(kv, i)), "int4 of random KV cannot be exact"
+
+
+def test_bounded_lossy_accept_refuses_looser_transforms(
+    demoted: Demoted, identity: ModelIdentity
+) -> None:
+    store, (tokens, _), _ = demoted
+    tight = ErrorBound(0.01, 0.01, 0.01)  # int4's half step is 0.5/15 of the range
+    refused = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy(max_bound=tight))
+    assert refused.hits == [] and "looser" in refused.refusal
+    only_int8 = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy(transforms=["int8"]))
+    assert only_int8.hits == [] and "not among" in only_int8.refusal
+    unmeasured = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy(max_kl=1.0))
+    assert unmeasured.hits == [] and "no measured KL" in unmeasured.refusal
+    loose = ErrorBound(0.5, 0.5, 1.0)
+    assert len(store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy(max_bound=loose)).hits)
+
+
+def test_one_object_exact_in_dram_lossy_on_disk(tmp_path: Path, identity: ModelIdentity) -> None:
+    """An exact lookup is served the exact DRAM replica even where a lossy disk replica
+    exists; once DRAM lets go, only a lossy lookup is served, and it says so."""
+    tokens, kv = prompt_kv(4, 2 * N)
+    with KVStore(tmp_path, chain()) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+        store.flush()
+        exact = store.lookup(identity, PUBLIC, tokens)
+        assert [(h.tier, h.transform, h.decode_nbytes) for h in exact.hits] == [
+            ("dram", "exact", 0)
+        ] * 2
+        res = store.load(exact)
+        assert all(np.array_equal(a, chunk_of(kv, i)) for i, a in enumerate(res.arrays))
+        lossy = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy())
+        assert [h.tier for h in lossy.hits] == ["dram"] * 2, "the faster exact replica first"
+        store.evict("dram", 2 * CHUNK)
+        assert store.lookup(identity, PUBLIC, tokens).hits == []
+        assert [
+            h.exactness for h in store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy()).hits
+        ] == ["lossy"] * 2
+
+
+def test_lossy_replica_promoted_stays_lossy(demoted: Demoted, identity: ModelIdentity) -> None:
+    """A disk hit is promoted into DRAM decoded (no decode on the next hit) and typed
+    int4: it is never served to an exact lookup."""
+    store, (tokens, _), _ = demoted
+    first = store.load(store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy()))
+    store.drain()
+    assert store.counters.promotions == 4
+    again = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy())
+    assert [(h.tier, h.transform, h.exactness, h.decode_nbytes) for h in again.hits] == [
+        ("dram", "int4", "lossy", 0)
+    ] * 4
+    second = store.load(again)
+    assert second.decoded == 0 and second.representations == {"int4": 4}
+    for a, b in zip(first.arrays, second.arrays, strict=True):
+        assert np.array_equal(a, b)
+    assert store.lookup(identity, PUBLIC, tokens).hits == [], "promotion made it exact"
+
+
+def test_lossless_tier_round_trip_is_bit_exact_and_not_exact(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    tokens, kv = prompt_kv(5, 3 * N)
+    sink = MemorySink()
+    with KVStore(tmp_path, chain(1, "lossless", ()), sink=sink) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)  # two go straight to disk, encoded
+        store.evict("dram", CHUNK)  # the third is demoted, encoded
+        assert store.counters.encoded == 3
+        assert store.lookup(identity, PUBLIC, tokens).hits == []
+        hit = store.lookup(identity, PUBLIC, tokens, accept=Accept.LOSSLESS)
+        assert [(h.transform, h.exactness) for h in hit.hits] == [("lossless", "lossless")] * 3
+        res = store.load(hit)
+        assert res.loaded == 3
+        assert all(np.array_equal(a, chunk_of(kv, i)) for i, a in enumerate(res.arrays))
+    kinds = {(e.kind, e.transform) for e in sink.take()}
+    assert ("transform", "lossless") in kinds and ("offload", "lossless") in kinds
+    assert ("load", "lossless") in kinds
+
+
+def test_restart_keeps_the_transform_record(tmp_path: Path, identity: ModelIdentity) -> None:
+    tokens, kv = prompt_kv(6, 3 * N)
+    with KVStore(tmp_path, chain()) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+        before = store.load(store.lookup(identity, PUBLIC, tokens)).arrays
+        assert len(before) == 3
+    db = sqlite3.connect(tmp_path / "disk" / "catalog.sqlite")
+    try:
+        rows = db.execute("SELECT transform, dtype, length(form) FROM replicas").fetchall()
+        (version,) = db.execute("SELECT v FROM meta WHERE k = 'catalog_version'").fetchone()
+    finally:
+        db.close()
+    assert int(version) == CATALOG_VERSION == 3
+    assert rows and all(r[0] == "int4" and r[1] == "uint8" and r[2] > 0 for r in rows)
+    # reopened with another config: the record, not the config, says what the replica is
+    with KVStore(tmp_path, chain(disk="int8", params=())) as store:
+        assert store.lookup(identity, PUBLIC, tokens).hits == []
+        hit = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy())
+        assert [h.transform for h in hit.hits] == ["int4"] * 3
+        res = store.load(hit)
+        assert res.loaded == 3
+        for i, arr in enumerate(res.arrays):
+            assert within_bound("int4", INT4, arr, chunk_of(kv, i))
+        assert store.check().clean
+
+
+def test_version_2_catalog_is_migrated_to_3(tmp_path: Path, identity: ModelIdentity) -> None:
+    tokens, kv = prompt_kv(7, 2 * N)
+    config = StoreConfig(dram_bytes=0, disk_bytes=1 << 24, segment_bytes=1 << 20)
+    with KVStore(tmp_path, config) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+    db = sqlite3.connect(tmp_path / "disk" / "catalog.sqlite")
+    try:
+        with db:
+            db.execute("ALTER TABLE replicas DROP COLUMN form")
+            db.execute("UPDATE meta SET v = '2' WHERE k = 'catalog_version'")
+    finally:
+        db.close()
+    with KVStore(tmp_path, config) as store:
+        res = store.load(store.lookup(identity, PUBLIC, tokens))
+        assert res.loaded == 2
+        assert all(np.array_equal(a, chunk_of(kv, i)) for i, a in enumerate(res.arrays))
+        assert store.check().clean
+
+
+def _probe_store(path: Path, sink: MemorySink | None = None) -> KVStore:
+    cfg = StoreConfig(
+        tiers=(TierSpec("disk", "disk", 1 << 24, options=DISK_OPTS, transform="t12probe"),)
+    )
+    return KVStore(path, cfg, sink=sink)
+
+
+def test_unknown_transform_version_is_a_counted_miss(
+    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens, kv = prompt_kv(8, 2 * N)
+    with _probe_store(tmp_path) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+        assert len(store.lookup(identity, PUBLIC, tokens, accept=Accept.LOSSLESS).hits) == 2
+    monkeypatch.setattr(ProbeTransform, "version", 2)  # this reader only knows version 2
+    from kvlife.transforms.contract import contract_for
+
+    contract_for.cache_clear()
+    sink = MemorySink()
+    with _probe_store(tmp_path, sink) as store:
+        for _ in range(2):
+            miss = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy())
+            assert miss.hits == [] and miss.refused == 1
+            assert "version 1 is not known" in miss.refusal
+        assert store.counters.unknown_transform == 1, "counted once per replica"
+        assert store.counters.lookup_chunks_refused == 2
+        refusals = [e for e in sink.take() if e.kind == "refuse"]
+        assert len(refusals) == 1 and "unknown transform" in refusals[0].reason
+        assert refusals[0].transform == "t12probe"
+        assert len(store.indexed_keys()) == 2, "an unreadable replica is kept, not dropped"
+    monkeypatch.undo()
+    contract_for.cache_clear()
+    with _probe_store(tmp_path) as store:  # a reader that knows it serves it again
+        res = store.load(store.lookup(identity, PUBLIC, tokens, accept=Accept.LOSSLESS))
+        assert res.loaded == 2
+        assert all(np.array_equal(a, chunk_of(kv, i)) for i, a in enumerate(res.arrays))
+
+
+def test_unknown_transform_name_is_a_miss_not_a_crash(
+    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens, kv = prompt_kv(9, N)
+    with _probe_store(tmp_path) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+    from kvlife.transforms.contract import contract_for
+
+    contract_for.cache_clear()
+    monkeypatch.delitem(transform_registry._REGISTRY, "t12probe")
+    try:
+        with KVStore(tmp_path, StoreConfig(dram_bytes=0, disk_bytes=1 << 24)) as store:
+            miss = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy())
+            assert miss.hits == [] and "unknown transform 't12probe'" in miss.refusal
+            assert store.counters.unknown_transform == 1
+    finally:
+        contract_for.cache_clear()
+
+
+def test_corrupt_compressed_frame_on_disk_is_a_miss_and_invalidated(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    tokens, kv = prompt_kv(10, 3 * N)
+    with KVStore(tmp_path, chain(0 + 1, "lossless", ())) as store:
+        keys = store.put_prompt(identity, PUBLIC, tokens, kv).keys
+        store.evict("dram", CHUNK)
+    frame = next(f for f in scan_frames(tmp_path) if f.key == keys[1])
+    flip(frame.segment, frame.payload_offset + 40, 2)
+    with KVStore(tmp_path, chain(1, "lossless", ())) as store:
+        hit = store.lookup(identity, PUBLIC, tokens, accept=Accept.LOSSLESS)
+        assert len(hit.hits) == 3
+        res = store.load(hit)
+        assert res.loaded == 1 and res.corrupt == [keys[1]]
+        assert store.counters.corrupt == 1
+        assert keys[1] not in store.indexed_keys()
+
+
+def test_corrupt_frame_a_tier_did_not_catch_is_a_miss(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """A tier without checksums (a second memory tier, standing in for a remote one)
+    hands back a damaged frame: the frame's own verification makes it a miss, the object
+    is invalidated as corrupt and the frame counted."""
+    tokens, kv = prompt_kv(11, 2 * N)
+    cfg = StoreConfig(
+        tiers=(
+            TierSpec("memory", "dram", CHUNK),
+            TierSpec("memory", "remote", 1 << 20, transform="lossless"),
+        )
+    )
+    with KVStore(tmp_path, cfg) as store:
+        keys = store.put_prompt(identity, PUBLIC, tokens, kv).keys
+        remote = store.tier("remote")
+        meta = remote.meta(keys[1])
+        bad = remote.read(keys[1]).copy()
+        bad[len(bad) // 2] ^= 0x10
+        assert remote.store([meta], [bad])  # the remote end now returns damaged bytes
+        hit = store.lookup(identity, PUBLIC, tokens, accept=Accept.LOSSLESS)
+        assert [h.tier for h in hit.hits] == ["dram", "remote"]
+        res = store.load(hit)
+        assert res.loaded == 1 and res.corrupt == [keys[1]]
+        assert store.counters.corrupt_frames == 1 and store.counters.corrupt == 1
+        assert keys[1] not in store.indexed_keys()
+
+
+def test_a_transforming_tier_is_checked_at_open(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match=r"'disk'.*nope"):
+        KVStore(tmp_path / "a", chain(disk="nope", params=()))
+    with pytest.raises(InvalidArgument, match="leave transform empty"):
+        KVStore(tmp_path / "b", chain(disk="exact", params=()))
+    with pytest.raises(InvalidArgument, match="bogus"):
+        KVStore(tmp_path / "c", chain(disk="int4", params=(("bogus", 1),)))
+    with pytest.raises(InvalidArgument, match="without a transform"):
+        TierSpec("memory", "m", 10, transform_params=(("level", 1),))
+
+
+def test_placement_charges_a_transforming_tier_its_frames(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """An int2 tier of 4 exact chunks' budget holds about four times more chunks."""
+    tokens, kv = prompt_kv(12, 16 * N)
+    disk_budget = 32 * (CHUNK + 4096)
+    cfg = StoreConfig(
+        tiers=(
+            TierSpec("memory", "dram", CHUNK),
+            TierSpec("memory", "remote", 4 * CHUNK, transform="int2", transform_params=INT4),
+            TierSpec("disk", "disk", disk_budget, options=DISK_OPTS),
+        )
+    )
+    with KVStore(tmp_path, cfg) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+        remote = store.tier("remote")
+        held = len(remote.replica_keys())
+        assert held > 8, held
+        assert remote.used_bytes <= remote.capacity_bytes
+
+
+# ------------------------------------------------------------------ Accept, as a model
+
+EXACTNESS = list(Exactness)
+bounds = st.builds(
+    ErrorBound,
+    st.floats(0, 1, allow_nan=False),
+    st.floats(0, 1, allow_nan=False),
+    st.floats(0, 1, allow_nan=False),
+)
+contracts = st.builds(
+    Contract,
+    st.sampled_from(["int8", "int4", "sparse", "lossless", "exact"]),
+    st.integers(1, 3),
+    st.sampled_from(EXACTNESS),
+    st.one_of(st.none(), bounds),
+    st.one_of(st.none(), st.floats(0, 1, allow_nan=False)),
+)
+accepts = st.one_of(
+    st.just(Accept.EXACT),
+    st.just(Accept.LOSSLESS),
+    st.builds(
+        Accept.lossy,
+        max_kl=st.one_of(st.none(), st.floats(0, 1, allow_nan=False)),
+        max_bound=st.one_of(st.none(), bounds),
+        transforms=st.one_of(st.none(), st.sets(st.sampled_from(["int8", "int4", "sparse"]))),
+    ),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(c=contracts, a=accepts)
+def test_accept_takes_exactly_what_its_limits_allow(c: Contract, a: Accept) -> None:
+    rank = {Exactness.EXACT: 0, Exactness.LOSSLESS: 1, Exactness.LOSSY: 2}
+    takes = rank[c.exactness] <= rank[a.exactness]
+    if takes and c.exactness is Exactness.LOSSY:
+        if a.transforms is not None:
+            takes = c.name in a.transforms
+        if takes and a.max_bound is not None:
+            b = c.bound
+            takes = b is not None and all(
+                getattr(b, f) <= getattr(a.max_bound, f)
+                for f in ("range_factor", "magnitude_factor", "absolute")
+            )
+        if takes and a.max_kl is not None:
+            takes = c.measured_kl is not None and c.measured_kl <= a.max_kl
+    assert (a.refusal(c) == "") == takes, (c, a, a.refusal(c))
+    if c.exactness is Exactness.LOSSY:
+        assert Accept.EXACT.refusal(c) and Accept.LOSSLESS.refusal(c), "lossy served as exact"
+
+
+def test_accept_limits_need_the_lossy_class() -> None:
+    with pytest.raises(InvalidArgument):
+        Accept(Exactness.EXACT, max_kl=0.1)
+    with pytest.raises(InvalidArgument):
+        Accept.lossy(max_kl=-1.0)
