@@ -170,6 +170,10 @@ class StoreCounters:
     """Replicas not served because their transform or version is unknown to this reader."""
     corrupt_frames: int = 0
     """Transform frames that failed verification (counted in ``corrupt`` as well)."""
+    segments_rebuilt: int = 0
+    """Lost disk segment files rebuilt from parity at open (``segment_parity``)."""
+    segments_unrecoverable: int = 0
+    """Lost disk segment files parity could not rebuild (their rows are quarantined)."""
     per_tier: dict[str, TierCounters] = field(default_factory=dict)
     """Counters of each tier, by tier name."""
 

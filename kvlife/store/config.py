@@ -87,6 +87,9 @@ class StoreConfig:
     """An explicit chain, fastest first; overrides dram_bytes/disk_bytes/policy."""
     io_threads: int = 4
     """Threads of the asynchronous load/put pool."""
+    segment_parity: tuple[int, int] | None = None
+    """``(k, m)``: protect the disk tiers' segment files with m parity files per k at
+    each clean close, and rebuild lost ones at open (:mod:`kvlife.store.protection`)."""
     chain: tuple[TierSpec, ...] = field(init=False, default=())
     """The chain in use (``tiers`` or the default built from the budgets)."""
 
@@ -129,6 +132,21 @@ class StoreConfig:
         if len(set(names)) != len(names):
             raise InvalidArgument(f"tier names must be unique in the chain, got {names}")
         object.__setattr__(self, "chain", chain)
+        if self.segment_parity is not None:
+            sp = self.segment_parity
+            if not (
+                isinstance(sp, tuple)
+                and len(sp) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in sp)
+                and sp[0] >= 1
+                and sp[1] >= 1
+                and sp[0] + sp[1] <= 32
+            ):
+                raise InvalidArgument(
+                    f"segment_parity must be (k, m) with k, m >= 1 and k + m <= 32, got {sp!r}"
+                )
+            if not any(t.kind == "disk" for t in chain):
+                raise InvalidArgument("segment_parity needs a disk tier")
         if self.write_through and not any(t.kind == "disk" for t in chain):
             raise InvalidArgument("write_through needs a durable tier (a disk tier)")
 

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvlife.core.errors import InvalidArgument
+from kvlife.core.errors import InvalidArgument, KVLifeError
 from kvlife.core.events import EventSink
 from kvlife.core.identity import ROOT_PARENT, ChunkKey, ModelIdentity, Namespace
 from kvlife.core.lifecycle import ObjectState
 from kvlife.core.objects import PromptRef, TierName
 from kvlife.results import LoadResult, LookupResult, PutResult, StoreCounters, StoreInfo
-from kvlife.store import metrics
+from kvlife.store import metrics, protection
 from kvlife.store.config import GiB, StoreConfig
 from kvlife.store.core import StoreCore
 from kvlife.store.invalidation import invalidate
@@ -60,10 +60,15 @@ class KVStore:
         self._lockfile = take_dir_lock(self.path)
         chain: list[Tier] = []
         try:
+            repaired = protection.repair(self.path, config)
             ctx = TierContext(self.path, fileio)
             for spec in config.chain:
                 chain.append(build_tier(spec, ctx))
             self._core = StoreCore(self.path, config, chain, sink)
+            self._core.counters.segments_rebuilt += len(repaired.rebuilt)
+            self._core.counters.segments_unrecoverable += len(repaired.unrecoverable)
+            self.parity_repair = repaired
+            """What parity rebuilt (or could not) at this open."""
             self._lifetime_base = metrics.load_lifetime(self._core)
             recover(self._core)
         except BaseException:
@@ -287,6 +292,11 @@ class KVStore:
                 try:
                     release()
                 except BaseException as exc:  # every tier is closed, the lock released
+                    errors.append(exc)
+            if not errors:
+                try:  # the segment files are final now: protect them before the lock goes
+                    protection.protect(self.path, self.config)
+                except (KVLifeError, OSError) as exc:
                     errors.append(exc)
             drop_dir_lock(self.path, self._lockfile)
             if errors:
