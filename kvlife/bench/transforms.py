@@ -10,6 +10,12 @@ mantissa bytes are random); ``kv-like`` is smooth along tokens (a random walk, a
 neighbouring tokens' keys and values are correlated) with a few outlier key channels,
 a stand-in until real model KV is measured (issue 12's quality experiment).
 
+Parity rows (``parity-K+M``, :mod:`kvlife.transforms.parity`, pyeclib ``isa_l_rs_vand``):
+encode splits the chunk into K data and M parity fragments; decode gives the chunk back
+from K fragments with data fragment 0 lost (a real reconstruction, not the systematic
+copy). Their bits per element count every fragment (the redundancy), so the ratio is
+below 1.
+
 Target (issue 12): >= 1 GB/s encode and decode for int8/int4 and lossless. A benchmark,
 not a test.
 """
@@ -29,6 +35,7 @@ from numpy.typing import NDArray
 from kvlife.report import format_table
 from kvlife.transforms import decode, make_transform
 from kvlife.transforms.base import Param
+from kvlife.transforms.parity import ParityCode, ParityError
 
 TARGET_GBPS = 1.0
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
@@ -45,6 +52,8 @@ CONFIGS: list[tuple[str, str, dict[str, Param]]] = [
     ("int2-g32", "int2", {}),
     ("int2-kitty25-sink4", "int2", {"key_hi_fraction": 0.25, "sink_tokens": 4}),
 ]
+PARITY_CONFIGS: list[tuple[str, int, int]] = [("parity-4+2", 4, 2), ("parity-8+3", 8, 3)]
+"""(label, k, m) of the erasure-coding rows."""
 
 
 def make_data(kind: str, shape: tuple[int, ...], seed: int = 0) -> NDArray[np.float16]:
@@ -97,6 +106,7 @@ def run_transforms_bench(*, quick: bool = False, reps: int = 5) -> dict[str, obj
                         "ratio": x.nbytes / enc.nbytes,
                     }
                 )
+            points += _parity_points(size, shape, kind, x, t_copy, reps)
     return {
         "benchmark": "transforms",
         "dtype": "float16",
@@ -104,6 +114,48 @@ def run_transforms_bench(*, quick: bool = False, reps: int = 5) -> dict[str, obj
         "target_gbps": TARGET_GBPS,
         "points": points,
     }
+
+
+def _parity_points(
+    size: str,
+    shape: tuple[int, ...],
+    kind: str,
+    x: NDArray[np.float16],
+    t_copy: float,
+    reps: int,
+) -> list[dict[str, object]]:
+    gb = x.nbytes / 1e9
+    data = x.tobytes()
+    out: list[dict[str, object]] = []
+    for label, k, m in PARITY_CONFIGS:
+        try:
+            code = ParityCode(k, m)
+        except ParityError:  # pyeclib not installed: no parity rows
+            return out
+        frags = code.encode(data)
+        survivors = frags[1 : k + 1]  # data fragment 0 lost
+        if code.decode(survivors) != data:
+            raise ParityError(f"{label}: decode did not give the chunk back")
+        t_enc = _median_s(lambda: code.encode(data), reps)  # noqa: B023
+        t_dec = _median_s(lambda: code.decode(survivors), reps)  # noqa: B023
+        stored = sum(len(f) for f in frags)
+        out.append(
+            {
+                "chunk": size,
+                "shape": list(shape),
+                "data": kind,
+                "transform": label,
+                "name": "parity",
+                "params": {"k": k, "m": m},
+                "exactness": "exact",
+                "encode_gbps": gb / t_enc,
+                "decode_gbps": gb / t_dec,
+                "memcpy_gbps": gb / t_copy,
+                "bits_per_element": 8.0 * stored / x.size,
+                "ratio": x.nbytes / stored,
+            }
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ def test_bench_transforms_quick_writes_its_json(
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "transforms" and doc["dtype"] == "float16"
     labels = {label for label, _, _ in transforms.CONFIGS}
+    labels |= {label for label, _, _ in transforms.PARITY_CONFIGS}
     assert {p["transform"] for p in doc["points"]} == labels
     assert {p["data"] for p in doc["points"]} == {"normal", "kv-like"}
     for p in doc["points"]:
