@@ -4,6 +4,7 @@ corrupt frames as counted misses."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.events import MemorySink
 from kvlife.core.identity import PUBLIC, ChunkKey, ModelIdentity
+from kvlife.core.objects import Representation
 from kvlife.faults.damage import flip, scan_frames
 from kvlife.store import Accept, KVStore, StoreConfig, TierSpec
 from kvlife.tiers.disk.catalog import CATALOG_VERSION
@@ -298,7 +300,7 @@ def test_corrupt_compressed_frame_on_disk_is_a_miss_and_invalidated(
     tmp_path: Path, identity: ModelIdentity
 ) -> None:
     tokens, kv = prompt_kv(10, 3 * N)
-    with KVStore(tmp_path, chain(0 + 1, "lossless", ())) as store:
+    with KVStore(tmp_path, chain(1, "lossless", ())) as store:
         keys = store.put_prompt(identity, PUBLIC, tokens, kv).keys
         store.evict("dram", CHUNK)
     frame = next(f for f in scan_frames(tmp_path) if f.key == keys[1])
@@ -427,3 +429,73 @@ def test_accept_limits_need_the_lossy_class() -> None:
         Accept(Exactness.EXACT, max_kl=0.1)
     with pytest.raises(InvalidArgument):
         Accept.lossy(max_kl=-1.0)
+
+
+def test_async_load_decodes_frames_into_the_callers_buffers(
+    demoted: Demoted, identity: ModelIdentity
+) -> None:
+    store, (tokens, kv), _ = demoted
+    hit = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy())
+    outs = [np.zeros(TINY.chunk_shape, np.float16) for _ in hit.hits]
+    handle = store.load_async(hit, outs)
+    for i in range(len(handle)):
+        arr = handle.chunk(i, timeout=10.0)
+        assert arr is outs[i]
+        assert within_bound("int4", INT4, arr, chunk_of(kv, i))
+    res = handle.wait(timeout=10.0)
+    assert res.loaded == 4 and res.decoded == 4
+    again = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy())
+    assert all(h.decode_seconds > 0 for h in again.hits if h.decode_nbytes)
+
+
+def test_a_tampered_representation_record_is_quarantined(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """The catalog row checksum covers the representation record: a changed byte in it
+    (say, int4 turned into another transform) quarantines the row; nothing is served."""
+    tokens, kv = prompt_kv(13, 2 * N)
+    with KVStore(tmp_path, chain(1)) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)  # chunk 1 goes straight to disk
+    db = sqlite3.connect(tmp_path / "disk" / "catalog.sqlite")
+    try:
+        with db:
+            ((rowid, form),) = db.execute(
+                "SELECT rowid, form FROM replicas ORDER BY rowid LIMIT 1"
+            ).fetchall()
+            bad = bytearray(form)
+            bad[len(bad) // 3] ^= 0x01
+            db.execute("UPDATE replicas SET form = ? WHERE rowid = ?", (bytes(bad), rowid))
+    finally:
+        db.close()
+    with KVStore(tmp_path, chain(1)) as store:
+        assert store.counters.recovery_dropped == 1
+        assert len(store.indexed_keys()) == 1
+        assert not store.check().clean
+
+
+forms = st.builds(
+    Representation,
+    st.sampled_from(["int4", "int8", "lossless", "t12probe"]),
+    st.integers(1, 5),
+    st.dictionaries(
+        st.text("abcdefgh_", min_size=1, max_size=8),
+        st.one_of(st.integers(-5, 99), st.booleans(), st.floats(0, 1), st.text(max_size=4)),
+        max_size=4,
+    ).map(lambda d: tuple(sorted(d.items()))),
+    st.booleans(),
+    st.binary(max_size=64),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(form=forms, shape=st.lists(st.integers(0, 9), max_size=5), flip=st.integers(0, 10_000))
+def test_representation_record_round_trips_and_damage_is_typed(
+    form: Representation, shape: list[int], flip: int
+) -> None:
+    blob = form.encode("float16", tuple(shape))
+    assert Representation.decode(blob) == (form, "float16", tuple(shape))
+    bad = bytearray(blob)
+    bad[flip % len(bad)] ^= 1 << (flip % 8)
+    for data in (bytes(bad), blob[: flip % len(blob)]):
+        with contextlib.suppress(InvalidArgument):  # typed; anything else fails the test
+            Representation.decode(data)
