@@ -210,6 +210,9 @@ def test_restart_keeps_the_transform_record(tmp_path: Path, identity: ModelIdent
     assert rows and all(r[0] == "int4" and r[1] == "uint8" and r[2] > 0 for r in rows)
     # reopened with another config: the record, not the config, says what the replica is
     with KVStore(tmp_path, chain(disk="int8", params=())) as store:
+        disk_info = store.info().tiers[1].details
+        assert disk_info["transform"] == "int8" and "key_group" in disk_info["transform_params"]
+        assert "transform" not in store.info().tiers[0].details
         assert store.lookup(identity, PUBLIC, tokens).hits == []
         hit = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy())
         assert [h.transform for h in hit.hits] == ["int4"] * 3

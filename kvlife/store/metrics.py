@@ -4,6 +4,7 @@ counters kept by a tier that persists them."""
 from __future__ import annotations
 
 from kvlife.core.lifecycle import ObjectState
+from kvlife.core.objects import TierName
 from kvlife.results import StoreInfo, TierInfo
 from kvlife.store.core import StoreCore
 from kvlife.tiers.base import PersistsCounters
@@ -50,7 +51,7 @@ def info(core: StoreCore, base: dict[str, int]) -> StoreInfo:
                 t.capacity_bytes,
                 t.used_bytes,
                 len(t.replica_keys()),
-                {"durability": t.durability.value, **t.details()},
+                {"durability": t.durability.value, **_transform_of(core, t.name), **t.details()},
             )
             for t in core.chain
         ]
@@ -62,3 +63,11 @@ def info(core: StoreCore, base: dict[str, int]) -> StoreInfo:
             core.counters.as_dict(),
             core.counters.add(base).as_dict(),
         )
+
+
+def _transform_of(core: StoreCore, tier: str) -> dict[str, object]:
+    """A transforming tier's transform and parameters (nothing for a plain tier)."""
+    t = core.encoders.get(TierName(tier))
+    if t is None:
+        return {}
+    return {"transform": t.name, "transform_params": dict(t.params())}
