@@ -205,3 +205,34 @@ def test_groups_follow_segments_that_go(tmp_path: Path, identity: ModelIdentity)
         assert store.counters.segments_rebuilt == 1
         res = store.load(store.lookup(identity, PUBLIC, tokens))
         assert res.loaded == 12
+
+
+def test_a_damaged_manifest_is_replaced_at_the_next_close(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """A manifest that no longer verifies protects nothing: the next close drops it and
+    its parity files (and leftovers of a killed pass) and protects its segments anew."""
+    tokens, kv = prompt_kv(24, 12 * N)
+    with _open(tmp_path) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+    pdir = tmp_path / "disk" / "parity"
+    victim = sorted(pdir.glob("*.kvpar"))[0]
+    old_parity = {p.name for p in pdir.glob(victim.name[: -len(".kvpar")] + ".p*.kvp")}
+    blob = bytearray(victim.read_bytes())
+    blob[len(blob) // 2] ^= 0x40
+    victim.write_bytes(bytes(blob))
+    (pdir / "g-orphan.p0.kvp").write_bytes(b"left by a killed pass")
+    (tmp_path / "disk" / "segments" / ".seg-00000001.kvs.rebuild").write_bytes(b"partial")
+    with _open(tmp_path) as store:
+        assert store.parity_repair.unusable, "the damaged manifest was not reported"
+    names = {p.name for p in pdir.iterdir()}
+    assert victim.name not in names and not (old_parity & names)
+    assert "g-orphan.p0.kvp" not in names
+    assert not (tmp_path / "disk" / "segments" / ".seg-00000001.kvs.rebuild").exists()
+    segs = sorted(p for p in (tmp_path / "disk" / "segments").iterdir() if p.stat().st_size)
+    protected = {x.name for m in pdir.glob("*.kvpar") for x in read_group(m).members}
+    assert {p.name for p in segs} <= protected
+    segs[0].unlink()
+    with _open(tmp_path) as store:
+        assert store.counters.segments_rebuilt == 1
+        assert store.load(store.lookup(identity, PUBLIC, tokens)).loaded == 12

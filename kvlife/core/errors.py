@@ -75,3 +75,8 @@ class ReplicaReadError(KVLifeError):
         self.key_hex = key_hex
         self.where = where
         super().__init__(f"replica {key_hex[:16]}… in {where} could not be read: {detail}")
+
+
+class CorruptFrame(ChecksumMismatch):
+    """A transformed replica's frame that fails its own verification (magic, descriptor
+    checksum, the descriptor recorded with the replica, payload length or xxh3-64)."""

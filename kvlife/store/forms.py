@@ -12,7 +12,8 @@ Reading a framed replica verifies, before any codec sees it, that the frame's
 descriptor is the one recorded with the replica, then decodes through the registry
 (which checks name, version, shape, dtype, payload length and checksum). A transform
 or version this reader does not know is :class:`UnknownTransform` (a miss, the replica
-is kept); any other failure is a :class:`ChecksumMismatch` (the replica is corrupt).
+is kept); any other failure is a :class:`~kvlife.core.errors.CorruptFrame` (a
+ChecksumMismatch: the replica is corrupt).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlife.core.errors import ChecksumMismatch, InvalidArgument, KVLifeError
+from kvlife.core.errors import CorruptFrame, InvalidArgument, KVLifeError
 from kvlife.core.objects import EXACT, ObjectRecord, Replica, Representation, TierName
 from kvlife.tiers.base import ReplicaMeta
 from kvlife.transforms.base import (
@@ -102,7 +103,7 @@ def convert(
     where: str,
 ) -> Converted:
     """The bytes and representation of a copy of ``array`` (in ``src``) for a tier that
-    stores ``dst`` (None: as given). Raises ChecksumMismatch if a frame does not decode
+    stores ``dst`` (None: as given). Raises CorruptFrame if a frame does not decode
     and UnknownTransform if its transform is not known here."""
     if dst is None:
         if not src.framed:
@@ -126,7 +127,7 @@ def decode_frame_into(
     rec: ObjectRecord, frame: np.ndarray, form: Representation, out: np.ndarray, where: str
 ) -> None:
     """Verify a framed replica against its recorded descriptor and decode it into
-    ``out`` (ChecksumMismatch for any damage, UnknownTransform for an unknown one)."""
+    ``out`` (CorruptFrame for any damage, UnknownTransform for an unknown one)."""
     key = rec.key.hex()
     try:
         if frame.dtype != np.uint8 or frame.ndim != 1:
@@ -141,7 +142,7 @@ def decode_frame_into(
     except UnknownTransform:
         raise
     except (TransformError, KVLifeError, ValueError) as exc:
-        raise ChecksumMismatch(key, where, f"transform frame: {exc}") from exc
+        raise CorruptFrame(key, where, f"transform frame: {exc}") from exc
 
 
 def exactness_of(form: Representation) -> str:

@@ -26,8 +26,10 @@ from kvlife.core.errors import KVLifeError
 from kvlife.store.config import StoreConfig
 from kvlife.transforms.parity import (
     MANIFEST_SUFFIX,
+    PARITY_SUFFIX,
     ParityError,
     ParityGroup,
+    UnknownParityFormat,
     member_status,
     parity_intact,
     protect_files,
@@ -88,6 +90,12 @@ def _referenced(tier_dir: Path) -> set[int] | None:
         cat.close()
 
 
+def _sweep(directory: Path, pattern: str) -> None:
+    """Remove what a pass killed midway left behind (never a file a group names)."""
+    for p in directory.glob(pattern):
+        p.unlink(missing_ok=True)
+
+
 def repair(path: Path, config: StoreConfig) -> ParityOutcome:
     """Rebuild lost segment files from parity (at open, before the tiers open)."""
     out = ParityOutcome()
@@ -97,6 +105,8 @@ def repair(path: Path, config: StoreConfig) -> ParityOutcome:
         pdir, segdir = tier_dir / PARITY_DIR, tier_dir / "segments"
         if not pdir.is_dir():
             continue
+        if segdir.is_dir():
+            _sweep(segdir, ".seg-*.kvs.rebuild")
         groups = _groups(pdir, out)
         if not groups:
             continue
@@ -122,6 +132,36 @@ def repair(path: Path, config: StoreConfig) -> ParityOutcome:
     return out
 
 
+def _keep_valid_groups(pdir: Path, segdir: Path, out: ParityOutcome) -> set[str]:
+    """Drop groups whose members changed or went, damaged manifests and parity files no
+    manifest names (a pass killed midway); returns the members still covered. A
+    manifest of an unknown format (a newer kvlife's) is left alone, with its parity."""
+    covered: set[str] = set()
+    for manifest in sorted(pdir.glob(f"*{MANIFEST_SUFFIX}")):
+        try:
+            group = read_group(manifest)
+        except UnknownParityFormat as exc:
+            out.unusable.append(str(exc))
+            continue
+        except ParityError as exc:
+            out.unusable.append(str(exc))
+            manifest.unlink()
+            continue
+        if not member_status(group, segdir) and parity_intact(group, pdir):
+            covered.update(x.name for x in group.members)
+            continue
+        manifest.unlink()  # the manifest first: a group without it does not exist
+        for x in group.parity:
+            (pdir / x.name).unlink(missing_ok=True)
+        out.groups_dropped += 1
+    _sweep(pdir, ".*.tmp")
+    for p in pdir.glob(f"*{PARITY_SUFFIX}"):
+        group_name = p.name.rsplit(".", 2)[0]
+        if not (pdir / f"{group_name}{MANIFEST_SUFFIX}").exists():
+            p.unlink()
+    return covered
+
+
 def protect(path: Path, config: StoreConfig) -> ParityOutcome:
     """Protect every sealed segment not in a valid group (at close, tiers closed)."""
     out = ParityOutcome()
@@ -133,14 +173,8 @@ def protect(path: Path, config: StoreConfig) -> ParityOutcome:
         if not segdir.is_dir():
             continue
         covered: set[str] = set()
-        for manifest, group in _groups(pdir, out) if pdir.is_dir() else []:
-            if not member_status(group, segdir) and parity_intact(group, pdir):
-                covered.update(x.name for x in group.members)
-                continue
-            manifest.unlink()  # the manifest first: a group without it does not exist
-            for x in group.parity:
-                (pdir / x.name).unlink(missing_ok=True)
-            out.groups_dropped += 1
+        if pdir.is_dir():
+            covered = _keep_valid_groups(pdir, segdir, out)
         todo = sorted(
             p
             for p in segdir.iterdir()

@@ -20,6 +20,7 @@ import numpy as np
 
 from kvlife.core.errors import (
     ChecksumMismatch,
+    CorruptFrame,
     InvalidArgument,
     KVLifeError,
     ReplicaNotFound,
@@ -347,7 +348,7 @@ class Reader:
                     ended = True
                 elif isinstance(res, ChecksumMismatch):
                     core.counters.corrupt += 1
-                    if it.rep.transform.framed and "transform frame" in str(res):
+                    if isinstance(res, CorruptFrame):
                         core.counters.corrupt_frames += 1
                     out.corrupt.append(rec.key)
                     if rec.state is INDEXED:
