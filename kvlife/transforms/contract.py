@@ -95,7 +95,8 @@ class Accept:
 
     def refusal(self, contract: Contract) -> str:
         """Empty when ``contract`` meets this Accept, else why not."""
-        if _RANK[contract.exactness] > _RANK[self.exactness]:
+        # a class this module does not rank (a later one) is taken by no Accept
+        if _RANK.get(contract.exactness, len(_RANK)) > _RANK[self.exactness]:
             return f"{contract.name} is {contract.exactness.value}, the lookup accepts {self.label}"
         if contract.exactness is not Exactness.LOSSY:
             return ""
