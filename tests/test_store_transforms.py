@@ -502,3 +502,22 @@ def test_representation_record_round_trips_and_damage_is_typed(
     for data in (bytes(bad), blob[: flip % len(blob)]):
         with contextlib.suppress(InvalidArgument):  # typed; anything else fails the test
             Representation.decode(data)
+
+
+def test_write_through_to_a_transforming_tier(tmp_path: Path, identity: ModelIdentity) -> None:
+    """Write-through copies are encoded too: durable at once, and after a restart only
+    the int8 replica is left, served to a lossy lookup only."""
+    tokens, kv = prompt_kv(14, 3 * N)
+    base = chain(8, "int8", ())
+    cfg = StoreConfig(tiers=base.tiers, write_through=True)
+    with KVStore(tmp_path, cfg) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+        assert store.counters.encoded == 3
+        assert [h.tier for h in store.lookup(identity, PUBLIC, tokens).hits] == ["dram"] * 3
+    with KVStore(tmp_path, cfg) as store:
+        assert store.lookup(identity, PUBLIC, tokens).hits == []
+        hit = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy(transforms=["int8"]))
+        res = store.load(hit)
+        assert res.loaded == 3
+        for i, arr in enumerate(res.arrays):
+            assert within_bound("int8", (), arr, chunk_of(kv, i))
