@@ -28,3 +28,7 @@ def test_bench_transforms_quick_writes_its_json(
         assert p["encode_gbps"] > 0 and p["decode_gbps"] > 0 and p["memcpy_gbps"] > 0
         assert p["bits_per_element"] > 0 and p["ratio"] > 0
         assert p["exactness"] in ("exact", "lossless", "lossy")
+    files = doc["parity_files"]
+    assert {f["transform"] for f in files} == {label for label, _, _ in transforms.PARITY_CONFIGS}
+    for f in files:
+        assert f["protect_gbps"] > 0 and f["rebuild_gbps"] > 0 and f["file_bytes"] > 0
