@@ -9,10 +9,11 @@ or rewritten; the next close drops such a group and protects its survivors anew.
 
 The next open, before any tier reads its files, rebuilds every segment file that a
 group protects, that the catalog still names, and that is gone (deleted, lost with its
-disk): bit-exact, verified against the checksum recorded at protection, atomically
-renamed into place. Up to ``m`` files of a group may be gone at once (members removed
-on purpose count as gone). What could not be rebuilt is counted and left to the tier's
-own recovery (its rows are quarantined, never served).
+disk), or, with ``verify_on_open="full"``, whose bytes decayed in place (same size,
+inode and mtime, another xxh3-128): bit-exact, verified against the checksum recorded
+at protection, atomically renamed into place. Up to ``m`` files of a group may be gone
+at once (members removed on purpose count as gone). What could not be rebuilt is
+counted and left to the tier's own recovery (its rows are quarantined, never served).
 """
 
 from __future__ import annotations
@@ -96,8 +97,15 @@ def _sweep(directory: Path, pattern: str) -> None:
         p.unlink(missing_ok=True)
 
 
+def _full_verify(config: StoreConfig, tier: str) -> bool:
+    spec = next(t for t in config.chain if t.name == tier)
+    return spec.option("verify_on_open", "header") == "full"
+
+
 def repair(path: Path, config: StoreConfig) -> ParityOutcome:
-    """Rebuild lost segment files from parity (at open, before the tiers open)."""
+    """Rebuild lost segment files from parity (at open, before the tiers open); with
+    ``verify_on_open="full"`` also those whose bytes decayed in place (every protected
+    segment is hashed against its manifest first)."""
     out = ParityOutcome()
     if config.segment_parity is None:
         return out
@@ -113,12 +121,15 @@ def repair(path: Path, config: StoreConfig) -> ParityOutcome:
         referenced = _referenced(tier_dir)
         if referenced is None:
             continue
+        full = _full_verify(config, tier_dir.name)
         for _, group in groups:
-            status = member_status(group, segdir)
+            status = member_status(group, segdir, full=full)
             lost = [
                 n
                 for n, why in status.items()
-                if why == "absent" and (m := _SEG_RE.match(n)) and int(m.group(1)) in referenced
+                if why in ("absent", "damaged")
+                and (m := _SEG_RE.match(n))
+                and int(m.group(1)) in referenced
             ]
             if not lost:
                 continue

@@ -349,20 +349,20 @@ def read_group(path: Path) -> ParityGroup:
 
 
 def member_status(group: ParityGroup, data_dir: Path, *, full: bool = False) -> dict[str, str]:
-    """Members that are not as protected, by name: ``absent``, or ``changed`` (another
-    size, inode or mtime; with ``full`` also other bytes). Unlisted members are intact."""
+    """Members that are not as protected, by name: ``absent``; ``changed`` (another
+    size, inode or mtime: rewritten, so not this member any more); with ``full``,
+    ``damaged`` (same size, inode and mtime but other bytes: decayed in place). Members
+    not listed are intact."""
     out: dict[str, str] = {}
     for x in group.members:
         p = data_dir / x.name
         try:
-            same = p.stat().st_size == x.size and stamp_of(p) == x.stamp
-            if same and full:
-                same = _file_xxh3(p) == x.xxh3
+            if p.stat().st_size != x.size or stamp_of(p) != x.stamp:
+                out[x.name] = "changed"
+            elif full and _file_xxh3(p) != x.xxh3:
+                out[x.name] = "damaged"
         except FileNotFoundError:
             out[x.name] = "absent"
-            continue
-        if not same:
-            out[x.name] = "changed"
     return out
 
 
