@@ -25,9 +25,8 @@ from kvlife.tiers.disk.catalog import CATALOG_VERSION
 from kvlife.transforms import ErrorBound, Exactness, make_transform
 from kvlife.transforms import registry as transform_registry
 from kvlife.transforms.base import Param
-from kvlife.transforms.contract import Contract
+from kvlife.transforms.contract import Contract, contract_for
 from kvlife.transforms.exact import ExactTransform
-from kvlife.transforms.registry import register_transform
 from tests.conftest import TINY, prompt_kv
 
 CHUNK = TINY.chunk_nbytes
@@ -37,10 +36,9 @@ DISK_OPTS = (("segment_bytes", 1 << 20),)
 Demoted = tuple[KVStore, tuple[np.ndarray, np.ndarray], list[ChunkKey]]
 
 
-@register_transform
 class ProbeTransform(ExactTransform):
-    """A lossless transform this test module registers (so that a test can take it away
-    or change its version, like a reader that lacks it)."""
+    """A lossless transform the ``probe`` fixture registers for one test (so that the
+    test can take it away or change its version, like a reader that lacks it)."""
 
     name = "t12probe"
     version = 1
@@ -242,6 +240,15 @@ def test_version_2_catalog_is_migrated_to_3(tmp_path: Path, identity: ModelIdent
         assert store.check().clean
 
 
+@pytest.fixture
+def probe(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    transform_registry.transform_names()  # built-ins first
+    monkeypatch.setitem(transform_registry._REGISTRY, ProbeTransform.name, ProbeTransform)
+    contract_for.cache_clear()
+    yield
+    contract_for.cache_clear()
+
+
 def _probe_store(path: Path, sink: MemorySink | None = None) -> KVStore:
     cfg = StoreConfig(
         tiers=(TierSpec("disk", "disk", 1 << 24, options=DISK_OPTS, transform="t12probe"),)
@@ -250,15 +257,13 @@ def _probe_store(path: Path, sink: MemorySink | None = None) -> KVStore:
 
 
 def test_unknown_transform_version_is_a_counted_miss(
-    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch, probe: None
 ) -> None:
     tokens, kv = prompt_kv(8, 2 * N)
     with _probe_store(tmp_path) as store:
         store.put_prompt(identity, PUBLIC, tokens, kv)
         assert len(store.lookup(identity, PUBLIC, tokens, accept=Accept.LOSSLESS).hits) == 2
     monkeypatch.setattr(ProbeTransform, "version", 2)  # this reader only knows version 2
-    from kvlife.transforms.contract import contract_for
-
     contract_for.cache_clear()
     sink = MemorySink()
     with _probe_store(tmp_path, sink) as store:
@@ -272,7 +277,7 @@ def test_unknown_transform_version_is_a_counted_miss(
         assert len(refusals) == 1 and "unknown transform" in refusals[0].reason
         assert refusals[0].transform == "t12probe"
         assert len(store.indexed_keys()) == 2, "an unreadable replica is kept, not dropped"
-    monkeypatch.undo()
+    monkeypatch.setattr(ProbeTransform, "version", 1)
     contract_for.cache_clear()
     with _probe_store(tmp_path) as store:  # a reader that knows it serves it again
         res = store.load(store.lookup(identity, PUBLIC, tokens, accept=Accept.LOSSLESS))
@@ -281,22 +286,18 @@ def test_unknown_transform_version_is_a_counted_miss(
 
 
 def test_unknown_transform_name_is_a_miss_not_a_crash(
-    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch, probe: None
 ) -> None:
     tokens, kv = prompt_kv(9, N)
     with _probe_store(tmp_path) as store:
         store.put_prompt(identity, PUBLIC, tokens, kv)
-    from kvlife.transforms.contract import contract_for
-
-    contract_for.cache_clear()
     monkeypatch.delitem(transform_registry._REGISTRY, "t12probe")
-    try:
-        with KVStore(tmp_path, StoreConfig(dram_bytes=0, disk_bytes=1 << 24)) as store:
-            miss = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy())
-            assert miss.hits == [] and "unknown transform 't12probe'" in miss.refusal
-            assert store.counters.unknown_transform == 1
-    finally:
-        contract_for.cache_clear()
+    contract_for.cache_clear()
+    with KVStore(tmp_path, StoreConfig(dram_bytes=0, disk_bytes=1 << 24)) as store:
+        miss = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy())
+        assert miss.hits == [] and "unknown transform 't12probe'" in miss.refusal
+        assert store.counters.unknown_transform == 1
+        assert store.load(miss).loaded == 0
 
 
 def test_corrupt_compressed_frame_on_disk_is_a_miss_and_invalidated(
