@@ -218,7 +218,8 @@ class StoreCore:
         return size
 
     def serving(self, rec: ObjectRecord, accept: Accept) -> Serving:
-        """The first tier of the chain with a READY replica that ``accept`` takes."""
+        """The first tier of the chain with a READY replica that ``accept`` takes (one
+        chosen for eviction is never read: its bytes may go at any moment)."""
         refused = ""
         unknown: list[Replica] | None = None
         for tier in self.chain:
@@ -242,14 +243,6 @@ class StoreCore:
     def check_open(self) -> None:
         if self.closed:
             raise StoreClosedError(f"store {self.path} is closed")
-
-    def fastest(self, rec: ObjectRecord) -> TierName | None:
-        """The first tier of the chain with a READY replica of ``rec`` (one chosen for
-        eviction is never read: its bytes may go at any moment)."""
-        for tier in self.chain:
-            if rec.readable_in(tier.name):
-                return tier.name
-        return None
 
     def protected(self, keys: Iterable[ChunkKey]) -> set[ChunkKey]:
         """``keys`` plus every pinned or unsettled key: no eviction may take them."""
