@@ -75,3 +75,17 @@ class ReplicaReadError(KVLifeError):
         self.key_hex = key_hex
         self.where = where
         super().__init__(f"replica {key_hex[:16]}… in {where} could not be read: {detail}")
+
+
+class RemoteTierError(KVLifeError):
+    """A remote tier (Redis, Mooncake Store) could not be reached or answered wrongly; the
+    tier is marked unhealthy and retried after a backoff. Reads turn this into a miss."""
+
+
+class LeaseError(KVLifeError):
+    """A publication to a shared tier was refused because the writer's lease expired,
+    was revoked or was superseded (a stale fencing token): nothing of it is visible."""
+
+
+class IndexUnreachable(RemoteTierError):
+    """The global index could not be read: no remote KV may be served (a miss)."""
