@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import msgpack
 
 from kvlife.core.errors import InvalidArgument
-from kvlife.core.identity import ChunkKey
+from kvlife.core.identity import ChunkKey, Namespace
 from kvlife.core.objects import ObjectInfo
 
 _RULE_VERSION = 1
@@ -62,7 +62,7 @@ class InvalidationRule:
     def criteria(self) -> dict[str, object]:
         """The criteria as keyword arguments of the store's local ``invalidate``."""
         return {
-            "namespace": self.namespace,
+            "namespace": Namespace.parse(self.namespace) if self.namespace is not None else None,
             "adapter_id": self.adapter_id,
             "weights_digest": self.weights_digest,
             "prefix": ChunkKey(self.prefix) if self.prefix is not None else None,

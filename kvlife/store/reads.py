@@ -31,6 +31,7 @@ from kvlife.core.objects import ObjectRecord, PromptRef, Replica, TierName
 from kvlife.results import ChunkHit, LoadResult, LookupResult
 from kvlife.store.core import Bound, StoreCore
 from kvlife.store.executor import execute
+from kvlife.store.shared import consult_shared
 from kvlife.tiers.base import ReadResult, Tier
 
 INDEXED = ObjectState.INDEXED
@@ -185,6 +186,7 @@ class Reader:
             core.counters.lookup_chunks_hit += len(hits)
             core.counters.lookup_chunks_miss += len(keys) - len(hits)
             core.delete_later(doomed)
+        hits = consult_shared(core, prompt, keys, hits)  # a shared tier: other hosts' KV
         return LookupResult(hits, len(keys), n)
 
     # ------------------------------------------------------------------ load

@@ -160,7 +160,7 @@ class RedisTier(PublishedTier):
         def run() -> None:
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
-                pipe.delete(idx.record_key(k), idx.frame_key(k))  # one slot: atomic
+                pipe.execute_command("DEL", idx.record_key(k), idx.frame_key(k))  # one slot
             pipe.execute()
 
         self.health.call("delete", run)
