@@ -11,6 +11,7 @@ replies (``down``); delay, bandwidth and partition act both ways.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 import threading
@@ -103,10 +104,10 @@ class _Conn:
             if rst:
                 sock = w.get_extra_info("socket")
                 if sock is not None:
-                    try:
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                    except OSError:
-                        pass
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
             w.close()
 
 
@@ -122,7 +123,9 @@ class FaultProxy:
         self.counters = ProxyCounters()
         self._conns: set[_Conn] = set()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="fault-proxy")
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="fault-proxy"
+        )
         self._server: asyncio.base_events.Server | None = None
 
     # ------------------------------------------------------------------ control
@@ -196,7 +199,8 @@ class FaultProxy:
             conn.truncate_left = fault.after_bytes
         self._conns.add(conn)
         await asyncio.gather(
-            self._pump(cr, sw, conn, down=False), self._pump(sr, cw, conn, down=True),
+            self._pump(cr, sw, conn, down=False),
+            self._pump(sr, cw, conn, down=True),
             return_exceptions=True,
         )
         self._conns.discard(conn)

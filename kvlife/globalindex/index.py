@@ -98,8 +98,8 @@ class GlobalIndex:
         self.health = health
         self.counters = IndexCounters()
         ns = config.namespace
-        self._idx = "{kvl:%s:idx}" % ns
-        self._tags = ["{kvl:%s:b%03d}" % (ns, b) for b in range(config.buckets)]
+        self._idx = f"{{kvl:{ns}:idx}}"
+        self._tags = [f"{{kvl:{ns}:b{b:03d}}}" for b in range(config.buckets)]
         self._lock = threading.Lock()
         self._lease: Lease | None = None
         self._epoch = 0
@@ -126,11 +126,13 @@ class GlobalIndex:
         return f"{self.tag(key)}:fence"
 
     def record_pattern(self) -> str:
-        return "{kvl:%s:b*}:m:*" % self.config.namespace
+        return f"{{kvl:{self.config.namespace}:b*}}:m:*"
 
     # ------------------------------------------------------------------ scripts
 
-    def evalsha(self, target: RedisClient, name: str, keys: Sequence[str], args: Sequence[object]) -> Any:
+    def evalsha(
+        self, target: RedisClient, name: str, keys: Sequence[str], args: Sequence[object]
+    ) -> Any:
         """Queue (pipeline) or run (client) one of :mod:`scripts` by SHA, loading it
         first where needed."""
         sha = self._sha.get(name)
@@ -161,7 +163,9 @@ class GlobalIndex:
                     deadline = self.health.call(
                         "renew lease",
                         lambda: self.run_script(
-                            "RENEW", [self._lease_key(self.host)], [cur.token, self.config.lease_ttl_ms]
+                            "RENEW",
+                            [self._lease_key(self.host)],
+                            [cur.token, self.config.lease_ttl_ms],
                         ),
                     )
                     self._lease = Lease(self.host, cur.token, int(deadline), sent + ttl_s)

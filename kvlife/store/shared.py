@@ -75,7 +75,9 @@ def _probe(
     parent = keys[first - 1] if first else prompt.parent
     infos: list[ObjectInfo] = []
     for i in range(first, len(keys)):
-        infos.append(ObjectInfo.for_chunk(prompt.identity, prompt.namespace, parent, prompt.start + i * n))
+        infos.append(
+            ObjectInfo.for_chunk(prompt.identity, prompt.namespace, parent, prompt.start + i * n)
+        )
         parent = keys[i]
     with core.lock:  # keys another put is writing right now are its business
         todo = []

@@ -108,8 +108,14 @@ def _mooncake(spec: TierSpec, ctx: TierContext) -> Tier:
     from kvlife.tiers.redis import RedisEndpoint
 
     opts = dict(spec.options)
-    known = _INDEX_OPTIONS | {"master", "metadata", "index", "local_hostname",
-                              "segment_bytes", "buffer_bytes"}
+    known = _INDEX_OPTIONS | {
+        "master",
+        "metadata",
+        "index",
+        "local_hostname",
+        "segment_bytes",
+        "buffer_bytes",
+    }
     unknown = sorted(set(opts) - known)
     if unknown:
         raise InvalidArgument(f"mooncake tier {spec.name!r}: unknown option(s) {unknown}")

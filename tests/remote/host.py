@@ -12,6 +12,7 @@ import blake3
 import numpy as np
 
 from kvlife.core.identity import Namespace, NamespaceKind
+from kvlife.core.objects import TierName
 from kvlife.globalindex import GlobalIndex
 from kvlife.store import KVStore, TierSpec
 from kvlife.tiers.redis.published import PublishedTier
@@ -29,7 +30,7 @@ def main() -> None:
         TierSpec(kind, "shared", 64 << 20, options=tuple((k, v) for k, v in options.items())),
     )
     store = KVStore.open(path, tiers=chain)
-    shared = store._core.tiers["shared"]  # noqa: SLF001 (the test host inspects its tier)
+    shared = store._core.tiers[TierName("shared")]
     assert isinstance(shared, PublishedTier)
     index: GlobalIndex = shared.index
     print(json.dumps({"ready": True, "host": index.host}), flush=True)
@@ -63,7 +64,9 @@ def main() -> None:
             elif op == "invalidate":
                 crit = {k: v for k, v in cmd["criteria"].items()}
                 if "namespace" in crit:
-                    crit["namespace"] = str(Namespace(NamespaceKind.ORGANISATION, crit["namespace"]))
+                    crit["namespace"] = str(
+                        Namespace(NamespaceKind.ORGANISATION, crit["namespace"])
+                    )
                 if "prefix" in crit:
                     crit["prefix"] = bytes.fromhex(crit["prefix"])
                 out["epoch"] = index.invalidate(**crit).epoch

@@ -24,7 +24,14 @@ def mooncake_spec(request: pytest.FixtureRequest, cap: int, ns: str) -> TierSpec
     m: MooncakeMaster = request.getfixturevalue("mooncake_master")
     redis = request.getfixturevalue("redis_server")
     return TierSpec(
-        "mooncake", "mooncake", cap,
-        options=(("master", m.master), ("metadata", m.metadata), ("index", redis.url),
-                 ("index_namespace", ns), ("segment_bytes", 64 << 20)),
+        "mooncake",
+        "mooncake",
+        cap,
+        options=(
+            ("master", m.master),
+            ("metadata", m.metadata),
+            ("index", redis.url),
+            ("index_namespace", ns),
+            ("segment_bytes", 64 << 20),
+        ),
     )

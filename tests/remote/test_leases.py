@@ -62,7 +62,9 @@ def test_an_expired_lease_cannot_publish(redis_server: RedisServer, index_ns: st
     assert np.array_equal(a.read(k(1)), arr(1))
 
 
-def test_the_server_refuses_a_deadline_that_passed(redis_server: RedisServer, index_ns: str) -> None:
+def test_the_server_refuses_a_deadline_that_passed(
+    redis_server: RedisServer, index_ns: str
+) -> None:
     """Even when the writer's own clock check is skipped, the publish script, on the
     server's clock, refuses an expired lease."""
     a = tier(redis_server, index_ns, "a", ttl_ms=200)
@@ -129,7 +131,10 @@ except Exception as exc:
 def test_a_paused_process_is_fenced_when_it_wakes(redis_server: RedisServer, index_ns: str) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", PAUSED_WRITER, redis_server.url, index_ns],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
     try:
         assert proc.stdout is not None

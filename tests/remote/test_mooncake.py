@@ -36,8 +36,18 @@ def test_mooncake_suite_in_a_private_network_namespace() -> None:
     if os.geteuid() != 0:
         pytest.skip("unshare -n needs root (CI runs as root)")
     cmd = netns_command(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/test_tier_contract.py", "tests/remote/test_mooncake.py", "-k", "mooncake"]
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_tier_contract.py",
+            "tests/remote/test_mooncake.py",
+            "-k",
+            "mooncake",
+        ]
     )
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500)
     tail = run.stdout[-3000:]
@@ -67,14 +77,18 @@ def test_mooncake_payload_lost_with_its_holder_is_a_miss(
     tier reports a miss (or, once the record goes, not found), never short bytes."""
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDER, mooncake_master.master, mooncake_master.metadata],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().startswith("up 0")
         cfg = MooncakeConfig(mooncake_master.master, mooncake_master.metadata, segment_bytes=0)
-        tier = MooncakeTier(cfg, RedisEndpoint(url=redis_server.url), 1 << 28,
-                            index=IndexConfig(namespace=index_ns))
-        arrs = [np.random.default_rng(i).standard_normal(1 << 17).astype(np.float16) for i in range(4)]
+        tier = MooncakeTier(
+            cfg, RedisEndpoint(url=redis_server.url), 1 << 28, index=IndexConfig(namespace=index_ns)
+        )
+        arrs = [
+            np.random.default_rng(i).standard_normal(1 << 17).astype(np.float16) for i in range(4)
+        ]
         metas = [ReplicaMeta(k(i), "float16", a.shape, "exact", b"i") for i, a in enumerate(arrs)]
         assert tier.store(metas, arrs)
         assert all(np.array_equal(tier.read(k(i)), arrs[i]) for i in range(4))

@@ -27,10 +27,8 @@ def chunk_digests(seed: int, ntokens: int = 64) -> list[str]:
 
 
 @pytest.fixture
-def hosts(
-    tmp_path: Path, redis_server: RedisServer, index_ns: str
-) -> Iterator[dict[str, Host]]:
-    opts = {"url": redis_server.url, "index_namespace": index_ns}
+def hosts(tmp_path: Path, redis_server: RedisServer, index_ns: str) -> Iterator[dict[str, Host]]:
+    opts: dict[str, object] = {"url": redis_server.url, "index_namespace": index_ns}
     made = {name: Host(tmp_path / name, "redis", opts) for name in ("a", "b", "c")}
     yield made
     for h in made.values():

@@ -81,18 +81,37 @@ class MooncakeMaster:
     def start(self) -> MooncakeMaster:
         log = (self.dir / "metadata.log").open("wb")
         meta = subprocess.Popen(
-            [sys.executable, "-m", "mooncake.http_metadata_server", "--host", "127.0.0.1",
-             "--port", str(self.http_port), "--log-level", "WARNING"],
-            stdout=log, stderr=log, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "mooncake.http_metadata_server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.http_port),
+                "--log-level",
+                "WARNING",
+            ],
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
         )
         self.procs.append(meta)
         wait_port(self.http_port, proc=meta)
         mlog = (self.dir / "master.log").open("wb")
         master = subprocess.Popen(
-            [master_binary(), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-             "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
-             "--enable_http_metadata_server=false", "--default_kv_lease_ttl=2000"],
-            stdout=mlog, stderr=mlog, start_new_session=True,
+            [
+                master_binary(),
+                f"--rpc_port={self.rpc_port}",
+                "--rpc_address=127.0.0.1",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={self.metrics_port}",
+                "--enable_http_metadata_server=false",
+                "--default_kv_lease_ttl=2000",
+            ],
+            stdout=mlog,
+            stderr=mlog,
+            start_new_session=True,
         )
         self.procs.append(master)
         wait_port(self.rpc_port, proc=master)

@@ -14,6 +14,7 @@ interface; see ``docs/remote.md`` for running them on loopback only.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -77,13 +78,22 @@ class MooncakeTier(PublishedTier):
         self.config = config
         self.mc: Any = MooncakeDistributedStore()
         rc = self.mc.setup(
-            config.local_hostname, config.metadata, config.segment_bytes,
-            config.buffer_bytes, config.protocol, "", config.master,
+            config.local_hostname,
+            config.metadata,
+            config.segment_bytes,
+            config.buffer_bytes,
+            config.protocol,
+            "",
+            config.master,
         )
         if rc != 0:
-            raise RemoteTierError(f"mooncake tier {name}: setup against {config.master} returned {rc}")
+            raise RemoteTierError(
+                f"mooncake tier {name}: setup against {config.master} returned {rc}"
+            )
         self.client = index_endpoint.connect()
-        super().__init__(name, capacity_bytes, GlobalIndex(self.client, index or IndexConfig(), health), health)
+        super().__init__(
+            name, capacity_bytes, GlobalIndex(self.client, index or IndexConfig(), health), health
+        )
         self.mc_health = Health(f"mooncake store {name}", base_s=backoff_s)
 
     def close(self) -> None:
@@ -92,6 +102,7 @@ class MooncakeTier(PublishedTier):
 
     def _mc(self, what: str, fn: Callable[[], T]) -> T:
         """A Mooncake call: any failure is a RemoteTierError and starts a backoff."""
+
         def run() -> T:
             try:
                 return fn()
@@ -103,14 +114,17 @@ class MooncakeTier(PublishedTier):
     def _location(self, key: ChunkKey, pending: _Pending) -> str:
         return f"kvl/{self.index.config.namespace}/{key.hex()}/{pending.nonce}"
 
-    def _publish(self, pending: _Pending, records: list[RemoteRecord], payloads: list[np.ndarray]) -> None:
+    def _publish(
+        self, pending: _Pending, records: list[RemoteRecord], payloads: list[np.ndarray]
+    ) -> None:
         idx = self.index
         lease = pending.lease
         olds = self._records([ChunkKey(r.header.key) for r in records])
         put: list[str] = []
         try:
             for rec, arr in zip(records, payloads, strict=True):
-                rc = self._mc("put", lambda rec=rec, arr=arr: self.mc.put(rec.location, arr.data.cast("B")))
+                loc, view = rec.location, arr.data.cast("B")
+                rc: int = self._mc("put", lambda: int(self.mc.put(loc, view)))  # noqa: B023
                 if rc != 0:
                     raise RemoteTierError(f"{self.name}: mooncake put returned {rc}")
                 put.append(rec.location)
@@ -121,7 +135,9 @@ class MooncakeTier(PublishedTier):
                     for rec in records:
                         key = rec.header.key
                         idx.evalsha(
-                            pipe, "PUBLISH", [idx.fence_key(key), idx.record_key(key)],
+                            pipe,
+                            "PUBLISH",
+                            [idx.fence_key(key), idx.record_key(key)],
                             [lease.host, lease.token, lease.deadline_ms, rec.encode()],
                         )
                     res = list(pipe.execute(raise_on_error=False))
@@ -137,11 +153,11 @@ class MooncakeTier(PublishedTier):
             raise
         errors = [r for r in results if isinstance(r, Exception)]
         if errors:
-            done = [ChunkKey(rec.header.key) for rec, r in zip(records, results, strict=True) if r == 1]
-            try:
+            done = [
+                ChunkKey(rec.header.key) for rec, r in zip(records, results, strict=True) if r == 1
+            ]
+            with contextlib.suppress(RemoteTierError):
                 self._unpublish(done, [None] * len(done))
-            except RemoteTierError:
-                pass
             self._remove(put)
             first = errors[0]
             if isinstance(first, RedisError) and str(first).startswith(REFUSALS):
@@ -152,12 +168,12 @@ class MooncakeTier(PublishedTier):
 
     def _remove(self, locations: Sequence[str]) -> None:
         for loc in locations:
-            try:
-                self._mc("remove", lambda loc=loc: self.mc.remove(loc, True))
-            except RemoteTierError:
-                pass  # unreferenced: Mooncake's own eviction reclaims it
+            with contextlib.suppress(
+                RemoteTierError
+            ):  # unreferenced: Mooncake's own eviction reclaims it
+                self._mc("remove", lambda: int(self.mc.remove(loc, True)))  # noqa: B023
 
-    def _fetch(self, records: list[RemoteRecord]) -> list[memoryview | bytes | None | Exception]:
+    def _fetch(self, records: list[RemoteRecord]) -> list[memoryview | bytes | Exception | None]:
         locs = [r.location for r in records]
         try:
             got: list[bytes | None] = list(self.mc.get_batch(locs))

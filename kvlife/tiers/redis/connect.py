@@ -59,7 +59,8 @@ class RedisEndpoint:
                 self.url, max_connections=self.max_connections, **common
             )
             return redis.Redis(connection_pool=pool)
-        nodes = [ClusterNode(h, int(p)) for h, _, p in (n.rpartition(":") for n in self.cluster)]
-        return RedisCluster(
-            startup_nodes=nodes, max_connections=self.max_connections, **common
-        )
+        nodes = []
+        for node in self.cluster:
+            host, _, port = node.rpartition(":")
+            nodes.append(ClusterNode(host, int(port)))  # type: ignore[no-untyped-call]
+        return RedisCluster(startup_nodes=nodes, max_connections=self.max_connections, **common)

@@ -100,12 +100,14 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
     # ------------------------------------------------------------------ payload store
 
     @abstractmethod
-    def _publish(self, pending: _Pending, records: list[RemoteRecord], payloads: list[np.ndarray]) -> None:
+    def _publish(
+        self, pending: _Pending, records: list[RemoteRecord], payloads: list[np.ndarray]
+    ) -> None:
         """Write payloads and records; a record is visible only with its payload.
         Raise LeaseError (refused) or RemoteTierError; on failure unpublish what can be."""
 
     @abstractmethod
-    def _fetch(self, records: list[RemoteRecord]) -> list[memoryview | bytes | None | Exception]:
+    def _fetch(self, records: list[RemoteRecord]) -> list[memoryview | bytes | Exception | None]:
         """The payload bytes behind each record (None: gone; an exception: I/O error)."""
 
     @abstractmethod
@@ -118,7 +120,7 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
 
     # ------------------------------------------------------------------ records
 
-    def _records(self, keys: Sequence[ChunkKey]) -> list[RemoteRecord | None | Exception]:
+    def _records(self, keys: Sequence[ChunkKey]) -> list[RemoteRecord | Exception | None]:
         def run() -> list[Any]:
             pipe = self.index.client.pipeline(transaction=False)
             for k in keys:
@@ -126,7 +128,7 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
             return list(pipe.execute())
 
         raw = self.health.call("read records", run)
-        out: list[RemoteRecord | None | Exception] = []
+        out: list[RemoteRecord | Exception | None] = []
         for blob in raw:
             if blob is None:
                 out.append(None)
@@ -175,7 +177,11 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
             arrays = [np.ascontiguousarray(a) for a in payloads]
             records = [
                 RemoteRecord.for_payload(
-                    m, a, pending.lease.host, pending.lease.token, pending.epoch,
+                    m,
+                    a,
+                    pending.lease.host,
+                    pending.lease.token,
+                    pending.epoch,
                     self._location(m.key, pending),
                 )
                 for m, a in zip(reservation.metas, arrays, strict=True)
@@ -250,8 +256,8 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         return results
 
     def _behind_gone(
-        self, key: ChunkKey, rec: RemoteRecord, got: memoryview | bytes | None | Exception
-    ) -> tuple[RemoteRecord, memoryview | bytes | None | Exception]:
+        self, key: ChunkKey, rec: RemoteRecord, got: memoryview | bytes | Exception | None
+    ) -> tuple[RemoteRecord, memoryview | bytes | Exception | None]:
         """A record whose payload was gone or short: deleted meanwhile (ReplicaNotFound),
         overwritten (the new payload is read), a Mooncake read lease that lapsed (read
         again) or a payload its holder lost (a miss)."""
@@ -269,7 +275,11 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                 got = self._fetch([rec])[0]
             except RemoteTierError as exc:
                 return rec, exc
-            if got is not None and not isinstance(got, Exception) and len(got) >= rec.header.payload_len:
+            if (
+                got is not None
+                and not isinstance(got, Exception)
+                and len(got) >= rec.header.payload_len
+            ):
                 return rec, got
         return rec, got
 
@@ -277,7 +287,7 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         self,
         key: ChunkKey,
         rec: RemoteRecord,
-        got: memoryview | bytes | None | Exception,
+        got: memoryview | bytes | Exception | None,
         out: np.ndarray | None,
     ) -> ReadResult:
         for attempt in (0, 1):
@@ -288,7 +298,8 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                 self.counters.short_payloads += 1
                 self.counters.read_misses += 1
                 return ReplicaReadError(
-                    key.hex(), self.name,
+                    key.hex(),
+                    self.name,
                     f"payload {'gone' if got is None else f'{len(got)} bytes'} behind a record "
                     f"of {rec.header.payload_len}",
                 )

@@ -37,7 +37,9 @@ def free_port(*, cluster_bus: bool = False) -> int:
     raise ServerError("no free loopback port found")
 
 
-def wait_port(port: int, timeout_s: float = 10.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+def wait_port(
+    port: int, timeout_s: float = 10.0, proc: subprocess.Popen[bytes] | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -77,15 +79,39 @@ class RedisServer:
 
     def start(self) -> RedisServer:
         args = [
-            redis_binary(), "--bind", "127.0.0.1", "--port", str(self.port),
-            "--dir", str(self.dir), "--save", "", "--appendonly", "no",
-            "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning",
-            "--logfile", str(self.dir / "log"), "--proto-max-bulk-len", "1gb",
-            "--client-output-buffer-limit", "normal 0 0 0",
+            redis_binary(),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.dir),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "yes",
+            "--daemonize",
+            "no",
+            "--loglevel",
+            "warning",
+            "--logfile",
+            str(self.dir / "log"),
+            "--proto-max-bulk-len",
+            "1gb",
+            "--client-output-buffer-limit",
+            "normal 0 0 0",
         ]
         if self.cluster:
-            args += ["--cluster-enabled", "yes", "--cluster-config-file",
-                     str(self.dir / "nodes.conf"), "--cluster-node-timeout", "2000"]
+            args += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(self.dir / "nodes.conf"),
+                "--cluster-node-timeout",
+                "2000",
+            ]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
         wait_port(self.port, proc=self.proc)
         return self
@@ -131,18 +157,31 @@ class RedisClusterServers:
         if cli is None:
             raise ServerError("redis-cli not found: apt-get install redis-tools")
         out = subprocess.run(
-            [cli, "--cluster", "create", *[n.address for n in self.nodes],
-             "--cluster-replicas", "0", "--cluster-yes"],
-            capture_output=True, text=True, timeout=60,
+            [
+                cli,
+                "--cluster",
+                "create",
+                *[n.address for n in self.nodes],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         if out.returncode != 0:
-            raise ServerError(f"redis-cli --cluster create failed: {out.stdout[-500:]}{out.stderr[-500:]}")
+            raise ServerError(
+                f"redis-cli --cluster create failed: {out.stdout[-500:]}{out.stderr[-500:]}"
+            )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             infos = [
                 subprocess.run(
                     [cli, "-p", str(n.port), "cluster", "info"],
-                    capture_output=True, text=True, timeout=10,
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
                 ).stdout
                 for n in self.nodes
             ]

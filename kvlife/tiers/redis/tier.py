@@ -9,6 +9,7 @@ read is one ``MGET record frame`` per replica (pipelined), verified against the 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,12 +51,16 @@ class RedisTier(PublishedTier):
         health = Health(f"redis tier {name}", base_s=backoff_s)
         self.endpoint = endpoint
         self.client = endpoint.connect()
-        super().__init__(name, capacity_bytes, GlobalIndex(self.client, index or IndexConfig(), health), health)
+        super().__init__(
+            name, capacity_bytes, GlobalIndex(self.client, index or IndexConfig(), health), health
+        )
 
     def close(self) -> None:
         self.client.close()
 
-    def _publish(self, pending: _Pending, records: list[RemoteRecord], payloads: list[np.ndarray]) -> None:
+    def _publish(
+        self, pending: _Pending, records: list[RemoteRecord], payloads: list[np.ndarray]
+    ) -> None:
         idx = self.index
         lease = pending.lease
 
@@ -85,17 +90,17 @@ class RedisTier(PublishedTier):
             return
         done = [rec.header.key for rec, r in zip(records, results[1::2], strict=True) if r == 1]
         if done:  # the batch is all or nothing: take back what did publish
-            try:
+            with contextlib.suppress(
+                RemoteTierError
+            ):  # complete, verified objects: visible, but never wrong
                 self._unpublish([ChunkKey(k) for k in done], [None] * len(done))
-            except RemoteTierError:
-                pass  # complete, verified objects: visible, but never wrong
         first = errors[0]
         if isinstance(first, RedisError) and str(first).startswith(REFUSALS):
             raise idx.refused(first)
         self.health.failed(f"publish: {first}")
         raise RemoteTierError(f"{self.name}: publish failed: {first}")
 
-    def _fetch(self, records: list[RemoteRecord]) -> list[memoryview | bytes | None | Exception]:
+    def _fetch(self, records: list[RemoteRecord]) -> list[memoryview | bytes | Exception | None]:
         def run() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
             for rec in records:
