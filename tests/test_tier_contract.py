@@ -291,11 +291,12 @@ def _concurrent_payload(i: int) -> np.ndarray:
 def test_many_readers_beside_one_writer_get_exact_bytes_or_a_typed_miss(tier: Tier) -> None:
     """Readers race a writer that stores, overwrites, deletes and (on disk) compacts:
     every read is the exact bytes of its key or ReplicaNotFound, never anything else."""
-    if tier.name == "mooncake":
+    if tier.name == "mooncake" and not os.environ.get("KVLIFE_DEBUG_MC"):
         pytest.xfail(
-            "Mooncake: a get racing a forced remove can fail with LEASE_EXPIRED before the "
-            "record is gone, a ReplicaReadError (typed miss, never wrong bytes) instead of "
-            "ReplicaNotFound; known gap, docs/remote.md"
+            "Mooncake: while one thread puts and removes, a get of a present object can "
+            "return empty (no error logged) for several retries: reported as a "
+            "ReplicaReadError (typed miss, never wrong bytes) where the contract asks "
+            "exact bytes or ReplicaNotFound; known gap, docs/remote.md"
         )
     window = 8
     rounds = 120
@@ -344,7 +345,7 @@ def test_many_readers_beside_one_writer_get_exact_bytes_or_a_typed_miss(tier: Ti
                 continue
             for j, g in zip(picks, got, strict=True):
                 if not isinstance(g, np.ndarray) or not np.array_equal(g, _concurrent_payload(j)):
-                    failures.append(f"reader {seed}: key {j} gave {type(g).__name__}")
+                    failures.append(f"reader {seed}: key {j} gave {type(g).__name__} {g}")
                     return
             hits += 1
         with count_lock:

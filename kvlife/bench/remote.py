@@ -66,31 +66,33 @@ def _tier_vs_raw(
         metas = [ReplicaMeta(k, "uint8", (size,), "exact", b"bench") for k in keys]
         t_put, t_get, r_put, r_get = [], [], [], []
         wrong = 0
-        for rep in range(reps):
-            t0 = time.perf_counter()
-            assert tier.store(metas, arrs), "bench tier too small"
-            t1 = time.perf_counter()
-            got = tier.read_batch(keys)
-            t2 = time.perf_counter()
-            wrong += sum(
-                1
-                for g, a in zip(got, arrs, strict=True)
-                if not isinstance(g, np.ndarray) or not np.array_equal(g, a)
-            )
-            del got
-            tier.delete_batch(keys)
-            names = [f"raw:{size}:{rep}:{i}" for i in range(n)]
-            t3 = time.perf_counter()
-            raw_put(names, arrs)
-            t4 = time.perf_counter()
-            raw = raw_get(names)
-            t5 = time.perf_counter()
-            wrong += sum(1 for g, a in zip(raw, arrs, strict=True) if len(g) != a.nbytes)
-            del raw
-            t_put.append(t1 - t0)
-            t_get.append(t2 - t1)
-            r_put.append(t4 - t3)
-            r_get.append(t5 - t4)
+        for rep in range(2 * reps):  # kvlife and raw alternate who goes first (drift)
+            if (rep % 2 == 0) == (rep % 4 < 2):
+                t0 = time.perf_counter()
+                assert tier.store(metas, arrs), "bench tier too small"
+                t1 = time.perf_counter()
+                got = tier.read_batch(keys)
+                t2 = time.perf_counter()
+                wrong += sum(
+                    1
+                    for g, a in zip(got, arrs, strict=True)
+                    if not isinstance(g, np.ndarray) or not np.array_equal(g, a)
+                )
+                del got
+                tier.delete_batch(keys)
+                t_put.append(t1 - t0)
+                t_get.append(t2 - t1)
+            else:
+                names = [f"raw:{size}:{rep}:{i}" for i in range(n)]
+                t3 = time.perf_counter()
+                raw_put(names, arrs)
+                t4 = time.perf_counter()
+                raw = raw_get(names)
+                t5 = time.perf_counter()
+                wrong += sum(1 for g, a in zip(raw, arrs, strict=True) if len(g) != a.nbytes)
+                del raw
+                r_put.append(t4 - t3)
+                r_get.append(t5 - t4)
         nbytes = n * size
         row = {
             "size": size,

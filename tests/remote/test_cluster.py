@@ -26,8 +26,12 @@ def test_a_chunks_keys_share_a_slot_and_buckets_cover_every_master(
         slots_of[(int(start), int(end))] = int(master[1])
     for i in range(64):
         key = blake3.blake3(b"slot%d" % i).digest()
-        names = [idx.record_key(key), idx.frame_key(key), idx.staging_key(key, "n"),
-                 idx.fence_key(key)]
+        names = [
+            idx.record_key(key),
+            idx.frame_key(key),
+            idx.staging_key(key, "n"),
+            idx.fence_key(key),
+        ]
         slots = {int(node.execute_command("CLUSTER", "KEYSLOT", n)) for n in names}
         assert len(slots) == 1, names
         slot = slots.pop()
