@@ -5,6 +5,7 @@ hosts share KV through the cluster."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import blake3
 import redis
@@ -18,10 +19,10 @@ from tests.remote.test_multihost import chunk_digests
 def test_a_chunks_keys_share_a_slot_and_buckets_cover_every_master(
     redis_cluster: RedisClusterServers, index_ns: str
 ) -> None:
-    node = redis.Redis(port=redis_cluster.nodes[0].port)
+    node: Any = redis.Redis(port=redis_cluster.nodes[0].port)
     idx = GlobalIndex(None, IndexConfig(namespace=index_ns, buckets=16), Health("x"))
-    owners = set()
-    slots_of = {}
+    owners: set[int] = set()
+    slots_of: dict[tuple[int, int], int] = {}
     for start, end, master, *_ in node.execute_command("CLUSTER", "SLOTS"):
         slots_of[(int(start), int(end))] = int(master[1])
     for i in range(64):
