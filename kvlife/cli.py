@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser(
         "bench",
-        help="benchmarks: `kvlife bench io|ttft|ssd|replay|concurrency|async --help`",
+        help="benchmarks: `kvlife bench io|ttft|ssd|replay|concurrency|async|remote --help`",
         add_help=False,
     )
     sub.add_parser("replay", help="replay a trace: `kvlife replay --help`", add_help=False)
@@ -217,6 +217,7 @@ BENCHES = {
     "concurrency": "kvlife.bench.concurrency",
     "async": "kvlife.bench.overlap",
     "transforms": "kvlife.bench.transforms",
+    "remote": "kvlife.bench.remote",
 }
 EXPERIMENTS = {
     "lifetime-hints": "kvlife.sim.lifetime_hints",

@@ -7,6 +7,11 @@ import pytest
 
 from kvlife.core.identity import KVLayout, ModelIdentity
 
+pytest_plugins = [
+    "tests.remote.servers",
+    "tests.remote.mooncake_env",
+]  # session-scoped Redis servers for remote tiers
+
 TINY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens_per_chunk=16)
 
 

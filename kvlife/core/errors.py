@@ -80,3 +80,17 @@ class ReplicaReadError(KVLifeError):
 class CorruptFrame(ChecksumMismatch):
     """A transformed replica's frame that fails its own verification (magic, descriptor
     checksum, the descriptor recorded with the replica, payload length or xxh3-64)."""
+
+
+class RemoteTierError(KVLifeError):
+    """A remote tier (Redis, Mooncake Store) could not be reached or answered wrongly; the
+    tier is marked unhealthy and retried after a backoff. Reads turn this into a miss."""
+
+
+class LeaseError(KVLifeError):
+    """A publication to a shared tier was refused because the writer's lease expired,
+    was revoked or was superseded (a stale fencing token): nothing of it is visible."""
+
+
+class IndexUnreachable(RemoteTierError):
+    """The global index could not be read: no remote KV may be served (a miss)."""

@@ -33,6 +33,7 @@ from kvlife.results import ChunkHit, LoadResult, LookupResult
 from kvlife.store.core import Bound, Serving, StoreCore
 from kvlife.store.executor import execute
 from kvlife.store.forms import DecodeRates, decode_replica, exactness_of
+from kvlife.store.shared import consult_shared
 from kvlife.tiers.base import ReadResult, Tier
 from kvlife.transforms.base import UnknownTransform
 from kvlife.transforms.contract import Accept
@@ -219,6 +220,8 @@ class Reader:
             if refusal:
                 core.counters.lookup_chunks_refused += 1
             core.delete_later(doomed)
+        # a shared tier: global invalidations, and other hosts' KV where the run ended
+        hits = consult_shared(core, prompt, keys, hits, accept, _hit)
         return LookupResult(hits, len(keys), n, accept, int(bool(refusal)), refusal)
 
     def _explain_unknown(self, rec: ObjectRecord, got: Serving) -> None:

@@ -15,7 +15,7 @@ that thread's I/O (see :meth:`Tier.read_batch`).
 
 Optional abilities are capability interfaces (:class:`SupportsBatchDelete`,
 :class:`SupportsAudit`, :class:`SupportsAdopt`, :class:`ReportsLostReplicas`,
-:class:`PersistsCounters`, :class:`KeepsEdges`); the store tests
+:class:`PersistsCounters`, :class:`KeepsEdges`, :class:`SharedTier`); the store tests
 ``isinstance(tier, Capability)``, never a concrete tier class, so a new tier needs no
 edit of the store.
 """
@@ -26,13 +26,16 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaReadError
 from kvlife.core.identity import ChunkKey
 from kvlife.core.objects import TierName
+
+if TYPE_CHECKING:
+    from kvlife.globalindex.rules import InvalidationRule
 
 
 class Durability(enum.Enum):
@@ -296,6 +299,25 @@ class PersistsCounters(ABC):
 
     @abstractmethod
     def save_counters(self, counters: dict[str, int]) -> None: ...
+
+
+class SharedTier(ABC):
+    """Capability: a tier other hosts share through a global index (Redis, Mooncake
+    Store). A local miss may be found there, and invalidations issued by any host reach
+    this one through it. Both calls raise RemoteTierError when the index cannot be read:
+    the store then serves nothing (a host cut off from the index may have missed an
+    invalidation)."""
+
+    @abstractmethod
+    def sync_invalidations(self) -> Sequence[InvalidationRule]:
+        """Read the index's epoch; return the rules this host has not applied yet."""
+
+    @abstractmethod
+    def probe(self, keys: Sequence[ChunkKey], infos: Sequence[bytes]) -> list[ReplicaMeta]:
+        """The leading run of ``keys`` published in the shared tier by any host whose
+        record verifies, whose object info equals ``infos[i]`` byte for byte (the full
+        identity) and that no invalidation rule covers; they are now charged to this
+        tier as replicas of this host's store."""
 
 
 def check_payloads(metas: Sequence[ReplicaMeta], payloads: Sequence[np.ndarray]) -> None:

@@ -69,6 +69,76 @@ def _disk(spec: TierSpec, ctx: TierContext) -> Tier:
     return DiskTier(ctx.store_path / spec.name, config, name=spec.name, fileio=ctx.fileio)
 
 
+def _index_config(spec: TierSpec, opts: dict[str, object]) -> object:
+    from kvlife.globalindex import IndexConfig
+
+    return IndexConfig(
+        namespace=str(opts.get("index_namespace", "kvlife")),
+        buckets=int(opts.get("buckets", 16)),  # type: ignore[call-overload]
+        host=str(opts.get("host", "")),
+        lease_ttl_ms=int(opts.get("lease_ttl_ms", 10_000)),  # type: ignore[call-overload]
+    )
+
+
+_INDEX_OPTIONS = {"index_namespace", "buckets", "host", "lease_ttl_ms", "socket_timeout_s"}
+
+
+def _redis(spec: TierSpec, ctx: TierContext) -> Tier:
+    """Options: ``url`` (redis://...) or ``cluster`` (cluster://h:p,...), index options."""
+    from kvlife.tiers.redis import RedisEndpoint, RedisTier
+
+    opts = dict(spec.options)
+    unknown = sorted(set(opts) - _INDEX_OPTIONS - {"url", "cluster"})
+    if unknown:
+        raise InvalidArgument(f"redis tier {spec.name!r}: unknown option(s) {unknown}")
+    where = opts.get("cluster") or opts.get("url")
+    if not isinstance(where, str):
+        raise InvalidArgument(f"redis tier {spec.name!r} needs option url= or cluster=")
+    if "cluster" in opts and not where.startswith("cluster://"):
+        where = "cluster://" + where
+    timeout = float(opts.get("socket_timeout_s", 2.0))  # type: ignore[arg-type]
+    endpoint = RedisEndpoint.parse(where, socket_timeout_s=timeout)
+    return RedisTier(endpoint, spec.capacity_bytes, spec.name, _index_config(spec, opts))  # type: ignore[arg-type]
+
+
+def _mooncake(spec: TierSpec, ctx: TierContext) -> Tier:
+    """Options: ``master`` (host:port), ``metadata`` (http://.../metadata), ``index``
+    (the Redis holding records and leases: redis://... or cluster://...), sizes."""
+    from kvlife.tiers.mooncake import MooncakeConfig, MooncakeTier
+    from kvlife.tiers.redis import RedisEndpoint
+
+    opts = dict(spec.options)
+    known = _INDEX_OPTIONS | {
+        "master",
+        "metadata",
+        "index",
+        "local_hostname",
+        "segment_bytes",
+        "buffer_bytes",
+    }
+    unknown = sorted(set(opts) - known)
+    if unknown:
+        raise InvalidArgument(f"mooncake tier {spec.name!r}: unknown option(s) {unknown}")
+    for need in ("master", "metadata", "index"):
+        if not isinstance(opts.get(need), str):
+            raise InvalidArgument(f"mooncake tier {spec.name!r} needs option {need}=")
+    mc = MooncakeConfig(
+        master=str(opts["master"]),
+        metadata=str(opts["metadata"]),
+        local_hostname=str(opts.get("local_hostname", "127.0.0.1")),
+        segment_bytes=int(opts.get("segment_bytes", 256 << 20)),  # type: ignore[call-overload]
+        buffer_bytes=int(opts.get("buffer_bytes", 64 << 20)),  # type: ignore[call-overload]
+    )
+    timeout = float(opts.get("socket_timeout_s", 2.0))  # type: ignore[arg-type]
+    index = RedisEndpoint.parse(str(opts["index"]), socket_timeout_s=timeout)
+    return MooncakeTier(mc, index, spec.capacity_bytes, spec.name, _index_config(spec, opts))  # type: ignore[arg-type]
+
+
 def _builtins() -> None:
-    for kind, factory in (("memory", _memory), ("disk", _disk)):
+    for kind, factory in (
+        ("memory", _memory),
+        ("disk", _disk),
+        ("redis", _redis),
+        ("mooncake", _mooncake),
+    ):
         _KINDS.setdefault(kind, factory)

@@ -1,0 +1,154 @@
+"""The publication record of one remote object, stored beside (or, for Mooncake, in
+place of a directory entry for) its payload.
+
+It holds the disk tier's frame header (magic, version, key, payload length, xxh3-128 of
+the payload, dtype, shape, transform, header checksum: :mod:`kvlife.tiers.disk.frame`),
+the object info (identity digest, namespace, parent, start), who published it under
+which fencing token, the index epoch it was written at, and where the payload lies. The
+whole record is msgpack with an xxh3-64 over it, so a flipped byte is caught before
+any field is trusted.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import xxhash
+
+from kvlife.core.errors import InvalidArgument, StoreFormatError
+from kvlife.core.objects import ObjectInfo
+from kvlife.tiers.base import ReplicaMeta
+from kvlife.tiers.disk.frame import (
+    HEADER_BYTES,
+    HEADER_USED,
+    FrameError,
+    FrameHeader,
+    pack_header,
+    parts_checksum,
+    unpack_header,
+)
+
+_RECORD_VERSION = 2
+"""2 added the replica's representation record (``form``); 1 is read as exact."""
+_CHECK = struct.Struct("<Q")
+
+
+class RecordError(Exception):
+    """A record or its payload does not verify (the message says which check failed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRecord:
+    """What the index knows about one published remote object."""
+
+    header: FrameHeader
+    """The frame header: key, length, checksum, dtype, shape, transform."""
+    info: bytes
+    """Encoded :class:`~kvlife.core.objects.ObjectInfo` (full identity of the chunk)."""
+    host: str
+    """Publishing host."""
+    token: int
+    """Fencing token of the lease it was published under."""
+    epoch: int
+    """Index epoch read before the write: every later rule applies to it."""
+    location: str = ""
+    """Where the payload lies when not beside the record (a Mooncake object name)."""
+    form: bytes = b""
+    """The replica's representation record (:attr:`ReplicaMeta.form`; empty: exact)."""
+
+    @classmethod
+    def for_payload(
+        cls, meta: ReplicaMeta, payload: np.ndarray, host: str, token: int, epoch: int, loc: str
+    ) -> RemoteRecord:
+        header = FrameHeader(
+            key=bytes(meta.key),
+            payload_len=payload.nbytes,
+            checksum=parts_checksum([payload]),
+            dtype=meta.dtype,
+            shape=tuple(meta.shape),
+            transform=meta.transform,
+        )
+        return cls(header, meta.info, host, token, epoch, loc, meta.form)
+
+    def object_info(self) -> ObjectInfo:
+        return ObjectInfo.decode(self.info)
+
+    def replica_meta(self) -> ReplicaMeta:
+        h = self.header
+        return ReplicaMeta(h.key, h.dtype, h.shape, h.transform, self.info, h.checksum, self.form)  # type: ignore[arg-type]
+
+    def encode(self) -> bytes:
+        hdr = bytearray(HEADER_BYTES)
+        pack_header(self.header, memoryview(hdr))
+        body = bytes(
+            msgpack.packb(
+                [
+                    _RECORD_VERSION,
+                    bytes(hdr[:HEADER_USED]),
+                    self.info,
+                    self.host,
+                    self.token,
+                    self.epoch,
+                    self.location,
+                    self.form,
+                ]
+            )
+        )
+        return body + _CHECK.pack(xxhash.xxh3_64_intdigest(body))
+
+    @classmethod
+    def decode(cls, data: bytes) -> RemoteRecord:
+        """Parse and check a record; RecordError on any damage."""
+        if len(data) <= _CHECK.size:
+            raise RecordError(f"record truncated to {len(data)} bytes")
+        body, tail = data[: -_CHECK.size], data[-_CHECK.size :]
+        if _CHECK.unpack(tail)[0] != xxhash.xxh3_64_intdigest(body):
+            raise RecordError("record checksum mismatch")
+        try:
+            v = msgpack.unpackb(body)
+            if not isinstance(v, list) or (v[0], len(v)) not in ((1, 7), (_RECORD_VERSION, 8)):
+                raise ValueError("unknown record version")
+            header = unpack_header(v[1])
+            form = bytes(v[7]) if len(v) == 8 else b""
+            return cls(header, bytes(v[2]), str(v[3]), int(v[4]), int(v[5]), str(v[6]), form)
+        except (
+            ValueError,
+            TypeError,
+            IndexError,
+            FrameError,
+            StoreFormatError,
+            msgpack.UnpackException,
+        ) as exc:
+            raise RecordError(f"record undecodable: {exc}") from exc
+
+    def verify(self, key: bytes, payload: memoryview | bytes) -> np.ndarray:
+        """The payload as a read-only array if it is exactly this record's frame for
+        ``key`` (length, xxh3-128, key), else RecordError. A short or empty payload (a
+        holder that died) is an error here, never a short array."""
+        h = self.header
+        if h.key != key:
+            raise RecordError("record names another key")
+        if len(payload) != h.payload_len:
+            raise RecordError(f"payload is {len(payload)} bytes, the frame says {h.payload_len}")
+        try:
+            arr = np.frombuffer(payload, dtype=np.dtype(h.dtype)).reshape(h.shape)
+        except (TypeError, ValueError) as exc:
+            raise RecordError(f"payload does not fit {h.dtype}{list(h.shape)}: {exc}") from exc
+        if parts_checksum([arr]) != h.checksum:
+            raise RecordError("payload checksum mismatch")
+        return arr
+
+    def check_meta(self, meta: ReplicaMeta) -> None:
+        """InvalidArgument unless ``meta`` describes this record's object."""
+        h = self.header
+        if (h.dtype, tuple(h.shape), h.transform, self.info, self.form) != (
+            meta.dtype,
+            tuple(meta.shape),
+            meta.transform,
+            meta.info,
+            meta.form,
+        ):
+            raise InvalidArgument("record does not match the replica meta")

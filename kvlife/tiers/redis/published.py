@@ -1,0 +1,398 @@
+"""What the Redis and Mooncake tiers share: replicas published under the global index.
+
+Every replica has a publication record in Redis (:class:`RemoteRecord`); the tier's
+payload store is Redis itself (:class:`~kvlife.tiers.redis.tier.RedisTier`) or Mooncake
+Store (:class:`~kvlife.tiers.mooncake.tier.MooncakeTier`). This base does the parts
+that do not depend on where the payload lies: capacity accounting of this host's share,
+reservations with the lease and epoch they will publish under, verified reads (record
+checksum, key, length, xxh3-128 of the payload; a mismatch is re-read once, since bytes
+damaged in transit are not proof of a corrupt replica), probes for other hosts' objects
+and the health of the connection.
+
+Capacity is this host's budget in the shared tier: replicas it published or adopted
+count against it; other hosts' objects do not. ``replica_keys`` lists those replicas.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from kvlife.core.errors import (
+    ChecksumMismatch,
+    InvalidArgument,
+    KVLifeError,
+    LeaseError,
+    RemoteTierError,
+    ReplicaNotFound,
+    ReplicaReadError,
+)
+from kvlife.core.identity import ChunkKey
+from kvlife.core.objects import ObjectInfo, TierName
+from kvlife.globalindex import GlobalIndex, Health, InvalidationRule, Lease, RemoteRecord
+from kvlife.globalindex.record import RecordError
+from kvlife.tiers.base import (
+    CapacityShortfall,
+    Durability,
+    ReadResult,
+    ReplicaMeta,
+    Reservation,
+    SharedTier,
+    SupportsBatchDelete,
+    Tier,
+    check_payloads,
+)
+
+
+@dataclass(slots=True)
+class RemoteCounters:
+    """What a remote tier did (``details()``)."""
+
+    published: int = 0
+    publish_failed: int = 0
+    reads: int = 0
+    read_misses: int = 0
+    """Reads that failed on the transport or found no payload (a miss, replica kept)."""
+    reread_ok: int = 0
+    """Payloads that failed verification once and verified on the second read."""
+    corrupt: int = 0
+    """Replicas that failed verification twice (reported as corrupt)."""
+    short_payloads: int = 0
+    """Payloads shorter than the record (or empty) behind a present record: a miss."""
+    probes: int = 0
+    probe_hits: int = 0
+    probe_refused_identity: int = 0
+    """Records found whose object info differs from the lookup's (never served)."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    lease: Lease
+    epoch: int
+    nonce: str
+
+
+class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
+    """Base of tiers whose replicas are published under a :class:`GlobalIndex`."""
+
+    durability = Durability.DURABLE
+    """Committed replicas outlive this process (the server's own persistence decides
+    what survives the server's restart)."""
+
+    def __init__(self, name: str, capacity_bytes: int, index: GlobalIndex, health: Health) -> None:
+        if capacity_bytes <= 0:
+            raise InvalidArgument(f"remote tier capacity must be > 0, got {capacity_bytes}")
+        self.name = TierName(name)
+        self.capacity_bytes = capacity_bytes
+        self.index = index
+        self.health = health
+        self.counters = RemoteCounters()
+        self._held: dict[ChunkKey, int] = {}
+        self._reserved = 0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ payload store
+
+    @abstractmethod
+    def _publish(
+        self, pending: _Pending, records: list[RemoteRecord], payloads: list[np.ndarray]
+    ) -> None:
+        """Write payloads and records; a record is visible only with its payload.
+        Raise LeaseError (refused) or RemoteTierError; on failure unpublish what can be."""
+
+    @abstractmethod
+    def _fetch(self, records: list[RemoteRecord]) -> list[memoryview | bytes | Exception | None]:
+        """The payload bytes behind each record (None: gone; an exception: I/O error)."""
+
+    @abstractmethod
+    def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord | None]) -> None:
+        """Remove records (first, so nothing is visible) and then payloads."""
+
+    def _location(self, key: ChunkKey, pending: _Pending) -> str:
+        """Where a new payload goes, recorded in its record ("" when beside it)."""
+        return ""
+
+    # ------------------------------------------------------------------ records
+
+    def _records(self, keys: Sequence[ChunkKey]) -> list[RemoteRecord | Exception | None]:
+        def run() -> list[Any]:
+            pipe = self.index.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.get(self.index.record_key(k))
+            return list(pipe.execute())
+
+        raw = self.health.call("read records", run)
+        out: list[RemoteRecord | Exception | None] = []
+        for blob in raw:
+            if blob is None:
+                out.append(None)
+                continue
+            try:
+                out.append(RemoteRecord.decode(blob))
+            except RecordError as exc:
+                out.append(exc)
+        return out
+
+    # ------------------------------------------------------------------ Tier
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self._held.values()) + self._reserved
+
+    def prepare_store(self, metas: Sequence[ReplicaMeta]) -> Reservation | CapacityShortfall:
+        need = sum(m.nbytes for m in metas if m.key not in self._held)
+        with self._lock:
+            over = self.used_bytes + need - self.capacity_bytes
+            if over > 0:
+                return CapacityShortfall(over)
+            self._reserved += need
+        try:
+            lease = self.index.lease()
+            epoch = self.index.refresh()
+        except BaseException:
+            with self._lock:
+                self._reserved -= need
+            raise
+        return Reservation(self.name, list(metas), need, _Pending(lease, epoch, uuid.uuid4().hex))
+
+    def commit_store(self, reservation: Reservation, payloads: Sequence[np.ndarray]) -> None:
+        if reservation.done:
+            raise InvalidArgument("reservation already completed")
+        try:
+            check_payloads(reservation.metas, payloads)
+            pending = reservation.state
+            assert isinstance(pending, _Pending)
+            if pending.lease.remaining_s() <= 0:
+                self.index.drop_lease()
+                raise LeaseError(
+                    f"lease of {pending.lease.host} (token {pending.lease.token}) expired "
+                    "before the write: not published"
+                )
+            arrays = [np.ascontiguousarray(a) for a in payloads]
+            records = [
+                RemoteRecord.for_payload(
+                    m,
+                    a,
+                    pending.lease.host,
+                    pending.lease.token,
+                    pending.epoch,
+                    self._location(m.key, pending),
+                )
+                for m, a in zip(reservation.metas, arrays, strict=True)
+            ]
+            self._publish(pending, records, arrays)
+        except BaseException:
+            self.counters.publish_failed += len(reservation.metas)
+            self.cancel_store(reservation)
+            raise
+        with self._lock:
+            self._reserved -= reservation.nbytes
+            for m in reservation.metas:
+                self._held[m.key] = m.nbytes
+            reservation.done = True
+        self.counters.published += len(reservation.metas)
+
+    def cancel_store(self, reservation: Reservation) -> None:
+        with self._lock:
+            if not reservation.done:
+                self._reserved -= reservation.nbytes
+                reservation.done = True
+
+    def contains(self, key: ChunkKey) -> bool:
+        rec = self._records([key])[0]
+        return rec is not None
+
+    def meta(self, key: ChunkKey) -> ReplicaMeta:
+        rec = self._records([key])[0]
+        if rec is None:
+            raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
+        if isinstance(rec, Exception):
+            raise ChecksumMismatch(key.hex(), self.name, f"record: {rec}")
+        return rec.replica_meta()
+
+    def read_batch(
+        self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
+    ) -> list[ReadResult]:
+        self.counters.reads += len(keys)
+        try:
+            records = self._records(keys)
+        except RemoteTierError as exc:
+            self.counters.read_misses += len(keys)
+            return [ReplicaReadError(k.hex(), self.name, str(exc)) for k in keys]
+        for k, rec in zip(keys, records, strict=True):
+            if rec is None:
+                raise ReplicaNotFound(f"{self.name} holds no replica {k.hex()[:16]}…")
+        for i, rec in enumerate(records):
+            out = outs[i] if outs is not None else None
+            if out is not None and isinstance(rec, RemoteRecord):
+                h = rec.header
+                if out.shape != h.shape or out.dtype != np.dtype(h.dtype):
+                    raise InvalidArgument(
+                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
+                        f"{h.dtype}{list(h.shape)}"
+                    )
+        good = [r for r in records if isinstance(r, RemoteRecord)]
+        try:
+            fetched = iter(self._fetch(good)) if good else iter(())
+        except RemoteTierError as exc:
+            self.counters.read_misses += len(keys)
+            return [ReplicaReadError(k.hex(), self.name, str(exc)) for k in keys]
+        results: list[ReadResult] = []
+        for i, (key, rec) in enumerate(zip(keys, records, strict=True)):
+            if not isinstance(rec, RemoteRecord):
+                self.counters.corrupt += 1
+                results.append(ChecksumMismatch(key.hex(), self.name, f"record: {rec}"))
+                continue
+            got = next(fetched)
+            if got is None or isinstance(got, Exception) or len(got) < rec.header.payload_len:
+                rec, got = self._behind_gone(key, rec, got)
+            results.append(self._verified(key, rec, got, outs[i] if outs else None))
+        return results
+
+    def _behind_gone(
+        self, key: ChunkKey, rec: RemoteRecord, got: memoryview | bytes | Exception | None
+    ) -> tuple[RemoteRecord, memoryview | bytes | Exception | None]:
+        """A record whose payload was gone or short: deleted meanwhile (ReplicaNotFound),
+        overwritten (the new payload is read), a Mooncake read lease that lapsed (read
+        again) or a payload its holder lost (a miss)."""
+        for _ in range(3):
+            try:
+                again = self._records([key])[0]
+            except RemoteTierError:
+                return rec, got
+            if again is None:
+                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}… (deleted)")
+            if not isinstance(again, RemoteRecord):
+                return rec, got
+            rec = again
+            try:
+                got = self._fetch([rec])[0]
+            except RemoteTierError as exc:
+                return rec, exc
+            if (
+                got is not None
+                and not isinstance(got, Exception)
+                and len(got) >= rec.header.payload_len
+            ):
+                return rec, got
+        return rec, got
+
+    def _verified(
+        self,
+        key: ChunkKey,
+        rec: RemoteRecord,
+        got: memoryview | bytes | Exception | None,
+        out: np.ndarray | None,
+    ) -> ReadResult:
+        for attempt in (0, 1):
+            if isinstance(got, Exception):
+                self.counters.read_misses += 1
+                return ReplicaReadError(key.hex(), self.name, f"payload: {got}")
+            if got is None or len(got) < rec.header.payload_len:
+                self.counters.short_payloads += 1
+                self.counters.read_misses += 1
+                return ReplicaReadError(
+                    key.hex(),
+                    self.name,
+                    f"payload {'gone' if got is None else f'{len(got)} bytes'} behind a record "
+                    f"of {rec.header.payload_len}",
+                )
+            try:
+                arr = rec.verify(bytes(key), got)
+            except RecordError as exc:
+                if attempt == 0:
+                    try:
+                        got = self._fetch([rec])[0]
+                    except RemoteTierError as again:
+                        got = again
+                    continue
+                self.counters.corrupt += 1
+                return ChecksumMismatch(key.hex(), self.name, str(exc))
+            if attempt:
+                self.counters.reread_ok += 1
+            if out is None:
+                return arr
+            np.copyto(out, arr)
+            return out
+        raise AssertionError("unreachable")
+
+    def delete(self, key: ChunkKey) -> int:
+        return self.delete_batch([key])[0]
+
+    def delete_batch(self, keys: Sequence[ChunkKey]) -> list[int]:
+        records = self._records(keys)
+        sizes: list[int] = []
+        for k, rec in zip(keys, records, strict=True):
+            if rec is None:
+                raise ReplicaNotFound(f"{self.name} holds no replica {k.hex()[:16]}…")
+            if isinstance(rec, RemoteRecord):
+                sizes.append(rec.header.payload_len)
+            else:
+                sizes.append(self._held.get(k, 0))
+        self._unpublish(keys, [r if isinstance(r, RemoteRecord) else None for r in records])
+        with self._lock:
+            for k in keys:
+                self._held.pop(k, None)
+        return sizes
+
+    def replica_keys(self) -> list[ChunkKey]:
+        return list(self._held)
+
+    def details(self) -> dict[str, Any]:
+        return {
+            "host": self.index.host,
+            "healthy": self.health.healthy,
+            "last_error": self.health.last_error,
+            **asdict(self.counters),
+            **asdict(self.health.counters),
+            **asdict(self.index.counters),
+        }
+
+    # ------------------------------------------------------------------ SharedTier
+
+    def sync_invalidations(self) -> Sequence[InvalidationRule]:
+        self.index.refresh()
+        return self.index.take_new_rules()
+
+    def probe(self, keys: Sequence[ChunkKey], infos: Sequence[bytes]) -> list[ReplicaMeta]:
+        if len(keys) != len(infos):
+            raise InvalidArgument(f"{len(keys)} keys but {len(infos)} infos")
+        self.counters.probes += 1
+        if not keys:
+            return []
+        self.index.refresh()
+        records = self._records(keys)
+        found: list[ReplicaMeta] = []
+        lineage: list[bytes] = []
+        for key, info, rec in zip(keys, infos, records, strict=True):
+            if not isinstance(rec, RemoteRecord) or rec.header.key != key:
+                break
+            if rec.info != info:
+                self.counters.probe_refused_identity += 1
+                break
+            try:
+                decoded = ObjectInfo.decode(rec.info)
+            except KVLifeError:
+                break
+            lineage.append(bytes(decoded.parent))
+            if not self.index.admissible(rec, decoded, tuple(lineage)):
+                break
+            found.append(rec.replica_meta())
+            lineage.append(bytes(key))
+        with self._lock:
+            for m in found:
+                self._held[m.key] = m.nbytes
+        self.counters.probe_hits += len(found)
+        return found
+
+    def forget(self, keys: Sequence[ChunkKey]) -> None:
+        """Stop charging replicas this host adopted but will not use (never deletes)."""
+        with self._lock:
+            for k in keys:
+                self._held.pop(k, None)

@@ -1,0 +1,174 @@
+"""RedisTier: frames in Redis beside their publication records.
+
+A put pipelines, per replica, a ``SET`` of the payload under a staging name (expiring,
+so a writer that dies leaves nothing visible) and the index's publish script, which
+checks the lease's fencing token and deadline and then renames the staged payload into
+place and writes the record, atomically on the node that owns the chunk's hash tag. A
+read is one ``MGET record frame`` per replica (pipelined), verified against the record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from redis.exceptions import NoScriptError, RedisError
+
+from kvlife.core.errors import (
+    ChecksumMismatch,
+    InvalidArgument,
+    LeaseError,
+    RemoteTierError,
+    ReplicaNotFound,
+    ReplicaReadError,
+)
+from kvlife.core.identity import ChunkKey
+from kvlife.globalindex import GlobalIndex, Health, IndexConfig, RemoteRecord
+from kvlife.globalindex.health import REFUSALS
+from kvlife.globalindex.record import RecordError
+from kvlife.tiers.base import ReadResult
+from kvlife.tiers.redis.connect import RedisEndpoint
+from kvlife.tiers.redis.published import PublishedTier, _Pending
+
+STAGING_TTL_MS = 120_000
+"""A staged payload not published within this expires (its writer died or was cut)."""
+
+
+class RedisTier(PublishedTier):
+    """Replicas in Redis (one server or a cluster), shared by every host of the index."""
+
+    def __init__(
+        self,
+        endpoint: RedisEndpoint,
+        capacity_bytes: int,
+        name: str = "redis",
+        index: IndexConfig | None = None,
+        *,
+        backoff_s: float = 0.05,
+    ) -> None:
+        health = Health(f"redis tier {name}", base_s=backoff_s)
+        self.endpoint = endpoint
+        self.client = endpoint.connect()
+        super().__init__(
+            name, capacity_bytes, GlobalIndex(self.client, index or IndexConfig(), health), health
+        )
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _publish(
+        self, pending: _Pending, records: list[RemoteRecord], payloads: list[np.ndarray]
+    ) -> None:
+        idx = self.index
+        lease = pending.lease
+
+        def run() -> list[Any]:
+            for attempt in (0, 1):
+                pipe = self.client.pipeline(transaction=False)
+                for rec, arr in zip(records, payloads, strict=True):
+                    key = rec.header.key
+                    staged = idx.staging_key(key, pending.nonce)
+                    pipe.set(staged, arr.data.cast("B"), px=STAGING_TTL_MS)
+                    idx.evalsha(
+                        pipe,
+                        "PUBLISH",
+                        [idx.fence_key(key), idx.record_key(key), staged, idx.frame_key(key)],
+                        [lease.host, lease.token, lease.deadline_ms, rec.encode()],
+                    )
+                res = list(pipe.execute(raise_on_error=False))
+                if attempt == 0 and any(isinstance(r, NoScriptError) for r in res):
+                    idx._sha.clear()  # a restarted server lost its scripts: load, redo
+                    continue
+                return res
+            raise AssertionError("unreachable")
+
+        results = self.health.call("publish", run)
+        errors = [r for r in results if isinstance(r, Exception)]
+        if not errors:
+            return
+        done = [rec.header.key for rec, r in zip(records, results[1::2], strict=True) if r == 1]
+        if done:  # the batch is all or nothing: take back what did publish
+            with contextlib.suppress(
+                RemoteTierError
+            ):  # complete, verified objects: visible, but never wrong
+                self._unpublish([ChunkKey(k) for k in done], [None] * len(done))
+        first = errors[0]
+        if isinstance(first, RedisError) and str(first).startswith(REFUSALS):
+            raise idx.refused(first)
+        self.health.failed(f"publish: {first}")
+        raise RemoteTierError(f"{self.name}: publish failed: {first}")
+
+    def _fetch(self, records: list[RemoteRecord]) -> list[memoryview | bytes | Exception | None]:
+        def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for rec in records:
+                pipe.get(self.index.frame_key(rec.header.key))
+            return list(pipe.execute(raise_on_error=False))
+
+        return self.health.call("read frames", run)
+
+    def read_batch(
+        self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
+    ) -> list[ReadResult]:
+        # one round trip: MGET of record and frame per key (same slot)
+        self.counters.reads += len(keys)
+        idx = self.index
+
+        def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.execute_command("MGET", idx.record_key(k), idx.frame_key(k))
+            return list(pipe.execute(raise_on_error=False))
+
+        try:
+            raw = self.health.call("read", run)
+        except RemoteTierError as exc:
+            self.counters.read_misses += len(keys)
+            return [ReplicaReadError(k.hex(), self.name, str(exc)) for k in keys]
+        parsed: list[tuple[RemoteRecord | Exception, Any]] = []
+        for k, pair in zip(keys, raw, strict=True):
+            if isinstance(pair, Exception) or not isinstance(pair, list) or len(pair) != 2:
+                parsed.append((RemoteTierError(f"bad reply {type(pair).__name__}"), None))
+                continue
+            blob, frame = pair
+            if blob is None:
+                raise ReplicaNotFound(f"{self.name} holds no replica {k.hex()[:16]}…")
+            try:
+                parsed.append((RemoteRecord.decode(blob), frame))
+            except RecordError as exc:
+                parsed.append((exc, None))
+        results: list[ReadResult] = []
+        for i, (k, (rec, frame)) in enumerate(zip(keys, parsed, strict=True)):
+            out = outs[i] if outs is not None else None
+            if isinstance(rec, RemoteTierError):
+                self.counters.read_misses += 1
+                results.append(ReplicaReadError(k.hex(), self.name, str(rec)))
+                continue
+            if isinstance(rec, Exception):
+                self.counters.corrupt += 1
+                results.append(ChecksumMismatch(k.hex(), self.name, f"record: {rec}"))
+                continue
+            h = rec.header
+            if out is not None and (out.shape != h.shape or out.dtype != np.dtype(h.dtype)):
+                raise InvalidArgument(
+                    f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
+                    f"{h.dtype}{list(h.shape)}"
+                )
+            results.append(self._verified(k, rec, frame, out))
+        return results
+
+    def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord | None]) -> None:
+        idx = self.index
+
+        def run() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.execute_command("DEL", idx.record_key(k), idx.frame_key(k))  # one slot
+            pipe.execute()
+
+        self.health.call("delete", run)
+
+
+__all__ = ["LeaseError", "RedisTier"]

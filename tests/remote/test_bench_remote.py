@@ -1,0 +1,50 @@
+"""`kvlife bench remote --quick` runs end to end and writes JSON of the documented shape
+(never a speed check: the machine is shared)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvlife.cli import main
+
+
+def test_bench_remote_quick_writes_its_json(tmp_path: Path) -> None:
+    out = tmp_path / "remote.json"
+    assert main(["bench", "remote", "--quick", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["bench"] == "remote" and data["quick"] is True
+    row_keys = {
+        "size",
+        "objects",
+        "kvlife_put_gbps",
+        "kvlife_get_gbps",
+        "raw_put_gbps",
+        "raw_get_gbps",
+        "put_ratio",
+        "get_ratio",
+        "wrong",
+    }
+    assert [r["size"] for r in data["redis"]] == [256 << 10, 1 << 20]
+    for r in data["redis"]:
+        assert set(r) == row_keys and r["wrong"] == 0 and r["kvlife_get_gbps"] > 0
+    mc = data["mooncake"]
+    assert "rows" in mc or "skipped" in mc
+    for r in mc.get("rows", []):
+        assert set(r) == row_keys and r["wrong"] == 0
+    lk = data["lookup"]
+    assert lk["chunks"] == 128 and 0 < lk["median_ms"] <= lk["p99_ms"]
+    faults = {f["fault"]: f for f in data["faults"]}
+    assert set(faults) >= {
+        "none",
+        "delay-5ms",
+        "bandwidth-50MB/s",
+        "drop",
+        "reset",
+        "partition",
+        "truncate",
+        "flip",
+    }
+    for f in faults.values():
+        assert f["wrong_bytes"] == 0 and 0.0 <= f["hit_ratio"] <= 1.0
+    assert faults["none"]["hit_ratio"] == 1.0

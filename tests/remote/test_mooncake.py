@@ -1,0 +1,117 @@
+"""Mooncake Store tier against a real master, inside a private network namespace.
+
+The outer test (run in the default suite) starts ``pytest`` again under ``unshare -n``
+with loopback (and a namespace-only veth) up, running the tier contract suite over the
+Mooncake tier and the tests below; inside, those run against a master, a metadata
+server and a Redis index started there."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import blake3
+import numpy as np
+import pytest
+
+from kvlife.core.errors import ReplicaNotFound, ReplicaReadError
+from kvlife.core.identity import ChunkKey
+from kvlife.globalindex import IndexConfig
+from kvlife.tiers.base import ReplicaMeta
+from kvlife.tiers.mooncake import MooncakeConfig, MooncakeTier
+from kvlife.tiers.mooncake.server import MooncakeMaster, in_private_netns, netns_command
+from kvlife.tiers.redis import RedisEndpoint
+from kvlife.tiers.redis.server import RedisServer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(in_private_netns(), reason="this is the runner; it runs outside")
+def test_mooncake_suite_in_a_private_network_namespace() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("unshare -n needs root (CI runs as root)")
+    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:  # e.g. a container without CAP_SYS_ADMIN
+        pytest.skip(f"no private network namespace here: {probe.stderr.strip()}")
+    cmd = netns_command(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_tier_contract.py",
+            "tests/remote/test_mooncake.py",
+            "-k",
+            "mooncake",
+        ]
+    )
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500)
+    tail = run.stdout[-3000:]
+    assert run.returncode == 0, tail
+    assert re.search(r"\b1[0-9] passed", tail) and not re.search(r"\d+ failed", tail), tail
+
+
+HOLDER = """
+import sys, time
+from mooncake.store import MooncakeDistributedStore
+s = MooncakeDistributedStore()
+rc = s.setup("127.0.0.1", sys.argv[2], 128 << 20, 16 << 20, "tcp", "", sys.argv[1])
+print("up", rc, flush=True)
+time.sleep(600)
+"""
+
+
+def k(i: int) -> ChunkKey:
+    return ChunkKey(blake3.blake3(b"mc%d" % i).digest())
+
+
+@pytest.mark.skipif(not in_private_netns(), reason="runs inside the private namespace")
+def test_mooncake_payload_lost_with_its_holder_is_a_miss(
+    mooncake_master: MooncakeMaster, redis_server: RedisServer, index_ns: str
+) -> None:
+    """A segment holder dies: ``is_exist`` may still say yes while ``get`` is empty; the
+    tier reports a miss (or, once the record goes, not found), never short bytes."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, mooncake_master.master, mooncake_master.metadata],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().startswith("up 0")
+        cfg = MooncakeConfig(mooncake_master.master, mooncake_master.metadata, segment_bytes=0)
+        tier = MooncakeTier(
+            cfg, RedisEndpoint(url=redis_server.url), 1 << 28, index=IndexConfig(namespace=index_ns)
+        )
+        arrs = [
+            np.random.default_rng(i).standard_normal(1 << 17).astype(np.float16) for i in range(4)
+        ]
+        metas = [ReplicaMeta(k(i), "float16", a.shape, "exact", b"i") for i, a in enumerate(arrs)]
+        assert tier.store(metas, arrs)
+        assert all(np.array_equal(tier.read(k(i)), arrs[i]) for i in range(4))
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=10)
+        time.sleep(0.5)
+        wrong = 0
+        for _ in range(3):
+            try:
+                got = tier.read_batch([k(i) for i in range(4)])
+            except ReplicaNotFound:
+                continue
+            for i, g in enumerate(got):
+                if isinstance(g, np.ndarray):
+                    wrong += int(not np.array_equal(g, arrs[i]))
+                else:
+                    assert isinstance(g, ReplicaReadError), g
+        assert wrong == 0
+        tier.close()
+    finally:
+        if holder.poll() is None:
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.wait(timeout=10)
