@@ -75,7 +75,10 @@ class LoadHandle:
         return len(self._items)
 
     def _complete(self, item: _Item, result: ReadResult | BaseException) -> None:
-        if isinstance(result, BaseException) and not isinstance(result, ReplicaNotFound):
+        # a tier *returns* ChecksumMismatch / ReplicaReadError as read outcomes (they are
+        # exceptions too): only what it raised is turned into a read error here
+        outcome = (ReplicaNotFound, ChecksumMismatch, ReplicaReadError)
+        if isinstance(result, BaseException) and not isinstance(result, outcome):
             if not isinstance(result, KVLifeError):  # a bug, not a miss: wait() raises it
                 self._error = self._error or result
             result = ReplicaReadError(item.rec.key.hex(), item.tier, f"read failed: {result}")
