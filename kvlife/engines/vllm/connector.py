@@ -79,7 +79,9 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         try:
             kind = NamespaceKind(salt_kind)
         except ValueError as exc:
-            raise InvalidArgument(f"kvlife.salt_kind {salt_kind!r} is not a namespace kind") from exc
+            raise InvalidArgument(
+                f"kvlife.salt_kind {salt_kind!r} is not a namespace kind"
+            ) from exc
         self.namespaces = NamespacePolicy(
             Namespace.parse(str(extra.get("kvlife.namespace", "public"))), kind
         )
