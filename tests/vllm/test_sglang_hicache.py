@@ -123,7 +123,7 @@ def test_backup_then_prefetch_round_trips_pages_generic_and_v1(tmp_path: Path, l
     assert all(backend.batch_set_v1(HASHES[2:], host_indices[2 * PAGE :]))
     # prefetch: hit query, then the generic get into dummy pages, then into the pool
     extra_info = hicache.HiCacheStorageExtraInfo(prefix_keys=[])
-    assert backend.batch_exists(HASHES + ["f" * 64], extra_info) == 4
+    assert backend.batch_exists([*HASHES, "f" * 64], extra_info) == 4
     pool.kv_buffer.zero_()
     pages = backend.batch_get(HASHES[:2], [pool.get_dummy_flat_data_page() for _ in range(2)])
     for i, page in enumerate(pages):

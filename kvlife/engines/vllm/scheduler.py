@@ -21,6 +21,7 @@ from kvlife.core.identity import ModelIdentity, Namespace
 from kvlife.engines.identity import AdapterSpec
 from kvlife.engines.vllm.identity import NamespacePolicy, adapter_spec, with_adapter
 from kvlife.engines.vllm.meta import LoadSpec, SaveSpec, StepPlan
+from kvlife.engines.vllm.stores import StoreAPI
 
 log = logging.getLogger("kvlife.vllm")
 
@@ -53,7 +54,7 @@ class SchedulerSide:
 
     def __init__(
         self,
-        store: Any,
+        store: StoreAPI,
         identities: list[ModelIdentity],
         namespaces: NamespacePolicy,
         *,

@@ -20,18 +20,97 @@ from __future__ import annotations
 
 import atexit
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from kvlife.core.errors import InvalidArgument, StoreLockedError
 from kvlife.core.events import EventSink, LifecycleEvent
+from kvlife.core.identity import ROOT_PARENT, ChunkKey, ModelIdentity, Namespace
 from kvlife.engines.errors import EngineError
+from kvlife.results import LoadResult, LookupResult, PutResult, StoreCounters
 
 MiB = 1 << 20
 DEFAULT_DRAM = 256 * MiB
 DEFAULT_DISK = 4096 * MiB
+
+
+class StoreAPI(Protocol):
+    """The part of the public ``KVStore`` API the engine adapters use (``KVStore`` and
+    ``RemoteStore`` both have it)."""
+
+    def lookup(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+    ) -> LookupResult: ...
+
+    def load(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None = None,
+        *,
+        request_id: str = "",
+    ) -> LoadResult: ...
+
+    def load_async(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None = None,
+        *,
+        request_id: str = "",
+    ) -> Any: ...
+
+    def put_prompt(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        kv: object,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+        request_id: str = "",
+    ) -> PutResult: ...
+
+    def prepare_put(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        kv: object,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+        request_id: str = "",
+    ) -> Any: ...
+
+    def put_async(self, pending: Any) -> Future[PutResult]: ...
+
+    def invalidate(
+        self,
+        *,
+        weights_digest: str | None = None,
+        adapter_id: str | None = None,
+        namespace: Namespace | None = None,
+        prefix: ChunkKey | None = None,
+    ) -> int: ...
+
+    @property
+    def counters(self) -> StoreCounters: ...
+
+    def close(self) -> None: ...
 
 
 class EmbeddedStoreInUse(EngineError):
@@ -118,7 +197,7 @@ class FanoutSink(EventSink):
 
 @dataclass(slots=True)
 class _Embedded:
-    store: Any
+    store: StoreAPI
     sink: FanoutSink
     users: int = 0
 
@@ -127,7 +206,7 @@ class _Embedded:
 class StoreLease:
     """One connector's use of a store; ``release()`` once when the connector shuts down."""
 
-    store: Any
+    store: StoreAPI
     """A ``KVStore`` or ``RemoteStore``."""
     address: StoreAddress
     events: FanoutSink | None = None
@@ -164,7 +243,8 @@ def open_store(address: StoreAddress) -> StoreLease:
                 "kvlife.socket needs kvlife's store server (kvlife serve / RemoteStore), "
                 "which this kvlife lacks; use kvlife.path in a single-process vLLM"
             )
-        return StoreLease(connect(address.socket), address)
+        remote: StoreAPI = connect(address.socket)
+        return StoreLease(remote, address)
     path = Path(address.path).resolve()
     with _EMBEDDED_LOCK:
         held = _EMBEDDED.get(path)

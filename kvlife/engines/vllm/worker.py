@@ -31,6 +31,7 @@ from kvlife.core.payload import numpy_dtype, to_torch
 from kvlife.engines.vllm.identity import with_adapter
 from kvlife.engines.vllm.meta import LoadSpec, SaveSpec, StepPlan
 from kvlife.engines.vllm.paged import PagedLayer
+from kvlife.engines.vllm.stores import StoreAPI
 from kvlife.results import LookupResult
 
 log = logging.getLogger("kvlife.vllm")
@@ -63,7 +64,7 @@ class _Load:
 class WorkerSide:
     """Loads and saves of one worker (one tensor-parallel rank)."""
 
-    def __init__(self, store: Any, identity: ModelIdentity, *, block_size: int) -> None:
+    def __init__(self, store: StoreAPI, identity: ModelIdentity, *, block_size: int) -> None:
         self.store = store
         self.identity = identity
         self.block_size = block_size
