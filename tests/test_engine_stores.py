@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 
 from kvlife.core.errors import InvalidArgument
-from kvlife.core.identity import PUBLIC
+from kvlife.core.identity import PUBLIC, ModelIdentity
 from kvlife.engines.vllm.stores import EmbeddedStoreInUse, StoreAddress, close_all, open_store
 from tests.conftest import prompt_kv
 
 
-def test_connectors_of_one_process_share_one_embedded_store(tmp_path: Path, identity) -> None:  # type: ignore[no-untyped-def]
+def test_connectors_of_one_process_share_one_embedded_store(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
     addr = StoreAddress.from_extra_config({"kvlife.path": str(tmp_path), "kvlife.dram_mib": 4})
     scheduler, worker = open_store(addr), open_store(addr)
     assert scheduler.store is worker.store

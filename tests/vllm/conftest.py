@@ -51,7 +51,7 @@ def run_engine(spec: dict[str, Any], work: Path, name: str, timeout: float = 420
     spec_path = work / f"{name}.spec.json"
     out_path = work / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
         [sys.executable, "-m", "kvlife.engines.vllm.runner", str(spec_path), str(out_path)],
         cwd=ROOT,

@@ -9,6 +9,7 @@ flipped), E (another block size) and F (another dtype).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,8 @@ rng = np.random.default_rng(7)
 P1 = [int(t) for t in rng.integers(5, 1000, size=5 * CHUNK)]
 P2 = P1[: 3 * CHUNK] + [int(t) for t in rng.integers(5, 1000, size=2 * CHUNK + 17)]
 NEW = 16
+DTYPE = os.environ.get("KVLIFE_E2E_DTYPE", "float32")  # scripts/gpu_e2e.sh: float16
+OTHER_DTYPE = "bfloat16" if DTYPE != "bfloat16" else "float16"
 
 
 def _spec(model: Path, store: Path | None, requests: list[dict[str, Any]], **kw: Any) -> Any:
@@ -31,7 +34,7 @@ def _spec(model: Path, store: Path | None, requests: list[dict[str, Any]], **kw:
         "model": str(model),
         "skip_tokenizer_init": True,
         "block_size": 32,
-        "dtype": "float32",
+        "dtype": DTYPE,
         "kv_cache_mib": 64,
         "max_model_len": 1024,
         "requests": requests,
@@ -68,7 +71,7 @@ def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     flip(frames[0].segment, frames[0].payload_offset + 1000, 1)
     out["D"] = run_engine(_spec(tiny_model, store, [_req(P1)]), work, "D")
     out["E"] = run_engine(_spec(tiny_model, store, [_req(P1)], block_size=64), work, "E")
-    out["F"] = run_engine(_spec(tiny_model, store, [_req(P1)], dtype="bfloat16"), work, "F")
+    out["F"] = run_engine(_spec(tiny_model, store, [_req(P1)], dtype=OTHER_DTYPE), work, "F")
     with KVStore.open(store, dram_bytes=0, disk_bytes=1 << 40) as s:
         out["lifetime"] = s.info().lifetime_counters
     return out

@@ -9,7 +9,8 @@ plus the connector's and the store's counters. Tests, ``kvlife demo --engine vll
 real new process and every engine's memory is returned when it exits.
 
 Spec keys: ``model`` (directory), ``dtype``, ``block_size``, ``prefix_caching``,
-``kv_cache_mib``, ``max_model_len``, ``kvlife`` (``kv_connector_extra_config`` or
+``kv_cache_mib``, ``max_model_len``, ``multiprocess`` (vLLM's default separate
+engine-core and worker processes; counters then stay in those processes), ``kvlife`` (``kv_connector_extra_config`` or
 null for no connector), and either ``requests`` (``[{"tokens": [...], "max_tokens": n,
 "cache_salt": s}]``) or ``chat`` (``{"max_new_tokens": n}``: the demo's chat workload).
 """
@@ -25,7 +26,10 @@ from typing import Any
 
 
 def _engine(spec: dict[str, Any]) -> Any:
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # one process unless the spec says otherwise (then the store must be served:
+    # kvlife.socket, since the scheduler and the worker are other processes)
+    multi = bool(spec.get("multiprocess", False))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multi else "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
     from vllm import LLM
@@ -58,6 +62,16 @@ def _engine(spec: dict[str, Any]) -> Any:
     )
 
 
+def _tiers() -> dict[str, int]:
+    """Chunks the worker-side connector loaded so far, per tier."""
+    from kvlife.engines.vllm.connector import live_connectors
+
+    for conn in live_connectors():
+        if conn.worker is not None:
+            return dict(conn.worker.counters.tiers)
+    return {}
+
+
 def _serve(llm: Any, tokens: list[int], max_tokens: int, salt: str | None) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -65,9 +79,12 @@ def _serve(llm: Any, tokens: list[int], max_tokens: int, salt: str | None) -> di
     if salt:
         prompt["cache_salt"] = salt
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
+    before = _tiers()
     t0 = time.perf_counter()
     out = llm.generate([prompt], sp, use_tqdm=False)[0]
     wall = time.perf_counter() - t0
+    after = _tiers()
+    tiers = {t: n - before.get(t, 0) for t, n in after.items() if n - before.get(t, 0)}
     m = out.metrics
     ttft = float(m.first_token_latency) if m is not None and m.first_token_latency else wall
     return {
@@ -76,21 +93,20 @@ def _serve(llm: Any, tokens: list[int], max_tokens: int, salt: str | None) -> di
         "ttft_s": ttft,
         "wall_s": wall,
         "cached_tokens": int(out.num_cached_tokens or 0),
+        "kvlife_chunks": tiers,
     }
 
 
-def _chat(llm: Any, max_new_tokens: int) -> list[dict[str, Any]]:
+def _chat(llm: Any, max_new_tokens: int, turns: int, users: int) -> list[dict[str, Any]]:
     from kvlife.apps.chat import _Encoder, load_workload
 
     work = load_workload()
     tok = llm.get_tokenizer()
     enc = _Encoder(tok, int(llm.llm_engine.model_config.hf_config.vocab_size))
-    rounds = max(len(u["turns"]) for u in work["users"])
+    people = work["users"][:users]
+    rounds = min(turns, max(len(u["turns"]) for u in people))
     order = [
-        (u["name"], t, u["turns"][t])
-        for t in range(rounds)
-        for u in work["users"]
-        if t < len(u["turns"])
+        (u["name"], t, u["turns"][t]) for t in range(rounds) for u in people if t < len(u["turns"])
     ]
     history: dict[str, list[tuple[str, str]]] = {}
     rows = []
@@ -141,7 +157,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     llm = _engine(spec)
     start_s = time.perf_counter() - t0
     if "chat" in spec:
-        rows = _chat(llm, int(spec["chat"].get("max_new_tokens", 32)))
+        chat = spec["chat"]
+        rows = _chat(
+            llm,
+            int(chat.get("max_new_tokens", 32)),
+            int(chat.get("turns", 1 << 30)),
+            int(chat.get("users", 1 << 30)),
+        )
     else:
         rows = [
             _serve(llm, list(r["tokens"]), int(r.get("max_tokens", 16)), r.get("cache_salt"))
@@ -149,7 +171,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         ]
     counters = _counters() if spec.get("kvlife") is not None else {}
     keys = _keys(spec) if spec.get("kvlife") is not None else []
-    if spec.get("kvlife") is not None:
+    if spec.get("kvlife") is not None and not spec.get("multiprocess", False):
         from kvlife.engines.vllm.stores import close_all
 
         close_all()
