@@ -10,9 +10,10 @@ real new process and every engine's memory is returned when it exits.
 
 Spec keys: ``model`` (directory), ``dtype``, ``block_size``, ``prefix_caching``,
 ``kv_cache_mib``, ``max_model_len``, ``multiprocess`` (vLLM's default separate
-engine-core and worker processes; counters then stay in those processes), ``kvlife`` (``kv_connector_extra_config`` or
-null for no connector), and either ``requests`` (``[{"tokens": [...], "max_tokens": n,
-"cache_salt": s}]``) or ``chat`` (``{"max_new_tokens": n}``: the demo's chat workload).
+engine-core and worker processes; counters then stay in those processes), ``kvlife``
+(``kv_connector_extra_config``, or null for no connector), and either ``requests``
+(``[{"tokens": [...], "max_tokens": n, "cache_salt": s}]``) or ``chat``
+(``{"max_new_tokens": n, "turns": t, "users": u}``: the demo's chat workload).
 """
 
 from __future__ import annotations
