@@ -4,6 +4,7 @@ which ``make test`` builds) and writes JSON of the documented shape. Never a spe
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ def test_bench_vllm_quick_writes_its_json(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvlife.cli", "bench", "vllm", "--quick", "--json", str(out)],
         cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
         capture_output=True,
         text=True,
         timeout=900,

@@ -46,6 +46,35 @@ def tiny_llama_dir(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
+def lora_dir(path: Path, *, seed: int, rank: int = 8) -> Path:
+    """A PEFT-format LoRA adapter (q_proj and v_proj of every layer) for
+    :func:`tiny_llama_dir`'s model, random weights large enough to change the output."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for module, out in (("q_proj", 256), ("v_proj", 128)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, 256, generator=gen) * 0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.5
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": ["q_proj", "v_proj"],
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+        "fan_in_fan_out": False,
+        "lora_dropout": 0.0,
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    return path
+
+
 def run_engine(spec: dict[str, Any], work: Path, name: str, timeout: float = 420) -> dict[str, Any]:
     """Run one engine as a child process (kvlife.engines.vllm.runner); its result."""
     spec_path = work / f"{name}.spec.json"

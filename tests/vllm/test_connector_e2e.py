@@ -18,7 +18,7 @@ import pytest
 
 from kvlife.faults.damage import flip, scan_frames
 from kvlife.store import KVStore
-from tests.vllm.conftest import run_engine
+from tests.vllm.conftest import lora_dir, run_engine
 
 CHUNK = 64
 rng = np.random.default_rng(7)
@@ -72,6 +72,18 @@ def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     out["D"] = run_engine(_spec(tiny_model, store, [_req(P1)]), work, "D")
     out["E"] = run_engine(_spec(tiny_model, store, [_req(P1)], block_size=64), work, "E")
     out["F"] = run_engine(_spec(tiny_model, store, [_req(P1)], dtype=OTHER_DTYPE), work, "F")
+    lora_a = {"name": "a", "id": 1, "path": str(lora_dir(work / "lora-a", seed=1))}
+    lora_b = {"name": "b", "id": 2, "path": str(lora_dir(work / "lora-b", seed=2))}
+    out["G"] = run_engine(
+        _spec(
+            tiny_model,
+            work / "store-lora",
+            [_req(P1), *[_req(P1) | {"lora": x} for x in (lora_a, lora_a, lora_b)]],
+            enable_lora=True,
+        ),
+        work,
+        "G",
+    )
     with KVStore.open(store, dram_bytes=0, disk_bytes=1 << 40) as s:
         out["lifetime"] = s.info().lifetime_counters
     return out
@@ -125,3 +137,14 @@ def test_another_salt_block_size_or_dtype_gets_no_hits(runs: dict[str, Any]) -> 
         assert run["requests"][0]["cached_tokens"] == 0, name
         assert run["counters"]["scheduler"]["hit_tokens"] == 0, name
         assert run["counters"]["store"]["lookup_chunks_hit"] == 0, name
+
+
+def test_lora_adapters_never_share_kv(runs: dict[str, Any]) -> None:
+    """Base model, adapter a, a again, adapter b on one store: only the repeat of a hits,
+    and its output is the one a computed without kvlife's help."""
+    g = runs["G"]["requests"]
+    assert [r["cached_tokens"] for r in g] == [0, 0, 4 * CHUNK, 0]
+    assert g[2]["output_ids"] == g[1]["output_ids"]
+    outputs = {tuple(r["output_ids"]) for r in (g[0], g[1], g[3])}
+    assert len(outputs) == 3, "each adapter changes the output (the test would be blind)"
+    assert g[0]["output_ids"] == _ids(runs["A"], 0)

@@ -48,6 +48,8 @@ def _engine(spec: dict[str, Any]) -> Any:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["kvlife"],
         )
+    if spec.get("enable_lora"):
+        kwargs |= {"enable_lora": True, "max_lora_rank": int(spec.get("max_lora_rank", 8))}
     return LLM(
         model=spec["model"],
         dtype=spec.get("dtype", "float32"),
@@ -73,7 +75,9 @@ def _tiers() -> dict[str, int]:
     return {}
 
 
-def _serve(llm: Any, tokens: list[int], max_tokens: int, salt: str | None) -> dict[str, Any]:
+def _serve(
+    llm: Any, tokens: list[int], max_tokens: int, salt: str | None, lora: Any = None
+) -> dict[str, Any]:
     from vllm import SamplingParams
 
     prompt: dict[str, Any] = {"prompt_token_ids": tokens}
@@ -82,7 +86,12 @@ def _serve(llm: Any, tokens: list[int], max_tokens: int, salt: str | None) -> di
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
     before = _tiers()
     t0 = time.perf_counter()
-    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    lora_request = None
+    if lora:
+        from vllm.lora.request import LoRARequest
+
+        lora_request = LoRARequest(lora["name"], int(lora["id"]), lora["path"])
+    out = llm.generate([prompt], sp, use_tqdm=False, lora_request=lora_request)[0]
     wall = time.perf_counter() - t0
     after = _tiers()
     tiers = {t: n - before.get(t, 0) for t, n in after.items() if n - before.get(t, 0)}
@@ -167,7 +176,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         )
     else:
         rows = [
-            _serve(llm, list(r["tokens"]), int(r.get("max_tokens", 16)), r.get("cache_salt"))
+            _serve(
+                llm,
+                list(r["tokens"]),
+                int(r.get("max_tokens", 16)),
+                r.get("cache_salt"),
+                r.get("lora"),
+            )
             for r in spec["requests"]
         ]
     counters = _counters() if spec.get("kvlife") is not None else {}
