@@ -69,7 +69,7 @@ def runs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     frames = [f for f in scan_frames(store) if bytes(f.key) == victim]
     assert len(frames) == 1, "the chunk should have exactly one frame on disk"
     flip(frames[0].segment, frames[0].payload_offset + 1000, 1)
-    out["D"] = run_engine(_spec(tiny_model, store, [_req(P1)]), work, "D")
+    out["D"] = run_engine(_spec(tiny_model, store, [_req(P1), _req(P1)]), work, "D")
     out["E"] = run_engine(_spec(tiny_model, store, [_req(P1)], block_size=64), work, "E")
     out["F"] = run_engine(_spec(tiny_model, store, [_req(P1)], dtype=OTHER_DTYPE), work, "F")
     lora_a = {"name": "a", "id": 1, "path": str(lora_dir(work / "lora-a", seed=1))}
@@ -124,8 +124,13 @@ def test_a_flipped_byte_is_recomputed_by_vllm_output_identical(runs: dict[str, A
     assert d["counters"]["store"]["corrupt"] == 1
     # chunks 2 and 3 (4 blocks of 32) were reported to vLLM as failed loads
     assert d["counters"]["worker"]["blocks_failed"] == 4
-    assert d["counters"]["worker"]["tokens_loaded"] == 2 * CHUNK
+    # 2 chunks loaded for the first request, then the whole prefix for the repeat
+    assert d["counters"]["worker"]["tokens_loaded"] == 2 * CHUNK + 4 * CHUNK
     assert runs["lifetime"]["corrupt"] == 1
+    # the recomputed chunks were stored again: the repeat gets the whole prefix, same output
+    assert d["counters"]["worker"]["chunks_stored"] >= 1
+    assert d["requests"][1]["cached_tokens"] == 4 * CHUNK
+    assert _ids(d, 1) == _ids(runs["A"], 0)
 
 
 def test_another_salt_block_size_or_dtype_gets_no_hits(runs: dict[str, Any]) -> None:

@@ -184,6 +184,12 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self.scheduler is not None
         return KVLifeMetadata(self.scheduler.plan(scheduler_output))
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self.scheduler is not None
+        bad = getattr(connector_output, "invalid_block_ids", None)
+        if bad:
+            self.scheduler.load_failed(set(bad))
+
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

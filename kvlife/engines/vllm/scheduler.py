@@ -181,5 +181,16 @@ class SchedulerSide:
         )
         st.saved_chunks = end_chunk
 
+    def load_failed(self, block_ids: set[int]) -> None:
+        """Blocks the workers could not load (vLLM recomputes them): their chunks are
+        saved again once recomputed, so a corrupt chunk heals instead of staying a miss."""
+        for st in self.requests.values():
+            for i, block in enumerate(
+                st.block_ids[: st.saved_chunks * self.tpc // self.block_size]
+            ):
+                if block in block_ids:
+                    st.saved_chunks = i * self.block_size // self.tpc
+                    break
+
     def finished(self, request: Any) -> None:
         self.requests.pop(request.request_id, None)

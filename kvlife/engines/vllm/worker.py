@@ -48,6 +48,9 @@ class WorkerCounters:
     chunks_stored: int = 0
     chunks_present: int = 0
     put_errors: int = 0
+    saves_skipped: int = 0
+    """Saves dropped because the request's load failed in the same step (its KV after
+    the failed blocks was computed on garbage); vLLM recomputes and they are saved then."""
     tiers: dict[str, int] = field(default_factory=dict)
     """Chunks loaded per tier."""
 
@@ -74,6 +77,9 @@ class WorkerSide:
         self.layer_index: dict[str, int] = {}
         self.counters = WorkerCounters()
         self._errors: set[int] = set()
+        self._failed: set[str] = set()
+        """Requests whose load failed this step: whatever this step computed after the
+        failed blocks attended to garbage, so none of it is saved."""
         self._events: list[threading.Event] | None = None
         self._loader: Future[None] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlife-vllm-load")
@@ -102,6 +108,7 @@ class WorkerSide:
     def start(self, plan: StepPlan) -> None:
         """Start this step's loads (before the forward)."""
         self._events = None
+        self._failed = set()
         if not plan.loads:
             return
         jobs = [job for job in (self._begin(spec) for spec in plan.loads) if job is not None]
@@ -132,6 +139,7 @@ class WorkerSide:
 
     def _fail(self, spec: LoadSpec, from_chunk: int) -> None:
         """Blocks of ``spec`` from chunk ``from_chunk`` on did not load."""
+        self._failed.add(spec.req_id)
         first_block = max(spec.first_token, from_chunk * self.tpc) // self.block_size
         bad = spec.block_ids[first_block : spec.end_token // self.block_size]
         with self._lock:
@@ -214,9 +222,13 @@ class WorkerSide:
             self.layers[idx].gather(blocks, to_torch(buf[idx], lay.dtype))
 
     def submit(self) -> None:
-        """Commit this step's staged chunks in the background."""
+        """Commit this step's staged chunks in the background (end of the step)."""
+        self._events = None
         staged, self._staged = self._staged, []
         for spec, buf in staged:
+            if spec.req_id in self._failed:
+                self.counters.saves_skipped += 1
+                continue
             identity = with_adapter(self.identity, spec.adapter)
             start = spec.first_chunk * self.tpc
             parent = ROOT_PARENT
