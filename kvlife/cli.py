@@ -128,6 +128,10 @@ def _fix(path: Path) -> list[str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from kvlife.bench.vllm import run_demo as run_vllm_demo
+
+        return run_vllm_demo(args)
     if args.synthetic:
         from kvlife.apps.synthetic import run_synthetic_demo
 
@@ -177,6 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the store-only workload (synthetic KV, no model)",
     )
+    p.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="hf: the transformers adapter; vllm: a real vLLM with the kvlife connector "
+        "(needs .venv-vllm, docs/vllm.md)",
+    )
     p.add_argument("--dir", default=None, help="store directory (default: a fresh temp dir)")
     p.add_argument(
         "--dram-mib",
@@ -195,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser(
         "bench",
-        help="benchmarks: `kvlife bench io|ttft|ssd|replay|concurrency|async|remote --help`",
+        help="benchmarks: `kvlife bench NAME --help` (NAME: " + ", ".join(BENCHES) + ")",
         add_help=False,
     )
     sub.add_parser("replay", help="replay a trace: `kvlife replay --help`", add_help=False)
@@ -218,6 +229,7 @@ BENCHES = {
     "async": "kvlife.bench.overlap",
     "transforms": "kvlife.bench.transforms",
     "remote": "kvlife.bench.remote",
+    "vllm": "kvlife.bench.vllm",
 }
 EXPERIMENTS = {
     "lifetime-hints": "kvlife.sim.lifetime_hints",

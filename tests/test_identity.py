@@ -34,14 +34,20 @@ from kvlife.core.identity import (
 text = st.text(min_size=1, max_size=12)
 pos = st.integers(min_value=1, max_value=64)
 
-layouts = st.builds(
-    KVLayout,
-    num_layers=pos,
-    num_kv_heads=pos,
-    head_dim=pos,
-    dtype=st.sampled_from(sorted(DTYPE_ITEMSIZE)),
-    tokens_per_chunk=st.integers(min_value=1, max_value=8),
-)
+
+@st.composite
+def layouts(draw: st.DrawFn) -> KVLayout:
+    tp_size = draw(st.integers(min_value=1, max_value=8))
+    return KVLayout(
+        num_layers=draw(pos),
+        num_kv_heads=draw(pos),
+        head_dim=draw(pos),
+        dtype=draw(st.sampled_from(sorted(DTYPE_ITEMSIZE))),
+        tokens_per_chunk=draw(st.integers(min_value=1, max_value=8)),
+        tp_rank=draw(st.integers(min_value=0, max_value=tp_size - 1)),
+        tp_size=tp_size,
+        kv_head_start=draw(st.integers(min_value=0, max_value=64)),
+    )
 
 
 @st.composite
@@ -51,7 +57,8 @@ def identities(draw: st.DrawFn) -> ModelIdentity:
         model_id=draw(text),
         weights_digest=draw(text),
         tokenizer_digest=draw(text),
-        layout=draw(layouts),
+        layout=draw(layouts()),
+        engine_digest=draw(st.text(max_size=8)),
         position_encoding_digest=draw(st.text(max_size=8)),
         adapter_id=draw(text) if adapter else "",
         adapter_digest=draw(text) if adapter else "",
@@ -72,8 +79,14 @@ def _different(value: str) -> str:
     return value + "x"
 
 
-IDENTITY_FIELDS = ["model_id", "weights_digest", "tokenizer_digest", "position_encoding_digest"]
-LAYOUT_FIELDS = ["num_layers", "num_kv_heads", "head_dim", "tokens_per_chunk"]
+IDENTITY_FIELDS = [
+    "model_id",
+    "weights_digest",
+    "tokenizer_digest",
+    "position_encoding_digest",
+    "engine_digest",
+]
+LAYOUT_FIELDS = ["num_layers", "num_kv_heads", "head_dim", "tokens_per_chunk", "kv_head_start"]
 
 
 def _key(ident: ModelIdentity, ns: Namespace, tokens: list[int], start: int = 0) -> ChunkKey:
@@ -94,6 +107,14 @@ def test_every_identity_field_changes_the_key(
     for name in LAYOUT_FIELDS:
         lay = dataclasses.replace(ident.layout, **{name: getattr(ident.layout, name) + 1})
         assert _key(dataclasses.replace(ident, layout=lay), ns, tokens) != base, name
+    # the tensor-parallel shard: another rank, another world size (rank kept valid)
+    lay = ident.layout
+    other_rank = (lay.tp_rank + 1) % lay.tp_size if lay.tp_size > 1 else None
+    if other_rank is not None:
+        shard = dataclasses.replace(lay, tp_rank=other_rank)
+        assert _key(dataclasses.replace(ident, layout=shard), ns, tokens) != base, "tp_rank"
+    wider = dataclasses.replace(lay, tp_size=lay.tp_size + 1)
+    assert _key(dataclasses.replace(ident, layout=wider), ns, tokens) != base, "tp_size"
     other_dtype = next(d for d in sorted(DTYPE_ITEMSIZE) if d != ident.layout.dtype)
     lay = dataclasses.replace(ident.layout, dtype=other_dtype)
     assert _key(dataclasses.replace(ident, layout=lay), ns, tokens) != base, "dtype"
@@ -221,6 +242,10 @@ def test_key_follows_the_documented_encoding() -> None:
         ({"head_dim": -1}, "head_dim"),
         ({"dtype": "float64"}, "dtype"),
         ({"tokens_per_chunk": 0}, "tokens_per_chunk"),
+        ({"tp_size": 0}, "tp_size"),
+        ({"tp_rank": 2, "tp_size": 2}, "tp_rank"),
+        ({"tp_rank": -1}, "tp_rank"),
+        ({"kv_head_start": -1}, "kv_head_start"),
     ],
 )
 def test_bad_layouts_are_rejected(kwargs: dict[str, object], match: str) -> None:
@@ -288,3 +313,38 @@ def test_prompt_keys_accept_numpy_integer_start() -> None:
     assert prompt_chunk_keys(ident, PUBLIC, tokens, start=np.int64(4)) == prompt_chunk_keys(
         ident, PUBLIC, tokens, start=4
     )
+
+
+def test_unsharded_layout_and_empty_engine_digest_keep_the_v1_identity() -> None:
+    """TP shard fields and the engine digest are appended only when set, so identities
+    (and stored keys) of format v1 are unchanged; a rank-0 shard of a TP=2 layout is a
+    different identity from the unsharded model even with the same head count."""
+    lay = KVLayout(30, 3, 64, "float16", 256)
+    ident = ModelIdentity("m", "w", "t", lay, "rope")
+    v1 = blake3.blake3(
+        msgpack.packb(
+            ["kvlife.identity.v1", "m", "w", "t", "rope", "", "", [30, 3, 64, "float16", 256]]
+        )
+    ).digest()
+    assert ident.digest == v1
+    shard = KVLayout(30, 3, 64, "float16", 256, tp_rank=0, tp_size=2, kv_head_start=0)
+    sharded = dataclasses.replace(ident, layout=shard)
+    assert (
+        sharded.digest
+        == blake3.blake3(
+            msgpack.packb(
+                [
+                    "kvlife.identity.v1",
+                    "m",
+                    "w",
+                    "t",
+                    "rope",
+                    "",
+                    "",
+                    [30, 3, 64, "float16", 256, "tp", 0, 2, 0],
+                ]
+            )
+        ).digest()
+    )
+    engine = dataclasses.replace(ident, engine_digest="vllm")
+    assert len({ident.digest, sharded.digest, engine.digest}) == 3

@@ -57,6 +57,23 @@ def test_prefix_invalidation_reaches_chunks_behind_a_corrupt_gap(
         assert hit.tokens == 2 * N, "an invalidated chunk behind the gap is served again"
 
 
+def test_async_load_of_a_corrupt_frame_counts_it_corrupt_and_invalidates_it(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """load_async must treat a checksum mismatch as corruption (invalidate, count
+    ``corrupt``), as load() does, not as an I/O error that keeps the bad replica."""
+    tokens, kv = prompt_kv(11, 3 * N)
+    with disk_only(tmp_path) as store:
+        keys = store.put_prompt(identity, PUBLIC, tokens, kv).keys
+    frame_b = next(f for f in scan_frames(tmp_path) if f.key == keys[1])
+    flip(frame_b.segment, frame_b.payload_offset + 5, 3)
+    with disk_only(tmp_path) as store:
+        res = store.load_async(store.lookup(identity, PUBLIC, tokens)).wait()
+        assert res.loaded == 1 and res.corrupt == [keys[1]] and res.read_errors == 0
+        assert store.counters.corrupt == 1 and store.counters.read_errors == 0
+        assert keys[1] not in store.indexed_keys()
+
+
 def test_prefix_invalidation_reaches_behind_a_gap_after_a_restart(
     tmp_path: Path, identity: ModelIdentity
 ) -> None:

@@ -80,16 +80,51 @@ class KVLayout:
     """Element type, one of :data:`DTYPE_ITEMSIZE`."""
     tokens_per_chunk: int
     """Tokens in one chunk; only full chunks are stored."""
+    tp_rank: int = 0
+    """Tensor-parallel rank whose shard of the KV this is (0 when not sharded)."""
+    tp_size: int = 1
+    """Tensor-parallel world size the KV was computed under (1: not sharded)."""
+    kv_head_start: int = 0
+    """First KV head of the model held by this shard; with ``num_kv_heads`` it names the
+    heads the shard holds. A shard of another TP layout never shares a key."""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_chunk"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_chunk", "tp_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidArgument(f"KVLayout.{name} must be a positive int, got {value!r}")
+        for name in ("tp_rank", "kv_head_start"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgument(f"KVLayout.{name} must be an int >= 0, got {value!r}")
+        if self.tp_rank >= self.tp_size:
+            raise InvalidArgument(
+                f"KVLayout.tp_rank {self.tp_rank} must be below tp_size {self.tp_size}"
+            )
         if self.dtype not in DTYPE_ITEMSIZE:
             raise InvalidArgument(
                 f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPE_ITEMSIZE)}"
             )
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this layout names a tensor-parallel shard (encoded into the key)."""
+        return (self.tp_rank, self.tp_size, self.kv_head_start) != (0, 1, 0)
+
+    def encoded(self) -> list[object]:
+        """Canonical form hashed into the identity: the unsharded layout keeps the five
+        fields of format v1 (keys of existing stores stay valid); a shard appends rank,
+        world size and first KV head."""
+        base: list[object] = [
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.tokens_per_chunk,
+        ]
+        if self.sharded:
+            base += ["tp", self.tp_rank, self.tp_size, self.kv_head_start]
+        return base
 
     @property
     def itemsize(self) -> int:
@@ -130,6 +165,9 @@ class ModelIdentity:
     """Adapter (LoRA) name, empty for none."""
     adapter_digest: str = ""
     """Digest of the adapter's weights, empty for none."""
+    engine_digest: str = ""
+    """Digest of the engine settings that change the KV bits it computes (engine and
+    version, attention block size, compute dtype); empty for an engine that has none."""
     _digest: Digest = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -141,19 +179,19 @@ class ModelIdentity:
                 "ModelIdentity.adapter_id and adapter_digest must be given together "
                 f"(got id={self.adapter_id!r}, digest={self.adapter_digest!r})"
             )
-        lay = self.layout
-        encoded = msgpack.packb(
-            [
-                _IDENTITY_TAG,
-                self.model_id,
-                self.weights_digest,
-                self.tokenizer_digest,
-                self.position_encoding_digest,
-                self.adapter_id,
-                self.adapter_digest,
-                [lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype, lay.tokens_per_chunk],
-            ]
-        )
+        fields: list[object] = [
+            _IDENTITY_TAG,
+            self.model_id,
+            self.weights_digest,
+            self.tokenizer_digest,
+            self.position_encoding_digest,
+            self.adapter_id,
+            self.adapter_digest,
+            self.layout.encoded(),
+        ]
+        if self.engine_digest:  # appended only when set: v1 identities keep their digest
+            fields += ["engine", self.engine_digest]
+        encoded = msgpack.packb(fields)
         object.__setattr__(self, "_digest", digest_bytes(encoded))
 
     @property

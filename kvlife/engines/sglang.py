@@ -1,0 +1,305 @@
+"""kvlife as an SGLang HiCache storage backend (``HiCacheStorage``, sglang 0.5.23).
+
+Register it with::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvlife",
+        "module_path": "kvlife.engines.sglang", "class_name": "KVLifeHiCacheStorage",
+        "kvlife.path": "/var/kvlife", "kvlife.model_dir": "/models/m"}'
+
+(``"kvlife.socket"`` instead of ``"kvlife.path"`` for a store served by ``kvlife
+serve``; ``"interface_v1": 1`` makes the cache controller use the host-index variants
+``batch_get_v1`` / ``batch_set_v1``.)
+
+SGLang names a page by its own prefix-chained hash of the page's token ids and hands the
+backend pages of its host pool, not tokens. So a page is one kvlife chunk of
+``page_size`` tokens whose key is the SGLang page hash as the chunk's extra key (token
+ids zero), under the full model identity: weights and tokenizer digests of the model
+directory (a model name alone is never trusted), the host pool's geometry and dtype, the
+tensor-parallel shard, and an engine digest naming SGLang's host layout; the namespace is
+``kvlife.namespace`` (default public). Pages are stored in kvlife's canonical layout
+``(layers, 2, heads, page_size, head_dim)`` whatever the host pool's layout, verified on
+every load: a corrupt or missing page is a miss (``False`` / ``None``), never data.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import blake3
+import msgpack
+import numpy as np
+
+from kvlife.core.errors import InvalidArgument, KVLifeError
+from kvlife.core.identity import KVLayout, ModelIdentity, Namespace
+from kvlife.core.payload import numpy_dtype, to_torch
+from kvlife.engines.errors import UnsupportedModel
+from kvlife.engines.vllm.identity import tokenizer_digest_of_dir, weights_digest_of_dir
+from kvlife.engines.vllm.stores import StoreAddress, StoreLease, open_store
+from kvlife.results import LookupResult
+
+try:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+except ImportError as exc:  # pragma: no cover - only without sglang
+    raise ImportError("kvlife.engines.sglang needs sglang (pip install sglang)") from exc
+
+log = logging.getLogger("kvlife.sglang")
+
+# flat page shape of each MHA host-pool layout, and the permutation to kvlife's canonical
+# (layers, 2, heads, tokens, head_dim); a size-1 page axis is squeezed first
+_PAGE_LAYOUTS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "layer_first": ("2 L T H D", (1, 0, 3, 2, 4)),
+    "page_first": ("2 T L H D", (2, 0, 3, 1, 4)),
+    "page_first_direct": ("2 1 L T H D", (1, 0, 3, 2, 4)),
+    "page_head": ("2 1 H T L D", (3, 0, 1, 2, 4)),
+}
+PAGE_TAG = b"kvlife.sglang.page.v1"
+
+
+def _torch_dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+    """HiCache L3 storage on a kvlife store (embedded or served)."""
+
+    def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        self.config = storage_config
+        if storage_config.is_mla_model:
+            raise UnsupportedModel("kvlife's SGLang backend stores MHA pages; MLA is not supported")
+        model_dir = str(extra.get("kvlife.model_dir", "") or "")
+        if model_dir:
+            self.weights_digest = weights_digest_of_dir(Path(model_dir))
+            self.tokenizer_digest = tokenizer_digest_of_dir(Path(model_dir), 0)
+        else:
+            self.weights_digest = str(extra.get("kvlife.weights_digest", "") or "")
+            self.tokenizer_digest = str(extra.get("kvlife.tokenizer_digest", "") or "")
+        if not self.weights_digest or not self.tokenizer_digest:
+            raise InvalidArgument(
+                "kvlife's SGLang backend needs kvlife.model_dir (weights and tokenizer are "
+                "digested from its files) or both kvlife.weights_digest and "
+                "kvlife.tokenizer_digest in the extra config: a model name is not trusted"
+            )
+        self.namespace = Namespace.parse(str(extra.get("kvlife.namespace", "public")))
+        self.lease: StoreLease = open_store(StoreAddress.from_extra_config(extra))
+        self.store = self.lease.store
+        self.identity: ModelIdentity | None = None
+        self.pool: Any = None
+        self._page_shape: tuple[int, ...] = ()
+        self._perm: tuple[int, ...] = ()
+        self._np_dtype: np.dtype[Any] = np.dtype("float16")
+
+    # ------------------------------------------------------------------ setup
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        pool = mem_pool_host
+        layout_name = str(pool.layout)
+        if layout_name not in _PAGE_LAYOUTS:
+            raise UnsupportedModel(
+                f"host pool layout {layout_name!r} is not one kvlife maps ({sorted(_PAGE_LAYOUTS)})"
+            )
+        dims, self._perm = _PAGE_LAYOUTS[layout_name]
+        sizes = {
+            "2": 2,
+            "1": 1,
+            "L": int(pool.layer_num),
+            "T": int(pool.page_size),
+            "H": int(pool.head_num),
+            "D": int(pool.head_dim),
+        }
+        self._page_shape = tuple(sizes[d] for d in dims.split())
+        dtype = _torch_dtype_name(pool.dtype)
+        cfg = self.config
+        lay = KVLayout(
+            sizes["L"],
+            sizes["H"],
+            sizes["D"],
+            dtype,
+            sizes["T"],
+            tp_rank=int(cfg.tp_rank),
+            tp_size=int(cfg.tp_size),
+            kv_head_start=int(cfg.tp_rank) * sizes["H"] if cfg.tp_size > 1 else 0,
+        )
+        numel = int(pool.get_dummy_flat_data_page().numel())
+        if numel * lay.itemsize != lay.chunk_nbytes:
+            raise UnsupportedModel(
+                f"host pool pages hold {numel} elements; kvlife's layout {lay.chunk_shape} "
+                f"holds {lay.chunk_nbytes // lay.itemsize}"
+            )
+        engine = blake3.blake3(
+            msgpack.packb(
+                [
+                    "sglang-hicache",
+                    type(pool).__name__,
+                    str(getattr(pool, "storage_format_tag", "") or ""),
+                    int(cfg.pp_rank),
+                    int(cfg.pp_size),
+                ]
+            )
+        ).hexdigest()
+        self.identity = ModelIdentity(
+            model_id=str(cfg.model_name or "sglang-model"),
+            weights_digest=self.weights_digest,
+            tokenizer_digest=self.tokenizer_digest,
+            layout=lay,
+            engine_digest=engine,
+        )
+        self._np_dtype = numpy_dtype(dtype)
+        self.pool = pool
+
+    def _ident(self) -> ModelIdentity:
+        if self.identity is None:
+            raise InvalidArgument("register_mem_pool_host must be called before I/O")
+        return self.identity
+
+    # ------------------------------------------------------------------ pages
+
+    def _ref(self, key: str) -> dict[str, Any]:
+        ident = self._ident()
+        tokens = [0] * ident.layout.tokens_per_chunk
+        return {"tokens": tokens, "extra_keys": [PAGE_TAG, key.encode()]}
+
+    def _lookup(self, key: str) -> LookupResult:
+        ref = self._ref(key)
+        return self.store.lookup(
+            self._ident(), self.namespace, ref["tokens"], extra_keys=ref["extra_keys"]
+        )
+
+    def _canonical(self, flat: Any) -> np.ndarray:
+        """A flat host page (torch) as a kvlife chunk array (a copy)."""
+        page = flat.reshape(self._page_shape)
+        if len(self._page_shape) == 6:
+            page = page.squeeze(1)
+        chunk = page.permute(*self._perm).contiguous().cpu()
+        out = np.empty(self._ident().layout.chunk_shape, self._np_dtype)
+        to_torch(out, self._ident().layout.dtype).copy_(chunk)
+        return out
+
+    def _into_flat(self, chunk: np.ndarray, flat: Any) -> None:
+        """Write a kvlife chunk into a flat host page (torch) in the pool's order."""
+        src = to_torch(chunk, self._ident().layout.dtype)
+        inverse = tuple(int(i) for i in np.argsort(self._perm))
+        page = src.permute(*inverse)
+        if len(self._page_shape) == 6:
+            page = page.unsqueeze(1)
+        flat.view(self._page_shape).copy_(page)
+
+    def _put(self, key: str, flat: Any) -> bool:
+        ref = self._ref(key)
+        try:
+            res = self.store.put_prompt(
+                self._ident(),
+                self.namespace,
+                ref["tokens"],
+                [self._canonical(flat)],
+                extra_keys=ref["extra_keys"],
+            )
+        except KVLifeError as exc:
+            log.warning("kvlife: page %s not stored: %s", key, exc)
+            return False
+        return bool(res.stored + res.already_present + res.in_flight == 1)
+
+    def _get_into(self, key: str, flat: Any) -> bool:
+        try:
+            hit = self._lookup(key)
+            if not hit.hits:
+                return False
+            buf = np.empty(self._ident().layout.chunk_shape, self._np_dtype)
+            res = self.store.load(hit, [buf])
+        except KVLifeError as exc:
+            log.warning("kvlife: page %s not loaded: %s", key, exc)
+            return False
+        if res.loaded != 1:
+            return False
+        self._into_flat(buf, flat)
+        return True
+
+    # ------------------------------------------------------------------ HiCacheStorage
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any | None:
+        flat = target_location
+        if flat is None:
+            flat = self.pool.get_dummy_flat_data_page()
+        return flat if self._get_into(key, flat) else None
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[Any | None]:
+        targets = target_locations or [None] * len(keys)
+        out: list[Any | None] = []
+        for key, target in zip(keys, targets, strict=True):
+            got = self.get(key, target)
+            out.append(got)
+            if got is None:  # the controller stops at the first miss
+                out += [None] * (len(keys) - len(out))
+                break
+        return out
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        if value is None:
+            raise InvalidArgument(f"set({key!r}) without a value")
+        return self._put(key, value)
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        if values is None or len(values) != len(keys):
+            raise InvalidArgument("batch_set needs one value per key")
+        return all([self._put(k, v) for k, v in zip(keys, values, strict=True)])
+
+    def exists(self, key: str) -> bool:
+        try:
+            return bool(self._lookup(key).hits)
+        except KVLifeError:
+            return False
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        for i, key in enumerate(keys):
+            if not self.exists(key):
+                return i
+        return len(keys)
+
+    def _page_index(self, host_indices: Any, i: int) -> int:
+        return int(host_indices[i * self._ident().layout.tokens_per_chunk])
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
+        out: list[bool] = []
+        for i, key in enumerate(keys):
+            flat = self.pool.get_dummy_flat_data_page()
+            ok = bool(out[-1]) if out else True
+            ok = ok and self._get_into(key, flat)
+            if ok:
+                self.pool.set_from_flat_data_page(self._page_index(host_indices, i), flat)
+            out.append(ok)
+        return out
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: Any, extra_info: Any = None
+    ) -> list[bool]:
+        return [
+            self._put(key, self.pool.get_data_page(self._page_index(host_indices, i), True))
+            for i, key in enumerate(keys)
+        ]
+
+    def clear(self) -> None:
+        """Drop every chunk of this model (weights digest) in this backend's namespace
+        (chunks another engine stored for the same weights and namespace go too)."""
+        self.store.invalidate(weights_digest=self.weights_digest, namespace=self.namespace)
+
+    def get_stats(self) -> dict[str, int]:
+        return dict(self.store.counters.as_dict())
+
+    def close(self) -> None:
+        self.lease.release()

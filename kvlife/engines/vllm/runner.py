@@ -1,0 +1,211 @@
+"""Run requests through one vLLM engine in this process and write what happened as JSON.
+
+``python -m kvlife.engines.vllm.runner SPEC.json OUT.json`` starts one engine (vLLM in
+one process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so an embedded kvlife store is
+shared by the scheduler- and worker-side connectors), serves the spec's requests one at
+a time, greedy, and writes per request the output token ids, TTFT and cached tokens,
+plus the connector's and the store's counters. Tests, ``kvlife demo --engine vllm`` and
+``kvlife bench vllm`` run each engine as such a child process, so an engine restart is a
+real new process and every engine's memory is returned when it exits.
+
+Spec keys: ``model`` (directory), ``dtype``, ``block_size``, ``prefix_caching``,
+``kv_cache_mib``, ``max_model_len``, ``multiprocess`` (vLLM's default separate
+engine-core and worker processes; counters then stay in those processes), ``kvlife``
+(``kv_connector_extra_config``, or null for no connector), and either ``requests``
+(``[{"tokens": [...], "max_tokens": n, "cache_salt": s}]``) or ``chat``
+(``{"max_new_tokens": n, "turns": t, "users": u}``: the demo's chat workload).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _engine(spec: dict[str, Any]) -> Any:
+    # one process unless the spec says otherwise (then the store must be served:
+    # kvlife.socket, since the scheduler and the worker are other processes)
+    multi = bool(spec.get("multiprocess", False))
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multi else "0"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("kvlife") is not None:
+        from vllm.config import KVTransferConfig
+
+        from kvlife.engines.vllm import CONNECTOR, CONNECTOR_MODULE
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=CONNECTOR,
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=spec["kvlife"],
+        )
+    if spec.get("enable_lora"):
+        kwargs |= {"enable_lora": True, "max_lora_rank": int(spec.get("max_lora_rank", 8))}
+    return LLM(
+        model=spec["model"],
+        dtype=spec.get("dtype", "float32"),
+        block_size=int(spec.get("block_size", 32)),
+        enable_prefix_caching=bool(spec.get("prefix_caching", False)),
+        max_model_len=int(spec.get("max_model_len", 2048)),
+        kv_cache_memory_bytes=int(spec.get("kv_cache_mib", 256)) << 20,
+        enforce_eager=True,
+        disable_log_stats=False,
+        skip_tokenizer_init=bool(spec.get("skip_tokenizer_init", False)),
+        seed=0,
+        **kwargs,
+    )
+
+
+def _tiers() -> dict[str, int]:
+    """Chunks the worker-side connector loaded so far, per tier."""
+    from kvlife.engines.vllm.connector import live_connectors
+
+    for conn in live_connectors():
+        if conn.worker is not None:
+            return dict(conn.worker.counters.tiers)
+    return {}
+
+
+def _serve(
+    llm: Any, tokens: list[int], max_tokens: int, salt: str | None, lora: Any = None
+) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    prompt: dict[str, Any] = {"prompt_token_ids": tokens}
+    if salt:
+        prompt["cache_salt"] = salt
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
+    before = _tiers()
+    t0 = time.perf_counter()
+    lora_request = None
+    if lora:
+        from vllm.lora.request import LoRARequest
+
+        lora_request = LoRARequest(lora["name"], int(lora["id"]), lora["path"])
+    out = llm.generate([prompt], sp, use_tqdm=False, lora_request=lora_request)[0]
+    wall = time.perf_counter() - t0
+    after = _tiers()
+    tiers = {t: n - before.get(t, 0) for t, n in after.items() if n - before.get(t, 0)}
+    m = out.metrics
+    ttft = float(m.first_token_latency) if m is not None and m.first_token_latency else wall
+    return {
+        "prompt_tokens": len(tokens),
+        "output_ids": list(out.outputs[0].token_ids),
+        "ttft_s": ttft,
+        "wall_s": wall,
+        "cached_tokens": int(out.num_cached_tokens or 0),
+        "kvlife_chunks": tiers,
+    }
+
+
+def _chat(llm: Any, max_new_tokens: int, turns: int, users: int) -> list[dict[str, Any]]:
+    from kvlife.apps.chat import _Encoder, load_workload
+
+    work = load_workload()
+    tok = llm.get_tokenizer()
+    enc = _Encoder(tok, int(llm.llm_engine.model_config.hf_config.vocab_size))
+    people = work["users"][:users]
+    rounds = min(turns, max(len(u["turns"]) for u in people))
+    order = [
+        (u["name"], t, u["turns"][t]) for t in range(rounds) for u in people if t < len(u["turns"])
+    ]
+    history: dict[str, list[tuple[str, str]]] = {}
+    rows = []
+    for user, t, question in order:
+        hist = history.setdefault(user, [])
+        ids = enc.chat(work["system"], hist, question)
+        row = _serve(llm, ids, max_new_tokens, None)
+        answer = enc.decode(row["output_ids"])
+        hist.append((question, answer))
+        rows.append(row | {"user": user, "turn": t + 1, "answer": answer})
+    return rows
+
+
+def _keys(spec: dict[str, Any]) -> list[list[str]]:
+    """The kvlife keys (hex) of each request's full chunks, rank 0, base model."""
+    from kvlife.core.identity import prompt_chunk_keys
+    from kvlife.engines.vllm.connector import live_connectors
+
+    for conn in live_connectors():
+        if conn.scheduler is not None:
+            ident = conn.scheduler.identities[0]
+            out = []
+            for r in spec.get("requests", []):
+                ns = conn.namespaces.namespace(r.get("cache_salt"))
+                out.append([k.hex() for k in prompt_chunk_keys(ident, ns, list(r["tokens"]))])
+            return out
+    return []
+
+
+def _counters() -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from kvlife.engines.vllm.connector import live_connectors
+
+    out: dict[str, Any] = {}
+    for conn in live_connectors():
+        if conn.worker is not None:
+            out["worker"] = asdict(conn.worker.counters)
+            conn.worker.drain()
+            out["store"] = conn.lease.store.counters.as_dict()
+        if conn.scheduler is not None:
+            out["scheduler"] = asdict(conn.scheduler.counters)
+    return out
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    llm = _engine(spec)
+    start_s = time.perf_counter() - t0
+    if "chat" in spec:
+        chat = spec["chat"]
+        rows = _chat(
+            llm,
+            int(chat.get("max_new_tokens", 32)),
+            int(chat.get("turns", 1 << 30)),
+            int(chat.get("users", 1 << 30)),
+        )
+    else:
+        rows = [
+            _serve(
+                llm,
+                list(r["tokens"]),
+                int(r.get("max_tokens", 16)),
+                r.get("cache_salt"),
+                r.get("lora"),
+            )
+            for r in spec["requests"]
+        ]
+    counters = _counters() if spec.get("kvlife") is not None else {}
+    keys = _keys(spec) if spec.get("kvlife") is not None else []
+    if spec.get("kvlife") is not None and not spec.get("multiprocess", False):
+        from kvlife.engines.vllm.stores import close_all
+
+        close_all()
+    return {"engine_start_s": start_s, "requests": rows, "counters": counters, "keys": keys}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m kvlife.engines.vllm.runner SPEC.json OUT.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(args[0]).read_text())
+    result = run(spec)
+    tmp = Path(args[1] + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(args[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The scheduler side of the kvlife connector: lookups, per-request state, step plans.
+
+``matched`` answers vLLM's ``get_num_new_matched_tokens``: the longest run of stored
+chunks of the prompt present for every tensor-parallel rank, capped so that at least one
+prompt token is computed (vLLM needs the last position's logits). ``allocated`` records
+the range to load once vLLM allocated blocks for it; ``plan`` turns the scheduled step
+into loads (new hits) and saves (chunks whose every token has KV after this step,
+prompt and generated tokens alike). Loads are synchronous within the step (the worker
+writes them layer by layer before each layer's attention); saves copy the blocks during
+the step and commit in the background, so no block outlives its request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlife.core.errors import KVLifeError
+from kvlife.core.identity import ModelIdentity, Namespace
+from kvlife.engines.identity import AdapterSpec
+from kvlife.engines.vllm.identity import NamespacePolicy, adapter_spec, with_adapter
+from kvlife.engines.vllm.meta import LoadSpec, SaveSpec, StepPlan
+from kvlife.engines.vllm.stores import StoreAPI
+
+log = logging.getLogger("kvlife.vllm")
+
+
+@dataclass(slots=True)
+class _Request:
+    request: Any
+    namespace: Namespace
+    adapter: AdapterSpec | None
+    hit_tokens: int = 0
+    """Chunk-aligned tokens kvlife holds for the prompt (at the last lookup)."""
+    load: tuple[int, int] | None = None
+    """Tokens to load at the request's next scheduling: [first, end)."""
+    saved_chunks: int = 0
+    """Leading chunks that are in the store or planned to be saved."""
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    lookups: int = 0
+    hit_tokens: int = 0
+    """Tokens offered to vLLM from kvlife (beyond its own prefix cache)."""
+    store_errors: int = 0
+    """Lookups the store could not answer (counted as misses)."""
+
+
+class SchedulerSide:
+    """Per-request bookkeeping of the scheduler-side connector."""
+
+    def __init__(
+        self,
+        store: StoreAPI,
+        identities: list[ModelIdentity],
+        namespaces: NamespacePolicy,
+        *,
+        block_size: int,
+        save_decode: bool = True,
+    ) -> None:
+        self.store = store
+        self.identities = identities
+        """One identity per tensor-parallel rank."""
+        self.namespaces = namespaces
+        self.block_size = block_size
+        self.tpc = identities[0].layout.tokens_per_chunk
+        self.save_decode = save_decode
+        self.requests: dict[str, _Request] = {}
+        self.counters = SchedulerCounters()
+
+    def _state(self, request: Any) -> _Request:
+        st = self.requests.get(request.request_id)
+        if st is None:
+            lora = getattr(request, "lora_request", None)
+            adapter = (
+                adapter_spec(lora.lora_name, int(lora.lora_int_id), str(lora.lora_path))
+                if lora is not None
+                else None
+            )
+            st = _Request(request, self.namespaces.namespace(request.cache_salt), adapter)
+            self.requests[request.request_id] = st
+        return st
+
+    def matched(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens beyond ``num_computed_tokens`` that kvlife can load."""
+        st = self._state(request)
+        prompt = list(request.prompt_token_ids or [])
+        limit = (len(prompt) - 1) // self.tpc * self.tpc
+        st.hit_tokens = 0
+        if limit <= 0:
+            return 0
+        self.counters.lookups += 1
+        hit = limit
+        try:
+            for identity in self.identities:
+                got = self.store.lookup(
+                    with_adapter(identity, st.adapter), st.namespace, prompt[:limit]
+                )
+                hit = min(hit, got.tokens)
+                if hit == 0:
+                    break
+        except KVLifeError as exc:
+            self.counters.store_errors += 1
+            log.warning("kvlife lookup failed, served as a miss: %s", exc)
+            return 0
+        st.hit_tokens = hit
+        st.saved_chunks = max(st.saved_chunks, hit // self.tpc)
+        return max(0, hit - num_computed_tokens)
+
+    def allocated(self, request: Any, num_external_tokens: int) -> None:
+        st = self._state(request)
+        if num_external_tokens > 0:
+            st.load = (st.hit_tokens - num_external_tokens, st.hit_tokens)
+            self.counters.hit_tokens += num_external_tokens
+
+    def plan(self, scheduler_output: Any) -> StepPlan:
+        out = StepPlan()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self.requests.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            self._plan_load(st, new.req_id, out)
+            self._plan_save(st, new.req_id, new.num_computed_tokens + scheduled[new.req_id], out)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self.requests.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids += list(new_ids[0])
+            self._plan_load(st, req_id, out)
+            after = cached.num_computed_tokens[i] + scheduled[req_id]
+            self._plan_save(st, req_id, after, out)
+        return out
+
+    def _plan_load(self, st: _Request, req_id: str, out: StepPlan) -> None:
+        if st.load is None:
+            return
+        first, end = st.load
+        st.load = None
+        tokens = list(st.request.prompt_token_ids[:end])
+        out.loads.append(
+            LoadSpec(
+                req_id,
+                tokens,
+                st.block_ids[: end // self.block_size],
+                first,
+                end,
+                st.namespace,
+                st.adapter,
+            )
+        )
+
+    def _plan_save(self, st: _Request, req_id: str, computed: int, out: StepPlan) -> None:
+        tokens_known = st.request.all_token_ids
+        end = min(computed, len(tokens_known))
+        if not self.save_decode:
+            end = min(end, len(st.request.prompt_token_ids))
+        end_chunk = end // self.tpc
+        if end_chunk <= st.saved_chunks:
+            return
+        n = end_chunk * self.tpc
+        out.saves.append(
+            SaveSpec(
+                req_id,
+                list(tokens_known[:n]),
+                st.block_ids[: n // self.block_size],
+                st.saved_chunks,
+                end_chunk,
+                st.namespace,
+                st.adapter,
+            )
+        )
+        st.saved_chunks = end_chunk
+
+    def load_failed(self, block_ids: set[int]) -> None:
+        """Blocks the workers could not load (vLLM recomputes them): their chunks are
+        saved again once recomputed, so a corrupt chunk heals instead of staying a miss."""
+        for st in self.requests.values():
+            for i, block in enumerate(
+                st.block_ids[: st.saved_chunks * self.tpc // self.block_size]
+            ):
+                if block in block_ids:
+                    st.saved_chunks = i * self.block_size // self.tpc
+                    break
+
+    def finished(self, request: Any) -> None:
+        self.requests.pop(request.request_id, None)

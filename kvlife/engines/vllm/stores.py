@@ -1,0 +1,307 @@
+"""The store a vLLM connector talks to, named by ``kv_connector_extra_config``.
+
+vLLM builds one connector in its scheduler and one in every worker; with its default
+multiprocess executors those are separate processes, and all of them must see one
+store. Two ways to name it:
+
+- ``{"kvlife.socket": S}``: a client of the store ``kvlife serve`` serves on the Unix
+  socket ``S`` (``kvlife.client.RemoteStore``); any number of processes.
+- ``{"kvlife.path": P}``: a store embedded in this process, opened once and shared by
+  every connector instance of the process through :data:`_EMBEDDED` (vLLM in one
+  process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor). When another
+  process holds ``P`` the open is refused with :class:`EmbeddedStoreInUse`, which says
+  to use ``kvlife serve`` instead.
+
+Both are used through the public ``KVStore`` API only (lookup, prepare_put, put_async,
+load_async, counters), so either works.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvlife.core.errors import InvalidArgument, StoreLockedError
+from kvlife.core.events import EventSink, LifecycleEvent
+from kvlife.core.identity import ROOT_PARENT, ChunkKey, ModelIdentity, Namespace
+from kvlife.engines.errors import EngineError
+from kvlife.results import LoadResult, LookupResult, PutResult, StoreCounters
+
+MiB = 1 << 20
+DEFAULT_DRAM = 256 * MiB
+DEFAULT_DISK = 4096 * MiB
+
+
+class StoreAPI(Protocol):
+    """The part of the public ``KVStore`` API the engine adapters use (``KVStore`` and
+    ``RemoteStore`` both have it)."""
+
+    def lookup(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+    ) -> LookupResult: ...
+
+    def load(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None = None,
+        *,
+        request_id: str = "",
+    ) -> LoadResult: ...
+
+    def load_async(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None = None,
+        *,
+        request_id: str = "",
+    ) -> Any: ...
+
+    def put_prompt(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        kv: object,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+        request_id: str = "",
+    ) -> PutResult: ...
+
+    def prepare_put(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Sequence[int] | np.ndarray,
+        kv: object,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+        request_id: str = "",
+    ) -> Any: ...
+
+    def put_async(self, pending: Any) -> Future[PutResult]: ...
+
+    def invalidate(
+        self,
+        *,
+        weights_digest: str | None = None,
+        adapter_id: str | None = None,
+        namespace: Namespace | None = None,
+        prefix: ChunkKey | None = None,
+    ) -> int: ...
+
+    @property
+    def counters(self) -> StoreCounters: ...
+
+    def close(self) -> None: ...
+
+
+class EmbeddedStoreInUse(EngineError):
+    """``kvlife.path`` names a store another process holds: vLLM's scheduler and workers
+    run in separate processes, so they must share a served store (``kvlife.socket``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreAddress:
+    """Where the connector's store is: exactly one of ``socket`` and ``path``."""
+
+    socket: str = ""
+    """Unix socket of ``kvlife serve``."""
+    path: str = ""
+    """Directory of a store embedded in this process."""
+    dram_bytes: int = DEFAULT_DRAM
+    """Embedded store: DRAM tier budget."""
+    disk_bytes: int = DEFAULT_DISK
+    """Embedded store: disk tier budget."""
+    write_through: bool = False
+    """Embedded store: every put durable on disk before it completes."""
+
+    def __post_init__(self) -> None:
+        if bool(self.socket) == bool(self.path):
+            raise InvalidArgument(
+                "kv_connector_extra_config must name the kvlife store by exactly one of "
+                f"'kvlife.socket' (kvlife serve) and 'kvlife.path' (embedded); got "
+                f"socket={self.socket!r}, path={self.path!r}"
+            )
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> StoreAddress:
+        def size(name: str, default: int) -> int:
+            value = extra.get(name, default // MiB)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgument(f"{name} must be a size in MiB (int >= 0), got {value!r}")
+            return value * MiB
+
+        wt = extra.get("kvlife.write_through", False)
+        if not isinstance(wt, bool):
+            raise InvalidArgument(f"kvlife.write_through must be a bool, got {wt!r}")
+        return cls(
+            socket=str(extra.get("kvlife.socket", "") or ""),
+            path=str(extra.get("kvlife.path", "") or ""),
+            dram_bytes=size("kvlife.dram_mib", DEFAULT_DRAM),
+            disk_bytes=size("kvlife.disk_mib", DEFAULT_DISK),
+            write_through=wt,
+        )
+
+
+class FanoutSink(EventSink):
+    """Lifecycle events of an embedded store, handed to every subscribed queue (each
+    connector drains its own with ``take``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[int, list[LifecycleEvent]] = {}
+
+    def subscribe(self) -> int:
+        with self._lock:
+            token = len(self._queues) + 1
+            while token in self._queues:
+                token += 1
+            self._queues[token] = []
+            return token
+
+    def unsubscribe(self, token: int) -> None:
+        with self._lock:
+            self._queues.pop(token, None)
+
+    def emit(self, event: LifecycleEvent) -> None:
+        with self._lock:
+            for queue in self._queues.values():
+                queue.append(event)
+
+    def take(self, token: int) -> list[LifecycleEvent]:
+        with self._lock:
+            got = self._queues.get(token)
+            if not got:
+                return []
+            self._queues[token] = []
+            return got
+
+
+@dataclass(slots=True)
+class _Embedded:
+    store: StoreAPI
+    sink: FanoutSink
+    users: int = 0
+
+
+@dataclass(slots=True)
+class StoreLease:
+    """One connector's use of a store; ``release()`` once when the connector shuts down."""
+
+    store: StoreAPI
+    """A ``KVStore`` or ``RemoteStore``."""
+    address: StoreAddress
+    events: FanoutSink | None = None
+    """Lifecycle events of an embedded store (a served store keeps its own)."""
+    token: int = 0
+    released: bool = field(default=False)
+
+    def take_events(self) -> list[LifecycleEvent]:
+        return self.events.take(self.token) if self.events is not None else []
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        if self.address.socket:
+            self.store.close()
+            return
+        _release_embedded(self.address.path, self.token)
+
+
+_EMBEDDED: dict[Path, _Embedded] = {}
+"""Embedded stores open in this process, by resolved directory."""
+_EMBEDDED_LOCK = threading.Lock()
+
+
+def open_store(address: StoreAddress) -> StoreLease:
+    """A lease on the store at ``address`` (connects, or opens/shares the embedded one)."""
+    if address.socket:
+        from kvlife.store import KVStore
+
+        connect = getattr(KVStore, "connect", None)
+        if connect is None:
+            raise EngineError(
+                "kvlife.socket needs kvlife's store server (kvlife serve / RemoteStore), "
+                "which this kvlife lacks; use kvlife.path in a single-process vLLM"
+            )
+        remote: StoreAPI = connect(address.socket)
+        return StoreLease(remote, address)
+    path = Path(address.path).resolve()
+    with _EMBEDDED_LOCK:
+        held = _EMBEDDED.get(path)
+        if held is None:
+            from kvlife.store import KVStore
+
+            sink = FanoutSink()
+            try:
+                store = KVStore.open(
+                    path,
+                    dram_bytes=address.dram_bytes,
+                    disk_bytes=address.disk_bytes,
+                    write_through=address.write_through,
+                    sink=sink,
+                )
+            except StoreLockedError as exc:
+                raise EmbeddedStoreInUse(
+                    f"kvlife.path {path} is held by another process ({exc}). vLLM runs its "
+                    "scheduler and workers in separate processes unless "
+                    "VLLM_ENABLE_V1_MULTIPROCESSING=0 with the uni executor; otherwise run "
+                    "`kvlife serve` on that directory and pass kvlife.socket"
+                ) from exc
+            held = _EMBEDDED[path] = _Embedded(store, sink)
+        held.users += 1
+        token = held.sink.subscribe()
+        return StoreLease(held.store, address, held.sink, token)
+
+
+def _release_embedded(path_text: str, token: int) -> None:
+    path = Path(path_text).resolve()
+    with _EMBEDDED_LOCK:
+        held = _EMBEDDED.get(path)
+        if held is None:
+            return
+        held.sink.unsubscribe(token)
+        held.users -= 1
+        if held.users > 0:
+            return
+        del _EMBEDDED[path]
+    held.store.close()
+
+
+def close_all() -> None:
+    """Close every embedded store of this process (flushed: write-back DRAM reaches
+    disk, the lock is released). Runs by itself when the interpreter exits, so an engine
+    that exits without shutting its connectors down loses nothing it stored."""
+    with _EMBEDDED_LOCK:
+        held = list(_EMBEDDED.values())
+        _EMBEDDED.clear()
+    for h in held:
+        h.store.close()
+
+
+# Interpreter exit joins thread pools (the store's writers among them) before atexit
+# handlers run; threading's own exit hooks run before that join, last registered first.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(close_all)
+else:  # pragma: no cover - every CPython since 3.9 has it
+    atexit.register(close_all)

@@ -1,0 +1,43 @@
+"""``kvlife bench vllm --quick`` runs four real vLLM engines (children in .venv-vllm,
+which ``make test`` builds) and writes JSON of the documented shape. Never a speed check."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlife.bench.vllm import PHASES, ROOT
+
+pytestmark = pytest.mark.skipif(
+    not (ROOT / ".venv-vllm" / "bin" / "python").exists(),
+    reason="needs .venv-vllm (make test builds it before running the suite)",
+)
+
+
+def test_bench_vllm_quick_writes_its_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench-vllm.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvlife.cli", "bench", "vllm", "--quick", "--json", str(out)],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["identical_outputs"] is True
+    assert set(data["total_ttft_s"]) == set(PHASES) == set(data["ratio_vs_vllm_apc"])
+    assert len(data["turns"]) == 2
+    second = data["turns"][1]
+    assert set(second["ttft_s"]) == set(PHASES)
+    assert second["cached_tokens"]["vllm"] == 0  # no reuse at all without a cache
+    assert second["cached_tokens"]["kvlife dram"] > 0  # the system prompt, from kvlife
+    assert second["kvlife_chunks"]["kvlife dram"].get("dram", 0) > 0
+    assert data["turns"][0]["kvlife_chunks"]["kvlife disk"].get("disk", 0) > 0
+    assert "greedy outputs of every run are identical" in proc.stdout

@@ -1,0 +1,82 @@
+"""How the vLLM connector and the SGLang backend find their store: one embedded store
+shared by every connector of a process, refused clearly when another process holds it;
+the address checked; lifecycle events fanned out to each subscriber."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.core.identity import PUBLIC, ModelIdentity
+from kvlife.engines.vllm.stores import EmbeddedStoreInUse, StoreAddress, close_all, open_store
+from tests.conftest import prompt_kv
+
+
+def test_connectors_of_one_process_share_one_embedded_store(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    addr = StoreAddress.from_extra_config({"kvlife.path": str(tmp_path), "kvlife.dram_mib": 4})
+    scheduler, worker = open_store(addr), open_store(addr)
+    assert scheduler.store is worker.store
+    tokens, kv = prompt_kv(3, 32)
+    worker.store.put_prompt(identity, PUBLIC, tokens, kv)
+    assert scheduler.store.lookup(identity, PUBLIC, tokens).tokens == 32
+    kinds = {e.kind for e in scheduler.take_events()}
+    assert "index" in kinds and {e.kind for e in worker.take_events()} == kinds
+    assert scheduler.take_events() == []  # drained
+    worker.release()
+    assert scheduler.store.lookup(identity, PUBLIC, tokens).tokens == 32  # still open
+    scheduler.release()
+    scheduler.release()  # idempotent
+    again = open_store(addr)  # reopened from disk: flushed at the last release
+    assert again.store.lookup(identity, PUBLIC, tokens).tokens == 32
+    close_all()
+
+
+def test_a_store_held_by_another_process_is_refused_naming_the_way_out(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import sys, time
+                from kvlife.store import KVStore
+                s = KVStore.open({str(tmp_path)!r}, dram_bytes=1 << 20, disk_bytes=1 << 24)
+                print("held", flush=True)
+                sys.stdin.read()
+                s.close()
+                """
+            ),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(EmbeddedStoreInUse, match=r"kvlife serve.*kvlife\.socket"):
+            open_store(StoreAddress(path=str(tmp_path)))
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({}, "exactly one of"),
+        ({"kvlife.path": "a", "kvlife.socket": "b"}, "exactly one of"),
+        ({"kvlife.path": "a", "kvlife.dram_mib": -1}, "kvlife.dram_mib"),
+        ({"kvlife.path": "a", "kvlife.write_through": "yes"}, "write_through"),
+    ],
+)
+def test_bad_addresses_are_typed_errors(extra: dict[str, object], match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        StoreAddress.from_extra_config(extra)
