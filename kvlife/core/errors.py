@@ -75,3 +75,19 @@ class ReplicaReadError(KVLifeError):
         self.key_hex = key_hex
         self.where = where
         super().__init__(f"replica {key_hex[:16]}… in {where} could not be read: {detail}")
+
+
+class StoreUnavailable(KVLifeError, ConnectionError):
+    """The store server cannot be reached (not running, restarting, or it went away
+    mid-call). An engine treats it as a miss and goes on computing; the client
+    reconnects on a later call once the server is back."""
+
+
+class ProtocolError(KVLifeError, ValueError):
+    """A message to or from the store server that is malformed (bad framing, types,
+    ranges or lengths, an unknown verb, or a grant the session does not hold)."""
+
+
+class RemoteError(KVLifeError):
+    """An unexpected failure inside the store server, reported to the client (the
+    server logs it and keeps serving)."""

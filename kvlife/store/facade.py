@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from kvlife.store.writes import PendingPut, Writer
 from kvlife.tiers.base import AuditReport, Tier
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.registry import TierContext, build_tier
+
+if TYPE_CHECKING:
+    from kvlife.client.remote import RemoteStore
 
 Tokens = Sequence[int] | np.ndarray
 
@@ -90,6 +94,14 @@ class KVStore:
             {"dram_bytes": dram_bytes, "disk_bytes": disk_bytes, **settings}
         )
         return cls(path, config, sink=sink, fileio=fileio)
+
+    @staticmethod
+    def connect(socket: str | Path, *, timeout: float | None = 60.0) -> RemoteStore:
+        """A client of the store that ``kvlife serve`` serves on ``socket``: the same
+        public API, shared by many processes (see docs/server.md)."""
+        from kvlife.client.remote import RemoteStore
+
+        return RemoteStore(socket, timeout=timeout)
 
     # ------------------------------------------------------------------ puts
 

@@ -1,0 +1,618 @@
+"""RemoteStore: the public API of :class:`~kvlife.store.KVStore`, served by ``kvlife
+serve`` over its Unix socket, with bulk bytes through the server's shared-memory arena.
+
+A load is one round trip that names the arena extents holding the verified chunks (DRAM
+replicas as they are, disk reads landed in the arena), one copy from the arena into the
+caller's buffers (or new arrays), and a release sent without waiting for a reply. A put
+is a round trip that reserves extents for the chunks the store does not hold, one copy
+of each into its extent, and a commit round trip (the server adopts the extents as the
+DRAM replicas without a copy).
+
+When the server cannot be reached every call raises
+:class:`~kvlife.core.errors.StoreUnavailable` (an engine treats it as a miss); the next
+call tries to reconnect, so a restarted server is picked up by itself. Pending puts and
+loads of a lost connection are gone (the server aborted them); finishing one raises
+StoreUnavailable. A RemoteStore may be shared by the threads of a process (calls are
+serialised on its one connection; copies run outside that lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from kvlife.core import errors
+from kvlife.core.errors import InvalidArgument, KVLifeError, RemoteError, StoreUnavailable
+from kvlife.core.identity import (
+    KEY_BYTES,
+    ROOT_PARENT,
+    ChunkKey,
+    ModelIdentity,
+    Namespace,
+    token_bytes,
+)
+from kvlife.core.objects import TierName
+from kvlife.results import (
+    ChunkHit,
+    LoadResult,
+    LookupResult,
+    PutResult,
+    StoreCounters,
+    StoreInfo,
+    TierInfo,
+)
+from kvlife.server import protocol
+from kvlife.store.writes import split_chunks
+from kvlife.tiers.base import AuditReport
+
+Tokens = Sequence[int] | np.ndarray
+
+
+def _keys(blob: bytes) -> list[ChunkKey]:
+    return [ChunkKey(blob[i : i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES)]
+
+
+def _error(kind: object, message: object) -> KVLifeError:
+    """The typed error the server named (RemoteError for a name this client lacks)."""
+    cls = getattr(errors, str(kind), None)
+    if not (isinstance(cls, type) and issubclass(cls, KVLifeError)):
+        return RemoteError(f"{kind}: {message}")
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, str(message))
+    return exc
+
+
+@dataclass(slots=True)
+class RemotePendingPut:
+    """A put between ``prepare_put`` and ``commit_put`` on the server."""
+
+    put: int
+    epoch: int
+    keys: list[ChunkKey]
+    tokens_per_chunk: int
+    present: int
+    in_flight: int
+    stored_chunks: list[int] = field(default_factory=list)
+    """Chunk numbers whose bytes this client wrote into the arena."""
+    done: bool = False
+
+
+class _Conn:
+    """One connection and its mapping of the server's arena."""
+
+    def __init__(self, path: str, timeout: float | None) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(path)
+        except OSError:
+            self.sock.close()
+            raise
+        self.rid = itertools.count(1)
+        self.arena: mmap.mmap | None = None
+        self.arena_bytes = 0
+        self.hello: dict[str, Any] = {}
+
+    def map_arena(self, path: str, size: int) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.arena = mmap.mmap(fd, size, flags=flags)
+        finally:
+            os.close(fd)
+        self.arena_bytes = size
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        if self.arena is not None:
+            with contextlib.suppress(BufferError):
+                self.arena.close()  # views still alive keep it mapped until they die
+
+
+class RemoteStore:
+    """A store served by ``kvlife serve`` (same public API as ``KVStore``)."""
+
+    def __init__(self, socket_path: str | Path, *, timeout: float | None = 60.0) -> None:
+        self.socket_path = str(socket_path)
+        self._timeout = timeout
+        self._conn: _Conn | None = None
+        self._epoch = 0
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._names: list[str] = []
+        self._call("info", {})  # connect now: a wrong path fails here, typed
+
+    @classmethod
+    def connect(cls, socket_path: str | Path, *, timeout: float | None = 60.0) -> RemoteStore:
+        return cls(socket_path, timeout=timeout)
+
+    # ------------------------------------------------------------------ wire
+
+    def _connected(self) -> _Conn:
+        if self._conn is not None:
+            return self._conn
+        try:
+            conn = _Conn(self.socket_path, self._timeout)
+        except OSError as exc:
+            raise protocol.unavailable(self.socket_path, exc) from None
+        try:
+            hello = self._roundtrip(conn, "hello", {"version": protocol.PROTOCOL_VERSION})
+            conn.map_arena(hello["arena"], hello["arena_bytes"])
+        except OSError as exc:
+            conn.close()
+            raise protocol.unavailable(self.socket_path, exc) from None
+        except BaseException:
+            conn.close()
+            raise
+        conn.hello = hello
+        self._names = list(hello["tiers"])
+        self._epoch += 1
+        self._conn = conn
+        return conn
+
+    def _roundtrip(self, conn: _Conn, verb: str, args: dict[str, Any]) -> Any:
+        rid = next(conn.rid)
+        conn.sock.sendall(protocol.pack([rid, verb, args]))
+        body = protocol.recv_frame(conn.sock)
+        if body is None:
+            raise ConnectionResetError("the server closed the connection")
+        reply = msgpack.unpackb(body, raw=False)
+        if reply[0] != rid:
+            raise ConnectionResetError(f"reply {reply[0]} to request {rid}")
+        if not reply[1]:
+            kind, message = reply[2]
+            raise _error(kind, message)
+        return reply[2]
+
+    def _call(self, verb: str, args: dict[str, Any]) -> Any:
+        if self._closed:
+            raise errors.StoreClosedError(f"RemoteStore for {self.socket_path} is closed")
+        with self._lock:
+            conn = self._connected()
+            try:
+                return self._roundtrip(conn, verb, args)
+            except (OSError, ValueError, msgpack.UnpackException) as exc:
+                if isinstance(exc, KVLifeError):
+                    raise
+                self._drop()
+                raise protocol.unavailable(self.socket_path, exc) from None
+
+    def _send(self, verb: str, args: dict[str, Any]) -> None:
+        """A request without a reply (releases); a lost connection released it anyway."""
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                return
+            try:
+                conn.sock.sendall(protocol.pack([0, verb, args]))
+            except OSError:
+                self._drop()
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None
+
+    def _view(self, off: int, dtype: str, shape: Sequence[int]) -> np.ndarray:
+        conn = self._conn
+        if conn is None or conn.arena is None:
+            raise StoreUnavailable(f"lost the connection to {self.socket_path} during a call")
+        dt = np.dtype(dtype)
+        n = dt.itemsize
+        for d in shape:
+            n *= d
+        if not 0 <= off <= conn.arena_bytes - n:
+            raise errors.ProtocolError(f"server granted [{off}, +{n}) outside its arena")
+        return np.frombuffer(conn.arena, np.uint8, count=n, offset=off).view(dt).reshape(shape)
+
+    @staticmethod
+    def _prompt(
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Tokens,
+        start: int,
+        parent: ChunkKey,
+        extra_keys: Sequence[bytes],
+    ) -> dict[str, Any]:
+        if not isinstance(identity, ModelIdentity):
+            raise InvalidArgument(
+                f"identity must be a ModelIdentity, got {type(identity).__name__}"
+            )
+        if not isinstance(namespace, Namespace):
+            raise InvalidArgument(f"namespace must be a Namespace, got {type(namespace).__name__}")
+        args: dict[str, Any] = {
+            "identity": protocol.encode_identity(identity),
+            "namespace": str(namespace),
+            "tokens": token_bytes(tokens),
+        }
+        if start:
+            args["start"] = start
+        if parent != ROOT_PARENT:
+            args["parent"] = bytes(parent)
+        if extra_keys:
+            args["extra_keys"] = [bytes(e) for e in extra_keys]
+        return args
+
+    # ------------------------------------------------------------------ puts
+
+    def put_prompt(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Tokens,
+        kv: object,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+        request_id: str = "",
+    ) -> PutResult:
+        pending = self.prepare_put(
+            identity,
+            namespace,
+            tokens,
+            kv,
+            start=start,
+            parent=parent,
+            extra_keys=extra_keys,
+            request_id=request_id,
+        )
+        return self.commit_put(pending)
+
+    def prepare_put(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Tokens,
+        kv: object,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+        request_id: str = "",
+    ) -> RemotePendingPut:
+        """Validate here, reserve extents on the server for the chunks it lacks, and copy
+        them in (the arrays are not referenced after this returns)."""
+        args = self._prompt(identity, namespace, tokens, start, parent, extra_keys)
+        layout = identity.layout
+        ntokens = len(args["tokens"]) // 4
+        chunks = split_chunks(kv, layout, ntokens // layout.tokens_per_chunk, ntokens)
+        if request_id:
+            args["request_id"] = request_id
+        reply = self._call("prepare_put", args)
+        pending = RemotePendingPut(
+            reply["put"],
+            self._epoch,
+            _keys(reply["keys"]),
+            layout.tokens_per_chunk,
+            reply["present"],
+            reply["in_flight"],
+        )
+        dtype = chunks[0].dtype.str if chunks else "u1"
+        try:
+            for index, off in reply["slots"]:
+                np.copyto(self._view(off, dtype, layout.chunk_shape), chunks[index])
+                pending.stored_chunks.append(index)
+        except BaseException:
+            with contextlib.suppress(KVLifeError):
+                self.abort_put(pending, "client failed to write the chunks")
+            raise
+        return pending
+
+    def _finish(self, pending: RemotePendingPut) -> None:
+        if not isinstance(pending, RemotePendingPut):
+            raise InvalidArgument(f"not a pending put of a RemoteStore: {type(pending).__name__}")
+        if pending.done:
+            raise InvalidArgument(
+                "this pending put was already committed or aborted, or its store was closed"
+            )
+        pending.done = True
+        if pending.epoch != self._epoch:
+            raise StoreUnavailable(
+                f"the connection to {self.socket_path} was lost since this put was prepared "
+                "(the server aborted it)"
+            )
+
+    def commit_put(self, pending: RemotePendingPut) -> PutResult:
+        self._finish(pending)
+        r = self._call("commit_put", {"put": pending.put})
+        return PutResult(
+            chunks=r["chunks"],
+            stored=r["stored"],
+            already_present=r["already_present"],
+            in_flight=r["in_flight"],
+            dropped=r["dropped"],
+            tokens_stored_or_present=r["tokens_stored_or_present"],
+            keys=_keys(r["keys"]),
+        )
+
+    def put_async(self, pending: RemotePendingPut) -> Future[PutResult]:
+        return self._io_pool().submit(self.commit_put, pending)
+
+    def abort_put(self, pending: RemotePendingPut, reason: str = "aborted by caller") -> None:
+        self._finish(pending)
+        self._call("abort_put", {"put": pending.put, "reason": reason[:4096]})
+
+    # ------------------------------------------------------------------ reads
+
+    def lookup(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Tokens,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+    ) -> LookupResult:
+        args = self._prompt(identity, namespace, tokens, start, parent, extra_keys)
+        r = self._call("lookup", args)
+        n = identity.layout.tokens_per_chunk
+        names = self._names
+        hits = [
+            ChunkHit(i, key, start + i * n, TierName(names[t]))
+            for i, (key, t) in enumerate(zip(_keys(r["keys"]), r["tiers"], strict=True))
+        ]
+        return _RemoteLookup(hits, r["chunks_total"], n, identity)
+
+    def load(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None = None,
+        *,
+        request_id: str = "",
+    ) -> LoadResult:
+        return self._load(lookup, outs, request_id, None)
+
+    def _load(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None,
+        request_id: str,
+        on_chunk: Callable[[int, np.ndarray | None], None] | None,
+    ) -> LoadResult:
+        hits = lookup.hits
+        if outs is not None and len(outs) != len(hits):
+            raise InvalidArgument(f"{len(outs)} output buffers for {len(hits)} hits")
+        if not hits:
+            return LoadResult([], 0, 0)
+        args: dict[str, Any] = {
+            "keys": b"".join(h.key for h in hits),
+            "starts": [h.start for h in hits],
+            "chunks_total": lookup.chunks_total,
+        }
+        if isinstance(lookup, _RemoteLookup) and lookup.identity is not None:
+            # the layout lets the server read disk hits straight into arena extents
+            args["layout"] = protocol.encode_layout(lookup.identity.layout)
+        if request_id:
+            args["request_id"] = request_id
+        r = self._call("load", args)
+        arrays: list[np.ndarray] = []
+        epoch = self._epoch
+        try:
+            for i, (off, dtype, shape) in enumerate(r["grants"]):
+                src = self._view(off, dtype, shape)
+                if outs is not None:
+                    out = outs[i]
+                    if out.shape != src.shape or out.dtype != src.dtype:
+                        raise InvalidArgument(
+                            f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
+                            f"{src.dtype}{list(src.shape)}"
+                        )
+                    np.copyto(out, src)
+                else:
+                    out = np.empty(src.shape, src.dtype)
+                    np.copyto(out, src)
+                    out.flags.writeable = False
+                del src
+                arrays.append(out)
+                if on_chunk is not None:
+                    on_chunk(i, out)
+        finally:
+            if r["load"] and self._epoch == epoch:
+                self._send("release", {"load": r["load"]})
+        tiers = {str(k): int(v) for k, v in r["tiers"].items()}
+        return LoadResult(
+            arrays,
+            len(arrays),
+            r["requested"],
+            tiers=tiers,
+            corrupt=_keys(r["corrupt"]),
+            vanished=r["vanished"],
+            read_errors=r["read_errors"],
+        )
+
+    def load_async(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None = None,
+        *,
+        request_id: str = "",
+    ) -> RemoteLoadHandle:
+        handle = RemoteLoadHandle(len(lookup.hits))
+        fut = self._io_pool().submit(self._load, lookup, outs, request_id, handle._chunk_done)
+        fut.add_done_callback(handle._finish)
+        return handle
+
+    def get(
+        self, identity: ModelIdentity, namespace: Namespace, tokens: Tokens, **kwargs: object
+    ) -> LoadResult:
+        return self.load(self.lookup(identity, namespace, tokens, **kwargs))  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ management
+
+    def invalidate(
+        self,
+        *,
+        weights_digest: str | None = None,
+        adapter_id: str | None = None,
+        namespace: Namespace | None = None,
+        prefix: ChunkKey | None = None,
+    ) -> int:
+        args: dict[str, Any] = {}
+        if weights_digest is not None:
+            args["weights_digest"] = weights_digest
+        if adapter_id is not None:
+            args["adapter_id"] = adapter_id
+        if namespace is not None:
+            args["namespace"] = str(namespace)
+        if prefix is not None:
+            args["prefix"] = bytes(prefix)
+        n: int = self._call("invalidate", args)
+        return n
+
+    def evict(self, tier: str, nbytes: int) -> int:
+        n: int = self._call("evict", {"tier": tier, "nbytes": nbytes})
+        return n
+
+    def flush(self) -> int:
+        n: int = self._call("flush", {})
+        return n
+
+    def drain(self) -> None:
+        self._call("drain", {})
+
+    def check(self) -> AuditReport:
+        """The server's audit of its store (read-only: no fix through the socket)."""
+        r = dict(self._call("check", {}))
+        r.pop("clean", None)
+        return AuditReport(**r)
+
+    def info(self) -> StoreInfo:
+        r = self._call("info", {})
+        return StoreInfo(
+            path=r["path"],
+            tiers=[TierInfo(**t) for t in r["tiers"]],
+            objects_by_state=r["objects_by_state"],
+            bytes_by_state=r["bytes_by_state"],
+            counters=r["counters"],
+            lifetime_counters=r["lifetime_counters"],
+        )
+
+    def server_info(self) -> dict[str, Any]:
+        """``info`` as the server sends it, with its ``server`` section (sessions, leases,
+        arena)."""
+        out: dict[str, Any] = self._call("info", {})
+        return out
+
+    def server_state(self) -> dict[str, Any]:
+        """Live sessions, leases held, TENTATIVE objects and arena figures."""
+        out: dict[str, Any] = self._call("state", {})
+        return out
+
+    @property
+    def counters(self) -> StoreCounters:
+        """The server's counters since it opened the store (all clients together)."""
+        return StoreCounters().add(self._call("counters", {}))
+
+    @property
+    def tier_names(self) -> list[TierName]:
+        if self._conn is None:
+            self._call("info", {})
+        return [TierName(n) for n in self._names]
+
+    def _io_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvlife-remote")
+            return self._pool
+
+    def close(self, *, flush: bool = False) -> None:
+        """Close the connection (the server keeps the store open for other clients);
+        ``flush=True`` asks the server to flush first."""
+        if self._closed:
+            return
+        if flush:
+            with contextlib.suppress(StoreUnavailable):
+                self.flush()
+        pool = self._pool
+        if pool is not None:
+            pool.shutdown(wait=True)
+        with self._lock:
+            self._closed = True
+            self._drop()
+
+    def __enter__(self) -> RemoteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _RemoteLookup(LookupResult):
+    """A lookup answer that remembers its identity (a load needs the chunk layout)."""
+
+    identity: ModelIdentity | None = None
+
+
+class RemoteLoadHandle:
+    """An asynchronous remote load, shaped like :class:`~kvlife.store.reads.LoadHandle`:
+    ``chunk(i)`` returns as soon as chunk ``i`` was copied into its buffer."""
+
+    def __init__(self, requested: int) -> None:
+        self._requested = requested
+        self._events = [threading.Event() for _ in range(requested)]
+        self._arrays: list[np.ndarray | None] = [None] * requested
+        self._finished = threading.Event()
+        self._result: LoadResult | None = None
+        self._error: BaseException | None = None
+
+    def __len__(self) -> int:
+        return self._requested
+
+    def _chunk_done(self, i: int, arr: np.ndarray | None) -> None:
+        self._arrays[i] = arr
+        self._events[i].set()
+
+    def _finish(self, fut: Future[LoadResult]) -> None:
+        exc = fut.exception()
+        if exc is not None:
+            self._error = exc
+        else:
+            self._result = fut.result()
+        self._finished.set()
+        for ev in self._events:
+            ev.set()
+
+    def chunk(self, i: int, timeout: float | None = None) -> np.ndarray | None:
+        if not 0 <= i < self._requested:
+            raise InvalidArgument(f"chunk {i} is not in this load of {self._requested} hits")
+        if not self._events[i].wait(timeout):
+            raise TimeoutError(f"chunk {i} did not complete within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._arrays[i]
+
+    def completed(self) -> int:
+        n = 0
+        for ev in self._events:
+            if not ev.is_set():
+                break
+            n += 1
+        return n
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> LoadResult:
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"load did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
