@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import blake3
@@ -48,6 +49,8 @@ SPECS = {
     # a second memory tier standing in for a remote one, as a store chain would build it
     "remote": TierSpec("memory", "remote", CAP),
     "disk": TierSpec("disk", "disk", CAP, options=(("segment_bytes", 256 << 10),)),
+    # the shared-memory DRAM tier of `kvlife serve` (its arena file is set per test)
+    "shm": TierSpec("shm", "dram", CAP, options=(("staging_bytes", CAP),)),
     "disk-buffered": TierSpec(
         "disk", "disk", CAP, options=(("segment_bytes", 256 << 10), ("direct_io", False))
     ),
@@ -57,7 +60,10 @@ SPECS = {
 @pytest.fixture(params=list(SPECS))
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
     """Every tier kind, built by the registry from a TierSpec, as a store builds it."""
-    t = build_tier(SPECS[request.param], TierContext(tmp_path))
+    spec = SPECS[request.param]
+    if spec.kind == "shm":
+        spec = replace(spec, options=(*spec.options, ("arena_path", str(tmp_path / "arena"))))
+    t = build_tier(spec, TierContext(tmp_path))
     assert t.name == SPECS[request.param].name
     yield t
     t.close()

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.core.errors import ProtocolError, StorageFullError
-from kvlife.core.identity import KEY_BYTES, ROOT_PARENT, ChunkKey
+from kvlife.core.errors import InvalidArgument, ProtocolError, StorageFullError
+from kvlife.core.identity import KEY_BYTES, ROOT_PARENT, ChunkKey, KVLayout
 from kvlife.core.objects import TierName
 from kvlife.core.payload import numpy_dtype
 from kvlife.results import ChunkHit, LookupResult
@@ -185,6 +185,8 @@ class Session:
             raise ProtocolError(f"{len(keys)} hits of a prompt of {args['chunks_total']} chunks")
         self._room(self.loads, "loads")
         layout = protocol.decode_layout(args["layout"]) if "layout" in args else None
+        if layout is not None:
+            self._fits(layout)
         store, arena = self.server.store, self.server.arena
         shm = self.server.shm.name
         lookup = LookupResult(
@@ -247,6 +249,7 @@ class Session:
         p = self._prompt(args)
         self._room(self.puts, "puts")
         layout = p["identity"].layout
+        self._fits(layout)
         dtype = numpy_dtype(layout.dtype)
         nchunks = len(p["tokens"]) // layout.tokens_per_chunk
         # zero-memory stand-ins: only the chunks the store does not hold get an extent
@@ -337,6 +340,13 @@ class Session:
     def check(self, args: dict[str, Any]) -> object:
         report = self.server.store.check(fix=False)
         return {**dataclasses.asdict(report), "clean": report.clean}
+
+    def _fits(self, layout: KVLayout) -> None:
+        if layout.chunk_nbytes > self.server.arena.size:
+            raise InvalidArgument(
+                f"a chunk of this layout is {layout.chunk_nbytes} bytes, more than the "
+                f"server's whole arena ({self.server.arena.size} bytes)"
+            )
 
     def _room(self, table: dict[int, Any], what: str) -> None:
         if len(table) >= MAX_LEASES:
