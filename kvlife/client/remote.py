@@ -125,7 +125,11 @@ class _Conn:
 class RemoteStore:
     """A store served by ``kvlife serve`` (same public API as ``KVStore``)."""
 
-    def __init__(self, socket_path: str | Path, *, timeout: float | None = 60.0) -> None:
+    def __init__(
+        self, socket_path: str | Path, *, timeout: float | None = 60.0, lazy: bool = False
+    ) -> None:
+        """Connect to the server on ``socket_path`` (StoreUnavailable if it is not there;
+        with ``lazy`` the first call connects instead, so a client may start first)."""
         self.socket_path = str(socket_path)
         self._timeout = timeout
         self._conn: _Conn | None = None
@@ -134,11 +138,14 @@ class RemoteStore:
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
         self._names: list[str] = []
-        self._call("info", {})  # connect now: a wrong path fails here, typed
+        if not lazy:
+            self._call("info", {})  # connect now: a wrong path fails here, typed
 
     @classmethod
-    def connect(cls, socket_path: str | Path, *, timeout: float | None = 60.0) -> RemoteStore:
-        return cls(socket_path, timeout=timeout)
+    def connect(
+        cls, socket_path: str | Path, *, timeout: float | None = 60.0, lazy: bool = False
+    ) -> RemoteStore:
+        return cls(socket_path, timeout=timeout, lazy=lazy)
 
     # ------------------------------------------------------------------ wire
 
@@ -217,7 +224,11 @@ class RemoteStore:
             n *= d
         if not 0 <= off <= conn.arena_bytes - n:
             raise errors.ProtocolError(f"server granted [{off}, +{n}) outside its arena")
-        return np.frombuffer(conn.arena, np.uint8, count=n, offset=off).view(dt).reshape(shape)
+        try:
+            raw = np.frombuffer(conn.arena, np.uint8, count=n, offset=off)
+        except ValueError as exc:  # the mapping was closed: the connection was lost
+            raise StoreUnavailable(f"lost the connection to {self.socket_path}: {exc}") from None
+        return raw.view(dt).reshape(shape)
 
     @staticmethod
     def _prompt(

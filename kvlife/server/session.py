@@ -57,6 +57,10 @@ class ServerState:
         self.sessions: dict[int, Session] = {}
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
+        self.released_puts = 0
+        """Pending puts aborted because their client went away."""
+        self.released_loads = 0
+        """Load grants dropped because their client went away."""
 
     def open_session(self) -> Session:
         with self.lock:
@@ -65,9 +69,11 @@ class ServerState:
             return session
 
     def close_session(self, session: Session) -> None:
-        session.close()
+        puts, loads = session.close()
         with self.lock:
             self.sessions.pop(session.sid, None)
+            self.released_puts += puts
+            self.released_loads += loads
 
     def snapshot(self) -> dict[str, Any]:
         """Leases and arena figures (``state``; tests check no lease outlives its client)."""
@@ -81,6 +87,8 @@ class ServerState:
             "tentative": info.objects_by_state.get("tentative", 0),
             "shm_replicas": len(self.shm.replica_keys()),
             "shm_used_bytes": self.shm.used_bytes,
+            "released_puts": self.released_puts,
+            "released_loads": self.released_loads,
             **self.arena.stats(),
         }
 
@@ -117,16 +125,18 @@ class Session:
     def handle(self, verb: str, args: dict[str, Any]) -> object:
         return self.handlers[verb](args)
 
-    def close(self) -> None:
-        """Abort every pending put, drop every load grant."""
+    def close(self) -> tuple[int, int]:
+        """Abort every pending put, drop every load grant; how many of each."""
         with self._lock:
             self.closed = True
             puts = list(self.puts.values())
+            loads = len(self.loads)
             self.puts.clear()
             self.loads.clear()
         for put in puts:
             put.views.clear()
             self.server.store.abort_put(put.pending, f"client of session {self.sid} went away")
+        return len(puts), loads
 
     # ------------------------------------------------------------------ verbs
 

@@ -96,12 +96,14 @@ class KVStore:
         return cls(path, config, sink=sink, fileio=fileio)
 
     @staticmethod
-    def connect(socket: str | Path, *, timeout: float | None = 60.0) -> RemoteStore:
+    def connect(
+        socket: str | Path, *, timeout: float | None = 60.0, lazy: bool = False
+    ) -> RemoteStore:
         """A client of the store that ``kvlife serve`` serves on ``socket``: the same
         public API, shared by many processes (see docs/server.md)."""
         from kvlife.client.remote import RemoteStore
 
-        return RemoteStore(socket, timeout=timeout)
+        return RemoteStore(socket, timeout=timeout, lazy=lazy)
 
     # ------------------------------------------------------------------ puts
 

@@ -8,8 +8,8 @@ freed when the last numpy view of them dies (a weak finalizer on the view's base
 session copying it to a client) still holds is never reused under it, even after its
 replica was deleted. Freed extents are merged with their neighbours and reused.
 
-Two budgets: the tier's ``capacity_bytes`` bounds the payload bytes of its replicas
-(placement evicts against it, as for :class:`~kvlife.tiers.memory.MemoryTier`); the
+Two budgets: the tier's ``capacity_bytes`` bounds the extents of its replicas (whole
+pages: :meth:`ShmTier.footprint`; placement evicts against it, as for :class:`~kvlife.tiers.memory.MemoryTier`); the
 arena is larger by ``staging_bytes``, the room for extents that are not replicas yet or
 any more (puts being written by clients, disk reads handed to clients, deleted replicas
 a reader still holds). A put whose payload already is an arena extent (a client wrote it
@@ -219,8 +219,12 @@ class ShmTier(Tier, SupportsAdopt):
     def used_bytes(self) -> int:
         return self._used + self._reserved
 
+    def footprint(self, nbytes: int) -> int:
+        """Extents are whole pages: that is what a replica takes of the budget."""
+        return round_up(max(nbytes, 1))
+
     def prepare_store(self, metas: Sequence[ReplicaMeta]) -> Reservation | CapacityShortfall:
-        need = sum(m.nbytes for m in metas)
+        need = sum(self.footprint(m.nbytes) for m in metas)
         with self._lock:
             over = self._used + self._reserved + need - self.capacity_bytes
             if over > 0:
@@ -263,9 +267,9 @@ class ShmTier(Tier, SupportsAdopt):
             for meta, arr in zip(reservation.metas, arrays, strict=True):
                 old = self._held.pop(meta.key, None)
                 if old is not None:
-                    self._used -= old.meta.nbytes
+                    self._used -= self.footprint(old.meta.nbytes)
                 self._held[meta.key] = _Held(meta, arr)
-                self._used += meta.nbytes
+                self._used += self.footprint(meta.nbytes)
             reservation.done = True
 
     def cancel_store(self, reservation: Reservation) -> None:
@@ -311,7 +315,7 @@ class ShmTier(Tier, SupportsAdopt):
             held = self._held.pop(key, None)
             if held is None:
                 raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
-            self._used -= held.meta.nbytes
+            self._used -= self.footprint(held.meta.nbytes)
             return held.meta.nbytes
         # the extent goes back to the arena when the last view of it dies
 
