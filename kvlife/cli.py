@@ -171,6 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         staging_bytes=args.staging_bytes,
         pid_file=Path(args.pid_file) if args.pid_file else None,
         write_through=args.write_through,
+        promote_on_hit=not args.no_promote,
     )
     return run(cfg)
 
@@ -246,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pid-file", default=None, help="write the server's pid here")
     p.add_argument("--write-through", action="store_true", help="make every put durable")
+    p.add_argument(
+        "--no-promote", action="store_true", help="do not copy disk hits back into DRAM"
+    )
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(

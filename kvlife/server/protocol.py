@@ -81,7 +81,7 @@ VERBS: dict[str, dict[str, Field]] = {
         "namespace": Field("str", _OPT, 0, _MAX_STR),
         "prefix": Field("key", _OPT),
     },
-    "evict": {"tier": Field("str", True, 1, 256), "nbytes": Field("int", True, 0, 1 << 60)},
+    "evict": {"tier": Field("str", True, 1, 256), "nbytes": Field("int", True, 0, _MAX_ID)},
     "flush": {},
     "drain": {},
     "info": {},
@@ -182,7 +182,19 @@ def decode_request(body: bytes) -> Request:
     rid, verb, args = msg
     if type(rid) is not int or not 0 <= rid <= _MAX_ID:
         raise ProtocolError("request id must be an int in [0, 2**63)")
-    return Request(rid, verb, check_args(verb, args))
+    try:
+        return Request(rid, verb, check_args(verb, args))
+    except ProtocolError as exc:
+        raise Rejected(rid, exc) from None
+
+
+class Rejected(ProtocolError):
+    """A request whose id is known but whose verb or arguments are bad: the error reply
+    goes to that id (a client waiting for it gets it)."""
+
+    def __init__(self, rid: int, error: ProtocolError) -> None:
+        super().__init__(str(error))
+        self.rid = rid
 
 
 # ---------------------------------------------------------------------- identity
@@ -288,7 +300,8 @@ def recv_frame(sock: socket.socket) -> bytes | None:
 
 
 def error_reply(rid: int, exc: BaseException) -> bytes:
-    return pack([rid, False, [type(exc).__name__, str(exc)[:_MAX_STR]]])
+    kind = "ProtocolError" if isinstance(exc, Rejected) else type(exc).__name__
+    return pack([rid, False, [kind, str(exc)[:_MAX_STR]]])
 
 
 def ok_reply(rid: int, result: object) -> bytes:

@@ -211,6 +211,8 @@ class Server:
             rid = req.rid
             result = session.handle(req.verb, req.args)
             return protocol.ok_reply(rid, result) if rid else None
+        except protocol.Rejected as exc:
+            return protocol.error_reply(exc.rid, exc) if exc.rid else None
         except KVLifeError as exc:
             return protocol.error_reply(rid, exc) if rid or isinstance(exc, ProtocolError) else None
         except Exception as exc:  # a bug: logged, reported, and the server keeps serving
