@@ -3,7 +3,8 @@ serve`` over its Unix socket, with bulk bytes through the server's shared-memory
 
 A load is one round trip that names the arena extents holding the verified chunks (DRAM
 replicas as they are, disk reads landed in the arena), one copy from the arena into the
-caller's buffers (or new arrays), and a release sent without waiting for a reply. A put
+caller's buffers (or new arrays), and a release that rides along with the next request
+(no round trip of its own). A put
 is a round trip that reserves extents for the chunks the store does not hold, one copy
 of each into its extent, and a commit round trip (the server adopts the extents as the
 DRAM replicas without a copy).
@@ -58,6 +59,8 @@ from kvlife.store.writes import split_chunks
 from kvlife.tiers.base import AuditReport
 
 Tokens = Sequence[int] | np.ndarray
+RELEASE_BATCH = 8
+"""Finished loads whose grants wait for the next request before being sent alone."""
 
 
 def _keys(blob: bytes) -> list[ChunkKey]:
@@ -104,6 +107,8 @@ class _Conn:
         self.arena: mmap.mmap | None = None
         self.arena_bytes = 0
         self.hello: dict[str, Any] = {}
+        self.releases: list[int] = []
+        """Load grants to give back with the next request."""
 
     def map_arena(self, path: str, size: int) -> None:
         fd = os.open(path, os.O_RDWR)
@@ -173,7 +178,13 @@ class RemoteStore:
 
     def _roundtrip(self, conn: _Conn, verb: str, args: dict[str, Any]) -> Any:
         rid = next(conn.rid)
-        conn.sock.sendall(protocol.pack([rid, verb, args]))
+        frame = protocol.pack([rid, verb, args])
+        if conn.releases:  # grants of finished loads ride along (no reply, in order)
+            frame = (
+                b"".join(protocol.pack([0, "release", {"load": i}]) for i in conn.releases) + frame
+            )
+            conn.releases.clear()
+        conn.sock.sendall(frame)
         body = protocol.recv_frame(conn.sock)
         if body is None:
             raise ConnectionResetError("the server closed the connection")
@@ -198,14 +209,20 @@ class RemoteStore:
                 self._drop()
                 raise protocol.unavailable(self.socket_path, exc) from None
 
-    def _send(self, verb: str, args: dict[str, Any]) -> None:
-        """A request without a reply (releases); a lost connection released it anyway."""
+    def _release(self, load: int, epoch: int) -> None:
+        """Give a load's grant back: with the next request (no round trip of its own),
+        or now when many are waiting. A lost connection released it anyway."""
         with self._lock:
             conn = self._conn
-            if conn is None:
+            if conn is None or epoch != self._epoch:
                 return
+            conn.releases.append(load)
+            if len(conn.releases) < RELEASE_BATCH:
+                return
+            frames = b"".join(protocol.pack([0, "release", {"load": i}]) for i in conn.releases)
+            conn.releases.clear()
             try:
-                conn.sock.sendall(protocol.pack([0, verb, args]))
+                conn.sock.sendall(frames)
             except OSError:
                 self._drop()
 
@@ -434,8 +451,8 @@ class RemoteStore:
                 if on_chunk is not None:
                     on_chunk(i, out)
         finally:
-            if r["load"] and self._epoch == epoch:
-                self._send("release", {"load": r["load"]})
+            if r["load"]:
+                self._release(r["load"], epoch)
         tiers = {str(k): int(v) for k, v in r["tiers"].items()}
         return LoadResult(
             arrays,
@@ -547,9 +564,11 @@ class RemoteStore:
         ``flush=True`` asks the server to flush first."""
         if self._closed:
             return
-        if flush:
-            with contextlib.suppress(StoreUnavailable):
+        with contextlib.suppress(StoreUnavailable):
+            if flush:
                 self.flush()
+            elif self._conn is not None and self._conn.releases:
+                self._call("state", {})  # hands the waiting grants back
         pool = self._pool
         if pool is not None:
             pool.shutdown(wait=True)

@@ -13,6 +13,7 @@ travel from the server to the client, never the other way.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import threading
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from kvlife.core.errors import InvalidArgument, ProtocolError, StorageFullError
-from kvlife.core.identity import KEY_BYTES, ROOT_PARENT, ChunkKey, KVLayout
+from kvlife.core.identity import KEY_BYTES, ROOT_PARENT, ChunkKey, KVLayout, ModelIdentity
 from kvlife.core.objects import TierName
 from kvlife.core.payload import numpy_dtype
 from kvlife.results import ChunkHit, LookupResult
@@ -76,7 +77,10 @@ class ServerState:
             self.released_loads += loads
 
     def snapshot(self) -> dict[str, Any]:
-        """Leases and arena figures (``state``; tests check no lease outlives its client)."""
+        """Leases and arena figures (``state``; tests check no lease outlives its client).
+        Collects garbage first: an extent whose last view sits in a reference cycle (a
+        traceback's frame) is freed by the collector, not by reference counting."""
+        gc.collect()
         with self.lock:
             sessions = list(self.sessions.values())
         info = self.store.info()
@@ -104,6 +108,8 @@ class Session:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.closed = False
+        self._identities: dict[tuple[object, ...], ModelIdentity] = {}
+        """Identities this session sent, decoded once (a lookup repeats its identity)."""
         self.handlers: dict[str, Callable[[dict[str, Any]], object]] = {
             "hello": self.hello,
             "lookup": self.lookup,
@@ -158,8 +164,16 @@ class Session:
         tokens = args["tokens"]
         if len(tokens) % 4:
             raise ProtocolError("tokens must be little-endian u32 ids (a multiple of 4 bytes)")
+        raw = args["identity"]
+        memo = tuple(raw[k] for k in sorted(raw) if k != "layout") + tuple(raw["layout"])
+        identity = self._identities.get(memo)
+        if identity is None:
+            identity = protocol.decode_identity(raw)
+            if len(self._identities) >= 64:
+                self._identities.clear()
+            self._identities[memo] = identity
         return {
-            "identity": protocol.decode_identity(args["identity"]),
+            "identity": identity,
             "namespace": protocol.decode_namespace(args["namespace"]),
             "tokens": np.frombuffer(tokens, "<u4"),
             "start": args.get("start", 0),
@@ -207,19 +221,22 @@ class Session:
         # hits on slower tiers are read straight into arena extents; DRAM hits are served
         # as views of their replicas (out None). load_async reads chunk by chunk, so a
         # chunk whose tier changed since this check is still read correctly either way.
-        outs: list[np.ndarray | None] = []
-        for key in keys:
-            if layout is None or self.server.shm.contains(key):
-                outs.append(None)  # without the layout: read into fresh memory, then copy
-                continue
+        request_id = args.get("request_id", "")
+        shm_tier = self.server.shm
+        if layout is None or all(shm_tier.contains(k) for k in keys):
+            # every hit in DRAM (or no layout: fresh memory, copied below): the caller's
+            # thread, no hand-offs to the I/O pool
+            res = store.load(lookup, None, request_id=request_id)
+        else:
             dtype = numpy_dtype(layout.dtype)
-            outs.append(arena.alloc(layout.chunk_nbytes, dtype, layout.chunk_shape))
-        handle = store.load_async(
-            lookup,
-            outs,  # type: ignore[arg-type]
-            request_id=args.get("request_id", ""),
-        )
-        res = handle.wait()
+            outs = [
+                None
+                if shm_tier.contains(k)
+                else arena.alloc(layout.chunk_nbytes, dtype, layout.chunk_shape)
+                for k in keys
+            ]
+            handle = store.load_async(lookup, outs, request_id=request_id)  # type: ignore[arg-type]
+            res = handle.wait()
         grants: list[list[object]] = []
         held: list[np.ndarray] = []
         for arr in res.arrays:

@@ -117,7 +117,7 @@ class Slot:
 class Arena:
     """A shared-memory file mapped into this process, with an allocator."""
 
-    def __init__(self, path: Path, size: int) -> None:
+    def __init__(self, path: Path, size: int, *, populate_pages: bool = True) -> None:
         if size <= 0:
             raise InvalidArgument(f"arena size must be > 0, got {size}")
         size = round_up(size)
@@ -130,7 +130,10 @@ class Arena:
             raise StorageFullError(f"cannot create the arena {self.path}: {exc}") from exc
         try:
             os.ftruncate(fd, size)
-            self.mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            # populated: the pages exist (and are mapped here) before the first put, so
+            # no copy into the arena pays first-touch faults
+            populate = getattr(mmap, "MAP_POPULATE", 0) if populate_pages else 0
+            self.mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
         except OSError as exc:
             os.close(fd)
             self.path.unlink(missing_ok=True)

@@ -30,7 +30,12 @@ class ServerProc:
     """``kvlife serve PATH`` in a child process (start, SIGTERM, SIGKILL, restart)."""
 
     def __init__(
-        self, path: Path, *, dram: int = 8 * MiB, disk: int = 64 * MiB, staging: int = 4 * MiB,
+        self,
+        path: Path,
+        *,
+        dram: int = 8 * MiB,
+        disk: int = 64 * MiB,
+        staging: int = 4 * MiB,
         extra: tuple[str, ...] = (),
     ) -> None:
         self.path = path
@@ -38,16 +43,29 @@ class ServerProc:
         self.pid_file = path.parent / f"{path.name}.pid"
         self.log = path.parent / f"{path.name}.log"
         self.args = [
-            "--dram-bytes", str(dram), "--disk-bytes", str(disk), "--staging-bytes",
-            str(staging), *extra,
+            "--dram-bytes",
+            str(dram),
+            "--disk-bytes",
+            str(disk),
+            "--staging-bytes",
+            str(staging),
+            *extra,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ServerProc:
         self.pid_file.unlink(missing_ok=True)
         cmd = [
-            sys.executable, "-m", "kvlife.cli", "serve", str(self.path), "--socket",
-            str(self.socket), "--pid-file", str(self.pid_file), *self.args,
+            sys.executable,
+            "-m",
+            "kvlife.cli",
+            "serve",
+            str(self.path),
+            "--socket",
+            str(self.socket),
+            "--pid-file",
+            str(self.pid_file),
+            *self.args,
         ]
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stderr=log)

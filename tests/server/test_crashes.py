@@ -105,8 +105,10 @@ def _kill_loop(server: ServerProc, kills: int, seed: int) -> int:
         for p in range(PROMPTS):
             verify(checker, 0, p)
         snap = checker.server_state()
-        print(f"{done} kills; leases released: {snap['released_puts']} puts, "
-              f"{snap['released_loads']} loads")
+        print(
+            f"{done} kills; leases released: {snap['released_puts']} puts, "
+            f"{snap['released_loads']} loads"
+        )
         assert snap["released_puts"] > 0  # kills did land between a put's grant and commit
     finally:
         checker.close()
@@ -178,6 +180,7 @@ def test_server_sigkill_clients_see_unavailable_then_reconnect(tmp_path: Path) -
                     acked[seed].append(int(line))
 
     try:
+
         def progress(n: int) -> bool:
             drain_pipes()
             return all(len(a) >= n for a in acked.values())

@@ -35,8 +35,10 @@ values = st.recursive(
     | st.floats(allow_nan=False)
     | st.text(max_size=40)
     | st.binary(max_size=80),
-    lambda inner: st.lists(inner, max_size=6)
-    | st.dictionaries(st.text(max_size=12) | st.integers(0, 5), inner, max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=6)
+        | st.dictionaries(st.text(max_size=12) | st.integers(0, 5), inner, max_size=6)
+    ),
     max_leaves=30,
 )
 
@@ -123,7 +125,13 @@ def _mutate(data: st.DataObject, verb: str) -> dict[str, Any]:
     if verb in ("lookup", "prepare_put"):
         lay = data.draw(st.lists(st.integers(1, 1 << 20), min_size=4, max_size=4))
         ident = dict(IDENT)
-        ident["layout"] = [lay[0], lay[1], lay[2], data.draw(st.sampled_from(["float16", "bf", "int8"])), lay[3]]
+        ident["layout"] = [
+            lay[0],
+            lay[1],
+            lay[2],
+            data.draw(st.sampled_from(["float16", "bf", "int8"])),
+            lay[3],
+        ]
         ident["model_id"] = data.draw(st.sampled_from(["m", ""]))
         args["identity"] = ident
         args["tokens"] = data.draw(st.binary(max_size=64))
@@ -142,7 +150,10 @@ def _mutate(data: st.DataObject, verb: str) -> dict[str, Any]:
     elif verb in ("release", "commit_put", "abort_put"):
         args = {"load" if verb == "release" else "put": data.draw(st.integers(1, 2**63 - 1))}
     elif verb == "evict":
-        args = {"tier": data.draw(st.sampled_from(["dram", "disk", "x"])), "nbytes": data.draw(st.integers(0, 1 << 60))}
+        args = {
+            "tier": data.draw(st.sampled_from(["dram", "disk", "x"])),
+            "nbytes": data.draw(st.integers(0, 1 << 60)),
+        }
     elif verb == "invalidate":
         args = {"namespace": data.draw(st.sampled_from(["user:x", "bad", "public"]))}
     return args
@@ -185,7 +196,11 @@ def test_garbage_from_a_client_process_gets_typed_errors(tmp_path: Path) -> None
     try:
         out = subprocess.run(
             [sys.executable, "-m", "tests.server.workers", "garbage", str(srv.socket)],
-            cwd=ROOT, env=child_env(), capture_output=True, timeout=120, check=True,
+            cwd=ROOT,
+            env=child_env(),
+            capture_output=True,
+            timeout=120,
+            check=True,
         )
         replies = json.loads(out.stdout)
         assert replies["not_msgpack"] == "ProtocolError"

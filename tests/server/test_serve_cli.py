@@ -18,7 +18,11 @@ from tests.server.conftest import ROOT, ServerProc, child_env
 def kvlife(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvlife.cli", *args],
-        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 

@@ -16,9 +16,20 @@ PROMPTS = 6
 def test_client_processes_share_one_store(server: ServerProc) -> None:
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.server.workers", "share", str(server.socket),
-             str(w), str(WORKERS), str(PROMPTS)],
-            cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [
+                sys.executable,
+                "-m",
+                "tests.server.workers",
+                "share",
+                str(server.socket),
+                str(w),
+                str(WORKERS),
+                str(PROMPTS),
+            ],
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         for w in range(WORKERS)
     ]

@@ -99,7 +99,9 @@ def test_shm_tier_adopts_sealed_extents_and_copies_others(tmp_path: Path) -> Non
     other = np.full(ALIGN, 9, np.uint8)
     assert tier.store([ReplicaMeta(key(2), "uint8", (ALIGN,))], [other])
     assert tier.arena.extents == 2 and tier.adopted == 1
-    assert isinstance(tier.prepare_store([ReplicaMeta(key(3), "uint8", (ALIGN,))]), CapacityShortfall)
+    assert isinstance(
+        tier.prepare_store([ReplicaMeta(key(3), "uint8", (ALIGN,))]), CapacityShortfall
+    )
     del staged
     tier.delete(key(1))
     gc.collect()

@@ -56,7 +56,10 @@ def garbage(path: str) -> None:
         "unknown_put": _ask(sock, req("commit_put", {"put": pending.put})),
         "bad_identity": _ask(
             sock,
-            req("lookup", {"identity": {**ident, "model_id": ""}, "namespace": "public", "tokens": b""}),
+            req(
+                "lookup",
+                {"identity": {**ident, "model_id": ""}, "namespace": "public", "tokens": b""},
+            ),
         ),
         "odd_tokens": _ask(
             sock, req("lookup", {"identity": ident, "namespace": "public", "tokens": b"abc"})
