@@ -247,9 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pid-file", default=None, help="write the server's pid here")
     p.add_argument("--write-through", action="store_true", help="make every put durable")
-    p.add_argument(
-        "--no-promote", action="store_true", help="do not copy disk hits back into DRAM"
-    )
+    p.add_argument("--no-promote", action="store_true", help="do not copy disk hits back into DRAM")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(

@@ -109,6 +109,11 @@ def _prompt(layout: KVLayout, n: int, seed: int) -> tuple[list[int], np.ndarray]
     return tokens, kv
 
 
+def _chunks(kv: np.ndarray, layout: KVLayout, n: int) -> list[np.ndarray]:
+    t = layout.tokens_per_chunk
+    return [np.ascontiguousarray(kv[:, :, :, i * t : (i + 1) * t]) for i in range(n)]
+
+
 def _outs(layout: KVLayout, n: int) -> list[np.ndarray]:
     outs = []
     for _ in range(n):
@@ -232,7 +237,7 @@ def _bench_load(
     n = cfg.chunks_per_call
     tokens, kv = _prompt(layout, n, seed)
     remote.put_prompt(ident, NS, tokens, kv)
-    chunks = [np.ascontiguousarray(kv[:, :, :, i * layout.tokens_per_chunk : (i + 1) * layout.tokens_per_chunk]) for i in range(n)]  # fmt: skip
+    chunks = _chunks(kv, layout, n)
     if raw_dir is not None:
         remote.flush()
         remote.evict("dram", 1 << 62)
@@ -255,10 +260,7 @@ def _bench_load(
         same = rep > 0 or all(_same(o, c) for o, c in zip(outs, chunks, strict=True))
         if res.loaded != n or not same:
             raise RuntimeError(f"load served {res.loaded} of {n} chunks, or wrong bytes")
-        if raw_file is not None:
-            t_lim = raw_read(raw_file, flat, direct)
-        else:
-            t_lim = memcpy(outs, chunks)
+        t_lim = raw_read(raw_file, flat, direct) if raw_file is not None else memcpy(outs, chunks)
         if rep:  # the first is a warm-up
             served.append(t)
             limit.append(t_lim)
@@ -295,7 +297,7 @@ def _bench_put(
     served, limit = [], []
     for rep in range(cfg.reps + 1):
         tokens, kv = _prompt(layout, n, seed * 1000 + rep)
-        chunks = [np.ascontiguousarray(kv[:, :, :, i * layout.tokens_per_chunk : (i + 1) * layout.tokens_per_chunk]) for i in range(n)]  # fmt: skip
+        chunks = _chunks(kv, layout, n)
         t0 = time.perf_counter()
         res = remote.put_prompt(ident, NS, tokens, chunks)
         t = time.perf_counter() - t0
@@ -351,7 +353,7 @@ def _bench_scaling(cfg: ServerBenchConfig, srv: _Server) -> list[dict[str, Any]]
                 ],
                 stdout=subprocess.PIPE,
                 env=_env(),
-            )  # fmt: skip
+            )
             for _ in range(clients)
         ]
         results = []
@@ -413,7 +415,9 @@ def run_server_bench(cfg: ServerBenchConfig) -> dict[str, Any]:
         result["load_dram"] = [
             _bench_load(cfg, remote, s, 10 + i, None) for i, s in enumerate(cfg.sizes)
         ]
-        result["put_dram"] = [_bench_put(cfg, remote, s, 20 + i, None) for i, s in enumerate(cfg.sizes)]  # fmt: skip
+        result["put_dram"] = [
+            _bench_put(cfg, remote, s, 20 + i, None) for i, s in enumerate(cfg.sizes)
+        ]
         remote.close()
         result["scaling"] = _bench_scaling(cfg, main)
         main.stop()
@@ -509,9 +513,12 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(
         format_table(
             ["target", "value", "wanted", "met"],
-            [[t["name"], f"{t['value']:.2f}", t["target"], "yes" if t["met"] else "NO"] for t in r["targets"]],
+            [
+                [t["name"], f"{t['value']:.2f}", t["target"], "yes" if t["met"] else "NO"]
+                for t in r["targets"]
+            ],
         )
-    )  # fmt: skip
+    )
     lines.append("")
     lines.append(f"peer: {r['peer_lmcache']}")
     return "\n".join(lines)

@@ -40,11 +40,13 @@ from kvlife.core.identity import (
     KEY_BYTES,
     ROOT_PARENT,
     ChunkKey,
+    KVLayout,
     ModelIdentity,
     Namespace,
     token_bytes,
 )
 from kvlife.core.objects import TierName
+from kvlife.core.payload import numpy_dtype
 from kvlife.results import (
     ChunkHit,
     LoadResult,
@@ -109,6 +111,8 @@ class _Conn:
         self.hello: dict[str, Any] = {}
         self.releases: list[int] = []
         """Load grants to give back with the next request."""
+        self.buffers: list[tuple[int, int, int, mmap.mmap]] = []
+        """Shared output buffers of this connection: (address, size, id, mapping)."""
 
     def map_arena(self, path: str, size: int) -> None:
         fd = os.open(path, os.O_RDWR)
@@ -426,9 +430,19 @@ class RemoteStore:
         if isinstance(lookup, _RemoteLookup) and lookup.identity is not None:
             # the layout lets the server read disk hits straight into arena extents
             args["layout"] = protocol.encode_layout(lookup.identity.layout)
+            into = self._targets(outs, lookup.identity.layout) if outs is not None else None
+            if into is not None:
+                args["into"] = into
         if request_id:
             args["request_id"] = request_id
         r = self._call("load", args)
+        if "into" in r:  # landed in the caller's shared buffers: nothing to copy
+            assert outs is not None
+            landed = list(outs[: r["into"]])
+            if on_chunk is not None:
+                for i, a in enumerate(landed):
+                    on_chunk(i, a)
+            return self._result(landed, r)
         arrays: list[np.ndarray] = []
         epoch = self._epoch
         try:
@@ -453,6 +467,10 @@ class RemoteStore:
         finally:
             if r["load"]:
                 self._release(r["load"], epoch)
+        return self._result(arrays, r)
+
+    @staticmethod
+    def _result(arrays: list[np.ndarray], r: dict[str, Any]) -> LoadResult:
         tiers = {str(k): int(v) for k, v in r["tiers"].items()}
         return LoadResult(
             arrays,
@@ -463,6 +481,47 @@ class RemoteStore:
             vanished=r["vanished"],
             read_errors=r["read_errors"],
         )
+
+    def _targets(self, outs: Sequence[np.ndarray], layout: KVLayout) -> list[int] | None:
+        """(buffer, offset) of each output buffer if all lie in this connection's shared
+        buffers and fit the layout; else None (the grant path, one copy here)."""
+        conn = self._conn
+        if conn is None or not conn.buffers or not outs:
+            return None
+        dtype = numpy_dtype(layout.dtype)
+        into: list[int] = []
+        for out in outs:
+            if out.shape != layout.chunk_shape or out.dtype != dtype or not out.flags.c_contiguous:
+                return None
+            addr = out.ctypes.data
+            for base, size, bid, _ in conn.buffers:
+                if base <= addr and addr + out.nbytes <= base + size:
+                    into += [bid, addr - base]
+                    break
+            else:
+                return None
+        return into
+
+    def alloc_buffer(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of shared memory (uint8, page-aligned) that the server writes into:
+        a load whose output buffers all lie in such memory lands there directly (disk
+        reads by O_DIRECT, DRAM hits copied by the server), with no copy in this process.
+        Slice it into chunk-shaped views. It lasts as long as the connection; after a
+        reconnect loads into it take the ordinary path (still correct, one copy more)."""
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidArgument(f"buffer size must be a positive int, got {nbytes!r}")
+        r = self._call("alloc_buffer", {"nbytes": nbytes})
+        fd = os.open(r["path"], os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(fd, r["nbytes"], flags=flags)
+        finally:
+            os.close(fd)
+        arr = np.frombuffer(mapping, np.uint8, count=nbytes)
+        with self._lock:
+            if self._conn is not None:
+                self._conn.buffers.append((arr.ctypes.data, r["nbytes"], r["buffer"], mapping))
+        return arr
 
     def load_async(
         self,

@@ -15,9 +15,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import mmap
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,10 +33,43 @@ from kvlife.results import ChunkHit, LookupResult
 from kvlife.server import protocol
 from kvlife.store.facade import KVStore
 from kvlife.store.writes import PendingPut
+from kvlife.tiers.buffers import round_up
 from kvlife.tiers.shm import Arena, ShmTier
 
 MAX_LEASES = 4096
 """Outstanding puts, and outstanding loads, one session may hold."""
+MAX_BUFFER_BYTES = 16 << 30
+"""Shared output buffers one session may hold, in bytes."""
+
+
+class SharedBuffer:
+    """A shared-memory file the server made for one session's output buffers: loads
+    into it land there directly (disk reads by O_DIRECT), with no copy by the client.
+    The file goes with the session (and a dead server's with the next start)."""
+
+    def __init__(self, path: Path, nbytes: int) -> None:
+        size = round_up(nbytes)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self.mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            raise StorageFullError(f"cannot make a shared buffer of {size} bytes: {exc}") from exc
+        finally:
+            os.close(fd)
+        self.path = path
+        self.size = size
+
+    def view(self, off: int, layout: KVLayout) -> np.ndarray:
+        n = layout.chunk_nbytes
+        if not 0 <= off <= self.size - n:
+            raise ProtocolError(f"[{off}, +{n}) is outside the session's buffer of {self.size}")
+        raw = np.frombuffer(self.mmap, np.uint8, count=n, offset=off)
+        return raw.view(numpy_dtype(layout.dtype)).reshape(layout.chunk_shape)
+
+    def drop(self) -> None:
+        self.path.unlink(missing_ok=True)  # the mapping lives on while views are in use
 
 
 @dataclass(slots=True)
@@ -88,6 +124,7 @@ class ServerState:
             "sessions": len(sessions),
             "puts": sum(len(s.puts) for s in sessions),
             "loads": sum(len(s.loads) for s in sessions),
+            "buffers": sum(len(s.buffers) for s in sessions),
             "tentative": info.objects_by_state.get("tentative", 0),
             "shm_replicas": len(self.shm.replica_keys()),
             "shm_used_bytes": self.shm.used_bytes,
@@ -105,6 +142,7 @@ class Session:
         self.sid = sid
         self.puts: dict[int, _Put] = {}
         self.loads: dict[int, list[np.ndarray]] = {}
+        self.buffers: dict[int, SharedBuffer] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.closed = False
@@ -115,6 +153,8 @@ class Session:
             "lookup": self.lookup,
             "load": self.load,
             "release": self.release,
+            "alloc_buffer": self.alloc_buffer,
+            "free_buffer": self.free_buffer,
             "prepare_put": self.prepare_put,
             "commit_put": self.commit_put,
             "abort_put": self.abort_put,
@@ -137,8 +177,12 @@ class Session:
             self.closed = True
             puts = list(self.puts.values())
             loads = len(self.loads)
+            buffers = list(self.buffers.values())
             self.puts.clear()
             self.loads.clear()
+            self.buffers.clear()
+        for buf in buffers:
+            buf.drop()
         for put in puts:
             put.views.clear()
             self.server.store.abort_put(put.pending, f"client of session {self.sid} went away")
@@ -223,6 +267,8 @@ class Session:
         # chunk whose tier changed since this check is still read correctly either way.
         request_id = args.get("request_id", "")
         shm_tier = self.server.shm
+        if "into" in args:
+            return self._load_into(lookup, args["into"], layout, request_id)
         if layout is None or all(shm_tier.contains(k) for k in keys):
             # every hit in DRAM (or no layout: fresh memory, copied below): the caller's
             # thread, no hand-offs to the I/O pool
@@ -265,6 +311,60 @@ class Session:
             "vanished": res.vanished + (res.loaded - len(held)),
             "read_errors": res.read_errors,
         }
+
+    def _load_into(
+        self, lookup: LookupResult, into: list[int], layout: KVLayout | None, request_id: str
+    ) -> object:
+        """Load straight into the session's shared buffers (no grants, no client copy)."""
+        if layout is None:
+            raise ProtocolError("a load into shared buffers needs the layout")
+        if len(into) != 2 * len(lookup.hits):
+            raise ProtocolError(f"{len(into)} target numbers for {len(lookup.hits)} hits")
+        outs = []
+        for i in range(0, len(into), 2):
+            buf = self.buffers.get(into[i])
+            if buf is None:
+                raise ProtocolError(f"session {self.sid} holds no buffer {into[i]}")
+            outs.append(buf.view(into[i + 1], layout))
+        store = self.server.store
+        if all(self.server.shm.contains(h.key) for h in lookup.hits):
+            res = store.load(lookup, outs, request_id=request_id)
+        else:  # reads in parallel on the I/O pool
+            res = store.load_async(lookup, outs, request_id=request_id).wait()
+        return {
+            "load": 0,
+            "grants": [],
+            "into": res.loaded,
+            "requested": res.requested,
+            "tiers": dict(res.tiers),
+            "corrupt": b"".join(res.corrupt),
+            "vanished": res.vanished,
+            "read_errors": res.read_errors,
+        }
+
+    def alloc_buffer(self, args: dict[str, Any]) -> object:
+        nbytes = args["nbytes"]
+        with self._lock:
+            held = sum(b.size for b in self.buffers.values())
+            if held + nbytes > MAX_BUFFER_BYTES or len(self.buffers) >= 256:
+                raise StorageFullError(
+                    f"session {self.sid} holds {held} bytes of shared buffers; "
+                    f"at most {MAX_BUFFER_BYTES} in 256 buffers"
+                )
+            bid = next(self._ids)
+        path = Path(f"{self.server.arena.path}-buf-{self.sid}-{bid}")
+        buf = SharedBuffer(path, nbytes)
+        with self._lock:
+            self.buffers[bid] = buf
+        return {"buffer": bid, "path": str(path), "nbytes": buf.size}
+
+    def free_buffer(self, args: dict[str, Any]) -> object:
+        with self._lock:
+            buf = self.buffers.pop(args["buffer"], None)
+        if buf is None:
+            raise ProtocolError(f"session {self.sid} holds no buffer {args['buffer']}")
+        buf.drop()
+        return None
 
     def release(self, args: dict[str, Any]) -> object:
         with self._lock:

@@ -9,11 +9,12 @@ session copying it to a client) still holds is never reused under it, even after
 replica was deleted. Freed extents are merged with their neighbours and reused.
 
 Two budgets: the tier's ``capacity_bytes`` bounds the extents of its replicas (whole
-pages: :meth:`ShmTier.footprint`; placement evicts against it, as for :class:`~kvlife.tiers.memory.MemoryTier`); the
-arena is larger by ``staging_bytes``, the room for extents that are not replicas yet or
-any more (puts being written by clients, disk reads handed to clients, deleted replicas
-a reader still holds). A put whose payload already is an arena extent (a client wrote it
-there) is adopted without a copy; any other payload is copied into a new extent.
+pages, :meth:`ShmTier.footprint`; placement evicts against it, as for
+:class:`~kvlife.tiers.memory.MemoryTier`); the arena is larger by ``staging_bytes``,
+the room for extents that are not replicas yet or any more (puts being written by
+clients, disk reads handed to clients, deleted replicas a reader still holds). A put
+whose payload already is a sealed arena extent (a client wrote it there) is adopted
+without a copy; any other payload is copied into a new extent.
 DRAM is trusted like the engine's own memory: replicas here carry no checksum.
 """
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from kvlife.core.errors import InvalidArgument, ReplicaNotFound, StorageFullError
 from kvlife.core.identity import ChunkKey
@@ -144,9 +146,7 @@ class Arena:
         self._lock = threading.Lock()
         self._base = np.frombuffer(self.mmap, np.uint8).ctypes.data
 
-    def alloc(
-        self, nbytes: int, dtype: np.dtype | str, shape: tuple[int, ...]
-    ) -> np.ndarray | None:
+    def alloc(self, nbytes: int, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> np.ndarray | None:
         """A writable view of a new extent shaped ``shape`` (None when none fits). The
         extent is freed when the last view of it dies."""
         with self._lock:

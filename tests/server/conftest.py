@@ -3,6 +3,7 @@ stopped by its PID."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -137,7 +138,5 @@ def server(tmp_path: Path) -> Iterator[ServerProc]:
 def remote(server: ServerProc) -> Iterator[RemoteStore]:
     store = server.client()
     yield store
-    try:
+    with contextlib.suppress(StoreUnavailable):
         store.close()
-    except StoreUnavailable:
-        pass

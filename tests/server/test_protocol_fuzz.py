@@ -23,7 +23,7 @@ from kvlife.core.errors import KVLifeError, ProtocolError, RemoteError
 from kvlife.core.identity import PUBLIC, Namespace, NamespaceKind
 from kvlife.server import protocol
 from kvlife.server.server import ServeConfig, open_store
-from kvlife.server.session import ServerState, Session
+from kvlife.server.session import ServerState
 from kvlife.tiers.shm import ShmTier
 from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.server.conftest import ROOT, MiB, ServerProc, child_env, quiet
@@ -49,6 +49,8 @@ VALID: dict[str, dict[str, Any]] = {
     "lookup": {"identity": IDENT, "namespace": "public", "tokens": TOKENS},
     "load": {"keys": b"\1" * 64, "starts": [0, 16], "chunks_total": 3},
     "release": {"load": 1},
+    "alloc_buffer": {"nbytes": 4096},
+    "free_buffer": {"buffer": 1},
     "prepare_put": {"identity": IDENT, "namespace": "public", "tokens": TOKENS},
     "commit_put": {"put": 1},
     "abort_put": {"put": 1},
@@ -83,7 +85,7 @@ def test_random_bytes_decode_or_raise_protocol_error(body: bytes) -> None:
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.integers(0, 5), st.sampled_from(sorted(protocol.VERBS) + ["nope", ""]), values)
+@given(st.integers(0, 5), st.sampled_from([*sorted(protocol.VERBS), "nope", ""]), values)
 def test_random_structures_decode_or_raise_protocol_error(rid: int, verb: str, args: Any) -> None:
     body = msgpack.packb([rid, verb, args], use_bin_type=True)
     try:
@@ -147,8 +149,14 @@ def _mutate(data: st.DataObject, verb: str) -> dict[str, Any]:
         if data.draw(st.booleans()):
             lay = data.draw(st.lists(st.integers(1, 1 << 20), min_size=4, max_size=4))
             args["layout"] = [lay[0], lay[1], lay[2], "float16", lay[3]]
+        if data.draw(st.booleans()):  # targets in buffers this session may or may not own
+            args["into"] = data.draw(st.lists(st.integers(0, 1 << 20), max_size=8))
     elif verb in ("release", "commit_put", "abort_put"):
         args = {"load" if verb == "release" else "put": data.draw(st.integers(1, 2**63 - 1))}
+    elif verb == "alloc_buffer":
+        args = {"nbytes": data.draw(st.integers(1, 1 << 36))}
+    elif verb == "free_buffer":
+        args = {"buffer": data.draw(st.integers(1, 50))}
     elif verb == "evict":
         args = {
             "tier": data.draw(st.sampled_from(["dram", "disk", "x"])),

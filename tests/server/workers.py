@@ -30,7 +30,7 @@ def _ask(sock: socket.socket, body: bytes) -> str:
     sock.sendall(struct.pack(">I", len(body)) + body)
     reply = protocol.recv_frame(sock)
     assert reply is not None
-    rid, ok, result = msgpack.unpackb(reply, raw=False)
+    _rid, ok, result = msgpack.unpackb(reply, raw=False)
     return "ok" if ok else str(result[0])
 
 
@@ -41,6 +41,8 @@ def garbage(path: str) -> None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
     ident = protocol.encode_identity(tiny_identity())
+    bad_ident = dict(ident)
+    bad_ident["model_id"] = ""
 
     def req(verb: str, args: object) -> bytes:
         out: bytes = msgpack.packb([7, verb, args], use_bin_type=True)
@@ -58,7 +60,7 @@ def garbage(path: str) -> None:
             sock,
             req(
                 "lookup",
-                {"identity": {**ident, "model_id": ""}, "namespace": "public", "tokens": b""},
+                {"identity": bad_ident, "namespace": "public", "tokens": b""},
             ),
         ),
         "odd_tokens": _ask(
