@@ -69,7 +69,16 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     assert [p["clients"] for p in r["scaling"]] == [1, 2]
     for p in r["scaling"]:
         assert len(p["per_client_p99_ms"]) == p["clients"] and p["aggregate_gbps"] > 0
+    for key in ("load_dram", "load_disk"):
+        for p in r[key]:
+            assert p["shared_gbps"] > 0 and p["ratio_shared"] > 0
     names = {t["name"] for t in r["targets"]}
-    assert {"lookup_median", "lookup_p99", "load_dram_1024KiB", "put_write_through_256KiB"} <= names
+    assert {
+        "lookup_median",
+        "lookup_p99",
+        "load_dram_1024KiB",
+        "load_disk_256KiB_shared",
+        "put_write_through_256KiB",
+    } <= names
     assert all(isinstance(t["met"], bool) for t in r["targets"])
     assert not list(tmp_path.glob("kvlife-bench-server-*"))  # its work directory is removed

@@ -24,7 +24,10 @@ def test_loads_land_in_shared_buffers_from_dram_and_disk(remote: RemoteStore) ->
     remote.put_prompt(ident, PUBLIC, tokens, kv)
     raw = remote.alloc_buffer(3 * 4096)
     assert raw.ctypes.data % 4096 == 0
-    outs = [raw[i * 4096 : i * 4096 + TINY.chunk_nbytes].view(np.float16).reshape(TINY.chunk_shape) for i in range(3)]  # fmt: skip
+    n = TINY.chunk_nbytes
+    outs = [
+        raw[i * 4096 : i * 4096 + n].view(np.float16).reshape(TINY.chunk_shape) for i in range(3)
+    ]
     files = list(Path("/dev/shm").glob("kvlife-*-buf-*"))
     assert len(files) == 1 and files[0].stat().st_mode & 0o777 == 0o600
     for where in ("dram", "disk"):
