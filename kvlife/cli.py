@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvlife.core.errors import KVLifeError
+from kvlife.core.errors import KVLifeError, StoreLockedError
 
 GiB = 1 << 30
 
@@ -122,7 +122,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         leave=False,
         disable=total < (256 << 20),
     ) as bar:
-        report = audit_directory(path, progress=bar.update)
+        try:
+            report = audit_directory(path, progress=bar.update)
+        except StoreLockedError as exc:
+            raise StoreLockedError(
+                f"{exc} (a `kvlife serve` of it is audited through its socket: "
+                "`kvlife check --socket S`)"
+            ) from None
     print(f"checked {report.rows} replicas: {report.ok} ok, {len(report.bad_keys)} bad")
     if report.generation is not None:
         print(f"catalog generation {report.generation}")

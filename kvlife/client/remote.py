@@ -111,6 +111,8 @@ class _Conn:
         self.hello: dict[str, Any] = {}
         self.releases: list[int] = []
         """Load grants to give back with the next request."""
+        self.epoch = 0
+        """Which connection of its RemoteStore this is (pending puts remember it)."""
         self.buffers: list[tuple[int, int, int, mmap.mmap]] = []
         """Shared output buffers of this connection: (address, size, id, mapping)."""
 
@@ -146,6 +148,7 @@ class RemoteStore:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        self._pid = os.getpid()
         self._names: list[str] = []
         if not lazy:
             self._call("info", {})  # connect now: a wrong path fails here, typed
@@ -159,8 +162,15 @@ class RemoteStore:
     # ------------------------------------------------------------------ wire
 
     def _connected(self) -> _Conn:
+        if self._conn is not None and self._pid != os.getpid():
+            # a forked child (engines fork their workers): the parent's connection and
+            # leases are the parent's; this process gets its own session
+            self._conn.sock.detach()
+            self._conn = None
+            self._pool = None
         if self._conn is not None:
             return self._conn
+        self._pid = os.getpid()
         try:
             conn = _Conn(self.socket_path, self._timeout)
         except OSError as exc:
@@ -177,6 +187,7 @@ class RemoteStore:
         conn.hello = hello
         self._names = list(hello["tiers"])
         self._epoch += 1
+        conn.epoch = self._epoch
         self._conn = conn
         return conn
 
@@ -201,24 +212,28 @@ class RemoteStore:
         return reply[2]
 
     def _call(self, verb: str, args: dict[str, Any]) -> Any:
+        return self._call_on(verb, args)[0]
+
+    def _call_on(self, verb: str, args: dict[str, Any]) -> tuple[Any, _Conn]:
+        """The result and the connection it came on: grants name offsets in that
+        connection's arena (another thread may reconnect to a new server meanwhile)."""
         if self._closed:
             raise errors.StoreClosedError(f"RemoteStore for {self.socket_path} is closed")
         with self._lock:
             conn = self._connected()
             try:
-                return self._roundtrip(conn, verb, args)
+                return self._roundtrip(conn, verb, args), conn
             except (OSError, ValueError, msgpack.UnpackException) as exc:
                 if isinstance(exc, KVLifeError):
                     raise
                 self._drop()
                 raise protocol.unavailable(self.socket_path, exc) from None
 
-    def _release(self, load: int, epoch: int) -> None:
+    def _release(self, load: int, conn: _Conn) -> None:
         """Give a load's grant back: with the next request (no round trip of its own),
         or now when many are waiting. A lost connection released it anyway."""
         with self._lock:
-            conn = self._conn
-            if conn is None or epoch != self._epoch:
+            if conn is not self._conn:
                 return
             conn.releases.append(load)
             if len(conn.releases) < RELEASE_BATCH:
@@ -235,9 +250,8 @@ class RemoteStore:
             self._conn.close()
         self._conn = None
 
-    def _view(self, off: int, dtype: str, shape: Sequence[int]) -> np.ndarray:
-        conn = self._conn
-        if conn is None or conn.arena is None:
+    def _view(self, conn: _Conn, off: int, dtype: str, shape: Sequence[int]) -> np.ndarray:
+        if conn.arena is None:
             raise StoreUnavailable(f"lost the connection to {self.socket_path} during a call")
         dt = np.dtype(dtype)
         n = dt.itemsize
@@ -325,10 +339,10 @@ class RemoteStore:
         chunks = split_chunks(kv, layout, ntokens // layout.tokens_per_chunk, ntokens)
         if request_id:
             args["request_id"] = request_id
-        reply = self._call("prepare_put", args)
+        reply, conn = self._call_on("prepare_put", args)
         pending = RemotePendingPut(
             reply["put"],
-            self._epoch,
+            conn.epoch,
             _keys(reply["keys"]),
             layout.tokens_per_chunk,
             reply["present"],
@@ -337,7 +351,7 @@ class RemoteStore:
         dtype = chunks[0].dtype.str if chunks else "u1"
         try:
             for index, off in reply["slots"]:
-                np.copyto(self._view(off, dtype, layout.chunk_shape), chunks[index])
+                np.copyto(self._view(conn, off, dtype, layout.chunk_shape), chunks[index])
                 pending.stored_chunks.append(index)
         except BaseException:
             with contextlib.suppress(KVLifeError):
@@ -435,7 +449,7 @@ class RemoteStore:
                 args["into"] = into
         if request_id:
             args["request_id"] = request_id
-        r = self._call("load", args)
+        r, conn = self._call_on("load", args)
         if "into" in r:  # landed in the caller's shared buffers: nothing to copy
             assert outs is not None
             landed = list(outs[: r["into"]])
@@ -444,10 +458,9 @@ class RemoteStore:
                     on_chunk(i, a)
             return self._result(landed, r)
         arrays: list[np.ndarray] = []
-        epoch = self._epoch
         try:
             for i, (off, dtype, shape) in enumerate(r["grants"]):
-                src = self._view(off, dtype, shape)
+                src = self._view(conn, off, dtype, shape)
                 if outs is not None:
                     out = outs[i]
                     if out.shape != src.shape or out.dtype != src.dtype:
@@ -466,7 +479,7 @@ class RemoteStore:
                     on_chunk(i, out)
         finally:
             if r["load"]:
-                self._release(r["load"], epoch)
+                self._release(r["load"], conn)
         return self._result(arrays, r)
 
     @staticmethod
@@ -510,7 +523,7 @@ class RemoteStore:
         reconnect loads into it take the ordinary path (still correct, one copy more)."""
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise InvalidArgument(f"buffer size must be a positive int, got {nbytes!r}")
-        r = self._call("alloc_buffer", {"nbytes": nbytes})
+        r, conn = self._call_on("alloc_buffer", {"nbytes": nbytes})
         fd = os.open(r["path"], os.O_RDWR | os.O_NOFOLLOW)
         try:
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -519,8 +532,7 @@ class RemoteStore:
             os.close(fd)
         arr = np.frombuffer(mapping, np.uint8, count=nbytes)
         with self._lock:
-            if self._conn is not None:
-                self._conn.buffers.append((arr.ctypes.data, r["nbytes"], r["buffer"], mapping))
+            conn.buffers.append((arr.ctypes.data, r["nbytes"], r["buffer"], mapping))
         return arr
 
     def load_async(

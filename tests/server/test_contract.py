@@ -221,3 +221,26 @@ def test_context_manager_closes(store: Any, ns: Namespace) -> None:
         assert s is store
     with pytest.raises(StoreClosedError):
         store.info()
+
+
+def test_a_forked_child_gets_its_own_session(shared_server: ServerProc, ns: Namespace) -> None:
+    import os
+
+    store = KVStore.connect(shared_server.socket)
+    ident = tiny_identity()
+    tokens, kv = prompt_kv(30, 2 * N)
+    store.put_prompt(ident, ns, tokens, kv)
+    before = store.server_state()["sessions"]
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        ok = False
+        try:
+            got = store.get(ident, ns, tokens)
+            ok = got.loaded == 2 and np.array_equal(got.arrays[1], kv[:, :, :, N:])
+            ok = ok and store.server_state()["sessions"] == before + 1
+        finally:
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store.get(ident, ns, tokens).loaded == 2  # the parent's connection is intact
+    store.close()

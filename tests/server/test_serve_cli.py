@@ -89,3 +89,12 @@ def test_no_server_is_store_unavailable_and_a_lazy_client_connects_later(tmp_pat
         client.close()
     finally:
         assert srv.stop() == 0
+
+
+def test_check_of_a_live_directory_with_a_custom_socket_points_to_it(tmp_path: Path) -> None:
+    srv = ServerProc(tmp_path / "store").start()  # its socket is not PATH/serve.sock
+    try:
+        got = kvlife("check", str(srv.path))
+        assert got.returncode == 1 and "kvlife check --socket" in got.stderr
+    finally:
+        assert srv.stop() == 0
