@@ -37,13 +37,25 @@ def _open_existing(path: str) -> object:
 
 
 def _live_socket(args: argparse.Namespace) -> str | None:
-    """The socket of the server to ask: ``--socket``, or a live ``PATH/serve.sock``."""
+    """The socket of the server to ask: ``--socket``, or ``PATH/serve.sock`` when a
+    server answers there (a dead server's leftover socket is not one)."""
     if getattr(args, "socket", None):
         return str(args.socket)
     if args.path is None:
         raise KVLifeError("give a store PATH or --socket S")
     sock = Path(args.path) / "serve.sock"
-    return str(sock) if sock.is_socket() else None
+    if not sock.is_socket():
+        return None
+    import socket
+
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(sock))
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return str(sock)
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -38,9 +38,12 @@ class ServerProc:
         disk: int = 64 * MiB,
         staging: int = 4 * MiB,
         extra: tuple[str, ...] = (),
+        default_socket: bool = False,
     ) -> None:
         self.path = path
-        self.socket = path.parent / f"{path.name}.sock"
+        self.default_socket = default_socket
+        """Serve on ``PATH/serve.sock`` (no ``--socket``)."""
+        self.socket = path / "serve.sock" if default_socket else path.parent / f"{path.name}.sock"
         self.pid_file = path.parent / f"{path.name}.pid"
         self.log = path.parent / f"{path.name}.log"
         self.args = [
@@ -62,8 +65,7 @@ class ServerProc:
             "kvlife.cli",
             "serve",
             str(self.path),
-            "--socket",
-            str(self.socket),
+            *(() if self.default_socket else ("--socket", str(self.socket))),
             "--pid-file",
             str(self.pid_file),
             *self.args,

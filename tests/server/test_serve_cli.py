@@ -61,10 +61,15 @@ def test_serve_lifecycle(tmp_path: Path) -> None:
 
 
 def test_a_dead_servers_socket_and_arena_are_cleaned_up(tmp_path: Path) -> None:
-    srv = ServerProc(tmp_path / "store").start()
+    srv = ServerProc(tmp_path / "store", default_socket=True).start()
+    live = kvlife("info", str(srv.path), "--json")  # PATH/serve.sock answers: asked there
+    assert live.returncode == 0 and json.loads(live.stdout)["server"]["sessions"] == 1
     old = srv.pid
     srv.kill()
     assert srv.socket.exists() and list(Path("/dev/shm").glob(f"kvlife-*-{old}"))
+    # the leftover socket is not taken for a live server: info opens the directory
+    info = kvlife("info", str(srv.path), "--json")
+    assert info.returncode == 0 and "server" not in json.loads(info.stdout), info.stderr
     srv.start()
     assert not list(Path("/dev/shm").glob(f"kvlife-*-{old}"))
     with srv.client() as c:
