@@ -191,7 +191,13 @@ class RemoteStore:
         self._conn = conn
         return conn
 
-    def _roundtrip(self, conn: _Conn, verb: str, args: dict[str, Any]) -> Any:
+    def _roundtrip(
+        self,
+        conn: _Conn,
+        verb: str,
+        args: dict[str, Any],
+        on_part: Callable[[_Conn, Any], None] | None = None,
+    ) -> Any:
         rid = next(conn.rid)
         frame = protocol.pack([rid, verb, args])
         if conn.releases:  # grants of finished loads ride along (no reply, in order)
@@ -200,21 +206,39 @@ class RemoteStore:
             )
             conn.releases.clear()
         conn.sock.sendall(frame)
-        body = protocol.recv_frame(conn.sock)
-        if body is None:
-            raise ConnectionResetError("the server closed the connection")
-        reply = msgpack.unpackb(body, raw=False)
-        if reply[0] != rid:
-            raise ConnectionResetError(f"reply {reply[0]} to request {rid}")
+        failed: BaseException | None = None
+        while True:
+            body = protocol.recv_frame(conn.sock)
+            if body is None:
+                raise ConnectionResetError("the server closed the connection")
+            reply = msgpack.unpackb(body, raw=False)
+            if reply[0] != rid:
+                raise ConnectionResetError(f"reply {reply[0]} to request {rid}")
+            if reply[1] != protocol.PART:
+                break
+            if on_part is None:
+                raise ConnectionResetError(f"a partial reply to {verb}")
+            if failed is None:
+                try:
+                    on_part(conn, reply[2])
+                except Exception as exc:  # read the stream to its end first
+                    failed = exc
         if not reply[1]:
             kind, message = reply[2]
             raise _error(kind, message)
+        if failed is not None:
+            raise failed
         return reply[2]
 
     def _call(self, verb: str, args: dict[str, Any]) -> Any:
         return self._call_on(verb, args)[0]
 
-    def _call_on(self, verb: str, args: dict[str, Any]) -> tuple[Any, _Conn]:
+    def _call_on(
+        self,
+        verb: str,
+        args: dict[str, Any],
+        on_part: Callable[[_Conn, Any], None] | None = None,
+    ) -> tuple[Any, _Conn]:
         """The result and the connection it came on: grants name offsets in that
         connection's arena (another thread may reconnect to a new server meanwhile)."""
         if self._closed:
@@ -222,7 +246,7 @@ class RemoteStore:
         with self._lock:
             conn = self._connected()
             try:
-                return self._roundtrip(conn, verb, args), conn
+                return self._roundtrip(conn, verb, args, on_part), conn
             except (OSError, ValueError, msgpack.UnpackException) as exc:
                 if isinstance(exc, KVLifeError):
                     raise
@@ -449,7 +473,36 @@ class RemoteStore:
                 args["into"] = into
         if request_id:
             args["request_id"] = request_id
-        r, conn = self._call_on("load", args)
+        arrays: list[np.ndarray] = []
+
+        def take(conn: _Conn, i: int, off: int, dtype: str, shape: Sequence[int]) -> None:
+            src = self._view(conn, off, dtype, shape)
+            if outs is not None:
+                out = outs[i]
+                if out.shape != src.shape or out.dtype != src.dtype:
+                    raise InvalidArgument(
+                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
+                        f"{src.dtype}{list(src.shape)}"
+                    )
+                np.copyto(out, src)
+            else:
+                out = np.empty(src.shape, src.dtype)
+                np.copyto(out, src)
+                out.flags.writeable = False
+            del src
+            arrays.append(out)
+            if on_chunk is not None:
+                on_chunk(i, out)
+
+        def part(conn: _Conn, p: list[Any]) -> None:
+            # a chunk read from disk, sent as soon as it verified: copied while the
+            # server reads the next ones
+            if p[0] != len(arrays):
+                raise errors.ProtocolError(f"streamed chunk {p[0]} out of order")
+            take(conn, p[0], p[1], p[2], p[3])
+
+        args["stream"] = True
+        r, conn = self._call_on("load", args, part)
         if "into" in r:  # landed in the caller's shared buffers: nothing to copy
             assert outs is not None
             landed = list(outs[: r["into"]])
@@ -457,26 +510,10 @@ class RemoteStore:
                 for i, a in enumerate(landed):
                     on_chunk(i, a)
             return self._result(landed, r)
-        arrays: list[np.ndarray] = []
+        del arrays[r["streamed"] :]  # a streamed chunk invalidated meanwhile is a miss
         try:
-            for i, (off, dtype, shape) in enumerate(r["grants"]):
-                src = self._view(conn, off, dtype, shape)
-                if outs is not None:
-                    out = outs[i]
-                    if out.shape != src.shape or out.dtype != src.dtype:
-                        raise InvalidArgument(
-                            f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
-                            f"{src.dtype}{list(src.shape)}"
-                        )
-                    np.copyto(out, src)
-                else:
-                    out = np.empty(src.shape, src.dtype)
-                    np.copyto(out, src)
-                    out.flags.writeable = False
-                del src
-                arrays.append(out)
-                if on_chunk is not None:
-                    on_chunk(i, out)
+            for j, (off, dtype, shape) in enumerate(r["grants"]):
+                take(conn, r["streamed"] + j, off, dtype, shape)
         finally:
             if r["load"]:
                 self._release(r["load"], conn)

@@ -7,7 +7,8 @@ A frame is a 4-byte big-endian length followed by that many bytes of msgpack
 fields each verb declares with type, range and length (:class:`Field`); a missing
 required field, an unknown field, a wrong type or an out-of-range value is a
 :class:`~kvlife.core.errors.ProtocolError` naming it. A reply is ``[rid, True, result]``
-or ``[rid, False, [error_class, message]]``.
+or ``[rid, False, [error_class, message]]``; a streamed load sends ``[rid, "part", grant]``
+frames before it.
 
 Bulk bytes never travel here: they are in the shared-memory arena, and a reply names
 the extents (grants) the session may read or write.
@@ -70,6 +71,7 @@ VERBS: dict[str, dict[str, Field]] = {
         "chunks_total": Field("int", True, 0, 1 << 24),
         "layout": Field("layout", _OPT),
         "into": Field("int_list", _OPT, 0, 1 << 21),
+        "stream": Field("bool", _OPT),
         "request_id": Field("str", _OPT, 0, _MAX_STR),
     },
     "release": {"load": ID},
@@ -309,6 +311,15 @@ def error_reply(rid: int, exc: BaseException) -> bytes:
 
 def ok_reply(rid: int, result: object) -> bytes:
     return pack([rid, True, result])
+
+
+PART = "part"
+"""Second element of a partial reply ``[rid, "part", payload]``: a streamed load sends one
+per chunk as its read completes, before the final reply."""
+
+
+def part_reply(rid: int, payload: object) -> bytes:
+    return pack([rid, PART, payload])
 
 
 def unavailable(where: str, exc: BaseException | None = None) -> StoreUnavailable:

@@ -29,7 +29,7 @@ from typing import TextIO
 from kvlife.core.errors import InvalidArgument, KVLifeError, ProtocolError, RemoteError
 from kvlife.core.identity import digest_bytes
 from kvlife.server import protocol
-from kvlife.server.session import ServerState, Session
+from kvlife.server.session import PartSender, ServerState, Session
 from kvlife.store.config import GiB, MiB, StoreConfig
 from kvlife.store.facade import KVStore
 from kvlife.tiers.shm import SHM_DIR, ShmTier
@@ -175,6 +175,7 @@ class Server:
 
     def _serve_conn(self, conn: socket.socket) -> None:
         session = self.state.open_session()
+        session.part = _part_sender(conn)
         fd = conn.fileno()
         try:
             while not self._stop.is_set():
@@ -209,7 +210,7 @@ class Server:
         try:
             req = protocol.decode_request(body)
             rid = req.rid
-            result = session.handle(req.verb, req.args)
+            result = session.handle(req.verb, req.args, rid)
             return protocol.ok_reply(rid, result) if rid else None
         except protocol.Rejected as exc:
             return protocol.error_reply(exc.rid, exc) if exc.rid else None
@@ -241,6 +242,15 @@ class Server:
                 with contextlib.suppress(OSError):
                     self.cfg.pid_file.unlink()
             self.log(f"stop pid={os.getpid()} store={self.cfg.path} flushed={flushed}")
+
+
+def _part_sender(conn: socket.socket) -> PartSender:
+    def send(frame: bytes) -> None:
+        # a client that went away: the final reply fails too and ends the session
+        with contextlib.suppress(OSError):
+            conn.sendall(frame)
+
+    return send
 
 
 def _open_with_cleanup(cfg: ServeConfig, prefix: str) -> KVStore:

@@ -32,9 +32,13 @@ from kvlife.core.payload import numpy_dtype
 from kvlife.results import ChunkHit, LookupResult
 from kvlife.server import protocol
 from kvlife.store.facade import KVStore
+from kvlife.store.reads import LoadHandle
 from kvlife.store.writes import PendingPut
 from kvlife.tiers.buffers import round_up
 from kvlife.tiers.shm import Arena, ShmTier
+
+PartSender = Callable[[bytes], None]
+"""Sends one frame to the session's client (partial replies of a streamed load)."""
 
 MAX_LEASES = 4096
 """Outstanding puts, and outstanding loads, one session may hold."""
@@ -146,6 +150,10 @@ class Session:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.closed = False
+        self.part: PartSender | None = None
+        """Where partial replies go (set by the server for each request)."""
+        self.rid = 0
+        """Id of the request being handled (partial replies carry it)."""
         self._identities: dict[tuple[object, ...], ModelIdentity] = {}
         """Identities this session sent, decoded once (a lookup repeats its identity)."""
         self.handlers: dict[str, Callable[[dict[str, Any]], object]] = {
@@ -168,7 +176,8 @@ class Session:
             "state": lambda a: self.server.snapshot(),
         }
 
-    def handle(self, verb: str, args: dict[str, Any]) -> object:
+    def handle(self, verb: str, args: dict[str, Any], rid: int = 0) -> object:
+        self.rid = rid
         return self.handlers[verb](args)
 
     def close(self) -> tuple[int, int]:
@@ -269,6 +278,8 @@ class Session:
         shm_tier = self.server.shm
         if "into" in args:
             return self._load_into(lookup, args["into"], layout, request_id)
+        streamed: list[np.ndarray] = []
+        kept = 0
         if layout is None or all(shm_tier.contains(k) for k in keys):
             # every hit in DRAM (or no layout: fresh memory, copied below): the caller's
             # thread, no hand-offs to the I/O pool
@@ -282,10 +293,14 @@ class Session:
                 for k in keys
             ]
             handle = store.load_async(lookup, outs, request_id=request_id)  # type: ignore[arg-type]
+            streamed = self._stream(handle) if args.get("stream") else []
             res = handle.wait()
         grants: list[list[object]] = []
-        held: list[np.ndarray] = []
-        for arr in res.arrays:
+        # streamed chunks that the load's publication still counts (one invalidated
+        # meanwhile is not), then grants for the rest
+        held: list[np.ndarray] = streamed[: res.loaded]
+        kept = len(held)
+        for arr in res.arrays[kept:]:
             off = arena.offset_of(arr)
             if off is None:  # a disk read into fresh memory: into the arena for the client
                 dst = arena.alloc(arr.nbytes, arr.dtype, arr.shape)
@@ -305,12 +320,29 @@ class Session:
         return {
             "load": lid,
             "grants": grants,
+            "streamed": kept,
             "requested": res.requested,
             "tiers": dict(res.tiers),
             "corrupt": b"".join(res.corrupt),
             "vanished": res.vanished + (res.loaded - len(held)),
             "read_errors": res.read_errors,
         }
+
+    def _stream(self, handle: LoadHandle) -> list[np.ndarray]:
+        """Send each chunk's grant as soon as it (and every chunk before it) verified, so
+        the client copies chunk i while later chunks are still read. Only arena arrays
+        are streamed; the first other one (or a miss) ends the stream."""
+        sent: list[np.ndarray] = []
+        if self.part is None or not self.rid:
+            return sent
+        for i in range(len(handle)):
+            arr = handle.chunk(i)
+            off = self.server.arena.offset_of(arr) if arr is not None else None
+            if arr is None or off is None:
+                break
+            sent.append(arr)
+            self.part(protocol.part_reply(self.rid, [i, off, arr.dtype.str, list(arr.shape)]))
+        return sent
 
     def _load_into(
         self, lookup: LookupResult, into: list[int], layout: KVLayout | None, request_id: str
