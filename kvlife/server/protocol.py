@@ -16,6 +16,7 @@ the extents (grants) the session may read or write.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import struct
 from collections.abc import Callable, Mapping
@@ -205,54 +206,72 @@ class Rejected(ProtocolError):
 # ---------------------------------------------------------------------- identity
 
 
-_IDENTITY_STRS = (
-    "model_id",
-    "weights_digest",
-    "tokenizer_digest",
-    "position_encoding_digest",
-    "adapter_id",
-    "adapter_digest",
-)
+def _wire_fields(cls: type) -> dict[str, type]:
+    """Every constructor field of an identity dataclass and the scalar type it holds,
+    read from the class itself: a field added to ``ModelIdentity`` or ``KVLayout``
+    travels without an edit here (an identity that lost a field on the wire would key
+    another shard's or another engine's KV the same)."""
+    kinds = {"str": str, "int": int, "bool": bool}
+    out: dict[str, type] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name == "layout":
+            continue
+        kind = kinds.get(str(f.type))
+        if kind is None:
+            raise AssertionError(f"{cls.__name__}.{f.name}: no wire form for {f.type!r}")
+        out[f.name] = kind
+    return out
+
+
+IDENTITY_FIELDS = _wire_fields(ModelIdentity)
+"""Scalar fields of a ModelIdentity on the wire (plus ``layout``)."""
+LAYOUT_FIELDS = _wire_fields(KVLayout)
+
+
+def _check_fields(what: str, value: object, fields: dict[str, type]) -> dict[str, Any]:
+    if type(value) is not dict or set(value) != set(fields):
+        raise ProtocolError(f"{what} must be a map of exactly {sorted(fields)}")
+    for name, kind in fields.items():
+        v = value[name]
+        if type(v) is not kind:
+            raise ProtocolError(f"{what} field {name!r} must be a {kind.__name__}")
+        if isinstance(v, str) and len(v) > _MAX_STR:
+            raise ProtocolError(f"{what} field {name!r} must be <= {_MAX_STR} chars")
+        if type(v) is int and not -(1 << 20) <= v <= 1 << 20:
+            raise ProtocolError(f"{what} field {name!r} must be an int in [-2**20, 2**20]")
+    return value
 
 
 def encode_identity(identity: ModelIdentity) -> dict[str, Any]:
-    out: dict[str, Any] = {k: getattr(identity, k) for k in _IDENTITY_STRS}
+    out: dict[str, Any] = {k: getattr(identity, k) for k in IDENTITY_FIELDS}
     out["layout"] = encode_layout(identity.layout)
     return out
 
 
 def check_identity(value: object) -> None:
-    if type(value) is not dict or set(value) != {*_IDENTITY_STRS, "layout"}:
-        raise ProtocolError(f"identity must be a map of {[*_IDENTITY_STRS, 'layout']}")
-    for k in _IDENTITY_STRS:
-        if type(value[k]) is not str or len(value[k]) > _MAX_STR:
-            raise ProtocolError(f"identity field {k!r} must be a str of <= {_MAX_STR} chars")
+    if type(value) is not dict or "layout" not in value:
+        raise ProtocolError("identity must be a map with a layout")
+    _check_fields("identity", {k: v for k, v in value.items() if k != "layout"}, IDENTITY_FIELDS)
     check_layout(value["layout"])
 
 
 def check_layout(lay: object) -> None:
-    if type(lay) is not list or len(lay) != 5:
-        raise ProtocolError("identity layout is [layers, kv_heads, head_dim, dtype, tokens]")
-    for i in (0, 1, 2, 4):
-        if type(lay[i]) is not int or not 1 <= lay[i] <= 1 << 20:
-            raise ProtocolError("identity layout sizes must be ints in [1, 2**20]")
-    if type(lay[3]) is not str or len(lay[3]) > 32:
-        raise ProtocolError("identity layout dtype must be a short str")
+    _check_fields("identity layout", lay, LAYOUT_FIELDS)
 
 
-def encode_layout(lay: KVLayout) -> list[object]:
-    return [lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.dtype, lay.tokens_per_chunk]
+def encode_layout(lay: KVLayout) -> dict[str, Any]:
+    return {k: getattr(lay, k) for k in LAYOUT_FIELDS}
 
 
-def decode_layout(lay: list[Any]) -> KVLayout:
-    """A checked layout list as a KVLayout (InvalidArgument if its values are bad)."""
-    return KVLayout(lay[0], lay[1], lay[2], lay[3], lay[4])
+def decode_layout(lay: dict[str, Any]) -> KVLayout:
+    """A checked layout map as a KVLayout (InvalidArgument if its values are bad)."""
+    return KVLayout(**lay)
 
 
 def decode_identity(value: dict[str, Any]) -> ModelIdentity:
     """A checked identity map as a ModelIdentity (InvalidArgument if its values are bad)."""
     layout = decode_layout(value["layout"])
-    return ModelIdentity(layout=layout, **{k: value[k] for k in _IDENTITY_STRS})
+    return ModelIdentity(layout=layout, **{k: value[k] for k in IDENTITY_FIELDS})
 
 
 def decode_namespace(text: str) -> Namespace:

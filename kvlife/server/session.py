@@ -218,7 +218,9 @@ class Session:
         if len(tokens) % 4:
             raise ProtocolError("tokens must be little-endian u32 ids (a multiple of 4 bytes)")
         raw = args["identity"]
-        memo = tuple(raw[k] for k in sorted(raw) if k != "layout") + tuple(raw["layout"])
+        memo = tuple(sorted((k, v) for k, v in raw.items() if k != "layout")) + tuple(
+            sorted(raw["layout"].items())
+        )
         identity = self._identities.get(memo)
         if identity is None:
             identity = protocol.decode_identity(raw)

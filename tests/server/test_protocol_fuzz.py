@@ -110,6 +110,22 @@ def test_one_bad_field_is_named(verb: str, data: st.DataObject) -> None:
     check_typed(req)
 
 
+def test_identity_round_trips_the_wire_with_every_field() -> None:
+    """The wire form is built from the dataclasses' own fields: nothing is dropped."""
+    import dataclasses
+
+    ident = tiny_identity(adapter_id="lora", adapter_digest="d")
+    wire = protocol.encode_identity(ident)
+    protocol.check_identity(wire)
+    back = protocol.decode_identity(wire)
+    assert back == ident and back.digest == ident.digest
+    names = {f.name for f in dataclasses.fields(type(ident)) if f.init}
+    assert set(wire) == names
+    assert set(wire["layout"]) == {f.name for f in dataclasses.fields(TINY) if f.init}
+    with pytest.raises(ProtocolError, match="exactly"):
+        protocol.check_identity({**wire, "layout": {**wire["layout"], "extra": 1}})
+
+
 @pytest.fixture(scope="module")
 def state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerState]:
     path = tmp_path_factory.mktemp("fuzz") / "store"
@@ -120,6 +136,14 @@ def state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerState]:
     store.close()
 
 
+def _layout(sizes: list[int], dtype: str) -> dict[str, Any]:
+    """A layout on the wire with hostile sizes (every other field as TINY's)."""
+    lay = protocol.encode_layout(TINY)
+    lay.update(num_layers=sizes[0], num_kv_heads=sizes[1], head_dim=sizes[2], dtype=dtype)
+    lay["tokens_per_chunk"] = sizes[3]
+    return lay
+
+
 def _mutate(data: st.DataObject, verb: str) -> dict[str, Any]:
     """Schema-valid arguments with hostile values: unknown ids, huge layouts, other
     sessions' ids, tokens of odd length, bad namespaces, keys nobody stored."""
@@ -127,13 +151,7 @@ def _mutate(data: st.DataObject, verb: str) -> dict[str, Any]:
     if verb in ("lookup", "prepare_put"):
         lay = data.draw(st.lists(st.integers(1, 1 << 20), min_size=4, max_size=4))
         ident = dict(IDENT)
-        ident["layout"] = [
-            lay[0],
-            lay[1],
-            lay[2],
-            data.draw(st.sampled_from(["float16", "bf", "int8"])),
-            lay[3],
-        ]
+        ident["layout"] = _layout(lay, data.draw(st.sampled_from(["float16", "bf", "int8"])))
         ident["model_id"] = data.draw(st.sampled_from(["m", ""]))
         args["identity"] = ident
         args["tokens"] = data.draw(st.binary(max_size=64))
@@ -148,7 +166,7 @@ def _mutate(data: st.DataObject, verb: str) -> dict[str, Any]:
         }
         if data.draw(st.booleans()):
             lay = data.draw(st.lists(st.integers(1, 1 << 20), min_size=4, max_size=4))
-            args["layout"] = [lay[0], lay[1], lay[2], "float16", lay[3]]
+            args["layout"] = _layout(lay, "float16")
         if data.draw(st.booleans()):  # targets in buffers this session may or may not own
             args["into"] = data.draw(st.lists(st.integers(0, 1 << 20), max_size=8))
     elif verb in ("release", "commit_put", "abort_put"):
