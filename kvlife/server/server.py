@@ -135,17 +135,24 @@ class Server:
     def _listen(self, path: Path) -> socket.socket:
         if path.exists() or path.is_symlink():
             path.unlink()  # a dead server's socket: we hold the store lock now
+        # bound and listening under a temporary name, then renamed: the socket path
+        # appears only once connections are accepted (a client that waits for the file
+        # is never refused)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.unlink(missing_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
-            sock.bind(str(path))
+            sock.bind(str(tmp))
+            os.chmod(tmp, 0o600)
+            sock.listen(64)
+            os.rename(tmp, path)
         except OSError as exc:
             sock.close()
+            tmp.unlink(missing_ok=True)
             raise InvalidArgument(f"cannot listen on {path}: {exc}") from exc
         finally:
             os.umask(old)
-        os.chmod(path, 0o600)
-        sock.listen(64)
         sock.settimeout(0.2)
         return sock
 
