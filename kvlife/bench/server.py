@@ -156,11 +156,13 @@ class _Server:
             "--pid-file", str(pid_file), "--dram-bytes", str(dram), "--disk-bytes", str(disk),
             "--staging-bytes", str(max(128 * MiB, dram // 2)), *flags,
         ]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, env=_env())
+        log = path.parent / f"{path.name}.log"
+        with log.open("wb") as err:
+            self.proc = subprocess.Popen(cmd, stderr=err, env=_env())
         deadline = time.monotonic() + 120
         while not pid_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kvlife serve did not start ({cmd})")
+                raise RuntimeError(f"kvlife serve did not start: {log.read_text()[-2000:]}")
             time.sleep(0.05)
 
     def client(self) -> RemoteStore:
@@ -419,12 +421,13 @@ def _worker(sock: str, size: int, n: int, seconds: float, start_at: float) -> in
 
 def run_server_bench(cfg: ServerBenchConfig) -> dict[str, Any]:
     base = cfg.directory if cfg.directory is not None else Path.cwd()
-    work = Path(tempfile.mkdtemp(prefix="kvlife-bench-server-", dir=base))
+    # short names: a Unix socket path has at most 107 bytes
+    work = Path(tempfile.mkdtemp(prefix="kvsrv-", dir=base))
     biggest = max(cfg.sizes) * cfg.chunks_per_call
     dram = max(256 * MiB, 3 * biggest)
     servers: list[_Server] = []
     try:
-        main = _Server(work / "main", dram, 4 * dram)
+        main = _Server(work / "m", dram, 4 * dram)
         servers.append(main)
         remote = main.client()
         result: dict[str, Any] = {"config": asdict(cfg), "note": "", "peer_lmcache": PEER_NOTE}
@@ -440,7 +443,7 @@ def run_server_bench(cfg: ServerBenchConfig) -> dict[str, Any]:
         result["scaling"] = _bench_scaling(cfg, main)
         main.stop()
         servers.remove(main)
-        disk = _Server(work / "disk", dram, 4 * dram, "--no-promote", "--write-through")
+        disk = _Server(work / "d", dram, 4 * dram, "--no-promote", "--write-through")
         servers.append(disk)
         remote = disk.client()
         result["load_disk"] = [

@@ -35,6 +35,8 @@ from kvlife.store.facade import KVStore
 from kvlife.tiers.shm import SHM_DIR, ShmTier
 
 DEFAULT_SOCKET = "serve.sock"
+MAX_SOCKET_PATH = 107
+"""Longest Unix socket path Linux takes (sun_path is 108 bytes with its NUL)."""
 """Socket file name inside the store directory when ``--socket`` is not given."""
 
 
@@ -138,7 +140,15 @@ class Server:
         # bound and listening under a temporary name, then renamed: the socket path
         # appears only once connections are accepted (a client that waits for the file
         # is never refused)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+            raise InvalidArgument(
+                f"socket path {path} is {len(os.fsencode(path))} bytes; a Unix socket path "
+                f"has at most {MAX_SOCKET_PATH} (use a shorter --socket)"
+            )
+        # the temporary name is no longer than the final one (the path length limit)
+        tmp = path.with_name("." + str(os.getpid())[-max(1, len(path.name) - 1) :])
+        if tmp.exists() and not tmp.is_socket():
+            tmp = path  # never remove someone's file: bind in place
         tmp.unlink(missing_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
@@ -146,7 +156,8 @@ class Server:
             sock.bind(str(tmp))
             os.chmod(tmp, 0o600)
             sock.listen(64)
-            os.rename(tmp, path)
+            if tmp != path:
+                os.rename(tmp, path)
         except OSError as exc:
             sock.close()
             tmp.unlink(missing_ok=True)

@@ -81,4 +81,4 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
         "put_write_through_256KiB",
     } <= names
     assert all(isinstance(t["met"], bool) for t in r["targets"])
-    assert not list(tmp_path.glob("kvlife-bench-server-*"))  # its work directory is removed
+    assert not list(tmp_path.glob("kvsrv-*"))  # its work directory is removed

@@ -103,3 +103,16 @@ def test_check_of_a_live_directory_with_a_custom_socket_points_to_it(tmp_path: P
         assert got.returncode == 1 and "kvlife check --socket" in got.stderr
     finally:
         assert srv.stop() == 0
+
+
+def test_long_socket_paths_serve_or_fail_by_name(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * max(1, 99 - len(str(tmp_path))))
+    deep.mkdir()
+    ok = ServerProc(deep / "s")  # a socket path of 107 bytes, the most there is: served
+    assert len(str(ok.socket)) == 107 or len(str(tmp_path)) > 97
+    ok.start()
+    with ok.client() as c:
+        assert c.info().objects_by_state["tentative"] == 0
+    assert ok.stop() == 0
+    got = kvlife("serve", str(tmp_path / "store"), "--socket", str(deep / ("x" * 20)))
+    assert got.returncode == 1 and "at most 107" in got.stderr
