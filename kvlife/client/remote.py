@@ -20,24 +20,22 @@ serialised on its one connection; copies run outside that lock).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import mmap
 import os
-import socket
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 
+from kvlife.client.connection import Connection, error_from_reply, split_keys
+from kvlife.client.handles import RemoteLoadHandle, RemoteLookup, RemotePendingPut
 from kvlife.core import errors
-from kvlife.core.errors import InvalidArgument, KVLifeError, RemoteError, StoreUnavailable
+from kvlife.core.errors import InvalidArgument, KVLifeError, StoreUnavailable
 from kvlife.core.identity import (
-    KEY_BYTES,
     ROOT_PARENT,
     ChunkKey,
     KVLayout,
@@ -65,74 +63,6 @@ RELEASE_BATCH = 8
 """Finished loads whose grants wait for the next request before being sent alone."""
 
 
-def _keys(blob: bytes) -> list[ChunkKey]:
-    return [ChunkKey(blob[i : i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES)]
-
-
-def _error(kind: object, message: object) -> KVLifeError:
-    """The typed error the server named (RemoteError for a name this client lacks)."""
-    cls = getattr(errors, str(kind), None)
-    if not (isinstance(cls, type) and issubclass(cls, KVLifeError)):
-        return RemoteError(f"{kind}: {message}")
-    exc = cls.__new__(cls)
-    Exception.__init__(exc, str(message))
-    return exc
-
-
-@dataclass(slots=True)
-class RemotePendingPut:
-    """A put between ``prepare_put`` and ``commit_put`` on the server."""
-
-    put: int
-    epoch: int
-    keys: list[ChunkKey]
-    tokens_per_chunk: int
-    present: int
-    in_flight: int
-    stored_chunks: list[int] = field(default_factory=list)
-    """Chunk numbers whose bytes this client wrote into the arena."""
-    done: bool = False
-
-
-class _Conn:
-    """One connection and its mapping of the server's arena."""
-
-    def __init__(self, path: str, timeout: float | None) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        try:
-            self.sock.connect(path)
-        except OSError:
-            self.sock.close()
-            raise
-        self.rid = itertools.count(1)
-        self.arena: mmap.mmap | None = None
-        self.arena_bytes = 0
-        self.hello: dict[str, Any] = {}
-        self.releases: list[int] = []
-        """Load grants to give back with the next request."""
-        self.epoch = 0
-        """Which connection of its RemoteStore this is (pending puts remember it)."""
-        self.buffers: list[tuple[int, int, int, mmap.mmap]] = []
-        """Shared output buffers of this connection: (address, size, id, mapping)."""
-
-    def map_arena(self, path: str, size: int) -> None:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self.arena = mmap.mmap(fd, size, flags=flags)
-        finally:
-            os.close(fd)
-        self.arena_bytes = size
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        if self.arena is not None:
-            with contextlib.suppress(BufferError):
-                self.arena.close()  # views still alive keep it mapped until they die
-
-
 class RemoteStore:
     """A store served by ``kvlife serve`` (same public API as ``KVStore``)."""
 
@@ -143,7 +73,7 @@ class RemoteStore:
         with ``lazy`` the first call connects instead, so a client may start first)."""
         self.socket_path = str(socket_path)
         self._timeout = timeout
-        self._conn: _Conn | None = None
+        self._conn: Connection | None = None
         self._epoch = 0
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -161,7 +91,7 @@ class RemoteStore:
 
     # ------------------------------------------------------------------ wire
 
-    def _connected(self) -> _Conn:
+    def _connected(self) -> Connection:
         if self._conn is not None and self._pid != os.getpid():
             # a forked child (engines fork their workers): the parent's connection and
             # leases are the parent's; this process gets its own session
@@ -172,7 +102,7 @@ class RemoteStore:
             return self._conn
         self._pid = os.getpid()
         try:
-            conn = _Conn(self.socket_path, self._timeout)
+            conn = Connection(self.socket_path, self._timeout)
         except OSError as exc:
             raise protocol.unavailable(self.socket_path, exc) from None
         try:
@@ -193,10 +123,10 @@ class RemoteStore:
 
     def _roundtrip(
         self,
-        conn: _Conn,
+        conn: Connection,
         verb: str,
         args: dict[str, Any],
-        on_part: Callable[[_Conn, Any], None] | None = None,
+        on_part: Callable[[Connection, Any], None] | None = None,
     ) -> Any:
         rid = next(conn.rid)
         frame = protocol.pack([rid, verb, args])
@@ -225,7 +155,7 @@ class RemoteStore:
                     failed = exc
         if not reply[1]:
             kind, message = reply[2]
-            raise _error(kind, message)
+            raise error_from_reply(kind, message)
         if failed is not None:
             raise failed
         return reply[2]
@@ -237,8 +167,8 @@ class RemoteStore:
         self,
         verb: str,
         args: dict[str, Any],
-        on_part: Callable[[_Conn, Any], None] | None = None,
-    ) -> tuple[Any, _Conn]:
+        on_part: Callable[[Connection, Any], None] | None = None,
+    ) -> tuple[Any, Connection]:
         """The result and the connection it came on: grants name offsets in that
         connection's arena (another thread may reconnect to a new server meanwhile)."""
         if self._closed:
@@ -253,7 +183,7 @@ class RemoteStore:
                 self._drop()
                 raise protocol.unavailable(self.socket_path, exc) from None
 
-    def _release(self, load: int, conn: _Conn) -> None:
+    def _release(self, load: int, conn: Connection) -> None:
         """Give a load's grant back: with the next request (no round trip of its own),
         or now when many are waiting. A lost connection released it anyway."""
         with self._lock:
@@ -274,7 +204,7 @@ class RemoteStore:
             self._conn.close()
         self._conn = None
 
-    def _view(self, conn: _Conn, off: int, dtype: str, shape: Sequence[int]) -> np.ndarray:
+    def _view(self, conn: Connection, off: int, dtype: str, shape: Sequence[int]) -> np.ndarray:
         if conn.arena is None:
             raise StoreUnavailable(f"lost the connection to {self.socket_path} during a call")
         dt = np.dtype(dtype)
@@ -367,7 +297,7 @@ class RemoteStore:
         pending = RemotePendingPut(
             reply["put"],
             conn.epoch,
-            _keys(reply["keys"]),
+            split_keys(reply["keys"]),
             layout.tokens_per_chunk,
             reply["present"],
             reply["in_flight"],
@@ -407,7 +337,7 @@ class RemoteStore:
             in_flight=r["in_flight"],
             dropped=r["dropped"],
             tokens_stored_or_present=r["tokens_stored_or_present"],
-            keys=_keys(r["keys"]),
+            keys=split_keys(r["keys"]),
         )
 
     def put_async(self, pending: RemotePendingPut) -> Future[PutResult]:
@@ -435,9 +365,9 @@ class RemoteStore:
         names = self._names
         hits = [
             ChunkHit(i, key, start + i * n, TierName(names[t]))
-            for i, (key, t) in enumerate(zip(_keys(r["keys"]), r["tiers"], strict=True))
+            for i, (key, t) in enumerate(zip(split_keys(r["keys"]), r["tiers"], strict=True))
         ]
-        return _RemoteLookup(hits, r["chunks_total"], n, identity)
+        return RemoteLookup(hits, r["chunks_total"], n, identity)
 
     def load(
         self,
@@ -465,7 +395,7 @@ class RemoteStore:
             "starts": [h.start for h in hits],
             "chunks_total": lookup.chunks_total,
         }
-        if isinstance(lookup, _RemoteLookup) and lookup.identity is not None:
+        if isinstance(lookup, RemoteLookup) and lookup.identity is not None:
             # the layout lets the server read disk hits straight into arena extents
             args["layout"] = protocol.encode_layout(lookup.identity.layout)
             into = self._targets(outs, lookup.identity.layout) if outs is not None else None
@@ -475,7 +405,7 @@ class RemoteStore:
             args["request_id"] = request_id
         arrays: list[np.ndarray] = []
 
-        def take(conn: _Conn, i: int, off: int, dtype: str, shape: Sequence[int]) -> None:
+        def take(conn: Connection, i: int, off: int, dtype: str, shape: Sequence[int]) -> None:
             src = self._view(conn, off, dtype, shape)
             if outs is not None:
                 out = outs[i]
@@ -494,7 +424,7 @@ class RemoteStore:
             if on_chunk is not None:
                 on_chunk(i, out)
 
-        def part(conn: _Conn, p: list[Any]) -> None:
+        def part(conn: Connection, p: list[Any]) -> None:
             # a chunk read from disk, sent as soon as it verified: copied while the
             # server reads the next ones
             if p[0] != len(arrays):
@@ -527,7 +457,7 @@ class RemoteStore:
             len(arrays),
             r["requested"],
             tiers=tiers,
-            corrupt=_keys(r["corrupt"]),
+            corrupt=split_keys(r["corrupt"]),
             vanished=r["vanished"],
             read_errors=r["read_errors"],
         )
@@ -689,68 +619,3 @@ class RemoteStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@dataclass(frozen=True, slots=True)
-class _RemoteLookup(LookupResult):
-    """A lookup answer that remembers its identity (a load needs the chunk layout)."""
-
-    identity: ModelIdentity | None = None
-
-
-class RemoteLoadHandle:
-    """An asynchronous remote load, shaped like :class:`~kvlife.store.reads.LoadHandle`:
-    ``chunk(i)`` returns as soon as chunk ``i`` was copied into its buffer."""
-
-    def __init__(self, requested: int) -> None:
-        self._requested = requested
-        self._events = [threading.Event() for _ in range(requested)]
-        self._arrays: list[np.ndarray | None] = [None] * requested
-        self._finished = threading.Event()
-        self._result: LoadResult | None = None
-        self._error: BaseException | None = None
-
-    def __len__(self) -> int:
-        return self._requested
-
-    def _chunk_done(self, i: int, arr: np.ndarray | None) -> None:
-        self._arrays[i] = arr
-        self._events[i].set()
-
-    def _finish(self, fut: Future[LoadResult]) -> None:
-        exc = fut.exception()
-        if exc is not None:
-            self._error = exc
-        else:
-            self._result = fut.result()
-        self._finished.set()
-        for ev in self._events:
-            ev.set()
-
-    def chunk(self, i: int, timeout: float | None = None) -> np.ndarray | None:
-        if not 0 <= i < self._requested:
-            raise InvalidArgument(f"chunk {i} is not in this load of {self._requested} hits")
-        if not self._events[i].wait(timeout):
-            raise TimeoutError(f"chunk {i} did not complete within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._arrays[i]
-
-    def completed(self) -> int:
-        n = 0
-        for ev in self._events:
-            if not ev.is_set():
-                break
-            n += 1
-        return n
-
-    def done(self) -> bool:
-        return self._finished.is_set()
-
-    def wait(self, timeout: float | None = None) -> LoadResult:
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"load did not finish within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result

@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
-import mmap
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,14 +25,13 @@ import numpy as np
 
 from kvlife.core.errors import InvalidArgument, ProtocolError, StorageFullError
 from kvlife.core.identity import KEY_BYTES, ROOT_PARENT, ChunkKey, KVLayout, ModelIdentity
-from kvlife.core.objects import TierName
 from kvlife.core.payload import numpy_dtype
 from kvlife.results import ChunkHit, LookupResult
 from kvlife.server import protocol
+from kvlife.server.buffers import SharedBuffer
 from kvlife.store.facade import KVStore
 from kvlife.store.reads import LoadHandle
 from kvlife.store.writes import PendingPut
-from kvlife.tiers.buffers import round_up
 from kvlife.tiers.shm import Arena, ShmTier
 
 PartSender = Callable[[bytes], None]
@@ -44,36 +41,6 @@ MAX_LEASES = 4096
 """Outstanding puts, and outstanding loads, one session may hold."""
 MAX_BUFFER_BYTES = 16 << 30
 """Shared output buffers one session may hold, in bytes."""
-
-
-class SharedBuffer:
-    """A shared-memory file the server made for one session's output buffers: loads
-    into it land there directly (disk reads by O_DIRECT), with no copy by the client.
-    The file goes with the session (and a dead server's with the next start)."""
-
-    def __init__(self, path: Path, nbytes: int) -> None:
-        size = round_up(nbytes)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self.mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        except OSError as exc:
-            path.unlink(missing_ok=True)
-            raise StorageFullError(f"cannot make a shared buffer of {size} bytes: {exc}") from exc
-        finally:
-            os.close(fd)
-        self.path = path
-        self.size = size
-
-    def view(self, off: int, layout: KVLayout) -> np.ndarray:
-        n = layout.chunk_nbytes
-        if not 0 <= off <= self.size - n:
-            raise ProtocolError(f"[{off}, +{n}) is outside the session's buffer of {self.size}")
-        raw = np.frombuffer(self.mmap, np.uint8, count=n, offset=off)
-        return raw.view(numpy_dtype(layout.dtype)).reshape(layout.chunk_shape)
-
-    def drop(self) -> None:
-        self.path.unlink(missing_ok=True)  # the mapping lives on while views are in use
 
 
 @dataclass(slots=True)
@@ -515,7 +482,3 @@ class Session:
                 f"session {self.sid} already holds {len(table)} {what}; "
                 "release or finish some first"
             )
-
-
-def tier_name(names: list[str], i: int) -> TierName:
-    return TierName(names[i])
