@@ -122,9 +122,13 @@ class Server:
             f"recovery store={cfg.path} recovered={c.recovered} dropped={c.recovery_dropped} "
             f"objects={len(self.store.indexed_keys())}"
         )
-        self.listener = self._listen(cfg.socket_path)
-        if cfg.pid_file is not None:
-            cfg.pid_file.write_text(f"{os.getpid()}\n", encoding="utf-8")
+        try:
+            self.listener = self._listen(cfg.socket_path)
+            if cfg.pid_file is not None:
+                cfg.pid_file.write_text(f"{os.getpid()}\n", encoding="utf-8")
+        except BaseException:
+            self.store.close(flush=False)  # releases the lock, removes the arena
+            raise
         self.log(
             f"start pid={os.getpid()} store={cfg.path} socket={cfg.socket_path} "
             f"arena={shm.arena.path} dram_bytes={cfg.dram_bytes} disk_bytes={cfg.disk_bytes}"

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from kvlife.core.identity import PUBLIC
+from kvlife.server.server import arena_prefix
 from kvlife.store import KVStore
 from tests.conftest import prompt_kv, tiny_identity
 from tests.server.conftest import ROOT, ServerProc, child_env
@@ -114,5 +115,8 @@ def test_long_socket_paths_serve_or_fail_by_name(tmp_path: Path) -> None:
     with ok.client() as c:
         assert c.info().objects_by_state["tentative"] == 0
     assert ok.stop() == 0
-    got = kvlife("serve", str(tmp_path / "store"), "--socket", str(deep / ("x" * 20)))
+    store = tmp_path / "store"
+    got = kvlife("serve", str(store), "--socket", str(deep / ("x" * 20)), "--dram-bytes", "4096")
     assert got.returncode == 1 and "at most 107" in got.stderr
+    # a server that could not start leaves no arena behind
+    assert not list(Path("/dev/shm").glob(arena_prefix(store) + "-*"))
