@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvlife.core.errors import KVLifeError
+from kvlife.core.errors import KVLifeError, StoreLockedError
 
 GiB = 1 << 30
 
@@ -36,16 +36,51 @@ def _open_existing(path: str) -> object:
     return KVStore.open(p, dram_bytes=0, disk_bytes=1 << 50)
 
 
+def _live_socket(args: argparse.Namespace) -> str | None:
+    """The socket of the server to ask: ``--socket``, or ``PATH/serve.sock`` when a
+    server answers there (a dead server's leftover socket is not one)."""
+    if getattr(args, "socket", None):
+        return str(args.socket)
+    if args.path is None:
+        raise KVLifeError("give a store PATH or --socket S")
+    sock = Path(args.path) / "serve.sock"
+    if not sock.is_socket():
+        return None
+    import socket
+
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(sock))
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return str(sock)
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from kvlife.report import format_table
     from kvlife.store import KVStore
 
-    store = _open_existing(args.path)
-    assert isinstance(store, KVStore)
-    try:
-        info = store.info()
-    finally:
-        store.close(flush=False)
+    sock = _live_socket(args)
+    if sock is not None:
+        remote = KVStore.connect(sock)
+        try:
+            info = remote.info()
+            server = remote.server_info()["server"]
+        finally:
+            remote.close()
+        if args.json:
+            print(json.dumps({**info.to_json(), "server": server}, indent=2))
+            return 0
+        print(f"server {sock}: " + ", ".join(f"{k}={v}" for k, v in server.items()))
+    else:
+        store = _open_existing(args.path)
+        assert isinstance(store, KVStore)
+        try:
+            info = store.info()
+        finally:
+            store.close(flush=False)
     if args.json:
         print(json.dumps(info.to_json(), indent=2))
         return 0
@@ -79,6 +114,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     from kvlife.tiers.disk.audit import audit_directory
 
+    sock = _live_socket(args)
+    if sock is not None:
+        return _check_live(sock, args.fix)
     path = Path(args.path)
     if args.fix:
         actions = _fix(path)
@@ -96,7 +134,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         leave=False,
         disable=total < (256 << 20),
     ) as bar:
-        report = audit_directory(path, progress=bar.update)
+        try:
+            report = audit_directory(path, progress=bar.update)
+        except StoreLockedError as exc:
+            raise StoreLockedError(
+                f"{exc} (a `kvlife serve` of it is audited through its socket: "
+                "`kvlife check --socket S`)"
+            ) from None
     print(f"checked {report.rows} replicas: {report.ok} ok, {len(report.bad_keys)} bad")
     if report.generation is not None:
         print(f"catalog generation {report.generation}")
@@ -111,6 +155,44 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not report.clean:
         print("run `kvlife check --fix PATH` to repair" if not args.fix else "not repaired")
     return 0 if report.clean else 1
+
+
+def _check_live(sock: str, fix: bool) -> int:
+    """A live server holds the directory lock: its own audit, read-only, via the socket."""
+    from kvlife.store import KVStore
+
+    if fix:
+        raise KVLifeError("a live server holds this store: stop it before `kvlife check --fix`")
+    remote = KVStore.connect(sock)
+    try:
+        report = remote.check()
+    finally:
+        remote.close()
+    print(f"checked {report.rows} replicas via {sock}: {report.ok} ok, {len(report.bad_keys)} bad")
+    for problem in report.problems:
+        print(f"  bad: {problem}")
+    for line in report.quarantined:
+        print(f"  quarantined row: {line}")
+    for name in report.orphan_segments:
+        print(f"  orphan segment: {name}")
+    return 0 if report.clean else 1
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvlife.server.server import ServeConfig, run
+
+    cfg = ServeConfig(
+        path=Path(args.path),
+        socket=Path(args.socket) if args.socket else None,
+        dram_bytes=args.dram_bytes,
+        disk_bytes=args.disk_bytes,
+        staging_bytes=args.staging_bytes,
+        pid_file=Path(args.pid_file) if args.pid_file else None,
+        write_through=args.write_through,
+        promote_on_hit=not args.no_promote,
+        disk_transform=args.disk_transform,
+    )
+    return run(cfg)
 
 
 def _fix(path: Path) -> list[str]:
@@ -156,20 +238,46 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("info", help="tiers, objects per state, bytes and counters of a store")
-    p.add_argument("path", help="store directory")
+    p.add_argument("path", nargs="?", help="store directory (a live server's: via its socket)")
+    p.add_argument("--socket", default=None, help="ask the `kvlife serve` on this socket")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser(
         "check", help="audit a store read-only (catalog, rows, frames, superblock, files)"
     )
-    p.add_argument("path", help="store directory")
+    p.add_argument("path", nargs="?", help="store directory (a live server's: via its socket)")
+    p.add_argument("--socket", default=None, help="ask the `kvlife serve` on this socket")
     p.add_argument(
         "--fix",
         action="store_true",
         help="repair: drop bad and quarantined replicas, delete orphan and quarantined files",
     )
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser(
+        "serve", help="serve a store to many processes (Unix socket + shared memory)"
+    )
+    p.add_argument("path", help="store directory (locked while serving)")
+    p.add_argument("--socket", default=None, help="Unix socket path (default PATH/serve.sock)")
+    p.add_argument("--dram-bytes", type=int, default=1 * GiB, help="shared-memory DRAM tier")
+    p.add_argument("--disk-bytes", type=int, default=8 * GiB, help="disk tier (0: none)")
+    p.add_argument(
+        "--staging-bytes",
+        type=int,
+        default=256 << 20,
+        help="arena room beyond the DRAM budget (puts being written, disk reads handed out)",
+    )
+    p.add_argument("--pid-file", default=None, help="write the server's pid here")
+    p.add_argument("--write-through", action="store_true", help="make every put durable")
+    p.add_argument("--no-promote", action="store_true", help="do not copy disk hits back into DRAM")
+    p.add_argument(
+        "--disk-transform",
+        default="",
+        help="transform the disk tier stores replicas with, e.g. int4 or lossless "
+        "(docs/transforms.md; lookups take them only with a matching accept)",
+    )
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(
         "demo",
@@ -230,6 +338,7 @@ BENCHES = {
     "transforms": "kvlife.bench.transforms",
     "remote": "kvlife.bench.remote",
     "vllm": "kvlife.bench.vllm",
+    "server": "kvlife.bench.server",
 }
 EXPERIMENTS = {
     "lifetime-hints": "kvlife.sim.lifetime_hints",

@@ -6,6 +6,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import blake3
@@ -52,6 +53,8 @@ SPECS = {
     # a second memory tier standing in for a remote one, as a store chain would build it
     "remote": TierSpec("memory", "remote", CAP),
     "disk": TierSpec("disk", "disk", CAP, options=(("segment_bytes", 256 << 10),)),
+    # the shared-memory DRAM tier of `kvlife serve` (its arena file is set per test)
+    "shm": TierSpec("shm", "dram", CAP, options=(("staging_bytes", CAP),)),
     "disk-buffered": TierSpec(
         "disk", "disk", CAP, options=(("segment_bytes", 256 << 10), ("direct_io", False))
     ),
@@ -81,6 +84,8 @@ def _remote_spec(request: pytest.FixtureRequest, param: str) -> TierSpec:
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
     """Every tier kind, built by the registry from a TierSpec, as a store builds it."""
     spec = SPECS.get(request.param) or _remote_spec(request, request.param)
+    if spec.kind == "shm":
+        spec = replace(spec, options=(*spec.options, ("arena_path", str(tmp_path / "arena"))))
     t = build_tier(spec, TierContext(tmp_path))
     assert t.name == spec.name
     yield t

@@ -94,3 +94,19 @@ class LeaseError(KVLifeError):
 
 class IndexUnreachable(RemoteTierError):
     """The global index could not be read: no remote KV may be served (a miss)."""
+
+
+class StoreUnavailable(KVLifeError, ConnectionError):
+    """The store server cannot be reached (not running, restarting, or it went away
+    mid-call). An engine treats it as a miss and goes on computing; the client
+    reconnects on a later call once the server is back."""
+
+
+class ProtocolError(KVLifeError, ValueError):
+    """A message to or from the store server that is malformed (bad framing, types,
+    ranges or lengths, an unknown verb, or a grant the session does not hold)."""
+
+
+class RemoteError(KVLifeError):
+    """An unexpected failure inside the store server, reported to the client (the
+    server logs it and keeps serving)."""

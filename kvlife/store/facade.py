@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,6 +39,9 @@ from kvlife.tiers.base import AuditReport, Tier
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.registry import TierContext, build_tier
 from kvlife.transforms.contract import Accept
+
+if TYPE_CHECKING:
+    from kvlife.client.remote import RemoteStore
 
 Tokens = Sequence[int] | np.ndarray
 
@@ -96,6 +100,16 @@ class KVStore:
             {"dram_bytes": dram_bytes, "disk_bytes": disk_bytes, **settings}
         )
         return cls(path, config, sink=sink, fileio=fileio)
+
+    @staticmethod
+    def connect(
+        socket: str | Path, *, timeout: float | None = 60.0, lazy: bool = False
+    ) -> RemoteStore:
+        """A client of the store that ``kvlife serve`` serves on ``socket``: the same
+        public API, shared by many processes (see docs/server.md)."""
+        from kvlife.client.remote import RemoteStore
+
+        return RemoteStore(socket, timeout=timeout, lazy=lazy)
 
     # ------------------------------------------------------------------ puts
 

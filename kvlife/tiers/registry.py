@@ -69,6 +69,22 @@ def _disk(spec: TierSpec, ctx: TierContext) -> Tier:
     return DiskTier(ctx.store_path / spec.name, config, name=spec.name, fileio=ctx.fileio)
 
 
+def _shm(spec: TierSpec, ctx: TierContext) -> Tier:
+    from kvlife.tiers.shm import ShmTier
+
+    opts = dict(spec.options)
+    unknown = sorted(set(opts) - {"arena_path", "staging_bytes"})
+    if unknown:
+        raise InvalidArgument(f"shm tier {spec.name!r}: unknown option(s) {unknown}")
+    arena = opts.get("arena_path")
+    staging = opts.get("staging_bytes", 256 << 20)
+    if not isinstance(arena, str) or not arena:
+        raise InvalidArgument(f"shm tier {spec.name!r} needs an arena_path option")
+    if not isinstance(staging, int) or isinstance(staging, bool) or staging < 0:
+        raise InvalidArgument(f"shm tier {spec.name!r}: staging_bytes must be an int >= 0")
+    return ShmTier(spec.capacity_bytes, spec.name, Path(arena), staging)
+
+
 def _index_config(spec: TierSpec, opts: dict[str, object]) -> object:
     from kvlife.globalindex import IndexConfig
 
@@ -140,5 +156,6 @@ def _builtins() -> None:
         ("disk", _disk),
         ("redis", _redis),
         ("mooncake", _mooncake),
+        ("shm", _shm),
     ):
         _KINDS.setdefault(kind, factory)

@@ -1,0 +1,94 @@
+"""What a RemoteStore hands out between calls: a pending put, a lookup answer that
+remembers its identity, and the handle of an asynchronous load."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.core.identity import ChunkKey, ModelIdentity
+from kvlife.results import LoadResult, LookupResult
+
+
+@dataclass(slots=True)
+class RemotePendingPut:
+    """A put between ``prepare_put`` and ``commit_put`` on the server."""
+
+    put: int
+    epoch: int
+    keys: list[ChunkKey]
+    tokens_per_chunk: int
+    present: int
+    in_flight: int
+    stored_chunks: list[int] = field(default_factory=list)
+    """Chunk numbers whose bytes this client wrote into the arena."""
+    done: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteLookup(LookupResult):
+    """A lookup answer that remembers its identity (a load needs the chunk layout)."""
+
+    identity: ModelIdentity | None = None
+
+
+class RemoteLoadHandle:
+    """An asynchronous remote load, shaped like :class:`~kvlife.store.reads.LoadHandle`:
+    ``chunk(i)`` returns as soon as chunk ``i`` was copied into its buffer."""
+
+    def __init__(self, requested: int) -> None:
+        self._requested = requested
+        self._events = [threading.Event() for _ in range(requested)]
+        self._arrays: list[np.ndarray | None] = [None] * requested
+        self._finished = threading.Event()
+        self._result: LoadResult | None = None
+        self._error: BaseException | None = None
+
+    def __len__(self) -> int:
+        return self._requested
+
+    def _chunk_done(self, i: int, arr: np.ndarray | None) -> None:
+        self._arrays[i] = arr
+        self._events[i].set()
+
+    def _finish(self, fut: Future[LoadResult]) -> None:
+        exc = fut.exception()
+        if exc is not None:
+            self._error = exc
+        else:
+            self._result = fut.result()
+        self._finished.set()
+        for ev in self._events:
+            ev.set()
+
+    def chunk(self, i: int, timeout: float | None = None) -> np.ndarray | None:
+        if not 0 <= i < self._requested:
+            raise InvalidArgument(f"chunk {i} is not in this load of {self._requested} hits")
+        if not self._events[i].wait(timeout):
+            raise TimeoutError(f"chunk {i} did not complete within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._arrays[i]
+
+    def completed(self) -> int:
+        n = 0
+        for ev in self._events:
+            if not ev.is_set():
+                break
+            n += 1
+        return n
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> LoadResult:
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"load did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result

@@ -1,0 +1,633 @@
+"""RemoteStore: the public API of :class:`~kvlife.store.KVStore`, served by ``kvlife
+serve`` over its Unix socket, with bulk bytes through the server's shared-memory arena.
+
+A load is one round trip that names the arena extents holding the verified chunks (DRAM
+replicas as they are, disk reads landed in the arena), one copy from the arena into the
+caller's buffers (or new arrays), and a release that rides along with the next request
+(no round trip of its own). A put
+is a round trip that reserves extents for the chunks the store does not hold, one copy
+of each into its extent, and a commit round trip (the server adopts the extents as the
+DRAM replicas without a copy).
+
+When the server cannot be reached every call raises
+:class:`~kvlife.core.errors.StoreUnavailable` (an engine treats it as a miss); the next
+call tries to reconnect, so a restarted server is picked up by itself. Pending puts and
+loads of a lost connection are gone (the server aborted them); finishing one raises
+StoreUnavailable. A RemoteStore may be shared by the threads of a process (calls are
+serialised on its one connection; copies run outside that lock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from kvlife.client.connection import Connection, error_from_reply, split_keys
+from kvlife.client.handles import RemoteLoadHandle, RemoteLookup, RemotePendingPut
+from kvlife.core import errors
+from kvlife.core.errors import InvalidArgument, KVLifeError, StoreUnavailable
+from kvlife.core.identity import (
+    ROOT_PARENT,
+    ChunkKey,
+    KVLayout,
+    ModelIdentity,
+    Namespace,
+    token_bytes,
+)
+from kvlife.core.objects import TierName
+from kvlife.core.payload import numpy_dtype
+from kvlife.results import (
+    ChunkHit,
+    LoadResult,
+    LookupResult,
+    PutResult,
+    StoreCounters,
+    StoreInfo,
+    TierInfo,
+)
+from kvlife.server import protocol
+from kvlife.store.writes import split_chunks
+from kvlife.tiers.base import AuditReport
+from kvlife.transforms.contract import Accept
+
+Tokens = Sequence[int] | np.ndarray
+RELEASE_BATCH = 8
+"""Finished loads whose grants wait for the next request before being sent alone."""
+
+
+class RemoteStore:
+    """A store served by ``kvlife serve`` (same public API as ``KVStore``)."""
+
+    def __init__(
+        self, socket_path: str | Path, *, timeout: float | None = 60.0, lazy: bool = False
+    ) -> None:
+        """Connect to the server on ``socket_path`` (StoreUnavailable if it is not there;
+        with ``lazy`` the first call connects instead, so a client may start first)."""
+        self.socket_path = str(socket_path)
+        self._timeout = timeout
+        self._conn: Connection | None = None
+        self._epoch = 0
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+        self._pid = os.getpid()
+        self._names: list[str] = []
+        if not lazy:
+            self._call("info", {})  # connect now: a wrong path fails here, typed
+
+    @classmethod
+    def connect(
+        cls, socket_path: str | Path, *, timeout: float | None = 60.0, lazy: bool = False
+    ) -> RemoteStore:
+        return cls(socket_path, timeout=timeout, lazy=lazy)
+
+    # ------------------------------------------------------------------ wire
+
+    def _connected(self) -> Connection:
+        if self._conn is not None and self._pid != os.getpid():
+            # a forked child (engines fork their workers): the parent's connection and
+            # leases are the parent's; this process gets its own session
+            self._conn.sock.detach()
+            self._conn = None
+            self._pool = None
+        if self._conn is not None:
+            return self._conn
+        self._pid = os.getpid()
+        try:
+            conn = Connection(self.socket_path, self._timeout)
+        except OSError as exc:
+            raise protocol.unavailable(self.socket_path, exc) from None
+        try:
+            hello = self._roundtrip(conn, "hello", {"version": protocol.PROTOCOL_VERSION})
+            conn.map_arena(hello["arena"], hello["arena_bytes"])
+        except OSError as exc:
+            conn.close()
+            raise protocol.unavailable(self.socket_path, exc) from None
+        except BaseException:
+            conn.close()
+            raise
+        conn.hello = hello
+        self._names = list(hello["tiers"])
+        self._epoch += 1
+        conn.epoch = self._epoch
+        self._conn = conn
+        return conn
+
+    def _roundtrip(
+        self,
+        conn: Connection,
+        verb: str,
+        args: dict[str, Any],
+        on_part: Callable[[Connection, Any], None] | None = None,
+    ) -> Any:
+        rid = next(conn.rid)
+        frame = protocol.pack([rid, verb, args])
+        if conn.releases:  # grants of finished loads ride along (no reply, in order)
+            frame = (
+                b"".join(protocol.pack([0, "release", {"load": i}]) for i in conn.releases) + frame
+            )
+            conn.releases.clear()
+        conn.sock.sendall(frame)
+        failed: BaseException | None = None
+        while True:
+            body = protocol.recv_frame(conn.sock)
+            if body is None:
+                raise ConnectionResetError("the server closed the connection")
+            reply = msgpack.unpackb(body, raw=False)
+            if reply[0] != rid:
+                raise ConnectionResetError(f"reply {reply[0]} to request {rid}")
+            if reply[1] != protocol.PART:
+                break
+            if on_part is None:
+                raise ConnectionResetError(f"a partial reply to {verb}")
+            if failed is None:
+                try:
+                    on_part(conn, reply[2])
+                except Exception as exc:  # read the stream to its end first
+                    failed = exc
+        if not reply[1]:
+            kind, message = reply[2]
+            raise error_from_reply(kind, message)
+        if failed is not None:
+            raise failed
+        return reply[2]
+
+    def _call(self, verb: str, args: dict[str, Any]) -> Any:
+        return self._call_on(verb, args)[0]
+
+    def _call_on(
+        self,
+        verb: str,
+        args: dict[str, Any],
+        on_part: Callable[[Connection, Any], None] | None = None,
+    ) -> tuple[Any, Connection]:
+        """The result and the connection it came on: grants name offsets in that
+        connection's arena (another thread may reconnect to a new server meanwhile)."""
+        if self._closed:
+            raise errors.StoreClosedError(f"RemoteStore for {self.socket_path} is closed")
+        with self._lock:
+            conn = self._connected()
+            try:
+                return self._roundtrip(conn, verb, args, on_part), conn
+            except (OSError, ValueError, msgpack.UnpackException) as exc:
+                if isinstance(exc, KVLifeError):
+                    raise
+                self._drop()
+                raise protocol.unavailable(self.socket_path, exc) from None
+
+    def _release(self, load: int, conn: Connection) -> None:
+        """Give a load's grant back: with the next request (no round trip of its own),
+        or now when many are waiting. A lost connection released it anyway."""
+        with self._lock:
+            if conn is not self._conn:
+                return
+            conn.releases.append(load)
+            if len(conn.releases) < RELEASE_BATCH:
+                return
+            frames = b"".join(protocol.pack([0, "release", {"load": i}]) for i in conn.releases)
+            conn.releases.clear()
+            try:
+                conn.sock.sendall(frames)
+            except OSError:
+                self._drop()
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None
+
+    def _view(self, conn: Connection, off: int, dtype: str, shape: Sequence[int]) -> np.ndarray:
+        if conn.arena is None:
+            raise StoreUnavailable(f"lost the connection to {self.socket_path} during a call")
+        dt = np.dtype(dtype)
+        n = dt.itemsize
+        for d in shape:
+            n *= d
+        if not 0 <= off <= conn.arena_bytes - n:
+            raise errors.ProtocolError(f"server granted [{off}, +{n}) outside its arena")
+        try:
+            raw = np.frombuffer(conn.arena, np.uint8, count=n, offset=off)
+        except ValueError as exc:  # the mapping was closed: the connection was lost
+            raise StoreUnavailable(f"lost the connection to {self.socket_path}: {exc}") from None
+        return raw.view(dt).reshape(shape)
+
+    @staticmethod
+    def _prompt(
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Tokens,
+        start: int,
+        parent: ChunkKey,
+        extra_keys: Sequence[bytes],
+    ) -> dict[str, Any]:
+        if not isinstance(identity, ModelIdentity):
+            raise InvalidArgument(
+                f"identity must be a ModelIdentity, got {type(identity).__name__}"
+            )
+        if not isinstance(namespace, Namespace):
+            raise InvalidArgument(f"namespace must be a Namespace, got {type(namespace).__name__}")
+        args: dict[str, Any] = {
+            "identity": protocol.encode_identity(identity),
+            "namespace": str(namespace),
+            "tokens": token_bytes(tokens),
+        }
+        if start:
+            args["start"] = start
+        if parent != ROOT_PARENT:
+            args["parent"] = bytes(parent)
+        if extra_keys:
+            args["extra_keys"] = [bytes(e) for e in extra_keys]
+        return args
+
+    # ------------------------------------------------------------------ puts
+
+    def put_prompt(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Tokens,
+        kv: object,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+        request_id: str = "",
+    ) -> PutResult:
+        pending = self.prepare_put(
+            identity,
+            namespace,
+            tokens,
+            kv,
+            start=start,
+            parent=parent,
+            extra_keys=extra_keys,
+            request_id=request_id,
+        )
+        return self.commit_put(pending)
+
+    def prepare_put(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Tokens,
+        kv: object,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+        request_id: str = "",
+    ) -> RemotePendingPut:
+        """Validate here, reserve extents on the server for the chunks it lacks, and copy
+        them in (the arrays are not referenced after this returns)."""
+        args = self._prompt(identity, namespace, tokens, start, parent, extra_keys)
+        layout = identity.layout
+        ntokens = len(args["tokens"]) // 4
+        chunks = split_chunks(kv, layout, ntokens // layout.tokens_per_chunk, ntokens)
+        if request_id:
+            args["request_id"] = request_id
+        reply, conn = self._call_on("prepare_put", args)
+        pending = RemotePendingPut(
+            reply["put"],
+            conn.epoch,
+            split_keys(reply["keys"]),
+            layout.tokens_per_chunk,
+            reply["present"],
+            reply["in_flight"],
+        )
+        dtype = chunks[0].dtype.str if chunks else "u1"
+        try:
+            for index, off in reply["slots"]:
+                np.copyto(self._view(conn, off, dtype, layout.chunk_shape), chunks[index])
+                pending.stored_chunks.append(index)
+        except BaseException:
+            with contextlib.suppress(KVLifeError):
+                self.abort_put(pending, "client failed to write the chunks")
+            raise
+        return pending
+
+    def _finish(self, pending: RemotePendingPut) -> None:
+        if not isinstance(pending, RemotePendingPut):
+            raise InvalidArgument(f"not a pending put of a RemoteStore: {type(pending).__name__}")
+        if pending.done:
+            raise InvalidArgument(
+                "this pending put was already committed or aborted, or its store was closed"
+            )
+        pending.done = True
+        if pending.epoch != self._epoch:
+            raise StoreUnavailable(
+                f"the connection to {self.socket_path} was lost since this put was prepared "
+                "(the server aborted it)"
+            )
+
+    def commit_put(self, pending: RemotePendingPut) -> PutResult:
+        self._finish(pending)
+        r = self._call("commit_put", {"put": pending.put})
+        return PutResult(
+            chunks=r["chunks"],
+            stored=r["stored"],
+            already_present=r["already_present"],
+            in_flight=r["in_flight"],
+            dropped=r["dropped"],
+            tokens_stored_or_present=r["tokens_stored_or_present"],
+            keys=split_keys(r["keys"]),
+        )
+
+    def put_async(self, pending: RemotePendingPut) -> Future[PutResult]:
+        return self._io_pool().submit(self.commit_put, pending)
+
+    def abort_put(self, pending: RemotePendingPut, reason: str = "aborted by caller") -> None:
+        self._finish(pending)
+        self._call("abort_put", {"put": pending.put, "reason": reason[:4096]})
+
+    # ------------------------------------------------------------------ reads
+
+    def lookup(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Tokens,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+        accept: Accept = Accept.EXACT,
+    ) -> LookupResult:
+        if not isinstance(accept, Accept):
+            raise InvalidArgument(f"accept must be an Accept, got {type(accept).__name__}")
+        args = self._prompt(identity, namespace, tokens, start, parent, extra_keys)
+        if accept != Accept.EXACT:
+            args["opts"] = {"accept": protocol.encode_accept(accept)}
+        r = self._call("lookup", args)
+        n = identity.layout.tokens_per_chunk
+        names = self._names
+        hits = [
+            ChunkHit(i, key, start + i * n, TierName(names[t]), str(f[0]), str(f[1]), *f[2:])
+            for i, (key, t, f) in enumerate(
+                zip(split_keys(r["keys"]), r["tiers"], r["forms"], strict=True)
+            )
+        ]
+        refusal = str(r["refusal"])
+        return RemoteLookup(
+            hits, r["chunks_total"], n, accept, int(bool(refusal)), refusal, identity
+        )
+
+    def load(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None = None,
+        *,
+        request_id: str = "",
+    ) -> LoadResult:
+        return self._load(lookup, outs, request_id, None)
+
+    def _load(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None,
+        request_id: str,
+        on_chunk: Callable[[int, np.ndarray | None], None] | None,
+    ) -> LoadResult:
+        hits = lookup.hits
+        if outs is not None and len(outs) != len(hits):
+            raise InvalidArgument(f"{len(outs)} output buffers for {len(hits)} hits")
+        if not hits:
+            return LoadResult([], 0, 0)
+        args: dict[str, Any] = {
+            "keys": b"".join(h.key for h in hits),
+            "starts": [h.start for h in hits],
+            "chunks_total": lookup.chunks_total,
+            "accept": protocol.encode_accept(lookup.accept),
+        }
+        if isinstance(lookup, RemoteLookup) and lookup.identity is not None:
+            # the layout lets the server read disk hits straight into arena extents
+            args["layout"] = protocol.encode_layout(lookup.identity.layout)
+            into = self._targets(outs, lookup.identity.layout) if outs is not None else None
+            if into is not None:
+                args["into"] = into
+        if request_id:
+            args["request_id"] = request_id
+        arrays: list[np.ndarray] = []
+
+        def take(conn: Connection, i: int, off: int, dtype: str, shape: Sequence[int]) -> None:
+            src = self._view(conn, off, dtype, shape)
+            if outs is not None:
+                out = outs[i]
+                if out.shape != src.shape or out.dtype != src.dtype:
+                    raise InvalidArgument(
+                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
+                        f"{src.dtype}{list(src.shape)}"
+                    )
+                np.copyto(out, src)
+            else:
+                out = np.empty(src.shape, src.dtype)
+                np.copyto(out, src)
+                out.flags.writeable = False
+            del src
+            arrays.append(out)
+            if on_chunk is not None:
+                on_chunk(i, out)
+
+        def part(conn: Connection, p: list[Any]) -> None:
+            # a chunk read from disk, sent as soon as it verified: copied while the
+            # server reads the next ones
+            if p[0] != len(arrays):
+                raise errors.ProtocolError(f"streamed chunk {p[0]} out of order")
+            take(conn, p[0], p[1], p[2], p[3])
+
+        args["stream"] = True
+        r, conn = self._call_on("load", args, part)
+        if "into" in r:  # landed in the caller's shared buffers: nothing to copy
+            assert outs is not None
+            landed = list(outs[: r["into"]])
+            if on_chunk is not None:
+                for i, a in enumerate(landed):
+                    on_chunk(i, a)
+            return self._result(landed, r)
+        del arrays[r["streamed"] :]  # a streamed chunk invalidated meanwhile is a miss
+        try:
+            for j, (off, dtype, shape) in enumerate(r["grants"]):
+                take(conn, r["streamed"] + j, off, dtype, shape)
+        finally:
+            if r["load"]:
+                self._release(r["load"], conn)
+        return self._result(arrays, r)
+
+    @staticmethod
+    def _result(arrays: list[np.ndarray], r: dict[str, Any]) -> LoadResult:
+        tiers = {str(k): int(v) for k, v in r["tiers"].items()}
+        return LoadResult(
+            arrays,
+            len(arrays),
+            r["requested"],
+            tiers=tiers,
+            corrupt=split_keys(r["corrupt"]),
+            vanished=r["vanished"],
+            read_errors=r["read_errors"],
+        )
+
+    def _targets(self, outs: Sequence[np.ndarray], layout: KVLayout) -> list[int] | None:
+        """(buffer, offset) of each output buffer if all lie in this connection's shared
+        buffers and fit the layout; else None (the grant path, one copy here)."""
+        conn = self._conn
+        if conn is None or not conn.buffers or not outs:
+            return None
+        dtype = numpy_dtype(layout.dtype)
+        into: list[int] = []
+        for out in outs:
+            if out.shape != layout.chunk_shape or out.dtype != dtype or not out.flags.c_contiguous:
+                return None
+            addr = out.ctypes.data
+            for base, size, bid, _ in conn.buffers:
+                if base <= addr and addr + out.nbytes <= base + size:
+                    into += [bid, addr - base]
+                    break
+            else:
+                return None
+        return into
+
+    def alloc_buffer(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of shared memory (uint8, page-aligned) that the server writes into:
+        a load whose output buffers all lie in such memory lands there directly (disk
+        reads by O_DIRECT, DRAM hits copied by the server), with no copy in this process.
+        Slice it into chunk-shaped views. It lasts as long as the connection; after a
+        reconnect loads into it take the ordinary path (still correct, one copy more)."""
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise InvalidArgument(f"buffer size must be a positive int, got {nbytes!r}")
+        r, conn = self._call_on("alloc_buffer", {"nbytes": nbytes})
+        fd = os.open(r["path"], os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(fd, r["nbytes"], flags=flags)
+        finally:
+            os.close(fd)
+        arr = np.frombuffer(mapping, np.uint8, count=nbytes)
+        with self._lock:
+            conn.buffers.append((arr.ctypes.data, r["nbytes"], r["buffer"], mapping))
+        return arr
+
+    def load_async(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None = None,
+        *,
+        request_id: str = "",
+    ) -> RemoteLoadHandle:
+        handle = RemoteLoadHandle(len(lookup.hits))
+        fut = self._io_pool().submit(self._load, lookup, outs, request_id, handle._chunk_done)
+        fut.add_done_callback(handle._finish)
+        return handle
+
+    def get(
+        self, identity: ModelIdentity, namespace: Namespace, tokens: Tokens, **kwargs: object
+    ) -> LoadResult:
+        return self.load(self.lookup(identity, namespace, tokens, **kwargs))  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ management
+
+    def invalidate(
+        self,
+        *,
+        weights_digest: str | None = None,
+        adapter_id: str | None = None,
+        namespace: Namespace | None = None,
+        prefix: ChunkKey | None = None,
+    ) -> int:
+        args: dict[str, Any] = {}
+        if weights_digest is not None:
+            args["weights_digest"] = weights_digest
+        if adapter_id is not None:
+            args["adapter_id"] = adapter_id
+        if namespace is not None:
+            args["namespace"] = str(namespace)
+        if prefix is not None:
+            args["prefix"] = bytes(prefix)
+        n: int = self._call("invalidate", args)
+        return n
+
+    def evict(self, tier: str, nbytes: int) -> int:
+        n: int = self._call("evict", {"tier": tier, "nbytes": nbytes})
+        return n
+
+    def flush(self) -> int:
+        n: int = self._call("flush", {})
+        return n
+
+    def drain(self) -> None:
+        self._call("drain", {})
+
+    def check(self) -> AuditReport:
+        """The server's audit of its store (read-only: no fix through the socket)."""
+        r = dict(self._call("check", {}))
+        r.pop("clean", None)
+        return AuditReport(**r)
+
+    def info(self) -> StoreInfo:
+        r = self._call("info", {})
+        return StoreInfo(
+            path=r["path"],
+            tiers=[TierInfo(**t) for t in r["tiers"]],
+            objects_by_state=r["objects_by_state"],
+            bytes_by_state=r["bytes_by_state"],
+            counters=r["counters"],
+            lifetime_counters=r["lifetime_counters"],
+        )
+
+    def server_info(self) -> dict[str, Any]:
+        """``info`` as the server sends it, with its ``server`` section (sessions, leases,
+        arena)."""
+        out: dict[str, Any] = self._call("info", {})
+        return out
+
+    def server_state(self) -> dict[str, Any]:
+        """Live sessions, leases held, TENTATIVE objects and arena figures."""
+        out: dict[str, Any] = self._call("state", {})
+        return out
+
+    @property
+    def counters(self) -> StoreCounters:
+        """The server's counters since it opened the store (all clients together)."""
+        return StoreCounters().add(self._call("counters", {}))
+
+    @property
+    def tier_names(self) -> list[TierName]:
+        if self._conn is None:
+            self._call("info", {})
+        return [TierName(n) for n in self._names]
+
+    def _io_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvlife-remote")
+            return self._pool
+
+    def close(self, *, flush: bool = False) -> None:
+        """Close the connection (the server keeps the store open for other clients);
+        ``flush=True`` asks the server to flush first."""
+        if self._closed:
+            return
+        with contextlib.suppress(StoreUnavailable):
+            if flush:
+                self.flush()
+            elif self._conn is not None and self._conn.releases:
+                self._call("state", {})  # hands the waiting grants back
+        pool = self._pool
+        if pool is not None:
+            pool.shutdown(wait=True)
+        with self._lock:
+            self._closed = True
+            self._drop()
+
+    def __enter__(self) -> RemoteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,494 @@
+"""One client connection of ``kvlife serve``: its leases (pending puts, load grants) and
+the verbs it may call.
+
+Everything a session holds is tied to its connection: when the client goes away (a
+clean close, a crash, a SIGKILL), :meth:`Session.close` aborts its pending puts (their
+TENTATIVE objects become DELETED and their arena extents are freed) and drops its load
+grants (the extents of deleted replicas it was still reading are freed). A client names
+only ids the server gave this session (``put``, ``load``); an id of another session, or
+one already used, is a :class:`~kvlife.core.errors.ProtocolError`. Arena offsets only
+travel from the server to the client, never the other way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlife.core.errors import InvalidArgument, ProtocolError, StorageFullError
+from kvlife.core.identity import KEY_BYTES, ROOT_PARENT, ChunkKey, KVLayout, ModelIdentity
+from kvlife.core.payload import numpy_dtype
+from kvlife.results import ChunkHit, LookupResult
+from kvlife.server import protocol
+from kvlife.server.buffers import SharedBuffer
+from kvlife.store.facade import KVStore
+from kvlife.store.reads import LoadHandle
+from kvlife.store.writes import PendingPut
+from kvlife.tiers.shm import Arena, ShmTier
+from kvlife.transforms.contract import Accept
+
+PartSender = Callable[[bytes], None]
+"""Sends one frame to the session's client (partial replies of a streamed load)."""
+
+MAX_LEASES = 4096
+"""Outstanding puts, and outstanding loads, one session may hold."""
+MAX_BUFFER_BYTES = 16 << 30
+"""Shared output buffers one session may hold, in bytes."""
+
+
+@dataclass(slots=True)
+class _Put:
+    pending: PendingPut
+    views: list[np.ndarray]
+    """Arena extents the client writes, one per new chunk (sealed at commit)."""
+
+
+def split_keys(blob: bytes) -> list[ChunkKey]:
+    return [ChunkKey(blob[i : i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES)]
+
+
+class ServerState:
+    """What every session shares: the store, its shared-memory tier, the live sessions."""
+
+    def __init__(self, store: KVStore, shm: ShmTier, socket_path: str) -> None:
+        self.store = store
+        self.shm = shm
+        self.arena: Arena = shm.arena
+        self.socket_path = socket_path
+        self.sessions: dict[int, Session] = {}
+        self.lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self.released_puts = 0
+        """Pending puts aborted because their client went away."""
+        self.released_loads = 0
+        """Load grants dropped because their client went away."""
+
+    def open_session(self) -> Session:
+        with self.lock:
+            session = Session(self, next(self._ids))
+            self.sessions[session.sid] = session
+            return session
+
+    def close_session(self, session: Session) -> None:
+        puts, loads = session.close()
+        with self.lock:
+            self.sessions.pop(session.sid, None)
+            self.released_puts += puts
+            self.released_loads += loads
+
+    def snapshot(self) -> dict[str, Any]:
+        """Leases and arena figures (``state``; tests check no lease outlives its client).
+        Collects garbage first: an extent whose last view sits in a reference cycle (a
+        traceback's frame) is freed by the collector, not by reference counting."""
+        gc.collect()
+        with self.lock:
+            sessions = list(self.sessions.values())
+        info = self.store.info()
+        return {
+            "sessions": len(sessions),
+            "puts": sum(len(s.puts) for s in sessions),
+            "loads": sum(len(s.loads) for s in sessions),
+            "buffers": sum(len(s.buffers) for s in sessions),
+            "tentative": info.objects_by_state.get("tentative", 0),
+            "shm_replicas": len(self.shm.replica_keys()),
+            "shm_used_bytes": self.shm.used_bytes,
+            "released_puts": self.released_puts,
+            "released_loads": self.released_loads,
+            **self.arena.stats(),
+        }
+
+
+class Session:
+    """The leases of one connection and the handlers of its verbs."""
+
+    def __init__(self, server: ServerState, sid: int) -> None:
+        self.server = server
+        self.sid = sid
+        self.puts: dict[int, _Put] = {}
+        self.loads: dict[int, list[np.ndarray]] = {}
+        self.buffers: dict[int, SharedBuffer] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.closed = False
+        self.part: PartSender | None = None
+        """Where partial replies go (set by the server for each request)."""
+        self.rid = 0
+        """Id of the request being handled (partial replies carry it)."""
+        self._identities: dict[tuple[object, ...], ModelIdentity] = {}
+        """Identities this session sent, decoded once (a lookup repeats its identity)."""
+        self.handlers: dict[str, Callable[[dict[str, Any]], object]] = {
+            "hello": self.hello,
+            "lookup": self.lookup,
+            "load": self.load,
+            "release": self.release,
+            "alloc_buffer": self.alloc_buffer,
+            "free_buffer": self.free_buffer,
+            "prepare_put": self.prepare_put,
+            "commit_put": self.commit_put,
+            "abort_put": self.abort_put,
+            "invalidate": self.invalidate,
+            "evict": lambda a: self.server.store.evict(a["tier"], a["nbytes"]),
+            "flush": lambda a: self.server.store.flush(),
+            "drain": lambda a: self.server.store.drain(),
+            "info": self.info,
+            "counters": lambda a: self.server.store.counters.as_dict(),
+            "check": self.check,
+            "state": lambda a: self.server.snapshot(),
+        }
+
+    def handle(self, verb: str, args: dict[str, Any], rid: int = 0) -> object:
+        self.rid = rid
+        return self.handlers[verb](args)
+
+    def close(self) -> tuple[int, int]:
+        """Abort every pending put, drop every load grant; how many of each."""
+        with self._lock:
+            self.closed = True
+            puts = list(self.puts.values())
+            loads = len(self.loads)
+            buffers = list(self.buffers.values())
+            self.puts.clear()
+            self.loads.clear()
+            self.buffers.clear()
+        for buf in buffers:
+            buf.drop()
+        for put in puts:
+            put.views.clear()
+            self.server.store.abort_put(put.pending, f"client of session {self.sid} went away")
+        return len(puts), loads
+
+    # ------------------------------------------------------------------ verbs
+
+    def hello(self, args: dict[str, Any]) -> object:
+        if args["version"] != protocol.PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"client speaks protocol {args['version']}, server {protocol.PROTOCOL_VERSION}"
+            )
+        store = self.server.store
+        return {
+            "session": self.sid,
+            "arena": str(self.server.arena.path),
+            "arena_bytes": self.server.arena.size,
+            "tiers": list(store.tier_names),
+            "path": str(store.path),
+        }
+
+    def _prompt(self, args: dict[str, Any]) -> dict[str, Any]:
+        tokens = args["tokens"]
+        if len(tokens) % 4:
+            raise ProtocolError("tokens must be little-endian u32 ids (a multiple of 4 bytes)")
+        raw = args["identity"]
+        memo = tuple(sorted((k, v) for k, v in raw.items() if k != "layout")) + tuple(
+            sorted(raw["layout"].items())
+        )
+        identity = self._identities.get(memo)
+        if identity is None:
+            identity = protocol.decode_identity(raw)
+            if len(self._identities) >= 64:
+                self._identities.clear()
+            self._identities[memo] = identity
+        return {
+            "identity": identity,
+            "namespace": protocol.decode_namespace(args["namespace"]),
+            "tokens": np.frombuffer(tokens, "<u4"),
+            "start": args.get("start", 0),
+            "parent": ChunkKey(args.get("parent", ROOT_PARENT)),
+            "extra_keys": list(args.get("extra_keys", ())),
+        }
+
+    def lookup(self, args: dict[str, Any]) -> object:
+        p = self._prompt(args)
+        opts = dict(args.get("opts", {}))
+        if "accept" in opts:
+            opts["accept"] = protocol.decode_accept(opts["accept"])
+        res = self.server.store.lookup(
+            p["identity"],
+            p["namespace"],
+            p["tokens"],
+            start=p["start"],
+            parent=p["parent"],
+            extra_keys=p["extra_keys"],
+            **opts,
+        )
+        names = list(self.server.store.tier_names)
+        return {
+            "keys": b"".join(h.key for h in res.hits),
+            "tiers": [names.index(h.tier) for h in res.hits],
+            "chunks_total": res.chunks_total,
+            # each hit's representation: what it will serve and what decoding it costs
+            "forms": [
+                [h.transform, h.exactness, h.stored_nbytes, h.decode_nbytes, h.decode_seconds]
+                for h in res.hits
+            ],
+            "refusal": res.refusal,
+        }
+
+    def load(self, args: dict[str, Any]) -> object:
+        keys = split_keys(args["keys"])
+        starts = args["starts"]
+        if len(starts) != len(keys):
+            raise ProtocolError(f"{len(starts)} starts for {len(keys)} keys")
+        if len(keys) > args["chunks_total"]:
+            raise ProtocolError(f"{len(keys)} hits of a prompt of {args['chunks_total']} chunks")
+        self._room(self.loads, "loads")
+        layout = protocol.decode_layout(args["layout"]) if "layout" in args else None
+        if layout is not None:
+            self._fits(layout)
+        store, arena = self.server.store, self.server.arena
+        shm = self.server.shm.name
+        lookup = LookupResult(
+            [ChunkHit(i, k, s, shm) for i, (k, s) in enumerate(zip(keys, starts, strict=True))],
+            args["chunks_total"],
+            layout.tokens_per_chunk if layout is not None else 1,
+            protocol.decode_accept(args["accept"]) if "accept" in args else Accept.EXACT,
+        )
+        # hits on slower tiers are read straight into arena extents; DRAM hits are served
+        # as views of their replicas (out None). load_async reads chunk by chunk, so a
+        # chunk whose tier changed since this check is still read correctly either way.
+        request_id = args.get("request_id", "")
+        shm_tier = self.server.shm
+        if "into" in args:
+            return self._load_into(lookup, args["into"], layout, request_id)
+        streamed: list[np.ndarray] = []
+        kept = 0
+        if layout is None or all(shm_tier.contains(k) for k in keys):
+            # every hit in DRAM (or no layout: fresh memory, copied below): the caller's
+            # thread, no hand-offs to the I/O pool
+            res = store.load(lookup, None, request_id=request_id)
+        else:
+            dtype = numpy_dtype(layout.dtype)
+            outs = [
+                None
+                if shm_tier.contains(k)
+                else arena.alloc(layout.chunk_nbytes, dtype, layout.chunk_shape)
+                for k in keys
+            ]
+            handle = store.load_async(lookup, outs, request_id=request_id)  # type: ignore[arg-type]
+            streamed = self._stream(handle) if args.get("stream") else []
+            res = handle.wait()
+        grants: list[list[object]] = []
+        # streamed chunks that the load's publication still counts (one invalidated
+        # meanwhile is not), then grants for the rest
+        held: list[np.ndarray] = streamed[: res.loaded]
+        kept = len(held)
+        for arr in res.arrays[kept:]:
+            off = arena.offset_of(arr)
+            if off is None:  # a disk read into fresh memory: into the arena for the client
+                dst = arena.alloc(arr.nbytes, arr.dtype, arr.shape)
+                if dst is None:
+                    break  # no room to hand it over: the rest is a miss
+                np.copyto(dst, arr)
+                arr = dst
+                off = arena.offset_of(arr)
+                assert off is not None
+            held.append(arr)
+            grants.append([off, arr.dtype.str, list(arr.shape)])
+        lid = 0
+        if held:
+            with self._lock:
+                lid = next(self._ids)
+                self.loads[lid] = held
+        return {
+            "load": lid,
+            "grants": grants,
+            "streamed": kept,
+            "requested": res.requested,
+            "tiers": dict(res.tiers),
+            "corrupt": b"".join(res.corrupt),
+            "vanished": res.vanished + (res.loaded - len(held)),
+            "read_errors": res.read_errors,
+        }
+
+    def _stream(self, handle: LoadHandle) -> list[np.ndarray]:
+        """Send each chunk's grant as soon as it (and every chunk before it) verified, so
+        the client copies chunk i while later chunks are still read. Only arena arrays
+        are streamed; the first other one (or a miss) ends the stream."""
+        sent: list[np.ndarray] = []
+        if self.part is None or not self.rid:
+            return sent
+        for i in range(len(handle)):
+            arr = handle.chunk(i)
+            off = self.server.arena.offset_of(arr) if arr is not None else None
+            if arr is None or off is None:
+                break
+            sent.append(arr)
+            self.part(protocol.part_reply(self.rid, [i, off, arr.dtype.str, list(arr.shape)]))
+        return sent
+
+    def _load_into(
+        self, lookup: LookupResult, into: list[int], layout: KVLayout | None, request_id: str
+    ) -> object:
+        """Load straight into the session's shared buffers (no grants, no client copy)."""
+        if layout is None:
+            raise ProtocolError("a load into shared buffers needs the layout")
+        if len(into) != 2 * len(lookup.hits):
+            raise ProtocolError(f"{len(into)} target numbers for {len(lookup.hits)} hits")
+        outs = []
+        for i in range(0, len(into), 2):
+            buf = self.buffers.get(into[i])
+            if buf is None:
+                raise ProtocolError(f"session {self.sid} holds no buffer {into[i]}")
+            outs.append(buf.view(into[i + 1], layout))
+        store = self.server.store
+        if all(self.server.shm.contains(h.key) for h in lookup.hits):
+            res = store.load(lookup, outs, request_id=request_id)
+        else:  # reads in parallel on the I/O pool
+            res = store.load_async(lookup, outs, request_id=request_id).wait()
+        return {
+            "load": 0,
+            "grants": [],
+            "into": res.loaded,
+            "requested": res.requested,
+            "tiers": dict(res.tiers),
+            "corrupt": b"".join(res.corrupt),
+            "vanished": res.vanished,
+            "read_errors": res.read_errors,
+        }
+
+    def alloc_buffer(self, args: dict[str, Any]) -> object:
+        nbytes = args["nbytes"]
+        with self._lock:
+            held = sum(b.size for b in self.buffers.values())
+            if held + nbytes > MAX_BUFFER_BYTES or len(self.buffers) >= 256:
+                raise StorageFullError(
+                    f"session {self.sid} holds {held} bytes of shared buffers; "
+                    f"at most {MAX_BUFFER_BYTES} in 256 buffers"
+                )
+            bid = next(self._ids)
+        path = Path(f"{self.server.arena.path}-buf-{self.sid}-{bid}")
+        buf = SharedBuffer(path, nbytes)
+        with self._lock:
+            self.buffers[bid] = buf
+        return {"buffer": bid, "path": str(path), "nbytes": buf.size}
+
+    def free_buffer(self, args: dict[str, Any]) -> object:
+        with self._lock:
+            buf = self.buffers.pop(args["buffer"], None)
+        if buf is None:
+            raise ProtocolError(f"session {self.sid} holds no buffer {args['buffer']}")
+        buf.drop()
+        return None
+
+    def release(self, args: dict[str, Any]) -> object:
+        with self._lock:
+            if self.loads.pop(args["load"], None) is None:
+                raise ProtocolError(f"session {self.sid} holds no load {args['load']}")
+        return None
+
+    def prepare_put(self, args: dict[str, Any]) -> object:
+        p = self._prompt(args)
+        self._room(self.puts, "puts")
+        layout = p["identity"].layout
+        self._fits(layout)
+        dtype = numpy_dtype(layout.dtype)
+        nchunks = len(p["tokens"]) // layout.tokens_per_chunk
+        # zero-memory stand-ins: only the chunks the store does not hold get an extent
+        dummy = np.lib.stride_tricks.as_strided(
+            np.zeros(1, dtype), shape=layout.chunk_shape, strides=(0,) * 5, writeable=False
+        )
+        store = self.server.store
+        pending = store.prepare_put(
+            p["identity"],
+            p["namespace"],
+            p["tokens"],
+            [dummy] * nchunks,
+            start=p["start"],
+            parent=p["parent"],
+            extra_keys=p["extra_keys"],
+            request_id=args.get("request_id", ""),
+        )
+        index = {k: i for i, k in enumerate(pending.keys)}
+        views: list[np.ndarray] = []
+        slots: list[list[int]] = []
+        try:
+            for j, (rec, _) in enumerate(pending.items):
+                view = self.server.arena.alloc(layout.chunk_nbytes, dtype, layout.chunk_shape)
+                if view is None:
+                    raise StorageFullError(
+                        f"the arena has no room to stage chunk {index[rec.key]} of this put "
+                        f"({self.server.arena.stats()})"
+                    )
+                pending.items[j] = (rec, view)
+                views.append(view)
+                off = self.server.arena.offset_of(view)
+                assert off is not None
+                slots.append([index[rec.key], off])
+        except BaseException:
+            views.clear()
+            pending.items[:] = [(rec, dummy) for rec, _ in pending.items]
+            store.abort_put(pending, "no room to stage the put")
+            raise
+        with self._lock:
+            pid = next(self._ids)
+            self.puts[pid] = _Put(pending, views)
+        return {
+            "put": pid,
+            "keys": b"".join(pending.keys),
+            "slots": slots,
+            "present": pending.present,
+            "in_flight": pending.in_flight,
+        }
+
+    def _take_put(self, pid: int) -> _Put:
+        with self._lock:
+            put = self.puts.pop(pid, None)
+        if put is None:
+            raise ProtocolError(f"session {self.sid} holds no pending put {pid}")
+        return put
+
+    def commit_put(self, args: dict[str, Any]) -> object:
+        put = self._take_put(args["put"])
+        for view in put.views:
+            view.flags.writeable = False  # sealed: the tier adopts it without a copy
+        put.views.clear()
+        res = self.server.store.commit_put(put.pending)
+        out = dataclasses.asdict(res)
+        out["keys"] = b"".join(res.keys)
+        return out
+
+    def abort_put(self, args: dict[str, Any]) -> object:
+        put = self._take_put(args["put"])
+        put.views.clear()
+        self.server.store.abort_put(put.pending, args.get("reason", "aborted by caller"))
+        return None
+
+    def invalidate(self, args: dict[str, Any]) -> object:
+        ns = args.get("namespace")
+        prefix = args.get("prefix")
+        return self.server.store.invalidate(
+            weights_digest=args.get("weights_digest"),
+            adapter_id=args.get("adapter_id"),
+            namespace=protocol.decode_namespace(ns) if ns is not None else None,
+            prefix=ChunkKey(prefix) if prefix is not None else None,
+        )
+
+    def info(self, args: dict[str, Any]) -> object:
+        out = self.server.store.info().to_json()
+        out["server"] = {"socket": self.server.socket_path, **self.server.snapshot()}
+        return out
+
+    def check(self, args: dict[str, Any]) -> object:
+        report = self.server.store.check(fix=False)
+        return {**dataclasses.asdict(report), "clean": report.clean}
+
+    def _fits(self, layout: KVLayout) -> None:
+        if layout.chunk_nbytes > self.server.arena.size:
+            raise InvalidArgument(
+                f"a chunk of this layout is {layout.chunk_nbytes} bytes, more than the "
+                f"server's whole arena ({self.server.arena.size} bytes)"
+            )
+
+    def _room(self, table: dict[int, Any], what: str) -> None:
+        if len(table) >= MAX_LEASES:
+            raise ProtocolError(
+                f"session {self.sid} already holds {len(table)} {what}; "
+                "release or finish some first"
+            )

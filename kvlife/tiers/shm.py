@@ -1,0 +1,334 @@
+"""Shared-memory DRAM tier: replicas in one arena file under ``/dev/shm`` that other
+processes map (the data plane of ``kvlife serve``).
+
+The arena is a file in shared memory (mode 0600) mapped ``MAP_SHARED``; a first-fit
+allocator with coalescing hands out page-aligned extents (:class:`Slot`). Extents are
+freed when the last numpy view of them dies (a weak finalizer on the view's base, as in
+:class:`~kvlife.tiers.buffers.RecyclingPool`), so an extent that a reader (a server
+session copying it to a client) still holds is never reused under it, even after its
+replica was deleted. Freed extents are merged with their neighbours and reused.
+
+Two budgets: the tier's ``capacity_bytes`` bounds the extents of its replicas (whole
+pages, :meth:`ShmTier.footprint`; placement evicts against it, as for
+:class:`~kvlife.tiers.memory.MemoryTier`); the arena is larger by ``staging_bytes``,
+the room for extents that are not replicas yet or any more (puts being written by
+clients, disk reads handed to clients, deleted replicas a reader still holds). A put
+whose payload already is a sealed arena extent (a client wrote it there) is adopted
+without a copy; any other payload is copied into a new extent.
+DRAM is trusted like the engine's own memory: replicas here carry no checksum.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from kvlife.core.errors import InvalidArgument, ReplicaNotFound, StorageFullError
+from kvlife.core.identity import ChunkKey
+from kvlife.core.objects import TierName
+from kvlife.tiers.base import (
+    CapacityShortfall,
+    ReadResult,
+    ReplicaMeta,
+    Reservation,
+    SupportsAdopt,
+    Tier,
+    check_payloads,
+)
+from kvlife.tiers.buffers import ALIGN, round_up
+
+SHM_DIR = Path("/dev/shm")
+
+
+class Allocator:
+    """First-fit extents of an address range, ``ALIGN``-aligned, neighbours coalesced.
+
+    ``alloc`` returns an offset or None (no free extent is large enough); ``free`` gives
+    an extent back. Not thread-safe on its own (:class:`Arena` locks it).
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size // ALIGN * ALIGN
+        self._starts: list[int] = [0] if self.size else []
+        self._lens: dict[int, int] = {0: self.size} if self.size else {}
+        self.used = 0
+        self.extents = 0
+        """Extents handed out and not yet freed."""
+
+    def alloc(self, nbytes: int) -> int | None:
+        need = round_up(max(nbytes, 1))
+        for i, start in enumerate(self._starts):
+            length = self._lens[start]
+            if length >= need:
+                del self._lens[start]
+                if length == need:
+                    del self._starts[i]
+                else:
+                    self._starts[i] = start + need
+                    self._lens[start + need] = length - need
+                self.used += need
+                self.extents += 1
+                return start
+        return None
+
+    def free(self, offset: int, nbytes: int) -> None:
+        need = round_up(max(nbytes, 1))
+        if offset % ALIGN or offset < 0 or offset + need > self.size:
+            raise InvalidArgument(f"extent [{offset}, +{need}) is not in this arena")
+        i = bisect.bisect_left(self._starts, offset)
+        if i < len(self._starts) and self._starts[i] < offset + need:
+            raise InvalidArgument(f"extent at {offset} freed twice (overlaps a free extent)")
+        if i > 0 and self._starts[i - 1] + self._lens[self._starts[i - 1]] > offset:
+            raise InvalidArgument(f"extent at {offset} freed twice (overlaps a free extent)")
+        self.used -= need
+        self.extents -= 1
+        start, length = offset, need
+        if i < len(self._starts) and self._starts[i] == offset + need:  # merge right
+            length += self._lens.pop(self._starts[i])
+            del self._starts[i]
+        if i > 0:  # merge left
+            left = self._starts[i - 1]
+            if left + self._lens[left] == start:
+                self._lens[left] += length
+                return
+        self._starts.insert(i, start)
+        self._lens[start] = length
+
+    @property
+    def largest_free(self) -> int:
+        return max(self._lens.values(), default=0)
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """One allocated extent of the arena."""
+
+    offset: int
+    nbytes: int
+
+
+class Arena:
+    """A shared-memory file mapped into this process, with an allocator."""
+
+    def __init__(self, path: Path, size: int, *, populate_pages: bool = True) -> None:
+        if size <= 0:
+            raise InvalidArgument(f"arena size must be > 0, got {size}")
+        size = round_up(size)
+        self.path = Path(path)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise InvalidArgument(f"arena {self.path} exists already (another server?)") from None
+        except OSError as exc:
+            raise StorageFullError(f"cannot create the arena {self.path}: {exc}") from exc
+        try:
+            os.ftruncate(fd, size)
+            # populated: the pages exist (and are mapped here) before the first put, so
+            # no copy into the arena pays first-touch faults
+            populate = getattr(mmap, "MAP_POPULATE", 0) if populate_pages else 0
+            self.mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
+        except OSError as exc:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise StorageFullError(f"cannot map the arena {self.path}: {exc}") from exc
+        os.close(fd)
+        self.size = size
+        self._alloc = Allocator(size)
+        self._lock = threading.Lock()
+        self._base = np.frombuffer(self.mmap, np.uint8).ctypes.data
+
+    def alloc(self, nbytes: int, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> np.ndarray | None:
+        """A writable view of a new extent shaped ``shape`` (None when none fits). The
+        extent is freed when the last view of it dies."""
+        with self._lock:
+            off = self._alloc.alloc(nbytes)
+        if off is None:
+            return None
+        raw = np.frombuffer(self.mmap, np.uint8, count=nbytes, offset=off)
+        fin = weakref.finalize(raw.base, self._free, off, nbytes)
+        fin.atexit = False
+        return raw.view(dtype).reshape(shape)
+
+    def _free(self, offset: int, nbytes: int) -> None:
+        with self._lock:
+            self._alloc.free(offset, nbytes)
+
+    def offset_of(self, arr: np.ndarray) -> int | None:
+        """Offset of ``arr``'s data in the arena if it is a contiguous view of it."""
+        addr = arr.ctypes.data
+        if not (self._base <= addr and addr + arr.nbytes <= self._base + self.size):
+            return None
+        if not arr.flags.c_contiguous:
+            return None
+        return addr - self._base
+
+    @property
+    def used_bytes(self) -> int:
+        return self._alloc.used
+
+    @property
+    def extents(self) -> int:
+        return self._alloc.extents
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "arena_bytes": self.size,
+                "arena_used_bytes": self._alloc.used,
+                "arena_extents": self._alloc.extents,
+                "arena_largest_free": self._alloc.largest_free,
+            }
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+@dataclass(slots=True)
+class _Held:
+    meta: ReplicaMeta
+    array: np.ndarray
+
+
+class ShmTier(Tier, SupportsAdopt):
+    """Replicas in a shared-memory arena, at most ``capacity_bytes`` of payload."""
+
+    def __init__(
+        self, capacity_bytes: int, name: str, arena_path: Path, staging_bytes: int
+    ) -> None:
+        if capacity_bytes < 0 or staging_bytes < 0:
+            raise InvalidArgument(
+                f"shm tier needs capacity and staging >= 0, got {capacity_bytes}, {staging_bytes}"
+            )
+        self.name = TierName(name)
+        self.capacity_bytes = capacity_bytes
+        self.arena = Arena(arena_path, capacity_bytes + staging_bytes)
+        self._held: dict[ChunkKey, _Held] = {}
+        self._used = 0
+        self._reserved = 0
+        self._lock = threading.Lock()
+        self.adopted = 0
+        """Payloads published without a copy (already in the arena)."""
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used + self._reserved
+
+    def footprint(self, nbytes: int) -> int:
+        """Extents are whole pages: that is what a replica takes of the budget."""
+        return round_up(max(nbytes, 1))
+
+    def prepare_store(self, metas: Sequence[ReplicaMeta]) -> Reservation | CapacityShortfall:
+        need = sum(self.footprint(m.nbytes) for m in metas)
+        with self._lock:
+            over = self._used + self._reserved + need - self.capacity_bytes
+            if over > 0:
+                return CapacityShortfall(over)
+            self._reserved += need
+        return Reservation(self.name, list(metas), need)
+
+    def commit_store(self, reservation: Reservation, payloads: Sequence[np.ndarray]) -> None:
+        if reservation.done:
+            raise InvalidArgument("reservation already completed")
+        try:
+            check_payloads(reservation.metas, payloads)
+            held = [self._into_arena(arr) for arr in payloads]
+        except BaseException:
+            self.cancel_store(reservation)
+            raise
+        self._publish(reservation, held)
+
+    def commit_adopt(self, reservation: Reservation, arrays: Sequence[np.ndarray]) -> None:
+        """Arrays that are arena extents are taken as they are; others are copied in."""
+        self.commit_store(reservation, arrays)
+
+    def _into_arena(self, arr: np.ndarray) -> np.ndarray:
+        if self.arena.offset_of(arr) is not None and not arr.flags.writeable:
+            self.adopted += 1  # a sealed extent (a put a client wrote): no copy
+            return arr
+        dst = self.arena.alloc(arr.nbytes, arr.dtype, arr.shape)
+        if dst is None:
+            raise StorageFullError(
+                f"arena {self.arena.path} has no free extent of {arr.nbytes} bytes "
+                f"({self.arena.stats()})"
+            )
+        np.copyto(dst, arr)
+        dst.flags.writeable = False
+        return dst
+
+    def _publish(self, reservation: Reservation, arrays: Sequence[np.ndarray]) -> None:
+        with self._lock:
+            self._reserved -= reservation.nbytes
+            for meta, arr in zip(reservation.metas, arrays, strict=True):
+                old = self._held.pop(meta.key, None)
+                if old is not None:
+                    self._used -= self.footprint(old.meta.nbytes)
+                self._held[meta.key] = _Held(meta, arr)
+                self._used += self.footprint(meta.nbytes)
+            reservation.done = True
+
+    def cancel_store(self, reservation: Reservation) -> None:
+        with self._lock:
+            if not reservation.done:
+                self._reserved -= reservation.nbytes
+                reservation.done = True
+
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._held
+
+    def meta(self, key: ChunkKey) -> ReplicaMeta:
+        held = self._held.get(key)
+        if held is None:
+            raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
+        return held.meta
+
+    def read_batch(
+        self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
+    ) -> list[ReadResult]:
+        """Into ``outs`` where given (one copy), else the read-only arena view itself
+        (which keeps its extent alive for as long as the caller holds it)."""
+        results: list[ReadResult] = []
+        for i, key in enumerate(keys):
+            held = self._held.get(key)
+            if held is None:
+                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
+            out = outs[i] if outs is not None else None
+            if out is None:
+                results.append(held.array)
+                continue
+            if out.shape != held.array.shape or out.dtype != held.array.dtype:
+                raise InvalidArgument(
+                    f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
+                    f"{held.array.dtype}{list(held.array.shape)}"
+                )
+            np.copyto(out, held.array)
+            results.append(out)
+        return results
+
+    def delete(self, key: ChunkKey) -> int:
+        with self._lock:
+            held = self._held.pop(key, None)
+            if held is None:
+                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
+            self._used -= self.footprint(held.meta.nbytes)
+            return held.meta.nbytes
+        # the extent goes back to the arena when the last view of it dies
+
+    def replica_keys(self) -> list[ChunkKey]:
+        return list(self._held)
+
+    def details(self) -> dict[str, object]:
+        return {**self.arena.stats(), "arena": str(self.arena.path), "adopted": self.adopted}
+
+    def close(self) -> None:
+        with self._lock:
+            self._held.clear()
+        self.arena.unlink()

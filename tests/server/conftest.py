@@ -1,0 +1,144 @@
+"""A real ``kvlife serve`` process per fixture, started with this checkout's kvlife and
+stopped by its PID."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvlife.client import RemoteStore
+from kvlife.core.errors import StoreUnavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class ServerProc:
+    """``kvlife serve PATH`` in a child process (start, SIGTERM, SIGKILL, restart)."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        dram: int = 8 * MiB,
+        disk: int = 64 * MiB,
+        staging: int = 4 * MiB,
+        extra: tuple[str, ...] = (),
+        default_socket: bool = False,
+    ) -> None:
+        self.path = path
+        self.default_socket = default_socket
+        """Serve on ``PATH/serve.sock`` (no ``--socket``)."""
+        self.socket = path / "serve.sock" if default_socket else path.parent / f"{path.name}.sock"
+        self.pid_file = path.parent / f"{path.name}.pid"
+        self.log = path.parent / f"{path.name}.log"
+        self.args = [
+            "--dram-bytes",
+            str(dram),
+            "--disk-bytes",
+            str(disk),
+            "--staging-bytes",
+            str(staging),
+            *extra,
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServerProc:
+        self.pid_file.unlink(missing_ok=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvlife.cli",
+            "serve",
+            str(self.path),
+            *(() if self.default_socket else ("--socket", str(self.socket))),
+            "--pid-file",
+            str(self.pid_file),
+            *self.args,
+        ]
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stderr=log)
+        deadline = time.monotonic() + 60
+        while not self.pid_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvlife serve exited: {self.log.read_text()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvlife serve did not start: {self.log.read_text()}")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stop(self) -> int:
+        """SIGTERM and wait; the exit status."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait()
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def client(self) -> RemoteStore:
+        return RemoteStore(self.socket, timeout=30)
+
+
+def wait_for(pred: object, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    assert callable(pred)
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def quiet(store: RemoteStore, sessions: int = 1) -> dict[str, object]:
+    """The server's state once only ``sessions`` connections remain and nothing is in
+    flight (a killed client's cleanup runs when the server reads its end of stream)."""
+    box: dict[str, object] = {}
+
+    def settled() -> bool:
+        store.drain()
+        box.update(store.server_state())
+        return box["sessions"] == sessions
+
+    wait_for(settled, what=f"{sessions} session(s) left")
+    return box
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerProc]:
+    srv = ServerProc(tmp_path / "store").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def remote(server: ServerProc) -> Iterator[RemoteStore]:
+    store = server.client()
+    yield store
+    with contextlib.suppress(StoreUnavailable):
+        store.close()

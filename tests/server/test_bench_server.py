@@ -1,0 +1,84 @@
+"""``kvlife bench server --quick`` runs and writes JSON of the documented shape (speed is
+never asserted: the machine is shared)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.server.conftest import ROOT, child_env
+
+
+def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "server.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvlife.cli",
+            "bench",
+            "server",
+            "--quick",
+            "--json",
+            str(out),
+            "--dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "lookup of a 16-chunk prompt" in proc.stdout and "aggregate GB/s" in proc.stdout
+    r = json.loads(out.read_text())
+    assert set(r) >= {
+        "config",
+        "lookup",
+        "load_dram",
+        "load_disk",
+        "put_dram",
+        "put_write_through",
+        "scaling",
+        "targets",
+        "peer_lmcache",
+    }
+    lk = r["lookup"]
+    for k in (
+        "inproc_p50_us",
+        "inproc_p99_us",
+        "server_p50_us",
+        "server_p99_us",
+        "ratio_p50",
+        "ratio_p99",
+    ):
+        assert lk[k] > 0
+    assert [p["chunk_bytes"] for p in r["load_dram"]] == [256 << 10, 1 << 20]
+    for key, limit in (
+        ("load_dram", "memcpy_gbps"),
+        ("load_disk", "raw_gbps"),
+        ("put_dram", "memcpy_gbps"),
+        ("put_write_through", "raw_gbps"),
+    ):
+        for p in r[key]:
+            assert p["server_gbps"] > 0 and p[limit] > 0
+            assert abs(p["ratio"] - p["server_gbps"] / p[limit]) < 1e-9
+    assert [p["clients"] for p in r["scaling"]] == [1, 2]
+    for p in r["scaling"]:
+        assert len(p["per_client_p99_ms"]) == p["clients"] and p["aggregate_gbps"] > 0
+    for key in ("load_dram", "load_disk"):
+        for p in r[key]:
+            assert p["shared_gbps"] > 0 and p["ratio_shared"] > 0
+    names = {t["name"] for t in r["targets"]}
+    assert {
+        "lookup_median",
+        "lookup_p99",
+        "load_dram_1024KiB",
+        "load_disk_256KiB_shared",
+        "put_write_through_256KiB",
+    } <= names
+    assert all(isinstance(t["met"], bool) for t in r["targets"])
+    assert not list(tmp_path.glob("kvsrv-*"))  # its work directory is removed

@@ -1,0 +1,112 @@
+"""Streamed disk loads on the wire, and output buffers in shared memory: a load whose
+buffers all lie in one the server made lands there directly (disk reads too), with
+exactly the bytes of the store; other buffers take the grant path. The buffer's file
+goes with the connection."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvlife.client import RemoteStore
+from kvlife.core.errors import InvalidArgument
+from kvlife.core.identity import PUBLIC
+from tests.conftest import TINY, prompt_kv, tiny_identity
+from tests.server.conftest import MiB, quiet, wait_for
+
+N = TINY.tokens_per_chunk
+
+
+def test_loads_land_in_shared_buffers_from_dram_and_disk(remote: RemoteStore) -> None:
+    ident = tiny_identity()
+    tokens, kv = prompt_kv(21, 3 * N)
+    remote.put_prompt(ident, PUBLIC, tokens, kv)
+    raw = remote.alloc_buffer(3 * 4096)
+    assert raw.ctypes.data % 4096 == 0
+    n = TINY.chunk_nbytes
+    outs = [
+        raw[i * 4096 : i * 4096 + n].view(np.float16).reshape(TINY.chunk_shape) for i in range(3)
+    ]
+    arena = Path(remote.info().tiers[0].details["arena"])
+    files = list(arena.parent.glob(arena.name + "-buf-*"))
+    assert len(files) == 1 and files[0].stat().st_mode & 0o777 == 0o600
+    for where in ("dram", "disk"):
+        if where == "disk":
+            remote.flush()
+            remote.evict("dram", 8 * MiB)
+        for o in outs:
+            o[...] = 0
+        lk = remote.lookup(ident, PUBLIC, tokens)
+        assert lk.tiers() == {where: 3}
+        got = remote.load(lk, outs)
+        assert got.loaded == 3 and got.tiers == {where: 3}
+        for i, (a, o) in enumerate(zip(got.arrays, outs, strict=True)):
+            assert a is o
+            assert np.array_equal(o, kv[:, :, :, i * N : (i + 1) * N])
+    assert quiet(remote)["buffers"] == 1
+    remote.close()
+    wait_for(lambda: not files[0].exists(), what="the buffer file to go with the connection")
+
+
+def test_buffers_outside_shared_memory_take_the_grant_path(remote: RemoteStore) -> None:
+    ident = tiny_identity()
+    tokens, kv = prompt_kv(22, 2 * N)
+    remote.put_prompt(ident, PUBLIC, tokens, kv)
+    remote.alloc_buffer(4096)
+    lk = remote.lookup(ident, PUBLIC, tokens)
+    outs = [np.zeros(TINY.chunk_shape, np.float16) for _ in range(2)]
+    got = remote.load(lk, outs)
+    assert got.loaded == 2 and np.array_equal(outs[1], kv[:, :, :, N:])
+    with pytest.raises(InvalidArgument):
+        remote.alloc_buffer(0)
+
+
+def test_a_load_from_disk_is_streamed_chunk_by_chunk(remote: RemoteStore) -> None:
+    """On the wire: one partial reply per chunk read from disk, in order, then the final
+    reply counting them; the bytes at each granted offset are the chunk's."""
+    import socket
+
+    import msgpack
+
+    from kvlife.server import protocol
+
+    ident = tiny_identity()
+    tokens, kv = prompt_kv(23, 3 * N)
+    remote.put_prompt(ident, PUBLIC, tokens, kv)
+    remote.flush()
+    remote.evict("dram", 8 * MiB)
+    lk = remote.lookup(ident, PUBLIC, tokens)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(remote.socket_path)
+    hello = [1, "hello", {"version": protocol.PROTOCOL_VERSION}]
+    sock.sendall(protocol.pack(hello))
+    body = protocol.recv_frame(sock)
+    assert body is not None
+    arena = Path(msgpack.unpackb(body)[2]["arena"])
+    args = {
+        "keys": b"".join(h.key for h in lk.hits),
+        "starts": [h.start for h in lk.hits],
+        "chunks_total": 3,
+        "layout": protocol.encode_layout(TINY),
+        "stream": True,
+    }
+    sock.sendall(protocol.pack([2, "load", args]))
+    parts = []
+    while True:
+        body = protocol.recv_frame(sock)
+        assert body is not None
+        rid, kind, payload = msgpack.unpackb(body)
+        assert rid == 2
+        if kind != protocol.PART:
+            break
+        parts.append(payload)
+    assert kind is True and payload["streamed"] == len(parts) == 3 and payload["grants"] == []
+    assert [p[0] for p in parts] == [0, 1, 2]
+    with arena.open("rb") as f:
+        for i, (_, off, dtype, shape) in enumerate(parts):
+            f.seek(off)
+            got = np.frombuffer(f.read(TINY.chunk_nbytes), dtype).reshape(shape)
+            assert np.array_equal(got, kv[:, :, :, i * N : (i + 1) * N])
+    sock.close()
