@@ -33,6 +33,11 @@ VARIANTS: list[tuple[str, dict[str, Param]]] = [(name, {}) for name in transform
     ("int4", {"sink_tokens": 2, "window_tokens": 3}),
     ("int2", {"key_group": 5, "value_group": 0}),
     ("int2", {"key_hi_fraction": 0.25, "sink_tokens": 1, "window_tokens": 2}),
+    ("int4", {"value_bits": 2, "key_group": 7}),
+    ("int2", {"key_axis": "token", "key_group": 5, "sink_tokens": 1}),
+    ("int8", {"key_axis": "token"}),
+    ("sparse", {"keep_ratio": 0.25, "sink_tokens": 1, "window_tokens": 2}),
+    ("sparse", {"keep_ratio": 1.0, "sink_tokens": 0, "window_tokens": 0}),
 ]
 IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in p.items())}" for n, p in VARIANTS]
 
