@@ -6,17 +6,23 @@ KV chunk, so its plane compresses well while the low mantissa plane is close to 
 The shuffle is a parallel numba loop because numpy's transpose-copy is several times
 slower.
 
-Payload: a table of (kind, length) per byte plane, then the planes, each either
-compressed or raw (when a trial on its first 64 KiB does not shrink). Codec errors and a
-decompressed size that does not match the descriptor's shape are
-:class:`~kvlife.transforms.base.TransformError`.
+Payload (version 2): a table of (kind, length) per byte plane, then the planes, each
+either raw (when a trial on its first 64 KiB does not shrink) or cut into blocks of
+``BLOCK`` bytes compressed independently: a block count, the block size and each block's
+compressed length (u32), then the blocks. Blocks are compressed and decompressed on a
+small thread pool (zstd and lz4 release the GIL), so a plane uses every core; the output
+does not depend on the number of threads. Codec errors and a decompressed size that does
+not match the descriptor's shape are :class:`~kvlife.transforms.base.TransformError`.
 """
 
 from __future__ import annotations
 
+import os
 import struct
-from collections.abc import Mapping
-from typing import Self
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Self, TypeVar
 
 import lz4.block
 import numpy as np
@@ -34,7 +40,26 @@ SAMPLE = 1 << 16
 RAW_IF_ABOVE = 0.97
 """Trial ratio above which a plane is stored raw (the low mantissa bytes of KV are near
 random; compressing them costs most of the time and saves nothing)."""
-_PLANE = struct.Struct("<BQ")  # per plane: 0 raw / 1 compressed, stored length
+BLOCK = 1 << 20
+"""Plane bytes per independently compressed block (the unit of parallelism)."""
+_PLANE = struct.Struct("<BQ")  # per plane: 0 raw / 1 compressed blocks, stored length
+_BLOCKS = struct.Struct("<II")  # compressed plane: block count, block size; then u32 lengths
+_T = TypeVar("_T")
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _map(fn: Callable[[int], _T], n: int) -> list[_T]:
+    """``[fn(i) for i in range(n)]`` on the module's thread pool (one per process, sized to
+    the CPUs, created on first use); a single item runs inline."""
+    global _pool
+    if n <= 1:
+        return [fn(i) for i in range(n)]
+    with _pool_lock:
+        if _pool is None:
+            workers = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)
+            _pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="kvlife-lossless")
+    return list(_pool.map(fn, range(n)))
 
 
 @njit(cache=True, parallel=True)
@@ -93,7 +118,7 @@ class LosslessTransform(Transform):
     """Byte-shuffle + zstd/lz4 over any fixed-size numeric dtype."""
 
     name = "lossless"
-    version = 1
+    version = 2
     exactness = Exactness.LOSSLESS
 
     def __init__(self, codec: str = "zstd", level: int = 1, shuffle: bool = True) -> None:
@@ -125,7 +150,7 @@ class LosslessTransform(Transform):
             raise LayoutMismatch(f"lossless cannot store dtype {dtype}")
 
     def payload_nbytes(self, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> int:
-        # a plane that does not shrink is stored raw: at worst the table is added
+        # a plane is compressed only if that makes it smaller: at worst raw, plus the table
         n = int(np.prod(shape)) * dtype.itemsize
         return n + _PLANE.size * (dtype.itemsize if self.shuffle else 1)
 
@@ -142,26 +167,35 @@ class LosslessTransform(Transform):
         else:
             planes_buf = raw
         n = raw.size // k
+        planes = [planes_buf[j * n : (j + 1) * n] for j in range(k)]
+        # which planes are worth compressing: a trial on their first bytes
+        trials = [p[:SAMPLE] for p in planes]
+        sizes = _map(lambda j: len(self._compress(trials[j])), k)
+        chosen = [j for j in range(k) if trials[j].size and sizes[j] <= RAW_IF_ABOVE * trials[j].size]
+        nblk = -(-n // BLOCK)
+        blocks = _map(
+            lambda i: self._compress(planes[chosen[i // nblk]][(i % nblk) * BLOCK :][:BLOCK]),
+            len(chosen) * nblk,
+        )
         table: list[bytes] = []
         parts: list[bytes | memoryview] = []
         for j in range(k):
-            plane = planes_buf[j * n : (j + 1) * n]
-            trial = plane[:SAMPLE]
-            packed: bytes | memoryview = plane.data
+            packed: Sequence[bytes | memoryview] = [planes[j].data]
             kind = 0
-            if trial.size and len(self._compress(trial)) <= RAW_IF_ABOVE * trial.size:
-                comp = self._compress(plane)
-                if len(comp) < plane.size:
-                    packed, kind = comp, 1
-            table.append(_PLANE.pack(kind, len(packed)))
-            parts.append(packed)
+            if j in chosen:
+                mine = blocks[chosen.index(j) * nblk :][:nblk]
+                head = _BLOCKS.pack(nblk, BLOCK) + struct.pack(f"<{nblk}I", *map(len, mine))
+                if len(head) + sum(map(len, mine)) < n:
+                    packed, kind = [head, *mine], 1
+            table.append(_PLANE.pack(kind, sum(map(len, packed))))
+            parts += packed
         return b"".join(table) + b"".join(parts)
 
-    def _compress(self, plane: NDArray[np.uint8]) -> bytes:
+    def _compress(self, data: NDArray[np.uint8]) -> bytes:
         if self.codec == "zstd":
-            out: bytes = zstandard.ZstdCompressor(level=self.level).compress(plane.data)
+            out: bytes = zstandard.ZstdCompressor(level=self.level).compress(data.data)
             return out
-        packed: bytes = lz4.block.compress(plane.data, store_size=False)
+        packed: bytes = lz4.block.compress(data.data, store_size=False)
         return packed
 
     def _decode(
@@ -180,7 +214,7 @@ class LosslessTransform(Transform):
             pos += length
             if part.size != length or kind not in (0, 1):
                 raise TransformError(f"lossless plane {j} has a bad table entry ({kind}, {length})")
-            plane = self._decompress(part, n) if kind == 1 else part
+            plane = self._decompress_blocks(part, n, j) if kind == 1 else part
             if plane.size != n:
                 raise TransformError(
                     f"lossless/{self.codec} plane {j} holds {plane.size} bytes, expected {n}"
@@ -195,6 +229,32 @@ class LosslessTransform(Transform):
         else:
             for j, plane in enumerate(planes):
                 _unshuffle_plane(plane, dst, k, j)
+
+    def _decompress_blocks(self, part: NDArray[np.uint8], n: int, j: int) -> NDArray[np.uint8]:
+        """One compressed plane of ``n`` bytes: its block table, then its blocks in parallel."""
+        if part.size < _BLOCKS.size:
+            raise TransformError(f"lossless plane {j} lacks its block table")
+        nblk, block = _BLOCKS.unpack_from(part.data)
+        if block < 1 or nblk != -(-n // block) or part.size < _BLOCKS.size + 4 * nblk:
+            raise TransformError(
+                f"lossless plane {j}: {nblk} blocks of {block} bytes do not make {n} bytes"
+            )
+        lengths = np.frombuffer(part.data, "<u4", nblk, _BLOCKS.size).astype(np.int64)
+        ends = _BLOCKS.size + 4 * nblk + np.cumsum(lengths)
+        if nblk and ends[-1] != part.size:
+            raise TransformError(f"lossless plane {j}: block lengths do not add up")
+        starts = ends - lengths
+        plane = np.empty(n, np.uint8)
+
+        def one(i: int) -> None:
+            want = min(block, n - i * block)
+            got = self._decompress(part[starts[i] : ends[i]], want)
+            if got.size != want:
+                raise TransformError(f"lossless plane {j} block {i} holds {got.size} bytes")
+            plane[i * block : i * block + want] = got
+
+        _map(one, nblk)
+        return plane
 
     def _decompress(self, part: NDArray[np.uint8], n: int) -> NDArray[np.uint8]:
         try:

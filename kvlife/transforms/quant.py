@@ -91,6 +91,7 @@ class QuantTransform(Transform):
         key_hi_bits: int = 4,
         value_bits: int = 0,
         key_axis: str = "channel",
+        value_sym: bool = False,
     ) -> None:
         value_bits = value_bits or self.bits
         if value_bits not in (2, 4, 8):
@@ -113,6 +114,7 @@ class QuantTransform(Transform):
         self.key_hi_bits = key_hi_bits
         self.value_bits = value_bits
         self.key_axis = key_axis
+        self.value_sym = bool(value_sym)
 
     def params(self) -> Mapping[str, Param]:
         return {
@@ -124,6 +126,7 @@ class QuantTransform(Transform):
             "key_hi_bits": self.key_hi_bits,
             "value_bits": self.value_bits,
             "key_axis": self.key_axis,
+            "value_sym": self.value_sym,
         }
 
     @classmethod
@@ -136,7 +139,7 @@ class QuantTransform(Transform):
             "key_hi_bits",
             "value_bits",
         )
-        unknown = set(params) - {*ints, "key_hi_fraction", "key_axis"}
+        unknown = set(params) - {*ints, "key_hi_fraction", "key_axis", "value_sym"}
         if unknown:
             raise TransformError(f"{cls.name} does not know parameters {sorted(unknown)}")
         for k in ints:
@@ -148,6 +151,9 @@ class QuantTransform(Transform):
         axis = params.get("key_axis", "channel")
         if not isinstance(axis, str):
             raise TransformError(f"{cls.name}: key_axis must be a string")
+        sym = params.get("value_sym", False)
+        if not isinstance(sym, bool):
+            raise TransformError(f"{cls.name}: value_sym must be a boolean")
 
         def get(k: str, default: int) -> int:
             v = params.get(k, default)
@@ -163,13 +169,16 @@ class QuantTransform(Transform):
             get("key_hi_bits", 4),
             get("value_bits", 0),
             axis,
+            sym,
         )
 
     @property
     def error_bound(self) -> ErrorBound:
         levels = (1 << min(self.bits, self.value_bits)) - 1
-        # half a step, padded for rounding the scale up to float16 (relative 2**-10)
-        return ErrorBound(0.5 / levels * (1 + 2.0**-8), 2.0**-8, 2.0**-22)
+        # half a step, padded for rounding the scale up to float16 (relative 2**-10);
+        # a symmetric value grid's step is 2 max|x| / levels: a magnitude term
+        sym = (1 + 2.0**-8) / ((1 << self.value_bits) - 1) if self.value_sym else 0.0
+        return ErrorBound(0.5 / levels * (1 + 2.0**-8), 2.0**-8 + sym, 2.0**-22)
 
     def check_input(self, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> None:
         if dtype.name not in DTYPES:
@@ -206,7 +215,7 @@ class QuantTransform(Transform):
             ("kzero", L * H * kmeta * m),
             ("kscale", L * H * kmeta * m),
             ("vcodes", L * H * nq * -(-D * self.value_bits // 8)),
-            ("vzero", L * H * nq * ngv * m),
+            ("vzero", 0 if self.value_sym else L * H * nq * ngv * m),
             ("vscale", L * H * nq * ngv * m),
             ("sinks", L * 2 * H * S * D * e),
             ("window", L * 2 * H * R * D * e),
@@ -234,7 +243,7 @@ class QuantTransform(Transform):
             "kzero": (kmeta_shape, mt),
             "kscale": (kmeta_shape, mt),
             "vcodes": ((p.L * p.H * p.nq, -(-p.D * self.value_bits // 8)), np.uint8),
-            "vzero": ((p.L * p.H * p.nq, ngv), mt),
+            "vzero": ((p.L * p.H * p.nq, 0 if self.value_sym else ngv), mt),
             "vscale": ((p.L * p.H * p.nq, ngv), mt),
             "sinks": ((dict(p.sections)["sinks"],), np.uint8),
             "window": ((dict(p.sections)["window"],), np.uint8),
@@ -260,6 +269,7 @@ class QuantTransform(Transform):
             p.nhi,
             self.value_bits,
             1 if self.key_axis == "token" else 0,
+            self.value_sym,
         )
 
     def _encode(self, array: NDArray[np.generic]) -> NDArray[np.uint8]:

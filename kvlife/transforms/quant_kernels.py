@@ -137,11 +137,12 @@ def _store_rounded_ov(x, i, f, up, lut, scratch, bits):  # type: ignore[no-untyp
 
 @njit(cache=True)
 def quant_rows(  # type: ignore[no-untyped-def]  # pragma: no cover
-    x, base, S, nq, D, gv, nbits, codes, zero, scale, row0, lut, scratch, bits, vr
+    x, base, S, nq, D, gv, nbits, codes, zero, scale, row0, lut, scratch, bits, vr, sym
 ):
     """Quantise rows [S, S+nq) of the (T, D) block at flat ``x[base:]`` per token, in
     groups of ``gv`` along D, into codes/zero/scale rows ``row0 + t``; returns the sum of
-    ``v - v`` over the values (NaN unless all are finite)."""
+    ``v - v`` over the values (NaN unless all are finite). ``sym``: a grid symmetric
+    about 0 (``zero = -scale * levels / 2``, not stored), scale ``2 max|x| / levels``."""
     ngv = (D + gv - 1) // gv
     levels = (1 << nbits) - 1
     fin = np.float32(0.0)
@@ -160,8 +161,13 @@ def quant_rows(  # type: ignore[no-untyped-def]  # pragma: no cover
             for d in range(d0, d1):
                 lo = min(lo, vr[d])
                 hi = max(hi, vr[d])
-            z = store_rounded(zero[r], g, lo, False, lut, scratch, bits)
-            s = store_rounded(scale[r], g, (hi - z) / levels, True, lut, scratch, bits)
+            if sym:
+                m = max(-lo, hi)
+                s = store_rounded(scale[r], g, 2 * m / levels, True, lut, scratch, bits)
+                z = -s * np.float32(levels * 0.5)  # exact: s has 11 (float16) or 24 bits
+            else:
+                z = store_rounded(zero[r], g, lo, False, lut, scratch, bits)
+                s = store_rounded(scale[r], g, (hi - z) / levels, True, lut, scratch, bits)
             iv = np.float32(1.0 / s) if s > 0 else np.float32(0.0)
             for d in range(d0, d1):
                 q = min(int((vr[d] - z) * iv + np.float32(0.5)), levels)
@@ -177,7 +183,7 @@ def quant_rows(  # type: ignore[no-untyped-def]  # pragma: no cover
 
 @njit(cache=True)
 def dequant_rows(  # type: ignore[no-untyped-def]  # pragma: no cover
-    out, base, S, nq, D, gv, nbits, codes, zero, scale, row0, lut, lo_, hi_, vr, vbits_row
+    out, base, S, nq, D, gv, nbits, codes, zero, scale, row0, lut, lo_, hi_, vr, vbits_row, sym
 ):
     """Inverse of :func:`quant_rows`, writing rows [S, S+nq) at flat ``out[base:]``."""
     ngv = (D + gv - 1) // gv
@@ -185,8 +191,8 @@ def dequant_rows(  # type: ignore[no-untyped-def]  # pragma: no cover
     for t in range(nq):
         r = row0 + t
         for g in range(ngv):
-            z = load(zero[r], g, lut)
             s = load(scale[r], g, lut)
+            z = -s * np.float32(mask * 0.5) if sym else load(zero[r], g, lut)
             for d in range(g * gv, min(D, g * gv + gv)):
                 pos = d * nbits
                 q = (codes[r, pos >> 3] >> (pos & 7)) & mask
@@ -210,6 +216,7 @@ def encode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
     nhi,
     vbits,
     kaxis,
+    vsym,
     hmask,
     kcodes,
     kzero,
@@ -248,7 +255,8 @@ def encode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
         kbase = ((li * 2 + 0) * H + h) * T * D
         vbase = ((li * 2 + 1) * H + h) * T * D
         fin += quant_rows(
-            x, vbase, S, nq, D, gv, vbits, vcodes, vzero, vscale, lh * nq, lut, scratch, bits, vr
+            x, vbase, S, nq, D, gv, vbits, vcodes, vzero, vscale, lh * nq, lut, scratch, bits, vr,
+            vsym,
         )
         if kaxis == 1:
             # (L*H, nq*krow) codes and (L*H, nq, groups) metadata, seen as rows per token
@@ -268,6 +276,7 @@ def encode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
                 scratch,
                 bits,
                 vr,
+                False,
             )
             finite[lh] = fin
             continue
@@ -348,6 +357,7 @@ def decode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
     nhi,
     vbits,
     kaxis,
+    vsym,
     hmask,
     kcodes,
     kzero,
@@ -376,7 +386,7 @@ def decode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
         vbase = ((li * 2 + 1) * H + h) * T * D
         dequant_rows(
             out, vbase, S, nq, D, gv, vbits, vcodes, vzero, vscale, lh * nq, lut, lo_, hi_,
-            vr, vbits_row,
+            vr, vbits_row, vsym,
         )
         if kaxis == 1:
             dequant_rows(
@@ -396,6 +406,7 @@ def decode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
                 hi_,
                 vr,
                 vbits_row,
+                False,
             )
             continue
         o = 0

@@ -36,6 +36,8 @@ VARIANTS: list[tuple[str, dict[str, Param]]] = [(name, {}) for name in transform
     ("int4", {"value_bits": 2, "key_group": 7}),
     ("int2", {"key_axis": "token", "key_group": 5, "sink_tokens": 1}),
     ("int8", {"key_axis": "token"}),
+    ("int4", {"value_sym": True, "value_group": 5, "sink_tokens": 1}),
+    ("int2", {"value_sym": True, "key_hi_fraction": 0.25, "key_hi_bits": 8}),
     ("sparse", {"keep_ratio": 0.25, "sink_tokens": 1, "window_tokens": 2}),
     ("sparse", {"keep_ratio": 1.0, "sink_tokens": 0, "window_tokens": 0}),
 ]
