@@ -3,8 +3,9 @@
 Byte-shuffle splits each element into byte planes (all low bytes, then all high bytes):
 the high byte of a float16 (sign, exponent, two mantissa bits) varies little across a
 KV chunk, so its plane compresses well while the low mantissa plane is close to random.
-The shuffle is a parallel numba loop because numpy's transpose-copy is several times
-slower.
+The shuffle is a serial numba loop (about 13 GB/s for float16, memory-bound: numpy's
+strided copies are several times slower, and a parallel loop loses more to waking threads
+on a busy machine than it gains).
 
 Payload (version 2): a table of (kind, length) per byte plane, then the planes, each
 either raw (when a trial on its first 64 KiB does not shrink) or cut into blocks of
@@ -27,7 +28,7 @@ from typing import Self, TypeVar
 import lz4.block
 import numpy as np
 import zstandard
-from numba import njit, prange
+from numba import njit
 from numpy.typing import NDArray
 
 from kvlife.core.errors import LayoutMismatch
@@ -62,55 +63,67 @@ def _map(fn: Callable[[int], _T], n: int) -> list[_T]:
     return list(_pool.map(fn, range(n)))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True)
 def _shuffle(
     src: NDArray[np.uint8], dst: NDArray[np.uint8], itemsize: int
 ) -> None:  # pragma: no cover
     """Byte planes of ``src`` into ``dst``: plane j holds byte j of every element."""
     n = src.size // itemsize
-    nblk = (n + 65535) // 65536
-    for blk in prange(nblk):
-        for i in range(blk * 65536, min(n, blk * 65536 + 65536)):
-            for j in range(itemsize):
-                dst[j * n + i] = src[i * itemsize + j]
+    for i in range(n):
+        for j in range(itemsize):
+            dst[j * n + i] = src[i * itemsize + j]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True)
 def _unshuffle_plane(
     plane: NDArray[np.uint8], dst: NDArray[np.uint8], itemsize: int, j: int
 ) -> None:  # pragma: no cover
     """Byte plane ``j`` back into its place in every element of ``dst``."""
-    n = plane.size
-    nblk = (n + 65535) // 65536
-    for blk in prange(nblk):
-        for i in range(blk * 65536, min(n, blk * 65536 + 65536)):
-            dst[i * itemsize + j] = plane[i]
+    for i in range(plane.size):
+        dst[i * itemsize + j] = plane[i]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True)
 def _split16(
     src: NDArray[np.uint16], lo: NDArray[np.uint8], hi: NDArray[np.uint8]
 ) -> None:  # pragma: no cover
-    """The two byte planes of 2-byte elements (float16, bfloat16): a vectorisable loop."""
-    n = src.size
-    nblk = (n + 65535) // 65536
-    for blk in prange(nblk):
-        for i in range(blk * 65536, min(n, blk * 65536 + 65536)):
-            v = src[i]
-            lo[i] = v & 0xFF
-            hi[i] = v >> 8
+    """The two byte planes of 2-byte elements (float16, bfloat16): a vectorised loop."""
+    for i in range(src.size):
+        v = src[i]
+        lo[i] = v & 0xFF
+        hi[i] = v >> 8
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True)
 def _join16(
     lo: NDArray[np.uint8], hi: NDArray[np.uint8], dst: NDArray[np.uint16]
 ) -> None:  # pragma: no cover
     """Inverse of :func:`_split16`."""
-    n = dst.size
-    nblk = (n + 65535) // 65536
-    for blk in prange(nblk):
-        for i in range(blk * 65536, min(n, blk * 65536 + 65536)):
-            dst[i] = np.uint16(lo[i]) | (np.uint16(hi[i]) << 8)
+    for i in range(dst.size):
+        dst[i] = np.uint16(lo[i]) | (np.uint16(hi[i]) << 8)
+
+
+@njit(cache=True)
+def _split32(src: NDArray[np.uint32], planes: NDArray[np.uint8]) -> None:  # pragma: no cover
+    """The four byte planes (rows of ``planes``) of 4-byte elements (float32)."""
+    for i in range(src.size):
+        v = src[i]
+        planes[0, i] = v & 0xFF
+        planes[1, i] = (v >> 8) & 0xFF
+        planes[2, i] = (v >> 16) & 0xFF
+        planes[3, i] = v >> 24
+
+
+@njit(cache=True)
+def _join32(planes: NDArray[np.uint8], dst: NDArray[np.uint32]) -> None:  # pragma: no cover
+    """Inverse of :func:`_split32`."""
+    for i in range(dst.size):
+        dst[i] = (
+            np.uint32(planes[0, i])
+            | (np.uint32(planes[1, i]) << 8)
+            | (np.uint32(planes[2, i]) << 16)
+            | (np.uint32(planes[3, i]) << 24)
+        )
 
 
 @register_transform
@@ -154,20 +167,24 @@ class LosslessTransform(Transform):
         n = int(np.prod(shape)) * dtype.itemsize
         return n + _PLANE.size * (dtype.itemsize if self.shuffle else 1)
 
-    def _encode(self, array: NDArray[np.generic]) -> bytes:
+    def _encode(self, array: NDArray[np.generic]) -> NDArray[np.uint8]:
         raw = array.reshape(-1).view(np.uint8)
         k = array.dtype.itemsize if self.shuffle else 1
-        if k == 2:
-            planes_buf = np.empty_like(raw)
-            n2 = raw.size // 2
-            _split16(raw.view(np.uint16), planes_buf[:n2], planes_buf[n2:])
-        elif k > 1:
-            planes_buf = np.empty_like(raw)
-            _shuffle(raw, planes_buf, k)
-        else:
-            planes_buf = raw
         n = raw.size // k
-        planes = [planes_buf[j * n : (j + 1) * n] for j in range(k)]
+        head = _PLANE.size * k
+        # the planes are split straight into the payload buffer, where a raw plane stays:
+        # compressed planes are written over their raw bytes and later planes moved down
+        buf = np.empty(head + raw.size, np.uint8)
+        body = buf[head:]
+        if k == 2:
+            _split16(raw.view(np.uint16), body[:n], body[n:])
+        elif k == 4:
+            _split32(raw.view(np.uint32), body.reshape(4, -1))
+        elif k > 1:
+            _shuffle(raw, body, k)
+        else:
+            np.copyto(body, raw)
+        planes = [body[j * n : (j + 1) * n] for j in range(k)]
         # which planes are worth compressing: a trial on their first bytes
         trials = [p[:SAMPLE] for p in planes]
         sizes = _map(lambda j: len(self._compress(trials[j])), k)
@@ -177,19 +194,27 @@ class LosslessTransform(Transform):
             lambda i: self._compress(planes[chosen[i // nblk]][(i % nblk) * BLOCK :][:BLOCK]),
             len(chosen) * nblk,
         )
-        table: list[bytes] = []
-        parts: list[bytes | memoryview] = []
+        pos = head
         for j in range(k):
-            packed: Sequence[bytes | memoryview] = [planes[j].data]
-            kind = 0
+            src = head + j * n
+            kind, length = 0, n
             if j in chosen:
                 mine = blocks[chosen.index(j) * nblk :][:nblk]
-                head = _BLOCKS.pack(nblk, BLOCK) + struct.pack(f"<{nblk}I", *map(len, mine))
-                if len(head) + sum(map(len, mine)) < n:
-                    packed, kind = [head, *mine], 1
-            table.append(_PLANE.pack(kind, sum(map(len, packed))))
-            parts += packed
-        return b"".join(table) + b"".join(parts)
+                table = _BLOCKS.pack(nblk, BLOCK) + struct.pack(f"<{nblk}I", *map(len, mine))
+                length = len(table) + sum(map(len, mine))
+                if length < n:
+                    kind = 1
+                    at = pos
+                    for part in (table, *mine):
+                        buf[at : at + len(part)] = np.frombuffer(part, np.uint8)
+                        at += len(part)
+                else:
+                    length = n
+            if kind == 0 and pos != src:
+                buf[pos : pos + n] = buf[src : src + n]  # numpy copes with the overlap
+            _PLANE.pack_into(buf.data, j * _PLANE.size, kind, length)
+            pos += length
+        return buf[:pos]
 
     def _compress(self, data: NDArray[np.uint8]) -> bytes:
         if self.codec == "zstd":
@@ -226,6 +251,8 @@ class LosslessTransform(Transform):
             np.copyto(dst, planes[0])
         elif k == 2:
             _join16(planes[0], planes[1], dst.view(np.uint16))
+        elif k == 4:
+            _join32(np.stack(planes), dst.view(np.uint32))
         else:
             for j, plane in enumerate(planes):
                 _unshuffle_plane(plane, dst, k, j)

@@ -26,4 +26,13 @@ def test_bench_transforms_quick_writes_its_json(
     for p in doc["points"]:
         assert p["encode_gbps"] > 0 and p["decode_gbps"] > 0 and p["memcpy_gbps"] > 0
         assert p["bits_per_element"] > 0 and p["ratio"] > 0
-        assert p["exactness"] in ("exact", "lossless", "lossy")
+        assert p["exactness"] in ("exact", "lossless", "lossy", "lossy-sparse")
+    assert {"sparse-25-knorm", "lossless-zstd1", "int4-g32"} <= labels
+
+
+def test_bench_transforms_float32(tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    assert transforms.main(["--quick", "--dtype", "float32", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["dtype"] == "float32"
+    assert all(p["bits_per_element"] > 0 for p in doc["points"])

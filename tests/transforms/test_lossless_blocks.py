@@ -71,3 +71,25 @@ def test_forged_block_table_is_typed_error() -> None:
         struct.pack_into("<I", bad, start + offset, value)
         with pytest.raises(TransformError):
             decode(_resign(enc, bytes(bad)), out)
+
+
+@pytest.mark.parametrize("f16", [True, False])
+def test_raw_plane_after_a_compressed_one_moves_down_intact(f16: bool) -> None:
+    # low bytes constant (compressible), the others random (stored raw): the raw planes
+    # are moved down over the bytes the compressed plane no longer needs
+    rng = np.random.default_rng(5)
+    dt = np.uint16 if f16 else np.uint32
+    bits = rng.integers(0, np.iinfo(dt).max, (2, 2, 3, 700, 8), dtype=dt) & ~dt(0xFF)
+    old = lossless.BLOCK
+    lossless.BLOCK = 1000
+    try:
+        enc = make_transform("lossless").encode(bits)
+    finally:
+        lossless.BLOCK = old
+    payload = bytes(enc.payload_view())
+    k = bits.dtype.itemsize
+    kinds = [struct.unpack_from("<BQ", payload, 9 * j)[0] for j in range(k)]
+    assert kinds[0] == 1 and kinds[-1] == 0
+    out = np.empty_like(bits)
+    decode(enc, out)
+    assert np.array_equal(out, bits)
