@@ -1,6 +1,7 @@
 """``kvlife bench transforms``: encode/decode speed, bits per element and ratio of each transform.
 
-For fp16 (or, with ``--dtype float32``, fp32) KV chunks of 2 MiB and 16 MiB (fp16 sizes), shaped ``(layers, 2, kv_heads, tokens, head_dim)``,
+For fp16 (or, with ``--dtype float32``, fp32) KV chunks of 2 MiB and 16 MiB (fp16 sizes),
+shaped ``(layers, 2, kv_heads, tokens, head_dim)``,
 and two kinds of data, each transform's encode and decode (into a preallocated buffer,
 payload verification included) is timed as the median of a few repetitions, next to a
 numpy memcpy of the same chunk in the same run. Speeds are GB/s of the uncompressed chunk.

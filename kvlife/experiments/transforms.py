@@ -295,8 +295,9 @@ class Runner:
         finally:
             self.model.set_attn_implementation(self.attn)
         mass = torch.stack([a[0, :, :, :T].sum(dim=1) for a in out.attentions])  # (L, qh, T)
-        m = mass.double().numpy()
-        return m.reshape(m.shape[0], H, m.shape[1] // H, T).sum(axis=2)
+        m: NDArray[np.float64] = mass.double().numpy()
+        grouped: NDArray[np.float64] = m.reshape(m.shape[0], H, m.shape[1] // H, T).sum(axis=2)
+        return grouped
 
     def score(
         self, kvs: Sequence[NDArray[np.float32]], ids: Sequence[int], start: int, greedy: int
@@ -529,7 +530,9 @@ def format_report(result: dict[str, Any]) -> str:
     for tier, target in result["targets"].items():
         ok = [r["label"] for r in result["rows"] if r["meets"][tier] and _in_tier(r, tier)]
         tuned = [r for r in result["rows"] if r["tier"] == tier]
-        verdict = ", ".join(f"{r['label']}: {'met' if r['meets'][tier] else 'MISSED'}" for r in tuned)
+        verdict = ", ".join(
+            f"{r['label']}: {'met' if r['meets'][tier] else 'MISSED'}" for r in tuned
+        )
         lines.append(f"target {tier} {target}: {verdict}; rows meeting it: {ok or 'none'}")
     lines.append(f"elapsed {result['elapsed_s']:.0f} s")
     return "\n".join(lines)
@@ -548,14 +551,29 @@ def plot(result: dict[str, Any], path: Path) -> None:
         c = colours.get(r["exactness"], "grey")
         kl = max(r["mean_kl"], 1e-6)
         ax1.scatter(r["bits_per_element"], kl, color=c, s=30)
-        ax1.annotate(r["label"], (r["bits_per_element"], kl), fontsize=7, xytext=(3, 3),
-                     textcoords="offset points")
+        ax1.annotate(
+            r["label"],
+            (r["bits_per_element"], kl),
+            fontsize=7,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
         ax2.scatter(r["bits_per_element"], 100 * r["top1"], color=c, s=30)
-        ax2.annotate(r["label"], (r["bits_per_element"], 100 * r["top1"]), fontsize=7,
-                     xytext=(3, 3), textcoords="offset points")
+        ax2.annotate(
+            r["label"],
+            (r["bits_per_element"], 100 * r["top1"]),
+            fontsize=7,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
     t = result["targets"]
-    ax1.axhline(t["near_lossless"]["max_kl"], color="tab:green", ls="--", lw=0.8,
-                label="near-lossless KL target")
+    ax1.axhline(
+        t["near_lossless"]["max_kl"],
+        color="tab:green",
+        ls="--",
+        lw=0.8,
+        label="near-lossless KL target",
+    )
     ax1.axhline(t["two_bit"]["max_kl"], color="tab:red", ls="--", lw=0.8, label="2-bit KL target")
     ax1.axvline(t["near_lossless"]["max_bits"], color="tab:green", ls=":", lw=0.8)
     ax1.set_yscale("log")
@@ -584,8 +602,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument("--plot", default=None, help="write a scatter plot (PNG) to this file")
     parser.add_argument("--windows", type=int, default=8, help="licence-text windows")
-    parser.add_argument("--stored", type=int, default=512, help="prefix tokens through the transform")
-    parser.add_argument("--scored", type=int, default=256, help="tokens whose predictions are compared")
+    parser.add_argument(
+        "--stored", type=int, default=512, help="prefix tokens through the transform"
+    )
+    parser.add_argument(
+        "--scored", type=int, default=256, help="tokens whose predictions are compared"
+    )
     parser.add_argument("--greedy", type=int, default=64, help="greedy tokens generated after")
     parser.add_argument("--batch", type=int, default=4, help="rows per batched forward pass")
     parser.add_argument(

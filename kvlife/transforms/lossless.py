@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self, TypeVar
 
@@ -58,7 +58,9 @@ def _map(fn: Callable[[int], _T], n: int) -> list[_T]:
         return [fn(i) for i in range(n)]
     with _pool_lock:
         if _pool is None:
-            workers = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2)
+            workers = min(
+                8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
+            )
             _pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix="kvlife-lossless")
     return list(_pool.map(fn, range(n)))
 
@@ -188,7 +190,9 @@ class LosslessTransform(Transform):
         # which planes are worth compressing: a trial on their first bytes
         trials = [p[:SAMPLE] for p in planes]
         sizes = _map(lambda j: len(self._compress(trials[j])), k)
-        chosen = [j for j in range(k) if trials[j].size and sizes[j] <= RAW_IF_ABOVE * trials[j].size]
+        chosen = [
+            j for j in range(k) if trials[j].size and sizes[j] <= RAW_IF_ABOVE * trials[j].size
+        ]
         nblk = -(-n // BLOCK)
         blocks = _map(
             lambda i: self._compress(planes[chosen[i // nblk]][(i % nblk) * BLOCK :][:BLOCK]),

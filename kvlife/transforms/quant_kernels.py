@@ -255,7 +255,21 @@ def encode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
         kbase = ((li * 2 + 0) * H + h) * T * D
         vbase = ((li * 2 + 1) * H + h) * T * D
         fin += quant_rows(
-            x, vbase, S, nq, D, gv, vbits, vcodes, vzero, vscale, lh * nq, lut, scratch, bits, vr,
+            x,
+            vbase,
+            S,
+            nq,
+            D,
+            gv,
+            vbits,
+            vcodes,
+            vzero,
+            vscale,
+            lh * nq,
+            lut,
+            scratch,
+            bits,
+            vr,
             vsym,
         )
         if kaxis == 1:
@@ -385,8 +399,23 @@ def decode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
         kbase = ((li * 2 + 0) * H + h) * T * D
         vbase = ((li * 2 + 1) * H + h) * T * D
         dequant_rows(
-            out, vbase, S, nq, D, gv, vbits, vcodes, vzero, vscale, lh * nq, lut, lo_, hi_,
-            vr, vbits_row, vsym,
+            out,
+            vbase,
+            S,
+            nq,
+            D,
+            gv,
+            vbits,
+            vcodes,
+            vzero,
+            vscale,
+            lh * nq,
+            lut,
+            lo_,
+            hi_,
+            vr,
+            vbits_row,
+            vsym,
         )
         if kaxis == 1:
             dequant_rows(

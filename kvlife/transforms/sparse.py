@@ -62,7 +62,8 @@ def keep_count(tokens: int, keep_ratio: float, sink_tokens: int, window_tokens: 
 def knorm_importance(kv: NDArray[np.generic]) -> NDArray[np.float32]:
     """Fallback importance ``(L, H, T)``: minus each key's L2 norm (low-norm keys first)."""
     keys = np.asarray(kv[:, 0], dtype=np.float32)
-    return -np.sqrt(np.einsum("lhtd,lhtd->lht", keys, keys))
+    norms: NDArray[np.float32] = np.sqrt(np.einsum("lhtd,lhtd->lht", keys, keys))
+    return -norms
 
 
 def snapkv_importance(
@@ -274,9 +275,7 @@ class SparseTransform(Transform):
         encoded.verify()
         return d
 
-    def decode_kept(
-        self, encoded: EncodedPayload, out: NDArray[np.generic]
-    ) -> NDArray[np.intp]:
+    def decode_kept(self, encoded: EncodedPayload, out: NDArray[np.generic]) -> NDArray[np.intp]:
         """Verify ``encoded``, fill ``out`` ``(L, 2, H, k, D)`` with the kept tokens and
         return their positions ``(L, H, k)`` (ascending within each head)."""
         d = self._check(encoded)

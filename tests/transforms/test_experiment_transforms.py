@@ -17,7 +17,9 @@ def test_experiment_transforms_quick_writes_json_and_plot(
 ) -> None:
     assert EXPERIMENTS["transforms"] == "kvlife.experiments.transforms"
     out, png = tmp_path / "t.json", tmp_path / "t.png"
-    assert experiment.main(["--quick", "--no-progress", "--json", str(out), "--plot", str(png)]) == 0
+    assert (
+        experiment.main(["--quick", "--no-progress", "--json", str(out), "--plot", str(png)]) == 0
+    )
     assert "mean KL" in capsys.readouterr().out
     assert png.stat().st_size > 0
     doc = json.loads(out.read_text())

@@ -11,8 +11,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlife.transforms import EncodedPayload, TransformDescriptor, TransformError, decode
-from kvlife.transforms import lossless
+from kvlife.transforms import EncodedPayload, TransformDescriptor, TransformError, decode, lossless
 from kvlife.transforms.registry import make_transform
 
 

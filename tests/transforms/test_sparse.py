@@ -191,4 +191,3 @@ def test_forged_positions_are_refused_not_gathered() -> None:
         p[2:4] = np.array([value], np.uint16).view(np.uint8)
         with pytest.raises(TransformError):
             decode(_forge(enc, p), out)
-
