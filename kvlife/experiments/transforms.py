@@ -37,7 +37,6 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-from tqdm import tqdm
 
 from kvlife.report import format_table
 from kvlife.transforms import make_transform
@@ -302,8 +301,8 @@ class Runner:
     def score(
         self, kvs: Sequence[NDArray[np.float32]], ids: Sequence[int], start: int, greedy: int
     ) -> tuple[Any, NDArray[np.int64]]:
-        """Log-probabilities ``(B, len(ids), V)`` after each injected cache, and ``greedy``
-        tokens generated after the window ``(B, greedy)``."""
+        """Logits ``(B, len(ids), V)`` after each injected cache, and ``greedy`` tokens
+        generated after the window ``(B, greedy)``."""
         torch = self.torch
         B = len(kvs)
         n = len(ids)
@@ -316,9 +315,9 @@ class Runner:
                 cache_position=torch.arange(cached, cached + n),
                 use_cache=True,
             )
-            logp = torch.log_softmax(out.logits.float(), dim=-1)
+            logits = out.logits
             cache = out.cache
-            token = logp[:, -1].argmax(-1)
+            token = logits[:, -1].argmax(-1)
             gen = [token]
             for step in range(greedy - 1):
                 o = self.model(
@@ -331,17 +330,42 @@ class Runner:
                 cache = o.cache
                 token = o.logits[:, -1].argmax(-1)
                 gen.append(token)
-        return logp, torch.stack(gen, dim=1).numpy()
+        return logits, torch.stack(gen, dim=1).numpy()
+
+
+class _Reference:
+    """The reference row's next-token distributions, against which a row is measured."""
+
+    def __init__(self, logits: Any, targets: Any) -> None:
+        import torch
+
+        self.torch = torch
+        self.logp = torch.log_softmax(logits.float(), dim=-1)
+        self.p = self.logp.exp()
+        self.top = self.logp.argmax(-1)
+        self.targets = targets
+
+    def measure(
+        self, logits: Any, gen: NDArray[np.int64]
+    ) -> tuple[float, int, float, NDArray[np.int64]]:
+        """(sum of KL(reference || row), top-1 matches, target NLL sum, greedy tokens)."""
+        logp = self.torch.log_softmax(logits.float(), dim=-1)
+        return (
+            float((self.p * (self.logp - logp)).sum()),
+            int((logp.argmax(-1) == self.top).sum()),
+            -float(logp.gather(-1, self.targets[:, None]).sum()),
+            gen,
+        )
 
 
 def run_transforms_experiment(
     *,
-    windows: int = 8,
+    windows: int = 6,
     stored: int = 512,
     scored: int = 256,
     greedy: int = 64,
     obs: int = 32,
-    batch: int = 4,
+    batch: int = 16,
     rows: Sequence[RowSpec] = ROWS,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -355,9 +379,7 @@ def run_transforms_experiment(
     wins = license_windows(loaded.tokenizer, windows, stored + scored + 1)
     acc = {r.label: Acc() for r in rows}
     kv_shape: list[int] = []
-    for win in tqdm(
-        wins, desc="transforms experiment", unit="window", disable=not progress, file=sys.stderr
-    ):
+    for w_i, win in enumerate(wins):
         ids = list(win.ids)
         prefix, rest = ids[:stored], ids[stored : stored + scored]
         targets = torch.tensor(ids[stored + 1 : stored + scored + 1])
@@ -386,32 +408,42 @@ def run_transforms_experiment(
             else:
                 first_of[key] = e.spec.label
                 to_run.append(e)
-        results: dict[str, tuple[Any, NDArray[np.int64]]] = {}
+        # the reference first, then every other row against it, batch by batch (rows of
+        # one cache length share a batch: the greedy steps cost little more for more rows)
         ref = next(e for e in to_run if e.spec.label == REFERENCE)
-        results[REFERENCE] = _first(runner.score([ref.kv], rest, stored, greedy))
-        others = [e for e in to_run if e is not ref]
+        ref_logits, ref_gen = runner.score([ref.kv], rest, stored, greedy)
+        reference = _Reference(ref_logits[0], targets)
+        results: dict[str, tuple[float, int, float, NDArray[np.int64]]] = {}
+        results[REFERENCE] = reference.measure(ref_logits[0], ref_gen[0])
         by_len: dict[int, list[Encoded]] = {}
-        for e in others:
-            by_len.setdefault(e.kv.shape[3], []).append(e)
+        for e in to_run:
+            if e is not ref:
+                by_len.setdefault(e.kv.shape[3], []).append(e)
         for group in by_len.values():
             for i in range(0, len(group), batch):
                 part = group[i : i + batch]
-                logp, gen = runner.score([e.kv for e in part], rest, stored, greedy)
+                logits, gen = runner.score([e.kv for e in part], rest, stored, greedy)
                 for j, e in enumerate(part):
-                    results[e.spec.label] = (logp[j], gen[j])
-        ref_logp, ref_gen = results[REFERENCE]
-        ref_p = ref_logp.exp()
+                    results[e.spec.label] = reference.measure(logits[j], gen[j])
+                del logits
         for spec in rows:
             a = acc[spec.label]
-            logp, gen = results[a.bit_exact_of or spec.label]
-            a.kl += float((ref_p * (ref_logp - logp)).sum())
-            a.top1 += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
-            a.nll -= float(logp.gather(-1, targets[:, None]).sum())
+            kl, top1, nll, gen = results[a.bit_exact_of or spec.label]
+            a.kl += kl
+            a.top1 += top1
+            a.nll += nll
             a.positions += len(rest)
-            same = gen == ref_gen
+            same = gen == ref_gen[0]
             a.greedy_agree += int(same.sum())
             a.greedy_total += len(gen)
             a.first_divergence.append(int(np.argmin(same)) if not same.all() else len(gen))
+        if progress:
+            print(
+                f"window {w_i + 1}/{len(wins)} ({win.source}@{win.start}): "
+                f"{time.perf_counter() - t_start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     return _summary(
         rows,
         acc,
@@ -427,11 +459,6 @@ def run_transforms_experiment(
             "elapsed_s": time.perf_counter() - t_start,
         },
     )
-
-
-def _first(res: tuple[Any, NDArray[np.int64]]) -> tuple[Any, NDArray[np.int64]]:
-    logp, gen = res
-    return logp[0], gen[0]
 
 
 def _summary(rows: Sequence[RowSpec], acc: dict[str, Acc], meta: dict[str, Any]) -> dict[str, Any]:
@@ -601,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument("--plot", default=None, help="write a scatter plot (PNG) to this file")
-    parser.add_argument("--windows", type=int, default=8, help="licence-text windows")
+    parser.add_argument("--windows", type=int, default=6, help="licence-text windows")
     parser.add_argument(
         "--stored", type=int, default=512, help="prefix tokens through the transform"
     )
@@ -609,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         "--scored", type=int, default=256, help="tokens whose predictions are compared"
     )
     parser.add_argument("--greedy", type=int, default=64, help="greedy tokens generated after")
-    parser.add_argument("--batch", type=int, default=4, help="rows per batched forward pass")
+    parser.add_argument("--batch", type=int, default=16, help="rows per batched forward pass")
     parser.add_argument(
         "--quick", action="store_true", help="one window of 64 + 32 tokens, 8 greedy (tests)"
     )
