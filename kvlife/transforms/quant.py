@@ -76,7 +76,7 @@ class QuantTransform(Transform):
     """Shared implementation of the group quantisers (subclasses fix ``bits``)."""
 
     exactness = Exactness.LOSSY
-    version = 1
+    version = 2
     bits: ClassVar[int]
     default_key_group: ClassVar[int]
     default_value_group: ClassVar[int]
