@@ -72,6 +72,35 @@ class _Plan:
         return sum(_pad8(n) for _, n in self.sections)
 
 
+MEASURED_KL: tuple[tuple[str, dict[str, Param], float], ...] = (
+    ("int8", {}, 4.11e-05),
+    ("int4", {}, 0.00395),
+    (
+        "int4",
+        {
+            "key_group": 128,
+            "value_group": 64,
+            "value_sym": True,
+            "sink_tokens": 4,
+            "key_hi_fraction": 0.0625,
+            "key_hi_bits": 8,
+        },
+        0.00264,
+    ),
+    ("int4", {"key_group": 64, "value_group": 64, "value_sym": True, "sink_tokens": 4}, 0.00326),
+    ("int4", {"value_bits": 2}, 0.03),
+    ("int2", {}, 0.167),
+    ("int2", {"sink_tokens": 4}, 0.0892),
+    ("int2", {"key_hi_fraction": 0.25}, 0.0578),
+    ("int2", {"key_axis": "token"}, 0.528),
+    ("int2", {"key_hi_fraction": 0.25, "sink_tokens": 4}, 0.0236),
+    ("int2", {"key_hi_fraction": 0.25, "sink_tokens": 4, "value_group": 16}, 0.0182),
+)
+"""Mean KL of next-token distributions against exact KV, measured by ``kvlife experiment
+transforms`` (SmolLM2-135M-Instruct, float16 KV, 512-token prefixes, 6 licence-text
+windows; docs/transforms.md): (transform, parameters apart from the defaults, KL)."""
+
+
 class QuantTransform(Transform):
     """Shared implementation of the group quantisers (subclasses fix ``bits``)."""
 
@@ -171,6 +200,15 @@ class QuantTransform(Transform):
             axis,
             sym,
         )
+
+    @property
+    def measured_kl(self) -> float | None:
+        """The experiment's mean KL for exactly these parameters (None if not measured)."""
+        mine = dict(self.params())
+        for name, params, kl in MEASURED_KL:
+            if name == self.name and dict(type(self).from_params(params).params()) == mine:
+                return kl
+        return None
 
     @property
     def error_bound(self) -> ErrorBound:
