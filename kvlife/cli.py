@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "experiment",
-        help="experiments: `kvlife experiment identity|lifetime-hints --help`",
+        help="experiments: `kvlife experiment identity|lifetime-hints|transforms --help`",
         add_help=False,
     )
     return parser
@@ -343,6 +343,7 @@ BENCHES = {
 EXPERIMENTS = {
     "lifetime-hints": "kvlife.sim.lifetime_hints",
     "identity": "kvlife.experiments.identity",
+    "transforms": "kvlife.experiments.transforms",
 }
 
 

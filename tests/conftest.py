@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
 from kvlife.core.identity import KVLayout, ModelIdentity
 
-pytest_plugins = [
-    "tests.remote.servers",
-    "tests.remote.mooncake_env",
-]  # session-scoped Redis servers for remote tiers
+# session-scoped Redis servers for remote tiers; the vLLM virtualenv (tests/vllm) has no
+# redis-py and runs no remote test
+pytest_plugins = (
+    ["tests.remote.servers", "tests.remote.mooncake_env"]
+    if importlib.util.find_spec("redis") is not None
+    else []
+)
 
 TINY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens_per_chunk=16)
 

@@ -1,6 +1,7 @@
 """``kvlife bench transforms``: encode/decode speed, bits per element and ratio of each transform.
 
-For fp16 KV chunks of 2 MiB and 16 MiB, shaped ``(layers, 2, kv_heads, tokens, head_dim)``,
+For fp16 (or, with ``--dtype float32``, fp32) KV chunks of 2 MiB and 16 MiB (fp16 sizes),
+shaped ``(layers, 2, kv_heads, tokens, head_dim)``,
 and two kinds of data, each transform's encode and decode (into a preallocated buffer,
 payload verification included) is timed as the median of a few repetitions, next to a
 numpy memcpy of the same chunk in the same run. Speeds are GB/s of the uncompressed chunk.
@@ -19,8 +20,9 @@ below 1. ``parity_files`` times the segment-file path the store uses at close an
 then :func:`~kvlife.transforms.parity.rebuild_files` of one deleted file), in GB/s of
 protected (or rebuilt) file bytes, page cache warm.
 
-Target (issue 12): >= 1 GB/s encode and decode for int8/int4 and lossless. A benchmark,
-not a test.
+Target (issue 12): >= 1 GB/s encode and decode for int8/int4 and lossless. Sparse rows
+use the fallback importance proxy (key norms; no engine attention in a benchmark). A
+benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -56,18 +58,34 @@ CONFIGS: list[tuple[str, str, dict[str, Param]]] = [
     ("int4-g32", "int4", {}),
     ("int2-g32", "int2", {}),
     ("int2-kitty25-sink4", "int2", {"key_hi_fraction": 0.25, "sink_tokens": 4}),
+    (
+        "int4-tuned",
+        "int4",
+        {
+            "key_group": 128,
+            "value_group": 64,
+            "value_sym": True,
+            "sink_tokens": 4,
+            "key_hi_fraction": 0.0625,
+            "key_hi_bits": 8,
+        },
+    ),
+    ("sparse-50-knorm", "sparse", {"keep_ratio": 0.5}),
+    ("sparse-25-knorm", "sparse", {"keep_ratio": 0.25}),
 ]
 PARITY_CONFIGS: list[tuple[str, int, int]] = [("parity-4+2", 4, 2), ("parity-8+3", 8, 3)]
 """(label, k, m) of the erasure-coding rows."""
 
 
-def make_data(kind: str, shape: tuple[int, ...], seed: int = 0) -> NDArray[np.float16]:
+def make_data(
+    kind: str, shape: tuple[int, ...], seed: int = 0, dtype: str = "float16"
+) -> NDArray[np.floating]:
     rng = np.random.default_rng(seed)
     if kind == "normal":
-        return rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
+        return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
     x = np.cumsum(rng.standard_normal(shape, dtype=np.float32), axis=3) * 0.05
     x[:, 0, :, :, ::8] *= 6.0  # outlier key channels, as seen in real models' keys
-    return x.astype(np.float16)
+    return x.astype(dtype)
 
 
 def _median_s(fn: Callable[[], object], reps: int) -> float:
@@ -80,13 +98,15 @@ def _median_s(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def run_transforms_bench(*, quick: bool = False, reps: int = 5) -> dict[str, object]:
+def run_transforms_bench(
+    *, quick: bool = False, reps: int = 5, dtype: str = "float16"
+) -> dict[str, object]:
     shapes = QUICK_SHAPES if quick else SHAPES
     reps = 1 if quick else reps
     points: list[dict[str, object]] = []
     for size, shape in shapes.items():
         for kind in ("normal", "kv-like"):
-            x = make_data(kind, shape)
+            x = make_data(kind, shape, dtype=dtype)
             out = np.empty_like(x)
             gb = x.nbytes / 1e9
             t_copy = _median_s(lambda: np.copyto(out, x), reps)  # noqa: B023
@@ -114,7 +134,7 @@ def run_transforms_bench(*, quick: bool = False, reps: int = 5) -> dict[str, obj
             points += _parity_points(size, shape, kind, x, t_copy, reps)
     return {
         "benchmark": "transforms",
-        "dtype": "float16",
+        "dtype": dtype,
         "reps": reps,
         "target_gbps": TARGET_GBPS,
         "points": points,
@@ -216,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--quick", action="store_true", help="one tiny chunk, one repetition (tests)")
+    p.add_argument("--dtype", choices=["float16", "float32"], default="float16", help="KV dtype")
     args = p.parse_args(argv)
-    result = run_transforms_bench(quick=args.quick, reps=args.reps)
+    result = run_transforms_bench(quick=args.quick, reps=args.reps, dtype=args.dtype)
     rows = []
     points = result["points"]
     assert isinstance(points, list)

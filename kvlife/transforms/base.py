@@ -58,6 +58,9 @@ class Exactness(enum.Enum):
     """Encoded differently (compressed) but decodes bit-exact."""
     LOSSY = "lossy"
     """Decodes within the transform's declared :class:`ErrorBound`."""
+    SPARSE = "lossy-sparse"
+    """Some tokens dropped (decoded as zeros, or left out of a compact buffer); the kept
+    ones are bit-exact. Never satisfies an exact or lossless lookup."""
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,8 @@ def contract_for(name: str, version: int, params: tuple[tuple[str, Param], ...])
             f"transform {name!r} version {version} is not known (this reader has {cls.version})"
         )
     t = cls.from_params(dict(params))
-    kl = 0.0 if t.exactness is not Exactness.LOSSY else t.measured_kl
+    exact_values = t.exactness in (Exactness.EXACT, Exactness.LOSSLESS)
+    kl = 0.0 if exact_values else t.measured_kl
     return Contract(name, version, t.exactness, t.error_bound, kl)
 
 
@@ -74,6 +75,11 @@ class Accept:
     def __post_init__(self) -> None:
         if not isinstance(self.exactness, Exactness):
             raise InvalidArgument(f"Accept.exactness must be an Exactness, got {self.exactness!r}")
+        if self.exactness not in _RANK:
+            raise InvalidArgument(
+                f"no Accept takes {self.exactness.value!r} replicas; "
+                f"accept one of {[e.value for e in _RANK]}"
+            )
         limited = self.max_bound is not None or self.max_kl is not None or self.transforms
         if limited and self.exactness is not Exactness.LOSSY:
             raise InvalidArgument("Accept limits on lossy replicas need exactness LOSSY")

@@ -40,6 +40,8 @@ from kvlife.transforms.quant_kernels import F16_TO_F32, decode_kernel, encode_ke
 from kvlife.transforms.registry import register_transform
 
 DTYPES = ("float16", "float32")
+KEY_AXES = ("channel", "token")
+"""Keys per channel in groups along tokens (KIVI), or per token (the wrong axis, a control)."""
 
 
 def _pad8(n: int) -> int:
@@ -70,11 +72,40 @@ class _Plan:
         return sum(_pad8(n) for _, n in self.sections)
 
 
+MEASURED_KL: tuple[tuple[str, dict[str, Param], float], ...] = (
+    ("int8", {}, 4.11e-05),
+    ("int4", {}, 0.00395),
+    (
+        "int4",
+        {
+            "key_group": 128,
+            "value_group": 64,
+            "value_sym": True,
+            "sink_tokens": 4,
+            "key_hi_fraction": 0.0625,
+            "key_hi_bits": 8,
+        },
+        0.00264,
+    ),
+    ("int4", {"key_group": 64, "value_group": 64, "value_sym": True, "sink_tokens": 4}, 0.00326),
+    ("int4", {"value_bits": 2}, 0.03),
+    ("int2", {}, 0.167),
+    ("int2", {"sink_tokens": 4}, 0.0892),
+    ("int2", {"key_hi_fraction": 0.25}, 0.0578),
+    ("int2", {"key_axis": "token"}, 0.528),
+    ("int2", {"key_hi_fraction": 0.25, "sink_tokens": 4}, 0.0236),
+    ("int2", {"key_hi_fraction": 0.25, "sink_tokens": 4, "value_group": 16}, 0.0182),
+)
+"""Mean KL of next-token distributions against exact KV, measured by ``kvlife experiment
+transforms`` (SmolLM2-135M-Instruct, float16 KV, 512-token prefixes, 6 licence-text
+windows; docs/transforms.md): (transform, parameters apart from the defaults, KL)."""
+
+
 class QuantTransform(Transform):
     """Shared implementation of the group quantisers (subclasses fix ``bits``)."""
 
     exactness = Exactness.LOSSY
-    version = 1
+    version = 2
     bits: ClassVar[int]
     default_key_group: ClassVar[int]
     default_value_group: ClassVar[int]
@@ -87,7 +118,17 @@ class QuantTransform(Transform):
         window_tokens: int = 0,
         key_hi_fraction: float = 0.0,
         key_hi_bits: int = 4,
+        value_bits: int = 0,
+        key_axis: str = "channel",
+        value_sym: bool = False,
     ) -> None:
+        value_bits = value_bits or self.bits
+        if value_bits not in (2, 4, 8):
+            raise TransformError(f"{self.name}: value_bits must be 2, 4 or 8")
+        if key_axis not in KEY_AXES:
+            raise TransformError(f"{self.name}: key_axis must be one of {KEY_AXES}")
+        if key_axis == "token" and key_hi_fraction > 0:
+            raise TransformError(f"{self.name}: Kitty key channels need key_axis='channel'")
         if key_group < 0 or value_group < 0 or sink_tokens < 0 or window_tokens < 0:
             raise TransformError(f"{self.name}: group sizes and token counts must be >= 0")
         if not 0.0 <= key_hi_fraction <= 1.0:
@@ -100,6 +141,9 @@ class QuantTransform(Transform):
         self.window_tokens = window_tokens
         self.key_hi_fraction = float(key_hi_fraction)
         self.key_hi_bits = key_hi_bits
+        self.value_bits = value_bits
+        self.key_axis = key_axis
+        self.value_sym = bool(value_sym)
 
     def params(self) -> Mapping[str, Param]:
         return {
@@ -109,12 +153,22 @@ class QuantTransform(Transform):
             "window_tokens": self.window_tokens,
             "key_hi_fraction": self.key_hi_fraction,
             "key_hi_bits": self.key_hi_bits,
+            "value_bits": self.value_bits,
+            "key_axis": self.key_axis,
+            "value_sym": self.value_sym,
         }
 
     @classmethod
     def from_params(cls, params: Mapping[str, Param]) -> Self:
-        ints = ("key_group", "value_group", "sink_tokens", "window_tokens", "key_hi_bits")
-        unknown = set(params) - {*ints, "key_hi_fraction"}
+        ints = (
+            "key_group",
+            "value_group",
+            "sink_tokens",
+            "window_tokens",
+            "key_hi_bits",
+            "value_bits",
+        )
+        unknown = set(params) - {*ints, "key_hi_fraction", "key_axis", "value_sym"}
         if unknown:
             raise TransformError(f"{cls.name} does not know parameters {sorted(unknown)}")
         for k in ints:
@@ -123,6 +177,12 @@ class QuantTransform(Transform):
         frac = params.get("key_hi_fraction", 0.0)
         if isinstance(frac, bool) or not isinstance(frac, int | float):
             raise TransformError(f"{cls.name}: key_hi_fraction must be a number")
+        axis = params.get("key_axis", "channel")
+        if not isinstance(axis, str):
+            raise TransformError(f"{cls.name}: key_axis must be a string")
+        sym = params.get("value_sym", False)
+        if not isinstance(sym, bool):
+            raise TransformError(f"{cls.name}: value_sym must be a boolean")
 
         def get(k: str, default: int) -> int:
             v = params.get(k, default)
@@ -136,13 +196,27 @@ class QuantTransform(Transform):
             get("window_tokens", 0),
             float(frac),
             get("key_hi_bits", 4),
+            get("value_bits", 0),
+            axis,
+            sym,
         )
 
     @property
+    def measured_kl(self) -> float | None:
+        """The experiment's mean KL for exactly these parameters (None if not measured)."""
+        mine = dict(self.params())
+        for name, params, kl in MEASURED_KL:
+            if name == self.name and dict(type(self).from_params(params).params()) == mine:
+                return kl
+        return None
+
+    @property
     def error_bound(self) -> ErrorBound:
-        levels = (1 << min(self.bits, self.key_hi_bits if self.key_hi_fraction else self.bits)) - 1
-        # half a step, padded for rounding the scale up to float16 (relative 2**-10)
-        return ErrorBound(0.5 / levels * (1 + 2.0**-8), 2.0**-8, 2.0**-22)
+        levels = (1 << min(self.bits, self.value_bits)) - 1
+        # half a step, padded for rounding the scale up to float16 (relative 2**-10);
+        # a symmetric value grid's step is 2 max|x| / levels: a magnitude term
+        sym = (1 + 2.0**-8) / ((1 << self.value_bits) - 1) if self.value_sym else 0.0
+        return ErrorBound(0.5 / levels * (1 + 2.0**-8), 2.0**-8 + sym, 2.0**-22)
 
     def check_input(self, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> None:
         if dtype.name not in DTYPES:
@@ -157,22 +231,29 @@ class QuantTransform(Transform):
         S = min(self.sink_tokens, T)
         R = min(self.window_tokens, T - S)
         nq = T - S - R
-        gk = self.key_group if self.key_group > 0 else max(nq, 1)
+        if self.key_axis == "token":  # groups along head_dim, per token (a control)
+            gk = self.key_group if self.key_group > 0 else max(D, 1)
+        else:
+            gk = self.key_group if self.key_group > 0 else max(nq, 1)
         gv = self.value_group if self.value_group > 0 else max(D, 1)
         nhi = round(self.key_hi_fraction * D) if self.key_hi_fraction > 0 else 0
         meta = np.dtype(np.float16) if dtype == np.float16 else np.dtype(np.float32)
         m = meta.itemsize
-        ngk = -(-nq // gk)
         ngv = -(-D // gv)
-        kblock = nhi * -(-nq * self.key_hi_bits // 8) + (D - nhi) * -(-nq * self.bits // 8)
+        if self.key_axis == "token":
+            kblock = nq * -(-D * self.bits // 8)
+            kmeta = nq * -(-D // gk)
+        else:
+            kblock = nhi * -(-nq * self.key_hi_bits // 8) + (D - nhi) * -(-nq * self.bits // 8)
+            kmeta = -(-nq // gk) * D
         e = dtype.itemsize
         sections = (
             ("hmask", L * H * D if nhi else 0),
             ("kcodes", L * H * kblock),
-            ("kzero", L * H * ngk * D * m),
-            ("kscale", L * H * ngk * D * m),
-            ("vcodes", L * H * nq * -(-D * self.bits // 8)),
-            ("vzero", L * H * nq * ngv * m),
+            ("kzero", L * H * kmeta * m),
+            ("kscale", L * H * kmeta * m),
+            ("vcodes", L * H * nq * -(-D * self.value_bits // 8)),
+            ("vzero", 0 if self.value_sym else L * H * nq * ngv * m),
             ("vscale", L * H * nq * ngv * m),
             ("sinks", L * 2 * H * S * D * e),
             ("window", L * 2 * H * R * D * e),
@@ -186,15 +267,21 @@ class QuantTransform(Transform):
         views: dict[str, NDArray[np.generic]] = {}
         o = 0
         mt = np.uint16 if p.meta == np.float16 else np.float32
-        ngk = -(-p.nq // p.gk)
         ngv = -(-p.D // p.gv)
+        if self.key_axis == "token":
+            krow = -(-p.D * self.bits // 8)
+            kcodes_shape: tuple[int, ...] = (p.L * p.H, p.nq * krow)
+            kmeta_shape: tuple[int, ...] = (p.L * p.H, p.nq, -(-p.D // p.gk))
+        else:
+            kcodes_shape = (p.L * p.H, p.kblock)
+            kmeta_shape = (p.L * p.H, -(-p.nq // p.gk), p.D)
         shapes: dict[str, tuple[tuple[int, ...], type[np.generic]]] = {
             "hmask": ((p.L * p.H, p.D if p.nhi else 0), np.uint8),
-            "kcodes": ((p.L * p.H, p.kblock), np.uint8),
-            "kzero": ((p.L * p.H, ngk, p.D), mt),
-            "kscale": ((p.L * p.H, ngk, p.D), mt),
-            "vcodes": ((p.L * p.H * p.nq, -(-p.D * self.bits // 8)), np.uint8),
-            "vzero": ((p.L * p.H * p.nq, ngv), mt),
+            "kcodes": (kcodes_shape, np.uint8),
+            "kzero": (kmeta_shape, mt),
+            "kscale": (kmeta_shape, mt),
+            "vcodes": ((p.L * p.H * p.nq, -(-p.D * self.value_bits // 8)), np.uint8),
+            "vzero": ((p.L * p.H * p.nq, 0 if self.value_sym else ngv), mt),
             "vscale": ((p.L * p.H * p.nq, ngv), mt),
             "sinks": ((dict(p.sections)["sinks"],), np.uint8),
             "window": ((dict(p.sections)["window"],), np.uint8),
@@ -218,7 +305,9 @@ class QuantTransform(Transform):
             self.bits,
             self.key_hi_bits,
             p.nhi,
-            self.bits,
+            self.value_bits,
+            1 if self.key_axis == "token" else 0,
+            self.value_sym,
         )
 
     def _encode(self, array: NDArray[np.generic]) -> NDArray[np.uint8]:
@@ -284,7 +373,12 @@ class QuantTransform(Transform):
             mag = np.maximum(np.abs(lo), np.abs(hi))
             dst[...] = b.range_factor * (hi - lo) + b.magnitude_factor * mag + b.absolute
 
-        for g0 in range(0, p.nq, p.gk):
+        if self.key_axis == "token":
+            t = slice(p.S, p.S + p.nq)
+            for d0 in range(0, p.D, p.gk):
+                d = slice(d0, min(p.D, d0 + p.gk))
+                fill(x[:, 0, :, t, d], out[:, 0, :, t, d], 3)
+        for g0 in range(0, p.nq if self.key_axis == "channel" else 0, p.gk):
             t = slice(p.S + g0, p.S + min(p.nq, g0 + p.gk))
             fill(x[:, 0, :, t], out[:, 0, :, t], 2)
         for d0 in range(0, p.D, p.gv):

@@ -135,6 +135,71 @@ def _store_rounded_ov(x, i, f, up, lut, scratch, bits):  # type: ignore[no-untyp
     return impl32
 
 
+@njit(cache=True)
+def quant_rows(  # type: ignore[no-untyped-def]  # pragma: no cover
+    x, base, S, nq, D, gv, nbits, codes, zero, scale, row0, lut, scratch, bits, vr, sym
+):
+    """Quantise rows [S, S+nq) of the (T, D) block at flat ``x[base:]`` per token, in
+    groups of ``gv`` along D, into codes/zero/scale rows ``row0 + t``; returns the sum of
+    ``v - v`` over the values (NaN unless all are finite). ``sym``: a grid symmetric
+    about 0 (``zero = -scale * levels / 2``, not stored), scale ``2 max|x| / levels``."""
+    ngv = (D + gv - 1) // gv
+    levels = (1 << nbits) - 1
+    fin = np.float32(0.0)
+    for t in range(nq):
+        row = base + (S + t) * D
+        r = row0 + t
+        for d in range(D):
+            vr[d] = load(x, row + d, lut)
+            fin += vr[d] - vr[d]
+        acc = 0
+        for g in range(ngv):
+            d0 = g * gv
+            d1 = min(D, d0 + gv)
+            lo = vr[d0]
+            hi = vr[d0]
+            for d in range(d0, d1):
+                lo = min(lo, vr[d])
+                hi = max(hi, vr[d])
+            if sym:
+                m = max(-lo, hi)
+                s = store_rounded(scale[r], g, 2 * m / levels, True, lut, scratch, bits)
+                z = -s * np.float32(levels * 0.5)  # exact: s has 11 (float16) or 24 bits
+            else:
+                z = store_rounded(zero[r], g, lo, False, lut, scratch, bits)
+                s = store_rounded(scale[r], g, (hi - z) / levels, True, lut, scratch, bits)
+            iv = np.float32(1.0 / s) if s > 0 else np.float32(0.0)
+            for d in range(d0, d1):
+                q = min(int((vr[d] - z) * iv + np.float32(0.5)), levels)
+                pos = d * nbits
+                acc |= q << (pos & 7)
+                if (pos & 7) + nbits == 8:
+                    codes[r, pos >> 3] = acc
+                    acc = 0
+        if (D * nbits) & 7 != 0:
+            codes[r, (D * nbits) >> 3] = acc
+    return fin
+
+
+@njit(cache=True)
+def dequant_rows(  # type: ignore[no-untyped-def]  # pragma: no cover
+    out, base, S, nq, D, gv, nbits, codes, zero, scale, row0, lut, lo_, hi_, vr, vbits_row, sym
+):
+    """Inverse of :func:`quant_rows`, writing rows [S, S+nq) at flat ``out[base:]``."""
+    ngv = (D + gv - 1) // gv
+    mask = (1 << nbits) - 1
+    for t in range(nq):
+        r = row0 + t
+        for g in range(ngv):
+            s = load(scale[r], g, lut)
+            z = -s * np.float32(mask * 0.5) if sym else load(zero[r], g, lut)
+            for d in range(g * gv, min(D, g * gv + gv)):
+                pos = d * nbits
+                q = (codes[r, pos >> 3] >> (pos & 7)) & mask
+                vr[d] = min(max(q * s + z, lo_), hi_)
+        store_row(out, base + (S + t) * D, vr, vbits_row, D)
+
+
 @njit(cache=True, parallel=True)
 def encode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
     x,
@@ -150,6 +215,8 @@ def encode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
     kbits_hi,
     nhi,
     vbits,
+    kaxis,
+    vsym,
     hmask,
     kcodes,
     kzero,
@@ -166,9 +233,11 @@ def encode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
     kzero/kscale (L*H, ngk, D); vcodes (L*H*nq, vrow); vzero/vscale (L*H*nq, ngv);
     hmask (L*H, D) is written when nhi > 0; finite[lh] is NaN unless every quantised
     value of that (layer, head) is finite (v - v is NaN exactly for inf and NaN).
+    With kaxis == 1 keys are quantised per token like values (groups of gk along D, the
+    wrong axis for keys, kept as a control): kcodes (L*H, nq*krow), kzero/kscale
+    (L*H, nq, groups).
     """
     ngk = (nq + gk - 1) // gk
-    ngv = (D + gv - 1) // gv
     # one (layer, head) per iteration: outputs are disjoint, scratch is per iteration
     for lh in prange(L * H):
         li = lh // H
@@ -185,6 +254,46 @@ def encode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
         fin = np.float32(0.0)
         kbase = ((li * 2 + 0) * H + h) * T * D
         vbase = ((li * 2 + 1) * H + h) * T * D
+        fin += quant_rows(
+            x,
+            vbase,
+            S,
+            nq,
+            D,
+            gv,
+            vbits,
+            vcodes,
+            vzero,
+            vscale,
+            lh * nq,
+            lut,
+            scratch,
+            bits,
+            vr,
+            vsym,
+        )
+        if kaxis == 1:
+            # (L*H, nq*krow) codes and (L*H, nq, groups) metadata, seen as rows per token
+            fin += quant_rows(
+                x,
+                kbase,
+                S,
+                nq,
+                D,
+                gk,
+                kbits_lo,
+                kcodes.reshape(L * H * nq, kcodes.shape[1] // nq),
+                kzero.reshape(L * H * nq, kzero.shape[2]),
+                kscale.reshape(L * H * nq, kscale.shape[2]),
+                lh * nq,
+                lut,
+                scratch,
+                bits,
+                vr,
+                False,
+            )
+            finite[lh] = fin
+            continue
         for d in range(D):
             bw[d] = kbits_lo
         if nhi > 0:
@@ -243,35 +352,6 @@ def encode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
                     pos += b
                 if pos & 7:
                     kcodes[lh, pos >> 3] |= acc
-        # values: per token, groups of gv along head_dim
-        levels = (1 << vbits) - 1
-        for t in range(nq):
-            row = vbase + (S + t) * D
-            r = lh * nq + t
-            for d in range(D):
-                vr[d] = load(x, row + d, lut)
-                fin += vr[d] - vr[d]
-            acc = 0
-            for g in range(ngv):
-                d0 = g * gv
-                d1 = min(D, d0 + gv)
-                lo = vr[d0]
-                hi = vr[d0]
-                for d in range(d0, d1):
-                    lo = min(lo, vr[d])
-                    hi = max(hi, vr[d])
-                z = store_rounded(vzero[r], g, lo, False, lut, scratch, bits)
-                s = store_rounded(vscale[r], g, (hi - z) / levels, True, lut, scratch, bits)
-                iv = np.float32(1.0 / s) if s > 0 else np.float32(0.0)
-                for d in range(d0, d1):
-                    q = min(int((vr[d] - z) * iv + np.float32(0.5)), levels)
-                    pos = d * vbits
-                    acc |= q << (pos & 7)
-                    if (pos & 7) + vbits == 8:
-                        vcodes[r, pos >> 3] = acc
-                        acc = 0
-            if (D * vbits) & 7 != 0:
-                vcodes[r, (D * vbits) >> 3] = acc
         finite[lh] = fin
 
 
@@ -290,6 +370,8 @@ def decode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
     kbits_hi,
     nhi,
     vbits,
+    kaxis,
+    vsym,
     hmask,
     kcodes,
     kzero,
@@ -302,7 +384,6 @@ def decode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
 ):
     """Inverse of :func:`encode_kernel`, writing tokens [S, S+nq) of ``out`` (flat)."""
     ngk = (nq + gk - 1) // gk
-    ngv = (D + gv - 1) // gv
     hi_ = np.float32(ymax)
     lo_ = np.float32(-ymax)
     for lh in prange(L * H):
@@ -317,6 +398,46 @@ def decode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
         off = np.empty(D, np.int64)
         kbase = ((li * 2 + 0) * H + h) * T * D
         vbase = ((li * 2 + 1) * H + h) * T * D
+        dequant_rows(
+            out,
+            vbase,
+            S,
+            nq,
+            D,
+            gv,
+            vbits,
+            vcodes,
+            vzero,
+            vscale,
+            lh * nq,
+            lut,
+            lo_,
+            hi_,
+            vr,
+            vbits_row,
+            vsym,
+        )
+        if kaxis == 1:
+            dequant_rows(
+                out,
+                kbase,
+                S,
+                nq,
+                D,
+                gk,
+                kbits_lo,
+                kcodes.reshape(L * H * nq, kcodes.shape[1] // nq),
+                kzero.reshape(L * H * nq, kzero.shape[2]),
+                kscale.reshape(L * H * nq, kscale.shape[2]),
+                lh * nq,
+                lut,
+                lo_,
+                hi_,
+                vr,
+                vbits_row,
+                False,
+            )
+            continue
         o = 0
         for d in range(D):
             bw[d] = kbits_hi if (nhi > 0 and hmask[lh, d] != 0) else kbits_lo
@@ -337,14 +458,3 @@ def decode_kernel(  # type: ignore[no-untyped-def]  # pragma: no cover
                     pos += b
             for tt in range(n):
                 store_row(out, kbase + (S + t0 + tt) * D, kb[tt], kbits[tt], D)
-        mask = (1 << vbits) - 1
-        for t in range(nq):
-            r = lh * nq + t
-            for g in range(ngv):
-                z = load(vzero[r], g, lut)
-                s = load(vscale[r], g, lut)
-                for d in range(g * gv, min(D, g * gv + gv)):
-                    pos = d * vbits
-                    q = (vcodes[r, pos >> 3] >> (pos & 7)) & mask
-                    vr[d] = min(max(q * s + z, lo_), hi_)
-            store_row(out, vbase + (S + t) * D, vr, vbits_row, D)

@@ -30,6 +30,7 @@ BUILTIN_TRANSFORMS = {
     "int8": "kvlife.transforms.quant",
     "int4": "kvlife.transforms.quant",
     "int2": "kvlife.transforms.quant",
+    "sparse": "kvlife.transforms.sparse",
 }
 """Built-in transform names and the module that registers each."""
 

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlife.core.errors import KVLifeError, ProtocolError, RemoteError
+from kvlife.core.errors import InvalidArgument, KVLifeError, ProtocolError, RemoteError
 from kvlife.core.identity import PUBLIC, Namespace, NamespaceKind
 from kvlife.server import protocol
 from kvlife.server.server import ServeConfig, open_store
@@ -281,3 +281,10 @@ def test_a_hostile_accept_is_a_typed_error(value: object) -> None:
     assert isinstance(value, list)
     with contextlib.suppress(KVLifeError):  # bad values: a typed error, nothing else
         protocol.decode_accept(value)
+
+
+def test_an_accept_of_sparse_replicas_is_refused_by_name() -> None:
+    wire = ["lossy-sparse", None, None, None]
+    protocol.check_accept(wire)  # well formed ...
+    with pytest.raises(InvalidArgument, match="lossy-sparse"):
+        protocol.decode_accept(wire)  # ... but no Accept takes sparse replicas

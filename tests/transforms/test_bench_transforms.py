@@ -27,8 +27,17 @@ def test_bench_transforms_quick_writes_its_json(
     for p in doc["points"]:
         assert p["encode_gbps"] > 0 and p["decode_gbps"] > 0 and p["memcpy_gbps"] > 0
         assert p["bits_per_element"] > 0 and p["ratio"] > 0
-        assert p["exactness"] in ("exact", "lossless", "lossy")
+        assert p["exactness"] in ("exact", "lossless", "lossy", "lossy-sparse")
     files = doc["parity_files"]
     assert {f["transform"] for f in files} == {label for label, _, _ in transforms.PARITY_CONFIGS}
     for f in files:
         assert f["protect_gbps"] > 0 and f["rebuild_gbps"] > 0 and f["file_bytes"] > 0
+    assert {"sparse-25-knorm", "lossless-zstd1", "int4-g32"} <= labels
+
+
+def test_bench_transforms_float32(tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    assert transforms.main(["--quick", "--dtype", "float32", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["dtype"] == "float32"
+    assert all(p["bits_per_element"] > 0 for p in doc["points"])

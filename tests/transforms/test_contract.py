@@ -33,6 +33,13 @@ VARIANTS: list[tuple[str, dict[str, Param]]] = [(name, {}) for name in transform
     ("int4", {"sink_tokens": 2, "window_tokens": 3}),
     ("int2", {"key_group": 5, "value_group": 0}),
     ("int2", {"key_hi_fraction": 0.25, "sink_tokens": 1, "window_tokens": 2}),
+    ("int4", {"value_bits": 2, "key_group": 7}),
+    ("int2", {"key_axis": "token", "key_group": 5, "sink_tokens": 1}),
+    ("int8", {"key_axis": "token"}),
+    ("int4", {"value_sym": True, "value_group": 5, "sink_tokens": 1}),
+    ("int2", {"value_sym": True, "key_hi_fraction": 0.25, "key_hi_bits": 8}),
+    ("sparse", {"keep_ratio": 0.25, "sink_tokens": 1, "window_tokens": 2}),
+    ("sparse", {"keep_ratio": 1.0, "sink_tokens": 0, "window_tokens": 0}),
 ]
 IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in p.items())}" for n, p in VARIANTS]
 
@@ -259,3 +266,18 @@ def test_bfloat16_as_uint16_view_is_bit_exact(name: str) -> None:
     out = np.empty_like(bf16)
     decode(make_transform(name).encode(bf16), out)
     assert np.array_equal(out, bf16)
+
+
+def test_measured_kl_only_for_measured_parameters() -> None:
+    from kvlife.transforms.quant import MEASURED_KL, QuantTransform
+
+    for name, params, kl in MEASURED_KL:
+        t = make_transform(name, params)
+        assert isinstance(t, QuantTransform) and t.measured_kl == kl
+    other = make_transform("int4", {"key_group": 17})
+    assert isinstance(other, QuantTransform) and other.measured_kl is None
+    # the tuned near-lossless setting is the one with the smallest KL at <= 4.5 bits
+    tuned = make_transform("int4", MEASURED_KL[2][1])
+    assert isinstance(tuned, QuantTransform)
+    assert tuned.bits_per_element((30, 2, 3, 512, 64), "float16") <= 4.5
+    assert tuned.measured_kl is not None and tuned.measured_kl <= 0.005
