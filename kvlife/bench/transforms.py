@@ -43,6 +43,7 @@ from kvlife.report import format_table
 from kvlife.transforms import decode, make_transform
 from kvlife.transforms.base import Param
 from kvlife.transforms.parity import ParityCode, ParityError, protect_files, rebuild_files
+from kvlife.transforms.quant import INT4_TUNED
 
 TARGET_GBPS = 1.0
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
@@ -58,18 +59,7 @@ CONFIGS: list[tuple[str, str, dict[str, Param]]] = [
     ("int4-g32", "int4", {}),
     ("int2-g32", "int2", {}),
     ("int2-kitty25-sink4", "int2", {"key_hi_fraction": 0.25, "sink_tokens": 4}),
-    (
-        "int4-tuned",
-        "int4",
-        {
-            "key_group": 128,
-            "value_group": 64,
-            "value_sym": True,
-            "sink_tokens": 4,
-            "key_hi_fraction": 0.0625,
-            "key_hi_bits": 8,
-        },
-    ),
+    ("int4-tuned", "int4", INT4_TUNED),
     ("sparse-50-knorm", "sparse", {"keep_ratio": 0.5}),
     ("sparse-25-knorm", "sparse", {"keep_ratio": 0.25}),
 ]

@@ -41,6 +41,7 @@ from numpy.typing import NDArray
 from kvlife.report import format_table
 from kvlife.transforms import make_transform
 from kvlife.transforms.base import EncodedPayload, Param
+from kvlife.transforms.quant import INT4_TUNED
 from kvlife.transforms.sparse import SparseTransform, snapkv_importance
 
 LICENSES = Path("/usr/share/common-licenses")
@@ -77,14 +78,7 @@ ROWS: list[RowSpec] = [
     RowSpec(
         "int4 tuned",
         "int4",
-        {
-            "key_group": 128,
-            "value_group": 64,
-            "value_sym": True,
-            "sink_tokens": 4,
-            "key_hi_fraction": 0.0625,
-            "key_hi_bits": 8,
-        },
+        INT4_TUNED,
         tier="near_lossless",
     ),
     RowSpec(
