@@ -224,26 +224,26 @@ def main(argv: list[str] | None = None) -> int:
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, chunk_tokens=args.chunk_tokens)
     if args.quick:
         settings = BenchSettings(max_new_tokens=4, chunk_tokens=args.chunk_tokens, turns=2, users=1)
-    work = Path(tempfile.mkdtemp(prefix=".kvlife-bench-vllm-", dir=args.dir or "."))
-    try:
-        result = run_bench(settings, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    print_report(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0 if result["identical_outputs"] else 1
+    return _run_and_report(settings, ".kvlife-bench-vllm-", args.dir, args.json)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     """``kvlife demo --engine vllm``: the benchmark with the demo's settings."""
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, chunk_tokens=args.chunk_tokens)
-    work = Path(tempfile.mkdtemp(prefix="kvlife-demo-vllm-", dir=args.dir or "."))
+    return _run_and_report(settings, "kvlife-demo-vllm-", args.dir, args.json)
+
+
+def _run_and_report(
+    settings: BenchSettings, prefix: str, where: str | None, json_path: str | None
+) -> int:
+    """Run in a scratch directory (removed after), print the table, write the JSON; exit
+    status 0 only when every run's outputs were identical."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=where or "."))
     try:
         result = run_bench(settings, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_report(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
     return 0 if result["identical_outputs"] else 1
