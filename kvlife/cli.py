@@ -191,6 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         write_through=args.write_through,
         promote_on_hit=not args.no_promote,
         disk_transform=args.disk_transform,
+        **({"shm_dir": Path(args.shm_dir)} if args.shm_dir else {}),
     )
     return run(cfg)
 
@@ -276,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="transform the disk tier stores replicas with, e.g. int4 or lossless "
         "(docs/transforms.md; lookups take them only with a matching accept)",
+    )
+    p.add_argument(
+        "--shm-dir",
+        default=None,
+        help="tmpfs for the arena and shared buffers (default /dev/shm; one mounted "
+        "huge=always gives direct I/O into the arena full speed, docs/server.md)",
     )
     p.set_defaults(func=cmd_serve)
 

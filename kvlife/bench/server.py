@@ -20,6 +20,7 @@ LMCache's multi-process mode is not run side by side (see ``PEER_NOTE``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -28,7 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ from kvlife.core.identity import KVLayout, ModelIdentity, Namespace, NamespaceKi
 from kvlife.report import format_table
 from kvlife.store import KVStore
 from kvlife.tiers.buffers import aligned_empty, prefault
+from kvlife.tiers.shm import SHM_DIR, huge_pages
 
 MiB = 1 << 20
 TARGETS = {
@@ -76,6 +79,11 @@ class ServerBenchConfig:
     client_seconds: float = 2.0
     directory: Path | None = None
     """Where stores and raw files live (default: the current directory)."""
+    shm_dir: Path | None = None
+    """The servers' ``--shm-dir`` (None: a tmpfs mounted ``huge=always`` for the run
+    when this process may mount one, as docs/server.md recommends, else /dev/shm)."""
+    huge: bool = True
+    """Mount that huge-page tmpfs when ``shm_dir`` is None (False: /dev/shm as it is)."""
 
     @classmethod
     def small(cls, directory: Path | None) -> ServerBenchConfig:
@@ -148,13 +156,13 @@ def _pct(xs: list[float], q: float) -> float:
 class _Server:
     """A ``kvlife serve`` child process, stopped by PID."""
 
-    def __init__(self, path: Path, dram: int, disk: int, *flags: str) -> None:
+    def __init__(self, path: Path, dram: int, disk: int, shm: Path, *flags: str) -> None:
         self.socket = path.parent / f"{path.name}.sock"
         pid_file = path.parent / f"{path.name}.pid"
         cmd = [
             sys.executable, "-m", "kvlife.cli", "serve", str(path), "--socket", str(self.socket),
             "--pid-file", str(pid_file), "--dram-bytes", str(dram), "--disk-bytes", str(disk),
-            "--staging-bytes", str(max(128 * MiB, dram // 2)), *flags,
+            "--staging-bytes", str(max(128 * MiB, dram // 2)), "--shm-dir", str(shm), *flags,
         ]  # fmt: skip
         log = path.parent / f"{path.name}.log"
         with log.open("wb") as err:
@@ -186,6 +194,26 @@ def _env() -> dict[str, str]:
     root = str(Path(kvlife.__file__).resolve().parents[1])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+@contextlib.contextmanager
+def _shm_dir(cfg: ServerBenchConfig, work: Path) -> Iterator[Path]:
+    """The tmpfs the servers put their arenas in: the configured one, or a private one
+    mounted ``huge=always`` (root only; unmounted after the run), else /dev/shm."""
+    if cfg.shm_dir is not None or not cfg.huge or os.geteuid() != 0:
+        yield cfg.shm_dir if cfg.shm_dir is not None else SHM_DIR
+        return
+    mnt = work / "shm"
+    mnt.mkdir()
+    cmd = ["mount", "-t", "tmpfs", "-o", "huge=always,size=4g,mode=0700", "kvlife-bench"]
+    done = subprocess.run([*cmd, str(mnt)], capture_output=True, check=False)
+    if done.returncode != 0:
+        yield SHM_DIR
+        return
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
 
 
 def _direct_ok(directory: Path) -> bool:
@@ -432,37 +460,46 @@ def run_server_bench(cfg: ServerBenchConfig) -> dict[str, Any]:
     biggest = max(cfg.sizes) * cfg.chunks_per_call
     dram = max(256 * MiB, 3 * biggest)
     servers: list[_Server] = []
-    try:
-        main = _Server(work / "m", dram, 4 * dram)
-        servers.append(main)
-        remote = main.client()
-        result: dict[str, Any] = {"config": asdict(cfg), "note": "", "peer_lmcache": PEER_NOTE}
-        result["config"]["directory"] = str(base)
-        result["lookup"] = _bench_lookup(cfg, work, remote)
-        result["load_dram"] = [
-            _bench_load(cfg, remote, s, 10 + i, None) for i, s in enumerate(cfg.sizes)
-        ]
-        result["put_dram"] = [
-            _bench_put(cfg, remote, s, 20 + i, None) for i, s in enumerate(cfg.sizes)
-        ]
-        remote.close()
-        result["scaling"] = _bench_scaling(cfg, main)
-        main.stop()
-        servers.remove(main)
-        disk = _Server(work / "d", dram, 4 * dram, "--no-promote", "--write-through")
-        servers.append(disk)
-        remote = disk.client()
-        result["load_disk"] = [
-            _bench_load(cfg, remote, s, 30 + i, work) for i, s in enumerate(cfg.sizes)
-        ]
-        result["put_write_through"] = [
-            _bench_put(cfg, remote, s, 40 + i, work) for i, s in enumerate(cfg.sizes)
-        ]
-        remote.close()
-    finally:
-        for s in servers:
-            s.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    with contextlib.ExitStack() as stack:
+        shm = stack.enter_context(_shm_dir(cfg, work))
+        try:
+            return _run(cfg, work, base, dram, shm, servers)
+        finally:
+            for s in servers:
+                s.stop()
+            stack.close()
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(
+    cfg: ServerBenchConfig, work: Path, base: Path, dram: int, shm: Path, servers: list[_Server]
+) -> dict[str, Any]:
+    main = _Server(work / "m", dram, 4 * dram, shm)
+    servers.append(main)
+    remote = main.client()
+    result: dict[str, Any] = {"config": asdict(cfg), "note": "", "peer_lmcache": PEER_NOTE}
+    result["config"]["directory"] = str(base)
+    result["config"]["shm_dir"] = str(shm)
+    result["shm_huge_pages"] = huge_pages(shm)
+    result["lookup"] = _bench_lookup(cfg, work, remote)
+    result["load_dram"] = [
+        _bench_load(cfg, remote, s, 10 + i, None) for i, s in enumerate(cfg.sizes)
+    ]
+    result["put_dram"] = [_bench_put(cfg, remote, s, 20 + i, None) for i, s in enumerate(cfg.sizes)]
+    remote.close()
+    result["scaling"] = _bench_scaling(cfg, main)
+    main.stop()
+    servers.remove(main)
+    disk = _Server(work / "d", dram, 4 * dram, shm, "--no-promote", "--write-through")
+    servers.append(disk)
+    remote = disk.client()
+    result["load_disk"] = [
+        _bench_load(cfg, remote, s, 30 + i, work) for i, s in enumerate(cfg.sizes)
+    ]
+    result["put_write_through"] = [
+        _bench_put(cfg, remote, s, 40 + i, work) for i, s in enumerate(cfg.sizes)
+    ]
+    remote.close()
     result["targets"] = _targets(result)
     return result
 
@@ -560,6 +597,8 @@ def format_report(r: dict[str, Any]) -> str:
         )
     )
     lines.append("")
+    huge = "huge pages" if r["shm_huge_pages"] else "4 KiB pages"
+    lines.append(f"arenas in {r['config']['shm_dir']} ({huge})")
     lines.append(f"peer: {r['peer_lmcache']}")
     return "\n".join(lines)
 
@@ -569,6 +608,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--quick", action="store_true", help="a small run (shape only)")
     p.add_argument("--dir", type=Path, default=None, help="work directory (default: cwd)")
+    p.add_argument(
+        "--shm-dir", type=Path, default=None, help="the servers' --shm-dir (default: see --no-huge)"
+    )
+    p.add_argument(
+        "--no-huge",
+        action="store_true",
+        help="arenas in /dev/shm as it is, not in a huge=always tmpfs mounted for the run",
+    )
     p.add_argument("--worker", nargs=5, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -579,6 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         sock, size, n, seconds, start_at = args.worker
         return _worker(sock, int(size), int(n), float(seconds), float(start_at))
     cfg = ServerBenchConfig.small(args.dir) if args.quick else ServerBenchConfig(directory=args.dir)
+    cfg = replace(cfg, shm_dir=args.shm_dir, huge=not args.no_huge)
     result = run_server_bench(cfg)
     print(format_report(result))
     if args.json is not None:

@@ -13,7 +13,7 @@ import numpy as np
 from kvlife.core.errors import ProtocolError, StorageFullError
 from kvlife.core.identity import KVLayout
 from kvlife.core.payload import numpy_dtype
-from kvlife.tiers.buffers import round_up
+from kvlife.tiers.buffers import advise_huge, round_up
 
 
 class SharedBuffer:
@@ -27,6 +27,7 @@ class SharedBuffer:
         try:
             os.ftruncate(fd, size)
             self.mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            advise_huge(self.mmap)
         except OSError as exc:
             path.unlink(missing_ok=True)
             raise StorageFullError(f"cannot make a shared buffer of {size} bytes: {exc}") from exc

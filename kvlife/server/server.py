@@ -59,6 +59,9 @@ class ServeConfig:
     promote_on_hit: bool = True
     disk_transform: str = ""
     """Registered transform the disk tier encodes replicas with (empty: exact)."""
+    shm_dir: Path = SHM_DIR
+    """Where the arena and the sessions' shared buffers live: a tmpfs (``/dev/shm``, or
+    one mounted ``huge=always`` so that direct I/O into the arena runs at full speed)."""
 
     @property
     def socket_path(self) -> Path:
@@ -70,10 +73,10 @@ def arena_prefix(path: Path) -> str:
     return "kvlife-" + digest_bytes(str(path.resolve()).encode()).hex()[:16]
 
 
-def _remove_stale_arenas(prefix: str) -> None:
+def _remove_stale_arenas(shm_dir: Path, prefix: str) -> None:
     """Arenas of servers of this store that died without cleaning up (the caller holds
     the store's lock, so no live server of it can own one)."""
-    for f in SHM_DIR.glob(prefix + "-*"):
+    for f in shm_dir.glob(prefix + "-*"):
         with contextlib.suppress(OSError):
             f.unlink()
 
@@ -88,7 +91,9 @@ def open_store(cfg: ServeConfig) -> KVStore:
         write_through=cfg.write_through,
         promote_on_hit=cfg.promote_on_hit,
     )
-    arena = SHM_DIR / f"{arena_prefix(cfg.path)}-{os.getpid()}"
+    if not cfg.shm_dir.is_dir():
+        raise InvalidArgument(f"shared-memory directory {cfg.shm_dir} does not exist")
+    arena = cfg.shm_dir / f"{arena_prefix(cfg.path)}-{os.getpid()}"
     shm = replace(
         base.chain[0],
         kind="shm",
@@ -137,7 +142,8 @@ class Server:
             raise
         self.log(
             f"start pid={os.getpid()} store={cfg.path} socket={cfg.socket_path} "
-            f"arena={shm.arena.path} dram_bytes={cfg.dram_bytes} disk_bytes={cfg.disk_bytes}"
+            f"arena={shm.arena.path} huge_pages={'yes' if shm.arena.huge_pages else 'no'} "
+            f"dram_bytes={cfg.dram_bytes} disk_bytes={cfg.disk_bytes}"
         )
 
     def log(self, line: str) -> None:
@@ -287,7 +293,7 @@ def _open_with_cleanup(cfg: ServeConfig, prefix: str) -> KVStore:
     # take the lock once to learn that no other server lives, clean up, then open
     fh = take_dir_lock(cfg.path)
     try:
-        _remove_stale_arenas(prefix)
+        _remove_stale_arenas(cfg.shm_dir, prefix)
     finally:
         drop_dir_lock(cfg.path, fh)
     return open_store(cfg)

@@ -55,12 +55,19 @@ def _huge_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     offset = (-np.frombuffer(mapping, np.uint8).ctypes.data) % HUGE_PAGE
     whole = nbytes // HUGE_PAGE * HUGE_PAGE
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if whole and advice is not None:
-        # THP compiled out or disabled: 4 KiB pages, the same bytes
-        with contextlib.suppress(OSError):
-            mapping.madvise(advice, offset, whole)
+    if whole:
+        advise_huge(mapping, offset, whole)
     return mapping, offset
+
+
+def advise_huge(mapping: mmap.mmap, offset: int = 0, length: int | None = None) -> None:
+    """Advise ``length`` bytes of ``mapping`` from ``offset`` for transparent huge pages
+    (a shared mapping: what a tmpfs mounted ``huge=advise`` waits for). THP compiled out
+    or disabled: 4 KiB pages, the same bytes."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):
+            mapping.madvise(advice, offset, len(mapping) - offset if length is None else length)
 
 
 def is_aligned(arr: np.ndarray, align: int = ALIGN) -> bool:

@@ -44,9 +44,37 @@ from kvlife.tiers.base import (
     Tier,
     check_payloads,
 )
-from kvlife.tiers.buffers import ALIGN, round_up
+from kvlife.tiers.buffers import ALIGN, advise_huge, round_up
 
 SHM_DIR = Path("/dev/shm")
+HUGE_OPTIONS = ("huge=always", "huge=within_size", "huge=advise")
+"""tmpfs mount options under which the arena gets transparent huge pages."""
+
+
+def huge_pages(directory: Path) -> bool:
+    """Whether files in ``directory`` live on a tmpfs mounted with huge pages.
+
+    Direct I/O into (and out of) 4 KiB shared-memory pages was measured at 0.5-0.7x the
+    rate into private huge-page memory here; a tmpfs mounted ``huge=always`` (or
+    ``within_size``) gives the arena 2 MiB pages, and disk reads land at full speed.
+    """
+    try:
+        lines = Path("/proc/self/mountinfo").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return False
+    target = str(directory.resolve())
+    best, huge = "", False
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best = point
+            huge = tail[0] == "tmpfs" and any(o in tail[2].split(",") for o in HUGE_OPTIONS)
+    return huge
 
 
 class Allocator:
@@ -141,6 +169,8 @@ class Arena:
             self.path.unlink(missing_ok=True)
             raise StorageFullError(f"cannot map the arena {self.path}: {exc}") from exc
         os.close(fd)
+        advise_huge(self.mmap)
+        self.huge_pages = huge_pages(self.path.parent)
         self.size = size
         self._alloc = Allocator(size)
         self._lock = threading.Lock()
@@ -186,6 +216,7 @@ class Arena:
                 "arena_used_bytes": self._alloc.used,
                 "arena_extents": self._alloc.extents,
                 "arena_largest_free": self._alloc.largest_free,
+                "arena_huge_pages": int(self.huge_pages),
             }
 
     def unlink(self) -> None:
