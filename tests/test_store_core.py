@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvlife.core.errors import InvalidArgument
 from kvlife.core.events import MemorySink
 from kvlife.core.identity import PUBLIC, ModelIdentity
 from kvlife.faults.damage import flip, scan_frames
@@ -263,6 +264,53 @@ def test_async_load_hands_out_chunk_zero_while_later_chunks_are_in_flight(
             assert np.array_equal(a, b)
         again = store.load(store.lookup(identity, PUBLIC, tokens))
         assert again.loaded == 4
+
+
+class CountingIO(FileIO):
+    """Records the most reads in flight at once, and the offsets in the order read."""
+
+    def __init__(self) -> None:
+        super().__init__(direct=False)
+        self.lock = threading.Lock()
+        self.now = 0
+        self.most = 0
+        self.offsets: list[int] = []
+
+    def preadv(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+            self.offsets.append(offset)
+        try:
+            threading.Event().wait(0.005)  # long enough for a second read to overlap
+            return super().preadv(fd, buffers, offset)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+@pytest.mark.parametrize("depth", [1, 2, None])
+def test_async_load_depth_bounds_reads_in_flight_and_reads_in_chunk_order(
+    tmp_path: Path, identity: ModelIdentity, depth: int | None
+) -> None:
+    io = CountingIO()
+    tokens, kv = prompt_kv(55, 6 * N)
+    with disk_only(tmp_path, fileio=io) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+        hit = store.lookup(identity, PUBLIC, tokens)
+        io.most, io.offsets = 0, []
+        res = store.load_async(hit, depth=depth).wait(timeout=WAIT)
+        assert res.loaded == 6
+        for a, b in zip(res.arrays, chunks_of(kv, 6), strict=True):
+            assert np.array_equal(a, b)
+        if depth is not None:
+            assert io.most <= depth
+        if depth == 1:
+            assert io.offsets == sorted(io.offsets), "one at a time, in chunk order"
+        else:
+            assert io.most >= 2, "no bound: reads overlap"
+        with pytest.raises(InvalidArgument, match="depth"):
+            store.load_async(hit, depth=0)
 
 
 @pytest.mark.parametrize("outs", [False, True])

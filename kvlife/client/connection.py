@@ -14,6 +14,9 @@ from kvlife.core import errors
 from kvlife.core.errors import KVLifeError, RemoteError
 from kvlife.core.identity import KEY_BYTES, ChunkKey
 
+StagedShape = tuple[object, ...]
+"""A chunk's dtype name and shape: the staged extents of one kind."""
+
 
 def split_keys(blob: bytes) -> list[ChunkKey]:
     return [ChunkKey(blob[i : i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES)]
@@ -50,6 +53,9 @@ class Connection:
         """Which connection of its RemoteStore this is (pending puts remember it)."""
         self.buffers: list[tuple[int, int, int, mmap.mmap]] = []
         """Shared output buffers of this connection: (address, size, id, mapping)."""
+        self.staged: dict[StagedShape, list[Any]] = {}
+        """Arena extents the server staged for this connection's next puts, by chunk
+        dtype and shape: [id, offset] each."""
 
     def map_arena(self, path: str, size: int) -> None:
         fd = os.open(path, os.O_RDWR)

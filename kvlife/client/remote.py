@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from kvlife.client.connection import Connection, error_from_reply, split_keys
+from kvlife.client.connection import Connection, StagedShape, error_from_reply, split_keys
 from kvlife.client.handles import RemoteLoadHandle, RemoteLookup, RemotePendingPut
 from kvlife.core import errors
 from kvlife.core.errors import InvalidArgument, KVLifeError, StoreUnavailable
@@ -62,6 +62,22 @@ from kvlife.transforms.contract import Accept
 Tokens = Sequence[int] | np.ndarray
 RELEASE_BATCH = 8
 """Finished loads whose grants wait for the next request before being sent alone."""
+
+
+def _shape_key(layout: KVLayout) -> StagedShape:
+    return (layout.dtype, *layout.chunk_shape)
+
+
+def _put_result(r: dict[str, Any]) -> PutResult:
+    return PutResult(
+        chunks=r["chunks"],
+        stored=r["stored"],
+        already_present=r["already_present"],
+        in_flight=r["in_flight"],
+        dropped=r["dropped"],
+        tokens_stored_or_present=r["tokens_stored_or_present"],
+        keys=split_keys(r["keys"]),
+    )
 
 
 class RemoteStore:
@@ -262,17 +278,48 @@ class RemoteStore:
         extra_keys: Sequence[bytes] = (),
         request_id: str = "",
     ) -> PutResult:
-        pending = self.prepare_put(
-            identity,
-            namespace,
-            tokens,
-            kv,
-            start=start,
-            parent=parent,
-            extra_keys=extra_keys,
-            request_id=request_id,
-        )
-        return self.commit_put(pending)
+        """Store a prompt's chunks. With extents staged for this chunk size (the server
+        grants them with the first put of that size), one round trip: every chunk is
+        copied into a staged extent, then one ``put`` commits the ones the store lacks;
+        otherwise prepare, copy, commit."""
+        args = self._prompt(identity, namespace, tokens, start, parent, extra_keys)
+        layout = identity.layout
+        ntokens = len(args["tokens"]) // 4
+        chunks = split_chunks(kv, layout, ntokens // layout.tokens_per_chunk, ntokens)
+        if request_id:
+            args["request_id"] = request_id
+        if not chunks:
+            return self.commit_put(self._prepare(args, layout, chunks))
+        taken = self._take_staged(_shape_key(layout), len(chunks))
+        if taken is None:
+            args["stage"] = len(chunks)  # extents for the next put of this size
+            return self.commit_put(self._prepare(args, layout, chunks))
+        conn, extents = taken
+        dtype = chunks[0].dtype.str
+        for (_, off), chunk in zip(extents, chunks, strict=True):
+            np.copyto(self._view(conn, off, dtype, layout.chunk_shape), chunk)
+        args["staged"] = [sid for sid, _ in extents]
+        r, now = self._call_on("put", args)
+        if now is conn:
+            self._add_staged(conn, _shape_key(layout), r["staged"])
+        return _put_result(r)
+
+    def _take_staged(self, shape: StagedShape, count: int) -> tuple[Connection, list[Any]] | None:
+        """``count`` staged extents of chunks of ``shape`` of the current connection, if
+        it has them (out of its pool: the put that uses them gives back what it kept)."""
+        with self._lock:
+            conn = self._conn
+            pool = conn.staged.get(shape) if conn is not None else None
+            if conn is None or pool is None or len(pool) < count:
+                return None
+            taken = pool[-count:]
+            del pool[-count:]
+            return conn, taken
+
+    def _add_staged(self, conn: Connection, shape: StagedShape, extents: list[Any]) -> None:
+        with self._lock:
+            if conn is self._conn and extents:
+                conn.staged.setdefault(shape, []).extend(extents)
 
     def prepare_put(
         self,
@@ -294,6 +341,11 @@ class RemoteStore:
         chunks = split_chunks(kv, layout, ntokens // layout.tokens_per_chunk, ntokens)
         if request_id:
             args["request_id"] = request_id
+        return self._prepare(args, layout, chunks)
+
+    def _prepare(
+        self, args: dict[str, Any], layout: KVLayout, chunks: list[np.ndarray]
+    ) -> RemotePendingPut:
         reply, conn = self._call_on("prepare_put", args)
         pending = RemotePendingPut(
             reply["put"],
@@ -303,6 +355,7 @@ class RemoteStore:
             reply["present"],
             reply["in_flight"],
         )
+        self._add_staged(conn, _shape_key(layout), reply["staged"])
         dtype = chunks[0].dtype.str if chunks else "u1"
         try:
             for index, off in reply["slots"]:
@@ -330,16 +383,7 @@ class RemoteStore:
 
     def commit_put(self, pending: RemotePendingPut) -> PutResult:
         self._finish(pending)
-        r = self._call("commit_put", {"put": pending.put})
-        return PutResult(
-            chunks=r["chunks"],
-            stored=r["stored"],
-            already_present=r["already_present"],
-            in_flight=r["in_flight"],
-            dropped=r["dropped"],
-            tokens_stored_or_present=r["tokens_stored_or_present"],
-            keys=split_keys(r["keys"]),
-        )
+        return _put_result(self._call("commit_put", {"put": pending.put}))
 
     def put_async(self, pending: RemotePendingPut) -> Future[PutResult]:
         return self._io_pool().submit(self.commit_put, pending)

@@ -82,7 +82,16 @@ VERBS: dict[str, dict[str, Field]] = {
     "release": {"load": ID},
     "alloc_buffer": {"nbytes": Field("int", True, 1, 1 << 40)},
     "free_buffer": {"buffer": ID},
-    "prepare_put": {**PROMPT, "request_id": Field("str", _OPT, 0, _MAX_STR)},
+    "prepare_put": {
+        **PROMPT,
+        "request_id": Field("str", _OPT, 0, _MAX_STR),
+        "stage": Field("int", _OPT, 0, 1 << 10),
+    },
+    "put": {
+        **PROMPT,
+        "request_id": Field("str", _OPT, 0, _MAX_STR),
+        "staged": Field("int_list", True, 1, 1 << 20),
+    },
     "commit_put": {"put": ID},
     "abort_put": {"put": ID, "reason": Field("str", _OPT, 0, _MAX_STR)},
     "invalidate": {

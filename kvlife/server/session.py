@@ -40,6 +40,11 @@ PartSender = Callable[[bytes], None]
 
 MAX_LEASES = 4096
 """Outstanding puts, and outstanding loads, one session may hold."""
+STREAM_BYTES_IN_FLIGHT = 2 << 20
+"""Bytes of disk reads a streamed load keeps in flight (at least one chunk)."""
+MAX_STAGED_BYTES = 256 << 20
+"""Arena extents one session may hold staged for its next puts (the one-round-trip put:
+the client writes a prompt's chunks into them, then one ``put`` commits them)."""
 MAX_BUFFER_BYTES = 16 << 30
 """Shared output buffers one session may hold, in bytes."""
 
@@ -97,6 +102,7 @@ class ServerState:
             "puts": sum(len(s.puts) for s in sessions),
             "loads": sum(len(s.loads) for s in sessions),
             "buffers": sum(len(s.buffers) for s in sessions),
+            "staged": sum(len(s.staged) for s in sessions),
             "tentative": info.objects_by_state.get("tentative", 0),
             "shm_replicas": len(self.shm.replica_keys()),
             "shm_used_bytes": self.shm.used_bytes,
@@ -115,6 +121,10 @@ class Session:
         self.puts: dict[int, _Put] = {}
         self.loads: dict[int, list[np.ndarray]] = {}
         self.buffers: dict[int, SharedBuffer] = {}
+        self.staged: dict[int, np.ndarray] = {}
+        """Arena extents staged for this session's next puts, by id (the client writes
+        them, a ``put`` adopts them; freed with the session)."""
+        self._staged_bytes = 0
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.closed = False
@@ -132,6 +142,7 @@ class Session:
             "alloc_buffer": self.alloc_buffer,
             "free_buffer": self.free_buffer,
             "prepare_put": self.prepare_put,
+            "put": self.put,
             "commit_put": self.commit_put,
             "abort_put": self.abort_put,
             "invalidate": self.invalidate,
@@ -158,6 +169,8 @@ class Session:
             self.puts.clear()
             self.loads.clear()
             self.buffers.clear()
+            self.staged.clear()  # their extents go back to the arena with the views
+            self._staged_bytes = 0
         for buf in buffers:
             buf.drop()
         for put in puts:
@@ -271,7 +284,10 @@ class Session:
                 else arena.alloc(layout.chunk_nbytes, dtype, layout.chunk_shape)
                 for k in keys
             ]
-            handle = store.load_async(lookup, outs, request_id=request_id)  # type: ignore[arg-type]
+            # reads in chunk order, few in flight: the client copies chunk i out of the
+            # arena while chunk i + 1 is read (all at once they would finish together)
+            depth = max(1, STREAM_BYTES_IN_FLIGHT // layout.chunk_nbytes)
+            handle = store.load_async(lookup, outs, request_id=request_id, depth=depth)  # type: ignore[arg-type]
             streamed = self._stream(handle) if args.get("stream") else []
             res = handle.wait()
         grants: list[list[object]] = []
@@ -435,7 +451,88 @@ class Session:
             "slots": slots,
             "present": pending.present,
             "in_flight": pending.in_flight,
+            "staged": self._stage(layout, args.get("stage", 0)),
         }
+
+    def _stage(self, layout: KVLayout, count: int) -> list[list[int]]:
+        """Up to ``count`` new staged extents of one chunk of ``layout`` ([id, offset]
+        each), as far as the session's staging budget and the arena's room allow."""
+        dtype = numpy_dtype(layout.dtype)
+        n = layout.chunk_nbytes
+        out: list[list[int]] = []
+        for _ in range(count):
+            with self._lock:
+                if self.closed or self._staged_bytes + n > MAX_STAGED_BYTES:
+                    break
+            view = self.server.arena.alloc(n, dtype, layout.chunk_shape)
+            if view is None:
+                break
+            off = self.server.arena.offset_of(view)
+            assert off is not None
+            with self._lock:
+                sid = next(self._ids)
+                self.staged[sid] = view
+                self._staged_bytes += n
+            out.append([sid, off])
+        return out
+
+    def put(self, args: dict[str, Any]) -> object:
+        """The one-round-trip put: the client wrote every chunk of the prompt into the
+        staged extents it names (one per chunk, in order); the chunks the store lacks are
+        adopted as they are (no copy), the other extents stay staged for the client."""
+        p = self._prompt(args)
+        layout = p["identity"].layout
+        ids = args["staged"]
+        nchunks = len(p["tokens"]) // layout.tokens_per_chunk
+        if len(ids) != nchunks or len(set(ids)) != len(ids):
+            raise ProtocolError(f"{len(ids)} distinct staged extents for {nchunks} chunks")
+        views: list[np.ndarray] = []
+        with self._lock:
+            for sid in ids:
+                view = self.staged.get(sid)
+                if view is None:
+                    raise ProtocolError(f"session {self.sid} holds no staged extent {sid}")
+                if view.shape != layout.chunk_shape or view.dtype != numpy_dtype(layout.dtype):
+                    raise ProtocolError(
+                        f"staged extent {sid} is {view.dtype}{list(view.shape)}, not a chunk "
+                        "of this put's layout"
+                    )
+                views.append(view)
+            for sid in ids:  # the put owns them now; unused ones are staged again below
+                del self.staged[sid]
+            self._staged_bytes -= sum(v.nbytes for v in views)
+        store = self.server.store
+        pending = store.prepare_put(
+            p["identity"],
+            p["namespace"],
+            p["tokens"],
+            views,
+            start=p["start"],
+            parent=p["parent"],
+            extra_keys=p["extra_keys"],
+            request_id=args.get("request_id", ""),
+        )
+        arena = self.server.arena
+        used = {arena.offset_of(arr) for _, arr in pending.items}
+        for _, arr in pending.items:
+            arr.flags.writeable = False  # sealed: the tier adopts it without a copy
+        res = store.commit_put(pending)
+        pending.items.clear()
+        kept: list[list[int]] = []
+        with self._lock:
+            for sid, view in zip(ids, views, strict=True):
+                off = arena.offset_of(view)
+                if off in used or self.closed:
+                    continue  # a replica now (or the session ended): never staged again
+                assert off is not None
+                self.staged[sid] = view
+                self._staged_bytes += view.nbytes
+                kept.append([sid, off])
+        del views
+        out = dataclasses.asdict(res)
+        out["keys"] = b"".join(res.keys)
+        out["staged"] = kept + self._stage(layout, len(ids) - len(kept))
+        return out
 
     def _take_put(self, pid: int) -> _Put:
         with self._lock:

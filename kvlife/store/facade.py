@@ -208,9 +208,13 @@ class KVStore:
         outs: Sequence[np.ndarray] | None = None,
         *,
         request_id: str = "",
+        depth: int | None = None,
     ) -> LoadHandle:
-        """Like :meth:`load`, returning at once; ``handle.chunk(i)`` waits for chunk i only."""
-        return self._reader.load_async(lookup, outs, request_id)
+        """Like :meth:`load`, returning at once; ``handle.chunk(i)`` waits for chunk i only.
+        ``depth`` bounds the reads in flight (None: every chunk at once); reads start in
+        chunk order, so with a small depth the first chunks complete first and a consumer
+        works on chunk i while later ones are read."""
+        return self._reader.load_async(lookup, outs, request_id, depth)
 
     def get(
         self, identity: ModelIdentity, namespace: Namespace, tokens: Tokens, **kwargs: object

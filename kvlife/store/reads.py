@@ -294,25 +294,47 @@ class Reader:
         return self.publish(items, len(lookup.hits), vanished, request_id)
 
     def load_async(
-        self, lookup: LookupResult, outs: Sequence[np.ndarray] | None, request_id: str
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None,
+        request_id: str,
+        depth: int | None = None,
     ) -> LoadHandle:
-        """Submit one read per chunk to the I/O pool, in order."""
+        """Submit one read per chunk to the I/O pool, in order, at most ``depth`` in
+        flight (each finished read submits the next)."""
+        if depth is not None and depth < 1:
+            raise InvalidArgument(f"load depth must be >= 1, got {depth}")
         items, vanished = self._start(lookup, outs)
         handle = LoadHandle(self, items, len(lookup.hits), vanished, request_id)
         pool = self._io_pool()
         tiers = self.core.tiers
         rates = self.core.decode_rates
-        for item in items:
+        queue = iter(items)
+        queue_lock = threading.Lock()
 
-            def read(it: _Item = item) -> None:
+        def read(it: _Item) -> None:
+            try:
+                res: Outcome | BaseException = _read_run(tiers[it.tier], [it], rates)[0]
+            except BaseException as exc:  # handed to the handle as a typed miss
+                res = exc
+            if depth is not None:
+                submit_next()
+            handle._complete(it, res)
+
+        def submit_next() -> None:
+            with queue_lock:
+                it = next(queue, None)
+            while it is not None:
                 try:
-                    res = _read_run(tiers[it.tier], [it], rates)[0]
-                except BaseException as exc:  # handed to the handle as a typed miss
-                    handle._complete(it, exc)
+                    pool.submit(read, it)
                     return
-                handle._complete(it, res)
+                except RuntimeError as exc:  # the pool shut down (the store is closing)
+                    handle._complete(it, exc)  # this chunk and every later one: misses
+                with queue_lock:
+                    it = next(queue, None)
 
-            pool.submit(read)
+        for _ in range(len(items) if depth is None else min(depth, len(items))):
+            submit_next()
         return handle
 
     def publish(

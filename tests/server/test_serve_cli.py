@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from kvlife.core.identity import PUBLIC
 from kvlife.server.server import arena_prefix
 from kvlife.store import KVStore
@@ -120,3 +122,26 @@ def test_long_socket_paths_serve_or_fail_by_name(tmp_path: Path) -> None:
     assert got.returncode == 1 and "at most 107" in got.stderr
     # a server that could not start leaves no arena behind
     assert not list(Path("/dev/shm").glob(arena_prefix(store) + "-*"))
+
+
+def test_shm_dir_holds_the_arena_and_buffers_and_a_missing_one_is_named(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    srv = ServerProc(tmp_path / "store", extra=("--shm-dir", str(shm))).start()
+    try:
+        (arena,) = shm.glob(f"kvlife-*-{srv.pid}")
+        assert not list(Path("/dev/shm").glob(f"kvlife-*-{srv.pid}"))
+        assert "huge_pages=no" in srv.log.read_text()  # a plain directory has none
+        tokens, kv = prompt_kv(3, 32)
+        with srv.client() as c:
+            c.alloc_buffer(4096)
+            assert len(list(shm.glob(arena.name + "-buf-*"))) == 1
+            c.put_prompt(tiny_identity(), PUBLIC, tokens, kv)
+            got = c.get(tiny_identity(), PUBLIC, tokens)
+            assert got.loaded == 2
+            assert np.array_equal(got.arrays[1], kv[:, :, :, 16:32])
+    finally:
+        assert srv.stop() == 0
+    assert not arena.exists()
+    missing = kvlife("serve", str(tmp_path / "s2"), "--shm-dir", str(tmp_path / "nope"))
+    assert missing.returncode == 1 and "does not exist" in missing.stderr

@@ -4,6 +4,7 @@ freed only when their last view dies, capacity enforced, adoption without a copy
 from __future__ import annotations
 
 import gc
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -117,3 +118,33 @@ def test_arena_file_is_owner_only(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="exists already"):
         Arena(tmp_path / "arena", ALIGN)
     arena.unlink()
+
+
+def test_huge_pages_are_seen_only_on_a_tmpfs_mounted_with_them(tmp_path: Path) -> None:
+    """``huge_pages`` reads the mount of the directory: a plain directory is not one; a
+    tmpfs mounted ``huge=always`` (root only) is, and an arena there says so."""
+    from kvlife.tiers.shm import huge_pages
+
+    assert not huge_pages(tmp_path)
+    mnt = tmp_path / "huge"
+    mnt.mkdir()
+    opts = "huge=always,size=64m,mode=0700"
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", opts, "kvlife-test", str(mnt)], check=False
+    )
+    if done.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        assert huge_pages(mnt) and huge_pages(mnt / "sub" / "file")
+        arena = Arena(mnt / "arena", 8 << 20)
+        try:
+            assert arena.huge_pages and arena.stats()["arena_huge_pages"] == 1
+            view = arena.alloc(4 << 20, np.uint8, (4 << 20,))
+            assert view is not None
+            view[:] = 7
+            assert int(view.sum()) == 7 * (4 << 20)
+            del view
+        finally:
+            arena.unlink()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -1,0 +1,145 @@
+"""The one-round-trip put: the server stages arena extents for a session with its first
+put of a chunk shape; later puts of that shape copy every chunk into staged extents and
+commit with one ``put``. Chunks the store lacks are adopted without a copy; the extents
+of chunks it already holds stay staged. Bytes are exact, extents are never handed out
+twice, a bad ``put`` is a typed error, and a client that dies leaves nothing staged."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvlife.client import RemoteStore
+from kvlife.core.errors import ProtocolError
+from kvlife.core.identity import PUBLIC, token_bytes
+from kvlife.server import protocol
+from tests.conftest import TINY, prompt_kv, tiny_identity
+from tests.server.conftest import ROOT, ServerProc, child_env, quiet
+
+N = TINY.tokens_per_chunk
+
+
+def _chunks_equal(remote: RemoteStore, tokens: np.ndarray, kv: np.ndarray, n: int) -> None:
+    got = remote.load(remote.lookup(tiny_identity(), PUBLIC, tokens))
+    assert got.loaded == n
+    for i, a in enumerate(got.arrays):
+        assert np.array_equal(a.view(np.uint16), kv[:, :, :, i * N : (i + 1) * N].view(np.uint16))
+
+
+def test_second_put_of_a_shape_is_one_round_trip_and_adopts_staged_extents(
+    remote: RemoteStore,
+) -> None:
+    ident = tiny_identity()
+    tokens, kv = prompt_kv(31, 3 * N)
+    first = remote.put_prompt(ident, PUBLIC, tokens, kv)
+    assert first.stored == 3
+    state = quiet(remote)
+    assert state["staged"] == 3, "the first put stages extents for the next one"
+    adopted = remote.info().tiers[0].details["adopted"]
+    verbs: list[str] = []
+    call_on = remote._call_on
+
+    def spy(verb: str, args: dict[str, object], on_part: object = None) -> object:
+        verbs.append(verb)
+        return call_on(verb, args, on_part)  # type: ignore[arg-type]
+
+    remote._call_on = spy  # type: ignore[method-assign,assignment]
+    tokens2, kv2 = prompt_kv(32, 3 * N)
+    second = remote.put_prompt(ident, PUBLIC, tokens2, kv2)
+    remote._call_on = call_on  # type: ignore[method-assign]
+    assert verbs == ["put"]
+    assert second.stored == 3 and second.already_present == 0
+    assert remote.info().tiers[0].details["adopted"] == adopted + 3  # no copy on the server
+    assert quiet(remote)["staged"] == 3, "the consumed extents are replaced"
+    _chunks_equal(remote, tokens, kv, 3)
+    _chunks_equal(remote, tokens2, kv2, 3)
+
+
+def test_present_chunks_keep_their_extents_staged_and_replicas_are_never_restaged(
+    remote: RemoteStore,
+) -> None:
+    ident = tiny_identity()
+    tokens, kv = prompt_kv(33, 4 * N)
+    remote.put_prompt(ident, PUBLIC, tokens[: 2 * N], kv[:, :, :, : 2 * N])
+    remote.put_prompt(ident, PUBLIC, tokens[: 2 * N], kv[:, :, :, : 2 * N])  # all present
+    res = remote.put_prompt(ident, PUBLIC, tokens, kv)  # 2 present, 2 new: staged path
+    assert res.stored + res.already_present == 4
+    # later puts overwrite staged extents: the replicas' bytes must not change
+    for seed in range(34, 40):
+        t, k = prompt_kv(seed, 4 * N)
+        remote.put_prompt(ident, PUBLIC, t, k)
+    _chunks_equal(remote, tokens, kv, 4)
+    state = quiet(remote)
+    assert 0 < int(str(state["staged"])) <= 8
+
+
+def _put_args(tokens: np.ndarray, staged: list[int]) -> dict[str, object]:
+    return {
+        "identity": protocol.encode_identity(tiny_identity()),
+        "namespace": str(PUBLIC),
+        "tokens": token_bytes(tokens),
+        "staged": staged,
+    }
+
+
+def test_a_put_naming_extents_it_was_not_given_is_a_typed_error(remote: RemoteStore) -> None:
+    tokens, kv = prompt_kv(41, 2 * N)
+    remote.put_prompt(tiny_identity(), PUBLIC, tokens, kv)
+    with pytest.raises(ProtocolError, match="no staged extent"):
+        remote._call("put", _put_args(tokens, [10**9, 10**9 + 1]))
+    with pytest.raises(ProtocolError, match="distinct staged extents"):
+        remote._call("put", _put_args(tokens, [1]))
+    with pytest.raises(ProtocolError, match="distinct staged extents"):
+        remote._call("put", _put_args(tokens, [5, 5]))
+    # ids are the session's own: another session's (this one staged none) name nothing
+    other = RemoteStore(remote.socket_path, timeout=30)
+    fresh = RemoteStore(remote.socket_path, timeout=30)
+    try:
+        t2, kv2 = prompt_kv(42, 2 * N)
+        other.put_prompt(tiny_identity(), PUBLIC, t2, kv2)
+        conn = other._conn
+        assert conn is not None
+        theirs = [sid for pool in conn.staged.values() for sid, _ in pool][:2]
+        assert len(theirs) == 2
+        with pytest.raises(ProtocolError, match="no staged extent"):
+            fresh._call("put", _put_args(prompt_kv(43, 2 * N)[0], theirs))
+        assert quiet(remote, sessions=3)["staged"] == 4  # nothing taken from either
+    finally:
+        other.close()
+        fresh.close()
+    assert remote.lookup(tiny_identity(), PUBLIC, prompt_kv(43, 2 * N)[0]).hits == []
+
+
+def test_a_killed_client_leaves_no_staged_extent(server: ServerProc) -> None:
+    code = (
+        "import sys; from kvlife.client import RemoteStore\n"
+        "from kvlife.core.identity import PUBLIC\n"
+        "from tests.conftest import prompt_kv, tiny_identity, TINY\n"
+        "r = RemoteStore(sys.argv[1]); t, kv = prompt_kv(51, 2 * TINY.tokens_per_chunk)\n"
+        "r.put_prompt(tiny_identity(), PUBLIC, t, kv)\n"
+        "print('staged', flush=True); sys.stdin.read()\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(server.socket)],
+        cwd=ROOT,
+        env=child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == b"staged"
+    watcher = server.client()
+    try:
+        assert quiet(watcher, sessions=2)["staged"] == 2
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        state = quiet(watcher, sessions=1)
+        assert state["staged"] == 0 and state["tentative"] == 0
+        assert state["arena_extents"] == state["shm_replicas"]
+    finally:
+        watcher.close()
