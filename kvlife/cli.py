@@ -179,7 +179,7 @@ def _check_live(sock: str, fix: bool) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvlife.server.server import ServeConfig, run
+    from kvlife.server.server import ServeConfig, parse_cpus, run
 
     cfg = ServeConfig(
         path=Path(args.path),
@@ -192,6 +192,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         promote_on_hit=not args.no_promote,
         disk_transform=args.disk_transform,
         **({"shm_dir": Path(args.shm_dir)} if args.shm_dir else {}),
+        cpus=parse_cpus(args.cpus) if args.cpus else (),
     )
     return run(cfg)
 
@@ -283,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="tmpfs for the arena and shared buffers (default /dev/shm; one mounted "
         "huge=always gives direct I/O into the arena full speed, docs/server.md)",
+    )
+    p.add_argument(
+        "--cpus",
+        default=None,
+        help="CPUs the server runs on, e.g. 1 or 2-3 (keep them apart from the clients' "
+        "CPUs: requests are then handled while clients copy, docs/server.md)",
     )
     p.set_defaults(func=cmd_serve)
 

@@ -45,6 +45,7 @@ from kvlife.tiers.buffers import aligned_empty, prefault
 from kvlife.tiers.shm import SHM_DIR, huge_pages
 
 MiB = 1 << 20
+_ALL_CPUS = sorted(os.sched_getaffinity(0))
 TARGETS = {
     "lookup_median": 2.0,
     "lookup_p99": 2.0,
@@ -84,6 +85,9 @@ class ServerBenchConfig:
     when this process may mount one, as docs/server.md recommends, else /dev/shm)."""
     huge: bool = True
     """Mount that huge-page tmpfs when ``shm_dir`` is None (False: /dev/shm as it is)."""
+    pin: bool = True
+    """With two CPUs or more: the servers on the last one (``--cpus``), this process on
+    the others, as docs/server.md recommends; the scaling clients run anywhere."""
 
     @classmethod
     def small(cls, directory: Path | None) -> ServerBenchConfig:
@@ -406,7 +410,7 @@ def _bench_scaling(cfg: ServerBenchConfig, srv: _Server) -> list[dict[str, Any]]
                     str(start_at),
                 ],
                 stdout=subprocess.PIPE,
-                env=_env(),
+                env={**_env(), "KVLIFE_BENCH_CPUS": ",".join(map(str, _ALL_CPUS))},
             )
             for _ in range(clients)
         ]
@@ -430,6 +434,9 @@ def _bench_scaling(cfg: ServerBenchConfig, srv: _Server) -> list[dict[str, Any]]
 
 def _worker(sock: str, size: int, n: int, seconds: float, start_at: float) -> int:
     """One scaling client: loads the shared prompt into its buffers for ``seconds``."""
+    anywhere = os.environ.get("KVLIFE_BENCH_CPUS", "")
+    if anywhere:  # not the parent's pinning: scaling clients run on every CPU
+        os.sched_setaffinity(0, {int(c) for c in anywhere.split(",")})
     layout = _layout(size)
     remote = RemoteStore(sock, timeout=300)
     tokens, _ = _prompt(layout, n, 77)
@@ -471,10 +478,43 @@ def run_server_bench(cfg: ServerBenchConfig) -> dict[str, Any]:
             shutil.rmtree(work, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _pinned(cfg: ServerBenchConfig) -> Iterator[tuple[str, str]]:
+    """(server CPUs, client CPUs) as --cpus lists, this process pinned to the client
+    ones for the run; ("", "") when not pinning."""
+    have = sorted(os.sched_getaffinity(0))
+    if not cfg.pin or len(have) < 2:
+        yield "", ""
+        return
+    os.sched_setaffinity(0, have[:-1])
+    try:
+        yield str(have[-1]), ",".join(map(str, have[:-1]))
+    finally:
+        os.sched_setaffinity(0, have)
+
+
 def _run(
     cfg: ServerBenchConfig, work: Path, base: Path, dram: int, shm: Path, servers: list[_Server]
 ) -> dict[str, Any]:
-    main = _Server(work / "m", dram, 4 * dram, shm)
+    with _pinned(cfg) as (server_cpus, client_cpus):
+        result = _points(cfg, work, base, dram, shm, servers, server_cpus)
+    result["config"]["server_cpus"] = server_cpus
+    result["config"]["client_cpus"] = client_cpus
+    result["targets"] = _targets(result)
+    return result
+
+
+def _points(
+    cfg: ServerBenchConfig,
+    work: Path,
+    base: Path,
+    dram: int,
+    shm: Path,
+    servers: list[_Server],
+    cpus: str,
+) -> dict[str, Any]:
+    pin = ("--cpus", cpus) if cpus else ()
+    main = _Server(work / "m", dram, 4 * dram, shm, *pin)
     servers.append(main)
     remote = main.client()
     result: dict[str, Any] = {"config": asdict(cfg), "note": "", "peer_lmcache": PEER_NOTE}
@@ -490,7 +530,7 @@ def _run(
     result["scaling"] = _bench_scaling(cfg, main)
     main.stop()
     servers.remove(main)
-    disk = _Server(work / "d", dram, 4 * dram, shm, "--no-promote", "--write-through")
+    disk = _Server(work / "d", dram, 4 * dram, shm, *pin, "--no-promote", "--write-through")
     servers.append(disk)
     remote = disk.client()
     result["load_disk"] = [
@@ -500,7 +540,6 @@ def _run(
         _bench_put(cfg, remote, s, 40 + i, work) for i, s in enumerate(cfg.sizes)
     ]
     remote.close()
-    result["targets"] = _targets(result)
     return result
 
 
@@ -599,6 +638,9 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append("")
     huge = "huge pages" if r["shm_huge_pages"] else "4 KiB pages"
     lines.append(f"arenas in {r['config']['shm_dir']} ({huge})")
+    cpus = r["config"]["server_cpus"]
+    where = f"server on CPU {cpus}, client on {r['config']['client_cpus']}" if cpus else "no"
+    lines.append(f"pinning: {where}")
     lines.append(f"peer: {r['peer_lmcache']}")
     return "\n".join(lines)
 
@@ -616,6 +658,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="arenas in /dev/shm as it is, not in a huge=always tmpfs mounted for the run",
     )
+    p.add_argument(
+        "--no-pin", action="store_true", help="leave the servers and this process unpinned"
+    )
     p.add_argument("--worker", nargs=5, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -626,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
         sock, size, n, seconds, start_at = args.worker
         return _worker(sock, int(size), int(n), float(seconds), float(start_at))
     cfg = ServerBenchConfig.small(args.dir) if args.quick else ServerBenchConfig(directory=args.dir)
-    cfg = replace(cfg, shm_dir=args.shm_dir, huge=not args.no_huge)
+    cfg = replace(cfg, shm_dir=args.shm_dir, huge=not args.no_huge, pin=not args.no_pin)
     result = run_server_bench(cfg)
     print(format_report(result))
     if args.json is not None:

@@ -14,6 +14,8 @@ from kvlife.core import errors
 from kvlife.core.errors import KVLifeError, RemoteError
 from kvlife.core.identity import KEY_BYTES, ChunkKey
 
+FOREVER_S = 7 * 86400.0
+"""The socket timeout of a client that asked for none."""
 StagedShape = tuple[object, ...]
 """A chunk's dtype name and shape: the staged extents of one kind."""
 
@@ -37,7 +39,9 @@ class Connection:
 
     def __init__(self, path: str, timeout: float | None) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
+        # a timeout makes every wait a poll for input (protocol.POLL_WAIT_S says why);
+        # no timeout asked: a week
+        self.sock.settimeout(timeout if timeout is not None else FOREVER_S)
         try:
             self.sock.connect(path)
         except OSError:

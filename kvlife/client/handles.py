@@ -31,9 +31,13 @@ class RemotePendingPut:
 
 @dataclass(frozen=True, slots=True)
 class RemoteLookup(LookupResult):
-    """A lookup answer that remembers its identity (a load needs the chunk layout)."""
+    """A lookup answer that remembers its identity (a load needs the chunk layout) and
+    where its DRAM hits lay in the server's arena (offset, generation per hit; 0, 0 for
+    other tiers), valid for the connection that answered it."""
 
     identity: ModelIdentity | None = None
+    hints: tuple[int, ...] = ()
+    epoch: int = 0
 
 
 class RemoteLoadHandle:

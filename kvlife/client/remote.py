@@ -144,6 +144,7 @@ class RemoteStore:
         verb: str,
         args: dict[str, Any],
         on_part: Callable[[Connection, Any], None] | None = None,
+        after_send: Callable[[Connection], None] | None = None,
     ) -> Any:
         rid = next(conn.rid)
         frame = protocol.pack([rid, verb, args])
@@ -154,6 +155,11 @@ class RemoteStore:
             conn.releases.clear()
         conn.sock.sendall(frame)
         failed: BaseException | None = None
+        if after_send is not None:  # work while the server handles the request
+            try:
+                after_send(conn)
+            except Exception as exc:  # the reply is read first: the stream stays in step
+                failed = exc
         while True:
             body = protocol.recv_frame(conn.sock)
             if body is None:
@@ -185,15 +191,28 @@ class RemoteStore:
         verb: str,
         args: dict[str, Any],
         on_part: Callable[[Connection, Any], None] | None = None,
+        after_send: Callable[[Connection], None] | None = None,
+        before: Callable[[Connection], None] | None = None,
     ) -> tuple[Any, Connection]:
         """The result and the connection it came on: grants name offsets in that
-        connection's arena (another thread may reconnect to a new server meanwhile)."""
+        connection's arena (another thread may reconnect to a new server meanwhile).
+        ``before`` runs on the connection first (under the same lock), ``after_send``
+        once the request is sent and before its reply is read."""
         if self._closed:
             raise errors.StoreClosedError(f"RemoteStore for {self.socket_path} is closed")
         with self._lock:
             conn = self._connected()
             try:
-                return self._roundtrip(conn, verb, args, on_part), conn
+                if before is not None:
+                    try:
+                        before(conn)
+                    except BaseException:
+                        # it may have sent half of an exchange (a deferred put whose
+                        # chunks were not all written): the server must abort it, and
+                        # closing the connection makes it do so
+                        self._drop()
+                        raise
+                return self._roundtrip(conn, verb, args, on_part, after_send), conn
             except (OSError, ValueError, msgpack.UnpackException) as exc:
                 if isinstance(exc, KVLifeError):
                     raise
@@ -294,14 +313,23 @@ class RemoteStore:
         if taken is None:
             args["stage"] = len(chunks)  # extents for the next put of this size
             return self.commit_put(self._prepare(args, layout, chunks))
-        conn, extents = taken
+        first, extents = taken
         dtype = chunks[0].dtype.str
-        for (_, off), chunk in zip(extents, chunks, strict=True):
-            np.copyto(self._view(conn, off, dtype, layout.chunk_shape), chunk)
         args["staged"] = [sid for sid, _ in extents]
-        r, now = self._call_on("put", args)
-        if now is conn:
-            self._add_staged(conn, _shape_key(layout), r["staged"])
+        args["deferred"] = True
+
+        def write(conn: Connection) -> None:
+            # the put goes first (no reply): the server prepares it while we copy
+            if conn is not first:
+                raise StoreUnavailable(
+                    f"the connection to {self.socket_path} was lost before the put"
+                )
+            conn.sock.sendall(protocol.pack([0, "put", args]))
+            for (_, off), chunk in zip(extents, chunks, strict=True):
+                np.copyto(self._view(conn, off, dtype, layout.chunk_shape), chunk)
+
+        r, conn = self._call_on("put_commit", {}, before=write)
+        self._add_staged(conn, _shape_key(layout), r["staged"])
         return _put_result(r)
 
     def _take_staged(self, shape: StagedShape, count: int) -> tuple[Connection, list[Any]] | None:
@@ -410,7 +438,7 @@ class RemoteStore:
         args = self._prompt(identity, namespace, tokens, start, parent, extra_keys)
         if accept != Accept.EXACT:
             args["opts"] = {"accept": protocol.encode_accept(accept)}
-        r = self._call("lookup", args)
+        r, conn = self._call_on("lookup", args)
         n = identity.layout.tokens_per_chunk
         names = self._names
         hits = [
@@ -421,7 +449,15 @@ class RemoteStore:
         ]
         refusal = str(r["refusal"])
         return RemoteLookup(
-            hits, r["chunks_total"], n, accept, int(bool(refusal)), refusal, identity
+            hits,
+            r["chunks_total"],
+            n,
+            accept,
+            int(bool(refusal)),
+            refusal,
+            identity,
+            tuple(r.get("hints", ())),
+            conn.epoch,
         )
 
     def load(
@@ -488,7 +524,25 @@ class RemoteStore:
             take(conn, p[0], p[1], p[2], p[3])
 
         args["stream"] = True
-        r, conn = self._call_on("load", args, part)
+        copied: list[np.ndarray] = []
+        early = None
+        epoch = lookup.epoch if isinstance(lookup, RemoteLookup) else -1
+        if outs is not None and "into" not in args and isinstance(lookup, RemoteLookup):
+            early = self._hinted(lookup, outs, args)
+        after = None
+        if early is not None and outs is not None:
+            dst = outs
+
+            def after(conn: Connection) -> None:
+                # copy every DRAM hit from where the lookup saw it while the server
+                # pins it; it confirms the extents still hold those replicas
+                if conn.epoch != epoch:
+                    return  # another server's arena since the lookup: nothing is copied
+                for out, (off, dtype) in zip(dst, early, strict=True):
+                    np.copyto(out, self._view(conn, off, dtype, out.shape))
+                    copied.append(out)
+
+        r, conn = self._call_on("load", args, part, after)
         if "into" in r:  # landed in the caller's shared buffers: nothing to copy
             assert outs is not None
             landed = list(outs[: r["into"]])
@@ -497,13 +551,44 @@ class RemoteStore:
                     on_chunk(i, a)
             return self._result(landed, r)
         del arrays[r["streamed"] :]  # a streamed chunk invalidated meanwhile is a miss
+        confirmed = r.get("confirmed", 0)
         try:
+            if confirmed:
+                if confirmed > len(copied):  # granted nothing for chunks it confirmed
+                    confirmed = 0  # and this client did not copy: they are a miss
+                    r["grants"] = []
+                arrays += copied[:confirmed]
+                if on_chunk is not None:
+                    for i, a in enumerate(arrays):
+                        on_chunk(i, a)
             for j, (off, dtype, shape) in enumerate(r["grants"]):
-                take(conn, r["streamed"] + j, off, dtype, shape)
+                take(conn, r["streamed"] + confirmed + j, off, dtype, shape)
         finally:
             if r["load"]:
                 self._release(r["load"], conn)
         return self._result(arrays, r)
+
+    def _hinted(
+        self, lookup: RemoteLookup, outs: Sequence[np.ndarray], args: dict[str, Any]
+    ) -> list[tuple[int, str]] | None:
+        """(offset, dtype) of each hit when every hit is a DRAM replica whose place the
+        lookup on this connection named and every buffer fits it (the hints go into
+        ``args``); else None (the load takes the grant path)."""
+        hints = lookup.hints
+        conn = self._conn
+        if conn is None or conn.epoch != lookup.epoch or len(hints) != 2 * len(outs):
+            return None
+        if lookup.identity is None:
+            return None
+        layout = lookup.identity.layout
+        dtype = numpy_dtype(layout.dtype)
+        early: list[tuple[int, str]] = []
+        for i, out in enumerate(outs):
+            if not hints[2 * i + 1] or out.shape != layout.chunk_shape or out.dtype != dtype:
+                return None
+            early.append((hints[2 * i], dtype.str))
+        args["hints"] = list(hints)
+        return early
 
     @staticmethod
     def _result(arrays: list[np.ndarray], r: dict[str, Any]) -> LoadResult:

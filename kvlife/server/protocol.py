@@ -30,8 +30,10 @@ from kvlife.core.identity import KEY_BYTES, KVLayout, ModelIdentity, Namespace
 from kvlife.transforms.base import ErrorBound, Exactness
 from kvlife.transforms.contract import Accept
 
-PROTOCOL_VERSION = 2
-"""2: lookups carry an ``accept`` and answer each hit's representation."""
+PROTOCOL_VERSION = 3
+"""2: lookups carry an ``accept`` and answer each hit's representation. 3: lookups
+answer where DRAM hits lie (hints), loads may carry them back (the client copied from
+there already); the one-round-trip ``put`` into staged extents."""
 MAX_MESSAGE = 16 << 20
 """Largest frame either side accepts (a 1M-token prompt is 4 MiB of token ids)."""
 _LEN = struct.Struct(">I")
@@ -78,6 +80,7 @@ VERBS: dict[str, dict[str, Field]] = {
         "stream": Field("bool", _OPT),
         "request_id": Field("str", _OPT, 0, _MAX_STR),
         "accept": Field("accept", _OPT),
+        "hints": Field("int_list", _OPT, 0, 1 << 21),
     },
     "release": {"load": ID},
     "alloc_buffer": {"nbytes": Field("int", True, 1, 1 << 40)},
@@ -91,7 +94,9 @@ VERBS: dict[str, dict[str, Field]] = {
         **PROMPT,
         "request_id": Field("str", _OPT, 0, _MAX_STR),
         "staged": Field("int_list", True, 1, 1 << 20),
+        "deferred": Field("bool", _OPT),
     },
+    "put_commit": {},
     "commit_put": {"put": ID},
     "abort_put": {"put": ID, "reason": Field("str", _OPT, 0, _MAX_STR)},
     "invalidate": {
@@ -352,13 +357,31 @@ def pack(obj: object) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    """``n`` bytes, or None at a clean end of stream before the first byte."""
+class Idle(Exception):
+    """No frame began within the socket's timeout (a waiting server goes on waiting)."""
+
+
+POLL_WAIT_S = 3600.0
+"""Timeout the server sets on its connections, so that a thread waiting for a request
+waits in ``poll`` for input only. A blocking ``recv`` sleeps on the socket's wait queue
+unfiltered: every time the client consumes a reply, the freed send buffer wakes the
+server thread for nothing, and on a VM that wake of an idle vCPU was measured at about
+50 us, paid inside the client's ``recv``."""
+
+
+def recv_exact(sock: socket.socket, n: int, idle_ok: bool = False) -> bytes | None:
+    """``n`` bytes, or None at a clean end of stream before the first byte; with
+    ``idle_ok`` a timeout before the first byte is :class:`Idle`."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except TimeoutError:
+            if got == 0 and idle_ok:
+                raise Idle from None
+            raise
         if k == 0:
             if got == 0:
                 return None
@@ -367,10 +390,11 @@ def recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket) -> bytes | None:
+def recv_frame(sock: socket.socket, idle_ok: bool = False) -> bytes | None:
     """One frame's body; None at end of stream. ProtocolError on an oversized length
-    (the stream cannot be resynchronised after it: the caller closes)."""
-    head = recv_exact(sock, _LEN.size)
+    (the stream cannot be resynchronised after it: the caller closes); with ``idle_ok``
+    :class:`Idle` when no frame began within the socket's timeout."""
+    head = recv_exact(sock, _LEN.size, idle_ok)
     if head is None:
         return None
     (n,) = _LEN.unpack(head)

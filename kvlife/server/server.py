@@ -59,6 +59,10 @@ class ServeConfig:
     promote_on_hit: bool = True
     disk_transform: str = ""
     """Registered transform the disk tier encodes replicas with (empty: exact)."""
+    cpus: tuple[int, ...] = ()
+    """CPUs the server's threads run on (empty: any). Keeping the server off the CPUs
+    its clients copy on lets it handle a request while the client copies: a Unix socket
+    wakes the reader on the writer's CPU, where it waits for the copy to finish."""
     shm_dir: Path = SHM_DIR
     """Where the arena and the sessions' shared buffers live: a tmpfs (``/dev/shm``, or
     one mounted ``huge=always`` so that direct I/O into the arena runs at full speed)."""
@@ -66,6 +70,31 @@ class ServeConfig:
     @property
     def socket_path(self) -> Path:
         return self.socket if self.socket is not None else self.path / DEFAULT_SOCKET
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """``"1"``, ``"0,2"`` or ``"2-5"``: the CPU numbers (InvalidArgument naming a bad
+    one)."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first = int(lo)
+            last = int(hi) if sep else first
+        except ValueError:
+            raise InvalidArgument(f"--cpus {text!r}: {part!r} is not a CPU or a range") from None
+        if first < 0 or last < first:
+            raise InvalidArgument(f"--cpus {text!r}: {part!r} is not a CPU or a range")
+        out.update(range(first, last + 1))
+    return tuple(sorted(out))
+
+
+def pin_cpus(cpus: tuple[int, ...]) -> None:
+    """Run this thread (and every thread it makes later) on ``cpus`` only."""
+    try:
+        os.sched_setaffinity(0, cpus)
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot run on cpus {sorted(cpus)}: {exc}") from None
 
 
 def arena_prefix(path: Path) -> str:
@@ -121,6 +150,8 @@ class Server:
         self._conns: dict[int, socket.socket] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        if cfg.cpus:  # first: every thread made from here on inherits it
+            pin_cpus(cfg.cpus)
         cfg.path.mkdir(parents=True, exist_ok=True)
         # lock first (inside KVStore), then clean up what a dead server left
         prefix = arena_prefix(cfg.path)
@@ -143,6 +174,7 @@ class Server:
         self.log(
             f"start pid={os.getpid()} store={cfg.path} socket={cfg.socket_path} "
             f"arena={shm.arena.path} huge_pages={'yes' if shm.arena.huge_pages else 'no'} "
+            f"cpus={','.join(map(str, sorted(os.sched_getaffinity(0))))} "
             f"dram_bytes={cfg.dram_bytes} disk_bytes={cfg.disk_bytes}"
         )
 
@@ -197,7 +229,7 @@ class Server:
                     if self._stop.is_set():
                         break
                     raise
-                conn.settimeout(None)
+                conn.settimeout(protocol.POLL_WAIT_S)  # waits in poll: see POLL_WAIT_S
                 t = threading.Thread(target=self._serve_conn, args=(conn,), daemon=True)
                 with self._lock:
                     self._conns[conn.fileno()] = conn
@@ -214,7 +246,9 @@ class Server:
         try:
             while not self._stop.is_set():
                 try:
-                    body = protocol.recv_frame(conn)
+                    body = protocol.recv_frame(conn, idle_ok=True)
+                except protocol.Idle:
+                    continue
                 except ProtocolError as exc:
                     with contextlib.suppress(OSError):
                         conn.sendall(protocol.error_reply(0, exc))

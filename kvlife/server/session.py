@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.core.errors import InvalidArgument, ProtocolError, StorageFullError
+from kvlife.core.errors import InvalidArgument, KVLifeError, ProtocolError, StorageFullError
 from kvlife.core.identity import KEY_BYTES, ROOT_PARENT, ChunkKey, KVLayout, ModelIdentity
 from kvlife.core.payload import numpy_dtype
 from kvlife.results import ChunkHit, LookupResult
@@ -47,6 +47,18 @@ MAX_STAGED_BYTES = 256 << 20
 the client writes a prompt's chunks into them, then one ``put`` commits them)."""
 MAX_BUFFER_BYTES = 16 << 30
 """Shared output buffers one session may hold, in bytes."""
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A put into staged extents between its prepare and its commit."""
+
+    pending: PendingPut
+    ids: list[int]
+    views: list[np.ndarray]
+    layout: KVLayout
+    refill: list[list[int]]
+    """Extents staged for the client in place of those the new chunks take."""
 
 
 @dataclass(slots=True)
@@ -125,6 +137,9 @@ class Session:
         """Arena extents staged for this session's next puts, by id (the client writes
         them, a ``put`` adopts them; freed with the session)."""
         self._staged_bytes = 0
+        self.deferred: _Staged | None = None
+        """A deferred ``put`` waiting for its ``put_commit`` (the client is copying)."""
+        self.deferred_error: KVLifeError | None = None
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.closed = False
@@ -143,6 +158,7 @@ class Session:
             "free_buffer": self.free_buffer,
             "prepare_put": self.prepare_put,
             "put": self.put,
+            "put_commit": self.put_commit,
             "commit_put": self.commit_put,
             "abort_put": self.abort_put,
             "invalidate": self.invalidate,
@@ -173,10 +189,12 @@ class Session:
             self._staged_bytes = 0
         for buf in buffers:
             buf.drop()
+        deferred = int(self.deferred is not None)
+        self._drop_deferred(f"client of session {self.sid} went away")
         for put in puts:
             put.views.clear()
             self.server.store.abort_put(put.pending, f"client of session {self.sid} went away")
-        return len(puts), loads
+        return len(puts) + deferred, loads
 
     # ------------------------------------------------------------------ verbs
 
@@ -232,8 +250,16 @@ class Session:
             **opts,
         )
         names = list(self.server.store.tier_names)
+        shm = self.server.shm
+        hints: list[int] = []
+        for h in res.hits:
+            where = shm.hint(h.key) if h.tier == shm.name else None
+            hints += where if where is not None else (0, 0)
         return {
             "keys": b"".join(h.key for h in res.hits),
+            # where each DRAM hit lies now (offset, generation; 0, 0 for other tiers): a
+            # load may copy from there at once and have the server confirm it
+            "hints": hints,
             "tiers": [names.index(h.tier) for h in res.hits],
             "chunks_total": res.chunks_total,
             # each hit's representation: what it will serve and what decoding it costs
@@ -292,10 +318,13 @@ class Session:
             res = handle.wait()
         grants: list[list[object]] = []
         # streamed chunks that the load's publication still counts (one invalidated
-        # meanwhile is not), then grants for the rest
+        # meanwhile is not), chunks the client already copied from its lookup's hints,
+        # then grants for the rest
         held: list[np.ndarray] = streamed[: res.loaded]
         kept = len(held)
-        for arr in res.arrays[kept:]:
+        confirmed = self._confirm(args.get("hints"), res.arrays, len(keys)) if not kept else 0
+        held += res.arrays[:confirmed]
+        for arr in res.arrays[kept + confirmed :]:
             off = arena.offset_of(arr)
             if off is None:  # a disk read into fresh memory: into the arena for the client
                 dst = arena.alloc(arr.nbytes, arr.dtype, arr.shape)
@@ -316,12 +345,32 @@ class Session:
             "load": lid,
             "grants": grants,
             "streamed": kept,
+            "confirmed": confirmed,
             "requested": res.requested,
             "tiers": dict(res.tiers),
             "corrupt": b"".join(res.corrupt),
             "vanished": res.vanished + (res.loaded - len(held)),
             "read_errors": res.read_errors,
         }
+
+    def _confirm(self, hints: list[int] | None, arrays: list[np.ndarray], nkeys: int) -> int:
+        """Leading chunks whose served replica is the extent the client's hint named,
+        same offset and generation: the client's copy from there, made after the lookup
+        and finished before it releases this load, read only that replica (the extent
+        was not reallocated before this pin, and cannot be until the release)."""
+        if not hints:
+            return 0
+        if len(hints) != 2 * nkeys:
+            raise ProtocolError(f"{len(hints)} hint numbers for {nkeys} keys: two per key")
+        arena = self.server.arena
+        n = 0
+        for arr, i in zip(arrays, range(0, len(hints), 2), strict=False):
+            off = arena.offset_of(arr)
+            gen = hints[i + 1]
+            if off is None or off != hints[i] or not gen or arena.generation(off) != gen:
+                break
+            n += 1
+        return n
 
     def _stream(self, handle: LoadHandle) -> list[np.ndarray]:
         """Send each chunk's grant as soon as it (and every chunk before it) verified, so
@@ -479,7 +528,45 @@ class Session:
     def put(self, args: dict[str, Any]) -> object:
         """The one-round-trip put: the client wrote every chunk of the prompt into the
         staged extents it names (one per chunk, in order); the chunks the store lacks are
-        adopted as they are (no copy), the other extents stay staged for the client."""
+        adopted as they are (no copy), the other extents stay staged for the client.
+
+        ``deferred``: the client sends this before writing the chunks (no reply) and
+        ``put_commit`` after, so the store prepares the put while the client copies;
+        an error of the prepare is raised by the ``put_commit``."""
+        if not args.get("deferred"):
+            return self._finish_staged(self._begin_staged(args))
+        self._drop_deferred("a new deferred put replaced it")
+        try:
+            self.deferred = self._begin_staged(args)
+        except KVLifeError as exc:
+            self.deferred_error = exc
+        return None
+
+    def put_commit(self, args: dict[str, Any]) -> object:
+        staged, error = self.deferred, self.deferred_error
+        self.deferred, self.deferred_error = None, None
+        if error is not None:
+            raise error
+        if staged is None:
+            raise ProtocolError(f"session {self.sid} has no deferred put to commit")
+        return self._finish_staged(staged)
+
+    def _drop_deferred(self, reason: str) -> None:
+        staged, self.deferred, self.deferred_error = self.deferred, None, None
+        if staged is not None:
+            staged.views.clear()
+            self._unstage(staged.refill)
+            self.server.store.abort_put(staged.pending, reason)
+
+    def _unstage(self, extents: list[list[int]]) -> None:
+        """Staged extents the client was never told of (their put failed): freed."""
+        with self._lock:
+            for sid, _ in extents:
+                view = self.staged.pop(sid, None)
+                if view is not None:
+                    self._staged_bytes -= view.nbytes
+
+    def _begin_staged(self, args: dict[str, Any]) -> _Staged:
         p = self._prompt(args)
         layout = p["identity"].layout
         ids = args["staged"]
@@ -498,11 +585,10 @@ class Session:
                         "of this put's layout"
                     )
                 views.append(view)
-            for sid in ids:  # the put owns them now; unused ones are staged again below
+            for sid in ids:  # the put owns them now; unused ones are staged again later
                 del self.staged[sid]
             self._staged_bytes -= sum(v.nbytes for v in views)
-        store = self.server.store
-        pending = store.prepare_put(
+        pending = self.server.store.prepare_put(
             p["identity"],
             p["namespace"],
             p["tokens"],
@@ -512,15 +598,25 @@ class Session:
             extra_keys=p["extra_keys"],
             request_id=args.get("request_id", ""),
         )
-        arena = self.server.arena
+        # replacements for the extents the new chunks will take, made now (a deferred put
+        # is prepared while the client copies): the commit only hands them out
+        refill = self._stage(layout, len(pending.items))
+        return _Staged(pending, ids, views, layout, refill)
+
+    def _finish_staged(self, staged: _Staged) -> dict[str, Any]:
+        pending, arena = staged.pending, self.server.arena
         used = {arena.offset_of(arr) for _, arr in pending.items}
         for _, arr in pending.items:
             arr.flags.writeable = False  # sealed: the tier adopts it without a copy
-        res = store.commit_put(pending)
+        try:
+            res = self.server.store.commit_put(pending)
+        except BaseException:
+            self._unstage(staged.refill)
+            raise
         pending.items.clear()
         kept: list[list[int]] = []
         with self._lock:
-            for sid, view in zip(ids, views, strict=True):
+            for sid, view in zip(staged.ids, staged.views, strict=True):
                 off = arena.offset_of(view)
                 if off in used or self.closed:
                     continue  # a replica now (or the session ended): never staged again
@@ -528,10 +624,11 @@ class Session:
                 self.staged[sid] = view
                 self._staged_bytes += view.nbytes
                 kept.append([sid, off])
-        del views
+        staged.views.clear()
         out = dataclasses.asdict(res)
         out["keys"] = b"".join(res.keys)
-        out["staged"] = kept + self._stage(layout, len(ids) - len(kept))
+        short = len(staged.ids) - len(kept) - len(staged.refill)  # the arena was full
+        out["staged"] = kept + staged.refill + self._stage(staged.layout, max(0, short))
         return out
 
     def _take_put(self, pid: int) -> _Put:

@@ -174,6 +174,13 @@ class Arena:
         self.size = size
         self._alloc = Allocator(size)
         self._lock = threading.Lock()
+        # generations start at a random point: hints of another server's arena (a client
+        # that reconnected) name no extent of this one
+        self._gen = int.from_bytes(os.urandom(6), "little") << 8
+        self._gens: dict[int, int] = {}
+        """Generation of each allocated extent by offset: unique per allocation, so an
+        offset and a generation name one extent's lifetime (a client's copy from a
+        lookup's hint is valid when both still match once the extent is pinned)."""
         self._base = np.frombuffer(self.mmap, np.uint8).ctypes.data
 
     def alloc(self, nbytes: int, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> np.ndarray | None:
@@ -181,6 +188,9 @@ class Arena:
         extent is freed when the last view of it dies."""
         with self._lock:
             off = self._alloc.alloc(nbytes)
+            if off is not None:
+                self._gen += 1
+                self._gens[off] = self._gen
         if off is None:
             return None
         raw = np.frombuffer(self.mmap, np.uint8, count=nbytes, offset=off)
@@ -191,6 +201,11 @@ class Arena:
     def _free(self, offset: int, nbytes: int) -> None:
         with self._lock:
             self._alloc.free(offset, nbytes)
+            self._gens.pop(offset, None)
+
+    def generation(self, offset: int) -> int:
+        """The generation of the extent allocated at ``offset`` now (0: none is)."""
+        return self._gens.get(offset, 0)
 
     def offset_of(self, arr: np.ndarray) -> int | None:
         """Offset of ``arr``'s data in the arena if it is a contiguous view of it."""
@@ -227,6 +242,8 @@ class Arena:
 class _Held:
     meta: ReplicaMeta
     array: np.ndarray
+    hint: tuple[int, int]
+    """The replica's extent: (offset, generation)."""
 
 
 class ShmTier(Tier, SupportsAdopt):
@@ -302,7 +319,9 @@ class ShmTier(Tier, SupportsAdopt):
                 old = self._held.pop(meta.key, None)
                 if old is not None:
                     self._used -= self.footprint(old.meta.nbytes)
-                self._held[meta.key] = _Held(meta, arr)
+                off = self.arena.offset_of(arr)
+                assert off is not None  # _into_arena: every replica is an extent
+                self._held[meta.key] = _Held(meta, arr, (off, self.arena.generation(off)))
                 self._used += self.footprint(meta.nbytes)
             reservation.done = True
 
@@ -314,6 +333,11 @@ class ShmTier(Tier, SupportsAdopt):
 
     def contains(self, key: ChunkKey) -> bool:
         return key in self._held
+
+    def hint(self, key: ChunkKey) -> tuple[int, int] | None:
+        """Where the replica of ``key`` lies now: (offset, generation), or None."""
+        held = self._held.get(key)
+        return held.hint if held is not None else None
 
     def meta(self, key: ChunkKey) -> ReplicaMeta:
         held = self._held.get(key)

@@ -42,17 +42,17 @@ def test_second_put_of_a_shape_is_one_round_trip_and_adopts_staged_extents(
     assert state["staged"] == 3, "the first put stages extents for the next one"
     adopted = remote.info().tiers[0].details["adopted"]
     verbs: list[str] = []
-    call_on = remote._call_on
+    roundtrip = remote._roundtrip
 
-    def spy(verb: str, args: dict[str, object], on_part: object = None) -> object:
+    def spy(conn: object, verb: str, *rest: object) -> object:
         verbs.append(verb)
-        return call_on(verb, args, on_part)  # type: ignore[arg-type]
+        return roundtrip(conn, verb, *rest)  # type: ignore[arg-type]
 
-    remote._call_on = spy  # type: ignore[method-assign,assignment]
+    remote._roundtrip = spy  # type: ignore[method-assign,assignment]
     tokens2, kv2 = prompt_kv(32, 3 * N)
     second = remote.put_prompt(ident, PUBLIC, tokens2, kv2)
-    remote._call_on = call_on  # type: ignore[method-assign]
-    assert verbs == ["put"]
+    remote._roundtrip = roundtrip  # type: ignore[method-assign]
+    assert verbs == ["put_commit"], "one round trip (the deferred put rode ahead of it)"
     assert second.stored == 3 and second.already_present == 0
     assert remote.info().tiers[0].details["adopted"] == adopted + 3  # no copy on the server
     assert quiet(remote)["staged"] == 3, "the consumed extents are replaced"
