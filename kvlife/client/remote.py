@@ -487,12 +487,17 @@ class RemoteStore:
             "chunks_total": lookup.chunks_total,
             "accept": protocol.encode_accept(lookup.accept),
         }
+        early = None
+        epoch = lookup.epoch if isinstance(lookup, RemoteLookup) else -1
         if isinstance(lookup, RemoteLookup) and lookup.identity is not None:
             # the layout lets the server read disk hits straight into arena extents
             args["layout"] = protocol.encode_layout(lookup.identity.layout)
-            into = self._targets(outs, lookup.identity.layout) if outs is not None else None
-            if into is not None:
-                args["into"] = into
+            if outs is not None:  # all in DRAM: copied here from the hints, any buffers
+                early = self._hinted(lookup, outs, args)
+            if outs is not None and early is None:
+                into = self._targets(outs, lookup.identity.layout)
+                if into is not None:
+                    args["into"] = into
         if request_id:
             args["request_id"] = request_id
         arrays: list[np.ndarray] = []
@@ -525,10 +530,6 @@ class RemoteStore:
 
         args["stream"] = True
         copied: list[np.ndarray] = []
-        early = None
-        epoch = lookup.epoch if isinstance(lookup, RemoteLookup) else -1
-        if outs is not None and "into" not in args and isinstance(lookup, RemoteLookup):
-            early = self._hinted(lookup, outs, args)
         after = None
         if early is not None and outs is not None:
             dst = outs

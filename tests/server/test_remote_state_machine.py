@@ -60,6 +60,8 @@ class RemoteMatchesEmbedded(RuleBasedStateMachine):
         self.model = KVStore.open(base / f"model{n}", dram_bytes=32 * MiB, disk_bytes=0)
         self.remote = RemoteStore(_ctx["server"].socket)
         self.pending: list[tuple[Any, Any]] = []
+        self.saved: list[tuple[int, Any, Any]] = []
+        """Lookups kept for a later load (their hints go stale as extents are reused)."""
 
     def teardown(self) -> None:
         for m, r in self.pending:
@@ -107,6 +109,26 @@ class RemoteMatchesEmbedded(RuleBasedStateMachine):
         outs = [np.zeros(TINY.chunk_shape, np.float16) for _ in b.hits] if into else None
         la, lb = self.model.load(a), self.remote.load(b, outs)
         assert la.loaded == lb.loaded == len(b.hits)
+        for i, arr in enumerate(lb.arrays):
+            assert np.array_equal(arr, kv[:, :, :, i * N : (i + 1) * N])
+
+    @precondition(lambda self: len(self.saved) < 4)
+    @rule(p=st.integers(0, 5))
+    def lookup_for_later(self, p: int) -> None:
+        tokens, _ = _prompt(p)
+        a = self.model.lookup(self.ident, self.ns, tokens)
+        self.saved.append((p, a, self.remote.lookup(self.ident, self.ns, tokens)))
+
+    @precondition(lambda self: self.saved)
+    @rule(into=st.booleans(), data=st.data())
+    def load_later(self, into: bool, data: st.DataObject) -> None:
+        """A lookup loaded after puts and invalidations moved its chunks: the same
+        chunks load as from the embedded store, each one the prompt's own bytes."""
+        p, a, b = self.saved.pop(data.draw(st.integers(0, len(self.saved) - 1)))
+        _, kv = _prompt(p)
+        outs = [np.zeros(TINY.chunk_shape, np.float16) for _ in b.hits] if into else None
+        la, lb = self.model.load(a), self.remote.load(b, outs)
+        assert la.loaded == lb.loaded
         for i, arr in enumerate(lb.arrays):
             assert np.array_equal(arr, kv[:, :, :, i * N : (i + 1) * N])
 

@@ -145,3 +145,27 @@ def test_shm_dir_holds_the_arena_and_buffers_and_a_missing_one_is_named(tmp_path
     assert not arena.exists()
     missing = kvlife("serve", str(tmp_path / "s2"), "--shm-dir", str(tmp_path / "nope"))
     assert missing.returncode == 1 and "does not exist" in missing.stderr
+
+
+def test_cpus_pin_the_server_and_bad_lists_are_named(tmp_path: Path) -> None:
+    import os
+
+    import pytest
+
+    from kvlife.core.errors import InvalidArgument
+    from kvlife.server.server import parse_cpus
+
+    assert parse_cpus("1") == (1,)
+    assert parse_cpus("0,2-4, 3") == (0, 2, 3, 4)
+    for bad in ("", "x", "3-1", "-2", "1,,2"):
+        with pytest.raises(InvalidArgument, match="--cpus"):
+            parse_cpus(bad)
+    cpu = max(os.sched_getaffinity(0))
+    srv = ServerProc(tmp_path / "store", extra=("--cpus", str(cpu))).start()
+    try:
+        assert os.sched_getaffinity(srv.pid) == {cpu}
+        assert f"cpus={cpu} " in srv.log.read_text()
+    finally:
+        assert srv.stop() == 0
+    out = kvlife("serve", str(tmp_path / "s2"), "--cpus", "100000")
+    assert out.returncode == 1 and "cannot run on cpus" in out.stderr
