@@ -440,9 +440,11 @@ class RemoteStore:
             args["opts"] = {"accept": protocol.encode_accept(accept)}
         r, conn = self._call_on("lookup", args)
         n = identity.layout.tokens_per_chunk
-        names = self._names
+        names = [TierName(t) for t in self._names]
+        # the reply's fields are msgpack str/int/float already: no per-hit conversions
+        # (a 128-chunk lookup builds 128 hits)
         hits = [
-            ChunkHit(i, key, start + i * n, TierName(names[t]), str(f[0]), str(f[1]), *f[2:])
+            ChunkHit(i, key, start + i * n, names[t], *f)
             for i, (key, t, f) in enumerate(
                 zip(split_keys(r["keys"]), r["tiers"], r["forms"], strict=True)
             )

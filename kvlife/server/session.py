@@ -26,7 +26,7 @@ import numpy as np
 from kvlife.core.errors import InvalidArgument, KVLifeError, ProtocolError, StorageFullError
 from kvlife.core.identity import KEY_BYTES, ROOT_PARENT, ChunkKey, KVLayout, ModelIdentity
 from kvlife.core.payload import numpy_dtype
-from kvlife.results import ChunkHit, LookupResult
+from kvlife.results import ChunkHit, LookupResult, PutResult
 from kvlife.server import protocol
 from kvlife.server.buffers import SharedBuffer
 from kvlife.store.facade import KVStore
@@ -38,6 +38,7 @@ from kvlife.transforms.contract import Accept
 PartSender = Callable[[bytes], None]
 """Sends one frame to the session's client (partial replies of a streamed load)."""
 
+_PUT_FIELDS = dataclasses.fields(PutResult)
 MAX_LEASES = 4096
 """Outstanding puts, and outstanding loads, one session may hold."""
 STREAM_BYTES_IN_FLIGHT = 2 << 20
@@ -66,6 +67,13 @@ class _Put:
     pending: PendingPut
     views: list[np.ndarray]
     """Arena extents the client writes, one per new chunk (sealed at commit)."""
+
+
+def _put_reply(res: PutResult) -> dict[str, Any]:
+    """A PutResult on the wire (its keys as one blob)."""
+    out = {f.name: getattr(res, f.name) for f in _PUT_FIELDS}
+    out["keys"] = b"".join(res.keys)
+    return out
 
 
 def split_keys(blob: bytes) -> list[ChunkKey]:
@@ -625,8 +633,7 @@ class Session:
                 self._staged_bytes += view.nbytes
                 kept.append([sid, off])
         staged.views.clear()
-        out = dataclasses.asdict(res)
-        out["keys"] = b"".join(res.keys)
+        out = _put_reply(res)
         short = len(staged.ids) - len(kept) - len(staged.refill)  # the arena was full
         out["staged"] = kept + staged.refill + self._stage(staged.layout, max(0, short))
         return out
@@ -643,10 +650,7 @@ class Session:
         for view in put.views:
             view.flags.writeable = False  # sealed: the tier adopts it without a copy
         put.views.clear()
-        res = self.server.store.commit_put(put.pending)
-        out = dataclasses.asdict(res)
-        out["keys"] = b"".join(res.keys)
-        return out
+        return _put_reply(self.server.store.commit_put(put.pending))
 
     def abort_put(self, args: dict[str, Any]) -> object:
         put = self._take_put(args["put"])
