@@ -20,6 +20,7 @@ serialised on its one connection; copies run outside that lock).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import os
 import threading
@@ -68,16 +69,11 @@ def _shape_key(layout: KVLayout) -> StagedShape:
     return (layout.dtype, *layout.chunk_shape)
 
 
+_PUT_COUNTS = [f.name for f in dataclasses.fields(PutResult) if f.name != "keys"]
+
+
 def _put_result(r: dict[str, Any]) -> PutResult:
-    return PutResult(
-        chunks=r["chunks"],
-        stored=r["stored"],
-        already_present=r["already_present"],
-        in_flight=r["in_flight"],
-        dropped=r["dropped"],
-        tokens_stored_or_present=r["tokens_stored_or_present"],
-        keys=split_keys(r["keys"]),
-    )
+    return PutResult(**{k: r[k] for k in _PUT_COUNTS}, keys=split_keys(r["keys"]))
 
 
 class RemoteStore:
@@ -297,16 +293,14 @@ class RemoteStore:
         extra_keys: Sequence[bytes] = (),
         request_id: str = "",
     ) -> PutResult:
-        """Store a prompt's chunks. With extents staged for this chunk size (the server
-        grants them with the first put of that size), one round trip: every chunk is
-        copied into a staged extent, then one ``put`` commits the ones the store lacks;
-        otherwise prepare, copy, commit."""
-        args = self._prompt(identity, namespace, tokens, start, parent, extra_keys)
-        layout = identity.layout
-        ntokens = len(args["tokens"]) // 4
-        chunks = split_chunks(kv, layout, ntokens // layout.tokens_per_chunk, ntokens)
-        if request_id:
-            args["request_id"] = request_id
+        """Store a prompt's chunks. With extents staged for this chunk shape (the server
+        stages them with the first put of that shape), one round trip: a deferred ``put``
+        goes out, every chunk is copied into a staged extent while the server prepares
+        it, and ``put_commit`` commits the ones the store lacks; otherwise prepare, copy,
+        commit (docs/server.md, Data plane)."""
+        args, layout, chunks = self._put_args(
+            identity, namespace, tokens, kv, start, parent, extra_keys, request_id
+        )
         if not chunks:
             return self.commit_put(self._prepare(args, layout, chunks))
         taken = self._take_staged(_shape_key(layout), len(chunks))
@@ -363,13 +357,30 @@ class RemoteStore:
     ) -> RemotePendingPut:
         """Validate here, reserve extents on the server for the chunks it lacks, and copy
         them in (the arrays are not referenced after this returns)."""
+        return self._prepare(
+            *self._put_args(identity, namespace, tokens, kv, start, parent, extra_keys, request_id)
+        )
+
+    def _put_args(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Tokens,
+        kv: object,
+        start: int,
+        parent: ChunkKey,
+        extra_keys: Sequence[bytes],
+        request_id: str,
+    ) -> tuple[dict[str, Any], KVLayout, list[np.ndarray]]:
+        """A put's wire arguments, its layout and its chunks (validated here, as the
+        embedded store does: LayoutMismatch, PartialChunkError)."""
         args = self._prompt(identity, namespace, tokens, start, parent, extra_keys)
         layout = identity.layout
         ntokens = len(args["tokens"]) // 4
         chunks = split_chunks(kv, layout, ntokens // layout.tokens_per_chunk, ntokens)
         if request_id:
             args["request_id"] = request_id
-        return self._prepare(args, layout, chunks)
+        return args, layout, chunks
 
     def _prepare(
         self, args: dict[str, Any], layout: KVLayout, chunks: list[np.ndarray]
