@@ -13,25 +13,16 @@ computed when a replica is written to a checksummed tier.
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvlife.core.errors import InvalidArgument, ReplicaNotFound
+from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ChunkKey
-from kvlife.core.objects import TierName
-from kvlife.tiers.base import (
-    CapacityShortfall,
-    ReadResult,
-    ReplicaMeta,
-    Reservation,
-    SupportsAdopt,
-    Tier,
-    check_payloads,
-)
+from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads
 from kvlife.tiers.buffers import aligned_empty
+from kvlife.tiers.held import HeldTier
 
 
 @dataclass(slots=True)
@@ -79,32 +70,14 @@ class _BufferPool:
                 self.nbytes -= size
 
 
-class MemoryTier(Tier, SupportsAdopt):
+class MemoryTier(HeldTier[_Held]):
     """Replicas in host DRAM, at most ``capacity_bytes`` of payload."""
 
     def __init__(self, capacity_bytes: int, name: str = "dram") -> None:
         if capacity_bytes < 0:
             raise InvalidArgument(f"memory tier capacity must be >= 0, got {capacity_bytes}")
-        self.name = TierName(name)
-        self.capacity_bytes = capacity_bytes
-        self._held: dict[ChunkKey, _Held] = {}
-        self._used = 0
-        self._reserved = 0
+        super().__init__(capacity_bytes, name)
         self._pool = _BufferPool()
-        self._lock = threading.Lock()
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used + self._reserved
-
-    def prepare_store(self, metas: Sequence[ReplicaMeta]) -> Reservation | CapacityShortfall:
-        need = sum(m.nbytes for m in metas)
-        with self._lock:
-            over = self._used + self._reserved + need - self.capacity_bytes
-            if over > 0:
-                return CapacityShortfall(over)
-            self._reserved += need
-        return Reservation(self.name, list(metas), need)
 
     def commit_store(self, reservation: Reservation, payloads: Sequence[np.ndarray]) -> None:
         if reservation.done:
@@ -150,65 +123,19 @@ class MemoryTier(Tier, SupportsAdopt):
         copies: Sequence[np.ndarray],
         raws: Sequence[np.ndarray | None],
     ) -> None:
-        with self._lock:
-            self._reserved -= reservation.nbytes
-            for meta, held, raw in zip(reservation.metas, copies, raws, strict=True):
-                old = self._held.pop(meta.key, None)
-                if old is not None:
-                    self._used -= old.meta.nbytes
-                self._held[meta.key] = _Held(meta, held, raw)
-                self._used += meta.nbytes
-            reservation.done = True
-
-    def cancel_store(self, reservation: Reservation) -> None:
-        with self._lock:
-            if not reservation.done:
-                self._reserved -= reservation.nbytes
-                reservation.done = True
-
-    def contains(self, key: ChunkKey) -> bool:
-        return key in self._held
-
-    def meta(self, key: ChunkKey) -> ReplicaMeta:
-        held = self._held.get(key)
-        if held is None:
-            raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
-        return held.meta
-
-    def read_batch(
-        self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
-    ) -> list[ReadResult]:
-        results: list[ReadResult] = []
-        for i, key in enumerate(keys):
-            held = self._held.get(key)
-            if held is None:
-                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
-            out = outs[i] if outs is not None else None
-            if out is None:
-                results.append(held.array)
-            else:
-                if out.shape != held.array.shape or out.dtype != held.array.dtype:
-                    raise InvalidArgument(
-                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
-                        f"{held.array.dtype}{list(held.array.shape)}"
-                    )
-                np.copyto(out, held.array)
-                results.append(out)
-        return results
+        held = [
+            _Held(meta, arr, raw)
+            for meta, arr, raw in zip(reservation.metas, copies, raws, strict=True)
+        ]
+        self._install(reservation, held)
 
     def delete(self, key: ChunkKey) -> int:
         with self._lock:
-            held = self._held.pop(key, None)
-            if held is None:
-                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
+            held = self._take(key)
             nbytes = held.meta.nbytes
-            self._used -= nbytes
             raw = held.raw
             del held  # drop our view so that only outside views keep the buffer alive
             if raw is not None:
                 room = self.capacity_bytes - self._used - self._reserved - self._pool.nbytes
                 self._pool.give(raw, room)
             return nbytes
-
-    def replica_keys(self) -> list[ChunkKey]:
-        return list(self._held)

@@ -32,19 +32,11 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from kvlife.core.errors import InvalidArgument, ReplicaNotFound, StorageFullError
+from kvlife.core.errors import InvalidArgument, StorageFullError
 from kvlife.core.identity import ChunkKey
-from kvlife.core.objects import TierName
-from kvlife.tiers.base import (
-    CapacityShortfall,
-    ReadResult,
-    ReplicaMeta,
-    Reservation,
-    SupportsAdopt,
-    Tier,
-    check_payloads,
-)
+from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads
 from kvlife.tiers.buffers import ALIGN, advise_huge, round_up
+from kvlife.tiers.held import HeldTier
 
 SHM_DIR = Path("/dev/shm")
 HUGE_OPTIONS = ("huge=always", "huge=within_size", "huge=advise")
@@ -246,7 +238,7 @@ class _Held:
     """The replica's extent: (offset, generation)."""
 
 
-class ShmTier(Tier, SupportsAdopt):
+class ShmTier(HeldTier[_Held]):
     """Replicas in a shared-memory arena, at most ``capacity_bytes`` of payload."""
 
     def __init__(
@@ -256,43 +248,30 @@ class ShmTier(Tier, SupportsAdopt):
             raise InvalidArgument(
                 f"shm tier needs capacity and staging >= 0, got {capacity_bytes}, {staging_bytes}"
             )
-        self.name = TierName(name)
-        self.capacity_bytes = capacity_bytes
+        super().__init__(capacity_bytes, name)
         self.arena = Arena(arena_path, capacity_bytes + staging_bytes)
-        self._held: dict[ChunkKey, _Held] = {}
-        self._used = 0
-        self._reserved = 0
-        self._lock = threading.Lock()
         self.adopted = 0
         """Payloads published without a copy (already in the arena)."""
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used + self._reserved
 
     def footprint(self, nbytes: int) -> int:
         """Extents are whole pages: that is what a replica takes of the budget."""
         return round_up(max(nbytes, 1))
-
-    def prepare_store(self, metas: Sequence[ReplicaMeta]) -> Reservation | CapacityShortfall:
-        need = sum(self.footprint(m.nbytes) for m in metas)
-        with self._lock:
-            over = self._used + self._reserved + need - self.capacity_bytes
-            if over > 0:
-                return CapacityShortfall(over)
-            self._reserved += need
-        return Reservation(self.name, list(metas), need)
 
     def commit_store(self, reservation: Reservation, payloads: Sequence[np.ndarray]) -> None:
         if reservation.done:
             raise InvalidArgument("reservation already completed")
         try:
             check_payloads(reservation.metas, payloads)
-            held = [self._into_arena(arr) for arr in payloads]
+            arrays = [self._into_arena(arr) for arr in payloads]
         except BaseException:
             self.cancel_store(reservation)
             raise
-        self._publish(reservation, held)
+        held = []
+        for meta, arr in zip(reservation.metas, arrays, strict=True):
+            off = self.arena.offset_of(arr)
+            assert off is not None  # _into_arena: every replica is an extent
+            held.append(_Held(meta, arr, (off, self.arena.generation(off))))
+        self._install(reservation, held)
 
     def commit_adopt(self, reservation: Reservation, arrays: Sequence[np.ndarray]) -> None:
         """Arrays that are arena extents are taken as they are; others are copied in."""
@@ -312,73 +291,15 @@ class ShmTier(Tier, SupportsAdopt):
         dst.flags.writeable = False
         return dst
 
-    def _publish(self, reservation: Reservation, arrays: Sequence[np.ndarray]) -> None:
-        with self._lock:
-            self._reserved -= reservation.nbytes
-            for meta, arr in zip(reservation.metas, arrays, strict=True):
-                old = self._held.pop(meta.key, None)
-                if old is not None:
-                    self._used -= self.footprint(old.meta.nbytes)
-                off = self.arena.offset_of(arr)
-                assert off is not None  # _into_arena: every replica is an extent
-                self._held[meta.key] = _Held(meta, arr, (off, self.arena.generation(off)))
-                self._used += self.footprint(meta.nbytes)
-            reservation.done = True
-
-    def cancel_store(self, reservation: Reservation) -> None:
-        with self._lock:
-            if not reservation.done:
-                self._reserved -= reservation.nbytes
-                reservation.done = True
-
-    def contains(self, key: ChunkKey) -> bool:
-        return key in self._held
-
     def hint(self, key: ChunkKey) -> tuple[int, int] | None:
         """Where the replica of ``key`` lies now: (offset, generation), or None."""
         held = self._held.get(key)
         return held.hint if held is not None else None
 
-    def meta(self, key: ChunkKey) -> ReplicaMeta:
-        held = self._held.get(key)
-        if held is None:
-            raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
-        return held.meta
-
-    def read_batch(
-        self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
-    ) -> list[ReadResult]:
-        """Into ``outs`` where given (one copy), else the read-only arena view itself
-        (which keeps its extent alive for as long as the caller holds it)."""
-        results: list[ReadResult] = []
-        for i, key in enumerate(keys):
-            held = self._held.get(key)
-            if held is None:
-                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
-            out = outs[i] if outs is not None else None
-            if out is None:
-                results.append(held.array)
-                continue
-            if out.shape != held.array.shape or out.dtype != held.array.dtype:
-                raise InvalidArgument(
-                    f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
-                    f"{held.array.dtype}{list(held.array.shape)}"
-                )
-            np.copyto(out, held.array)
-            results.append(out)
-        return results
-
     def delete(self, key: ChunkKey) -> int:
         with self._lock:
-            held = self._held.pop(key, None)
-            if held is None:
-                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
-            self._used -= self.footprint(held.meta.nbytes)
-            return held.meta.nbytes
+            return self._take(key).meta.nbytes
         # the extent goes back to the arena when the last view of it dies
-
-    def replica_keys(self) -> list[ChunkKey]:
-        return list(self._held)
 
     def details(self) -> dict[str, object]:
         return {**self.arena.stats(), "arena": str(self.arena.path), "adopted": self.adopted}
