@@ -335,18 +335,24 @@ def _bench_load(
 
 
 def _bench_put(
-    cfg: ServerBenchConfig, remote: RemoteStore, size: int, seed: int, raw_dir: Path | None
+    cfg: ServerBenchConfig,
+    remote: RemoteStore,
+    size: int,
+    seed: int,
+    raw_dir: Path | None,
+    embedded: KVStore | None = None,
 ) -> dict[str, Any]:
     """Put fresh prompts (invalidated after each, outside the timing); the limit is
     memcpy into warm DRAM, or (write-through server: ``raw_dir``) a raw write of the
-    same bytes plus fdatasync."""
+    same bytes plus fdatasync. ``embedded``: the same puts into an in-process store too
+    (what the store core costs without the server)."""
     layout = _layout(size)
     ident = _identity(layout)
     n = cfg.chunks_per_call
     total = n * layout.chunk_nbytes
     dsts = _outs(layout, n)
     direct = raw_dir is not None and _direct_ok(raw_dir)
-    served, limit = [], []
+    served, limit, inproc = [], [], []
     for rep in range(cfg.reps + 1):
         tokens, kv = _prompt(layout, n, seed * 1000 + rep)
         chunks = _chunks(kv, layout, n)
@@ -366,6 +372,13 @@ def _bench_put(
             raise RuntimeError(f"put stored {res.stored} of {n} chunks")
         if not rep % 2:
             t_lim = limit_once()
+        if embedded is not None:
+            t0 = time.perf_counter()
+            mine = embedded.put_prompt(ident, NS, tokens, chunks)
+            inproc.append(time.perf_counter() - t0)
+            if mine.stored != n:
+                raise RuntimeError(f"in-process put stored {mine.stored} of {n} chunks")
+            embedded.invalidate(namespace=NS)
         remote.invalidate(namespace=NS)
         if rep:
             served.append(t)
@@ -381,6 +394,9 @@ def _bench_put(
         ("raw_gbps" if raw_dir is not None else "memcpy_gbps"): l_gbps,
         "ratio": s_gbps / l_gbps,
     }
+    if inproc:
+        out["inproc_gbps"] = _gbps(total, float(np.median(inproc[1:])))
+        out["ratio_inproc"] = out["inproc_gbps"] / l_gbps
     if raw_dir is not None:
         out["direct_io"] = direct
     return out
@@ -525,7 +541,13 @@ def _points(
     result["load_dram"] = [
         _bench_load(cfg, remote, s, 10 + i, None) for i, s in enumerate(cfg.sizes)
     ]
-    result["put_dram"] = [_bench_put(cfg, remote, s, 20 + i, None) for i, s in enumerate(cfg.sizes)]
+    embedded = KVStore.open(work / "inproc", dram_bytes=dram, disk_bytes=0)
+    try:
+        result["put_dram"] = [
+            _bench_put(cfg, remote, s, 20 + i, None, embedded) for i, s in enumerate(cfg.sizes)
+        ]
+    finally:
+        embedded.close(flush=False)
     remote.close()
     result["scaling"] = _bench_scaling(cfg, main)
     main.stop()
@@ -597,6 +619,17 @@ def format_report(r: dict[str, Any]) -> str:
                     f"{p['ratio']:.2f}",
                 ]
             )
+            if "inproc_gbps" in p:
+                rows.append(
+                    [
+                        f"{key} (in-process store)",
+                        f"{p['chunk_bytes'] >> 10} KiB",
+                        f"{p['inproc_gbps']:.2f}",
+                        f"{p[f'{limit}_gbps']:.2f}",
+                        limit,
+                        f"{p['ratio_inproc']:.2f}",
+                    ]
+                )
             if "shared_gbps" in p:
                 rows.append(
                     [

@@ -72,6 +72,11 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     for key in ("load_dram", "load_disk"):
         for p in r[key]:
             assert p["shared_gbps"] > 0 and p["ratio_shared"] > 0
+    for p in r["put_dram"]:  # the same puts into an in-process store, beside
+        assert p["inproc_gbps"] > 0
+        assert abs(p["ratio_inproc"] - p["inproc_gbps"] / p["memcpy_gbps"]) < 1e-9
+    assert isinstance(r["shm_huge_pages"], bool)
+    assert {"shm_dir", "server_cpus", "client_cpus"} <= set(r["config"])
     names = {t["name"] for t in r["targets"]}
     assert {
         "lookup_median",
