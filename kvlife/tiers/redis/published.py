@@ -65,10 +65,23 @@ class RemoteCounters:
     """Replicas that failed verification twice (reported as corrupt)."""
     short_payloads: int = 0
     """Payloads shorter than the record (or empty) behind a present record: a miss."""
+    record_changed: int = 0
+    """Reads whose record changed under them (overwritten): the new object was read."""
     probes: int = 0
     probe_hits: int = 0
     probe_refused_identity: int = 0
     """Records found whose object info differs from the lookup's (never served)."""
+
+
+FETCHES = 4
+"""Fetches of one payload in one read, the first included (:meth:`PublishedTier._settle`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Fault:
+    kind: str
+    """error (transport), short (empty or short payload), mismatch (checksum, length)."""
+    why: str
 
 
 @dataclass(slots=True)
@@ -100,15 +113,20 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
     # ------------------------------------------------------------------ payload store
 
     @abstractmethod
-    def _publish(
-        self, pending: _Pending, records: list[RemoteRecord], payloads: list[np.ndarray]
+    def _write(
+        self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
     ) -> None:
-        """Write payloads and records; a record is visible only with its payload.
-        Raise LeaseError (refused) or RemoteTierError; on failure unpublish what can be."""
+        """Write payloads and their records (:meth:`_records_for`); a record is visible
+        only with its payload. Raise LeaseError (refused) or RemoteTierError; on failure
+        unpublish what can be."""
 
     @abstractmethod
-    def _fetch(self, records: list[RemoteRecord]) -> list[memoryview | bytes | Exception | None]:
-        """The payload bytes behind each record (None: gone; an exception: I/O error)."""
+    def _fetch(
+        self, records: list[RemoteRecord], outs: Sequence[np.ndarray | None] | None = None
+    ) -> list[memoryview | bytes | Exception | None]:
+        """The payload bytes behind each record (None: gone; an exception: I/O error).
+        A tier may read straight into a record's ``out`` (C-contiguous, of its size) and
+        return a view of it; the bytes are verified after, either way."""
 
     @abstractmethod
     def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord | None]) -> None:
@@ -117,6 +135,18 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
     def _location(self, key: ChunkKey, pending: _Pending) -> str:
         """Where a new payload goes, recorded in its record ("" when beside it)."""
         return ""
+
+    def _records_for(
+        self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
+    ) -> list[RemoteRecord]:
+        """The records of new payloads (computes each payload's xxh3-128)."""
+        lease = pending.lease
+        return [
+            RemoteRecord.for_payload(
+                m, a, lease.host, lease.token, pending.epoch, self._location(m.key, pending)
+            )
+            for m, a in zip(metas, payloads, strict=True)
+        ]
 
     # ------------------------------------------------------------------ records
 
@@ -175,18 +205,7 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                     "before the write: not published"
                 )
             arrays = [np.ascontiguousarray(a) for a in payloads]
-            records = [
-                RemoteRecord.for_payload(
-                    m,
-                    a,
-                    pending.lease.host,
-                    pending.lease.token,
-                    pending.epoch,
-                    self._location(m.key, pending),
-                )
-                for m, a in zip(reservation.metas, arrays, strict=True)
-            ]
-            self._publish(pending, records, arrays)
+            self._write(pending, reservation.metas, arrays)
         except BaseException:
             self.counters.publish_failed += len(reservation.metas)
             self.cancel_store(reservation)
@@ -238,8 +257,13 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                         f"{h.dtype}{list(h.shape)}"
                     )
         good = [r for r in records if isinstance(r, RemoteRecord)]
+        good_outs = [
+            outs[i] if outs is not None else None
+            for i, r in enumerate(records)
+            if isinstance(r, RemoteRecord)
+        ]
         try:
-            fetched = iter(self._fetch(good)) if good else iter(())
+            fetched = iter(self._fetch(good, good_outs)) if good else iter(())
         except RemoteTierError as exc:
             self.counters.read_misses += len(keys)
             return [ReplicaReadError(k.hex(), self.name, str(exc)) for k in keys]
@@ -249,78 +273,90 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                 self.counters.corrupt += 1
                 results.append(ChecksumMismatch(key.hex(), self.name, f"record: {rec}"))
                 continue
-            got = next(fetched)
-            if got is None or isinstance(got, Exception) or len(got) < rec.header.payload_len:
-                rec, got = self._behind_gone(key, rec, got)
-            results.append(self._verified(key, rec, got, outs[i] if outs else None))
+            results.append(self._settle(key, rec, next(fetched), outs[i] if outs else None))
         return results
 
-    def _behind_gone(
-        self, key: ChunkKey, rec: RemoteRecord, got: memoryview | bytes | Exception | None
-    ) -> tuple[RemoteRecord, memoryview | bytes | Exception | None]:
-        """A record whose payload was gone or short: deleted meanwhile (ReplicaNotFound),
-        overwritten (the new payload is read), a Mooncake read lease that lapsed (read
-        again) or a payload its holder lost (a miss)."""
-        for _ in range(3):
-            try:
-                again = self._records([key])[0]
-            except RemoteTierError:
-                return rec, got
-            if again is None:
-                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}… (deleted)")
-            if not isinstance(again, RemoteRecord):
-                return rec, got
-            rec = again
-            try:
-                got = self._fetch([rec])[0]
-            except RemoteTierError as exc:
-                return rec, exc
-            if (
-                got is not None
-                and not isinstance(got, Exception)
-                and len(got) >= rec.header.payload_len
-            ):
-                return rec, got
-        return rec, got
+    def _fetch_one(
+        self, rec: RemoteRecord, out: np.ndarray | None
+    ) -> memoryview | bytes | Exception | None:
+        try:
+            return self._fetch([rec], [out])[0]
+        except RemoteTierError as exc:
+            return exc
 
-    def _verified(
+    def _settle(
         self,
         key: ChunkKey,
         rec: RemoteRecord,
         got: memoryview | bytes | Exception | None,
         out: np.ndarray | None,
     ) -> ReadResult:
-        for attempt in (0, 1):
-            if isinstance(got, Exception):
-                self.counters.read_misses += 1
-                return ReplicaReadError(key.hex(), self.name, f"payload: {got}")
-            if got is None or len(got) < rec.header.payload_len:
-                self.counters.short_payloads += 1
-                self.counters.read_misses += 1
-                return ReplicaReadError(
-                    key.hex(),
-                    self.name,
-                    f"payload {'gone' if got is None else f'{len(got)} bytes'} behind a record "
-                    f"of {rec.header.payload_len}",
-                )
+        """The verified payload of ``key``, or why not.
+
+        Anything short of exact bytes (an error, an empty or short payload, a checksum
+        mismatch) re-reads the record before judging the payload: a record deleted
+        meanwhile is ReplicaNotFound; a record that changed (overwritten: a new payload,
+        at a new Mooncake object) is read at its new place; only a record that stayed
+        the same across a second fetch of its payload is a miss (ReplicaReadError) or,
+        mismatching twice, corrupt (ChecksumMismatch). At most :data:`FETCHES` fetches."""
+        unchanged_retry = False
+        fault: _Fault = _Fault("error", "")
+        for _ in range(FETCHES):
+            res = self._checked(key, rec, got, out)
+            if not isinstance(res, _Fault):
+                if fault.why:
+                    self.counters.reread_ok += 1
+                return res
+            fault = res
             try:
-                arr = rec.verify(bytes(key), got)
-            except RecordError as exc:
-                if attempt == 0:
-                    try:
-                        got = self._fetch([rec])[0]
-                    except RemoteTierError as again:
-                        got = again
-                    continue
+                again = self._records([key])[0]
+            except RemoteTierError:
+                break
+            if again is None:
+                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}… (deleted)")
+            if not isinstance(again, RemoteRecord):
                 self.counters.corrupt += 1
-                return ChecksumMismatch(key.hex(), self.name, str(exc))
-            if attempt:
-                self.counters.reread_ok += 1
-            if out is None:
-                return arr
-            np.copyto(out, arr)
-            return out
-        raise AssertionError("unreachable")
+                return ChecksumMismatch(key.hex(), self.name, f"record: {again}")
+            if again == rec:
+                if unchanged_retry:
+                    break
+                unchanged_retry = True  # bytes damaged in transit, a lapsed read lease
+            else:
+                rec, unchanged_retry = again, False  # overwritten: read the new object
+                self.counters.record_changed += 1
+            got = self._fetch_one(rec, out)
+        if fault.kind == "mismatch" and unchanged_retry:
+            self.counters.corrupt += 1
+            return ChecksumMismatch(key.hex(), self.name, fault.why)
+        if fault.kind == "short":
+            self.counters.short_payloads += 1
+        self.counters.read_misses += 1
+        return ReplicaReadError(key.hex(), self.name, fault.why)
+
+    def _checked(
+        self,
+        key: ChunkKey,
+        rec: RemoteRecord,
+        got: memoryview | bytes | Exception | None,
+        out: np.ndarray | None,
+    ) -> np.ndarray | _Fault:
+        if isinstance(got, Exception):
+            return _Fault("error", f"payload: {got}")
+        n = rec.header.payload_len
+        if got is None or len(got) < n:
+            return _Fault(
+                "short",
+                f"payload {'gone' if got is None else f'{len(got)} bytes'} behind a record of {n}",
+            )
+        try:
+            arr = rec.verify(bytes(key), got)
+        except RecordError as exc:
+            return _Fault("mismatch", str(exc))
+        if out is None:
+            return arr
+        if not (out.flags.c_contiguous and arr.ctypes.data == out.ctypes.data):
+            np.copyto(out, arr)  # else the tier read straight into ``out``
+        return out
 
     def delete(self, key: ChunkKey) -> int:
         return self.delete_batch([key])[0]

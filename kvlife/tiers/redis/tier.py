@@ -28,7 +28,7 @@ from kvlife.core.identity import ChunkKey
 from kvlife.globalindex import GlobalIndex, Health, IndexConfig, RemoteRecord
 from kvlife.globalindex.health import REFUSALS
 from kvlife.globalindex.record import RecordError
-from kvlife.tiers.base import ReadResult
+from kvlife.tiers.base import ReadResult, ReplicaMeta
 from kvlife.tiers.redis.connect import RedisEndpoint
 from kvlife.tiers.redis.published import PublishedTier, _Pending
 
@@ -58,11 +58,12 @@ class RedisTier(PublishedTier):
     def close(self) -> None:
         self.client.close()
 
-    def _publish(
-        self, pending: _Pending, records: list[RemoteRecord], payloads: list[np.ndarray]
+    def _write(
+        self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
     ) -> None:
         idx = self.index
         lease = pending.lease
+        records = self._records_for(pending, metas, payloads)
 
         def run() -> list[Any]:
             for attempt in (0, 1):
@@ -100,7 +101,9 @@ class RedisTier(PublishedTier):
         self.health.failed(f"publish: {first}")
         raise RemoteTierError(f"{self.name}: publish failed: {first}")
 
-    def _fetch(self, records: list[RemoteRecord]) -> list[memoryview | bytes | Exception | None]:
+    def _fetch(
+        self, records: list[RemoteRecord], outs: Sequence[np.ndarray | None] | None = None
+    ) -> list[memoryview | bytes | Exception | None]:
         def run() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
             for rec in records:
@@ -156,7 +159,7 @@ class RedisTier(PublishedTier):
                     f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
                     f"{h.dtype}{list(h.shape)}"
                 )
-            results.append(self._verified(k, rec, frame, out))
+            results.append(self._settle(k, rec, frame, out))
         return results
 
     def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord | None]) -> None:
