@@ -59,6 +59,28 @@ redis.call('SET', KEYS[2], ARGV[4])
 return 1
 """
 
+PUBLISH_RECORDS = """
+-- KEYS: bucket fence hash, record keys (one bucket)   ARGV: host, token, lease deadline
+-- (ms, server clock), one record per record key.  The fence and lease checks of
+-- PUBLISH, once; returns the records replaced ('' where none), whose payloads the
+-- caller then removes.
+local floor = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if tonumber(ARGV[2]) < floor then
+  return redis.error_reply('KVLSTALE fencing token ' .. ARGV[2] .. ' < ' .. floor)
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if now > tonumber(ARGV[3]) then
+  return redis.error_reply('KVLEXPIRED lease expired ' .. (now - tonumber(ARGV[3])) .. ' ms ago')
+end
+local old = {}
+for i = 2, #KEYS do
+  old[i - 1] = redis.call('GET', KEYS[i]) or ''
+  redis.call('SET', KEYS[i], ARGV[i + 2])
+end
+return old
+"""
+
 INVALIDATE = """
 -- KEYS: epoch counter, rules hash   ARGV: rule without its epoch (msgpack tail)
 local e = redis.call('INCR', KEYS[1])

@@ -18,8 +18,8 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,6 +30,7 @@ from kvlife.core.errors import InvalidArgument, RemoteTierError
 from kvlife.core.identity import ChunkKey
 from kvlife.globalindex import GlobalIndex, Health, IndexConfig, RemoteRecord
 from kvlife.globalindex.health import REFUSALS
+from kvlife.globalindex.record import RecordError
 from kvlife.tiers.base import ReplicaMeta
 from kvlife.tiers.redis.connect import RedisEndpoint
 from kvlife.tiers.redis.published import PublishedTier, _Pending
@@ -113,9 +114,11 @@ class MooncakeTier(PublishedTier):
         self.mc_health = Health(f"mooncake store {name}", base_s=backoff_s)
         self.doomed = _Doomed(config.read_lease_s)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvlife-{name}-put")
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix=f"kvlife-{name}-get")
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
         with contextlib.suppress(RemoteTierError):
             self._reap(everything=True)
         self.mc.close()
@@ -194,47 +197,72 @@ class MooncakeTier(PublishedTier):
         self._publish(pending, records, locations)
 
     def _publish(self, pending: _Pending, records: list[RemoteRecord], put: list[str]) -> None:
+        """One ``PUBLISH_RECORDS`` per bucket (fence and lease checked once per bucket),
+        pipelined; the records it replaced name payloads that are removed after."""
         idx = self.index
         lease = pending.lease
-        olds = self._records([ChunkKey(r.header.key) for r in records])
+        by_tag: dict[str, list[int]] = {}
+        for i, rec in enumerate(records):
+            by_tag.setdefault(idx.tag(rec.header.key), []).append(i)
+        groups = list(by_tag.values())
+        blobs = [r.encode() for r in records]
+
+        def encoded(at: list[int]) -> list[bytes]:
+            return [blobs[i] for i in at]
+
+        def run() -> list[Any]:
+            for attempt in (0, 1):
+                pipe = self.client.pipeline(transaction=False)
+                for at in groups:
+                    key0 = records[at[0]].header.key
+                    idx.evalsha(
+                        pipe,
+                        "PUBLISH_RECORDS",
+                        [idx.fence_key(key0), *(idx.record_key(records[i].header.key) for i in at)],
+                        [
+                            lease.host,
+                            lease.token,
+                            lease.deadline_ms,
+                            *(records[i].encode() for i in at),
+                        ],
+                    )
+                res = list(pipe.execute(raise_on_error=False))
+                if attempt == 0 and any(isinstance(r, NoScriptError) for r in res):
+                    idx._sha.clear()  # a restarted server lost its scripts: load, redo
+                    continue
+                return res
+            raise AssertionError("unreachable")
+
         try:
-
-            def run() -> list[Any]:
-                for attempt in (0, 1):
-                    pipe = self.client.pipeline(transaction=False)
-                    for rec in records:
-                        key = rec.header.key
-                        idx.evalsha(
-                            pipe,
-                            "PUBLISH",
-                            [idx.fence_key(key), idx.record_key(key)],
-                            [lease.host, lease.token, lease.deadline_ms, rec.encode()],
-                        )
-                    res = list(pipe.execute(raise_on_error=False))
-                    if attempt == 0 and any(isinstance(r, NoScriptError) for r in res):
-                        idx._sha.clear()
-                        continue
-                    return res
-                raise AssertionError("unreachable")
-
             results = self.health.call("publish", run)
         except BaseException:
             self._remove(put)
             raise
-        errors = [r for r in results if isinstance(r, Exception)]
-        if errors:
+        replaced: list[str] = []
+        for reply in results:
+            if isinstance(reply, list):
+                for blob in reply:
+                    if blob:
+                        with contextlib.suppress(RecordError):
+                            if loc := RemoteRecord.decode(blob).location:
+                                replaced.append(loc)
+        errors = [r for r in results if not isinstance(r, list)]
+        if errors:  # all or nothing: take back the buckets that did publish
             done = [
-                ChunkKey(rec.header.key) for rec, r in zip(records, results, strict=True) if r == 1
+                ChunkKey(records[i].header.key)
+                for at, r in zip(groups, results, strict=True)
+                if isinstance(r, list)
+                for i in at
             ]
             with contextlib.suppress(RemoteTierError):
                 self._unpublish(done, [None] * len(done))
             self._remove(put)
+            self._remove(replaced)  # their records are gone too
             first = errors[0]
             if isinstance(first, RedisError) and str(first).startswith(REFUSALS):
                 raise idx.refused(first)
             raise RemoteTierError(f"{self.name}: publish failed: {first}")
-        replaced = [o.location for o in olds if isinstance(o, RemoteRecord) and o.location]
-        self._remove(replaced)  # payloads of records just overwritten
+        self._remove([loc for loc in replaced if loc not in set(put)])
 
     def _remove(self, locations: Sequence[str]) -> None:
         """Remove payloads no record names any more. Never forced: an object a reader
@@ -250,6 +278,17 @@ class MooncakeTier(PublishedTier):
         except RemoteTierError:
             rcs = [-1] * len(locs)
         self.doomed.add([loc for loc, rc in zip(locs, rcs, strict=True) if rc not in GONE_OK])
+
+    def settle_removals(self, timeout_s: float) -> int:
+        """Retry deferred removals until none is left or ``timeout_s`` passed (waiting
+        for readers' leases to lapse); returns how many are still pending."""
+        end = time.monotonic() + timeout_s
+        while True:
+            self._reap()
+            left = self.doomed.pending()
+            if not left or time.monotonic() >= end:
+                return left
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
 
     def _reap(self, everything: bool = False) -> None:
         """Retry removals whose read lease should have lapsed by now."""
@@ -303,6 +342,46 @@ class MooncakeTier(PublishedTier):
             got = [g if rc == s else err for g, rc, s in zip(got, rcs, sizes, strict=True)]
         at = {loc: j for j, loc in enumerate(locs)}
         return [got[at[r.location]] for r in records]
+
+    def _fetch_values(
+        self, records: list[RemoteRecord], outs: list[np.ndarray | None]
+    ) -> list[memoryview | bytes | Exception | None]:
+        try:
+            return self._fetch(records, outs)
+        except RemoteTierError as exc:
+            return [exc] * len(records)
+
+    def _fetch_stream(
+        self, records: list[RemoteRecord], outs: list[np.ndarray | None]
+    ) -> Generator[memoryview | bytes | Exception | None, None, None]:
+        """A large batch is fetched in groups (about an eighth of it, 4-16 MiB) on worker
+        threads, two groups in flight, so the caller verifies one group's checksums
+        while the next one is copied; closing the stream waits for the groups in
+        flight (they write into the caller's buffers)."""
+        sizes = [r.header.payload_len for r in records]
+        total = sum(sizes)
+        if len(records) < 2 or total < 2 * GROUP_MIN:
+            yield from self._fetch_values(records, outs)
+            return
+        groups = iter(_groups(sizes, min(GROUP_MAX, max(GROUP_MIN, total // 8))))
+        flight: deque[Future[list[memoryview | bytes | Exception | None]]] = deque()
+
+        def submit() -> None:
+            g = next(groups, None)
+            if g is not None:
+                recs, dests = [records[i] for i in g], [outs[i] for i in g]
+                flight.append(self._readers.submit(self._fetch_values, recs, dests))
+
+        submit()
+        submit()
+        try:
+            while flight:
+                got = flight.popleft().result()
+                submit()
+                yield from got
+        finally:
+            for f in flight:
+                f.result()
 
     def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord | None]) -> None:
         idx = self.index
@@ -365,16 +444,25 @@ class _Doomed:
         for loc in failed:
             self.add([loc], due[loc])
 
-    def counters(self) -> dict[str, int]:
+    def pending(self) -> int:
         with self._lock:
-            held = len(self._queue)
-        return {
+            return len(self._queue)
+
+    def counters(self) -> dict[str, int]:
+        held = self.pending()
+        return {  # read without the lock: counters only ever grow
             "removals_deferred": self.deferred,
             "removals_reaped": self.reaped,
             "removals_abandoned": self.abandoned,
             "removals_pending": held,
         }
 
+
+READERS = 4
+"""Worker threads fetching groups of large reads (shared by the tier's readers)."""
+GROUP_MIN = 4 << 20
+GROUP_MAX = 16 << 20
+"""Bounds of one fetch group of a large read (:meth:`MooncakeTier._fetch_stream`)."""
 
 NOT_FOUND = -704
 """Mooncake's OBJECT_NOT_FOUND."""
@@ -419,3 +507,16 @@ def _destinations(
 def _takes(out: np.ndarray, size: int) -> bool:
     """Whether a payload of ``size`` bytes can be read straight into ``out``."""
     return bool(out.flags.c_contiguous and out.flags.writeable and out.nbytes == size)
+
+
+def _groups(sizes: list[int], target: int) -> list[list[int]]:
+    """Consecutive indices in groups of about ``target`` bytes (at least one each)."""
+    groups: list[list[int]] = [[]]
+    held = 0
+    for i, size in enumerate(sizes):
+        if groups[-1] and held + size > target:
+            groups.append([])
+            held = 0
+        groups[-1].append(i)
+        held += size
+    return groups

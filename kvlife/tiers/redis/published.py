@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import uuid
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -151,11 +151,25 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
     # ------------------------------------------------------------------ records
 
     def _records(self, keys: Sequence[ChunkKey]) -> list[RemoteRecord | Exception | None]:
+        """The records of ``keys``: one ``MGET`` per hash-tag bucket (one cluster slot
+        each), pipelined."""
+        idx = self.index
+        by_tag: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            by_tag.setdefault(idx.tag(k), []).append(i)
+
         def run() -> list[Any]:
-            pipe = self.index.client.pipeline(transaction=False)
-            for k in keys:
-                pipe.get(self.index.record_key(k))
-            return list(pipe.execute())
+            pipe = idx.client.pipeline(transaction=False)
+            for at in by_tag.values():
+                pipe.execute_command("MGET", *(idx.record_key(keys[i]) for i in at))
+            replies = pipe.execute()
+            blobs: list[Any] = [None] * len(keys)
+            for at, reply in zip(by_tag.values(), replies, strict=True):
+                if not isinstance(reply, list) or len(reply) != len(at):
+                    raise ValueError(f"MGET of {len(at)} records answered {type(reply).__name__}")
+                for i, blob in zip(at, reply, strict=True):
+                    blobs[i] = blob
+            return blobs
 
         raw = self.health.call("read records", run)
         out: list[RemoteRecord | Exception | None] = []
@@ -262,19 +276,32 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
             for i, r in enumerate(records)
             if isinstance(r, RemoteRecord)
         ]
-        try:
-            fetched = iter(self._fetch(good, good_outs)) if good else iter(())
-        except RemoteTierError as exc:
-            self.counters.read_misses += len(keys)
-            return [ReplicaReadError(k.hex(), self.name, str(exc)) for k in keys]
+        stream = self._fetch_stream(good, good_outs)
         results: list[ReadResult] = []
-        for i, (key, rec) in enumerate(zip(keys, records, strict=True)):
-            if not isinstance(rec, RemoteRecord):
-                self.counters.corrupt += 1
-                results.append(ChecksumMismatch(key.hex(), self.name, f"record: {rec}"))
-                continue
-            results.append(self._settle(key, rec, next(fetched), outs[i] if outs else None))
+        try:
+            for i, (key, rec) in enumerate(zip(keys, records, strict=True)):
+                if not isinstance(rec, RemoteRecord):
+                    self.counters.corrupt += 1
+                    results.append(ChecksumMismatch(key.hex(), self.name, f"record: {rec}"))
+                    continue
+                got = next(stream)
+                results.append(self._settle(key, rec, got, outs[i] if outs else None))
+        finally:
+            stream.close()  # a tier fetching ahead waits for what it started
         return results
+
+    def _fetch_stream(
+        self, records: list[RemoteRecord], outs: list[np.ndarray | None]
+    ) -> Generator[memoryview | bytes | Exception | None, None, None]:
+        """The payloads behind ``records``, in order, a transport failure as a value; a
+        tier may fetch ahead while its caller verifies what came."""
+        if not records:
+            return
+        try:
+            got = self._fetch(records, outs)
+        except RemoteTierError as exc:
+            got = [exc] * len(records)
+        yield from got
 
     def _fetch_one(
         self, rec: RemoteRecord, out: np.ndarray | None
