@@ -26,8 +26,10 @@ def test_bench_remote_quick_writes_its_json(tmp_path: Path) -> None:
         "wrong",
     }
     assert [r["size"] for r in data["redis"]] == [256 << 10, 1 << 20]
+    assert set(data["redis_raw_calls"]) == {"raw", "unpacked", "kvlife"}
     for r in data["redis"]:
-        assert set(r) == row_keys and r["wrong"] == 0 and r["kvlife_get_gbps"] > 0
+        assert set(r) == row_keys | {"unpacked"} and r["wrong"] == 0 and r["kvlife_get_gbps"] > 0
+        assert set(r["unpacked"]) == {"raw_put_gbps", "put_ratio"}
     mc = data["mooncake"]
     assert "rows" in mc or "skipped" in mc
     if "rows" in mc:  # which raw calls each figure used is named beside them
