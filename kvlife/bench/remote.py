@@ -500,6 +500,12 @@ def _table(result: dict[str, Any]) -> str:
                 f"     {r['raw_put_gbps']:6.2f} / {r['raw_get_gbps']:6.2f}    "
                 f"{r['put_ratio']:5.2f} / {r['get_ratio']:5.2f}   {r['wrong']}"
             )
+    for r in result["redis"]:
+        u = r["unpacked"]
+        lines.append(
+            f"redis     {r['size'] // KiB:6d}K   raw put sent unpacked "
+            f"{u['raw_put_gbps']:6.2f} GB/s (kvlife put ratio {u['put_ratio']:4.2f})"
+        )
     mc = result.get("mooncake", {})
     if "skipped" in mc:
         lines.append(f"mooncake: skipped: {mc['skipped']}")
