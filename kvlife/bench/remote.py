@@ -313,8 +313,8 @@ REDIS_RAW_CALLS = {
     "unpacked": "pipelined SET sent from each payload's own buffer on one connection "
     "(kvlife.tiers.redis.tier.send_sets: redis-py's packer copies every value first); GET "
     "as raw",
-    "kvlife": "store (xxh3-128, staged SETs sent as unpacked, one PUBLISH script per "
-    "record) and read_batch (one MGET of record and frame per key, every payload verified)",
+    "kvlife": "store (xxh3-128, staged SETs sent as unpacked, one PUBLISH_STAGED script "
+    "per bucket) and read_batch (one MGET of record and frame per key, every payload verified)",
 }
 """What each Redis contestant calls (in the JSON beside the rows)."""
 

@@ -189,14 +189,23 @@ class MooncakeTier(PublishedTier):
             put = self._pool.submit(self._put_payloads, locations, payloads)
             try:
                 records = self._records_for(pending, metas, payloads)
+                blobs = [r.encode() for r in records]  # still beside the copy
             except BaseException:
                 if put.exception() is None:
                     self._remove(locations)
                 raise
             put.result()  # RemoteTierError: nothing of it left behind
+            self._publish(pending, records, locations, blobs)
+            return
         self._publish(pending, records, locations)
 
-    def _publish(self, pending: _Pending, records: list[RemoteRecord], put: list[str]) -> None:
+    def _publish(
+        self,
+        pending: _Pending,
+        records: list[RemoteRecord],
+        put: list[str],
+        blobs: list[bytes] | None = None,
+    ) -> None:
         """One ``PUBLISH_RECORDS`` per bucket (fence and lease checked once per bucket),
         pipelined; the records it replaced name payloads that are removed after."""
         idx = self.index
@@ -205,10 +214,10 @@ class MooncakeTier(PublishedTier):
         for i, rec in enumerate(records):
             by_tag.setdefault(idx.tag(rec.header.key), []).append(i)
         groups = list(by_tag.values())
-        blobs = [r.encode() for r in records]
+        encoded_all = blobs if blobs is not None else [r.encode() for r in records]
 
         def encoded(at: list[int]) -> list[bytes]:
-            return [blobs[i] for i in at]
+            return [encoded_all[i] for i in at]
 
         def run() -> list[Any]:
             for attempt in (0, 1):

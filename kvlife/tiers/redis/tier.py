@@ -81,29 +81,43 @@ class RedisTier(PublishedTier):
             self.health.failed(f"stage: {failed[0]}")
             raise RemoteTierError(f"{self.name}: staging payloads failed: {failed[0]}")
 
+        by_tag: dict[str, list[int]] = {}
+        for i, m in enumerate(metas):
+            by_tag.setdefault(idx.tag(m.key), []).append(i)
+        groups = list(by_tag.values())
+
         def run() -> list[Any]:
             for attempt in (0, 1):
                 pipe = self.client.pipeline(transaction=False)
-                for rec, name in zip(records, staged, strict=True):
-                    key = rec.header.key
+                for at in groups:  # one script per bucket: fence and lease checked once
+                    keys: list[str] = [idx.fence_key(metas[at[0]].key)]
+                    for i in at:
+                        k = metas[i].key
+                        keys += [idx.record_key(k), staged[i], idx.frame_key(k)]
                     idx.evalsha(
                         pipe,
-                        "PUBLISH",
-                        [idx.fence_key(key), idx.record_key(key), name, idx.frame_key(key)],
-                        [lease.host, lease.token, lease.deadline_ms, rec.encode()],
+                        "PUBLISH_STAGED",
+                        keys,
+                        [lease.host, lease.token, lease.deadline_ms]
+                        + [records[i].encode() for i in at],
                     )
                 res = list(pipe.execute(raise_on_error=False))
                 if attempt == 0 and any(isinstance(r, NoScriptError) for r in res):
                     idx._sha.clear()  # a restarted server lost its scripts: load, redo
                     continue
-                return [x for pair in zip(staged_res, res, strict=True) for x in pair]
+                return res
             raise AssertionError("unreachable")
 
         results = self.health.call("publish", run)
         errors = [r for r in results if isinstance(r, Exception)]
         if not errors:
             return
-        done = [rec.header.key for rec, r in zip(records, results[1::2], strict=True) if r == 1]
+        done = [
+            metas[i].key
+            for at, r in zip(groups, results, strict=True)
+            if not isinstance(r, Exception)
+            for i in at
+        ]
         if done:  # the batch is all or nothing: take back what did publish
             with contextlib.suppress(
                 RemoteTierError
