@@ -5,9 +5,10 @@ payload store is Redis itself (:class:`~kvlife.tiers.redis.tier.RedisTier`) or M
 Store (:class:`~kvlife.tiers.mooncake.tier.MooncakeTier`). This base does the parts
 that do not depend on where the payload lies: capacity accounting of this host's share,
 reservations with the lease and epoch they will publish under, verified reads (record
-checksum, key, length, xxh3-128 of the payload; a mismatch is re-read once, since bytes
-damaged in transit are not proof of a corrupt replica), probes for other hosts' objects
-and the health of the connection.
+checksum, key, length, xxh3-128 of the payload; anything short of exact bytes re-reads
+the record before judging the payload: deleted, overwritten or, unchanged across a
+second fetch, a miss or a corrupt replica), probes for other hosts' objects and the
+health of the connection.
 
 Capacity is this host's budget in the shared tier: replicas it published or adopted
 count against it; other hosts' objects do not. ``replica_keys`` lists those replicas.

@@ -1,9 +1,10 @@
 """RedisTier: frames in Redis beside their publication records.
 
 A put pipelines, per replica, a ``SET`` of the payload under a staging name (expiring,
-so a writer that dies leaves nothing visible) and the index's publish script, which
-checks the lease's fencing token and deadline and then renames the staged payload into
-place and writes the record, atomically on the node that owns the chunk's hash tag. A
+so a writer that dies leaves nothing visible; sent from the payload's own buffer, see
+:func:`send_sets`), then one ``PUBLISH_STAGED`` script per hash-tag bucket, which checks
+the lease's fencing token and deadline and then renames the bucket's staged payloads
+into place and writes their records, atomically on the node that owns the bucket. A
 read is one ``MGET record frame`` per replica (pipelined), verified against the record.
 """
 
