@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from kvlife.tiers.base import ReplicaMeta
 from kvlife.tiers.redis import RedisEndpoint, RedisTier
 from kvlife.tiers.redis.published import PublishedTier
 from kvlife.tiers.redis.server import RedisServer
+from kvlife.tiers.redis.tier import send_sets
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -54,59 +56,92 @@ def _p99(xs: list[float]) -> float:
     return float(np.percentile(xs, 99)) if xs else 0.0
 
 
-def _tier_vs_raw(
-    tier: PublishedTier, raw_put: Any, raw_get: Any, sizes: list[int], total: int, reps: int
-) -> list[dict[str, Any]]:
-    """Per size: median GB/s of the tier's store/read_batch and of the raw calls."""
-    rows = []
-    for size in sizes:
-        n = max(1, total // size)
-        arrs = _arrays(size, n)
-        keys = [_key(f"b{size}-", i) for i in range(n)]
+Run = Callable[[list[np.ndarray], int], tuple[float, float, int]]
+"""One contestant's round: put the arrays, read them back, check, clean up; returns
+(put seconds, get seconds, wrong objects)."""
+
+
+def _kvlife_run(
+    tier: PublishedTier, size: int, into_outs: bool, after: Callable[[], None] | None = None
+) -> Run:
+    """kvlife's store + read_batch (verifying every payload's xxh3-128), reading into
+    caller buffers (``outs``, one reused buffer) or into new arrays."""
+    dest = np.zeros(0, np.uint8)
+
+    def run(arrs: list[np.ndarray], rep: int) -> tuple[float, float, int]:
+        nonlocal dest
+        n = len(arrs)
+        keys = [_key(f"b{size}-{rep}-", i) for i in range(n)]
         metas = [ReplicaMeta(k, "uint8", (size,), "exact", b"bench") for k in keys]
-        t_put, t_get, r_put, r_get = [], [], [], []
-        wrong = 0
-        for rep in range(2 * reps):  # kvlife and raw alternate who goes first (drift)
-            if (rep % 2 == 0) == (rep % 4 < 2):
-                t0 = time.perf_counter()
-                assert tier.store(metas, arrs), "bench tier too small"
-                t1 = time.perf_counter()
-                got = tier.read_batch(keys)
-                t2 = time.perf_counter()
-                wrong += sum(
-                    1
-                    for g, a in zip(got, arrs, strict=True)
-                    if not isinstance(g, np.ndarray) or not np.array_equal(g, a)
-                )
-                del got
-                tier.delete_batch(keys)
-                t_put.append(t1 - t0)
-                t_get.append(t2 - t1)
-            else:
-                names = [f"raw:{size}:{rep}:{i}" for i in range(n)]
-                t3 = time.perf_counter()
-                raw_put(names, arrs)
-                t4 = time.perf_counter()
-                raw = raw_get(names)
-                t5 = time.perf_counter()
-                wrong += sum(1 for g, a in zip(raw, arrs, strict=True) if len(g) != a.nbytes)
-                del raw
-                r_put.append(t4 - t3)
-                r_get.append(t5 - t4)
-        nbytes = n * size
-        row = {
-            "size": size,
-            "objects": n,
-            "kvlife_put_gbps": nbytes / _median(t_put) / 1e9,
-            "kvlife_get_gbps": nbytes / _median(t_get) / 1e9,
-            "raw_put_gbps": nbytes / _median(r_put) / 1e9,
-            "raw_get_gbps": nbytes / _median(r_get) / 1e9,
-            "wrong": wrong,
-        }
-        row["put_ratio"] = row["kvlife_put_gbps"] / row["raw_put_gbps"]
-        row["get_ratio"] = row["kvlife_get_gbps"] / row["raw_get_gbps"]
-        rows.append(row)
-    return rows
+        outs: list[np.ndarray | None] | None = None
+        if into_outs:
+            if dest.nbytes != n * size:
+                dest = np.ones(n * size, np.uint8)  # touched once: no page faults timed
+            outs = [dest[i * size : (i + 1) * size] for i in range(n)]
+        t0 = time.perf_counter()
+        assert tier.store(metas, arrs), "bench tier too small"
+        t1 = time.perf_counter()
+        got = tier.read_batch(keys, outs)
+        t2 = time.perf_counter()
+        wrong = sum(
+            1
+            for g, a in zip(got, arrs, strict=True)
+            if not isinstance(g, np.ndarray) or not np.array_equal(g, a)
+        )
+        del got
+        tier.delete_batch(keys)
+        if after is not None:
+            after()  # untimed
+        return t1 - t0, t2 - t1, wrong
+
+    return run
+
+
+def _raw_run(
+    put: Callable[[list[str], list[np.ndarray]], None],
+    get: Callable[[list[str], int], list[Any]],
+    remove: Callable[[list[str]], None],
+    size: int,
+) -> Run:
+    def run(arrs: list[np.ndarray], rep: int) -> tuple[float, float, int]:
+        names = [f"raw:{size}:{rep}:{i}" for i in range(len(arrs))]
+        t0 = time.perf_counter()
+        put(names, arrs)
+        t1 = time.perf_counter()
+        got = get(names, size)
+        t2 = time.perf_counter()
+        wrong = sum(1 for g, a in zip(got, arrs, strict=True) if len(g) != a.nbytes)
+        del got
+        remove(names)
+        return t1 - t0, t2 - t1, wrong
+
+    return run
+
+
+def _contest(
+    runs: dict[str, Run], size: int, total: int, reps: int
+) -> tuple[dict[str, float], int, int]:
+    """Median put/get GB/s per contestant; the order rotates every round (drift)."""
+    n = max(1, total // size)
+    arrs = _arrays(size, n)
+    names = list(runs)
+    puts: dict[str, list[float]] = {k: [] for k in names}
+    gets: dict[str, list[float]] = {k: [] for k in names}
+    wrong = 0
+    for rep in range(reps * len(names)):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        if rep // len(names) % 2:
+            order.reverse()
+        name = order[0]
+        p, g, w = runs[name](arrs, rep)
+        puts[name].append(p)
+        gets[name].append(g)
+        wrong += w
+    gbps: dict[str, float] = {}
+    for k in names:
+        gbps[f"{k}_put_gbps"] = n * size / _median(puts[k]) / 1e9
+        gbps[f"{k}_get_gbps"] = n * size / _median(gets[k]) / 1e9
+    return gbps, n, wrong
 
 
 def _redis_section(
@@ -125,16 +160,42 @@ def _redis_section(
             pipe.set(name, a.data)
         pipe.execute()
 
-    def raw_get(names: list[str]) -> list[bytes]:
+    def raw_get(names: list[str], size: int) -> list[bytes]:
         pipe = raw.pipeline(transaction=False)
         for name in names:
             pipe.get(name)
-        out = list(pipe.execute())
-        raw.delete(*names)
-        return out
+        return list(pipe.execute())
 
+    def raw_remove(names: list[str]) -> None:
+        raw.delete(*names)
+
+    def unpacked_put(names: list[str], arrs: list[np.ndarray]) -> None:
+        assert all(r is True or r == b"OK" for r in send_sets(raw, names, arrs)), "SET failed"
+
+    rows = []
     try:
-        return _tier_vs_raw(tier, raw_put, raw_get, sizes, total, reps)
+        for size in sizes:
+            runs = {
+                "kvlife": _kvlife_run(tier, size, into_outs=False),
+                "raw": _raw_run(raw_put, raw_get, raw_remove, size),
+                "unpacked": _raw_run(unpacked_put, raw_get, raw_remove, size),
+            }
+            g, n, wrong = _contest(runs, size, total, reps)
+            rows.append(
+                {
+                    "size": size,
+                    "objects": n,
+                    **{k: g[k] for k in g if k.startswith(("kvlife_", "raw_"))},
+                    "put_ratio": g["kvlife_put_gbps"] / g["raw_put_gbps"],
+                    "get_ratio": g["kvlife_get_gbps"] / g["raw_get_gbps"],
+                    "wrong": wrong,
+                    "unpacked": {
+                        "raw_put_gbps": g["unpacked_put_gbps"],
+                        "put_ratio": g["kvlife_put_gbps"] / g["unpacked_put_gbps"],
+                    },
+                }
+            )
+        return rows
     finally:
         tier.close()
         raw.close()
@@ -247,6 +308,41 @@ def _fault_section(server: RedisServer, seconds: float) -> list[dict[str, Any]]:
     return rows
 
 
+REDIS_RAW_CALLS = {
+    "raw": "redis-py (hiredis) pipeline of SET; pipeline of GET",
+    "unpacked": "pipelined SET sent from each payload's own buffer on one connection "
+    "(kvlife.tiers.redis.tier.send_sets: redis-py's packer copies every value first); GET "
+    "as raw",
+    "kvlife": "store (xxh3-128, staged SETs sent as unpacked, one PUBLISH_STAGED script "
+    "per bucket) and read_batch (one MGET of record and frame per key, every payload verified)",
+}
+"""What each Redis contestant calls (in the JSON beside the rows)."""
+
+MOONCAKE_RAW_CALLS = {
+    "raw": "batch_put_from from the payload arrays; batch_get_into one reused buffer",
+    "new_arrays": "batch_get_into a new buffer per batch (kvlife: read_batch without outs)",
+    "bytes_api": "put_batch of the arrays; get_batch (returns bytes)",
+    "kvlife": "store (xxh3-128 of each payload, computed while batch_put_from runs, then "
+    "the publish script) and read_batch into outs over the same reused buffer (batch_get_into, "
+    "every payload verified)",
+}
+"""What each Mooncake contestant calls (in the JSON beside the rows)."""
+
+
+def _touch_segment(mc: Any, seg: int) -> None:
+    """Fill the client's segment once and empty it, so that no contestant pays the
+    first touch of its pages (a fresh segment's first put ran at a third of the speed)."""
+    block = np.ones(16 * MiB, np.uint8)
+    names: list[str] = []
+    while (len(names) + 1) * block.nbytes < seg:
+        name = f"warm:{len(names)}"
+        if mc.batch_put_from([name], [block.ctypes.data], [block.nbytes]) != [0]:
+            break
+        names.append(name)
+    if names:
+        mc.batch_remove(names, True)
+
+
 def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]:
     """Runs inside the private network namespace (see :func:`run_remote_bench`)."""
     from kvlife.tiers.mooncake import MooncakeConfig, MooncakeTier
@@ -256,7 +352,7 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
     master = MooncakeMaster(work / "mc").start()
     server = RedisServer(work).start()
     try:
-        seg = max(512 * MiB, 6 * total)
+        seg = max(512 * MiB, 16 * total)
         cfg = MooncakeConfig(
             master.master, master.metadata, segment_bytes=seg, buffer_bytes=64 * MiB
         )
@@ -267,21 +363,84 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
             index=IndexConfig(namespace="m" + uuid.uuid4().hex[:8]),
         )
         mc = tier.mc
+        _touch_segment(mc, seg)
+        reused: dict[int, np.ndarray] = {}
 
-        def raw_put(names: list[str], arrs: list[np.ndarray]) -> None:
-            for name, a in zip(names, arrs, strict=True):
-                rc = mc.put(name, a.data)
-                assert rc == 0, rc
+        def zc_put(names: list[str], arrs: list[np.ndarray]) -> None:
+            ptrs = [a.ctypes.data for a in arrs]
+            rcs = mc.batch_put_from(names, ptrs, [a.nbytes for a in arrs])
+            assert all(rc == 0 for rc in rcs), rcs
 
-        def raw_get(names: list[str]) -> list[bytes]:
-            out = list(mc.get_batch(names))
-            for name in names:
-                mc.remove(name, True)
-            return out
+        def zc_get_into(names: list[str], size: int, new: bool) -> list[np.ndarray]:
+            n = len(names)
+            buf = np.empty(n * size, np.uint8) if new else reused.get(n * size)
+            if buf is None:
+                buf = reused[n * size] = np.ones(n * size, np.uint8)
+            dests = [buf[i * size : (i + 1) * size] for i in range(n)]
+            rcs = mc.batch_get_into(names, [d.ctypes.data for d in dests], [size] * n)
+            return [d[: max(0, rc)] for d, rc in zip(dests, rcs, strict=True)]
 
-        rows = _tier_vs_raw(tier, raw_put, raw_get, sizes, total, reps)
+        def bytes_put(names: list[str], arrs: list[np.ndarray]) -> None:
+            rc = mc.put_batch(names, [a.data for a in arrs])
+            assert rc == 0, rc
+
+        def bytes_get(names: list[str], size: int) -> list[bytes]:
+            return list(mc.get_batch(names))
+
+        def remove(names: list[str]) -> None:
+            mc.batch_remove(names, True)  # single-threaded: no reader to protect
+
+        def drain() -> None:
+            """kvlife's removals wait out the read lease of its own reads (2 s): let
+            them finish before its pending objects crowd the segment (untimed)."""
+            if tier.doomed.pending() * size > seg // 4:
+                tier.settle_removals(timeout_s=10.0)
+
+        rows = []
+        for size in sizes:
+            runs = {
+                "kvlife": _kvlife_run(tier, size, into_outs=True, after=drain),
+                "kvlife_new": _kvlife_run(tier, size, into_outs=False, after=drain),
+                "raw": _raw_run(
+                    zc_put, lambda ns, sz: zc_get_into(ns, sz, new=False), remove, size
+                ),
+                "raw_new": _raw_run(
+                    zc_put, lambda ns, sz: zc_get_into(ns, sz, new=True), remove, size
+                ),
+                "raw_bytes": _raw_run(bytes_put, bytes_get, remove, size),
+            }
+            g, n, wrong = _contest(runs, size, total, reps)
+            rows.append(
+                {
+                    "size": size,
+                    "objects": n,
+                    "kvlife_put_gbps": g["kvlife_put_gbps"],
+                    "kvlife_get_gbps": g["kvlife_get_gbps"],
+                    "raw_put_gbps": g["raw_put_gbps"],
+                    "raw_get_gbps": g["raw_get_gbps"],
+                    "put_ratio": g["kvlife_put_gbps"] / g["raw_put_gbps"],
+                    "get_ratio": g["kvlife_get_gbps"] / g["raw_get_gbps"],
+                    "wrong": wrong,
+                    "new_arrays": {
+                        "kvlife_get_gbps": g["kvlife_new_get_gbps"],
+                        "raw_get_gbps": g["raw_new_get_gbps"],
+                        "get_ratio": g["kvlife_new_get_gbps"] / g["raw_new_get_gbps"],
+                    },
+                    "bytes_api": {
+                        "raw_put_gbps": g["raw_bytes_put_gbps"],
+                        "raw_get_gbps": g["raw_bytes_get_gbps"],
+                        "put_ratio": g["kvlife_put_gbps"] / g["raw_bytes_put_gbps"],
+                        "get_ratio": g["kvlife_get_gbps"] / g["raw_bytes_get_gbps"],
+                    },
+                }
+            )
+        details = tier.details()
         tier.close()
-        return {"rows": rows}
+        return {
+            "raw_calls": MOONCAKE_RAW_CALLS,
+            "rows": rows,
+            "tier": {k: details[k] for k in ("corrupt", "reread_ok", "removals_deferred")},
+        }
     finally:
         server.stop()
         master.stop()
@@ -298,6 +457,7 @@ def run_remote_bench(quick: bool = False, reps: int = 3) -> dict[str, Any]:
             "bench": "remote",
             "quick": quick,
             "redis": _redis_section(server, sizes, total, reps),
+            "redis_raw_calls": REDIS_RAW_CALLS,
             "lookup": _lookup_section(server, 20 if quick else 200),
             "faults": _fault_section(server, 0.3 if quick else 2.0),
         }
@@ -340,8 +500,31 @@ def _table(result: dict[str, Any]) -> str:
                 f"     {r['raw_put_gbps']:6.2f} / {r['raw_get_gbps']:6.2f}    "
                 f"{r['put_ratio']:5.2f} / {r['get_ratio']:5.2f}   {r['wrong']}"
             )
-    if "skipped" in result.get("mooncake", {}):
-        lines.append(f"mooncake: skipped: {result['mooncake']['skipped']}")
+    for r in result["redis"]:
+        u = r["unpacked"]
+        lines.append(
+            f"redis     {r['size'] // KiB:6d}K   raw put sent unpacked "
+            f"{u['raw_put_gbps']:6.2f} GB/s (kvlife put ratio {u['put_ratio']:4.2f})"
+        )
+    mc = result.get("mooncake", {})
+    if "skipped" in mc:
+        lines.append(f"mooncake: skipped: {mc['skipped']}")
+    elif mc.get("rows"):
+        lines.append(
+            "mooncake raw calls: " + "; ".join(f"{k}: {v}" for k, v in mc["raw_calls"].items())
+        )
+        lines.append(
+            "mooncake  size      new arrays kvlife/raw get GB/s (ratio)"
+            "   bytes API raw put/get GB/s (ratio put/get)"
+        )
+        for r in mc["rows"]:
+            na, ba = r["new_arrays"], r["bytes_api"]
+            lines.append(
+                f"mooncake  {r['size'] // KiB:6d}K   {na['kvlife_get_gbps']:6.2f} / "
+                f"{na['raw_get_gbps']:6.2f} ({na['get_ratio']:4.2f})"
+                f"                  {ba['raw_put_gbps']:6.2f} / {ba['raw_get_gbps']:6.2f} "
+                f"({ba['put_ratio']:4.2f} / {ba['get_ratio']:4.2f})"
+            )
     lk = result["lookup"]
     lines.append(
         f"lookup of a {lk['chunks']}-chunk prompt: median {lk['median_ms']:.2f} ms, "

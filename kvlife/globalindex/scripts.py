@@ -36,9 +36,12 @@ if tonumber(ARGV[2]) > cur then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) en
 return 1
 """
 
-PUBLISH = """
--- KEYS: bucket fence hash, record key [, staged frame, frame]
--- ARGV: host, token, lease deadline (ms, server clock), record
+PUBLISH_STAGED = """
+-- KEYS: bucket fence hash, then per chunk: record key, staged frame, frame (one bucket)
+-- ARGV: host, token, lease deadline (ms, server clock), one record per chunk.
+-- Refuses a token below the host's floor in the bucket (KVLSTALE) and a lease deadline
+-- that passed (KVLEXPIRED); then all staged frames present or none published, each
+-- renamed into place with its record written beside it.
 local floor = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
 if tonumber(ARGV[2]) < floor then
   return redis.error_reply('KVLSTALE fencing token ' .. ARGV[2] .. ' < ' .. floor)
@@ -48,15 +51,40 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 if now > tonumber(ARGV[3]) then
   return redis.error_reply('KVLEXPIRED lease expired ' .. (now - tonumber(ARGV[3])) .. ' ms ago')
 end
-if #KEYS >= 4 then
-  if redis.call('EXISTS', KEYS[3]) == 0 then
+local n = (#KEYS - 1) / 3
+for i = 0, n - 1 do
+  if redis.call('EXISTS', KEYS[3 + 3 * i]) == 0 then
     return redis.error_reply('KVLNOSTAGE staged frame missing')
   end
-  redis.call('RENAME', KEYS[3], KEYS[4])
-  redis.call('PERSIST', KEYS[4])
 end
-redis.call('SET', KEYS[2], ARGV[4])
-return 1
+for i = 0, n - 1 do
+  redis.call('RENAME', KEYS[3 + 3 * i], KEYS[4 + 3 * i])
+  redis.call('PERSIST', KEYS[4 + 3 * i])
+  redis.call('SET', KEYS[2 + 3 * i], ARGV[4 + i])
+end
+return n
+"""
+
+PUBLISH_RECORDS = """
+-- KEYS: bucket fence hash, record keys (one bucket)   ARGV: host, token, lease deadline
+-- (ms, server clock), one record per record key.  The fence and lease checks of
+-- PUBLISH_STAGED, once; returns the records replaced ('' where none), whose payloads the
+-- caller then removes.
+local floor = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if tonumber(ARGV[2]) < floor then
+  return redis.error_reply('KVLSTALE fencing token ' .. ARGV[2] .. ' < ' .. floor)
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if now > tonumber(ARGV[3]) then
+  return redis.error_reply('KVLEXPIRED lease expired ' .. (now - tonumber(ARGV[3])) .. ' ms ago')
+end
+local old = {}
+for i = 2, #KEYS do
+  old[i - 1] = redis.call('GET', KEYS[i]) or ''
+  redis.call('SET', KEYS[i], ARGV[i + 2])
+end
+return old
 """
 
 INVALIDATE = """

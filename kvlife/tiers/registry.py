@@ -119,7 +119,9 @@ def _redis(spec: TierSpec, ctx: TierContext) -> Tier:
 
 def _mooncake(spec: TierSpec, ctx: TierContext) -> Tier:
     """Options: ``master`` (host:port), ``metadata`` (http://.../metadata), ``index``
-    (the Redis holding records and leases: redis://... or cluster://...), sizes."""
+    (the Redis holding records and leases: redis://... or cluster://...), sizes,
+    ``read_lease_s`` (the master's ``--default_kv_lease_ttl``, seconds) and
+    ``register_buffers`` (docs/remote.md)."""
     from kvlife.tiers.mooncake import MooncakeConfig, MooncakeTier
     from kvlife.tiers.redis import RedisEndpoint
 
@@ -131,6 +133,8 @@ def _mooncake(spec: TierSpec, ctx: TierContext) -> Tier:
         "local_hostname",
         "segment_bytes",
         "buffer_bytes",
+        "read_lease_s",
+        "register_buffers",
     }
     unknown = sorted(set(opts) - known)
     if unknown:
@@ -144,6 +148,8 @@ def _mooncake(spec: TierSpec, ctx: TierContext) -> Tier:
         local_hostname=str(opts.get("local_hostname", "127.0.0.1")),
         segment_bytes=int(opts.get("segment_bytes", 256 << 20)),  # type: ignore[call-overload]
         buffer_bytes=int(opts.get("buffer_bytes", 64 << 20)),  # type: ignore[call-overload]
+        read_lease_s=float(opts.get("read_lease_s", 2.0)),  # type: ignore[arg-type]
+        register_buffers=None if "register_buffers" not in opts else bool(opts["register_buffers"]),
     )
     timeout = float(opts.get("socket_timeout_s", 2.0))  # type: ignore[arg-type]
     index = RedisEndpoint.parse(str(opts["index"]), socket_timeout_s=timeout)

@@ -115,3 +115,81 @@ def test_mooncake_payload_lost_with_its_holder_is_a_miss(
         if holder.poll() is None:
             os.kill(holder.pid, signal.SIGKILL)
             holder.wait(timeout=10)
+
+
+def _tier(m: MooncakeMaster, redis_server: RedisServer, ns: str, **cfg: object) -> MooncakeTier:
+    config = MooncakeConfig(m.master, m.metadata, segment_bytes=128 << 20, **cfg)  # type: ignore[arg-type]
+    return MooncakeTier(
+        config, RedisEndpoint(url=redis_server.url), 1 << 28, index=IndexConfig(namespace=ns)
+    )
+
+
+def _chunks(n: int, elems: int) -> list[np.ndarray]:
+    return [
+        np.random.default_rng(100 + i).standard_normal(elems).astype(np.float16) for i in range(n)
+    ]
+
+
+@pytest.mark.skipif(not in_private_netns(), reason="runs inside the private namespace")
+def test_mooncake_removal_waits_for_the_read_lease_of_a_reader(
+    mooncake_master: MooncakeMaster, redis_server: RedisServer, index_ns: str
+) -> None:
+    """A deleted object that was just read keeps its bytes (Mooncake's read lease: a
+    forced remove let the next put reuse the memory under a reader); its removal is
+    deferred, counted, and done once the lease lapsed."""
+    tier = _tier(mooncake_master, redis_server, index_ns, read_lease_s=0.5)
+    try:
+        arrs = _chunks(2, 1 << 16)
+        metas = [ReplicaMeta(k(i), "float16", a.shape, "exact", b"i") for i, a in enumerate(arrs)]
+        assert tier.store(metas, arrs)
+        locs = []
+        for i in range(2):
+            rec = tier._records([k(i)])[0]
+            assert not isinstance(rec, Exception) and rec is not None
+            locs.append(rec.location)
+        got = tier.read_batch([k(0), k(1)])
+        assert all(
+            isinstance(g, np.ndarray) and np.array_equal(g, a)
+            for g, a in zip(got, arrs, strict=True)
+        )
+        tier.delete_batch([k(0), k(1)])
+        with pytest.raises(ReplicaNotFound):
+            tier.read_batch([k(0)])
+        d = tier.details()
+        assert d["removals_deferred"] == 2 and d["removals_pending"] == 2
+        assert [tier.mc.is_exist(loc) for loc in locs] == [1, 1]  # still held for the reader
+        assert tier.settle_removals(timeout_s=10.0) == 0  # the master's lease here: 2 s
+        assert [tier.mc.is_exist(loc) for loc in locs] == [0, 0]
+        assert tier.details()["removals_reaped"] == 2
+    finally:
+        tier.close()
+
+
+@pytest.mark.skipif(not in_private_netns(), reason="runs inside the private namespace")
+@pytest.mark.parametrize("register", [False, True])
+def test_mooncake_large_batch_with_a_repeated_key_reads_exact_bytes(
+    mooncake_master: MooncakeMaster, redis_server: RedisServer, index_ns: str, register: bool
+) -> None:
+    """A batch of 24 MiB (fetched in groups while verified) asking one key three times:
+    each answer is that key's exact bytes (Mooncake fills only one of two destinations
+    of a key repeated in one batch_get_into), into ``outs`` or new arrays, with and
+    without registering the buffers."""
+    tier = _tier(mooncake_master, redis_server, index_ns, register_buffers=register)
+    try:
+        arrs = _chunks(12, 1 << 20)  # 2 MiB each
+        metas = [ReplicaMeta(k(i), "float16", a.shape, "exact", b"i") for i, a in enumerate(arrs)]
+        assert tier.store(metas, arrs)
+        order = [0, 1, 0, *range(2, 12), 0]
+        outs: list[np.ndarray | None] = [
+            np.empty(1 << 20, np.float16) if j % 2 else None for j in range(len(order))
+        ]
+        for dest in (None, outs):
+            got = tier.read_batch([k(i) for i in order], dest)
+            for j, (i, g) in enumerate(zip(order, got, strict=True)):
+                assert isinstance(g, np.ndarray) and np.array_equal(g, arrs[i]), (j, i)
+                if dest is not None and outs[j] is not None:
+                    assert g is outs[j]
+        d = tier.details()
+        assert d["corrupt"] == 0 and d["reread_ok"] == 0 and d["read_misses"] == 0
+    finally:
+        tier.close()

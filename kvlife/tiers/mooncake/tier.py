@@ -15,7 +15,11 @@ interface; see ``docs/remote.md`` for running them on loopback only.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -26,6 +30,8 @@ from kvlife.core.errors import InvalidArgument, RemoteTierError
 from kvlife.core.identity import ChunkKey
 from kvlife.globalindex import GlobalIndex, Health, IndexConfig, RemoteRecord
 from kvlife.globalindex.health import REFUSALS
+from kvlife.globalindex.record import RecordError
+from kvlife.tiers.base import ReplicaMeta
 from kvlife.tiers.redis.connect import RedisEndpoint
 from kvlife.tiers.redis.published import PublishedTier, _Pending
 
@@ -46,12 +52,23 @@ class MooncakeConfig:
     buffer_bytes: int = 64 << 20
     """The client's local transfer buffer."""
     protocol: str = "tcp"
+    register_buffers: bool | None = None
+    """Register payload and destination buffers with the transfer engine around each
+    call (RDMA needs it; over TCP the engine copies from and to any memory, so None
+    means: only when the protocol is not tcp)."""
+    read_lease_s: float = 2.0
+    """The master's ``--default_kv_lease_ttl``: a removal refused because a reader holds
+    the object is retried after this."""
 
     def __post_init__(self) -> None:
         if not self.metadata.startswith("http://"):
             raise InvalidArgument(f"mooncake metadata {self.metadata!r} must be http://...")
         if self.segment_bytes < 0 or self.buffer_bytes <= 0:
             raise InvalidArgument("mooncake segment_bytes >= 0 and buffer_bytes > 0")
+        if self.read_lease_s <= 0:
+            raise InvalidArgument(f"mooncake read_lease_s must be > 0, got {self.read_lease_s}")
+        if self.register_buffers is None:
+            object.__setattr__(self, "register_buffers", self.protocol != "tcp")
 
 
 class MooncakeTier(PublishedTier):
@@ -95,8 +112,15 @@ class MooncakeTier(PublishedTier):
             name, capacity_bytes, GlobalIndex(self.client, index or IndexConfig(), health), health
         )
         self.mc_health = Health(f"mooncake store {name}", base_s=backoff_s)
+        self.doomed = _Doomed(config.read_lease_s)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvlife-{name}-put")
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix=f"kvlife-{name}-get")
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+        with contextlib.suppress(RemoteTierError):
+            self._reap(everything=True)
         self.mc.close()
         self.client.close()
 
@@ -114,84 +138,263 @@ class MooncakeTier(PublishedTier):
     def _location(self, key: ChunkKey, pending: _Pending) -> str:
         return f"kvl/{self.index.config.namespace}/{key.hex()}/{pending.nonce}"
 
-    def _publish(
-        self, pending: _Pending, records: list[RemoteRecord], payloads: list[np.ndarray]
+    # ------------------------------------------------------------------ payloads
+
+    def _registered(self, arrays: Sequence[np.ndarray]) -> contextlib.ExitStack[bool | None]:
+        """Buffers registered with the transfer engine for the length of one call
+        (``register_buffers``; over TCP none is needed)."""
+        stack = contextlib.ExitStack()
+        if self.config.register_buffers:
+            spans = {a.ctypes.data: a.nbytes for a in arrays if a.nbytes}  # a payload passed twice
+            for ptr, nbytes in spans.items():
+                rc = int(self.mc.register_buffer(ptr, nbytes))
+                if rc != 0:
+                    stack.close()
+                    raise RemoteTierError(f"{self.name}: mooncake register_buffer returned {rc}")
+                stack.callback(self.mc.unregister_buffer, ptr)
+        return stack
+
+    def _put_payloads(self, locations: list[str], payloads: list[np.ndarray]) -> None:
+        """One ``batch_put_from`` straight from the payload arrays (no copy); all or
+        nothing: a failed batch removes what it did write."""
+
+        def put() -> list[int]:
+            with self._registered(payloads):
+                ptrs = [a.ctypes.data for a in payloads]
+                return [int(rc) for rc in self.mc.batch_put_from(locations, ptrs, _sizes(payloads))]
+
+        rcs = self._mc("put", put)
+        bad = [rc for rc in rcs if rc != 0]
+        if bad or len(rcs) != len(locations):
+            self._remove([loc for loc, rc in zip(locations, rcs, strict=False) if rc == 0])
+            raise RemoteTierError(f"{self.name}: mooncake batch_put_from returned {bad[:4]}")
+
+    def _write(
+        self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
     ) -> None:
+        """Payloads go to Mooncake (under names no reader knows yet) on a worker thread
+        while this one computes their checksums (xxh3 and Mooncake's copy both release
+        the GIL); then the index's publish script checks the lease and writes the records
+        that name them."""
+        self._reap()
+        last = {m.key: i for i, m in enumerate(metas)}
+        if len(last) < len(metas):  # one key twice in a batch: the last one wins
+            keep = sorted(last.values())
+            metas, payloads = [metas[i] for i in keep], [payloads[i] for i in keep]
+        locations = [self._location(m.key, pending) for m in metas]
+        if not sum(a.nbytes for a in payloads):  # nothing to move: no thread
+            self._put_payloads(locations, payloads)
+            records = self._records_for(pending, metas, payloads)
+        else:
+            put = self._pool.submit(self._put_payloads, locations, payloads)
+            try:
+                records = self._records_for(pending, metas, payloads)
+                blobs = [r.encode() for r in records]  # still beside the copy
+            except BaseException:
+                if put.exception() is None:
+                    self._remove(locations)
+                raise
+            put.result()  # RemoteTierError: nothing of it left behind
+            self._publish(pending, records, locations, blobs)
+            return
+        self._publish(pending, records, locations)
+
+    def _publish(
+        self,
+        pending: _Pending,
+        records: list[RemoteRecord],
+        put: list[str],
+        blobs: list[bytes] | None = None,
+    ) -> None:
+        """One ``PUBLISH_RECORDS`` per bucket (fence and lease checked once per bucket),
+        pipelined; the records it replaced name payloads that are removed after."""
         idx = self.index
         lease = pending.lease
-        olds = self._records([ChunkKey(r.header.key) for r in records])
-        put: list[str] = []
+        by_tag: dict[str, list[int]] = {}
+        for i, rec in enumerate(records):
+            by_tag.setdefault(idx.tag(rec.header.key), []).append(i)
+        groups = list(by_tag.values())
+        encoded_all = blobs if blobs is not None else [r.encode() for r in records]
+
+        def encoded(at: list[int]) -> list[bytes]:
+            return [encoded_all[i] for i in at]
+
+        def run() -> list[Any]:
+            for attempt in (0, 1):
+                pipe = self.client.pipeline(transaction=False)
+                for at in groups:
+                    key0 = records[at[0]].header.key
+                    idx.evalsha(
+                        pipe,
+                        "PUBLISH_RECORDS",
+                        [idx.fence_key(key0), *(idx.record_key(records[i].header.key) for i in at)],
+                        [
+                            lease.host,
+                            lease.token,
+                            lease.deadline_ms,
+                            *(records[i].encode() for i in at),
+                        ],
+                    )
+                res = list(pipe.execute(raise_on_error=False))
+                if attempt == 0 and any(isinstance(r, NoScriptError) for r in res):
+                    idx._sha.clear()  # a restarted server lost its scripts: load, redo
+                    continue
+                return res
+            raise AssertionError("unreachable")
+
         try:
-            for rec, arr in zip(records, payloads, strict=True):
-                loc, view = rec.location, arr.data.cast("B")
-                rc: int = self._mc("put", lambda: int(self.mc.put(loc, view)))  # noqa: B023
-                if rc != 0:
-                    raise RemoteTierError(f"{self.name}: mooncake put returned {rc}")
-                put.append(rec.location)
-
-            def run() -> list[Any]:
-                for attempt in (0, 1):
-                    pipe = self.client.pipeline(transaction=False)
-                    for rec in records:
-                        key = rec.header.key
-                        idx.evalsha(
-                            pipe,
-                            "PUBLISH",
-                            [idx.fence_key(key), idx.record_key(key)],
-                            [lease.host, lease.token, lease.deadline_ms, rec.encode()],
-                        )
-                    res = list(pipe.execute(raise_on_error=False))
-                    if attempt == 0 and any(isinstance(r, NoScriptError) for r in res):
-                        idx._sha.clear()
-                        continue
-                    return res
-                raise AssertionError("unreachable")
-
             results = self.health.call("publish", run)
         except BaseException:
             self._remove(put)
             raise
-        errors = [r for r in results if isinstance(r, Exception)]
-        if errors:
+        replaced: list[str] = []
+        for reply in results:
+            if isinstance(reply, list):
+                for blob in reply:
+                    if blob:
+                        with contextlib.suppress(RecordError):
+                            if loc := RemoteRecord.decode(blob).location:
+                                replaced.append(loc)
+        errors = [r for r in results if not isinstance(r, list)]
+        if errors:  # all or nothing: take back the buckets that did publish
             done = [
-                ChunkKey(rec.header.key) for rec, r in zip(records, results, strict=True) if r == 1
+                ChunkKey(records[i].header.key)
+                for at, r in zip(groups, results, strict=True)
+                if isinstance(r, list)
+                for i in at
             ]
             with contextlib.suppress(RemoteTierError):
                 self._unpublish(done, [None] * len(done))
             self._remove(put)
+            self._remove(replaced)  # their records are gone too
             first = errors[0]
             if isinstance(first, RedisError) and str(first).startswith(REFUSALS):
                 raise idx.refused(first)
             raise RemoteTierError(f"{self.name}: publish failed: {first}")
-        replaced = [o.location for o in olds if isinstance(o, RemoteRecord) and o.location]
-        self._remove(replaced)  # payloads of records just overwritten
+        self._remove([loc for loc in replaced if loc not in set(put)])
 
     def _remove(self, locations: Sequence[str]) -> None:
-        for loc in locations:
-            with contextlib.suppress(
-                RemoteTierError
-            ):  # unreferenced: Mooncake's own eviction reclaims it
-                self._mc("remove", lambda: int(self.mc.remove(loc, True)))  # noqa: B023
-
-    def _fetch(self, records: list[RemoteRecord]) -> list[memoryview | bytes | Exception | None]:
-        locs = [r.location for r in records]
+        """Remove payloads no record names any more. Never forced: an object a reader
+        is fetching holds Mooncake's read lease and is kept (a forced remove let the
+        allocator hand its memory to the next put under the reader, who then got
+        another object's bytes); such removals are retried after the lease
+        (:class:`_Doomed`). What still fails is left to Mooncake's eviction."""
+        if not locations:
+            return
+        locs = list(locations)
         try:
-            got: list[bytes | None] = list(self.mc.get_batch(locs))
-        except Exception:  # one object removed under the batch fails it: read singly
-            got = []
-            for loc in locs:
-                try:
-                    got.append(self.mc.get(loc))
-                except Exception:
-                    got.append(None)
-        if not all(got) and self.mc.health_check() != 0:  # gone, or the master is?
+            rcs = self._mc("remove", lambda: [int(r) for r in self.mc.batch_remove(locs, False)])
+        except RemoteTierError:
+            rcs = [-1] * len(locs)
+        self.doomed.add([loc for loc, rc in zip(locs, rcs, strict=True) if rc not in GONE_OK])
+
+    def settle_removals(self, timeout_s: float) -> int:
+        """Retry deferred removals until none is left or ``timeout_s`` passed (waiting
+        for readers' leases to lapse); returns how many are still pending."""
+        end = time.monotonic() + timeout_s
+        while True:
+            self._reap()
+            left = self.doomed.pending()
+            if not left or time.monotonic() >= end:
+                return left
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+
+    def _reap(self, everything: bool = False) -> None:
+        """Retry removals whose read lease should have lapsed by now."""
+        due = self.doomed.due(everything)
+        if not due:
+            return
+        locs = list(due)
+        try:
+            rcs = self._mc("remove", lambda: [int(r) for r in self.mc.batch_remove(locs, False)])
+        except RemoteTierError:
+            rcs = [-1] * len(locs)
+        failed = [loc for loc, rc in zip(locs, rcs, strict=True) if rc not in GONE_OK]
+        self.doomed.retry(due, failed)
+
+    def _fetch(
+        self, records: list[RemoteRecord], outs: Sequence[np.ndarray | None] | None = None
+    ) -> list[memoryview | bytes | Exception | None]:
+        """One ``batch_get_into``: straight into each ``out`` that is C-contiguous and
+        of the payload's size, the rest into one new buffer. Not found is None; any
+        other failure an exception (the caller re-reads the record before judging).
+
+        A location asked twice in one batch is fetched once (Mooncake fills only one of
+        two destinations of a repeated key and reports both complete)."""
+        first: dict[str, int] = {}
+        for i, r in enumerate(records):
+            first.setdefault(r.location, i)
+        uniq = list(first.values())
+        sizes = [records[i].header.payload_len for i in uniq]
+        dests, regions = _destinations(sizes, [outs[i] for i in uniq] if outs else None)
+        locs = list(first)
+
+        def get() -> list[int]:
+            with self._registered(regions):
+                ptrs = [d.ctypes.data for d in dests]
+                return [int(rc) for rc in self.mc.batch_get_into(locs, ptrs, sizes)]
+
+        rcs = self._mc("get", get)
+        got: list[memoryview | bytes | Exception | None] = []
+        for dest, size, rc in zip(dests, sizes, rcs, strict=True):
+            if rc == size:
+                got.append(dest.data)
+            elif rc == NOT_FOUND:
+                got.append(None)
+            elif 0 <= rc < size:
+                got.append(dest[:rc].data)
+            else:
+                got.append(RemoteTierError(f"{self.name}: mooncake get returned {rc}"))
+        if any(rc != s for rc, s in zip(rcs, sizes, strict=True)) and self.mc.health_check() != 0:
             self.mc_health.failed("mooncake master unreachable")
             err = RemoteTierError(f"{self.name}: mooncake master unreachable")
-            return [g if g else err for g in got]
-        return [g if g else None for g in got]
+            got = [g if rc == s else err for g, rc, s in zip(got, rcs, sizes, strict=True)]
+        at = {loc: j for j, loc in enumerate(locs)}
+        return [got[at[r.location]] for r in records]
+
+    def _fetch_values(
+        self, records: list[RemoteRecord], outs: list[np.ndarray | None]
+    ) -> list[memoryview | bytes | Exception | None]:
+        try:
+            return self._fetch(records, outs)
+        except RemoteTierError as exc:
+            return [exc] * len(records)
+
+    def _fetch_stream(
+        self, records: list[RemoteRecord], outs: list[np.ndarray | None]
+    ) -> Generator[memoryview | bytes | Exception | None, None, None]:
+        """A large batch is fetched in groups (about an eighth of it, 4-16 MiB) on worker
+        threads, two groups in flight, so the caller verifies one group's checksums
+        while the next one is copied; closing the stream waits for the groups in
+        flight (they write into the caller's buffers)."""
+        sizes = [r.header.payload_len for r in records]
+        total = sum(sizes)
+        if len(records) < 2 or total < 2 * GROUP_MIN:
+            yield from self._fetch_values(records, outs)
+            return
+        groups = iter(_groups(sizes, min(GROUP_MAX, max(GROUP_MIN, total // 8))))
+        flight: deque[Future[list[memoryview | bytes | Exception | None]]] = deque()
+
+        def submit() -> None:
+            g = next(groups, None)
+            if g is not None:
+                recs, dests = [records[i] for i in g], [outs[i] for i in g]
+                flight.append(self._readers.submit(self._fetch_values, recs, dests))
+
+        submit()
+        submit()
+        try:
+            while flight:
+                got = flight.popleft().result()
+                submit()
+                yield from got
+        finally:
+            for f in flight:
+                f.result()
 
     def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord | None]) -> None:
         idx = self.index
+        self._reap()
 
         def run() -> None:
             pipe = self.client.pipeline(transaction=False)
@@ -201,3 +404,128 @@ class MooncakeTier(PublishedTier):
 
         self.health.call("delete", run)
         self._remove([r.location for r in records if r is not None and r.location])
+
+    def details(self) -> dict[str, Any]:
+        return {**super().details(), **self.doomed.counters()}
+
+
+class _Doomed:
+    """Payloads whose removal Mooncake refused (a reader's lease) or that failed on
+    the transport: retried once their lease should have lapsed, a few times, then left
+    to Mooncake's eviction (counted). Thread-safe."""
+
+    MAX_TRIES = 8
+    MAX_HELD = 1 << 16
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[float, int, str]] = deque()
+        self.deferred = 0
+        self.reaped = 0
+        self.abandoned = 0
+
+    def add(self, locations: Sequence[str], tries: int = 0) -> None:
+        if not locations:
+            return
+        at = time.monotonic() + self.lease_s
+        with self._lock:
+            for loc in locations:
+                if tries >= self.MAX_TRIES or len(self._queue) >= self.MAX_HELD:
+                    self.abandoned += 1
+                else:
+                    self._queue.append((at, tries + 1, loc))
+                    self.deferred += tries == 0
+
+    def due(self, everything: bool = False) -> dict[str, int]:
+        """Locations due for another try, with the tries they had."""
+        now = time.monotonic()
+        out: dict[str, int] = {}
+        with self._lock:
+            while self._queue and (everything or self._queue[0][0] <= now):
+                _, tries, loc = self._queue.popleft()
+                out[loc] = tries
+        return out
+
+    def retry(self, due: dict[str, int], failed: Sequence[str]) -> None:
+        with self._lock:
+            self.reaped += len(due) - len(failed)
+        for loc in failed:
+            self.add([loc], due[loc])
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._queue)
+
+    def counters(self) -> dict[str, int]:
+        held = self.pending()
+        return {  # read without the lock: counters only ever grow
+            "removals_deferred": self.deferred,
+            "removals_reaped": self.reaped,
+            "removals_abandoned": self.abandoned,
+            "removals_pending": held,
+        }
+
+
+READERS = 4
+"""Worker threads fetching groups of large reads (shared by the tier's readers)."""
+GROUP_MIN = 4 << 20
+GROUP_MAX = 16 << 20
+"""Bounds of one fetch group of a large read (:meth:`MooncakeTier._fetch_stream`)."""
+
+NOT_FOUND = -704
+"""Mooncake's OBJECT_NOT_FOUND."""
+HAS_LEASE = -706
+"""Mooncake's OBJECT_HAS_LEASE: a reader holds the object; removed later."""
+GONE_OK = (0, NOT_FOUND)
+
+
+def _sizes(arrays: Sequence[np.ndarray]) -> list[int]:
+    return [a.nbytes for a in arrays]
+
+
+def _destinations(
+    sizes: list[int], outs: Sequence[np.ndarray | None] | None
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Byte views to read each payload into: the caller's ``out`` where it can take the
+    bytes as they are, else a slice of one new buffer for the rest of the batch; and the
+    distinct buffers behind them (what a registration covers)."""
+    dests: list[np.ndarray | None] = []
+    regions: list[np.ndarray] = []
+    for i, size in enumerate(sizes):
+        out = outs[i] if outs is not None else None
+        if out is not None and _takes(out, size):
+            view = out.reshape(-1).view(np.uint8)
+            dests.append(view)
+            regions.append(view)
+        else:
+            dests.append(None)
+    rest = sum(s for s, d in zip(sizes, dests, strict=True) if d is None)
+    buf = np.empty(rest, np.uint8)
+    if rest:
+        regions.append(buf)
+    at = 0
+    done: list[np.ndarray] = []
+    for size, d in zip(sizes, dests, strict=True):
+        if d is None:
+            d, at = buf[at : at + size], at + size
+        done.append(d)
+    return done, regions
+
+
+def _takes(out: np.ndarray, size: int) -> bool:
+    """Whether a payload of ``size`` bytes can be read straight into ``out``."""
+    return bool(out.flags.c_contiguous and out.flags.writeable and out.nbytes == size)
+
+
+def _groups(sizes: list[int], target: int) -> list[list[int]]:
+    """Consecutive indices in groups of about ``target`` bytes (at least one each)."""
+    groups: list[list[int]] = [[]]
+    held = 0
+    for i, size in enumerate(sizes):
+        if groups[-1] and held + size > target:
+            groups.append([])
+            held = 0
+        groups[-1].append(i)
+        held += size
+    return groups

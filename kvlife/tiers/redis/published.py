@@ -5,9 +5,10 @@ payload store is Redis itself (:class:`~kvlife.tiers.redis.tier.RedisTier`) or M
 Store (:class:`~kvlife.tiers.mooncake.tier.MooncakeTier`). This base does the parts
 that do not depend on where the payload lies: capacity accounting of this host's share,
 reservations with the lease and epoch they will publish under, verified reads (record
-checksum, key, length, xxh3-128 of the payload; a mismatch is re-read once, since bytes
-damaged in transit are not proof of a corrupt replica), probes for other hosts' objects
-and the health of the connection.
+checksum, key, length, xxh3-128 of the payload; anything short of exact bytes re-reads
+the record before judging the payload: deleted, overwritten or, unchanged across a
+second fetch, a miss or a corrupt replica), probes for other hosts' objects and the
+health of the connection.
 
 Capacity is this host's budget in the shared tier: replicas it published or adopted
 count against it; other hosts' objects do not. ``replica_keys`` lists those replicas.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import threading
 import uuid
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -65,10 +66,23 @@ class RemoteCounters:
     """Replicas that failed verification twice (reported as corrupt)."""
     short_payloads: int = 0
     """Payloads shorter than the record (or empty) behind a present record: a miss."""
+    record_changed: int = 0
+    """Reads whose record changed under them (overwritten): the new object was read."""
     probes: int = 0
     probe_hits: int = 0
     probe_refused_identity: int = 0
     """Records found whose object info differs from the lookup's (never served)."""
+
+
+FETCHES = 4
+"""Fetches of one payload in one read, the first included (:meth:`PublishedTier._settle`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Fault:
+    kind: str
+    """error (transport), short (empty or short payload), mismatch (checksum, length)."""
+    why: str
 
 
 @dataclass(slots=True)
@@ -100,15 +114,20 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
     # ------------------------------------------------------------------ payload store
 
     @abstractmethod
-    def _publish(
-        self, pending: _Pending, records: list[RemoteRecord], payloads: list[np.ndarray]
+    def _write(
+        self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
     ) -> None:
-        """Write payloads and records; a record is visible only with its payload.
-        Raise LeaseError (refused) or RemoteTierError; on failure unpublish what can be."""
+        """Write payloads and their records (:meth:`_records_for`); a record is visible
+        only with its payload. Raise LeaseError (refused) or RemoteTierError; on failure
+        unpublish what can be."""
 
     @abstractmethod
-    def _fetch(self, records: list[RemoteRecord]) -> list[memoryview | bytes | Exception | None]:
-        """The payload bytes behind each record (None: gone; an exception: I/O error)."""
+    def _fetch(
+        self, records: list[RemoteRecord], outs: Sequence[np.ndarray | None] | None = None
+    ) -> list[memoryview | bytes | Exception | None]:
+        """The payload bytes behind each record (None: gone; an exception: I/O error).
+        A tier may read straight into a record's ``out`` (C-contiguous, of its size) and
+        return a view of it; the bytes are verified after, either way."""
 
     @abstractmethod
     def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord | None]) -> None:
@@ -118,14 +137,40 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         """Where a new payload goes, recorded in its record ("" when beside it)."""
         return ""
 
+    def _records_for(
+        self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
+    ) -> list[RemoteRecord]:
+        """The records of new payloads (computes each payload's xxh3-128)."""
+        lease = pending.lease
+        return [
+            RemoteRecord.for_payload(
+                m, a, lease.host, lease.token, pending.epoch, self._location(m.key, pending)
+            )
+            for m, a in zip(metas, payloads, strict=True)
+        ]
+
     # ------------------------------------------------------------------ records
 
     def _records(self, keys: Sequence[ChunkKey]) -> list[RemoteRecord | Exception | None]:
+        """The records of ``keys``: one ``MGET`` per hash-tag bucket (one cluster slot
+        each), pipelined."""
+        idx = self.index
+        by_tag: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            by_tag.setdefault(idx.tag(k), []).append(i)
+
         def run() -> list[Any]:
-            pipe = self.index.client.pipeline(transaction=False)
-            for k in keys:
-                pipe.get(self.index.record_key(k))
-            return list(pipe.execute())
+            pipe = idx.client.pipeline(transaction=False)
+            for at in by_tag.values():
+                pipe.execute_command("MGET", *(idx.record_key(keys[i]) for i in at))
+            replies = pipe.execute()
+            blobs: list[Any] = [None] * len(keys)
+            for at, reply in zip(by_tag.values(), replies, strict=True):
+                if not isinstance(reply, list) or len(reply) != len(at):
+                    raise ValueError(f"MGET of {len(at)} records answered {type(reply).__name__}")
+                for i, blob in zip(at, reply, strict=True):
+                    blobs[i] = blob
+            return blobs
 
         raw = self.health.call("read records", run)
         out: list[RemoteRecord | Exception | None] = []
@@ -175,18 +220,7 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                     "before the write: not published"
                 )
             arrays = [np.ascontiguousarray(a) for a in payloads]
-            records = [
-                RemoteRecord.for_payload(
-                    m,
-                    a,
-                    pending.lease.host,
-                    pending.lease.token,
-                    pending.epoch,
-                    self._location(m.key, pending),
-                )
-                for m, a in zip(reservation.metas, arrays, strict=True)
-            ]
-            self._publish(pending, records, arrays)
+            self._write(pending, reservation.metas, arrays)
         except BaseException:
             self.counters.publish_failed += len(reservation.metas)
             self.cancel_store(reservation)
@@ -238,89 +272,119 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                         f"{h.dtype}{list(h.shape)}"
                     )
         good = [r for r in records if isinstance(r, RemoteRecord)]
-        try:
-            fetched = iter(self._fetch(good)) if good else iter(())
-        except RemoteTierError as exc:
-            self.counters.read_misses += len(keys)
-            return [ReplicaReadError(k.hex(), self.name, str(exc)) for k in keys]
+        good_outs = [
+            outs[i] if outs is not None else None
+            for i, r in enumerate(records)
+            if isinstance(r, RemoteRecord)
+        ]
+        stream = self._fetch_stream(good, good_outs)
         results: list[ReadResult] = []
-        for i, (key, rec) in enumerate(zip(keys, records, strict=True)):
-            if not isinstance(rec, RemoteRecord):
-                self.counters.corrupt += 1
-                results.append(ChecksumMismatch(key.hex(), self.name, f"record: {rec}"))
-                continue
-            got = next(fetched)
-            if got is None or isinstance(got, Exception) or len(got) < rec.header.payload_len:
-                rec, got = self._behind_gone(key, rec, got)
-            results.append(self._verified(key, rec, got, outs[i] if outs else None))
+        try:
+            for i, (key, rec) in enumerate(zip(keys, records, strict=True)):
+                if not isinstance(rec, RemoteRecord):
+                    self.counters.corrupt += 1
+                    results.append(ChecksumMismatch(key.hex(), self.name, f"record: {rec}"))
+                    continue
+                got = next(stream)
+                results.append(self._settle(key, rec, got, outs[i] if outs else None))
+        finally:
+            stream.close()  # a tier fetching ahead waits for what it started
         return results
 
-    def _behind_gone(
-        self, key: ChunkKey, rec: RemoteRecord, got: memoryview | bytes | Exception | None
-    ) -> tuple[RemoteRecord, memoryview | bytes | Exception | None]:
-        """A record whose payload was gone or short: deleted meanwhile (ReplicaNotFound),
-        overwritten (the new payload is read), a Mooncake read lease that lapsed (read
-        again) or a payload its holder lost (a miss)."""
-        for _ in range(3):
-            try:
-                again = self._records([key])[0]
-            except RemoteTierError:
-                return rec, got
-            if again is None:
-                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}… (deleted)")
-            if not isinstance(again, RemoteRecord):
-                return rec, got
-            rec = again
-            try:
-                got = self._fetch([rec])[0]
-            except RemoteTierError as exc:
-                return rec, exc
-            if (
-                got is not None
-                and not isinstance(got, Exception)
-                and len(got) >= rec.header.payload_len
-            ):
-                return rec, got
-        return rec, got
+    def _fetch_stream(
+        self, records: list[RemoteRecord], outs: list[np.ndarray | None]
+    ) -> Generator[memoryview | bytes | Exception | None, None, None]:
+        """The payloads behind ``records``, in order, a transport failure as a value; a
+        tier may fetch ahead while its caller verifies what came."""
+        if not records:
+            return
+        try:
+            got = self._fetch(records, outs)
+        except RemoteTierError as exc:
+            got = [exc] * len(records)
+        yield from got
 
-    def _verified(
+    def _fetch_one(
+        self, rec: RemoteRecord, out: np.ndarray | None
+    ) -> memoryview | bytes | Exception | None:
+        try:
+            return self._fetch([rec], [out])[0]
+        except RemoteTierError as exc:
+            return exc
+
+    def _settle(
         self,
         key: ChunkKey,
         rec: RemoteRecord,
         got: memoryview | bytes | Exception | None,
         out: np.ndarray | None,
     ) -> ReadResult:
-        for attempt in (0, 1):
-            if isinstance(got, Exception):
-                self.counters.read_misses += 1
-                return ReplicaReadError(key.hex(), self.name, f"payload: {got}")
-            if got is None or len(got) < rec.header.payload_len:
-                self.counters.short_payloads += 1
-                self.counters.read_misses += 1
-                return ReplicaReadError(
-                    key.hex(),
-                    self.name,
-                    f"payload {'gone' if got is None else f'{len(got)} bytes'} behind a record "
-                    f"of {rec.header.payload_len}",
-                )
+        """The verified payload of ``key``, or why not.
+
+        Anything short of exact bytes (an error, an empty or short payload, a checksum
+        mismatch) re-reads the record before judging the payload: a record deleted
+        meanwhile is ReplicaNotFound; a record that changed (overwritten: a new payload,
+        at a new Mooncake object) is read at its new place; only a record that stayed
+        the same across a second fetch of its payload is a miss (ReplicaReadError) or,
+        mismatching twice, corrupt (ChecksumMismatch). At most :data:`FETCHES` fetches."""
+        unchanged_retry = False
+        fault: _Fault = _Fault("error", "")
+        for _ in range(FETCHES):
+            res = self._checked(key, rec, got, out)
+            if not isinstance(res, _Fault):
+                if fault.why:
+                    self.counters.reread_ok += 1
+                return res
+            fault = res
             try:
-                arr = rec.verify(bytes(key), got)
-            except RecordError as exc:
-                if attempt == 0:
-                    try:
-                        got = self._fetch([rec])[0]
-                    except RemoteTierError as again:
-                        got = again
-                    continue
+                again = self._records([key])[0]
+            except RemoteTierError:
+                break
+            if again is None:
+                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}… (deleted)")
+            if not isinstance(again, RemoteRecord):
                 self.counters.corrupt += 1
-                return ChecksumMismatch(key.hex(), self.name, str(exc))
-            if attempt:
-                self.counters.reread_ok += 1
-            if out is None:
-                return arr
-            np.copyto(out, arr)
-            return out
-        raise AssertionError("unreachable")
+                return ChecksumMismatch(key.hex(), self.name, f"record: {again}")
+            if again == rec:
+                if unchanged_retry:
+                    break
+                unchanged_retry = True  # bytes damaged in transit, a lapsed read lease
+            else:
+                rec, unchanged_retry = again, False  # overwritten: read the new object
+                self.counters.record_changed += 1
+            got = self._fetch_one(rec, out)
+        if fault.kind == "mismatch" and unchanged_retry:
+            self.counters.corrupt += 1
+            return ChecksumMismatch(key.hex(), self.name, fault.why)
+        if fault.kind == "short":
+            self.counters.short_payloads += 1
+        self.counters.read_misses += 1
+        return ReplicaReadError(key.hex(), self.name, fault.why)
+
+    def _checked(
+        self,
+        key: ChunkKey,
+        rec: RemoteRecord,
+        got: memoryview | bytes | Exception | None,
+        out: np.ndarray | None,
+    ) -> np.ndarray | _Fault:
+        if isinstance(got, Exception):
+            return _Fault("error", f"payload: {got}")
+        n = rec.header.payload_len
+        if got is None or len(got) < n:
+            return _Fault(
+                "short",
+                f"payload {'gone' if got is None else f'{len(got)} bytes'} behind a record of {n}",
+            )
+        try:
+            arr = rec.verify(bytes(key), got)
+        except RecordError as exc:
+            return _Fault("mismatch", str(exc))
+        if out is None:
+            return arr
+        if not (out.flags.c_contiguous and arr.ctypes.data == out.ctypes.data):
+            np.copyto(out, arr)  # else the tier read straight into ``out``
+        return out
 
     def delete(self, key: ChunkKey) -> int:
         return self.delete_batch([key])[0]
