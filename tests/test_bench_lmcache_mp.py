@@ -25,6 +25,7 @@ PEER = find_peer_python()
 @pytest.mark.skipif(PEER is None, reason="no peer venv with LMCache (see peer_lmcache_mp.py)")
 def test_lmcache_mp_quick_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "mp.json"
+    before = {p.name for p in Path("/dev/shm").iterdir()}
     cmd = ["bench", "lmcache-mp", "--python", str(PEER), "--quick", "--json", str(out)]
     proc = subprocess.run(
         [sys.executable, "-m", "kvlife.cli", *cmd],
@@ -48,11 +49,11 @@ def test_lmcache_mp_quick_writes_json(tmp_path: Path) -> None:
         for k in ("store_gbps", "retrieve_gbps", "store_p99_ms", "retrieve_p99_ms"):
             assert p[k] > 0
     assert r["points"][0]["transfer_context"] == "LMCacheDrivenTransferContext"
-    assert r["points"][1]["transfer_context"].startswith("EngineDrivenTransferContext/")
-    leftover = [
-        p for p in Path("/dev/shm").iterdir() if p.name.startswith("lmcache_l1_pool_kvlife")
-    ]
-    assert not leftover
+    assert (
+        r["points"][1]["transfer_context"] == "EngineDrivenTransferContext/EngineDrivenContextShm"
+    )
+    left = {p.name for p in Path("/dev/shm").iterdir()} - before
+    assert not {n for n in left if n.startswith("lmcache_")}  # L1 pool and KV segments
 
 
 def test_a_python_without_lmcache_is_unavailable_with_a_reason() -> None:
