@@ -353,6 +353,7 @@ BENCHES = {
     "remote": "kvlife.bench.remote",
     "vllm": "kvlife.bench.vllm",
     "server": "kvlife.bench.server",
+    "lmcache-mp": "kvlife.bench.peer_lmcache_mp",
 }
 EXPERIMENTS = {
     "lifetime-hints": "kvlife.sim.lifetime_hints",

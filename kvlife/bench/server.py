@@ -14,7 +14,8 @@ store and the machine's limits, measured in the same run.
 Targets (issue 10): lookup <= 2x in-process (median and P99); DRAM load >= 0.8x memcpy,
 disk load >= 0.85x raw; put >= 0.8x memcpy, write-through put >= 0.85x raw. A benchmark,
 not a test: it prints a table and writes JSON; nothing here asserts speed.
-LMCache's multi-process mode is not run side by side (see ``PEER_NOTE``).
+LMCache's multi-process mode runs beside on the same chunks when a peer venv is found
+(kvlife/bench/peer_lmcache_mp.py).
 """
 
 from __future__ import annotations
@@ -54,12 +55,6 @@ TARGETS = {
     "put_dram": 0.8,
     "put_write_through": 0.85,
 }
-PEER_NOTE = (
-    "LMCache's multi-process mode was not run: lmcache 0.5.6 (the PyPI wheel) ships a "
-    "CUDA extension (cuda_ops) and its MP server moves KV between GPU buffers (CUDA IPC "
-    "transfer contexts) with torch; a CPU-only side-by-side would need a CUDA torch in a "
-    "separate venv and a client written against its ZMQ RPC, not done in this run"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +83,11 @@ class ServerBenchConfig:
     pin: bool = True
     """With two CPUs or more: the servers on the last one (``--cpus``), this process on
     the others, as docs/server.md recommends; the scaling clients run anywhere."""
+    peer: bool = True
+    """Run LMCache's multi-process mode on the same loads and puts when a peer venv is
+    found (``peer_python``, ``$KVLIFE_LMCACHE_PYTHON``, ``../peer-venv``); quick runs
+    only with ``peer_python`` given."""
+    peer_python: Path | None = None
 
     @classmethod
     def small(cls, directory: Path | None) -> ServerBenchConfig:
@@ -494,6 +494,31 @@ def run_server_bench(cfg: ServerBenchConfig) -> dict[str, Any]:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def _peer(cfg: ServerBenchConfig, server_cpus: str, work: Path) -> dict[str, Any]:
+    """LMCache's MP server and client on the same chunks (kvlife/bench/peer_lmcache_mp),
+    its server on the CPU kvlife's servers ran on; a dict saying why when not run."""
+    from kvlife.bench import peer_lmcache_mp as mp
+
+    python = mp.find_peer_python(cfg.peer_python)
+    if not cfg.peer or python is None or (cfg.quick and cfg.peer_python is None):
+        why = "not asked" if not cfg.peer else "no peer venv found"
+        if cfg.peer and python is not None:
+            why = "quick run (pass --peer-python to run it)"
+        return {"peer": "lmcache-mp", "skipped": why}
+    peer_cfg = mp.MPPeerConfig(
+        sizes=cfg.sizes,
+        chunks_per_call=cfg.chunks_per_call,
+        reps=cfg.reps,
+        server_cpus=tuple(int(c) for c in server_cpus.split(",")) if server_cpus else (),
+    )
+    if cfg.quick:
+        peer_cfg = replace(mp.MPPeerConfig.small(), server_cpus=peer_cfg.server_cpus)
+    try:
+        return mp.run_lmcache_mp(python, peer_cfg, work / "lmc")
+    except (mp.PeerUnavailable, RuntimeError, ValueError) as exc:
+        return {"peer": "lmcache-mp", "skipped": f"failed: {exc}"[:2000]}
+
+
 @contextlib.contextmanager
 def _pinned(cfg: ServerBenchConfig) -> Iterator[tuple[str, str]]:
     """(server CPUs, client CPUs) as --cpus lists, this process pinned to the client
@@ -514,6 +539,7 @@ def _run(
 ) -> dict[str, Any]:
     with _pinned(cfg) as (server_cpus, client_cpus):
         result = _points(cfg, work, base, dram, shm, servers, server_cpus)
+        result["peer_lmcache"] = _peer(cfg, server_cpus, work)
     result["config"]["server_cpus"] = server_cpus
     result["config"]["client_cpus"] = client_cpus
     result["targets"] = _targets(result)
@@ -533,7 +559,7 @@ def _points(
     main = _Server(work / "m", dram, 4 * dram, shm, *pin)
     servers.append(main)
     remote = main.client()
-    result: dict[str, Any] = {"config": asdict(cfg), "note": "", "peer_lmcache": PEER_NOTE}
+    result: dict[str, Any] = {"config": asdict(cfg), "note": ""}
     result["config"]["directory"] = str(base)
     result["config"]["shm_dir"] = str(shm)
     result["shm_huge_pages"] = huge_pages(shm)
@@ -674,8 +700,34 @@ def format_report(r: dict[str, Any]) -> str:
     cpus = r["config"]["server_cpus"]
     where = f"server on CPU {cpus}, client on {r['config']['client_cpus']}" if cpus else "no"
     lines.append(f"pinning: {where}")
-    lines.append(f"peer: {r['peer_lmcache']}")
+    lines.append(_peer_report(r))
     return "\n".join(lines)
+
+
+def _peer_report(r: dict[str, Any]) -> str:
+    peer = r["peer_lmcache"]
+    if "points" not in peer:
+        return f"LMCache multi-process mode: not run ({peer.get('skipped', '?')})"
+    ours = {p["chunk_bytes"]: p for p in r["put_dram"]}
+    loads = {p["chunk_bytes"]: p for p in r["load_dram"]}
+    rows = []
+    for p in peer["points"]:
+        size = p["chunk_bytes"]
+        put, load = ours.get(size), loads.get(size)
+        rows.append(
+            [
+                p["mode"],
+                f"{size >> 10} KiB",
+                f"{p['store_gbps']:.2f}",
+                f"{put['server_gbps']:.2f}" if put else "-",
+                f"{p['retrieve_gbps']:.2f}",
+                f"{load['server_gbps']:.2f}" if load else "-",
+            ]
+        )
+    versions = peer.get("versions", {})
+    head = ["lmcache mode", "chunk", "lmcache store", "kvlife put", "lmcache get", "kvlife load"]
+    title = f"LMCache {versions.get('lmcache', '?')} multi-process mode, same chunks (DRAM):"
+    return title + "\n" + format_table(head, rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -694,6 +746,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--no-pin", action="store_true", help="leave the servers and this process unpinned"
     )
+    p.add_argument(
+        "--peer-python",
+        type=Path,
+        default=None,
+        help="python of an LMCache peer venv (kvlife/bench/peer_lmcache_mp.py)",
+    )
+    p.add_argument("--no-peer", action="store_true", help="do not run LMCache's MP mode beside")
     p.add_argument("--worker", nargs=5, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -704,7 +763,14 @@ def main(argv: list[str] | None = None) -> int:
         sock, size, n, seconds, start_at = args.worker
         return _worker(sock, int(size), int(n), float(seconds), float(start_at))
     cfg = ServerBenchConfig.small(args.dir) if args.quick else ServerBenchConfig(directory=args.dir)
-    cfg = replace(cfg, shm_dir=args.shm_dir, huge=not args.no_huge, pin=not args.no_pin)
+    cfg = replace(
+        cfg,
+        shm_dir=args.shm_dir,
+        huge=not args.no_huge,
+        pin=not args.no_pin,
+        peer=not args.no_peer,
+        peer_python=args.peer_python,
+    )
     result = run_server_bench(cfg)
     print(format_report(result))
     if args.json is not None:
