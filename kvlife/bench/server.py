@@ -513,9 +513,10 @@ def _peer(cfg: ServerBenchConfig, server_cpus: str, work: Path) -> dict[str, Any
     )
     if cfg.quick:
         peer_cfg = replace(mp.MPPeerConfig.small(), server_cpus=peer_cfg.server_cpus)
+    (work / "lmc").mkdir(exist_ok=True)
     try:
         return mp.run_lmcache_mp(python, peer_cfg, work / "lmc")
-    except (mp.PeerUnavailable, RuntimeError, ValueError) as exc:
+    except (mp.PeerUnavailable, RuntimeError, ValueError, OSError) as exc:
         return {"peer": "lmcache-mp", "skipped": f"failed: {exc}"[:2000]}
 
 
