@@ -4,17 +4,21 @@ serve`` over its Unix socket, with bulk bytes through the server's shared-memory
 A load is one round trip that names the arena extents holding the verified chunks (DRAM
 replicas as they are, disk reads landed in the arena), one copy from the arena into the
 caller's buffers (or new arrays), and a release that rides along with the next request
-(no round trip of its own). A put
-is a round trip that reserves extents for the chunks the store does not hold, one copy
-of each into its extent, and a commit round trip (the server adopts the extents as the
-DRAM replicas without a copy).
+(no round trip of its own). When every hit is in DRAM and the lookup said where, the
+copy is made while the server pins and confirms those extents (docs/server.md, Data
+plane). ``put_prompt`` is one round trip once the server has staged extents for the
+chunk shape: a deferred ``put`` goes out, the chunks are copied into staged extents
+while the server prepares it, a ``put_commit`` commits them (adopted as the DRAM
+replicas without a copy); ``prepare_put``/``commit_put`` are two round trips.
 
 When the server cannot be reached every call raises
 :class:`~kvlife.core.errors.StoreUnavailable` (an engine treats it as a miss); the next
 call tries to reconnect, so a restarted server is picked up by itself. Pending puts and
 loads of a lost connection are gone (the server aborted them); finishing one raises
-StoreUnavailable. A RemoteStore may be shared by the threads of a process (calls are
-serialised on its one connection; copies run outside that lock).
+StoreUnavailable. A RemoteStore may be shared by the threads of a process: calls are
+serialised on its one connection, and the copies that overlap a round trip (hinted
+loads, staged puts) run inside that serialisation; grant copies run outside it. Threads
+that load in parallel each want a RemoteStore of their own.
 """
 
 from __future__ import annotations
