@@ -143,3 +143,21 @@ def test_a_killed_client_leaves_no_staged_extent(server: ServerProc) -> None:
         assert state["arena_extents"] == state["shm_replicas"]
     finally:
         watcher.close()
+
+
+def test_a_deferred_put_that_failed_is_raised_by_its_commit(remote: RemoteStore) -> None:
+    tokens, kv = prompt_kv(44, 2 * N)
+    remote.put_prompt(tiny_identity(), PUBLIC, tokens, kv)
+    with pytest.raises(ProtocolError, match="no deferred put"):
+        remote._call("put_commit", {})
+    conn = remote._conn
+    assert conn is not None
+    bad = {**_put_args(prompt_kv(45, 2 * N)[0], [1]), "deferred": True}
+    conn.sock.sendall(protocol.pack([0, "put", bad]))  # no reply: the error waits
+    with pytest.raises(ProtocolError, match="distinct staged extents"):
+        remote._call("put_commit", {})
+    state = quiet(remote)
+    assert state["tentative"] == 0 and state["staged"] == 2  # nothing taken, nothing left
+    t2, kv2 = prompt_kv(46, 2 * N)
+    assert remote.put_prompt(tiny_identity(), PUBLIC, t2, kv2).stored == 2
+    _chunks_equal(remote, t2, kv2, 2)
