@@ -69,6 +69,10 @@ RELEASE_BATCH = 8
 """Finished loads whose grants wait for the next request before being sent alone."""
 
 
+class _StaleExtents(Exception):
+    """Staged extents taken from a connection that was replaced before they were used."""
+
+
 def _shape_key(layout: KVLayout) -> StagedShape:
     return (layout.dtype, *layout.chunk_shape)
 
@@ -206,6 +210,8 @@ class RemoteStore:
                 if before is not None:
                     try:
                         before(conn)
+                    except _StaleExtents:
+                        raise
                     except BaseException:
                         # it may have sent half of an exchange (a deferred put whose
                         # chunks were not all written): the server must abort it, and
@@ -319,14 +325,17 @@ class RemoteStore:
         def write(conn: Connection) -> None:
             # the put goes first (no reply): the server prepares it while we copy
             if conn is not first:
-                raise StoreUnavailable(
-                    f"the connection to {self.socket_path} was lost before the put"
-                )
+                raise _StaleExtents  # reconnected since: nothing sent yet
             conn.sock.sendall(protocol.pack([0, "put", args]))
             for (_, off), chunk in zip(extents, chunks, strict=True):
                 np.copyto(self._view(conn, off, dtype, layout.chunk_shape), chunk)
 
-        r, conn = self._call_on("put_commit", {}, before=write)
+        try:
+            r, conn = self._call_on("put_commit", {}, before=write)
+        except _StaleExtents:  # the extents were another connection's: the two-phase put
+            del args["staged"], args["deferred"]
+            args["stage"] = len(chunks)
+            return self.commit_put(self._prepare(args, layout, chunks))
         self._add_staged(conn, _shape_key(layout), r["staged"])
         return _put_result(r)
 

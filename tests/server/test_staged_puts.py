@@ -161,3 +161,26 @@ def test_a_deferred_put_that_failed_is_raised_by_its_commit(remote: RemoteStore)
     t2, kv2 = prompt_kv(46, 2 * N)
     assert remote.put_prompt(tiny_identity(), PUBLIC, t2, kv2).stored == 2
     _chunks_equal(remote, t2, kv2, 2)
+
+
+def test_extents_of_a_replaced_connection_fall_back_to_the_two_phase_put(
+    remote: RemoteStore,
+) -> None:
+    """Another thread reconnected between taking staged extents and using them: the put
+    goes the two-phase way on the new connection, with its own bytes."""
+    tokens, kv = prompt_kv(47, 2 * N)
+    remote.put_prompt(tiny_identity(), PUBLIC, tokens, kv)
+    take = remote._take_staged
+
+    def take_then_reconnect(shape: object, count: int) -> object:
+        got = take(shape, count)  # type: ignore[arg-type]
+        remote._drop()
+        remote._call("info", {})  # a new connection, a new session
+        return got
+
+    remote._take_staged = take_then_reconnect  # type: ignore[method-assign,assignment]
+    t2, kv2 = prompt_kv(48, 2 * N)
+    assert remote.put_prompt(tiny_identity(), PUBLIC, t2, kv2).stored == 2
+    remote._take_staged = take  # type: ignore[method-assign]
+    _chunks_equal(remote, t2, kv2, 2)
+    assert quiet(remote)["staged"] == 2  # the new session's, from the fallback's prepare
