@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -82,6 +82,11 @@ class LookupResult:
         for h in self.hits:
             out[h.tier] = out.get(h.tier, 0) + 1
         return out
+
+    def sub(self, first: int, stop: int) -> LookupResult:
+        """This answer with only the hits ``[first, stop)`` (to load part of a prompt);
+        everything else, and the kind of answer, as it is."""
+        return replace(self, hits=self.hits[first:stop])
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@ remembers its identity, and the handle of an asynchronous load."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -38,6 +39,12 @@ class RemoteLookup(LookupResult):
     identity: ModelIdentity | None = None
     hints: tuple[int, ...] = ()
     epoch: int = 0
+
+    def sub(self, first: int, stop: int) -> RemoteLookup:
+        hits = self.hits[first:stop]
+        start = min(first, len(self.hits))
+        hints = self.hints[2 * start : 2 * (start + len(hits))]
+        return dataclasses.replace(self, hits=hits, hints=hints)
 
 
 class RemoteLoadHandle:

@@ -122,3 +122,28 @@ def test_a_lookup_from_before_a_restart_loads_its_own_bytes_or_misses(tmp_path: 
         client.close()
     finally:
         srv.stop()
+
+
+def test_part_of_a_lookup_keeps_its_hints_and_loads_its_own_chunks(remote: RemoteStore) -> None:
+    tokens, kv = prompt_kv(67, 4 * N)
+    remote.put_prompt(tiny_identity(), PUBLIC, tokens, kv)
+    lk = remote.lookup(tiny_identity(), PUBLIC, tokens)
+    assert isinstance(lk, RemoteLookup)
+    part = lk.sub(1, 3)
+    assert isinstance(part, RemoteLookup) and part.identity == lk.identity
+    assert [h.index for h in part.hits] == [1, 2] and part.hints == lk.hints[2:6]
+    assert lk.sub(3, 9).hints == lk.hints[6:8] and lk.sub(5, 9).hints == ()
+    confirmed: list[int] = []
+    roundtrip = remote._roundtrip
+
+    def spy(conn: object, verb: str, *rest: object) -> object:
+        r = roundtrip(conn, verb, *rest)  # type: ignore[arg-type]
+        if verb == "load":
+            confirmed.append(r["confirmed"])
+        return r
+
+    remote._roundtrip = spy  # type: ignore[method-assign,assignment]
+    got = remote.load(part, _outs(2))
+    remote._roundtrip = roundtrip  # type: ignore[method-assign]
+    assert confirmed == [2] and got.loaded == 2
+    assert _exact(got.arrays, kv[:, :, :, N : 3 * N])

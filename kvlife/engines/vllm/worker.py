@@ -32,7 +32,6 @@ from kvlife.engines.vllm.identity import with_adapter
 from kvlife.engines.vllm.meta import LoadSpec, SaveSpec, StepPlan
 from kvlife.engines.vllm.paged import PagedLayer
 from kvlife.engines.vllm.stores import StoreAPI
-from kvlife.results import LookupResult
 
 log = logging.getLogger("kvlife.vllm")
 
@@ -124,8 +123,8 @@ class WorkerSide:
         self.counters.loads += 1
         try:
             hit = self.store.lookup(identity, spec.namespace, spec.tokens)
-            usable = hit.hits[c0:c1]
-            sub = LookupResult(list(usable), hit.chunks_total, self.tpc)
+            sub = hit.sub(c0, c1)  # a served store's answer keeps its layout and hints
+            usable = sub.hits
             dtype = numpy_dtype(identity.layout.dtype)
             bufs = [np.empty(identity.layout.chunk_shape, dtype) for _ in usable]
             handle = self.store.load_async(sub, bufs, request_id=spec.req_id)
