@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -13,6 +14,7 @@ import numpy as np
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ChunkKey, ModelIdentity
 from kvlife.results import LoadResult, LookupResult
+from kvlife.store.reads import LoadCompletion
 
 
 @dataclass(slots=True)
@@ -47,17 +49,18 @@ class RemoteLookup(LookupResult):
         return dataclasses.replace(self, hits=hits, hints=hints)
 
 
-class RemoteLoadHandle:
+class RemoteLoadHandle(LoadCompletion):
     """An asynchronous remote load, shaped like :class:`~kvlife.store.reads.LoadHandle`:
     ``chunk(i)`` returns as soon as chunk ``i`` was copied into its buffer."""
 
     def __init__(self, requested: int) -> None:
+        super().__init__()
         self._requested = requested
         self._events = [threading.Event() for _ in range(requested)]
         self._arrays: list[np.ndarray | None] = [None] * requested
-        self._finished = threading.Event()
-        self._result: LoadResult | None = None
-        self._error: BaseException | None = None
+
+    def _chunk_events(self) -> Iterable[threading.Event]:
+        return self._events
 
     def __len__(self) -> int:
         return self._requested
@@ -84,22 +87,3 @@ class RemoteLoadHandle:
         if self._error is not None:
             raise self._error
         return self._arrays[i]
-
-    def completed(self) -> int:
-        n = 0
-        for ev in self._events:
-            if not ev.is_set():
-                break
-            n += 1
-        return n
-
-    def done(self) -> bool:
-        return self._finished.is_set()
-
-    def wait(self, timeout: float | None = None) -> LoadResult:
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"load did not finish within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result

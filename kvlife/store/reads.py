@@ -12,7 +12,7 @@ plan order (``drain()`` waits for it).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -56,7 +56,40 @@ class _Item:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class LoadHandle:
+class LoadCompletion:
+    """What every asynchronous load handle shares: its result or error once finished,
+    ``done()``, ``wait()``, and ``completed()`` over the per-chunk events."""
+
+    def __init__(self) -> None:
+        self._result: LoadResult | None = None
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+
+    def _chunk_events(self) -> Iterable[threading.Event]:
+        raise NotImplementedError
+
+    def completed(self) -> int:
+        """Leading chunks whose reads finished."""
+        n = 0
+        for ev in self._chunk_events():
+            if not ev.is_set():
+                break
+            n += 1
+        return n
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> LoadResult:
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"load did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+class LoadHandle(LoadCompletion):
     """An asynchronous load: chunks complete in any order, results are taken in order.
 
     ``chunk(i)`` waits for chunk ``i`` and returns its array, or None when it (or a chunk
@@ -67,6 +100,7 @@ class LoadHandle:
     def __init__(
         self, reader: Reader, items: list[_Item], requested: int, vanished: int, request_id: str
     ) -> None:
+        super().__init__()
         self._reader = reader
         self._items = items
         self._requested = requested
@@ -74,9 +108,6 @@ class LoadHandle:
         self._request_id = request_id
         self._left = len(items)
         self._lock = threading.Lock()
-        self._result: LoadResult | None = None
-        self._finished = threading.Event()
-        self._error: BaseException | None = None
         if not items:
             self._publish()
 
@@ -123,25 +154,8 @@ class LoadHandle:
         res = self._items[i].result
         return res if isinstance(res, np.ndarray) else None
 
-    def completed(self) -> int:
-        """Leading chunks whose reads finished."""
-        n = 0
-        for item in self._items:
-            if not item.done.is_set():
-                break
-            n += 1
-        return n
-
-    def done(self) -> bool:
-        return self._finished.is_set()
-
-    def wait(self, timeout: float | None = None) -> LoadResult:
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"load did not finish within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
+    def _chunk_events(self) -> Iterable[threading.Event]:
+        return (item.done for item in self._items)
 
 
 def _read_run(tier: Tier, run: Sequence[_Item], rates: DecodeRates) -> list[Outcome]:
