@@ -262,6 +262,33 @@ def _bench_lookup(cfg: ServerBenchConfig, work: Path, remote: RemoteStore) -> di
     return out
 
 
+def _point(
+    layout: KVLayout,
+    n: int,
+    served: list[float],
+    limit: list[float],
+    *,
+    raw: bool,
+    **others: list[float],
+) -> dict[str, Any]:
+    """A load or put point: medians of the served calls and of the limit, their ratio,
+    and ``<name>_gbps`` and ``ratio_<name>`` of each other series of the same bytes."""
+    total = n * layout.chunk_nbytes
+    s_gbps = _gbps(total, float(np.median(served)))
+    l_gbps = _gbps(total, float(np.median(limit)))
+    out: dict[str, Any] = {
+        "chunk_bytes": layout.chunk_nbytes,
+        "chunks_per_call": n,
+        "server_gbps": s_gbps,
+        ("raw_gbps" if raw else "memcpy_gbps"): l_gbps,
+        "ratio": s_gbps / l_gbps,
+    }
+    for name, xs in others.items():
+        out[f"{name}_gbps"] = _gbps(total, float(np.median(xs)))
+        out[f"ratio_{name}"] = out[f"{name}_gbps"] / l_gbps
+    return out
+
+
 def _bench_load(
     cfg: ServerBenchConfig, remote: RemoteStore, size: int, seed: int, raw_dir: Path | None
 ) -> dict[str, Any]:
@@ -317,18 +344,8 @@ def _bench_load(
     if raw_file is not None:
         raw_file.unlink(missing_ok=True)
     remote.invalidate(namespace=NS)
-    s_gbps = _gbps(total, float(np.median(served)))
-    l_gbps = _gbps(total, float(np.median(limit)))
-    out = {
-        "chunk_bytes": layout.chunk_nbytes,
-        "chunks_per_call": n,
-        "server_gbps": s_gbps,
-        ("raw_gbps" if raw_file is not None else "memcpy_gbps"): l_gbps,
-        "ratio": s_gbps / l_gbps,
-        "server_p99_ms": _pct(served, 99) * 1e3,
-        "shared_gbps": _gbps(total, float(np.median(served_shared))),
-    }
-    out["ratio_shared"] = out["shared_gbps"] / l_gbps
+    out = _point(layout, n, served, limit, raw=raw_file is not None, shared=served_shared)
+    out["server_p99_ms"] = _pct(served, 99) * 1e3
     if raw_file is not None:
         out["direct_io"] = direct
     return out
@@ -349,7 +366,6 @@ def _bench_put(
     layout = _layout(size)
     ident = _identity(layout)
     n = cfg.chunks_per_call
-    total = n * layout.chunk_nbytes
     dsts = _outs(layout, n)
     direct = raw_dir is not None and _direct_ok(raw_dir)
     served, limit, inproc = [], [], []
@@ -385,18 +401,8 @@ def _bench_put(
             limit.append(t_lim)
     if raw_dir is not None:
         (raw_dir / "raw-put").unlink(missing_ok=True)
-    s_gbps = _gbps(total, float(np.median(served)))
-    l_gbps = _gbps(total, float(np.median(limit)))
-    out = {
-        "chunk_bytes": layout.chunk_nbytes,
-        "chunks_per_call": n,
-        "server_gbps": s_gbps,
-        ("raw_gbps" if raw_dir is not None else "memcpy_gbps"): l_gbps,
-        "ratio": s_gbps / l_gbps,
-    }
-    if inproc:
-        out["inproc_gbps"] = _gbps(total, float(np.median(inproc[1:])))
-        out["ratio_inproc"] = out["inproc_gbps"] / l_gbps
+    others = {"inproc": inproc[1:]} if inproc else {}  # the first is a warm-up
+    out = _point(layout, n, served, limit, raw=raw_dir is not None, **others)
     if raw_dir is not None:
         out["direct_io"] = direct
     return out
