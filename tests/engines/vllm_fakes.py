@@ -288,7 +288,8 @@ class MiniEngine:
         n_prompt = len(req.prompt_token_ids)
         ext = self.scheduler.matched(req, 0)
         self.scheduler.allocated(req, ext)
-        computed, blocks, first = ext, [], True
+        computed, first = ext, True
+        blocks: list[int] = []
         while len(req.output_token_ids) < max_tokens:
             tokens = req.all_token_ids
             hi = n_prompt if computed < n_prompt else len(tokens)
