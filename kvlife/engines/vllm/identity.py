@@ -1,8 +1,10 @@
 """Model identity of a vLLM engine, from what the engine is configured with.
 
 Nothing here trusts a model name alone. The weights digest is BLAKE3 over the weight
-files (name, size, bytes), cached per file under (path, size, mtime) in kvlife's user
-cache, so a large model is hashed once, not per engine start; the tokenizer digest
+files (name, size, bytes), cached per file under its fingerprint (path, size, mtime,
+inode, ctime, a sample of its bytes: ``kvlife.engines.identity.file_fingerprint``) in
+kvlife's user cache, so a large model is hashed once, not per engine start, and a
+same-size checkpoint copied over it with its mtime preserved is hashed again; the tokenizer digest
 covers the tokenizer files; the position encoding digest the RoPE configuration and
 context length; the engine digest vLLM's version, the attention block size and the
 compute dtype; the layout carries the tensor-parallel shard (rank, world size, the KV
@@ -16,8 +18,6 @@ The functions take plain values so they are testable without vLLM;
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,12 @@ import msgpack
 
 from kvlife.core.identity import DTYPE_ITEMSIZE, KVLayout, ModelIdentity, Namespace, NamespaceKind
 from kvlife.engines.errors import UnsupportedModel
-from kvlife.engines.identity import AdapterSpec, cache_dir, position_digest, tokenizer_digest
+from kvlife.engines.identity import (
+    AdapterSpec,
+    cached_digest,
+    position_digest,
+    tokenizer_digest,
+)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 """Files of a model directory that hold weights."""
@@ -47,29 +52,14 @@ _DIGEST_INDEX = "file-digests.json"
 
 
 def _file_digest(path: Path) -> str:
-    """BLAKE3 of one file, cached under (resolved path, size, mtime)."""
-    st = path.stat()
-    entry = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    index_path = cache_dir() / _DIGEST_INDEX
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, ValueError):
-        index = {}
-    got = index.get(entry)
-    if isinstance(got, str):
-        return got
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    h.update_mmap(str(path))
-    digest = h.hexdigest()
-    try:  # re-read: another process (vLLM's scheduler or a worker) may have added entries
-        index = json.loads(index_path.read_text())
-    except (OSError, ValueError):
-        index = {}
-    index[entry] = digest
-    tmp = index_path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(index))
-    tmp.replace(index_path)
-    return digest
+    """BLAKE3 of one file, cached under its fingerprint."""
+
+    def compute() -> str:
+        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        h.update_mmap(str(path))
+        return str(h.hexdigest())
+
+    return cached_digest(_DIGEST_INDEX, path, compute)
 
 
 def files_digest(files: list[Path]) -> str:
