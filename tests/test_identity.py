@@ -38,6 +38,7 @@ pos = st.integers(min_value=1, max_value=64)
 @st.composite
 def layouts(draw: st.DrawFn) -> KVLayout:
     tp_size = draw(st.integers(min_value=1, max_value=8))
+    pp_size = draw(st.integers(min_value=1, max_value=4))
     return KVLayout(
         num_layers=draw(pos),
         num_kv_heads=draw(pos),
@@ -47,6 +48,9 @@ def layouts(draw: st.DrawFn) -> KVLayout:
         tp_rank=draw(st.integers(min_value=0, max_value=tp_size - 1)),
         tp_size=tp_size,
         kv_head_start=draw(st.integers(min_value=0, max_value=64)),
+        pp_rank=draw(st.integers(min_value=0, max_value=pp_size - 1)),
+        pp_size=pp_size,
+        first_layer=draw(st.integers(min_value=0, max_value=64)),
     )
 
 
@@ -86,7 +90,14 @@ IDENTITY_FIELDS = [
     "position_encoding_digest",
     "engine_digest",
 ]
-LAYOUT_FIELDS = ["num_layers", "num_kv_heads", "head_dim", "tokens_per_chunk", "kv_head_start"]
+LAYOUT_FIELDS = [
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "tokens_per_chunk",
+    "kv_head_start",
+    "first_layer",
+]
 
 
 def _key(ident: ModelIdentity, ns: Namespace, tokens: list[int], start: int = 0) -> ChunkKey:
@@ -115,6 +126,12 @@ def test_every_identity_field_changes_the_key(
         assert _key(dataclasses.replace(ident, layout=shard), ns, tokens) != base, "tp_rank"
     wider = dataclasses.replace(lay, tp_size=lay.tp_size + 1)
     assert _key(dataclasses.replace(ident, layout=wider), ns, tokens) != base, "tp_size"
+    # the pipeline stage: another stage, another stage count (stage kept valid)
+    if lay.pp_size > 1:
+        stage = dataclasses.replace(lay, pp_rank=(lay.pp_rank + 1) % lay.pp_size)
+        assert _key(dataclasses.replace(ident, layout=stage), ns, tokens) != base, "pp_rank"
+    deeper = dataclasses.replace(lay, pp_size=lay.pp_size + 1)
+    assert _key(dataclasses.replace(ident, layout=deeper), ns, tokens) != base, "pp_size"
     other_dtype = next(d for d in sorted(DTYPE_ITEMSIZE) if d != ident.layout.dtype)
     lay = dataclasses.replace(ident.layout, dtype=other_dtype)
     assert _key(dataclasses.replace(ident, layout=lay), ns, tokens) != base, "dtype"
@@ -246,6 +263,10 @@ def test_key_follows_the_documented_encoding() -> None:
         ({"tp_rank": 2, "tp_size": 2}, "tp_rank"),
         ({"tp_rank": -1}, "tp_rank"),
         ({"kv_head_start": -1}, "kv_head_start"),
+        ({"pp_size": 0}, "pp_size"),
+        ({"pp_rank": 2, "pp_size": 2}, "pp_rank"),
+        ({"pp_rank": -1}, "pp_rank"),
+        ({"first_layer": -1}, "first_layer"),
     ],
 )
 def test_bad_layouts_are_rejected(kwargs: dict[str, object], match: str) -> None:
@@ -348,3 +369,23 @@ def test_unsharded_layout_and_empty_engine_digest_keep_the_v1_identity() -> None
     )
     engine = dataclasses.replace(ident, engine_digest="vllm")
     assert len({ident.digest, sharded.digest, engine.digest}) == 3
+
+
+def test_pipeline_stage_fields_follow_the_documented_encoding() -> None:
+    """A pipeline stage appends ``"pp"``, stage, stage count and first layer after the
+    tensor-parallel fields (rebuilt here independently); stage 0 of a 2-stage split is
+    not the unpipelined model, and two stages of equal layer count never share a key."""
+
+    def digest(layout: list[object]) -> bytes:
+        fields = ["kvlife.identity.v1", "m", "w", "t", "rope", "", "", layout]
+        return blake3.blake3(msgpack.packb(fields)).digest()
+
+    def ident(**kw: int) -> ModelIdentity:
+        return ModelIdentity("m", "w", "t", KVLayout(15, 3, 64, "float16", 256, **kw), "rope")
+
+    stage1 = ident(pp_rank=1, pp_size=2, first_layer=15)
+    assert stage1.digest == digest([15, 3, 64, "float16", 256, "pp", 1, 2, 15])
+    both = ident(tp_rank=1, tp_size=2, kv_head_start=3, pp_rank=1, pp_size=2, first_layer=15)
+    assert both.digest == digest([15, 3, 64, "float16", 256, "tp", 1, 2, 3, "pp", 1, 2, 15])
+    stage0 = ident(pp_rank=0, pp_size=2, first_layer=0)
+    assert len({ident().digest, stage0.digest, stage1.digest}) == 3

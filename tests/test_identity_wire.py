@@ -26,6 +26,12 @@ protocol = pytest.importorskip("kvlife.server.protocol")
             "ld",
             engine_digest="vllm-0.32.0-bs32",
         ),
+        ModelIdentity(
+            "m",
+            "w",
+            "t",
+            KVLayout(15, 3, 64, "float16", 64, pp_rank=1, pp_size=2, first_layer=15),
+        ),
     ],
 )
 def test_identity_round_trips_the_wire_with_its_digest(identity: ModelIdentity) -> None:

@@ -1,17 +1,21 @@
 """The identity kvlife gives a vLLM engine's KV (no vLLM needed): file digests cached by
-(path, size, mtime), the tensor-parallel shard, LoRA adapters, block size, dtype and the
-request's cache_salt all change the key; the chunk size must be whole blocks."""
+a fingerprint a copied checkpoint cannot fake (path, size, mtime, inode, ctime, sampled
+bytes), the tensor-parallel shard, the pipeline stage, LoRA adapters, block size, dtype
+and the request's cache_salt all change the key; the chunk size must be whole blocks."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
+import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 from kvlife.core.identity import PUBLIC, NamespaceKind, prompt_chunk_keys
+from kvlife.engines import identity as eid
 from kvlife.engines.errors import UnsupportedModel
 from kvlife.engines.vllm import identity as vid
 
@@ -46,23 +50,111 @@ def _key(ident: object, salt: str | None = None) -> bytes:
     return bytes(keys[0])
 
 
-def test_weight_digest_is_cached_by_path_size_and_mtime(tmp_path: Path) -> None:
+def test_weight_digest_is_cached_per_file_fingerprint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = tmp_path / "m"
     model.mkdir()
     w = model / "model.safetensors"
     w.write_bytes(b"a" * 1000)
+    index_file = tmp_path / "cache" / "file-digests.json"
     d1 = vid.weights_digest_of_dir(model)
-    index = json.loads((tmp_path / "cache" / "file-digests.json").read_text())
+    assert not index_file.exists(), "a file written just now is racy: hashed, not cached"
+    monkeypatch.setattr(eid, "RACY_NS", 0)
+    assert vid.weights_digest_of_dir(model) == d1
+    index = json.loads(index_file.read_text())
     assert len(index) == 1 and next(iter(index)).startswith(str(w.resolve()))
-    # same bytes rewritten with a new mtime: a new entry, the same digest
+    # same bytes with a new mtime: a new entry, the same digest
     os.utime(w, ns=(1, 1))
     assert vid.weights_digest_of_dir(model) == d1
-    assert len(json.loads((tmp_path / "cache" / "file-digests.json").read_text())) == 2
+    assert len(json.loads(index_file.read_text())) == 2
     w.write_bytes(b"a" * 999 + b"b")  # one byte changed: another model version
     assert vid.weights_digest_of_dir(model) != d1
     (model / "extra.bin").write_bytes(b"x")
     with pytest.raises(UnsupportedModel, match="no weight files"):
         vid.weights_digest_of_dir(tmp_path / "cache")
+
+
+def _copy_keeping_mtime(src: Path, dst: Path, *, rename: bool) -> None:
+    """Put ``src``'s bytes at ``dst`` with ``dst``'s old mtime, as ``cp -p`` of a
+    checkpoint with a fixed mtime does (in place), or ``rsync -a`` (a temporary file
+    renamed over it: a new inode)."""
+    st = dst.stat()
+    if rename:
+        tmp = dst.with_name(dst.name + ".tmp")
+        shutil.copyfile(src, tmp)
+        os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.replace(tmp, dst)
+    else:
+        shutil.copyfile(src, dst)
+        os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.parametrize("rename", [False, True])
+@pytest.mark.parametrize("settled", [False, True])
+def test_a_same_size_checkpoint_copied_with_its_mtime_preserved_gets_a_new_digest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rename: bool, settled: bool
+) -> None:
+    """Another checkpoint of the same size, copied over the weights file keeping its
+    mtime: the cached digest of the old one must not be served for it (its KV would be
+    keyed as the old weights'). ``settled``: the file is not racy, so the fingerprint's
+    inode, ctime and sampled bytes are what catch it."""
+    if settled:
+        monkeypatch.setattr(eid, "RACY_NS", 0)
+    model = tmp_path / "m"
+    model.mkdir()
+    w = model / "model.safetensors"
+    w.write_bytes(bytes(range(256)) * 64)
+    os.utime(w, ns=(1_600_000_000 * 10**9, 1_600_000_000 * 10**9))
+    d1 = vid.weights_digest_of_dir(model)
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(bytes(range(255, -1, -1)) * 64)  # same size, other weights
+    _copy_keeping_mtime(other, w, rename=rename)
+    assert w.stat().st_size == other.stat().st_size
+    d2 = vid.weights_digest_of_dir(model)
+    assert d2 != d1
+    assert vid.weights_digest_of_dir(model) == d2
+    monkeypatch.setenv("KVLIFE_CACHE", str(tmp_path / "fresh-cache"))
+    assert vid.weights_digest_of_dir(model) == d2, "d2 is the new bytes' digest"
+
+
+def test_a_rewrite_the_sample_misses_is_caught_by_ctime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(eid, "RACY_NS", 0)
+    model = tmp_path / "m"
+    model.mkdir()
+    w = model / "model.safetensors"
+    w.write_bytes(b"\0" * (1 << 20))
+    d1 = vid.weights_digest_of_dir(model)
+    time.sleep(0.05)  # past the filesystem's timestamp tick
+    st = w.stat()
+    with w.open("r+b") as f:  # one byte between two sampled blocks, in place
+        f.seek(5000)
+        f.write(b"\1")
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert w.stat().st_ino == st.st_ino and w.stat().st_mtime_ns == st.st_mtime_ns
+    assert vid.weights_digest_of_dir(model) != d1
+
+
+def test_the_transformers_weights_cache_tells_a_copied_checkpoint_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    monkeypatch.setattr(eid, "RACY_NS", 0)
+    w = tmp_path / "model.safetensors"
+    w.write_bytes(b"a" * 4096)
+    torch.manual_seed(0)
+    first = torch.nn.Linear(4, 4)
+    assert eid.cached_weights_digest(first, w) == eid.weights_digest(first)
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(b"b" * 4096)
+    time.sleep(0.05)
+    _copy_keeping_mtime(other, w, rename=False)
+    torch.manual_seed(1)
+    second = torch.nn.Linear(4, 4)  # the model loaded from the copied file
+    assert eid.cached_weights_digest(second, w) == eid.weights_digest(second)
 
 
 def test_tokenizer_digest_covers_the_tokenizer_files(tmp_path: Path) -> None:
@@ -142,3 +234,34 @@ def test_lora_adapter_and_cache_salt_isolate(tmp_path: Path) -> None:
 def test_chunks_must_be_whole_blocks() -> None:
     with pytest.raises(UnsupportedModel, match="whole number of vLLM blocks"):
         vid.identity_for(_facts(block_size=32), tp_rank=0, tokens_per_chunk=48)
+
+
+def test_pipeline_stages_never_share_keys() -> None:
+    """With PP=2 each stage computes the KV of its own layers: stage 1's chunk of a
+    prompt must never answer stage 0's lookup (or be 'present' for its put), even when
+    both stages hold the same number of layers."""
+    facts = _facts(num_layers=32, tp_size=2, pp_size=2, stage_layers=((0, 16), (16, 32)))
+    assert facts.ranks == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    ids = {
+        (pp, tp): vid.identity_for(facts, tp_rank=tp, pp_rank=pp, tokens_per_chunk=64)
+        for pp, tp in facts.ranks
+    }
+    assert [(i.layout.num_layers, i.layout.first_layer) for i in ids.values()] == [
+        (16, 0),
+        (16, 0),
+        (16, 16),
+        (16, 16),
+    ]
+    keys = {_key(i) for i in ids.values()}
+    assert len(keys) == 4
+    # nor is a stage the unpipelined model of its layer count
+    flat = vid.identity_for(_facts(num_layers=16, tp_size=2), tp_rank=0, tokens_per_chunk=64)
+    assert _key(flat) not in keys
+    uneven = _facts(num_layers=5, pp_size=2, stage_layers=((0, 3), (3, 5)))
+    assert (
+        vid.identity_for(uneven, tp_rank=0, pp_rank=1, tokens_per_chunk=64).layout.num_layers == 2
+    )
+    with pytest.raises(UnsupportedModel, match="pipeline stage 2"):
+        vid.identity_for(facts, tp_rank=0, pp_rank=2, tokens_per_chunk=64)
+    with pytest.raises(UnsupportedModel, match="stage layer ranges"):
+        vid.identity_for(_facts(pp_size=2), tp_rank=0, pp_rank=0, tokens_per_chunk=64)

@@ -87,19 +87,37 @@ class KVLayout:
     kv_head_start: int = 0
     """First KV head of the model held by this shard; with ``num_kv_heads`` it names the
     heads the shard holds. A shard of another TP layout never shares a key."""
+    pp_rank: int = 0
+    """Pipeline-parallel stage whose layers this KV holds (0 when not pipelined)."""
+    pp_size: int = 1
+    """Pipeline-parallel stages the model's layers are split over (1: not pipelined)."""
+    first_layer: int = 0
+    """First model layer held by this stage; with ``num_layers`` it names the layers the
+    stage holds. Two stages never share a key, even with the same layer count."""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_chunk", "tp_size"):
+        for name in (
+            "num_layers",
+            "num_kv_heads",
+            "head_dim",
+            "tokens_per_chunk",
+            "tp_size",
+            "pp_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidArgument(f"KVLayout.{name} must be a positive int, got {value!r}")
-        for name in ("tp_rank", "kv_head_start"):
+        for name in ("tp_rank", "kv_head_start", "pp_rank", "first_layer"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidArgument(f"KVLayout.{name} must be an int >= 0, got {value!r}")
         if self.tp_rank >= self.tp_size:
             raise InvalidArgument(
                 f"KVLayout.tp_rank {self.tp_rank} must be below tp_size {self.tp_size}"
+            )
+        if self.pp_rank >= self.pp_size:
+            raise InvalidArgument(
+                f"KVLayout.pp_rank {self.pp_rank} must be below pp_size {self.pp_size}"
             )
         if self.dtype not in DTYPE_ITEMSIZE:
             raise InvalidArgument(
@@ -111,10 +129,16 @@ class KVLayout:
         """Whether this layout names a tensor-parallel shard (encoded into the key)."""
         return (self.tp_rank, self.tp_size, self.kv_head_start) != (0, 1, 0)
 
+    @property
+    def staged(self) -> bool:
+        """Whether this layout names a pipeline stage (encoded into the key)."""
+        return (self.pp_rank, self.pp_size, self.first_layer) != (0, 1, 0)
+
     def encoded(self) -> list[object]:
-        """Canonical form hashed into the identity: the unsharded layout keeps the five
-        fields of format v1 (keys of existing stores stay valid); a shard appends rank,
-        world size and first KV head."""
+        """Canonical form hashed into the identity: the unsharded, unpipelined layout
+        keeps the five fields of format v1 (keys of existing stores stay valid); a
+        tensor-parallel shard appends ``"tp"``, rank, world size and first KV head; a
+        pipeline stage appends ``"pp"``, stage, stage count and first layer."""
         base: list[object] = [
             self.num_layers,
             self.num_kv_heads,
@@ -124,6 +148,8 @@ class KVLayout:
         ]
         if self.sharded:
             base += ["tp", self.tp_rank, self.tp_size, self.kv_head_start]
+        if self.staged:
+            base += ["pp", self.pp_rank, self.pp_size, self.first_layer]
         return base
 
     @property

@@ -2,7 +2,9 @@
 
 A hand-typed model name is never trusted alone. The weights digest is BLAKE3 over every
 parameter and buffer (name, dtype, shape, bytes) in name order, computed once per
-process for a model object and cached on disk per weights file (path, size, mtime); the
+process for a model object and cached on disk per weights file under its
+:func:`file_fingerprint` (path, size, mtime, inode, ctime and a sample of its bytes, so
+a same-size checkpoint copied over it with its mtime preserved is hashed again); the
 tokenizer digest covers its full serialised form and special tokens; the position
 encoding digest covers the RoPE parameters and context length; an adapter contributes
 its id and the digest of its weights.
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,60 @@ def cache_dir() -> Path:
     return path
 
 
+RACY_NS = 2_000_000_000
+"""A file whose status changed less than this long ago is hashed but its digest not
+cached: a change within the same timestamp tick would leave size, mtime and ctime as
+they were (git's "racily clean" entries)."""
+SAMPLE_BLOCKS = 16
+SAMPLE_BYTES = 4096
+
+
+def file_fingerprint(path: Path) -> str | None:
+    """The key a digest of ``path`` is cached under: resolved path, size, mtime, inode,
+    ctime (which no copy tool can set: ``cp -p``, ``rsync -a`` and images with fixed
+    mtimes preserve mtime only) and BLAKE3 of 16 blocks of 4 KiB spread over the file.
+    None while the file is racy (changed in the last :data:`RACY_NS`): do not cache."""
+    st = path.stat()
+    if time.time_ns() - st.st_ctime_ns < RACY_NS:
+        return None
+    h = blake3.blake3()
+    span = max(0, st.st_size - SAMPLE_BYTES)
+    with path.open("rb") as f:
+        for i in range(SAMPLE_BLOCKS):
+            f.seek(span * i // (SAMPLE_BLOCKS - 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return (
+        f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{st.st_ctime_ns}"
+        f"|{h.hexdigest()[:32]}"
+    )
+
+
+def cached_digest(index_name: str, path: Path, compute: Callable[[], str]) -> str:
+    """``compute()``, cached in the user cache file ``index_name`` under the
+    :func:`file_fingerprint` of ``path`` (not cached while the file is racy)."""
+    entry = file_fingerprint(path)
+    index_path = cache_dir() / index_name
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    got = index.get(entry) if entry is not None else None
+    if isinstance(got, str):
+        return got
+    digest = compute()
+    if entry is None:
+        return digest
+    try:  # re-read: another process (vLLM's scheduler or a worker) may have added entries
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    index[entry] = digest
+    tmp = index_path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(index))
+    tmp.replace(index_path)
+    return digest
+
+
 def tensors_digest(named: list[tuple[str, Any]]) -> str:
     """BLAKE3 over (name, dtype, shape, bytes) of torch tensors, in name order."""
     import torch
@@ -65,20 +123,8 @@ def weights_digest(model: Any) -> str:
 
 def cached_weights_digest(model: Any, weights_file: Path) -> str:
     """:func:`weights_digest` of a model loaded unchanged from ``weights_file``, cached
-    in the user cache under the file's (path, size, mtime)."""
-    st = weights_file.stat()
-    index_path = cache_dir() / "weights-digests.json"
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, ValueError):
-        index = {}
-    entry = f"{weights_file.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    if entry not in index:
-        index[entry] = weights_digest(model)
-        tmp = index_path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(index))
-        tmp.replace(index_path)
-    return str(index[entry])
+    in the user cache under the file's :func:`file_fingerprint`."""
+    return cached_digest("weights-digests.json", weights_file, lambda: weights_digest(model))
 
 
 def tokenizer_digest(tokenizer: Any | None, vocab_size: int) -> str:

@@ -17,7 +17,19 @@ backend pages of its host pool, not tokens. So a page is one kvlife chunk of
 ids zero), under the full model identity: weights and tokenizer digests of the model
 directory (a model name alone is never trusted), the host pool's geometry and dtype, the
 tensor-parallel shard, and an engine digest naming SGLang's host layout; the namespace is
-``kvlife.namespace`` (default public). Pages are stored in kvlife's canonical layout
+``kvlife.namespace`` (default public).
+
+SGLang 0.5.23 does not hand a storage backend the request: it folds the request's
+``extra_key`` (its LoRA id among it) and ``cache_salt`` into the seed of its page-hash
+chain (``storage_namespace_seed``), so tenants and adapters already get distinct page
+hashes, but kvlife cannot name them. Where SGLang passes a per-call dict
+(``HiCacheStorageExtraInfo.extra_info`` of ``batch_exists``, ``batch_get_v1`` and
+``batch_set_v1``), the backend carries what it finds there into the kvlife key and
+index: ``cache_salt`` (a namespace of kind ``kvlife.salt_kind``, default organisation),
+``kvlife.namespace`` (an explicit one, ``user:alice``), ``lora_id`` with ``lora_path``
+(an adapter digested from its files; an id alone is digested as a name). Pages so
+tagged can be invalidated by namespace and adapter. The legacy ``get``/``set`` calls
+have no such dict and use the backend's namespace. Pages are stored in kvlife's canonical layout
 ``(layers, 2, heads, page_size, head_dim)`` whatever the host pool's layout, verified on
 every load: a corrupt or missing page is a miss (``False`` / ``None``), never data.
 """
@@ -33,10 +45,16 @@ import msgpack
 import numpy as np
 
 from kvlife.core.errors import InvalidArgument, KVLifeError
-from kvlife.core.identity import KVLayout, ModelIdentity, Namespace
+from kvlife.core.identity import KVLayout, ModelIdentity, Namespace, NamespaceKind
 from kvlife.core.payload import numpy_dtype, to_torch
 from kvlife.engines.errors import UnsupportedModel
-from kvlife.engines.vllm.identity import tokenizer_digest_of_dir, weights_digest_of_dir
+from kvlife.engines.identity import AdapterSpec
+from kvlife.engines.vllm.identity import (
+    files_digest,
+    tokenizer_digest_of_dir,
+    weights_digest_of_dir,
+    with_adapter,
+)
 from kvlife.engines.vllm.stores import StoreAddress, StoreLease, open_store
 from kvlife.results import LookupResult
 
@@ -84,6 +102,14 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 "kvlife.tokenizer_digest in the extra config: a model name is not trusted"
             )
         self.namespace = Namespace.parse(str(extra.get("kvlife.namespace", "public")))
+        salt_kind = str(extra.get("kvlife.salt_kind", "organisation"))
+        try:
+            self.salt_kind = NamespaceKind(salt_kind)
+        except ValueError as exc:
+            raise InvalidArgument(
+                f"kvlife.salt_kind {salt_kind!r} is not a namespace kind"
+            ) from exc
+        self._adapters: dict[tuple[str, str], AdapterSpec] = {}
         self.lease: StoreLease = open_store(StoreAddress.from_extra_config(extra))
         self.store = self.lease.store
         self.identity: ModelIdentity | None = None
@@ -158,16 +184,47 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     # ------------------------------------------------------------------ pages
 
+    def _scope(self, extra_info: Any = None) -> tuple[ModelIdentity, Namespace]:
+        """The identity and namespace of a call: the backend's, with the namespace and
+        adapter SGLang passed in ``extra_info.extra_info`` if it passed any."""
+        ident = self._ident()
+        info = getattr(extra_info, "extra_info", None)
+        if not isinstance(info, dict):
+            return ident, self.namespace
+        namespace = self.namespace
+        if info.get("cache_salt"):
+            namespace = Namespace(self.salt_kind, str(info["cache_salt"]))
+        if info.get("kvlife.namespace"):
+            namespace = Namespace.parse(str(info["kvlife.namespace"]))
+        lora_id = str(info.get("lora_id") or "")
+        if lora_id:
+            ident = with_adapter(ident, self._adapter(lora_id, str(info.get("lora_path") or "")))
+        return ident, namespace
+
+    def _adapter(self, lora_id: str, lora_path: str) -> AdapterSpec:
+        got = self._adapters.get((lora_id, lora_path))
+        if got is None:
+            root = Path(lora_path) if lora_path else None
+            files = [p for p in root.iterdir() if p.is_file()] if root and root.is_dir() else []
+            if lora_path and not files:
+                raise UnsupportedModel(f"LoRA {lora_id!r}: {lora_path!r} is not a directory")
+            digest = (
+                files_digest(files)
+                if files
+                else blake3.blake3(f"sglang-lora-id:{lora_id}".encode()).hexdigest()
+            )
+            got = self._adapters[(lora_id, lora_path)] = AdapterSpec(f"sglang:{lora_id}", digest)
+        return got
+
     def _ref(self, key: str) -> dict[str, Any]:
         ident = self._ident()
         tokens = [0] * ident.layout.tokens_per_chunk
         return {"tokens": tokens, "extra_keys": [PAGE_TAG, key.encode()]}
 
-    def _lookup(self, key: str) -> LookupResult:
+    def _lookup(self, key: str, scope: tuple[ModelIdentity, Namespace]) -> LookupResult:
         ref = self._ref(key)
-        return self.store.lookup(
-            self._ident(), self.namespace, ref["tokens"], extra_keys=ref["extra_keys"]
-        )
+        ident, namespace = scope
+        return self.store.lookup(ident, namespace, ref["tokens"], extra_keys=ref["extra_keys"])
 
     def _canonical(self, flat: Any) -> np.ndarray:
         """A flat host page (torch) as a kvlife chunk array (a copy)."""
@@ -188,12 +245,12 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             page = page.unsqueeze(1)
         flat.view(self._page_shape).copy_(page)
 
-    def _put(self, key: str, flat: Any) -> bool:
+    def _put(self, key: str, flat: Any, scope: tuple[ModelIdentity, Namespace]) -> bool:
         ref = self._ref(key)
         try:
             res = self.store.put_prompt(
-                self._ident(),
-                self.namespace,
+                scope[0],
+                scope[1],
                 ref["tokens"],
                 [self._canonical(flat)],
                 extra_keys=ref["extra_keys"],
@@ -203,9 +260,9 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return False
         return bool(res.stored + res.already_present + res.in_flight == 1)
 
-    def _get_into(self, key: str, flat: Any) -> bool:
+    def _get_into(self, key: str, flat: Any, scope: tuple[ModelIdentity, Namespace]) -> bool:
         try:
-            hit = self._lookup(key)
+            hit = self._lookup(key, scope)
             if not hit.hits:
                 return False
             buf = np.empty(self._ident().layout.chunk_shape, self._np_dtype)
@@ -224,7 +281,7 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         flat = target_location
         if flat is None:
             flat = self.pool.get_dummy_flat_data_page()
-        return flat if self._get_into(key, flat) else None
+        return flat if self._get_into(key, flat, self._scope()) else None
 
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
@@ -244,7 +301,7 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> bool:
         if value is None:
             raise InvalidArgument(f"set({key!r}) without a value")
-        return self._put(key, value)
+        return self._put(key, value, self._scope())
 
     def batch_set(
         self,
@@ -255,17 +312,22 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     ) -> bool:
         if values is None or len(values) != len(keys):
             raise InvalidArgument("batch_set needs one value per key")
-        return all([self._put(k, v) for k, v in zip(keys, values, strict=True)])
+        scope = self._scope()
+        return all([self._put(k, v, scope) for k, v in zip(keys, values, strict=True)])
 
-    def exists(self, key: str) -> bool:
+    def _exists(self, key: str, scope: tuple[ModelIdentity, Namespace]) -> bool:
         try:
-            return bool(self._lookup(key).hits)
+            return bool(self._lookup(key, scope).hits)
         except KVLifeError:
             return False
 
+    def exists(self, key: str) -> bool:
+        return self._exists(key, self._scope())
+
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        scope = self._scope(extra_info)
         for i, key in enumerate(keys):
-            if not self.exists(key):
+            if not self._exists(key, scope):
                 return i
         return len(keys)
 
@@ -275,11 +337,12 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_get_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
+        scope = self._scope(extra_info)
         out: list[bool] = []
         for i, key in enumerate(keys):
             flat = self.pool.get_dummy_flat_data_page()
             ok = bool(out[-1]) if out else True
-            ok = ok and self._get_into(key, flat)
+            ok = ok and self._get_into(key, flat, scope)
             if ok:
                 self.pool.set_from_flat_data_page(self._page_index(host_indices, i), flat)
             out.append(ok)
@@ -288,8 +351,9 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def batch_set_v1(
         self, keys: list[str], host_indices: Any, extra_info: Any = None
     ) -> list[bool]:
+        scope = self._scope(extra_info)
         return [
-            self._put(key, self.pool.get_data_page(self._page_index(host_indices, i), True))
+            self._put(key, self.pool.get_data_page(self._page_index(host_indices, i), True), scope)
             for i, key in enumerate(keys)
         ]
 

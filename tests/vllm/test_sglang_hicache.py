@@ -195,3 +195,45 @@ def test_a_name_alone_is_not_trusted(tmp_path: Path) -> None:
         factory.StorageBackendFactory.create_backend(
             "dynamic", _config(extra), HostPool("layer_first")
         )
+
+
+def test_the_namespace_and_adapter_sglang_passes_are_carried(tmp_path: Path) -> None:
+    """Where SGLang hands the backend a per-call dict (HiCacheStorageExtraInfo.extra_info
+    of batch_exists / batch_get_v1 / batch_set_v1), its cache_salt and LoRA become the
+    page's kvlife namespace and adapter: another tenant or adapter gets no hit even for
+    the same page hash, and kvlife can invalidate one tenant's or one adapter's pages."""
+    from kvlife.core.identity import Namespace, NamespaceKind
+
+    pool = HostPool("layer_first")
+    _fill(pool, 4)
+    original = pool.first_pages(4).clone()
+    backend = _backend(pool, _extra(tmp_path / "s"))
+    idx = torch.arange(0, 4 * PAGE)
+    lora = tmp_path / "lora-sql"
+    lora.mkdir()
+    (lora / "adapter_model.safetensors").write_bytes(b"lora weights")
+
+    def info(**kw: str) -> Any:
+        return hicache.HiCacheStorageExtraInfo(prefix_keys=[], extra_info=kw)
+
+    alice, bob = info(cache_salt="alice"), info(cache_salt="bob")
+    sql = info(cache_salt="alice", lora_id="sql", lora_path=str(lora))
+    assert all(backend.batch_set_v1(HASHES, idx, alice))
+    assert all(backend.batch_set_v1(HASHES[:2], idx[: 2 * PAGE], sql))
+    assert backend.batch_exists(HASHES, alice) == 4
+    assert backend.batch_exists(HASHES, bob) == 0
+    assert backend.batch_exists(HASHES) == 0  # no dict: the backend's own namespace
+    assert backend.batch_exists(HASHES, info(cache_salt="alice", lora_id="sql")) == 0
+    assert backend.batch_exists(HASHES, sql) == 2
+    pool.kv_buffer.zero_()
+    assert backend.batch_get_v1(HASHES, idx, bob) == [False] * 4
+    assert torch.count_nonzero(pool.kv_buffer) == 0
+    assert backend.batch_get_v1(HASHES, idx, alice) == [True] * 4
+    assert torch.equal(pool.first_pages(4), original)
+    # kvlife names them: one adapter's pages, then one tenant's
+    assert backend.store.invalidate(adapter_id="sglang:sql") == 2
+    assert backend.batch_exists(HASHES, sql) == 0
+    assert backend.batch_exists(HASHES, alice) == 4
+    assert backend.store.invalidate(namespace=Namespace(NamespaceKind.ORGANISATION, "alice")) == 4
+    assert backend.batch_exists(HASHES, alice) == 0
+    backend.close()

@@ -15,6 +15,12 @@ answers lookups and plans each step (:mod:`.scheduler`); each worker instance mo
 between the paged cache and kvlife (:mod:`.worker`). Both talk to one store
 (:mod:`.stores`). Chunks are a whole number of vLLM blocks (``kvlife.chunk_tokens``,
 default 64, must be a multiple of the block size).
+
+Saves commit only once every rank finished the step (:mod:`.meta`): each worker returns
+its step report as vLLM worker metadata (``build_connector_worker_meta``), vLLM merges
+the ranks' reports (``KVLifeWorkerMetadata.aggregate``) and hands them to the scheduler
+side (``update_connector_output``), whose verdicts reach the workers with the next
+step's plan; ``has_pending_push_work`` keeps the engine stepping until they are sent.
 """
 
 from __future__ import annotations
@@ -29,13 +35,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import Namespace, NamespaceKind
 from kvlife.core.lifecycle import Move
+from kvlife.engines.vllm.faults import LayerFault
 from kvlife.engines.vllm.identity import NamespacePolicy, facts_from_vllm_config, identity_for
-from kvlife.engines.vllm.meta import StepPlan
+from kvlife.engines.vllm.meta import StepPlan, StepReport
 from kvlife.engines.vllm.paged import split_for_platform
 from kvlife.engines.vllm.scheduler import SchedulerSide
 from kvlife.engines.vllm.stores import StoreAddress, StoreLease, open_store
@@ -57,6 +65,17 @@ class KVLifeMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
+
+
+class KVLifeWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """One worker's report of the steps it finished; vLLM merges those of all ranks."""
+
+    def __init__(self, report: StepReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVLifeWorkerMetadata:
+        assert isinstance(other, KVLifeWorkerMetadata)
+        return KVLifeWorkerMetadata(self.report.merge(other.report))
 
 
 def _int_option(extra: dict[str, Any], name: str, default: int) -> int:
@@ -97,8 +116,8 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         try:
             if role == KVConnectorRole.SCHEDULER:
                 identities = [
-                    identity_for(self.facts, tp_rank=r, tokens_per_chunk=tpc)
-                    for r in range(self.facts.tp_size)
+                    identity_for(self.facts, tp_rank=tp, pp_rank=pp, tokens_per_chunk=tpc)
+                    for pp, tp in self.facts.ranks
                 ]
                 self.scheduler = SchedulerSide(
                     self.lease.store,
@@ -108,11 +127,22 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     save_decode=bool(extra.get("kvlife.save_decode", True)),
                 )
             else:
-                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+                from vllm.distributed.parallel_state import (
+                    get_pp_group,
+                    get_tensor_model_parallel_rank,
+                )
 
-                rank = int(get_tensor_model_parallel_rank()) if self.facts.tp_size > 1 else 0
-                identity = identity_for(self.facts, tp_rank=rank, tokens_per_chunk=tpc)
-                self.worker = WorkerSide(self.lease.store, identity, block_size=self.block_size)
+                tp = int(get_tensor_model_parallel_rank()) if self.facts.tp_size > 1 else 0
+                pp = int(get_pp_group().rank_in_group) if self.facts.pp_size > 1 else 0
+                identity = identity_for(self.facts, tp_rank=tp, pp_rank=pp, tokens_per_chunk=tpc)
+                fault = extra.get("kvlife.fail_layer")
+                self.worker = WorkerSide(
+                    self.lease.store,
+                    identity,
+                    block_size=self.block_size,
+                    rank=pp * self.facts.tp_size + tp,
+                    fault=LayerFault.parse(str(fault)) if fault else None,
+                )
         except BaseException:
             self.lease.release()
             raise
@@ -154,7 +184,12 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def wait_for_save(self) -> None:
         assert self.worker is not None
-        self.worker.submit()
+        self.worker.submit(self._plan())
+
+    def build_connector_worker_meta(self) -> KVLifeWorkerMetadata | None:
+        assert self.worker is not None
+        report = self.worker.take_report()
+        return KVLifeWorkerMetadata(report) if report is not None else None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
@@ -186,9 +221,17 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.scheduler is not None
-        bad = getattr(connector_output, "invalid_block_ids", None)
+        bad = connector_output.invalid_block_ids
         if bad:
             self.scheduler.load_failed(set(bad))
+        meta = connector_output.kv_connector_worker_meta
+        if meta is not None:
+            assert isinstance(meta, KVLifeWorkerMetadata)
+            self.scheduler.reported(meta.report)
+
+    def has_pending_push_work(self) -> bool:
+        # verdicts on staged saves go out with the next step's plan: keep stepping
+        return self.scheduler is not None and self.scheduler.has_pending_verdicts
 
     def request_finished(
         self, request: Any, block_ids: list[int]

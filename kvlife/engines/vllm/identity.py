@@ -1,13 +1,16 @@
 """Model identity of a vLLM engine, from what the engine is configured with.
 
 Nothing here trusts a model name alone. The weights digest is BLAKE3 over the weight
-files (name, size, bytes), cached per file under (path, size, mtime) in kvlife's user
-cache, so a large model is hashed once, not per engine start; the tokenizer digest
+files (name, size, bytes), cached per file under its fingerprint (path, size, mtime,
+inode, ctime, a sample of its bytes: ``kvlife.engines.identity.file_fingerprint``) in
+kvlife's user cache, so a large model is hashed once, not per engine start, and a
+same-size checkpoint copied over it with its mtime preserved is hashed again; the tokenizer digest
 covers the tokenizer files; the position encoding digest the RoPE configuration and
 context length; the engine digest vLLM's version, the attention block size and the
 compute dtype; the layout carries the tensor-parallel shard (rank, world size, the KV
-heads it holds). A request adds its LoRA adapter (name, id and a digest of the adapter
-files) and its ``cache_salt`` as namespace.
+heads it holds) and the pipeline stage (stage, stage count, the layers it holds), so no
+two shards or stages ever share a key. A request adds its LoRA adapter (name, id and a
+digest of the adapter files) and its ``cache_salt`` as namespace.
 
 The functions take plain values so they are testable without vLLM;
 :func:`facts_from_vllm_config` is the one place that reads a ``VllmConfig``.
@@ -15,8 +18,6 @@ The functions take plain values so they are testable without vLLM;
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,12 @@ import msgpack
 
 from kvlife.core.identity import DTYPE_ITEMSIZE, KVLayout, ModelIdentity, Namespace, NamespaceKind
 from kvlife.engines.errors import UnsupportedModel
-from kvlife.engines.identity import AdapterSpec, cache_dir, position_digest, tokenizer_digest
+from kvlife.engines.identity import (
+    AdapterSpec,
+    cached_digest,
+    position_digest,
+    tokenizer_digest,
+)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 """Files of a model directory that hold weights."""
@@ -46,29 +52,14 @@ _DIGEST_INDEX = "file-digests.json"
 
 
 def _file_digest(path: Path) -> str:
-    """BLAKE3 of one file, cached under (resolved path, size, mtime)."""
-    st = path.stat()
-    entry = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    index_path = cache_dir() / _DIGEST_INDEX
-    try:
-        index = json.loads(index_path.read_text())
-    except (OSError, ValueError):
-        index = {}
-    got = index.get(entry)
-    if isinstance(got, str):
-        return got
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    h.update_mmap(str(path))
-    digest = h.hexdigest()
-    try:  # re-read: another process (vLLM's scheduler or a worker) may have added entries
-        index = json.loads(index_path.read_text())
-    except (OSError, ValueError):
-        index = {}
-    index[entry] = digest
-    tmp = index_path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(index))
-    tmp.replace(index_path)
-    return digest
+    """BLAKE3 of one file, cached under its fingerprint."""
+
+    def compute() -> str:
+        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        h.update_mmap(str(path))
+        return str(h.hexdigest())
+
+    return cached_digest(_DIGEST_INDEX, path, compute)
 
 
 def files_digest(files: list[Path]) -> str:
@@ -137,6 +128,7 @@ class EngineFacts:
     tokenizer_digest: str
     position_digest: str
     num_layers: int
+    """Layers of the whole model that hold KV (all pipeline stages together)."""
     total_kv_heads: int
     head_dim: int
     kv_dtype: str
@@ -147,6 +139,33 @@ class EngineFacts:
     """vLLM's KV block size in tokens."""
     tp_size: int
     engine_version: str
+    pp_size: int = 1
+    """Pipeline-parallel stages."""
+    stage_layers: tuple[tuple[int, int], ...] = ()
+    """Per stage, its layers ``[first, end)`` as vLLM splits them (empty: one stage
+    holding every layer)."""
+
+    def stage(self, pp_rank: int) -> tuple[int, int]:
+        """Layers ``[first, end)`` of pipeline stage ``pp_rank``."""
+        if not 0 <= pp_rank < self.pp_size:
+            raise UnsupportedModel(f"pipeline stage {pp_rank} is not in [0, {self.pp_size})")
+        stages = self.stage_layers or ((0, self.num_layers),)
+        if len(stages) != self.pp_size:
+            raise UnsupportedModel(
+                f"{len(stages)} stage layer ranges for {self.pp_size} pipeline stages"
+            )
+        first, end = stages[pp_rank]
+        if not 0 <= first < end <= self.num_layers:
+            raise UnsupportedModel(
+                f"pipeline stage {pp_rank} holds layers [{first}, {end}) of {self.num_layers}"
+            )
+        return first, end
+
+    @property
+    def ranks(self) -> list[tuple[int, int]]:
+        """Every (pipeline stage, tensor-parallel rank) of the engine, in global rank
+        order (vLLM's layout: stage-major)."""
+        return [(pp, tp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
 
     @property
     def model_id(self) -> str:
@@ -166,17 +185,20 @@ def identity_for(
     *,
     tp_rank: int,
     tokens_per_chunk: int,
+    pp_rank: int = 0,
     adapter: AdapterSpec | None = None,
 ) -> ModelIdentity:
-    """The identity of the KV that rank ``tp_rank`` computes (its shard of the heads)."""
+    """The identity of the KV that rank ``tp_rank`` of pipeline stage ``pp_rank``
+    computes (its shard of the heads, its stage's layers)."""
     if tokens_per_chunk % facts.block_size:
         raise UnsupportedModel(
             f"kvlife chunks must be a whole number of vLLM blocks: {tokens_per_chunk} tokens "
             f"per chunk is not a multiple of block size {facts.block_size}"
         )
     start, count = shard_heads(facts.total_kv_heads, facts.tp_size, tp_rank)
+    first_layer, end_layer = facts.stage(pp_rank)
     layout = KVLayout(
-        facts.num_layers,
+        end_layer - first_layer,
         count,
         facts.head_dim,
         facts.kv_dtype,
@@ -184,6 +206,9 @@ def identity_for(
         tp_rank=tp_rank,
         tp_size=facts.tp_size,
         kv_head_start=start,
+        pp_rank=pp_rank,
+        pp_size=facts.pp_size,
+        first_layer=first_layer,
     )
     return ModelIdentity(
         model_id=facts.model_id,
@@ -235,6 +260,7 @@ def _dtype_name(dtype: Any) -> str:
 def facts_from_vllm_config(vllm_config: Any) -> EngineFacts:
     """Read :class:`EngineFacts` from a ``vllm.config.VllmConfig``."""
     import vllm
+    from vllm.distributed.utils import get_pp_indices
 
     mc = vllm_config.model_config
     pc = vllm_config.parallel_config
@@ -249,6 +275,14 @@ def facts_from_vllm_config(vllm_config: Any) -> EngineFacts:
     tok = None if mc.skip_tokenizer_init else Path(mc.tokenizer or mc.model)
     compute = _dtype_name(mc.dtype)
     kv = compute if cc.cache_dtype in ("auto", None) else _dtype_name(cc.cache_dtype)
+    # every stage's layers, whichever process reads this (the scheduler keys lookups by
+    # all of them; a worker by its own); get_num_layers(pc) would give one stage's count
+    total_layers = int(mc.get_total_num_hidden_layers())
+    pp_size = int(pc.pipeline_parallel_size)
+    stages = tuple(
+        (int(a), int(b))
+        for a, b in (get_pp_indices(total_layers, r, pp_size) for r in range(pp_size))
+    )
     return EngineFacts(
         model=str(mc.model),
         revision=str(mc.revision or ""),
@@ -258,7 +292,7 @@ def facts_from_vllm_config(vllm_config: Any) -> EngineFacts:
             int(getattr(hf_config, "vocab_size", 0) or 0),
         ),
         position_digest=position_digest(hf_config),
-        num_layers=int(mc.get_num_layers(pc)),
+        num_layers=total_layers,
         total_kv_heads=int(mc.get_total_num_kv_heads()),
         head_dim=int(mc.get_head_size()),
         kv_dtype=kv,
@@ -266,4 +300,6 @@ def facts_from_vllm_config(vllm_config: Any) -> EngineFacts:
         block_size=int(cc.block_size),
         tp_size=int(pc.tensor_parallel_size),
         engine_version=str(vllm.__version__),
+        pp_size=pp_size,
+        stage_layers=stages,
     )

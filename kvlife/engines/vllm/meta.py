@@ -1,5 +1,14 @@
-"""What vLLM's scheduler-side connector tells the worker-side connectors each step
-(pickled across processes by vLLM: plain dataclasses of plain values)."""
+"""What vLLM's scheduler-side connector tells the worker-side connectors each step, and
+what the workers tell it back (pickled across processes by vLLM: plain dataclasses of
+plain values).
+
+The save protocol these carry: a step's saves are gathered during its forward and
+*staged* (``prepare_put``: TENTATIVE, invisible) by every worker at the end of the step;
+each worker reports the step in a :class:`StepReport` (its rank, and the requests whose
+saves must not be kept: a failed load, a layer not gathered); vLLM merges the reports of
+all ranks and hands them to the scheduler, which sends a :class:`SaveVerdict` with a
+later step's plan: commit the staged puts, or abort them. So a save becomes visible only
+when every rank finished the step and reported success for its request."""
 
 from __future__ import annotations
 
@@ -42,9 +51,57 @@ class SaveSpec:
     adapter: AdapterSpec | None
 
 
+@dataclass(frozen=True, slots=True)
+class SaveVerdict:
+    """The scheduler's decision on the puts the workers staged in step ``step``."""
+
+    step: int
+    commit: bool
+    """Commit the step's staged puts (False: abort every one of them)."""
+    aborted: tuple[str, ...] = ()
+    """Requests whose staged puts are aborted even when ``commit`` (some rank failed
+    them)."""
+
+    def keeps(self, req_id: str) -> bool:
+        return self.commit and req_id not in self.aborted
+
+
 @dataclass(slots=True)
 class StepPlan:
-    """One step's loads and saves."""
+    """One step's loads and saves, and the verdicts on earlier steps' saves."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    step: int = 0
+    """The scheduler's sequence number of this step (from 1)."""
+    verdicts: list[SaveVerdict] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepReport:
+    """Workers' reports on steps that had saves, merged over ranks."""
+
+    ranks: dict[int, set[int]] = field(default_factory=dict)
+    """Per step: the global ranks that finished it and reported."""
+    failed: dict[int, set[str]] = field(default_factory=dict)
+    """Per step: requests whose saves some rank failed (a load that did not complete,
+    so KV after it was computed on garbage; a layer not gathered)."""
+
+    def add(self, step: int, rank: int, failed: set[str]) -> None:
+        self.ranks.setdefault(step, set()).add(rank)
+        self.failed.setdefault(step, set()).update(failed)
+
+    def merge(self, other: StepReport) -> StepReport:
+        """This report and ``other``'s, combined (neither is changed)."""
+        out = StepReport(
+            {s: set(r) for s, r in self.ranks.items()},
+            {s: set(f) for s, f in self.failed.items()},
+        )
+        for step, ranks in other.ranks.items():
+            out.ranks.setdefault(step, set()).update(ranks)
+        for step, failed in other.failed.items():
+            out.failed.setdefault(step, set()).update(failed)
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.ranks)

@@ -14,6 +14,9 @@ engine-core and worker processes; counters then stay in those processes), ``kvli
 (``kv_connector_extra_config``, or null for no connector), and either ``requests``
 (``[{"tokens": [...], "max_tokens": n, "cache_salt": s}]``) or ``chat``
 (``{"max_new_tokens": n, "turns": t, "users": u}``: the demo's chat workload).
+``expect_failure``: a request that raises (e.g. the connector's ``kvlife.fail_layer``
+test hook) ends the run instead of the process: the error is recorded as ``error`` and
+the store is closed as usual.
 """
 
 from __future__ import annotations
@@ -163,6 +166,7 @@ def _counters() -> dict[str, Any]:
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
+    error = ""
     t0 = time.perf_counter()
     llm = _engine(spec)
     start_s = time.perf_counter() - t0
@@ -175,23 +179,29 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             int(chat.get("users", 1 << 30)),
         )
     else:
-        rows = [
-            _serve(
-                llm,
-                list(r["tokens"]),
-                int(r.get("max_tokens", 16)),
-                r.get("cache_salt"),
-                r.get("lora"),
-            )
-            for r in spec["requests"]
-        ]
+        rows = []
+        for r in spec["requests"]:
+            args = (list(r["tokens"]), int(r.get("max_tokens", 16)), r.get("cache_salt"))
+            try:
+                rows.append(_serve(llm, *args, r.get("lora")))
+            except Exception as exc:
+                if not spec.get("expect_failure"):
+                    raise
+                error = f"{type(exc).__name__}: {exc}"
+                break
     counters = _counters() if spec.get("kvlife") is not None else {}
     keys = _keys(spec) if spec.get("kvlife") is not None else []
     if spec.get("kvlife") is not None and not spec.get("multiprocess", False):
         from kvlife.engines.vllm.stores import close_all
 
         close_all()
-    return {"engine_start_s": start_s, "requests": rows, "counters": counters, "keys": keys}
+    return {
+        "engine_start_s": start_s,
+        "requests": rows,
+        "counters": counters,
+        "keys": keys,
+        "error": error,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

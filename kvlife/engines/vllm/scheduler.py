@@ -1,13 +1,23 @@
-"""The scheduler side of the kvlife connector: lookups, per-request state, step plans.
+"""The scheduler side of the kvlife connector: lookups, per-request state, step plans,
+and the verdicts that make saves visible.
 
 ``matched`` answers vLLM's ``get_num_new_matched_tokens``: the longest run of stored
-chunks of the prompt present for every tensor-parallel rank, capped so that at least one
-prompt token is computed (vLLM needs the last position's logits). ``allocated`` records
-the range to load once vLLM allocated blocks for it; ``plan`` turns the scheduled step
-into loads (new hits) and saves (chunks whose every token has KV after this step,
-prompt and generated tokens alike). Loads are synchronous within the step (the worker
-writes them layer by layer before each layer's attention); saves copy the blocks during
-the step and commit in the background, so no block outlives its request.
+chunks of the prompt present for every rank (each tensor-parallel shard of each pipeline
+stage), capped so that at least one prompt token is computed (vLLM needs the last
+position's logits). ``allocated`` records the range to load once vLLM allocated blocks
+for it; ``plan`` turns the scheduled step into loads (new hits) and saves (chunks whose
+every token has KV after this step, prompt and generated tokens alike). Loads are
+synchronous within the step (the worker writes them layer by layer before each layer's
+attention); saves are copied out of the blocks during the step and staged (invisible)
+by every worker at its end, so no block outlives its request.
+
+A staged save becomes visible only on a verdict: ``reported`` takes the workers' merged
+:class:`StepReport` of a step (vLLM's ``update_connector_output``) and decides, per
+request, commit (every rank finished the step and none failed the request) or abort (a
+rank failed its load or did not gather every layer; a rank never reported). The
+verdicts travel with the next step's plan; until they are sent,
+``has_pending_verdicts`` keeps vLLM's engine stepping. An aborted save is planned again,
+so the chunks are stored once vLLM has recomputed them.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from kvlife.core.errors import KVLifeError
 from kvlife.core.identity import ModelIdentity, Namespace
 from kvlife.engines.identity import AdapterSpec
 from kvlife.engines.vllm.identity import NamespacePolicy, adapter_spec, with_adapter
-from kvlife.engines.vllm.meta import LoadSpec, SaveSpec, StepPlan
+from kvlife.engines.vllm.meta import LoadSpec, SaveSpec, SaveVerdict, StepPlan, StepReport
 from kvlife.engines.vllm.stores import StoreAPI
 
 log = logging.getLogger("kvlife.vllm")
@@ -47,6 +57,12 @@ class SchedulerCounters:
     """Tokens offered to vLLM from kvlife (beyond its own prefix cache)."""
     store_errors: int = 0
     """Lookups the store could not answer (counted as misses)."""
+    steps_committed: int = 0
+    """Steps whose staged saves every rank reported (committed but for failed requests)."""
+    steps_aborted: int = 0
+    """Steps whose staged saves were all aborted (a rank never reported the step)."""
+    saves_aborted: int = 0
+    """Request saves aborted by a verdict (and planned again)."""
 
 
 class SchedulerSide:
@@ -63,13 +79,23 @@ class SchedulerSide:
     ) -> None:
         self.store = store
         self.identities = identities
-        """One identity per tensor-parallel rank."""
+        """One identity per rank (every tensor-parallel shard of every pipeline stage),
+        in global rank order."""
         self.namespaces = namespaces
         self.block_size = block_size
         self.tpc = identities[0].layout.tokens_per_chunk
         self.save_decode = save_decode
         self.requests: dict[str, _Request] = {}
         self.counters = SchedulerCounters()
+        self.step = 0
+        """Sequence number of the last planned step."""
+        self._awaiting: dict[int, list[SaveSpec]] = {}
+        """Steps with saves whose report has not arrived, with their saves."""
+        self._verdicts: list[SaveVerdict] = []
+        """Verdicts to send with the next plan."""
+        self._taint: dict[int, set[str]] = {}
+        """Requests to abort in an awaiting step because an earlier step of theirs was
+        aborted after it was planned."""
 
     def _state(self, request: Any) -> _Request:
         st = self.requests.get(request.request_id)
@@ -117,7 +143,9 @@ class SchedulerSide:
             self.counters.hit_tokens += num_external_tokens
 
     def plan(self, scheduler_output: Any) -> StepPlan:
-        out = StepPlan()
+        self.step += 1
+        out = StepPlan(step=self.step, verdicts=self._verdicts)
+        self._verdicts = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self.requests.get(new.req_id)
@@ -139,6 +167,8 @@ class SchedulerSide:
             self._plan_load(st, req_id, out)
             after = cached.num_computed_tokens[i] + scheduled[req_id]
             self._plan_save(st, req_id, after, out)
+        if out.saves:
+            self._awaiting[out.step] = list(out.saves)
         return out
 
     def _plan_load(self, st: _Request, req_id: str, out: StepPlan) -> None:
@@ -191,6 +221,50 @@ class SchedulerSide:
                 if block in block_ids:
                     st.saved_chunks = i * self.block_size // self.tpc
                     break
+
+    def reported(self, report: StepReport | None) -> None:
+        """The workers' merged reports of finished steps: verdicts on their saves. A
+        step with saves that is older than a reported one and was never reported itself
+        (its output was lost) is aborted whole."""
+        if report is None:
+            return
+        everyone = set(range(len(self.identities)))
+        for step in sorted(report.ranks):
+            if step not in self._awaiting:
+                continue  # already decided
+            for lost in [s for s in self._awaiting if s < step]:
+                self._decide(lost, commit=False, failed=set())
+            complete = report.ranks[step] >= everyone
+            self._decide(step, commit=complete, failed=report.failed.get(step, set()))
+
+    def _decide(self, step: int, *, commit: bool, failed: set[str]) -> None:
+        saves = self._awaiting.pop(step)
+        if commit:
+            self.counters.steps_committed += 1
+            aborted = set(failed) | self._taint.pop(step, set())
+        else:
+            self.counters.steps_aborted += 1
+            self._taint.pop(step, None)
+            aborted = {s.req_id for s in saves}
+        for spec in saves:
+            if spec.req_id not in aborted:
+                continue
+            self.counters.saves_aborted += 1
+            st = self.requests.get(spec.req_id)
+            if st is not None:  # plan the chunks again once vLLM has recomputed them
+                st.saved_chunks = min(st.saved_chunks, spec.first_chunk)
+        # a later step planned before this verdict may have computed on the same garbage
+        # (vLLM rolls a request back only once it hears of the failure): abort those too
+        for later, specs in self._awaiting.items():
+            hit = aborted & {s.req_id for s in specs}
+            if later > step and hit:
+                self._taint.setdefault(later, set()).update(hit)
+        self._verdicts.append(SaveVerdict(step, commit, tuple(sorted(aborted))))
+
+    @property
+    def has_pending_verdicts(self) -> bool:
+        """Verdicts not yet sent to the workers (vLLM keeps stepping while so)."""
+        return bool(self._verdicts)
 
     def finished(self, request: Any) -> None:
         self.requests.pop(request.request_id, None)

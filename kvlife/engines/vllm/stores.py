@@ -13,7 +13,7 @@ store. Two ways to name it:
   to use ``kvlife serve`` instead.
 
 Both are used through the public ``KVStore`` API only (lookup, prepare_put, put_async,
-load_async, counters), so either works.
+commit_put, abort_put, load_async, counters), so either works.
 """
 
 from __future__ import annotations
@@ -97,6 +97,10 @@ class StoreAPI(Protocol):
     ) -> Any: ...
 
     def put_async(self, pending: Any) -> Future[PutResult]: ...
+
+    def commit_put(self, pending: Any) -> PutResult: ...
+
+    def abort_put(self, pending: Any, reason: str = "aborted by caller") -> None: ...
 
     def invalidate(
         self,

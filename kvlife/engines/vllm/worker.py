@@ -6,18 +6,27 @@ chunks into host buffers, and a loader thread writes them into the paged cache l
 layer, setting one event per layer, so attention of layer ``l`` (which waits in
 ``wait_layer``) starts while later layers are still being written. A chunk that is
 missing or fails verification, and every chunk after it, is not written: its blocks are
-reported by ``load_errors`` and vLLM recomputes them (never served).
+reported by ``load_errors`` and vLLM recomputes them (never served). A load that fails
+part-way (the server dropped, a chunk corrupt) is the same: the chunks that arrived
+whole are written, the rest recomputed.
 
-Saves: during the step ``save_layer`` copies each layer of the planned chunks out of the
-paged cache into a host staging array (``(layers, 2, heads, T, head_dim)``); at
-``submit`` the chunks are prepared and committed in the background (``put_async``), so
-the blocks are free as soon as the step ends. Put failures are counted, never raised
-into the engine: a missing chunk is a future miss, not wrong KV.
+Saves are all-or-nothing across layers and ranks. During the step ``save_layer`` copies
+each layer of the planned chunks out of the paged cache into a host staging array
+(``(layers, 2, heads, T, head_dim)``), recording which layers it gathered; at ``submit``
+(vLLM's ``wait_for_save``, which runs even when the forward raised) the chunks of a
+request are staged with ``prepare_put`` (TENTATIVE, invisible) only if every layer of
+every chunk was gathered, no load of the request failed on this rank and no exception is
+propagating. The worker then reports the step (:class:`StepReport`) and holds the
+staged puts until the scheduler's verdict arrives with a later step's plan: commit
+(``put_async``) once every rank reported success for the request, abort otherwise. A
+worker that shuts down aborts what it still holds. Put failures are counted, never
+raised into the engine: a missing chunk is a future miss, not wrong KV.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,8 +37,9 @@ import numpy as np
 from kvlife.core.errors import KVLifeError
 from kvlife.core.identity import ROOT_PARENT, ModelIdentity, prompt_chunk_keys
 from kvlife.core.payload import numpy_dtype, to_torch
+from kvlife.engines.vllm.faults import LayerFault
 from kvlife.engines.vllm.identity import with_adapter
-from kvlife.engines.vllm.meta import LoadSpec, SaveSpec, StepPlan
+from kvlife.engines.vllm.meta import LoadSpec, SaveSpec, SaveVerdict, StepPlan, StepReport
 from kvlife.engines.vllm.paged import PagedLayer
 from kvlife.engines.vllm.stores import StoreAPI
 
@@ -44,12 +54,22 @@ class WorkerCounters:
     blocks_failed: int = 0
     """Blocks reported to vLLM as failed loads (recomputed by it)."""
     saves: int = 0
+    """Saves staged (``prepare_put``), awaiting the scheduler's verdict."""
     chunks_stored: int = 0
     chunks_present: int = 0
     put_errors: int = 0
     saves_skipped: int = 0
-    """Saves dropped because the request's load failed in the same step (its KV after
-    the failed blocks was computed on garbage); vLLM recomputes and they are saved then."""
+    """Saves not staged because the request's load failed in the same step on this rank
+    (its KV after the failed blocks was computed on garbage); vLLM recomputes and they
+    are saved then."""
+    saves_incomplete: int = 0
+    """Saves not staged because the forward did not complete: a layer of a chunk was
+    not gathered, or an exception was propagating."""
+    saves_committed: int = 0
+    """Staged saves committed on the scheduler's verdict."""
+    saves_aborted: int = 0
+    """Staged saves rolled back: another rank failed the request in that step, or the
+    step was never confirmed before shutdown."""
     tiers: dict[str, int] = field(default_factory=dict)
     """Chunks loaded per tier."""
 
@@ -63,13 +83,42 @@ class _Load:
     buffers: list[np.ndarray]
 
 
-class WorkerSide:
-    """Loads and saves of one worker (one tensor-parallel rank)."""
+@dataclass(slots=True)
+class _Staging:
+    """One planned save being gathered layer by layer in the current step."""
 
-    def __init__(self, store: StoreAPI, identity: ModelIdentity, *, block_size: int) -> None:
+    spec: SaveSpec
+    buf: np.ndarray
+    gathered: set[int] = field(default_factory=set)
+    """Layer indices copied into ``buf`` this step."""
+
+
+@dataclass(slots=True)
+class _Held:
+    """A staged put (TENTATIVE in the store) awaiting the scheduler's verdict."""
+
+    req_id: str
+    pending: Any
+
+
+class WorkerSide:
+    """Loads and saves of one worker (one tensor-parallel rank of one pipeline stage)."""
+
+    def __init__(
+        self,
+        store: StoreAPI,
+        identity: ModelIdentity,
+        *,
+        block_size: int,
+        rank: int = 0,
+        fault: LayerFault | None = None,
+    ) -> None:
         self.store = store
         self.identity = identity
         self.block_size = block_size
+        self.rank = rank
+        """Global rank (stage-major: ``pp_rank * tp_size + tp_rank``) in step reports."""
+        self.fault = fault
         lay = identity.layout
         self.tpc = lay.tokens_per_chunk
         self.layers: list[PagedLayer] = []
@@ -82,7 +131,11 @@ class WorkerSide:
         self._events: list[threading.Event] | None = None
         self._loader: Future[None] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlife-vllm-load")
-        self._staged: list[tuple[SaveSpec, np.ndarray]] = []
+        self._staging: list[_Staging] = []
+        self._staging_step = -1
+        self._held: dict[int, list[_Held]] = {}
+        """Staged puts per step, until the verdict on that step arrives."""
+        self._report = StepReport()
         self._puts: list[Future[Any]] = []
         self._lock = threading.Lock()
 
@@ -134,16 +187,33 @@ class WorkerSide:
             return None
         if len(usable) < c1 - c0:
             self._fail(spec, c0 + len(usable))
-        return _Load(spec, handle, c0, c1 - c0, bufs)
+        return _Load(spec, handle, c0, len(usable), bufs)
 
     def _fail(self, spec: LoadSpec, from_chunk: int) -> None:
         """Blocks of ``spec`` from chunk ``from_chunk`` on did not load."""
-        self._failed.add(spec.req_id)
         first_block = max(spec.first_token, from_chunk * self.tpc) // self.block_size
-        bad = spec.block_ids[first_block : spec.end_token // self.block_size]
+        bad = set(spec.block_ids[first_block : spec.end_token // self.block_size])
         with self._lock:
-            self._errors.update(bad)
-        self.counters.blocks_failed += len(bad)
+            self._failed.add(spec.req_id)
+            new = bad - self._errors
+            self._errors |= new
+            self.counters.blocks_failed += len(new)
+
+    def _arrived(self, job: _Load) -> int:
+        """Leading chunks of ``job`` that arrived whole (a failure of the handle, e.g.
+        the server dropped mid-load, ends the run there: recomputed, not raised)."""
+        got = 0
+        try:
+            for i in range(len(job.buffers)):
+                if job.handle.chunk(i) is None:
+                    break
+                got += 1
+            res = job.handle.wait()
+            for tier, n in res.tiers.items():
+                self.counters.tiers[tier] = self.counters.tiers.get(tier, 0) + n
+        except KVLifeError as exc:
+            log.warning("kvlife load of %s failed part-way, recomputed: %s", job.spec.req_id, exc)
+        return got
 
     def _write_layers(self, jobs: list[_Load], events: list[threading.Event]) -> None:
         import torch
@@ -152,15 +222,8 @@ class WorkerSide:
             ready: list[tuple[Any, Any, int]] = []  # (block ids tensor, torch chunk, first tok)
             for job in jobs:
                 spec = job.spec
-                got = 0
-                for i in range(len(job.buffers)):
-                    if job.handle.chunk(i) is None:
-                        break
-                    got += 1
-                res = job.handle.wait()
-                for tier, n in res.tiers.items():
-                    self.counters.tiers[tier] = self.counters.tiers.get(tier, 0) + n
-                if got < job.chunks:
+                got = self._arrived(job)
+                if got < len(job.buffers):
                     self._fail(spec, job.first_chunk + got)
                 for i in range(got):
                     c = job.first_chunk + i
@@ -182,12 +245,12 @@ class WorkerSide:
                 e.set()
 
     def wait_layer(self, name: str) -> None:
-        events = self._events
-        if events is None:
-            return
         idx = self.layer_index.get(name)
-        if idx is None:
+        events = self._events
+        if events is None or idx is None:
             return
+        if self.fault is not None:
+            self.fault.check("load", idx)
         events[idx].wait()
         if idx == len(events) - 1 and self._loader is not None:
             self._loader.result()  # raise a loader bug here, in the engine's step
@@ -207,48 +270,112 @@ class WorkerSide:
         idx = self.layer_index.get(name)
         if idx is None:
             return
+        if self.fault is not None:
+            self.fault.check("save", idx)
         lay = self.identity.layout
-        if idx == 0:
-            self._staged = []
+        if self._staging_step != plan.step:
+            self._staging_step = plan.step
+            self._staging = []
             for spec in plan.saves:
                 n = (spec.end_chunk - spec.first_chunk) * self.tpc
                 shape = (lay.num_layers, 2, lay.num_kv_heads, n, lay.head_dim)
-                self._staged.append((spec, np.empty(shape, numpy_dtype(lay.dtype))))
-        for spec, buf in self._staged:
-            lo = spec.first_chunk * self.tpc // self.block_size
-            hi = spec.end_chunk * self.tpc // self.block_size
-            blocks = torch.tensor(spec.block_ids[lo:hi], dtype=torch.long)
-            self.layers[idx].gather(blocks, to_torch(buf[idx], lay.dtype))
+                self._staging.append(_Staging(spec, np.empty(shape, numpy_dtype(lay.dtype))))
+        for st in self._staging:
+            lo = st.spec.first_chunk * self.tpc // self.block_size
+            hi = st.spec.end_chunk * self.tpc // self.block_size
+            blocks = torch.tensor(st.spec.block_ids[lo:hi], dtype=torch.long)
+            self.layers[idx].gather(blocks, to_torch(st.buf[idx], lay.dtype))
+            st.gathered.add(idx)
 
-    def submit(self) -> None:
-        """Commit this step's staged chunks in the background (end of the step)."""
+    def submit(self, plan: StepPlan) -> None:
+        """End of the step (vLLM's ``wait_for_save``, also after a forward that raised):
+        carry out the verdicts on earlier steps, stage this step's complete saves and
+        report the step."""
         self._events = None
-        staged, self._staged = self._staged, []
-        for spec, buf in staged:
+        for verdict in plan.verdicts:
+            self._settle(verdict)
+        staging = self._staging if self._staging_step == plan.step else []
+        self._staging, self._staging_step = [], -1
+        if plan.saves:
+            # an exception propagating through vLLM's finally: the forward did not complete
+            raising = sys.exc_info()[0] is not None
+            failed = self._stage(plan, staging, raising)
+            self._report.add(plan.step, self.rank, failed)
+        self._reap(wait=False)
+
+    def _stage(self, plan: StepPlan, staging: list[_Staging], raising: bool) -> set[str]:
+        """Stage the step's complete saves; the requests this rank failed."""
+        failed: set[str] = set()
+        by_spec = {id(st.spec): st for st in staging}
+        complete = set(range(self.identity.layout.num_layers))
+        for spec in plan.saves:
+            st = by_spec.get(id(spec))
             if spec.req_id in self._failed:
                 self.counters.saves_skipped += 1
+                failed.add(spec.req_id)
                 continue
-            identity = with_adapter(self.identity, spec.adapter)
-            start = spec.first_chunk * self.tpc
-            parent = ROOT_PARENT
+            if raising or st is None or st.gathered != complete:
+                self.counters.saves_incomplete += 1
+                failed.add(spec.req_id)
+                continue
+            pending = self._prepare(spec, st.buf)
+            if pending is not None:
+                self._held.setdefault(plan.step, []).append(_Held(spec.req_id, pending))
+        return failed
+
+    def _prepare(self, spec: SaveSpec, buf: np.ndarray) -> Any | None:
+        identity = with_adapter(self.identity, spec.adapter)
+        start = spec.first_chunk * self.tpc
+        parent = ROOT_PARENT
+        try:
             if spec.first_chunk:
                 parent = prompt_chunk_keys(identity, spec.namespace, spec.tokens[:start])[-1]
-            self.counters.saves += 1
-            try:
-                pending = self.store.prepare_put(
-                    identity,
-                    spec.namespace,
-                    spec.tokens[start:],
-                    buf,
-                    start=start,
-                    parent=parent,
-                    request_id=spec.req_id,
-                )
-                self._puts.append(self.store.put_async(pending))
-            except KVLifeError as exc:
-                self.counters.put_errors += 1
-                log.warning("kvlife put of %s failed (not stored): %s", spec.req_id, exc)
-        self._reap(wait=False)
+            pending = self.store.prepare_put(
+                identity,
+                spec.namespace,
+                spec.tokens[start:],
+                buf,
+                start=start,
+                parent=parent,
+                request_id=spec.req_id,
+            )
+        except KVLifeError as exc:
+            self.counters.put_errors += 1
+            log.warning("kvlife put of %s failed (not stored): %s", spec.req_id, exc)
+            return None
+        self.counters.saves += 1
+        return pending
+
+    def _settle(self, verdict: SaveVerdict) -> None:
+        """Commit or abort the puts staged in ``verdict.step``."""
+        for held in self._held.pop(verdict.step, []):
+            if verdict.keeps(held.req_id):
+                try:
+                    self._puts.append(self.store.put_async(held.pending))
+                    self.counters.saves_committed += 1
+                except KVLifeError as exc:
+                    self.counters.put_errors += 1
+                    log.warning("kvlife put of %s failed (not stored): %s", held.req_id, exc)
+            else:
+                self._abort(held, f"step {verdict.step} failed on another rank or layer")
+
+    def _abort(self, held: _Held, reason: str) -> None:
+        self.counters.saves_aborted += 1
+        try:
+            self.store.abort_put(held.pending, reason)
+        except KVLifeError as exc:  # the server dropped: it aborts the session's puts
+            log.warning("kvlife abort of %s's put failed: %s", held.req_id, exc)
+
+    def take_report(self) -> StepReport | None:
+        """The steps this worker finished since the last call (vLLM's
+        ``build_connector_worker_meta``)."""
+        report, self._report = self._report, StepReport()
+        return report if report else None
+
+    @property
+    def held_steps(self) -> list[int]:
+        """Steps whose staged puts await a verdict."""
+        return sorted(self._held)
 
     def _reap(self, *, wait: bool) -> None:
         left = []
@@ -266,9 +393,15 @@ class WorkerSide:
         self._puts = left
 
     def drain(self) -> None:
-        """Wait for every background put (before the store closes)."""
+        """Wait for every committed background put (before the store closes)."""
         self._reap(wait=True)
 
     def close(self) -> None:
+        """Abort what still awaits a verdict (never confirmed by every rank), then wait
+        for the committed puts."""
+        held, self._held = self._held, {}
+        for step in sorted(held):
+            for h in held[step]:
+                self._abort(h, f"step {step} not confirmed by every rank before shutdown")
         self.drain()
         self._pool.shutdown(wait=True)
