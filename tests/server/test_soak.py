@@ -41,6 +41,8 @@ import pytest
 
 from kvlife.client import RemoteStore
 from kvlife.core.errors import StoreUnavailable
+from kvlife.server.server import arena_prefix
+from kvlife.tiers.shm import SHM_DIR
 from tests.server import soak_worker as sw
 from tests.server.conftest import ROOT, MiB, ServerProc, child_env, quiet, wait_for
 
@@ -403,6 +405,10 @@ def run_soak(tmp_path: Path, seconds: float, monkeypatch: pytest.MonkeyPatch) ->
         soak.kill_workers()
         if srv.proc is not None and srv.proc.poll() is None:
             srv.kill()
+        # a killed server leaves its arena and buffer files in shared memory (a restart
+        # of its store would remove them; none comes)
+        for f in SHM_DIR.glob(f"{arena_prefix(srv.path)}-{srv.pid}*"):
+            f.unlink(missing_ok=True)
         raise
     assert srv.stop() == 0, srv.log.read_text()[-4000:]
 
