@@ -3,6 +3,7 @@ every put prepared before it returned, whether that put commits before or after.
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,42 @@ def test_a_put_in_flight_invalidated_then_aborted_or_closed(tmp_path: Path) -> N
         assert left.keys  # closed below with the put still pending
     with KVStore.open(tmp_path / "s", dram_bytes=1 << 20, disk_bytes=4 << 20) as store:
         assert store.lookup(ident, ALICE, tokens).hits == []
+
+
+def test_version_3_catalog_is_migrated_to_4_with_unknown_creation_epochs(tmp_path: Path) -> None:
+    """Catalog v4 adds the creation epoch (``born``); rows of a v3 catalog keep serving,
+    their epoch unknown (every global rule covers them), and checksum as they did."""
+    ident = tiny_identity()
+    tokens, kv = prompt_kv(5, 32)
+    path = tmp_path / "s"
+    with KVStore.open(path, dram_bytes=0, disk_bytes=4 << 20) as store:
+        store.put_prompt(ident, ALICE, tokens, kv)
+    db = sqlite3.connect(path / "disk" / "catalog.sqlite")
+    try:
+        with db:
+            db.execute("ALTER TABLE replicas DROP COLUMN born")
+            db.execute("UPDATE meta SET v = '3' WHERE k = 'catalog_version'")
+    finally:
+        db.close()
+    with KVStore.open(path, dram_bytes=0, disk_bytes=4 << 20) as store:
+        got = store.load(store.lookup(ident, ALICE, tokens))
+        assert got.loaded == 2
+        assert store.check().clean
+    db = sqlite3.connect(path / "disk" / "catalog.sqlite")
+    try:
+        (version,) = db.execute("SELECT v FROM meta WHERE k = 'catalog_version'").fetchone()
+        borns = db.execute("SELECT born FROM replicas").fetchall()
+    finally:
+        db.close()
+    assert int(version) == 4 and borns == [(b"",), (b"",)]
+
+
+def test_the_row_checksum_covers_the_creation_epoch() -> None:
+    from kvlife.tiers.disk.catalog import row_checksum
+
+    base = (bytes(32), 0, 0, 8, bytes(16), "uint8", "8", "exact", b"info")
+    plain = row_checksum(*base)
+    assert row_checksum(*base, b"", b"") == plain  # a version-3 row checksums as before
+    stamped = row_checksum(*base, b"", b"\x93born")
+    assert stamped != plain
+    assert row_checksum(*base, b"\x93born", b"") != stamped  # bytes moved between fields
