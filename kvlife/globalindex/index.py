@@ -138,6 +138,9 @@ class GlobalIndex:
         self._epoch = 0
         """Every rule up to this epoch of ``_incarnation`` was recorded before it was read."""
         self._rules: dict[int, InvalidationRule] = {}
+        self._complete = 0
+        """Every rule up to this epoch is in ``_rules`` (a rule this host recorded may be
+        there before the ones below it are read)."""
         self._applied_incarnation = ""
         self._applied = 0
         """The store applied every rule of ``_applied_incarnation`` up to this epoch."""
@@ -353,6 +356,7 @@ class GlobalIndex:
                     continue
                 self._rules.update(got)
                 self._epoch = max(self._epoch, epoch)
+                self._complete = max(self._complete, epoch)
                 self.counters.rules_seen = len(self._rules)
             return
         self.counters.unreachable += 1
@@ -404,6 +408,7 @@ class GlobalIndex:
             )
             self._rules.clear()
             self._epoch = 0
+            self._complete = 0
             self._applied = 0
             self._lease = None  # its token came from a counter that is gone
         self._incarnation = incarnation
@@ -431,8 +436,9 @@ class GlobalIndex:
         with self._lock:
             fresh = self._applied_incarnation != self._incarnation
             since = 0 if fresh else self._applied
-            rules = tuple(self._rules[e] for e in sorted(self._rules) if e > since)
-            return RuleSync(self._incarnation, self._epoch, fresh, rules)
+            upto = self._complete
+            rules = tuple(self._rules[e] for e in range(since + 1, upto + 1))
+            return RuleSync(self._incarnation, upto, fresh, rules)
 
     def applied(self, sync: RuleSync) -> None:
         """The store applied ``sync`` to its local index."""
