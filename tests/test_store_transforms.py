@@ -204,7 +204,7 @@ def test_restart_keeps_the_transform_record(tmp_path: Path, identity: ModelIdent
         (version,) = db.execute("SELECT v FROM meta WHERE k = 'catalog_version'").fetchone()
     finally:
         db.close()
-    assert int(version) == CATALOG_VERSION == 3
+    assert int(version) == CATALOG_VERSION == 4
     assert rows and all(r[0] == "int4" and r[1] == "uint8" and r[2] > 0 for r in rows)
     # reopened with another config: the record, not the config, says what the replica is
     with KVStore(tmp_path, chain(disk="int8", params=())) as store:

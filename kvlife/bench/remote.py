@@ -231,8 +231,9 @@ def _lookup_section(server: RedisServer, reps: int) -> dict[str, float]:
     )
     try:
         a = np.zeros(layout.chunk_shape, np.float16)
+        born = tier.creation_stamp().encode()  # records of no known epoch are never adopted
         metas = [
-            ReplicaMeta(k, "float16", layout.chunk_shape, "exact", inf)
+            ReplicaMeta(k, "float16", layout.chunk_shape, "exact", inf, born=born)
             for k, inf in zip(keys, infos, strict=True)
         ]
         tier.store(metas, [a] * len(keys))

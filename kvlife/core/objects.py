@@ -90,6 +90,64 @@ class ObjectInfo:
         )
 
 
+_STAMP_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class EpochStamp:
+    """The global invalidation epoch an object's KV was created under: the index
+    incarnation and epoch its host had read when the put was prepared. Every rule
+    recorded before that read has an epoch at most ``epoch``; a rule of a higher epoch,
+    or of another incarnation, may be newer than the KV and covers it. Persisted with
+    every durable replica (catalog column, publication record), so that a restarted host
+    applies a rule only to what it covers."""
+
+    incarnation: str = ""
+    """Id of the index incarnation (empty: unknown, i.e. created before this host read
+    any index; every rule covers it)."""
+    epoch: int = 0
+    """Index epoch read when the KV was created."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.incarnation, str) or type(self.epoch) is not int or self.epoch < 0:
+            raise InvalidArgument(f"bad epoch stamp {self.incarnation!r}:{self.epoch!r}")
+        if not self.incarnation and self.epoch:
+            raise InvalidArgument("an epoch stamp without an incarnation has epoch 0")
+
+    @property
+    def known(self) -> bool:
+        return bool(self.incarnation)
+
+    def before(self, incarnation: str, epoch: int) -> bool:
+        """Whether KV of this stamp may predate rule ``epoch`` of ``incarnation`` (so
+        that rule covers it): unknown, another incarnation, or a lower epoch."""
+        return self.incarnation != incarnation or self.epoch < epoch
+
+    def encode(self) -> bytes:
+        """The persisted form (empty for an unknown stamp)."""
+        if not self.known:
+            return b""
+        return bytes(msgpack.packb([_STAMP_VERSION, self.incarnation, self.epoch]))
+
+    @classmethod
+    def decode(cls, data: bytes) -> EpochStamp:
+        """Parse a persisted stamp (empty: unknown); InvalidArgument if damaged."""
+        if not data:
+            return UNSTAMPED
+        try:
+            v = msgpack.unpackb(data)
+            if not isinstance(v, list) or len(v) != 3 or v[0] != _STAMP_VERSION:
+                raise ValueError("unknown epoch stamp encoding")
+            if not isinstance(v[1], str) or not v[1]:
+                raise ValueError("epoch stamp without an incarnation")
+            return cls(v[1], v[2])
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise InvalidArgument(f"undecodable epoch stamp: {exc}") from exc
+
+
+UNSTAMPED = EpochStamp()
+"""The stamp of KV created before its host read any index (every rule covers it)."""
+
 _FORM_VERSION = 1
 
 FormParam = int | float | bool | str
@@ -230,6 +288,9 @@ class ObjectRecord:
     """None until the PUT (or RECOVER) move is applied."""
     replicas: dict[TierName, Replica] = field(default_factory=dict)
     """Replicas by tier, in no particular order (the chain orders tiers)."""
+    born: EpochStamp = UNSTAMPED
+    """The global invalidation epoch the KV was created under (persisted with every
+    durable replica): a global rule covers the object only if it may be newer."""
 
     @staticmethod
     def size(dtype: str, shape: tuple[int, ...]) -> int:

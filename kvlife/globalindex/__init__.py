@@ -4,15 +4,26 @@ tokens, invalidation rules with epochs, and the health of the connection to them
 Several hosts share one remote tier. Each publishes under a lease whose fencing token
 comes from Redis; every remote object carries a record with its frame header (key,
 dtype, shape, xxh3-128 checksum), its full object info (identity digest, namespace,
-parent, start) and the epoch of the index when it was written. Invalidations are rules
-with an epoch; a reader applies every rule newer than an object's epoch, and a reader
-that cannot read the index serves nothing remote (``docs/remote.md``).
+parent, start) and the index incarnation and epoch its KV was created under.
+Invalidations are rules with an epoch; a reader applies every rule newer than an
+object's epoch, a record of another incarnation (an index that lost its state) is never
+adopted, and a reader that cannot read the index serves nothing remote
+(``docs/remote.md``).
 """
 
 from kvlife.globalindex.health import Health
-from kvlife.globalindex.index import GlobalIndex, IndexConfig
+from kvlife.globalindex.index import GlobalIndex, IndexConfig, IndexMismatch
 from kvlife.globalindex.lease import Lease
 from kvlife.globalindex.record import RemoteRecord
-from kvlife.globalindex.rules import InvalidationRule
+from kvlife.globalindex.rules import InvalidationRule, RuleSync
 
-__all__ = ["GlobalIndex", "Health", "IndexConfig", "InvalidationRule", "Lease", "RemoteRecord"]
+__all__ = [
+    "GlobalIndex",
+    "Health",
+    "IndexConfig",
+    "IndexMismatch",
+    "InvalidationRule",
+    "Lease",
+    "RemoteRecord",
+    "RuleSync",
+]

@@ -95,7 +95,7 @@ class Health:
             self._retry_at = 0.0
 
 
-REFUSALS = ("KVLSTALE", "KVLEXPIRED", "KVLBANNED", "KVLNOSTAGE", "KVLLOST")
+REFUSALS = ("KVLSTALE", "KVLEXPIRED", "KVLBANNED", "KVLNOSTAGE", "KVLLOST", "KVLRESET")
 """Error prefixes of the index's own Lua scripts: refusals, not transport failures."""
 
 

@@ -3,41 +3,56 @@ tier, kept in Redis (one server or a Redis Cluster).
 
 Key layout (``NS`` is the deployment's index namespace)::
 
+    {kvl:NS:idx}:meta           the index's incarnation id and bucket count, written
+                                by the first script that finds the index empty
     {kvl:NS:idx}:fence          fencing-token counter (INCR)
-    {kvl:NS:idx}:lease:HOST     the host's current token, expiring with the lease
     {kvl:NS:idx}:ban:HOST       set by a revocation: no new lease for a while
     {kvl:NS:idx}:epoch          invalidation epoch counter
     {kvl:NS:idx}:rules          epoch -> rule
-    {kvl:NS:bNNN}:fence         per bucket: host -> lowest token still accepted
+    {kvl:NS:bNNN}:fence         per bucket: per host the lowest token accepted, the
+                                current lease's token and deadline (scripts.py)
     {kvl:NS:bNNN}:m:KEY         a chunk's publication record
     {kvl:NS:bNNN}:f:KEY         its frame (Redis tier), staged as ...:s:KEY:NONCE
 
-A chunk's record, frame and its bucket's fence floors share one hash tag, so the
-publish script that checks the token and makes the frame visible runs atomically on
-the one node that owns them, single server or cluster.
+A chunk's record, frame and its bucket's fence hash share one hash tag, so the scripts
+that check the host's lease and publish or delete run atomically on the one node that
+owns them, single server or cluster.
+
+Every read of the index's state (one script per lookup) returns its incarnation: an
+index that lost its state (a restart without persistence, ``FLUSHALL``) comes back with
+a new one, and each host treats it as new (its rules and epochs dropped, the store told
+to drop what was created under the old one), logs it and counts it (``index_resets``).
+Rules are handed to the store until it says it applied them (at-least-once).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
+import redis
 from redis.exceptions import NoScriptError, RedisError
 
 from kvlife.core.errors import IndexUnreachable, InvalidArgument, LeaseError, RemoteTierError
 from kvlife.core.identity import Namespace
-from kvlife.core.objects import ObjectInfo
+from kvlife.core.objects import UNSTAMPED, EpochStamp, ObjectInfo
 from kvlife.globalindex import scripts
 from kvlife.globalindex.health import REFUSALS, Health
 from kvlife.globalindex.lease import Lease
 from kvlife.globalindex.record import RemoteRecord
-from kvlife.globalindex.rules import InvalidationRule
+from kvlife.globalindex.rules import InvalidationRule, RuleSync
+
+log = logging.getLogger(__name__)
+
+RULES_PER_READ = 1000
+"""Rules fetched by one script call (Lua's stack bounds the arguments of one call)."""
 
 RedisClient = Any
 """A ``redis.Redis`` or ``redis.cluster.RedisCluster`` (same command API)."""
@@ -84,8 +99,24 @@ class IndexCounters:
     rules_seen: int = 0
     refused_by_rule: int = 0
     """Remote objects not served because an invalidation rule covers them."""
+    refused_incarnation: int = 0
+    """Remote records not adopted: created under another index incarnation (or one the
+    record does not name)."""
     unreachable: int = 0
     """Lookups that could not read the index (nothing remote served)."""
+    index_resets: int = 0
+    """Times the index was found with another incarnation than the one read before (it
+    lost its state): everything created under the old one is dropped."""
+    rules_malformed: int = 0
+    """Rules that could not be read, applied as covering everything older."""
+    deletes_refused: int = 0
+    """Deletes not done: the fence refused them (no lease: revoked, banned) or the
+    record was not the one this host held any more (published since by another)."""
+
+
+class IndexMismatch(InvalidArgument):
+    """This host's index settings disagree with the index's own (its bucket count):
+    every host of an index must spread keys over the same buckets."""
 
 
 class GlobalIndex:
@@ -102,10 +133,17 @@ class GlobalIndex:
         self._tags = [f"{{kvl:{ns}:b{b:03d}}}" for b in range(config.buckets)]
         self._lock = threading.Lock()
         self._lease: Lease | None = None
+        self._incarnation = ""
+        """Incarnation last read (empty: never read)."""
         self._epoch = 0
+        """Every rule up to this epoch of ``_incarnation`` was recorded before it was read."""
         self._rules: dict[int, InvalidationRule] = {}
-        self._handed_out = 0
-        """Highest epoch whose rules :meth:`take_new_rules` already returned."""
+        self._complete = 0
+        """Every rule up to this epoch is in ``_rules`` (a rule this host recorded may be
+        there before the ones below it are read)."""
+        self._applied_incarnation = ""
+        self._applied = 0
+        """The store applied every rule of ``_applied_incarnation`` up to this epoch."""
         self._sha: dict[str, str] = {}
 
     # ------------------------------------------------------------------ key names
@@ -147,11 +185,30 @@ class GlobalIndex:
             self._sha.clear()
             return self.evalsha(self.client, name, keys, args)
 
+    def per_bucket(self, name: str, args: Callable[[str], Sequence[object]]) -> list[Any]:
+        """Run script ``name`` once on every bucket's fence hash, pipelined; replies in
+        bucket order, an error as a value."""
+        for attempt in (0, 1):
+            pipe = self.client.pipeline(transaction=False)
+            for fence in self._fences():
+                self.evalsha(pipe, name, [fence], args(fence))
+            res = list(pipe.execute(raise_on_error=False))
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in res):
+                self._sha.clear()  # a node restarted and lost its scripts
+                continue
+            return res
+        raise AssertionError("unreachable")
+
+    @property
+    def standalone(self) -> bool:
+        """One server (its scripts may name every key at once), not a cluster."""
+        return isinstance(self.client, redis.Redis)
+
     # ------------------------------------------------------------------ leases
 
     def lease(self) -> Lease:
         """A lease valid for at least ``renew_margin`` of its TTL: the current one,
-        renewed, or a new one (new token, floors raised in every bucket)."""
+        renewed, or a new one (new token, granted in every bucket)."""
         with self._lock:
             cur = self._lease
             ttl_s = self.config.lease_ttl_ms / 1000
@@ -160,14 +217,7 @@ class GlobalIndex:
             if cur is not None and cur.remaining_s() > 0:
                 sent = time.monotonic()
                 try:
-                    deadline = self.health.call(
-                        "renew lease",
-                        lambda: self.run_script(
-                            "RENEW",
-                            [self._lease_key(self.host)],
-                            [cur.token, self.config.lease_ttl_ms],
-                        ),
-                    )
+                    deadline = self.health.call("renew lease", lambda: self._renew(cur))
                     self._lease = Lease(self.host, cur.token, int(deadline), sent + ttl_s)
                     self.counters.leases_renewed += 1
                     return self._lease
@@ -177,59 +227,91 @@ class GlobalIndex:
             self._lease = None
             return self._acquire()
 
+    def _renew(self, cur: Lease) -> int:
+        args = [self.host, cur.token, self.config.lease_ttl_ms]
+        if self.standalone:
+            return int(self.run_script("RENEW", self._fences(), args))
+        res = self.per_bucket("RENEW", lambda _: args)
+        _raise_first(res)
+        return int(res[-1])
+
     def _acquire(self) -> Lease:
+        """A new token granted in every bucket (called with the lock held)."""
         sent = time.monotonic()
         ttl = self.config.lease_ttl_ms
+        cfg = [_fresh_id(), self.config.buckets]
         try:
-            token, deadline = self.health.call(
-                "acquire lease",
-                lambda: self.run_script(
-                    "ACQUIRE",
-                    [self._fence_counter(), self._lease_key(self.host), self._ban_key(self.host)],
-                    [ttl],
-                ),
-            )
+            if self.standalone:
+                token, inc, buckets, deadline = self.health.call(
+                    "acquire lease",
+                    lambda: self.run_script(
+                        "ACQUIRE_ALL",
+                        [
+                            self._meta(),
+                            self._fence_counter(),
+                            self._ban_key(self.host),
+                            *self._fences(),
+                        ],
+                        [*cfg, self.host, ttl],
+                    ),
+                )
+            else:
+                token, inc, buckets = self.health.call(
+                    "acquire lease",
+                    lambda: self.run_script(
+                        "ACQUIRE",
+                        [self._meta(), self._fence_counter(), self._ban_key(self.host)],
+                        cfg,
+                    ),
+                )
+                granted = self.health.call(
+                    "grant lease",
+                    lambda: self.per_bucket(
+                        "GRANT", lambda _: [self.host, int(token), ttl, _text(inc)]
+                    ),
+                )
+                _raise_first(granted)
+                deadline = granted[-1]
         except RedisError as exc:
             raise LeaseError(f"host {self.host} cannot get a lease: {exc}") from exc
-        self._raise_floors(self.host, int(token))
+        self._observe(_text(inc), buckets)
         lease = Lease(self.host, int(token), int(deadline), sent + ttl / 1000)
         self._lease = lease
         self.counters.leases_acquired += 1
         return lease
 
-    def _raise_floors(self, host: str, token: int) -> None:
-        """Every bucket refuses tokens of ``host`` below ``token`` from now on."""
-
-        def run() -> None:
-            for attempt in (0, 1):
-                pipe = self.client.pipeline(transaction=False)
-                for tag in self._tags:
-                    self.evalsha(pipe, "RAISE_FLOOR", [f"{tag}:fence"], [host, token])
-                try:
-                    pipe.execute()
-                    return
-                except NoScriptError:
-                    if attempt:
-                        raise
-                    self._sha.clear()  # a node restarted and lost its scripts
-
-        self.health.call("raise fence floors", run)
-
     def revoke(self, host: str, ban_ms: int = 0) -> int:
         """Revoke ``host``'s lease: its token (and every older one) is refused in every
-        bucket, atomically per bucket, and for ``ban_ms`` it gets no new lease."""
-        token = int(
-            self.health.call(
+        bucket from now on, and for ``ban_ms`` it gets no new lease. On one server this
+        is one script (no moment where the host is banned but still publishes); on a
+        cluster, a script on the index's node then one per bucket, each atomic, all
+        done when this returns. Returns the token the buckets now refuse below."""
+        if self.standalone:
+            token = self.health.call(
                 "revoke lease",
                 lambda: self.run_script(
-                    "REVOKE",
-                    [self._fence_counter(), self._lease_key(host), self._ban_key(host)],
-                    [ban_ms],
+                    "REVOKE_ALL",
+                    [self._fence_counter(), self._ban_key(host), *self._fences()],
+                    [host, ban_ms],
                 ),
             )
-        )
-        self._raise_floors(host, token)
-        return token
+        else:
+            token = self.health.call(
+                "revoke lease",
+                lambda: self.run_script(
+                    "REVOKE", [self._fence_counter(), self._ban_key(host)], [ban_ms]
+                ),
+            )
+            done = self.health.call(
+                "revoke in buckets",
+                lambda: self.per_bucket("REVOKE_BUCKET", lambda _: [host, int(token)]),
+            )
+            errors = [r for r in done if isinstance(r, Exception)]
+            if errors:
+                raise RemoteTierError(f"revoke of {host} failed in a bucket: {errors[0]}")
+        if host == self.host:
+            self.drop_lease()
+        return int(token)
 
     def drop_lease(self) -> None:
         """Forget the local lease (the next publication asks for a new one)."""
@@ -244,58 +326,144 @@ class GlobalIndex:
 
     # ------------------------------------------------------------------ epochs and rules
 
-    def refresh(self) -> int:
-        """Read the current epoch and any rules not seen yet; IndexUnreachable when the
-        index cannot be read (the caller serves nothing remote)."""
-        try:
-            epoch = self.health.call(
-                "read epoch", lambda: int(self.client.get(self._idx + ":epoch") or 0)
-            )
-            with self._lock:
-                missing = [e for e in range(1, epoch + 1) if e not in self._rules]
-            if missing:
-                raw = self.health.call(
-                    "read rules",
-                    lambda: self.client.hmget(self._idx + ":rules", [str(e) for e in missing]),
+    def refresh(self) -> None:
+        """Read the index's incarnation and epoch and any rules not read yet;
+        IndexUnreachable when the index cannot be read (the caller serves nothing
+        remote), IndexMismatch when its bucket count is not this host's."""
+        for _ in range(3):
+            try:
+                inc, buckets, epoch = self.health.call(
+                    "read index",
+                    lambda: self.run_script(
+                        "STATE",
+                        [self._meta(), self._idx + ":epoch"],
+                        [_fresh_id(), self.config.buckets],
+                    ),
                 )
-                got = {}
-                for e, blob in zip(missing, raw, strict=True):
-                    if blob is None:
-                        raise RemoteTierError(f"index epoch {e} has no rule")
-                    got[e] = _decode_rule(e, blob)
+                inc = _text(inc)
+                epoch = int(epoch)
                 with self._lock:
-                    self._rules.update(got)
-                    self.counters.rules_seen = len(self._rules)
-        except RemoteTierError as exc:
-            self.counters.unreachable += 1
-            raise IndexUnreachable(f"global index unreachable: {exc}") from exc
-        with self._lock:
-            self._epoch = max(self._epoch, epoch)
-            return self._epoch
+                    self._observe(inc, buckets)
+                    missing = [e for e in range(1, epoch + 1) if e not in self._rules]
+                got = self._read_rules(inc, missing)
+            except _Reset:
+                continue  # the index lost its state between two reads: read it again
+            except RemoteTierError as exc:
+                self.counters.unreachable += 1
+                raise IndexUnreachable(f"global index unreachable: {exc}") from exc
+            with self._lock:
+                if self._incarnation != inc:
+                    continue
+                self._rules.update(got)
+                self._epoch = max(self._epoch, epoch)
+                self._complete = max(self._complete, epoch)
+                self.counters.rules_seen = len(self._rules)
+            return
+        self.counters.unreachable += 1
+        raise IndexUnreachable("global index unreachable: it keeps losing its state")
+
+    def _read_rules(self, inc: str, epochs: list[int]) -> dict[int, InvalidationRule]:
+        got: dict[int, InvalidationRule] = {}
+        for at in range(0, len(epochs), RULES_PER_READ):
+            part = epochs[at : at + RULES_PER_READ]
+            try:
+                blobs = self.health.call(
+                    "read rules",
+                    lambda part=part: self.run_script(  # type: ignore[misc]
+                        "RULES", [self._meta(), self._idx + ":rules"], [inc, *part]
+                    ),
+                )
+            except RedisError as exc:
+                if str(exc).startswith("KVLRESET"):
+                    raise _Reset() from exc
+                raise
+            for e, blob in zip(part, blobs, strict=True):
+                rule = InvalidationRule.from_body(e, inc, blob)
+                if rule.everything:
+                    self.counters.rules_malformed += 1
+                    log.warning(
+                        "index %s: rule %d cannot be read (%s); it covers everything older",
+                        self.config.namespace,
+                        e,
+                        rule.reason,
+                    )
+                got[e] = rule
+        return got
+
+    def _observe(self, incarnation: str, buckets: object) -> None:
+        """Take in the index's identity (called with the lock held)."""
+        if int(_text(buckets)) != self.config.buckets:
+            raise IndexMismatch(
+                f"index {self.config.namespace!r} spreads keys over {_text(buckets)} buckets; "
+                f"this host is configured with buckets={self.config.buckets}"
+            )
+        if self._incarnation and incarnation != self._incarnation:
+            self.counters.index_resets += 1
+            log.warning(
+                "index %s lost its state (incarnation %s, was %s): everything created "
+                "under the old one is dropped",
+                self.config.namespace,
+                incarnation,
+                self._incarnation,
+            )
+            self._rules.clear()
+            self._epoch = 0
+            self._complete = 0
+            self._applied = 0
+            self._lease = None  # its token came from a counter that is gone
+        self._incarnation = incarnation
 
     @property
     def epoch(self) -> int:
         """Last epoch read (see :meth:`refresh`)."""
         return self._epoch
 
-    def admissible(self, rec: RemoteRecord, info: ObjectInfo, lineage: tuple[bytes, ...]) -> bool:
-        """No rule newer than the record's epoch covers it (call after ``refresh``)."""
+    @property
+    def incarnation(self) -> str:
+        """Incarnation last read (empty: never read)."""
+        return self._incarnation
+
+    def stamp(self) -> EpochStamp:
+        """The creation stamp of KV created now (no I/O): the index state last read."""
         with self._lock:
+            if not self._incarnation:
+                return UNSTAMPED
+            return EpochStamp(self._incarnation, self._epoch)
+
+    def pending(self) -> RuleSync:
+        """What the store has not applied yet of the state last read (call after
+        :meth:`refresh`): handed out again until :meth:`applied`."""
+        with self._lock:
+            fresh = self._applied_incarnation != self._incarnation
+            since = 0 if fresh else self._applied
+            upto = self._complete
+            rules = tuple(self._rules[e] for e in range(since + 1, upto + 1))
+            return RuleSync(self._incarnation, upto, fresh, rules)
+
+    def applied(self, sync: RuleSync) -> None:
+        """The store applied ``sync`` to its local index."""
+        with self._lock:
+            if sync.incarnation != self._incarnation:
+                return  # the index was reset meanwhile: the next sync is fresh
+            if self._applied_incarnation != sync.incarnation:
+                self._applied_incarnation = sync.incarnation
+                self._applied = sync.epoch
+            else:
+                self._applied = max(self._applied, sync.epoch)
+
+    def admissible(self, rec: RemoteRecord, info: ObjectInfo, lineage: tuple[bytes, ...]) -> bool:
+        """The record was published under the current incarnation and no rule newer
+        than its creation epoch covers it (call after ``refresh``)."""
+        with self._lock:
+            if not rec.incarnation or rec.incarnation != self._incarnation:
+                self.counters.refused_incarnation += 1
+                return False
             rules = [r for e, r in self._rules.items() if e > rec.epoch]
         for rule in rules:
             if rule.matches(rec.header.key, info, lineage):
                 self.counters.refused_by_rule += 1
                 return False
         return True
-
-    def take_new_rules(self) -> list[InvalidationRule]:
-        """Rules read since the last call, oldest first (each handed out once): a store
-        applies them to its local index."""
-        with self._lock:
-            new = [self._rules[e] for e in sorted(self._rules) if e > self._handed_out]
-            if new:
-                self._handed_out = max(r.epoch for r in new)
-            return new
 
     def invalidate(
         self,
@@ -306,39 +474,59 @@ class GlobalIndex:
         prefix: bytes | None = None,
         reason: str = "",
     ) -> InvalidationRule:
-        """Record a global invalidation under a fresh epoch; every host stops serving
+        """Record a global invalidation under a fresh epoch (validated first: a rule no
+        host could apply is refused here, InvalidArgument); every host stops serving
         what it covers at its next lookup."""
-        ns = str(namespace) if namespace is not None else None
+        ns = str(namespace) if isinstance(namespace, Namespace) else namespace
         probe = InvalidationRule(1, ns, adapter_id, weights_digest, prefix, reason)  # validates
-        body = msgpack.packb([ns, adapter_id, weights_digest, probe.prefix, reason])
-        epoch = int(
-            self.health.call(
-                "record invalidation",
-                lambda: self.run_script(
-                    "INVALIDATE", [self._idx + ":epoch", self._idx + ":rules"], [body]
-                ),
-            )
+        inc, buckets, epoch = self.health.call(
+            "record invalidation",
+            lambda: self.run_script(
+                "INVALIDATE",
+                [self._meta(), self._idx + ":epoch", self._idx + ":rules"],
+                [_fresh_id(), self.config.buckets, probe.body()],
+            ),
         )
-        rule = InvalidationRule(epoch, ns, adapter_id, weights_digest, probe.prefix, reason)
+        inc = _text(inc)
         with self._lock:
-            self._rules[epoch] = rule
+            self._observe(inc, buckets)
+            rule = InvalidationRule(
+                int(epoch), ns, adapter_id, weights_digest, probe.prefix, reason, inc
+            )
+            self._rules[rule.epoch] = rule
+            self._epoch = max(self._epoch, rule.epoch)
         return rule
 
     # ------------------------------------------------------------------ keys of the idx tag
 
+    def _meta(self) -> str:
+        return self._idx + ":meta"
+
     def _fence_counter(self) -> str:
         return self._idx + ":fence"
-
-    def _lease_key(self, host: str) -> str:
-        return f"{self._idx}:lease:{host}"
 
     def _ban_key(self, host: str) -> str:
         return f"{self._idx}:ban:{host}"
 
+    def _fences(self) -> list[str]:
+        return [f"{tag}:fence" for tag in self._tags]
 
-def _decode_rule(epoch: int, blob: bytes) -> InvalidationRule:
-    try:
-        ns, adapter, weights, prefix, reason = msgpack.unpackb(blob)
-        return InvalidationRule(epoch, ns, adapter, weights, prefix, reason)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise RemoteTierError(f"index rule {epoch} undecodable: {exc}") from exc
+
+class _Reset(Exception):
+    """The index's incarnation changed between two reads of one refresh."""
+
+
+def _fresh_id() -> str:
+    """The incarnation id a script writes if it finds the index empty: new every time,
+    so an index recreated by the same host is still a new one."""
+    return uuid.uuid4().hex[:16]
+
+
+def _text(v: object) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _raise_first(replies: list[Any]) -> None:
+    for r in replies:
+        if isinstance(r, Exception):
+            raise r

@@ -1,7 +1,9 @@
 """A host's publication lease: a fencing token from a Redis counter (monotonic across
-every host) and a deadline on the server's clock. A publication carries both; the
-index's publish script refuses a token below the host's floor (superseded or revoked)
-or a deadline that passed (the host was partitioned or paused)."""
+every host), granted in every bucket with a deadline on that bucket's node's clock. A
+publication or a delete carries the token only; the bucket's script refuses it unless
+the host's current lease there has that token (not revoked, not superseded) and its
+deadline has not passed (the host was partitioned or paused): the client's own idea of
+time is never trusted."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ class Lease:
     token: int
     """Fencing token (INCR of the index's counter)."""
     deadline_ms: int
-    """Expiry on the index server's clock (ms since the epoch)."""
+    """Expiry on a bucket's node's clock (ms since the epoch), for reports: the buckets
+    enforce their own."""
     local_deadline: float
     """The same expiry on this host's monotonic clock (taken conservatively, when the
     request was sent)."""

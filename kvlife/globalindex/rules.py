@@ -1,5 +1,7 @@
 """Global invalidation rules: by namespace, adapter, weights digest and key prefix
-(criteria intersect), each recorded in the index under a fresh epoch."""
+(criteria intersect), each recorded in the index under a fresh epoch of the index's
+incarnation, and validated when written. A rule no host can read (written by another
+writer, damaged) is an ``everything`` rule: it covers every object older than it."""
 
 from __future__ import annotations
 
@@ -8,21 +10,20 @@ from dataclasses import dataclass
 import msgpack
 
 from kvlife.core.errors import InvalidArgument
-from kvlife.core.identity import ChunkKey, Namespace
-from kvlife.core.objects import ObjectInfo
-
-_RULE_VERSION = 1
+from kvlife.core.identity import Namespace
+from kvlife.core.objects import EpochStamp, ObjectInfo
 
 
 @dataclass(frozen=True, slots=True)
 class InvalidationRule:
-    """One invalidation: objects published before ``epoch`` that match every given
-    criterion are never served again by any host."""
+    """One invalidation: objects created before it (their :class:`EpochStamp` is older
+    than ``incarnation``:``epoch``) that match every given criterion are never served
+    again by any host."""
 
     epoch: int
     """Index epoch the rule was recorded under (objects with a lower epoch are hit)."""
     namespace: str | None = None
-    """``str(Namespace)`` of a tenant's erasure request."""
+    """``str(Namespace)`` of a tenant's erasure request (``organisation:acme``)."""
     adapter_id: str | None = None
     """A revoked adapter."""
     weights_digest: str | None = None
@@ -30,10 +31,16 @@ class InvalidationRule:
     prefix: bytes | None = None
     """A chunk key: that chunk and every chunk chained after it."""
     reason: str = ""
+    incarnation: str = ""
+    """The index incarnation the epoch counts in."""
+    everything: bool = False
+    """A rule that could not be read: it covers every object older than it."""
 
     def __post_init__(self) -> None:
-        if self.epoch < 1:
-            raise InvalidArgument(f"rule epoch must be >= 1, got {self.epoch}")
+        if type(self.epoch) is not int or self.epoch < 1:
+            raise InvalidArgument(f"rule epoch must be an int >= 1, got {self.epoch!r}")
+        if self.everything:
+            return
         if (
             self.namespace is None
             and self.adapter_id is None
@@ -41,12 +48,36 @@ class InvalidationRule:
             and self.prefix is None
         ):
             raise InvalidArgument("an invalidation rule needs at least one criterion")
-        if self.prefix is not None and len(self.prefix) != 32:
-            raise InvalidArgument(f"prefix must be a 32-byte chunk key, got {len(self.prefix)}")
+        if self.namespace is not None:
+            if not isinstance(self.namespace, str):
+                raise InvalidArgument(f"rule namespace must be text, got {self.namespace!r:.80}")
+            try:
+                ok = str(Namespace.parse(self.namespace)) == self.namespace
+            except InvalidArgument:
+                ok = False
+            if not ok:
+                raise InvalidArgument(
+                    f"rule namespace {self.namespace!r:.80} is not a namespace "
+                    "(kind:name, e.g. organisation:acme, or public)"
+                )
+        for name in ("adapter_id", "weights_digest", "reason", "incarnation"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise InvalidArgument(f"rule {name} must be text, got {type(v).__name__}")
+        if self.prefix is not None and (
+            not isinstance(self.prefix, bytes) or len(self.prefix) != 32
+        ):
+            raise InvalidArgument(f"prefix must be a 32-byte chunk key, got {self.prefix!r:.80}")
+
+    def covers_born(self, born: EpochStamp) -> bool:
+        """Whether an object created under ``born`` may predate the rule."""
+        return born.before(self.incarnation, self.epoch)
 
     def matches(self, key: bytes, info: ObjectInfo, lineage: tuple[bytes, ...] = ()) -> bool:
-        """Whether the rule covers an object (``lineage``: keys of the chunks before it
-        in the run being looked up, for the prefix criterion)."""
+        """Whether the rule's criteria cover an object (``lineage``: keys of the chunks
+        before it in the run being looked up, for the prefix criterion)."""
+        if self.everything:
+            return True
         if self.namespace is not None and info.namespace != self.namespace:
             return False
         if self.adapter_id is not None and info.adapter_id != self.adapter_id:
@@ -59,36 +90,46 @@ class InvalidationRule:
                 return False
         return True
 
-    def criteria(self) -> dict[str, object]:
-        """The criteria as keyword arguments of the store's local ``invalidate``."""
-        return {
-            "namespace": Namespace.parse(self.namespace) if self.namespace is not None else None,
-            "adapter_id": self.adapter_id,
-            "weights_digest": self.weights_digest,
-            "prefix": ChunkKey(self.prefix) if self.prefix is not None else None,
-        }
-
-    def encode(self) -> bytes:
+    def body(self) -> bytes:
+        """The stored form (the epoch and incarnation are the index's)."""
         return bytes(
             msgpack.packb(
-                [
-                    _RULE_VERSION,
-                    self.epoch,
-                    self.namespace,
-                    self.adapter_id,
-                    self.weights_digest,
-                    self.prefix,
-                    self.reason,
-                ]
+                [self.namespace, self.adapter_id, self.weights_digest, self.prefix, self.reason]
             )
         )
 
     @classmethod
-    def decode(cls, data: bytes) -> InvalidationRule:
+    def from_body(cls, epoch: int, incarnation: str, blob: bytes | None) -> InvalidationRule:
+        """A stored rule; one that cannot be read or does not validate is an
+        ``everything`` rule (its reason says why)."""
         try:
-            v = msgpack.unpackb(data)
-            if not isinstance(v, list) or len(v) != 7 or v[0] != _RULE_VERSION:
-                raise ValueError("unknown rule encoding")
-            return cls(v[1], v[2], v[3], v[4], v[5], v[6])
-        except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
-            raise InvalidArgument(f"undecodable invalidation rule: {exc}") from exc
+            if blob is None:
+                raise ValueError("no rule recorded under this epoch")
+            fields = msgpack.unpackb(blob)
+            if not isinstance(fields, list) or len(fields) != 5:
+                raise ValueError("not a five-field rule")
+            ns, adapter, weights, prefix, reason = fields
+            return cls(epoch, ns, adapter, weights, prefix, reason, incarnation)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            return cls(
+                epoch,
+                reason=f"unreadable rule: {exc}"[:200],
+                incarnation=incarnation,
+                everything=True,
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class RuleSync:
+    """What a host must apply to its local index after reading the index: the rules it
+    has not applied yet, and whether the index is new to it."""
+
+    incarnation: str
+    """The index incarnation read."""
+    epoch: int
+    """Its epoch: every rule up to it is in ``rules`` or was applied before."""
+    fresh: bool
+    """This host has not applied this incarnation yet (first read, or the index lost
+    its state): objects created under any other incarnation are covered."""
+    rules: tuple[InvalidationRule, ...] = ()
+    """Rules not applied yet, oldest first."""

@@ -234,7 +234,12 @@ class KVStore:
     ) -> int:
         """Invalidate and delete every object matching all the given criteria; ``prefix``
         selects that chunk and every chunk chained after it, present or not in between.
-        Returns the number of objects removed; durable when it returns."""
+        Puts in flight are covered too: a chunk of a put prepared before this returned
+        is never stored. On a store whose chain has a shared tier (Redis, Mooncake) the
+        invalidation is global: recorded in the shared index first, so every host stops
+        serving what it covers at its next lookup (docs/remote.md), then applied here
+        (IndexUnreachable if it could only be applied here). Returns the number of
+        objects removed here; durable when it returns."""
         return invalidate(
             self._core,
             weights_digest=weights_digest,

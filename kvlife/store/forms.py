@@ -77,6 +77,7 @@ def meta_for(rec: ObjectRecord, array: np.ndarray, form: Representation) -> Repl
         form.name,
         rec.info.encode(),
         form=form.encode(rec.dtype, rec.shape),
+        born=rec.born.encode(),
     )
 
 

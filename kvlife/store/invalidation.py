@@ -1,19 +1,133 @@
-"""Invalidation by model version, adapter, namespace or key prefix (criteria intersect).
+"""Invalidation, local and global, through one function.
 
-The chosen objects stop being served at once (under the index lock); their replicas are
-deleted in the plan order of the sequencer, and the call returns only once the deletes
-are durable, so an invalidation survives a crash the moment it returns.
+A :class:`Scope` selects objects by model version, adapter, namespace or key prefix
+(criteria intersect), or every object; a global rule's scope covers only objects whose
+KV was created before the rule (their :class:`~kvlife.core.objects.EpochStamp` is older
+than the rule's epoch), and the reset of an index that lost its state covers every
+object created under another incarnation. :func:`apply_scopes` takes every object of
+the local index a scope covers out of service at once, under the index lock:
+TENTATIVE objects of puts in flight included, so such a put's ``commit_put`` stores
+nothing of them. An invalidation therefore applies to every put prepared before it
+returned, whether that put commits before or after; a put prepared after it is not
+covered.
+
+:func:`invalidate` (``KVStore.invalidate``) invalidates locally on a store without a
+shared tier; on a store with one it records a global rule first (every host applies
+it at its next lookup, :mod:`kvlife.store.shared`) and applies that rule here. Either
+way the replicas are deleted in the plan order of the sequencer and the call returns
+once the deletes are durable, so an invalidation survives a crash the moment it
+returns.
 """
 
 from __future__ import annotations
 
-from kvlife.core.errors import InvalidArgument
+from dataclasses import dataclass
+
+from kvlife.core.errors import IndexUnreachable, InvalidArgument, RemoteTierError
 from kvlife.core.identity import ChunkKey, Namespace
 from kvlife.core.lifecycle import Move, ObjectState
-from kvlife.core.objects import TierName
+from kvlife.core.objects import ObjectRecord, TierName
+from kvlife.globalindex.rules import InvalidationRule
 from kvlife.store.core import StoreCore
+from kvlife.tiers.base import SharedTier
 
-SERVABLE = (ObjectState.INDEXED, ObjectState.COMMITTED)
+LIVE = (ObjectState.INDEXED, ObjectState.COMMITTED, ObjectState.TENTATIVE)
+"""States an invalidation takes out of service (TENTATIVE: a put in flight)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Which objects of the local index one invalidation covers."""
+
+    weights_digest: str | None = None
+    adapter_id: str | None = None
+    namespace: str | None = None
+    """``str(Namespace)``."""
+    prefix: ChunkKey | None = None
+    """That chunk and every chunk chained after it, present or not in between."""
+    everything: bool = False
+    """Every object (a rule no host could read; an index reset)."""
+    before: tuple[str, int] | None = None
+    """A global rule's (incarnation, epoch): only objects created before it."""
+    outside: str | None = None
+    """An index reset: only objects created under another incarnation than this."""
+    reason: str = ""
+
+    @classmethod
+    def of_rule(cls, rule: InvalidationRule) -> Scope:
+        return cls(
+            rule.weights_digest,
+            rule.adapter_id,
+            rule.namespace,
+            ChunkKey(rule.prefix) if rule.prefix is not None else None,
+            rule.everything,
+            (rule.incarnation, rule.epoch),
+            None,
+            f"rule {rule.epoch}" + (f" ({rule.reason})" if rule.reason else ""),
+        )
+
+    def criteria(self) -> list[str]:
+        names = [
+            name
+            for name, v in (
+                ("weights", self.weights_digest),
+                ("adapter", self.adapter_id),
+                ("namespace", self.namespace),
+                ("prefix", self.prefix),
+            )
+            if v is not None
+        ]
+        return names or ["everything"]
+
+    def covers_born(self, rec: ObjectRecord) -> bool:
+        if self.outside is not None:
+            return rec.born.incarnation != self.outside
+        if self.before is not None:
+            return rec.born.before(*self.before)
+        return True
+
+
+def select(core: StoreCore, scope: Scope) -> list[ObjectRecord]:
+    """The live objects ``scope`` covers (under the lock)."""
+    index = core.index
+    sets: list[set[ChunkKey]] = []
+    if scope.weights_digest is not None:
+        sets.append(index.by_weights(scope.weights_digest))
+    if scope.adapter_id is not None:
+        sets.append(index.by_adapter(scope.adapter_id))
+    if scope.namespace is not None:
+        sets.append(index.by_namespace(scope.namespace))
+    if scope.prefix is not None:
+        sets.append(set(index.subtree([scope.prefix])))
+    if scope.everything or not sets:
+        keys: set[ChunkKey] = {r.key for r in index}
+        sets.append(keys)
+    out: list[ObjectRecord] = []
+    for key in set.intersection(*sets):
+        rec = index.get(key)
+        if rec is not None and rec.state in LIVE and scope.covers_born(rec):
+            out.append(rec)
+    return out
+
+
+def apply_scopes(
+    core: StoreCore, scopes: list[Scope]
+) -> tuple[int, list[tuple[TierName, ChunkKey]]]:
+    """Take every live object the scopes cover out of service (under the lock; puts in
+    flight included). Returns how many, and the replicas to delete physically."""
+    doomed: list[tuple[TierName, ChunkKey]] = []
+    count = 0
+    for scope in scopes:
+        why = "invalidated:" + "+".join(scope.criteria())
+        if scope.reason:
+            why += f" ({scope.reason})"
+        for rec in select(core, scope):
+            if rec.state is ObjectState.TENTATIVE:
+                core.counters.aborted += 1  # its put stores nothing of it
+            doomed += core.retire(rec, Move.INVALIDATE, why)
+            count += 1
+    core.counters.invalidated += count
+    return count, doomed
 
 
 def invalidate(
@@ -32,37 +146,37 @@ def invalidate(
     _check(namespace, Namespace, "namespace")
     if prefix is not None and (not isinstance(prefix, bytes) or len(prefix) != 32):
         raise InvalidArgument(f"prefix must be a 32-byte chunk key, got {prefix!r:.80}")
+    ns = str(namespace) if namespace is not None else None
+    key = ChunkKey(prefix) if prefix is not None else None
+    scope = Scope(weights_digest, adapter_id, ns, key)
+    shared = _shared(core)
+    failed: RemoteTierError | None = None
+    if shared is not None:
+        try:
+            rule = shared.record_invalidation(
+                namespace=ns, adapter_id=adapter_id, weights_digest=weights_digest, prefix=key
+            )
+            scope = Scope.of_rule(rule)
+        except RemoteTierError as exc:  # applied here all the same, then raised
+            failed = exc
     with core.lock:
-        index = core.index
-        sets: list[set[ChunkKey]] = []
-        reasons: list[str] = []
-        if weights_digest is not None:
-            sets.append(index.by_weights(weights_digest))
-            reasons.append("weights")
-        if adapter_id is not None:
-            sets.append(index.by_adapter(adapter_id))
-            reasons.append("adapter")
-        if namespace is not None:
-            sets.append(index.by_namespace(str(namespace)))
-            reasons.append("namespace")
-        if prefix is not None:
-            sets.append(set(index.subtree([ChunkKey(prefix)])))
-            reasons.append("prefix")
-        chosen = set.intersection(*sets)
-        reason = "invalidated:" + "+".join(reasons)
-        doomed: list[tuple[TierName, ChunkKey]] = []
-        count = 0
-        for key in chosen:
-            rec = index.get(key)
-            if rec is None or rec.state not in SERVABLE:
-                continue  # a put still writing it decides its own fate
-            doomed += core.retire(rec, Move.INVALIDATE, reason)
-            count += 1
-        core.counters.invalidated += count
+        count, doomed = apply_scopes(core, [scope])
         ticket = core.seq.take()
     with core.seq.turn(ticket):
         core.delete_replicas(doomed)
+    if failed is not None:
+        raise IndexUnreachable(
+            f"invalidation applied on this host only ({count} objects): the global "
+            f"index could not record it for the other hosts: {failed}"
+        ) from failed
     return count
+
+
+def _shared(core: StoreCore) -> SharedTier | None:
+    for tier in core.chain:
+        if isinstance(tier, SharedTier):
+            return tier
+    return None
 
 
 def _check(value: object, kind: type, name: str) -> None:

@@ -16,6 +16,7 @@ from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import Move
 from kvlife.core.objects import (
     EXACT,
+    EpochStamp,
     ObjectInfo,
     ObjectRecord,
     Replica,
@@ -34,6 +35,7 @@ def recover(core: StoreCore) -> None:
             meta = tier.meta(key)
             try:
                 info = ObjectInfo.decode(meta.info)
+                born = EpochStamp.decode(meta.born)
                 form, dtype, shape = Representation.decode(meta.form)
                 if dtype is None or shape is None:
                     dtype, shape = meta.dtype, meta.shape
@@ -48,7 +50,7 @@ def recover(core: StoreCore) -> None:
                 core.counters.recovery_dropped += 1  # two tiers disagree: serve neither copy
                 continue
             if rec is None:
-                rec = ObjectRecord(key, info, dtype, shape, nbytes)
+                rec = ObjectRecord(key, info, dtype, shape, nbytes, born=born)
                 core.ledger.move(rec, Move.RECOVER, tier=tier.name, nbytes=nbytes, reason="reopen")
                 core.ledger.move(rec, Move.INDEX, tier=tier.name)
                 core.index.add(rec)

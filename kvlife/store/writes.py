@@ -3,7 +3,12 @@
 A put is planned under the index lock (placement decides where the new chunks go and
 what makes room), executed outside it in its sequencer turn, and published under it.
 Its TENTATIVE objects are in the index from ``prepare_put`` on (so a second put of the
-same chunk leaves it to the first) but are never served until they are INDEXED.
+same chunk leaves it to the first) but are never served until they are INDEXED. They
+carry the creation stamp of the moment the put was prepared (the global invalidation
+epoch, :mod:`kvlife.store.shared`), and an invalidation covers them like any live
+object (:mod:`kvlife.store.invalidation`): a chunk invalidated while its put was in
+flight is not stored (``commit_put`` leaves it out, or, if its bytes are being written
+already, deletes them when the write returns).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from kvlife.placement import Evict, Plan, Reject
 from kvlife.results import PutResult
 from kvlife.store.core import StoreCore
 from kvlife.store.executor import execute
+from kvlife.store.shared import creation_stamp
 
 INDEXED = ObjectState.INDEXED
 TENTATIVE = ObjectState.TENTATIVE
@@ -80,6 +86,7 @@ class Writer:
         chunks = split_chunks(kv, layout, len(keys), len(prompt.tokens))
         dtype = numpy_dtype(layout.dtype)
         n = layout.tokens_per_chunk
+        born = creation_stamp(core)  # before the lock: the first one may read the index
         with core.lock:
             core.check_open()
             core.counters.puts += 1
@@ -96,7 +103,7 @@ class Writer:
                         prompt.identity, prompt.namespace, prev, prompt.start + i * n
                     )
                     rec = ObjectRecord(
-                        key, info, dtype.name, layout.chunk_shape, layout.chunk_nbytes
+                        key, info, dtype.name, layout.chunk_shape, layout.chunk_nbytes, born=born
                     )
                     core.ledger.move(rec, Move.PUT, nbytes=rec.nbytes, request_id=request_id)
                     core.index.add(rec)
@@ -110,7 +117,8 @@ class Writer:
         core.check_open()
         with core.lock:
             self._finish(pending)
-            fresh = [r for r, _ in pending.items]
+            fresh = _still_tentative(pending)  # an invalidation took the others
+            keep = {id(r) for r in fresh}
             _, placed = core.placement.plan_put(pending.keys, [r.key for r in fresh])
             wt = Plan()
             if core.config.write_through:
@@ -130,7 +138,7 @@ class Writer:
             out = execute(
                 core,
                 bound,
-                payloads={r.key: a for r, a in pending.items},
+                payloads={r.key: a for r, a in pending.items if id(r) in keep},
                 request_id=pending.request_id,
                 protect=set(pending.keys),
             )
@@ -185,7 +193,7 @@ class Writer:
         core = self.core
         with core.lock:
             self._finish(pending)
-            for rec, _ in pending.items:
+            for rec in _still_tentative(pending):
                 core.ledger.move(rec, Move.ABORT, reason=reason)
                 core.counters.aborted += 1
                 core.index.remove(rec.key)
@@ -251,6 +259,11 @@ class Writer:
         return sum(
             b.rec.nbytes for b in bound if isinstance(b.action, Evict) and b.action.tier == tier
         )
+
+
+def _still_tentative(pending: PendingPut) -> list[ObjectRecord]:
+    """The put's new objects no invalidation took out of service meanwhile."""
+    return [r for r, _ in pending.items if r.state is TENTATIVE]
 
 
 def _live(core: StoreCore, key: ChunkKey) -> bool:

@@ -35,7 +35,8 @@ from kvlife.core.identity import ChunkKey
 from kvlife.core.objects import TierName
 
 if TYPE_CHECKING:
-    from kvlife.globalindex.rules import InvalidationRule
+    from kvlife.core.objects import EpochStamp
+    from kvlife.globalindex.rules import InvalidationRule, RuleSync
 
 
 class Durability(enum.Enum):
@@ -67,6 +68,10 @@ class ReplicaMeta:
     """Opaque record of the replica's representation (the store's transform descriptor,
     :mod:`kvlife.store.forms`), persisted with the replica like ``info``; empty for the
     engine's own bytes."""
+    born: bytes = b""
+    """Opaque record of the global invalidation epoch the object's KV was created under
+    (:class:`~kvlife.core.objects.EpochStamp`), persisted with the replica like
+    ``info``; empty where unknown."""
 
     def __post_init__(self) -> None:
         if len(self.key) != 32:
@@ -304,20 +309,55 @@ class PersistsCounters(ABC):
 class SharedTier(ABC):
     """Capability: a tier other hosts share through a global index (Redis, Mooncake
     Store). A local miss may be found there, and invalidations issued by any host reach
-    this one through it. Both calls raise RemoteTierError when the index cannot be read:
-    the store then serves nothing (a host cut off from the index may have missed an
-    invalidation)."""
+    this one through it. Calls that read the index raise RemoteTierError when it cannot
+    be read: the store then serves nothing (a host cut off from the index may have
+    missed an invalidation)."""
 
     @abstractmethod
-    def sync_invalidations(self) -> Sequence[InvalidationRule]:
-        """Read the index's epoch; return the rules this host has not applied yet."""
+    def sync_invalidations(self) -> RuleSync:
+        """Read the index (its incarnation and epoch, and the rules not read yet); the
+        rules this host has not applied yet, handed out again on every call until
+        :meth:`invalidations_applied` (at-least-once)."""
+
+    @abstractmethod
+    def invalidations_applied(self, sync: RuleSync) -> None:
+        """The store applied everything ``sync`` asked for to its local index."""
+
+    @abstractmethod
+    def creation_stamp(self) -> EpochStamp:
+        """The stamp of KV created now: the index incarnation and epoch last read (the
+        index is read once if it never was; unknown if it cannot be)."""
+
+    @abstractmethod
+    def record_invalidation(
+        self,
+        *,
+        namespace: str | None,
+        adapter_id: str | None,
+        weights_digest: str | None,
+        prefix: bytes | None,
+    ) -> InvalidationRule:
+        """Record a global invalidation (validated first) under a fresh epoch; every host
+        applies it at its next lookup."""
 
     @abstractmethod
     def probe(self, keys: Sequence[ChunkKey], infos: Sequence[bytes]) -> list[ReplicaMeta]:
         """The leading run of ``keys`` published in the shared tier by any host whose
         record verifies, whose object info equals ``infos[i]`` byte for byte (the full
-        identity) and that no invalidation rule covers; they are now charged to this
-        tier as replicas of this host's store."""
+        identity), that was published under the index's current incarnation and that no
+        invalidation rule covers; they are now charged to this tier as replicas of this
+        host's store. Call after :meth:`sync_invalidations`."""
+
+    @abstractmethod
+    def forget(self, keys: Sequence[ChunkKey]) -> None:
+        """Stop charging replicas the store does not keep (adopted by a probe but not
+        used, or gone): never deletes anything."""
+
+    @abstractmethod
+    def take_gone(self) -> list[ChunkKey]:
+        """Replicas this host held whose records other hosts deleted or replaced since
+        the last call (found by reads): no longer this host's replicas. The store drops
+        them, then calls :meth:`forget`."""
 
 
 def check_payloads(metas: Sequence[ReplicaMeta], payloads: Sequence[np.ndarray]) -> None:

@@ -48,14 +48,17 @@ def test_mooncake_suite_in_a_private_network_namespace() -> None:
             "no:cacheprovider",
             "tests/test_tier_contract.py",
             "tests/remote/test_mooncake.py",
+            "tests/remote/test_global_rules.py",
             "-k",
             "mooncake",
         ]
     )
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=500)
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=580)
     tail = run.stdout[-3000:]
     assert run.returncode == 0, tail
-    assert re.search(r"\b1[0-9] passed", tail) and not re.search(r"\d+ failed", tail), tail
+    passed = re.search(r"\b(\d+) passed", tail)
+    assert passed and int(passed.group(1)) >= 30, tail
+    assert not re.search(r"\d+ failed", tail), tail
 
 
 HOLDER = """

@@ -23,11 +23,16 @@ damage, :class:`~kvlife.core.errors.StorePathError` for an unwritable or failing
 :class:`~kvlife.core.errors.StorageFullError` for a full device). One connection serves
 every thread; a re-entrant lock keeps it inside one transaction at a time.
 
-Format versions: 3 (this one) adds the ``form`` column: the store's opaque record of a
-replica's representation (its transform descriptor), covered by the row checksum when
-it is not empty (an empty form checksums exactly as a version-2 row, so version-2 rows
-stay valid as they are). A version-2 catalog gets the column (empty: every version-2
-replica is exact) on the first writable open. A version-1 catalog (no row checksums, no
+Format versions: 4 (this one) adds the ``born`` column: the store's opaque record of
+the global invalidation epoch the object's KV was created under, covered by the row
+checksum when it is not empty (an empty one checksums exactly as a version-3 row, so
+version-3 rows stay valid as they are). A version-3 catalog gets the column (empty:
+unknown, every global rule covers the object) on the first writable open. Version 3
+added the ``form`` column: the store's opaque record of a replica's representation (its
+transform descriptor), covered by the row checksum when it is not empty (an empty form
+checksums exactly as a version-2 row, so version-2 rows stay valid as they are). A
+version-2 catalog gets the column (empty: every version-2 replica is exact) on the first
+writable open. A version-1 catalog (no row checksums, no
 generation) is migrated in place too, in one transaction: its rows are parsed strictly
 and checksummed as they are (version 1 trusted them the same way, and every frame is
 still verified against them), rows that fail parsing are quarantined. A newer version
@@ -56,7 +61,7 @@ from kvlife.core.errors import KVLifeError, StorageFullError, StoreFormatError, 
 from kvlife.tiers.disk.frame import MAX_NDIM, TRANSFORM_BYTES, verify_frame
 from kvlife.tiers.disk.superblock import Superblock
 
-CATALOG_VERSION = 3
+CATALOG_VERSION = 4
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
@@ -72,7 +77,8 @@ CREATE TABLE IF NOT EXISTS replicas (
     info BLOB NOT NULL,
     rowsum BLOB,
     quarantine TEXT,
-    form BLOB NOT NULL DEFAULT x''
+    form BLOB NOT NULL DEFAULT x'',
+    born BLOB NOT NULL DEFAULT x''
 );
 CREATE INDEX IF NOT EXISTS replicas_seg ON replicas (seg);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -83,8 +89,9 @@ _EDGES_TABLE = (
     "(child BLOB PRIMARY KEY, parent BLOB NOT NULL, sum BLOB NOT NULL)"
 )
 _EDGE_TAG = b"kvlife-catalog-edge-v1"
-_COLUMNS = "key, seg, off, nbytes, checksum, dtype, shape, transform, info, form"
+_COLUMNS = "key, seg, off, nbytes, checksum, dtype, shape, transform, info, form, born"
 _FORM_COLUMN = "ALTER TABLE replicas ADD COLUMN form BLOB NOT NULL DEFAULT x''"
+_BORN_COLUMN = "ALTER TABLE replicas ADD COLUMN born BLOB NOT NULL DEFAULT x''"
 
 _SHAPE_RE = re.compile(r"^(0|[1-9][0-9]{0,18})(,(0|[1-9][0-9]{0,18}))*$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:+-]+$")
@@ -138,8 +145,10 @@ class CatalogRow:
     info: bytes
     form: bytes = b""
     """The store's representation record (transform descriptor); empty for exact."""
+    born: bytes = b""
+    """The store's record of the epoch the KV was created under; empty: unknown."""
 
-    def fields(self) -> tuple[bytes, int, int, int, bytes, str, str, str, bytes, bytes]:
+    def fields(self) -> tuple[bytes, int, int, int, bytes, str, str, str, bytes, bytes, bytes]:
         """The persisted fields, in column order (the shape as its text)."""
         return (
             self.key,
@@ -152,6 +161,7 @@ class CatalogRow:
             self.transform,
             self.info,
             self.form,
+            self.born,
         )
 
     def verify(self, header: memoryview | bytes, payload: list[np.ndarray] | None) -> str:
@@ -202,10 +212,12 @@ def row_checksum(
     transform: str,
     info: bytes,
     form: bytes = b"",
+    born: bytes = b"",
 ) -> bytes:
     """xxh3-128 over every field of a row, each length-prefixed (no two rows collide by
-    moving bytes between fields). An empty ``form`` adds nothing (a version-2 row's
-    checksum); a non-empty one is one more length-prefixed part."""
+    moving bytes between fields). An empty ``form`` and ``born`` add nothing (a
+    version-2 row's checksum); a non-empty form is one more length-prefixed part, and a
+    non-empty born two more (the form, even empty, then born)."""
     h = xxhash.xxh3_128(_ROW_TAG)
     for part in (
         key,
@@ -217,7 +229,7 @@ def row_checksum(
         shape.encode(),
         transform.encode(),
         info,
-        *((form,) if form else ()),
+        *((form, born) if born else (form,) if form else ()),
     ):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
@@ -288,6 +300,7 @@ def _parse_row(r: tuple[object, ...], verify_sum: bool) -> CatalogRow:
     transform = _text_field("transform", r[7])
     info = _bytes_field("info", r[8])
     form = _bytes_field("form", r[9])
+    born = _bytes_field("born", r[10])
     dt = parse_dtype(dtype)
     shape = parse_shape(shape_t)
     if not _NAME_RE.match(transform) or len(transform.encode()) > TRANSFORM_BYTES:
@@ -296,16 +309,16 @@ def _parse_row(r: tuple[object, ...], verify_sum: bool) -> CatalogRow:
     if want != nbytes:
         raise _BadField(f"field 'nbytes' is {nbytes} but {dtype}{list(shape)} holds {want} bytes")
     if verify_sum:
-        rowsum = r[10]
+        rowsum = r[11]
         if rowsum is None:
             raise _BadField("field 'rowsum' is missing")
         rowsum = _bytes_field("rowsum", rowsum, 16)
         want_sum = row_checksum(
-            key, seg, off, nbytes, checksum, dtype, shape_t, transform, info, form
+            key, seg, off, nbytes, checksum, dtype, shape_t, transform, info, form, born
         )
         if rowsum != want_sum:
             raise _BadField("row checksum mismatch (the row changed after it was written)")
-    return CatalogRow(key, seg, off, nbytes, checksum, dtype, shape, transform, info, form)
+    return CatalogRow(key, seg, off, nbytes, checksum, dtype, shape, transform, info, form, born)
 
 
 def _gen_text(generation: int) -> str:
@@ -441,6 +454,8 @@ class Catalog:
                 self._exec("ALTER TABLE replicas ADD COLUMN quarantine TEXT")
             if "form" not in cols:
                 self._exec(_FORM_COLUMN)  # version 2: every replica was exact
+            if "born" not in cols:
+                self._exec(_BORN_COLUMN)  # version 3: every epoch is unknown
             todo = self._exec(f"SELECT rowid, {_COLUMNS} FROM replicas WHERE rowsum IS NULL")
             for r in todo:
                 try:
@@ -510,15 +525,17 @@ class Catalog:
         with self._lock:
             quarantine = "quarantine" if self.version >= 2 else "NULL"
             rowsum = "rowsum" if self.version >= 2 else "NULL"
-            cols = _COLUMNS if self.version >= 3 else _COLUMNS.replace(", form", ", x''")
+            cols = _COLUMNS if self.version >= 4 else _COLUMNS.replace(", born", ", x''")
+            if self.version < 3:
+                cols = cols.replace(", form", ", x''")
             data = self._exec(f"SELECT rowid, {cols}, {rowsum}, {quarantine} FROM replicas")
         out: list[ScannedRow] = []
         for r in data:
             raw_key = r[1] if isinstance(r[1], bytes) else repr(r[1]).encode()
             seg = r[2] if type(r[2]) is int else None
-            q = r[12]
+            q = r[13]
             try:
-                row: CatalogRow | None = _parse_row(tuple(r[1:12]), verify_sum=self.version >= 2)
+                row: CatalogRow | None = _parse_row(tuple(r[1:13]), verify_sum=self.version >= 2)
                 problem = ""
             except _BadField as exc:
                 row, problem = None, f"{self.path.name} row {r[0]}: {exc}"
@@ -556,7 +573,7 @@ class Catalog:
         with self._transaction() as txn:
             txn.many(
                 f"INSERT OR REPLACE INTO replicas ({_COLUMNS}, rowsum, quarantine) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
                 data,
             )
 

@@ -394,6 +394,7 @@ class DiskTier(
                         meta.transform,
                         meta.info,
                         meta.form,
+                        meta.born,
                     )
                 )
             if group is not None:
@@ -513,6 +514,7 @@ class DiskTier(
             row.info,
             row.checksum,
             row.form,
+            row.born,
         )
 
     def _row(self, key: ChunkKey) -> CatalogRow:

@@ -171,7 +171,7 @@ class MooncakeTier(PublishedTier):
 
     def _write(
         self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
-    ) -> None:
+    ) -> list[RemoteRecord]:
         """Payloads go to Mooncake (under names no reader knows yet) on a worker thread
         while this one computes their checksums (xxh3 and Mooncake's copy both release
         the GIL); then the index's publish script checks the lease and writes the records
@@ -196,8 +196,9 @@ class MooncakeTier(PublishedTier):
                 raise
             put.result()  # RemoteTierError: nothing of it left behind
             self._publish(pending, records, locations, blobs)
-            return
+            return records
         self._publish(pending, records, locations)
+        return records
 
     def _publish(
         self,
@@ -228,12 +229,7 @@ class MooncakeTier(PublishedTier):
                         pipe,
                         "PUBLISH_RECORDS",
                         [idx.fence_key(key0), *(idx.record_key(records[i].header.key) for i in at)],
-                        [
-                            lease.host,
-                            lease.token,
-                            lease.deadline_ms,
-                            *(records[i].encode() for i in at),
-                        ],
+                        [lease.host, lease.token, *encoded(at)],
                     )
                 res = list(pipe.execute(raise_on_error=False))
                 if attempt == 0 and any(isinstance(r, NoScriptError) for r in res):
@@ -256,15 +252,18 @@ class MooncakeTier(PublishedTier):
                             if loc := RemoteRecord.decode(blob).location:
                                 replaced.append(loc)
         errors = [r for r in results if not isinstance(r, list)]
-        if errors:  # all or nothing: take back the buckets that did publish
+        if errors:  # all or nothing: take back the buckets that did publish (fenced)
             done = [
-                ChunkKey(records[i].header.key)
-                for at, r in zip(groups, results, strict=True)
-                if isinstance(r, list)
-                for i in at
+                i for at, r in zip(groups, results, strict=True) if isinstance(r, list) for i in at
             ]
             with contextlib.suppress(RemoteTierError):
-                self._unpublish(done, [None] * len(done))
+                taken = self._delete_records(
+                    [ChunkKey(records[i].header.key) for i in done],
+                    [records[i] for i in done],
+                    frames=False,
+                )
+                kept = set(done) - {done[j] for j in taken}
+                put = [loc for i, loc in enumerate(put) if i not in kept]  # still named
             self._remove(put)
             self._remove(replaced)  # their records are gone too
             first = errors[0]
@@ -392,18 +391,10 @@ class MooncakeTier(PublishedTier):
             for f in flight:
                 f.result()
 
-    def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord | None]) -> None:
-        idx = self.index
+    def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord]) -> None:
         self._reap()
-
-        def run() -> None:
-            pipe = self.client.pipeline(transaction=False)
-            for k in keys:
-                pipe.delete(idx.record_key(k))
-            pipe.execute()
-
-        self.health.call("delete", run)
-        self._remove([r.location for r in records if r is not None and r.location])
+        deleted = self._delete_records(keys, records, frames=False)
+        self._remove([records[i].location for i in deleted if records[i].location])
 
     def details(self) -> dict[str, Any]:
         return {**super().details(), **self.doomed.counters()}

@@ -4,11 +4,19 @@ Every replica has a publication record in Redis (:class:`RemoteRecord`); the tie
 payload store is Redis itself (:class:`~kvlife.tiers.redis.tier.RedisTier`) or Mooncake
 Store (:class:`~kvlife.tiers.mooncake.tier.MooncakeTier`). This base does the parts
 that do not depend on where the payload lies: capacity accounting of this host's share,
-reservations with the lease and epoch they will publish under, verified reads (record
-checksum, key, length, xxh3-128 of the payload; anything short of exact bytes re-reads
-the record before judging the payload: deleted, overwritten or, unchanged across a
-second fetch, a miss or a corrupt replica), probes for other hosts' objects and the
+reservations with the lease they will publish under, verified reads (record checksum,
+key, length, xxh3-128 of the payload; anything short of exact bytes re-reads the record
+before judging the payload: deleted, overwritten or, unchanged across a second fetch, a
+miss or a corrupt replica), probes for other hosts' objects, fenced deletes and the
 health of the connection.
+
+This host remembers the record of every replica it published or adopted (``_held``). A
+read serves a record's payload only if the record still describes that replica (same
+object info, representation, dtype, shape and payload checksum): a record another host
+published since for the same key with other bytes (an ``int8`` frame where an exact
+replica was adopted) is not this host's replica any more, the read is a miss, and the
+store is told (:meth:`take_gone`). A delete removes a record only if it is still the
+one held, and only under this host's lease (a revoked host deletes nothing).
 
 Capacity is this host's budget in the shared tier: replicas it published or adopted
 count against it; other hosts' objects do not. ``replica_keys`` lists those replicas.
@@ -24,6 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from redis.exceptions import NoScriptError, RedisError
 
 from kvlife.core.errors import (
     ChecksumMismatch,
@@ -35,8 +44,16 @@ from kvlife.core.errors import (
     ReplicaReadError,
 )
 from kvlife.core.identity import ChunkKey
-from kvlife.core.objects import ObjectInfo, TierName
-from kvlife.globalindex import GlobalIndex, Health, InvalidationRule, Lease, RemoteRecord
+from kvlife.core.objects import UNSTAMPED, EpochStamp, ObjectInfo, TierName
+from kvlife.globalindex import (
+    GlobalIndex,
+    Health,
+    InvalidationRule,
+    Lease,
+    RemoteRecord,
+    RuleSync,
+)
+from kvlife.globalindex.health import REFUSALS
 from kvlife.globalindex.record import RecordError
 from kvlife.tiers.base import (
     CapacityShortfall,
@@ -72,6 +89,9 @@ class RemoteCounters:
     probe_hits: int = 0
     probe_refused_identity: int = 0
     """Records found whose object info differs from the lookup's (never served)."""
+    replicas_gone: int = 0
+    """Replicas this host held whose records another host deleted or replaced (with
+    other bytes): reads of them are misses, and the store drops them."""
 
 
 FETCHES = 4
@@ -88,7 +108,6 @@ class _Fault:
 @dataclass(slots=True)
 class _Pending:
     lease: Lease
-    epoch: int
     nonce: str
 
 
@@ -107,7 +126,10 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         self.index = index
         self.health = health
         self.counters = RemoteCounters()
-        self._held: dict[ChunkKey, int] = {}
+        self._held: dict[ChunkKey, RemoteRecord] = {}
+        """The record of every replica this host published or adopted."""
+        self._gone: set[ChunkKey] = set()
+        """Held replicas found deleted or replaced by another host, not yet reported."""
         self._reserved = 0
         self._lock = threading.Lock()
 
@@ -116,10 +138,10 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
     @abstractmethod
     def _write(
         self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
-    ) -> None:
+    ) -> list[RemoteRecord]:
         """Write payloads and their records (:meth:`_records_for`); a record is visible
-        only with its payload. Raise LeaseError (refused) or RemoteTierError; on failure
-        unpublish what can be."""
+        only with its payload. Returns the records published. Raise LeaseError (refused)
+        or RemoteTierError; on failure unpublish what can be."""
 
     @abstractmethod
     def _fetch(
@@ -130,8 +152,10 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         return a view of it; the bytes are verified after, either way."""
 
     @abstractmethod
-    def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord | None]) -> None:
-        """Remove records (first, so nothing is visible) and then payloads."""
+    def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord]) -> None:
+        """Remove records (first, so nothing is visible; each only if it is still
+        ``records[i]``, under this host's lease: :meth:`_delete_records`) and then the
+        payloads of those removed."""
 
     def _location(self, key: ChunkKey, pending: _Pending) -> str:
         """Where a new payload goes, recorded in its record ("" when beside it)."""
@@ -143,11 +167,73 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         """The records of new payloads (computes each payload's xxh3-128)."""
         lease = pending.lease
         return [
-            RemoteRecord.for_payload(
-                m, a, lease.host, lease.token, pending.epoch, self._location(m.key, pending)
-            )
+            RemoteRecord.for_payload(m, a, lease.host, lease.token, self._location(m.key, pending))
             for m, a in zip(metas, payloads, strict=True)
         ]
+
+    def _delete_records(
+        self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord], frames: bool
+    ) -> list[int]:
+        """Delete records (and, with ``frames``, the frames beside them) that are still
+        the ones given, under this host's lease, one ``UNPUBLISH`` script per bucket;
+        returns the indices deleted. A host without a lease (revoked, banned) deletes
+        nothing; a record published since by another host is kept; both are counted
+        (``deletes_refused``), neither is an error."""
+        idx = self.index
+        by_tag: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            by_tag.setdefault(idx.tag(k), []).append(i)
+        todo = list(by_tag.values())
+        deleted: list[int] = []
+        for _ in (0, 1):
+            try:
+                lease = idx.lease()
+            except LeaseError:
+                break
+            groups = todo
+
+            def run(groups: list[list[int]] = groups, lease: Lease = lease) -> list[Any]:
+                for retry in (0, 1):
+                    pipe = idx.client.pipeline(transaction=False)
+                    for at in groups:
+                        names = [idx.fence_key(keys[at[0]])]
+                        for i in at:
+                            names.append(idx.record_key(keys[i]))
+                            if frames:
+                                names.append(idx.frame_key(keys[i]))
+                        idx.evalsha(
+                            pipe,
+                            "UNPUBLISH",
+                            names,
+                            [lease.host, lease.token, 2 if frames else 1]
+                            + [records[i].blob() for i in at],
+                        )
+                    res = list(pipe.execute(raise_on_error=False))
+                    if retry == 0 and any(isinstance(r, NoScriptError) for r in res):
+                        idx._sha.clear()  # a restarted server lost its scripts
+                        continue
+                    return res
+                raise AssertionError("unreachable")
+
+            replies = self.health.call("delete", run)
+            todo = []
+            for at, reply in zip(groups, replies, strict=True):
+                if isinstance(reply, list):
+                    for i, done in zip(at, reply, strict=True):
+                        if done:
+                            deleted.append(i)
+                        else:
+                            idx.counters.deletes_refused += 1  # published since: not ours
+                elif isinstance(reply, RedisError) and str(reply).startswith(REFUSALS):
+                    todo.append(at)  # our lease lapsed or was revoked: once more, anew
+                else:
+                    self.health.failed(f"delete: {reply}")
+                    raise RemoteTierError(f"{self.name}: delete failed: {reply}")
+            if not todo:
+                return deleted
+            idx.drop_lease()
+        idx.counters.deletes_refused += sum(len(at) for at in todo)
+        return deleted
 
     # ------------------------------------------------------------------ records
 
@@ -186,9 +272,34 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
 
     # ------------------------------------------------------------------ Tier
 
+    # ------------------------------------------------------------------ held replicas
+
+    def _holds(self, key: ChunkKey, rec: RemoteRecord) -> bool:
+        """Whether ``rec`` (read now) still describes the replica held for ``key``
+        (a key this host does not hold, e.g. a tier used on its own, is not checked). A
+        record republished with the same bytes (another token, another Mooncake object)
+        is the same replica and is held from now on."""
+        with self._lock:
+            held = self._held.get(key)
+            if held is None or held == rec:
+                return True
+            if rec.same_replica(held.replica_meta()):
+                self._held[key] = rec
+                return True
+            return False
+
+    def _missing(self, key: ChunkKey, why: str) -> ReplicaNotFound:
+        """The error of a held replica whose record is gone or replaced; the store is
+        told at its next lookup (:meth:`take_gone`)."""
+        with self._lock:
+            if key in self._held and key not in self._gone:
+                self._gone.add(key)
+                self.counters.replicas_gone += 1
+        return ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}… ({why})")
+
     @property
     def used_bytes(self) -> int:
-        return sum(self._held.values()) + self._reserved
+        return sum(r.header.payload_len for r in self._held.values()) + self._reserved
 
     def prepare_store(self, metas: Sequence[ReplicaMeta]) -> Reservation | CapacityShortfall:
         need = sum(m.nbytes for m in metas if m.key not in self._held)
@@ -198,13 +309,13 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                 return CapacityShortfall(over)
             self._reserved += need
         try:
+            self.index.refresh()  # an index that lost its state: its leases went with it
             lease = self.index.lease()
-            epoch = self.index.refresh()
         except BaseException:
             with self._lock:
                 self._reserved -= need
             raise
-        return Reservation(self.name, list(metas), need, _Pending(lease, epoch, uuid.uuid4().hex))
+        return Reservation(self.name, list(metas), need, _Pending(lease, uuid.uuid4().hex))
 
     def commit_store(self, reservation: Reservation, payloads: Sequence[np.ndarray]) -> None:
         if reservation.done:
@@ -220,15 +331,17 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                     "before the write: not published"
                 )
             arrays = [np.ascontiguousarray(a) for a in payloads]
-            self._write(pending, reservation.metas, arrays)
+            written = self._write(pending, reservation.metas, arrays)
         except BaseException:
             self.counters.publish_failed += len(reservation.metas)
             self.cancel_store(reservation)
             raise
         with self._lock:
             self._reserved -= reservation.nbytes
-            for m in reservation.metas:
-                self._held[m.key] = m.nbytes
+            for rec in written:
+                key = ChunkKey(rec.header.key)
+                self._held[key] = rec
+                self._gone.discard(key)
             reservation.done = True
         self.counters.published += len(reservation.metas)
 
@@ -239,8 +352,16 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                 reservation.done = True
 
     def contains(self, key: ChunkKey) -> bool:
+        """Whether the tier holds the replica: a record is there and, for a replica this
+        host published or adopted, it is still that one (else it is forgotten: another
+        host deleted or replaced it)."""
         rec = self._records([key])[0]
-        return rec is not None
+        if rec is None or (isinstance(rec, RemoteRecord) and not self._holds(key, rec)):
+            with self._lock:
+                self._held.pop(key, None)
+                self._gone.discard(key)
+            return False
+        return True
 
     def meta(self, key: ChunkKey) -> ReplicaMeta:
         rec = self._records([key])[0]
@@ -261,7 +382,9 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
             return [ReplicaReadError(k.hex(), self.name, str(exc)) for k in keys]
         for k, rec in zip(keys, records, strict=True):
             if rec is None:
-                raise ReplicaNotFound(f"{self.name} holds no replica {k.hex()[:16]}…")
+                raise self._missing(k, "deleted")
+            if isinstance(rec, RemoteRecord) and not self._holds(k, rec):
+                raise self._missing(k, "replaced by another host")
         for i, rec in enumerate(records):
             out = outs[i] if outs is not None else None
             if out is not None and isinstance(rec, RemoteRecord):
@@ -341,7 +464,9 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
             except RemoteTierError:
                 break
             if again is None:
-                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}… (deleted)")
+                raise self._missing(key, "deleted")
+            if isinstance(again, RemoteRecord) and not self._holds(key, again):
+                raise self._missing(key, "replaced by another host")
             if not isinstance(again, RemoteRecord):
                 self.counters.corrupt += 1
                 return ChecksumMismatch(key.hex(), self.name, f"record: {again}")
@@ -390,19 +515,32 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         return self.delete_batch([key])[0]
 
     def delete_batch(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """Let go of replicas: each record is deleted (fenced, :meth:`_delete_records`)
+        only if it is still the one this host held (a key it does not hold: the record
+        there now). A record that does not decode is left alone (no reader trusts it)."""
         records = self._records(keys)
+        with self._lock:
+            held = [self._held.get(k) for k in keys]
         sizes: list[int] = []
-        for k, rec in zip(keys, records, strict=True):
-            if rec is None:
+        todo: list[ChunkKey] = []
+        expect: list[RemoteRecord] = []
+        for k, rec, h in zip(keys, records, held, strict=True):
+            if rec is None and h is None:
                 raise ReplicaNotFound(f"{self.name} holds no replica {k.hex()[:16]}…")
-            if isinstance(rec, RemoteRecord):
-                sizes.append(rec.header.payload_len)
-            else:
-                sizes.append(self._held.get(k, 0))
-        self._unpublish(keys, [r if isinstance(r, RemoteRecord) else None for r in records])
+            mine = h if h is not None else rec
+            if not isinstance(mine, RemoteRecord):
+                sizes.append(0)
+                continue
+            sizes.append(mine.header.payload_len)
+            if rec is not None:  # something is there: deleted if it is still ours
+                todo.append(k)
+                expect.append(mine)
+        if todo:
+            self._unpublish(todo, expect)
         with self._lock:
             for k in keys:
                 self._held.pop(k, None)
+                self._gone.discard(k)
         return sizes
 
     def replica_keys(self) -> list[ChunkKey]:
@@ -420,9 +558,40 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
 
     # ------------------------------------------------------------------ SharedTier
 
-    def sync_invalidations(self) -> Sequence[InvalidationRule]:
+    def sync_invalidations(self) -> RuleSync:
         self.index.refresh()
-        return self.index.take_new_rules()
+        return self.index.pending()
+
+    def invalidations_applied(self, sync: RuleSync) -> None:
+        self.index.applied(sync)
+
+    def creation_stamp(self) -> EpochStamp:
+        if not self.index.incarnation:
+            try:
+                self.index.refresh()
+            except RemoteTierError:  # unknown: every rule covers what is created now
+                return UNSTAMPED
+        return self.index.stamp()
+
+    def record_invalidation(
+        self,
+        *,
+        namespace: str | None,
+        adapter_id: str | None,
+        weights_digest: str | None,
+        prefix: bytes | None,
+    ) -> InvalidationRule:
+        return self.index.invalidate(
+            namespace=namespace,
+            adapter_id=adapter_id,
+            weights_digest=weights_digest,
+            prefix=prefix,
+        )
+
+    def take_gone(self) -> list[ChunkKey]:
+        with self._lock:
+            gone, self._gone = list(self._gone), set()
+        return gone
 
     def probe(self, keys: Sequence[ChunkKey], infos: Sequence[bytes]) -> list[ReplicaMeta]:
         if len(keys) != len(infos):
@@ -430,9 +599,11 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         self.counters.probes += 1
         if not keys:
             return []
-        self.index.refresh()
+        if not self.index.incarnation:
+            self.index.refresh()
         records = self._records(keys)
         found: list[ReplicaMeta] = []
+        adopted: list[RemoteRecord] = []
         lineage: list[bytes] = []
         for key, info, rec in zip(keys, infos, records, strict=True):
             if not isinstance(rec, RemoteRecord) or rec.header.key != key:
@@ -448,15 +619,20 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
             if not self.index.admissible(rec, decoded, tuple(lineage)):
                 break
             found.append(rec.replica_meta())
+            adopted.append(rec)
             lineage.append(bytes(key))
         with self._lock:
-            for m in found:
-                self._held[m.key] = m.nbytes
+            for rec in adopted:
+                key = ChunkKey(rec.header.key)
+                self._held[key] = rec
+                self._gone.discard(key)
         self.counters.probe_hits += len(found)
         return found
 
     def forget(self, keys: Sequence[ChunkKey]) -> None:
-        """Stop charging replicas this host adopted but will not use (never deletes)."""
+        """Stop charging replicas this host adopted but will not use, or that another
+        host deleted or replaced (never deletes)."""
         with self._lock:
             for k in keys:
                 self._held.pop(k, None)
+                self._gone.discard(k)

@@ -3,9 +3,12 @@
 A put pipelines, per replica, a ``SET`` of the payload under a staging name (expiring,
 so a writer that dies leaves nothing visible; sent from the payload's own buffer, see
 :func:`send_sets`), then one ``PUBLISH_STAGED`` script per hash-tag bucket, which checks
-the lease's fencing token and deadline and then renames the bucket's staged payloads
-into place and writes their records, atomically on the node that owns the bucket. A
-read is one ``MGET record frame`` per replica (pipelined), verified against the record.
+that the host holds its lease there (token and deadline, on the bucket node's clock)
+and then renames the bucket's staged payloads into place and writes their records,
+atomically on the node that owns the bucket. A read is one ``MGET record frame`` per
+replica (pipelined), verified against the record. A delete is one ``UNPUBLISH`` script
+per bucket, under the lease, removing a record and its frame only if the record is
+still the one the deleter held.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from kvlife.core.errors import (
     InvalidArgument,
     LeaseError,
     RemoteTierError,
-    ReplicaNotFound,
     ReplicaReadError,
 )
 from kvlife.core.identity import ChunkKey
@@ -62,7 +64,7 @@ class RedisTier(PublishedTier):
 
     def _write(
         self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
-    ) -> None:
+    ) -> list[RemoteRecord]:
         idx = self.index
         lease = pending.lease
         staged = [idx.staging_key(m.key, pending.nonce) for m in metas]
@@ -99,8 +101,7 @@ class RedisTier(PublishedTier):
                         pipe,
                         "PUBLISH_STAGED",
                         keys,
-                        [lease.host, lease.token, lease.deadline_ms]
-                        + [records[i].encode() for i in at],
+                        [lease.host, lease.token] + [records[i].encode() for i in at],
                     )
                 res = list(pipe.execute(raise_on_error=False))
                 if attempt == 0 and any(isinstance(r, NoScriptError) for r in res):
@@ -112,18 +113,18 @@ class RedisTier(PublishedTier):
         results = self.health.call("publish", run)
         errors = [r for r in results if isinstance(r, Exception)]
         if not errors:
-            return
+            return records
         done = [
-            metas[i].key
+            i
             for at, r in zip(groups, results, strict=True)
             if not isinstance(r, Exception)
             for i in at
         ]
-        if done:  # the batch is all or nothing: take back what did publish
+        if done:  # the batch is all or nothing: take back what did publish (fenced)
             with contextlib.suppress(
                 RemoteTierError
             ):  # complete, verified objects: visible, but never wrong
-                self._unpublish([ChunkKey(k) for k in done], [None] * len(done))
+                self._unpublish([ChunkKey(metas[i].key) for i in done], [records[i] for i in done])
         first = errors[0]
         if isinstance(first, RedisError) and str(first).startswith(REFUSALS):
             raise idx.refused(first)
@@ -166,11 +167,15 @@ class RedisTier(PublishedTier):
                 continue
             blob, frame = pair
             if blob is None:
-                raise ReplicaNotFound(f"{self.name} holds no replica {k.hex()[:16]}…")
+                raise self._missing(k, "deleted")
             try:
-                parsed.append((RemoteRecord.decode(blob), frame))
+                found = RemoteRecord.decode(blob)
             except RecordError as exc:
                 parsed.append((exc, None))
+                continue
+            if not self._holds(k, found):
+                raise self._missing(k, "replaced by another host")
+            parsed.append((found, frame))
         results: list[ReadResult] = []
         for i, (k, (rec, frame)) in enumerate(zip(keys, parsed, strict=True)):
             out = outs[i] if outs is not None else None
@@ -191,16 +196,8 @@ class RedisTier(PublishedTier):
             results.append(self._settle(k, rec, frame, out))
         return results
 
-    def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord | None]) -> None:
-        idx = self.index
-
-        def run() -> None:
-            pipe = self.client.pipeline(transaction=False)
-            for k in keys:
-                pipe.execute_command("DEL", idx.record_key(k), idx.frame_key(k))  # one slot
-            pipe.execute()
-
-        self.health.call("delete", run)
+    def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord]) -> None:
+        self._delete_records(keys, records, frames=True)  # record and frame: one slot
 
 
 def send_sets(

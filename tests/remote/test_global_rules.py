@@ -1,0 +1,420 @@
+"""Many hosts, one truth: global invalidation, fencing and record identity under
+restarts and races (issue 29), each sequence tried as a user of several hosts would:
+in-process hosts (one KVStore each) against one real redis-server, and against a real
+Mooncake master (the ``mooncake`` parameter runs inside the private network namespace,
+from tests/remote/test_mooncake.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import pytest
+import redis
+
+from kvlife.core.errors import InvalidArgument, LeaseError, RemoteTierError
+from kvlife.core.identity import ROOT_PARENT, ChunkKey, Namespace, NamespaceKind
+from kvlife.core.objects import ObjectInfo
+from kvlife.faults.proxy import Fault, FaultProxy
+from kvlife.globalindex import GlobalIndex, Health, IndexConfig
+from kvlife.tiers.base import ReplicaMeta, Reservation
+from kvlife.tiers.mooncake.server import MooncakeMaster
+from kvlife.tiers.redis.server import RedisClusterServers, RedisServer
+from tests.conftest import prompt_kv, tiny_identity
+from tests.remote.fleet import (
+    ACME,
+    GLOBEX,
+    KINDS,
+    Fleet,
+    assert_exact,
+    hits,
+    index_of,
+    look,
+    put,
+    served,
+    shared_kind,
+    shared_of,
+)
+
+T = TypeVar("T")
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return shared_kind(request)
+
+
+def _master(kind: str, request: pytest.FixtureRequest) -> MooncakeMaster | None:
+    if kind != "mooncake":
+        return None
+    m: MooncakeMaster = request.getfixturevalue("mooncake_master")
+    return m
+
+
+@pytest.fixture
+def fleet(
+    tmp_path: Path,
+    kind: str,
+    redis_server: RedisServer,
+    index_ns: str,
+    request: pytest.FixtureRequest,
+) -> Iterator[Fleet]:
+    f = Fleet(tmp_path, kind, redis_server.url, index_ns, _master(kind, request))
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def private(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of this test alone (it is restarted or emptied)."""
+    server = RedisServer(tmp_path / "private-redis").start()
+    yield server
+    server.stop()
+
+
+def retrying(fn: Callable[[], T], timeout_s: float = 10.0) -> T:
+    """``fn`` once the connection came back (a restarted server: the first calls fail
+    and start the client's backoff)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        try:
+            return fn()
+        except RemoteTierError:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.1)
+
+
+def acl_url(server_url: str, user: str, *rules: str) -> str:
+    """A Redis account with only ``rules``; the URL that logs in with it."""
+    raw = redis.Redis.from_url(server_url)
+    raw.execute_command("ACL", "SETUSER", user, "reset", "on", ">pw", *rules)  # type: ignore[no-untyped-call]
+    raw.close()
+    host = server_url.split("//", 1)[1]
+    return f"redis://{user}:pw@{host}"
+
+
+def idx_key(index_ns: str, name: str) -> str:
+    return f"{{kvl:{index_ns}:idx}}:{name}"
+
+
+# ---------------------------------------------------------------------- item 1
+
+
+def test_kv_put_before_a_rule_and_flushed_after_it_is_never_served(fleet: Fleet) -> None:
+    a, b, c = fleet.host("a"), fleet.host("b"), fleet.host("c")
+    assert put(b, 1) == 4  # in B's DRAM only
+    index_of(a).invalidate(namespace=ACME)
+    b.flush()  # before B's next lookup: B never applied the rule
+    assert hits(c, 1) == 0, "KV computed before the invalidation was served by another host"
+    assert hits(b, 1) == 0
+    put(b, 1)  # computed after the rule (B has read it): served everywhere
+    b.flush()
+    assert served(c, 1) == 4
+
+
+# ---------------------------------------------------------------------- item 2 + hole 5
+
+
+@pytest.mark.parametrize("lookup_between", [True, False], ids=["synced", "not-synced"])
+def test_a_put_in_flight_when_a_rule_is_recorded_is_never_served(
+    fleet: Fleet, lookup_between: bool
+) -> None:
+    a, b, c = fleet.host("a"), fleet.host("b"), fleet.host("c")
+    tokens, kv = prompt_kv(2, 64)
+    pending = b.prepare_put(tiny_identity(), ACME, tokens, kv)
+    index_of(a).invalidate(namespace=ACME)
+    if lookup_between:
+        assert hits(b, 3) == 0  # B applies the rule while its put is in flight
+    b.commit_put(pending)
+    b.flush()
+    assert hits(c, 2) == 0, "a put in flight across a rule was published as fresh"
+    assert hits(b, 2) == 0
+
+
+# ---------------------------------------------------------------------- item 3
+
+
+def test_a_record_replaced_by_another_form_is_never_served_as_exact(fleet: Fleet) -> None:
+    a, b = fleet.host("a"), fleet.host("b")
+    c = fleet.host("c", transform="int8")
+    put(a, 4)
+    a.flush()
+    found = look(b, 4)
+    assert [h.tier for h in found.hits] == ["shared"] * 4  # adopted, not read yet
+    put(c, 4)
+    c.flush()  # C's int8 frames replace A's exact records
+    got = b.load(found)
+    assert_exact(got, 4)  # whatever is served is the exact KV: never a frame
+    b.drain()
+    assert served(b, 4) == 0  # nothing exact left for B (and nothing promoted)
+    assert served(a, 4) == 4
+
+
+# ---------------------------------------------------------------------- item 4 and FLUSHALL
+
+
+def test_an_index_that_lost_its_state_is_new_to_every_host(
+    tmp_path: Path, kind: str, private: RedisServer, request: pytest.FixtureRequest
+) -> None:
+    fleet = Fleet(tmp_path, kind, private.url, "lost", _master(kind, request))
+    try:
+        a, b = fleet.host("a"), fleet.host("b")
+        for i in range(3):  # epochs 1-3
+            index_of(a).invalidate(namespace=Namespace(NamespaceKind.ORGANISATION, f"x{i}"))
+        assert put(a, 5, GLOBEX) == 4  # the issuer's own DRAM copy
+        assert hits(b, 99) == 0  # B reads epoch 3
+        assert put(b, 6) == 4
+        private.restart()  # no persistence: the index is empty now
+        retrying(b.flush)  # published under what B knew before the restart
+        retrying(lambda: index_of(a).invalidate(namespace=ACME))  # the new epoch 1
+        index_of(a).invalidate(namespace=GLOBEX)
+        d = fleet.host("d")
+        assert hits(d, 6) == 0, "a record of the lost index was served by a fresh host"
+        assert hits(b, 6) == 0, "a long-running host kept serving across the index loss"
+        assert hits(a, 5, GLOBEX) == 0, "the host that issued a rule kept serving its copy"
+        assert shared_of(b).details()["index_resets"] == 1
+        put(b, 7)  # the new index works as any other
+        b.flush()
+        assert served(d, 7) == 4
+    finally:
+        fleet.close()
+
+
+def test_an_emptied_index_drops_what_hosts_adopted(
+    tmp_path: Path, kind: str, private: RedisServer, request: pytest.FixtureRequest
+) -> None:
+    fleet = Fleet(tmp_path, kind, private.url, "gone", _master(kind, request))
+    try:
+        a, b = fleet.host("a"), fleet.host("b")
+        put(a, 15)
+        a.flush()
+        assert [h.tier for h in look(b, 15).hits] == ["shared"] * 4  # adopted
+        raw = redis.Redis.from_url(private.url)
+        raw.flushall()
+        raw.close()
+        assert hits(b, 15) == 0
+        assert shared_of(b).used_bytes == 0, "adopted entries of the lost index stayed"
+        assert shared_of(b).details()["index_resets"] == 1
+        assert hits(a, 15) == 0  # A's copy was born under the lost index too
+        put(a, 15)
+        a.flush()
+        assert served(b, 15) == 4
+    finally:
+        fleet.close()
+
+
+# ---------------------------------------------------------------------- item 5
+
+
+def test_a_malformed_rule_is_refused_when_written(fleet: Fleet) -> None:
+    a, b = fleet.host("a"), fleet.host("b")
+    put(a, 8, GLOBEX)
+    a.flush()
+    assert served(b, 8, GLOBEX) == 4  # B holds its own copy now
+    with pytest.raises(InvalidArgument, match="namespace"):
+        index_of(a).invalidate(namespace="acme")  # a plain string: no namespace kind
+    index_of(a).invalidate(namespace=GLOBEX)
+    assert hits(b, 8, GLOBEX) == 0
+    assert hits(a, 8, GLOBEX) == 0
+
+
+def test_an_unreadable_rule_covers_everything_older_and_breaks_no_host(
+    fleet: Fleet, index_ns: str
+) -> None:
+    a, b, c = fleet.host("a"), fleet.host("b"), fleet.host("c")
+    put(a, 9)
+    a.flush()
+    assert served(b, 9) == 4
+    raw = redis.Redis.from_url(fleet.url)  # a writer that is not kvlife (or a newer one)
+    epoch = raw.incr(idx_key(index_ns, "epoch"))
+    raw.hset(idx_key(index_ns, "rules"), str(epoch), b"\xc1 not a rule")
+    raw.close()
+    assert hits(b, 9) == 0  # what it might cover is not served
+    put(b, 10)  # and the hosts keep working
+    b.flush()
+    assert served(c, 10) == 4
+    assert shared_of(b).details()["rules_malformed"] == 1
+
+
+# ---------------------------------------------------------------------- item 6
+
+
+def test_kv_created_after_a_rule_survives_a_restart(fleet: Fleet) -> None:
+    a = fleet.host("a")
+    b = fleet.host("b", disk=True)
+    index_of(a).invalidate(namespace=ACME)
+    assert hits(b, 11) == 0  # B has read the rule
+    assert put(b, 11) == 4
+    b.flush()  # to B's disk, its first durable tier
+    b.close()
+    b = fleet.host("b", disk=True)  # a fresh index handle hands out every rule again
+    assert served(b, 11) == 4, "acknowledged KV created after a rule was wiped at restart"
+    put(b, 12)  # created before the next rule, on disk while B is down: covered
+    b.close()
+    index_of(a).invalidate(namespace=ACME)
+    b = fleet.host("b", disk=True)
+    assert hits(b, 12) == 0
+    assert served(b, 11) == 0
+
+
+# ---------------------------------------------------------------------- item 7
+
+
+def test_a_revoke_leaves_no_moment_where_a_banned_host_publishes(
+    fleet: Fleet, index_ns: str
+) -> None:
+    a, b, c = fleet.host("a"), fleet.host("b"), fleet.host("c")
+    put(b, 30)
+    b.flush()  # B holds a live lease
+    put(b, 13)
+    # an operator's account that may touch the index keys but not the buckets' keys: a
+    # revoke in two steps does its first step and fails its second
+    url = acl_url(fleet.url, f"op-{index_ns}", f"~{{kvl:{index_ns}:idx}}*", "+@all")
+    operator = GlobalIndex(
+        redis.Redis.from_url(url), IndexConfig(namespace=index_ns, host="op"), Health("op")
+    )
+    with pytest.raises(RemoteTierError):
+        operator.revoke("b", ban_ms=60_000)
+    raw = redis.Redis.from_url(fleet.url)
+    banned = bool(raw.exists(idx_key(index_ns, "ban:b")))
+    raw.close()
+    with contextlib.suppress(LeaseError):
+        b.flush()
+    if banned:  # the revoke happened (in part): then the host is fenced everywhere
+        assert hits(c, 13) == 0, "a banned host whose lease was revoked still published"
+    index_of(a).revoke("b", ban_ms=60_000)  # a complete revoke
+    put(b, 14)
+    with pytest.raises(LeaseError):
+        b.flush()
+    assert hits(c, 14) == 0
+
+
+def test_publish_is_refused_once_the_lease_lapsed_whatever_the_client_claims(
+    fleet: Fleet,
+) -> None:
+    t = shared_of(fleet.host("a", lease_ttl_ms=300))
+    key = ChunkKey(bytes(range(32)))
+    meta = ReplicaMeta(key, "float16", (512,), "exact", b"info")
+    res = t.prepare_store([meta])
+    assert isinstance(res, Reservation)
+    time.sleep(0.6)  # the lease lapses between prepare and commit (a pause, a partition)
+    lease = res.state.lease
+    object.__setattr__(lease, "local_deadline", time.monotonic() + 60)  # a lying clock
+    object.__setattr__(lease, "deadline_ms", int(time.time() * 1000) + 60_000)  # and deadline
+    with pytest.raises(LeaseError):
+        t.commit_store(res, [np.zeros(512, np.float16)])
+    assert not t.contains(key)
+
+
+# ---------------------------------------------------------------------- also
+
+
+def test_store_invalidate_reaches_every_host(fleet: Fleet) -> None:
+    a, b, c = fleet.host("a"), fleet.host("b"), fleet.host("c")
+    put(a, 16)
+    a.flush()
+    assert served(b, 16) == 4  # B holds its own copy now
+    assert look(c, 16).hits  # C adopted the records
+    assert a.invalidate(namespace=ACME) >= 4
+    for h in (a, b, c, fleet.host("d")):
+        assert hits(h, 16) == 0, "KVStore.invalidate did not reach every host"
+
+
+def test_a_revoked_host_cannot_delete_other_hosts_records(fleet: Fleet) -> None:
+    a, b, c = fleet.host("a"), fleet.host("b"), fleet.host("c")
+    put(a, 17)
+    a.flush()
+    assert len(look(b, 17).hits) == 4  # adopted by B
+    index_of(a).revoke(index_of(b).host, ban_ms=60_000)
+    b.evict("shared", 64 << 20)  # B lets go of everything it held there
+    assert served(c, 17) == 4, "a revoked host deleted another host's records"
+
+
+def test_a_delete_never_removes_a_record_published_after_it_was_read(fleet: Fleet) -> None:
+    ta, tb = shared_of(fleet.host("a")), shared_of(fleet.host("b"))
+    key = ChunkKey(bytes(range(1, 33)))
+    info = ObjectInfo.for_chunk(tiny_identity(), ACME, ROOT_PARENT, 0).encode()
+    born = ta.creation_stamp().encode()  # a record of no known epoch is adopted by no one
+    meta = ReplicaMeta(key, "float16", (512,), "exact", info, born=born)
+    x = np.full(512, 1, np.float16)
+    y = np.full(512, 2, np.float16)
+    ta.store([meta], [x])
+    assert [m.key for m in tb.probe([key], [info])] == [key]  # B holds A's record
+    ta.store([meta], [y])  # republished: a new record
+    tb.delete(key)  # B lets go of what it held: the old record, not the new one
+    assert np.array_equal(ta.read(key), y), "a delete removed a record published after it"
+
+
+def test_hosts_with_different_bucket_counts_are_refused(fleet: Fleet) -> None:
+    a = fleet.host("a")
+    put(a, 18)
+    a.flush()
+    b = fleet.host("b", buckets=8)
+    with pytest.raises(InvalidArgument, match="buckets"):
+        look(b, 18)
+
+
+def test_two_lookups_racing_over_new_rules_both_trim(fleet: Fleet) -> None:
+    port = int(fleet.url.rsplit(":", 1)[1].split("/")[0])
+    with FaultProxy(("127.0.0.1", port)) as proxy:
+        a = fleet.host("a")
+        b = fleet.host("b", url=f"redis://127.0.0.1:{proxy.port}/0", socket_timeout_s=5.0)
+        put(a, 19, GLOBEX)
+        a.flush()
+        assert len(look(b, 19, GLOBEX).hits) == 4  # adopted: applying a rule deletes them
+        assert put(b, 20) == 4
+        assert hits(b, 20) == 4
+        index_of(a).invalidate(namespace=GLOBEX)
+        index_of(a).invalidate(namespace=ACME)
+        proxy.set(Fault.delay(0.1))  # every round trip of B takes 0.2 s now
+        first = threading.Thread(target=lambda: look(b, 21))  # applies the new rules
+        first.start()
+        time.sleep(0.8)
+        second = look(b, 20)  # started after both rules returned
+        first.join()
+        proxy.set(Fault.none())
+        assert second.hits == [], "a lookup racing another over new rules was not trimmed"
+
+
+def test_a_failed_delete_while_applying_rules_loses_no_rule(fleet: Fleet, index_ns: str) -> None:
+    url = acl_url(fleet.url, f"nodel-{index_ns}", "~*", "+@all", "-del")
+    a, b = fleet.host("a"), fleet.host("b", url=url)
+    put(a, 22, GLOBEX)
+    a.flush()
+    assert len(look(b, 22, GLOBEX).hits) == 4  # adopted: B will fail to delete them
+    put(a, 23)
+    a.flush()
+    assert served(b, 23) == 4  # B's own copy
+    index_of(a).invalidate(namespace=GLOBEX)
+    index_of(a).invalidate(namespace=ACME)
+    look(b, 24)  # applies both rules; deleting the first one's records fails
+    assert hits(b, 23) == 0, "the rule after a failed delete was lost"
+
+
+def test_on_a_cluster_a_revoked_host_neither_publishes_nor_deletes(
+    tmp_path: Path, redis_cluster: RedisClusterServers, index_ns: str
+) -> None:
+    """The cluster path of leases: grants, revocation and the lease check of publish
+    and delete run one script per bucket (each atomic on its node)."""
+    fleet = Fleet(tmp_path, "redis", "", index_ns)
+    try:
+        a, b, c = (fleet.host(n, cluster=redis_cluster.seeds) for n in "abc")
+        put(a, 40)
+        a.flush()
+        assert len(look(b, 40).hits) == 4  # adopted by B
+        put(b, 41)
+        index_of(a).revoke(index_of(b).host, ban_ms=60_000)
+        with pytest.raises(LeaseError):
+            b.flush()
+        b.evict("shared", 64 << 20)  # B lets go: A's records stay
+        assert served(c, 40) == 4
+        assert hits(c, 41) == 0
+        assert index_of(b).counters.deletes_refused >= 4
+    finally:
+        fleet.close()
