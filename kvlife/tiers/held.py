@@ -1,35 +1,49 @@
 """What the two DRAM tiers share: replicas held as arrays in this process, under a byte
-budget, with reservations for stores in flight.
+budget, with reservations for stores in flight, each sealed with the xxh3-128 of its
+bytes when it is published.
 
 :class:`~kvlife.tiers.memory.MemoryTier` (process memory) and
 :class:`~kvlife.tiers.shm.ShmTier` (a shared-memory arena) differ in where a replica's
 bytes live and what happens when it is deleted; the bookkeeping (budget, reservations,
-lookups by key, reads into buffers or as read-only views) is this class's.
+lookups by key, reads into buffers or as read-only views, the seal and its audit) is
+this class's.
+
+Why a seal on memory: a held replica can change without any tier writing it (a caller
+that forced a returned view writable, a server client writing an arena extent after its
+put committed). Reads stay at memory speed (a view or one copy, unverified); the store
+verifies the seal where the bytes leave memory for good (demotion, flush), in ``check``,
+and on every load when asked to (``verify_dram_on_load``), so a changed replica is caught
+and dropped instead of persisted or reported healthy.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
-from kvlife.core.errors import InvalidArgument, ReplicaNotFound
+from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaNotFound
 from kvlife.core.identity import ChunkKey
 from kvlife.core.objects import TierName
 from kvlife.tiers.base import (
+    AuditReport,
     CapacityShortfall,
     ReadResult,
     ReplicaMeta,
+    ReportsLostReplicas,
     Reservation,
+    SealedInMemory,
     SupportsAdopt,
+    SupportsAudit,
     Tier,
+    seal_of,
 )
 
 
 class Held(Protocol):
-    """A held replica: its metadata and its read-only array."""
+    """A held replica: its metadata (``checksum``: its seal) and its read-only array."""
 
     @property
     def meta(self) -> ReplicaMeta: ...
@@ -41,7 +55,7 @@ class Held(Protocol):
 H = TypeVar("H", bound=Held)
 
 
-class HeldTier(Tier, SupportsAdopt, Generic[H]):
+class HeldTier(Tier, SupportsAdopt, SealedInMemory, SupportsAudit, ReportsLostReplicas, Generic[H]):
     """Replicas as arrays in this process, at most ``capacity_bytes`` of footprint."""
 
     def __init__(self, capacity_bytes: int, name: str) -> None:
@@ -51,6 +65,7 @@ class HeldTier(Tier, SupportsAdopt, Generic[H]):
         self._used = 0
         self._reserved = 0
         self._lock = threading.Lock()
+        self._lost: list[tuple[ChunkKey, str]] = []
 
     @property
     def used_bytes(self) -> int:
@@ -79,6 +94,7 @@ class HeldTier(Tier, SupportsAdopt, Generic[H]):
                 old = self._held.pop(h.meta.key, None)
                 if old is not None:
                     self._used -= self.footprint(old.meta.nbytes)
+                    self._dispose(old)
                 self._held[h.meta.key] = h
                 self._used += self.footprint(h.meta.nbytes)
             reservation.done = True
@@ -90,6 +106,16 @@ class HeldTier(Tier, SupportsAdopt, Generic[H]):
             raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
         self._used -= self.footprint(held.meta.nbytes)
         return held
+
+    def _dispose(self, held: H) -> None:
+        """A replica left the tier (under the lock): give its memory back where the
+        tier can (views of it may still be alive; they keep its memory)."""
+
+    def delete(self, key: ChunkKey) -> int:
+        with self._lock:
+            held = self._take(key)
+            self._dispose(held)
+            return held.meta.nbytes
 
     def contains(self, key: ChunkKey) -> bool:
         return key in self._held
@@ -103,13 +129,31 @@ class HeldTier(Tier, SupportsAdopt, Generic[H]):
     def read_batch(
         self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
     ) -> list[ReadResult]:
-        """Into ``outs`` where given (one copy), else the read-only held array itself
-        (no copy; it keeps its memory alive for as long as the caller holds it)."""
+        """Into ``outs`` where given (one copy), else the held array itself: read-only
+        from the start, and its flag cannot be set back (no copy; it keeps its memory
+        alive for as long as the caller holds it)."""
+        return self._read(keys, outs, verify=False)
+
+    def read_verified(
+        self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
+    ) -> list[ReadResult]:
+        """``read_batch`` that first checks each replica against its seal: one that
+        changed since it was sealed is a ChecksumMismatch (nothing copied out of it)."""
+        return self._read(keys, outs, verify=True)
+
+    def _read(
+        self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None, verify: bool
+    ) -> list[ReadResult]:
         results: list[ReadResult] = []
         for i, key in enumerate(keys):
             held = self._held.get(key)
             if held is None:
                 raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
+            if verify:
+                problem = self._unsealed(held)
+                if problem:
+                    results.append(ChecksumMismatch(key.hex(), self.name, problem))
+                    continue
             out = outs[i] if outs is not None else None
             if out is None:
                 results.append(held.array)
@@ -122,6 +166,56 @@ class HeldTier(Tier, SupportsAdopt, Generic[H]):
             np.copyto(out, held.array)
             results.append(out)
         return results
+
+    @staticmethod
+    def _unsealed(held: Held) -> str:
+        """Empty if the held bytes still match their seal, else what is wrong."""
+        seal = held.meta.checksum
+        if not seal:
+            return "replica carries no seal"
+        if seal_of(held.array) != seal:
+            return "payload changed in memory after it was sealed (xxh3-128 mismatch)"
+        return ""
+
+    def check(
+        self, fix: bool = False, progress: Callable[[int], object] | None = None
+    ) -> AuditReport:
+        """Verify every held replica against its seal, beside serving (the tier lock is
+        held only to list the replicas and to drop bad ones). A replica that fails is
+        dropped at once, fix or not: it is a copy in memory that must never be served
+        or made durable; it is reported through :meth:`take_lost` (the store counts it
+        and invalidates it) and listed in the report."""
+        report = AuditReport()
+        with self._lock:
+            snapshot = list(self._held.items())
+        bad: list[tuple[ChunkKey, H, str]] = []
+        for key, held in snapshot:
+            if progress is not None:
+                progress(held.meta.nbytes)
+            report.rows += 1
+            problem = self._unsealed(held)
+            if problem:
+                bad.append((key, held, problem))
+            else:
+                report.ok += 1
+        dropped = 0
+        with self._lock:
+            for key, held, problem in bad:
+                report.problems.append(f"{self.name} {key.hex()[:16]}…: {problem}")
+                report.bad_keys.append(key)
+                if self._held.get(key) is held:  # not replaced since it was checked
+                    self._take(key)
+                    self._dispose(held)
+                    self._lost.append((key, f"{problem} (found by check)"))
+                    dropped += 1
+        if dropped:
+            report.actions.append(f"dropped {dropped} {self.name} replicas that failed their seal")
+        return report
+
+    def take_lost(self) -> list[tuple[ChunkKey, str]]:
+        with self._lock:
+            lost, self._lost = self._lost, []
+        return lost
 
     def replica_keys(self) -> list[ChunkKey]:
         return list(self._held)
