@@ -386,8 +386,8 @@ class StoreCore:
                 if tier.kept_parent(child) is not None:
                     break
                 up = self.index.kept_edge(ChunkKey(child))
-                if up is None:
-                    break  # the chain before it was never known here
+                if up is None or up == ROOT_PARENT:
+                    break  # a first chunk, or the chain before it was never known here
                 links.append((child, bytes(up)))
                 child = bytes(up)
             out.append(tuple(links))

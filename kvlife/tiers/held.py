@@ -146,36 +146,30 @@ class HeldTier(Tier, SupportsAdopt, SealedInMemory, SupportsAudit, ReportsLostRe
     ) -> list[ReadResult]:
         results: list[ReadResult] = []
         for i, key in enumerate(keys):
-            held = self._held.get(key)
-            if held is None:
-                raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
+            # the array is referenced under the lock: a delete racing this read then
+            # sees a live view and never recycles the memory under it
+            with self._lock:
+                held = self._held.get(key)
+                if held is None:
+                    raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
+                array, seal = held.array, held.meta.checksum
             if verify:
-                problem = self._unsealed(held)
+                problem = _unsealed(array, seal)
                 if problem:
                     results.append(ChecksumMismatch(key.hex(), self.name, problem))
                     continue
             out = outs[i] if outs is not None else None
             if out is None:
-                results.append(held.array)
+                results.append(array)
                 continue
-            if out.shape != held.array.shape or out.dtype != held.array.dtype:
+            if out.shape != array.shape or out.dtype != array.dtype:
                 raise InvalidArgument(
                     f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
-                    f"{held.array.dtype}{list(held.array.shape)}"
+                    f"{array.dtype}{list(array.shape)}"
                 )
-            np.copyto(out, held.array)
+            np.copyto(out, array)
             results.append(out)
         return results
-
-    @staticmethod
-    def _unsealed(held: Held) -> str:
-        """Empty if the held bytes still match their seal, else what is wrong."""
-        seal = held.meta.checksum
-        if not seal:
-            return "replica carries no seal"
-        if seal_of(held.array) != seal:
-            return "payload changed in memory after it was sealed (xxh3-128 mismatch)"
-        return ""
 
     def check(
         self, fix: bool = False, progress: Callable[[int], object] | None = None
@@ -190,10 +184,15 @@ class HeldTier(Tier, SupportsAdopt, SealedInMemory, SupportsAudit, ReportsLostRe
             snapshot = list(self._held.items())
         bad: list[tuple[ChunkKey, H, str]] = []
         for key, held in snapshot:
+            with self._lock:  # still held? then its memory stays while it is hashed
+                if self._held.get(key) is not held:
+                    continue
+                array = held.array
             if progress is not None:
                 progress(held.meta.nbytes)
             report.rows += 1
-            problem = self._unsealed(held)
+            problem = _unsealed(array, held.meta.checksum)
+            del array
             if problem:
                 bad.append((key, held, problem))
             else:
@@ -219,3 +218,12 @@ class HeldTier(Tier, SupportsAdopt, SealedInMemory, SupportsAudit, ReportsLostRe
 
     def replica_keys(self) -> list[ChunkKey]:
         return list(self._held)
+
+
+def _unsealed(array: np.ndarray, seal: bytes) -> str:
+    """Empty if ``array`` still matches its seal, else what is wrong."""
+    if not seal:
+        return "replica carries no seal"
+    if seal_of(array) != seal:
+        return "payload changed in memory after it was sealed (xxh3-128 mismatch)"
+    return ""
