@@ -60,6 +60,9 @@ class Outcome:
     """New objects now indexed."""
     failed_places: dict[ChunkKey, Exception] = field(default_factory=dict)
     failed_copies: list[tuple[Copy, Exception]] = field(default_factory=list)
+    unsealed: list[ChunkKey] = field(default_factory=list)
+    """Copies given up because their source replica failed its seal (counted corrupt and
+    dropped, not failed writes)."""
     errors: list[Exception] = field(default_factory=list)
     """Failed placements and deletes, in order (the first is what a caller raises).
     Failed copies are outcomes, counted and listed in ``failed_copies``."""
@@ -367,6 +370,7 @@ def _source_changed(
         core.placement.release(rec.key, action.dst)
         core.residency.settle(rec, rep, None)
     # not a failed copy (nothing of it was written): a corrupt replica, its own outcome
+    out.unsealed.append(rec.key)
     core.counters.sealed_mismatch += 1
     return core.drop_corrupt(rec, src, f"corrupt: {exc} (found by {action.reason})")
 
