@@ -6,6 +6,7 @@ it leads to."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -19,10 +20,10 @@ C = TINY.chunk_nbytes
 N = TINY.tokens_per_chunk
 
 
-def open_store(path: Path, dram_chunks: int = 3, **kw: object) -> KVStore:
+def open_store(path: Path, dram_chunks: int = 3, **kw: Any) -> KVStore:
     return KVStore.open(
         path, dram_bytes=dram_chunks * C, disk_bytes=1 << 24, segment_bytes=1 << 20, **kw
-    )  # type: ignore[arg-type]
+    )
 
 
 def on_disk(store: KVStore, keys: list[ChunkKey]) -> list[bool]:

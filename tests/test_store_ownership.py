@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import xxhash
 
-from kvlife.core.identity import PUBLIC, ModelIdentity
+from kvlife.core.identity import PUBLIC, ChunkKey, ModelIdentity
 from kvlife.store import Accept, KVStore, StoreConfig, TierSpec
 from kvlife.tiers.base import ReplicaMeta
 from kvlife.tiers.memory import MemoryTier
@@ -31,10 +32,10 @@ def chunks(kv: np.ndarray, n: int) -> list[np.ndarray]:
     return [np.ascontiguousarray(kv[:, :, :, i * N : (i + 1) * N, :]) for i in range(n)]
 
 
-def open_store(path: Path, dram_chunks: int = 8, **kw: object) -> KVStore:
+def open_store(path: Path, dram_chunks: int = 8, **kw: Any) -> KVStore:
     return KVStore.open(
         path, dram_bytes=dram_chunks * C, disk_bytes=1 << 24, segment_bytes=1 << 20, **kw
-    )  # type: ignore[arg-type]
+    )
 
 
 def on_disk_only(
@@ -65,7 +66,7 @@ def attack(arrays: Sequence[np.ndarray]) -> None:
         with pytest.raises(ValueError):
             np.frombuffer(a, np.uint8).flags.writeable = True
         with pytest.raises((ValueError, TypeError)):
-            memoryview(a.reshape(-1).view(np.uint8))[0] = 0
+            a.reshape(-1).view(np.uint8).data[0] = 0
 
 
 def served_from(
@@ -210,7 +211,7 @@ def test_memory_tier_replicas_are_read_only_exports_and_memory_is_recycled_only_
     holder can make writable, and its buffer goes back to the pool only once no view of
     it is alive (a live view never sees another replica's bytes)."""
     tier = MemoryTier(1 << 20)
-    key, other = bytes(range(32)), bytes(range(1, 33))
+    key, other = ChunkKey(bytes(range(32))), ChunkKey(bytes(range(1, 33)))
     a = np.arange(2048, dtype=np.float16).reshape(4, 512)
     tier.store([ReplicaMeta(key, "float16", a.shape)], [a])
     assert tier.meta(key).checksum == seal_of(a)
@@ -226,7 +227,7 @@ def test_memory_tier_replicas_are_read_only_exports_and_memory_is_recycled_only_
 def test_shm_tier_replicas_are_sealed_read_only_exports(tmp_path: Path) -> None:
     tier = ShmTier(1 << 20, "shm", tmp_path / "arena", 1 << 20)
     try:
-        key = bytes(range(32))
+        key = ChunkKey(bytes(range(32)))
         a = np.arange(2048, dtype=np.float16).reshape(4, 512)
         tier.store([ReplicaMeta(key, "float16", a.shape)], [a])
         assert tier.meta(key).checksum == seal_of(a)

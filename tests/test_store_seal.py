@@ -13,13 +13,20 @@ from __future__ import annotations
 import ctypes
 import mmap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 import xxhash
 
+from kvlife.client.handles import RemoteLookup
+from kvlife.core.errors import ChecksumMismatch
 from kvlife.core.events import MemorySink
 from kvlife.core.identity import PUBLIC, ChunkKey, ModelIdentity
-from kvlife.store import KVStore
+from kvlife.store import KVStore, StoreConfig, TierSpec
+from kvlife.tiers.base import ReplicaMeta
+from kvlife.tiers.disk import DiskTier, DiskTierConfig
+from kvlife.tiers.memory import MemoryTier
 from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.server.conftest import ServerProc
 
@@ -27,10 +34,10 @@ C = TINY.chunk_nbytes
 N = TINY.tokens_per_chunk
 
 
-def open_store(path: Path, dram_chunks: int = 3, **kw: object) -> KVStore:
+def open_store(path: Path, dram_chunks: int = 3, **kw: Any) -> KVStore:
     return KVStore.open(
         path, dram_bytes=dram_chunks * C, disk_bytes=1 << 24, segment_bytes=1 << 20, **kw
-    )  # type: ignore[arg-type]
+    )
 
 
 def scribble(store: KVStore, key: ChunkKey) -> None:
@@ -175,6 +182,7 @@ def test_a_client_writing_its_extent_after_the_commit_is_caught_by_the_server(
         tokens2, kv2 = prompt_kv(8, 3 * N)
         remote.put_prompt(ident, PUBLIC, tokens2, kv2)  # adopted from staged extents
         hit = remote.lookup(ident, PUBLIC, tokens2)
+        assert isinstance(hit, RemoteLookup)
         assert len(hit.hints) == 6 and hit.hints[3]
         arena = Path(remote.info().tiers[0].details["arena"])
         with arena.open("r+b") as fh, mmap.mmap(fh.fileno(), 0) as mm:
@@ -202,6 +210,7 @@ def test_check_through_the_server_finds_an_extent_written_after_its_commit(
         tokens, kv = prompt_kv(9, 2 * N)
         remote.put_prompt(ident, PUBLIC, tokens, kv)
         hit = remote.lookup(ident, PUBLIC, tokens)
+        assert isinstance(hit, RemoteLookup)
         arena = Path(remote.info().tiers[0].details["arena"])
         with arena.open("r+b") as fh, mmap.mmap(fh.fileno(), 0) as mm:
             mm[hit.hints[0] + 3] ^= 0x0F
@@ -211,3 +220,61 @@ def test_check_through_the_server_finds_an_extent_written_after_its_commit(
         remote.close()
     finally:
         srv.stop()
+
+
+def test_a_demotion_into_a_transforming_tier_verifies_the_seal_before_encoding(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """Encoding changes the bytes, so the disk cannot check the seal: it is checked as
+    the replica is read, before the encoder sees it."""
+    config = StoreConfig(
+        tiers=(
+            TierSpec("memory", "dram", 3 * C),
+            TierSpec(
+                "disk", "disk", 1 << 24, options=(("segment_bytes", 1 << 20),), transform="lossless"
+            ),
+        )
+    )
+    tokens, kv = prompt_kv(10, 3 * N)
+    with KVStore(tmp_path, config) as store:
+        keys = store.put_prompt(identity, PUBLIC, tokens, kv).keys
+        store.lookup(identity, PUBLIC, tokens[: 2 * N])
+        scribble(store, keys[2])
+        store.evict("dram", C)
+        assert store.counters.sealed_mismatch == 1 and store.counters.encoded == 0
+        assert store.tier("disk").replica_keys() == []
+        store.evict("dram", 2 * C)  # the intact ones go down encoded
+        assert store.counters.encoded == 2 and store.counters.sealed_mismatch == 1
+
+
+@pytest.mark.parametrize("tier_kind", ["disk", "memory"])
+def test_a_tier_checks_a_payload_against_the_checksum_it_is_asked_to_verify(
+    tmp_path: Path, tier_kind: str
+) -> None:
+    """The tiers' side: ``verify_checksum`` makes a write fail (typed, nothing stored)
+    when the payload differs from the checksum; without it the checksum is taken as
+    given (not hashed again); with none the tier hashes the payload itself."""
+    tier: DiskTier | MemoryTier
+    if tier_kind == "disk":
+        tier = DiskTier(tmp_path / "d", DiskTierConfig(capacity_bytes=1 << 24))
+    else:
+        tier = MemoryTier(1 << 24)
+    try:
+        a = np.arange(4096, dtype=np.uint8)
+        right = bytes(xxhash.xxh3_128_digest(a.tobytes()))
+        wrong = bytes(16)
+        k1, k2, k3, k4 = (ChunkKey(bytes([i]) * 32) for i in range(1, 5))
+        with pytest.raises(ChecksumMismatch):
+            tier.store(
+                [ReplicaMeta(k1, "uint8", a.shape, checksum=wrong, verify_checksum=True)], [a]
+            )
+        assert not tier.contains(k1) and tier.used_bytes == 0
+        tier.store([ReplicaMeta(k2, "uint8", a.shape, checksum=right, verify_checksum=True)], [a])
+        tier.store([ReplicaMeta(k3, "uint8", a.shape)], [a])
+        assert tier.meta(k2).checksum == tier.meta(k3).checksum == right
+        tier.store([ReplicaMeta(k4, "uint8", a.shape, checksum=wrong)], [a])  # vouched for
+        assert tier.meta(k4).checksum == wrong
+        (res,) = tier.read_batch([k4]) if tier_kind == "disk" else tier.read_verified([k4])
+        assert isinstance(res, ChecksumMismatch), "a wrong checksum taken as given is a miss"
+    finally:
+        tier.close()

@@ -12,11 +12,12 @@ counted outcomes:
 - a failed **promotion** or **flush/write-through copy** removes the copy; the source
   replica stays;
 - a copy out of a tier that seals replicas in memory verifies each replica's seal
-  before its bytes are written anywhere (a replica sealed in this same plan excepted:
-  a put's write-through), and the checksum a copy's bytes are known by goes with them,
-  so no tier hashes them again. A replica that changed in memory is counted
-  (``corrupt``, ``sealed_mismatch``) and dropped, its object invalidated as corrupt if
-  it was the last readable copy; it is never made durable.
+  before its bytes become durable anywhere (a replica sealed in this same plan
+  excepted: a put's write-through): the destination checks it as it hashes what it
+  writes anyway, or the source is verified as it is read; the checksum a copy's bytes
+  are known by goes with them, so no tier hashes them twice. A replica that changed in
+  memory is counted (``corrupt``, ``sealed_mismatch``) and dropped, its object
+  invalidated as corrupt if it was the last readable copy; it is never made durable.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from kvlife.store.core import Bound, StoreCore
 from kvlife.store.forms import Converted, convert, meta_for
 from kvlife.tiers.base import (
     CapacityShortfall,
+    ChecksumsWrites,
     KeepsEdges,
     ReadResult,
     SealedInMemory,
@@ -131,12 +133,14 @@ def _write(
     adopt: bool = False,
     forms: list[Representation] | None = None,
     checksums: list[bytes] | None = None,
+    verify: list[bool] | None = None,
 ) -> list[Converted]:
     """Convert (encode for a transforming tier, decode a frame for a plain one), then
     prepare + commit one batch in a tier; raises a typed error on failure. ``forms``:
     the representation of each array (default: exact); ``checksums``: the xxh3-128 each
     array is known by (verified or sealed in this plan; passed on unless the copy
-    changed the bytes). Returns what was written.
+    changed the bytes); ``verify``: the tier checks the bytes against that checksum
+    (else it takes it as given). Returns what was written.
 
     Placement made room by its count of live bytes; a tier can still refuse (garbage a
     disk tier cannot compact yet, a frame larger than its bound). Then more victims are
@@ -148,13 +152,14 @@ def _write(
     done = [convert(r, a, f, enc, tier_name) for r, a, f in zip(recs, arrays, src, strict=True)]
     arrays = [c.array for c in done]
     sums = checksums if checksums is not None else [b""] * len(recs)
+    checks = verify if verify is not None else [False] * len(recs)
     links: list[tuple[tuple[bytes, bytes], ...]] = [()] * len(recs)
     if isinstance(tier, KeepsEdges):
         with core.lock:
             links = core.links_for(tier, recs)
     metas = [
-        meta_for(r, c.array, c.form, b"" if c.changed else h, ln)
-        for r, c, h, ln in zip(recs, done, sums, links, strict=True)
+        meta_for(r, c.array, c.form, b"" if c.changed else h, ln, v and not c.changed)
+        for r, c, h, ln, v in zip(recs, done, sums, links, checks, strict=True)
     ]
     while True:
         res = tier.prepare_store(metas)
@@ -279,52 +284,63 @@ def _copy(
         todo = [b for b in group if _planned(b, dst)]
         held = {b.rec.key: _form_in(b.rec, src) for b in todo}
         seals = {b.rec.key: _checksum_in(b.rec, src) for b in todo}
+    source, target = core.tiers[src], core.tiers[dst]
+    # A replica sealed in memory before this plan is verified before it becomes durable
+    # anywhere: by a destination that hashes what it writes anyway, as it writes (its
+    # bytes unchanged by the copy), else here, as it is read. Hashed once either way.
+    check = {k for k in held if isinstance(source, SealedInMemory) and k not in fresh}
+    at_target = {k for k in check if _checked_by(core, target, dst, held[k])}
+    changed: dict[ChunkKey, ChecksumMismatch] = {}
     error: Exception | None = None
     written: dict[ChunkKey, Converted] = {}
-    source = core.tiers[src]
-    sealed = isinstance(source, SealedInMemory)
-    changed: dict[ChunkKey, ChecksumMismatch] = {}
-    for attempt in (0, 1):
-        if not todo:
-            break
+    retry_vanished = True
+    while todo:
         recs = [b.rec for b in todo]
         try:
             got = {r.key: sources[r.key] for r in recs if r.key in sources}
             missing = [r.key for r in recs if r.key not in got]
-            for key, res in _read_sources(source, missing, fresh):
-                if sealed and isinstance(res, ChecksumMismatch):
+            for key, res in _read_sources(source, missing, check - at_target):
+                if key in check and isinstance(res, ChecksumMismatch):
                     changed[key] = res  # changed in memory: this replica goes, not the batch
                 elif isinstance(res, (ChecksumMismatch, ReplicaReadError)):
                     raise res
                 else:
                     got[key] = (res, held[key])
-            if changed:
-                todo = [b for b in todo if b.rec.key not in changed]
-                recs = [b.rec for b in todo]
-                if not todo:
-                    break
+            todo = [b for b in todo if b.rec.key not in changed]
+            recs = [b.rec for b in todo]
+            if not todo:
+                break
             # arrays read from a slower tier (or handed over by a load) belong to nobody
             # else; views of a first-tier replica must be copied
-            protect = {r.key for r in recs}
-            adopt = src != core.chain[0].name
             done = _write(
                 core,
                 dst,
                 recs,
                 [got[r.key][0] for r in recs],
-                protect,
-                adopt=adopt,
+                {r.key for r in recs},
+                adopt=src != core.chain[0].name,
                 forms=[got[r.key][1] for r in recs],
                 checksums=[seals[r.key] for r in recs],
+                verify=[r.key in at_target for r in recs],
             )
             written = {r.key: c for r, c in zip(recs, done, strict=True)}
             error = None
             break
+        except ChecksumMismatch as exc:
+            key = ChunkKey(bytes.fromhex(exc.key_hex))
+            if key in at_target and key not in changed:
+                changed[key] = exc  # the destination found it changed: the others again
+                todo = [b for b in todo if b.rec.key != key]
+                continue
+            error = exc
+            break
         except ReplicaNotFound as exc:
             error = exc
-            if attempt == 0:  # invalidated while the read ran? then only the others go
-                with core.lock:
-                    todo = [b for b in todo if _planned(b, dst)]
+            if not retry_vanished:
+                break
+            retry_vanished = False  # invalidated while the read ran? then the others go
+            with core.lock:
+                todo = [b for b in todo if _planned(b, dst)]
         except (KVLifeError, OSError) as exc:
             error = exc
             break
@@ -339,20 +355,29 @@ def _copy(
     core.delete_replicas(doomed)
 
 
+def _checked_by(core: StoreCore, target: Tier, dst: TierName, form: Representation) -> bool:
+    """Whether ``target`` can check a replica's seal as it writes it: it hashes what it
+    writes, and the copy does not change the bytes (no encode into it, no decode)."""
+    if not isinstance(target, ChecksumsWrites):
+        return False
+    return not form.framed if dst not in core.encoders else not form.exact
+
+
 def _read_sources(
-    tier: Tier, keys: list[ChunkKey], fresh: set[ChunkKey]
+    tier: Tier, keys: list[ChunkKey], verify: set[ChunkKey]
 ) -> list[tuple[ChunkKey, ReadResult]]:
-    """Read the copy's sources from ``tier``: verified against their seals where the
-    tier seals replicas in memory, except those sealed in this same plan."""
+    """Read the copy's sources from ``tier``, those in ``verify`` checked against their
+    seals as they are read."""
     if not keys:
         return []
-    if not isinstance(tier, SealedInMemory):
-        return list(zip(keys, tier.read_batch(keys), strict=True))
-    check = [k for k in keys if k not in fresh]
-    trust = [k for k in keys if k in fresh]
-    got = dict(zip(check, tier.read_verified(check), strict=True)) if check else {}
-    if trust:
-        got.update(zip(trust, tier.read_batch(trust), strict=True))
+    check = [k for k in keys if k in verify]
+    plain = [k for k in keys if k not in verify]
+    got: dict[ChunkKey, ReadResult] = {}
+    if check:
+        assert isinstance(tier, SealedInMemory)
+        got.update(zip(check, tier.read_verified(check), strict=True))
+    if plain:
+        got.update(zip(plain, tier.read_batch(plain), strict=True))
     return [(k, got[k]) for k in keys]
 
 

@@ -74,10 +74,12 @@ def meta_for(
     form: Representation,
     checksum: bytes = b"",
     links: tuple[tuple[bytes, bytes], ...] = (),
+    verify: bool = False,
 ) -> ReplicaMeta:
     """What a tier records for a replica of ``rec`` held as ``array`` in ``form``;
-    ``checksum``: the bytes' xxh3-128 where it is known (not hashed again), ``links``: the
-    prefix links an edge-keeping tier makes durable with it."""
+    ``checksum``: the bytes' xxh3-128 where it is known (not hashed again; with
+    ``verify`` checked as the tier hashes), ``links``: the prefix links an edge-keeping
+    tier makes durable with it."""
     return ReplicaMeta(
         rec.key,
         array.dtype.name,
@@ -86,6 +88,7 @@ def meta_for(
         rec.info.encode(),
         checksum,
         form.encode(rec.dtype, rec.shape),
+        verify,
         links,
     )
 

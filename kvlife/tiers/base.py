@@ -65,14 +65,20 @@ class ReplicaMeta:
     """Opaque object metadata persisted with the replica (identity fields for recovery)."""
     checksum: bytes = b""
     """Content checksum (xxh3-128 of the payload's bytes) the tier verifies reads
-    against. On a write, the checksum the payload is known by (sealed where it comes
-    from, and verified there or sealed in this same plan): a tier may take it instead of
-    hashing the payload again; one that does not match the bytes makes the replica fail
-    verification later (a counted miss), never serve wrong bytes. Empty: unknown."""
+    against. On a write, the checksum the payload is known by (empty: unknown): a tier
+    that checksums what it writes (:class:`ChecksumsWrites`) takes it instead of hashing
+    the payload again, or with ``verify_checksum`` checks the payload against it while
+    it hashes anyway. A checksum taken as given that does not match the bytes makes the
+    replica fail verification later (a counted miss), never serve wrong bytes."""
     form: bytes = b""
     """Opaque record of the replica's representation (the store's transform descriptor,
     :mod:`kvlife.store.forms`), persisted with the replica like ``info``; empty for the
     engine's own bytes."""
+    verify_checksum: bool = False
+    """On a write with a ``checksum``: a :class:`ChecksumsWrites` tier checks the payload
+    against it (a mismatch fails the batch with a ChecksumMismatch naming the replica,
+    nothing of the batch visible) instead of taking it as given: how a replica sealed
+    in memory is verified on its way to disk without hashing it twice."""
     links: tuple[tuple[bytes, bytes], ...] = ()
     """On a write: prefix links (child key, parent key) that a tier which keeps edges
     (:class:`KeepsEdges`) makes durable in the same step as this replica: the replica's
@@ -250,6 +256,13 @@ class SupportsAdopt(ABC):
         """Like ``commit_store`` but takes ownership of ``arrays``: nobody may write them
         any more (the store hands over only memory no caller can write: its own fresh
         reads and copies, or arrays already :func:`read_only`)."""
+
+
+class ChecksumsWrites(ABC):  # noqa: B024 (a capability with no method of its own)
+    """Capability: the tier computes the xxh3-128 of every payload it writes (a disk
+    frame's checksum, a DRAM replica's seal) and honours :attr:`ReplicaMeta.checksum`
+    and :attr:`ReplicaMeta.verify_checksum` on writes, so a copy never hashes its bytes
+    twice: the destination takes the checksum as given or checks it as it hashes."""
 
 
 class SealedInMemory(ABC):

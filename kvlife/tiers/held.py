@@ -30,6 +30,7 @@ from kvlife.core.objects import TierName
 from kvlife.tiers.base import (
     AuditReport,
     CapacityShortfall,
+    ChecksumsWrites,
     ReadResult,
     ReplicaMeta,
     ReportsLostReplicas,
@@ -55,7 +56,15 @@ class Held(Protocol):
 H = TypeVar("H", bound=Held)
 
 
-class HeldTier(Tier, SupportsAdopt, SealedInMemory, SupportsAudit, ReportsLostReplicas, Generic[H]):
+class HeldTier(
+    Tier,
+    SupportsAdopt,
+    SealedInMemory,
+    SupportsAudit,
+    ReportsLostReplicas,
+    ChecksumsWrites,
+    Generic[H],
+):
     """Replicas as arrays in this process, at most ``capacity_bytes`` of footprint."""
 
     def __init__(self, capacity_bytes: int, name: str) -> None:
@@ -218,6 +227,21 @@ class HeldTier(Tier, SupportsAdopt, SealedInMemory, SupportsAudit, ReportsLostRe
 
     def replica_keys(self) -> list[ChunkKey]:
         return list(self._held)
+
+    def _seal(self, meta: ReplicaMeta, array: np.ndarray, hashed: bytes = b"") -> bytes:
+        """The seal of a replica being published: the checksum its writer vouches for,
+        else ``hashed`` (the tier's own hash of the bytes, made while copying) or a hash
+        now; with ``verify_checksum`` the bytes must match the writer's checksum."""
+        if meta.checksum and not meta.verify_checksum:
+            return meta.checksum
+        seal = hashed or seal_of(array)
+        if meta.verify_checksum and meta.checksum and seal != meta.checksum:
+            raise ChecksumMismatch(
+                meta.key.hex(),
+                f"{self.name} write",
+                "the payload no longer matches the checksum it was sealed with",
+            )
+        return seal
 
 
 def _unsealed(array: np.ndarray, seal: bytes) -> str:

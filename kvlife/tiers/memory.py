@@ -119,11 +119,15 @@ class MemoryTier(HeldTier[_Held]):
                 # pool whenever a batch filled the tier, and every put paid fresh pages.
                 self._pool.shrink(self.capacity_bytes - self._used - self._reserved)
             for meta, arr, raw in zip(reservation.metas, payloads, raws, strict=True):
-                seal = copy_sealed(raw, arr)
+                if meta.checksum and not meta.verify_checksum:  # vouched for: no hash
+                    np.copyto(raw.view(arr.dtype).reshape(arr.shape), arr)
+                    seal = meta.checksum
+                else:
+                    seal = self._seal(meta, raw, copy_sealed(raw, arr))
                 frozen = read_only(raw)
                 held.append(
                     _Held(
-                        replace(meta, checksum=seal, links=()),
+                        replace(meta, checksum=seal, links=(), verify_checksum=False),
                         frozen.view(arr.dtype).reshape(arr.shape),
                         frozen,
                         raw,
@@ -146,10 +150,10 @@ class MemoryTier(HeldTier[_Held]):
             held = []
             for meta, arr in zip(reservation.metas, arrays, strict=True):
                 flat = read_only(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
-                seal = meta.checksum or seal_of(flat)
+                seal = self._seal(meta, flat)
                 held.append(
                     _Held(
-                        replace(meta, checksum=seal, links=()),
+                        replace(meta, checksum=seal, links=(), verify_checksum=False),
                         flat.view(arr.dtype).reshape(arr.shape),
                         flat,
                         None,

@@ -37,7 +37,7 @@ import numpy.typing as npt
 
 from kvlife.core.errors import InvalidArgument, StorageFullError
 from kvlife.core.identity import ChunkKey
-from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads, read_only, seal_of
+from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads, read_only
 from kvlife.tiers.buffers import ALIGN, advise_huge, round_up
 from kvlife.tiers.held import HeldTier
 
@@ -266,17 +266,19 @@ class ShmTier(HeldTier[_Held]):
         try:
             check_payloads(reservation.metas, payloads)
             arrays = [self._into_arena(arr) for arr in payloads]
+            # sealed as published (the xxh3-128 of the extent's bytes, or the checksum
+            # the store vouches for); kept as a read-only export of the extent
+            seals = [
+                self._seal(meta, arr) for meta, arr in zip(reservation.metas, arrays, strict=True)
+            ]
         except BaseException:
             self.cancel_store(reservation)
             raise
         held = []
-        for meta, arr in zip(reservation.metas, arrays, strict=True):
+        for meta, arr, seal in zip(reservation.metas, arrays, seals, strict=True):
             off = self.arena.offset_of(arr)
             assert off is not None  # _into_arena: every replica is an extent
-            # sealed as published (a checksum the store hands over was verified where
-            # the bytes came from); kept as a read-only export of the extent
-            seal = meta.checksum or seal_of(arr)
-            sealed = replace(meta, checksum=seal, links=())
+            sealed = replace(meta, checksum=seal, links=(), verify_checksum=False)
             held.append(_Held(sealed, read_only(arr), (off, self.arena.generation(off))))
         self._install(reservation, held)
 

@@ -58,6 +58,7 @@ from kvlife.core.objects import TierName
 from kvlife.tiers.base import (
     AuditReport,
     CapacityShortfall,
+    ChecksumsWrites,
     Durability,
     KeepsEdges,
     PersistsCounters,
@@ -216,7 +217,13 @@ CheckReport = AuditReport
 
 
 class DiskTier(
-    Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, PersistsCounters, KeepsEdges
+    Tier,
+    SupportsBatchDelete,
+    SupportsAudit,
+    ReportsLostReplicas,
+    PersistsCounters,
+    KeepsEdges,
+    ChecksumsWrites,
 ):
     """Segment files plus a SQLite catalog under one directory."""
 
@@ -443,7 +450,8 @@ class DiskTier(
         from aligned caller memory it goes out as it is; from unaligned memory it is
         copied once into a warm aligned buffer (huge pages from 2 MiB) and checksummed
         there, while it is still in cache, instead of reading the caller's memory twice.
-        A payload whose checksum the meta carries is not hashed again.
+        A payload whose checksum the meta carries is not hashed again, unless the meta
+        asks for it to be verified (then a mismatch raises ChecksumMismatch).
         """
         n = u8.nbytes
         staged: np.ndarray | None = None
@@ -455,9 +463,22 @@ class DiskTier(
             body = staged[:padded]
             np.copyto(body[:n], u8)
             body[n:] = 0
-        # a checksum the payload is known by (sealed where it comes from) is not
-        # computed twice; a wrong one only makes the frame fail verification
-        checksum = meta.checksum or payload_checksum(body[:n])
+        # a checksum the payload is known by is not computed twice: taken as given (a
+        # wrong one only makes the frame fail verification), or checked here, where
+        # the payload is hashed anyway (a replica sealed in memory on its way down)
+        if meta.checksum and not meta.verify_checksum:
+            checksum = meta.checksum
+        else:
+            checksum = payload_checksum(body[:n])
+            if meta.verify_checksum and meta.checksum and checksum != meta.checksum:
+                if staged is not None:
+                    self._staging.put(staged)
+                raise ChecksumMismatch(
+                    meta.key.hex(),
+                    f"{self.name} write",
+                    "the payload no longer matches the checksum it was sealed with "
+                    "(changed in memory); nothing of the batch was stored",
+                )
         header = FrameHeader(meta.key, n, checksum, meta.dtype, meta.shape, meta.transform)
         hdr = aligned_empty(HEADER_BYTES)
         pack_header(header, hdr.data)
