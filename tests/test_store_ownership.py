@@ -1,6 +1,6 @@
 """Who owns the memory (issue 18, hole 6): nothing handed to a caller and no caller
-buffer ever becomes a replica that the caller can change; an array a load returns that
-shares memory with a replica is read-only from the start and cannot be made writable.
+buffer ever becomes a replica; an array a load returns that shares memory with a
+replica (a DRAM hit) is read-only from the start and cannot be made writable.
 
 Every path is attacked the way an engine using returned arrays as scratch would: write
 into what a call returned, or into the buffers it was given, right after the call (while
@@ -88,11 +88,13 @@ def test_a_disk_hit_loaded_without_buffers_never_becomes_a_writable_replica(
         assert first.tiers == {"disk": 3}
         attack(first.arrays)  # at once: while the background promotion runs
         store.drain()
-        attack(first.arrays)  # and after it adopted them
+        attack(first.arrays)  # and after it copied them
         again = served_from(store, identity, tokens, "dram")
         for a, want in zip(again, chunks(kv, 3), strict=True):
             assert np.array_equal(a, want), "the DRAM replica is not what was put"
         attack(again)
+        for handed, replica in zip(first.arrays, again, strict=True):
+            assert not np.shares_memory(handed, replica), "a returned array became a replica"
 
 
 def test_an_async_load_hands_out_read_only_chunks(tmp_path: Path, identity: ModelIdentity) -> None:
@@ -104,10 +106,10 @@ def test_an_async_load_hands_out_read_only_chunks(tmp_path: Path, identity: Mode
         attack([a for a in got if a is not None])
         attack(handle.wait(timeout=10).arrays)
         store.drain()
-        for a, want in zip(
-            served_from(store, identity, tokens, "dram"), chunks(kv, 3), strict=True
-        ):
+        again = served_from(store, identity, tokens, "dram")
+        for a, handed, want in zip(again, got, chunks(kv, 3), strict=True):
             assert np.array_equal(a, want)
+            assert not np.shares_memory(a, handed), "a returned chunk became a replica"
 
 
 def test_a_dram_hit_is_a_view_nobody_can_make_writable(
@@ -204,6 +206,10 @@ def test_a_decoded_frame_is_handed_out_read_only(tmp_path: Path, identity: Model
         assert again.tiers == {"dram": 3}
         for a, want in zip(again.arrays, chunks(kv, 3), strict=True):
             assert np.array_equal(a, want)
+        # the promoted replicas are sealed with the decoded bytes' checksum, not the frame's
+        assert store.check().clean
+        store.evict("dram", 3 * C)
+        assert store.counters.sealed_mismatch == 0
 
 
 def test_memory_tier_replicas_are_read_only_exports_and_memory_is_recycled_only_when_free() -> None:

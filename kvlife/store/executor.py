@@ -310,17 +310,21 @@ def _copy(
             recs = [b.rec for b in todo]
             if not todo:
                 break
-            # arrays read from a slower tier (or handed over by a load) belong to nobody
-            # else; views of a first-tier replica must be copied
+            # arrays this copy read from a slower tier belong to nobody else and may be
+            # adopted; arrays a load handed to its caller never become a replica (they
+            # are copied), nor views of a first-tier replica
+            handed = any(r.key in sources for r in recs)
             done = _write(
                 core,
                 dst,
                 recs,
                 [got[r.key][0] for r in recs],
                 {r.key for r in recs},
-                adopt=src != core.chain[0].name,
+                adopt=src != core.chain[0].name and not handed,
                 forms=[got[r.key][1] for r in recs],
-                checksums=[seals[r.key] for r in recs],
+                # the source's checksum names these bytes only in the source's form (a
+                # load hands over a frame decoded: its bytes are not the frame's)
+                checksums=[seals[r.key] if got[r.key][1] == held[r.key] else b"" for r in recs],
                 verify=[r.key in at_target for r in recs],
             )
             written = {r.key: c for r, c in zip(recs, done, strict=True)}

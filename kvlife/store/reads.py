@@ -10,8 +10,10 @@ plan order (``drain()`` waits for it).
 
 Ownership: a caller's output buffers are written, never kept; an array a load returns
 without a buffer is read-only from the start and its flag cannot be set back (a DRAM
-replica itself, a disk read, a decoded frame), so the promotion may adopt it as the DRAM
-replica without a copy and no caller can change a replica through it. With
+replica itself, or a new array: a disk read, a decoded frame). The promotion of a hit
+returned without a buffer copies the returned array into the first tier (no second
+read, no hash: it takes the checksum the read verified); it never adopts it, so nothing
+handed to a caller becomes a replica. With
 ``verify_dram_on_load`` a replica read from a tier that seals replicas in memory is
 verified against its seal first (a mismatch is a corrupt replica: a miss, invalidated).
 """
