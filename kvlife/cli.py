@@ -191,6 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         write_through=args.write_through,
         promote_on_hit=not args.no_promote,
         disk_transform=args.disk_transform,
+        verify_dram_on_load=args.verify_dram_on_load,
         **({"shm_dir": Path(args.shm_dir)} if args.shm_dir else {}),
         cpus=parse_cpus(args.cpus) if args.cpus else (),
     )
@@ -273,6 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pid-file", default=None, help="write the server's pid here")
     p.add_argument("--write-through", action="store_true", help="make every put durable")
     p.add_argument("--no-promote", action="store_true", help="do not copy disk hits back into DRAM")
+    p.add_argument(
+        "--verify-dram-on-load",
+        action="store_true",
+        help="verify every load from the arena against the seal its replica was published "
+        "with (one xxh3-128 per chunk loaded; README has the cost)",
+    )
     p.add_argument(
         "--disk-transform",
         default="",

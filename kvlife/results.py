@@ -175,6 +175,10 @@ class StoreCounters:
     """Replicas not served because their transform or version is unknown to this reader."""
     corrupt_frames: int = 0
     """Transform frames that failed verification (counted in ``corrupt`` as well)."""
+    sealed_mismatch: int = 0
+    """Replicas in memory (DRAM, the server's arena) whose bytes no longer matched the
+    seal they were published with, found by a demotion, a flush, ``check`` or a verified
+    load; each was dropped (counted in ``corrupt`` as well)."""
     segments_rebuilt: int = 0
     """Lost disk segment files rebuilt from parity at open (``segment_parity``)."""
     segments_unrecoverable: int = 0

@@ -24,6 +24,8 @@ from kvlife.report import format_table
 
 RATIO_KEYS = ("disk_store_vs_raw", "disk_load_vs_raw", "mem_put_vs_memcpy", "mem_get_vs_memcpy")
 USER_PATH_KEYS = ("disk_store_unaligned_vs_raw", "disk_writeback_vs_raw", "disk_load_new_vs_raw")
+SEAL_KEYS = ("mem_get_verified_vs_memcpy", "disk_writeback_sealed_vs_raw")
+SEAL_DIAGNOSTICS = ("seal_vs_memcpy", "mem_put_seal_share", "mem_get_verified_vs_get")
 
 
 def _positive_finite(x: object) -> bool:
@@ -40,9 +42,12 @@ def test_quick_run_writes_json_of_the_right_shape(tmp_path: Path, capsys, monkey
     labels = [size_label(s) for s in IOBenchConfig.quick_config().sizes]
     assert list(doc["ratios"]) == labels
     for label in labels:
-        for key in RATIO_KEYS + USER_PATH_KEYS:
+        for key in RATIO_KEYS + USER_PATH_KEYS + SEAL_KEYS:
             assert _positive_finite(doc["ratios"][label][key]), (label, key)
         assert _positive_finite(doc["diagnostics"][label]["disk_load_new_first_vs_raw"])
+        for key in SEAL_DIAGNOSTICS:
+            assert _positive_finite(doc["diagnostics"][label][key]), (label, key)
+        assert _positive_finite(doc["kvlife"][label]["seal_gbps"])
         for key in ("memcpy_gbps", "raw_write_gbps", "raw_read_gbps"):
             assert _positive_finite(doc["limits"][label][key]), (label, key)
         for key, value in doc["kvlife"][label].items():
@@ -55,6 +60,7 @@ def test_quick_run_writes_json_of_the_right_shape(tmp_path: Path, capsys, monkey
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".kvlife-bench-io-")]
     printed = capsys.readouterr().out
     assert "disk store (aligned)" in printed and "lookup of a 128-chunk prompt" in printed
+    assert "DRAM seal (xxh3-128)" in printed and "demotion (seal verified)" in printed
 
 
 def test_run_io_bench_returns_the_same_document(tmp_path: Path) -> None:

@@ -27,6 +27,10 @@ def test_bench_concurrency_quick_writes_its_json(
         assert p["load_gbps"] > 0 and p["raw_gbps_same_qd"] > 0 and p["lookups"] > 0
         assert {"load_vs_raw", "lookup_p50_us", "lookup_p99_us", "lookup_p99_vs_idle"} <= set(p)
     assert {1, 2} <= {p["queue_depth"] for p in doc["raw"]["points"]}
+    audit = doc["audit"]
+    assert audit["errors"] == [], audit["errors"]
+    assert audit["audits"] >= 1 and audit["rows"] > 0 and audit["lookups"] > 0
+    assert {"audit_gbps", "load_gbps", "lookup_p99_us", "lookup_p99_vs_idle"} <= set(audit)
     assert not list(tmp_path.glob(".kvlife-bench-conc-*")), "scratch directory left behind"
 
 

@@ -1,7 +1,9 @@
 """Many threads on one store at once: puts, sync and async loads, invalidations,
-evictions and flushes race on small tiers. Whatever interleaving happens, every byte
-served is the byte that was put, nothing raises but the typed errors of the calls, the
-store's accounting stays within each tier's budget, and the store reopens clean."""
+evictions and flushes race on small tiers, while audits run back to back beside them.
+Whatever interleaving happens, every byte served is the byte that was put, nothing
+raises but the typed errors of the calls, no audit reports a problem that is not there
+(rows deleted, moved or rewritten under it), the store's accounting stays within each
+tier's budget, and the store reopens clean."""
 
 from __future__ import annotations
 
@@ -86,13 +88,29 @@ def race(tmp_path: Path, chain: str, ops: int) -> None:
             except BaseException as exc:
                 errors.append(exc)
 
+        stop = threading.Event()
+        audits: list[int] = []
+
+        def audit() -> None:
+            try:
+                while not stop.is_set():
+                    report = store.check()
+                    assert report.clean, report.problems
+                    audits.append(report.rows)
+            except BaseException as exc:
+                errors.append(exc)
+
         threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
-        for th in threads:
+        auditor = threading.Thread(target=audit)
+        for th in [*threads, auditor]:
             th.start()
         for th in threads:
             th.join(120)
-        assert not any(th.is_alive() for th in threads), "a thread hung"
+        stop.set()
+        auditor.join(120)
+        assert not any(th.is_alive() for th in [*threads, auditor]), "a thread hung"
         assert not errors, errors
+        assert audits, "no audit completed beside the workers"
         store.drain()
         assert served[0] > 0
         for info in store.info().tiers:

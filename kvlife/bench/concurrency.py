@@ -11,6 +11,11 @@ size from T threads (:mod:`kvlife.bench.concurrency_raw`), measured in the same
 directory in the same run. Reported per T: aggregate load GB/s, its ratio to raw at
 queue depth T, and lookup P50/P99 against the idle P50/P99 measured before any I/O.
 
+Then a full audit (``store.check()``: every row's frame read and checksummed) runs again
+and again for the same time while the probe looks up and one reader loads from disk:
+lookup P50/P99 during the audit (against idle), the reader's load GB/s and the audit's
+own read rate (issue 18: an audit must run beside serving, never stall it).
+
 Targets (issue 8): aggregate load >= 0.85x raw at the same queue depth; lookup P99 with
 I/O in flight <= 2x its idle P99. A benchmark, not a test: it prints a table and writes
 JSON; nothing here asserts speed.
@@ -134,6 +139,7 @@ def _run(cfg: ConcurrencyConfig, work: Path) -> dict[str, object]:
         probe_tokens = readers[0][0][0]
         idle = _lookups(store, ident, probe_tokens, cfg.seconds / 2, threading.Event())
         points = [_point(cfg, store, ident, readers, t, probe_tokens) for t in cfg.threads]
+        audit = _audit_point(cfg, store, ident, readers[0], probe_tokens)
         direct = bool(store.tier("disk").details().get("direct_io"))
     finally:
         store.close(flush=False)
@@ -142,6 +148,7 @@ def _run(cfg: ConcurrencyConfig, work: Path) -> dict[str, object]:
         work, file_bytes=cfg.raw_file_bytes, block_bytes=chunk, queue_depths=depths
     )
     idle_p99 = _pct(idle, 99)
+    audit.lookup_p99_vs_idle = audit.lookup_p99_us / idle_p99 if idle_p99 else float("nan")
     for p in points:
         limit = raw.point(p.threads).gbps
         p.raw_gbps_same_qd = limit
@@ -155,6 +162,7 @@ def _run(cfg: ConcurrencyConfig, work: Path) -> dict[str, object]:
         "targets": {"load_vs_raw_min": LOAD_TARGET, "lookup_p99_vs_idle_max": LOOKUP_P99_TARGET},
         "idle_lookup": {"p50_us": _pct(idle, 50), "p99_us": idle_p99, "n": len(idle)},
         "points": [asdict(p) for p in points],
+        "audit": asdict(audit),
         "raw": raw.to_json(),
     }
 
@@ -171,6 +179,87 @@ def _lookups(
         out.append((time.perf_counter() - t0) * 1e6)
         time.sleep(0.001)
     return out
+
+
+@dataclass(slots=True)
+class AuditPoint:
+    """Serving while full audits run back to back."""
+
+    seconds: float
+    audits: int
+    """Full audits completed (each checks every row's frame)."""
+    rows: int
+    """Rows checked in all of them."""
+    audit_gbps: float
+    """Payload bytes the audits read and checksummed, per second (1e9 B/s)."""
+    load_gbps: float
+    """One reader thread's verified loads from disk meanwhile."""
+    lookup_p50_us: float
+    lookup_p99_us: float
+    lookups: int
+    errors: list[str]
+    lookup_p99_vs_idle: float = float("nan")
+
+
+def _audit_point(
+    cfg: ConcurrencyConfig,
+    store: KVStore,
+    ident: ModelIdentity,
+    prompts: list[tuple[np.ndarray, np.ndarray]],
+    probe_tokens: np.ndarray,
+) -> AuditPoint:
+    layout = ident.layout
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    done = [0, 0, 0]  # audits, rows, bytes
+    loaded = [0]
+
+    def count(nbytes: int) -> None:
+        done[2] += nbytes
+
+    def auditor() -> None:
+        try:
+            while not stop.is_set():
+                done[1] += store.check(progress=count).rows
+                done[0] += 1
+        except BaseException as exc:  # reported in the result
+            errors.append(exc)
+
+    def reader() -> None:
+        bufs = [
+            aligned_empty(layout.chunk_nbytes).view(np.float16).reshape(layout.chunk_shape)
+            for _ in range(cfg.chunks_per_prompt)
+        ]
+        i = 0
+        try:
+            while not stop.is_set():
+                hit = store.lookup(ident, PUBLIC, prompts[i % len(prompts)][0])
+                res = store.load(hit, bufs[: len(hit.hits)])
+                loaded[0] += sum(a.nbytes for a in res.arrays)
+                i += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    workers = [threading.Thread(target=auditor), threading.Thread(target=reader)]
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    lat = _lookups(store, ident, probe_tokens, cfg.seconds, stop)
+    stop.set()
+    for w in workers:
+        w.join()
+    wall = time.perf_counter() - t0
+    return AuditPoint(
+        seconds=wall,
+        audits=done[0],
+        rows=done[1],
+        audit_gbps=done[2] / wall / 1e9,
+        load_gbps=loaded[0] / wall / 1e9,
+        lookup_p50_us=_pct(lat, 50),
+        lookup_p99_us=_pct(lat, 99),
+        lookups=len(lat),
+        errors=[repr(e) for e in errors],
+    )
 
 
 def _point(
@@ -263,6 +352,15 @@ def format_report(result: dict[str, object]) -> str:
     text = format_table(head, rows)
     text += f"\nidle lookup P50/P99: {idle['p50_us']:.0f} / {idle['p99_us']:.0f} µs"
     text += f"; direct I/O: {result['direct_io']}; chunk bytes {result['chunk_bytes']}"
+    audit = result.get("audit")
+    if isinstance(audit, dict):
+        text += (
+            f"\nduring full audits ({audit['audits']} in {audit['seconds']:.1f} s, "
+            f"{audit['audit_gbps']:.2f} GB/s checked): lookup P50/P99 "
+            f"{audit['lookup_p50_us']:.0f} / {audit['lookup_p99_us']:.0f} µs "
+            f"({audit['lookup_p99_vs_idle']:.2f}x idle P99), one reader "
+            f"{audit['load_gbps']:.2f} GB/s"
+        )
     return text
 
 

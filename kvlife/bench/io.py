@@ -11,20 +11,23 @@ limits
     from 4096-aligned memory, then one ``fdatasync``) and O_DIRECT read of the same
     objects into aligned buffers, in the directory that holds kvlife's segments;
 kvlife
-    :class:`~kvlife.tiers.memory.MemoryTier` put (one copy) and get into caller
-    buffers; :class:`~kvlife.tiers.disk.DiskTier` store (xxh3-128 framing, fdatasync,
-    SQLite commit) from 4096-aligned memory (the headline: zero-copy direct I/O),
-    from unaligned caller memory (one staging copy) and from the memory tier's own
-    held arrays (the DRAM write-back path), and verified loads into the caller's
-    aligned buffers (headline) and into new arrays (``store.load(hit)`` without
-    buffers: the arrays come from memory recycled when earlier results were garbage
-    collected, so the first repetition pays fresh pages and later ones do not; the
-    first one is reported apart); plus the time of
-    :meth:`~kvlife.store.KVStore.lookup` of a 128-chunk prompt, BLAKE3 chunk keys
-    included;
+    :class:`~kvlife.tiers.memory.MemoryTier` put (one copy, sealed with xxh3-128 block
+    by block) and get into caller buffers, plain and verified against the seal (what
+    ``verify_dram_on_load`` costs); :class:`~kvlife.tiers.disk.DiskTier` store
+    (xxh3-128 framing, fdatasync, SQLite commit) from 4096-aligned memory (the
+    headline: zero-copy direct I/O), from unaligned caller memory (one staging copy)
+    and from the memory tier's own held arrays (the DRAM write-back path; and the
+    store's demotion path, where the disk checks the DRAM seal as it hashes the frame,
+    no second hash), and verified loads into the caller's aligned buffers
+    (headline) and into new arrays (``store.load(hit)`` without buffers: the arrays
+    come from memory recycled when earlier results were garbage collected, so the
+    first repetition pays fresh pages and later ones do not; the first one is reported
+    apart); plus the time of :meth:`~kvlife.store.KVStore.lookup` of a 128-chunk
+    prompt, BLAKE3 chunk keys included;
 diagnostics
     copy into freshly allocated arrays vs memcpy: the first-touch page-fault cost that
-    any path allocating per object pays.
+    any path allocating per object pays; the seal alone (xxh3-128 of the batch) against
+    memcpy and its share of a memory tier put.
 
 Ratios are throughput ratios, kvlife ÷ limit, taken per repetition (paired) and
 reported as their median; above 1 means faster than the limit, which noise allows.
@@ -57,7 +60,7 @@ from kvlife.bench.peer_lmcache import LMCacheDiskPeer, PeerUnavailable, check_av
 from kvlife.core.identity import PUBLIC, ChunkKey, KVLayout, ModelIdentity, prompt_chunk_keys
 from kvlife.report import format_table
 from kvlife.store import KVStore
-from kvlife.tiers.base import ReplicaMeta
+from kvlife.tiers.base import ReplicaMeta, seal_of
 from kvlife.tiers.buffers import ALIGN, aligned_empty
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
 from kvlife.tiers.disk.fileio import probe_direct_io
@@ -370,12 +373,27 @@ def _one_repetition(
         views = mem.read_batch(keys)
         add("mem_get_zero_copy", time.perf_counter() - t0)
         _check_same(_verified(views, "memory tier view"), b.aligned, "memory tier view")
+        t0 = time.perf_counter()
+        got = mem.read_verified(keys, b.outs)
+        add("mem_get_verified", time.perf_counter() - t0)
+        _check_same(_verified(got, "memory tier verified get"), b.aligned, "verified get")
+        t0 = time.perf_counter()
+        views = mem.read_verified(keys)
+        add("mem_get_verified_zero_copy", time.perf_counter() - t0)
+        _check_same(_verified(views, "memory tier verified view"), b.aligned, "verified view")
+
+    def seal() -> None:
+        t0 = time.perf_counter()
+        for a in b.aligned:
+            seal_of(a)
+        add("seal", time.perf_counter() - t0)
 
     _rotate(
         [
             lambda: add("memcpy", memcpy(b.outs, b.aligned)),
             mem_tier,
             lambda: add("alloc_copy", alloc_copy(b.aligned)),
+            seal,
         ],
         rep,
     )
@@ -384,6 +402,7 @@ def _one_repetition(
     keys_a = _fresh_keys(n)
     keys_u = _fresh_keys(n)
     keys_w = _fresh_keys(n)
+    keys_s = _fresh_keys(n)
     held = _verified(mem.read_batch(mem_keys), "memory tier view")  # write-back sources
     peer_keys: list[object] = []
 
@@ -400,11 +419,25 @@ def _one_repetition(
         peer_keys.extend(keys)
         add("peer_store", secs)
 
+    def demote() -> None:
+        """The store's demotion: the disk checks each replica's seal as it hashes the
+        frame (one hash, overlapped with the writes as in a plain store)."""
+        t0 = time.perf_counter()
+        src = _verified(mem.read_batch(mem_keys), "memory tier view")
+        metas = [
+            ReplicaMeta(k, "uint8", (size,), checksum=mem.meta(m).checksum, verify_checksum=True)
+            for k, m in zip(keys_s, mem_keys, strict=True)
+        ]
+        if not ctx.disk.store(metas, src):
+            raise RuntimeError("disk tier refused a batch: capacity budget too small")
+        add("disk_writeback_sealed", time.perf_counter() - t0)
+
     writes: list[Callable[[], None]] = [
         lambda: add("raw_write", raw_write(raw_path, b.aligned, ctx.direct)),
         lambda: store(keys_a, b.aligned, "disk_store"),
         lambda: store(keys_u, b.unaligned, "disk_store_unaligned"),
         lambda: store(keys_w, held, "disk_writeback"),
+        demote,
     ]
     if peer is not None:
         writes.append(peer_store)
@@ -439,7 +472,12 @@ def _one_repetition(
     held.clear()
     for k in mem_keys:
         mem.delete(k)
-    ctx.disk.delete_batch(keys_a + keys_u + keys_w)
+    _check_same(
+        _verified(ctx.disk.read_batch(keys_s[:1] + keys_s[-1:]), "sealed write-back"),
+        [b.aligned[0], b.aligned[-1]],
+        "sealed write-back",
+    )
+    ctx.disk.delete_batch(keys_a + keys_u + keys_w + keys_s)
     raw_path.unlink()
     if peer is not None:
         peer.drop(peer_keys)
@@ -546,6 +584,10 @@ def _summarise(size: int, n: int, s: dict[str, list[float]]) -> _SizeSummary:
             "disk_writeback_gbps": rate("disk_writeback"),
             "disk_load_gbps": rate("disk_load"),
             "disk_load_new_gbps": rate("disk_load_new"),
+            "seal_gbps": rate("seal"),
+            "mem_get_verified_gbps": rate("mem_get_verified"),
+            "mem_get_verified_zero_copy_gbps": rate("mem_get_verified_zero_copy"),
+            "disk_writeback_sealed_gbps": rate("disk_writeback_sealed"),
         },
         ratios={
             "disk_store_vs_raw": ratio("disk_store", "raw_write"),
@@ -555,8 +597,16 @@ def _summarise(size: int, n: int, s: dict[str, list[float]]) -> _SizeSummary:
             "disk_store_unaligned_vs_raw": ratio("disk_store_unaligned", "raw_write"),
             "disk_writeback_vs_raw": ratio("disk_writeback", "raw_write"),
             "disk_load_new_vs_raw": ratio("disk_load_new", "raw_read"),
+            "mem_get_verified_vs_memcpy": ratio("mem_get_verified", "memcpy"),
+            "disk_writeback_sealed_vs_raw": ratio("disk_writeback_sealed", "raw_write"),
         },
         diagnostics={
+            "seal_vs_memcpy": ratio("seal", "memcpy"),
+            # the fraction of a memory tier put spent on its seal (paired)
+            "mem_put_seal_share": _median(
+                [sl / t for sl, t in zip(s["seal"], s["mem_put"], strict=True)]
+            ),
+            "mem_get_verified_vs_get": ratio("mem_get_verified", "mem_get"),
             "alloc_copy_gbps": rate("alloc_copy"),
             "alloc_copy_vs_memcpy": ratio("alloc_copy", "memcpy"),
             # the very first load into new arrays finds no recycled memory
@@ -729,6 +779,13 @@ _ROWS = (
     # (label, kvlife key, limit key, ratio key, target)
     ("mem put (copy)", "mem_put_gbps", "memcpy_gbps", "mem_put_vs_memcpy", MEM_TARGET),
     ("mem get into buffers", "mem_get_gbps", "memcpy_gbps", "mem_get_vs_memcpy", MEM_TARGET),
+    (
+        "mem get, seal verified",
+        "mem_get_verified_gbps",
+        "memcpy_gbps",
+        "mem_get_verified_vs_memcpy",
+        None,
+    ),
     ("disk store (aligned)", "disk_store_gbps", "raw_write_gbps", "disk_store_vs_raw", DISK_TARGET),
     (
         "disk store (unaligned)",
@@ -743,6 +800,13 @@ _ROWS = (
         "raw_write_gbps",
         "disk_writeback_vs_raw",
         USER_PATH_TARGET,
+    ),
+    (
+        "demotion (seal verified)",
+        "disk_writeback_sealed_gbps",
+        "raw_write_gbps",
+        "disk_writeback_sealed_vs_raw",
+        None,
     ),
     ("disk load into buffers", "disk_load_gbps", "raw_read_gbps", "disk_load_vs_raw", DISK_TARGET),
     (
@@ -829,6 +893,12 @@ def format_report(result: dict[str, object]) -> str:
     assert isinstance(diag, dict)
     ac = ", ".join(f"{label} {d['alloc_copy_vs_memcpy']:.2f}" for label, d in diag.items())
     lines.append(f"copy into freshly allocated arrays ÷ memcpy (page-fault cost): {ac}")
+    seal = ", ".join(
+        f"{label} {kv[label]['seal_gbps']:.1f} GB/s ({d['seal_vs_memcpy']:.2f}x memcpy, "
+        f"{100 * d['mem_put_seal_share']:.0f}% of a put)"
+        for label, d in diag.items()
+    )
+    lines.append(f"DRAM seal (xxh3-128): {seal}")
     first = ", ".join(f"{label} {d['disk_load_new_first_vs_raw']:.2f}" for label, d in diag.items())
     lines.append(
         "disk load new arrays, first repetition (no recycled memory yet) ÷ raw read: " + first

@@ -9,7 +9,10 @@ store and the machine's limits, measured in the same run.
 - put through the server vs ``memcpy`` into DRAM, and with write-through vs a raw
   O_DIRECT write plus ``fdatasync``;
 - 1, 2 and 4 client processes loading concurrently from DRAM: aggregate throughput and
-  each client's P99.
+  each client's P99;
+- the DRAM load again from a server run with ``--verify-dram-on-load`` (every chunk
+  checked against its replica's xxh3-128 seal): what that setting costs. Puts seal every
+  chunk they adopt (one xxh3-128 each), which the put points include.
 
 Targets (issue 10): lookup <= 2x in-process (median and P99); DRAM load >= 0.8x memcpy,
 disk load >= 0.85x raw; put >= 0.8x memcpy, write-through put >= 0.85x raw. A benchmark,
@@ -585,6 +588,7 @@ def _points(
     result["scaling"] = _bench_scaling(cfg, main)
     main.stop()
     servers.remove(main)
+    result["load_dram_verified"] = _bench_verified(cfg, work, dram, shm, servers, pin)
     disk = _Server(work / "d", dram, 4 * dram, shm, *pin, "--no-promote", "--write-through")
     servers.append(disk)
     remote = disk.client()
@@ -596,6 +600,26 @@ def _points(
     ]
     remote.close()
     return result
+
+
+def _bench_verified(
+    cfg: ServerBenchConfig,
+    work: Path,
+    dram: int,
+    shm: Path,
+    servers: list[_Server],
+    pin: tuple[str, ...],
+) -> list[dict[str, Any]]:
+    """The DRAM load points on a server that verifies every load against the seal."""
+    srv = _Server(work / "v", dram, 4 * dram, shm, *pin, "--verify-dram-on-load")
+    servers.append(srv)
+    remote = srv.client()
+    try:
+        return [_bench_load(cfg, remote, s, 50 + i, None) for i, s in enumerate(cfg.sizes)]
+    finally:
+        remote.close()
+        srv.stop()
+        servers.remove(srv)
 
 
 def _targets(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -637,11 +661,12 @@ def format_report(r: dict[str, Any]) -> str:
     rows = []
     for key, limit in (
         ("load_dram", "memcpy"),
+        ("load_dram_verified", "memcpy"),
         ("load_disk", "raw"),
         ("put_dram", "memcpy"),
         ("put_write_through", "raw"),
     ):
-        for p in r[key]:
+        for p in r.get(key, []):
             rows.append(
                 [
                     key,

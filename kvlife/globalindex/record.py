@@ -102,7 +102,7 @@ class RemoteRecord:
             self.info,
             h.checksum,
             self.form,
-            self.born.encode(),
+            born=self.born.encode(),
         )
 
     def blob(self) -> bytes:

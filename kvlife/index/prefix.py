@@ -71,6 +71,11 @@ class ObjectIndex:
             self._children[parent].add(child)
             self._parent[child] = parent
 
+    def children(self, key: bytes) -> frozenset[ChunkKey]:
+        """Keys chained directly after ``key`` that the index knows (records, or absent
+        keys kept for their own children)."""
+        return frozenset(self._children.get(key, ()))
+
     def kept_edge(self, key: ChunkKey) -> bytes | None:
         """The parent of ``key`` if chunks chained after it are still indexed (the link a
         durable tier must keep when ``key``'s record goes), else None."""

@@ -59,6 +59,9 @@ class ServeConfig:
     promote_on_hit: bool = True
     disk_transform: str = ""
     """Registered transform the disk tier encodes replicas with (empty: exact)."""
+    verify_dram_on_load: bool = False
+    """Verify every load from the arena against the replica's seal
+    (:attr:`~kvlife.store.config.StoreConfig.verify_dram_on_load`)."""
     cpus: tuple[int, ...] = ()
     """CPUs the server's threads run on (empty: any). Keeping the server off the CPUs
     its clients copy on lets it handle a request while the client copies: a Unix socket
@@ -136,6 +139,7 @@ def open_store(cfg: ServeConfig) -> KVStore:
         tiers=(shm, *rest),
         write_through=cfg.write_through,
         promote_on_hit=cfg.promote_on_hit,
+        verify_dram_on_load=cfg.verify_dram_on_load,
     )
     return KVStore(cfg.path, config)
 

@@ -87,6 +87,11 @@ class StoreConfig:
     """An explicit chain, fastest first; overrides dram_bytes/disk_bytes/policy."""
     io_threads: int = 4
     """Threads of the asynchronous load/put pool."""
+    verify_dram_on_load: bool = False
+    """Verify every load served from a tier that holds replicas in memory (DRAM, the
+    server's arena) against the xxh3-128 seal the replica was published with (a replica
+    changed in memory is then a counted, invalidated miss at once, not only at its
+    demotion or the next ``check``). Costs one hash of every such chunk loaded."""
     segment_parity: tuple[int, int] | None = None
     """``(k, m)``: protect the disk tiers' segment files with m parity files per k at
     each clean close, and rebuild lost ones at open (:mod:`kvlife.store.protection`)."""

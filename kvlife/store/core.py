@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvlife.core.errors import KVLifeError, ReplicaNotFound, StoreClosedError
 from kvlife.core.events import EventSink
-from kvlife.core.identity import ChunkKey
+from kvlife.core.identity import ROOT_PARENT, ChunkKey
 from kvlife.core.lifecycle import Move, ObjectState
 from kvlife.core.objects import ObjectRecord, Replica, ReplicaState, TierName
 from kvlife.index.prefix import ObjectIndex
@@ -32,6 +32,7 @@ from kvlife.tiers.base import (
     Durability,
     KeepsEdges,
     ReportsLostReplicas,
+    SealedInMemory,
     SupportsBatchDelete,
     Tier,
 )
@@ -311,28 +312,125 @@ class StoreCore:
             self._bg = None
 
     def delete_replicas(self, doomed: Iterable[tuple[TierName, ChunkKey]]) -> None:
-        """Physical deletes (outside the lock), batched per tier; absent replicas are
-        skipped (a write that failed, a replica the tier already dropped). A tier that
-        keeps edges is told the prefix link of every deleted chunk that still has
-        descendants, so that prefix invalidation reaches them after a restart."""
-        by_tier: dict[TierName, list[ChunkKey]] = {}
+        """Physical deletes (outside the lock, in a sequencer turn), batched per tier;
+        absent replicas are skipped (a write that failed, a replica the tier already
+        dropped). A tier that keeps edges drops, in the same step, the links of the
+        doomed keys (and of their ancestors) that lead to nothing the index knows any
+        more; a link that still leads to a chunk stays."""
+        doomed = list(doomed)
+        by_tier: dict[TierName, list[ChunkKey]] = {t.name: [] for t in self.chain}
         for tier_name, key in doomed:
-            by_tier.setdefault(tier_name, []).append(key)
+            by_tier[tier_name].append(key)
+        gone = list(dict.fromkeys(key for _, key in doomed))
         for tier_name, keys in by_tier.items():
             tier = self.tiers[tier_name]
             present = [k for k in keys if tier.contains(k)]
-            if not present:
-                continue
             if isinstance(tier, KeepsEdges):
                 with self.lock:
-                    edges = [(k, p) for k in present if (p := self.index.kept_edge(k))]
-                tier.delete_keeping_edges(present, edges)
+                    forget = self._unneeded_links(tier, gone)
+                if present:
+                    tier.delete_forgetting(present, forget)
+                elif forget:
+                    tier.forget_edges(forget)
+            elif not present:
+                continue
             elif isinstance(tier, SupportsBatchDelete):
                 tier.delete_batch(present)
             else:
                 for key in present:
                     with contextlib.suppress(ReplicaNotFound):
                         tier.delete(key)
+
+    # ------------------------------------------------------------------ prefix links
+
+    def _known(self, key: bytes) -> bool:
+        """The index still knows ``key``: a record, or a key chunks are chained after."""
+        return ChunkKey(key) in self.index or bool(self.index.children(key))
+
+    def _unneeded_links(self, tier: KeepsEdges, keys: Iterable[ChunkKey]) -> list[bytes]:
+        """Links ``tier`` keeps for ``keys`` and their ancestors that lead to nothing the
+        index knows any more (under the lock). A link leads to a durable chunk only
+        through keys the index knows, so these can go."""
+        out: list[bytes] = []
+        seen: set[bytes] = set()
+        for key in keys:
+            child: bytes | None = key
+            while child is not None and child not in seen and not self._known(child):
+                seen.add(child)
+                parent = tier.kept_parent(child)
+                if parent is None:
+                    break
+                out.append(child)
+                child = parent
+        return out
+
+    def links_for(
+        self, tier: KeepsEdges, recs: Sequence[ObjectRecord]
+    ) -> list[tuple[tuple[bytes, bytes], ...]]:
+        """The prefix links each of ``recs`` must carry into ``tier`` (under the lock):
+        its own and those of its ancestors the tier does not keep yet, as far as the
+        index knows the chain. A kept link's ancestors are kept too (links are written
+        top-down complete), so the walk stops at the first kept one; keys of the batch
+        count as kept, since their own links go in the same step."""
+        batch = {rec.key for rec in recs}
+        seen: set[bytes] = set()
+        out: list[tuple[tuple[bytes, bytes], ...]] = []
+        for rec in recs:
+            links: list[tuple[bytes, bytes]] = []
+            parent = bytes(rec.info.parent)
+            if parent != ROOT_PARENT and tier.kept_parent(rec.key) != parent:
+                links.append((bytes(rec.key), parent))
+            child = parent
+            while child != ROOT_PARENT and child not in batch and child not in seen:
+                seen.add(child)
+                if tier.kept_parent(child) is not None:
+                    break
+                up = self.index.kept_edge(ChunkKey(child))
+                if up is None or up == ROOT_PARENT:
+                    break  # a first chunk, or the chain before it was never known here
+                links.append((child, bytes(up)))
+                child = bytes(up)
+            out.append(tuple(links))
+        return out
+
+    def orphaned_links(
+        self, recs: Iterable[ObjectRecord]
+    ) -> dict[TierName, list[tuple[bytes, bytes]]]:
+        """For new records (under the lock): the links edge-keeping tiers must add
+        because a chunk chained after one of them is durable there already (it was
+        stored, through an explicit parent, before this chunk was known here)."""
+        out: dict[TierName, list[tuple[bytes, bytes]]] = {}
+        for tier in self.chain:
+            if not isinstance(tier, KeepsEdges):
+                continue
+            need = [
+                rec
+                for rec in recs
+                if bytes(rec.info.parent) != ROOT_PARENT
+                and any(tier.kept_parent(c) == rec.key for c in self.index.children(rec.key))
+            ]
+            links = [link for links in self.links_for(tier, need) for link in links]
+            if links:
+                out[tier.name] = links
+        return out
+
+    def drop_corrupt(
+        self, rec: ObjectRecord, tier: TierName, why: str
+    ) -> list[tuple[TierName, ChunkKey]]:
+        """A replica found corrupt (under the lock): counted, taken out of service; its
+        object is retired as corrupt when no readable replica is left. Returns the
+        replicas to delete physically."""
+        self.counters.corrupt += 1
+        rep = rec.replicas.get(tier)
+        if rep is None or self.index.get(rec.key) is not rec:
+            return []  # already gone: whoever retired it deletes it
+        if rep.state is not ReplicaState.LEAVING:
+            self.placement.release(rec.key, tier)
+        del rec.replicas[tier]
+        doomed = [(tier, rec.key)]
+        if not any(r.readable for r in rec.replicas.values()):
+            doomed += self.retire(rec, Move.CORRUPT, why)
+        return doomed
 
     def reap_lost(self) -> list[tuple[TierName, ChunkKey]]:
         """Take in replicas tiers dropped by themselves (under the lock); returns the
@@ -348,6 +446,8 @@ class StoreCore:
                     self.counters.recovery_dropped += 1
                     continue
                 self.counters.corrupt += 1
+                if isinstance(tier, SealedInMemory):
+                    self.counters.sealed_mismatch += 1
                 if rep.state is not ReplicaState.LEAVING:
                     self.placement.release(key, tier.name)
                 del rec.replicas[tier.name]

@@ -10,7 +10,14 @@ counted outcomes:
 - a failed **demotion** drops the objects whose only other replica was being evicted,
   counted as ``demote_failed`` and emitted with the reason (never silently);
 - a failed **promotion** or **flush/write-through copy** removes the copy; the source
-  replica stays.
+  replica stays;
+- a copy out of a tier that seals replicas in memory verifies each replica's seal
+  before its bytes become durable anywhere (a replica sealed in this same plan
+  excepted: a put's write-through): the destination checks it as it hashes what it
+  writes anyway, or the source is verified as it is read; the checksum a copy's bytes
+  are known by goes with them, so no tier hashes them twice. A replica that changed in
+  memory is counted (``corrupt``, ``sealed_mismatch``) and dropped, its object
+  invalidated as corrupt if it was the last readable copy; it is never made durable.
 """
 
 from __future__ import annotations
@@ -34,7 +41,15 @@ from kvlife.core.objects import EXACT, ObjectRecord, Replica, ReplicaState, Repr
 from kvlife.placement import Copy, Evict, Place
 from kvlife.store.core import Bound, StoreCore
 from kvlife.store.forms import Converted, convert, meta_for
-from kvlife.tiers.base import CapacityShortfall, SupportsAdopt
+from kvlife.tiers.base import (
+    CapacityShortfall,
+    ChecksumsWrites,
+    KeepsEdges,
+    ReadResult,
+    SealedInMemory,
+    SupportsAdopt,
+    Tier,
+)
 
 INDEXED = ObjectState.INDEXED
 
@@ -47,6 +62,9 @@ class Outcome:
     """New objects now indexed."""
     failed_places: dict[ChunkKey, Exception] = field(default_factory=dict)
     failed_copies: list[tuple[Copy, Exception]] = field(default_factory=list)
+    unsealed: list[ChunkKey] = field(default_factory=list)
+    """Copies given up because their source replica failed its seal (counted corrupt and
+    dropped, not failed writes)."""
     errors: list[Exception] = field(default_factory=list)
     """Failed placements and deletes, in order (the first is what a caller raises).
     Failed copies are outcomes, counted and listed in ``failed_copies``."""
@@ -70,13 +88,14 @@ def execute(
     ``protect``: keys no extra eviction may take while a tier refuses a batch placement
     made room for (a put's whole prompt; by default the batch itself)."""
     out = Outcome()
+    fresh = set(payloads or ())
     for group in _groups(bound):
         action = group[0].action
         if isinstance(action, Place):
             keys = protect if protect is not None else {b.rec.key for b in group}
             _place(core, action.tier, group, payloads or {}, request_id, keys, out)
-        elif isinstance(action, Copy):
-            _copy(core, action.src, action.dst, group, sources or {}, out)  # protects its batch
+        elif isinstance(action, Copy):  # protects its batch
+            _copy(core, action.src, action.dst, group, sources or {}, fresh, out)
         elif isinstance(action, Evict):
             _evict(core, action.tier, group, out)
         # Drop and Reject were fully applied when planned (nothing physical to do)
@@ -113,10 +132,15 @@ def _write(
     *,
     adopt: bool = False,
     forms: list[Representation] | None = None,
+    checksums: list[bytes] | None = None,
+    verify: list[bool] | None = None,
 ) -> list[Converted]:
     """Convert (encode for a transforming tier, decode a frame for a plain one), then
     prepare + commit one batch in a tier; raises a typed error on failure. ``forms``:
-    the representation of each array (default: exact). Returns what was written.
+    the representation of each array (default: exact); ``checksums``: the xxh3-128 each
+    array is known by (verified or sealed in this plan; passed on unless the copy
+    changed the bytes); ``verify``: the tier checks the bytes against that checksum
+    (else it takes it as given). Returns what was written.
 
     Placement made room by its count of live bytes; a tier can still refuse (garbage a
     disk tier cannot compact yet, a frame larger than its bound). Then more victims are
@@ -127,7 +151,16 @@ def _write(
     src = forms if forms is not None else [EXACT] * len(recs)
     done = [convert(r, a, f, enc, tier_name) for r, a, f in zip(recs, arrays, src, strict=True)]
     arrays = [c.array for c in done]
-    metas = [meta_for(r, c.array, c.form) for r, c in zip(recs, done, strict=True)]
+    sums = checksums if checksums is not None else [b""] * len(recs)
+    checks = verify if verify is not None else [False] * len(recs)
+    links: list[tuple[tuple[bytes, bytes], ...]] = [()] * len(recs)
+    if isinstance(tier, KeepsEdges):
+        with core.lock:
+            links = core.links_for(tier, recs)
+    metas = [
+        meta_for(r, c.array, c.form, b"" if c.changed else h, ln, v and not c.changed)
+        for r, c, h, ln, v in zip(recs, done, sums, links, checks, strict=True)
+    ]
     while True:
         res = tier.prepare_store(metas)
         if not isinstance(res, CapacityShortfall):
@@ -199,6 +232,14 @@ def _place(
             ledger.move(rec, Move.INDEX, tier=tier_name)
             tc.stored += 1
             out.placed.append(rec.key)
+        orphaned = core.orphaned_links([b.rec for b in group if b.rec.state is INDEXED])
+    for keeper, links in orphaned.items():
+        tier = core.tiers[keeper]
+        assert isinstance(tier, KeepsEdges)
+        try:
+            tier.keep_edges(links)
+        except (KVLifeError, OSError) as exc:
+            out.errors.append(exc)
     core.delete_replicas(gone)
 
 
@@ -236,59 +277,141 @@ def _copy(
     dst: TierName,
     group: list[Bound],
     sources: dict[ChunkKey, tuple[np.ndarray, Representation]],
+    fresh: set[ChunkKey],
     out: Outcome,
 ) -> None:
     with core.lock:  # objects invalidated since the plan was made need no copy
         todo = [b for b in group if _planned(b, dst)]
         held = {b.rec.key: _form_in(b.rec, src) for b in todo}
+        seals = {b.rec.key: _checksum_in(b.rec, src) for b in todo}
+    source, target = core.tiers[src], core.tiers[dst]
+    # A replica sealed in memory before this plan is verified before it becomes durable
+    # anywhere: by a destination that hashes what it writes anyway, as it writes (its
+    # bytes unchanged by the copy), else here, as it is read. Hashed once either way.
+    check = {k for k in held if isinstance(source, SealedInMemory) and k not in fresh}
+    at_target = {k for k in check if _checked_by(core, target, dst, held[k])}
+    changed: dict[ChunkKey, ChecksumMismatch] = {}
     error: Exception | None = None
     written: dict[ChunkKey, Converted] = {}
-    for attempt in (0, 1):
-        if not todo:
-            return
+    retry_vanished = True
+    while todo:
         recs = [b.rec for b in todo]
         try:
             got = {r.key: sources[r.key] for r in recs if r.key in sources}
             missing = [r.key for r in recs if r.key not in got]
-            if missing:
-                for key, res in zip(missing, core.tiers[src].read_batch(missing), strict=True):
-                    if isinstance(res, (ChecksumMismatch, ReplicaReadError)):
-                        raise res
+            for key, res in _read_sources(source, missing, check - at_target):
+                if key in check and isinstance(res, ChecksumMismatch):
+                    changed[key] = res  # changed in memory: this replica goes, not the batch
+                elif isinstance(res, (ChecksumMismatch, ReplicaReadError)):
+                    raise res
+                else:
                     got[key] = (res, held[key])
-            # arrays read from a slower tier (or handed over by a load) belong to nobody
-            # else; views of a first-tier replica must be copied
-            protect = {r.key for r in recs}
-            adopt = src != core.chain[0].name
+            todo = [b for b in todo if b.rec.key not in changed]
+            recs = [b.rec for b in todo]
+            if not todo:
+                break
+            # arrays this copy read from a slower tier belong to nobody else and may be
+            # adopted; arrays a load handed to its caller never become a replica (they
+            # are copied), nor views of a first-tier replica
+            handed = any(r.key in sources for r in recs)
             done = _write(
                 core,
                 dst,
                 recs,
                 [got[r.key][0] for r in recs],
-                protect,
-                adopt=adopt,
+                {r.key for r in recs},
+                adopt=src != core.chain[0].name and not handed,
                 forms=[got[r.key][1] for r in recs],
+                # the source's checksum names these bytes only in the source's form (a
+                # load hands over a frame decoded: its bytes are not the frame's)
+                checksums=[seals[r.key] if got[r.key][1] == held[r.key] else b"" for r in recs],
+                verify=[r.key in at_target for r in recs],
             )
             written = {r.key: c for r, c in zip(recs, done, strict=True)}
             error = None
             break
+        except ChecksumMismatch as exc:
+            key = ChunkKey(bytes.fromhex(exc.key_hex))
+            if key in at_target and key not in changed:
+                changed[key] = exc  # the destination found it changed: the others again
+                todo = [b for b in todo if b.rec.key != key]
+                continue
+            error = exc
+            break
         except ReplicaNotFound as exc:
             error = exc
-            if attempt == 0:  # invalidated while the read ran? then only the others go
-                with core.lock:
-                    todo = [b for b in todo if _planned(b, dst)]
+            if not retry_vanished:
+                break
+            retry_vanished = False  # invalidated while the read ran? then the others go
+            with core.lock:
+                todo = [b for b in todo if _planned(b, dst)]
         except (KVLifeError, OSError) as exc:
             error = exc
             break
     doomed: list[tuple[TierName, ChunkKey]] = []
     with core.lock:
+        for b in group:
+            mismatch = changed.get(b.rec.key)
+            if mismatch is not None:
+                doomed += _source_changed(core, b, src, mismatch, out)
         for b in todo:
             doomed += _publish_copy(core, b, error, out, written.get(b.rec.key))
     core.delete_replicas(doomed)
 
 
+def _checked_by(core: StoreCore, target: Tier, dst: TierName, form: Representation) -> bool:
+    """Whether ``target`` can check a replica's seal as it writes it: it hashes what it
+    writes, and the copy does not change the bytes (no encode into it, no decode)."""
+    if not isinstance(target, ChecksumsWrites):
+        return False
+    return not form.framed if dst not in core.encoders else not form.exact
+
+
+def _read_sources(
+    tier: Tier, keys: list[ChunkKey], verify: set[ChunkKey]
+) -> list[tuple[ChunkKey, ReadResult]]:
+    """Read the copy's sources from ``tier``, those in ``verify`` checked against their
+    seals as they are read."""
+    if not keys:
+        return []
+    check = [k for k in keys if k in verify]
+    plain = [k for k in keys if k not in verify]
+    got: dict[ChunkKey, ReadResult] = {}
+    if check:
+        assert isinstance(tier, SealedInMemory)
+        got.update(zip(check, tier.read_verified(check), strict=True))
+    if plain:
+        got.update(zip(plain, tier.read_batch(plain), strict=True))
+    return [(k, got[k]) for k in keys]
+
+
+def _source_changed(
+    core: StoreCore, b: Bound, src: TierName, exc: ChecksumMismatch, out: Outcome
+) -> list[tuple[TierName, ChunkKey]]:
+    """A copy's source replica failed its seal (under the lock): the copy is given up,
+    the replica dropped and counted; its object goes too if that was its last readable
+    replica. Returns the replicas to delete."""
+    action = b.action
+    assert isinstance(action, Copy)
+    rec, rep = b.rec, b.replica
+    assert rep is not None
+    if _planned(b, action.dst):
+        core.placement.release(rec.key, action.dst)
+        core.residency.settle(rec, rep, None)
+    # not a failed copy (nothing of it was written): a corrupt replica, its own outcome
+    out.unsealed.append(rec.key)
+    core.counters.sealed_mismatch += 1
+    return core.drop_corrupt(rec, src, f"corrupt: {exc} (found by {action.reason})")
+
+
 def _form_in(rec: ObjectRecord, tier: TierName) -> Representation:
     rep = rec.replicas.get(tier)
     return rep.transform if rep is not None else EXACT
+
+
+def _checksum_in(rec: ObjectRecord, tier: TierName) -> bytes:
+    rep = rec.replicas.get(tier)
+    return rep.checksum if rep is not None else b""
 
 
 def _publish_copy(

@@ -68,15 +68,28 @@ def contract_of(form: Representation) -> Contract:
     return contract_for(form.name, form.version, form.params)
 
 
-def meta_for(rec: ObjectRecord, array: np.ndarray, form: Representation) -> ReplicaMeta:
-    """What a tier records for a replica of ``rec`` held as ``array`` in ``form``."""
+def meta_for(
+    rec: ObjectRecord,
+    array: np.ndarray,
+    form: Representation,
+    checksum: bytes = b"",
+    links: tuple[tuple[bytes, bytes], ...] = (),
+    verify: bool = False,
+) -> ReplicaMeta:
+    """What a tier records for a replica of ``rec`` held as ``array`` in ``form``;
+    ``checksum``: the bytes' xxh3-128 where it is known (not hashed again; with
+    ``verify`` checked as the tier hashes), ``links``: the prefix links an edge-keeping
+    tier makes durable with it."""
     return ReplicaMeta(
         rec.key,
         array.dtype.name,
         array.shape,
         form.name,
         rec.info.encode(),
-        form=form.encode(rec.dtype, rec.shape),
+        checksum,
+        form.encode(rec.dtype, rec.shape),
+        verify,
+        links,
         born=rec.born.encode(),
     )
 

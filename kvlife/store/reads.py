@@ -7,6 +7,15 @@ publishes under it: a chunk whose object was invalidated or evicted meanwhile is
 keeps the replica. The first failed chunk ends the result. A pinned replica is never an
 eviction victim. Hits served from a slower tier are promoted by a background thread in
 plan order (``drain()`` waits for it).
+
+Ownership: a caller's output buffers are written, never kept; an array a load returns
+without a buffer is read-only from the start and its flag cannot be set back (a DRAM
+replica itself, or a new array: a disk read, a decoded frame). The promotion of a hit
+returned without a buffer copies the returned array into the first tier (no second
+read, no hash: it takes the checksum the read verified); it never adopts it, so nothing
+handed to a caller becomes a replica. With
+``verify_dram_on_load`` a replica read from a tier that seals replicas in memory is
+verified against its seal first (a mismatch is a corrupt replica: a miss, invalidated).
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from kvlife.store.core import Bound, Serving, StoreCore
 from kvlife.store.executor import execute
 from kvlife.store.forms import DecodeRates, decode_replica, exactness_of
 from kvlife.store.shared import consult_shared
-from kvlife.tiers.base import ReadResult, Tier
+from kvlife.tiers.base import ReadResult, SealedInMemory, Tier, read_only
 from kvlife.transforms.base import UnknownTransform
 from kvlife.transforms.contract import Accept
 
@@ -158,24 +167,27 @@ class LoadHandle(LoadCompletion):
         return (item.done for item in self._items)
 
 
-def _read_run(tier: Tier, run: Sequence[_Item], rates: DecodeRates) -> list[Outcome]:
+def _read_run(
+    tier: Tier, run: Sequence[_Item], rates: DecodeRates, verify: bool = False
+) -> list[Outcome]:
     """Read consecutive chunks of one tier (decoding framed replicas into their
     buffers); a replica deleted under the read (by an invalidation) is reported as such,
-    one chunk at a time from there on."""
+    one chunk at a time from there on. ``verify``: check seals of replicas held in
+    memory first (``verify_dram_on_load``)."""
     keys = [it.rec.key for it in run]
     outs = [it.out if not it.rep.transform.framed else None for it in run]
     plain = outs if any(o is not None for o in outs) else None
+    read = tier.read_verified if verify and isinstance(tier, SealedInMemory) else tier.read_batch
     try:
         return [
-            _decoded(it, r, rates, tier.name)
-            for it, r in zip(run, tier.read_batch(keys, plain), strict=True)
+            _decoded(it, r, rates, tier.name) for it, r in zip(run, read(keys, plain), strict=True)
         ]
     except ReplicaNotFound:
         pass
     got: list[Outcome] = []
     for it, key, out in zip(run, keys, outs, strict=True):
         try:
-            got.append(_decoded(it, tier.read_batch([key], [out])[0], rates, tier.name))
+            got.append(_decoded(it, read([key], [out])[0], rates, tier.name))
         except ReplicaNotFound as exc:
             got.append(exc)
             break  # the first miss ends the result: later chunks are not read
@@ -187,9 +199,10 @@ def _decoded(it: _Item, res: ReadResult, rates: DecodeRates, where: TierName) ->
     if not it.rep.transform.framed or not isinstance(res, np.ndarray):
         return res
     try:
-        return decode_replica(it.rec, it.rep, res, it.out, where, rates)
+        got = decode_replica(it.rec, it.rep, res, it.out, where, rates)
     except (ChecksumMismatch, UnknownTransform) as exc:
         return exc
+    return got if it.out is not None else read_only(got)  # a new array: nobody writes it
 
 
 class Reader:
@@ -288,6 +301,7 @@ class Reader:
     ) -> LoadResult:
         """Read in the caller's thread, one batch per run of chunks in the same tier."""
         items, vanished = self._start(lookup, outs)
+        verify = self.core.config.verify_dram_on_load
         try:
             i = 0
             while i < len(items):
@@ -296,7 +310,7 @@ class Reader:
                     j += 1
                 run = items[i:j]
                 tier = self.core.tiers[run[0].tier]
-                got = _read_run(tier, run, self.core.decode_rates)
+                got = _read_run(tier, run, self.core.decode_rates, verify)
                 for it, res in zip(run, got, strict=False):
                     it.result = res
                 if any(not isinstance(r, np.ndarray) for r in got):
@@ -323,12 +337,13 @@ class Reader:
         pool = self._io_pool()
         tiers = self.core.tiers
         rates = self.core.decode_rates
+        verify = self.core.config.verify_dram_on_load
         queue = iter(items)
         queue_lock = threading.Lock()
 
         def read(it: _Item) -> None:
             try:
-                res: Outcome | BaseException = _read_run(tiers[it.tier], [it], rates)[0]
+                res: Outcome | BaseException = _read_run(tiers[it.tier], [it], rates, verify)[0]
             except BaseException as exc:  # handed to the handle as a typed miss
                 res = exc
             if depth is not None:
@@ -389,6 +404,8 @@ class Reader:
                     core.counters.corrupt += 1
                     if isinstance(res, CorruptFrame):
                         core.counters.corrupt_frames += 1
+                    elif isinstance(core.tiers[it.tier], SealedInMemory):
+                        core.counters.sealed_mismatch += 1  # changed since sealed
                     out.corrupt.append(rec.key)
                     if rec.state is INDEXED:
                         doomed += core.retire(rec, Move.CORRUPT, f"corrupt: {res}")

@@ -1,10 +1,17 @@
 """Recovery at open and the audit (``check``).
 
 At open every replica a durable tier kept becomes an INDEXED object again, and the
-prefix links the tier kept for deleted chunks join the index (so that invalidating a
-prefix still reaches the chunks chained behind a gap). Nothing is deleted there but
-links that lead to nothing stored: a replica whose object metadata cannot be decoded is
-not served and is counted (``recovery_dropped``); the tier keeps it for ``check``.
+prefix links an edge-keeping tier kept (every durable chunk's own link and those of the
+ancestors it was chained from) join the index, so that invalidating a prefix reaches
+every durable chunk chained after it, across chunks that lived only in DRAM, were lost
+or were dropped. A replica's own link missing from the tier (a store written before
+links were kept with every replica) is added here. Nothing is deleted but links that
+lead to nothing stored: a replica whose object metadata cannot be decoded is not served
+and is counted (``recovery_dropped``); the tier keeps it for ``check``.
+
+The audit runs beside serving: no sequencer turn and no index lock across its reads
+(each tier's ``check`` holds its own locks only for metadata); what it dropped is taken
+in as lost replicas, counted and invalidated, once it is done.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvlife.core.errors import InvalidArgument, KVLifeError
-from kvlife.core.identity import ChunkKey
+from kvlife.core.identity import ROOT_PARENT, ChunkKey
 from kvlife.core.lifecycle import Move
 from kvlife.core.objects import (
     EXACT,
@@ -31,6 +38,7 @@ def recover(core: StoreCore) -> None:
     for tier in core.chain:
         if tier.durability is not Durability.DURABLE:
             continue
+        missing: list[tuple[bytes, bytes]] = []
         for key in tier.replica_keys():
             meta = tier.meta(key)
             try:
@@ -59,6 +67,15 @@ def recover(core: StoreCore) -> None:
                 tier.name, meta.nbytes, form, meta.checksum, ReplicaState.READY
             )
             core.placement.charge(key, tier.name)
+            parent = bytes(info.parent)
+            if (
+                isinstance(tier, KeepsEdges)
+                and parent != ROOT_PARENT
+                and tier.kept_parent(key) != parent
+            ):
+                missing.append((bytes(key), parent))  # written before links were kept
+        if missing and isinstance(tier, KeepsEdges):
+            tier.keep_edges(missing)
     keepers = [t for t in core.chain if isinstance(t, KeepsEdges)]
     for keeper in keepers:
         for child, parent in keeper.load_edges():
@@ -70,14 +87,14 @@ def recover(core: StoreCore) -> None:
 
 
 def audit(core: StoreCore, fix: bool, progress: Callable[[int], object] | None) -> AuditReport:
-    """Audit every tier that can be audited, each in a sequencer turn (after every plan
-    made before it); what a fix dropped is taken in as lost replicas."""
+    """Audit every tier that can be audited, beside serving (see the module docstring);
+    what the audit dropped (a DRAM replica that failed its seal, bad rows a fix
+    deleted) is taken in as lost replicas."""
     core.check_open()
     report = AuditReport()
     for tier in core.chain:
         if isinstance(tier, SupportsAudit):
-            with core.seq.turn(core.seq.take()):
-                report.merge(tier.check(fix=fix, progress=progress))
+            report.merge(tier.check(fix=fix, progress=progress))
     with core.lock:
         core.delete_later(core.reap_lost())
     return report

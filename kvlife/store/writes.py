@@ -235,8 +235,10 @@ class Writer:
                 f"tier {durable} of {core.path} cannot hold the {len(keys)} objects to flush "
                 "even after eviction"
             )
-        return sum(1 for b in bound if b.action.__class__.__name__ == "Copy") - len(
-            out.failed_copies
+        return (
+            sum(1 for b in bound if b.action.__class__.__name__ == "Copy")
+            - len(out.failed_copies)
+            - len(out.unsealed)
         )
 
     def evict(self, tier: TierName, nbytes: int) -> int:

@@ -15,7 +15,8 @@ that thread's I/O (see :meth:`Tier.read_batch`).
 
 Optional abilities are capability interfaces (:class:`SupportsBatchDelete`,
 :class:`SupportsAudit`, :class:`SupportsAdopt`, :class:`ReportsLostReplicas`,
-:class:`PersistsCounters`, :class:`KeepsEdges`, :class:`SharedTier`); the store tests
+:class:`PersistsCounters`, :class:`KeepsEdges`, :class:`SealedInMemory`,
+:class:`SharedTier`); the store tests
 ``isinstance(tier, Capability)``, never a concrete tier class, so a new tier needs no
 edit of the store.
 """
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import xxhash
 
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaReadError
 from kvlife.core.identity import ChunkKey
@@ -63,11 +65,25 @@ class ReplicaMeta:
     info: bytes = b""
     """Opaque object metadata persisted with the replica (identity fields for recovery)."""
     checksum: bytes = b""
-    """Content checksum the tier verifies reads against (empty where it keeps none)."""
+    """Content checksum (xxh3-128 of the payload's bytes) the tier verifies reads
+    against. On a write, the checksum the payload is known by (empty: unknown): a tier
+    that checksums what it writes (:class:`ChecksumsWrites`) takes it instead of hashing
+    the payload again, or with ``verify_checksum`` checks the payload against it while
+    it hashes anyway. A checksum taken as given that does not match the bytes makes the
+    replica fail verification later (a counted miss), never serve wrong bytes."""
     form: bytes = b""
     """Opaque record of the replica's representation (the store's transform descriptor,
     :mod:`kvlife.store.forms`), persisted with the replica like ``info``; empty for the
     engine's own bytes."""
+    verify_checksum: bool = False
+    """On a write with a ``checksum``: a :class:`ChecksumsWrites` tier checks the payload
+    against it (a mismatch fails the batch with a ChecksumMismatch naming the replica,
+    nothing of the batch visible) instead of taking it as given: how a replica sealed
+    in memory is verified on its way to disk without hashing it twice."""
+    links: tuple[tuple[bytes, bytes], ...] = ()
+    """On a write: prefix links (child key, parent key) that a tier which keeps edges
+    (:class:`KeepsEdges`) makes durable in the same step as this replica: the replica's
+    own link and those of its ancestors not kept yet (other tiers ignore them)."""
     born: bytes = b""
     """Opaque record of the global invalidation epoch the object's KV was created under
     (:class:`~kvlife.core.objects.EpochStamp`), persisted with the replica like
@@ -207,15 +223,26 @@ class SupportsBatchDelete(ABC):
 
 
 class KeepsEdges(ABC):
-    """Capability: a durable tier that keeps, beside its replicas, the prefix links
-    (child key -> parent key) of deleted chunks whose descendants it still holds, so
-    that "a chunk and every chunk chained after it" survives a restart across a gap."""
+    """Capability: a durable tier that keeps the prefix links (child key -> parent key)
+    of every chunk it holds and of every ancestor those chunks were chained from, so
+    that "a chunk and every chunk chained after it" reaches each durable chunk after a
+    restart, whatever of its chain lived only in faster tiers or was lost.
+
+    A replica's links are written with it (:attr:`ReplicaMeta.links`, in the replica's
+    own durable step). A link is dropped only when the store says it leads to nothing
+    any more (:meth:`delete_forgetting`, :meth:`forget_edges`)."""
 
     @abstractmethod
-    def delete_keeping_edges(
-        self, keys: Sequence[ChunkKey], edges: Sequence[tuple[bytes, bytes]]
-    ) -> list[int]:
-        """``delete_batch`` that records ``edges`` in the same durable step."""
+    def kept_parent(self, child: bytes) -> bytes | None:
+        """The parent of ``child``'s kept link, None if none is kept (no I/O)."""
+
+    @abstractmethod
+    def keep_edges(self, links: Sequence[tuple[bytes, bytes]]) -> None:
+        """Make ``links`` (child, parent) durable in one step."""
+
+    @abstractmethod
+    def delete_forgetting(self, keys: Sequence[ChunkKey], forget: Sequence[bytes]) -> list[int]:
+        """``delete_batch`` that drops the kept links of ``forget`` in the same step."""
 
     @abstractmethod
     def load_edges(self) -> list[tuple[bytes, bytes]]:
@@ -231,7 +258,32 @@ class SupportsAdopt(ABC):
 
     @abstractmethod
     def commit_adopt(self, reservation: Reservation, arrays: Sequence[np.ndarray]) -> None:
-        """Like ``commit_store`` but takes ownership of ``arrays`` (made read-only)."""
+        """Like ``commit_store`` but takes ownership of ``arrays``: nobody may write them
+        any more (the store hands over only memory no caller can write: its own fresh
+        reads and copies, or arrays already :func:`read_only`)."""
+
+
+class ChecksumsWrites(ABC):  # noqa: B024 (a capability with no method of its own)
+    """Capability: the tier computes the xxh3-128 of every payload it writes (a disk
+    frame's checksum, a DRAM replica's seal) and honours :attr:`ReplicaMeta.checksum`
+    and :attr:`ReplicaMeta.verify_checksum` on writes, so a copy never hashes its bytes
+    twice: the destination takes the checksum as given or checks it as it hashes."""
+
+
+class SealedInMemory(ABC):
+    """Capability: replicas held in memory that something outside the tier could change
+    (a caller forcing a returned view writable, a client writing a shared extent after
+    its put committed), each sealed with the xxh3-128 of its bytes (:func:`seal_of`,
+    the checksum disk frames carry) when published, kept as :attr:`ReplicaMeta.checksum`.
+    Plain reads do not verify it; the store verifies where bytes leave memory (demotion,
+    flush), in an audit, and on loads when asked to."""
+
+    @abstractmethod
+    def read_verified(
+        self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
+    ) -> list[ReadResult]:
+        """``read_batch`` that checks each replica against its seal first (a
+        ChecksumMismatch for one that changed, nothing copied out of it)."""
 
 
 class ReportsLostReplicas(ABC):
@@ -358,6 +410,30 @@ class SharedTier(ABC):
         """Replicas this host held whose records other hosts deleted or replaced since
         the last call (found by reads): no longer this host's replicas. The store drops
         them, then calls :meth:`forget`."""
+
+
+def seal_of(arr: np.ndarray) -> bytes:
+    """xxh3-128 of a C-contiguous array's bytes, read in place (the checksum a disk frame
+    carries for the same bytes, so a seal can become a frame's checksum unchanged)."""
+    if not arr.flags.c_contiguous:
+        raise InvalidArgument(f"cannot seal a non-contiguous {arr.dtype}{list(arr.shape)} array")
+    return bytes(xxhash.xxh3_128_digest(arr.reshape(-1).view(np.uint8).data))
+
+
+def read_only(arr: np.ndarray) -> np.ndarray:
+    """A view of a C-contiguous array's memory that nobody can make writable again:
+    numpy refuses to set the write flag back on memory exported read-only. What a tier
+    keeps or hands out when the memory is (or may become) a replica's."""
+    if not arr.flags.c_contiguous:
+        raise InvalidArgument(f"cannot export a non-contiguous {arr.dtype} array read-only")
+    if arr.nbytes == 0:
+        out = arr.view()
+        out.flags.writeable = False
+        return out
+    flat = np.frombuffer(arr.reshape(-1).view(np.uint8).data.toreadonly(), np.uint8)
+    if arr.dtype == np.uint8 and arr.ndim == 1:
+        return flat  # itself the base of every view taken of it
+    return flat.view(arr.dtype).reshape(arr.shape)
 
 
 def check_payloads(metas: Sequence[ReplicaMeta], payloads: Sequence[np.ndarray]) -> None:

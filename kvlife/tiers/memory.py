@@ -2,33 +2,44 @@
 
 Stores copy the caller's array once (the caller may reuse its buffer; a stored replica
 must never change under a reader) into 4096-aligned memory, so that a write-back to
-the disk tier goes out by direct I/O without a staging copy. ``commit_adopt`` takes
-over arrays nobody else writes (fresh disk reads) without copying. Reads into a
-caller's buffer are one copy; reads without a buffer hand back a read-only view of the
-held array, no copy. No pickling.
-DRAM is trusted like the engine's own memory: replicas here carry no checksum; one is
-computed when a replica is written to a checksummed tier.
+the disk tier goes out by direct I/O without a staging copy. The copy and the replica's
+seal (the xxh3-128 of its bytes, :class:`~kvlife.tiers.base.SealedInMemory`) run block by
+block, each block hashed while it is still in cache. ``commit_adopt`` takes over arrays
+nobody can write (fresh disk reads, the store's own copies) without copying; a seal the
+store hands over with them (the checksum a disk read just verified) is not recomputed.
+
+Every held array is a read-only export of its memory (:func:`~kvlife.tiers.base.read_only`):
+reads without a buffer hand it out, no copy, and no holder can make it writable again.
+Reads into a caller's buffer are one copy. No pickling.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
+import xxhash
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ChunkKey
-from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads
+from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads, read_only, seal_of
 from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.held import HeldTier
+
+SEAL_BLOCK = 256 << 10
+"""Bytes copied and hashed at a time: small enough to be hashed from cache."""
 
 
 @dataclass(slots=True)
 class _Held:
     meta: ReplicaMeta
     array: np.ndarray
+    """The replica: a read-only export of its memory (``owner`` is its base)."""
+    owner: np.ndarray
+    """The flat read-only array every view of ``array`` refers to (its references tell
+    whether a view of the memory is still alive)."""
     raw: np.ndarray | None
     """The aligned byte buffer under ``array`` when this tier allocated it (recyclable)."""
 
@@ -53,13 +64,10 @@ class _BufferPool:
         return aligned_empty(nbytes)
 
     def give(self, raw: np.ndarray, room: int) -> None:
-        """Keep ``raw`` if no one else references its memory and ``room`` allows."""
-        owner = raw.base
-        # references: raw.base, the local name, getrefcount's argument
-        if owner is None or sys.getrefcount(owner) > 3 or raw.nbytes > room:
-            return
-        self._free.setdefault(raw.nbytes, []).append(raw)
-        self.nbytes += raw.nbytes
+        """Keep ``raw`` (no view of it may be alive) if ``room`` allows."""
+        if raw.nbytes <= room:
+            self._free.setdefault(raw.nbytes, []).append(raw)
+            self.nbytes += raw.nbytes
 
     def shrink(self, limit: int) -> None:
         """Drop pooled buffers until at most ``limit`` bytes are pooled."""
@@ -68,6 +76,23 @@ class _BufferPool:
             while stack and self.nbytes > limit:
                 stack.pop()
                 self.nbytes -= size
+
+
+def copy_sealed(raw: np.ndarray, arr: np.ndarray) -> bytes:
+    """Copy ``arr`` into the aligned bytes ``raw`` and return the xxh3-128 of the copy,
+    hashing each block right after copying it (the bytes are hashed from cache, not
+    read back from memory)."""
+    dst = raw.view(arr.dtype).reshape(arr.shape)
+    if arr.ndim == 0 or arr.shape[0] <= 1 or arr.nbytes <= SEAL_BLOCK:
+        np.copyto(dst, arr)
+        return seal_of(raw)
+    row = arr.nbytes // arr.shape[0]
+    step = max(1, SEAL_BLOCK // row)
+    h = xxhash.xxh3_128()
+    for i in range(0, arr.shape[0], step):
+        np.copyto(dst[i : i + step], arr[i : i + step])
+        h.update(raw[i * row : (i + step) * row].data)
+    return bytes(h.digest())
 
 
 class MemoryTier(HeldTier[_Held]):
@@ -84,7 +109,7 @@ class MemoryTier(HeldTier[_Held]):
             raise InvalidArgument("reservation already completed")
         try:
             check_payloads(reservation.metas, payloads)
-            copies = []
+            held: list[_Held] = []
             raws = []
             with self._lock:
                 for arr in payloads:
@@ -93,49 +118,60 @@ class MemoryTier(HeldTier[_Held]):
                 # buffers are for; shrinking first to the room left beside it emptied the
                 # pool whenever a batch filled the tier, and every put paid fresh pages.
                 self._pool.shrink(self.capacity_bytes - self._used - self._reserved)
-            for arr, raw in zip(payloads, raws, strict=True):
-                held = raw.view(arr.dtype).reshape(arr.shape)
-                np.copyto(held, arr)
-                held.flags.writeable = False
-                copies.append(held)
+            for meta, arr, raw in zip(reservation.metas, payloads, raws, strict=True):
+                if meta.checksum and not meta.verify_checksum:  # vouched for: no hash
+                    np.copyto(raw.view(arr.dtype).reshape(arr.shape), arr)
+                    seal = meta.checksum
+                else:
+                    seal = self._seal(meta, raw, copy_sealed(raw, arr))
+                frozen = read_only(raw)
+                held.append(
+                    _Held(
+                        replace(meta, checksum=seal, links=(), verify_checksum=False),
+                        frozen.view(arr.dtype).reshape(arr.shape),
+                        frozen,
+                        raw,
+                    )
+                )
         except BaseException:
             self.cancel_store(reservation)
             raise
-        self._publish(reservation, copies, raws)
+        self._install(reservation, held)
 
     def commit_adopt(self, reservation: Reservation, arrays: Sequence[np.ndarray]) -> None:
-        """Publish arrays the caller hands over for good (no copy): they are made
-        read-only. For buffers nobody else writes, e.g. freshly read disk replicas."""
+        """Publish arrays the caller hands over for good (no copy): nobody may write them
+        any more; they are kept as read-only exports. A checksum in a meta is taken as
+        the seal (the bytes were verified against it where they came from); else the
+        array is hashed."""
         if reservation.done:
             raise InvalidArgument("reservation already completed")
         try:
             check_payloads(reservation.metas, arrays)
+            held = []
+            for meta, arr in zip(reservation.metas, arrays, strict=True):
+                flat = read_only(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+                seal = self._seal(meta, flat)
+                held.append(
+                    _Held(
+                        replace(meta, checksum=seal, links=(), verify_checksum=False),
+                        flat.view(arr.dtype).reshape(arr.shape),
+                        flat,
+                        None,
+                    )
+                )
         except BaseException:
             self.cancel_store(reservation)
             raise
-        for arr in arrays:
-            arr.flags.writeable = False
-        self._publish(reservation, arrays, [None] * len(arrays))
-
-    def _publish(
-        self,
-        reservation: Reservation,
-        copies: Sequence[np.ndarray],
-        raws: Sequence[np.ndarray | None],
-    ) -> None:
-        held = [
-            _Held(meta, arr, raw)
-            for meta, arr, raw in zip(reservation.metas, copies, raws, strict=True)
-        ]
         self._install(reservation, held)
 
+    def _dispose(self, held: _Held) -> None:
+        raw = held.raw
+        # references: held's own slot and getrefcount's argument (array); the array's
+        # base, held's slot and the argument (owner). More: a view is alive somewhere.
+        if raw is None or sys.getrefcount(held.array) > 2 or sys.getrefcount(held.owner) > 3:
+            return
+        room = self.capacity_bytes - self._used - self._reserved - self._pool.nbytes
+        self._pool.give(raw, room)
+
     def delete(self, key: ChunkKey) -> int:
-        with self._lock:
-            held = self._take(key)
-            nbytes = held.meta.nbytes
-            raw = held.raw
-            del held  # drop our view so that only outside views keep the buffer alive
-            if raw is not None:
-                room = self.capacity_bytes - self._used - self._reserved - self._pool.nbytes
-                self._pool.give(raw, room)
-            return nbytes
+        return super().delete(key)

@@ -15,7 +15,10 @@ the room for extents that are not replicas yet or any more (puts being written b
 clients, disk reads handed to clients, deleted replicas a reader still holds). A put
 whose payload already is a sealed arena extent (a client wrote it there) is adopted
 without a copy; any other payload is copied into a new extent.
-DRAM is trusted like the engine's own memory: replicas here carry no checksum.
+Every replica is sealed with the xxh3-128 of its bytes when published
+(:class:`~kvlife.tiers.held.HeldTier`): a client that writes an extent after its put
+committed is caught where the seal is verified (demotion, flush, check, and every load
+with ``verify_dram_on_load``), never persisted or served as the bytes it committed.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import os
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +37,7 @@ import numpy.typing as npt
 
 from kvlife.core.errors import InvalidArgument, StorageFullError
 from kvlife.core.identity import ChunkKey
-from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads
+from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads, read_only
 from kvlife.tiers.buffers import ALIGN, advise_huge, round_up
 from kvlife.tiers.held import HeldTier
 
@@ -263,14 +266,20 @@ class ShmTier(HeldTier[_Held]):
         try:
             check_payloads(reservation.metas, payloads)
             arrays = [self._into_arena(arr) for arr in payloads]
+            # sealed as published (the xxh3-128 of the extent's bytes, or the checksum
+            # the store vouches for); kept as a read-only export of the extent
+            seals = [
+                self._seal(meta, arr) for meta, arr in zip(reservation.metas, arrays, strict=True)
+            ]
         except BaseException:
             self.cancel_store(reservation)
             raise
         held = []
-        for meta, arr in zip(reservation.metas, arrays, strict=True):
+        for meta, arr, seal in zip(reservation.metas, arrays, seals, strict=True):
             off = self.arena.offset_of(arr)
             assert off is not None  # _into_arena: every replica is an extent
-            held.append(_Held(meta, arr, (off, self.arena.generation(off))))
+            sealed = replace(meta, checksum=seal, links=(), verify_checksum=False)
+            held.append(_Held(sealed, read_only(arr), (off, self.arena.generation(off))))
         self._install(reservation, held)
 
     def commit_adopt(self, reservation: Reservation, arrays: Sequence[np.ndarray]) -> None:

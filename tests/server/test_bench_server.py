@@ -39,6 +39,7 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
         "config",
         "lookup",
         "load_dram",
+        "load_dram_verified",
         "load_disk",
         "put_dram",
         "put_write_through",
@@ -59,6 +60,7 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     assert [p["chunk_bytes"] for p in r["load_dram"]] == [256 << 10, 1 << 20]
     for key, limit in (
         ("load_dram", "memcpy_gbps"),
+        ("load_dram_verified", "memcpy_gbps"),
         ("load_disk", "raw_gbps"),
         ("put_dram", "memcpy_gbps"),
         ("put_write_through", "raw_gbps"),

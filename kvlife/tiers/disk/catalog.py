@@ -565,39 +565,68 @@ class Catalog:
         msgs = [str(r[0]) for r in rows]
         return [] if msgs == ["ok"] else msgs
 
+    @contextlib.contextmanager
+    def settled(self) -> Iterator[int]:
+        """Hold transactions off and yield the generation of the last committed one,
+        recorded in the superblock (an audit compares the two without racing a delete
+        between its commit and its superblock write)."""
+        with self._lock:
+            yield self.generation
+
+    def snapshot(self) -> CatalogSnapshot:
+        """A second, read-only connection for an audit beside serving (close it)."""
+        return CatalogSnapshot(self.path)
+
     # ------------------------------------------------------------------ writes
 
-    def insert(self, rows: Iterable[CatalogRow]) -> None:
-        """Insert (or replace) rows in one durable transaction."""
+    def insert(self, rows: Iterable[CatalogRow], edges: Iterable[tuple[bytes, bytes]] = ()) -> None:
+        """Insert (or replace) rows in one durable transaction, with the prefix links
+        (child, parent) ``edges`` that must be durable with them (the rows' own links and
+        their ancestors': so that invalidating a prefix reaches them after a restart
+        whatever of their chain was never stored here)."""
         data = [(*f, row_checksum(*f)) for f in (r.fields() for r in rows)]
+        links = _links(edges)
         with self._transaction() as txn:
+            if links:
+                txn.many(_KEEP_EDGE, links)
             txn.many(
                 f"INSERT OR REPLACE INTO replicas ({_COLUMNS}, rowsum, quarantine) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
                 data,
             )
 
-    def delete(self, keys: Iterable[bytes], edges: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    def delete(
+        self,
+        keys: Iterable[bytes],
+        edges: Iterable[tuple[bytes, bytes]] = (),
+        forget: Iterable[bytes] = (),
+    ) -> None:
         """Delete rows by key, bump the generation, then record it in the superblock
         (nothing at all for no keys: compaction calls this with none most times).
 
-        ``edges`` (child, parent) are kept in the same transaction: the prefix links of
-        deleted chunks whose descendants are still stored, so that invalidating a
-        prefix reaches them after a restart too."""
+        In the same transaction, ``edges`` (child, parent) are kept and the links of
+        ``forget`` dropped (prefix links that lead to nothing stored any more)."""
         data = [(k,) for k in keys]
         if not data:
             return
-        links = [(c, p, _edge_sum(c, p)) for c, p in edges]
+        links = _links(edges)
+        gone = [(c,) for c in forget]
         with self._lock:
             with self._transaction() as txn:
                 if links:
-                    txn.many(
-                        "INSERT OR REPLACE INTO edges (child, parent, sum) VALUES (?, ?, ?)",
-                        links,
-                    )
+                    txn.many(_KEEP_EDGE, links)
+                if gone:
+                    txn.many("DELETE FROM edges WHERE child = ?", gone)
                 txn.many("DELETE FROM replicas WHERE key = ?", data)
                 gen = txn.bump()
             self._acknowledge(gen)
+
+    def keep_edges(self, edges: Iterable[tuple[bytes, bytes]]) -> None:
+        """Make prefix links (child, parent) durable in one transaction."""
+        links = _links(edges)
+        if links:
+            with self._transaction() as txn:
+                txn.many(_KEEP_EDGE, links)
 
     def edges(self) -> list[tuple[bytes, bytes]]:
         """Kept prefix links (child, parent); a link that fails its checksum is skipped
@@ -723,12 +752,68 @@ class Catalog:
                     p.unlink()
 
 
+class CatalogSnapshot:
+    """A read-only connection to a catalog a store has open, for an audit that runs
+    beside serving: each read is one read transaction on its own connection (a
+    consistent snapshot under WAL), so neither side waits for the other's I/O."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._db = sqlite3.connect(
+                f"file:{quote(str(path))}?mode=ro",
+                uri=True,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+        except sqlite3.Error as exc:
+            raise StorePathError(f"cannot open catalog {path} for an audit: {exc}") from exc
+
+    def integrity(self) -> list[str]:
+        """``PRAGMA integrity_check``: empty when the database is sound."""
+        try:
+            rows = self._db.execute("PRAGMA integrity_check").fetchall()
+        except sqlite3.Error as exc:
+            return [str(exc)]
+        msgs = [str(r[0]) for r in rows]
+        return [] if msgs == ["ok"] else msgs
+
+    def quarantined(self) -> list[tuple[int, bytes, str]]:
+        """(rowid, key as stored, why) of every quarantined row."""
+        try:
+            rows = self._db.execute(
+                "SELECT rowid, key, quarantine FROM replicas WHERE quarantine IS NOT NULL"
+            ).fetchall()
+        except sqlite3.Error as exc:
+            raise CatalogCorrupt(self.path, exc) from exc
+        return [
+            (int(r[0]), r[1] if isinstance(r[1], bytes) else repr(r[1]).encode(), str(r[2]))
+            for r in rows
+        ]
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> CatalogSnapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _rowsum(r: CatalogRow) -> bytes:
     return row_checksum(*r.fields())
 
 
 def _edge_sum(child: bytes, parent: bytes) -> bytes:
     return xxhash.xxh3_128_digest(_EDGE_TAG + child + parent)
+
+
+def _links(edges: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes, bytes]]:
+    return [(c, p, _edge_sum(c, p)) for c, p in edges]
+
+
+_KEEP_EDGE = "INSERT OR REPLACE INTO edges (child, parent, sum) VALUES (?, ?, ?)"
 
 
 class _Txn:

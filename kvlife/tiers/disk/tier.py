@@ -58,6 +58,7 @@ from kvlife.core.objects import TierName
 from kvlife.tiers.base import (
     AuditReport,
     CapacityShortfall,
+    ChecksumsWrites,
     Durability,
     KeepsEdges,
     PersistsCounters,
@@ -69,6 +70,7 @@ from kvlife.tiers.base import (
     SupportsBatchDelete,
     Tier,
     check_payloads,
+    read_only,
 )
 from kvlife.tiers.buffers import (
     ALIGN,
@@ -145,6 +147,8 @@ class _Segment:
     """No row names it any more; removed when ``readers`` reaches 0."""
     removing: bool = False
     """Its file is being closed and unlinked (by exactly one thread)."""
+    unlink_failed: bool = False
+    """Emptied, but its file could not be unlinked: an orphan for ``check --fix``."""
 
 
 WRITE_GROUP_BYTES = 8 << 20
@@ -213,7 +217,13 @@ CheckReport = AuditReport
 
 
 class DiskTier(
-    Tier, SupportsBatchDelete, SupportsAudit, ReportsLostReplicas, PersistsCounters, KeepsEdges
+    Tier,
+    SupportsBatchDelete,
+    SupportsAudit,
+    ReportsLostReplicas,
+    PersistsCounters,
+    KeepsEdges,
+    ChecksumsWrites,
 ):
     """Segment files plus a SQLite catalog under one directory."""
 
@@ -261,6 +271,8 @@ class DiskTier(
         self._closed = False
         self._pinned: dict[int, int] = {}
         """Segments that hold quarantined rows (how many): never reclaimed at runtime."""
+        self._kept: dict[bytes, bytes] = {}
+        """Prefix links (child -> parent) the catalog keeps (:class:`KeepsEdges`)."""
         self.quarantine_dir = self.directory / "quarantine"
         self._sid_floor = 0
         """Highest segment id seen at open: a new segment never reuses a set-aside name."""
@@ -282,6 +294,7 @@ class DiskTier(
         try:
             self._check_catalog()
             self._recover()
+            self._kept = dict(self.catalog.edges())
             self._active = self._new_segment()
         except BaseException:
             self.close()
@@ -349,6 +362,8 @@ class DiskTier(
                         retired.append(self._segments[old.seg])
                     self._entries[ChunkKey(row.key)] = row
                     self._segments[row.seg].live += frame_len(row.nbytes)
+                for meta in reservation.metas:
+                    self._kept.update(meta.links)
             self._remove_segments(retired)
 
     def _write_frames(
@@ -405,7 +420,7 @@ class DiskTier(
             for sid in sorted(touched):
                 self.io.fdatasync(self._segments[sid].fd)
             self._sync_dir()
-            self.catalog.insert(rows)
+            self.catalog.insert(rows, [link for meta in metas for link in meta.links])
         except BaseException as exc:
             for g in inflight:
                 if g.future is not None:
@@ -436,6 +451,8 @@ class DiskTier(
         from aligned caller memory it goes out as it is; from unaligned memory it is
         copied once into a warm aligned buffer (huge pages from 2 MiB) and checksummed
         there, while it is still in cache, instead of reading the caller's memory twice.
+        A payload whose checksum the meta carries is not hashed again, unless the meta
+        asks for it to be verified (then a mismatch raises ChecksumMismatch).
         """
         n = u8.nbytes
         staged: np.ndarray | None = None
@@ -447,7 +464,22 @@ class DiskTier(
             body = staged[:padded]
             np.copyto(body[:n], u8)
             body[n:] = 0
-        checksum = payload_checksum(body[:n])
+        # a checksum the payload is known by is not computed twice: taken as given (a
+        # wrong one only makes the frame fail verification), or checked here, where
+        # the payload is hashed anyway (a replica sealed in memory on its way down)
+        if meta.checksum and not meta.verify_checksum:
+            checksum = meta.checksum
+        else:
+            checksum = payload_checksum(body[:n])
+            if meta.verify_checksum and meta.checksum and checksum != meta.checksum:
+                if staged is not None:
+                    self._staging.put(staged)
+                raise ChecksumMismatch(
+                    meta.key.hex(),
+                    f"{self.name} write",
+                    "the payload no longer matches the checksum it was sealed with "
+                    "(changed in memory); nothing of the batch was stored",
+                )
         header = FrameHeader(meta.key, n, checksum, meta.dtype, meta.shape, meta.transform)
         hdr = aligned_empty(HEADER_BYTES)
         pack_header(header, hdr.data)
@@ -514,7 +546,7 @@ class DiskTier(
             row.info,
             row.checksum,
             row.form,
-            row.born,
+            born=row.born,
         )
 
     def _row(self, key: ChunkKey) -> CatalogRow:
@@ -645,8 +677,8 @@ class DiskTier(
             problem = self._verify(row, hdr.data, payload)
             if problem:
                 return ChecksumMismatch(row.key.hex(), where, problem)
-            if out is None:
-                return payload[0].view(np.dtype(row.dtype)).reshape(row.shape)
+            if out is None:  # a new array: read-only from the start, for good
+                return read_only(payload[0]).view(np.dtype(row.dtype)).reshape(row.shape)
             if staged is not None:
                 np.copyto(out, payload[0].view(np.dtype(row.dtype)).reshape(row.shape))
             return out
@@ -671,17 +703,17 @@ class DiskTier(
         them; their bytes stay intact until the segment is unlinked, which waits for
         its readers.
         """
-        return self.delete_keeping_edges(keys, ())
+        return self.delete_forgetting(keys, ())
 
-    def delete_keeping_edges(
-        self, keys: Sequence[ChunkKey], edges: Sequence[tuple[bytes, bytes]]
-    ) -> list[int]:
+    def delete_forgetting(self, keys: Sequence[ChunkKey], forget: Sequence[bytes]) -> list[int]:
         with self._write_mutex:
             with self._lock:
                 rows = [self._row(k) for k in keys]
-            self.catalog.delete([r.key for r in rows], edges)
+            self.catalog.delete([r.key for r in rows], forget=forget)
             retired: list[_Segment] = []
             with self._lock:
+                for child in forget:
+                    self._kept.pop(child, None)
                 for row in rows:
                     del self._entries[ChunkKey(row.key)]
                     if self._drop_live(row):
@@ -737,6 +769,7 @@ class DiskTier(
                 # quarantine at the next open), counted here.
                 with self._lock:
                     self.stats.unlink_failures += 1
+                    seg.unlink_failed = True
                 continue
             with self._lock:
                 if self._segments.get(seg.id) is seg:
@@ -997,46 +1030,90 @@ class DiskTier(
         row against its frame (payload checksums included), the quarantined rows, and
         list segment files no row refers to and files in quarantine/.
 
-        With ``fix``: drop bad and quarantined rows, delete orphan segments and the
+        The audit runs beside serving: the catalog is read through a second, read-only
+        connection (a snapshot, under WAL), rows are checked one segment at a time with
+        that segment pinned (as a read pins it), and the tier lock is held only to list
+        rows and to pin or unpin; neither it nor the write mutex is held across a read.
+        A row deleted or moved while it was checked is not reported.
+
+        With ``fix`` (under the write mutex, after the audit): drop bad rows that are
+        still the ones checked, and quarantined rows, delete orphan segments and the
         quarantined files, rebuild damaged indexes, rewrite a damaged superblock copy;
         ``report.actions`` says what was done. ``progress`` is called with each
         replica's byte count as it is checked."""
         report = CheckReport()
-        # the write mutex first, as every writer takes it: --fix deletes through it
-        with self._write_mutex, self._lock:
-            cat = self.catalog
-            report.generation = cat.generation
-            integrity = cat.integrity()
-            report.problems.extend(f"catalog integrity: {m}" for m in integrity)
+        with self.catalog.snapshot() as snap:
+            integrity = snap.integrity()
+            quarantined = snap.quarantined()
+        report.problems.extend(f"catalog integrity: {m}" for m in integrity)
+        with self.catalog.settled() as generation:
             state = self.superblock.reread()
-            report.problems.extend(f"superblock {p}" for p in state.problems)
-            if state.generation is not None and state.generation != cat.generation:
+        report.generation = generation
+        report.problems.extend(f"superblock {p}" for p in state.problems)
+        if state.generation is not None and state.generation != generation:
+            report.problems.append(
+                f"superblock generation {state.generation}, catalog {generation}"
+            )
+        files = self._scan_segments()
+        with self._lock:
+            rows = list(self._entries.values())
+        by_seg: dict[int, list[CatalogRow]] = {}
+        for row in rows:
+            by_seg.setdefault(row.seg, []).append(row)
+        bad: dict[ChunkKey, CatalogRow] = {}
+        for sid, seg_rows in sorted(by_seg.items()):
+            for row, problem in self._check_segment(sid, seg_rows, progress):
+                report.rows += 1
+                if not problem:
+                    report.ok += 1
+                    continue
                 report.problems.append(
-                    f"superblock generation {state.generation}, catalog {cat.generation}"
+                    f"{row.key.hex()[:16]}… seg-{row.seg:08d}@{row.off}: {problem}"
                 )
-            for row in list(self._entries.values()):
+                report.bad_keys.append(row.key)
+                bad[ChunkKey(row.key)] = row
+        report.quarantined.extend(f"{k.hex()[:16]}…: {why}" for _, k, why in quarantined)
+        with self._lock:
+            for sid, path in sorted(files.items()):
+                seg = self._segments.get(sid)
+                if seg is None and sid not in self._pinned and path.exists():
+                    report.orphan_segments.append(path.name)  # no segment of this tier
+                elif seg is not None and seg.unlink_failed:
+                    report.orphan_segments.append(path.name)  # emptied, its unlink failed
+        report.quarantined_files.extend(self._quarantine_files())
+        if fix:
+            with self._write_mutex:
+                self._fix(report, integrity, [rowid for rowid, _, _ in quarantined], bad)
+        return report
+
+    def _check_segment(
+        self,
+        sid: int,
+        rows: list[CatalogRow],
+        progress: Callable[[int], object] | None,
+    ) -> list[tuple[CatalogRow, str]]:
+        """Check the rows of one segment with the segment pinned; returns each row that
+        is still current afterwards with its problem (empty: it verified)."""
+        with self._lock:
+            seg = self._segments.get(sid)
+            if seg is None or seg.doomed:
+                return []  # emptied since the rows were listed: they moved or went
+            seg.readers += 1
+        found: list[tuple[CatalogRow, str]] = []
+        try:
+            for row in rows:
                 if progress is not None:
                     progress(row.nbytes)
-                report.rows += 1
-                problem = self._check_row(row, full=True, header=True)
-                if problem:
-                    report.problems.append(
-                        f"{row.key.hex()[:16]}… seg-{row.seg:08d}@{row.off}: {problem}"
-                    )
-                    report.bad_keys.append(row.key)
-                else:
-                    report.ok += 1
-            quarantined = cat.quarantined()
-            report.quarantined.extend(f"{k.hex()[:16]}…: {why}" for _, k, why in quarantined)
-            referenced = {r.seg for r in self._entries.values()} | set(self._pinned)
-            referenced.add(self._active.id)
-            for sid, path in sorted(self._scan_segments().items()):
-                if sid not in referenced:
-                    report.orphan_segments.append(path.name)
-            report.quarantined_files.extend(self._quarantine_files())
-            if fix:
-                self._fix(report, integrity, [rowid for rowid, _, _ in quarantined])
-        return report
+                found.append((row, self._check_row(row, full=True, header=True)))
+        finally:
+            with self._lock:
+                seg.readers -= 1
+                now = seg.doomed and seg.readers == 0
+                # a row deleted or moved meanwhile is not the store's to report any more
+                current = [(r, p) for r, p in found if self._entries.get(ChunkKey(r.key)) is r]
+            if now:
+                self._remove_segments([seg], quiet=True)
+        return current
 
     def _quarantine_files(self) -> list[str]:
         try:
@@ -1046,19 +1123,29 @@ class DiskTier(
         except OSError as exc:
             raise StorePathError(f"cannot list {self.quarantine_dir}: {exc}") from exc
 
-    def _fix(self, report: CheckReport, integrity: list[str], rowids: list[int]) -> None:
+    def _fix(
+        self,
+        report: CheckReport,
+        integrity: list[str],
+        rowids: list[int],
+        bad: dict[ChunkKey, CatalogRow],
+    ) -> None:
+        """Repair what the audit found (under the write mutex: no writer runs)."""
         if integrity:
             self.catalog.reindex()
             report.actions.append("rebuilt the catalog's indexes")
-        if report.bad_keys:
-            for key in report.bad_keys:
-                self._lost.append((ChunkKey(key), "dropped by check --fix"))
-            self.delete_batch([ChunkKey(k) for k in report.bad_keys])
-            report.actions.append(f"dropped {len(report.bad_keys)} bad replicas")
+        with self._lock:  # only rows still as checked: a key written again since is new
+            doomed = [k for k, row in bad.items() if self._entries.get(k) is row]
+            for key in doomed:
+                self._lost.append((key, "dropped by check --fix"))
+        if doomed:
+            self.delete_batch(doomed)
+            report.actions.append(f"dropped {len(doomed)} bad replicas")
         if rowids:
             self.catalog.delete_quarantined(rowids)  # counted when they were quarantined
             report.actions.append(f"deleted {len(rowids)} quarantined catalog rows")
-            pinned, self._pinned = self._pinned, {}
+            with self._lock:
+                pinned, self._pinned = self._pinned, {}
             for sid in pinned:
                 seg = self._segments.get(sid)
                 if seg is not None and seg.live == 0 and seg is not self._active:
@@ -1066,14 +1153,18 @@ class DiskTier(
         for name in report.orphan_segments:
             sid = int(name[4:12])
             seg = self._segments.get(sid)
+            with contextlib.suppress(FileNotFoundError):
+                self.io.unlink(seg.path if seg is not None else self._segdir / name)
             if seg is not None:
-                self._unlink_segment(seg)
-            else:
-                self.io.unlink(self._segdir / name)
+                with self._lock:
+                    if self._segments.get(sid) is seg:
+                        del self._segments[sid]
+                        self.stats.segments_reclaimed += 1
         if report.orphan_segments:
             report.actions.append(f"deleted {len(report.orphan_segments)} orphan segments")
         for name in report.quarantined_files:
-            self.io.unlink(self.quarantine_dir / name)
+            with contextlib.suppress(FileNotFoundError):
+                self.io.unlink(self.quarantine_dir / name)
         if report.quarantined_files:
             report.actions.append(f"deleted {len(report.quarantined_files)} quarantined files")
             with contextlib.suppress(OSError):  # left if something else was put there
@@ -1093,13 +1184,25 @@ class DiskTier(
             **asdict(self.stats),
         }
 
+    def kept_parent(self, child: bytes) -> bytes | None:
+        return self._kept.get(child)
+
+    def keep_edges(self, links: Sequence[tuple[bytes, bytes]]) -> None:
+        with self._write_mutex:
+            self.catalog.keep_edges(links)
+            with self._lock:
+                self._kept.update(links)
+
     def load_edges(self) -> list[tuple[bytes, bytes]]:
-        with self._write_mutex:  # the catalog connection is not read mid-transaction
-            return self.catalog.edges()
+        with self._lock:
+            return list(self._kept.items())
 
     def forget_edges(self, children: Sequence[bytes]) -> None:
         with self._write_mutex:
             self.catalog.forget_edges(children)
+            with self._lock:
+                for child in children:
+                    self._kept.pop(child, None)
 
     def load_counters(self) -> dict[str, int]:
         with self._write_mutex:  # the catalog connection is not read mid-transaction
