@@ -140,7 +140,9 @@ def _name(node: ast.expr) -> str:
     return ""
 
 
-def _forbidden(fn: ast.FunctionDef, methods: dict[str, ast.FunctionDef], seen: set[str]) -> list[str]:
+def _forbidden(
+    fn: ast.FunctionDef, methods: dict[str, ast.FunctionDef], seen: set[str]
+) -> list[str]:
     """What ``fn``, or a method of its class it calls on ``self``, does that a finalizer
     must not: take a lock (``with ...lock...``, ``.acquire()``), open or write a file,
     log, print."""
@@ -192,8 +194,8 @@ def _finalizers() -> Iterator[tuple[str, ast.FunctionDef, dict[str, ast.Function
                     yield where, functions[cb.id], {}
                 else:
                     raise AssertionError(f"{where}: a finalizer this test cannot read")
-        for call in [n for n in tree.body if isinstance(n, ast.Expr | ast.Assign)]:
-            for sub in ast.walk(call):
+        for stmt in [n for n in tree.body if isinstance(n, ast.Expr | ast.Assign)]:
+            for sub in ast.walk(stmt):
                 if isinstance(sub, ast.Call) and _callback(sub) is not None:
                     raise AssertionError(f"{path}: a module-level finalizer this test cannot read")
 
