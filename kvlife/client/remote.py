@@ -236,11 +236,11 @@ class RemoteStore:
                         raise
                 return self._roundtrip(conn, verb, args, on_part, after_send), conn
             except (OSError, ValueError, msgpack.UnpackException) as exc:
-                if isinstance(exc, KVLifeError):
-                    if conn.pending:
-                        self._drop()
-                    raise
+                if not conn.pending:  # the exchange is complete: not the connection's
+                    raise  # error (a reply's, or a copy's that failed meanwhile)
                 self._drop()
+                if isinstance(exc, KVLifeError):
+                    raise
                 raise protocol.unavailable(self.socket_path, exc) from None
             except BaseException:
                 # out of step (an interrupt, a connection-level refusal): the server

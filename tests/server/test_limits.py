@@ -43,8 +43,8 @@ class Raw:
 
     def __init__(self, path: Path, timeout: float = 30.0) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(path))  # blocking: waits in the listen queue if need be
         self.sock.settimeout(timeout)
-        self.sock.connect(str(path))
 
     def send(self, rid: int, verb: str, args: dict[str, Any]) -> None:
         self.sock.sendall(protocol.pack([rid, verb, args]))
