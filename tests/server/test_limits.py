@@ -423,3 +423,36 @@ def test_lease_budgets_are_refused_typed_and_counted(tmp_path: Path) -> None:
             assert held == {"held_connections": 1, "held_descriptors": 1}
     finally:
         assert srv.stop() == 0
+
+
+def test_grant_and_body_budgets_over_the_wire(tmp_path: Path) -> None:
+    srv = _served(
+        ("--session-grant-share", "0.01", "--bodies-bytes", "300000", "--body-timeout", "1"),
+        tmp_path,
+    )
+    try:
+        with srv.client() as client:
+            big, _ = _put(client, 20, 64)  # 64 pages: more than 1% of a 12 MiB arena
+            small, _ = _put(client, 21, 16)
+            with pytest.raises(LimitExceeded, match="session-grant-share"):
+                client.load(client.lookup(tiny_identity(), PUBLIC, big))
+            got = client.load(client.lookup(tiny_identity(), PUBLIC, small))
+            assert got.loaded == 16
+            # a body over the bodies budget: read, dropped, refused to its request
+            long_prompt = np.arange(100_000)  # 400 KB of token ids
+            with pytest.raises(LimitExceeded, match="bodies-bytes"):
+                client.lookup(tiny_identity(), PUBLIC, long_prompt)
+            assert client.get(tiny_identity(), PUBLIC, small).loaded == 16  # in step
+            # a frame that stops half-way: the connection ends at the body deadline
+            raw = Raw(srv.socket)
+            raw.sock.sendall((1000).to_bytes(4, "big") + b"\x93\x01")
+            rid, ok, (kind, msg) = raw.reply()
+            assert (rid, ok, kind) == (0, False, "ProtocolError") and "body-timeout" in msg
+            assert raw.closed()
+            raw.close()
+            snap = quiet(client)
+            assert snap["refused_grant_bytes"] == 1 and snap["refused_bodies_bytes"] == 1
+            assert snap["body_timeouts"] == 1
+            assert snap["held_grant_bytes"] == snap["held_bodies_bytes"] == 0
+    finally:
+        assert srv.stop() == 0
