@@ -620,7 +620,8 @@ class Session:
             pending.items[:] = [(rec, dummy) for rec, _ in pending.items]
             store.abort_put(pending, "no room to stage the put")
             raise
-        with self._lock:
+        staged = self._stage(layout, args.get("stage", 0))
+        with self._lock:  # last: from here on commit or abort gives its budget back
             pid = next(self._ids)
             self.puts[pid] = _Put(pending, views, charge)
         return {
@@ -629,7 +630,7 @@ class Session:
             "slots": slots,
             "present": pending.present,
             "in_flight": pending.in_flight,
-            "staged": self._stage(layout, args.get("stage", 0)),
+            "staged": staged,
         }
 
     def _stage(self, layout: KVLayout, count: int) -> list[list[int]]:
