@@ -125,6 +125,8 @@ def from_args(args: argparse.Namespace) -> Limits:
 
 Held = dict[str, int]
 """What one session (or one connection before its session exists) holds, by budget."""
+Charge = dict[str, int]
+"""Amounts of some budgets taken or given back together."""
 
 INFINITE = 1 << 62
 
@@ -216,37 +218,55 @@ class Ledger:
         self.refused = dict.fromkeys((*table, *REQUEST_LIMITS), 0)
         self._lock = threading.Lock()
 
-    def take(self, held: Held, kind: str, amount: int, who: str) -> None:
-        """Add ``amount`` to ``kind`` for ``held`` (LimitExceeded, counted, when either
-        bound would be exceeded; nothing taken then)."""
-        if not self.try_take(held, kind, amount):
-            raise self.refuse(kind, self._why(held, kind, amount, who))
+    def take(self, held: Held, charge: Charge, who: str) -> None:
+        """Add every amount of ``charge`` (budget -> amount) to ``held``, all or none:
+        LimitExceeded, counted against the first budget that would be exceeded (nothing
+        taken then)."""
+        with self._lock:
+            kind = self._over(held, charge)
+            if kind is None:
+                self._add(held, charge, 1)
+                return
+            why = self._why(held, kind, charge[kind], who)
+        raise self.refuse(kind, why)
 
-    def try_take(self, held: Held, kind: str, amount: int) -> bool:
+    def try_take(self, held: Held, charge: Charge) -> bool:
         """Like :meth:`take`, without a refusal (for best-effort holdings such as staged
         extents): False when it does not fit."""
-        b = self.table[kind]
         with self._lock:
-            mine = held.get(kind, 0)
-            if mine + amount > b.session or self.used[kind] + amount > b.total:
+            if self._over(held, charge) is not None:
                 return False
-            held[kind] = mine + amount
-            self.used[kind] += amount
+            self._add(held, charge, 1)
         return True
 
-    def force(self, held: Held, kind: str, amount: int) -> None:
-        """Take without a check: an amount moving back to where it was just released."""
+    def force(self, held: Held, charge: Charge) -> None:
+        """Take without a check: amounts moving back to where they were just released."""
         with self._lock:
-            held[kind] = held.get(kind, 0) + amount
-            self.used[kind] += amount
+            self._add(held, charge, 1)
 
-    def give(self, held: Held, kind: str, amount: int) -> None:
+    def give(self, held: Held, charge: Charge) -> None:
+        """Give back what ``held`` holds of ``charge`` (more than it holds is a broken
+        invariant: AssertionError, never clamped)."""
         with self._lock:
-            mine = held.get(kind, 0)
-            if amount > mine:  # a broken invariant, never clamped away
-                raise AssertionError(f"{kind}: giving back {amount}, holding {mine}")
-            held[kind] = mine - amount
-            self.used[kind] -= amount
+            for kind, amount in charge.items():
+                if amount > held.get(kind, 0):
+                    raise AssertionError(
+                        f"{kind}: giving back {amount}, holding {held.get(kind, 0)}"
+                    )
+            self._add(held, charge, -1)
+
+    def _over(self, held: Held, charge: Charge) -> str | None:
+        for kind, amount in charge.items():
+            b = self.table[kind]
+            if held.get(kind, 0) + amount > b.session or self.used[kind] + amount > b.total:
+                return kind
+        return None
+
+    def _add(self, held: Held, charge: Charge, sign: int) -> None:
+        used = self.used
+        for kind, amount in charge.items():
+            held[kind] = held.get(kind, 0) + sign * amount
+            used[kind] += sign * amount
 
     def give_all(self, held: Held) -> None:
         """Everything ``held`` holds (its session ended)."""

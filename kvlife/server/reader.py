@@ -108,7 +108,7 @@ class FrameReader:
         self._start = self._end = 0
         got = len(head)
         pieces: list[bytes | bytearray] = [head]
-        if not self.ledger.try_take(self.held, "bodies_bytes", n):
+        if not self.ledger.try_take(self.held, {"bodies_bytes": n}):
             refused = self.ledger.refuse(
                 "bodies_bytes",
                 f"a request body of {n} bytes: the server is receiving "
@@ -132,7 +132,7 @@ class FrameReader:
                 got += have
             return b"".join(pieces)
         finally:
-            self.ledger.give(self.held, "bodies_bytes", n)
+            self.ledger.give(self.held, {"bodies_bytes": n})
 
     # ------------------------------------------------------------------ receiving
 

@@ -270,8 +270,7 @@ class Server:
         closed) when the connection or descriptor budget is spent."""
         held: Held = {}
         try:
-            self.state.ledger.take(held, "connections", 1, "a new connection")
-            self.state.ledger.take(held, "descriptors", 1, "a new connection")
+            self.state.ledger.take(held, {"connections": 1, "descriptors": 1}, "a new connection")
         except LimitExceeded as exc:
             self.state.ledger.give_all(held)
             _shed(conn, exc)

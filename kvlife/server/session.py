@@ -32,7 +32,6 @@ import numpy as np
 from kvlife.core.errors import (
     InvalidArgument,
     KVLifeError,
-    LimitExceeded,
     ProtocolError,
     StorageFullError,
 )
@@ -353,17 +352,12 @@ class Session:
         # the grant is charged before the load: every chunk at its layout's size (none
         # known: at the size it turns out to have, checked before it is handed out)
         charge = len(keys) * page_charge(layout.chunk_nbytes) if layout is not None else 0
-        self.ledger.take(self.held, "loads", 1, f"session {self.sid}")
-        try:
-            self.ledger.take(self.held, "grant_bytes", charge, f"a load of {len(keys)} chunks")
-        except LimitExceeded:
-            self.ledger.give(self.held, "loads", 1)
-            raise
+        grant = {"loads": 1, "grant_bytes": charge}
+        self.ledger.take(self.held, grant, f"session {self.sid}'s load of {len(keys)} chunks")
         try:
             return self._load(args, keys, layout, charge)
         except BaseException:
-            self.ledger.give(self.held, "loads", 1)
-            self.ledger.give(self.held, "grant_bytes", charge)
+            self.ledger.give(self.held, grant)
             raise
 
     def _lookup_of(
@@ -433,16 +427,16 @@ class Session:
             grants.append([off, arr.dtype.str, list(arr.shape)])
         actual = sum(page_charge(a.nbytes) for a in held)
         if actual > charge:  # no layout was given: charged now, before it is handed out
-            self.ledger.take(self.held, "grant_bytes", actual - charge, f"session {self.sid}")
-        else:
-            self.ledger.give(self.held, "grant_bytes", charge - actual)
+            self.ledger.take(self.held, {"grant_bytes": actual - charge}, f"session {self.sid}")
+        elif held and actual < charge:
+            self.ledger.give(self.held, {"grant_bytes": charge - actual})
         lid = 0
         if held:
             with self._lock:
                 lid = next(self._ids)
                 self.loads[lid] = _Load(held, actual)
         else:
-            self.ledger.give(self.held, "loads", 1)
+            self.ledger.give(self.held, {"loads": 1, "grant_bytes": charge})
         return {
             "load": lid,
             "grants": grants,
@@ -523,15 +517,12 @@ class Session:
     def alloc_buffer(self, args: dict[str, Any]) -> object:
         size = page_charge(args["nbytes"])
         # one descriptor each: the server's mapping keeps one open
-        taken: list[tuple[str, int]] = []
+        charge = {"buffers": 1, "buffer_bytes": size, "descriptors": 1}
+        self.ledger.take(self.held, charge, f"session {self.sid}'s shared buffers")
         try:
-            for kind, amount in (("buffers", 1), ("buffer_bytes", size), ("descriptors", 1)):
-                self.ledger.take(self.held, kind, amount, f"session {self.sid}'s shared buffers")
-                taken.append((kind, amount))
             buf = SharedBuffer.create(Path(f"{self.server.arena.path}-buf"), size)
         except BaseException:
-            for kind, amount in taken:
-                self.ledger.give(self.held, kind, amount)
+            self.ledger.give(self.held, charge)
             raise
         with self._lock:
             bid = next(self._ids)
@@ -544,9 +535,7 @@ class Session:
         if buf is None:
             raise ProtocolError(f"session {self.sid} holds no buffer {args['buffer']}")
         buf.drop()
-        self.ledger.give(self.held, "buffers", 1)
-        self.ledger.give(self.held, "buffer_bytes", buf.size)
-        self.ledger.give(self.held, "descriptors", 1)
+        self.ledger.give(self.held, {"buffers": 1, "buffer_bytes": buf.size, "descriptors": 1})
         return None
 
     def release(self, args: dict[str, Any]) -> object:
@@ -555,8 +544,7 @@ class Session:
         if load is None:
             raise ProtocolError(f"session {self.sid} holds no load {args['load']}")
         load.arrays.clear()
-        self.ledger.give(self.held, "loads", 1)
-        self.ledger.give(self.held, "grant_bytes", load.charge)
+        self.ledger.give(self.held, {"loads": 1, "grant_bytes": load.charge})
         return None
 
     def prepare_put(self, args: dict[str, Any]) -> object:
@@ -567,17 +555,12 @@ class Session:
         # every chunk is charged, whether it gets an extent or another put is writing it
         # (its lists are held either way), before anything is made
         charge = nchunks * page_charge(layout.chunk_nbytes)
-        self.ledger.take(self.held, "puts", 1, f"session {self.sid}")
-        try:
-            self.ledger.take(self.held, "put_bytes", charge, f"a put of {nchunks} chunks")
-        except LimitExceeded:
-            self.ledger.give(self.held, "puts", 1)
-            raise
+        lease = {"puts": 1, "put_bytes": charge}
+        self.ledger.take(self.held, lease, f"session {self.sid}'s put of {nchunks} chunks")
         try:
             return self._prepare_put(args, p, layout, nchunks, charge)
         except BaseException:
-            self.ledger.give(self.held, "puts", 1)
-            self.ledger.give(self.held, "put_bytes", charge)
+            self.ledger.give(self.held, lease)
             raise
 
     def _prepare_put(
@@ -657,16 +640,10 @@ class Session:
 
     def _try_stage(self, size: int) -> bool:
         """Charge one staged extent (to the staged and the put budgets), if it fits."""
-        if not self.ledger.try_take(self.held, "staged_bytes", size):
-            return False
-        if not self.ledger.try_take(self.held, "put_bytes", size):
-            self.ledger.give(self.held, "staged_bytes", size)
-            return False
-        return True
+        return self.ledger.try_take(self.held, {"staged_bytes": size, "put_bytes": size})
 
     def _unstage_bytes(self, size: int) -> None:
-        self.ledger.give(self.held, "staged_bytes", size)
-        self.ledger.give(self.held, "put_bytes", size)
+        self.ledger.give(self.held, {"staged_bytes": size, "put_bytes": size})
 
     def put(self, args: dict[str, Any]) -> object:
         """The one-round-trip put: the client wrote every chunk of the prompt into the
@@ -703,7 +680,7 @@ class Session:
 
     def _drop_views(self, views: list[np.ndarray]) -> None:
         """Staged extents a put took and will not give back: freed, uncharged."""
-        self.ledger.give(self.held, "put_bytes", sum(page_charge(v.nbytes) for v in views))
+        self.ledger.give(self.held, {"put_bytes": sum(page_charge(v.nbytes) for v in views)})
         views.clear()
 
     def _unstage(self, extents: list[list[int]]) -> None:
@@ -736,7 +713,7 @@ class Session:
             for sid in ids:  # the put owns them now; unused ones are staged again later
                 del self.staged[sid]
         # still the session's (put budget), no longer staged
-        self.ledger.give(self.held, "staged_bytes", sum(page_charge(v.nbytes) for v in views))
+        self.ledger.give(self.held, {"staged_bytes": sum(page_charge(v.nbytes) for v in views)})
         try:
             pending = self.server.store.prepare_put(
                 p["identity"],
@@ -780,10 +757,10 @@ class Session:
                 self.staged[sid] = view
                 kept.append([sid, off])
         staged.views.clear()
-        self.ledger.give(self.held, "put_bytes", gone)
+        self.ledger.give(self.held, {"put_bytes": gone})
         # back where they were taken from a moment ago: no check
         self.ledger.force(
-            self.held, "staged_bytes", page_charge(staged.layout.chunk_nbytes) * len(kept)
+            self.held, {"staged_bytes": page_charge(staged.layout.chunk_nbytes) * len(kept)}
         )
         out = _put_reply(res)
         short = len(staged.ids) - len(kept) - len(staged.refill)  # the arena was full
@@ -817,8 +794,7 @@ class Session:
         return None
 
     def _put_done(self, put: _Put) -> None:
-        self.ledger.give(self.held, "puts", 1)
-        self.ledger.give(self.held, "put_bytes", put.charge)
+        self.ledger.give(self.held, {"puts": 1, "put_bytes": put.charge})
 
     def invalidate(self, args: dict[str, Any]) -> object:
         ns = args.get("namespace")

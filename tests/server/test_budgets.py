@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import ClassVar
 
 import msgpack
 import pytest
@@ -31,34 +32,47 @@ from tests.server.conftest import ROOT, child_env
 
 
 class LedgerMachine(RuleBasedStateMachine):
-    """Takes never exceed either bound; a refused take changes nothing and is counted;
-    the totals are the sum of the sessions'; a session's end gives back all it held."""
+    """Takes never exceed either bound of any budget; a take of several budgets is all
+    or none, and a refused one changes nothing and is counted once, against a budget it
+    would have exceeded; the totals are the sum of the sessions'; a session's end gives
+    back all it held."""
+
+    BOUNDS: ClassVar[dict[str, tuple[int, int]]] = {"x": (10, 4), "y": (7, 5)}
 
     def __init__(self) -> None:
         super().__init__()
-        self.ledger = Ledger({"x": Budget(10, 4, "x", "session-x", "things")})
+        self.ledger = Ledger(
+            {k: Budget(t, s, k, f"session-{k}", f"{k}-things") for k, (t, s) in self.BOUNDS.items()}
+        )
         self.helds: list[dict[str, int]] = [{}, {}, {}]
-        self.refused = 0
+        self.refused = dict.fromkeys(self.BOUNDS, 0)
 
-    @rule(s=st.integers(0, 2), n=st.integers(0, 5))
-    def take(self, s: int, n: int) -> None:
+    @rule(s=st.integers(0, 2), x=st.integers(0, 5), y=st.none() | st.integers(0, 5))
+    def take(self, s: int, x: int, y: int | None) -> None:
+        charge = {"x": x} if y is None else {"x": x, "y": y}
         before = dict(self.helds[s])
-        fits = before.get("x", 0) + n <= 4 and self.ledger.used["x"] + n <= 10
+        over = [
+            k
+            for k, n in charge.items()
+            if before.get(k, 0) + n > self.BOUNDS[k][1]
+            or self.ledger.used[k] + n > self.BOUNDS[k][0]
+        ]
         try:
-            self.ledger.take(self.helds[s], "x", n, f"s{s}")
+            self.ledger.take(self.helds[s], charge, f"s{s}")
         except LimitExceeded as exc:
-            assert not fits and "things" in str(exc)
-            assert self.helds[s] == before
-            self.refused += 1
+            assert over and f"{over[0]}-things" in str(exc)
+            assert self.helds[s] == before  # all or none
+            self.refused[over[0]] += 1
         else:
-            assert fits
+            assert not over
 
-    @precondition(lambda self: any(h.get("x") for h in self.helds))
+    @precondition(lambda self: any(any(h.values()) for h in self.helds))
     @rule(data=st.data())
     def give(self, data: st.DataObject) -> None:
-        s = data.draw(st.sampled_from([i for i, h in enumerate(self.helds) if h.get("x")]))
-        n = data.draw(st.integers(1, self.helds[s]["x"]))
-        self.ledger.give(self.helds[s], "x", n)
+        s = data.draw(st.sampled_from([i for i, h in enumerate(self.helds) if any(h.values())]))
+        kind = data.draw(st.sampled_from([k for k, v in self.helds[s].items() if v]))
+        n = data.draw(st.integers(1, self.helds[s][kind]))
+        self.ledger.give(self.helds[s], {kind: n})
 
     @rule(s=st.integers(0, 2))
     def session_ends(self, s: int) -> None:
@@ -67,10 +81,11 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def accounting(self) -> None:
-        assert self.ledger.used["x"] == sum(h.get("x", 0) for h in self.helds)
-        assert 0 <= self.ledger.used["x"] <= 10
-        assert all(h.get("x", 0) <= 4 for h in self.helds)
-        assert self.ledger.refused["x"] == self.refused
+        for k, (total, session) in self.BOUNDS.items():
+            assert self.ledger.used[k] == sum(h.get(k, 0) for h in self.helds)
+            assert 0 <= self.ledger.used[k] <= total
+            assert all(h.get(k, 0) <= session for h in self.helds)
+            assert self.ledger.refused[k] == self.refused[k]
 
 
 TestLedger = LedgerMachine.TestCase
@@ -80,9 +95,10 @@ TestLedger.settings = settings(max_examples=60, stateful_step_count=30, deadline
 def test_giving_back_more_than_held_is_a_broken_invariant() -> None:
     ledger = Ledger({"x": Budget(10, 10, "x", "x", "x")})
     held: dict[str, int] = {}
-    ledger.take(held, "x", 2, "s")
+    ledger.take(held, {"x": 2}, "s")
     with pytest.raises(AssertionError):
-        ledger.give(held, "x", 3)  # never clamped back to zero
+        ledger.give(held, {"x": 3})  # never clamped back to zero
+    assert held == {"x": 2} and ledger.used["x"] == 2
 
 
 def test_budgets_resolve_shares_of_the_arena() -> None:
