@@ -179,7 +179,9 @@ def _check_live(sock: str, fix: bool) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kvlife.server.limits import from_args
     from kvlife.server.server import ServeConfig, parse_cpus, run
+    from kvlife.tiers.shm import SHM_DIR
 
     cfg = ServeConfig(
         path=Path(args.path),
@@ -192,8 +194,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         promote_on_hit=not args.no_promote,
         disk_transform=args.disk_transform,
         verify_dram_on_load=args.verify_dram_on_load,
-        **({"shm_dir": Path(args.shm_dir)} if args.shm_dir else {}),
+        shm_dir=Path(args.shm_dir) if args.shm_dir else SHM_DIR,
         cpus=parse_cpus(args.cpus) if args.cpus else (),
+        limits=from_args(args),
     )
     return run(cfg)
 
@@ -298,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPUs the server runs on, e.g. 1 or 2-3 (keep them apart from the clients' "
         "CPUs: requests are then handled while clients copy, docs/server.md)",
     )
+    from kvlife.server.limits import add_flags
+
+    add_flags(p)  # every budget a client can make the server hold
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser(

@@ -8,11 +8,15 @@ import itertools
 import mmap
 import os
 import socket
+import time
 from typing import Any
+
+import msgpack
 
 from kvlife.core import errors
 from kvlife.core.errors import KVLifeError, RemoteError
 from kvlife.core.identity import KEY_BYTES, ChunkKey
+from kvlife.server import protocol
 
 FOREVER_S = 7 * 86400.0
 """The socket timeout of a client that asked for none."""
@@ -34,19 +38,42 @@ def error_from_reply(kind: object, message: object) -> KVLifeError:
     return exc
 
 
+def connect(path: str, timeout: float) -> socket.socket:
+    """A connected socket with ``timeout`` set. The connect itself waits for the
+    server's backlog: a socket with a timeout connects without blocking, and a Unix
+    socket whose listen queue is full then fails at once with EAGAIN (a burst of clients
+    got spurious failures from a healthy server), so that is retried, backing off, until
+    ``timeout`` has passed."""
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # a timeout makes every wait a poll for input (protocol.POLL_WAIT_S says why)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+            return sock
+        except BlockingIOError:  # the listen queue is full: the server is accepting
+            sock.close()
+            if time.monotonic() + delay > deadline:
+                raise
+        except OSError:
+            sock.close()
+            raise
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+
+
 class Connection:
     """One connection and its mapping of the server's arena."""
 
     def __init__(self, path: str, timeout: float | None) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        # a timeout makes every wait a poll for input (protocol.POLL_WAIT_S says why);
         # no timeout asked: a week
-        self.sock.settimeout(timeout if timeout is not None else FOREVER_S)
-        try:
-            self.sock.connect(path)
-        except OSError:
-            self.sock.close()
-            raise
+        self.sock = connect(path, timeout if timeout is not None else FOREVER_S)
+        self.pending = False
+        """A request is out whose final reply was not read: an error now leaves the
+        stream out of step, and the connection is dropped (the server then releases
+        whatever the exchange granted)."""
         self.rid = itertools.count(1)
         self.arena: mmap.mmap | None = None
         self.arena_bytes = 0
@@ -60,6 +87,21 @@ class Connection:
         self.staged: dict[StagedShape, list[Any]] = {}
         """Arena extents the server staged for this connection's next puts, by chunk
         dtype and shape: [id, offset] each."""
+
+    def refusal(self) -> KVLifeError | None:
+        """Why the server closed this connection, when it said so before closing (a
+        connection shed for a budget: ``[0, False, [class, message]]``); None if not."""
+        try:
+            self.sock.settimeout(0.5)
+            body = protocol.recv_frame(self.sock)
+            reply = msgpack.unpackb(body, raw=False) if body is not None else None
+        except (OSError, ValueError, KVLifeError, msgpack.UnpackException):
+            return None
+        if type(reply) is list and len(reply) == 3 and reply[0] == 0 and reply[1] is False:
+            with contextlib.suppress(TypeError, ValueError):
+                kind, message = reply[2]
+                return error_from_reply(kind, message)
+        return None
 
     def map_arena(self, path: str, size: int) -> None:
         fd = os.open(path, os.O_RDWR)

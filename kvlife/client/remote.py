@@ -130,7 +130,10 @@ class RemoteStore:
             hello = self._roundtrip(conn, "hello", {"version": protocol.PROTOCOL_VERSION})
             conn.map_arena(hello["arena"], hello["arena_bytes"])
         except OSError as exc:
+            refusal = conn.refusal()  # shed for a budget: the server said why
             conn.close()
+            if refusal is not None:
+                raise refusal from None
             raise protocol.unavailable(self.socket_path, exc) from None
         except BaseException:
             conn.close()
@@ -157,6 +160,7 @@ class RemoteStore:
                 b"".join(protocol.pack([0, "release", {"load": i}]) for i in conn.releases) + frame
             )
             conn.releases.clear()
+        conn.pending = True
         conn.sock.sendall(frame)
         failed: BaseException | None = None
         if after_send is not None:  # work while the server handles the request
@@ -170,6 +174,11 @@ class RemoteStore:
                 raise ConnectionResetError("the server closed the connection")
             reply = msgpack.unpackb(body, raw=False)
             if reply[0] != rid:
+                if reply[0] == 0 and reply[1] is False:
+                    # about the connection, not a request (shed for a budget, a frame
+                    # it could not read): raised as sent; the connection is dropped
+                    kind, message = reply[2]
+                    raise error_from_reply(kind, message)
                 raise ConnectionResetError(f"reply {reply[0]} to request {rid}")
             if reply[1] != protocol.PART:
                 break
@@ -180,10 +189,17 @@ class RemoteStore:
                     on_part(conn, reply[2])
                 except Exception as exc:  # read the stream to its end first
                     failed = exc
+        conn.pending = False
         if not reply[1]:
             kind, message = reply[2]
             raise error_from_reply(kind, message)
         if failed is not None:
+            # the reply granted what a copy that failed will never release: hand it
+            # back now (no reply; a lost connection released it anyway)
+            load = reply[2].get("load") if verb == "load" else None
+            if load:
+                with contextlib.suppress(OSError):
+                    conn.sock.sendall(protocol.pack([0, "release", {"load": load}]))
             raise failed
         return reply[2]
 
@@ -220,10 +236,18 @@ class RemoteStore:
                         raise
                 return self._roundtrip(conn, verb, args, on_part, after_send), conn
             except (OSError, ValueError, msgpack.UnpackException) as exc:
+                if not conn.pending:  # the exchange is complete: not the connection's
+                    raise  # error (a reply's, or a copy's that failed meanwhile)
+                self._drop()
                 if isinstance(exc, KVLifeError):
                     raise
-                self._drop()
                 raise protocol.unavailable(self.socket_path, exc) from None
+            except BaseException:
+                # out of step (an interrupt, a connection-level refusal): the server
+                # releases what the exchange granted when the connection goes
+                if conn.pending:
+                    self._drop()
+                raise
 
     def _release(self, load: int, conn: Connection) -> None:
         """Give a load's grant back: with the next request (no round trip of its own),

@@ -110,3 +110,10 @@ class ProtocolError(KVLifeError, ValueError):
 class RemoteError(KVLifeError):
     """An unexpected failure inside the store server, reported to the client (the
     server logs it and keeps serving)."""
+
+
+class LimitExceeded(KVLifeError):
+    """The store server refused a request, a connection or a resource because it would
+    exceed one of its budgets (the message names the budget, its value and the
+    ``kvlife serve`` flag that sets it); nothing of the refused request was kept. The
+    server counts every refusal (``state``: ``refused_<budget>``)."""

@@ -25,8 +25,9 @@ from typing import Any
 
 import msgpack
 
-from kvlife.core.errors import InvalidArgument, ProtocolError, StoreUnavailable
+from kvlife.core.errors import InvalidArgument, LimitExceeded, ProtocolError, StoreUnavailable
 from kvlife.core.identity import KEY_BYTES, KVLayout, ModelIdentity, Namespace
+from kvlife.server.limits import MAX_REQUEST, Limits
 from kvlife.transforms.base import ErrorBound, Exactness
 from kvlife.transforms.contract import Accept
 
@@ -34,8 +35,10 @@ PROTOCOL_VERSION = 3
 """2: lookups carry an ``accept`` and answer each hit's representation. 3: lookups
 answer where DRAM hits lie (hints), loads may carry them back (the client copied from
 there already); the one-round-trip ``put`` into staged extents."""
-MAX_MESSAGE = 16 << 20
-"""Largest frame either side accepts (a 1M-token prompt is 4 MiB of token ids)."""
+MAX_MESSAGE = MAX_REQUEST
+"""Largest frame either side accepts (a 1M-token prompt is 4 MiB of token ids); a
+server may be set to accept less (``--max-request-bytes``)."""
+DEFAULT_LIMITS = Limits()
 _LEN = struct.Struct(">I")
 _MAX_STR = 4096
 _MAX_ID = 2**63 - 1
@@ -193,15 +196,62 @@ def check_args(verb: str, args: object) -> dict[str, Any]:
     return args
 
 
-def decode_request(body: bytes) -> Request:
-    """Parse and validate one request frame's body (ProtocolError on anything wrong)."""
+class DecodeLimit(LimitExceeded, ProtocolError):
+    """A frame whose decoding would exceed the decoder's bounds (too many containers,
+    a list, map or string longer than any request has): refused before it is built
+    (a LimitExceeded on the wire)."""
+
+
+SMALL_BODY = 64 << 10
+"""Bodies up to this decode without counting their containers (at most about 70 bytes
+of Python objects per byte: 4.5 MiB)."""
+MAX_CONTAINERS = 64
+"""Lists and maps in one larger request (the largest verb has about a dozen): a frame
+of empty maps cost 70 times its length decoded; its containers are counted as they are
+built and the decoding stops at the first one too many."""
+
+
+class _Containers:
+    """Counts the containers a decoding builds; raises at one too many."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_CONTAINERS
+
+    def __call__(self, obj: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise DecodeLimit(f"a request holds at most {MAX_CONTAINERS} lists and maps")
+        return obj
+
+
+def decode_request(body: bytes, limits: Limits = DEFAULT_LIMITS) -> Request:
+    """Parse and validate one request frame's body (ProtocolError on anything wrong;
+    DecodeLimit when decoding it would exceed the decoder's bounds, checked before each
+    list, map, string or byte string is built)."""
+    hooks: dict[str, Any] = {}
+    if len(body) > SMALL_BODY:
+        count = _Containers()
+        hooks = {"list_hook": count, "object_hook": count}
     try:
         msg = msgpack.unpackb(
             body,
             raw=False,
             strict_map_key=True,
             max_ext_len=0,
+            max_str_len=4 * _MAX_STR,
+            max_bin_len=limits.max_request_bytes,
+            max_array_len=max(64, 2 * limits.max_chunks),
+            max_map_len=64,
+            **hooks,
         )
+    except DecodeLimit:
+        raise
+    except ValueError as exc:
+        if "exceeds max_" in str(exc):  # msgpack's own bounds, checked before building
+            raise DecodeLimit(f"a request field is too long to decode: {exc}") from None
+        raise ProtocolError(f"not a msgpack message: {type(exc).__name__}") from None
     except Exception as exc:  # every msgpack failure is the client's bad frame
         raise ProtocolError(f"not a msgpack message: {type(exc).__name__}") from None
     if type(msg) is not list or len(msg) != 3:
@@ -407,7 +457,12 @@ def recv_frame(sock: socket.socket, idle_ok: bool = False) -> bytes | None:
 
 
 def error_reply(rid: int, exc: BaseException) -> bytes:
-    kind = "ProtocolError" if isinstance(exc, Rejected) else type(exc).__name__
+    """``[rid, False, [class, message]]``, the class being the nearest one a client can
+    rebuild (of ``kvlife.core.errors``: a server-side subclass travels as its base)."""
+    kind = next(
+        (c.__name__ for c in type(exc).__mro__ if c.__module__ == "kvlife.core.errors"),
+        type(exc).__name__,
+    )
     return pack([rid, False, [kind, str(exc)[:_MAX_STR]]])
 
 

@@ -10,25 +10,41 @@ connection goes on (an oversized length ends it: the stream cannot be resynchron
 SIGTERM or SIGINT stops it: connections are closed (their leases released), the store
 is flushed and closed, the socket, arena and pid file removed. One log line per start,
 recovery and stop.
+
+Nothing a client does ends the server: connections beyond ``--max-connections``, or
+beyond the descriptors left after ``--fd-reserve``, are shed (a typed error reply, then
+closed); should ``accept`` still run out of descriptors, a spare one is given up to
+accept and shed the connection, and the listener goes on (:mod:`kvlife.server.limits`
+lists every budget).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import resource
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
-from kvlife.core.errors import InvalidArgument, KVLifeError, ProtocolError, RemoteError
+from kvlife.core.errors import (
+    InvalidArgument,
+    KVLifeError,
+    LimitExceeded,
+    ProtocolError,
+    RemoteError,
+)
 from kvlife.core.identity import digest_bytes
 from kvlife.server import protocol
+from kvlife.server.limits import Held, Limits
+from kvlife.server.reader import BodyTimeout, Discarded, FrameReader, peek_rid
 from kvlife.server.session import PartSender, ServerState, Session
 from kvlife.store.config import GiB, MiB, StoreConfig
 from kvlife.store.facade import KVStore
@@ -69,6 +85,8 @@ class ServeConfig:
     shm_dir: Path = SHM_DIR
     """Where the arena and the sessions' shared buffers live: a tmpfs (``/dev/shm``, or
     one mounted ``huge=always`` so that direct I/O into the arena runs at full speed)."""
+    limits: Limits = field(default_factory=Limits)
+    """Every budget a client can make the server hold (docs/server.md, Limits)."""
 
     @property
     def socket_path(self) -> Path:
@@ -147,10 +165,14 @@ def open_store(cfg: ServeConfig) -> KVStore:
 class Server:
     """The listener and one thread per connection."""
 
-    def __init__(self, cfg: ServeConfig, log: TextIO = sys.stderr) -> None:
+    def __init__(
+        self, cfg: ServeConfig, log: TextIO = sys.stderr, stop: threading.Event | None = None
+    ) -> None:
+        """``stop``: set to stop serving (the signal handlers' event, installed before
+        the pid file announces the server)."""
         self.cfg = cfg
         self._log = log
-        self._stop = threading.Event()
+        self._stop = stop if stop is not None else threading.Event()
         self._conns: dict[int, socket.socket] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -162,24 +184,33 @@ class Server:
         self.store = _open_with_cleanup(cfg, prefix)
         shm = self.store.tier(self.store.tier_names[0])
         assert isinstance(shm, ShmTier)
-        self.state = ServerState(self.store, shm, str(cfg.socket_path))
         c = self.store.counters
         self.log(
             f"recovery store={cfg.path} recovered={c.recovered} dropped={c.recovery_dropped} "
             f"objects={len(self.store.indexed_keys())}"
         )
+        self._spare: int | None = None
         try:
             self.listener = self._listen(cfg.socket_path)
+            # kept to give up when accept runs out of descriptors: the connection is
+            # then accepted, told why and closed, instead of the error ending the server
+            self._spare = os.open(os.devnull, os.O_RDONLY)
+            nofile, fds = _descriptors(cfg.limits)
+            self.state = ServerState(self.store, shm, str(cfg.socket_path), cfg.limits, fds)
             if cfg.pid_file is not None:
                 cfg.pid_file.write_text(f"{os.getpid()}\n", encoding="utf-8")
         except BaseException:
+            if self._spare is not None:
+                os.close(self._spare)
             self.store.close(flush=False)  # releases the lock, removes the arena
             raise
+        self._last_accept_log = 0.0
         self.log(
             f"start pid={os.getpid()} store={cfg.path} socket={cfg.socket_path} "
             f"arena={shm.arena.path} huge_pages={'yes' if shm.arena.huge_pages else 'no'} "
             f"cpus={','.join(map(str, sorted(os.sched_getaffinity(0))))} "
-            f"dram_bytes={cfg.dram_bytes} disk_bytes={cfg.disk_bytes}"
+            f"dram_bytes={cfg.dram_bytes} disk_bytes={cfg.disk_bytes} "
+            f"nofile={nofile} client_fds={fds} max_connections={cfg.limits.max_connections}"
         )
 
     def log(self, line: str) -> None:
@@ -207,7 +238,7 @@ class Server:
         try:
             sock.bind(str(tmp))
             os.chmod(tmp, 0o600)
-            sock.listen(64)
+            sock.listen(self.cfg.limits.backlog)
             if tmp != path:
                 os.rename(tmp, path)
         except OSError as exc:
@@ -229,44 +260,101 @@ class Server:
                     conn, _ = self.listener.accept()
                 except TimeoutError:
                     continue
-                except OSError:
+                except OSError as exc:
                     if self._stop.is_set():
                         break
-                    raise
-                conn.settimeout(protocol.POLL_WAIT_S)  # waits in poll: see POLL_WAIT_S
-                t = threading.Thread(target=self._serve_conn, args=(conn,), daemon=True)
-                with self._lock:
-                    self._conns[conn.fileno()] = conn
-                    self._threads = [x for x in self._threads if x.is_alive()]
-                    self._threads.append(t)
-                t.start()
+                    self._accept_failed(exc)
+                    continue
+                self._admit(conn)
         finally:
             self._shutdown()
 
-    def _serve_conn(self, conn: socket.socket) -> None:
-        session = self.state.open_session()
+    def _admit(self, conn: socket.socket) -> None:
+        """Serve ``conn`` on a thread of its own, or shed it (a typed error reply, then
+        closed) when the connection or descriptor budget is spent."""
+        held: Held = {}
+        try:
+            self.state.ledger.take(held, {"connections": 1, "descriptors": 1}, "a new connection")
+        except LimitExceeded as exc:
+            self.state.ledger.give_all(held)
+            _shed(conn, exc)
+            return
+        conn.settimeout(protocol.POLL_WAIT_S)  # waits in poll: see POLL_WAIT_S
+        t = threading.Thread(target=self._serve_conn, args=(conn, held), daemon=True)
+        with self._lock:
+            self._conns[conn.fileno()] = conn
+            self._threads = [x for x in self._threads if x.is_alive()]
+            self._threads.append(t)
+        try:
+            t.start()
+        except RuntimeError as exc:  # no thread to be had: shed, as for descriptors
+            with self._lock:
+                self._conns.pop(conn.fileno(), None)
+            self.state.ledger.give_all(held)
+            self.state.count("accept_errors")
+            _shed(conn, LimitExceeded(f"the server cannot start a thread: {exc}"))
+
+    def _accept_failed(self, exc: OSError) -> None:
+        """``accept`` failed: out of descriptors, give up the spare one to accept the
+        waiting connection and shed it; anything else, wait a moment. Never raised: a
+        client must not be able to end the server."""
+        self.state.count("accept_errors")
+        now = time.monotonic()
+        if now - self._last_accept_log > 10:
+            self._last_accept_log = now
+            self.log(f"accept failed ({exc}); shedding connections (counted: accept_errors)")
+        if exc.errno in (errno.EMFILE, errno.ENFILE) and self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                pass
+            else:
+                _shed(
+                    conn,
+                    self.state.ledger.refuse(
+                        "descriptors",
+                        f"the server is out of descriptors ({exc.strerror}); "
+                        "RLIMIT_NOFILE and --fd-reserve set how many",
+                    ),
+                )
+            with contextlib.suppress(OSError):
+                self._spare = os.open(os.devnull, os.O_RDONLY)
+        if self._spare is None:  # still none: descriptors freed by others will do
+            with contextlib.suppress(OSError):
+                self._spare = os.open(os.devnull, os.O_RDONLY)
+        time.sleep(0.01)
+
+    def _serve_conn(self, conn: socket.socket, held: Held) -> None:
+        session = self.state.open_session(held)
         session.part = _part_sender(conn)
         fd = conn.fileno()
+        reader = FrameReader(conn, self.cfg.limits, self.state.ledger, session.held)
         try:
             while not self._stop.is_set():
                 try:
-                    body = protocol.recv_frame(conn, idle_ok=True)
+                    body = reader.next()
                 except protocol.Idle:
                     continue
-                except ProtocolError as exc:
-                    with contextlib.suppress(OSError):
-                        conn.sendall(protocol.error_reply(0, exc))
-                    break
-                except OSError:
-                    break
-                if body is None:
-                    break
-                reply = self._dispatch(session, body)
+                except Discarded as exc:  # read and dropped: the stream is in step
+                    reply: bytes | None = protocol.error_reply(exc.rid, exc)
+                else:
+                    if body is None:
+                        break
+                    reply = self._dispatch(session, body)
                 if reply is not None:
                     try:
                         conn.sendall(reply)
                     except OSError:
                         break
+        except ProtocolError as exc:  # the stream cannot go on: told why, then closed
+            if isinstance(exc, BodyTimeout):
+                self.state.count("body_timeouts")
+            with contextlib.suppress(OSError):
+                conn.sendall(protocol.error_reply(0, exc))
+        except OSError:
+            pass
         finally:
             with self._lock:
                 self._conns.pop(fd, None)
@@ -278,25 +366,43 @@ class Server:
                 self.log(f"session {session.sid} cleanup failed: {exc}")
 
     def _dispatch(self, session: Session, body: bytes) -> bytes | None:
-        rid = 0
+        """The reply to one frame: none for a request of rid 0 (success or failure);
+        an error reply of rid 0 for a frame that is no request (its rid unknown)."""
         try:
-            req = protocol.decode_request(body)
-            rid = req.rid
-            result = session.handle(req.verb, req.args, rid)
-            return protocol.ok_reply(rid, result) if rid else None
+            req = protocol.decode_request(body, self.cfg.limits)
         except protocol.Rejected as exc:
-            return protocol.error_reply(exc.rid, exc) if exc.rid else None
+            return self._error(exc.rid, exc)
+        except protocol.DecodeLimit as exc:
+            # refused before it was built, so its rid is read from its first bytes
+            self.state.ledger.refuse("decoded", "")
+            return protocol.error_reply(peek_rid(body), exc)
+        except ProtocolError as exc:  # not a request: no rid to answer
+            return protocol.error_reply(0, exc)
+        try:
+            result = session.handle(req.verb, req.args, req.rid)
         except KVLifeError as exc:
-            return protocol.error_reply(rid, exc) if rid or isinstance(exc, ProtocolError) else None
+            return self._error(req.rid, exc)
         except Exception as exc:  # a bug: logged, reported, and the server keeps serving
+            self.state.count("internal_errors")
             self.log(f"internal error: {exc!r}\n{traceback.format_exc()}")
-            return protocol.error_reply(rid, RemoteError(f"{type(exc).__name__}: {exc}"))
+            return self._error(req.rid, RemoteError(f"{type(exc).__name__}: {exc}"))
+        return protocol.ok_reply(req.rid, result) if req.rid else None
+
+    def _error(self, rid: int, exc: BaseException) -> bytes | None:
+        if not rid:  # the client asked for no reply: a reply would answer its next request
+            self.state.count("unreplied_errors")
+            return None
+        return protocol.error_reply(rid, exc)
 
     def _shutdown(self) -> None:
         with contextlib.suppress(OSError):
             self.listener.close()
         with contextlib.suppress(OSError):
             self.cfg.socket_path.unlink()
+        if self._spare is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._spare)
+            self._spare = None
         with self._lock:
             conns = list(self._conns.values())
             threads = list(self._threads)
@@ -314,6 +420,38 @@ class Server:
                 with contextlib.suppress(OSError):
                     self.cfg.pid_file.unlink()
             self.log(f"stop pid={os.getpid()} store={self.cfg.path} flushed={flushed}")
+
+
+def _shed(conn: socket.socket, exc: KVLifeError) -> None:
+    """Tell a connection why it is not served (rid 0: before any request) and close it."""
+    with contextlib.suppress(OSError):
+        conn.settimeout(0.1)
+        conn.sendall(protocol.error_reply(0, exc))
+    with contextlib.suppress(OSError):
+        conn.close()
+
+
+def _descriptors(limits: Limits) -> tuple[int, int]:
+    """(RLIMIT_NOFILE, descriptors left for connections and shared buffers). The soft
+    limit is raised to the hard one first; the reserve is ``--fd-reserve``, at most half
+    of what the store left free (a low limit still serves some clients)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+    try:
+        used = len(os.listdir("/proc/self/fd")) - 1  # less listdir's own
+    except OSError:
+        used = 64
+    free = (soft if soft != resource.RLIM_INFINITY else 1 << 20) - used
+    left = free - min(limits.fd_reserve, free // 2)
+    if left < 1:
+        raise InvalidArgument(
+            f"RLIMIT_NOFILE {soft} leaves no descriptor for clients ({used} in use)"
+        )
+    return soft, left
 
 
 def _part_sender(conn: socket.socket) -> PartSender:
@@ -338,13 +476,15 @@ def _open_with_cleanup(cfg: ServeConfig, prefix: str) -> KVStore:
 
 
 def run(cfg: ServeConfig) -> int:
-    """Serve until SIGTERM/SIGINT; 0 after a clean stop."""
-    server = Server(cfg)
+    """Serve until SIGTERM/SIGINT; 0 after a clean stop (a signal that arrives while the
+    store opens stops the server as soon as it is up)."""
+    stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
-        server.stop()
+        stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    server = Server(cfg, stop=stop)
     server.serve_forever()
     return 0

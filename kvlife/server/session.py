@@ -8,6 +8,12 @@ grants (the extents of deleted replicas it was still reading are freed). A clien
 only ids the server gave this session (``put``, ``load``); an id of another session, or
 one already used, is a :class:`~kvlife.core.errors.ProtocolError`. Arena offsets only
 travel from the server to the client, never the other way.
+
+Everything a session holds is also charged to the server's budgets
+(:mod:`kvlife.server.limits`) before it is allocated: pending puts, staged extents,
+load grants and shared buffers, in counts and in bytes, per session and server-wide;
+one request's chunks and extra-key bytes are bounded too. A refusal is a typed
+:class:`~kvlife.core.errors.LimitExceeded`, counted, with nothing of the request kept.
 """
 
 from __future__ import annotations
@@ -23,12 +29,18 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.core.errors import InvalidArgument, KVLifeError, ProtocolError, StorageFullError
+from kvlife.core.errors import (
+    InvalidArgument,
+    KVLifeError,
+    ProtocolError,
+    StorageFullError,
+)
 from kvlife.core.identity import KEY_BYTES, ROOT_PARENT, ChunkKey, KVLayout, ModelIdentity
 from kvlife.core.payload import numpy_dtype
 from kvlife.results import ChunkHit, LookupResult, PutResult
 from kvlife.server import protocol
 from kvlife.server.buffers import SharedBuffer
+from kvlife.server.limits import INFINITE, Held, Ledger, Limits, budgets, page_charge
 from kvlife.store.facade import KVStore
 from kvlife.store.reads import LoadHandle
 from kvlife.store.writes import PendingPut
@@ -39,15 +51,8 @@ PartSender = Callable[[bytes], None]
 """Sends one frame to the session's client (partial replies of a streamed load)."""
 
 _PUT_FIELDS = dataclasses.fields(PutResult)
-MAX_LEASES = 4096
-"""Outstanding puts, and outstanding loads, one session may hold."""
 STREAM_BYTES_IN_FLIGHT = 2 << 20
 """Bytes of disk reads a streamed load keeps in flight (at least one chunk)."""
-MAX_STAGED_BYTES = 256 << 20
-"""Arena extents one session may hold staged for its next puts (the one-round-trip put:
-the client writes a prompt's chunks into them, then one ``put`` commits them)."""
-MAX_BUFFER_BYTES = 16 << 30
-"""Shared output buffers one session may hold, in bytes."""
 
 
 @dataclass(slots=True)
@@ -67,6 +72,16 @@ class _Put:
     pending: PendingPut
     views: list[np.ndarray]
     """Arena extents the client writes, one per new chunk (sealed at commit)."""
+    charge: int
+    """Bytes of the put budget it holds (every chunk, whole pages)."""
+
+
+@dataclass(slots=True)
+class _Load:
+    arrays: list[np.ndarray]
+    """What the client was granted (pinned until it releases the load)."""
+    charge: int
+    """Bytes of the grant budget it holds."""
 
 
 def _put_reply(res: PutResult) -> dict[str, Any]:
@@ -81,13 +96,25 @@ def split_keys(blob: bytes) -> list[ChunkKey]:
 
 
 class ServerState:
-    """What every session shares: the store, its shared-memory tier, the live sessions."""
+    """What every session shares: the store, its shared-memory tier, the live sessions,
+    the budgets and the server's counters."""
 
-    def __init__(self, store: KVStore, shm: ShmTier, socket_path: str) -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        shm: ShmTier,
+        socket_path: str,
+        limits: Limits | None = None,
+        descriptors: int = INFINITE,
+    ) -> None:
         self.store = store
         self.shm = shm
         self.arena: Arena = shm.arena
         self.socket_path = socket_path
+        self.limits = limits if limits is not None else Limits()
+        self.ledger = Ledger(budgets(self.limits, self.arena.size, descriptors))
+        """The budgets; ``descriptors``: how many connections and shared buffers the
+        descriptor limit leaves room for."""
         self.sessions: dict[int, Session] = {}
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -95,15 +122,31 @@ class ServerState:
         """Pending puts aborted because their client went away."""
         self.released_loads = 0
         """Load grants dropped because their client went away."""
+        self.events: dict[str, int] = dict.fromkeys(
+            ("accept_errors", "body_timeouts", "unreplied_errors", "internal_errors"), 0
+        )
+        """``accept_errors``: accept calls that failed (descriptors ran out: the server
+        shed a connection instead of ending); ``body_timeouts``: connections ended by the
+        body deadline; ``unreplied_errors``: failed requests that asked for no reply
+        (rid 0); ``internal_errors``: handler bugs (logged, RemoteError)."""
 
-    def open_session(self) -> Session:
+    def count(self, event: str) -> None:
         with self.lock:
-            session = Session(self, next(self._ids))
+            self.events[event] += 1
+
+    def open_session(self, held: Held | None = None) -> Session:
+        """A new session; ``held``: what its connection holds already (the connection
+        and its descriptor), given back with everything else when it closes."""
+        with self.lock:
+            session = Session(self, next(self._ids), held if held is not None else {})
             self.sessions[session.sid] = session
             return session
 
     def close_session(self, session: Session) -> None:
-        puts, loads = session.close()
+        try:
+            puts, loads = session.close()
+        finally:
+            self.ledger.give_all(session.held)
         with self.lock:
             self.sessions.pop(session.sid, None)
             self.released_puts += puts
@@ -128,6 +171,8 @@ class ServerState:
             "shm_used_bytes": self.shm.used_bytes,
             "released_puts": self.released_puts,
             "released_loads": self.released_loads,
+            **self.events,
+            **self.ledger.figures(),
             **self.arena.stats(),
         }
 
@@ -135,16 +180,19 @@ class ServerState:
 class Session:
     """The leases of one connection and the handlers of its verbs."""
 
-    def __init__(self, server: ServerState, sid: int) -> None:
+    def __init__(self, server: ServerState, sid: int, held: Held) -> None:
         self.server = server
         self.sid = sid
+        self.held = held
+        """What this session holds of each budget (given back whole when it ends)."""
+        self.ledger = server.ledger
+        self.limits = server.limits
         self.puts: dict[int, _Put] = {}
-        self.loads: dict[int, list[np.ndarray]] = {}
+        self.loads: dict[int, _Load] = {}
         self.buffers: dict[int, SharedBuffer] = {}
         self.staged: dict[int, np.ndarray] = {}
         """Arena extents staged for this session's next puts, by id (the client writes
         them, a ``put`` adopts them; freed with the session)."""
-        self._staged_bytes = 0
         self.deferred: _Staged | None = None
         """A deferred ``put`` waiting for its ``put_commit`` (the client is copying)."""
         self.deferred_error: KVLifeError | None = None
@@ -194,7 +242,6 @@ class Session:
             self.loads.clear()
             self.buffers.clear()
             self.staged.clear()  # their extents go back to the arena with the views
-            self._staged_bytes = 0
         for buf in buffers:
             buf.drop()
         deferred = int(self.deferred is not None)
@@ -224,6 +271,15 @@ class Session:
         tokens = args["tokens"]
         if len(tokens) % 4:
             raise ProtocolError("tokens must be little-endian u32 ids (a multiple of 4 bytes)")
+        extra = args.get("extra_keys", ())
+        if extra:
+            nbytes = sum(len(e) for e in extra)
+            if nbytes > self.limits.max_extra_key_bytes:
+                raise self.ledger.refuse(
+                    "extra_key_bytes",
+                    f"{nbytes} bytes of extra keys in one request; at most "
+                    f"{self.limits.max_extra_key_bytes} (--max-extra-key-bytes)",
+                )
         raw = args["identity"]
         memo = tuple(sorted((k, v) for k, v in raw.items() if k != "layout")) + tuple(
             sorted(raw["layout"].items())
@@ -234,6 +290,7 @@ class Session:
             if len(self._identities) >= 64:
                 self._identities.clear()
             self._identities[memo] = identity
+        self._chunks(len(tokens) // 4 // max(1, identity.layout.tokens_per_chunk))
         return {
             "identity": identity,
             "namespace": protocol.decode_namespace(args["namespace"]),
@@ -285,25 +342,49 @@ class Session:
             raise ProtocolError(f"{len(starts)} starts for {len(keys)} keys")
         if len(keys) > args["chunks_total"]:
             raise ProtocolError(f"{len(keys)} hits of a prompt of {args['chunks_total']} chunks")
-        self._room(self.loads, "loads")
+        self._chunks(len(keys))
         layout = protocol.decode_layout(args["layout"]) if "layout" in args else None
         if layout is not None:
             self._fits(layout)
-        store, arena = self.server.store, self.server.arena
+        if "into" in args:
+            lookup = self._lookup_of(args, keys, layout)
+            return self._load_into(lookup, args["into"], layout, args.get("request_id", ""))
+        # the grant is charged before the load: every chunk at its layout's size (none
+        # known: at the size it turns out to have, checked before it is handed out)
+        charge = len(keys) * page_charge(layout.chunk_nbytes) if layout is not None else 0
+        grant = {"loads": 1, "grant_bytes": charge}
+        self.ledger.take(self.held, grant, f"session {self.sid}'s load of {len(keys)} chunks")
+        try:
+            return self._load(args, keys, layout, charge)
+        except BaseException:
+            self.ledger.give(self.held, grant)
+            raise
+
+    def _lookup_of(
+        self, args: dict[str, Any], keys: list[ChunkKey], layout: KVLayout | None
+    ) -> LookupResult:
         shm = self.server.shm.name
-        lookup = LookupResult(
-            [ChunkHit(i, k, s, shm) for i, (k, s) in enumerate(zip(keys, starts, strict=True))],
+        return LookupResult(
+            [
+                ChunkHit(i, k, s, shm)
+                for i, (k, s) in enumerate(zip(keys, args["starts"], strict=True))
+            ],
             args["chunks_total"],
             layout.tokens_per_chunk if layout is not None else 1,
             protocol.decode_accept(args["accept"]) if "accept" in args else Accept.EXACT,
         )
+
+    def _load(
+        self, args: dict[str, Any], keys: list[ChunkKey], layout: KVLayout | None, charge: int
+    ) -> object:
+        """A load through grants (``charge``: what its grant holds of the budget so far)."""
+        store, arena = self.server.store, self.server.arena
+        lookup = self._lookup_of(args, keys, layout)
         # hits on slower tiers are read straight into arena extents; DRAM hits are served
         # as views of their replicas (out None). load_async reads chunk by chunk, so a
         # chunk whose tier changed since this check is still read correctly either way.
         request_id = args.get("request_id", "")
         shm_tier = self.server.shm
-        if "into" in args:
-            return self._load_into(lookup, args["into"], layout, request_id)
         streamed: list[np.ndarray] = []
         kept = 0
         if layout is None or all(shm_tier.contains(k) for k in keys):
@@ -344,11 +425,18 @@ class Session:
                 assert off is not None
             held.append(arr)
             grants.append([off, arr.dtype.str, list(arr.shape)])
+        actual = sum(page_charge(a.nbytes) for a in held)
+        if actual > charge:  # no layout was given: charged now, before it is handed out
+            self.ledger.take(self.held, {"grant_bytes": actual - charge}, f"session {self.sid}")
+        elif held and actual < charge:
+            self.ledger.give(self.held, {"grant_bytes": charge - actual})
         lid = 0
         if held:
             with self._lock:
                 lid = next(self._ids)
-                self.loads[lid] = held
+                self.loads[lid] = _Load(held, actual)
+        else:
+            self.ledger.give(self.held, {"loads": 1, "grant_bytes": charge})
         return {
             "load": lid,
             "grants": grants,
@@ -427,20 +515,19 @@ class Session:
         }
 
     def alloc_buffer(self, args: dict[str, Any]) -> object:
-        nbytes = args["nbytes"]
+        size = page_charge(args["nbytes"])
+        # one descriptor each: the server's mapping keeps one open
+        charge = {"buffers": 1, "buffer_bytes": size, "descriptors": 1}
+        self.ledger.take(self.held, charge, f"session {self.sid}'s shared buffers")
+        try:
+            buf = SharedBuffer.create(Path(f"{self.server.arena.path}-buf"), size)
+        except BaseException:
+            self.ledger.give(self.held, charge)
+            raise
         with self._lock:
-            held = sum(b.size for b in self.buffers.values())
-            if held + nbytes > MAX_BUFFER_BYTES or len(self.buffers) >= 256:
-                raise StorageFullError(
-                    f"session {self.sid} holds {held} bytes of shared buffers; "
-                    f"at most {MAX_BUFFER_BYTES} in 256 buffers"
-                )
             bid = next(self._ids)
-        path = Path(f"{self.server.arena.path}-buf-{self.sid}-{bid}")
-        buf = SharedBuffer(path, nbytes)
-        with self._lock:
             self.buffers[bid] = buf
-        return {"buffer": bid, "path": str(path), "nbytes": buf.size}
+        return {"buffer": bid, "path": str(buf.path), "nbytes": buf.size}
 
     def free_buffer(self, args: dict[str, Any]) -> object:
         with self._lock:
@@ -448,21 +535,38 @@ class Session:
         if buf is None:
             raise ProtocolError(f"session {self.sid} holds no buffer {args['buffer']}")
         buf.drop()
+        self.ledger.give(self.held, {"buffers": 1, "buffer_bytes": buf.size, "descriptors": 1})
         return None
 
     def release(self, args: dict[str, Any]) -> object:
         with self._lock:
-            if self.loads.pop(args["load"], None) is None:
-                raise ProtocolError(f"session {self.sid} holds no load {args['load']}")
+            load = self.loads.pop(args["load"], None)
+        if load is None:
+            raise ProtocolError(f"session {self.sid} holds no load {args['load']}")
+        load.arrays.clear()
+        self.ledger.give(self.held, {"loads": 1, "grant_bytes": load.charge})
         return None
 
     def prepare_put(self, args: dict[str, Any]) -> object:
         p = self._prompt(args)
-        self._room(self.puts, "puts")
         layout = p["identity"].layout
         self._fits(layout)
-        dtype = numpy_dtype(layout.dtype)
         nchunks = len(p["tokens"]) // layout.tokens_per_chunk
+        # every chunk is charged, whether it gets an extent or another put is writing it
+        # (its lists are held either way), before anything is made
+        charge = nchunks * page_charge(layout.chunk_nbytes)
+        lease = {"puts": 1, "put_bytes": charge}
+        self.ledger.take(self.held, lease, f"session {self.sid}'s put of {nchunks} chunks")
+        try:
+            return self._prepare_put(args, p, layout, nchunks, charge)
+        except BaseException:
+            self.ledger.give(self.held, lease)
+            raise
+
+    def _prepare_put(
+        self, args: dict[str, Any], p: dict[str, Any], layout: KVLayout, nchunks: int, charge: int
+    ) -> object:
+        dtype = numpy_dtype(layout.dtype)
         # zero-memory stand-ins: only the chunks the store does not hold get an extent
         dummy = np.lib.stride_tricks.as_strided(
             np.zeros(1, dtype), shape=layout.chunk_shape, strides=(0,) * 5, writeable=False
@@ -499,16 +603,17 @@ class Session:
             pending.items[:] = [(rec, dummy) for rec, _ in pending.items]
             store.abort_put(pending, "no room to stage the put")
             raise
-        with self._lock:
+        staged = self._stage(layout, args.get("stage", 0))
+        with self._lock:  # last: from here on commit or abort gives its budget back
             pid = next(self._ids)
-            self.puts[pid] = _Put(pending, views)
+            self.puts[pid] = _Put(pending, views, charge)
         return {
             "put": pid,
             "keys": b"".join(pending.keys),
             "slots": slots,
             "present": pending.present,
             "in_flight": pending.in_flight,
-            "staged": self._stage(layout, args.get("stage", 0)),
+            "staged": staged,
         }
 
     def _stage(self, layout: KVLayout, count: int) -> list[list[int]]:
@@ -516,22 +621,29 @@ class Session:
         each), as far as the session's staging budget and the arena's room allow."""
         dtype = numpy_dtype(layout.dtype)
         n = layout.chunk_nbytes
+        size = page_charge(n)
         out: list[list[int]] = []
         for _ in range(count):
-            with self._lock:
-                if self.closed or self._staged_bytes + n > MAX_STAGED_BYTES:
-                    break
+            if self.closed or not self._try_stage(size):
+                break  # staging is best effort: a put without it takes two round trips
             view = self.server.arena.alloc(n, dtype, layout.chunk_shape)
             if view is None:
+                self._unstage_bytes(size)
                 break
             off = self.server.arena.offset_of(view)
             assert off is not None
             with self._lock:
                 sid = next(self._ids)
                 self.staged[sid] = view
-                self._staged_bytes += n
             out.append([sid, off])
         return out
+
+    def _try_stage(self, size: int) -> bool:
+        """Charge one staged extent (to the staged and the put budgets), if it fits."""
+        return self.ledger.try_take(self.held, {"staged_bytes": size, "put_bytes": size})
+
+    def _unstage_bytes(self, size: int) -> None:
+        self.ledger.give(self.held, {"staged_bytes": size, "put_bytes": size})
 
     def put(self, args: dict[str, Any]) -> object:
         """The one-round-trip put: the client wrote every chunk of the prompt into the
@@ -562,17 +674,22 @@ class Session:
     def _drop_deferred(self, reason: str) -> None:
         staged, self.deferred, self.deferred_error = self.deferred, None, None
         if staged is not None:
-            staged.views.clear()
+            self._drop_views(staged.views)
             self._unstage(staged.refill)
             self.server.store.abort_put(staged.pending, reason)
+
+    def _drop_views(self, views: list[np.ndarray]) -> None:
+        """Staged extents a put took and will not give back: freed, uncharged."""
+        self.ledger.give(self.held, {"put_bytes": sum(page_charge(v.nbytes) for v in views)})
+        views.clear()
 
     def _unstage(self, extents: list[list[int]]) -> None:
         """Staged extents the client was never told of (their put failed): freed."""
         with self._lock:
-            for sid, _ in extents:
-                view = self.staged.pop(sid, None)
-                if view is not None:
-                    self._staged_bytes -= view.nbytes
+            views = [self.staged.pop(sid, None) for sid, _ in extents]
+        for view in views:
+            if view is not None:
+                self._unstage_bytes(page_charge(view.nbytes))
 
     def _begin_staged(self, args: dict[str, Any]) -> _Staged:
         p = self._prompt(args)
@@ -595,17 +712,22 @@ class Session:
                 views.append(view)
             for sid in ids:  # the put owns them now; unused ones are staged again later
                 del self.staged[sid]
-            self._staged_bytes -= sum(v.nbytes for v in views)
-        pending = self.server.store.prepare_put(
-            p["identity"],
-            p["namespace"],
-            p["tokens"],
-            views,
-            start=p["start"],
-            parent=p["parent"],
-            extra_keys=p["extra_keys"],
-            request_id=args.get("request_id", ""),
-        )
+        # still the session's (put budget), no longer staged
+        self.ledger.give(self.held, {"staged_bytes": sum(page_charge(v.nbytes) for v in views)})
+        try:
+            pending = self.server.store.prepare_put(
+                p["identity"],
+                p["namespace"],
+                p["tokens"],
+                views,
+                start=p["start"],
+                parent=p["parent"],
+                extra_keys=p["extra_keys"],
+                request_id=args.get("request_id", ""),
+            )
+        except BaseException:
+            self._drop_views(views)
+            raise
         # replacements for the extents the new chunks will take, made now (a deferred put
         # is prepared while the client copies): the commit only hands them out
         refill = self._stage(layout, len(pending.items))
@@ -619,20 +741,27 @@ class Session:
         try:
             res = self.server.store.commit_put(pending)
         except BaseException:
+            self._drop_views(staged.views)
             self._unstage(staged.refill)
             raise
         pending.items.clear()
         kept: list[list[int]] = []
+        gone = 0
         with self._lock:
             for sid, view in zip(staged.ids, staged.views, strict=True):
                 off = arena.offset_of(view)
                 if off in used or self.closed:
+                    gone += page_charge(view.nbytes)
                     continue  # a replica now (or the session ended): never staged again
                 assert off is not None
                 self.staged[sid] = view
-                self._staged_bytes += view.nbytes
                 kept.append([sid, off])
         staged.views.clear()
+        self.ledger.give(self.held, {"put_bytes": gone})
+        # back where they were taken from a moment ago: no check
+        self.ledger.force(
+            self.held, {"staged_bytes": page_charge(staged.layout.chunk_nbytes) * len(kept)}
+        )
         out = _put_reply(res)
         short = len(staged.ids) - len(kept) - len(staged.refill)  # the arena was full
         out["staged"] = kept + staged.refill + self._stage(staged.layout, max(0, short))
@@ -650,13 +779,22 @@ class Session:
         for view in put.views:
             view.flags.writeable = False  # sealed: the tier adopts it without a copy
         put.views.clear()
-        return _put_reply(self.server.store.commit_put(put.pending))
+        try:
+            return _put_reply(self.server.store.commit_put(put.pending))
+        finally:
+            self._put_done(put)
 
     def abort_put(self, args: dict[str, Any]) -> object:
         put = self._take_put(args["put"])
         put.views.clear()
-        self.server.store.abort_put(put.pending, args.get("reason", "aborted by caller"))
+        try:
+            self.server.store.abort_put(put.pending, args.get("reason", "aborted by caller"))
+        finally:
+            self._put_done(put)
         return None
+
+    def _put_done(self, put: _Put) -> None:
+        self.ledger.give(self.held, {"puts": 1, "put_bytes": put.charge})
 
     def invalidate(self, args: dict[str, Any]) -> object:
         ns = args.get("namespace")
@@ -684,9 +822,9 @@ class Session:
                 f"server's whole arena ({self.server.arena.size} bytes)"
             )
 
-    def _room(self, table: dict[int, Any], what: str) -> None:
-        if len(table) >= MAX_LEASES:
-            raise ProtocolError(
-                f"session {self.sid} already holds {len(table)} {what}; "
-                "release or finish some first"
+    def _chunks(self, n: int) -> None:
+        if n > self.limits.max_chunks:
+            raise self.ledger.refuse(
+                "chunks",
+                f"{n} chunks in one request; at most {self.limits.max_chunks} (--max-chunks)",
             )

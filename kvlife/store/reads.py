@@ -167,6 +167,54 @@ class LoadHandle(LoadCompletion):
         return (item.done for item in self._items)
 
 
+class _Feed:
+    """Submits a load's reads to the I/O pool in order; with ``chained``, each finished
+    read submits the next (so at most the initial number are in flight). An object, not
+    two closures that call each other: those formed a reference cycle that kept the
+    load's items, and the arena extents they read into, alive until the cyclic garbage
+    collector ran (whose finalizers then ran on whichever thread set it off)."""
+
+    def __init__(
+        self,
+        pool: ThreadPoolExecutor,
+        core: StoreCore,
+        handle: LoadHandle,
+        items: list[_Item],
+        chained: bool,
+    ) -> None:
+        self.pool = pool
+        self.tiers = core.tiers
+        self.rates = core.decode_rates
+        self.verify = core.config.verify_dram_on_load
+        self.handle = handle
+        self.queue = iter(items)
+        self.lock = threading.Lock()
+        self.chained = chained
+
+    def read(self, it: _Item) -> None:
+        try:
+            res: Outcome | BaseException = _read_run(
+                self.tiers[it.tier], [it], self.rates, self.verify
+            )[0]
+        except BaseException as exc:  # handed to the handle as a typed miss
+            res = exc
+        if self.chained:
+            self.submit_next()
+        self.handle._complete(it, res)
+
+    def submit_next(self) -> None:
+        with self.lock:
+            it = next(self.queue, None)
+        while it is not None:
+            try:
+                self.pool.submit(self.read, it)
+                return
+            except RuntimeError as exc:  # the pool shut down (the store is closing)
+                self.handle._complete(it, exc)  # this chunk and every later one: misses
+            with self.lock:
+                it = next(self.queue, None)
+
+
 def _read_run(
     tier: Tier, run: Sequence[_Item], rates: DecodeRates, verify: bool = False
 ) -> list[Outcome]:
@@ -334,36 +382,9 @@ class Reader:
             raise InvalidArgument(f"load depth must be >= 1, got {depth}")
         items, vanished = self._start(lookup, outs)
         handle = LoadHandle(self, items, len(lookup.hits), vanished, request_id)
-        pool = self._io_pool()
-        tiers = self.core.tiers
-        rates = self.core.decode_rates
-        verify = self.core.config.verify_dram_on_load
-        queue = iter(items)
-        queue_lock = threading.Lock()
-
-        def read(it: _Item) -> None:
-            try:
-                res: Outcome | BaseException = _read_run(tiers[it.tier], [it], rates, verify)[0]
-            except BaseException as exc:  # handed to the handle as a typed miss
-                res = exc
-            if depth is not None:
-                submit_next()
-            handle._complete(it, res)
-
-        def submit_next() -> None:
-            with queue_lock:
-                it = next(queue, None)
-            while it is not None:
-                try:
-                    pool.submit(read, it)
-                    return
-                except RuntimeError as exc:  # the pool shut down (the store is closing)
-                    handle._complete(it, exc)  # this chunk and every later one: misses
-                with queue_lock:
-                    it = next(queue, None)
-
+        feed = _Feed(self._io_pool(), self.core, handle, items, depth is not None)
         for _ in range(len(items) if depth is None else min(depth, len(items))):
-            submit_next()
+            feed.submit_next()
         return handle
 
     def publish(

@@ -16,6 +16,7 @@ collected.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import mmap
 import threading
@@ -172,13 +173,17 @@ class RecyclingPool:
         self._peak = 0
         self.reused = 0
         """Hand-outs served by recycled memory (for tests and diagnostics)."""
-        # reentrant: a finalizer may run in this thread while it holds the lock
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
+        self._given: collections.deque[tuple[mmap.mmap, int, int]] = collections.deque()
+        """Buffers whose last view died: the finalizer only appends here (it takes no
+        lock: the collector may run it on a thread inside ``take``); ``take`` and
+        ``clear`` put them back under the lock."""
 
     def take(self, nbytes: int) -> np.ndarray:
         """A new aligned uint8 array of ``nbytes`` (its contents are undefined)."""
         size = round_up(max(nbytes, 1))
         with self._lock:
+            self._drain()
             stack = self._free.get(size)
             found = stack.pop() if stack else None
             if found is not None:
@@ -195,7 +200,13 @@ class RecyclingPool:
         return whole[offset : offset + nbytes]
 
     def _give(self, mapping: mmap.mmap, offset: int, size: int) -> None:
-        with self._lock:
+        # a finalizer: no lock, no I/O (docs/server.md, "Finalizers")
+        self._given.append((mapping, offset, size))
+
+    def _drain(self) -> None:
+        """Take back the buffers given back since (the caller holds ``_lock``)."""
+        while self._given:
+            mapping, offset, size = self._given.popleft()
             self._out -= size
             limit = min(self.keep_bytes, self._peak)
             # Idle buffers of other sizes make room first: the size just given back is
@@ -215,6 +226,7 @@ class RecyclingPool:
     def clear(self) -> None:
         """Drop every idle buffer."""
         with self._lock:
+            self._drain()
             self._free.clear()
             self.idle_bytes = 0
 

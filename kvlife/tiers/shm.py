@@ -8,6 +8,12 @@ freed when the last numpy view of them dies (a weak finalizer on the view's base
 session copying it to a client) still holds is never reused under it, even after its
 replica was deleted. Freed extents are merged with their neighbours and reused.
 
+The finalizer takes no lock: the cyclic garbage collector runs it on whatever thread
+allocated when a collection fell due, and that thread may be inside :meth:`Arena.alloc`
+holding the arena's lock (a non-reentrant lock taken there deadlocked the server for
+good). It only appends the extent to a queue; every allocation and every figure drains
+the queue under the lock first (docs/server.md, "Finalizers").
+
 Two budgets: the tier's ``capacity_bytes`` bounds the extents of its replicas (whole
 pages, :meth:`ShmTier.footprint`; placement evicts against it, as for
 :class:`~kvlife.tiers.memory.MemoryTier`); the arena is larger by ``staging_bytes``,
@@ -24,6 +30,7 @@ with ``verify_dram_on_load``), never persisted or served as the bytes it committ
 from __future__ import annotations
 
 import bisect
+import collections
 import mmap
 import os
 import threading
@@ -169,6 +176,10 @@ class Arena:
         self.size = size
         self._alloc = Allocator(size)
         self._lock = threading.Lock()
+        self._freed: collections.deque[tuple[int, int]] = collections.deque()
+        """Extents whose last view died, not yet given back to the allocator: the
+        finalizer only appends here (``deque.append`` is atomic and takes no lock), the
+        holder of ``_lock`` drains it."""
         # generations start at a random point: hints of another server's arena (a client
         # that reconnected) name no extent of this one
         self._gen = int.from_bytes(os.urandom(6), "little") << 8
@@ -182,6 +193,7 @@ class Arena:
         """A writable view of a new extent shaped ``shape`` (None when none fits). The
         extent is freed when the last view of it dies."""
         with self._lock:
+            self._drain()
             off = self._alloc.alloc(nbytes)
             if off is not None:
                 self._gen += 1
@@ -194,7 +206,15 @@ class Arena:
         return raw.view(dtype).reshape(shape)
 
     def _free(self, offset: int, nbytes: int) -> None:
-        with self._lock:
+        # a finalizer: no lock, no I/O (it may run inside alloc, under _lock, on a
+        # collection the allocation set off); the next holder of _lock frees it
+        self._freed.append((offset, nbytes))
+
+    def _drain(self) -> None:
+        """Give the queued extents back to the allocator (the caller holds ``_lock``)."""
+        freed = self._freed
+        while freed:
+            offset, nbytes = freed.popleft()
             self._alloc.free(offset, nbytes)
             self._gens.pop(offset, None)
 
@@ -213,14 +233,19 @@ class Arena:
 
     @property
     def used_bytes(self) -> int:
-        return self._alloc.used
+        with self._lock:
+            self._drain()
+            return self._alloc.used
 
     @property
     def extents(self) -> int:
-        return self._alloc.extents
+        with self._lock:
+            self._drain()
+            return self._alloc.extents
 
     def stats(self) -> dict[str, int]:
         with self._lock:
+            self._drain()
             return {
                 "arena_bytes": self.size,
                 "arena_used_bytes": self._alloc.used,

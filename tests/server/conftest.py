@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,8 +41,11 @@ class ServerProc:
         staging: int = 4 * MiB,
         extra: tuple[str, ...] = (),
         default_socket: bool = False,
+        nofile: int | None = None,
     ) -> None:
         self.path = path
+        self.nofile = nofile
+        """RLIMIT_NOFILE of the server (soft and hard: it cannot raise it)."""
         self.default_socket = default_socket
         """Serve on ``PATH/serve.sock`` (no ``--socket``)."""
         self.socket = path / "serve.sock" if default_socket else path.parent / f"{path.name}.sock"
@@ -70,8 +75,16 @@ class ServerProc:
             str(self.pid_file),
             *self.args,
         ]
+        nofile = self.nofile
+
+        def limit() -> None:  # in the child, before exec
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stderr=log)
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=child_env(), stderr=log, preexec_fn=limit
+            )
         deadline = time.monotonic() + 60
         while not self.pid_file.exists():
             if self.proc.poll() is not None:
@@ -105,6 +118,19 @@ class ServerProc:
     def client(self) -> RemoteStore:
         return RemoteStore(self.socket, timeout=30)
 
+    def rss(self) -> tuple[int, int]:
+        """(resident, peak resident) bytes of the server process."""
+        fields = {}
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                fields[name] = int(value.split()[0]) * 1024
+        return fields["VmRSS"], fields["VmHWM"]
+
+    def alive(self) -> bool:
+        assert self.proc is not None
+        return self.proc.poll() is None
+
 
 def wait_for(pred: object, timeout: float = 20.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
@@ -115,15 +141,15 @@ def wait_for(pred: object, timeout: float = 20.0, what: str = "condition") -> No
         time.sleep(0.01)
 
 
-def quiet(store: RemoteStore, sessions: int = 1) -> dict[str, object]:
+def quiet(store: RemoteStore, sessions: int = 1) -> dict[str, Any]:
     """The server's state once only ``sessions`` connections remain and nothing is in
     flight (a killed client's cleanup runs when the server reads its end of stream)."""
-    box: dict[str, object] = {}
+    box: dict[str, Any] = {}
 
     def settled() -> bool:
         store.drain()
         box.update(store.server_state())
-        return box["sessions"] == sessions
+        return bool(box["sessions"] == sessions)
 
     wait_for(settled, what=f"{sessions} session(s) left")
     return box

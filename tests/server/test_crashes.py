@@ -81,7 +81,7 @@ def _check_clean(checker: RemoteStore, rng: np.random.Generator) -> None:
         # longer: it is waited for, a leak would never settle)
         checker.drain()
         snap.update(checker.server_state())
-        return snap["arena_extents"] == snap["shm_replicas"]
+        return bool(snap["arena_extents"] == snap["shm_replicas"])
 
     wait_for(settled, timeout=20, what="arena extents to be exactly the DRAM replicas")
     assert snap["arena_used_bytes"] == snap["shm_used_bytes"], snap

@@ -429,7 +429,7 @@ def _check_end(srv: ServerProc, rss_start: dict[str, int], rss_peak: int, fds_st
             # longer (drain waits for it): a leak would never settle
             checker.drain()
             snap.update(checker.server_state())
-            return snap["arena_extents"] == snap["shm_replicas"]
+            return bool(snap["arena_extents"] == snap["shm_replicas"])
 
         wait_for(settled, timeout=30, what="arena extents to be exactly the DRAM replicas")
         assert snap["arena_used_bytes"] == snap["shm_used_bytes"], snap

@@ -1,0 +1,242 @@
+"""The pieces of the server's defences on their own: the budget ledger (a state machine
+against a model), the frame reader (frames split anyhow arrive whole and in order; a
+large body is charged, a refused one is read and dropped; a stalled one times out), the
+decoder's bounds, and every limit documented with its default in ``kvlife serve --help``
+and docs/server.md."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import ClassVar
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvlife.core.errors import LimitExceeded, ProtocolError
+from kvlife.server import protocol
+from kvlife.server.limits import INFINITE, PAGE, Budget, Ledger, Limits, budgets, flag
+from kvlife.server.reader import RECV_BYTES, BodyTimeout, Discarded, FrameReader, FrameTooLarge
+from kvlife.tiers.buffers import ALIGN
+from tests.server.conftest import ROOT, child_env
+
+# ---------------------------------------------------------------------- ledger
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Takes never exceed either bound of any budget; a take of several budgets is all
+    or none, and a refused one changes nothing and is counted once, against a budget it
+    would have exceeded; the totals are the sum of the sessions'; a session's end gives
+    back all it held."""
+
+    BOUNDS: ClassVar[dict[str, tuple[int, int]]] = {"x": (10, 4), "y": (7, 5)}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger = Ledger(
+            {k: Budget(t, s, k, f"session-{k}", f"{k}-things") for k, (t, s) in self.BOUNDS.items()}
+        )
+        self.helds: list[dict[str, int]] = [{}, {}, {}]
+        self.refused = dict.fromkeys(self.BOUNDS, 0)
+
+    @rule(s=st.integers(0, 2), x=st.integers(0, 5), y=st.none() | st.integers(0, 5))
+    def take(self, s: int, x: int, y: int | None) -> None:
+        charge = {"x": x} if y is None else {"x": x, "y": y}
+        before = dict(self.helds[s])
+        over = [
+            k
+            for k, n in charge.items()
+            if before.get(k, 0) + n > self.BOUNDS[k][1]
+            or self.ledger.used[k] + n > self.BOUNDS[k][0]
+        ]
+        try:
+            self.ledger.take(self.helds[s], charge, f"s{s}")
+        except LimitExceeded as exc:
+            assert over and f"{over[0]}-things" in str(exc)
+            assert self.helds[s] == before  # all or none
+            self.refused[over[0]] += 1
+        else:
+            assert not over
+
+    @precondition(lambda self: any(any(h.values()) for h in self.helds))
+    @rule(data=st.data())
+    def give(self, data: st.DataObject) -> None:
+        s = data.draw(st.sampled_from([i for i, h in enumerate(self.helds) if any(h.values())]))
+        kind = data.draw(st.sampled_from([k for k, v in self.helds[s].items() if v]))
+        n = data.draw(st.integers(1, self.helds[s][kind]))
+        self.ledger.give(self.helds[s], {kind: n})
+
+    @rule(s=st.integers(0, 2))
+    def session_ends(self, s: int) -> None:
+        self.ledger.give_all(self.helds[s])
+        assert self.helds[s] == {}
+
+    @invariant()
+    def accounting(self) -> None:
+        for k, (total, session) in self.BOUNDS.items():
+            assert self.ledger.used[k] == sum(h.get(k, 0) for h in self.helds)
+            assert 0 <= self.ledger.used[k] <= total
+            assert all(h.get(k, 0) <= session for h in self.helds)
+            assert self.ledger.refused[k] == self.refused[k]
+
+
+TestLedger = LedgerMachine.TestCase
+TestLedger.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_giving_back_more_than_held_is_a_broken_invariant() -> None:
+    ledger = Ledger({"x": Budget(10, 10, "x", "x", "x")})
+    held: dict[str, int] = {}
+    ledger.take(held, {"x": 2}, "s")
+    with pytest.raises(AssertionError):
+        ledger.give(held, {"x": 3})  # never clamped back to zero
+    assert held == {"x": 2} and ledger.used["x"] == 2
+
+
+def test_budgets_resolve_shares_of_the_arena() -> None:
+    table = budgets(Limits(session_put_share=0.25), arena_bytes=64 * PAGE, descriptors=100)
+    assert table["put_bytes"].session == 16 * PAGE and table["put_bytes"].total == 64 * PAGE
+    assert table["descriptors"].total == 100 and table["descriptors"].session == INFINITE
+    assert PAGE == ALIGN  # the ledger charges the arena's pages
+
+
+# ---------------------------------------------------------------------- frames
+
+
+def _reader(limits: Limits | None = None) -> tuple[socket.socket, FrameReader, Ledger]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    b.settimeout(5)
+    limits = limits or Limits()
+    ledger = Ledger(budgets(limits, 1 << 30, 100))
+    return a, FrameReader(b, limits, ledger, {}), ledger
+
+
+def _frame(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "big") + body
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(
+        st.sampled_from([0, 1, 5, 300, RECV_BYTES - 4, RECV_BYTES - 3, RECV_BYTES + 7, 3 << 20]),
+        min_size=1,
+        max_size=5,
+    ),
+    cuts=st.lists(st.integers(1, 1 << 20), min_size=1, max_size=8),
+)
+def test_frames_split_anyhow_arrive_whole_and_in_order(sizes: list[int], cuts: list[int]) -> None:
+    bodies = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+    stream = b"".join(_frame(b) for b in bodies)
+    writer, reader, ledger = _reader(Limits(body_timeout_s=600))
+    least = len(stream) // 500  # at most about 500 sends: a slow client, not a stalled one
+
+    def send() -> None:  # in pieces of the drawn sizes, as a slow client would
+        at, i = 0, 0
+        while at < len(stream):
+            n = max(least, cuts[i % len(cuts)])
+            writer.sendall(stream[at : at + n])
+            at, i = at + n, i + 1
+        writer.shutdown(socket.SHUT_WR)
+
+    t = threading.Thread(target=send)
+    t.start()
+    got = []
+    while (body := reader.next()) is not None:
+        got.append(body)
+    t.join()
+    assert got == bodies
+    assert ledger.used["bodies_bytes"] == 0  # every large body's charge came back
+    writer.close()
+
+
+def test_a_large_body_over_the_budget_is_read_dropped_and_refused_to_its_rid() -> None:
+    limits = Limits(bodies_bytes=1 << 20)
+    writer, reader, ledger = _reader(limits)
+    big = msgpack.packb([42, "state", {"x": b"\0" * (2 << 20)}], use_bin_type=True)
+    small = msgpack.packb([43, "state", {}])
+
+    def send() -> None:
+        writer.sendall(_frame(big) + _frame(small))
+
+    t = threading.Thread(target=send)
+    t.start()
+    with pytest.raises(Discarded) as err:
+        reader.next()
+    assert err.value.rid == 42 and "--bodies-bytes" in str(err.value)
+    assert reader.next() == small  # the stream is in step
+    t.join()
+    assert ledger.refused["bodies_bytes"] == 1 and ledger.used["bodies_bytes"] == 0
+
+
+def test_a_stalled_body_times_out_and_a_huge_length_ends_the_stream() -> None:
+    writer, reader, _ = _reader(Limits(body_timeout_s=0.3))
+    writer.sendall(_frame(b"x" * 100)[:50])  # half a frame, then nothing
+    t0 = time.monotonic()
+    with pytest.raises(BodyTimeout, match="--body-timeout"):
+        reader.next()
+    assert time.monotonic() - t0 < 5
+    writer, reader, ledger = _reader(Limits(max_request_bytes=1000))
+    writer.sendall((1001).to_bytes(4, "big"))
+    with pytest.raises(FrameTooLarge, match="--max-request-bytes"):
+        reader.next()
+    assert ledger.refused["request_bytes"] == 1
+
+
+# ---------------------------------------------------------------------- decoder
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xdd\x00\x10\x00\x00" + b"\x80" * (1 << 20),  # a list of 1M empty maps
+        b"\x93\x01\xa5state" + b"\xdc\x01\x00" + b"\x90" * 256 + b"\x00" * 70000,
+        msgpack.packb([1, "state", {"x": "y" * 70000}]),  # a string longer than any field
+    ],
+)
+def test_the_decoder_refuses_before_building(body: bytes) -> None:
+    with pytest.raises(protocol.DecodeLimit) as err:
+        protocol.decode_request(body)
+    assert isinstance(err.value, LimitExceeded) and isinstance(err.value, ProtocolError)
+    reply = msgpack.unpackb(protocol.error_reply(1, err.value)[4:])
+    assert reply[2][0] == "LimitExceeded"  # a client rebuilds it typed
+
+
+# ---------------------------------------------------------------------- documented
+
+
+def test_every_limit_is_a_flag_with_its_default_in_help_and_docs() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvlife.cli", "serve", "--help"],
+        cwd=ROOT,
+        env={**child_env(), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    docs = (ROOT / "docs" / "server.md").read_text(encoding="utf-8")
+    section = docs[docs.index("## Limits") :]
+    for f in dataclasses.fields(Limits):
+        name = f"--{flag(f.name)}"
+        line = next((ln for ln in out.splitlines() if ln.strip().startswith(name + " ")), "")
+        assert line, f"{name} missing from kvlife serve --help"
+        entry = out[out.index("\n" + line) :]
+        assert f"(default {f.default})" in re.sub(r"\s+", " ", entry)[:400], name
+        row = next((ln for ln in section.splitlines() if f"`{name}`" in ln), "")
+        assert row, f"{name} missing from docs/server.md, Limits"
+        assert f"`{f.default}`" in row or _human(f.default) in row, (name, row)
+
+
+def _human(value: object) -> str:
+    if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        return f"{value >> 30} GiB" if value % (1 << 30) == 0 else f"{value >> 20} MiB"
+    if isinstance(value, int) and value >= 1 << 10 and value % (1 << 10) == 0:
+        return f"{value >> 10} KiB"
+    return f"`{value}`"
