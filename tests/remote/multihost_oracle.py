@@ -18,8 +18,11 @@ Every chunk a host serves is checked:
   started. A global rule covers every version created before it (even one published
   after it); a local rule covers, on its own host, the versions that host put since its
   last restart and created before the rule (``stale``);
-- it was committed and not aborted before the lookup (``tentative``);
-- a host revoked with a ban published nothing during the ban (``revoked-published``).
+- it was committed, and not aborted, before the load (``tentative``);
+- a host revoked with a ban published nothing during the ban (``revoked-published``),
+  unless the index lost its state meanwhile: a ban is a key in Redis, and a server
+  that restarts empty forgets it (docs/remote.md: fencing across a restart needs
+  persistence).
 
 A rule stays in force when the index loses its state: an acknowledged invalidation
 is never undone (issue 29 item 4 asks hosts to detect such an index and treat it as
@@ -257,13 +260,14 @@ class Oracle:
                 )
                 continue
             v = vs[0]
-            if v.committed is None or v.committed >= s.step or (v.aborted is not None):
+            at = s.load_step if s.load_step >= 0 else s.step
+            if v.committed is None or v.committed >= at or v.aborted is not None:
                 out.append(
                     self._finding(
                         "tentative",
                         s,
                         i,
-                        f"put {v.vid} (on {v.host}) was not committed before the lookup",
+                        f"put {v.vid} (on {v.host}) was not committed before the load",
                     )
                 )
             rules = self.covering(v, key, s.host, s.step)
@@ -288,6 +292,7 @@ class Oracle:
                     and v.host == rv.target
                     and v.created > rv.step
                     and s.t < rv.t_returned + rv.ban_ms / 1000 - 0.05
+                    and not any(rv.step < w < s.step for w in self.wipes)
                     and (s.host != v.host or s.tiers[i] == "shared")
                 ):
                     out.append(
@@ -335,7 +340,9 @@ class Oracle:
         - item3: a transform's frame served as KV, or lossy bytes under an exact
           lookup (reads never compare the record with the replica the lookup adopted);
         - item5: a lookup that raised InvalidArgument after a malformed rule;
-        - item2: a stale version whose put was in flight across the rule;
+        - item2: a stale version whose put was in flight across the rule (a global
+          rule; or a local one: ``KVStore.invalidate`` leaves TENTATIVE objects to
+          their put, the correctness issue's hole 5 that item 2 names);
         - item1: a stale version under a global rule, published after the rule (its
           epoch is read when it is published, not when its KV was created);
         - item4: a stale version served after a wipe of the index that came after a
@@ -345,8 +352,8 @@ class Oracle:
             return "item3" if frame or not s.lossy else kind
         if kind != "stale" or v is None or r is None:
             return kind
-        if r.scope is None and v.committed is not None and v.created < r.step < v.committed:
-            return "item2"
+        if v.committed is not None and v.created < r.step < v.committed:
+            return "item2"  # global, or local: the correctness issue's hole 5
         pub = self.published(v)
         if r.scope is None and pub is not None and pub > r.step:
             return "item1"
