@@ -69,6 +69,9 @@ class Backend:
 
     name = ""
     faults = False
+    timeout_s = SOCKET_TIMEOUT_S
+    """Hosts' Redis socket timeout: short, so that a partitioned host fails fast; the
+    minimal schedules, which have no partition, wait longer (a loaded machine)."""
 
     def start(self, tmp: Path) -> None:
         raise NotImplementedError
@@ -89,12 +92,12 @@ class Backend:
         raise NotImplementedError
 
 
-def _index_options(host: str, ns: str) -> tuple[tuple[str, object], ...]:
+def _index_options(host: str, ns: str, timeout_s: float) -> tuple[tuple[str, object], ...]:
     return (
         ("index_namespace", ns),
         ("host", host),
         ("lease_ttl_ms", LEASE_TTL_MS),
-        ("socket_timeout_s", SOCKET_TIMEOUT_S),
+        ("socket_timeout_s", timeout_s),
     )
 
 
@@ -123,6 +126,9 @@ class SingleRedis(Backend):
 
     def stop(self) -> None:
         for p in self.proxies.values():
+            p.set(Fault.drop())  # its connections end first: no pump is left pending
+        time.sleep(0.05)
+        for p in self.proxies.values():
             p.stop()
         self.proxies.clear()
         if self.server is not None:
@@ -137,9 +143,8 @@ class SingleRedis(Backend):
 
     def spec(self, host: str, ns: str) -> SharedSpec:
         url = f"redis://127.0.0.1:{self._proxy(host).port}/0"
-        return SharedSpec(
-            "redis", (("url", url), *_index_options(host, ns)), TRANSFORMS.get(host, "")
-        )
+        options = (("url", url), *_index_options(host, ns, self.timeout_s))
+        return SharedSpec("redis", options, TRANSFORMS.get(host, ""))
 
     def set_fault(self, host: str, fault: Fault) -> None:
         self._proxy(host).set(fault)
@@ -172,7 +177,7 @@ class ClusterRedis(Backend):
         assert self.cluster is not None
         return SharedSpec(
             "redis",
-            (("cluster", self.cluster.seeds), *_index_options(host, ns)),
+            (("cluster", self.cluster.seeds), *_index_options(host, ns, self.timeout_s)),
             TRANSFORMS.get(host, ""),
         )
 
@@ -235,7 +240,7 @@ class MooncakeBackend(SingleRedis):
                 ("metadata", m.metadata),  # type: ignore[attr-defined]
                 ("index", url),
                 ("segment_bytes", 32 << 20),
-                *_index_options(host, ns),
+                *_index_options(host, ns, self.timeout_s),
             ),
             TRANSFORMS.get(host, ""),
         )
@@ -505,12 +510,17 @@ def _tiers(tiers: list[str]) -> str:
 
 @contextlib.contextmanager
 def world(
-    backend: str = "redis", cast: Cast = DEFAULT_CAST, tmp: Path | None = None
+    backend: str = "redis",
+    cast: Cast = DEFAULT_CAST,
+    tmp: Path | None = None,
+    timeout_s: float = SOCKET_TIMEOUT_S,
 ) -> Iterator[World]:
     with contextlib.ExitStack() as stack:
         if tmp is None:
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvl-mh-")))
-        with World(tmp, BACKENDS[backend](), cast) as w:
+        servers = BACKENDS[backend]()
+        servers.timeout_s = timeout_s
+        with World(tmp, servers, cast) as w:
             yield w
 
 
@@ -552,10 +562,11 @@ def shrink(
     cur = list(steps[: hits[0] + 1])
     # first, whole classes of steps at once: the server processes (slow to start),
     # then the steps that only let time pass or slow things down
-    for drop in (
+    drops: list[Callable[[Step], bool]] = [
         lambda st: st.host in cast.served or st.target in cast.served,
         lambda st: st.kind in ("expire", "fault", "wait"),
-    ):
+    ]
+    for drop in drops:
         cand = [st for st in cur if not drop(st)]
         if len(cand) < len(cur) and cand and fails(cand):
             cur = cand
