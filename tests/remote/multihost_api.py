@@ -21,6 +21,7 @@ Calls used today (issue 29's fixes may change them):
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -32,11 +33,13 @@ from typing import Any
 
 import numpy as np
 
+from kvlife.client.remote import RemoteStore
 from kvlife.core.errors import KVLifeError
 from kvlife.core.identity import ChunkKey, ModelIdentity, Namespace, NamespaceKind
 from kvlife.globalindex import GlobalIndex
 from kvlife.results import LookupResult
 from kvlife.store import KVStore, TierSpec
+from kvlife.tiers.redis.published import PublishedTier
 from kvlife.transforms.contract import Accept
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,8 +143,8 @@ class Host:
         self.shared = shared
         self.incarnation = 0
         self.pending: Any = None
-        """A prepared put not committed yet."""
-        self.store: Any = None
+        """A prepared put not committed yet (a ``PendingPut`` or ``RemotePendingPut``)."""
+        self.store: KVStore | RemoteStore | None = None
 
     @property
     def is_open(self) -> bool:
@@ -153,37 +156,42 @@ class Host:
     def close(self, clean: bool) -> None:
         raise NotImplementedError
 
+    @property
+    def s(self) -> KVStore | RemoteStore:
+        assert self.store is not None, f"host {self.name} is not open"
+        return self.store
+
     def put(self, ident: ModelIdentity, ns: str, tokens: np.ndarray, kv: np.ndarray) -> int:
-        return int(self.store.put_prompt(ident, org(ns), tokens, kv).stored)
+        return self.s.put_prompt(ident, org(ns), tokens, kv).stored
 
     def begin(self, ident: ModelIdentity, ns: str, tokens: np.ndarray, kv: np.ndarray) -> None:
-        self.pending = self.store.prepare_put(ident, org(ns), tokens, kv)
+        self.pending = self.s.prepare_put(ident, org(ns), tokens, kv)
 
     def commit(self) -> int:
         pending, self.pending = self.pending, None
-        return int(self.store.commit_put(pending).stored)
+        return self.s.commit_put(pending).stored
 
     def abort(self) -> None:
         pending, self.pending = self.pending, None
-        self.store.abort_put(pending)
+        self.s.abort_put(pending)
 
     def flush(self) -> int:
-        return int(self.store.flush())
+        return self.s.flush()
 
     def lookup(self, ident: ModelIdentity, ns: str, tokens: np.ndarray, lossy: bool) -> Looked:
         accept = Accept.lossy() if lossy else Accept.EXACT
-        res = self.store.lookup(ident, org(ns), tokens, accept=accept)
+        res = self.s.lookup(ident, org(ns), tokens, accept=accept)
         hits = [Hit(bytes(h.key), str(h.tier), h.transform, h.exactness) for h in res.hits]
         return Looked(hits, res, self.incarnation)
 
     def load(self, looked: Looked) -> list[np.ndarray]:
-        res = self.store.load(looked.result)
+        res = self.s.load(looked.result)
         arrays = [np.array(a, copy=True) for a in res.arrays[: res.loaded]]
-        self.store.drain()  # promotions settle: the next step sees a settled store
+        self.s.drain()  # promotions settle: the next step sees a settled store
         return arrays
 
     def invalidate_local(self, crit: Criteria) -> int:
-        return int(self.store.invalidate(**crit.kwargs()))
+        return self.s.invalidate(**crit.kwargs())
 
 
 class InProcessHost(Host):
@@ -200,9 +208,10 @@ class InProcessHost(Host):
             store.close(flush=clean)
 
     def index(self) -> GlobalIndex:
-        tier: Any = self.store.tier("shared")
-        idx: GlobalIndex = tier.index
-        return idx
+        assert isinstance(self.store, KVStore), f"host {self.name} is not open"
+        tier = self.store.tier("shared")
+        assert isinstance(tier, PublishedTier), "the shared tier publishes under an index"
+        return tier.index
 
     def invalidate_global(self, crit: Criteria) -> int:
         """A global invalidation issued by this host; returns its epoch."""
@@ -227,8 +236,6 @@ class ServedHost(Host):
         return self.path / "s.sock"
 
     def open(self) -> None:
-        import json
-
         self.path.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             self.socket.unlink()
