@@ -11,11 +11,39 @@ adopted, and a reader that cannot read the index serves nothing remote
 (``docs/remote.md``).
 """
 
-from kvlife.globalindex.health import Health
-from kvlife.globalindex.index import GlobalIndex, IndexConfig, IndexMismatch
-from kvlife.globalindex.lease import Lease
-from kvlife.globalindex.record import RemoteRecord
-from kvlife.globalindex.rules import InvalidationRule, RuleSync
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvlife.globalindex.health import Health
+    from kvlife.globalindex.index import GlobalIndex, IndexConfig, IndexMismatch
+    from kvlife.globalindex.lease import Lease
+    from kvlife.globalindex.record import RemoteRecord
+    from kvlife.globalindex.rules import InvalidationRule, RuleSync
+
+# Imported on first use: the store imports ``globalindex.rules`` (one rule mechanism for
+# local and global invalidations), and that must not need redis-py, an optional extra
+# (the vLLM virtualenv has none).
+_WHERE = {
+    "GlobalIndex": "index",
+    "Health": "health",
+    "IndexConfig": "index",
+    "IndexMismatch": "index",
+    "InvalidationRule": "rules",
+    "Lease": "lease",
+    "RemoteRecord": "record",
+    "RuleSync": "rules",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvlife.globalindex' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kvlife.globalindex.{module}"), name)
+
 
 __all__ = [
     "GlobalIndex",
