@@ -1,4 +1,4 @@
-"""Tier kinds by name: how a :class:`~kvlife.store.config.TierSpec` becomes a tier.
+"""Tier kinds by name: how a :class:`~kvlife.tiers.spec.TierSpec` becomes a tier.
 
 Built-in kinds are registered on first use (lazy import); another package registers its
 own with :func:`register_tier_kind`, and a store chain can then name it.
@@ -9,14 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.tiers.base import Tier
 from kvlife.tiers.disk.fileio import FileIO
-
-if TYPE_CHECKING:
-    from kvlife.store.config import TierSpec
+from kvlife.tiers.spec import TierSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +26,7 @@ class TierContext:
     """File I/O seam for tiers that write files (fault injection in tests)."""
 
 
-TierFactory = Callable[["TierSpec", TierContext], Tier]
+TierFactory = Callable[[TierSpec, TierContext], Tier]
 _KINDS: dict[str, TierFactory] = {}
 
 
