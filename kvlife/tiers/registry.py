@@ -1,7 +1,10 @@
 """Tier kinds by name: how a :class:`~kvlife.tiers.spec.TierSpec` becomes a tier.
 
-Built-in kinds are registered on first use (lazy import); another package registers its
-own with :func:`register_tier_kind`, and a store chain can then name it.
+A kind is a :class:`TierKind`: how to build a tier of it from a spec, and the footprint
+of a replica in it (what a budget must hold per replica, known before any tier of the
+kind exists). Built-in kinds are registered on first use (lazy import of the tier
+modules); another package registers its own with :func:`register_tier_kind`, and a store
+chain can then name it.
 """
 
 from __future__ import annotations
@@ -27,22 +30,66 @@ class TierContext:
 
 
 TierFactory = Callable[[TierSpec, TierContext], Tier]
-_KINDS: dict[str, TierFactory] = {}
 
 
-def register_tier_kind(kind: str, factory: TierFactory) -> None:
+def _payload_only(nbytes: int) -> int:
+    return nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class TierKind:
+    """One registered kind of tier."""
+
+    name: str
+    """The kind's name, as a :class:`TierSpec` gives it (``memory``, ``disk``, ...)."""
+    build: TierFactory
+    """Builds a tier of this kind from its spec."""
+    footprint: Callable[[int], int] = _payload_only
+    """Budget bytes a replica of ``nbytes`` payload bytes takes in a tier of this kind
+    (framing, page rounding): what such a tier's :meth:`Tier.footprint` answers."""
+
+
+_KINDS: dict[str, TierKind] = {}
+
+
+def register_tier_kind(
+    kind: str, factory: TierFactory, footprint: Callable[[int], int] = _payload_only
+) -> None:
     """Register a tier kind (a duplicate name is an error)."""
     if kind in _KINDS:
         raise InvalidArgument(f"tier kind {kind!r} is already registered")
-    _KINDS[kind] = factory
+    _KINDS[kind] = TierKind(kind, factory, footprint)
+
+
+def tier_kind(kind: str) -> TierKind:
+    """The registered kind called ``kind`` (InvalidArgument naming the known ones)."""
+    _builtins()
+    found = _KINDS.get(kind)
+    if found is None:
+        raise InvalidArgument(f"unknown tier kind {kind!r}; known: {sorted(_KINDS)}")
+    return found
 
 
 def build_tier(spec: TierSpec, ctx: TierContext) -> Tier:
-    _builtins()
-    factory = _KINDS.get(spec.kind)
-    if factory is None:
-        raise InvalidArgument(f"unknown tier kind {spec.kind!r}; known: {sorted(_KINDS)}")
-    return factory(spec, ctx)
+    return tier_kind(spec.kind).build(spec, ctx)
+
+
+def footprint(kind: str, nbytes: int) -> int:
+    """Budget bytes a replica of ``nbytes`` payload bytes takes in a tier of ``kind``:
+    to size a budget in replicas before the tier is built."""
+    return tier_kind(kind).footprint(nbytes)
+
+
+def _disk_footprint(nbytes: int) -> int:
+    from kvlife.tiers.disk.frame import frame_len
+
+    return frame_len(nbytes)
+
+
+def _shm_footprint(nbytes: int) -> int:
+    from kvlife.tiers.buffers import round_up
+
+    return round_up(max(nbytes, 1))
 
 
 def _memory(spec: TierSpec, ctx: TierContext) -> Tier:
@@ -154,11 +201,11 @@ def _mooncake(spec: TierSpec, ctx: TierContext) -> Tier:
 
 
 def _builtins() -> None:
-    for kind, factory in (
-        ("memory", _memory),
-        ("disk", _disk),
-        ("redis", _redis),
-        ("mooncake", _mooncake),
-        ("shm", _shm),
+    for kind in (
+        TierKind("memory", _memory),
+        TierKind("disk", _disk, _disk_footprint),
+        TierKind("redis", _redis),
+        TierKind("mooncake", _mooncake),
+        TierKind("shm", _shm, _shm_footprint),
     ):
-        _KINDS.setdefault(kind, factory)
+        _KINDS.setdefault(kind.name, kind)
