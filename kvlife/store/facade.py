@@ -9,7 +9,8 @@ the transition table and emitted to the event sink; only INDEXED objects are ser
 Threads of one process may share a store: lookups and loads never wait for another
 thread's write, fsync or disk read (the index lock is held only for bookkeeping). A
 store directory is held by one process at a time: a second ``open`` raises
-:class:`~kvlife.core.errors.StoreLockedError`.
+:class:`~kvlife.core.errors.StoreLockedError`; many processes share one through
+``kvlife serve`` and :func:`kvlife.connect`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,9 +39,6 @@ from kvlife.tiers.base import AuditReport, Tier
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.registry import TierContext, build_tier
 from kvlife.transforms.contract import Accept
-
-if TYPE_CHECKING:
-    from kvlife.client.remote import RemoteStore
 
 Tokens = Sequence[int] | np.ndarray
 
@@ -100,16 +97,6 @@ class KVStore:
             {"dram_bytes": dram_bytes, "disk_bytes": disk_bytes, **settings}
         )
         return cls(path, config, sink=sink, fileio=fileio)
-
-    @staticmethod
-    def connect(
-        socket: str | Path, *, timeout: float | None = 60.0, lazy: bool = False
-    ) -> RemoteStore:
-        """A client of the store that ``kvlife serve`` serves on ``socket``: the same
-        public API, shared by many processes (see docs/server.md)."""
-        from kvlife.client.remote import RemoteStore
-
-        return RemoteStore(socket, timeout=timeout, lazy=lazy)
 
     # ------------------------------------------------------------------ puts
 
