@@ -195,10 +195,8 @@ class _Server:
 
 def _env() -> dict[str, str]:
     """This kvlife first on the children's path (a checkout run without installing)."""
-    import kvlife
-
     env = dict(os.environ)
-    root = str(Path(kvlife.__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])  # kvlife/bench/server.py -> checkout
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
