@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from kvlife.core.errors import InvalidArgument
+from kvlife.tiers.kinds import DiskOptions
+from kvlife.tiers.options import TierOptionError
 from kvlife.tiers.spec import TierSpec
 
 GiB = 1 << 30
@@ -76,20 +78,16 @@ class StoreConfig:
             if self.dram_bytes > 0:
                 chain += (TierSpec("memory", "dram", self.dram_bytes, self.policy),)
             if self.disk_bytes > 0:
-                chain += (
-                    TierSpec(
-                        "disk",
-                        "disk",
-                        self.disk_bytes,
-                        self.policy,
-                        (
-                            ("segment_bytes", self.segment_bytes),
-                            ("direct_io", self.direct_io),
-                            ("verify_on_open", self.verify_on_open),
-                            ("read_pool_bytes", self.read_pool_bytes),
-                        ),
-                    ),
-                )
+                try:
+                    disk = DiskOptions(
+                        segment_bytes=self.segment_bytes,
+                        direct_io=self.direct_io,
+                        verify_on_open=self.verify_on_open,
+                        read_pool_bytes=self.read_pool_bytes,
+                    )
+                except TierOptionError as exc:
+                    raise exc.for_tier("disk") from None
+                chain += (TierSpec("disk", "disk", self.disk_bytes, self.policy, disk),)
         if not chain:
             raise InvalidArgument("a store needs at least one tier (dram_bytes or disk_bytes > 0)")
         if not all(isinstance(t, TierSpec) for t in chain):
