@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.bench.io import memcpy, raw_read, raw_write
+from kvlife.bench.limits import memcpy, raw_read, raw_write
 from kvlife.client import RemoteStore
 from kvlife.core.identity import KVLayout, ModelIdentity, Namespace, NamespaceKind
 from kvlife.report import format_table
