@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import kvlife
 from kvlife.core.errors import KVLifeError, StoreLockedError
 
 GiB = 1 << 30
@@ -64,7 +65,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     sock = _live_socket(args)
     if sock is not None:
-        remote = KVStore.connect(sock)
+        remote = kvlife.connect(sock)
         try:
             info = remote.info()
             server = remote.server_info()["server"]
@@ -159,11 +160,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _check_live(sock: str, fix: bool) -> int:
     """A live server holds the directory lock: its own audit, read-only, via the socket."""
-    from kvlife.store import KVStore
-
     if fix:
         raise KVLifeError("a live server holds this store: stop it before `kvlife check --fix`")
-    remote = KVStore.connect(sock)
+    remote = kvlife.connect(sock)
     try:
         report = remote.check()
     finally:

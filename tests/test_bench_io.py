@@ -74,13 +74,13 @@ def test_run_io_bench_returns_the_same_document(tmp_path: Path) -> None:
 
 
 def test_missing_peer_is_skipped_with_a_reason(tmp_path: Path, monkeypatch) -> None:
-    import kvlife.bench.io as io_mod
+    import kvlife.bench.io.run as io_run
     from kvlife.bench.peer_lmcache import PeerUnavailable
 
     def unavailable() -> str:
         raise PeerUnavailable("lmcache is not installed here")
 
-    monkeypatch.setattr(io_mod, "check_available", unavailable)
+    monkeypatch.setattr(io_run, "check_available", unavailable)
     cfg = IOBenchConfig.quick_config(
         sizes=(8192,),
         batch=2,

@@ -28,6 +28,7 @@ from kvlife.tiers.base import (
 from kvlife.tiers.buffers import aligned_empty, aligned_runs
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
 from kvlife.tiers.disk.fileio import FileIO
+from kvlife.tiers.kinds import ShmOptions
 from kvlife.tiers.memory import MemoryTier
 from kvlife.tiers.redis.published import PublishedTier
 from kvlife.tiers.registry import TierContext, build_tier
@@ -85,8 +86,8 @@ def _remote_spec(request: pytest.FixtureRequest, param: str) -> TierSpec:
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
     """Every tier kind, built by the registry from a TierSpec, as a store builds it."""
     spec = SPECS.get(request.param) or _remote_spec(request, request.param)
-    if spec.kind == "shm":
-        spec = replace(spec, options=(*spec.options, ("arena_path", str(tmp_path / "arena"))))
+    if isinstance(spec.config, ShmOptions):  # its arena file is set per test
+        spec = replace(spec, options=replace(spec.config, arena_path=str(tmp_path / "arena")))
     t = build_tier(spec, TierContext(tmp_path))
     assert t.name == spec.name
     yield t

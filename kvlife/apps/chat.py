@@ -53,7 +53,7 @@ def load_workload() -> dict[str, Any]:
     return data
 
 
-class _Encoder:
+class ChatEncoder:
     """Text -> token ids with the model's chat template, or bytes for tokenizer-less
     test models."""
 
@@ -95,7 +95,7 @@ def run_chat(
     from kvlife.store import KVStore
 
     work = load_workload()
-    enc = _Encoder(loaded.tokenizer, int(loaded.model.config.vocab_size))
+    enc = ChatEncoder(loaded.tokenizer, int(loaded.model.config.vocab_size))
     ns = Namespace(NamespaceKind.ORGANISATION, "northwind")
     rounds = max(len(u["turns"]) for u in work["users"])
     order = [  # round-robin: every user's turn t before anyone's turn t + 1

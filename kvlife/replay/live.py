@@ -26,7 +26,7 @@ from kvlife.core.events import EventSink
 from kvlife.core.identity import KVLayout, ModelIdentity, Namespace, NamespaceKind
 from kvlife.replay.cache import DISK, DRAM
 from kvlife.store import KVStore
-from kvlife.tiers.disk.frame import frame_len
+from kvlife.tiers.registry import footprint
 from kvlife.trace.model import Trace
 
 TOKENS_PER_BLOCK = 2
@@ -87,11 +87,11 @@ def run_live(
     disk_bytes = 0
     if disk_blocks:
         # the disk budget counts frames (header + padded payload), garbage included
-        disk_bytes = disk_blocks * frame_len(nbytes)
+        disk_bytes = disk_blocks * footprint("disk", nbytes)
     # Small segments keep garbage (deleted frames awaiting reclaim, which count against
     # the disk budget) small, so the disk holds as many blocks as the simulator's tier.
     frames = segment_frames or max(4, min(128, disk_blocks // 64))
-    segment_bytes = frames * frame_len(nbytes)
+    segment_bytes = frames * footprint("disk", nbytes)
     with tempfile.TemporaryDirectory(prefix="kvlife-live-") as tmp:
         root = Path(path) if path is not None else Path(tmp)
         store = KVStore.open(

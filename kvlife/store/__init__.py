@@ -2,7 +2,8 @@
 moves, writes, reads, invalidation, recovery and metrics, each in its own module.
 
 - :mod:`.config` settings and the tier chain; :mod:`.lock` the directory lock and the
-  plan sequencer; :mod:`.core` the shared state; :mod:`.ledger` moves and events;
+  plan sequencer; :mod:`.lifecycle` opening and closing a directory in order;
+  :mod:`.core` the shared state; :mod:`.ledger` moves and events;
 - :mod:`.writes` puts, write-through, flush, eviction; :mod:`.reads` lookups, loads
   (sync and async) and promotion; :mod:`.executor` runs placement plans with real I/O;
 - :mod:`.forms` replica representations: encode for a transforming tier, verified

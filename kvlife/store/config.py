@@ -3,7 +3,8 @@
 ``StoreConfig(dram_bytes=..., disk_bytes=...)`` is the embedded default, a host-DRAM tier
 in front of a disk tier. ``tiers=(TierSpec(...), ...)`` names any chain, fastest first;
 each kind is built by the tier registry (:mod:`kvlife.tiers.registry`), so a new kind of
-tier needs no edit here.
+tier needs no edit here. :class:`TierSpec` lives with the tiers (:mod:`kvlife.tiers.spec`),
+below the store; it is re-exported here and from :mod:`kvlife.store`.
 """
 
 from __future__ import annotations
@@ -12,52 +13,14 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from kvlife.core.errors import InvalidArgument
-from kvlife.core.objects import TierName
+from kvlife.tiers.kinds import DiskOptions
+from kvlife.tiers.options import TierOptionError
+from kvlife.tiers.spec import TierSpec
 
 GiB = 1 << 30
 MiB = 1 << 20
 
-
-@dataclass(frozen=True, slots=True)
-class TierSpec:
-    """One tier of the chain."""
-
-    kind: str
-    """Registered tier kind (``memory``, ``disk``)."""
-    name: str
-    """Name of the tier in counters, events and lookups (unique in the chain)."""
-    capacity_bytes: int
-    """Budget of the tier (the disk tier's includes garbage awaiting reclaim)."""
-    policy: str = "lru"
-    """Eviction policy by registered name."""
-    options: tuple[tuple[str, object], ...] = ()
-    """Kind-specific settings (e.g. ``segment_bytes`` of a disk tier), as name/value pairs."""
-    transform: str = ""
-    """Registered transform exact replicas are encoded with when written here (a put
-    placed here, a demotion, a flush): e.g. ``int4``; empty: store replicas as given."""
-    transform_params: tuple[tuple[str, int | float | bool | str], ...] = ()
-    """Parameters of ``transform`` (name/value pairs; defaults for those not given)."""
-
-    def __post_init__(self) -> None:
-        if not self.name or not isinstance(self.name, str):
-            raise InvalidArgument(f"tier name must be a non-empty string, got {self.name!r}")
-        if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
-            raise InvalidArgument(
-                f"tier {self.name!r} needs capacity_bytes > 0, got {self.capacity_bytes!r}"
-            )
-        if not isinstance(self.transform, str):
-            raise InvalidArgument(
-                f"tier {self.name!r}: transform must be a name, got {self.transform!r}"
-            )
-        if self.transform_params and not self.transform:
-            raise InvalidArgument(f"tier {self.name!r}: transform_params without a transform")
-
-    @property
-    def tier_name(self) -> TierName:
-        return TierName(self.name)
-
-    def option(self, name: str, default: object) -> object:
-        return dict(self.options).get(name, default)
+__all__ = ["GiB", "MiB", "StoreConfig", "TierSpec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,20 +78,16 @@ class StoreConfig:
             if self.dram_bytes > 0:
                 chain += (TierSpec("memory", "dram", self.dram_bytes, self.policy),)
             if self.disk_bytes > 0:
-                chain += (
-                    TierSpec(
-                        "disk",
-                        "disk",
-                        self.disk_bytes,
-                        self.policy,
-                        (
-                            ("segment_bytes", self.segment_bytes),
-                            ("direct_io", self.direct_io),
-                            ("verify_on_open", self.verify_on_open),
-                            ("read_pool_bytes", self.read_pool_bytes),
-                        ),
-                    ),
-                )
+                try:
+                    disk = DiskOptions(
+                        segment_bytes=self.segment_bytes,
+                        direct_io=self.direct_io,
+                        verify_on_open=self.verify_on_open,
+                        read_pool_bytes=self.read_pool_bytes,
+                    )
+                except TierOptionError as exc:
+                    raise exc.for_tier("disk") from None
+                chain += (TierSpec("disk", "disk", self.disk_bytes, self.policy, disk),)
         if not chain:
             raise InvalidArgument("a store needs at least one tier (dram_bytes or disk_bytes > 0)")
         if not all(isinstance(t, TierSpec) for t in chain):

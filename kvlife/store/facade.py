@@ -9,7 +9,8 @@ the transition table and emitted to the event sink; only INDEXED objects are ser
 Threads of one process may share a store: lookups and loads never wait for another
 thread's write, fsync or disk read (the index lock is held only for bookkeeping). A
 store directory is held by one process at a time: a second ``open`` raises
-:class:`~kvlife.core.errors.StoreLockedError`.
+:class:`~kvlife.core.errors.StoreLockedError`; many processes share one through
+``kvlife serve`` and :func:`kvlife.connect`.
 """
 
 from __future__ import annotations
@@ -17,31 +18,25 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvlife.core.errors import InvalidArgument, KVLifeError
+from kvlife.core.errors import InvalidArgument
 from kvlife.core.events import EventSink
 from kvlife.core.identity import ROOT_PARENT, ChunkKey, ModelIdentity, Namespace
 from kvlife.core.lifecycle import ObjectState
 from kvlife.core.objects import PromptRef, TierName
 from kvlife.results import LoadResult, LookupResult, PutResult, StoreCounters, StoreInfo
-from kvlife.store import metrics, protection
+from kvlife.store import metrics
 from kvlife.store.config import GiB, StoreConfig
-from kvlife.store.core import StoreCore
 from kvlife.store.invalidation import invalidate
-from kvlife.store.lock import drop_dir_lock, take_dir_lock
+from kvlife.store.lifecycle import close_store, open_store
 from kvlife.store.reads import LoadHandle, Reader
-from kvlife.store.recovery import audit, recover
+from kvlife.store.recovery import audit
 from kvlife.store.writes import PendingPut, Writer
 from kvlife.tiers.base import AuditReport, Tier
 from kvlife.tiers.disk.fileio import FileIO
-from kvlife.tiers.registry import TierContext, build_tier
 from kvlife.transforms.contract import Accept
-
-if TYPE_CHECKING:
-    from kvlife.client.remote import RemoteStore
 
 Tokens = Sequence[int] | np.ndarray
 
@@ -61,25 +56,10 @@ class KVStore:
             raise InvalidArgument(f"config must be a StoreConfig, got {type(config).__name__}")
         self.path = Path(path)
         self.config = config
-        self._lockfile = take_dir_lock(self.path)
-        chain: list[Tier] = []
-        try:
-            repaired = protection.repair(self.path, config)
-            ctx = TierContext(self.path, fileio)
-            for spec in config.chain:
-                chain.append(build_tier(spec, ctx))
-            self._core = StoreCore(self.path, config, chain, sink)
-            self._core.counters.segments_rebuilt += len(repaired.rebuilt)
-            self._core.counters.segments_unrecoverable += len(repaired.unrecoverable)
-            self.parity_repair = repaired
-            """What parity rebuilt (or could not) at this open."""
-            self._lifetime_base = metrics.load_lifetime(self._core)
-            recover(self._core)
-        except BaseException:
-            for tier in chain:
-                tier.close()
-            drop_dir_lock(self.path, self._lockfile)
-            raise
+        self._open = open_store(self.path, config, sink, fileio)
+        self._core = self._open.core
+        self.parity_repair = self._open.parity_repair
+        """What parity rebuilt (or could not) at this open."""
         self._writer = Writer(self._core)
         self._reader = Reader(self._core)
 
@@ -100,16 +80,6 @@ class KVStore:
             {"dram_bytes": dram_bytes, "disk_bytes": disk_bytes, **settings}
         )
         return cls(path, config, sink=sink, fileio=fileio)
-
-    @staticmethod
-    def connect(
-        socket: str | Path, *, timeout: float | None = 60.0, lazy: bool = False
-    ) -> RemoteStore:
-        """A client of the store that ``kvlife serve`` serves on ``socket``: the same
-        public API, shared by many processes (see docs/server.md)."""
-        from kvlife.client.remote import RemoteStore
-
-        return RemoteStore(socket, timeout=timeout, lazy=lazy)
 
     # ------------------------------------------------------------------ puts
 
@@ -256,7 +226,7 @@ class KVStore:
     def flush(self) -> int:
         """Make every object durable; returns how many replicas were copied."""
         done = self._writer.flush()
-        metrics.save_lifetime(self._core, self._lifetime_base)
+        metrics.save_lifetime(self._core, self._open.lifetime_base)
         return done
 
     def drain(self) -> None:
@@ -271,7 +241,7 @@ class KVStore:
         return audit(self._core, fix, progress)
 
     def info(self) -> StoreInfo:
-        return metrics.info(self._core, self._lifetime_base)
+        return metrics.info(self._core, self._open.lifetime_base)
 
     @property
     def counters(self) -> StoreCounters:
@@ -297,33 +267,7 @@ class KVStore:
 
     def close(self, *, flush: bool = True) -> None:
         """Flush (unless ``flush=False``), then release files, threads and the lock."""
-        core = self._core
-        if core.closed:
-            return
-        self._writer.abort_all("store closed")
-        try:
-            self._reader.close()
-            self._writer.close()
-            if flush:
-                self.flush()
-            else:
-                metrics.save_lifetime(core, self._lifetime_base)
-        finally:
-            core.closed = True
-            errors: list[BaseException] = []
-            for release in (core.ledger.flush, *(t.close for t in core.chain)):
-                try:
-                    release()
-                except BaseException as exc:  # every tier is closed, the lock released
-                    errors.append(exc)
-            if not errors:
-                try:  # the segment files are final now: protect them before the lock goes
-                    protection.protect(self.path, self.config)
-                except (KVLifeError, OSError) as exc:
-                    errors.append(exc)
-            drop_dir_lock(self.path, self._lockfile)
-            if errors:
-                raise errors[0]
+        close_store(self._open, self._writer, self._reader, flush=flush)
 
     def __enter__(self) -> KVStore:
         return self

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from kvlife.core.errors import KVLifeError
 from kvlife.store.config import StoreConfig
+from kvlife.tiers.kinds import DiskOptions
 from kvlife.transforms.parity import (
     MANIFEST_SUFFIX,
     PARITY_SUFFIX,
@@ -99,7 +100,7 @@ def _sweep(directory: Path, pattern: str) -> None:
 
 def _full_verify(config: StoreConfig, tier: str) -> bool:
     spec = next(t for t in config.chain if t.name == tier)
-    return spec.option("verify_on_open", "header") == "full"
+    return isinstance(spec.config, DiskOptions) and spec.config.verify_on_open == "full"
 
 
 def repair(path: Path, config: StoreConfig) -> ParityOutcome:

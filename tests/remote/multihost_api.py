@@ -14,7 +14,7 @@ Calls used today (issue 29's fixes may change them):
 - ``kvlife serve`` host: the server's own code (``kvlife.server.server.run``) in a
   process of its own, with a chain of [shm dram, shared] (``tests.remote.multihost_serve``:
   ``kvlife serve`` has no option for a shared tier), driven through
-  ``KVStore.connect(socket)`` (``RemoteStore``: the same calls; its ``invalidate`` is the
+  ``kvlife.connect(socket)`` (``RemoteStore``: the same calls; its ``invalidate`` is the
   server store's local one).
 """
 
@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+import kvlife
 from kvlife.client.remote import RemoteStore
 from kvlife.core.errors import KVLifeError
 from kvlife.core.identity import ChunkKey, ModelIdentity, Namespace, NamespaceKind
@@ -268,7 +269,7 @@ class ServedHost(Host):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"serve host {self.name} did not start")
             time.sleep(0.02)
-        self.store = KVStore.connect(self.socket, timeout=30.0)
+        self.store = kvlife.connect(self.socket, timeout=30.0)
         self.incarnation += 1
 
     def close(self, clean: bool) -> None:

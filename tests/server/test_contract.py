@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import kvlife
 from kvlife.core.errors import (
     InvalidArgument,
     LayoutMismatch,
@@ -42,7 +43,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
         s: Any = KVStore.open(tmp_path / "store", dram_bytes=8 * MiB, disk_bytes=64 * MiB)
     else:
         srv: ServerProc = request.getfixturevalue("shared_server")
-        s = KVStore.connect(srv.socket)
+        s = kvlife.connect(srv.socket)
     yield s
     s.close()
 
@@ -226,7 +227,7 @@ def test_context_manager_closes(store: Any, ns: Namespace) -> None:
 def test_a_forked_child_gets_its_own_session(shared_server: ServerProc, ns: Namespace) -> None:
     import os
 
-    store = KVStore.connect(shared_server.socket)
+    store = kvlife.connect(shared_server.socket)
     ident = tiny_identity()
     tokens, kv = prompt_kv(30, 2 * N)
     store.put_prompt(ident, ns, tokens, kv)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvlife import connect
 from kvlife.core.identity import PUBLIC
 from kvlife.server.server import arena_prefix
 from kvlife.store import KVStore
@@ -87,8 +88,8 @@ def test_no_server_is_store_unavailable_and_a_lazy_client_connects_later(tmp_pat
 
     srv = ServerProc(tmp_path / "store")
     with pytest.raises(StoreUnavailable, match="unavailable"):
-        KVStore.connect(srv.socket)
-    client = KVStore.connect(srv.socket, lazy=True)
+        connect(srv.socket)
+    client = connect(srv.socket, lazy=True)
     with pytest.raises(StoreUnavailable):
         client.lookup(tiny_identity(), PUBLIC, [1] * 16)
     srv.start()

@@ -76,13 +76,13 @@ def lora_dir(path: Path, *, seed: int, rank: int = 8) -> Path:
 
 
 def run_engine(spec: dict[str, Any], work: Path, name: str, timeout: float = 420) -> dict[str, Any]:
-    """Run one engine as a child process (kvlife.engines.vllm.runner); its result."""
+    """Run one engine as a child process (kvlife.bench.vllm_runner); its result."""
     spec_path = work / f"{name}.spec.json"
     out_path = work / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "-m", "kvlife.engines.vllm.runner", str(spec_path), str(out_path)],
+        [sys.executable, "-m", "kvlife.bench.vllm_runner", str(spec_path), str(out_path)],
         cwd=ROOT,
         env=env,
         capture_output=True,

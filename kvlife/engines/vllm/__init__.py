@@ -1,7 +1,8 @@
 """kvlife under vLLM: a V1 KV connector (:mod:`.connector`), the engine identity it keys
 chunks by (:mod:`.identity`), the store it shares between vLLM's processes
-(:mod:`.stores`) and a runner for chat workloads (:mod:`.runner`). Importing this
-package does not import vLLM; :mod:`.connector` does."""
+(:mod:`.stores`). Importing this package does not import vLLM; :mod:`.connector` does.
+The driver that runs requests through one engine and writes JSON, for benchmarks and
+tests, is :mod:`kvlife.bench.vllm_runner` (a benchmark driver, above the engines)."""
 
 from __future__ import annotations
 

@@ -239,15 +239,9 @@ _EMBEDDED_LOCK = threading.Lock()
 def open_store(address: StoreAddress) -> StoreLease:
     """A lease on the store at ``address`` (connects, or opens/shares the embedded one)."""
     if address.socket:
-        from kvlife.store import KVStore
+        from kvlife.client import RemoteStore
 
-        connect = getattr(KVStore, "connect", None)
-        if connect is None:
-            raise EngineError(
-                "kvlife.socket needs kvlife's store server (kvlife serve / RemoteStore), "
-                "which this kvlife lacks; use kvlife.path in a single-process vLLM"
-            )
-        remote: StoreAPI = connect(address.socket)
+        remote: StoreAPI = RemoteStore(address.socket)
         return StoreLease(remote, address)
     path = Path(address.path).resolve()
     with _EMBEDDED_LOCK:

@@ -1,6 +1,10 @@
 """Run requests through one vLLM engine in this process and write what happened as JSON.
 
-``python -m kvlife.engines.vllm.runner SPEC.json OUT.json`` starts one engine (vLLM in
+A benchmark driver, so it lives with the benchmarks: it uses the engine package
+(:mod:`kvlife.engines.vllm`) and the demo's chat workload (:mod:`kvlife.apps.chat`),
+and nothing below it imports it.
+
+``python -m kvlife.bench.vllm_runner SPEC.json OUT.json`` starts one engine (vLLM in
 one process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so an embedded kvlife store is
 shared by the scheduler- and worker-side connectors), serves the spec's requests one at
 a time, greedy, and writes per request the output token ids, TTFT and cached tokens,
@@ -111,11 +115,11 @@ def _serve(
 
 
 def _chat(llm: Any, max_new_tokens: int, turns: int, users: int) -> list[dict[str, Any]]:
-    from kvlife.apps.chat import _Encoder, load_workload
+    from kvlife.apps.chat import ChatEncoder, load_workload
 
     work = load_workload()
     tok = llm.get_tokenizer()
-    enc = _Encoder(tok, int(llm.llm_engine.model_config.hf_config.vocab_size))
+    enc = ChatEncoder(tok, int(llm.llm_engine.model_config.hf_config.vocab_size))
     people = work["users"][:users]
     rounds = min(turns, max(len(u["turns"]) for u in people))
     order = [
@@ -207,7 +211,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m kvlife.engines.vllm.runner SPEC.json OUT.json", file=sys.stderr)
+        print("usage: python -m kvlife.bench.vllm_runner SPEC.json OUT.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(args[0]).read_text())
     result = run(spec)

@@ -1,0 +1,110 @@
+"""Loads of chunks from the server's DRAM tier against memcpy and from its disk tier
+against raw reads, into ordinary and into shared buffers; and the DRAM loads of a server
+that verifies every load against its replica's seal."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlife.bench.limits import memcpy, raw_read, raw_write
+from kvlife.bench.server.config import ServerBenchConfig
+from kvlife.bench.server.servers import BenchServer, direct_ok
+from kvlife.bench.server.workload import (
+    NS,
+    aligned_copy,
+    bench_identity,
+    chunk_layout,
+    out_buffers,
+    pct,
+    point,
+    prompt,
+    same_bits,
+    split_chunks,
+)
+from kvlife.client import RemoteStore
+
+
+def bench_load(
+    cfg: ServerBenchConfig, remote: RemoteStore, size: int, seed: int, raw_dir: Path | None
+) -> dict[str, Any]:
+    """Load ``chunks_per_call`` chunks into preallocated buffers; the limit is memcpy of
+    the same bytes from warm memory (DRAM) or raw reads of a file of them (disk:
+    ``raw_dir`` given, the chunks flushed and evicted from DRAM first)."""
+    layout = chunk_layout(size)
+    ident = bench_identity(layout)
+    n = cfg.chunks_per_call
+    tokens, kv = prompt(layout, n, seed)
+    remote.put_prompt(ident, NS, tokens, kv)
+    chunks = split_chunks(kv, layout, n)
+    if raw_dir is not None:
+        remote.flush()
+        remote.evict("dram", 1 << 62)
+    outs = out_buffers(layout, n)
+    lk = remote.lookup(ident, NS, tokens)
+    want = "disk" if raw_dir is not None else "dram"
+    if lk.tiers() != {want: n}:
+        raise RuntimeError(f"expected {n} hits in {want}, got {lk.tiers()}")
+    total = n * layout.chunk_nbytes
+    served, limit = [], []
+    raw_file = raw_dir / f"raw-{size}" if raw_dir is not None else None
+    direct = raw_dir is not None and direct_ok(raw_dir)
+    if raw_file is not None:
+        raw_write(raw_file, [aligned_copy(c) for c in chunks], direct)
+    flat = [o.view(np.uint8).reshape(-1) for o in outs]
+    shared_raw = remote.alloc_buffer(total)
+    shared = [
+        shared_raw[i * layout.chunk_nbytes : (i + 1) * layout.chunk_nbytes]
+        .view(np.float16)
+        .reshape(layout.chunk_shape)
+        for i in range(n)
+    ]
+    served_shared: list[float] = []
+    for rep in range(cfg.reps + 1):
+        t0 = time.perf_counter()
+        res = remote.load(lk, outs)
+        t = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        res_shared = remote.load(lk, shared)
+        t_shared = time.perf_counter() - t0
+        for got, bufs in ((res, outs), (res_shared, shared)):
+            same = rep > 0 or all(same_bits(o, c) for o, c in zip(bufs, chunks, strict=True))
+            if got.loaded != n or not same:
+                raise RuntimeError(f"load served {got.loaded} of {n} chunks, or wrong bytes")
+        t_lim = raw_read(raw_file, flat, direct) if raw_file is not None else memcpy(outs, chunks)
+        if rep:  # the first is a warm-up
+            served.append(t)
+            served_shared.append(t_shared)
+            limit.append(t_lim)
+    del shared, shared_raw
+    if raw_file is not None:
+        raw_file.unlink(missing_ok=True)
+    remote.invalidate(namespace=NS)
+    out = point(layout, n, served, limit, raw=raw_file is not None, shared=served_shared)
+    out["server_p99_ms"] = pct(served, 99) * 1e3
+    if raw_file is not None:
+        out["direct_io"] = direct
+    return out
+
+
+def bench_verified(
+    cfg: ServerBenchConfig,
+    work: Path,
+    dram: int,
+    shm: Path,
+    servers: list[BenchServer],
+    pin: tuple[str, ...],
+) -> list[dict[str, Any]]:
+    """The DRAM load points on a server that verifies every load against the seal."""
+    srv = BenchServer(work / "v", dram, 4 * dram, shm, *pin, "--verify-dram-on-load")
+    servers.append(srv)
+    remote = srv.client()
+    try:
+        return [bench_load(cfg, remote, s, 50 + i, None) for i, s in enumerate(cfg.sizes)]
+    finally:
+        remote.close()
+        srv.stop()
+        servers.remove(srv)

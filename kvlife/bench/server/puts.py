@@ -1,0 +1,83 @@
+"""Puts through the server against memcpy into DRAM, and (write-through) against a raw
+write plus fdatasync; the same puts into an in-process store beside."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlife.bench.limits import memcpy, raw_write
+from kvlife.bench.server.config import ServerBenchConfig
+from kvlife.bench.server.servers import direct_ok
+from kvlife.bench.server.workload import (
+    NS,
+    aligned_copy,
+    bench_identity,
+    chunk_layout,
+    out_buffers,
+    point,
+    prompt,
+    split_chunks,
+)
+from kvlife.client import RemoteStore
+from kvlife.store import KVStore
+
+
+def bench_put(
+    cfg: ServerBenchConfig,
+    remote: RemoteStore,
+    size: int,
+    seed: int,
+    raw_dir: Path | None,
+    embedded: KVStore | None = None,
+) -> dict[str, Any]:
+    """Put fresh prompts (invalidated after each, outside the timing); the limit is
+    memcpy into warm DRAM, or (write-through server: ``raw_dir``) a raw write of the
+    same bytes plus fdatasync. ``embedded``: the same puts into an in-process store too
+    (what the store core costs without the server)."""
+    layout = chunk_layout(size)
+    ident = bench_identity(layout)
+    n = cfg.chunks_per_call
+    dsts = out_buffers(layout, n)
+    direct = raw_dir is not None and direct_ok(raw_dir)
+    served, limit, inproc = [], [], []
+    for rep in range(cfg.reps + 1):
+        tokens, kv = prompt(layout, n, seed * 1000 + rep)
+        chunks = split_chunks(kv, layout, n)
+        src = [aligned_copy(c) for c in chunks] if raw_dir is not None else chunks
+
+        def limit_once(src: list[np.ndarray] = src, chunks: list[np.ndarray] = chunks) -> float:
+            if raw_dir is not None:  # O_DIRECT needs aligned memory
+                return raw_write(raw_dir / "raw-put", src, direct)
+            return memcpy(dsts, chunks)
+
+        # the order alternates, so that neither side always finds the source in cache
+        t_lim = limit_once() if rep % 2 else 0.0
+        t0 = time.perf_counter()
+        res = remote.put_prompt(ident, NS, tokens, chunks)
+        t = time.perf_counter() - t0
+        if res.stored != n:
+            raise RuntimeError(f"put stored {res.stored} of {n} chunks")
+        if not rep % 2:
+            t_lim = limit_once()
+        if embedded is not None:
+            t0 = time.perf_counter()
+            mine = embedded.put_prompt(ident, NS, tokens, chunks)
+            inproc.append(time.perf_counter() - t0)
+            if mine.stored != n:
+                raise RuntimeError(f"in-process put stored {mine.stored} of {n} chunks")
+            embedded.invalidate(namespace=NS)
+        remote.invalidate(namespace=NS)
+        if rep:
+            served.append(t)
+            limit.append(t_lim)
+    if raw_dir is not None:
+        (raw_dir / "raw-put").unlink(missing_ok=True)
+    others = {"inproc": inproc[1:]} if inproc else {}  # the first is a warm-up
+    out = point(layout, n, served, limit, raw=raw_dir is not None, **others)
+    if raw_dir is not None:
+        out["direct_io"] = direct
+    return out

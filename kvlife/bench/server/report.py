@@ -1,0 +1,125 @@
+"""The tables ``kvlife bench server`` prints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvlife.report import format_table
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lk = r["lookup"]
+    lines = [
+        f"lookup of a {lk['chunks']}-chunk prompt ({lk['tokens']} tokens)",
+        format_table(
+            ["path", "median us", "p99 us"],
+            [
+                ["in-process", f"{lk['inproc_p50_us']:.0f}", f"{lk['inproc_p99_us']:.0f}"],
+                ["server", f"{lk['server_p50_us']:.0f}", f"{lk['server_p99_us']:.0f}"],
+                ["ratio", f"{lk['ratio_p50']:.2f}", f"{lk['ratio_p99']:.2f}"],
+            ],
+        ),
+        "",
+    ]
+    rows = []
+    for key, limit in (
+        ("load_dram", "memcpy"),
+        ("load_dram_verified", "memcpy"),
+        ("load_disk", "raw"),
+        ("put_dram", "memcpy"),
+        ("put_write_through", "raw"),
+    ):
+        for p in r.get(key, []):
+            rows.append(
+                [
+                    key,
+                    f"{p['chunk_bytes'] >> 10} KiB",
+                    f"{p['server_gbps']:.2f}",
+                    f"{p[f'{limit}_gbps']:.2f}",
+                    limit,
+                    f"{p['ratio']:.2f}",
+                ]
+            )
+            if "inproc_gbps" in p:
+                rows.append(
+                    [
+                        f"{key} (in-process store)",
+                        f"{p['chunk_bytes'] >> 10} KiB",
+                        f"{p['inproc_gbps']:.2f}",
+                        f"{p[f'{limit}_gbps']:.2f}",
+                        limit,
+                        f"{p['ratio_inproc']:.2f}",
+                    ]
+                )
+            if "shared_gbps" in p:
+                rows.append(
+                    [
+                        f"{key} (shared buffers)",
+                        f"{p['chunk_bytes'] >> 10} KiB",
+                        f"{p['shared_gbps']:.2f}",
+                        f"{p[f'{limit}_gbps']:.2f}",
+                        limit,
+                        f"{p['ratio_shared']:.2f}",
+                    ]
+                )
+    lines.append(
+        format_table(["point", "chunk", "server GB/s", "limit GB/s", "limit", "ratio"], rows)
+    )
+    lines.append("")
+    lines.append(
+        format_table(
+            ["clients", "aggregate GB/s", "max client p99 ms"],
+            [
+                [
+                    str(p["clients"]),
+                    f"{p['aggregate_gbps']:.2f}",
+                    f"{max(p['per_client_p99_ms']):.2f}",
+                ]
+                for p in r["scaling"]
+            ],
+        )
+    )
+    lines.append("")
+    lines.append(
+        format_table(
+            ["target", "value", "wanted", "met"],
+            [
+                [t["name"], f"{t['value']:.2f}", t["target"], "yes" if t["met"] else "NO"]
+                for t in r["targets"]
+            ],
+        )
+    )
+    lines.append("")
+    huge = "huge pages" if r["shm_huge_pages"] else "4 KiB pages"
+    lines.append(f"arenas in {r['config']['shm_dir']} ({huge})")
+    cpus = r["config"]["server_cpus"]
+    where = f"server on CPU {cpus}, client on {r['config']['client_cpus']}" if cpus else "no"
+    lines.append(f"pinning: {where}")
+    lines.append(_peer_report(r))
+    return "\n".join(lines)
+
+
+def _peer_report(r: dict[str, Any]) -> str:
+    peer = r["peer_lmcache"]
+    if "points" not in peer:
+        return f"LMCache multi-process mode: not run ({peer.get('skipped', '?')})"
+    ours = {p["chunk_bytes"]: p for p in r["put_dram"]}
+    loads = {p["chunk_bytes"]: p for p in r["load_dram"]}
+    rows = []
+    for p in peer["points"]:
+        size = p["chunk_bytes"]
+        put, load = ours.get(size), loads.get(size)
+        rows.append(
+            [
+                p["mode"],
+                f"{size >> 10} KiB",
+                f"{p['store_gbps']:.2f}",
+                f"{put['server_gbps']:.2f}" if put else "-",
+                f"{p['retrieve_gbps']:.2f}",
+                f"{load['server_gbps']:.2f}" if load else "-",
+            ]
+        )
+    versions = peer.get("versions", {})
+    head = ["lmcache mode", "chunk", "lmcache store", "kvlife put", "lmcache get", "kvlife load"]
+    title = f"LMCache {versions.get('lmcache', '?')} multi-process mode, same chunks (DRAM):"
+    return title + "\n" + format_table(head, rows)

@@ -1,0 +1,119 @@
+"""One run of ``kvlife bench server``: its servers, every benchmark in turn, and the JSON
+document with the targets."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvlife.bench.server.config import TARGETS, MiB, ServerBenchConfig
+from kvlife.bench.server.loads import bench_load, bench_verified
+from kvlife.bench.server.lookup import bench_lookup
+from kvlife.bench.server.peer import peer_lmcache
+from kvlife.bench.server.puts import bench_put
+from kvlife.bench.server.scaling import bench_scaling
+from kvlife.bench.server.servers import BenchServer, arena_dir, pinned
+from kvlife.store import KVStore
+from kvlife.tiers.shm import huge_pages
+
+
+def run_server_bench(cfg: ServerBenchConfig) -> dict[str, Any]:
+    base = cfg.directory if cfg.directory is not None else Path.cwd()
+    # short names: a Unix socket path has at most 107 bytes
+    work = Path(tempfile.mkdtemp(prefix="kvsrv-", dir=base))
+    biggest = max(cfg.sizes) * cfg.chunks_per_call
+    dram = max(256 * MiB, 3 * biggest)
+    servers: list[BenchServer] = []
+    with contextlib.ExitStack() as stack:
+        shm = stack.enter_context(arena_dir(cfg, work))
+        try:
+            return _run(cfg, work, base, dram, shm, servers)
+        finally:
+            for s in servers:
+                s.stop()
+            stack.close()
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(
+    cfg: ServerBenchConfig, work: Path, base: Path, dram: int, shm: Path, servers: list[BenchServer]
+) -> dict[str, Any]:
+    with pinned(cfg) as (server_cpus, client_cpus):
+        result = _points(cfg, work, base, dram, shm, servers, server_cpus)
+        result["peer_lmcache"] = peer_lmcache(cfg, server_cpus, work)
+    result["config"]["server_cpus"] = server_cpus
+    result["config"]["client_cpus"] = client_cpus
+    result["targets"] = targets(result)
+    return result
+
+
+def _points(
+    cfg: ServerBenchConfig,
+    work: Path,
+    base: Path,
+    dram: int,
+    shm: Path,
+    servers: list[BenchServer],
+    cpus: str,
+) -> dict[str, Any]:
+    pin = ("--cpus", cpus) if cpus else ()
+    main = BenchServer(work / "m", dram, 4 * dram, shm, *pin)
+    servers.append(main)
+    remote = main.client()
+    result: dict[str, Any] = {"config": asdict(cfg), "note": ""}
+    result["config"]["directory"] = str(base)
+    result["config"]["shm_dir"] = str(shm)
+    result["shm_huge_pages"] = huge_pages(shm)
+    result["lookup"] = bench_lookup(cfg, work, remote)
+    result["load_dram"] = [
+        bench_load(cfg, remote, s, 10 + i, None) for i, s in enumerate(cfg.sizes)
+    ]
+    embedded = KVStore.open(work / "inproc", dram_bytes=dram, disk_bytes=0)
+    try:
+        result["put_dram"] = [
+            bench_put(cfg, remote, s, 20 + i, None, embedded) for i, s in enumerate(cfg.sizes)
+        ]
+    finally:
+        embedded.close(flush=False)
+    remote.close()
+    result["scaling"] = bench_scaling(cfg, main)
+    main.stop()
+    servers.remove(main)
+    result["load_dram_verified"] = bench_verified(cfg, work, dram, shm, servers, pin)
+    disk = BenchServer(work / "d", dram, 4 * dram, shm, *pin, "--no-promote", "--write-through")
+    servers.append(disk)
+    remote = disk.client()
+    result["load_disk"] = [
+        bench_load(cfg, remote, s, 30 + i, work) for i, s in enumerate(cfg.sizes)
+    ]
+    result["put_write_through"] = [
+        bench_put(cfg, remote, s, 40 + i, work) for i, s in enumerate(cfg.sizes)
+    ]
+    remote.close()
+    return result
+
+
+def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
+    out = [
+        {"name": "lookup_median", "value": r["lookup"]["ratio_p50"], "target": "<= 2.0"},
+        {"name": "lookup_p99", "value": r["lookup"]["ratio_p99"], "target": "<= 2.0"},
+    ]
+    for key in ("load_dram", "load_disk", "put_dram", "put_write_through"):
+        for p in r[key]:
+            for ratio, suffix in (("ratio", ""), ("ratio_shared", "_shared")):
+                if ratio in p:
+                    out.append(
+                        {
+                            "name": f"{key}_{p['chunk_bytes'] >> 10}KiB{suffix}",
+                            "value": p[ratio],
+                            "target": f">= {TARGETS[key]}",
+                        }
+                    )
+    for t in out:
+        bound = float(str(t["target"]).split()[1])
+        t["met"] = t["value"] <= bound if str(t["target"]).startswith("<=") else t["value"] >= bound
+    return out

@@ -1,0 +1,99 @@
+"""Opening and closing a store directory, in the order crash safety needs.
+
+Open: take the directory lock, rebuild lost segment files from parity (before any tier
+opens them), build the tier chain from its specs, load the lifetime counters, recover
+what the durable tiers hold; on any failure the tiers built so far are closed and the
+lock released. Close: refuse new puts, stop the background work, flush (unless told
+not to), save the counters, release every tier even if one fails, protect the segment
+files with parity while the lock is still held, then drop the lock. The facade
+(:class:`~kvlife.store.KVStore`) calls these and holds what :func:`open_store` returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from kvlife.core.errors import KVLifeError
+from kvlife.core.events import EventSink
+from kvlife.store import metrics, protection
+from kvlife.store.config import StoreConfig
+from kvlife.store.core import StoreCore
+from kvlife.store.lock import drop_dir_lock, take_dir_lock
+from kvlife.store.reads import Reader
+from kvlife.store.recovery import recover
+from kvlife.store.writes import Writer
+from kvlife.tiers.base import Tier
+from kvlife.tiers.disk.fileio import FileIO
+from kvlife.tiers.registry import TierContext, build_tier
+
+
+@dataclass(slots=True)
+class OpenStore:
+    """A store directory held open by this process."""
+
+    path: Path
+    config: StoreConfig
+    core: StoreCore
+    lockfile: IO[str]
+    """The directory lock's file (held until :func:`close_store`)."""
+    parity_repair: protection.ParityOutcome
+    """What parity rebuilt (or could not) at this open."""
+    lifetime_base: dict[str, int]
+    """The lifetime counters as they were at this open."""
+
+
+def open_store(
+    path: Path, config: StoreConfig, sink: EventSink | None, fileio: FileIO | None
+) -> OpenStore:
+    """Lock ``path``, repair from parity, build the chain and recover (see above)."""
+    lockfile = take_dir_lock(path)
+    chain: list[Tier] = []
+    try:
+        repaired = protection.repair(path, config)
+        ctx = TierContext(path, fileio)
+        for spec in config.chain:
+            chain.append(build_tier(spec, ctx))
+        core = StoreCore(path, config, chain, sink)
+        core.counters.segments_rebuilt += len(repaired.rebuilt)
+        core.counters.segments_unrecoverable += len(repaired.unrecoverable)
+        base = metrics.load_lifetime(core)
+        recover(core)
+    except BaseException:
+        for tier in chain:
+            tier.close()
+        drop_dir_lock(path, lockfile)
+        raise
+    return OpenStore(path, config, core, lockfile, repaired, base)
+
+
+def close_store(store: OpenStore, writer: Writer, reader: Reader, *, flush: bool) -> None:
+    """Flush (unless ``flush=False``), then release files, threads and the lock; the
+    first error is raised once everything is released. A second call does nothing."""
+    core = store.core
+    if core.closed:
+        return
+    writer.abort_all("store closed")
+    try:
+        reader.close()
+        writer.close()
+        if flush:
+            writer.flush()
+        metrics.save_lifetime(core, store.lifetime_base)
+    finally:
+        core.closed = True
+        errors: list[BaseException] = []
+        for release in (core.ledger.flush, *(t.close for t in core.chain)):
+            try:
+                release()
+            except BaseException as exc:  # every tier is closed, the lock released
+                errors.append(exc)
+        if not errors:
+            try:  # the segment files are final now: protect them before the lock goes
+                protection.protect(store.path, store.config)
+            except (KVLifeError, OSError) as exc:
+                errors.append(exc)
+        drop_dir_lock(store.path, store.lockfile)
+        if errors:
+            raise errors[0]
