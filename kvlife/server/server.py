@@ -198,7 +198,7 @@ class Server:
             nofile, fds = _descriptors(cfg.limits)
             self.state = ServerState(self.store, shm, str(cfg.socket_path), cfg.limits, fds)
             if cfg.pid_file is not None:
-                cfg.pid_file.write_text(f"{os.getpid()}\n", encoding="utf-8")
+                _write_pid_file(cfg.pid_file)
         except BaseException:
             if self._spare is not None:
                 os.close(self._spare)
@@ -488,3 +488,11 @@ def run(cfg: ServeConfig) -> int:
     server = Server(cfg, stop=stop)
     server.serve_forever()
     return 0
+
+
+def _write_pid_file(path: Path) -> None:
+    """Written whole or not at all (a temporary file renamed over it): whoever waits for
+    the file to appear never reads it empty or half written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{os.getpid()}\n", encoding="utf-8")
+    os.replace(tmp, path)
