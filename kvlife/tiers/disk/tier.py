@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import errno
 import itertools
-import re
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,9 +47,7 @@ import numpy as np
 from kvlife.core.errors import (
     ChecksumMismatch,
     InvalidArgument,
-    ReplicaNotFound,
     ReplicaReadError,
-    StorageFullError,
     StorePathError,
 )
 from kvlife.core.identity import ChunkKey
@@ -82,7 +79,8 @@ from kvlife.tiers.buffers import (
     round_up,
 )
 from kvlife.tiers.disk.catalog import Catalog, CatalogCorrupt, CatalogMissing, CatalogRow
-from kvlife.tiers.disk.fileio import FileIO, probe_direct_io
+from kvlife.tiers.disk.counters import DiskStats, LostReplicas
+from kvlife.tiers.disk.fileio import FileIO, os_error, probe_direct_io
 from kvlife.tiers.disk.frame import (
     HEADER_BYTES,
     FrameHeader,
@@ -90,11 +88,11 @@ from kvlife.tiers.disk.frame import (
     pack_header,
     payload_checksum,
 )
+from kvlife.tiers.disk.segments import Segment, SegmentTable, segment_files
 from kvlife.tiers.disk.superblock import FILE_NAME as SUPERBLOCK_FILE
 from kvlife.tiers.disk.superblock import CatalogRolledBack, Superblock, SuperblockError
 
 MiB = 1 << 20
-_SEG_RE = re.compile(r"^seg-(\d{8})\.kvs$")
 T = TypeVar("T")
 READ_HELPERS = 16
 """Threads shared by all readers of a tier to keep more than one read of a call in flight."""
@@ -134,23 +132,6 @@ class DiskTierConfig:
             raise InvalidArgument(f"read_pool_bytes must be >= 0, got {self.read_pool_bytes}")
 
 
-@dataclass(slots=True)
-class _Segment:
-    id: int
-    path: Path
-    fd: int
-    length: int
-    live: int = 0
-    readers: int = 0
-    """Reads in flight on this segment (its file must outlive them)."""
-    doomed: bool = False
-    """No row names it any more; removed when ``readers`` reaches 0."""
-    removing: bool = False
-    """Its file is being closed and unlinked (by exactly one thread)."""
-    unlink_failed: bool = False
-    """Emptied, but its file could not be unlinked: an orphan for ``check --fix``."""
-
-
 WRITE_GROUP_BYTES = 8 << 20
 """Consecutive frames of one segment are written by one pwritev up to this size: fewer
 system calls and hand-offs to the I/O thread, and larger requests for the device."""
@@ -161,14 +142,14 @@ _IOV_MAX = 1024
 class _WriteGroup:
     """Consecutive frames of one segment written by one pwritev."""
 
-    seg: _Segment
+    seg: Segment
     off: int
     bufs: list[np.ndarray] = dataclasses.field(default_factory=list)
     length: int = 0
     staged: list[np.ndarray] = dataclasses.field(default_factory=list)
     future: Future[int] | None = None
 
-    def takes(self, seg: _Segment, off: int, flen: int, nbufs: int) -> bool:
+    def takes(self, seg: Segment, off: int, flen: int, nbufs: int) -> bool:
         """True if a frame at ``seg``/``off`` continues this group within its limits."""
         return (
             seg is self.seg
@@ -188,28 +169,6 @@ class _WriteGroup:
         for buf in self.staged:
             pool.put(buf)
         self.staged.clear()
-
-
-@dataclass(slots=True)
-class DiskStats:
-    """Byte and event counters of a disk tier since it was opened."""
-
-    frames_written: int = 0
-    bytes_written: int = 0
-    payload_bytes_written: int = 0
-    bytes_read: int = 0
-    compaction_bytes_read: int = 0
-    compaction_bytes_written: int = 0
-    segments_reclaimed: int = 0
-    recovered: int = 0
-    recovery_dropped: int = 0
-    """Rows this open found bad and quarantined (each reported once by take_lost)."""
-    rows_quarantined: int = 0
-    """Quarantined rows in the catalog at open (not served; ``check --fix`` deletes them)."""
-    segments_quarantined: int = 0
-    """Unreferenced segment files this open moved to ``quarantine/``."""
-    unlink_failures: int = 0
-    """Emptied segments whose file could not be unlinked (left for ``check --fix``)."""
 
 
 CheckReport = AuditReport
@@ -256,12 +215,11 @@ class DiskTier(
         self.io = fileio if fileio is not None else FileIO(direct)
         self.io.direct = direct
         self.stats = DiskStats()
-        self._lock = threading.RLock()
-        self._entries: dict[ChunkKey, CatalogRow] = {}
-        self._segments: dict[int, _Segment] = {}
-        self._reserved = 0
-        self._lost: list[tuple[ChunkKey, str]] = []
-        self._dir_dirty = False
+        self._table = SegmentTable(
+            self.name, self._segdir, self.io, config.segment_bytes, self.stats
+        )
+        self._lock = self._table.lock
+        self._lost = LostReplicas()
         self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingPool(keep=config.io_depth + 1)
         self._write_mutex = threading.RLock()  # check --fix deletes while holding it
@@ -269,13 +227,9 @@ class DiskTier(
         self._new_arrays = RecyclingPool(config.read_pool_bytes)
         self._callers = 0
         self._closed = False
-        self._pinned: dict[int, int] = {}
-        """Segments that hold quarantined rows (how many): never reclaimed at runtime."""
         self._kept: dict[bytes, bytes] = {}
         """Prefix links (child -> parent) the catalog keeps (:class:`KeepsEdges`)."""
         self.quarantine_dir = self.directory / "quarantine"
-        self._sid_floor = 0
-        """Highest segment id seen at open: a new segment never reuses a set-aside name."""
         catalog_path = self.directory / "catalog.sqlite"
         has_data = any(size > 0 for size in self._segment_sizes().values())
         if has_data and not catalog_path.exists():
@@ -295,7 +249,7 @@ class DiskTier(
             self._check_catalog()
             self._recover()
             self._kept = dict(self.catalog.edges())
-            self._active = self._new_segment()
+            self._table.roll()
         except BaseException:
             self.close()
             raise
@@ -304,27 +258,25 @@ class DiskTier(
 
     @property
     def used_bytes(self) -> int:
-        with self._lock:
-            return sum(s.length for s in self._segments.values()) + self._reserved
+        return self._table.used_bytes()
 
     def footprint(self, nbytes: int) -> int:
         return frame_len(nbytes)
 
     @property
     def segment_count(self) -> int:
-        return len(self._segments)
+        return len(self._table.segments)
 
     @property
     def live_bytes(self) -> int:
-        with self._lock:
-            return sum(s.live for s in self._segments.values())
+        return self._table.live_bytes()
 
     def prepare_store(self, metas: Sequence[ReplicaMeta]) -> Reservation | CapacityShortfall:
         need = sum(frame_len(m.nbytes) for m in metas)
         with self._write_mutex:  # compaction writes: one writer at a time
             with self._lock:
                 fits = self.used_bytes + need <= self.capacity_bytes
-                short = self.live_bytes + self._reserved + need - self.capacity_bytes
+                short = self.live_bytes + self._table.reserved + need - self.capacity_bytes
             if not fits:
                 if short > 0:
                     return CapacityShortfall(short)
@@ -332,13 +284,13 @@ class DiskTier(
             with self._lock:
                 if self.used_bytes + need > self.capacity_bytes:
                     return CapacityShortfall(self.used_bytes + need - self.capacity_bytes)
-                self._reserved += need
+                self._table.reserved += need
         return Reservation(self.name, list(metas), need)
 
     def cancel_store(self, reservation: Reservation) -> None:
         with self._lock:
             if not reservation.done:
-                self._reserved -= reservation.nbytes
+                self._table.reserved -= reservation.nbytes
                 reservation.done = True
 
     # ------------------------------------------------------------------ writes
@@ -352,19 +304,13 @@ class DiskTier(
                 rows = self._write_frames(reservation.metas, payloads)
             finally:
                 with self._lock:
-                    self._reserved -= reservation.nbytes
+                    self._table.reserved -= reservation.nbytes
                     reservation.done = True
-            retired: list[_Segment] = []
             with self._lock:  # publish: the rows name durable, cataloged bytes
-                for row in rows:
-                    old = self._entries.pop(ChunkKey(row.key), None)
-                    if old is not None and self._drop_live(old):
-                        retired.append(self._segments[old.seg])
-                    self._entries[ChunkKey(row.key)] = row
-                    self._segments[row.seg].live += frame_len(row.nbytes)
+                retired = self._table.publish(rows)
                 for meta in reservation.metas:
                     self._kept.update(meta.links)
-            self._remove_segments(retired)
+            self._table.remove(retired)
 
     def _write_frames(
         self, metas: Sequence[ReplicaMeta], payloads: Sequence[np.ndarray]
@@ -374,8 +320,7 @@ class DiskTier(
         Runs under the write mutex; the tier lock is taken only to place each frame, so
         readers of published replicas never wait for these writes or the fdatasync.
         """
-        with self._lock:
-            start = {sid: s.length for sid, s in self._segments.items()}
+        start = self._table.lengths()
         rows: list[CatalogRow] = []
         touched: set[int] = set()
         inflight: list[_WriteGroup] = []
@@ -384,11 +329,8 @@ class DiskTier(
             for meta, arr in zip(metas, payloads, strict=True):
                 u8 = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
                 flen = frame_len(u8.nbytes)
-                with self._lock:
-                    seg = self._segment_for(flen)
-                    start.setdefault(seg.id, 0)
-                    off = seg.length
-                    seg.length += flen
+                seg, off = self._table.place(flen)
+                start.setdefault(seg.id, 0)
                 touched.add(seg.id)
                 bufs, staged, checksum = self._frame_buffers(meta, u8)
                 if group is not None and not group.takes(seg, off, flen, len(bufs)):
@@ -418,8 +360,8 @@ class DiskTier(
             while inflight:
                 self._finish_write(inflight.pop(0))
             for sid in sorted(touched):
-                self.io.fdatasync(self._segments[sid].fd)
-            self._sync_dir()
+                self.io.fdatasync(self._table.segments[sid].fd)
+            self._table.sync_dir()
             self.catalog.insert(rows, [link for meta in metas for link in meta.links])
         except BaseException as exc:
             for g in inflight:
@@ -428,12 +370,9 @@ class DiskTier(
                 g.release(self._staging)
             if group is not None:
                 group.release(self._staging)
-            with self._lock:
-                for sid, length in start.items():
-                    if sid in self._segments:
-                        self._segments[sid].length = length
+            self._table.rollback(start)
             if isinstance(exc, OSError):
-                raise _os_error(exc, f"writing {len(metas)} replicas to {self._segdir}") from exc
+                raise os_error(exc, f"writing {len(metas)} replicas to {self._segdir}") from exc
             raise
         with self._lock:
             self.stats.frames_written += len(rows)
@@ -507,34 +446,10 @@ class DiskTier(
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlife-io")
         return self._pool.submit(fn, *args)
 
-    def _segment_for(self, flen: int) -> _Segment:
-        seg = self._active
-        if seg.length > 0 and seg.length + flen > self.config.segment_bytes:
-            self._active = seg = self._new_segment()
-        return seg
-
-    def _new_segment(self) -> _Segment:
-        sid = max(max(self._segments, default=0), self._sid_floor) + 1
-        path = self._segdir / f"seg-{sid:08d}.kvs"
-        try:
-            fd = self.io.open(path, create=True)
-            self.io.truncate(fd, 0)
-        except OSError as exc:
-            raise _os_error(exc, f"creating segment {path}") from exc
-        seg = _Segment(sid, path, fd, 0)
-        self._segments[sid] = seg
-        self._dir_dirty = True  # made durable by the next commit, before any row names it
-        return seg
-
-    def _sync_dir(self) -> None:
-        if self._dir_dirty:
-            self.io.fsync_dir(self._segdir)
-            self._dir_dirty = False
-
     # ------------------------------------------------------------------ reads
 
     def contains(self, key: ChunkKey) -> bool:
-        return key in self._entries
+        return key in self._table.rows
 
     def meta(self, key: ChunkKey) -> ReplicaMeta:
         row = self._row(key)
@@ -550,10 +465,7 @@ class DiskTier(
         )
 
     def _row(self, key: ChunkKey) -> CatalogRow:
-        row = self._entries.get(key)
-        if row is None:
-            raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
-        return row
+        return self._table.row(key)
 
     def read_batch(
         self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
@@ -571,9 +483,7 @@ class DiskTier(
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
         with self._lock:
             rows = [self._row(k) for k in keys]
-            pinned = {row.seg: self._segments[row.seg] for row in rows}
-            for seg in pinned.values():
-                seg.readers += 1
+            pinned = self._table.pin_rows(rows)
             self._callers += 1
             share = max(1, self.config.io_depth // self._callers)
         got: list[int] = []
@@ -590,19 +500,15 @@ class DiskTier(
                     )
             return self._read_all(plan, got, share)
         finally:
-            retired: list[_Segment] = []
             with self._lock:
                 self._callers -= 1
                 self.stats.bytes_read += sum(got)
-                for seg in pinned.values():
-                    seg.readers -= 1
-                    if seg.doomed and seg.readers == 0:
-                        retired.append(seg)
-            self._remove_segments(retired, quiet=True)
+                retired = self._table.unpin(pinned.values())
+            self._table.remove(retired, quiet=True)
 
     def _read_all(
         self,
-        plan: list[tuple[CatalogRow, _Segment, np.ndarray | None]],
+        plan: list[tuple[CatalogRow, Segment, np.ndarray | None]],
         got: list[int],
         depth: int,
     ) -> list[ReadResult]:
@@ -645,7 +551,7 @@ class DiskTier(
             return self._read_pool
 
     def _read_one(
-        self, row: CatalogRow, seg: _Segment, out: np.ndarray | None, got: list[int]
+        self, row: CatalogRow, seg: Segment, out: np.ndarray | None, got: list[int]
     ) -> ReadResult:
         """Read and verify one frame: straight into ``out`` when its memory is aligned,
         else into a staging buffer (then copied); without ``out`` into a recycled array."""
@@ -710,93 +616,28 @@ class DiskTier(
             with self._lock:
                 rows = [self._row(k) for k in keys]
             self.catalog.delete([r.key for r in rows], forget=forget)
-            retired: list[_Segment] = []
             with self._lock:
                 for child in forget:
                     self._kept.pop(child, None)
-                for row in rows:
-                    del self._entries[ChunkKey(row.key)]
-                    if self._drop_live(row):
-                        retired.append(self._segments[row.seg])
-            self._remove_segments(retired)
+                retired = self._table.unpublish(rows)
+            self._table.remove(retired)
             return [r.nbytes for r in rows]
-
-    def _drop_live(self, row: CatalogRow) -> bool:
-        """Uncount a row's frame (under the lock); True if its segment is now retired and
-        unreferenced, for the caller to remove once the lock is released."""
-        seg = self._segments[row.seg]
-        seg.live -= frame_len(row.nbytes)
-        if (
-            seg.live == 0
-            and seg is not self._active
-            and not seg.doomed
-            and seg.id not in self._pinned  # holds quarantined rows: kept for check
-        ):
-            return self._retire(seg)
-        return False
-
-    def _retire(self, seg: _Segment) -> bool:
-        """Doom a segment no row names any more (under the lock). True if no read is in
-        flight on it, so the caller removes it now; else its last reader does."""
-        seg.doomed = True
-        return seg.readers == 0
-
-    def _remove_segments(self, segs: Sequence[_Segment], *, quiet: bool = False) -> None:
-        """Close and unlink retired segments, outside the tier lock. A doomed segment
-        stays in the segment table until its file is gone, so its id is not reused.
-
-        ``quiet`` (a reader leaving): an OSError leaves the file for ``check --fix`` to
-        delete as an orphan instead of failing a read that has its bytes.
-        """
-        if quiet:
-            for seg in segs:
-                with contextlib.suppress(OSError):
-                    self._remove_segments([seg])
-            return
-        for seg in segs:
-            with self._lock:  # an audit's fix may retire the same segment: close once
-                if seg.removing:
-                    continue
-                seg.removing = True
-            with contextlib.suppress(OSError):  # the descriptor is gone either way
-                self.io.close(seg.fd)
-            try:
-                self.io.unlink(seg.path)
-            except OSError:
-                # Its rows are already deleted in a committed transaction, so the caller
-                # (an invalidation, an eviction) did what it promised. The file stays
-                # in the table, so its id is not reused: an orphan for check --fix (or
-                # quarantine at the next open), counted here.
-                with self._lock:
-                    self.stats.unlink_failures += 1
-                    seg.unlink_failed = True
-                continue
-            with self._lock:
-                if self._segments.get(seg.id) is seg:
-                    del self._segments[seg.id]
-                    self.stats.segments_reclaimed += 1
-
-    def _unlink_segment(self, seg: _Segment) -> None:
-        """Retire a segment and remove it now unless a read is in flight on it."""
-        with self._lock:
-            now = self._retire(seg)
-        if now:
-            self._remove_segments([seg])
 
     def _compact(self, need: int) -> None:
         """Copy live frames out of the most wasteful sealed segments until ``need`` fits.
         Runs under the write mutex; segments with reads in flight are left for later (a
         reader that pins one after this choice only delays its unlink)."""
+        table = self._table
         with self._lock:
             candidates = sorted(
                 (
                     s
-                    for s in self._segments.values()
-                    if s is not self._active
+                    for s in table.segments.values()
+                    if s is not table.active
                     and s.length > s.live
                     and not s.doomed
                     and s.readers == 0  # its space would not come back until they leave
-                    and s.id not in self._pinned  # holds quarantined rows
+                    and s.id not in table.held  # holds quarantined rows
                 ),
                 key=lambda s: s.live / max(s.length, 1),
             )
@@ -807,32 +648,27 @@ class DiskTier(
         # Still short: the garbage is in the active segment. Seal it and compact it like
         # any other, so that a batch that fits the live budget is never refused.
         with self._lock:
-            act = self._active
+            act = table.active
             roll = (
                 self.used_bytes + need > self.capacity_bytes
                 and act.length > act.live
                 and act.readers == 0
                 and not act.doomed
-                and act.id not in self._pinned
+                and act.id not in table.held
             )
-            if roll:
-                self._active = self._new_segment()
         if roll:
+            table.roll()
             self._compact_segment(act)
 
-    def _compact_segment(self, seg: _Segment) -> None:
-        with self._lock:
-            start = {sid: s.length for sid, s in self._segments.items()}
+    def _compact_segment(self, seg: Segment) -> None:
+        start = self._table.lengths()
         try:
             self._copy_live_frames(seg)
         except OSError as exc:
-            with self._lock:  # the copies are garbage; rows still point home
-                for sid, length in start.items():
-                    if sid in self._segments:
-                        self._segments[sid].length = length
-            raise _os_error(exc, f"compacting segment {seg.path.name}") from exc
+            self._table.rollback(start)  # the copies are garbage; rows still point home
+            raise os_error(exc, f"compacting segment {seg.path.name}") from exc
 
-    def _copy_live_frames(self, seg: _Segment) -> None:
+    def _copy_live_frames(self, seg: Segment) -> None:
         """Move the live frames of ``seg`` to the active segment, then retire ``seg``.
 
         Reads of ``seg`` may run meanwhile: its rows are replaced (never mutated, a
@@ -841,7 +677,7 @@ class DiskTier(
         """
         with self._lock:
             rows = sorted(
-                (r for r in self._entries.values() if r.seg == seg.id), key=lambda r: r.off
+                (r for r in self._table.rows.values() if r.seg == seg.id), key=lambda r: r.off
             )
         moves: list[tuple[bytes, int, int]] = []
         dropped: list[tuple[CatalogRow, str]] = []
@@ -865,10 +701,7 @@ class DiskTier(
             if problem:
                 dropped.append((row, problem))
                 continue
-            with self._lock:
-                dst = self._segment_for(flen)
-                off = dst.length
-                dst.length += flen
+            dst, off = self._table.place(flen)
             written = self.io.pwritev(dst.fd, [frame], off)
             if written != flen:
                 raise OSError(errno.EIO, f"short write: {written} of {flen} bytes")
@@ -876,42 +709,31 @@ class DiskTier(
             copied += flen
             moves.append((row.key, dst.id, off))
         for sid in touched:
-            self.io.fdatasync(self._segments[sid].fd)
-        self._sync_dir()
+            self.io.fdatasync(self._table.segments[sid].fd)
+        self._table.sync_dir()
         self.catalog.relocate(moves)
         self.catalog.delete([r.key for r, _ in dropped])
         with self._lock:
             self.stats.compaction_bytes_written += copied
             for row, problem in dropped:
-                self._lost.append((ChunkKey(row.key), f"corrupt: {problem} (found by compaction)"))
+                self._lost.add(ChunkKey(row.key), f"corrupt: {problem} (found by compaction)")
+            rows_now = self._table.rows
             for key, sid, off in moves:
                 ck = ChunkKey(key)
-                self._entries[ck] = dataclasses.replace(self._entries[ck], seg=sid, off=off)
-                self._segments[sid].live += frame_len(self._entries[ck].nbytes)
+                rows_now[ck] = dataclasses.replace(rows_now[ck], seg=sid, off=off)
+                self._table.segments[sid].live += frame_len(rows_now[ck].nbytes)
             for row, _ in dropped:
-                del self._entries[ChunkKey(row.key)]
+                del rows_now[ChunkKey(row.key)]
             seg.live = 0
-            now = self._retire(seg)
+            now = self._table.retire(seg)
         if now:
-            self._remove_segments([seg])
+            self._table.remove([seg])
 
     # ------------------------------------------------------------------ recovery and audit
 
-    def _scan_segments(self) -> dict[int, Path]:
-        found: dict[int, Path] = {}
-        try:
-            names = list(self._segdir.iterdir())
-        except OSError as exc:
-            raise StorePathError(f"cannot list segments in {self._segdir}: {exc}") from exc
-        for p in names:
-            m = _SEG_RE.match(p.name)
-            if m:
-                found[int(m.group(1))] = p
-        return found
-
     def _segment_sizes(self) -> dict[int, int]:
         sizes: dict[int, int] = {}
-        for sid, path in self._scan_segments().items():
+        for sid, path in segment_files(self._segdir).items():
             try:
                 sizes[sid] = path.stat().st_size
             except OSError as exc:
@@ -945,13 +767,14 @@ class DiskTier(
         """Read the catalog and mark; delete nothing. Rows that fail (a field, the row
         checksum, the frame) are quarantined in the catalog and reported once through
         :meth:`take_lost`; segment files no row names are moved to ``quarantine/``."""
-        for sid, path in sorted(self._scan_segments().items()):
-            self._sid_floor = max(self._sid_floor, sid)
+        table = self._table
+        for sid, path in sorted(segment_files(self._segdir).items()):
+            table.sid_floor = max(table.sid_floor, sid)
             try:
                 fd = self.io.open(path, create=False)
             except OSError as exc:
-                raise _os_error(exc, f"opening segment {path}") from exc
-            self._segments[sid] = _Segment(sid, path, fd, self.io.size(fd))
+                raise os_error(exc, f"opening segment {path}") from exc
+            table.segments[sid] = Segment(sid, path, fd, self.io.size(fd))
         referenced: set[int] = set()
         marks: list[tuple[int, str]] = []
         for s in self.catalog.scan():
@@ -966,26 +789,26 @@ class DiskTier(
                 )
             if problem:
                 if s.seg is not None:
-                    self._pinned[s.seg] = self._pinned.get(s.seg, 0) + 1
+                    table.held[s.seg] = table.held.get(s.seg, 0) + 1
                 if s.quarantine is None:  # found now: report it, once
                     marks.append((s.rowid, problem))
-                    self._lost.append((ChunkKey(s.key), f"quarantined on open: {problem}"))
+                    self._lost.add(ChunkKey(s.key), f"quarantined on open: {problem}")
                 continue
             assert s.row is not None
-            self._entries[ChunkKey(s.row.key)] = s.row
-            self._segments[s.row.seg].live += frame_len(s.row.nbytes)
+            table.rows[ChunkKey(s.row.key)] = s.row
+            table.segments[s.row.seg].live += frame_len(s.row.nbytes)
         self.catalog.quarantine(marks)
-        self.stats.recovered = len(self._entries)
+        self.stats.recovered = len(table.rows)
         self.stats.recovery_dropped = len(marks)
-        self.stats.rows_quarantined = sum(self._pinned.values())
-        for seg in list(self._segments.values()):
+        self.stats.rows_quarantined = sum(table.held.values())
+        for seg in list(table.segments.values()):
             if seg.id not in referenced:
                 self._set_aside(seg)
 
-    def _set_aside(self, seg: _Segment) -> None:
+    def _set_aside(self, seg: Segment) -> None:
         """Take a segment no row names out of the store: a zero-byte file (an active
         segment that never got a frame) is removed, any other is moved to quarantine/."""
-        del self._segments[seg.id]
+        del self._table.segments[seg.id]
         try:
             self.io.close(seg.fd)
             if seg.length == 0:
@@ -1001,11 +824,11 @@ class DiskTier(
             self.io.fsync_dir(self.quarantine_dir)
             self.io.fsync_dir(self._segdir)
         except OSError as exc:
-            raise _os_error(exc, f"moving unreferenced segment {seg.path} to quarantine") from exc
+            raise os_error(exc, f"moving unreferenced segment {seg.path} to quarantine") from exc
         self.stats.segments_quarantined += 1
 
     def _check_row(self, row: CatalogRow, *, full: bool, header: bool) -> str:
-        seg = self._segments.get(row.seg)
+        seg = self._table.segments.get(row.seg)
         if seg is None:
             return f"segment seg-{row.seg:08d} is missing"
         flen = frame_len(row.nbytes)
@@ -1054,9 +877,9 @@ class DiskTier(
             report.problems.append(
                 f"superblock generation {state.generation}, catalog {generation}"
             )
-        files = self._scan_segments()
+        files = segment_files(self._segdir)
         with self._lock:
-            rows = list(self._entries.values())
+            rows = list(self._table.rows.values())
         by_seg: dict[int, list[CatalogRow]] = {}
         for row in rows:
             by_seg.setdefault(row.seg, []).append(row)
@@ -1075,8 +898,8 @@ class DiskTier(
         report.quarantined.extend(f"{k.hex()[:16]}…: {why}" for _, k, why in quarantined)
         with self._lock:
             for sid, path in sorted(files.items()):
-                seg = self._segments.get(sid)
-                if seg is None and sid not in self._pinned and path.exists():
+                seg = self._table.segments.get(sid)
+                if seg is None and sid not in self._table.held and path.exists():
                     report.orphan_segments.append(path.name)  # no segment of this tier
                 elif seg is not None and seg.unlink_failed:
                     report.orphan_segments.append(path.name)  # emptied, its unlink failed
@@ -1095,10 +918,9 @@ class DiskTier(
         """Check the rows of one segment with the segment pinned; returns each row that
         is still current afterwards with its problem (empty: it verified)."""
         with self._lock:
-            seg = self._segments.get(sid)
-            if seg is None or seg.doomed:
-                return []  # emptied since the rows were listed: they moved or went
-            seg.readers += 1
+            seg = self._table.pin(sid)
+        if seg is None:
+            return []  # emptied since the rows were listed: they moved or went
         found: list[tuple[CatalogRow, str]] = []
         try:
             for row in rows:
@@ -1107,12 +929,11 @@ class DiskTier(
                 found.append((row, self._check_row(row, full=True, header=True)))
         finally:
             with self._lock:
-                seg.readers -= 1
-                now = seg.doomed and seg.readers == 0
+                retired = self._table.unpin([seg])
                 # a row deleted or moved meanwhile is not the store's to report any more
-                current = [(r, p) for r, p in found if self._entries.get(ChunkKey(r.key)) is r]
-            if now:
-                self._remove_segments([seg], quiet=True)
+                rows_now = self._table.rows
+                current = [(r, p) for r, p in found if rows_now.get(ChunkKey(r.key)) is r]
+            self._table.remove(retired, quiet=True)
         return current
 
     def _quarantine_files(self) -> list[str]:
@@ -1135,30 +956,31 @@ class DiskTier(
             self.catalog.reindex()
             report.actions.append("rebuilt the catalog's indexes")
         with self._lock:  # only rows still as checked: a key written again since is new
-            doomed = [k for k, row in bad.items() if self._entries.get(k) is row]
+            doomed = [k for k, row in bad.items() if self._table.rows.get(k) is row]
             for key in doomed:
-                self._lost.append((key, "dropped by check --fix"))
+                self._lost.add(key, "dropped by check --fix")
         if doomed:
             self.delete_batch(doomed)
             report.actions.append(f"dropped {len(doomed)} bad replicas")
         if rowids:
             self.catalog.delete_quarantined(rowids)  # counted when they were quarantined
             report.actions.append(f"deleted {len(rowids)} quarantined catalog rows")
+            table = self._table
             with self._lock:
-                pinned, self._pinned = self._pinned, {}
-            for sid in pinned:
-                seg = self._segments.get(sid)
-                if seg is not None and seg.live == 0 and seg is not self._active:
-                    self._unlink_segment(seg)
+                held, table.held = table.held, {}
+            for sid in held:
+                seg = table.segments.get(sid)
+                if seg is not None and seg.live == 0 and seg is not table.active:
+                    table.unlink(seg)
         for name in report.orphan_segments:
             sid = int(name[4:12])
-            seg = self._segments.get(sid)
+            seg = self._table.segments.get(sid)
             with contextlib.suppress(FileNotFoundError):
                 self.io.unlink(seg.path if seg is not None else self._segdir / name)
             if seg is not None:
                 with self._lock:
-                    if self._segments.get(sid) is seg:
-                        del self._segments[sid]
+                    if self._table.segments.get(sid) is seg:
+                        del self._table.segments[sid]
                         self.stats.segments_reclaimed += 1
         if report.orphan_segments:
             report.actions.append(f"deleted {len(report.orphan_segments)} orphan segments")
@@ -1214,33 +1036,22 @@ class DiskTier(
 
     def take_lost(self) -> list[tuple[ChunkKey, str]]:
         """Replicas this tier dropped on its own (recovery, compaction, check), with why."""
-        with self._lock:
-            lost, self._lost = self._lost, []
-        return lost
+        return self._lost.take()
 
     def replica_keys(self) -> list[ChunkKey]:
-        return list(self._entries)
+        with self._lock:
+            return list(self._table.rows)
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            if self._read_pool is not None:
-                self._read_pool.shutdown(wait=True)
-            active = getattr(self, "_active", None)
-            if active is not None and active.live == 0 and active.id in self._segments:
-                self._unlink_segment(active)  # leave no empty segment file behind
-            for seg in self._segments.values():
-                with contextlib.suppress(OSError):
-                    self.io.close(seg.fd)
-            self.catalog.close()
-            self.superblock.close()
-
-
-def _os_error(exc: OSError, doing: str) -> Exception:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StorageFullError(f"device full (ENOSPC) while {doing}; nothing of it was stored")
-    return StorePathError(f"I/O error while {doing}: {exc}")
+        # The rest outside the tier lock: it waits for the I/O thread and does file I/O.
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self._read_pool is not None:
+            self._read_pool.shutdown(wait=True)
+        self._table.close()
+        self.catalog.close()
+        self.superblock.close()
