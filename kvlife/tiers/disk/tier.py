@@ -88,6 +88,7 @@ from kvlife.tiers.disk.frame import (
     pack_header,
     payload_checksum,
 )
+from kvlife.tiers.disk.links import Links
 from kvlife.tiers.disk.segments import Segment, SegmentTable, segment_files
 from kvlife.tiers.disk.superblock import FILE_NAME as SUPERBLOCK_FILE
 from kvlife.tiers.disk.superblock import CatalogRolledBack, Superblock, SuperblockError
@@ -227,8 +228,6 @@ class DiskTier(
         self._new_arrays = RecyclingPool(config.read_pool_bytes)
         self._callers = 0
         self._closed = False
-        self._kept: dict[bytes, bytes] = {}
-        """Prefix links (child -> parent) the catalog keeps (:class:`KeepsEdges`)."""
         self.quarantine_dir = self.directory / "quarantine"
         catalog_path = self.directory / "catalog.sqlite"
         has_data = any(size > 0 for size in self._segment_sizes().values())
@@ -248,7 +247,7 @@ class DiskTier(
         try:
             self._check_catalog()
             self._recover()
-            self._kept = dict(self.catalog.edges())
+            self._links = Links(self.catalog, self._lock)
             self._table.roll()
         except BaseException:
             self.close()
@@ -308,8 +307,7 @@ class DiskTier(
                     reservation.done = True
             with self._lock:  # publish: the rows name durable, cataloged bytes
                 retired = self._table.publish(rows)
-                for meta in reservation.metas:
-                    self._kept.update(meta.links)
+                self._links.learn(link for meta in reservation.metas for link in meta.links)
             self._table.remove(retired)
 
     def _write_frames(
@@ -617,8 +615,7 @@ class DiskTier(
                 rows = [self._row(k) for k in keys]
             self.catalog.delete([r.key for r in rows], forget=forget)
             with self._lock:
-                for child in forget:
-                    self._kept.pop(child, None)
+                self._links.unlearn(forget)
                 retired = self._table.unpublish(rows)
             self._table.remove(retired)
             return [r.nbytes for r in rows]
@@ -1007,24 +1004,18 @@ class DiskTier(
         }
 
     def kept_parent(self, child: bytes) -> bytes | None:
-        return self._kept.get(child)
+        return self._links.parent(child)
 
     def keep_edges(self, links: Sequence[tuple[bytes, bytes]]) -> None:
         with self._write_mutex:
-            self.catalog.keep_edges(links)
-            with self._lock:
-                self._kept.update(links)
+            self._links.keep(links)
 
     def load_edges(self) -> list[tuple[bytes, bytes]]:
-        with self._lock:
-            return list(self._kept.items())
+        return self._links.all()
 
     def forget_edges(self, children: Sequence[bytes]) -> None:
         with self._write_mutex:
-            self.catalog.forget_edges(children)
-            with self._lock:
-                for child in children:
-                    self._kept.pop(child, None)
+            self._links.forget(children)
 
     def load_counters(self) -> dict[str, int]:
         with self._write_mutex:  # the catalog connection is not read mid-transaction
