@@ -37,7 +37,7 @@ import errno
 import itertools
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -66,7 +66,6 @@ from kvlife.tiers.base import (
     SupportsAudit,
     SupportsBatchDelete,
     Tier,
-    check_payloads,
     read_only,
 )
 from kvlife.tiers.buffers import (
@@ -75,7 +74,6 @@ from kvlife.tiers.buffers import (
     StagingPool,
     aligned_empty,
     aligned_runs,
-    is_aligned,
     round_up,
 )
 from kvlife.tiers.disk.catalog import Catalog, CatalogCorrupt, CatalogMissing, CatalogRow
@@ -83,15 +81,13 @@ from kvlife.tiers.disk.counters import DiskStats, LostReplicas
 from kvlife.tiers.disk.fileio import FileIO, os_error, probe_direct_io
 from kvlife.tiers.disk.frame import (
     HEADER_BYTES,
-    FrameHeader,
     frame_len,
-    pack_header,
-    payload_checksum,
 )
 from kvlife.tiers.disk.links import Links
 from kvlife.tiers.disk.segments import Segment, SegmentTable, segment_files
 from kvlife.tiers.disk.superblock import FILE_NAME as SUPERBLOCK_FILE
 from kvlife.tiers.disk.superblock import CatalogRolledBack, Superblock, SuperblockError
+from kvlife.tiers.disk.writer import Writer
 
 MiB = 1 << 20
 T = TypeVar("T")
@@ -131,45 +127,6 @@ class DiskTierConfig:
             raise InvalidArgument(f"io_depth must be >= 1, got {self.io_depth}")
         if self.read_pool_bytes < 0:
             raise InvalidArgument(f"read_pool_bytes must be >= 0, got {self.read_pool_bytes}")
-
-
-WRITE_GROUP_BYTES = 8 << 20
-"""Consecutive frames of one segment are written by one pwritev up to this size: fewer
-system calls and hand-offs to the I/O thread, and larger requests for the device."""
-_IOV_MAX = 1024
-
-
-@dataclass(slots=True)
-class _WriteGroup:
-    """Consecutive frames of one segment written by one pwritev."""
-
-    seg: Segment
-    off: int
-    bufs: list[np.ndarray] = dataclasses.field(default_factory=list)
-    length: int = 0
-    staged: list[np.ndarray] = dataclasses.field(default_factory=list)
-    future: Future[int] | None = None
-
-    def takes(self, seg: Segment, off: int, flen: int, nbufs: int) -> bool:
-        """True if a frame at ``seg``/``off`` continues this group within its limits."""
-        return (
-            seg is self.seg
-            and off == self.off + self.length
-            and self.length + flen <= WRITE_GROUP_BYTES
-            and len(self.bufs) + nbufs <= _IOV_MAX
-        )
-
-    def add(self, bufs: list[np.ndarray], flen: int, staged: np.ndarray | None) -> None:
-        self.bufs.extend(bufs)
-        self.length += flen
-        if staged is not None:
-            self.staged.append(staged)
-
-    def release(self, pool: StagingPool) -> None:
-        """Give the staging buffers back (once)."""
-        for buf in self.staged:
-            pool.put(buf)
-        self.staged.clear()
 
 
 CheckReport = AuditReport
@@ -221,7 +178,6 @@ class DiskTier(
         )
         self._lock = self._table.lock
         self._lost = LostReplicas()
-        self._pool: ThreadPoolExecutor | None = None
         self._staging = StagingPool(keep=config.io_depth + 1)
         self._write_mutex = threading.RLock()  # check --fix deletes while holding it
         self._read_pool: ThreadPoolExecutor | None = None
@@ -248,6 +204,16 @@ class DiskTier(
             self._check_catalog()
             self._recover()
             self._links = Links(self.catalog, self._lock)
+            self._writer = Writer(
+                self.name,
+                self._table,
+                self.catalog,
+                self._links,
+                self.io,
+                self._staging,
+                config.io_depth,
+                self.stats,
+            )
             self._table.roll()
         except BaseException:
             self.close()
@@ -298,151 +264,7 @@ class DiskTier(
         if reservation.done:
             raise InvalidArgument("reservation already completed")
         with self._write_mutex:
-            try:
-                check_payloads(reservation.metas, payloads)
-                rows = self._write_frames(reservation.metas, payloads)
-            finally:
-                with self._lock:
-                    self._table.reserved -= reservation.nbytes
-                    reservation.done = True
-            with self._lock:  # publish: the rows name durable, cataloged bytes
-                retired = self._table.publish(rows)
-                self._links.learn(link for meta in reservation.metas for link in meta.links)
-            self._table.remove(retired)
-
-    def _write_frames(
-        self, metas: Sequence[ReplicaMeta], payloads: Sequence[np.ndarray]
-    ) -> list[CatalogRow]:
-        """Write frames, fdatasync, insert rows; on failure roll the segment tail back.
-
-        Runs under the write mutex; the tier lock is taken only to place each frame, so
-        readers of published replicas never wait for these writes or the fdatasync.
-        """
-        start = self._table.lengths()
-        rows: list[CatalogRow] = []
-        touched: set[int] = set()
-        inflight: list[_WriteGroup] = []
-        group: _WriteGroup | None = None
-        try:
-            for meta, arr in zip(metas, payloads, strict=True):
-                u8 = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-                flen = frame_len(u8.nbytes)
-                seg, off = self._table.place(flen)
-                start.setdefault(seg.id, 0)
-                touched.add(seg.id)
-                bufs, staged, checksum = self._frame_buffers(meta, u8)
-                if group is not None and not group.takes(seg, off, flen, len(bufs)):
-                    self._submit_group(group, inflight)
-                    group = None
-                if group is None:
-                    group = _WriteGroup(seg, off)
-                group.add(bufs, flen, staged)
-                rows.append(
-                    CatalogRow(
-                        meta.key,
-                        seg.id,
-                        off,
-                        u8.nbytes,
-                        checksum,
-                        meta.dtype,
-                        meta.shape,
-                        meta.transform,
-                        meta.info,
-                        meta.form,
-                        meta.born,
-                    )
-                )
-            if group is not None:
-                self._submit_group(group, inflight)
-                group = None
-            while inflight:
-                self._finish_write(inflight.pop(0))
-            for sid in sorted(touched):
-                self.io.fdatasync(self._table.segments[sid].fd)
-            self._table.sync_dir()
-            self.catalog.insert(rows, [link for meta in metas for link in meta.links])
-        except BaseException as exc:
-            for g in inflight:
-                if g.future is not None:
-                    g.future.exception()
-                g.release(self._staging)
-            if group is not None:
-                group.release(self._staging)
-            self._table.rollback(start)
-            if isinstance(exc, OSError):
-                raise os_error(exc, f"writing {len(metas)} replicas to {self._segdir}") from exc
-            raise
-        with self._lock:
-            self.stats.frames_written += len(rows)
-            self.stats.bytes_written += sum(frame_len(r.nbytes) for r in rows)
-            self.stats.payload_bytes_written += sum(r.nbytes for r in rows)
-        return rows
-
-    def _frame_buffers(
-        self, meta: ReplicaMeta, u8: np.ndarray
-    ) -> tuple[list[np.ndarray], np.ndarray | None, bytes]:
-        """Buffers for one frame, the staging buffer to give back later (or None) and the
-        payload checksum.
-
-        The header always gets a page of its own, so only the payload is ever staged:
-        from aligned caller memory it goes out as it is; from unaligned memory it is
-        copied once into a warm aligned buffer (huge pages from 2 MiB) and checksummed
-        there, while it is still in cache, instead of reading the caller's memory twice.
-        A payload whose checksum the meta carries is not hashed again, unless the meta
-        asks for it to be verified (then a mismatch raises ChecksumMismatch).
-        """
-        n = u8.nbytes
-        staged: np.ndarray | None = None
-        if is_aligned(u8):
-            body = u8
-        else:
-            padded = round_up(n)
-            staged = self._staging.get(padded)
-            body = staged[:padded]
-            np.copyto(body[:n], u8)
-            body[n:] = 0
-        # a checksum the payload is known by is not computed twice: taken as given (a
-        # wrong one only makes the frame fail verification), or checked here, where
-        # the payload is hashed anyway (a replica sealed in memory on its way down)
-        if meta.checksum and not meta.verify_checksum:
-            checksum = meta.checksum
-        else:
-            checksum = payload_checksum(body[:n])
-            if meta.verify_checksum and meta.checksum and checksum != meta.checksum:
-                if staged is not None:
-                    self._staging.put(staged)
-                raise ChecksumMismatch(
-                    meta.key.hex(),
-                    f"{self.name} write",
-                    "the payload no longer matches the checksum it was sealed with "
-                    "(changed in memory); nothing of the batch was stored",
-                )
-        header = FrameHeader(meta.key, n, checksum, meta.dtype, meta.shape, meta.transform)
-        hdr = aligned_empty(HEADER_BYTES)
-        pack_header(header, hdr.data)
-        return ([hdr, body] if n else [hdr]), staged, checksum
-
-    def _submit_group(self, group: _WriteGroup, inflight: list[_WriteGroup]) -> None:
-        """Queue one group's pwritev, keeping at most ``io_depth`` groups in flight."""
-        group.future = self._submit(self.io.pwritev, group.seg.fd, group.bufs, group.off)
-        inflight.append(group)
-        if len(inflight) >= self.config.io_depth:
-            self._finish_write(inflight.pop(0))
-
-    def _finish_write(self, group: _WriteGroup) -> None:
-        assert group.future is not None
-        try:
-            written = group.future.result()
-        finally:
-            group.release(self._staging)
-        if written != group.length:
-            raise OSError(errno.EIO, f"short write: {written} of {group.length} bytes")
-
-    def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
-        """Run a write on the writer's I/O thread (it overlaps the next frame's checksum)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlife-io")
-        return self._pool.submit(fn, *args)
+            self._writer.commit(reservation, payloads)
 
     # ------------------------------------------------------------------ reads
 
@@ -611,14 +433,7 @@ class DiskTier(
 
     def delete_forgetting(self, keys: Sequence[ChunkKey], forget: Sequence[bytes]) -> list[int]:
         with self._write_mutex:
-            with self._lock:
-                rows = [self._row(k) for k in keys]
-            self.catalog.delete([r.key for r in rows], forget=forget)
-            with self._lock:
-                self._links.unlearn(forget)
-                retired = self._table.unpublish(rows)
-            self._table.remove(retired)
-            return [r.nbytes for r in rows]
+            return self._writer.delete(keys, forget)
 
     def _compact(self, need: int) -> None:
         """Copy live frames out of the most wasteful sealed segments until ``need`` fits.
@@ -1039,8 +854,9 @@ class DiskTier(
                 return
             self._closed = True
         # The rest outside the tier lock: it waits for the I/O thread and does file I/O.
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        writer = getattr(self, "_writer", None)
+        if writer is not None:
+            writer.close()
         if self._read_pool is not None:
             self._read_pool.shutdown(wait=True)
         self._table.close()
