@@ -34,10 +34,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import itertools
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -45,9 +43,7 @@ from typing import Literal, TypeVar
 import numpy as np
 
 from kvlife.core.errors import (
-    ChecksumMismatch,
     InvalidArgument,
-    ReplicaReadError,
     StorePathError,
 )
 from kvlife.core.identity import ChunkKey
@@ -66,15 +62,11 @@ from kvlife.tiers.base import (
     SupportsAudit,
     SupportsBatchDelete,
     Tier,
-    read_only,
 )
 from kvlife.tiers.buffers import (
     ALIGN,
-    RecyclingPool,
     StagingPool,
     aligned_empty,
-    aligned_runs,
-    round_up,
 )
 from kvlife.tiers.disk.catalog import Catalog, CatalogCorrupt, CatalogMissing, CatalogRow
 from kvlife.tiers.disk.counters import DiskStats, LostReplicas
@@ -84,6 +76,7 @@ from kvlife.tiers.disk.frame import (
     frame_len,
 )
 from kvlife.tiers.disk.links import Links
+from kvlife.tiers.disk.reader import Reader
 from kvlife.tiers.disk.segments import Segment, SegmentTable, segment_files
 from kvlife.tiers.disk.superblock import FILE_NAME as SUPERBLOCK_FILE
 from kvlife.tiers.disk.superblock import CatalogRolledBack, Superblock, SuperblockError
@@ -91,8 +84,6 @@ from kvlife.tiers.disk.writer import Writer
 
 MiB = 1 << 20
 T = TypeVar("T")
-READ_HELPERS = 16
-"""Threads shared by all readers of a tier to keep more than one read of a call in flight."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +171,6 @@ class DiskTier(
         self._lost = LostReplicas()
         self._staging = StagingPool(keep=config.io_depth + 1)
         self._write_mutex = threading.RLock()  # check --fix deletes while holding it
-        self._read_pool: ThreadPoolExecutor | None = None
-        self._new_arrays = RecyclingPool(config.read_pool_bytes)
-        self._callers = 0
         self._closed = False
         self.quarantine_dir = self.directory / "quarantine"
         catalog_path = self.directory / "catalog.sqlite"
@@ -204,6 +192,15 @@ class DiskTier(
             self._check_catalog()
             self._recover()
             self._links = Links(self.catalog, self._lock)
+            self._reader = Reader(
+                self.name,
+                self._table,
+                self.io,
+                self._staging,
+                config.io_depth,
+                config.read_pool_bytes,
+                self.stats,
+            )
             self._writer = Writer(
                 self.name,
                 self._table,
@@ -290,132 +287,7 @@ class DiskTier(
     def read_batch(
         self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
     ) -> list[ReadResult]:
-        """Verified reads, safe from many threads at once and beside one writer.
-
-        The tier lock is held only to look the rows up and pin their segments (a pinned
-        segment is unlinked by compaction or its last delete only when its last reader
-        leaves); the reads run without it, in the caller's thread plus helpers. The
-        tier's ``io_depth`` is shared among concurrent callers (one alone gets
-        ``io_depth - 1`` helpers, ``io_depth`` or more callers get none), so N callers
-        keep max(N, io_depth) reads in flight without piling threads onto the CPUs.
-        """
-        if outs is not None and len(outs) != len(keys):
-            raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
-        with self._lock:
-            rows = [self._row(k) for k in keys]
-            pinned = self._table.pin_rows(rows)
-            self._callers += 1
-            share = max(1, self.config.io_depth // self._callers)
-        got: list[int] = []
-        try:
-            plan = [
-                (row, pinned[row.seg], outs[i] if outs is not None else None)
-                for i, row in enumerate(rows)
-            ]
-            for row, _, out in plan:
-                if out is not None and (out.shape != row.shape or out.dtype != np.dtype(row.dtype)):
-                    raise InvalidArgument(
-                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
-                        f"{row.dtype}{list(row.shape)}"
-                    )
-            return self._read_all(plan, got, share)
-        finally:
-            with self._lock:
-                self._callers -= 1
-                self.stats.bytes_read += sum(got)
-                retired = self._table.unpin(pinned.values())
-            self._table.remove(retired, quiet=True)
-
-    def _read_all(
-        self,
-        plan: list[tuple[CatalogRow, Segment, np.ndarray | None]],
-        got: list[int],
-        depth: int,
-    ) -> list[ReadResult]:
-        n = len(plan)
-        results: list[ReadResult | None] = [None] * n
-        helpers_wanted = min(depth, n) - 1
-        if helpers_wanted <= 0:
-            for i, (row, seg, out) in enumerate(plan):
-                results[i] = self._read_one(row, seg, out, got)
-        else:
-            # Work sharing: the caller and its helpers each take the next frame. The
-            # caller never waits for a helper to start, so a pool that is busy (or has a
-            # worker stalled in a device read) slows a batch down but never blocks it.
-            counter = itertools.count()
-
-            def work() -> None:
-                while (i := next(counter)) < n:
-                    row, seg, out = plan[i]
-                    results[i] = self._read_one(row, seg, out, got)
-
-            pool = self._reader_pool()
-            helpers = [pool.submit(work) for _ in range(helpers_wanted)]
-            work()
-            for h in helpers:
-                if not h.cancel():
-                    h.result()
-        done: list[ReadResult] = []
-        for r in results:
-            if r is None:  # every index is taken by exactly one worker: a bug if not
-                raise RuntimeError("a frame of the batch was not read")
-            done.append(r)
-        return done
-
-    def _reader_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._read_pool is None:
-                self._read_pool = ThreadPoolExecutor(
-                    max_workers=READ_HELPERS, thread_name_prefix="kvlife-read"
-                )
-            return self._read_pool
-
-    def _read_one(
-        self, row: CatalogRow, seg: Segment, out: np.ndarray | None, got: list[int]
-    ) -> ReadResult:
-        """Read and verify one frame: straight into ``out`` when its memory is aligned,
-        else into a staging buffer (then copied); without ``out`` into a recycled array."""
-        where = f"{self.name} seg-{row.seg:08d}@{row.off}"
-        staged: np.ndarray | None = None
-        hdr = aligned_empty(HEADER_BYTES)
-        runs = aligned_runs(out) if out is not None else None
-        if runs is not None:
-            payload = runs
-            bufs = [hdr, *runs]
-        elif out is not None:
-            staged = self._staging.get(round_up(row.nbytes))
-            body = staged[: round_up(row.nbytes)]
-            payload = [body[: row.nbytes]]
-            bufs = [hdr, body] if row.nbytes else [hdr]
-        else:
-            body = self._new_arrays.take(round_up(row.nbytes))
-            payload = [body[: row.nbytes]]
-            bufs = [hdr, body] if row.nbytes else [hdr]
-        try:
-            try:
-                n = self.io.preadv(seg.fd, bufs, row.off)
-            except OSError as exc:
-                return ReplicaReadError(row.key.hex(), where, str(exc))
-            need = HEADER_BYTES + row.nbytes
-            if n < need:
-                return ChecksumMismatch(row.key.hex(), where, f"truncated: {n} of {need} bytes")
-            got.append(n)
-            problem = self._verify(row, hdr.data, payload)
-            if problem:
-                return ChecksumMismatch(row.key.hex(), where, problem)
-            if out is None:  # a new array: read-only from the start, for good
-                return read_only(payload[0]).view(np.dtype(row.dtype)).reshape(row.shape)
-            if staged is not None:
-                np.copyto(out, payload[0].view(np.dtype(row.dtype)).reshape(row.shape))
-            return out
-        finally:
-            if staged is not None:
-                self._staging.put(staged)
-
-    @staticmethod
-    def _verify(row: CatalogRow, hdr: memoryview, payload: list[np.ndarray] | None) -> str:
-        """Empty string if the frame matches its row, else what is wrong."""
-        return row.verify(hdr, payload)
+        return self._reader.read_batch(keys, outs)
 
     # ------------------------------------------------------------------ deletes and reclaim
 
@@ -504,8 +376,7 @@ class DiskTier(
             problem = (
                 f"truncated: {got} of {flen} bytes"
                 if got < flen
-                else self._verify(
-                    row,
+                else row.verify(
                     frame.data[:HEADER_BYTES],
                     [frame[HEADER_BYTES : HEADER_BYTES + row.nbytes]],
                 )
@@ -857,8 +728,9 @@ class DiskTier(
         writer = getattr(self, "_writer", None)
         if writer is not None:
             writer.close()
-        if self._read_pool is not None:
-            self._read_pool.shutdown(wait=True)
+        reader = getattr(self, "_reader", None)
+        if reader is not None:
+            reader.close()
         self._table.close()
         self.catalog.close()
         self.superblock.close()
