@@ -32,8 +32,6 @@ are never reclaimed at runtime. Segment files no row names are moved to
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import errno
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -69,6 +67,7 @@ from kvlife.tiers.buffers import (
     aligned_empty,
 )
 from kvlife.tiers.disk.catalog import Catalog, CatalogCorrupt, CatalogMissing, CatalogRow
+from kvlife.tiers.disk.compaction import Compactor
 from kvlife.tiers.disk.counters import DiskStats, LostReplicas
 from kvlife.tiers.disk.fileio import FileIO, os_error, probe_direct_io
 from kvlife.tiers.disk.frame import (
@@ -201,6 +200,9 @@ class DiskTier(
                 config.read_pool_bytes,
                 self.stats,
             )
+            self._compactor = Compactor(
+                self._table, self.catalog, self.io, self.capacity_bytes, self.stats, self._lost
+            )
             self._writer = Writer(
                 self.name,
                 self._table,
@@ -242,7 +244,7 @@ class DiskTier(
             if not fits:
                 if short > 0:
                     return CapacityShortfall(short)
-                self._compact(need)
+                self._compactor.make_room(need)
             with self._lock:
                 if self.used_bytes + need > self.capacity_bytes:
                     return CapacityShortfall(self.used_bytes + need - self.capacity_bytes)
@@ -306,111 +308,6 @@ class DiskTier(
     def delete_forgetting(self, keys: Sequence[ChunkKey], forget: Sequence[bytes]) -> list[int]:
         with self._write_mutex:
             return self._writer.delete(keys, forget)
-
-    def _compact(self, need: int) -> None:
-        """Copy live frames out of the most wasteful sealed segments until ``need`` fits.
-        Runs under the write mutex; segments with reads in flight are left for later (a
-        reader that pins one after this choice only delays its unlink)."""
-        table = self._table
-        with self._lock:
-            candidates = sorted(
-                (
-                    s
-                    for s in table.segments.values()
-                    if s is not table.active
-                    and s.length > s.live
-                    and not s.doomed
-                    and s.readers == 0  # its space would not come back until they leave
-                    and s.id not in table.held  # holds quarantined rows
-                ),
-                key=lambda s: s.live / max(s.length, 1),
-            )
-        for seg in candidates:
-            if self.used_bytes + need <= self.capacity_bytes:
-                return
-            self._compact_segment(seg)
-        # Still short: the garbage is in the active segment. Seal it and compact it like
-        # any other, so that a batch that fits the live budget is never refused.
-        with self._lock:
-            act = table.active
-            roll = (
-                self.used_bytes + need > self.capacity_bytes
-                and act.length > act.live
-                and act.readers == 0
-                and not act.doomed
-                and act.id not in table.held
-            )
-        if roll:
-            table.roll()
-            self._compact_segment(act)
-
-    def _compact_segment(self, seg: Segment) -> None:
-        start = self._table.lengths()
-        try:
-            self._copy_live_frames(seg)
-        except OSError as exc:
-            self._table.rollback(start)  # the copies are garbage; rows still point home
-            raise os_error(exc, f"compacting segment {seg.path.name}") from exc
-
-    def _copy_live_frames(self, seg: Segment) -> None:
-        """Move the live frames of ``seg`` to the active segment, then retire ``seg``.
-
-        Reads of ``seg`` may run meanwhile: its rows are replaced (never mutated, a
-        reader holds the old one) only once the copies are durable and cataloged, and
-        the file is unlinked when its last reader leaves.
-        """
-        with self._lock:
-            rows = sorted(
-                (r for r in self._table.rows.values() if r.seg == seg.id), key=lambda r: r.off
-            )
-        moves: list[tuple[bytes, int, int]] = []
-        dropped: list[tuple[CatalogRow, str]] = []
-        touched: set[int] = set()
-        copied = 0
-        for row in rows:
-            flen = frame_len(row.nbytes)
-            frame = aligned_empty(flen)
-            got = self.io.preadv(seg.fd, [frame], row.off)
-            with self._lock:
-                self.stats.compaction_bytes_read += got
-            problem = (
-                f"truncated: {got} of {flen} bytes"
-                if got < flen
-                else row.verify(
-                    frame.data[:HEADER_BYTES],
-                    [frame[HEADER_BYTES : HEADER_BYTES + row.nbytes]],
-                )
-            )
-            if problem:
-                dropped.append((row, problem))
-                continue
-            dst, off = self._table.place(flen)
-            written = self.io.pwritev(dst.fd, [frame], off)
-            if written != flen:
-                raise OSError(errno.EIO, f"short write: {written} of {flen} bytes")
-            touched.add(dst.id)
-            copied += flen
-            moves.append((row.key, dst.id, off))
-        for sid in touched:
-            self.io.fdatasync(self._table.segments[sid].fd)
-        self._table.sync_dir()
-        self.catalog.relocate(moves)
-        self.catalog.delete([r.key for r, _ in dropped])
-        with self._lock:
-            self.stats.compaction_bytes_written += copied
-            for row, problem in dropped:
-                self._lost.add(ChunkKey(row.key), f"corrupt: {problem} (found by compaction)")
-            rows_now = self._table.rows
-            for key, sid, off in moves:
-                ck = ChunkKey(key)
-                rows_now[ck] = dataclasses.replace(rows_now[ck], seg=sid, off=off)
-                self._table.segments[sid].live += frame_len(rows_now[ck].nbytes)
-            for row, _ in dropped:
-                del rows_now[ChunkKey(row.key)]
-            seg.live = 0
-            now = self._table.retire(seg)
-        if now:
-            self._table.remove([seg])
 
     # ------------------------------------------------------------------ recovery and audit
 
