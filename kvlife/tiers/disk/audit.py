@@ -30,7 +30,7 @@ import numpy as np
 
 from kvlife.core.errors import KVLifeError, StoreLockedError, StorePathError
 from kvlife.tiers.base import AuditReport
-from kvlife.tiers.buffers import ALIGN
+from kvlife.tiers.buffers import ALIGN, aligned_empty
 from kvlife.tiers.disk.catalog import Catalog, CatalogCorrupt, CatalogMissing, CatalogRow
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.disk.frame import HEADER_BYTES, frame_len
@@ -218,6 +218,40 @@ def _check_frame(
         return f"truncated: {len(data)} bytes"
     payload = np.frombuffer(data, dtype=np.uint8, offset=HEADER_BYTES)
     return row.verify(data[:HEADER_BYTES], [payload])
+
+
+def check_frame(
+    row: CatalogRow,
+    fd: int | None,
+    length: int,
+    io: FileIO,
+    *,
+    header: bool = True,
+    full: bool = True,
+) -> str:
+    """Empty if the frame a row names matches it, else what is wrong.
+
+    ``fd`` and ``length`` are the row's segment file (None: there is none). Always
+    checks that the frame lies inside the file; with ``header`` reads the frame header
+    and checks it against the row, with ``full`` the payload's checksum too. Reads go
+    through ``io`` into an aligned buffer, so ``fd`` may be open for direct I/O.
+    """
+    if fd is None:
+        return f"segment seg-{row.seg:08d} is missing"
+    flen = frame_len(row.nbytes)
+    if row.off % ALIGN or row.off + HEADER_BYTES + row.nbytes > length:
+        return f"frame at {row.off} (+{flen}) lies beyond the segment's {length} bytes"
+    if not header and not full:
+        return ""
+    buf = aligned_empty(flen if full else HEADER_BYTES)
+    try:
+        got = io.preadv(fd, [buf], row.off)
+    except OSError as exc:
+        return f"read failed: {exc}"
+    if got < (HEADER_BYTES + row.nbytes if full else HEADER_BYTES):
+        return f"truncated: {got} bytes"
+    payload = [buf[HEADER_BYTES : HEADER_BYTES + row.nbytes]] if full else None
+    return row.verify(buf.data[:HEADER_BYTES], payload)
 
 
 def prepare_repair(path: str | Path) -> list[str]:

@@ -25,7 +25,13 @@ class Links:
     def __init__(self, catalog: Catalog, lock: threading.RLock) -> None:
         self._catalog = catalog
         self._lock = lock
-        self._kept: dict[bytes, bytes] = dict(catalog.edges())
+        self._kept: dict[bytes, bytes] = {}
+
+    def load(self) -> None:
+        """Read the kept links from the catalog (at open)."""
+        kept = dict(self._catalog.edges())
+        with self._lock:
+            self._kept = kept
 
     def parent(self, child: bytes) -> bytes | None:
         """The kept parent of ``child`` (None if no link is kept), without I/O."""

@@ -64,21 +64,19 @@ from kvlife.tiers.base import (
 from kvlife.tiers.buffers import (
     ALIGN,
     StagingPool,
-    aligned_empty,
 )
-from kvlife.tiers.disk.catalog import Catalog, CatalogCorrupt, CatalogMissing, CatalogRow
+from kvlife.tiers.disk.audit import check_frame
+from kvlife.tiers.disk.catalog import CatalogRow
 from kvlife.tiers.disk.compaction import Compactor
 from kvlife.tiers.disk.counters import DiskStats, LostReplicas
-from kvlife.tiers.disk.fileio import FileIO, os_error, probe_direct_io
+from kvlife.tiers.disk.fileio import FileIO, probe_direct_io
 from kvlife.tiers.disk.frame import (
-    HEADER_BYTES,
     frame_len,
 )
 from kvlife.tiers.disk.links import Links
 from kvlife.tiers.disk.reader import Reader
-from kvlife.tiers.disk.segments import Segment, SegmentTable, segment_files
-from kvlife.tiers.disk.superblock import FILE_NAME as SUPERBLOCK_FILE
-from kvlife.tiers.disk.superblock import CatalogRolledBack, Superblock, SuperblockError
+from kvlife.tiers.disk.recovery import open_catalog, recover
+from kvlife.tiers.disk.segments import SegmentTable, segment_files
 from kvlife.tiers.disk.writer import Writer
 
 MiB = 1 << 20
@@ -172,47 +170,41 @@ class DiskTier(
         self._write_mutex = threading.RLock()  # check --fix deletes while holding it
         self._closed = False
         self.quarantine_dir = self.directory / "quarantine"
-        catalog_path = self.directory / "catalog.sqlite"
-        has_data = any(size > 0 for size in self._segment_sizes().values())
-        if has_data and not catalog_path.exists():
-            raise CatalogMissing(catalog_path, self._segdir)
-        self.superblock = Superblock(self.directory / SUPERBLOCK_FILE, self.io)
+        self.catalog, self.superblock = open_catalog(self.directory, self._segdir, self.io)
+        self._links = Links(self.catalog, self._lock)
+        self._reader = Reader(
+            self.name,
+            self._table,
+            self.io,
+            self._staging,
+            config.io_depth,
+            config.read_pool_bytes,
+            self.stats,
+        )
+        self._compactor = Compactor(
+            self._table, self.catalog, self.io, self.capacity_bytes, self.stats, self._lost
+        )
+        self._writer = Writer(
+            self.name,
+            self._table,
+            self.catalog,
+            self._links,
+            self.io,
+            self._staging,
+            config.io_depth,
+            self.stats,
+        )
         try:
-            self.catalog = Catalog(
-                catalog_path,
-                create=not has_data,
-                superblock=self.superblock,
-                initial_generation=self.superblock.read().generation or 0,
-            )
-        except BaseException:
-            self.superblock.close()
-            raise
-        try:
-            self._check_catalog()
-            self._recover()
-            self._links = Links(self.catalog, self._lock)
-            self._reader = Reader(
-                self.name,
-                self._table,
-                self.io,
-                self._staging,
-                config.io_depth,
-                config.read_pool_bytes,
-                self.stats,
-            )
-            self._compactor = Compactor(
-                self._table, self.catalog, self.io, self.capacity_bytes, self.stats, self._lost
-            )
-            self._writer = Writer(
-                self.name,
+            recover(
                 self._table,
                 self.catalog,
-                self._links,
                 self.io,
-                self._staging,
-                config.io_depth,
-                self.stats,
+                verify=config.verify_on_open,
+                quarantine_dir=self.quarantine_dir,
+                stats=self.stats,
+                lost=self._lost,
             )
+            self._links.load()
             self._table.roll()
         except BaseException:
             self.close()
@@ -309,122 +301,13 @@ class DiskTier(
         with self._write_mutex:
             return self._writer.delete(keys, forget)
 
-    # ------------------------------------------------------------------ recovery and audit
-
-    def _segment_sizes(self) -> dict[int, int]:
-        sizes: dict[int, int] = {}
-        for sid, path in segment_files(self._segdir).items():
-            try:
-                sizes[sid] = path.stat().st_size
-            except OSError as exc:
-                raise StorePathError(f"cannot stat segment {path}: {exc}") from exc
-        return sizes
-
-    def _check_catalog(self) -> None:
-        """Refuse a catalog SQLite finds damaged, or one older than the generation the
-        superblock acknowledged (its write-ahead log lost committed deletions)."""
-        cat = self.catalog
-        problems = cat.integrity()
-        if problems:
-            raise CatalogCorrupt(cat.path, "integrity check: " + "; ".join(problems[:3]))
-        state = self.superblock.read()
-        have, acked = cat.generation, state.generation
-        if acked is None:
-            if have > 0:
-                detail = "is missing" if not state.exists else "; ".join(state.problems)
-                raise SuperblockError(self.superblock.path, detail)
-            # Generation 0: no row was ever deleted, so there is nothing to roll back.
-            self.superblock.write_both(0)
-            return
-        if have < acked:
-            raise CatalogRolledBack(cat.path, have, acked)
-        if have > acked:  # the process died between a commit and its superblock write
-            self.superblock.write(have)
-        if None in self.superblock.read().generations:
-            self.superblock.write(have)  # restore the second copy
-
-    def _recover(self) -> None:
-        """Read the catalog and mark; delete nothing. Rows that fail (a field, the row
-        checksum, the frame) are quarantined in the catalog and reported once through
-        :meth:`take_lost`; segment files no row names are moved to ``quarantine/``."""
-        table = self._table
-        for sid, path in sorted(segment_files(self._segdir).items()):
-            table.sid_floor = max(table.sid_floor, sid)
-            try:
-                fd = self.io.open(path, create=False)
-            except OSError as exc:
-                raise os_error(exc, f"opening segment {path}") from exc
-            table.segments[sid] = Segment(sid, path, fd, self.io.size(fd))
-        referenced: set[int] = set()
-        marks: list[tuple[int, str]] = []
-        for s in self.catalog.scan():
-            if s.seg is not None:
-                referenced.add(s.seg)
-            problem = s.quarantine or s.problem
-            if not problem and s.row is not None:
-                problem = self._check_row(
-                    s.row,
-                    full=self.config.verify_on_open == "full",
-                    header=self.config.verify_on_open != "none",
-                )
-            if problem:
-                if s.seg is not None:
-                    table.held[s.seg] = table.held.get(s.seg, 0) + 1
-                if s.quarantine is None:  # found now: report it, once
-                    marks.append((s.rowid, problem))
-                    self._lost.add(ChunkKey(s.key), f"quarantined on open: {problem}")
-                continue
-            assert s.row is not None
-            table.rows[ChunkKey(s.row.key)] = s.row
-            table.segments[s.row.seg].live += frame_len(s.row.nbytes)
-        self.catalog.quarantine(marks)
-        self.stats.recovered = len(table.rows)
-        self.stats.recovery_dropped = len(marks)
-        self.stats.rows_quarantined = sum(table.held.values())
-        for seg in list(table.segments.values()):
-            if seg.id not in referenced:
-                self._set_aside(seg)
-
-    def _set_aside(self, seg: Segment) -> None:
-        """Take a segment no row names out of the store: a zero-byte file (an active
-        segment that never got a frame) is removed, any other is moved to quarantine/."""
-        del self._table.segments[seg.id]
-        try:
-            self.io.close(seg.fd)
-            if seg.length == 0:
-                self.io.unlink(seg.path)
-                return
-            self.quarantine_dir.mkdir(exist_ok=True)
-            dst = self.quarantine_dir / seg.path.name
-            n = 0
-            while dst.exists():
-                n += 1
-                dst = self.quarantine_dir / f"{seg.path.name}.{n}"
-            self.io.rename(seg.path, dst)
-            self.io.fsync_dir(self.quarantine_dir)
-            self.io.fsync_dir(self._segdir)
-        except OSError as exc:
-            raise os_error(exc, f"moving unreferenced segment {seg.path} to quarantine") from exc
-        self.stats.segments_quarantined += 1
+    # ------------------------------------------------------------------ audit
 
     def _check_row(self, row: CatalogRow, *, full: bool, header: bool) -> str:
         seg = self._table.segments.get(row.seg)
         if seg is None:
-            return f"segment seg-{row.seg:08d} is missing"
-        flen = frame_len(row.nbytes)
-        if row.off % ALIGN or row.off + HEADER_BYTES + row.nbytes > seg.length:
-            return f"frame at {row.off} (+{flen}) lies beyond the segment's {seg.length} bytes"
-        if not header and not full:
-            return ""
-        buf = aligned_empty(flen if full else HEADER_BYTES)
-        try:
-            got = self.io.preadv(seg.fd, [buf], row.off)
-        except OSError as exc:
-            return f"read failed: {exc}"
-        if got < (HEADER_BYTES + row.nbytes if full else HEADER_BYTES):
-            return f"truncated: {got} bytes"
-        payload = [buf[HEADER_BYTES : HEADER_BYTES + row.nbytes]] if full else None
-        return row.verify(buf.data[:HEADER_BYTES], payload)
+            return check_frame(row, None, 0, self.io)
+        return check_frame(row, seg.fd, seg.length, self.io, header=header, full=full)
 
     def check(
         self, fix: bool = False, progress: Callable[[int], object] | None = None
@@ -622,12 +505,8 @@ class DiskTier(
                 return
             self._closed = True
         # The rest outside the tier lock: it waits for the I/O thread and does file I/O.
-        writer = getattr(self, "_writer", None)
-        if writer is not None:
-            writer.close()
-        reader = getattr(self, "_reader", None)
-        if reader is not None:
-            reader.close()
+        self._writer.close()
+        self._reader.close()
         self._table.close()
         self.catalog.close()
         self.superblock.close()
