@@ -316,6 +316,13 @@ class SegmentTable:
                     del self.segments[seg.id]
                     self.stats.segments_reclaimed += 1
 
+    def forget(self, seg: Segment) -> None:
+        """Drop a segment whose file is gone (deleted by ``check --fix``) from the table."""
+        with self.lock:
+            if self.segments.get(seg.id) is seg:
+                del self.segments[seg.id]
+                self.stats.segments_reclaimed += 1
+
     def unlink(self, seg: Segment) -> None:
         """Retire a segment and remove it now unless a read is in flight on it."""
         with self.lock:

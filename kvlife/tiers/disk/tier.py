@@ -31,7 +31,6 @@ are never reclaimed at runtime. Segment files no row names are moved to
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -65,7 +64,7 @@ from kvlife.tiers.buffers import (
     ALIGN,
     StagingPool,
 )
-from kvlife.tiers.disk.audit import check_frame
+from kvlife.tiers.disk.audit import TierSource, audit
 from kvlife.tiers.disk.catalog import CatalogRow
 from kvlife.tiers.disk.compaction import Compactor
 from kvlife.tiers.disk.counters import DiskStats, LostReplicas
@@ -76,7 +75,8 @@ from kvlife.tiers.disk.frame import (
 from kvlife.tiers.disk.links import Links
 from kvlife.tiers.disk.reader import Reader
 from kvlife.tiers.disk.recovery import open_catalog, recover
-from kvlife.tiers.disk.segments import SegmentTable, segment_files
+from kvlife.tiers.disk.repair import Repairs
+from kvlife.tiers.disk.segments import SegmentTable
 from kvlife.tiers.disk.writer import Writer
 
 MiB = 1 << 20
@@ -115,10 +115,6 @@ class DiskTierConfig:
             raise InvalidArgument(f"io_depth must be >= 1, got {self.io_depth}")
         if self.read_pool_bytes < 0:
             raise InvalidArgument(f"read_pool_bytes must be >= 0, got {self.read_pool_bytes}")
-
-
-CheckReport = AuditReport
-"""The disk tier's audit result (the capability's report type)."""
 
 
 class DiskTier(
@@ -193,6 +189,18 @@ class DiskTier(
             self._staging,
             config.io_depth,
             self.stats,
+        )
+        self._audit_source = TierSource(
+            self.directory, self.io, self._table, self.catalog, self.superblock
+        )
+        self._repairs = Repairs(
+            self._table,
+            self.catalog,
+            self.superblock,
+            self._writer,
+            self.io,
+            self.quarantine_dir,
+            self._lost,
         )
         try:
             recover(
@@ -303,163 +311,18 @@ class DiskTier(
 
     # ------------------------------------------------------------------ audit
 
-    def _check_row(self, row: CatalogRow, *, full: bool, header: bool) -> str:
-        seg = self._table.segments.get(row.seg)
-        if seg is None:
-            return check_frame(row, None, 0, self.io)
-        return check_frame(row, seg.fd, seg.length, self.io, header=header, full=full)
-
     def check(
         self, fix: bool = False, progress: Callable[[int], object] | None = None
-    ) -> CheckReport:
-        """Audit the catalog (SQLite integrity, generation against the superblock), every
-        row against its frame (payload checksums included), the quarantined rows, and
-        list segment files no row refers to and files in quarantine/.
-
-        The audit runs beside serving: the catalog is read through a second, read-only
-        connection (a snapshot, under WAL), rows are checked one segment at a time with
-        that segment pinned (as a read pins it), and the tier lock is held only to list
-        rows and to pin or unpin; neither it nor the write mutex is held across a read.
-        A row deleted or moved while it was checked is not reported.
-
-        With ``fix`` (under the write mutex, after the audit): drop bad rows that are
-        still the ones checked, and quarantined rows, delete orphan segments and the
-        quarantined files, rebuild damaged indexes, rewrite a damaged superblock copy;
-        ``report.actions`` says what was done. ``progress`` is called with each
-        replica's byte count as it is checked."""
-        report = CheckReport()
-        with self.catalog.snapshot() as snap:
-            integrity = snap.integrity()
-            quarantined = snap.quarantined()
-        report.problems.extend(f"catalog integrity: {m}" for m in integrity)
-        with self.catalog.settled() as generation:
-            state = self.superblock.reread()
-        report.generation = generation
-        report.problems.extend(f"superblock {p}" for p in state.problems)
-        if state.generation is not None and state.generation != generation:
-            report.problems.append(
-                f"superblock generation {state.generation}, catalog {generation}"
-            )
-        files = segment_files(self._segdir)
-        with self._lock:
-            rows = list(self._table.rows.values())
-        by_seg: dict[int, list[CatalogRow]] = {}
-        for row in rows:
-            by_seg.setdefault(row.seg, []).append(row)
-        bad: dict[ChunkKey, CatalogRow] = {}
-        for sid, seg_rows in sorted(by_seg.items()):
-            for row, problem in self._check_segment(sid, seg_rows, progress):
-                report.rows += 1
-                if not problem:
-                    report.ok += 1
-                    continue
-                report.problems.append(
-                    f"{row.key.hex()[:16]}… seg-{row.seg:08d}@{row.off}: {problem}"
-                )
-                report.bad_keys.append(row.key)
-                bad[ChunkKey(row.key)] = row
-        report.quarantined.extend(f"{k.hex()[:16]}…: {why}" for _, k, why in quarantined)
-        with self._lock:
-            for sid, path in sorted(files.items()):
-                seg = self._table.segments.get(sid)
-                if seg is None and sid not in self._table.held and path.exists():
-                    report.orphan_segments.append(path.name)  # no segment of this tier
-                elif seg is not None and seg.unlink_failed:
-                    report.orphan_segments.append(path.name)  # emptied, its unlink failed
-        report.quarantined_files.extend(self._quarantine_files())
+    ) -> AuditReport:
+        """The disk audit (:mod:`kvlife.tiers.disk.audit`) of this open tier, beside
+        serving; with ``fix``, then the repairs (:mod:`kvlife.tiers.disk.repair`) under
+        the write mutex. ``progress`` is called with each replica's byte count as it is
+        checked."""
+        found = audit(self._audit_source, progress)
         if fix:
             with self._write_mutex:
-                self._fix(report, integrity, [rowid for rowid, _, _ in quarantined], bad)
-        return report
-
-    def _check_segment(
-        self,
-        sid: int,
-        rows: list[CatalogRow],
-        progress: Callable[[int], object] | None,
-    ) -> list[tuple[CatalogRow, str]]:
-        """Check the rows of one segment with the segment pinned; returns each row that
-        is still current afterwards with its problem (empty: it verified)."""
-        with self._lock:
-            seg = self._table.pin(sid)
-        if seg is None:
-            return []  # emptied since the rows were listed: they moved or went
-        found: list[tuple[CatalogRow, str]] = []
-        try:
-            for row in rows:
-                if progress is not None:
-                    progress(row.nbytes)
-                found.append((row, self._check_row(row, full=True, header=True)))
-        finally:
-            with self._lock:
-                retired = self._table.unpin([seg])
-                # a row deleted or moved meanwhile is not the store's to report any more
-                rows_now = self._table.rows
-                current = [(r, p) for r, p in found if rows_now.get(ChunkKey(r.key)) is r]
-            self._table.remove(retired, quiet=True)
-        return current
-
-    def _quarantine_files(self) -> list[str]:
-        try:
-            return sorted(p.name for p in self.quarantine_dir.iterdir() if p.is_file())
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise StorePathError(f"cannot list {self.quarantine_dir}: {exc}") from exc
-
-    def _fix(
-        self,
-        report: CheckReport,
-        integrity: list[str],
-        rowids: list[int],
-        bad: dict[ChunkKey, CatalogRow],
-    ) -> None:
-        """Repair what the audit found (under the write mutex: no writer runs)."""
-        if integrity:
-            self.catalog.reindex()
-            report.actions.append("rebuilt the catalog's indexes")
-        with self._lock:  # only rows still as checked: a key written again since is new
-            doomed = [k for k, row in bad.items() if self._table.rows.get(k) is row]
-            for key in doomed:
-                self._lost.add(key, "dropped by check --fix")
-        if doomed:
-            self.delete_batch(doomed)
-            report.actions.append(f"dropped {len(doomed)} bad replicas")
-        if rowids:
-            self.catalog.delete_quarantined(rowids)  # counted when they were quarantined
-            report.actions.append(f"deleted {len(rowids)} quarantined catalog rows")
-            table = self._table
-            with self._lock:
-                held, table.held = table.held, {}
-            for sid in held:
-                seg = table.segments.get(sid)
-                if seg is not None and seg.live == 0 and seg is not table.active:
-                    table.unlink(seg)
-        for name in report.orphan_segments:
-            sid = int(name[4:12])
-            seg = self._table.segments.get(sid)
-            with contextlib.suppress(FileNotFoundError):
-                self.io.unlink(seg.path if seg is not None else self._segdir / name)
-            if seg is not None:
-                with self._lock:
-                    if self._table.segments.get(sid) is seg:
-                        del self._table.segments[sid]
-                        self.stats.segments_reclaimed += 1
-        if report.orphan_segments:
-            report.actions.append(f"deleted {len(report.orphan_segments)} orphan segments")
-        for name in report.quarantined_files:
-            with contextlib.suppress(FileNotFoundError):
-                self.io.unlink(self.quarantine_dir / name)
-        if report.quarantined_files:
-            report.actions.append(f"deleted {len(report.quarantined_files)} quarantined files")
-            with contextlib.suppress(OSError):  # left if something else was put there
-                self.quarantine_dir.rmdir()
-        if None in self.superblock.read().generations or (
-            self.superblock.read().generation != self.catalog.generation
-        ):
-            self.superblock.write_both(self.catalog.generation)
-            report.actions.append(f"rewrote the superblock at generation {self.catalog.generation}")
-        report.fixed = True
+                self._repairs.fix(found)
+        return found.report
 
     def details(self) -> dict[str, object]:
         return {
