@@ -1,32 +1,35 @@
-"""The disk tier: replicas framed and packed into large segment files.
+"""The disk tier (:class:`DiskTier`): replicas framed and packed into large segment
+files, with a crash-safe SQLite catalog, under one directory.
 
-Writes go to the active segment with aligned O_DIRECT ``pwritev`` where the filesystem
-allows it (buffered I/O elsewhere): consecutive frames in one vectored call of up to
-8 MiB, queued to the writer's I/O thread so that checksums and staging copies of the
-next frames overlap the device. A batch is committed in this order: frames written,
-segment fdatasync'ed, catalog rows inserted in one SQLite transaction, entries made
-visible. Reads verify the frame header against the catalog row and the payload's
-xxh3-128 before anything is handed out.
+The tier implements the :class:`~kvlife.tiers.base.Tier` interface and its capability
+interfaces by composing rooms that each do one job:
 
-Concurrency: writers (stores, deletes, compaction, counters) are serialized by a write
-mutex; the tier lock guards metadata only and is never held across a read, a write or
-an fsync. Reads run in the caller's thread (plus helpers sharing ``io_depth``), so they
-neither wait for a writer's I/O nor for each other; each pins the segments it reads, and
-a segment emptied by deletes or compaction is unlinked when its last reader leaves.
+- :mod:`~kvlife.tiers.disk.segments`: the segment table (segment files, the row of every
+  served replica, reserved bytes) and the tier lock that guards it; pins, retirement,
+  unlinks deferred to a segment's last reader;
+- :mod:`~kvlife.tiers.disk.writer`: frames and the commit protocol (frames written,
+  segments fdatasync'ed, rows cataloged, then published), and deletes;
+- :mod:`~kvlife.tiers.disk.reader`: verified reads beside one writer;
+- :mod:`~kvlife.tiers.disk.compaction`: the space of deleted replicas back;
+- :mod:`~kvlife.tiers.disk.recovery`: open (the catalog against the superblock, every
+  row checked, what fails quarantined, never deleted);
+- :mod:`~kvlife.tiers.disk.audit`: the one audit, of a closed store (``kvlife check``)
+  and of this open tier (:meth:`DiskTier.check`) alike;
+  :mod:`~kvlife.tiers.disk.repair`: ``check --fix``;
+- :mod:`~kvlife.tiers.disk.links`: the prefix links the tier keeps;
+- :mod:`~kvlife.tiers.disk.counters`: byte and event counters, lost-replica reports;
+- and the formats and seams under them: :mod:`~kvlife.tiers.disk.catalog`,
+  :mod:`~kvlife.tiers.disk.superblock`, :mod:`~kvlife.tiers.disk.frame`,
+  :mod:`~kvlife.tiers.disk.fileio`.
 
-Deleted replicas leave garbage in their segment. A segment whose last live replica goes
-is unlinked at once; when space runs short, sealed segments with the most garbage are
-compacted (live frames copied to the active segment, rows relocated in one transaction,
-then the old file unlinked). The bytes compaction reads and writes are counted.
-
-Open never deletes a byte that may hold committed data (docs/recovery.md): it refuses a
-catalog SQLite finds damaged or one behind the superblock's generation (a lost
-write-ahead log tail), then checks every row (its fields and row checksum, its
-segment, its frame header; ``verify_on_open="full"`` also payloads). Rows that fail are
-quarantined in the catalog (never served, reported once through
-:meth:`DiskTier.take_lost`, deleted only by ``check(fix=True)``); segments holding them
-are never reclaimed at runtime. Segment files no row names are moved to
-``quarantine/`` (a zero-byte one, which holds no frame, is removed).
+Locks. Writers (stores and their compaction, deletes, kept links, counters, the repairs
+of ``check --fix``) take the write mutex, one at a time, and hold it across their I/O.
+The tier lock guards in-memory metadata only: looking rows up, pinning and unpinning
+segments, placing a frame, publishing, counting. It is never held across a system call
+on a file: no read, write, fsync, file creation or unlink, and no read of an audit. A
+read therefore never waits for another thread's I/O, and an audit (which takes neither
+lock across its reads) never blocks serving. The catalog's own transaction lock is
+never taken under the tier lock.
 """
 
 from __future__ import annotations
@@ -35,14 +38,11 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal
 
 import numpy as np
 
-from kvlife.core.errors import (
-    InvalidArgument,
-    StorePathError,
-)
+from kvlife.core.errors import InvalidArgument, StorePathError
 from kvlife.core.identity import ChunkKey
 from kvlife.core.objects import TierName
 from kvlife.tiers.base import (
@@ -60,18 +60,12 @@ from kvlife.tiers.base import (
     SupportsBatchDelete,
     Tier,
 )
-from kvlife.tiers.buffers import (
-    ALIGN,
-    StagingPool,
-)
+from kvlife.tiers.buffers import ALIGN, StagingPool
 from kvlife.tiers.disk.audit import TierSource, audit
-from kvlife.tiers.disk.catalog import CatalogRow
 from kvlife.tiers.disk.compaction import Compactor
 from kvlife.tiers.disk.counters import DiskStats, LostReplicas
 from kvlife.tiers.disk.fileio import FileIO, probe_direct_io
-from kvlife.tiers.disk.frame import (
-    frame_len,
-)
+from kvlife.tiers.disk.frame import frame_len
 from kvlife.tiers.disk.links import Links
 from kvlife.tiers.disk.reader import Reader
 from kvlife.tiers.disk.recovery import open_catalog, recover
@@ -80,7 +74,6 @@ from kvlife.tiers.disk.segments import SegmentTable
 from kvlife.tiers.disk.writer import Writer
 
 MiB = 1 << 20
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +119,8 @@ class DiskTier(
     KeepsEdges,
     ChecksumsWrites,
 ):
-    """Segment files plus a SQLite catalog under one directory."""
+    """Segment files plus a SQLite catalog under one directory (the module docstring
+    says how it is built and what its locks guard)."""
 
     def __init__(
         self,
@@ -163,7 +157,8 @@ class DiskTier(
         self._lock = self._table.lock
         self._lost = LostReplicas()
         self._staging = StagingPool(keep=config.io_depth + 1)
-        self._write_mutex = threading.RLock()  # check --fix deletes while holding it
+        self._write_mutex = threading.RLock()
+        """One writer at a time, held across its I/O (reentrant: check --fix deletes)."""
         self._closed = False
         self.quarantine_dir = self.directory / "quarantine"
         self.catalog, self.superblock = open_catalog(self.directory, self._segdir, self.io)
@@ -271,7 +266,7 @@ class DiskTier(
         return key in self._table.rows
 
     def meta(self, key: ChunkKey) -> ReplicaMeta:
-        row = self._row(key)
+        row = self._table.row(key)
         return ReplicaMeta(
             ChunkKey(row.key),
             row.dtype,
@@ -282,9 +277,6 @@ class DiskTier(
             row.form,
             born=row.born,
         )
-
-    def _row(self, key: ChunkKey) -> CatalogRow:
-        return self._table.row(key)
 
     def read_batch(
         self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
@@ -299,7 +291,7 @@ class DiskTier(
     def delete_batch(self, keys: Sequence[ChunkKey]) -> list[int]:
         """Delete replicas in one catalog transaction; returns payload bytes per key.
 
-        Until the rows leave the in-memory index a concurrent reader may still read
+        Until the rows leave the segment table a concurrent reader may still read
         them; their bytes stay intact until the segment is unlinked, which waits for
         its readers.
         """
