@@ -202,7 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _fix(path: Path) -> list[str]:
     from kvlife.store import KVStore
-    from kvlife.tiers.disk.audit import prepare_repair
+    from kvlife.tiers.disk.repair import prepare_repair
 
     actions = prepare_repair(path)
     store = _open_existing(str(path))

@@ -28,8 +28,9 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from kvlife.core.errors import KVLifeError
-from kvlife.tiers.disk.audit import audit_directory, prepare_repair
+from kvlife.tiers.disk.audit import audit_directory
 from kvlife.tiers.disk.frame import HEADER_USED, frame_len
+from kvlife.tiers.disk.repair import prepare_repair
 from tests.helpers.damage import (
     Workload,
     all_segment_names,

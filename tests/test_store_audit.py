@@ -114,3 +114,26 @@ def test_a_segment_emptied_under_an_audit_is_removed_when_the_audit_leaves(
             assert first.exists(), "a segment was unlinked under the audit's reads"
         assert audit.report[0].problems == []
         assert not first.exists(), "the emptied segment outlived the audit"
+
+
+def test_the_open_and_the_closed_store_get_the_same_audit(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """One audit: ``check`` of the open store and ``kvlife check`` of the closed one
+    report the same damage in the same words (a payload flipped, a superblock copy
+    damaged while the store was open)."""
+    from kvlife.tiers.disk.audit import audit_directory
+
+    prompts = [prompt_kv(seed, 2 * N) for seed in (30, 31)]
+    with KVStore.open(tmp_path, dram_bytes=0, disk_bytes=1 << 24, segment_bytes=1 << 20) as store:
+        keys = [store.put_prompt(identity, PUBLIC, t, kv).keys for t, kv in prompts]
+        frame = {f.key: f for f in scan_frames(tmp_path)}[keys[1][0]]
+        flip(frame.segment, frame.payload_offset + 3, 1)
+        flip(tmp_path / "disk" / "superblock", 4096 + 20, 1)  # copy 1 of 2
+        opened = store.check()
+    closed = audit_directory(tmp_path)
+    assert opened.bad_keys == closed.bad_keys == [keys[1][0]]
+    assert len(opened.problems) == 2, opened.problems
+    assert opened.problems == closed.problems
+    assert (opened.rows, opened.ok) == (closed.rows, closed.ok) == (4, 3)
+    assert opened.orphan_segments == closed.orphan_segments == []

@@ -496,6 +496,51 @@ def test_compaction_beside_a_stalled_read(tmp_path: Path, direct: bool | None) -
         t.close()
 
 
+class StallingCreateIO(FileIO):
+    """Fault seam: the next creation of a file after :meth:`arm` blocks until released."""
+
+    def __init__(self, direct: bool) -> None:
+        super().__init__(direct)
+        self.armed = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def open(self, path: Path, create: bool) -> int:
+        if create and self.armed:
+            self.armed = False
+            self.entered.set()
+            self.release.wait(timeout=60)
+        return super().open(path, create)
+
+
+def test_a_stalled_segment_creation_blocks_no_reader(tmp_path: Path) -> None:
+    """A writer whose batch needs a new segment creates its file outside the tier lock:
+    readers, lookups and the tier's figures do not wait for that file system call."""
+    io = StallingCreateIO(False)
+    t = DiskTier(tmp_path, DiskTierConfig(CAP, segment_bytes=64 << 10), fileio=io)
+    try:
+        arrs = {i: payload(i, n=12_000) for i in range(2)}  # 2 frames fill a segment
+        t.store([meta(i, a) for i, a in arrs.items()], list(arrs.values()))
+        io.armed = True
+        fresh = payload(7, n=12_000)
+        writer = threading.Thread(target=lambda: t.store([meta(7, fresh)], [fresh]), daemon=True)
+        writer.start()
+        assert io.entered.wait(timeout=30), "the writer never created a segment"
+        got = _in_thread(lambda: t.read_batch([key(0), key(1)]))
+        assert isinstance(got, list)
+        assert all(np.array_equal(g, arrs[i]) for i, g in enumerate(got))
+        assert _in_thread(lambda: t.contains(key(1))) is True
+        assert isinstance(_in_thread(lambda: t.used_bytes), int)
+        io.release.set()
+        writer.join(timeout=30)
+        assert not writer.is_alive()
+        assert np.array_equal(t.read(key(7)), fresh)
+        assert t.check().clean
+    finally:
+        io.release.set()
+        t.close()
+
+
 def test_new_array_memory_is_reused_only_after_its_last_view_dies(tier: Tier) -> None:
     """Reads into new arrays may recycle the memory of earlier results, but never while
     any view of it is alive (a slice kept by the engine must not change under it)."""

@@ -4,16 +4,19 @@ Every byte the disk tier moves goes through a :class:`FileIO`. Tests substitute 
 subclass that fails chosen calls (ENOSPC, EIO) to prove that a failure leaves nothing
 half-visible. O_DIRECT is used where the filesystem accepts it; where it does not
 (tmpfs answers EINVAL) the tier falls back to buffered I/O plus fdatasync.
+:func:`os_error` turns an ``OSError`` of the seam into the typed error a caller sees.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
+from kvlife.core.errors import StorageFullError, StorePathError
 from kvlife.tiers.buffers import ALIGN, aligned_empty
 
 
@@ -82,3 +85,12 @@ class FileIO:
 
     def size(self, fd: int) -> int:
         return os.fstat(fd).st_size
+
+
+def os_error(exc: OSError, doing: str) -> Exception:
+    """The typed error for ``exc`` raised while ``doing``: a full device is
+    StorageFullError (nothing of what was being done was stored), anything else
+    StorePathError."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFullError(f"device full (ENOSPC) while {doing}; nothing of it was stored")
+    return StorePathError(f"I/O error while {doing}: {exc}")

@@ -1,58 +1,48 @@
-"""The disk tier: replicas framed and packed into large segment files.
+"""The disk tier (:class:`DiskTier`): replicas framed and packed into large segment
+files, with a crash-safe SQLite catalog, under one directory.
 
-Writes go to the active segment with aligned O_DIRECT ``pwritev`` where the filesystem
-allows it (buffered I/O elsewhere): consecutive frames in one vectored call of up to
-8 MiB, queued to the writer's I/O thread so that checksums and staging copies of the
-next frames overlap the device. A batch is committed in this order: frames written,
-segment fdatasync'ed, catalog rows inserted in one SQLite transaction, entries made
-visible. Reads verify the frame header against the catalog row and the payload's
-xxh3-128 before anything is handed out.
+The tier implements the :class:`~kvlife.tiers.base.Tier` interface and its capability
+interfaces by composing rooms that each do one job:
 
-Concurrency: writers (stores, deletes, compaction, counters) are serialized by a write
-mutex; the tier lock guards metadata only and is never held across a read, a write or
-an fsync. Reads run in the caller's thread (plus helpers sharing ``io_depth``), so they
-neither wait for a writer's I/O nor for each other; each pins the segments it reads, and
-a segment emptied by deletes or compaction is unlinked when its last reader leaves.
+- :mod:`~kvlife.tiers.disk.segments`: the segment table (segment files, the row of every
+  served replica, reserved bytes) and the tier lock that guards it; pins, retirement,
+  unlinks deferred to a segment's last reader;
+- :mod:`~kvlife.tiers.disk.writer`: frames and the commit protocol (frames written,
+  segments fdatasync'ed, rows cataloged, then published), and deletes;
+- :mod:`~kvlife.tiers.disk.reader`: verified reads beside one writer;
+- :mod:`~kvlife.tiers.disk.compaction`: the space of deleted replicas back;
+- :mod:`~kvlife.tiers.disk.recovery`: open (the catalog against the superblock, every
+  row checked, what fails quarantined, never deleted);
+- :mod:`~kvlife.tiers.disk.audit`: the one audit, of a closed store (``kvlife check``)
+  and of this open tier (:meth:`DiskTier.check`) alike;
+  :mod:`~kvlife.tiers.disk.repair`: ``check --fix``;
+- :mod:`~kvlife.tiers.disk.links`: the prefix links the tier keeps;
+- :mod:`~kvlife.tiers.disk.counters`: byte and event counters, lost-replica reports;
+- and the formats and seams under them: :mod:`~kvlife.tiers.disk.catalog`,
+  :mod:`~kvlife.tiers.disk.superblock`, :mod:`~kvlife.tiers.disk.frame`,
+  :mod:`~kvlife.tiers.disk.fileio`.
 
-Deleted replicas leave garbage in their segment. A segment whose last live replica goes
-is unlinked at once; when space runs short, sealed segments with the most garbage are
-compacted (live frames copied to the active segment, rows relocated in one transaction,
-then the old file unlinked). The bytes compaction reads and writes are counted.
-
-Open never deletes a byte that may hold committed data (docs/recovery.md): it refuses a
-catalog SQLite finds damaged or one behind the superblock's generation (a lost
-write-ahead log tail), then checks every row (its fields and row checksum, its
-segment, its frame header; ``verify_on_open="full"`` also payloads). Rows that fail are
-quarantined in the catalog (never served, reported once through
-:meth:`DiskTier.take_lost`, deleted only by ``check(fix=True)``); segments holding them
-are never reclaimed at runtime. Segment files no row names are moved to
-``quarantine/`` (a zero-byte one, which holds no frame, is removed).
+Locks. Writers (stores and their compaction, deletes, kept links, counters, the repairs
+of ``check --fix``) take the write mutex, one at a time, and hold it across their I/O.
+The tier lock guards in-memory metadata only: looking rows up, pinning and unpinning
+segments, placing a frame, publishing, counting. It is never held across a system call
+on a file: no read, write, fsync, file creation or unlink, and no read of an audit. A
+read therefore never waits for another thread's I/O, and an audit (which takes neither
+lock across its reads) never blocks serving. The catalog's own transaction lock is
+never taken under the tier lock.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import errno
-import itertools
-import re
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal
 
 import numpy as np
 
-from kvlife.core.errors import (
-    ChecksumMismatch,
-    InvalidArgument,
-    ReplicaNotFound,
-    ReplicaReadError,
-    StorageFullError,
-    StorePathError,
-)
+from kvlife.core.errors import InvalidArgument, StorePathError
 from kvlife.core.identity import ChunkKey
 from kvlife.core.objects import TierName
 from kvlife.tiers.base import (
@@ -69,35 +59,21 @@ from kvlife.tiers.base import (
     SupportsAudit,
     SupportsBatchDelete,
     Tier,
-    check_payloads,
-    read_only,
 )
-from kvlife.tiers.buffers import (
-    ALIGN,
-    RecyclingPool,
-    StagingPool,
-    aligned_empty,
-    aligned_runs,
-    is_aligned,
-    round_up,
-)
-from kvlife.tiers.disk.catalog import Catalog, CatalogCorrupt, CatalogMissing, CatalogRow
+from kvlife.tiers.buffers import ALIGN, StagingPool
+from kvlife.tiers.disk.audit import TierSource, audit
+from kvlife.tiers.disk.compaction import Compactor
+from kvlife.tiers.disk.counters import DiskStats, LostReplicas
 from kvlife.tiers.disk.fileio import FileIO, probe_direct_io
-from kvlife.tiers.disk.frame import (
-    HEADER_BYTES,
-    FrameHeader,
-    frame_len,
-    pack_header,
-    payload_checksum,
-)
-from kvlife.tiers.disk.superblock import FILE_NAME as SUPERBLOCK_FILE
-from kvlife.tiers.disk.superblock import CatalogRolledBack, Superblock, SuperblockError
+from kvlife.tiers.disk.frame import frame_len
+from kvlife.tiers.disk.links import Links
+from kvlife.tiers.disk.reader import Reader
+from kvlife.tiers.disk.recovery import open_catalog, recover
+from kvlife.tiers.disk.repair import Repairs
+from kvlife.tiers.disk.segments import SegmentTable
+from kvlife.tiers.disk.writer import Writer
 
 MiB = 1 << 20
-_SEG_RE = re.compile(r"^seg-(\d{8})\.kvs$")
-T = TypeVar("T")
-READ_HELPERS = 16
-"""Threads shared by all readers of a tier to keep more than one read of a call in flight."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,88 +110,6 @@ class DiskTierConfig:
             raise InvalidArgument(f"read_pool_bytes must be >= 0, got {self.read_pool_bytes}")
 
 
-@dataclass(slots=True)
-class _Segment:
-    id: int
-    path: Path
-    fd: int
-    length: int
-    live: int = 0
-    readers: int = 0
-    """Reads in flight on this segment (its file must outlive them)."""
-    doomed: bool = False
-    """No row names it any more; removed when ``readers`` reaches 0."""
-    removing: bool = False
-    """Its file is being closed and unlinked (by exactly one thread)."""
-    unlink_failed: bool = False
-    """Emptied, but its file could not be unlinked: an orphan for ``check --fix``."""
-
-
-WRITE_GROUP_BYTES = 8 << 20
-"""Consecutive frames of one segment are written by one pwritev up to this size: fewer
-system calls and hand-offs to the I/O thread, and larger requests for the device."""
-_IOV_MAX = 1024
-
-
-@dataclass(slots=True)
-class _WriteGroup:
-    """Consecutive frames of one segment written by one pwritev."""
-
-    seg: _Segment
-    off: int
-    bufs: list[np.ndarray] = dataclasses.field(default_factory=list)
-    length: int = 0
-    staged: list[np.ndarray] = dataclasses.field(default_factory=list)
-    future: Future[int] | None = None
-
-    def takes(self, seg: _Segment, off: int, flen: int, nbufs: int) -> bool:
-        """True if a frame at ``seg``/``off`` continues this group within its limits."""
-        return (
-            seg is self.seg
-            and off == self.off + self.length
-            and self.length + flen <= WRITE_GROUP_BYTES
-            and len(self.bufs) + nbufs <= _IOV_MAX
-        )
-
-    def add(self, bufs: list[np.ndarray], flen: int, staged: np.ndarray | None) -> None:
-        self.bufs.extend(bufs)
-        self.length += flen
-        if staged is not None:
-            self.staged.append(staged)
-
-    def release(self, pool: StagingPool) -> None:
-        """Give the staging buffers back (once)."""
-        for buf in self.staged:
-            pool.put(buf)
-        self.staged.clear()
-
-
-@dataclass(slots=True)
-class DiskStats:
-    """Byte and event counters of a disk tier since it was opened."""
-
-    frames_written: int = 0
-    bytes_written: int = 0
-    payload_bytes_written: int = 0
-    bytes_read: int = 0
-    compaction_bytes_read: int = 0
-    compaction_bytes_written: int = 0
-    segments_reclaimed: int = 0
-    recovered: int = 0
-    recovery_dropped: int = 0
-    """Rows this open found bad and quarantined (each reported once by take_lost)."""
-    rows_quarantined: int = 0
-    """Quarantined rows in the catalog at open (not served; ``check --fix`` deletes them)."""
-    segments_quarantined: int = 0
-    """Unreferenced segment files this open moved to ``quarantine/``."""
-    unlink_failures: int = 0
-    """Emptied segments whose file could not be unlinked (left for ``check --fix``)."""
-
-
-CheckReport = AuditReport
-"""The disk tier's audit result (the capability's report type)."""
-
-
 class DiskTier(
     Tier,
     SupportsBatchDelete,
@@ -225,7 +119,8 @@ class DiskTier(
     KeepsEdges,
     ChecksumsWrites,
 ):
-    """Segment files plus a SQLite catalog under one directory."""
+    """Segment files plus a SQLite catalog under one directory (the module docstring
+    says how it is built and what its locks guard)."""
 
     def __init__(
         self,
@@ -256,46 +151,64 @@ class DiskTier(
         self.io = fileio if fileio is not None else FileIO(direct)
         self.io.direct = direct
         self.stats = DiskStats()
-        self._lock = threading.RLock()
-        self._entries: dict[ChunkKey, CatalogRow] = {}
-        self._segments: dict[int, _Segment] = {}
-        self._reserved = 0
-        self._lost: list[tuple[ChunkKey, str]] = []
-        self._dir_dirty = False
-        self._pool: ThreadPoolExecutor | None = None
+        self._table = SegmentTable(
+            self.name, self._segdir, self.io, config.segment_bytes, self.stats
+        )
+        self._lock = self._table.lock
+        self._lost = LostReplicas()
         self._staging = StagingPool(keep=config.io_depth + 1)
-        self._write_mutex = threading.RLock()  # check --fix deletes while holding it
-        self._read_pool: ThreadPoolExecutor | None = None
-        self._new_arrays = RecyclingPool(config.read_pool_bytes)
-        self._callers = 0
+        self._write_mutex = threading.RLock()
+        """One writer at a time, held across its I/O (reentrant: check --fix deletes)."""
         self._closed = False
-        self._pinned: dict[int, int] = {}
-        """Segments that hold quarantined rows (how many): never reclaimed at runtime."""
-        self._kept: dict[bytes, bytes] = {}
-        """Prefix links (child -> parent) the catalog keeps (:class:`KeepsEdges`)."""
         self.quarantine_dir = self.directory / "quarantine"
-        self._sid_floor = 0
-        """Highest segment id seen at open: a new segment never reuses a set-aside name."""
-        catalog_path = self.directory / "catalog.sqlite"
-        has_data = any(size > 0 for size in self._segment_sizes().values())
-        if has_data and not catalog_path.exists():
-            raise CatalogMissing(catalog_path, self._segdir)
-        self.superblock = Superblock(self.directory / SUPERBLOCK_FILE, self.io)
+        self.catalog, self.superblock = open_catalog(self.directory, self._segdir, self.io)
+        self._links = Links(self.catalog, self._lock)
+        self._reader = Reader(
+            self.name,
+            self._table,
+            self.io,
+            self._staging,
+            config.io_depth,
+            config.read_pool_bytes,
+            self.stats,
+        )
+        self._compactor = Compactor(
+            self._table, self.catalog, self.io, self.capacity_bytes, self.stats, self._lost
+        )
+        self._writer = Writer(
+            self.name,
+            self._table,
+            self.catalog,
+            self._links,
+            self.io,
+            self._staging,
+            config.io_depth,
+            self.stats,
+        )
+        self._audit_source = TierSource(
+            self.directory, self.io, self._table, self.catalog, self.superblock
+        )
+        self._repairs = Repairs(
+            self._table,
+            self.catalog,
+            self.superblock,
+            self._writer,
+            self.io,
+            self.quarantine_dir,
+            self._lost,
+        )
         try:
-            self.catalog = Catalog(
-                catalog_path,
-                create=not has_data,
-                superblock=self.superblock,
-                initial_generation=self.superblock.read().generation or 0,
+            recover(
+                self._table,
+                self.catalog,
+                self.io,
+                verify=config.verify_on_open,
+                quarantine_dir=self.quarantine_dir,
+                stats=self.stats,
+                lost=self._lost,
             )
-        except BaseException:
-            self.superblock.close()
-            raise
-        try:
-            self._check_catalog()
-            self._recover()
-            self._kept = dict(self.catalog.edges())
-            self._active = self._new_segment()
+            self._links.load()
+            self._table.roll()
         except BaseException:
             self.close()
             raise
@@ -304,41 +217,39 @@ class DiskTier(
 
     @property
     def used_bytes(self) -> int:
-        with self._lock:
-            return sum(s.length for s in self._segments.values()) + self._reserved
+        return self._table.used_bytes()
 
     def footprint(self, nbytes: int) -> int:
         return frame_len(nbytes)
 
     @property
     def segment_count(self) -> int:
-        return len(self._segments)
+        return len(self._table.segments)
 
     @property
     def live_bytes(self) -> int:
-        with self._lock:
-            return sum(s.live for s in self._segments.values())
+        return self._table.live_bytes()
 
     def prepare_store(self, metas: Sequence[ReplicaMeta]) -> Reservation | CapacityShortfall:
         need = sum(frame_len(m.nbytes) for m in metas)
         with self._write_mutex:  # compaction writes: one writer at a time
             with self._lock:
                 fits = self.used_bytes + need <= self.capacity_bytes
-                short = self.live_bytes + self._reserved + need - self.capacity_bytes
+                short = self.live_bytes + self._table.reserved + need - self.capacity_bytes
             if not fits:
                 if short > 0:
                     return CapacityShortfall(short)
-                self._compact(need)
+                self._compactor.make_room(need)
             with self._lock:
                 if self.used_bytes + need > self.capacity_bytes:
                     return CapacityShortfall(self.used_bytes + need - self.capacity_bytes)
-                self._reserved += need
+                self._table.reserved += need
         return Reservation(self.name, list(metas), need)
 
     def cancel_store(self, reservation: Reservation) -> None:
         with self._lock:
             if not reservation.done:
-                self._reserved -= reservation.nbytes
+                self._table.reserved -= reservation.nbytes
                 reservation.done = True
 
     # ------------------------------------------------------------------ writes
@@ -347,197 +258,15 @@ class DiskTier(
         if reservation.done:
             raise InvalidArgument("reservation already completed")
         with self._write_mutex:
-            try:
-                check_payloads(reservation.metas, payloads)
-                rows = self._write_frames(reservation.metas, payloads)
-            finally:
-                with self._lock:
-                    self._reserved -= reservation.nbytes
-                    reservation.done = True
-            retired: list[_Segment] = []
-            with self._lock:  # publish: the rows name durable, cataloged bytes
-                for row in rows:
-                    old = self._entries.pop(ChunkKey(row.key), None)
-                    if old is not None and self._drop_live(old):
-                        retired.append(self._segments[old.seg])
-                    self._entries[ChunkKey(row.key)] = row
-                    self._segments[row.seg].live += frame_len(row.nbytes)
-                for meta in reservation.metas:
-                    self._kept.update(meta.links)
-            self._remove_segments(retired)
-
-    def _write_frames(
-        self, metas: Sequence[ReplicaMeta], payloads: Sequence[np.ndarray]
-    ) -> list[CatalogRow]:
-        """Write frames, fdatasync, insert rows; on failure roll the segment tail back.
-
-        Runs under the write mutex; the tier lock is taken only to place each frame, so
-        readers of published replicas never wait for these writes or the fdatasync.
-        """
-        with self._lock:
-            start = {sid: s.length for sid, s in self._segments.items()}
-        rows: list[CatalogRow] = []
-        touched: set[int] = set()
-        inflight: list[_WriteGroup] = []
-        group: _WriteGroup | None = None
-        try:
-            for meta, arr in zip(metas, payloads, strict=True):
-                u8 = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-                flen = frame_len(u8.nbytes)
-                with self._lock:
-                    seg = self._segment_for(flen)
-                    start.setdefault(seg.id, 0)
-                    off = seg.length
-                    seg.length += flen
-                touched.add(seg.id)
-                bufs, staged, checksum = self._frame_buffers(meta, u8)
-                if group is not None and not group.takes(seg, off, flen, len(bufs)):
-                    self._submit_group(group, inflight)
-                    group = None
-                if group is None:
-                    group = _WriteGroup(seg, off)
-                group.add(bufs, flen, staged)
-                rows.append(
-                    CatalogRow(
-                        meta.key,
-                        seg.id,
-                        off,
-                        u8.nbytes,
-                        checksum,
-                        meta.dtype,
-                        meta.shape,
-                        meta.transform,
-                        meta.info,
-                        meta.form,
-                        meta.born,
-                    )
-                )
-            if group is not None:
-                self._submit_group(group, inflight)
-                group = None
-            while inflight:
-                self._finish_write(inflight.pop(0))
-            for sid in sorted(touched):
-                self.io.fdatasync(self._segments[sid].fd)
-            self._sync_dir()
-            self.catalog.insert(rows, [link for meta in metas for link in meta.links])
-        except BaseException as exc:
-            for g in inflight:
-                if g.future is not None:
-                    g.future.exception()
-                g.release(self._staging)
-            if group is not None:
-                group.release(self._staging)
-            with self._lock:
-                for sid, length in start.items():
-                    if sid in self._segments:
-                        self._segments[sid].length = length
-            if isinstance(exc, OSError):
-                raise _os_error(exc, f"writing {len(metas)} replicas to {self._segdir}") from exc
-            raise
-        with self._lock:
-            self.stats.frames_written += len(rows)
-            self.stats.bytes_written += sum(frame_len(r.nbytes) for r in rows)
-            self.stats.payload_bytes_written += sum(r.nbytes for r in rows)
-        return rows
-
-    def _frame_buffers(
-        self, meta: ReplicaMeta, u8: np.ndarray
-    ) -> tuple[list[np.ndarray], np.ndarray | None, bytes]:
-        """Buffers for one frame, the staging buffer to give back later (or None) and the
-        payload checksum.
-
-        The header always gets a page of its own, so only the payload is ever staged:
-        from aligned caller memory it goes out as it is; from unaligned memory it is
-        copied once into a warm aligned buffer (huge pages from 2 MiB) and checksummed
-        there, while it is still in cache, instead of reading the caller's memory twice.
-        A payload whose checksum the meta carries is not hashed again, unless the meta
-        asks for it to be verified (then a mismatch raises ChecksumMismatch).
-        """
-        n = u8.nbytes
-        staged: np.ndarray | None = None
-        if is_aligned(u8):
-            body = u8
-        else:
-            padded = round_up(n)
-            staged = self._staging.get(padded)
-            body = staged[:padded]
-            np.copyto(body[:n], u8)
-            body[n:] = 0
-        # a checksum the payload is known by is not computed twice: taken as given (a
-        # wrong one only makes the frame fail verification), or checked here, where
-        # the payload is hashed anyway (a replica sealed in memory on its way down)
-        if meta.checksum and not meta.verify_checksum:
-            checksum = meta.checksum
-        else:
-            checksum = payload_checksum(body[:n])
-            if meta.verify_checksum and meta.checksum and checksum != meta.checksum:
-                if staged is not None:
-                    self._staging.put(staged)
-                raise ChecksumMismatch(
-                    meta.key.hex(),
-                    f"{self.name} write",
-                    "the payload no longer matches the checksum it was sealed with "
-                    "(changed in memory); nothing of the batch was stored",
-                )
-        header = FrameHeader(meta.key, n, checksum, meta.dtype, meta.shape, meta.transform)
-        hdr = aligned_empty(HEADER_BYTES)
-        pack_header(header, hdr.data)
-        return ([hdr, body] if n else [hdr]), staged, checksum
-
-    def _submit_group(self, group: _WriteGroup, inflight: list[_WriteGroup]) -> None:
-        """Queue one group's pwritev, keeping at most ``io_depth`` groups in flight."""
-        group.future = self._submit(self.io.pwritev, group.seg.fd, group.bufs, group.off)
-        inflight.append(group)
-        if len(inflight) >= self.config.io_depth:
-            self._finish_write(inflight.pop(0))
-
-    def _finish_write(self, group: _WriteGroup) -> None:
-        assert group.future is not None
-        try:
-            written = group.future.result()
-        finally:
-            group.release(self._staging)
-        if written != group.length:
-            raise OSError(errno.EIO, f"short write: {written} of {group.length} bytes")
-
-    def _submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
-        """Run a write on the writer's I/O thread (it overlaps the next frame's checksum)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlife-io")
-        return self._pool.submit(fn, *args)
-
-    def _segment_for(self, flen: int) -> _Segment:
-        seg = self._active
-        if seg.length > 0 and seg.length + flen > self.config.segment_bytes:
-            self._active = seg = self._new_segment()
-        return seg
-
-    def _new_segment(self) -> _Segment:
-        sid = max(max(self._segments, default=0), self._sid_floor) + 1
-        path = self._segdir / f"seg-{sid:08d}.kvs"
-        try:
-            fd = self.io.open(path, create=True)
-            self.io.truncate(fd, 0)
-        except OSError as exc:
-            raise _os_error(exc, f"creating segment {path}") from exc
-        seg = _Segment(sid, path, fd, 0)
-        self._segments[sid] = seg
-        self._dir_dirty = True  # made durable by the next commit, before any row names it
-        return seg
-
-    def _sync_dir(self) -> None:
-        if self._dir_dirty:
-            self.io.fsync_dir(self._segdir)
-            self._dir_dirty = False
+            self._writer.commit(reservation, payloads)
 
     # ------------------------------------------------------------------ reads
 
     def contains(self, key: ChunkKey) -> bool:
-        return key in self._entries
+        return key in self._table.rows
 
     def meta(self, key: ChunkKey) -> ReplicaMeta:
-        row = self._row(key)
+        row = self._table.row(key)
         return ReplicaMeta(
             ChunkKey(row.key),
             row.dtype,
@@ -549,147 +278,10 @@ class DiskTier(
             born=row.born,
         )
 
-    def _row(self, key: ChunkKey) -> CatalogRow:
-        row = self._entries.get(key)
-        if row is None:
-            raise ReplicaNotFound(f"{self.name} holds no replica {key.hex()[:16]}…")
-        return row
-
     def read_batch(
         self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
     ) -> list[ReadResult]:
-        """Verified reads, safe from many threads at once and beside one writer.
-
-        The tier lock is held only to look the rows up and pin their segments (a pinned
-        segment is unlinked by compaction or its last delete only when its last reader
-        leaves); the reads run without it, in the caller's thread plus helpers. The
-        tier's ``io_depth`` is shared among concurrent callers (one alone gets
-        ``io_depth - 1`` helpers, ``io_depth`` or more callers get none), so N callers
-        keep max(N, io_depth) reads in flight without piling threads onto the CPUs.
-        """
-        if outs is not None and len(outs) != len(keys):
-            raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
-        with self._lock:
-            rows = [self._row(k) for k in keys]
-            pinned = {row.seg: self._segments[row.seg] for row in rows}
-            for seg in pinned.values():
-                seg.readers += 1
-            self._callers += 1
-            share = max(1, self.config.io_depth // self._callers)
-        got: list[int] = []
-        try:
-            plan = [
-                (row, pinned[row.seg], outs[i] if outs is not None else None)
-                for i, row in enumerate(rows)
-            ]
-            for row, _, out in plan:
-                if out is not None and (out.shape != row.shape or out.dtype != np.dtype(row.dtype)):
-                    raise InvalidArgument(
-                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
-                        f"{row.dtype}{list(row.shape)}"
-                    )
-            return self._read_all(plan, got, share)
-        finally:
-            retired: list[_Segment] = []
-            with self._lock:
-                self._callers -= 1
-                self.stats.bytes_read += sum(got)
-                for seg in pinned.values():
-                    seg.readers -= 1
-                    if seg.doomed and seg.readers == 0:
-                        retired.append(seg)
-            self._remove_segments(retired, quiet=True)
-
-    def _read_all(
-        self,
-        plan: list[tuple[CatalogRow, _Segment, np.ndarray | None]],
-        got: list[int],
-        depth: int,
-    ) -> list[ReadResult]:
-        n = len(plan)
-        results: list[ReadResult | None] = [None] * n
-        helpers_wanted = min(depth, n) - 1
-        if helpers_wanted <= 0:
-            for i, (row, seg, out) in enumerate(plan):
-                results[i] = self._read_one(row, seg, out, got)
-        else:
-            # Work sharing: the caller and its helpers each take the next frame. The
-            # caller never waits for a helper to start, so a pool that is busy (or has a
-            # worker stalled in a device read) slows a batch down but never blocks it.
-            counter = itertools.count()
-
-            def work() -> None:
-                while (i := next(counter)) < n:
-                    row, seg, out = plan[i]
-                    results[i] = self._read_one(row, seg, out, got)
-
-            pool = self._reader_pool()
-            helpers = [pool.submit(work) for _ in range(helpers_wanted)]
-            work()
-            for h in helpers:
-                if not h.cancel():
-                    h.result()
-        done: list[ReadResult] = []
-        for r in results:
-            if r is None:  # every index is taken by exactly one worker: a bug if not
-                raise RuntimeError("a frame of the batch was not read")
-            done.append(r)
-        return done
-
-    def _reader_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._read_pool is None:
-                self._read_pool = ThreadPoolExecutor(
-                    max_workers=READ_HELPERS, thread_name_prefix="kvlife-read"
-                )
-            return self._read_pool
-
-    def _read_one(
-        self, row: CatalogRow, seg: _Segment, out: np.ndarray | None, got: list[int]
-    ) -> ReadResult:
-        """Read and verify one frame: straight into ``out`` when its memory is aligned,
-        else into a staging buffer (then copied); without ``out`` into a recycled array."""
-        where = f"{self.name} seg-{row.seg:08d}@{row.off}"
-        staged: np.ndarray | None = None
-        hdr = aligned_empty(HEADER_BYTES)
-        runs = aligned_runs(out) if out is not None else None
-        if runs is not None:
-            payload = runs
-            bufs = [hdr, *runs]
-        elif out is not None:
-            staged = self._staging.get(round_up(row.nbytes))
-            body = staged[: round_up(row.nbytes)]
-            payload = [body[: row.nbytes]]
-            bufs = [hdr, body] if row.nbytes else [hdr]
-        else:
-            body = self._new_arrays.take(round_up(row.nbytes))
-            payload = [body[: row.nbytes]]
-            bufs = [hdr, body] if row.nbytes else [hdr]
-        try:
-            try:
-                n = self.io.preadv(seg.fd, bufs, row.off)
-            except OSError as exc:
-                return ReplicaReadError(row.key.hex(), where, str(exc))
-            need = HEADER_BYTES + row.nbytes
-            if n < need:
-                return ChecksumMismatch(row.key.hex(), where, f"truncated: {n} of {need} bytes")
-            got.append(n)
-            problem = self._verify(row, hdr.data, payload)
-            if problem:
-                return ChecksumMismatch(row.key.hex(), where, problem)
-            if out is None:  # a new array: read-only from the start, for good
-                return read_only(payload[0]).view(np.dtype(row.dtype)).reshape(row.shape)
-            if staged is not None:
-                np.copyto(out, payload[0].view(np.dtype(row.dtype)).reshape(row.shape))
-            return out
-        finally:
-            if staged is not None:
-                self._staging.put(staged)
-
-    @staticmethod
-    def _verify(row: CatalogRow, hdr: memoryview, payload: list[np.ndarray] | None) -> str:
-        """Empty string if the frame matches its row, else what is wrong."""
-        return row.verify(hdr, payload)
+        return self._reader.read_batch(keys, outs)
 
     # ------------------------------------------------------------------ deletes and reclaim
 
@@ -699,7 +291,7 @@ class DiskTier(
     def delete_batch(self, keys: Sequence[ChunkKey]) -> list[int]:
         """Delete replicas in one catalog transaction; returns payload bytes per key.
 
-        Until the rows leave the in-memory index a concurrent reader may still read
+        Until the rows leave the segment table a concurrent reader may still read
         them; their bytes stay intact until the segment is unlinked, which waits for
         its readers.
         """
@@ -707,474 +299,22 @@ class DiskTier(
 
     def delete_forgetting(self, keys: Sequence[ChunkKey], forget: Sequence[bytes]) -> list[int]:
         with self._write_mutex:
-            with self._lock:
-                rows = [self._row(k) for k in keys]
-            self.catalog.delete([r.key for r in rows], forget=forget)
-            retired: list[_Segment] = []
-            with self._lock:
-                for child in forget:
-                    self._kept.pop(child, None)
-                for row in rows:
-                    del self._entries[ChunkKey(row.key)]
-                    if self._drop_live(row):
-                        retired.append(self._segments[row.seg])
-            self._remove_segments(retired)
-            return [r.nbytes for r in rows]
+            return self._writer.delete(keys, forget)
 
-    def _drop_live(self, row: CatalogRow) -> bool:
-        """Uncount a row's frame (under the lock); True if its segment is now retired and
-        unreferenced, for the caller to remove once the lock is released."""
-        seg = self._segments[row.seg]
-        seg.live -= frame_len(row.nbytes)
-        if (
-            seg.live == 0
-            and seg is not self._active
-            and not seg.doomed
-            and seg.id not in self._pinned  # holds quarantined rows: kept for check
-        ):
-            return self._retire(seg)
-        return False
-
-    def _retire(self, seg: _Segment) -> bool:
-        """Doom a segment no row names any more (under the lock). True if no read is in
-        flight on it, so the caller removes it now; else its last reader does."""
-        seg.doomed = True
-        return seg.readers == 0
-
-    def _remove_segments(self, segs: Sequence[_Segment], *, quiet: bool = False) -> None:
-        """Close and unlink retired segments, outside the tier lock. A doomed segment
-        stays in the segment table until its file is gone, so its id is not reused.
-
-        ``quiet`` (a reader leaving): an OSError leaves the file for ``check --fix`` to
-        delete as an orphan instead of failing a read that has its bytes.
-        """
-        if quiet:
-            for seg in segs:
-                with contextlib.suppress(OSError):
-                    self._remove_segments([seg])
-            return
-        for seg in segs:
-            with self._lock:  # an audit's fix may retire the same segment: close once
-                if seg.removing:
-                    continue
-                seg.removing = True
-            with contextlib.suppress(OSError):  # the descriptor is gone either way
-                self.io.close(seg.fd)
-            try:
-                self.io.unlink(seg.path)
-            except OSError:
-                # Its rows are already deleted in a committed transaction, so the caller
-                # (an invalidation, an eviction) did what it promised. The file stays
-                # in the table, so its id is not reused: an orphan for check --fix (or
-                # quarantine at the next open), counted here.
-                with self._lock:
-                    self.stats.unlink_failures += 1
-                    seg.unlink_failed = True
-                continue
-            with self._lock:
-                if self._segments.get(seg.id) is seg:
-                    del self._segments[seg.id]
-                    self.stats.segments_reclaimed += 1
-
-    def _unlink_segment(self, seg: _Segment) -> None:
-        """Retire a segment and remove it now unless a read is in flight on it."""
-        with self._lock:
-            now = self._retire(seg)
-        if now:
-            self._remove_segments([seg])
-
-    def _compact(self, need: int) -> None:
-        """Copy live frames out of the most wasteful sealed segments until ``need`` fits.
-        Runs under the write mutex; segments with reads in flight are left for later (a
-        reader that pins one after this choice only delays its unlink)."""
-        with self._lock:
-            candidates = sorted(
-                (
-                    s
-                    for s in self._segments.values()
-                    if s is not self._active
-                    and s.length > s.live
-                    and not s.doomed
-                    and s.readers == 0  # its space would not come back until they leave
-                    and s.id not in self._pinned  # holds quarantined rows
-                ),
-                key=lambda s: s.live / max(s.length, 1),
-            )
-        for seg in candidates:
-            if self.used_bytes + need <= self.capacity_bytes:
-                return
-            self._compact_segment(seg)
-        # Still short: the garbage is in the active segment. Seal it and compact it like
-        # any other, so that a batch that fits the live budget is never refused.
-        with self._lock:
-            act = self._active
-            roll = (
-                self.used_bytes + need > self.capacity_bytes
-                and act.length > act.live
-                and act.readers == 0
-                and not act.doomed
-                and act.id not in self._pinned
-            )
-            if roll:
-                self._active = self._new_segment()
-        if roll:
-            self._compact_segment(act)
-
-    def _compact_segment(self, seg: _Segment) -> None:
-        with self._lock:
-            start = {sid: s.length for sid, s in self._segments.items()}
-        try:
-            self._copy_live_frames(seg)
-        except OSError as exc:
-            with self._lock:  # the copies are garbage; rows still point home
-                for sid, length in start.items():
-                    if sid in self._segments:
-                        self._segments[sid].length = length
-            raise _os_error(exc, f"compacting segment {seg.path.name}") from exc
-
-    def _copy_live_frames(self, seg: _Segment) -> None:
-        """Move the live frames of ``seg`` to the active segment, then retire ``seg``.
-
-        Reads of ``seg`` may run meanwhile: its rows are replaced (never mutated, a
-        reader holds the old one) only once the copies are durable and cataloged, and
-        the file is unlinked when its last reader leaves.
-        """
-        with self._lock:
-            rows = sorted(
-                (r for r in self._entries.values() if r.seg == seg.id), key=lambda r: r.off
-            )
-        moves: list[tuple[bytes, int, int]] = []
-        dropped: list[tuple[CatalogRow, str]] = []
-        touched: set[int] = set()
-        copied = 0
-        for row in rows:
-            flen = frame_len(row.nbytes)
-            frame = aligned_empty(flen)
-            got = self.io.preadv(seg.fd, [frame], row.off)
-            with self._lock:
-                self.stats.compaction_bytes_read += got
-            problem = (
-                f"truncated: {got} of {flen} bytes"
-                if got < flen
-                else self._verify(
-                    row,
-                    frame.data[:HEADER_BYTES],
-                    [frame[HEADER_BYTES : HEADER_BYTES + row.nbytes]],
-                )
-            )
-            if problem:
-                dropped.append((row, problem))
-                continue
-            with self._lock:
-                dst = self._segment_for(flen)
-                off = dst.length
-                dst.length += flen
-            written = self.io.pwritev(dst.fd, [frame], off)
-            if written != flen:
-                raise OSError(errno.EIO, f"short write: {written} of {flen} bytes")
-            touched.add(dst.id)
-            copied += flen
-            moves.append((row.key, dst.id, off))
-        for sid in touched:
-            self.io.fdatasync(self._segments[sid].fd)
-        self._sync_dir()
-        self.catalog.relocate(moves)
-        self.catalog.delete([r.key for r, _ in dropped])
-        with self._lock:
-            self.stats.compaction_bytes_written += copied
-            for row, problem in dropped:
-                self._lost.append((ChunkKey(row.key), f"corrupt: {problem} (found by compaction)"))
-            for key, sid, off in moves:
-                ck = ChunkKey(key)
-                self._entries[ck] = dataclasses.replace(self._entries[ck], seg=sid, off=off)
-                self._segments[sid].live += frame_len(self._entries[ck].nbytes)
-            for row, _ in dropped:
-                del self._entries[ChunkKey(row.key)]
-            seg.live = 0
-            now = self._retire(seg)
-        if now:
-            self._remove_segments([seg])
-
-    # ------------------------------------------------------------------ recovery and audit
-
-    def _scan_segments(self) -> dict[int, Path]:
-        found: dict[int, Path] = {}
-        try:
-            names = list(self._segdir.iterdir())
-        except OSError as exc:
-            raise StorePathError(f"cannot list segments in {self._segdir}: {exc}") from exc
-        for p in names:
-            m = _SEG_RE.match(p.name)
-            if m:
-                found[int(m.group(1))] = p
-        return found
-
-    def _segment_sizes(self) -> dict[int, int]:
-        sizes: dict[int, int] = {}
-        for sid, path in self._scan_segments().items():
-            try:
-                sizes[sid] = path.stat().st_size
-            except OSError as exc:
-                raise StorePathError(f"cannot stat segment {path}: {exc}") from exc
-        return sizes
-
-    def _check_catalog(self) -> None:
-        """Refuse a catalog SQLite finds damaged, or one older than the generation the
-        superblock acknowledged (its write-ahead log lost committed deletions)."""
-        cat = self.catalog
-        problems = cat.integrity()
-        if problems:
-            raise CatalogCorrupt(cat.path, "integrity check: " + "; ".join(problems[:3]))
-        state = self.superblock.read()
-        have, acked = cat.generation, state.generation
-        if acked is None:
-            if have > 0:
-                detail = "is missing" if not state.exists else "; ".join(state.problems)
-                raise SuperblockError(self.superblock.path, detail)
-            # Generation 0: no row was ever deleted, so there is nothing to roll back.
-            self.superblock.write_both(0)
-            return
-        if have < acked:
-            raise CatalogRolledBack(cat.path, have, acked)
-        if have > acked:  # the process died between a commit and its superblock write
-            self.superblock.write(have)
-        if None in self.superblock.read().generations:
-            self.superblock.write(have)  # restore the second copy
-
-    def _recover(self) -> None:
-        """Read the catalog and mark; delete nothing. Rows that fail (a field, the row
-        checksum, the frame) are quarantined in the catalog and reported once through
-        :meth:`take_lost`; segment files no row names are moved to ``quarantine/``."""
-        for sid, path in sorted(self._scan_segments().items()):
-            self._sid_floor = max(self._sid_floor, sid)
-            try:
-                fd = self.io.open(path, create=False)
-            except OSError as exc:
-                raise _os_error(exc, f"opening segment {path}") from exc
-            self._segments[sid] = _Segment(sid, path, fd, self.io.size(fd))
-        referenced: set[int] = set()
-        marks: list[tuple[int, str]] = []
-        for s in self.catalog.scan():
-            if s.seg is not None:
-                referenced.add(s.seg)
-            problem = s.quarantine or s.problem
-            if not problem and s.row is not None:
-                problem = self._check_row(
-                    s.row,
-                    full=self.config.verify_on_open == "full",
-                    header=self.config.verify_on_open != "none",
-                )
-            if problem:
-                if s.seg is not None:
-                    self._pinned[s.seg] = self._pinned.get(s.seg, 0) + 1
-                if s.quarantine is None:  # found now: report it, once
-                    marks.append((s.rowid, problem))
-                    self._lost.append((ChunkKey(s.key), f"quarantined on open: {problem}"))
-                continue
-            assert s.row is not None
-            self._entries[ChunkKey(s.row.key)] = s.row
-            self._segments[s.row.seg].live += frame_len(s.row.nbytes)
-        self.catalog.quarantine(marks)
-        self.stats.recovered = len(self._entries)
-        self.stats.recovery_dropped = len(marks)
-        self.stats.rows_quarantined = sum(self._pinned.values())
-        for seg in list(self._segments.values()):
-            if seg.id not in referenced:
-                self._set_aside(seg)
-
-    def _set_aside(self, seg: _Segment) -> None:
-        """Take a segment no row names out of the store: a zero-byte file (an active
-        segment that never got a frame) is removed, any other is moved to quarantine/."""
-        del self._segments[seg.id]
-        try:
-            self.io.close(seg.fd)
-            if seg.length == 0:
-                self.io.unlink(seg.path)
-                return
-            self.quarantine_dir.mkdir(exist_ok=True)
-            dst = self.quarantine_dir / seg.path.name
-            n = 0
-            while dst.exists():
-                n += 1
-                dst = self.quarantine_dir / f"{seg.path.name}.{n}"
-            self.io.rename(seg.path, dst)
-            self.io.fsync_dir(self.quarantine_dir)
-            self.io.fsync_dir(self._segdir)
-        except OSError as exc:
-            raise _os_error(exc, f"moving unreferenced segment {seg.path} to quarantine") from exc
-        self.stats.segments_quarantined += 1
-
-    def _check_row(self, row: CatalogRow, *, full: bool, header: bool) -> str:
-        seg = self._segments.get(row.seg)
-        if seg is None:
-            return f"segment seg-{row.seg:08d} is missing"
-        flen = frame_len(row.nbytes)
-        if row.off % ALIGN or row.off + HEADER_BYTES + row.nbytes > seg.length:
-            return f"frame at {row.off} (+{flen}) lies beyond the segment's {seg.length} bytes"
-        if not header and not full:
-            return ""
-        buf = aligned_empty(flen if full else HEADER_BYTES)
-        try:
-            got = self.io.preadv(seg.fd, [buf], row.off)
-        except OSError as exc:
-            return f"read failed: {exc}"
-        if got < (HEADER_BYTES + row.nbytes if full else HEADER_BYTES):
-            return f"truncated: {got} bytes"
-        payload = [buf[HEADER_BYTES : HEADER_BYTES + row.nbytes]] if full else None
-        return row.verify(buf.data[:HEADER_BYTES], payload)
+    # ------------------------------------------------------------------ audit
 
     def check(
         self, fix: bool = False, progress: Callable[[int], object] | None = None
-    ) -> CheckReport:
-        """Audit the catalog (SQLite integrity, generation against the superblock), every
-        row against its frame (payload checksums included), the quarantined rows, and
-        list segment files no row refers to and files in quarantine/.
-
-        The audit runs beside serving: the catalog is read through a second, read-only
-        connection (a snapshot, under WAL), rows are checked one segment at a time with
-        that segment pinned (as a read pins it), and the tier lock is held only to list
-        rows and to pin or unpin; neither it nor the write mutex is held across a read.
-        A row deleted or moved while it was checked is not reported.
-
-        With ``fix`` (under the write mutex, after the audit): drop bad rows that are
-        still the ones checked, and quarantined rows, delete orphan segments and the
-        quarantined files, rebuild damaged indexes, rewrite a damaged superblock copy;
-        ``report.actions`` says what was done. ``progress`` is called with each
-        replica's byte count as it is checked."""
-        report = CheckReport()
-        with self.catalog.snapshot() as snap:
-            integrity = snap.integrity()
-            quarantined = snap.quarantined()
-        report.problems.extend(f"catalog integrity: {m}" for m in integrity)
-        with self.catalog.settled() as generation:
-            state = self.superblock.reread()
-        report.generation = generation
-        report.problems.extend(f"superblock {p}" for p in state.problems)
-        if state.generation is not None and state.generation != generation:
-            report.problems.append(
-                f"superblock generation {state.generation}, catalog {generation}"
-            )
-        files = self._scan_segments()
-        with self._lock:
-            rows = list(self._entries.values())
-        by_seg: dict[int, list[CatalogRow]] = {}
-        for row in rows:
-            by_seg.setdefault(row.seg, []).append(row)
-        bad: dict[ChunkKey, CatalogRow] = {}
-        for sid, seg_rows in sorted(by_seg.items()):
-            for row, problem in self._check_segment(sid, seg_rows, progress):
-                report.rows += 1
-                if not problem:
-                    report.ok += 1
-                    continue
-                report.problems.append(
-                    f"{row.key.hex()[:16]}… seg-{row.seg:08d}@{row.off}: {problem}"
-                )
-                report.bad_keys.append(row.key)
-                bad[ChunkKey(row.key)] = row
-        report.quarantined.extend(f"{k.hex()[:16]}…: {why}" for _, k, why in quarantined)
-        with self._lock:
-            for sid, path in sorted(files.items()):
-                seg = self._segments.get(sid)
-                if seg is None and sid not in self._pinned and path.exists():
-                    report.orphan_segments.append(path.name)  # no segment of this tier
-                elif seg is not None and seg.unlink_failed:
-                    report.orphan_segments.append(path.name)  # emptied, its unlink failed
-        report.quarantined_files.extend(self._quarantine_files())
+    ) -> AuditReport:
+        """The disk audit (:mod:`kvlife.tiers.disk.audit`) of this open tier, beside
+        serving; with ``fix``, then the repairs (:mod:`kvlife.tiers.disk.repair`) under
+        the write mutex. ``progress`` is called with each replica's byte count as it is
+        checked."""
+        found = audit(self._audit_source, progress)
         if fix:
             with self._write_mutex:
-                self._fix(report, integrity, [rowid for rowid, _, _ in quarantined], bad)
-        return report
-
-    def _check_segment(
-        self,
-        sid: int,
-        rows: list[CatalogRow],
-        progress: Callable[[int], object] | None,
-    ) -> list[tuple[CatalogRow, str]]:
-        """Check the rows of one segment with the segment pinned; returns each row that
-        is still current afterwards with its problem (empty: it verified)."""
-        with self._lock:
-            seg = self._segments.get(sid)
-            if seg is None or seg.doomed:
-                return []  # emptied since the rows were listed: they moved or went
-            seg.readers += 1
-        found: list[tuple[CatalogRow, str]] = []
-        try:
-            for row in rows:
-                if progress is not None:
-                    progress(row.nbytes)
-                found.append((row, self._check_row(row, full=True, header=True)))
-        finally:
-            with self._lock:
-                seg.readers -= 1
-                now = seg.doomed and seg.readers == 0
-                # a row deleted or moved meanwhile is not the store's to report any more
-                current = [(r, p) for r, p in found if self._entries.get(ChunkKey(r.key)) is r]
-            if now:
-                self._remove_segments([seg], quiet=True)
-        return current
-
-    def _quarantine_files(self) -> list[str]:
-        try:
-            return sorted(p.name for p in self.quarantine_dir.iterdir() if p.is_file())
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise StorePathError(f"cannot list {self.quarantine_dir}: {exc}") from exc
-
-    def _fix(
-        self,
-        report: CheckReport,
-        integrity: list[str],
-        rowids: list[int],
-        bad: dict[ChunkKey, CatalogRow],
-    ) -> None:
-        """Repair what the audit found (under the write mutex: no writer runs)."""
-        if integrity:
-            self.catalog.reindex()
-            report.actions.append("rebuilt the catalog's indexes")
-        with self._lock:  # only rows still as checked: a key written again since is new
-            doomed = [k for k, row in bad.items() if self._entries.get(k) is row]
-            for key in doomed:
-                self._lost.append((key, "dropped by check --fix"))
-        if doomed:
-            self.delete_batch(doomed)
-            report.actions.append(f"dropped {len(doomed)} bad replicas")
-        if rowids:
-            self.catalog.delete_quarantined(rowids)  # counted when they were quarantined
-            report.actions.append(f"deleted {len(rowids)} quarantined catalog rows")
-            with self._lock:
-                pinned, self._pinned = self._pinned, {}
-            for sid in pinned:
-                seg = self._segments.get(sid)
-                if seg is not None and seg.live == 0 and seg is not self._active:
-                    self._unlink_segment(seg)
-        for name in report.orphan_segments:
-            sid = int(name[4:12])
-            seg = self._segments.get(sid)
-            with contextlib.suppress(FileNotFoundError):
-                self.io.unlink(seg.path if seg is not None else self._segdir / name)
-            if seg is not None:
-                with self._lock:
-                    if self._segments.get(sid) is seg:
-                        del self._segments[sid]
-                        self.stats.segments_reclaimed += 1
-        if report.orphan_segments:
-            report.actions.append(f"deleted {len(report.orphan_segments)} orphan segments")
-        for name in report.quarantined_files:
-            with contextlib.suppress(FileNotFoundError):
-                self.io.unlink(self.quarantine_dir / name)
-        if report.quarantined_files:
-            report.actions.append(f"deleted {len(report.quarantined_files)} quarantined files")
-            with contextlib.suppress(OSError):  # left if something else was put there
-                self.quarantine_dir.rmdir()
-        if None in self.superblock.read().generations or (
-            self.superblock.read().generation != self.catalog.generation
-        ):
-            self.superblock.write_both(self.catalog.generation)
-            report.actions.append(f"rewrote the superblock at generation {self.catalog.generation}")
-        report.fixed = True
+                self._repairs.fix(found)
+        return found.report
 
     def details(self) -> dict[str, object]:
         return {
@@ -1185,24 +325,18 @@ class DiskTier(
         }
 
     def kept_parent(self, child: bytes) -> bytes | None:
-        return self._kept.get(child)
+        return self._links.parent(child)
 
     def keep_edges(self, links: Sequence[tuple[bytes, bytes]]) -> None:
         with self._write_mutex:
-            self.catalog.keep_edges(links)
-            with self._lock:
-                self._kept.update(links)
+            self._links.keep(links)
 
     def load_edges(self) -> list[tuple[bytes, bytes]]:
-        with self._lock:
-            return list(self._kept.items())
+        return self._links.all()
 
     def forget_edges(self, children: Sequence[bytes]) -> None:
         with self._write_mutex:
-            self.catalog.forget_edges(children)
-            with self._lock:
-                for child in children:
-                    self._kept.pop(child, None)
+            self._links.forget(children)
 
     def load_counters(self) -> dict[str, int]:
         with self._write_mutex:  # the catalog connection is not read mid-transaction
@@ -1214,33 +348,20 @@ class DiskTier(
 
     def take_lost(self) -> list[tuple[ChunkKey, str]]:
         """Replicas this tier dropped on its own (recovery, compaction, check), with why."""
-        with self._lock:
-            lost, self._lost = self._lost, []
-        return lost
+        return self._lost.take()
 
     def replica_keys(self) -> list[ChunkKey]:
-        return list(self._entries)
+        with self._lock:
+            return list(self._table.rows)
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            if self._read_pool is not None:
-                self._read_pool.shutdown(wait=True)
-            active = getattr(self, "_active", None)
-            if active is not None and active.live == 0 and active.id in self._segments:
-                self._unlink_segment(active)  # leave no empty segment file behind
-            for seg in self._segments.values():
-                with contextlib.suppress(OSError):
-                    self.io.close(seg.fd)
-            self.catalog.close()
-            self.superblock.close()
-
-
-def _os_error(exc: OSError, doing: str) -> Exception:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StorageFullError(f"device full (ENOSPC) while {doing}; nothing of it was stored")
-    return StorePathError(f"I/O error while {doing}: {exc}")
+        # The rest outside the tier lock: it waits for the I/O thread and does file I/O.
+        self._writer.close()
+        self._reader.close()
+        self._table.close()
+        self.catalog.close()
+        self.superblock.close()

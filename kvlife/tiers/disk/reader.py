@@ -1,0 +1,194 @@
+"""Reads of the disk tier: verified, in the caller's thread, beside one writer.
+
+A read looks its rows up and pins their segments under the tier lock, then reads and
+verifies each frame without it (the header against the catalog row, the payload's
+xxh3-128 against the row's checksum) before anything is handed out: the verified array,
+or a typed miss (:class:`~kvlife.core.errors.ChecksumMismatch`,
+:class:`~kvlife.core.errors.ReplicaReadError`), never wrong bytes. A frame goes
+straight into the caller's buffer when its memory is aligned, else through a staging
+buffer; without a buffer into a new array from memory recycled once earlier results
+were garbage collected, returned read-only.
+
+Reads neither wait for the writer's I/O nor for each other. The tier's ``io_depth`` is
+shared among concurrent callers: one caller alone gets ``io_depth - 1`` helper threads
+(from a pool of :data:`READ_HELPERS` shared by the tier), ``io_depth`` or more callers
+get none, so N callers keep max(N, io_depth) reads in flight without piling threads
+onto the CPUs.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaReadError
+from kvlife.core.identity import ChunkKey
+from kvlife.tiers.base import ReadResult, read_only
+from kvlife.tiers.buffers import RecyclingPool, StagingPool, aligned_empty, aligned_runs, round_up
+from kvlife.tiers.disk.catalog import CatalogRow
+from kvlife.tiers.disk.counters import DiskStats
+from kvlife.tiers.disk.fileio import FileIO
+from kvlife.tiers.disk.frame import HEADER_BYTES
+from kvlife.tiers.disk.segments import Segment, SegmentTable
+
+READ_HELPERS = 16
+"""Threads shared by all readers of a tier to keep more than one read of a call in flight."""
+
+
+class Reader:
+    """Verified reads of one disk tier, safe from many threads at once."""
+
+    def __init__(
+        self,
+        name: str,
+        table: SegmentTable,
+        io: FileIO,
+        staging: StagingPool,
+        io_depth: int,
+        read_pool_bytes: int,
+        stats: DiskStats,
+    ) -> None:
+        self.name = name
+        self._table = table
+        self.io = io
+        self._staging = staging
+        self._io_depth = io_depth
+        self.stats = stats
+        self._new_arrays = RecyclingPool(read_pool_bytes)
+        self._read_pool: ThreadPoolExecutor | None = None
+        self._callers = 0
+        """Reads in progress (under the tier lock): how ``io_depth`` is shared."""
+
+    def read_batch(
+        self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
+    ) -> list[ReadResult]:
+        """Verified reads, safe from many threads at once and beside one writer.
+
+        The tier lock is held only to look the rows up and pin their segments (a pinned
+        segment is unlinked by compaction or its last delete only when its last reader
+        leaves); the reads run without it, in the caller's thread plus helpers. The
+        tier's ``io_depth`` is shared among concurrent callers (one alone gets
+        ``io_depth - 1`` helpers, ``io_depth`` or more callers get none), so N callers
+        keep max(N, io_depth) reads in flight without piling threads onto the CPUs.
+        """
+        if outs is not None and len(outs) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
+        table = self._table
+        with table.lock:
+            rows = [table.row(k) for k in keys]
+            pinned = table.pin_rows(rows)
+            self._callers += 1
+            share = max(1, self._io_depth // self._callers)
+        got: list[int] = []
+        try:
+            plan = [
+                (row, pinned[row.seg], outs[i] if outs is not None else None)
+                for i, row in enumerate(rows)
+            ]
+            for row, _, out in plan:
+                if out is not None and (out.shape != row.shape or out.dtype != np.dtype(row.dtype)):
+                    raise InvalidArgument(
+                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
+                        f"{row.dtype}{list(row.shape)}"
+                    )
+            return self._read_all(plan, got, share)
+        finally:
+            with table.lock:
+                self._callers -= 1
+                self.stats.bytes_read += sum(got)
+                retired = table.unpin(pinned.values())
+            table.remove(retired, quiet=True)
+
+    def _read_all(
+        self,
+        plan: list[tuple[CatalogRow, Segment, np.ndarray | None]],
+        got: list[int],
+        depth: int,
+    ) -> list[ReadResult]:
+        n = len(plan)
+        results: list[ReadResult | None] = [None] * n
+        helpers_wanted = min(depth, n) - 1
+        if helpers_wanted <= 0:
+            for i, (row, seg, out) in enumerate(plan):
+                results[i] = self._read_one(row, seg, out, got)
+        else:
+            # Work sharing: the caller and its helpers each take the next frame. The
+            # caller never waits for a helper to start, so a pool that is busy (or has a
+            # worker stalled in a device read) slows a batch down but never blocks it.
+            counter = itertools.count()
+
+            def work() -> None:
+                while (i := next(counter)) < n:
+                    row, seg, out = plan[i]
+                    results[i] = self._read_one(row, seg, out, got)
+
+            pool = self._reader_pool()
+            helpers = [pool.submit(work) for _ in range(helpers_wanted)]
+            work()
+            for h in helpers:
+                if not h.cancel():
+                    h.result()
+        done: list[ReadResult] = []
+        for r in results:
+            if r is None:  # every index is taken by exactly one worker: a bug if not
+                raise RuntimeError("a frame of the batch was not read")
+            done.append(r)
+        return done
+
+    def _reader_pool(self) -> ThreadPoolExecutor:
+        with self._table.lock:
+            if self._read_pool is None:
+                self._read_pool = ThreadPoolExecutor(
+                    max_workers=READ_HELPERS, thread_name_prefix="kvlife-read"
+                )
+            return self._read_pool
+
+    def _read_one(
+        self, row: CatalogRow, seg: Segment, out: np.ndarray | None, got: list[int]
+    ) -> ReadResult:
+        """Read and verify one frame: straight into ``out`` when its memory is aligned,
+        else into a staging buffer (then copied); without ``out`` into a recycled array."""
+        where = f"{self.name} seg-{row.seg:08d}@{row.off}"
+        staged: np.ndarray | None = None
+        hdr = aligned_empty(HEADER_BYTES)
+        runs = aligned_runs(out) if out is not None else None
+        if runs is not None:
+            payload = runs
+            bufs = [hdr, *runs]
+        elif out is not None:
+            staged = self._staging.get(round_up(row.nbytes))
+            body = staged[: round_up(row.nbytes)]
+            payload = [body[: row.nbytes]]
+            bufs = [hdr, body] if row.nbytes else [hdr]
+        else:
+            body = self._new_arrays.take(round_up(row.nbytes))
+            payload = [body[: row.nbytes]]
+            bufs = [hdr, body] if row.nbytes else [hdr]
+        try:
+            try:
+                n = self.io.preadv(seg.fd, bufs, row.off)
+            except OSError as exc:
+                return ReplicaReadError(row.key.hex(), where, str(exc))
+            need = HEADER_BYTES + row.nbytes
+            if n < need:
+                return ChecksumMismatch(row.key.hex(), where, f"truncated: {n} of {need} bytes")
+            got.append(n)
+            problem = row.verify(hdr.data, payload)
+            if problem:
+                return ChecksumMismatch(row.key.hex(), where, problem)
+            if out is None:  # a new array: read-only from the start, for good
+                return read_only(payload[0]).view(np.dtype(row.dtype)).reshape(row.shape)
+            if staged is not None:
+                np.copyto(out, payload[0].view(np.dtype(row.dtype)).reshape(row.shape))
+            return out
+        finally:
+            if staged is not None:
+                self._staging.put(staged)
+
+    def close(self) -> None:
+        """Stop the helper threads (no read may be in flight after)."""
+        if self._read_pool is not None:
+            self._read_pool.shutdown(wait=True)
