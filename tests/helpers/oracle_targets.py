@@ -11,6 +11,7 @@ so that ``scribble`` can write into all of them, as a caller that reuses its mem
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections import deque
@@ -118,6 +119,9 @@ class Target(Protocol):
         self, c: int, aid: int, reverse: bool, scribble_now: bool
     ) -> AsyncOut: ...
     def invalidate(self, c: int, **criteria: Any) -> int: ...
+    def race_commit_invalidate(
+        self, c: int, hid: int, criteria: dict[str, Any]
+    ) -> tuple[PutOut | KVLifeError, int]: ...
     def evict(self, c: int, tier: str, nbytes: int, scribbling: bool) -> int: ...
     def scribble(self, c: int) -> tuple[int, int]: ...
     def flush(self, c: int) -> None: ...
@@ -273,10 +277,8 @@ class StoreDriver:
 
     def await_all(self) -> None:
         for fid in list(self.futures):
-            try:
+            with contextlib.suppress(KVLifeError):
                 self.await_commit(fid)
-            except KVLifeError:
-                pass
 
     def abort(self, hid: int) -> None:
         p, kv = self.pendings.pop(hid)
@@ -354,6 +356,9 @@ class StoreDriver:
         return AsyncOut(chunks, load_out(r, n))
 
     def invalidate(self, **criteria: Any) -> int:
+        return self.store.invalidate(**criteria)
+
+    def invalidate_kw(self, criteria: dict[str, Any]) -> int:
         return self.store.invalidate(**criteria)
 
     def evict(self, tier: str, nbytes: int, scribbling: bool) -> int:
@@ -495,6 +500,25 @@ class EmbeddedTarget:
 
     def invalidate(self, c: int, **criteria: Any) -> int:
         return self.d.invalidate(**criteria)
+
+    def race_commit_invalidate(
+        self, c: int, hid: int, criteria: dict[str, Any]
+    ) -> tuple[PutOut | KVLifeError, int]:
+        """Commit a pending put in one thread while this one invalidates."""
+        box: list[PutOut | KVLifeError] = []
+
+        def commit() -> None:
+            try:
+                box.append(self.d.commit(hid))
+            except KVLifeError as exc:
+                box.append(exc)
+
+        t = threading.Thread(target=commit)
+        t.start()
+        n = self.d.invalidate(**criteria)
+        t.join(60)
+        assert box, "commit_put did not return"
+        return box[0], n
 
     def evict(self, c: int, tier: str, nbytes: int, scribbling: bool) -> int:
         return self.d.evict(tier, nbytes, scribbling)
