@@ -82,6 +82,8 @@ RULE_GROUPS = (
     "invalidate",  # every kind of invalidation
     "async_load",  # load_async with chunk(i)
     "check",  # audits
+    "background",  # calls racing each other: background and racing commits, scribbles
+    # while an eviction runs (off: results depend less on thread timing, for shrinking)
 )
 
 

@@ -233,20 +233,18 @@ class OracleMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ prompts
 
-    @initialize(dram_chunks=st.sampled_from(DRAM_CHUNKS))
-    def tiers(self, dram_chunks: int) -> None:
-        """The size of the DRAM tier, in chunks."""
-        self.t.configure(dram_chunks)
-
     @initialize(
         target=prompts,
+        dram_chunks=st.sampled_from(DRAM_CHUNKS),
         seq=st.integers(0, SEQS - 1),
         ident=st.integers(0, 2),
         ns=st.integers(0, len(NAMESPACES) - 1),
         length=st.integers(1, MAX_CHUNKS),
     )
-    def first_prompt(self, seq: int, ident: int, ns: int, length: int) -> PromptSpec:
-        return PromptSpec(seq, ident, ns, length)
+    def setup(self, dram_chunks: int, seq: int, ident: int, ns: int, length: int) -> PromptSpec:
+        """Size the DRAM tier (in chunks) and put a first prompt."""
+        self.t.configure(dram_chunks)
+        return self.put(PromptSpec(seq, ident, ns, length), "chunks", 0)
 
     @rule(target=prompts, p=prompts, length=st.integers(1, MAX_CHUNKS))
     def resize(self, p: PromptSpec, length: int) -> PromptSpec:
@@ -288,6 +286,8 @@ class OracleMachine(RuleBasedStateMachine):
         """``commit_put``, ``put_async`` (awaited by a later rule) or ``abort_put``; a put
         prepared before a reopen is gone (a typed error)."""
         self.live_pendings -= 1
+        if how == "background" and "background" in self.off:
+            how = "commit"
         s = self.o.tick()
         if self._stale(ref.epoch):
             try:
@@ -467,6 +467,7 @@ class OracleMachine(RuleBasedStateMachine):
 
     @group("two_phase")
     @group("invalidate")
+    @group("background")
     @rule(
         ref=consumes(pendings),
         kind=st.sampled_from(INVALIDATIONS),
@@ -501,7 +502,8 @@ class OracleMachine(RuleBasedStateMachine):
     def evict(self, tier: str, chunks: int, scribbling: bool, c: int) -> None:
         """Evict ``chunks`` chunks' worth (DRAM victims are demoted to disk), scribbling
         into every handed-out array while the demotions run if asked."""
-        self.t.evict(c, tier, chunks * CHUNK, scribbling and "scribble" not in self.off)
+        scribbling = scribbling and not {"scribble", "background"} & self.off
+        self.t.evict(c, tier, chunks * CHUNK, scribbling)
         self._sync()
         if tier == "disk":
             self.o.disk_evicted()
@@ -550,10 +552,20 @@ class OracleMachine(RuleBasedStateMachine):
 
     @group("reopen")
     @precondition(lambda self: self.reopens < self.max_reopens)
-    @rule(flush=st.booleans(), crash=st.booleans(), write_through=st.booleans())
-    def reopen(self, flush: bool, crash: bool, write_through: bool) -> None:
-        """Close with or without flush (a served store: stop, or kill), open again
-        (write-through or not), and find every durable chunk."""
+    @rule(
+        flush=st.booleans(),
+        crash=st.booleans(),
+        write_through=st.booleans(),
+        put_first=st.none() | prompts,
+    )
+    def reopen(
+        self, flush: bool, crash: bool, write_through: bool, put_first: PromptSpec | None
+    ) -> None:
+        """Close with or without flush (a served store: stop, or kill), right after a put
+        if ``put_first``, open again (write-through or not); then every durable chunk is
+        found, and every chain is reachable from its first chunk."""
+        if put_first is not None:
+            self.put(put_first, "chunks", 0)
         self.reopens += 1
         if flush and not crash:
             self._probe()
@@ -727,13 +739,14 @@ def stress(machine: OracleMachine, seed: int, steps: int, log: list[str]) -> Non
         (2, lambda: True, "settle", lambda: {"flush": rng.random() < 0.5, "c": c()}, ""),
         (0.3, lambda: on("check"), "check", lambda: {"fix": rng.random() < 0.5, "c": c()}, ""),
         (
-            0.3,
+            1,
             lambda: on("reopen") and m.reopens < m.max_reopens,
             "reopen",
             lambda: {
                 "flush": rng.random() < 0.5,
                 "crash": rng.random() < 0.3,
                 "write_through": rng.random() < 0.3,
+                "put_first": prompt() if rng.random() < 0.5 else None,
             },
             "",
         ),
@@ -749,7 +762,15 @@ def stress(machine: OracleMachine, seed: int, steps: int, log: list[str]) -> Non
             "",
         ),
     ]
-    m.tiers(dram_chunks=rng.choice(DRAM_CHUNKS))
+    prompts.append(
+        m.setup(
+            rng.choice(DRAM_CHUNKS),
+            rng.randrange(SEQS),
+            rng.randrange(3),
+            rng.randrange(len(NAMESPACES)),
+            rng.randint(1, MAX_CHUNKS),
+        )
+    )
     for step in range(steps):
         ready = [row for row in table if row[1]()]
         x = rng.random() * sum(row[0] for row in ready)
