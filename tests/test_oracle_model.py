@@ -12,8 +12,9 @@ Switches (environment):
   warning) and heals the store instead of failing; every other violation still fails.
   For branches where they are still open; to go once the fixes merged.
 - ``KVLIFE_ORACLE_RULES_OFF=two_phase,reopen,...``: rule groups switched off.
-- ``KVLIFE_ORACLE_EXAMPLES``, ``KVLIFE_ORACLE_STEPS``, ``KVLIFE_ORACLE_SEED``: budgets and the
-  stress seed; ``KVLIFE_ORACLE_SHRINK=0`` skips shrinking (quicker to iterate).
+- ``KVLIFE_ORACLE_EXAMPLES``, ``KVLIFE_ORACLE_STEPS`` (hypothesis),
+  ``KVLIFE_ORACLE_STRESS_STEPS``, ``KVLIFE_ORACLE_SEED`` (stress): budgets and the seed;
+  ``KVLIFE_ORACLE_SHRINK=0`` skips shrinking (quicker to iterate).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def report_noted() -> None:
 
 def run_stress(machine: OracleMachine, seed: int, steps: int) -> None:
     """A stress run; a failure carries its seed and every step."""
+    steps = int(os.environ.get("KVLIFE_ORACLE_STRESS_STEPS", steps))
     log: list[str] = []
     machine.max_reopens = steps
     try:
@@ -87,7 +89,7 @@ def test_oracle_embedded() -> None:
     report_noted()
 
 
-@pytest.mark.parametrize("seed", [7, 9])
+@pytest.mark.parametrize("seed", [2, 5])
 def test_oracle_embedded_stress(seed: int) -> None:
     run_stress(EmbeddedOracle(), int(os.environ.get("KVLIFE_ORACLE_SEED", seed)), 300)
 

@@ -243,8 +243,11 @@ class OracleMachine(RuleBasedStateMachine):
     )
     def setup(self, dram_chunks: int, seq: int, ident: int, ns: int, length: int) -> PromptSpec:
         """Size the DRAM tier (in chunks) and put a first prompt."""
+        return self._setup(dram_chunks, PromptSpec(seq, ident, ns, length))
+
+    def _setup(self, dram_chunks: int, p: PromptSpec) -> PromptSpec:
         self.t.configure(dram_chunks)
-        return self.put(PromptSpec(seq, ident, ns, length), "chunks", 0)
+        return self._put(p, "chunks", 0)
 
     @rule(target=prompts, p=prompts, length=st.integers(1, MAX_CHUNKS))
     def resize(self, p: PromptSpec, length: int) -> PromptSpec:
@@ -256,6 +259,9 @@ class OracleMachine(RuleBasedStateMachine):
     @rule(target=prompts, p=st.one_of(prompts, FRESH), form=st.sampled_from(FORMS), c=CLIENT)
     def put(self, p: PromptSpec, form: str, c: int) -> PromptSpec:
         """``put_prompt`` of a prompt seen before or a new one (which later rules see)."""
+        return self._put(p, form, c)
+
+    def _put(self, p: PromptSpec, form: str, c: int) -> PromptSpec:
         s = self.o.tick()
         out = self.t.put(c, p, form)
         e = self._sync()
@@ -565,7 +571,7 @@ class OracleMachine(RuleBasedStateMachine):
         if ``put_first``, open again (write-through or not); then every durable chunk is
         found, and every chain is reachable from its first chunk."""
         if put_first is not None:
-            self.put(put_first, "chunks", 0)
+            self._put(put_first, "chunks", 0)
         self.reopens += 1
         if flush and not crash:
             self._probe()
@@ -762,15 +768,12 @@ def stress(machine: OracleMachine, seed: int, steps: int, log: list[str]) -> Non
             "",
         ),
     ]
-    prompts.append(
-        m.setup(
-            rng.choice(DRAM_CHUNKS),
-            rng.randrange(SEQS),
-            rng.randrange(3),
-            rng.randrange(len(NAMESPACES)),
-            rng.randint(1, MAX_CHUNKS),
-        )
+    first = PromptSpec(
+        rng.randrange(SEQS), rng.randrange(3), rng.randrange(len(NAMESPACES)), MAX_CHUNKS
     )
+    dram = rng.choice(DRAM_CHUNKS)
+    log.append(f"setup(dram_chunks={dram}, p={first!r})")
+    prompts.append(m._setup(dram, first))
     for step in range(steps):
         ready = [row for row in table if row[1]()]
         x = rng.random() * sum(row[0] for row in ready)
