@@ -96,7 +96,7 @@ def test_oracle_embedded_stress(seed: int) -> None:
 
 @pytest.mark.slow
 def test_oracle_embedded_long() -> None:
-    run_state_machine_as_test(EmbeddedOracle, settings=oracle_settings(600, 60, derandomize=False))
+    run_state_machine_as_test(EmbeddedOracle, settings=oracle_settings(400, 60, derandomize=False))
     report_noted()
 
 
