@@ -479,6 +479,12 @@ class Oracle:
             p.keys, p.written, covered, dropped, write_through, f"commit of {p.spec}", start, end
         )
 
+    def revoked(self, pid: int) -> bool:
+        """An invalidation that began after the put was prepared covers one of its chunks
+        (a commit may then refuse, with a typed error)."""
+        p = self.pendings[pid]
+        return any(i.start > p.prep_end for k in p.keys for i in self.logs[k].invs)
+
     def aborted(self, pid: int) -> None:
         p = self.pendings[pid]
         p.live = False

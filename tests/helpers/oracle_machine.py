@@ -316,7 +316,13 @@ class OracleMachine(RuleBasedStateMachine):
             return multiple()
         self.o.commit_started(ref.pid, s)
         if how == "commit":
-            out = self.t.commit(ref.c, ref.hid)
+            try:
+                out = self.t.commit(ref.c, ref.hid)
+            except KVLifeError:
+                if not self.o.revoked(ref.pid):
+                    raise
+                self.o.aborted(ref.pid)  # refused: an invalidation covered it in flight
+                return multiple()
             e = self._sync()
             self.o.committed(ref.pid, out.covered, out.dropped, self.t.write_through, s, e)
             return multiple()
@@ -334,7 +340,7 @@ class OracleMachine(RuleBasedStateMachine):
         try:
             out = self.t.await_commit(ref.c, ref.fid)
         except KVLifeError as exc:
-            if not ended_by_close:
+            if not ended_by_close and not self.o.revoked(ref.pid):
                 raise Violation("background-commit-failed", f"{ref}: {exc!r}") from exc
             self.o.aborted(ref.pid)
             return
