@@ -1,7 +1,7 @@
 """The oracle machine's rules through ``kvlife serve``: a real server process and two
 client processes, each a worker that runs rule steps it is sent on a
 :class:`~tests.helpers.oracle_targets.StoreDriver` over its own ``RemoteStore``
-(``KVStore.connect``), so the two clients' calls really are two processes' calls.
+(``kvlife.connect``), so the two clients' calls really are two processes' calls.
 
 :class:`Rig` owns the server and the workers (one per test module: starting processes
 costs more than an example); :class:`ServedTarget` is the oracle machine's target over
