@@ -435,15 +435,15 @@ class QuantTransform(Transform):
         if desc.version >= 3:
             if payload.size < 8:
                 raise TransformError(f"{self.name} payload is shorter than its sink count")
-            S = int(payload[:8].view(np.uint64)[0])
-            if S > most:
+            held = int(payload[:8].view(np.uint64)[0])
+            if held > most:
                 raise TransformError(
-                    f"{self.name} payload holds {S} sink tokens; "
+                    f"{self.name} payload holds {held} sink tokens; "
                     f"sink_tokens={self.sink_tokens} allows at most {most} in {shape[3]} tokens"
                 )
         else:
-            S = most  # version 2: sinks at the start of every chunk
-        p = self._plan(shape, out.dtype, S, desc.version)
+            held = most  # version 2: sinks at the start of every chunk
+        p = self._plan(shape, out.dtype, held, desc.version)
         if payload.size != p.total:
             raise TransformError(
                 f"{self.name} payload has {payload.size} bytes, expected {p.total}"
@@ -453,7 +453,8 @@ class QuantTransform(Transform):
             mask = v["hmask"]
             if p.nhi:
                 if p.version >= 3:
-                    mask = np.unpackbits(mask, axis=1, count=p.D, bitorder="little")
+                    packed = cast(NDArray[np.uint8], mask)
+                    mask = np.unpackbits(packed, axis=1, count=p.D, bitorder="little")
                 # the kernel sizes each channel's codes by the mask: a forged one
                 # (checksum recomputed) must not make it read past the key codes
                 if not (np.count_nonzero(mask, axis=1) == p.nhi).all():

@@ -53,7 +53,7 @@ def _bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _smol(tokens: int) -> tuple[int, ...]:
-    return SMOL[:3] + (tokens,) + SMOL[4:]
+    return (*SMOL[:3], tokens, *SMOL[4:])
 
 
 # ------------------------------------------------------------------ sinks at the sequence start
@@ -200,7 +200,7 @@ def test_versions_beyond_those_read_are_unknown() -> None:
 def test_a_version_2_payload_relabelled_version_3_is_refused() -> None:
     """The two payload layouts differ (v3 leads with its sink count): a v2 payload under
     a v3 descriptor (checksums recomputed) is a typed error, never a silent decode."""
-    for name, params, dt, _, frame in _v2_cases():
+    for _, _, dt, _, frame in _v2_cases():
         enc = EncodedPayload.from_frame(frame.tobytes())
         d = enc.descriptor
         forged = TransformDescriptor(
