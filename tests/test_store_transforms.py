@@ -606,3 +606,14 @@ def test_a_kl_bounded_lookup_uses_the_figure_for_the_layouts_chunk_size(tmp_path
         refused = store.lookup(ident, PUBLIC, tokens, accept=Accept.lossy(max_kl=at64 * 0.99))
         assert refused.hits == []
         assert f"measured KL {at64} at 64-token chunks" in refused.refusal
+
+
+def test_encoded_nbytes_is_the_frame_at_a_start_and_the_worst_case_without() -> None:
+    from kvlife.store.forms import encoded_nbytes
+
+    t = make_transform("int4", dict(SINKS4))
+    _, kv = prompt_kv(24, 2 * N)
+    frames = [len(t.encode(chunk_of(kv, i), start=i * N).to_frame()) for i in range(2)]
+    shape = TINY.chunk_shape
+    assert [encoded_nbytes(t, shape, "float16", start=i * N) for i in range(2)] == frames
+    assert encoded_nbytes(t, shape, "float16") == max(frames) > min(frames)

@@ -81,12 +81,15 @@ def meta_for(rec: ObjectRecord, array: np.ndarray, form: Representation) -> Repl
     )
 
 
-def encoded_nbytes(t: Transform, shape: tuple[int, ...], dtype: str) -> int:
+def encoded_nbytes(
+    t: Transform, shape: tuple[int, ...], dtype: str, start: int | None = None
+) -> int:
     """Bytes a frame of ``t`` takes for an array (exact for fixed-rate transforms, the
-    worst case for compressors and over chunk positions: a quantiser's chunk at the
-    sequence start also holds its sinks): what placement charges a transforming tier."""
+    worst case for compressors), of a chunk starting at ``start`` (None: the worst case
+    over positions: a quantiser's chunk at the sequence start also holds its sinks):
+    what placement charges a transforming tier."""
     n = math.prod(shape)
-    return math.ceil(t.bits_per_element(shape, np.dtype(dtype)) * n / 8)
+    return math.ceil(t.bits_per_element(shape, np.dtype(dtype), start=start) * n / 8)
 
 
 @dataclass(slots=True)
