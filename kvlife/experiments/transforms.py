@@ -668,7 +668,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for r in result["rows"]:
         # rows at smaller chunks: only the tuned ones (the rest would bury the figure)
         chunked = r["chunk_tokens"] != whole
-        if chunked and not r["label"].startswith(PER_CHUNK_SINKS):
+        base = r["label"].split(" @")[0].removesuffix(", sinks per chunk")
+        if chunked and base not in PER_CHUNK_SINKS:
             continue
         c = colours.get(r["exactness"], "grey")
         kl = max(r["mean_kl"], 1e-6)
@@ -710,8 +711,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     model = result["model"].split(" ")[0]
     fig.suptitle(
         f"KV transforms on {model}: {len(result['windows'])} windows of "
-        f"{result['stored_tokens']} stored + {result['scored_tokens']} scored tokens "
-        "(x: tuned rows at smaller chunks; bits over the whole prefix)"
+        f"{result['stored_tokens']} stored + {result['scored_tokens']} scored tokens\n"
+        "(x: the tuned rows at smaller chunks; bits per element over the whole prefix)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -119,25 +119,30 @@ class MeasuredKL:
 
 
 MEASURED_KL: tuple[MeasuredKL, ...] = (
-    MeasuredKL("int8", {}, {512: 4.11e-05}),
-    MeasuredKL("int4", {}, {512: 0.00395}),
-    MeasuredKL("int4", INT4_TUNED, {512: 0.00264}),
+    MeasuredKL("int8", {}, {64: 2.16e-05, 256: 3.61e-05, 512: 4.11e-05}),
+    MeasuredKL("int4", {}, {64: 0.00395, 256: 0.00395, 512: 0.00395}),
+    MeasuredKL("int4", INT4_TUNED, {64: 0.00231, 256: 0.0027, 512: 0.00264}),
     MeasuredKL(
         "int4",
         {"key_group": 64, "value_group": 64, "value_sym": True, "sink_tokens": 4},
-        {512: 0.00326},
+        {64: 0.00306, 256: 0.00318, 512: 0.00326},
     ),
-    MeasuredKL("int4", {"value_bits": 2}, {512: 0.03}),
-    MeasuredKL("int2", {}, {512: 0.167}),
-    MeasuredKL("int2", {"sink_tokens": 4}, {512: 0.0892}),
-    MeasuredKL("int2", {"key_hi_fraction": 0.25}, {512: 0.0578}),
-    MeasuredKL("int2", {"key_axis": "token"}, {512: 0.528}),
-    MeasuredKL("int2", INT2_TUNED, {512: 0.0236}),
-    MeasuredKL("int2", {**INT2_TUNED, "value_group": 16}, {512: 0.0182}),
+    MeasuredKL("int4", {"value_bits": 2}, {64: 0.03, 256: 0.03, 512: 0.03}),
+    MeasuredKL("int2", {}, {64: 0.167, 256: 0.167, 512: 0.167}),
+    MeasuredKL("int2", {"sink_tokens": 4}, {64: 0.0875, 256: 0.0864, 512: 0.0892}),
+    MeasuredKL("int2", {"key_hi_fraction": 0.25}, {64: 0.0561, 256: 0.0584, 512: 0.0578}),
+    MeasuredKL("int2", {"key_axis": "token"}, {64: 0.528, 256: 0.528, 512: 0.528}),
+    MeasuredKL("int2", INT2_TUNED, {64: 0.0232, 256: 0.0229, 512: 0.0236}),
+    MeasuredKL("int2", {**INT2_TUNED, "value_group": 16}, {64: 0.018, 256: 0.0178, 512: 0.0182}),
+    # version-2 frames: sinks at the start of every chunk (at 512 tokens the experiment's
+    # prefix is one chunk, so the figure is the same as with sequence sinks)
+    MeasuredKL("int4", INT4_TUNED, {64: 0.0023, 256: 0.00263, 512: 0.00264}, True),
+    MeasuredKL("int2", INT2_TUNED, {64: 0.0205, 256: 0.0233, 512: 0.0236}, True),
 )
 """Mean KL of next-token distributions against exact KV, measured by ``kvlife experiment
 transforms`` (SmolLM2-135M-Instruct, float16 KV, 512-token prefixes stored in chunks of
-64, 256 and 512 tokens, 6 licence-text windows; docs/transforms.md)."""
+64, 256 and 512 tokens, each chunk told its start; 6 licence-text windows, 1,536 scored
+positions; docs/transforms.md)."""
 
 
 def kl_at_chunk(figures: dict[int, float], chunk_tokens: int | None) -> float | None:
