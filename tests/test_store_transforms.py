@@ -27,6 +27,7 @@ from kvlife.transforms import registry as transform_registry
 from kvlife.transforms.base import Param
 from kvlife.transforms.contract import Contract, contract_for
 from kvlife.transforms.exact import ExactTransform
+from kvlife.transforms.quant import QuantTransform
 from tests.conftest import TINY, prompt_kv
 
 CHUNK = TINY.chunk_nbytes
@@ -523,3 +524,96 @@ def test_write_through_to_a_transforming_tier(tmp_path: Path, identity: ModelIde
         assert res.loaded == 3
         for i, arr in enumerate(res.arrays):
             assert within_bound("int8", (), arr, chunk_of(kv, i))
+
+
+# ------------------------------------------------------------------ sinks and chunk sizes
+
+
+SINKS4 = (*INT4, ("sink_tokens", 4))
+
+
+def test_sinks_only_in_the_chunk_at_the_sequence_start(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """The store tells the tier's transform each chunk's absolute start: the chunk at the
+    sequence start keeps its 4 sinks bit-exact, the later ones keep none and take fewer
+    bytes; a prompt continued from position 2N (a parent chunk) gets no sinks either."""
+    tokens, kv = prompt_kv(21, 3 * N)
+    with KVStore(tmp_path, chain(params=SINKS4)) as store:
+        keys = store.put_prompt(identity, PUBLIC, tokens, kv).keys
+        assert store.flush() == 3
+        store.evict("dram", 8 * CHUNK)
+        hit = store.lookup(identity, PUBLIC, tokens, accept=Accept.lossy())
+        sizes = [h.stored_nbytes for h in hit.hits]
+        assert len(sizes) == 3 and sizes[0] > sizes[1] == sizes[2]
+        res = store.load(hit)
+        first, later = res.arrays[0], res.arrays[1]
+        assert np.array_equal(first[:, :, :, :4], chunk_of(kv, 0)[:, :, :, :4])
+        assert not np.array_equal(later[:, :, :, :4], chunk_of(kv, 1)[:, :, :, :4])
+        # each replica is within the bound of its own layout (no sinks after the first)
+        t = make_transform("int4", dict(SINKS4))
+        assert isinstance(t, QuantTransform)
+        for i, arr in enumerate(res.arrays):
+            bound = t.element_bounds(chunk_of(kv, i), start=i * N)
+            err = np.abs(arr.astype(np.float64) - chunk_of(kv, i).astype(np.float64))
+            assert (err <= bound).all()
+        # the same tokens' KV put as a continuation at position 2N is not a sequence start
+        more_tokens, more_kv = prompt_kv(22, N)
+        cont = store.put_prompt(
+            identity, PUBLIC, more_tokens, more_kv, start=3 * N, parent=keys[-1]
+        ).keys
+        assert store.flush() == 1
+        store.evict("dram", 8 * CHUNK)
+        got = store.lookup(
+            identity, PUBLIC, more_tokens, start=3 * N, parent=keys[-1], accept=Accept.lossy()
+        )
+        assert [h.key for h in got.hits] == cont and got.hits[0].stored_nbytes == sizes[1]
+
+
+def test_a_kl_bounded_lookup_uses_the_figure_for_the_layouts_chunk_size(tmp_path: Path) -> None:
+    """The KL a lookup bounds is the one measured at the replica's own chunk size (64
+    tokens here), read from its frame; the refusal says which chunk size it holds for."""
+    from kvlife.core.identity import KVLayout
+    from kvlife.transforms.quant import INT4_TUNED, MEASURED_KL
+
+    layout = KVLayout(
+        num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens_per_chunk=64
+    )
+    ident = ModelIdentity(layout=layout, model_id="m64", weights_digest="w", tokenizer_digest="t")
+    tuned = next(e for e in MEASURED_KL if e.params == INT4_TUNED and not e.sinks_per_chunk)
+    at64 = tuned.kl[64]
+    tokens, kv = prompt_kv(23, 2 * 64, layout)
+    params = tuple(sorted(INT4_TUNED.items()))
+    cfg = StoreConfig(
+        tiers=(
+            TierSpec("memory", "dram", 4 * layout.chunk_nbytes),
+            TierSpec(
+                "disk",
+                "disk",
+                1 << 24,
+                options=DISK_OPTS,
+                transform="int4",
+                transform_params=params,
+            ),
+        )
+    )
+    with KVStore(tmp_path, cfg) as store:
+        store.put_prompt(ident, PUBLIC, tokens, kv)
+        assert store.flush() == 2
+        store.evict("dram", 4 * layout.chunk_nbytes)
+        ok = store.lookup(ident, PUBLIC, tokens, accept=Accept.lossy(max_kl=at64))
+        assert len(ok.hits) == 2
+        refused = store.lookup(ident, PUBLIC, tokens, accept=Accept.lossy(max_kl=at64 * 0.99))
+        assert refused.hits == []
+        assert f"measured KL {at64} at 64-token chunks" in refused.refusal
+
+
+def test_encoded_nbytes_is_the_frame_at_a_start_and_the_worst_case_without() -> None:
+    from kvlife.store.forms import encoded_nbytes
+
+    t = make_transform("int4", dict(SINKS4))
+    _, kv = prompt_kv(24, 2 * N)
+    frames = [len(t.encode(chunk_of(kv, i), start=i * N).to_frame()) for i in range(2)]
+    shape = TINY.chunk_shape
+    assert [encoded_nbytes(t, shape, "float16", start=i * N) for i in range(2)] == frames
+    assert encoded_nbytes(t, shape, "float16") == max(frames) > min(frames)

@@ -20,6 +20,13 @@ below 1. ``parity_files`` times the segment-file path the store uses at close an
 then :func:`~kvlife.transforms.parity.rebuild_files` of one deleted file), in GB/s of
 protected (or rebuilt) file bytes, page cache warm.
 
+Chunks are encoded as a chunk not at the sequence start (``start`` = its tokens), as
+most of a long sequence's chunks are: the quantisers keep sink tokens only in the chunk
+holding the sequence's first tokens. ``bits_by_chunk`` gives, for each quantiser and
+SmolLM2-135M's chunk shape ``(30, 2, 3, tokens, 64)`` at 64, 256 and 512 tokens, the
+bits per element of real encoded frames (payload, descriptor, frame header) for the
+chunk at the sequence start and for a later one.
+
 Target (issue 12): >= 1 GB/s encode and decode for int8/int4 and lossless. Sparse rows
 use the fallback importance proxy (key norms; no engine attention in a benchmark). A
 benchmark, not a test.
@@ -43,7 +50,7 @@ from kvlife.report import format_table
 from kvlife.transforms import decode, make_transform
 from kvlife.transforms.base import Param
 from kvlife.transforms.parity import ParityCode, ParityError, protect_files, rebuild_files
-from kvlife.transforms.quant import INT4_TUNED
+from kvlife.transforms.quant import INT2_TUNED, INT4_TUNED
 
 TARGET_GBPS = 1.0
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
@@ -58,11 +65,15 @@ CONFIGS: list[tuple[str, str, dict[str, Param]]] = [
     ("int8", "int8", {}),
     ("int4-g32", "int4", {}),
     ("int2-g32", "int2", {}),
-    ("int2-kitty25-sink4", "int2", {"key_hi_fraction": 0.25, "sink_tokens": 4}),
+    ("int2-kitty25-sink4", "int2", INT2_TUNED),
     ("int4-tuned", "int4", INT4_TUNED),
     ("sparse-50-knorm", "sparse", {"keep_ratio": 0.5}),
     ("sparse-25-knorm", "sparse", {"keep_ratio": 0.25}),
 ]
+BITS_TOKENS = (64, 256, 512)
+"""Chunk sizes of ``bits_by_chunk`` (64: the vLLM connector's and the demo's)."""
+SMOLLM2_CHUNK = (30, 2, 3, 0, 64)
+"""SmolLM2-135M's chunk shape, tokens left open."""
 PARITY_CONFIGS: list[tuple[str, int, int]] = [("parity-4+2", 4, 2), ("parity-8+3", 8, 3)]
 """(label, k, m) of the erasure-coding rows."""
 
@@ -100,15 +111,17 @@ def run_transforms_bench(
             out = np.empty_like(x)
             gb = x.nbytes / 1e9
             t_copy = _median_s(lambda: np.copyto(out, x), reps)  # noqa: B023
+            start = shape[3]  # a chunk not at the sequence start
             for label, name, params in CONFIGS:
                 t = make_transform(name, params)
-                enc = t.encode(x)
-                t_enc = _median_s(lambda: t.encode(x), reps)  # noqa: B023
+                enc = t.encode(x, start=start)
+                t_enc = _median_s(lambda: t.encode(x, start=start), reps)  # noqa: B023
                 t_dec = _median_s(lambda: decode(enc, out), reps)  # noqa: B023
                 points.append(
                     {
                         "chunk": size,
                         "shape": list(shape),
+                        "start": start,
                         "data": kind,
                         "transform": label,
                         "name": name,
@@ -128,8 +141,35 @@ def run_transforms_bench(
         "reps": reps,
         "target_gbps": TARGET_GBPS,
         "points": points,
+        "bits_by_chunk": bits_by_chunk(BITS_TOKENS[:1] if quick else BITS_TOKENS, dtype),
         "parity_files": _parity_files(64 << 10 if quick else 16 << 20, reps),
     }
+
+
+def bits_by_chunk(tokens: tuple[int, ...], dtype: str = "float16") -> list[dict[str, object]]:
+    """Bits per element of real quantiser frames of SmolLM2's chunk shape (kv-like data),
+    for the chunk at the sequence start (which holds the sinks) and a later one."""
+    out: list[dict[str, object]] = []
+    for n in tokens:
+        shape = (*SMOLLM2_CHUNK[:3], n, SMOLLM2_CHUNK[4])
+        x = make_data("kv-like", shape, dtype=dtype)
+        for label, name, params in CONFIGS:
+            if name not in ("int8", "int4", "int2"):
+                continue
+            t = make_transform(name, params)
+            first, later = t.encode(x, start=0), t.encode(x, start=n)
+            out.append(
+                {
+                    "transform": label,
+                    "name": name,
+                    "params": params,
+                    "chunk_tokens": n,
+                    "shape": list(shape),
+                    "bits_first": first.bits_per_element,
+                    "bits_later": later.bits_per_element,
+                }
+            )
+    return out
 
 
 def _parity_files(file_bytes: int, reps: int) -> list[dict[str, object]]:
@@ -256,6 +296,26 @@ def main(argv: list[str] | None = None) -> int:
         "ratio",
     ]
     print(format_table(headers, rows))
+    bits = result["bits_by_chunk"]
+    assert isinstance(bits, list)
+    if bits:
+        sizes = sorted({int(b["chunk_tokens"]) for b in bits})
+        labels = list(dict.fromkeys(str(b["transform"]) for b in bits))
+        got = {(str(b["transform"]), int(b["chunk_tokens"])): b for b in bits}
+        print()
+        print(
+            format_table(
+                ["bits/el (SmolLM2 chunk)"] + [f"{n} tok first / later" for n in sizes],
+                [
+                    [label]
+                    + [
+                        f"{got[label, n]['bits_first']:.2f} / {got[label, n]['bits_later']:.2f}"
+                        for n in sizes
+                    ]
+                    for label in labels
+                ],
+            )
+        )
     files = result["parity_files"]
     assert isinstance(files, list)
     if files:

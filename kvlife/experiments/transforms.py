@@ -19,7 +19,16 @@ tokens whose next-token distributions are compared, and one more target token. P
 
 A row whose decoded KV is bit-identical to another row's (lossless) is not run again: its
 metrics are that row's, and ``bit_exact`` says why. Bits per element are measured on the
-encoded frame (payload, descriptor and frame header).
+encoded frames (payload, descriptor and frame header).
+
+Chunk sizes: a store keeps KV in chunks of its layout's ``tokens_per_chunk`` (64 in the
+vLLM connector and the demo), each encoded on its own, told its absolute start (the
+quantisers keep sinks only at the sequence start). The rows above encode the whole prefix
+as one chunk; every quantiser row is repeated with the prefix cut into chunks of each of
+``chunk_sizes`` tokens (labelled ``@64``, ``@256``), and the tuned rows once more with
+sinks at every chunk (what version-2 frames held). Each row reports bits per element over
+the whole prefix and for a chunk not at the sequence start (what most of a long
+sequence's chunks cost).
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +50,7 @@ from numpy.typing import NDArray
 from kvlife.report import format_table
 from kvlife.transforms import make_transform
 from kvlife.transforms.base import EncodedPayload, Param
-from kvlife.transforms.quant import INT4_TUNED
+from kvlife.transforms.quant import INT2_TUNED, INT4_TUNED
 from kvlife.transforms.sparse import SparseTransform, snapkv_importance
 
 LICENSES = Path("/usr/share/common-licenses")
@@ -65,6 +74,11 @@ class RowSpec:
     """Sparse rows: ``snapkv`` (attention of the observation window) or ``knorm``."""
     tier: str = ""
     """``near_lossless`` or ``two_bit``: the row tuned for that target."""
+    chunk_tokens: int = 0
+    """Tokens per chunk the prefix is cut into, each encoded on its own (0: one chunk)."""
+    sinks_per_chunk: bool = False
+    """Every chunk encoded as if it started the sequence (sinks at every chunk, as in
+    version-2 frames)."""
 
 
 ROWS: list[RowSpec] = [
@@ -91,18 +105,44 @@ ROWS: list[RowSpec] = [
     RowSpec("int2 + 4 sinks", "int2", {"sink_tokens": 4}),
     RowSpec("int2 + Kitty 25%", "int2", {"key_hi_fraction": 0.25}),
     RowSpec("int2 keys per token", "int2", {"key_axis": "token"}),
-    RowSpec("int2 tuned", "int2", {"key_hi_fraction": 0.25, "sink_tokens": 4}, tier="two_bit"),
-    RowSpec(
-        "int2 tuned, v-groups 16",
-        "int2",
-        {"key_hi_fraction": 0.25, "sink_tokens": 4, "value_group": 16},
-    ),
+    RowSpec("int2 tuned", "int2", INT2_TUNED, tier="two_bit"),
+    RowSpec("int2 tuned, v-groups 16", "int2", {**INT2_TUNED, "value_group": 16}),
     RowSpec("sparse 50% snapkv", "sparse", {"keep_ratio": 0.5}, importance="snapkv"),
     RowSpec("sparse 25% snapkv", "sparse", {"keep_ratio": 0.25}, importance="snapkv"),
     RowSpec("sparse 25% knorm", "sparse", {"keep_ratio": 0.25}, importance="knorm"),
     RowSpec("sparse 12.5% snapkv", "sparse", {"keep_ratio": 0.125}, importance="snapkv"),
 ]
 REFERENCE = ROWS[0].label
+CHUNK_SIZES = (64, 256)
+"""Chunk sizes the quantiser rows are repeated at (besides the whole prefix)."""
+PER_CHUNK_SINKS = ("int4 tuned", "int2 tuned")
+"""Rows also run with sinks at every chunk (the version-2 behaviour)."""
+
+
+def chunked_rows(
+    chunk_sizes: Sequence[int], stored: int, rows: Sequence[RowSpec] = ROWS
+) -> list[RowSpec]:
+    """The quantiser rows of ``rows`` again at each chunk size below ``stored``
+    (``label @size``), and :data:`PER_CHUNK_SINKS` with sinks at every chunk."""
+    out: list[RowSpec] = []
+    for size in sorted(set(chunk_sizes)):
+        if not 0 < size < stored:
+            continue
+        for r in rows:
+            if r.transform not in ("int8", "int4", "int2"):
+                continue
+            out.append(replace(r, label=f"{r.label} @{size}", tier="", chunk_tokens=size))
+            if r.label in PER_CHUNK_SINKS:
+                out.append(
+                    replace(
+                        r,
+                        label=f"{r.label}, sinks per chunk @{size}",
+                        tier="",
+                        chunk_tokens=size,
+                        sinks_per_chunk=True,
+                    )
+                )
+    return out
 
 
 @dataclass(frozen=True)
@@ -152,6 +192,10 @@ class Encoded:
     kv: NDArray[np.float32]
     """(L, 2, H, T or kept, D) float32."""
     bits_per_element: float
+    """Over every chunk of the prefix."""
+    bits_later: float
+    """Of a chunk not at the sequence start (the first chunk's KV encoded at start
+    ``chunk_tokens``)."""
     ratio: float
     exactness: str
     encode_s: float
@@ -175,6 +219,7 @@ class Acc:
     recall_kept: float = 0.0
     recall_total: float = 0.0
     bits: list[float] = field(default_factory=list)
+    bits_later: list[float] = field(default_factory=list)
     ratio: list[float] = field(default_factory=list)
     encode_s: float = 0.0
     decode_s: float = 0.0
@@ -184,15 +229,65 @@ class Acc:
 def encode_row(
     spec: RowSpec, kv32: NDArray[np.float32], importance: NDArray[np.float32]
 ) -> Encoded:
-    """Encode and decode ``kv32`` as ``spec`` says (float16 rows cast first)."""
+    """Encode and decode ``kv32`` as ``spec`` says (float16 rows cast first), chunk by
+    chunk when ``spec.chunk_tokens`` is set, each chunk told its absolute start."""
     src = kv32 if spec.dtype == "float32" else kv32.astype(np.float16)
+    T = src.shape[3]
+    size = spec.chunk_tokens or max(T, 1)
+    parts = []
+    encode_s = decode_s = 0.0
+    nbytes = 0
+    kept_parts: list[NDArray[np.bool_]] = []
+    for c0 in range(0, max(T, 1), size):
+        chunk = np.ascontiguousarray(src[:, :, :, c0 : c0 + size])
+        start = 0 if spec.sinks_per_chunk else c0
+        imp = importance[:, :, c0 : c0 + size]
+        out, kept, enc, t_enc, t_dec = _round_trip(spec, chunk, imp, start)
+        parts.append(out)
+        if kept is not None:
+            kept_parts.append(kept)
+        nbytes += enc.nbytes
+        encode_s += t_enc
+        decode_s += t_dec
+    # a chunk not at the sequence start: the first chunk's KV encoded at start `size`
+    later = make_transform(spec.transform, spec.params)
+    first = np.ascontiguousarray(src[:, :, :, :size])
+    bits_later = (
+        later.encode(first, start=0 if spec.sinks_per_chunk else size).bits_per_element
+        if not isinstance(later, SparseTransform)
+        else 8.0 * nbytes / max(src.size, 1)
+    )
+    out_all = np.concatenate(parts, axis=3)
+    return Encoded(
+        spec,
+        np.ascontiguousarray(out_all, dtype=np.float32),
+        8.0 * nbytes / max(src.size, 1),
+        bits_later,
+        src.nbytes / nbytes,
+        _exactness(spec),
+        encode_s,
+        decode_s,
+        hashlib.sha256(out_all.tobytes()).hexdigest(),
+        np.concatenate(kept_parts, axis=2) if kept_parts else None,
+    )
+
+
+def _exactness(spec: RowSpec) -> str:
+    return make_transform(spec.transform, spec.params).exactness.value
+
+
+def _round_trip(
+    spec: RowSpec, src: NDArray[Any], importance: NDArray[np.float32], start: int
+) -> tuple[NDArray[Any], NDArray[np.bool_] | None, EncodedPayload, float, float]:
+    """One chunk encoded at ``start`` and decoded: (decoded, kept mask, encoded, encode
+    seconds, decode seconds)."""
     t = make_transform(spec.transform, spec.params)
     t0 = time.perf_counter()
     enc: EncodedPayload
     if isinstance(t, SparseTransform) and spec.importance == "snapkv":
-        enc = t.encode(src, importance=importance)
+        enc = t.encode(src, importance=importance, start=start)
     else:
-        enc = t.encode(src)
+        enc = t.encode(src, start=start)
     t1 = time.perf_counter()
     kept = None
     # the reader's transform comes from the descriptor (a sparse encode may record score=given)
@@ -205,18 +300,7 @@ def encode_row(
     else:
         out = np.empty_like(src)
         t.decode(enc, out)
-    t2 = time.perf_counter()
-    return Encoded(
-        spec,
-        np.ascontiguousarray(out, dtype=np.float32),
-        enc.bits_per_element,
-        src.nbytes / enc.nbytes,
-        t.exactness.value,
-        t1 - t0,
-        t2 - t1,
-        hashlib.sha256(out.tobytes()).hexdigest(),
-        kept,
-    )
+    return out, kept, enc, t1 - t0, time.perf_counter() - t1
 
 
 class Runner:
@@ -360,13 +444,16 @@ def run_transforms_experiment(
     greedy: int = 64,
     obs: int = 32,
     batch: int = 16,
-    rows: Sequence[RowSpec] = ROWS,
+    rows: Sequence[RowSpec] | None = None,
+    chunk_sizes: Sequence[int] = CHUNK_SIZES,
     progress: bool = True,
 ) -> dict[str, Any]:
     import torch
 
     from kvlife.engines.models import load_smollm2
 
+    if rows is None:
+        rows = [*ROWS, *chunked_rows(chunk_sizes, stored)]
     t_start = time.perf_counter()
     loaded = load_smollm2()
     runner = Runner(loaded.model)
@@ -390,6 +477,7 @@ def run_transforms_experiment(
         for e in encoded:
             a = acc[e.spec.label]
             a.bits.append(e.bits_per_element)
+            a.bits_later.append(e.bits_later)
             a.ratio.append(e.ratio)
             a.encode_s += e.encode_s
             a.decode_s += e.decode_s
@@ -445,6 +533,7 @@ def run_transforms_experiment(
             "model": loaded.model_id,
             "kv_shape": kv_shape,
             "stored_tokens": stored,
+            "chunk_sizes": sorted({r.chunk_tokens or stored for r in rows}),
             "scored_tokens": scored,
             "greedy_tokens": greedy,
             "observation_queries": obs,
@@ -463,8 +552,10 @@ def _summary(rows: Sequence[RowSpec], acc: dict[str, Acc], meta: dict[str, Any])
         ppl = math.exp(a.nll / a.positions)
         row: dict[str, Any] = {
             **asdict(spec),
-            "exactness": make_transform(spec.transform, spec.params).exactness.value,
+            "chunk_tokens": spec.chunk_tokens or meta["stored_tokens"],
+            "exactness": _exactness(spec),
             "bits_per_element": float(np.mean(a.bits)),
+            "bits_per_element_later": float(np.mean(a.bits_later)),
             "ratio": float(np.mean(a.ratio)),
             "byte_saving": 1.0 - 1.0 / float(np.mean(a.ratio)),
             "bit_exact_of": a.bit_exact_of or None,
@@ -513,8 +604,10 @@ def _in_tier(row: dict[str, Any], tier: str) -> bool:
 def format_report(result: dict[str, Any]) -> str:
     headers = [
         "row",
+        "chunk",
         "exactness",
         "bits/el",
+        "later",
         "saving",
         "mean KL",
         "top-1",
@@ -529,8 +622,10 @@ def format_report(result: dict[str, Any]) -> str:
         table.append(
             [
                 r["label"] + (" *" if r["bit_exact_of"] else ""),
+                str(r["chunk_tokens"]),
                 r["exactness"],
                 f"{r['bits_per_element']:.2f}",
+                f"{r['bits_per_element_later']:.2f}",
                 f"{100 * r['byte_saving']:.1f}%",
                 f"{r['mean_kl']:.4f}",
                 f"{100 * r['top1']:.1f}%",
@@ -546,7 +641,8 @@ def format_report(result: dict[str, Any]) -> str:
         f"stored + {result['scored_tokens']} scored tokens (KV {result['kv_shape']}), "
         f"reference {result['reference']} (PPL {result['reference_ppl']:.3f})",
         format_table(headers, table),
-        "* decoded KV bit-identical to an earlier row: that row's metrics",
+        "* decoded KV bit-identical to an earlier row: that row's metrics; chunk: tokens per "
+        "chunk; bits/el over the prefix, later: a chunk not at the sequence start",
     ]
     for tier, target in result["targets"].items():
         ok = [r["label"] for r in result["rows"] if r["meets"][tier] and _in_tier(r, tier)]
@@ -568,10 +664,16 @@ def plot(result: dict[str, Any], path: Path) -> None:
     colours = {"exact": "black", "lossless": "tab:blue", "lossy": "tab:orange"}
     colours["lossy-sparse"] = "tab:purple"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.5))
+    whole = result["stored_tokens"]
     for r in result["rows"]:
+        # rows at smaller chunks: only the tuned ones (the rest would bury the figure)
+        chunked = r["chunk_tokens"] != whole
+        base = r["label"].split(" @")[0].removesuffix(", sinks per chunk")
+        if chunked and base not in PER_CHUNK_SINKS:
+            continue
         c = colours.get(r["exactness"], "grey")
         kl = max(r["mean_kl"], 1e-6)
-        ax1.scatter(r["bits_per_element"], kl, color=c, s=30)
+        ax1.scatter(r["bits_per_element"], kl, color=c, s=30, marker="x" if chunked else "o")
         ax1.annotate(
             r["label"],
             (r["bits_per_element"], kl),
@@ -579,7 +681,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
             xytext=(3, 3),
             textcoords="offset points",
         )
-        ax2.scatter(r["bits_per_element"], 100 * r["top1"], color=c, s=30)
+        ax2.scatter(
+            r["bits_per_element"], 100 * r["top1"], color=c, s=30, marker="x" if chunked else "o"
+        )
         ax2.annotate(
             r["label"],
             (r["bits_per_element"], 100 * r["top1"]),
@@ -607,7 +711,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     model = result["model"].split(" ")[0]
     fig.suptitle(
         f"KV transforms on {model}: {len(result['windows'])} windows of "
-        f"{result['stored_tokens']} stored + {result['scored_tokens']} scored tokens"
+        f"{result['stored_tokens']} stored + {result['scored_tokens']} scored tokens\n"
+        "(x: the tuned rows at smaller chunks; bits per element over the whole prefix)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -632,12 +737,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--greedy", type=int, default=64, help="greedy tokens generated after")
     parser.add_argument("--batch", type=int, default=16, help="rows per batched forward pass")
     parser.add_argument(
-        "--quick", action="store_true", help="one window of 64 + 32 tokens, 8 greedy (tests)"
+        "--chunks",
+        default=",".join(str(c) for c in CHUNK_SIZES),
+        help="chunk sizes (tokens, comma-separated) the quantiser rows are repeated at",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one window of 64 + 32 tokens, 8 greedy, chunks of 32 (tests)",
     )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.quick:
         args.windows, args.stored, args.scored, args.greedy = 1, 64, 32, 8
+        args.chunks = "32"
+    try:
+        chunk_sizes = [int(c) for c in args.chunks.split(",") if c.strip()]
+    except ValueError:
+        parser.error(f"--chunks must be comma-separated integers, got {args.chunks!r}")
     result = run_transforms_experiment(
         windows=args.windows,
         stored=args.stored,
@@ -645,6 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         greedy=args.greedy,
         obs=min(32, args.stored // 2),
         batch=args.batch,
+        chunk_sizes=chunk_sizes,
         progress=not args.no_progress,
     )
     print(format_report(result))

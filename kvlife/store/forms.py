@@ -36,7 +36,7 @@ from kvlife.transforms.base import (
     TransformError,
     UnknownTransform,
 )
-from kvlife.transforms.contract import Contract, contract_for
+from kvlife.transforms.contract import Contract, contract_of_replica
 from kvlife.transforms.registry import decode as decode_payload
 from kvlife.transforms.registry import make_transform
 
@@ -64,8 +64,9 @@ def representation_of(t: Transform, enc: EncodedPayload) -> Representation:
 
 
 def contract_of(form: Representation) -> Contract:
-    """The contract of a replica's representation (UnknownTransform if not known)."""
-    return contract_for(form.name, form.version, form.params)
+    """The contract of a replica's representation (UnknownTransform if not known), its
+    measured KL the figure for the replica's own chunk size."""
+    return contract_of_replica(form.name, form.version, form.params, form.descriptor)
 
 
 def meta_for(
@@ -94,11 +95,15 @@ def meta_for(
     )
 
 
-def encoded_nbytes(t: Transform, shape: tuple[int, ...], dtype: str) -> int:
+def encoded_nbytes(
+    t: Transform, shape: tuple[int, ...], dtype: str, start: int | None = None
+) -> int:
     """Bytes a frame of ``t`` takes for an array (exact for fixed-rate transforms, the
-    worst case for compressors): what placement charges a transforming tier."""
+    worst case for compressors), of a chunk starting at ``start`` (None: the worst case
+    over positions: a quantiser's chunk at the sequence start also holds its sinks):
+    what placement charges a transforming tier."""
     n = math.prod(shape)
-    return math.ceil(t.bits_per_element(shape, np.dtype(dtype)) * n / 8)
+    return math.ceil(t.bits_per_element(shape, np.dtype(dtype), start=start) * n / 8)
 
 
 @dataclass(slots=True)
@@ -130,7 +135,8 @@ def convert(
     if not src.exact:
         return Converted(array, src, "")  # a transformed replica is never re-encoded
     try:
-        enc = dst.encode(array)
+        # the chunk's absolute start: sinks belong to the sequence's first tokens
+        enc = dst.encode(array, start=rec.info.start)
     except KVLifeError as exc:
         raise InvalidArgument(f"{dst.name} cannot encode {rec.key.hex()[:16]}…: {exc}") from exc
     frame = np.frombuffer(enc.to_frame(), dtype=np.uint8)

@@ -265,21 +265,36 @@ class Transform(ABC):
     name: ClassVar[str]
     """Registered name, written into every descriptor."""
     version: ClassVar[int]
-    """Payload format version; bump it when the payload layout changes."""
+    """Payload format version this class writes; bump it when the payload layout or the
+    meaning of a parameter changes (and keep reading the old one: :meth:`reads`)."""
     exactness: ClassVar[Exactness]
     """What decoding guarantees."""
+
+    @classmethod
+    def reads(cls, version: int) -> bool:
+        """Whether this class decodes payloads of ``version`` (by default only the one it
+        writes); any other is an :class:`UnknownTransform`, a miss."""
+        return version == cls.version
 
     @property
     def error_bound(self) -> ErrorBound | None:
         """The declared bound of a lossy transform; None for exact and lossless ones."""
         return None
 
+    def measured_kl_at(
+        self, chunk_tokens: int | None = None, version: int | None = None
+    ) -> float | None:
+        """Mean KL of next-token distributions against exact KV, measured on the
+        reference model with these parameters on chunks of ``chunk_tokens`` tokens
+        (None: the worst over the chunk sizes measured), for payloads of ``version``
+        (None: the one this class writes); docs/transforms.md. None where not measured:
+        a lookup that bounds KL then refuses the replica."""
+        return None
+
     @property
     def measured_kl(self) -> float | None:
-        """Mean KL of next-token distributions against exact KV, measured on the
-        reference model with these parameters (docs/transforms.md); None where not
-        measured: a lookup that bounds KL then refuses the replica."""
-        return None
+        """:meth:`measured_kl_at` for an unknown chunk size (the worst measured)."""
+        return self.measured_kl_at()
 
     @abstractmethod
     def params(self) -> Mapping[str, Param]:
@@ -306,37 +321,68 @@ class Transform(ABC):
 
     @abstractmethod
     def payload_nbytes(self, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> int:
-        """Payload size for this shape (exact, or an upper bound for compressors)."""
+        """Payload size for this shape (exact, or an upper bound for compressors); for a
+        transform whose payload depends on the chunk's position, the largest over
+        positions (see :meth:`payload_nbytes_at`)."""
 
-    def bits_per_element(self, shape: tuple[int, ...], dtype: np.dtype[np.generic] | str) -> float:
-        """Bits per element with all metadata (descriptor and frame header included).
+    def payload_nbytes_at(
+        self, shape: tuple[int, ...], dtype: np.dtype[np.generic], start: int
+    ) -> int:
+        """Payload size of a chunk whose first token is at absolute position ``start``
+        (the same as :meth:`payload_nbytes` unless the payload depends on it)."""
+        return self.payload_nbytes(shape, dtype)
+
+    def bits_per_element(
+        self,
+        shape: tuple[int, ...],
+        dtype: np.dtype[np.generic] | str,
+        *,
+        start: int | None = None,
+    ) -> float:
+        """Bits per element with all metadata (descriptor and frame header included), of
+        a chunk starting at ``start`` (None: the worst case over positions).
 
         Exact for fixed-rate transforms; for compressors, the worst case (see the
         payload's measured :attr:`EncodedPayload.bits_per_element`).
         """
         dt = np.dtype(dtype)
         n = int(np.prod(shape))
+        size = (
+            self.payload_nbytes(tuple(shape), dt)
+            if start is None
+            else self.payload_nbytes_at(tuple(shape), dt, start)
+        )
         desc = TransformDescriptor(
             self.name,
             self.version,
             dt.name,
             tuple(shape),
             _params_of(self.params()),
-            self.payload_nbytes(tuple(shape), dt),
+            size,
             (1 << 64) - 1,
         )
-        total = self.payload_nbytes(tuple(shape), dt) + len(desc.to_bytes()) + _FRAME_HEADER.size
+        total = size + len(desc.to_bytes()) + _FRAME_HEADER.size
         return 8.0 * total / max(n, 1)
 
     def element_bounds(self, array: NDArray[np.generic]) -> NDArray[np.float64] | None:
         """Per-element allowed absolute error of decoding ``array`` (None: bit-exact)."""
         return None
 
-    def encode(self, array: NDArray[np.generic]) -> EncodedPayload:
-        """Encode ``array`` (copied to C order first if it is not already)."""
+    def _encode_at(self, array: NDArray[np.generic], start: int) -> bytes | NDArray[np.uint8]:
+        """The payload of a chunk whose first token is at absolute position ``start`` (a
+        transform whose payload does not depend on the position ignores it)."""
+        return self._encode(array)
+
+    def encode(self, array: NDArray[np.generic], *, start: int = 0) -> EncodedPayload:
+        """Encode ``array`` (copied to C order first if it is not already), a chunk whose
+        first token is at absolute position ``start`` in its sequence (what a store
+        knows of each chunk: the quantisers keep sink tokens only at the sequence start,
+        and record in the frame what they kept)."""
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise InvalidArgument(f"{self.name}: start must be an int >= 0, got {start!r}")
         arr = np.ascontiguousarray(array)
         self.check_input(arr.shape, arr.dtype)
-        payload = self._encode(arr)
+        payload = self._encode_at(arr, start)
         view = payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, np.uint8)
         desc = TransformDescriptor(
             self.name,
@@ -352,7 +398,7 @@ class Transform(ABC):
     def decode(self, encoded: EncodedPayload, out: NDArray[np.generic]) -> None:
         """Verify ``encoded`` and decode it into ``out`` (its shape and dtype must match)."""
         d = encoded.descriptor
-        if d.name != self.name or d.version != self.version:
+        if d.name != self.name or not type(self).reads(d.version):
             raise UnknownTransform(
                 f"payload of {d.name!r} v{d.version} given to {self.name!r} v{self.version}"
             )

@@ -5,6 +5,10 @@
 ``Accept.LOSSLESS`` also takes replicas that decode bit-exact; ``Accept.lossy(...)`` also
 takes lossy ones within its limits (a declared :class:`ErrorBound`, a measured mean KL, a
 set of transform names). A replica that does not meet the lookup's ``Accept`` is not a hit.
+
+A measured KL depends on the chunk size (key groups and outlier channels are chosen per
+chunk), so a replica's contract takes the figure for its own chunk size, read from its
+frame's descriptor (:func:`contract_of_replica`).
 """
 
 from __future__ import annotations
@@ -14,8 +18,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
+import msgpack
+
 from kvlife.core.errors import InvalidArgument
-from kvlife.transforms.base import ErrorBound, Exactness, Param, UnknownTransform
+from kvlife.transforms.base import (
+    DESCRIPTOR_FORMAT,
+    ErrorBound,
+    Exactness,
+    Param,
+    UnknownTransform,
+)
 from kvlife.transforms.registry import transform_class
 
 _RANK = {Exactness.EXACT: 0, Exactness.LOSSLESS: 1, Exactness.LOSSY: 2}
@@ -32,27 +44,65 @@ class Contract:
     """The declared element-wise bound of a lossy transform (None otherwise)."""
     measured_kl: float | None
     """Mean KL against exact KV measured on the reference model (0 for exact and
-    lossless; None: not measured)."""
+    lossless; None: not measured), for chunks of ``chunk_tokens`` tokens."""
+    chunk_tokens: int | None = None
+    """Chunk size the measured KL holds for (None: not known, the worst over the chunk
+    sizes measured)."""
 
 
 EXACT_CONTRACT = Contract("exact", 1, Exactness.EXACT, None, 0.0)
 
 
 @functools.lru_cache(maxsize=256)
-def contract_for(name: str, version: int, params: tuple[tuple[str, Param], ...]) -> Contract:
-    """The contract of a transform as this reader knows it; UnknownTransform when the
-    name or the version is not known here (the store makes that a miss)."""
+def contract_for(
+    name: str,
+    version: int,
+    params: tuple[tuple[str, Param], ...],
+    chunk_tokens: int | None = None,
+) -> Contract:
+    """The contract of a transform as this reader knows it, for replicas of chunks of
+    ``chunk_tokens`` tokens (None: unknown; the measured KL is then the worst over the
+    chunk sizes measured); UnknownTransform when the name or the version is not known
+    here (the store makes that a miss)."""
     if name == "exact" and not params:
         return EXACT_CONTRACT
     cls = transform_class(name)
-    if cls.version != version:
+    if not cls.reads(version):
         raise UnknownTransform(
             f"transform {name!r} version {version} is not known (this reader has {cls.version})"
         )
     t = cls.from_params(dict(params))
     exact_values = t.exactness in (Exactness.EXACT, Exactness.LOSSLESS)
-    kl = 0.0 if exact_values else t.measured_kl
-    return Contract(name, version, t.exactness, t.error_bound, kl)
+    kl = 0.0 if exact_values else t.measured_kl_at(chunk_tokens, version)
+    return Contract(name, version, t.exactness, t.error_bound, kl, chunk_tokens)
+
+
+def chunk_tokens_of(descriptor: bytes) -> int | None:
+    """Tokens of the chunk a frame's descriptor describes (axis 3 of ``(layers, 2,
+    kv_heads, tokens, head_dim)``); None when the descriptor is empty, unreadable or of
+    another shape. Read straight from the msgpack list: a lookup asks it of every lossy
+    replica it considers, and a damaged descriptor is caught when the frame is decoded."""
+    if not descriptor:
+        return None
+    try:
+        obj = msgpack.unpackb(descriptor, raw=False)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError):
+        return None
+    if not (isinstance(obj, list) and len(obj) == 8 and obj[0] == DESCRIPTOR_FORMAT):
+        return None
+    shape = obj[4]
+    if not (isinstance(shape, list) and len(shape) == 5 and type(shape[3]) is int):
+        return None
+    tokens: int = shape[3]
+    return tokens
+
+
+def contract_of_replica(
+    name: str, version: int, params: tuple[tuple[str, Param], ...], descriptor: bytes
+) -> Contract:
+    """:func:`contract_for` a replica whose frame descriptor is ``descriptor``: its
+    measured KL is the figure for the replica's own chunk size (the store's layout)."""
+    return contract_for(name, version, params, chunk_tokens_of(descriptor))
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +171,12 @@ class Accept:
             if kl is None:
                 return f"{contract.name} has no measured KL (the lookup bounds KL)"
             if kl > self.max_kl:
-                return f"{contract.name}'s measured KL {kl} exceeds {self.max_kl}"
+                at = (
+                    f"at {contract.chunk_tokens}-token chunks"
+                    if contract.chunk_tokens is not None
+                    else "(worst over chunk sizes)"
+                )
+                return f"{contract.name}'s measured KL {kl} {at} exceeds {self.max_kl}"
         return ""
 
     @property

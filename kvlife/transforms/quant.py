@@ -8,20 +8,29 @@ Asymmetric min/scale per group: ``x ~ q * scale + zero``, ``q`` in ``[0, 2**bits
 with zero rounded down and scale up to the metadata dtype (float16 for float16 input,
 float32 for float32) so the declared bound holds after that rounding.
 
-Options: the first ``sink_tokens`` and the last ``window_tokens`` tokens are stored in
-full precision; ``key_hi_fraction`` (Kitty) keeps that fraction of each head's key
-channels (those with the largest range over the chunk) at ``key_hi_bits``.
+Options: the sequence's first ``sink_tokens`` tokens (attention sinks) and each chunk's
+last ``window_tokens`` tokens are stored in full precision; ``key_hi_fraction`` (Kitty)
+keeps that fraction of each head's key channels (those with the largest range over the
+chunk) at ``key_hi_bits``.
 
-Payload sections, each padded to 8 bytes: Kitty channel mask (uint8 (L, H, D), only with
-the option), key codes (channel-major), key zero, key scale ((L, H, key groups, D)),
-value codes (token-major), value zero, value scale ((L, H, tokens, value groups)),
-sink tokens and window tokens as raw bytes.
+Sinks belong to the sequence, not to the chunk: :meth:`Transform.encode` is told the
+chunk's absolute start, and only a chunk holding some of the sequence's first
+``sink_tokens`` tokens keeps them (version 3). The payload records how many it kept, so
+decoding needs nothing but the frame. Version 2 (still read) kept ``sink_tokens`` at the
+start of every chunk, which at 64-token chunks cost about 0.75 bits per element.
+
+Payload (version 3) sections, each padded to 8 bytes: the number of sink tokens this
+chunk holds (u64), Kitty channel mask (bits, LSB first, (L, H, ceil(D / 8)) bytes, only
+with the option), key codes (channel-major), key zero, key scale ((L, H, key groups,
+D)), value codes (token-major), value zero, value scale ((L, H, tokens, value groups)),
+sink tokens and window tokens as raw bytes. Version 2 had no count (every chunk held
+``min(sink_tokens, tokens)`` sinks) and a mask of one byte per channel.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self, cast
 
 import numpy as np
@@ -57,6 +66,7 @@ class _Plan:
     T: int
     D: int
     S: int
+    """Sink tokens this chunk holds (at its start)."""
     R: int
     nq: int
     gk: int
@@ -65,6 +75,8 @@ class _Plan:
     kblock: int
     """Bytes of key codes per (layer, head)."""
     meta: np.dtype[np.generic]
+    version: int
+    """Payload layout: 3 (sink count, packed mask) or 2."""
     sections: tuple[tuple[str, int], ...]
 
     @property
@@ -81,32 +93,80 @@ INT4_TUNED: dict[str, Param] = {
     "key_hi_bits": 8,
 }
 """The near-lossless int4 setting tuned on SmolLM2 (docs/transforms.md): key groups of 128
-tokens, 6.25% of key channels at 8 bits, symmetric values in groups of 64, 4 sink tokens
-(4.47 bits per element with metadata)."""
+tokens (capped at the chunk), 6.25% of key channels at 8 bits, symmetric values in groups
+of 64, the sequence's first 4 tokens in full precision. Bits per element of SmolLM2's
+chunks (metadata included) for a chunk not at the sequence start: 4.51 at 64 tokens,
+4.38 at 256 and 512; the chunk at the start adds its sinks (5.24, 4.56, 4.47)."""
 
-MEASURED_KL: tuple[tuple[str, dict[str, Param], float], ...] = (
-    ("int8", {}, 4.11e-05),
-    ("int4", {}, 0.00395),
-    ("int4", INT4_TUNED, 0.00264),
-    ("int4", {"key_group": 64, "value_group": 64, "value_sym": True, "sink_tokens": 4}, 0.00326),
-    ("int4", {"value_bits": 2}, 0.03),
-    ("int2", {}, 0.167),
-    ("int2", {"sink_tokens": 4}, 0.0892),
-    ("int2", {"key_hi_fraction": 0.25}, 0.0578),
-    ("int2", {"key_axis": "token"}, 0.528),
-    ("int2", {"key_hi_fraction": 0.25, "sink_tokens": 4}, 0.0236),
-    ("int2", {"key_hi_fraction": 0.25, "sink_tokens": 4, "value_group": 16}, 0.0182),
+INT2_TUNED: dict[str, Param] = {"key_hi_fraction": 0.25, "sink_tokens": 4}
+"""The 2-bit setting tuned on SmolLM2: 25% of key channels at 4 bits (Kitty), the
+sequence's first 4 tokens in full precision."""
+
+
+@dataclass(frozen=True)
+class MeasuredKL:
+    """One measured parameter set: mean KL of next-token distributions against exact KV,
+    by chunk size."""
+
+    name: str
+    params: dict[str, Param]
+    """Parameters apart from the defaults."""
+    kl: dict[int, float] = field(default_factory=dict)
+    """Chunk tokens -> mean KL with the prefix stored in chunks of that size."""
+    sinks_per_chunk: bool = False
+    """Measured with sinks at the start of every chunk: what a version-2 payload with
+    sinks decodes to (sequence sinks otherwise, version 3)."""
+
+
+MEASURED_KL: tuple[MeasuredKL, ...] = (
+    MeasuredKL("int8", {}, {64: 2.16e-05, 256: 3.61e-05, 512: 4.11e-05}),
+    MeasuredKL("int4", {}, {64: 0.00395, 256: 0.00395, 512: 0.00395}),
+    MeasuredKL("int4", INT4_TUNED, {64: 0.00231, 256: 0.0027, 512: 0.00264}),
+    MeasuredKL(
+        "int4",
+        {"key_group": 64, "value_group": 64, "value_sym": True, "sink_tokens": 4},
+        {64: 0.00306, 256: 0.00318, 512: 0.00326},
+    ),
+    MeasuredKL("int4", {"value_bits": 2}, {64: 0.03, 256: 0.03, 512: 0.03}),
+    MeasuredKL("int2", {}, {64: 0.167, 256: 0.167, 512: 0.167}),
+    MeasuredKL("int2", {"sink_tokens": 4}, {64: 0.0875, 256: 0.0864, 512: 0.0892}),
+    MeasuredKL("int2", {"key_hi_fraction": 0.25}, {64: 0.0561, 256: 0.0584, 512: 0.0578}),
+    MeasuredKL("int2", {"key_axis": "token"}, {64: 0.528, 256: 0.528, 512: 0.528}),
+    MeasuredKL("int2", INT2_TUNED, {64: 0.0232, 256: 0.0229, 512: 0.0236}),
+    MeasuredKL("int2", {**INT2_TUNED, "value_group": 16}, {64: 0.018, 256: 0.0178, 512: 0.0182}),
+    # version-2 frames: sinks at the start of every chunk (at 512 tokens the experiment's
+    # prefix is one chunk, so the figure is the same as with sequence sinks)
+    MeasuredKL("int4", INT4_TUNED, {64: 0.0023, 256: 0.00263, 512: 0.00264}, True),
+    MeasuredKL("int2", INT2_TUNED, {64: 0.0205, 256: 0.0233, 512: 0.0236}, True),
 )
 """Mean KL of next-token distributions against exact KV, measured by ``kvlife experiment
-transforms`` (SmolLM2-135M-Instruct, float16 KV, 512-token prefixes, 6 licence-text
-windows; docs/transforms.md): (transform, parameters apart from the defaults, KL)."""
+transforms`` (SmolLM2-135M-Instruct, float16 KV, 512-token prefixes stored in chunks of
+64, 256 and 512 tokens, each chunk told its start; 6 licence-text windows, 1,536 scored
+positions; docs/transforms.md)."""
+
+
+def kl_at_chunk(figures: dict[int, float], chunk_tokens: int | None) -> float | None:
+    """The figure for ``chunk_tokens``: the one measured there; for an unmeasured size
+    the worst measured at larger sizes (key groups, Kitty channels and the recent window
+    are chosen per chunk, so a smaller chunk quantises no coarser); None above every
+    measured size; the worst of all when the size is not known (None)."""
+    if not figures:
+        return None
+    if chunk_tokens is None:
+        return max(figures.values())
+    if chunk_tokens in figures:
+        return figures[chunk_tokens]
+    larger = [kl for tokens, kl in figures.items() if tokens > chunk_tokens]
+    return max(larger) if larger else None
 
 
 class QuantTransform(Transform):
     """Shared implementation of the group quantisers (subclasses fix ``bits``)."""
 
     exactness = Exactness.LOSSY
-    version = 2
+    version = 3
+    """3: sinks at the sequence start only, their count in the payload, a packed Kitty
+    mask. 2 (read, no longer written): sinks at every chunk's start."""
     bits: ClassVar[int]
     default_key_group: ClassVar[int]
     default_value_group: ClassVar[int]
@@ -202,14 +262,29 @@ class QuantTransform(Transform):
             sym,
         )
 
-    @property
-    def measured_kl(self) -> float | None:
-        """The experiment's mean KL for exactly these parameters (None if not measured)."""
+    @classmethod
+    def reads(cls, version: int) -> bool:
+        return version in (2, 3)
+
+    def measured_kl_at(
+        self, chunk_tokens: int | None = None, version: int | None = None
+    ) -> float | None:
+        """The experiment's mean KL for exactly these parameters at this chunk size
+        (:func:`kl_at_chunk`); None if not measured. A version-2 payload with sinks kept
+        them at every chunk: only a figure measured that way is its own."""
+        per_chunk = (version or self.version) < 3 and self.sink_tokens > 0
         mine = dict(self.params())
-        for name, params, kl in MEASURED_KL:
-            if name == self.name and dict(type(self).from_params(params).params()) == mine:
-                return kl
+        for entry in MEASURED_KL:
+            if entry.name != self.name or entry.sinks_per_chunk != per_chunk:
+                continue
+            if dict(type(self).from_params(entry.params).params()) == mine:
+                return kl_at_chunk(entry.kl, chunk_tokens)
         return None
+
+    def chunk_sinks(self, tokens: int, start: int) -> int:
+        """Sink tokens a chunk of ``tokens`` tokens starting at absolute position
+        ``start`` holds: those of the sequence's first ``sink_tokens`` inside it."""
+        return max(0, min(self.sink_tokens - start, tokens))
 
     @property
     def error_bound(self) -> ErrorBound:
@@ -227,9 +302,11 @@ class QuantTransform(Transform):
                 f"{self.name} wants a chunk (layers, 2, kv_heads, tokens, head_dim), got {shape}"
             )
 
-    def _plan(self, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> _Plan:
+    def _plan(
+        self, shape: tuple[int, ...], dtype: np.dtype[np.generic], S: int, version: int = 3
+    ) -> _Plan:
+        """Section sizes of a payload holding ``S`` sink tokens, in layout ``version``."""
         L, _, H, T, D = shape
-        S = min(self.sink_tokens, T)
         R = min(self.window_tokens, T - S)
         nq = T - S - R
         if self.key_axis == "token":  # groups along head_dim, per token (a control)
@@ -249,7 +326,8 @@ class QuantTransform(Transform):
             kmeta = -(-nq // gk) * D
         e = dtype.itemsize
         sections = (
-            ("hmask", L * H * D if nhi else 0),
+            ("header", 8 if version >= 3 else 0),
+            ("hmask", L * H * (-(-D // 8) if version >= 3 else D) if nhi else 0),
             ("kcodes", L * H * kblock),
             ("kzero", L * H * kmeta * m),
             ("kscale", L * H * kmeta * m),
@@ -259,10 +337,17 @@ class QuantTransform(Transform):
             ("sinks", L * 2 * H * S * D * e),
             ("window", L * 2 * H * R * D * e),
         )
-        return _Plan(L, H, T, D, S, R, nq, gk, gv, nhi, kblock, meta, sections)
+        return _Plan(L, H, T, D, S, R, nq, gk, gv, nhi, kblock, meta, version, sections)
 
     def payload_nbytes(self, shape: tuple[int, ...], dtype: np.dtype[np.generic]) -> int:
-        return self._plan(shape, dtype).total
+        """The largest payload over chunk positions (whatever number of sinks it holds)."""
+        most = self.chunk_sinks(shape[3], 0)
+        return max(self._plan(shape, dtype, S).total for S in range(most + 1))
+
+    def payload_nbytes_at(
+        self, shape: tuple[int, ...], dtype: np.dtype[np.generic], start: int
+    ) -> int:
+        return self._plan(shape, dtype, self.chunk_sinks(shape[3], start)).total
 
     def _views(self, buf: NDArray[np.uint8], p: _Plan) -> dict[str, NDArray[np.generic]]:
         views: dict[str, NDArray[np.generic]] = {}
@@ -276,8 +361,10 @@ class QuantTransform(Transform):
         else:
             kcodes_shape = (p.L * p.H, p.kblock)
             kmeta_shape = (p.L * p.H, -(-p.nq // p.gk), p.D)
+        mask_row = (-(-p.D // 8) if p.version >= 3 else p.D) if p.nhi else 0
         shapes: dict[str, tuple[tuple[int, ...], type[np.generic]]] = {
-            "hmask": ((p.L * p.H, p.D if p.nhi else 0), np.uint8),
+            "header": ((1 if p.version >= 3 else 0,), np.uint64),
+            "hmask": ((p.L * p.H, mask_row), np.uint8),
             "kcodes": (kcodes_shape, np.uint8),
             "kzero": (kmeta_shape, mt),
             "kscale": (kmeta_shape, mt),
@@ -312,23 +399,31 @@ class QuantTransform(Transform):
         )
 
     def _encode(self, array: NDArray[np.generic]) -> NDArray[np.uint8]:
-        p = self._plan(array.shape, array.dtype)
+        return self._encode_at(array, 0)
+
+    def _encode_at(self, array: NDArray[np.generic], start: int) -> NDArray[np.uint8]:
+        p = self._plan(array.shape, array.dtype, self.chunk_sinks(array.shape[3], start))
         buf = np.zeros(p.total, np.uint8)  # zeroed: key codes are OR-ed in
         v = self._views(buf, p)
+        v["header"][:] = p.S
         if array.size and p.nq:
             flat = array.reshape(-1)
             finite = np.zeros(p.L * p.H, np.float32)
             x = flat.view(np.uint16) if array.dtype == np.float16 else flat
+            # the kernel writes one byte per channel; the payload keeps one bit
+            mask = np.zeros((p.L * p.H, p.D if p.nhi else 0), np.uint8)
             cast(Any, encode_kernel)(
                 x,
                 *self._kernel_args(p),
-                *_sections(v),
+                *_sections({**v, "hmask": mask}),
                 F16_TO_F32,
                 finite,
             )
             # checked in the kernel's pass rather than by np.isfinite, a pass of its own
             if not np.isfinite(finite).all():
                 raise LayoutMismatch(f"{self.name} cannot quantise non-finite values")
+            if p.nhi:
+                v["hmask"][:] = np.packbits(mask, axis=1, bitorder="little")
         v["sinks"][:] = np.ascontiguousarray(array[:, :, :, : p.S]).reshape(-1).view(np.uint8)
         v["window"][:] = (
             np.ascontiguousarray(array[:, :, :, p.T - p.R :]).reshape(-1).view(np.uint8)
@@ -338,22 +433,46 @@ class QuantTransform(Transform):
     def _decode(
         self, payload: NDArray[np.uint8], desc: TransformDescriptor, out: NDArray[np.generic]
     ) -> None:
-        p = self._plan(tuple(out.shape), out.dtype)
+        shape = tuple(out.shape)
+        most = self.chunk_sinks(shape[3], 0)
+        if payload.ctypes.data % 8:
+            payload = payload.copy()  # a view into a frame may be unaligned for the metadata
+        if desc.version >= 3:
+            if payload.size < 8:
+                raise TransformError(f"{self.name} payload is shorter than its sink count")
+            held = int(payload[:8].view(np.uint64)[0])
+            if held > most:
+                raise TransformError(
+                    f"{self.name} payload holds {held} sink tokens; "
+                    f"sink_tokens={self.sink_tokens} allows at most {most} in {shape[3]} tokens"
+                )
+        else:
+            held = most  # version 2: sinks at the start of every chunk
+        p = self._plan(shape, out.dtype, held, desc.version)
         if payload.size != p.total:
             raise TransformError(
                 f"{self.name} payload has {payload.size} bytes, expected {p.total}"
             )
-        if payload.ctypes.data % 8:
-            payload = payload.copy()  # a view into a frame may be unaligned for the metadata
         v = self._views(payload, p)
         if out.size and p.nq:
+            mask = v["hmask"]
+            if p.nhi:
+                if p.version >= 3:
+                    packed = cast(NDArray[np.uint8], mask)
+                    mask = np.unpackbits(packed, axis=1, count=p.D, bitorder="little")
+                # the kernel sizes each channel's codes by the mask: a forged one
+                # (checksum recomputed) must not make it read past the key codes
+                if not (np.count_nonzero(mask, axis=1) == p.nhi).all():
+                    raise TransformError(
+                        f"{self.name} Kitty mask does not mark {p.nhi} channels per head"
+                    )
             flat = out.reshape(-1)
             y = flat.view(np.uint16) if out.dtype == np.float16 else flat
             ymax = float(np.finfo(cast(Any, out.dtype)).max)
             cast(Any, decode_kernel)(
                 y,
                 *self._kernel_args(p),
-                *_sections(v),
+                *_sections({**v, "hmask": mask}),
                 F16_TO_F32,
                 ymax,
             )
@@ -361,9 +480,10 @@ class QuantTransform(Transform):
         out[:, :, :, : p.S] = v["sinks"].view(e).reshape(p.L, 2, p.H, p.S, p.D)
         out[:, :, :, p.T - p.R :] = v["window"].view(e).reshape(p.L, 2, p.H, p.R, p.D)
 
-    def element_bounds(self, array: NDArray[np.generic]) -> NDArray[np.float64]:
-        """Reference (slow, numpy) per-element bound of the declared :class:`ErrorBound`."""
-        p = self._plan(array.shape, array.dtype)
+    def element_bounds(self, array: NDArray[np.generic], *, start: int = 0) -> NDArray[np.float64]:
+        """Reference (slow, numpy) per-element bound of the declared :class:`ErrorBound`,
+        for the chunk starting at absolute position ``start``."""
+        p = self._plan(array.shape, array.dtype, self.chunk_sinks(array.shape[3], start))
         b = self.error_bound
         x = array.astype(np.float64)
         out = np.zeros_like(x)

@@ -77,7 +77,7 @@ def decode(encoded: EncodedPayload, out: NDArray[np.generic]) -> Transform:
     """Decode with the transform the descriptor names; returns that transform."""
     d = encoded.descriptor
     cls = transform_class(d.name)
-    if d.version != cls.version:
+    if not cls.reads(d.version):
         raise UnknownTransform(
             f"transform {d.name!r} version {d.version} is not known (have {cls.version})"
         )

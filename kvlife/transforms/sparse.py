@@ -167,11 +167,18 @@ class SparseTransform(Transform):
     # ------------------------------------------------------------------ encode
 
     def encode(
-        self, array: NDArray[np.generic], importance: NDArray[np.floating] | None = None
+        self,
+        array: NDArray[np.generic],
+        importance: NDArray[np.floating] | None = None,
+        *,
+        start: int = 0,
     ) -> EncodedPayload:
         """Encode ``array``; ``importance`` ``(L, H, T)`` (higher kept first) comes from
         the engine, else the ``knorm`` proxy is used. The descriptor's ``score`` says which
-        (an instance built with ``score="given"`` refuses to encode without one)."""
+        (an instance built with ``score="given"`` refuses to encode without one). The
+        chunk's ``start`` does not change what is kept (its sinks are per chunk)."""
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise InvalidArgument(f"sparse: start must be an int >= 0, got {start!r}")
         arr = np.ascontiguousarray(array)
         self.check_input(arr.shape, arr.dtype)
         if importance is None and self.score == "given":

@@ -28,6 +28,14 @@ def test_bench_transforms_quick_writes_its_json(
         assert p["encode_gbps"] > 0 and p["decode_gbps"] > 0 and p["memcpy_gbps"] > 0
         assert p["bits_per_element"] > 0 and p["ratio"] > 0
         assert p["exactness"] in ("exact", "lossless", "lossy", "lossy-sparse")
+    bits = doc["bits_by_chunk"]
+    quant = {label for label, name, _ in transforms.CONFIGS if name in ("int8", "int4", "int2")}
+    assert {b["transform"] for b in bits} == quant
+    for b in bits:
+        assert b["chunk_tokens"] == 64 and b["shape"] == [30, 2, 3, 64, 64]
+        # sinks only in the chunk at the sequence start
+        assert b["bits_first"] >= b["bits_later"] > 0
+        assert (b["bits_first"] > b["bits_later"]) == bool(b["params"].get("sink_tokens"))
     files = doc["parity_files"]
     assert {f["transform"] for f in files} == {label for label, _, _ in transforms.PARITY_CONFIGS}
     for f in files:

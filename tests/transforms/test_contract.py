@@ -269,15 +269,19 @@ def test_bfloat16_as_uint16_view_is_bit_exact(name: str) -> None:
 
 
 def test_measured_kl_only_for_measured_parameters() -> None:
-    from kvlife.transforms.quant import MEASURED_KL, QuantTransform
+    from kvlife.transforms.quant import INT4_TUNED, MEASURED_KL, QuantTransform
 
-    for name, params, kl in MEASURED_KL:
-        t = make_transform(name, params)
-        assert isinstance(t, QuantTransform) and t.measured_kl == kl
+    for entry in MEASURED_KL:
+        t = make_transform(entry.name, entry.params)
+        assert isinstance(t, QuantTransform)
+        version = 2 if entry.sinks_per_chunk else 3
+        assert t.measured_kl_at(None, version) == max(entry.kl.values())
+        if not entry.sinks_per_chunk:
+            assert t.measured_kl == max(entry.kl.values())
     other = make_transform("int4", {"key_group": 17})
     assert isinstance(other, QuantTransform) and other.measured_kl is None
-    # the tuned near-lossless setting is the one with the smallest KL at <= 4.5 bits
-    tuned = make_transform("int4", MEASURED_KL[2][1])
+    # the tuned near-lossless setting: KL <= 0.005 at <= 4.5 bits (512-token chunks)
+    tuned = make_transform("int4", INT4_TUNED)
     assert isinstance(tuned, QuantTransform)
     assert tuned.bits_per_element((30, 2, 3, 512, 64), "float16") <= 4.5
     assert tuned.measured_kl is not None and tuned.measured_kl <= 0.005

@@ -27,7 +27,26 @@ def test_experiment_transforms_quick_writes_json_and_plot(
     assert doc["stored_tokens"] == 64 and doc["scored_tokens"] == 32 and len(doc["windows"]) == 1
     assert doc["kv_shape"] == [30, 2, 3, 64, 64]
     rows = {r["label"]: r for r in doc["rows"]}
-    assert set(rows) == {spec.label for spec in experiment.ROWS}
+    chunked = experiment.chunked_rows([32], 64)
+    assert set(rows) == {spec.label for spec in [*experiment.ROWS, *chunked]}
+    assert doc["chunk_sizes"] == [32, 64]
+    # every quantiser row again at 32-token chunks, the tuned ones with sinks per chunk too
+    quant = [s.label for s in experiment.ROWS if s.transform in ("int8", "int4", "int2")]
+    assert {f"{label} @32" for label in quant} <= set(rows)
+    assert {"int4 tuned, sinks per chunk @32", "int2 tuned, sinks per chunk @32"} <= set(rows)
+    for r in doc["rows"]:
+        assert r["chunk_tokens"] == (32 if r["label"].endswith("@32") else 64)
+        assert r["bits_per_element_later"] > 0
+    # sinks only at the sequence start: a later chunk pays for none
+    tuned, tuned32 = rows["int4 tuned"], rows["int4 tuned @32"]
+    assert tuned32["bits_per_element_later"] < tuned32["bits_per_element"]
+    assert tuned["bits_per_element_later"] < tuned["bits_per_element"]
+    per_chunk = rows["int4 tuned, sinks per chunk @32"]
+    assert per_chunk["bits_per_element_later"] == per_chunk["bits_per_element"]
+    assert per_chunk["bits_per_element"] > tuned32["bits_per_element"]
+    # without sinks or per-chunk choices, cutting the prefix changes nothing: int4 g32's
+    # groups of 32 tokens fall on the same tokens
+    assert rows["int4 g32 @32"]["bit_exact_of"] == "int4 g32"
     for r in doc["rows"]:
         assert r["bits_per_element"] > 0 and r["mean_kl"] >= -1e-9
         assert 0 <= r["top1"] <= 1 and 0 <= r["greedy_agreement"] <= 1
