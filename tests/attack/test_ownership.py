@@ -43,7 +43,7 @@ def test_output_buffers_that_share_memory_are_refused(
         hit = store.lookup(identity, PUBLIC, tokens)
         assert hit.hits and hit.hits[0].tier == tier
         buf = np.empty(TINY.chunk_shape, np.float16)
-        wide = np.empty(TINY.chunk_shape[:3] + (4 * N, TINY.head_dim), np.float16)
+        wide = np.empty((*TINY.chunk_shape[:3], 4 * N, TINY.head_dim), np.float16)
         overlapping = [wide[:, :, :, i * (N // 2) : i * (N // 2) + N, :] for i in range(3)]
         for outs in ([buf, buf, buf], overlapping):
             with pytest.raises(InvalidArgument, match="share memory"):
@@ -86,7 +86,7 @@ def test_strided_and_fortran_buffers_receive_the_right_bytes(
     tokens, kv = prompt_kv(4, 3 * N)
     with open_store(tmp_path) as store:
         store.put_prompt(identity, PUBLIC, tokens, kv)
-        wide = np.empty(TINY.chunk_shape[:3] + (3 * N, TINY.head_dim), np.float16)
+        wide = np.empty((*TINY.chunk_shape[:3], 3 * N, TINY.head_dim), np.float16)
         layouts = [
             [wide[:, :, :, i * N : (i + 1) * N, :] for i in range(3)],
             [np.asfortranarray(np.empty(TINY.chunk_shape, np.float16)) for _ in range(3)],

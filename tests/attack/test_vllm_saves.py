@@ -60,7 +60,7 @@ def test_a_request_sharing_the_blocks_of_a_failed_load_in_the_same_step_saves_no
     on every rank. vLLM rolls R2 back too; the connector must not keep R2's saves of
     that step either. Before the fix only R1 was named failed (the request whose load
     failed), R2's poisoned chunks were committed on both ranks and served."""
-    MiniEngine(store, [store, store]).serve(SHARED + [1, 2, 3], 1)  # chunks 0-1 stored
+    MiniEngine(store, [store, store]).serve([*SHARED, 1, 2, 3], 1)  # chunks 0-1 stored
     engine = MiniEngine(store, [store, store])
     sched, workers = engine.scheduler, engine.workers
     r1, r2 = FakeRequest("r1", list(R1)), FakeRequest("r2", list(R2))
@@ -89,7 +89,7 @@ def test_a_request_sharing_the_blocks_of_a_failed_load_in_the_same_step_saves_no
                 w.wait_layer(NAMES[layer])
             for tokens, blocks in ((R1, b1), (R2, b2)):
                 bad = not engine._prefix_ok(tokens, blocks, 2 * CHUNK, layer)
-                for rank, w in enumerate(workers):
+                for rank in range(len(workers)):
                     kv = oracle_kv(rank, tokens, 2 * CHUNK, len(tokens), engine.heads)[layer]
                     engine._write(rank, layer, blocks, 2 * CHUNK, kv + POISON if bad else kv)
             for w in workers:
@@ -109,7 +109,7 @@ def test_a_request_sharing_the_blocks_of_a_failed_load_in_the_same_step_saves_no
 
 def test_oracle_sanity_r2_alone_is_stored_right(store: KVStore) -> None:
     """Control: without the failed load the same hand-built step stores R2 right."""
-    MiniEngine(store, [store, store]).serve(SHARED + [1, 2, 3], 1)
+    MiniEngine(store, [store, store]).serve([*SHARED, 1, 2, 3], 1)
     engine = MiniEngine(store, [store, store])
     r2 = FakeRequest("r2", list(R2))
     sched, workers = engine.scheduler, engine.workers
@@ -129,7 +129,7 @@ def test_oracle_sanity_r2_alone_is_stored_right(store: KVStore) -> None:
             for w in workers:
                 w.wait_layer(NAMES[layer])
             assert engine._prefix_ok(R2, b2, 2 * CHUNK, layer)
-            for rank, w in enumerate(workers):
+            for rank in range(len(workers)):
                 kv = oracle_kv(rank, R2, 2 * CHUNK, len(R2), engine.heads)[layer]
                 engine._write(rank, layer, b2, 2 * CHUNK, kv)
             for w in workers:

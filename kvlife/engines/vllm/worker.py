@@ -16,7 +16,8 @@ each layer of the planned chunks out of the paged cache into a host staging arra
 (vLLM's ``wait_for_save``, which runs even when the forward raised) the chunks of a
 request are staged with ``prepare_put`` (TENTATIVE, invisible) only if every layer of
 every chunk was gathered, no load of the request (nor of a block it shares with another
-request through vLLM's prefix cache) failed on this rank and no exception is propagating. The worker then reports the step (:class:`StepReport`) and holds the
+request through vLLM's prefix cache) failed on this rank and no exception is
+propagating. The worker then reports the step (:class:`StepReport`) and holds the
 staged puts until the scheduler's verdict arrives with a later step's plan: commit
 (``put_async``) once every rank reported success for the request, abort otherwise. A
 worker that shuts down aborts what it still holds. Put failures are counted, never
