@@ -121,3 +121,47 @@ def test_a_second_connection_does_not_double_a_clients_share(srv: ServerProc) ->
         assert hog.stdin is not None
         hog.stdin.close()
         hog.wait(timeout=60)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "each session caches up to 64 decoded identities of up to seven 4096-char strings "
+        "(~40 KB each, ~2.6 MiB a session) charged to no budget: 20 connections held "
+        "+51 MiB, --max-connections 512 about 1.3 GiB; fix: kvlife/server/session.py "
+        "_prompt (cache only small identities, or bound the cache in bytes per session "
+        "and server-wide) and protocol.py (tighter bounds for identity strings)"
+    ),
+)
+def test_identities_a_client_sends_are_not_held_without_a_budget(srv: ServerProc) -> None:
+    """Issue 19: budgets for everything a client can make the server hold. A lookup's
+    identity is decoded once per session and kept (a lookup repeats its identity); 64
+    distinct identities of maximal strings per connection stay held until it closes."""
+    from kvlife.server import protocol
+    from tests.server.test_limits import Raw
+
+    base = protocol.encode_identity(tiny_identity())
+    fields = [k for k, v in base.items() if isinstance(v, str) and k != "layout"]
+    with srv.client() as client:
+        client.server_state()
+        rss0, _ = srv.rss()
+        conns = [Raw(srv.socket) for _ in range(20)]
+        try:
+            rid = 1
+            for ci, conn in enumerate(conns):
+                for j in range(64):
+                    ident = dict(base)
+                    for f in fields:
+                        ident[f] = f"{ci}-{j}-{f}-".ljust(4096, "x")
+                    conn.send(
+                        rid,
+                        "lookup",
+                        {"identity": ident, "namespace": "public", "tokens": b"\0" * 64},
+                    )
+                    assert conn.reply()[1] is True
+                    rid += 1
+            rss, _ = srv.rss()
+            assert rss - rss0 < 16 << 20, f"+{(rss - rss0) >> 20} MiB held for 20 sessions"
+        finally:
+            for conn in conns:
+                conn.close()
