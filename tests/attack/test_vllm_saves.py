@@ -11,11 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvlife.core.identity import PUBLIC, prompt_chunk_keys
+from kvlife.engines.vllm.meta import StepReport
 from kvlife.store import KVStore
 from tests.engines.vllm_fakes import (
     BLOCK,
@@ -23,6 +25,7 @@ from tests.engines.vllm_fakes import (
     LAYERS,
     NAMES,
     POISON,
+    FakeCachedRequests,
     FakeNewRequest,
     FakeRequest,
     FakeSchedulerOutput,
@@ -144,3 +147,80 @@ def test_oracle_sanity_r2_alone_is_stored_right(store: KVStore) -> None:
     served, wrong = served_chunks([store, store], IDS, [R2])
     assert wrong == [] and served == 2 * 4
     assert np.isfinite(store.get(IDS[0], PUBLIC, R2).arrays[3]).all()
+
+
+def test_a_step_planned_before_a_failed_load_was_heard_of_saves_nothing(store: KVStore) -> None:
+    """vLLM 0.32 schedules step N+1 before it processed step N's output (async
+    scheduling, on by default). R's first step P1 loads its prefix (rank 0 cannot load
+    chunk 1) and computes only a few tokens (chunked prefill under a token budget: no
+    chunk completes, so P1 stages nothing and reports nothing). P2, planned before P1's
+    invalid blocks reached the scheduler, computes the rest of R's prompt attending to
+    P1's garbage and stages two chunks; every rank reports P2 clean. Before the fix P2's
+    verdict committed them (``load_failed`` lowered the request's saved chunks but
+    left the saves already planned alone) and the store served them."""
+    MiniEngine(store, [store, store]).serve([*SHARED, 1, 2, 3], 1)  # chunks 0-1 stored
+    engine = MiniEngine(store, [store, store])
+    sched, workers = engine.scheduler, engine.workers
+    prompt = R1[: 4 * CHUNK + 3]
+    req = FakeRequest("r", list(prompt))
+    assert sched.matched(req, 0) == 2 * CHUNK
+    sched.allocated(req, 2 * CHUNK)
+    blocks = _blocks(len(prompt), 0)
+    first = 2 * CHUNK + BLOCK  # P1 computes one block: no chunk completes
+    p1 = sched.plan(
+        FakeSchedulerOutput(
+            [FakeNewRequest("r", (blocks,), 2 * CHUNK)],
+            num_scheduled_tokens={"r": first - 2 * CHUNK},
+        )
+    )
+    assert [s.req_id for s in p1.loads] == ["r"] and p1.saves == []
+    assert store.invalidate(prefix=prompt_chunk_keys(IDS[0], PUBLIC, prompt)[1]) == 1
+    _step(engine, p1, prompt, blocks, 2 * CHUNK, first)
+    p1_invalid = set().union(*(w.load_errors() for w in workers))  # P1's output, not heard yet
+    assert p1_invalid
+    # async scheduling: P2 is planned before P1's output is processed
+    p2 = sched.plan(
+        FakeSchedulerOutput(
+            scheduled_cached_reqs=FakeCachedRequests(["r"], [None], set(), [first]),
+            num_scheduled_tokens={"r": len(prompt) - first},
+        )
+    )
+    assert [(s.first_chunk, s.end_chunk) for s in p2.saves] == [(2, 4)]
+    _step(engine, p2, prompt, blocks, first, len(prompt))
+    sched.load_failed(p1_invalid)  # P1's output: vLLM rolls R back
+    sched.reported(None)
+    merged = StepReport()
+    for w in workers:  # P2's output: every rank staged R's chunks and reports it clean
+        report = w.take_report()
+        if report is not None:
+            merged = merged.merge(report)
+    sched.reported(merged)
+    engine.idle()
+    for w in workers:
+        w.drain()
+    _, wrong = served_chunks([store, store], IDS, [prompt])
+    assert wrong == [], f"KV computed on a failed load's garbage was served: {wrong}"
+
+
+def _step(
+    engine: MiniEngine, plan: Any, tokens: list[int], blocks: list[int], lo: int, hi: int
+) -> None:
+    """One forward of one request over positions ``[lo, hi)`` on every rank (the fakes'
+    oracle: poisoned from the first layer after one whose prefix was wrong anywhere)."""
+    workers = engine.workers
+    for w in workers:
+        w.start(plan)
+    try:
+        bad = False
+        for layer in range(LAYERS):
+            for w in workers:
+                w.wait_layer(NAMES[layer])
+            bad = bad or not engine._prefix_ok(tokens, blocks, lo, layer)
+            for rank in range(len(workers)):
+                kv = oracle_kv(rank, tokens[:hi], lo, hi, engine.heads)[layer]
+                engine._write(rank, layer, blocks, lo, kv + POISON if bad else kv)
+            for w in workers:
+                w.save_layer(NAMES[layer], plan)
+    finally:
+        for w in workers:
+            w.submit(plan)
