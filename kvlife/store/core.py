@@ -15,6 +15,7 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvlife.core.errors import KVLifeError, ReplicaNotFound, StoreClosedError
 from kvlife.core.events import EventSink
@@ -38,6 +39,9 @@ from kvlife.tiers.base import (
 )
 from kvlife.transforms.base import Transform, UnknownTransform
 from kvlife.transforms.contract import Accept
+
+if TYPE_CHECKING:  # the invalidation module builds on this one
+    from kvlife.store.invalidation import Scope
 
 INDEXED = ObjectState.INDEXED
 
@@ -185,6 +189,11 @@ class StoreCore:
             self.residency,
         )
         self.pinned: dict[ChunkKey, int] = {}
+        self.invalidating: list[Scope] = []
+        """Scopes of the invalidations under way (``invalidate`` between applying its
+        rule and returning): a put prepared meanwhile is covered too (its new chunks are
+        taken out of service as they are made), so an invalidation covers every put
+        prepared before it returned (:mod:`kvlife.store.invalidation`)."""
         self.encoders: dict[TierName, Transform] = {
             TierName(spec.name): tier_transform(spec.name, spec.transform, spec.transform_params)
             for spec in config.chain

@@ -165,8 +165,9 @@ class KVStore:
         *,
         request_id: str = "",
     ) -> LoadResult:
-        """Load the hits of ``lookup`` in order, verified, into ``outs`` (one buffer per
-        hit) or new read-only arrays; framed replicas (a transforming tier's) are
+        """Load the hits of ``lookup`` in order, verified, into ``outs`` (one writable
+        buffer per hit, sharing no memory with another: else InvalidArgument) or new
+        read-only arrays; framed replicas (a transforming tier's) are
         verified and decoded into them. Each chunk is served from a replica the lookup's
         ``accept`` takes. The first chunk that is gone or fails verification ends the
         result; a corrupt replica is invalidated (reason ``corrupt``)."""

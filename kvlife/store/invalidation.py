@@ -7,9 +7,13 @@ than the rule's epoch), and the reset of an index that lost its state covers eve
 object created under another incarnation. :func:`apply_scopes` takes every object of
 the local index a scope covers out of service at once, under the index lock:
 TENTATIVE objects of puts in flight included, so such a put's ``commit_put`` stores
-nothing of them. An invalidation therefore applies to every put prepared before it
-returned, whether that put commits before or after; a put prepared after it is not
-covered.
+nothing of them. Until :func:`invalidate` returns, its scope stays registered with
+the store (``StoreCore.invalidating``) and the new chunks of a put prepared meanwhile
+are taken out of service as they are made (:func:`covered_at_birth`): the rule is
+applied before the invalidation waits for its turn to delete, and a put prepared in
+that wait would otherwise return before it did and be stored. An invalidation
+therefore applies to every put prepared before it returned, whether that put commits
+before or after; a put prepared after it is not covered.
 
 :func:`invalidate` (``KVStore.invalidate``) invalidates locally on a store without a
 shared tier; on a store with one it records a global rule first (every host applies
@@ -24,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlife.core.errors import IndexUnreachable, InvalidArgument, RemoteTierError
-from kvlife.core.identity import ChunkKey, Namespace
+from kvlife.core.identity import ROOT_PARENT, ChunkKey, Namespace
 from kvlife.core.lifecycle import Move, ObjectState
 from kvlife.core.objects import ObjectRecord, TierName
 from kvlife.globalindex.rules import InvalidationRule
@@ -85,6 +89,45 @@ class Scope:
         if self.before is not None:
             return rec.born.before(*self.before)
         return True
+
+
+def covers(core: StoreCore, scope: Scope, rec: ObjectRecord) -> bool:
+    """Whether ``scope`` covers ``rec`` (under the lock; ``rec`` is in the index): its
+    criteria, by the record's own fields and, for a prefix, its chain of parents as the
+    index knows it (through absent chunks: the index keeps their edges while a chunk
+    chained after them is indexed)."""
+    info = rec.info
+    if scope.weights_digest is not None and info.weights_digest != scope.weights_digest:
+        return False
+    if scope.adapter_id is not None and info.adapter_id != scope.adapter_id:
+        return False
+    if scope.namespace is not None and info.namespace != scope.namespace:
+        return False
+    if scope.prefix is None:
+        return True
+    root = bytes(scope.prefix)
+    key: bytes | None = bytes(rec.key)
+    seen: set[bytes] = set()
+    while key is not None and key != root and key not in seen:
+        seen.add(key)
+        got = core.index.get(ChunkKey(key))
+        key = bytes(got.info.parent) if got is not None else core.index.kept_edge(ChunkKey(key))
+        if key == ROOT_PARENT:
+            key = None
+    return key == root
+
+
+def covered_at_birth(core: StoreCore, recs: list[ObjectRecord]) -> None:
+    """New TENTATIVE objects of a put prepared while an invalidation is under way (under
+    the lock, once they are in the index): those its scope covers are taken out of
+    service at once, so the put stores nothing of them (counted as aborted)."""
+    for rec in recs:
+        for scope in core.invalidating:
+            if covers(core, scope, rec):
+                core.counters.aborted += 1
+                why = "invalidated:" + "+".join(scope.criteria()) + " (under way at prepare)"
+                core.retire(rec, Move.INVALIDATE, why)
+                break
 
 
 def select(core: StoreCore, scope: Scope) -> list[ObjectRecord]:
@@ -162,8 +205,14 @@ def invalidate(
     with core.lock:
         count, doomed = apply_scopes(core, [scope])
         ticket = core.seq.take()
-    with core.seq.turn(ticket):
-        core.delete_replicas(doomed)
+        # until this returns, puts prepared meanwhile are covered as they are made
+        core.invalidating.append(scope)
+    try:
+        with core.seq.turn(ticket):
+            core.delete_replicas(doomed)
+    finally:
+        with core.lock:
+            core.invalidating.remove(scope)
     if failed is not None:
         raise IndexUnreachable(
             f"invalidation applied on this host only ({count} objects): the global "

@@ -33,6 +33,7 @@ from kvlife.placement import Evict, Plan, Reject
 from kvlife.results import PutResult
 from kvlife.store.core import StoreCore
 from kvlife.store.executor import execute
+from kvlife.store.invalidation import covered_at_birth
 from kvlife.store.shared import creation_stamp
 
 INDEXED = ObjectState.INDEXED
@@ -109,6 +110,8 @@ class Writer:
                     core.index.add(rec)
                     pending.items.append((rec, arr))
                 prev = key
+            if core.invalidating:  # an invalidation under way covers this put too
+                covered_at_birth(core, [r for r, _ in pending.items])
             self._pending[id(pending)] = pending
             return pending
 
@@ -199,8 +202,12 @@ class Writer:
                 core.index.remove(rec.key)
 
     def abort_all(self, reason: str) -> None:
-        for pending in list(self._pending.values()):
-            self.abort_put(pending, reason)
+        """Abort every pending put (at close). Under the index lock throughout: a
+        background ``commit_put`` that took one of them from a list made outside it made
+        its abort raise, out of ``close`` before anything was released."""
+        with self.core.lock:
+            for pending in list(self._pending.values()):
+                self.abort_put(pending, reason)
 
     def _finish(self, pending: PendingPut) -> None:
         if pending.done or self._pending.pop(id(pending), None) is None:

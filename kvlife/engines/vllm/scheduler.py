@@ -14,8 +14,9 @@ by every worker at its end, so no block outlives its request.
 A staged save becomes visible only on a verdict: ``reported`` takes the workers' merged
 :class:`StepReport` of a step (vLLM's ``update_connector_output``) and decides, per
 request, commit (every rank finished the step and none failed the request) or abort (a
-rank failed its load or did not gather every layer; a rank never reported). The
-verdicts travel with the next step's plan; until they are sent,
+rank failed its load or did not gather every layer; a rank never reported; the save
+covers blocks a load failed to fill, heard of after it was planned). The verdicts
+travel with the next step's plan; until they are sent,
 ``has_pending_verdicts`` keeps vLLM's engine stepping. An aborted save is planned again,
 so the chunks are stored once vLLM has recomputed them.
 """
@@ -213,7 +214,17 @@ class SchedulerSide:
 
     def load_failed(self, block_ids: set[int]) -> None:
         """Blocks the workers could not load (vLLM recomputes them): their chunks are
-        saved again once recomputed, so a corrupt chunk heals instead of staying a miss."""
+        saved again once recomputed, so a corrupt chunk heals instead of staying a miss.
+
+        Saves already planned over those blocks are aborted whatever their step's
+        report says: a step planned before this was heard of (vLLM's async scheduling
+        plans step N+1 before it processed step N's output) attended to the blocks'
+        garbage on the rank that failed and, all-reduced, on every rank, though no rank
+        failed a load in it."""
+        for step, specs in self._awaiting.items():
+            over = {s.req_id for s in specs if not block_ids.isdisjoint(s.block_ids)}
+            if over:
+                self._taint.setdefault(step, set()).update(over)
         for st in self.requests.values():
             for i, block in enumerate(
                 st.block_ids[: st.saved_chunks * self.tpc // self.block_size]

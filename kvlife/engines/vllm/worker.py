@@ -15,7 +15,8 @@ each layer of the planned chunks out of the paged cache into a host staging arra
 (``(layers, 2, heads, T, head_dim)``), recording which layers it gathered; at ``submit``
 (vLLM's ``wait_for_save``, which runs even when the forward raised) the chunks of a
 request are staged with ``prepare_put`` (TENTATIVE, invisible) only if every layer of
-every chunk was gathered, no load of the request failed on this rank and no exception is
+every chunk was gathered, no load of the request (nor of a block it shares with another
+request through vLLM's prefix cache) failed on this rank and no exception is
 propagating. The worker then reports the step (:class:`StepReport`) and holds the
 staged puts until the scheduler's verdict arrives with a later step's plan: commit
 (``put_async``) once every rank reported success for the request, abort otherwise. A
@@ -128,6 +129,11 @@ class WorkerSide:
         self._failed: set[str] = set()
         """Requests whose load failed this step: whatever this step computed after the
         failed blocks attended to garbage, so none of it is saved."""
+        self._failed_blocks: set[int] = set()
+        """Blocks this step's loads did not fill. vLLM's prefix cache may hand them to
+        other requests of the same step (a sync load caches its blocks at allocation):
+        what those computed attended to the same garbage, so their saves are failed
+        too."""
         self._events: list[threading.Event] | None = None
         self._loader: Future[None] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlife-vllm-load")
@@ -161,6 +167,7 @@ class WorkerSide:
         """Start this step's loads (before the forward)."""
         self._events = None
         self._failed = set()
+        self._failed_blocks = set()
         if not plan.loads:
             return
         jobs = [job for job in (self._begin(spec) for spec in plan.loads) if job is not None]
@@ -195,6 +202,7 @@ class WorkerSide:
         bad = set(spec.block_ids[first_block : spec.end_token // self.block_size])
         with self._lock:
             self._failed.add(spec.req_id)
+            self._failed_blocks |= bad
             new = bad - self._errors
             self._errors |= new
             self.counters.blocks_failed += len(new)
@@ -308,9 +316,13 @@ class WorkerSide:
         failed: set[str] = set()
         by_spec = {id(st.spec): st for st in staging}
         complete = set(range(self.identity.layout.num_layers))
+        with self._lock:
+            bad_blocks = set(self._failed_blocks)
         for spec in plan.saves:
             st = by_spec.get(id(spec))
-            if spec.req_id in self._failed:
+            # a request whose own load failed, or one that shares a block that did not
+            # load (vLLM's prefix cache): both attended to garbage in this step
+            if spec.req_id in self._failed or not bad_blocks.isdisjoint(spec.block_ids):
                 self.counters.saves_skipped += 1
                 failed.add(spec.req_id)
                 continue
