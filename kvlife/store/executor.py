@@ -79,7 +79,7 @@ def execute(
     bound: Sequence[Bound],
     *,
     payloads: dict[ChunkKey, np.ndarray] | None = None,
-    sources: dict[ChunkKey, tuple[np.ndarray, Representation]] | None = None,
+    sources: dict[ChunkKey, tuple[np.ndarray, Representation, bytes]] | None = None,
     request_id: str = "",
     protect: set[ChunkKey] | None = None,
 ) -> Outcome:
@@ -276,7 +276,7 @@ def _copy(
     src: TierName,
     dst: TierName,
     group: list[Bound],
-    sources: dict[ChunkKey, tuple[np.ndarray, Representation]],
+    sources: dict[ChunkKey, tuple[np.ndarray, Representation, bytes]],
     fresh: set[ChunkKey],
     out: Outcome,
 ) -> None:
@@ -297,7 +297,7 @@ def _copy(
     while todo:
         recs = [b.rec for b in todo]
         try:
-            got = {r.key: sources[r.key] for r in recs if r.key in sources}
+            got = {r.key: sources[r.key][:2] for r in recs if r.key in sources}
             missing = [r.key for r in recs if r.key not in got]
             for key, res in _read_sources(source, missing, check - at_target):
                 if key in check and isinstance(res, ChecksumMismatch):
@@ -324,7 +324,7 @@ def _copy(
                 forms=[got[r.key][1] for r in recs],
                 # the source's checksum names these bytes only in the source's form (a
                 # load hands over a frame decoded: its bytes are not the frame's)
-                checksums=[seals[r.key] if got[r.key][1] == held[r.key] else b"" for r in recs],
+                checksums=[_seal_of_copy(r.key, got[r.key][1], held, seals, sources) for r in recs],
                 verify=[r.key in at_target for r in recs],
             )
             written = {r.key: c for r, c in zip(recs, done, strict=True)}
@@ -486,3 +486,19 @@ def _evict(core: StoreCore, tier_name: TierName, group: list[Bound], out: Outcom
             rep = b.replica
             if b.rec.replicas.get(tier_name) is rep:
                 del b.rec.replicas[tier_name]
+
+
+def _seal_of_copy(
+    key: ChunkKey,
+    form: Representation,
+    held: dict[ChunkKey, Representation],
+    seals: dict[ChunkKey, bytes],
+    sources: dict[ChunkKey, tuple[np.ndarray, Representation, bytes]],
+) -> bytes:
+    """The checksum a copy's bytes are known by: the source replica's where the copy
+    keeps its form; else the seal a load took of the array it decoded and handed over
+    (empty: unknown, hashed as written)."""
+    if form == held[key]:
+        return seals[key]
+    handed = sources.get(key)
+    return handed[2] if handed is not None else b""

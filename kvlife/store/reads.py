@@ -44,7 +44,7 @@ from kvlife.store.core import Bound, Serving, StoreCore
 from kvlife.store.executor import execute
 from kvlife.store.forms import DecodeRates, decode_replica, exactness_of
 from kvlife.store.shared import consult_shared
-from kvlife.tiers.base import ReadResult, SealedInMemory, Tier, read_only
+from kvlife.tiers.base import ReadResult, SealedInMemory, Tier, read_only, seal_of
 from kvlife.transforms.base import UnknownTransform
 from kvlife.transforms.contract import Accept
 
@@ -64,6 +64,12 @@ class _Item:
     """The read's outcome; ReplicaNotFound when the replica was deleted under the read,
     UnknownTransform when its frame names a transform this reader lacks."""
     done: threading.Event = field(default_factory=threading.Event)
+    promotable: bool = False
+    """Served from a tier after the first: its result may be promoted."""
+    seal: bytes = b""
+    """xxh3-128 of a decoded result handed to the caller, taken as it was decoded: the
+    seal its promotion records (the frame's checksum names the frame's bytes, not these;
+    hashed at promotion, a caller's change made before it would be sealed as healthy)."""
 
 
 class LoadCompletion:
@@ -251,7 +257,11 @@ def _decoded(it: _Item, res: ReadResult, rates: DecodeRates, where: TierName) ->
         got = decode_replica(it.rec, it.rep, res, it.out, where, rates)
     except (ChecksumMismatch, UnknownTransform) as exc:
         return exc
-    return got if it.out is not None else read_only(got)  # a new array: nobody writes it
+    if it.out is not None:
+        return got
+    if it.promotable:
+        it.seal = seal_of(got)
+    return read_only(got)  # a new array: nobody writes it
 
 
 class Reader:
@@ -341,9 +351,10 @@ class Reader:
                 tier = core.serving(rec, lookup.accept).tier
                 if tier is None:
                     break
-                items.append(
-                    _Item(rec, tier, core.pin(rec, tier), outs[i] if outs is not None else None)
-                )
+                out = outs[i] if outs is not None else None
+                item = _Item(rec, tier, core.pin(rec, tier), out)
+                item.promotable = tier != core.chain[0].name
+                items.append(item)
             core.delete_later(doomed)
         return items, len(hits) - len(items)
 
@@ -469,7 +480,7 @@ class Reader:
                 core.placement.plan_promote([it.rec.key for it in promote])
                 bound = core.residency.take()
                 owned = {
-                    it.rec.key: (it.result, _served(it.rep.transform))
+                    it.rec.key: (it.result, _served(it.rep.transform), it.seal)
                     for it in promote
                     if it.out is None and isinstance(it.result, np.ndarray)
                 }
@@ -486,7 +497,7 @@ class Reader:
         self,
         bound: list[Bound],
         pinned: list[_Item],
-        owned: dict[ChunkKey, tuple[np.ndarray, Representation]],
+        owned: dict[ChunkKey, tuple[np.ndarray, Representation, bytes]],
     ) -> None:
         """Execute a promotion plan (in its turn, on the background thread)."""
         try:

