@@ -130,6 +130,18 @@ def covered_at_birth(core: StoreCore, recs: list[ObjectRecord]) -> None:
                 break
 
 
+def raced_a_rule(core: StoreCore, recs: list[ObjectRecord]) -> None:
+    """New TENTATIVE objects of a put whose creation stamp was read before a lookup read
+    (and may have applied) new global rules: a rule applied before they existed never
+    saw them, yet may cover their KV (created before it). The window is a lookup's sync
+    between the stamp and the index lock; they are taken out of service, counted as
+    aborted, and the KV is put again later."""
+    for rec in recs:
+        if rec.state is ObjectState.TENTATIVE:
+            core.counters.aborted += 1
+            core.retire(rec, Move.INVALIDATE, "invalidated: global rules read while prepared")
+
+
 def select(core: StoreCore, scope: Scope) -> list[ObjectRecord]:
     """The live objects ``scope`` covers (under the lock)."""
     index = core.index

@@ -71,6 +71,14 @@ def creation_stamp(core: StoreCore) -> EpochStamp:
     return shared.creation_stamp() if shared is not None else UNSTAMPED
 
 
+def stamp_moved(core: StoreCore, born: EpochStamp) -> bool:
+    """Whether the shared index was read since ``born`` was taken (no I/O): a lookup may
+    have applied a rule meanwhile that covers KV of that stamp, and objects made after
+    that application would escape it here."""
+    shared = shared_tier(core)
+    return shared is not None and shared.stamp_now() != born
+
+
 def consult_shared(
     core: StoreCore,
     prompt: PromptRef,

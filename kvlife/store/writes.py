@@ -33,8 +33,8 @@ from kvlife.placement import Evict, Plan, Reject
 from kvlife.results import PutResult
 from kvlife.store.core import StoreCore
 from kvlife.store.executor import execute
-from kvlife.store.invalidation import covered_at_birth
-from kvlife.store.shared import creation_stamp
+from kvlife.store.invalidation import covered_at_birth, raced_a_rule
+from kvlife.store.shared import creation_stamp, stamp_moved
 
 INDEXED = ObjectState.INDEXED
 TENTATIVE = ObjectState.TENTATIVE
@@ -112,6 +112,8 @@ class Writer:
                 prev = key
             if core.invalidating:  # an invalidation under way covers this put too
                 covered_at_birth(core, [r for r, _ in pending.items])
+            if stamp_moved(core, born):
+                raced_a_rule(core, [r for r, _ in pending.items])
             self._pending[id(pending)] = pending
             return pending
 

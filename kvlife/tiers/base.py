@@ -381,6 +381,12 @@ class SharedTier(ABC):
         index is read once if it never was; unknown if it cannot be)."""
 
     @abstractmethod
+    def stamp_now(self) -> EpochStamp:
+        """The index incarnation and epoch last read, without I/O (unknown if the index
+        was never read): what :meth:`creation_stamp` would answer now, to tell whether a
+        rule may have been read (and applied) since a stamp was taken."""
+
+    @abstractmethod
     def record_invalidation(
         self,
         *,

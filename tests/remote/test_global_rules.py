@@ -137,6 +137,35 @@ def test_a_put_in_flight_when_a_rule_is_recorded_is_never_served(
     assert hits(b, 2) == 0
 
 
+def test_a_rule_applied_between_a_puts_stamp_and_its_objects_still_covers_it(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stamp of a put is read before the index lock (the first read may do I/O). A
+    lookup on another thread that syncs and applies a new rule in between finds none of
+    the put's objects yet; made afterwards with the older stamp, they must still be
+    taken out, on this host as on the others."""
+    import kvlife.store.writes as writes
+
+    a, b = fleet.host("a"), fleet.host("b")
+    hits(b, 9)  # B has read the index: its stamps are known
+    real = writes.creation_stamp
+
+    def stamp_then_a_rule_arrives(core: object) -> object:
+        born = real(core)  # type: ignore[arg-type]
+        index_of(a).invalidate(namespace=ACME)
+        hits(b, 9)  # another of B's threads: syncs the rule and applies it
+        return born
+
+    monkeypatch.setattr(writes, "creation_stamp", stamp_then_a_rule_arrives)
+    tokens, kv = prompt_kv(2, 64)
+    pending = b.prepare_put(tiny_identity(), ACME, tokens, kv)
+    monkeypatch.setattr(writes, "creation_stamp", real)
+    b.commit_put(pending)
+    assert hits(b, 2) == 0, "KV created before a rule served on the host that applied it"
+    b.flush()
+    assert hits(fleet.host("c"), 2) == 0
+
+
 # ---------------------------------------------------------------------- item 3
 
 

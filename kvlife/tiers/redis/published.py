@@ -573,6 +573,9 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                 return UNSTAMPED
         return self.index.stamp()
 
+    def stamp_now(self) -> EpochStamp:
+        return self.index.stamp()
+
     def record_invalidation(
         self,
         *,
