@@ -1,11 +1,12 @@
-"""RemoteStore: the public API of :class:`~kvlife.store.KVStore`, served by ``kvlife
-serve`` over its Unix socket, with bulk bytes through the server's shared-memory arena.
+"""RemoteStore: :class:`~kvlife.store.api.StoreAPI`, served by ``kvlife serve`` over its
+Unix socket, with bulk bytes through the server's shared-memory arena.
 
 A small composition: the :class:`~kvlife.client.wire.Wire` (the connection, one
 request at a time, reconnecting), the load protocol (:mod:`kvlife.client.loads`:
 lookups, hinted, shared-buffer and granted loads) and the put protocol
-(:mod:`kvlife.client.puts`: the staged one-round-trip put and the two-phase put). Made
-by :func:`kvlife.connect`.
+(:mod:`kvlife.client.puts`: the staged one-round-trip put and the two-phase put); the
+signatures and argument checks are StoreAPI's, the same as the embedded ``KVStore``'s.
+Made by :func:`kvlife.connect`.
 
 When the server cannot be reached every call raises
 :class:`~kvlife.core.errors.StoreUnavailable` (an engine treats it as a miss); the next
@@ -20,28 +21,26 @@ that load in parallel each want a RemoteStore of their own.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvlife.client.handles import RemoteLoadHandle, RemotePendingPut
+from kvlife.client.handles import RemoteLoadHandle, RemoteLookup, RemotePendingPut
 from kvlife.client.loads import Loads
 from kvlife.client.puts import Puts
 from kvlife.client.wire import Wire
-from kvlife.core.errors import InvalidArgument, StoreUnavailable
-from kvlife.core.identity import ROOT_PARENT, ChunkKey, ModelIdentity, Namespace
+from kvlife.core.errors import StoreUnavailable
 from kvlife.core.objects import PromptRef, TierName
 from kvlife.results import LoadResult, LookupResult, PutResult, StoreCounters, StoreInfo, TierInfo
+from kvlife.store import args
+from kvlife.store.api import Criteria, Outs, StoreAPI
 from kvlife.tiers.base import AuditReport
 from kvlife.transforms.contract import Accept
 
-Tokens = Sequence[int] | np.ndarray
 
-
-class RemoteStore:
+class RemoteStore(StoreAPI[RemotePendingPut]):
     """A store served by ``kvlife serve`` (the public API of ``KVStore``)."""
 
     def __init__(
@@ -59,100 +58,33 @@ class RemoteStore:
     def socket_path(self) -> str:
         return self._wire.socket_path
 
-    # ------------------------------------------------------------------ puts
+    # ------------------------------------------------------------------ the steps of StoreAPI
 
-    def put_prompt(
-        self,
-        identity: ModelIdentity,
-        namespace: Namespace,
-        tokens: Tokens,
-        kv: object,
-        *,
-        start: int = 0,
-        parent: ChunkKey = ROOT_PARENT,
-        extra_keys: Sequence[bytes] = (),
-        request_id: str = "",
-    ) -> PutResult:
-        """Store a prompt's chunks (:mod:`kvlife.client.puts`)."""
-        ref = _prompt(identity, namespace, tokens, start, parent, extra_keys)
-        return self._puts.put_prompt(ref, kv, request_id)
+    def _put_prompt(self, prompt: PromptRef, kv: object, request_id: str) -> PutResult:
+        return self._puts.put_prompt(prompt, kv, request_id)
 
-    def prepare_put(
-        self,
-        identity: ModelIdentity,
-        namespace: Namespace,
-        tokens: Tokens,
-        kv: object,
-        *,
-        start: int = 0,
-        parent: ChunkKey = ROOT_PARENT,
-        extra_keys: Sequence[bytes] = (),
-        request_id: str = "",
-    ) -> RemotePendingPut:
-        ref = _prompt(identity, namespace, tokens, start, parent, extra_keys)
-        return self._puts.prepare_put(ref, kv, request_id)
+    def _prepare_put(self, prompt: PromptRef, kv: object, request_id: str) -> RemotePendingPut:
+        return self._puts.prepare_put(prompt, kv, request_id)
 
-    # ------------------------------------------------------------------ reads
+    def _lookup(self, prompt: PromptRef, accept: Accept) -> RemoteLookup:
+        return self._loads.lookup(prompt, accept)
 
-    def lookup(
-        self,
-        identity: ModelIdentity,
-        namespace: Namespace,
-        tokens: Tokens,
-        *,
-        start: int = 0,
-        parent: ChunkKey = ROOT_PARENT,
-        extra_keys: Sequence[bytes] = (),
-        accept: Accept = Accept.EXACT,
-    ) -> LookupResult:
-        if not isinstance(accept, Accept):
-            raise InvalidArgument(f"accept must be an Accept, got {type(accept).__name__}")
-        ref = _prompt(identity, namespace, tokens, start, parent, extra_keys)
-        return self._loads.lookup(ref, accept)
-
-    def load(
-        self,
-        lookup: LookupResult,
-        outs: Sequence[np.ndarray] | None = None,
-        *,
-        request_id: str = "",
-    ) -> LoadResult:
-        _outs(lookup, outs)
+    def _load(self, lookup: LookupResult, outs: Outs, request_id: str) -> LoadResult:
         return self._loads.load(lookup, outs, request_id)
 
-    def load_async(
-        self,
-        lookup: LookupResult,
-        outs: Sequence[np.ndarray] | None = None,
-        *,
-        request_id: str = "",
+    def _load_async(
+        self, lookup: LookupResult, outs: Outs, request_id: str, depth: int | None
     ) -> RemoteLoadHandle:
-        _outs(lookup, outs)
         return self._loads.load_async(lookup, outs, request_id)
 
-    def get(
-        self, identity: ModelIdentity, namespace: Namespace, tokens: Tokens, **kwargs: object
-    ) -> LoadResult:
-        return self.load(self.lookup(identity, namespace, tokens, **kwargs))  # type: ignore[arg-type]
-
-    def invalidate(
-        self,
-        *,
-        weights_digest: str | None = None,
-        adapter_id: str | None = None,
-        namespace: Namespace | None = None,
-        prefix: ChunkKey | None = None,
-    ) -> int:
-        args: dict[str, Any] = {}
-        if weights_digest is not None:
-            args["weights_digest"] = weights_digest
-        if adapter_id is not None:
-            args["adapter_id"] = adapter_id
-        if namespace is not None:
-            args["namespace"] = str(namespace)
-        if prefix is not None:
-            args["prefix"] = bytes(prefix)
-        n: int = self._wire.call("invalidate", args)
+    def _invalidate(self, criteria: Criteria) -> int:
+        wire = {
+            "weights_digest": criteria.weights_digest,
+            "adapter_id": criteria.adapter_id,
+            "namespace": None if criteria.namespace is None else str(criteria.namespace),
+            "prefix": None if criteria.prefix is None else bytes(criteria.prefix),
+        }
+        n: int = self._wire.call("invalidate", {k: v for k, v in wire.items() if v is not None})
         return n
 
     # ------------------------------------------------------------------ its own calls
@@ -172,8 +104,7 @@ class RemoteStore:
         reads by O_DIRECT, DRAM hits copied by the server), with no copy in this process.
         Slice it into chunk-shaped views. It lasts as long as the connection; after a
         reconnect loads into it take the ordinary path (still correct, one copy more)."""
-        if not isinstance(nbytes, int) or nbytes <= 0:
-            raise InvalidArgument(f"buffer size must be a positive int, got {nbytes!r}")
+        args.size(nbytes)
         return self._loads.alloc_buffer(nbytes)
 
     def evict(self, tier: str, nbytes: int) -> int:
@@ -237,29 +168,3 @@ class RemoteStore:
             elif self._wire.conn is not None and self._wire.conn.releases:
                 self._wire.call("state", {})  # hands the waiting grants back
         self._wire.close()
-
-    def __enter__(self) -> RemoteStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _prompt(
-    identity: ModelIdentity,
-    namespace: Namespace,
-    tokens: Tokens,
-    start: int,
-    parent: ChunkKey,
-    extra_keys: Sequence[bytes],
-) -> PromptRef:
-    if not isinstance(identity, ModelIdentity):
-        raise InvalidArgument(f"identity must be a ModelIdentity, got {type(identity).__name__}")
-    if not isinstance(namespace, Namespace):
-        raise InvalidArgument(f"namespace must be a Namespace, got {type(namespace).__name__}")
-    return PromptRef(identity, namespace, tokens, start, parent, extra_keys)
-
-
-def _outs(lookup: LookupResult, outs: Sequence[np.ndarray] | None) -> None:
-    if outs is not None and len(outs) != len(lookup.hits):
-        raise InvalidArgument(f"{len(outs)} output buffers for {len(lookup.hits)} hits")

@@ -43,7 +43,7 @@ from kvlife.server import protocol
 from kvlife.server.buffers import SharedBuffer
 from kvlife.server.context import SessionContext
 from kvlife.server.limits import page_charge
-from kvlife.store.reads import LoadHandle
+from kvlife.store.api import LoadProgress
 from kvlife.transforms.contract import Accept
 
 STREAM_BYTES_IN_FLIGHT = 2 << 20
@@ -286,7 +286,7 @@ class Loads:
             n += 1
         return n
 
-    def _stream(self, handle: LoadHandle) -> list[np.ndarray]:
+    def _stream(self, handle: LoadProgress) -> list[np.ndarray]:
         """Send each chunk's grant as soon as it (and every chunk before it) verified, so
         the client copies chunk i while later chunks are still read. Only arena arrays
         are streamed; the first other one (or a miss) ends the stream."""

@@ -1,0 +1,67 @@
+"""The argument checks of the store's public API, shared by every store.
+
+:class:`~kvlife.store.api.StoreAPI` runs them before it hands a call to a store's own
+step, so a bad argument is the same typed :class:`~kvlife.core.errors.InvalidArgument`
+from the embedded ``KVStore`` and from a ``RemoteStore``, raised before anything is
+written or sent. What needs the store itself (the layout of the KV, the token ids, the
+start, parent and extra keys of a prompt, invalidation criteria) is checked where the
+prompt is keyed (:func:`kvlife.core.identity.prompt_chunk_keys`, on the server for a
+served store) with the same messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.core.identity import ChunkKey, ModelIdentity, Namespace
+from kvlife.core.objects import PromptRef
+from kvlife.results import LookupResult
+from kvlife.transforms.contract import Accept
+
+
+def prompt(
+    identity: ModelIdentity,
+    namespace: Namespace,
+    tokens: Sequence[int] | np.ndarray,
+    start: int,
+    parent: ChunkKey,
+    extra_keys: Sequence[bytes],
+) -> PromptRef:
+    """A call's prompt, its identity and namespace checked (a served store encodes
+    them for the wire before the server sees them)."""
+    _typed("identity", identity, ModelIdentity)
+    hint = " (use Namespace.parse for text)" if isinstance(namespace, str) else ""
+    _typed("namespace", namespace, Namespace, hint)
+    return PromptRef(identity, namespace, tokens, start, parent, extra_keys)
+
+
+def accept(value: Accept) -> Accept:
+    if not isinstance(value, Accept):
+        raise InvalidArgument(f"accept must be an Accept, got {type(value).__name__}")
+    return value
+
+
+def outs(lookup: LookupResult, buffers: Sequence[np.ndarray] | None) -> None:
+    """One output buffer per hit, or none at all."""
+    if buffers is not None and len(buffers) != len(lookup.hits):
+        raise InvalidArgument(f"{len(buffers)} output buffers for {len(lookup.hits)} hits")
+
+
+def depth(value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise InvalidArgument(f"load depth must be >= 1, got {value}")
+
+
+def size(nbytes: int) -> None:
+    """A size to allocate: a positive int."""
+    if not isinstance(nbytes, int) or nbytes <= 0:
+        raise InvalidArgument(f"buffer size must be a positive int, got {nbytes!r}")
+
+
+def _typed(name: str, value: object, kind: type, hint: str = "") -> None:
+    if not isinstance(value, kind):
+        got = type(value).__name__
+        raise InvalidArgument(f"{name} must be a {kind.__name__}, got {got}{hint}")
