@@ -3,8 +3,8 @@
 :class:`~kvlife.store.api.StoreAPI` runs them before it hands a call to a store's own
 step, so a bad argument is the same typed :class:`~kvlife.core.errors.InvalidArgument`
 from the embedded ``KVStore`` and from a ``RemoteStore``, raised before anything is
-written or sent. What needs the store itself (the layout of the KV, the token ids, the
-start, parent and extra keys of a prompt, invalidation criteria) is checked where the
+written or sent. The rest (the layout of the KV, the token ids, how far a start may go,
+the parent and extra keys of a prompt, invalidation criteria) is checked where the
 prompt is keyed (:func:`kvlife.core.identity.prompt_chunk_keys`, on the server for a
 served store) with the same messages.
 """
@@ -30,12 +30,16 @@ def prompt(
     parent: ChunkKey,
     extra_keys: Sequence[bytes],
 ) -> PromptRef:
-    """A call's prompt, its identity and namespace checked (a served store encodes
-    them for the wire before the server sees them)."""
+    """A call's prompt, its identity, namespace and start checked (a served store
+    encodes them for the wire before the server sees them)."""
     _typed("identity", identity, ModelIdentity)
     hint = " (use Namespace.parse for text)" if isinstance(namespace, str) else ""
     _typed("namespace", namespace, Namespace, hint)
-    return PromptRef(identity, namespace, tokens, start, parent, extra_keys)
+    # numpy integers are taken (positions often come out of arrays), as plain ints: the
+    # wire carries no numpy types; a negative one is refused here, the same by either store
+    if not isinstance(start, (int, np.integer)) or isinstance(start, bool) or start < 0:
+        raise InvalidArgument(f"start must be an int position >= 0, got {start!r}")
+    return PromptRef(identity, namespace, tokens, int(start), parent, extra_keys)
 
 
 def accept(value: Accept) -> Accept:
