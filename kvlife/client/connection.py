@@ -15,17 +15,12 @@ import msgpack
 
 from kvlife.core import errors
 from kvlife.core.errors import KVLifeError, RemoteError
-from kvlife.core.identity import KEY_BYTES, ChunkKey
 from kvlife.server import protocol
 
 FOREVER_S = 7 * 86400.0
 """The socket timeout of a client that asked for none."""
 StagedShape = tuple[object, ...]
 """A chunk's dtype name and shape: the staged extents of one kind."""
-
-
-def split_keys(blob: bytes) -> list[ChunkKey]:
-    return [ChunkKey(blob[i : i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES)]
 
 
 def error_from_reply(kind: object, message: object) -> KVLifeError:

@@ -26,7 +26,17 @@ from typing import Any
 import msgpack
 
 from kvlife.core.errors import InvalidArgument, LimitExceeded, ProtocolError, StoreUnavailable
-from kvlife.core.identity import KEY_BYTES, KVLayout, ModelIdentity, Namespace
+from kvlife.core.identity import (
+    KEY_BYTES,
+    ROOT_PARENT,
+    ChunkKey,
+    KVLayout,
+    ModelIdentity,
+    Namespace,
+    token_bytes,
+)
+from kvlife.core.objects import PromptRef
+from kvlife.results import PutResult
 from kvlife.server.limits import MAX_REQUEST, Limits
 from kvlife.transforms.base import ErrorBound, Exactness
 from kvlife.transforms.contract import Accept
@@ -386,6 +396,41 @@ def decode_accept(value: list[Any]) -> Accept:
     except (TypeError, ValueError) as exc:
         raise InvalidArgument(f"accept bound {bound}: {exc}") from None
     return Accept(_EXACTNESS[exactness], eb, max_kl, None if names is None else frozenset(names))
+
+
+def encode_prompt(prompt: PromptRef) -> dict[str, Any]:
+    """A prompt's fields of a ``lookup``, ``prepare_put`` or ``put`` (defaults left out)."""
+    args: dict[str, Any] = {
+        "identity": encode_identity(prompt.identity),
+        "namespace": str(prompt.namespace),
+        "tokens": token_bytes(prompt.tokens),
+    }
+    if prompt.start:
+        args["start"] = prompt.start
+    if prompt.parent != ROOT_PARENT:
+        args["parent"] = bytes(prompt.parent)
+    if prompt.extra_keys:
+        args["extra_keys"] = [bytes(e) for e in prompt.extra_keys]
+    return args
+
+
+def split_keys(blob: bytes) -> list[ChunkKey]:
+    """Chunk keys sent as one blob."""
+    return [ChunkKey(blob[i : i + KEY_BYTES]) for i in range(0, len(blob), KEY_BYTES)]
+
+
+_PUT_COUNTS = [f.name for f in dataclasses.fields(PutResult) if f.name != "keys"]
+
+
+def encode_put_result(res: PutResult) -> dict[str, Any]:
+    """A PutResult as a reply (its keys as one blob)."""
+    out: dict[str, Any] = {k: getattr(res, k) for k in _PUT_COUNTS}
+    out["keys"] = b"".join(res.keys)
+    return out
+
+
+def decode_put_result(r: dict[str, Any]) -> PutResult:
+    return PutResult(**{k: r[k] for k in _PUT_COUNTS}, keys=split_keys(r["keys"]))
 
 
 def decode_namespace(text: str) -> Namespace:

@@ -43,9 +43,10 @@ from kvlife.core.errors import (
 )
 from kvlife.core.identity import digest_bytes
 from kvlife.server import protocol
+from kvlife.server.context import PartSender
 from kvlife.server.limits import Held, Limits
 from kvlife.server.reader import BodyTimeout, Discarded, FrameReader, peek_rid
-from kvlife.server.session import PartSender, ServerState, Session
+from kvlife.server.session import ServerState, Session
 from kvlife.store.config import GiB, MiB, StoreConfig
 from kvlife.store.facade import KVStore
 from kvlife.tiers.shm import SHM_DIR, ShmTier
@@ -327,8 +328,7 @@ class Server:
         time.sleep(0.01)
 
     def _serve_conn(self, conn: socket.socket, held: Held) -> None:
-        session = self.state.open_session(held)
-        session.part = _part_sender(conn)
+        session = self.state.open_session(held, _part_sender(conn))
         fd = conn.fileno()
         reader = FrameReader(conn, self.cfg.limits, self.state.ledger, session.held)
         try:

@@ -1,6 +1,9 @@
 """The store: a facade (:class:`KVStore`) over a tier chain, placement, the ledger of
 moves, writes, reads, invalidation, recovery and metrics, each in its own module.
 
+- :mod:`.api` :class:`StoreAPI`, the public API both stores (``KVStore``, the served
+  store's ``RemoteStore``) have, with its argument checks in :mod:`.args`;
+
 - :mod:`.config` settings and the tier chain; :mod:`.lock` the directory lock and the
   plan sequencer; :mod:`.lifecycle` opening and closing a directory in order;
   :mod:`.core` the shared state; :mod:`.ledger` moves and events;
@@ -11,6 +14,7 @@ moves, writes, reads, invalidation, recovery and metrics, each in its own module
 - :mod:`.invalidation`, :mod:`.recovery`, :mod:`.metrics`.
 """
 
+from kvlife.store.api import StoreAPI
 from kvlife.store.config import GiB, MiB, StoreConfig, TierSpec
 from kvlife.store.facade import KVStore
 from kvlife.store.reads import LoadHandle
@@ -24,6 +28,7 @@ __all__ = [
     "LoadHandle",
     "MiB",
     "PendingPut",
+    "StoreAPI",
     "StoreConfig",
     "TierSpec",
 ]

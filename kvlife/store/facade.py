@@ -1,5 +1,6 @@
 """KVStore: the one facade an engine talks to (public API only; the work is done by the
-modules of :mod:`kvlife.store`).
+modules of :mod:`kvlife.store`; the API itself, its argument checks and docstrings are
+:class:`~kvlife.store.api.StoreAPI`'s, which ``RemoteStore`` has too).
 
 ``KVStore.open(path, dram_bytes=..., disk_bytes=...)`` is the embedded default: a host
 DRAM tier in front of a disk tier (segment files + SQLite catalog) under ``path``;
@@ -15,19 +16,18 @@ store directory is held by one process at a time: a second ``open`` raises
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
-import numpy as np
-
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.events import EventSink
-from kvlife.core.identity import ROOT_PARENT, ChunkKey, ModelIdentity, Namespace
+from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import ObjectState
 from kvlife.core.objects import PromptRef, TierName
 from kvlife.results import LoadResult, LookupResult, PutResult, StoreCounters, StoreInfo
 from kvlife.store import metrics
+from kvlife.store.api import Criteria, Outs, StoreAPI
 from kvlife.store.config import GiB, StoreConfig
 from kvlife.store.invalidation import invalidate
 from kvlife.store.lifecycle import close_store, open_store
@@ -38,11 +38,11 @@ from kvlife.tiers.base import AuditReport, Tier
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.transforms.contract import Accept
 
-Tokens = Sequence[int] | np.ndarray
 
-
-class KVStore:
-    """Typed KV objects with full identity, an enforced lifecycle and crash-safe tiers."""
+class KVStore(StoreAPI[PendingPut]):
+    """Typed KV objects with full identity, an enforced lifecycle and crash-safe tiers.
+    The public API is :class:`~kvlife.store.api.StoreAPI`'s (argument checks there);
+    this class supplies its steps from the writer and the reader of the store."""
 
     def __init__(
         self,
@@ -81,157 +81,55 @@ class KVStore:
         )
         return cls(path, config, sink=sink, fileio=fileio)
 
-    # ------------------------------------------------------------------ puts
+    # ------------------------------------------------------------------ the steps of StoreAPI
 
-    def put_prompt(
-        self,
-        identity: ModelIdentity,
-        namespace: Namespace,
-        tokens: Tokens,
-        kv: object,
-        *,
-        start: int = 0,
-        parent: ChunkKey = ROOT_PARENT,
-        extra_keys: Sequence[bytes] = (),
-        request_id: str = "",
-    ) -> PutResult:
-        """Store the full chunks of a prompt's KV (``prepare_put`` + ``commit_put``).
+    def _put_prompt(self, prompt: PromptRef, kv: object, request_id: str) -> PutResult:
+        return self._writer.commit_put(self._writer.prepare_put(prompt, kv, request_id))
 
-        ``kv`` is one array (or CPU tensor) shaped ``(layers, 2, kv_heads, T, head_dim)``
-        with ``chunks * tokens_per_chunk <= T <= len(tokens)``, or a sequence of chunk
-        arrays shaped like ``identity.layout.chunk_shape``. A trailing partial chunk is
-        never stored. Everything is validated before anything is written.
-        """
-        ref = PromptRef(identity, namespace, tokens, start, parent, extra_keys)
-        return self._writer.commit_put(self._writer.prepare_put(ref, kv, request_id))
+    def _prepare_put(self, prompt: PromptRef, kv: object, request_id: str) -> PendingPut:
+        # the arrays of kv are referenced, not copied
+        return self._writer.prepare_put(prompt, kv, request_id)
 
-    def prepare_put(
-        self,
-        identity: ModelIdentity,
-        namespace: Namespace,
-        tokens: Tokens,
-        kv: object,
-        *,
-        start: int = 0,
-        parent: ChunkKey = ROOT_PARENT,
-        extra_keys: Sequence[bytes] = (),
-        request_id: str = "",
-    ) -> PendingPut:
-        """Validate and create TENTATIVE objects for the prompt's new chunks; nothing is
-        visible until :meth:`commit_put`. The arrays in ``kv`` are referenced, not copied:
-        keep them unchanged until the commit or abort."""
-        ref = PromptRef(identity, namespace, tokens, start, parent, extra_keys)
-        return self._writer.prepare_put(ref, kv, request_id)
+    def _lookup(self, prompt: PromptRef, accept: Accept) -> LookupResult:
+        return self._reader.lookup(prompt, accept)
+
+    def _load(self, lookup: LookupResult, outs: Outs, request_id: str) -> LoadResult:
+        return self._reader.load(lookup, outs, request_id)
+
+    def _load_async(
+        self, lookup: LookupResult, outs: Outs, request_id: str, depth: int | None
+    ) -> LoadHandle:
+        return self._reader.load_async(lookup, outs, request_id, depth)
+
+    def _invalidate(self, criteria: Criteria) -> int:
+        return invalidate(
+            self._core,
+            weights_digest=criteria.weights_digest,
+            adapter_id=criteria.adapter_id,
+            namespace=criteria.namespace,
+            prefix=criteria.prefix,
+        )
+
+    # ------------------------------------------------------------------ its own calls
 
     def commit_put(self, pending: PendingPut) -> PutResult:
-        """Write, make durable as the tier promises, then index the pending chunks. On a
-        write error the batch is aborted and the typed error raised; nothing of it is
-        visible."""
         return self._writer.commit_put(pending)
 
     def put_async(self, pending: PendingPut) -> Future[PutResult]:
-        """``commit_put`` in the background; ``.result()`` returns or raises as it would."""
         return self._writer.put_async(pending)
 
     def abort_put(self, pending: PendingPut, reason: str = "aborted by caller") -> None:
-        """Roll back a pending put: its TENTATIVE objects become DELETED."""
         self._writer.abort_put(pending, reason)
 
-    # ------------------------------------------------------------------ reads
-
-    def lookup(
-        self,
-        identity: ModelIdentity,
-        namespace: Namespace,
-        tokens: Tokens,
-        *,
-        start: int = 0,
-        parent: ChunkKey = ROOT_PARENT,
-        extra_keys: Sequence[bytes] = (),
-        accept: Accept = Accept.EXACT,
-    ) -> LookupResult:
-        """The longest run of INDEXED leading chunks that have a replica ``accept`` takes
-        (default: exact replicas only), each with the fastest such tier, the replica's
-        transform and its estimated decode cost. A chunk whose readable replicas are all
-        refused (or of a transform this reader does not know) ends the run."""
-        return self._reader.lookup(
-            PromptRef(identity, namespace, tokens, start, parent, extra_keys), accept
-        )
-
-    def load(
-        self,
-        lookup: LookupResult,
-        outs: Sequence[np.ndarray] | None = None,
-        *,
-        request_id: str = "",
-    ) -> LoadResult:
-        """Load the hits of ``lookup`` in order, verified, into ``outs`` (one writable
-        buffer per hit, sharing no memory with another: else InvalidArgument) or new
-        read-only arrays; framed replicas (a transforming tier's) are
-        verified and decoded into them. Each chunk is served from a replica the lookup's
-        ``accept`` takes. The first chunk that is gone or fails verification ends the
-        result; a corrupt replica is invalidated (reason ``corrupt``)."""
-        return self._reader.load(lookup, outs, request_id)
-
-    def load_async(
-        self,
-        lookup: LookupResult,
-        outs: Sequence[np.ndarray] | None = None,
-        *,
-        request_id: str = "",
-        depth: int | None = None,
-    ) -> LoadHandle:
-        """Like :meth:`load`, returning at once; ``handle.chunk(i)`` waits for chunk i only.
-        ``depth`` bounds the reads in flight (None: every chunk at once); reads start in
-        chunk order, so with a small depth the first chunks complete first and a consumer
-        works on chunk i while later ones are read."""
-        return self._reader.load_async(lookup, outs, request_id, depth)
-
-    def get(
-        self, identity: ModelIdentity, namespace: Namespace, tokens: Tokens, **kwargs: object
-    ) -> LoadResult:
-        """lookup + load in one call."""
-        return self.load(self.lookup(identity, namespace, tokens, **kwargs))  # type: ignore[arg-type]
-
-    # ------------------------------------------------------------------ management
-
-    def invalidate(
-        self,
-        *,
-        weights_digest: str | None = None,
-        adapter_id: str | None = None,
-        namespace: Namespace | None = None,
-        prefix: ChunkKey | None = None,
-    ) -> int:
-        """Invalidate and delete every object matching all the given criteria; ``prefix``
-        selects that chunk and every chunk chained after it, present or not in between.
-        Puts in flight are covered too: a chunk of a put prepared before this returned
-        is never stored. On a store whose chain has a shared tier (Redis, Mooncake) the
-        invalidation is global: recorded in the shared index first, so every host stops
-        serving what it covers at its next lookup (docs/remote.md), then applied here
-        (IndexUnreachable if it could only be applied here). Returns the number of
-        objects removed here; durable when it returns."""
-        return invalidate(
-            self._core,
-            weights_digest=weights_digest,
-            adapter_id=adapter_id,
-            namespace=namespace,
-            prefix=prefix,
-        )
-
     def evict(self, tier: str, nbytes: int) -> int:
-        """Evict from ``tier`` until ``nbytes`` of its budget are free (victims demoted
-        first). Returns the payload bytes of the replicas evicted from it."""
         return self._writer.evict(TierName(tier), nbytes)
 
     def flush(self) -> int:
-        """Make every object durable; returns how many replicas were copied."""
         done = self._writer.flush()
         metrics.save_lifetime(self._core, self._open.lifetime_base)
         return done
 
     def drain(self) -> None:
-        """Wait for background work (promotions) planned so far."""
         self._reader.drain()
 
     def check(
@@ -258,7 +156,6 @@ class KVStore:
 
     @property
     def tier_names(self) -> list[TierName]:
-        """The chain, fastest first."""
         return [t.name for t in self._core.chain]
 
     def indexed_keys(self) -> list[ChunkKey]:
@@ -269,9 +166,3 @@ class KVStore:
     def close(self, *, flush: bool = True) -> None:
         """Flush (unless ``flush=False``), then release files, threads and the lock."""
         close_store(self._open, self._writer, self._reader, flush=flush)
-
-    def __enter__(self) -> KVStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

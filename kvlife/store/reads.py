@@ -26,7 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-from numpy.lib.array_utils import byte_bounds
 
 from kvlife.core.errors import (
     ChecksumMismatch,
@@ -40,6 +39,7 @@ from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import Move, ObjectState
 from kvlife.core.objects import ObjectRecord, PromptRef, Replica, Representation, TierName
 from kvlife.results import ChunkHit, LoadResult, LookupResult
+from kvlife.store import args
 from kvlife.store.core import Bound, Serving, StoreCore
 from kvlife.store.executor import execute
 from kvlife.store.forms import DecodeRates, decode_replica, exactness_of
@@ -339,7 +339,7 @@ class Reader:
         if outs is not None:
             if len(outs) != len(hits):
                 raise InvalidArgument(f"{len(outs)} output buffers for {len(hits)} hits")
-            check_outs(outs)
+            args.check_outs(outs)
         items: list[_Item] = []
         with core.lock:
             doomed = core.reap_lost()
@@ -531,43 +531,6 @@ class Reader:
                 self._pool.shutdown(wait=True)
             self._pool = None
         self.core.stop_background()
-
-
-def check_outs(outs: Sequence[np.ndarray | None]) -> None:
-    """Output buffers must be writable arrays and share no memory with one another: two
-    chunks read into one buffer would both report success with only the last one's
-    bytes in it (the same buffer passed twice, overlapping slices of one array). None
-    entries (no buffer for that chunk) are skipped. Checked against the buffers nearest
-    in address (sorted by their lowest byte, each against its predecessor and the one
-    reaching furthest so far): one exact test per buffer, not per pair."""
-    spans: list[tuple[int, int, int]] = []
-    for i, out in enumerate(outs):
-        if out is None:
-            continue
-        if not isinstance(out, np.ndarray):
-            raise InvalidArgument(f"output buffer {i} is a {type(out).__name__}, not an array")
-        if not out.flags.writeable:
-            raise InvalidArgument(f"output buffer {i} is read-only")
-        if out.nbytes:
-            low, high = byte_bounds(out)
-            spans.append((low, high, i))
-    spans.sort()
-    prev: tuple[int, int, int] | None = None
-    reach: tuple[int, int, int] | None = None
-    for span in spans:
-        for other in {prev, reach}:
-            if other is None or other[1] <= span[0]:
-                continue
-            a, b = outs[other[2]], outs[span[2]]
-            assert a is not None and b is not None
-            if np.shares_memory(a, b):
-                raise InvalidArgument(
-                    f"output buffers {other[2]} and {span[2]} share memory: each chunk "
-                    "needs a buffer of its own"
-                )
-        prev = span
-        if reach is None or span[1] > reach[1]:
-            reach = span
 
 
 def _served(form: Representation) -> Representation:

@@ -31,7 +31,7 @@ from kvlife.core.identity import ROOT_PARENT, ChunkKey
 from kvlife.faults.damage import flip, scan_frames
 from kvlife.results import LoadResult, LookupResult, PutResult
 from kvlife.store import KVStore, PendingPut
-from kvlife.store.reads import LoadCompletion
+from kvlife.store.api import LoadProgress
 from tests.helpers.damage import copy_crash_image
 from tests.helpers.oracle import CHUNK, LAYOUT, N, PromptSpec, Universe, scribble
 
@@ -218,7 +218,7 @@ class StoreDriver:
         self._ids = itertools.count(1)
         self.pendings: dict[int, tuple[PendingPut | RemotePendingPut, object]] = {}
         self.lookups: dict[int, LookupResult] = {}
-        self.loads: dict[int, tuple[LoadCompletion, list[np.ndarray] | None, int]] = {}
+        self.loads: dict[int, tuple[LoadProgress, list[np.ndarray] | None, int]] = {}
         self.futures: dict[int, tuple[Future[PutResult], object]] = {}
         self.done_futures: dict[int, PutOut | KVLifeError] = {}
 
@@ -327,10 +327,8 @@ class StoreDriver:
     def load_async_start(self, lid: int, mode: str, depth: int) -> int:
         hit = self.lookups.pop(lid)
         outs = self.handed.outs(mode, len(hit.hits), lasting=True)
-        if isinstance(self.store, KVStore):
-            handle: LoadCompletion = self.store.load_async(hit, outs, depth=depth or None)
-        else:
-            handle = self.store.load_async(hit, outs)
+        # the served store takes depth and keeps its server's own bound
+        handle = self.store.load_async(hit, outs, depth=depth or None)
         aid = next(self._ids)
         self.loads[aid] = (handle, outs, len(hit.hits))
         return aid
@@ -339,7 +337,7 @@ class StoreDriver:
         handle, outs, n = self.loads.pop(aid)
         chunks: list[bytes | None] = [None] * n
         got: list[np.ndarray] = []
-        chunk = handle.chunk  # type: ignore[attr-defined]
+        chunk = handle.chunk
         try:
             for i in reversed(range(n)) if reverse else range(n):
                 arr = chunk(i, timeout=60)

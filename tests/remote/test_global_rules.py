@@ -148,7 +148,7 @@ def test_a_rule_applied_between_a_puts_stamp_and_its_objects_still_covers_it(
 
     a, b = fleet.host("a"), fleet.host("b")
     hits(b, 9)  # B has read the index: its stamps are known
-    real = writes.creation_stamp
+    real = writes.creation_stamp  # type: ignore[attr-defined]
 
     def stamp_then_a_rule_arrives(core: object) -> object:
         born = real(core)  # type: ignore[arg-type]

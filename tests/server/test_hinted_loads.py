@@ -37,7 +37,7 @@ def test_a_fresh_lookup_is_loaded_from_its_hints(remote: RemoteStore) -> None:
     lk = remote.lookup(tiny_identity(), PUBLIC, tokens)
     assert isinstance(lk, RemoteLookup) and len(lk.hints) == 6 and all(lk.hints[1::2])
     confirmed: list[int] = []
-    roundtrip = remote._roundtrip
+    roundtrip = remote._wire.roundtrip
 
     def spy(conn: object, verb: str, *rest: object) -> object:
         r = roundtrip(conn, verb, *rest)  # type: ignore[arg-type]
@@ -46,10 +46,10 @@ def test_a_fresh_lookup_is_loaded_from_its_hints(remote: RemoteStore) -> None:
             assert r["grants"] == [], "confirmed chunks get no grant"
         return r
 
-    remote._roundtrip = spy  # type: ignore[method-assign,assignment]
+    remote._wire.roundtrip = spy  # type: ignore[method-assign,assignment]
     outs = _outs(3)
     got = remote.load(lk, outs)
-    remote._roundtrip = roundtrip  # type: ignore[method-assign]
+    remote._wire.roundtrip = roundtrip  # type: ignore[method-assign]
     assert confirmed == [3]
     assert got.loaded == 3 and all(a is o for a, o in zip(got.arrays, outs, strict=True))
     assert _exact(got.arrays, kv)
@@ -95,11 +95,11 @@ def test_forged_hints_are_never_confirmed(remote: RemoteStore) -> None:
     }
     offs, gens = lk.hints[0::2], lk.hints[1::2]
     for hints in ([offs[0], gens[0] + 1, offs[1], gens[1]], [offs[1], gens[1], offs[0], gens[0]]):
-        r = remote._call("load", {**args, "hints": hints})
+        r = remote._wire.call("load", {**args, "hints": hints})
         assert r["confirmed"] == 0 and len(r["grants"]) == 2
-        remote._release(r["load"], remote._conn)  # type: ignore[arg-type]
+        remote._wire.release(r["load"], remote._wire.conn)  # type: ignore[arg-type]
     with pytest.raises(ProtocolError, match="two per key"):
-        remote._call("load", {**args, "hints": [offs[0], gens[0]]})
+        remote._wire.call("load", {**args, "hints": [offs[0], gens[0]]})
 
 
 def test_a_lookup_from_before_a_restart_loads_its_own_bytes_or_misses(tmp_path: Path) -> None:
@@ -134,7 +134,7 @@ def test_part_of_a_lookup_keeps_its_hints_and_loads_its_own_chunks(remote: Remot
     assert [h.index for h in part.hits] == [1, 2] and part.hints == lk.hints[2:6]
     assert lk.sub(3, 9).hints == lk.hints[6:8] and lk.sub(5, 9).hints == ()
     confirmed: list[int] = []
-    roundtrip = remote._roundtrip
+    roundtrip = remote._wire.roundtrip
 
     def spy(conn: object, verb: str, *rest: object) -> object:
         r = roundtrip(conn, verb, *rest)  # type: ignore[arg-type]
@@ -142,8 +142,8 @@ def test_part_of_a_lookup_keeps_its_hints_and_loads_its_own_chunks(remote: Remot
             confirmed.append(r["confirmed"])
         return r
 
-    remote._roundtrip = spy  # type: ignore[method-assign,assignment]
+    remote._wire.roundtrip = spy  # type: ignore[method-assign,assignment]
     got = remote.load(part, _outs(2))
-    remote._roundtrip = roundtrip  # type: ignore[method-assign]
+    remote._wire.roundtrip = roundtrip  # type: ignore[method-assign]
     assert confirmed == [2] and got.loaded == 2
     assert _exact(got.arrays, kv[:, :, :, N : 3 * N])

@@ -335,7 +335,7 @@ def test_defect_7_buffer_names_are_not_predictable(srv: ServerProc) -> None:
     """Buffer file names followed from ``hello`` (``<arena>-buf-<session>-<id>``): a
     same-user file created first made ``alloc_buffer`` fail as an internal error."""
     with srv.client() as client:
-        hello = client._connected().hello
+        hello = client._wire.connected().hello
         arena, sid = hello["arena"], hello["session"]
         squatted = [Path(f"{arena}-buf-{s}-{b}") for s in (sid, sid + 1) for b in range(1, 17)]
         for path in squatted:

@@ -42,16 +42,16 @@ def test_second_put_of_a_shape_is_one_round_trip_and_adopts_staged_extents(
     assert state["staged"] == 3, "the first put stages extents for the next one"
     adopted = remote.info().tiers[0].details["adopted"]
     verbs: list[str] = []
-    roundtrip = remote._roundtrip
+    roundtrip = remote._wire.roundtrip
 
     def spy(conn: object, verb: str, *rest: object) -> object:
         verbs.append(verb)
         return roundtrip(conn, verb, *rest)  # type: ignore[arg-type]
 
-    remote._roundtrip = spy  # type: ignore[method-assign,assignment]
+    remote._wire.roundtrip = spy  # type: ignore[method-assign,assignment]
     tokens2, kv2 = prompt_kv(32, 3 * N)
     second = remote.put_prompt(ident, PUBLIC, tokens2, kv2)
-    remote._roundtrip = roundtrip  # type: ignore[method-assign]
+    remote._wire.roundtrip = roundtrip  # type: ignore[method-assign]
     assert verbs == ["put_commit"], "one round trip (the deferred put rode ahead of it)"
     assert second.stored == 3 and second.already_present == 0
     assert remote.info().tiers[0].details["adopted"] == adopted + 3  # no copy on the server
@@ -91,23 +91,23 @@ def test_a_put_naming_extents_it_was_not_given_is_a_typed_error(remote: RemoteSt
     tokens, kv = prompt_kv(41, 2 * N)
     remote.put_prompt(tiny_identity(), PUBLIC, tokens, kv)
     with pytest.raises(ProtocolError, match="no staged extent"):
-        remote._call("put", _put_args(tokens, [10**9, 10**9 + 1]))
+        remote._wire.call("put", _put_args(tokens, [10**9, 10**9 + 1]))
     with pytest.raises(ProtocolError, match="distinct staged extents"):
-        remote._call("put", _put_args(tokens, [1]))
+        remote._wire.call("put", _put_args(tokens, [1]))
     with pytest.raises(ProtocolError, match="distinct staged extents"):
-        remote._call("put", _put_args(tokens, [5, 5]))
+        remote._wire.call("put", _put_args(tokens, [5, 5]))
     # ids are the session's own: another session's (this one staged none) name nothing
     other = RemoteStore(remote.socket_path, timeout=30)
     fresh = RemoteStore(remote.socket_path, timeout=30)
     try:
         t2, kv2 = prompt_kv(42, 2 * N)
         other.put_prompt(tiny_identity(), PUBLIC, t2, kv2)
-        conn = other._conn
+        conn = other._wire.conn
         assert conn is not None
         theirs = [sid for pool in conn.staged.values() for sid, _ in pool][:2]
         assert len(theirs) == 2
         with pytest.raises(ProtocolError, match="no staged extent"):
-            fresh._call("put", _put_args(prompt_kv(43, 2 * N)[0], theirs))
+            fresh._wire.call("put", _put_args(prompt_kv(43, 2 * N)[0], theirs))
         assert quiet(remote, sessions=3)["staged"] == 4  # nothing taken from either
     finally:
         other.close()
@@ -149,13 +149,13 @@ def test_a_deferred_put_that_failed_is_raised_by_its_commit(remote: RemoteStore)
     tokens, kv = prompt_kv(44, 2 * N)
     remote.put_prompt(tiny_identity(), PUBLIC, tokens, kv)
     with pytest.raises(ProtocolError, match="no deferred put"):
-        remote._call("put_commit", {})
-    conn = remote._conn
+        remote._wire.call("put_commit", {})
+    conn = remote._wire.conn
     assert conn is not None
     bad = {**_put_args(prompt_kv(45, 2 * N)[0], [1]), "deferred": True}
     conn.sock.sendall(protocol.pack([0, "put", bad]))  # no reply: the error waits
     with pytest.raises(ProtocolError, match="distinct staged extents"):
-        remote._call("put_commit", {})
+        remote._wire.call("put_commit", {})
     state = quiet(remote)
     assert state["tentative"] == 0 and state["staged"] == 2  # nothing taken, nothing left
     t2, kv2 = prompt_kv(46, 2 * N)
@@ -170,17 +170,17 @@ def test_extents_of_a_replaced_connection_fall_back_to_the_two_phase_put(
     goes the two-phase way on the new connection, with its own bytes."""
     tokens, kv = prompt_kv(47, 2 * N)
     remote.put_prompt(tiny_identity(), PUBLIC, tokens, kv)
-    take = remote._take_staged
+    take = remote._puts.take_staged
 
     def take_then_reconnect(shape: object, count: int) -> object:
         got = take(shape, count)  # type: ignore[arg-type]
-        remote._drop()
-        remote._call("info", {})  # a new connection, a new session
+        remote._wire.drop()
+        remote._wire.call("info", {})  # a new connection, a new session
         return got
 
-    remote._take_staged = take_then_reconnect  # type: ignore[method-assign,assignment]
+    remote._puts.take_staged = take_then_reconnect  # type: ignore[method-assign,assignment]
     t2, kv2 = prompt_kv(48, 2 * N)
     assert remote.put_prompt(tiny_identity(), PUBLIC, t2, kv2).stored == 2
-    remote._take_staged = take  # type: ignore[method-assign]
+    remote._puts.take_staged = take  # type: ignore[method-assign]
     _chunks_equal(remote, t2, kv2, 2)
     assert quiet(remote)["staged"] == 2  # the new session's, from the fallback's prepare

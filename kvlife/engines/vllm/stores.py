@@ -20,101 +20,24 @@ from __future__ import annotations
 
 import atexit
 import threading
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
-
-import numpy as np
+from typing import Any
 
 from kvlife.core.errors import InvalidArgument, StoreLockedError
 from kvlife.core.events import EventSink, LifecycleEvent
-from kvlife.core.identity import ROOT_PARENT, ChunkKey, ModelIdentity, Namespace
 from kvlife.engines.errors import EngineError
-from kvlife.results import LoadResult, LookupResult, PutResult, StoreCounters
+from kvlife.store.api import StoreAPI as _StoreAPI
 
 MiB = 1 << 20
 DEFAULT_DRAM = 256 * MiB
 DEFAULT_DISK = 4096 * MiB
 
 
-class StoreAPI(Protocol):
-    """The part of the public ``KVStore`` API the engine adapters use (``KVStore`` and
-    ``RemoteStore`` both have it)."""
-
-    def lookup(
-        self,
-        identity: ModelIdentity,
-        namespace: Namespace,
-        tokens: Sequence[int] | np.ndarray,
-        *,
-        start: int = 0,
-        parent: ChunkKey = ROOT_PARENT,
-        extra_keys: Sequence[bytes] = (),
-    ) -> LookupResult: ...
-
-    def load(
-        self,
-        lookup: LookupResult,
-        outs: Sequence[np.ndarray] | None = None,
-        *,
-        request_id: str = "",
-    ) -> LoadResult: ...
-
-    def load_async(
-        self,
-        lookup: LookupResult,
-        outs: Sequence[np.ndarray] | None = None,
-        *,
-        request_id: str = "",
-    ) -> Any: ...
-
-    def put_prompt(
-        self,
-        identity: ModelIdentity,
-        namespace: Namespace,
-        tokens: Sequence[int] | np.ndarray,
-        kv: object,
-        *,
-        start: int = 0,
-        parent: ChunkKey = ROOT_PARENT,
-        extra_keys: Sequence[bytes] = (),
-        request_id: str = "",
-    ) -> PutResult: ...
-
-    def prepare_put(
-        self,
-        identity: ModelIdentity,
-        namespace: Namespace,
-        tokens: Sequence[int] | np.ndarray,
-        kv: object,
-        *,
-        start: int = 0,
-        parent: ChunkKey = ROOT_PARENT,
-        extra_keys: Sequence[bytes] = (),
-        request_id: str = "",
-    ) -> Any: ...
-
-    def put_async(self, pending: Any) -> Future[PutResult]: ...
-
-    def commit_put(self, pending: Any) -> PutResult: ...
-
-    def abort_put(self, pending: Any, reason: str = "aborted by caller") -> None: ...
-
-    def invalidate(
-        self,
-        *,
-        weights_digest: str | None = None,
-        adapter_id: str | None = None,
-        namespace: Namespace | None = None,
-        prefix: ChunkKey | None = None,
-    ) -> int: ...
-
-    @property
-    def counters(self) -> StoreCounters: ...
-
-    def close(self) -> None: ...
+StoreAPI = _StoreAPI[Any]
+"""A ``KVStore`` or a ``RemoteStore`` (:class:`kvlife.store.api.StoreAPI`; the connector
+keeps their pending puts opaque)."""
 
 
 class EmbeddedStoreInUse(EngineError):

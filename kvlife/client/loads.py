@@ -1,0 +1,268 @@
+"""The load protocol, client side: lookups, the three ways a load gets its bytes, and
+shared output buffers (the server side is :mod:`kvlife.server.loads`).
+
+1. ``lookup`` sends the prompt and gets the hits: each one's key, tier and
+   representation and, for a DRAM hit, where its replica lies in the arena now (offset
+   and allocation generation: the *hints*). The answer (:class:`RemoteLookup`)
+   remembers the identity (the load needs the layout), the hints and the connection
+   (its epoch) it came on.
+2. ``load`` sends the hits' keys, starts and the layout, and gets the bytes one of
+   three ways, chosen here:
+
+   a. *hinted* (every hit a DRAM replica with a hint from this connection, the caller's
+      buffers fitting the layout): the hints go with the request, and while the server
+      pins the replicas this side copies each chunk from where the lookup saw it. The
+      reply says how many leading chunks the server *confirmed* (the extent still holds
+      that replica: same offset, same generation); the rest come as grants.
+   b. *into shared buffers* (every buffer inside a buffer from ``alloc_buffer`` of this
+      connection): the request names (buffer, offset) targets and the server writes
+      the chunks there itself; nothing is copied here.
+   c. *grants*: the server pins each chunk in the arena (a DRAM replica, or a disk read
+      landed in a fresh extent) and replies with (offset, dtype, shape) per chunk; this
+      side copies each into the caller's buffer or a new array. With disk reads the
+      grants are *streamed*: each comes in a partial reply as soon as it verified and
+      is copied while the server reads the next; the final reply says how many streamed
+      chunks still count (one invalidated meanwhile is a miss) and grants the rest.
+
+3. The grant (what the server pinned for a, c) is released with the next request, or
+   at once when a copy failed (:meth:`~kvlife.client.wire.Wire.release`).
+
+Copies: one per chunk (arena to buffer) in a and c, none in b.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvlife.client.connection import Connection
+from kvlife.client.handles import RemoteLoadHandle, RemoteLookup
+from kvlife.client.wire import Wire
+from kvlife.core import errors
+from kvlife.core.errors import InvalidArgument
+from kvlife.core.identity import KVLayout
+from kvlife.core.objects import PromptRef, TierName
+from kvlife.core.payload import numpy_dtype
+from kvlife.results import ChunkHit, LoadResult, LookupResult
+from kvlife.server import protocol
+from kvlife.transforms.contract import Accept
+
+OnChunk = Callable[[int, np.ndarray | None], None]
+"""Told of each chunk as soon as it is in its buffer (an asynchronous load's handle)."""
+
+
+class Loads:
+    """The client side of the load protocol on one :class:`Wire`."""
+
+    def __init__(self, wire: Wire) -> None:
+        self.wire = wire
+
+    def lookup(self, prompt: PromptRef, accept: Accept) -> RemoteLookup:
+        args = protocol.encode_prompt(prompt)
+        if accept != Accept.EXACT:
+            args["opts"] = {"accept": protocol.encode_accept(accept)}
+        r, conn = self.wire.call_on("lookup", args)
+        n = prompt.identity.layout.tokens_per_chunk
+        names = [TierName(t) for t in self.wire.names]
+        start = prompt.start
+        # the reply's fields are msgpack str/int/float already: no per-hit conversions
+        # (a 128-chunk lookup builds 128 hits)
+        hits = [
+            ChunkHit(i, key, start + i * n, names[t], *f)
+            for i, (key, t, f) in enumerate(
+                zip(protocol.split_keys(r["keys"]), r["tiers"], r["forms"], strict=True)
+            )
+        ]
+        refusal = str(r["refusal"])
+        return RemoteLookup(
+            hits,
+            r["chunks_total"],
+            n,
+            accept,
+            int(bool(refusal)),
+            refusal,
+            prompt.identity,
+            tuple(r.get("hints", ())),
+            conn.epoch,
+        )
+
+    def load(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None,
+        request_id: str,
+        on_chunk: OnChunk | None = None,
+    ) -> LoadResult:
+        hits = lookup.hits
+        if not hits:
+            return LoadResult([], 0, 0)
+        args: dict[str, Any] = {
+            "keys": b"".join(h.key for h in hits),
+            "starts": [h.start for h in hits],
+            "chunks_total": lookup.chunks_total,
+            "accept": protocol.encode_accept(lookup.accept),
+        }
+        early = None
+        epoch = lookup.epoch if isinstance(lookup, RemoteLookup) else -1
+        if isinstance(lookup, RemoteLookup) and lookup.identity is not None:
+            # the layout lets the server read disk hits straight into arena extents
+            args["layout"] = protocol.encode_layout(lookup.identity.layout)
+            if outs is not None:  # all in DRAM: copied here from the hints, any buffers
+                early = self._hinted(lookup, outs, args)
+            if outs is not None and early is None:
+                into = self._targets(outs, lookup.identity.layout)
+                if into is not None:
+                    args["into"] = into
+        if request_id:
+            args["request_id"] = request_id
+        arrays: list[np.ndarray] = []
+        view = self.wire.view
+
+        def take(conn: Connection, i: int, off: int, dtype: str, shape: Sequence[int]) -> None:
+            src = view(conn, off, dtype, shape)
+            if outs is not None:
+                out = outs[i]
+                if out.shape != src.shape or out.dtype != src.dtype:
+                    raise InvalidArgument(
+                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
+                        f"{src.dtype}{list(src.shape)}"
+                    )
+                np.copyto(out, src)
+            else:
+                out = np.empty(src.shape, src.dtype)
+                np.copyto(out, src)
+                out.flags.writeable = False
+            del src
+            arrays.append(out)
+            if on_chunk is not None:
+                on_chunk(i, out)
+
+        def part(conn: Connection, p: list[Any]) -> None:
+            # a chunk read from disk, sent as soon as it verified: copied while the
+            # server reads the next ones
+            if p[0] != len(arrays):
+                raise errors.ProtocolError(f"streamed chunk {p[0]} out of order")
+            take(conn, p[0], p[1], p[2], p[3])
+
+        args["stream"] = True
+        copied: list[np.ndarray] = []
+        after = None
+        if early is not None and outs is not None:
+            dst = outs
+
+            def after(conn: Connection) -> None:
+                # copy every DRAM hit from where the lookup saw it while the server
+                # pins it; it confirms the extents still hold those replicas
+                if conn.epoch != epoch:
+                    return  # another server's arena since the lookup: nothing is copied
+                for out, (off, dtype) in zip(dst, early, strict=True):
+                    np.copyto(out, view(conn, off, dtype, out.shape))
+                    copied.append(out)
+
+        r, conn = self.wire.call_on("load", args, part, after)
+        if "into" in r:  # landed in the caller's shared buffers: nothing to copy
+            assert outs is not None
+            landed = list(outs[: r["into"]])
+            if on_chunk is not None:
+                for i, a in enumerate(landed):
+                    on_chunk(i, a)
+            return _result(landed, r)
+        del arrays[r["streamed"] :]  # a streamed chunk invalidated meanwhile is a miss
+        confirmed = r.get("confirmed", 0)
+        try:
+            if confirmed:
+                if confirmed > len(copied):  # granted nothing for chunks it confirmed
+                    confirmed = 0  # and this client did not copy: they are a miss
+                    r["grants"] = []
+                arrays += copied[:confirmed]
+                if on_chunk is not None:
+                    for i, a in enumerate(arrays):
+                        on_chunk(i, a)
+            for j, (off, dtype, shape) in enumerate(r["grants"]):
+                take(conn, r["streamed"] + confirmed + j, off, dtype, shape)
+        finally:
+            if r["load"]:
+                self.wire.release(r["load"], conn)
+        return _result(arrays, r)
+
+    def load_async(
+        self, lookup: LookupResult, outs: Sequence[np.ndarray] | None, request_id: str
+    ) -> RemoteLoadHandle:
+        handle = RemoteLoadHandle(len(lookup.hits))
+        fut = self.wire.pool().submit(self.load, lookup, outs, request_id, handle._chunk_done)
+        fut.add_done_callback(handle._finish)
+        return handle
+
+    def _hinted(
+        self, lookup: RemoteLookup, outs: Sequence[np.ndarray], args: dict[str, Any]
+    ) -> list[tuple[int, str]] | None:
+        """(offset, dtype) of each hit when every hit is a DRAM replica whose place the
+        lookup on this connection named and every buffer fits it (the hints go into
+        ``args``); else None (the load takes the grant path)."""
+        hints = lookup.hints
+        conn = self.wire.conn
+        if conn is None or conn.epoch != lookup.epoch or len(hints) != 2 * len(outs):
+            return None
+        if lookup.identity is None:
+            return None
+        layout = lookup.identity.layout
+        dtype = numpy_dtype(layout.dtype)
+        early: list[tuple[int, str]] = []
+        for i, out in enumerate(outs):
+            if not hints[2 * i + 1] or out.shape != layout.chunk_shape or out.dtype != dtype:
+                return None
+            early.append((hints[2 * i], dtype.str))
+        args["hints"] = list(hints)
+        return early
+
+    def _targets(self, outs: Sequence[np.ndarray], layout: KVLayout) -> list[int] | None:
+        """(buffer, offset) of each output buffer if all lie in this connection's shared
+        buffers and fit the layout; else None (the grant path, one copy here)."""
+        conn = self.wire.conn
+        if conn is None or not conn.buffers or not outs:
+            return None
+        dtype = numpy_dtype(layout.dtype)
+        into: list[int] = []
+        for out in outs:
+            if out.shape != layout.chunk_shape or out.dtype != dtype or not out.flags.c_contiguous:
+                return None
+            addr = out.ctypes.data
+            for base, size, bid, _ in conn.buffers:
+                if base <= addr and addr + out.nbytes <= base + size:
+                    into += [bid, addr - base]
+                    break
+            else:
+                return None
+        return into
+
+    def alloc_buffer(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of shared memory the server writes loads into (RemoteStore's
+        ``alloc_buffer``): made by the server, mapped here, kept with the connection."""
+        r, conn = self.wire.call_on("alloc_buffer", {"nbytes": nbytes})
+        fd = os.open(r["path"], os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(fd, r["nbytes"], flags=flags)
+        finally:
+            os.close(fd)
+        arr = np.frombuffer(mapping, np.uint8, count=nbytes)
+        with self.wire.lock:
+            conn.buffers.append((arr.ctypes.data, r["nbytes"], r["buffer"], mapping))
+        return arr
+
+
+def _result(arrays: list[np.ndarray], r: dict[str, Any]) -> LoadResult:
+    tiers = {str(k): int(v) for k, v in r["tiers"].items()}
+    return LoadResult(
+        arrays,
+        len(arrays),
+        r["requested"],
+        tiers=tiers,
+        corrupt=protocol.split_keys(r["corrupt"]),
+        vanished=r["vanished"],
+        read_errors=r["read_errors"],
+    )

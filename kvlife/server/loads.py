@@ -1,0 +1,334 @@
+"""The load protocol, server side: lookups, loads by grant (streamed, confirmed from the
+lookup's hints) or into shared buffers, releases, and the shared buffers themselves
+(the client side is :mod:`kvlife.client.loads`).
+
+1. ``lookup``: the store's lookup; for each DRAM hit, where its replica lies now in the
+   arena (offset and allocation generation: the *hints*; 0, 0 for other tiers).
+2. ``load`` of the hits' keys (with the layout when the client knows it), one of two
+   ways:
+
+   a. *into* the session's shared buffers (``into`` names buffer and offset per hit):
+      the store loads straight into views of them (disk reads by O_DIRECT, DRAM hits
+      copied here); the reply grants nothing.
+   b. by *grant*: the grant is charged first (every chunk at the layout's size); the
+      store loads the hits, DRAM hits as views of their replicas, disk hits read into
+      fresh arena extents in chunk order with :data:`STREAM_BYTES_IN_FLIGHT` in flight.
+      With ``stream``, each disk chunk's (offset, dtype, shape) goes out in a partial
+      reply as soon as it and every chunk before it verified. Leading chunks whose
+      replica is the very extent the client's ``hints`` named (same offset, same
+      generation) are *confirmed*: the client copied them already while this pinned
+      them. The rest get grants (a chunk read outside the arena is copied into an
+      extent first). The reply counts streamed, confirmed and granted chunks; every
+      array handed out is held as the session's load grant (pinned) until released.
+3. ``release`` of a load: its arrays are dropped (extents of deleted replicas freed),
+   its budget given back. A session that ends releases all of its grants.
+
+``alloc_buffer`` / ``free_buffer``: a shared-memory file of the session's (charged to the
+buffer and descriptor budgets), removed when freed or when the session ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlife.core.errors import ProtocolError
+from kvlife.core.identity import ChunkKey, KVLayout
+from kvlife.core.payload import numpy_dtype
+from kvlife.results import ChunkHit, LookupResult
+from kvlife.server import protocol
+from kvlife.server.buffers import SharedBuffer
+from kvlife.server.context import SessionContext
+from kvlife.server.limits import page_charge
+from kvlife.store.api import LoadProgress
+from kvlife.transforms.contract import Accept
+
+STREAM_BYTES_IN_FLIGHT = 2 << 20
+"""Bytes of disk reads a streamed load keeps in flight (at least one chunk)."""
+
+
+@dataclass(slots=True)
+class _Grant:
+    arrays: list[np.ndarray]
+    """What the client was granted (pinned until it releases the load)."""
+    charge: int
+    """Bytes of the grant budget it holds."""
+
+
+class Loads:
+    """The load protocol of one session: its grants and its shared buffers."""
+
+    def __init__(self, ctx: SessionContext) -> None:
+        self.ctx = ctx
+        self.grants: dict[int, _Grant] = {}
+        self.buffers: dict[int, SharedBuffer] = {}
+
+    def close(self) -> int:
+        """Drop every grant and shared buffer; how many grants."""
+        with self.ctx.lock:
+            grants = len(self.grants)
+            buffers = list(self.buffers.values())
+            self.grants.clear()
+            self.buffers.clear()
+        for buf in buffers:
+            buf.drop()
+        return grants
+
+    # ------------------------------------------------------------------ verbs
+
+    def lookup(self, args: dict[str, Any]) -> object:
+        ctx = self.ctx
+        p = ctx.prompt(args)
+        opts = dict(args.get("opts", {}))
+        if "accept" in opts:
+            opts["accept"] = protocol.decode_accept(opts["accept"])
+        res = ctx.store.lookup(
+            p.identity,
+            p.namespace,
+            p.tokens,
+            start=p.start,
+            parent=p.parent,
+            extra_keys=p.extra_keys,
+            **opts,
+        )
+        names = list(ctx.store.tier_names)
+        shm = ctx.shm
+        hints: list[int] = []
+        for h in res.hits:
+            where = shm.hint(h.key) if h.tier == shm.name else None
+            hints += where if where is not None else (0, 0)
+        return {
+            "keys": b"".join(h.key for h in res.hits),
+            # where each DRAM hit lies now (offset, generation; 0, 0 for other tiers): a
+            # load may copy from there at once and have the server confirm it
+            "hints": hints,
+            "tiers": [names.index(h.tier) for h in res.hits],
+            "chunks_total": res.chunks_total,
+            # each hit's representation: what it will serve and what decoding it costs
+            "forms": [
+                [h.transform, h.exactness, h.stored_nbytes, h.decode_nbytes, h.decode_seconds]
+                for h in res.hits
+            ],
+            "refusal": res.refusal,
+        }
+
+    def load(self, args: dict[str, Any]) -> object:
+        ctx = self.ctx
+        keys = protocol.split_keys(args["keys"])
+        starts = args["starts"]
+        if len(starts) != len(keys):
+            raise ProtocolError(f"{len(starts)} starts for {len(keys)} keys")
+        if len(keys) > args["chunks_total"]:
+            raise ProtocolError(f"{len(keys)} hits of a prompt of {args['chunks_total']} chunks")
+        ctx.chunks(len(keys))
+        layout = protocol.decode_layout(args["layout"]) if "layout" in args else None
+        if layout is not None:
+            ctx.fits(layout)
+        if "into" in args:
+            lookup = self._lookup_of(args, keys, layout)
+            return self._into(lookup, args["into"], layout, args.get("request_id", ""))
+        # the grant is charged before the load: every chunk at its layout's size (none
+        # known: at the size it turns out to have, checked before it is handed out)
+        charge = len(keys) * page_charge(layout.chunk_nbytes) if layout is not None else 0
+        grant = {"loads": 1, "grant_bytes": charge}
+        ctx.take(grant, f"session {ctx.sid}'s load of {len(keys)} chunks")
+        try:
+            return self._granted(args, keys, layout, charge)
+        except BaseException:
+            ctx.give(grant)
+            raise
+
+    def release(self, args: dict[str, Any]) -> object:
+        with self.ctx.lock:
+            grant = self.grants.pop(args["load"], None)
+        if grant is None:
+            raise ProtocolError(f"session {self.ctx.sid} holds no load {args['load']}")
+        grant.arrays.clear()
+        self.ctx.give({"loads": 1, "grant_bytes": grant.charge})
+        return None
+
+    def alloc_buffer(self, args: dict[str, Any]) -> object:
+        ctx = self.ctx
+        size = page_charge(args["nbytes"])
+        # one descriptor each: the server's mapping keeps one open
+        charge = {"buffers": 1, "buffer_bytes": size, "descriptors": 1}
+        ctx.take(charge, f"session {ctx.sid}'s shared buffers")
+        try:
+            buf = SharedBuffer.create(Path(f"{ctx.arena.path}-buf"), size)
+        except BaseException:
+            ctx.give(charge)
+            raise
+        with ctx.lock:
+            bid = ctx.new_id()
+            self.buffers[bid] = buf
+        return {"buffer": bid, "path": str(buf.path), "nbytes": buf.size}
+
+    def free_buffer(self, args: dict[str, Any]) -> object:
+        with self.ctx.lock:
+            buf = self.buffers.pop(args["buffer"], None)
+        if buf is None:
+            raise ProtocolError(f"session {self.ctx.sid} holds no buffer {args['buffer']}")
+        buf.drop()
+        self.ctx.give({"buffers": 1, "buffer_bytes": buf.size, "descriptors": 1})
+        return None
+
+    # ------------------------------------------------------------------ the two ways
+
+    def _lookup_of(
+        self, args: dict[str, Any], keys: list[ChunkKey], layout: KVLayout | None
+    ) -> LookupResult:
+        shm = self.ctx.shm.name
+        return LookupResult(
+            [
+                ChunkHit(i, k, s, shm)
+                for i, (k, s) in enumerate(zip(keys, args["starts"], strict=True))
+            ],
+            args["chunks_total"],
+            layout.tokens_per_chunk if layout is not None else 1,
+            protocol.decode_accept(args["accept"]) if "accept" in args else Accept.EXACT,
+        )
+
+    def _granted(
+        self, args: dict[str, Any], keys: list[ChunkKey], layout: KVLayout | None, charge: int
+    ) -> object:
+        """A load through grants (``charge``: what its grant holds of the budget so far)."""
+        ctx = self.ctx
+        store, arena = ctx.store, ctx.arena
+        lookup = self._lookup_of(args, keys, layout)
+        # hits on slower tiers are read straight into arena extents; DRAM hits are served
+        # as views of their replicas (out None). load_async reads chunk by chunk, so a
+        # chunk whose tier changed since this check is still read correctly either way.
+        request_id = args.get("request_id", "")
+        shm_tier = ctx.shm
+        streamed: list[np.ndarray] = []
+        kept = 0
+        if layout is None or all(shm_tier.contains(k) for k in keys):
+            # every hit in DRAM (or no layout: fresh memory, copied below): the caller's
+            # thread, no hand-offs to the I/O pool
+            res = store.load(lookup, None, request_id=request_id)
+        else:
+            dtype = numpy_dtype(layout.dtype)
+            outs = [
+                None
+                if shm_tier.contains(k)
+                else arena.alloc(layout.chunk_nbytes, dtype, layout.chunk_shape)
+                for k in keys
+            ]
+            # reads in chunk order, few in flight: the client copies chunk i out of the
+            # arena while chunk i + 1 is read (all at once they would finish together)
+            depth = max(1, STREAM_BYTES_IN_FLIGHT // layout.chunk_nbytes)
+            handle = store.load_async(lookup, outs, request_id=request_id, depth=depth)  # type: ignore[arg-type]
+            streamed = self._stream(handle) if args.get("stream") else []
+            res = handle.wait()
+        grants: list[list[object]] = []
+        # streamed chunks that the load's publication still counts (one invalidated
+        # meanwhile is not), chunks the client already copied from its lookup's hints,
+        # then grants for the rest
+        held: list[np.ndarray] = streamed[: res.loaded]
+        kept = len(held)
+        confirmed = self._confirm(args.get("hints"), res.arrays, len(keys)) if not kept else 0
+        held += res.arrays[:confirmed]
+        for arr in res.arrays[kept + confirmed :]:
+            off = arena.offset_of(arr)
+            if off is None:  # a disk read into fresh memory: into the arena for the client
+                dst = arena.alloc(arr.nbytes, arr.dtype, arr.shape)
+                if dst is None:
+                    break  # no room to hand it over: the rest is a miss
+                np.copyto(dst, arr)
+                arr = dst
+                off = arena.offset_of(arr)
+                assert off is not None
+            held.append(arr)
+            grants.append([off, arr.dtype.str, list(arr.shape)])
+        actual = sum(page_charge(a.nbytes) for a in held)
+        if actual > charge:  # no layout was given: charged now, before it is handed out
+            ctx.take({"grant_bytes": actual - charge}, f"session {ctx.sid}")
+        elif held and actual < charge:
+            ctx.give({"grant_bytes": charge - actual})
+        lid = 0
+        if held:
+            with ctx.lock:
+                lid = ctx.new_id()
+                self.grants[lid] = _Grant(held, actual)
+        else:
+            ctx.give({"loads": 1, "grant_bytes": charge})
+        return {
+            "load": lid,
+            "grants": grants,
+            "streamed": kept,
+            "confirmed": confirmed,
+            "requested": res.requested,
+            "tiers": dict(res.tiers),
+            "corrupt": b"".join(res.corrupt),
+            "vanished": res.vanished + (res.loaded - len(held)),
+            "read_errors": res.read_errors,
+        }
+
+    def _confirm(self, hints: list[int] | None, arrays: list[np.ndarray], nkeys: int) -> int:
+        """Leading chunks whose served replica is the extent the client's hint named,
+        same offset and generation: the client's copy from there, made after the lookup
+        and finished before it releases this load, read only that replica (the extent
+        was not reallocated before this pin, and cannot be until the release)."""
+        if not hints:
+            return 0
+        if len(hints) != 2 * nkeys:
+            raise ProtocolError(f"{len(hints)} hint numbers for {nkeys} keys: two per key")
+        arena = self.ctx.arena
+        n = 0
+        for arr, i in zip(arrays, range(0, len(hints), 2), strict=False):
+            off = arena.offset_of(arr)
+            gen = hints[i + 1]
+            if off is None or off != hints[i] or not gen or arena.generation(off) != gen:
+                break
+            n += 1
+        return n
+
+    def _stream(self, handle: LoadProgress) -> list[np.ndarray]:
+        """Send each chunk's grant as soon as it (and every chunk before it) verified, so
+        the client copies chunk i while later chunks are still read. Only arena arrays
+        are streamed; the first other one (or a miss) ends the stream."""
+        ctx = self.ctx
+        sent: list[np.ndarray] = []
+        if ctx.part is None or not ctx.rid:
+            return sent
+        for i in range(len(handle)):
+            arr = handle.chunk(i)
+            off = ctx.arena.offset_of(arr) if arr is not None else None
+            if arr is None or off is None:
+                break
+            sent.append(arr)
+            ctx.part(protocol.part_reply(ctx.rid, [i, off, arr.dtype.str, list(arr.shape)]))
+        return sent
+
+    def _into(
+        self, lookup: LookupResult, into: list[int], layout: KVLayout | None, request_id: str
+    ) -> object:
+        """Load straight into the session's shared buffers (no grants, no client copy)."""
+        if layout is None:
+            raise ProtocolError("a load into shared buffers needs the layout")
+        if len(into) != 2 * len(lookup.hits):
+            raise ProtocolError(f"{len(into)} target numbers for {len(lookup.hits)} hits")
+        outs = []
+        for i in range(0, len(into), 2):
+            buf = self.buffers.get(into[i])
+            if buf is None:
+                raise ProtocolError(f"session {self.ctx.sid} holds no buffer {into[i]}")
+            outs.append(buf.view(into[i + 1], layout))
+        store = self.ctx.store
+        if all(self.ctx.shm.contains(h.key) for h in lookup.hits):
+            res = store.load(lookup, outs, request_id=request_id)
+        else:  # reads in parallel on the I/O pool
+            res = store.load_async(lookup, outs, request_id=request_id).wait()
+        return {
+            "load": 0,
+            "grants": [],
+            "into": res.loaded,
+            "requested": res.requested,
+            "tiers": dict(res.tiers),
+            "corrupt": b"".join(res.corrupt),
+            "vanished": res.vanished,
+            "read_errors": res.read_errors,
+        }

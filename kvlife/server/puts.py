@@ -1,0 +1,348 @@
+"""The put protocol, server side: the two-phase put into reserved extents and the
+one-round-trip put into staged extents (the client side is :mod:`kvlife.client.puts`).
+
+Two-phase (``prepare_put``, then ``commit_put`` or ``abort_put``):
+
+1. ``prepare_put``: the put is charged first (every chunk at whole pages, whether it
+   gets an extent or not: its lists are held either way). The store's ``prepare_put``
+   creates the TENTATIVE objects with zero-memory stand-ins for the chunks; each chunk
+   the store lacks gets an arena extent (the arena full: StorageFullError, the put
+   aborted). The reply names the put, the extents (chunk number, offset) and, with
+   ``stage``, new extents staged for the session's next puts of that shape.
+2. The client copies its chunks into the extents.
+3. ``commit_put`` seals the extents (read-only) and runs the store's commit: the shm
+   tier adopts each as the replica without a copy. ``abort_put`` rolls the put back.
+   Either gives the put's budget back.
+
+Staged (``put`` and ``put_commit``, on extents staged for the session):
+
+1. A ``put`` names one staged extent per chunk of the prompt, in order (ids of this
+   session, distinct, of the prompt's chunk shape). They leave the session's staged
+   pool; the store's ``prepare_put`` takes them as the chunks' arrays; replacements for
+   the extents the new chunks will take are staged at once.
+2. ``deferred``: the client sent the ``put`` with no reply wanted before copying; the
+   prepared put (or its error) waits here for the ``put_commit``, while the client
+   copies. A ``put`` without it commits at once.
+3. ``put_commit`` seals the extents of the new chunks and commits; their extents become
+   replicas. The extents of chunks the store held already go back to the staged pool
+   with the replacements; the reply names them all.
+
+A session that ends aborts its pending puts and its deferred put, and frees its staged
+extents (:meth:`Puts.close`). Staging is best effort: within ``--session-staged-bytes``
+and the session's put share, as far as the arena has room.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvlife.core.errors import KVLifeError, ProtocolError, StorageFullError
+from kvlife.core.identity import KVLayout
+from kvlife.core.objects import PromptRef
+from kvlife.core.payload import numpy_dtype
+from kvlife.server import protocol
+from kvlife.server.context import SessionContext
+from kvlife.server.limits import page_charge
+from kvlife.store.writes import PendingPut
+
+
+@dataclass(slots=True)
+class _Put:
+    pending: PendingPut
+    views: list[np.ndarray]
+    """Arena extents the client writes, one per new chunk (sealed at commit)."""
+    charge: int
+    """Bytes of the put budget it holds (every chunk, whole pages)."""
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A put into staged extents between its prepare and its commit."""
+
+    pending: PendingPut
+    ids: list[int]
+    views: list[np.ndarray]
+    layout: KVLayout
+    refill: list[list[int]]
+    """Extents staged for the client in place of those the new chunks take."""
+
+
+class Puts:
+    """The put protocol of one session: its pending puts, staged extents and deferred
+    put."""
+
+    def __init__(self, ctx: SessionContext) -> None:
+        self.ctx = ctx
+        self.pending: dict[int, _Put] = {}
+        self.staged: dict[int, np.ndarray] = {}
+        """Arena extents staged for this session's next puts, by id (the client writes
+        them, a ``put`` adopts them; freed with the session)."""
+        self.deferred: _Staged | None = None
+        """A deferred ``put`` waiting for its ``put_commit`` (the client is copying)."""
+        self.deferred_error: KVLifeError | None = None
+
+    def close(self, reason: str) -> int:
+        """Abort every pending put and the deferred one, free the staged extents; how
+        many puts were aborted."""
+        with self.ctx.lock:
+            puts = list(self.pending.values())
+            self.pending.clear()
+            self.staged.clear()  # their extents go back to the arena with the views
+        deferred = int(self.deferred is not None)
+        self._drop_deferred(reason)
+        for put in puts:
+            put.views.clear()
+            self.ctx.store.abort_put(put.pending, reason)
+        return len(puts) + deferred
+
+    # ------------------------------------------------------------------ two-phase
+
+    def prepare_put(self, args: dict[str, Any]) -> object:
+        ctx = self.ctx
+        p = ctx.prompt(args)
+        layout = p.identity.layout
+        ctx.fits(layout)
+        nchunks = len(p.tokens) // layout.tokens_per_chunk
+        # every chunk is charged, whether it gets an extent or another put is writing it
+        # (its lists are held either way), before anything is made
+        charge = nchunks * page_charge(layout.chunk_nbytes)
+        lease = {"puts": 1, "put_bytes": charge}
+        ctx.take(lease, f"session {ctx.sid}'s put of {nchunks} chunks")
+        try:
+            return self._reserve(args, p, nchunks, charge)
+        except BaseException:
+            ctx.give(lease)
+            raise
+
+    def _reserve(self, args: dict[str, Any], p: PromptRef, nchunks: int, charge: int) -> object:
+        """Prepare the put and reserve an extent per chunk the store lacks."""
+        ctx = self.ctx
+        layout = p.identity.layout
+        dtype = numpy_dtype(layout.dtype)
+        # zero-memory stand-ins: only the chunks the store does not hold get an extent
+        dummy = np.lib.stride_tricks.as_strided(
+            np.zeros(1, dtype), shape=layout.chunk_shape, strides=(0,) * 5, writeable=False
+        )
+        pending = self._prepare(p, [dummy] * nchunks, args)
+        index = {k: i for i, k in enumerate(pending.keys)}
+        views: list[np.ndarray] = []
+        slots: list[list[int]] = []
+        try:
+            for j, (rec, _) in enumerate(pending.items):
+                view = ctx.arena.alloc(layout.chunk_nbytes, dtype, layout.chunk_shape)
+                if view is None:
+                    raise StorageFullError(
+                        f"the arena has no room to stage chunk {index[rec.key]} of this put "
+                        f"({ctx.arena.stats()})"
+                    )
+                pending.items[j] = (rec, view)
+                views.append(view)
+                off = ctx.arena.offset_of(view)
+                assert off is not None
+                slots.append([index[rec.key], off])
+        except BaseException:
+            views.clear()
+            pending.items[:] = [(rec, dummy) for rec, _ in pending.items]
+            ctx.store.abort_put(pending, "no room to stage the put")
+            raise
+        staged = self._stage(layout, args.get("stage", 0))
+        with ctx.lock:  # last: from here on commit or abort gives its budget back
+            pid = ctx.new_id()
+            self.pending[pid] = _Put(pending, views, charge)
+        return {
+            "put": pid,
+            "keys": b"".join(pending.keys),
+            "slots": slots,
+            "present": pending.present,
+            "in_flight": pending.in_flight,
+            "staged": staged,
+        }
+
+    def commit_put(self, args: dict[str, Any]) -> object:
+        put = self._take(args["put"])
+        for view in put.views:
+            view.flags.writeable = False  # sealed: the tier adopts it without a copy
+        put.views.clear()
+        try:
+            return protocol.encode_put_result(self.ctx.store.commit_put(put.pending))
+        finally:
+            self._done(put)
+
+    def abort_put(self, args: dict[str, Any]) -> object:
+        put = self._take(args["put"])
+        put.views.clear()
+        try:
+            self.ctx.store.abort_put(put.pending, args.get("reason", "aborted by caller"))
+        finally:
+            self._done(put)
+        return None
+
+    def _take(self, pid: int) -> _Put:
+        with self.ctx.lock:
+            put = self.pending.pop(pid, None)
+        if put is None:
+            raise ProtocolError(f"session {self.ctx.sid} holds no pending put {pid}")
+        return put
+
+    def _done(self, put: _Put) -> None:
+        self.ctx.give({"puts": 1, "put_bytes": put.charge})
+
+    def _prepare(self, p: PromptRef, chunks: list[np.ndarray], args: dict[str, Any]) -> PendingPut:
+        return self.ctx.store.prepare_put(
+            p.identity,
+            p.namespace,
+            p.tokens,
+            chunks,
+            start=p.start,
+            parent=p.parent,
+            extra_keys=p.extra_keys,
+            request_id=args.get("request_id", ""),
+        )
+
+    # ------------------------------------------------------------------ staged
+
+    def put(self, args: dict[str, Any]) -> object:
+        """The one-round-trip put: the client wrote every chunk of the prompt into the
+        staged extents it names (one per chunk, in order); the chunks the store lacks are
+        adopted as they are (no copy), the other extents stay staged for the client.
+
+        ``deferred``: the client sends this before writing the chunks (no reply) and
+        ``put_commit`` after, so the store prepares the put while the client copies;
+        an error of the prepare is raised by the ``put_commit``."""
+        if not args.get("deferred"):
+            return self._finish_staged(self._begin_staged(args))
+        self._drop_deferred("a new deferred put replaced it")
+        try:
+            self.deferred = self._begin_staged(args)
+        except KVLifeError as exc:
+            self.deferred_error = exc
+        return None
+
+    def put_commit(self, args: dict[str, Any]) -> object:
+        staged, error = self.deferred, self.deferred_error
+        self.deferred, self.deferred_error = None, None
+        if error is not None:
+            raise error
+        if staged is None:
+            raise ProtocolError(f"session {self.ctx.sid} has no deferred put to commit")
+        return self._finish_staged(staged)
+
+    def _stage(self, layout: KVLayout, count: int) -> list[list[int]]:
+        """Up to ``count`` new staged extents of one chunk of ``layout`` ([id, offset]
+        each), as far as the session's staging budget and the arena's room allow."""
+        ctx = self.ctx
+        dtype = numpy_dtype(layout.dtype)
+        n = layout.chunk_nbytes
+        size = page_charge(n)
+        out: list[list[int]] = []
+        for _ in range(count):
+            if ctx.closed or not self._try_stage(size):
+                break  # staging is best effort: a put without it takes two round trips
+            view = ctx.arena.alloc(n, dtype, layout.chunk_shape)
+            if view is None:
+                self._unstage_bytes(size)
+                break
+            off = ctx.arena.offset_of(view)
+            assert off is not None
+            with ctx.lock:
+                sid = ctx.new_id()
+                self.staged[sid] = view
+            out.append([sid, off])
+        return out
+
+    def _try_stage(self, size: int) -> bool:
+        """Charge one staged extent (to the staged and the put budgets), if it fits."""
+        return self.ctx.try_take({"staged_bytes": size, "put_bytes": size})
+
+    def _unstage_bytes(self, size: int) -> None:
+        self.ctx.give({"staged_bytes": size, "put_bytes": size})
+
+    def _drop_deferred(self, reason: str) -> None:
+        staged, self.deferred, self.deferred_error = self.deferred, None, None
+        if staged is not None:
+            self._drop_views(staged.views)
+            self._unstage(staged.refill)
+            self.ctx.store.abort_put(staged.pending, reason)
+
+    def _drop_views(self, views: list[np.ndarray]) -> None:
+        """Staged extents a put took and will not give back: freed, uncharged."""
+        self.ctx.give({"put_bytes": sum(page_charge(v.nbytes) for v in views)})
+        views.clear()
+
+    def _unstage(self, extents: list[list[int]]) -> None:
+        """Staged extents the client was never told of (their put failed): freed."""
+        with self.ctx.lock:
+            views = [self.staged.pop(sid, None) for sid, _ in extents]
+        for view in views:
+            if view is not None:
+                self._unstage_bytes(page_charge(view.nbytes))
+
+    def _begin_staged(self, args: dict[str, Any]) -> _Staged:
+        ctx = self.ctx
+        p = ctx.prompt(args)
+        layout = p.identity.layout
+        ids = args["staged"]
+        nchunks = len(p.tokens) // layout.tokens_per_chunk
+        if len(ids) != nchunks or len(set(ids)) != len(ids):
+            raise ProtocolError(f"{len(ids)} distinct staged extents for {nchunks} chunks")
+        views: list[np.ndarray] = []
+        with ctx.lock:
+            for sid in ids:
+                view = self.staged.get(sid)
+                if view is None:
+                    raise ProtocolError(f"session {ctx.sid} holds no staged extent {sid}")
+                if view.shape != layout.chunk_shape or view.dtype != numpy_dtype(layout.dtype):
+                    raise ProtocolError(
+                        f"staged extent {sid} is {view.dtype}{list(view.shape)}, not a chunk "
+                        "of this put's layout"
+                    )
+                views.append(view)
+            for sid in ids:  # the put owns them now; unused ones are staged again later
+                del self.staged[sid]
+        # still the session's (put budget), no longer staged
+        ctx.give({"staged_bytes": sum(page_charge(v.nbytes) for v in views)})
+        try:
+            pending = self._prepare(p, views, args)
+        except BaseException:
+            self._drop_views(views)
+            raise
+        # replacements for the extents the new chunks will take, made now (a deferred put
+        # is prepared while the client copies): the commit only hands them out
+        refill = self._stage(layout, len(pending.items))
+        return _Staged(pending, ids, views, layout, refill)
+
+    def _finish_staged(self, staged: _Staged) -> dict[str, Any]:
+        ctx = self.ctx
+        pending, arena = staged.pending, ctx.arena
+        used = {arena.offset_of(arr) for _, arr in pending.items}
+        for _, arr in pending.items:
+            arr.flags.writeable = False  # sealed: the tier adopts it without a copy
+        try:
+            res = ctx.store.commit_put(pending)
+        except BaseException:
+            self._drop_views(staged.views)
+            self._unstage(staged.refill)
+            raise
+        pending.items.clear()
+        kept: list[list[int]] = []
+        gone = 0
+        with ctx.lock:
+            for sid, view in zip(staged.ids, staged.views, strict=True):
+                off = arena.offset_of(view)
+                if off in used or ctx.closed:
+                    gone += page_charge(view.nbytes)
+                    continue  # a replica now (or the session ended): never staged again
+                assert off is not None
+                self.staged[sid] = view
+                kept.append([sid, off])
+        staged.views.clear()
+        ctx.give({"put_bytes": gone})
+        # back where they were taken from a moment ago: no check
+        ctx.force({"staged_bytes": page_charge(staged.layout.chunk_nbytes) * len(kept)})
+        out = protocol.encode_put_result(res)
+        short = len(staged.ids) - len(kept) - len(staged.refill)  # the arena was full
+        out["staged"] = kept + staged.refill + self._stage(staged.layout, max(0, short))
+        return out

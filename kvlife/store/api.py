@@ -1,0 +1,262 @@
+"""StoreAPI: the public API of a store, the one both stores have and engines type against.
+
+``KVStore`` (the store embedded in a process) and ``RemoteStore`` (a client of the store
+``kvlife serve`` serves) subclass :class:`StoreAPI` explicitly, so mypy checks each
+against it, and they inherit the part of the API that is the same for both: the
+signatures, the docstrings of the contract, the argument checks
+(:mod:`kvlife.store.args`) and the turning of a call's arguments into a
+:class:`~kvlife.core.objects.PromptRef`. Each store supplies the steps those calls hand
+over to (the ``_`` members at the end: its put and load protocols) and the calls whose
+work is its own. Those steps are members of the protocol too, so a third store
+subclasses StoreAPI as well. One contract suite (tests/server/test_contract.py) runs
+against both stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol, Self, TypeVar
+
+import numpy as np
+
+from kvlife.core.identity import ROOT_PARENT, ChunkKey, ModelIdentity, Namespace
+from kvlife.core.objects import PromptRef, TierName
+from kvlife.results import LoadResult, LookupResult, PutResult, StoreCounters, StoreInfo
+from kvlife.store import args
+from kvlife.tiers.base import AuditReport
+from kvlife.transforms.contract import Accept
+
+Tokens = Sequence[int] | np.ndarray
+"""Token ids: a sequence of ints or a one-dimensional integer array."""
+Outs = Sequence[np.ndarray] | None
+"""A load's output buffers: one per hit, or None (new read-only arrays)."""
+P = TypeVar("P")
+"""What a store's ``prepare_put`` returns and its ``commit_put`` takes."""
+
+
+class LoadProgress(Protocol):
+    """An asynchronous load: ``chunk(i)`` waits for chunk ``i`` only and returns its
+    array, or None when it (or a chunk before it) is a miss; ``wait()`` returns the
+    :class:`~kvlife.results.LoadResult` (or raises the load's error)."""
+
+    def __len__(self) -> int: ...
+
+    def chunk(self, i: int, timeout: float | None = None) -> np.ndarray | None: ...
+
+    def completed(self) -> int: ...
+
+    def done(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> LoadResult: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Criteria:
+    """What an ``invalidate`` selects (criteria intersect; at least one is needed)."""
+
+    weights_digest: str | None = None
+    adapter_id: str | None = None
+    namespace: Namespace | None = None
+    prefix: ChunkKey | None = None
+
+
+class StoreAPI(Protocol[P]):
+    """The store's public API (docs/store.md; docs/server.md for the served store)."""
+
+    # ------------------------------------------------------------------ puts
+
+    def put_prompt(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Tokens,
+        kv: object,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+        request_id: str = "",
+    ) -> PutResult:
+        """Store the full chunks of a prompt's KV (what ``prepare_put`` + ``commit_put``
+        do; a served store does it in one round trip once it has extents staged).
+
+        ``kv`` is one array (or CPU tensor) shaped ``(layers, 2, kv_heads, T, head_dim)``
+        with ``chunks * tokens_per_chunk <= T <= len(tokens)``, or a sequence of chunk
+        arrays shaped like ``identity.layout.chunk_shape``. A trailing partial chunk is
+        never stored. Everything is validated before anything is written.
+        """
+        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys)
+        return self._put_prompt(ref, kv, request_id)
+
+    def prepare_put(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Tokens,
+        kv: object,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+        request_id: str = "",
+    ) -> P:
+        """Validate the KV and create TENTATIVE objects for the prompt's new chunks;
+        nothing is visible until :meth:`commit_put`. Keep the arrays of ``kv`` unchanged
+        until the commit or abort (the embedded store references them; a served store
+        has copied them into the server's arena when this returns)."""
+        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys)
+        return self._prepare_put(ref, kv, request_id)
+
+    def commit_put(self, pending: P) -> PutResult:
+        """Write, make durable as the tier promises, then index the pending chunks. On a
+        write error the batch is aborted and the typed error raised; nothing of it is
+        visible. A pending put is finished once (InvalidArgument after)."""
+        ...
+
+    def put_async(self, pending: P) -> Future[PutResult]:
+        """``commit_put`` in the background; ``.result()`` returns or raises as it would."""
+        ...
+
+    def abort_put(self, pending: P, reason: str = "aborted by caller") -> None:
+        """Roll back a pending put: its TENTATIVE objects become DELETED."""
+        ...
+
+    # ------------------------------------------------------------------ reads
+
+    def lookup(
+        self,
+        identity: ModelIdentity,
+        namespace: Namespace,
+        tokens: Tokens,
+        *,
+        start: int = 0,
+        parent: ChunkKey = ROOT_PARENT,
+        extra_keys: Sequence[bytes] = (),
+        accept: Accept = Accept.EXACT,
+    ) -> LookupResult:
+        """The longest run of INDEXED leading chunks that have a replica ``accept`` takes
+        (default: exact replicas only), each with the fastest such tier, the replica's
+        transform and its estimated decode cost. A chunk whose readable replicas are all
+        refused (or of a transform this reader does not know) ends the run."""
+        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys)
+        return self._lookup(ref, args.accept(accept))
+
+    def load(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None = None,
+        *,
+        request_id: str = "",
+    ) -> LoadResult:
+        """Load the hits of ``lookup`` in order, verified, into ``outs`` (one writable
+        buffer per hit, sharing no memory with another: else InvalidArgument, nothing
+        read) or new read-only arrays; framed replicas (a transforming tier's) are
+        verified and decoded into them. Each chunk is served from a replica the lookup's
+        ``accept`` takes. The first chunk that is gone or fails verification ends the
+        result; a corrupt replica is invalidated (reason ``corrupt``)."""
+        args.outs(lookup, outs)
+        return self._load(lookup, outs, request_id)
+
+    def load_async(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None = None,
+        *,
+        request_id: str = "",
+        depth: int | None = None,
+    ) -> LoadProgress:
+        """Like :meth:`load`, returning at once; ``handle.chunk(i)`` waits for chunk i only.
+        ``depth`` bounds the reads in flight of an embedded store (None: every chunk at
+        once); reads start in chunk order, so with a small depth the first chunks
+        complete first and a consumer works on chunk i while later ones are read. A
+        served store's server streams a load with its own bound and ignores it."""
+        args.outs(lookup, outs)
+        args.depth(depth)
+        return self._load_async(lookup, outs, request_id, depth)
+
+    def get(
+        self, identity: ModelIdentity, namespace: Namespace, tokens: Tokens, **kwargs: object
+    ) -> LoadResult:
+        """lookup + load in one call."""
+        return self.load(self.lookup(identity, namespace, tokens, **kwargs))  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ management
+
+    def invalidate(
+        self,
+        *,
+        weights_digest: str | None = None,
+        adapter_id: str | None = None,
+        namespace: Namespace | None = None,
+        prefix: ChunkKey | None = None,
+    ) -> int:
+        """Invalidate and delete every object matching all the given criteria; ``prefix``
+        selects that chunk and every chunk chained after it, present or not in between.
+        Puts in flight are covered too: a chunk of a put prepared before this returned
+        is never stored. On a store whose chain has a shared tier (Redis, Mooncake) the
+        invalidation is global: recorded in the shared index first, so every host stops
+        serving what it covers at its next lookup (docs/remote.md), then applied here
+        (IndexUnreachable if it could only be applied here). Returns the number of
+        objects removed here; durable when it returns."""
+        return self._invalidate(Criteria(weights_digest, adapter_id, namespace, prefix))
+
+    def evict(self, tier: str, nbytes: int) -> int:
+        """Evict from ``tier`` until ``nbytes`` of its budget are free (victims demoted
+        first). Returns the payload bytes of the replicas evicted from it."""
+        ...
+
+    def flush(self) -> int:
+        """Make every object durable; returns how many replicas were copied."""
+        ...
+
+    def drain(self) -> None:
+        """Wait for background work (promotions) planned so far."""
+        ...
+
+    def check(self) -> AuditReport:
+        """Audit every tier that can be audited (payload checksums included)."""
+        ...
+
+    def info(self) -> StoreInfo:
+        """Tiers, objects and bytes by state, counters since open and over the store's
+        lifetime."""
+        ...
+
+    @property
+    def counters(self) -> StoreCounters:
+        """Counters since the store opened."""
+        ...
+
+    @property
+    def tier_names(self) -> list[TierName]:
+        """The chain, fastest first."""
+        ...
+
+    def close(self, *, flush: bool = ...) -> None:
+        """Release what this handle holds; the embedded store flushes first unless
+        ``flush=False``, a served store's client only when ``flush=True``."""
+        ...
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ a store's own steps
+
+    def _put_prompt(self, prompt: PromptRef, kv: object, request_id: str) -> PutResult: ...
+
+    def _prepare_put(self, prompt: PromptRef, kv: object, request_id: str) -> P: ...
+
+    def _lookup(self, prompt: PromptRef, accept: Accept) -> LookupResult: ...
+
+    def _load(self, lookup: LookupResult, outs: Outs, request_id: str) -> LoadResult: ...
+
+    def _load_async(
+        self, lookup: LookupResult, outs: Outs, request_id: str, depth: int | None
+    ) -> LoadProgress: ...
+
+    def _invalidate(self, criteria: Criteria) -> int: ...

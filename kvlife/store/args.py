@@ -1,0 +1,111 @@
+"""The argument checks of the store's public API, shared by every store.
+
+:class:`~kvlife.store.api.StoreAPI` runs them before it hands a call to a store's own
+step, so a bad argument is the same typed :class:`~kvlife.core.errors.InvalidArgument`
+from the embedded ``KVStore`` and from a ``RemoteStore``, raised before anything is
+written or sent. The rest (the layout of the KV, the token ids, how far a start may go,
+the parent and extra keys of a prompt, invalidation criteria) is checked where the
+prompt is keyed (:func:`kvlife.core.identity.prompt_chunk_keys`, on the server for a
+served store) with the same messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.lib.array_utils import byte_bounds
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.core.identity import ChunkKey, ModelIdentity, Namespace
+from kvlife.core.objects import PromptRef
+from kvlife.results import LookupResult
+from kvlife.transforms.contract import Accept
+
+
+def prompt(
+    identity: ModelIdentity,
+    namespace: Namespace,
+    tokens: Sequence[int] | np.ndarray,
+    start: int,
+    parent: ChunkKey,
+    extra_keys: Sequence[bytes],
+) -> PromptRef:
+    """A call's prompt, its identity, namespace and start checked (a served store
+    encodes them for the wire before the server sees them)."""
+    _typed("identity", identity, ModelIdentity)
+    hint = " (use Namespace.parse for text)" if isinstance(namespace, str) else ""
+    _typed("namespace", namespace, Namespace, hint)
+    # numpy integers are taken (positions often come out of arrays), as plain ints: the
+    # wire carries no numpy types; a negative one is refused here, the same by either store
+    if not isinstance(start, (int, np.integer)) or isinstance(start, bool) or start < 0:
+        raise InvalidArgument(f"start must be an int position >= 0, got {start!r}")
+    return PromptRef(identity, namespace, tokens, int(start), parent, extra_keys)
+
+
+def accept(value: Accept) -> Accept:
+    if not isinstance(value, Accept):
+        raise InvalidArgument(f"accept must be an Accept, got {type(value).__name__}")
+    return value
+
+
+def outs(lookup: LookupResult, buffers: Sequence[np.ndarray] | None) -> None:
+    """One output buffer per hit, or none at all (each checked by :func:`check_outs`)."""
+    if buffers is not None and len(buffers) != len(lookup.hits):
+        raise InvalidArgument(f"{len(buffers)} output buffers for {len(lookup.hits)} hits")
+    if buffers is not None:
+        check_outs(buffers)
+
+
+def check_outs(outs: Sequence[np.ndarray | None]) -> None:
+    """Output buffers must be writable arrays and share no memory with one another: two
+    chunks read into one buffer would both report success with only the last one's
+    bytes in it (the same buffer passed twice, overlapping slices of one array). None
+    entries (no buffer for that chunk) are skipped. Checked against the buffers nearest
+    in address (sorted by their lowest byte, each against its predecessor and the one
+    reaching furthest so far): one exact test per buffer, not per pair."""
+    spans: list[tuple[int, int, int]] = []
+    for i, out in enumerate(outs):
+        if out is None:
+            continue
+        if not isinstance(out, np.ndarray):
+            raise InvalidArgument(f"output buffer {i} is a {type(out).__name__}, not an array")
+        if not out.flags.writeable:
+            raise InvalidArgument(f"output buffer {i} is read-only")
+        if out.nbytes:
+            low, high = byte_bounds(out)
+            spans.append((low, high, i))
+    spans.sort()
+    prev: tuple[int, int, int] | None = None
+    reach: tuple[int, int, int] | None = None
+    for span in spans:
+        for other in {prev, reach}:
+            if other is None or other[1] <= span[0]:
+                continue
+            a, b = outs[other[2]], outs[span[2]]
+            assert a is not None and b is not None
+            if np.shares_memory(a, b):
+                raise InvalidArgument(
+                    f"output buffers {other[2]} and {span[2]} share memory: each chunk "
+                    "needs a buffer of its own"
+                )
+        prev = span
+        if reach is None or span[1] > reach[1]:
+            reach = span
+
+
+def depth(value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise InvalidArgument(f"load depth must be >= 1, got {value}")
+
+
+def size(nbytes: int) -> None:
+    """A size to allocate: a positive int."""
+    if not isinstance(nbytes, int) or nbytes <= 0:
+        raise InvalidArgument(f"buffer size must be a positive int, got {nbytes!r}")
+
+
+def _typed(name: str, value: object, kind: type, hint: str = "") -> None:
+    if not isinstance(value, kind):
+        got = type(value).__name__
+        raise InvalidArgument(f"{name} must be a {kind.__name__}, got {got}{hint}")
