@@ -93,7 +93,12 @@ INVALIDATE = (
     _META
     + """
 -- KEYS: meta hash, epoch counter, rules hash   ARGV: fresh incarnation id, buckets, rule
+-- A writer configured with another bucket count records nothing (KVLMISMATCH): it is
+-- told so, and no host applies a rule whose call failed.
 local m = meta(KEYS[1], ARGV[1], ARGV[2])
+if tonumber(m[2]) ~= tonumber(ARGV[2]) then
+  return redis.error_reply('KVLMISMATCH the index spreads keys over ' .. m[2] .. ' buckets')
+end
 local e = redis.call('INCR', KEYS[2])
 redis.call('HSET', KEYS[3], e, ARGV[3])
 return {m[1], m[2], e}

@@ -360,6 +360,25 @@ def test_hosts_with_different_bucket_counts_are_refused(fleet: Fleet) -> None:
         look(b, 18)
 
 
+def test_an_invalidation_refused_for_its_bucket_count_records_nothing(
+    fleet: Fleet, index_ns: str
+) -> None:
+    """Found by the multi-host model: the misconfigured host's ``KVStore.invalidate``
+    raised IndexMismatch, but the rule was in the index and every host applied it."""
+    a = fleet.host("a")
+    put(a, 19)
+    a.flush()
+    b = fleet.host("b", buckets=8)
+    with pytest.raises(InvalidArgument, match="buckets"):
+        b.invalidate(namespace=ACME)
+    with pytest.raises(InvalidArgument, match="buckets"):
+        index_of(b).invalidate(namespace=ACME)
+    raw = redis.Redis.from_url(fleet.url)
+    assert raw.hlen(idx_key(index_ns, "rules")) == 0, "a refused invalidation was recorded"
+    raw.close()
+    assert served(fleet.host("c"), 19) == 4
+
+
 def test_two_lookups_racing_over_new_rules_both_trim(fleet: Fleet) -> None:
     port = int(fleet.url.rsplit(":", 1)[1].split("/")[0])
     with FaultProxy(("127.0.0.1", port)) as proxy:
