@@ -537,6 +537,17 @@ class World:
                 return f"{len(looked.hits)} hits {_tiers(served.tiers)}"
             note = self._load(h, looked, served, out)
             return note + self._must_serve(h, s, n, served, out)
+        if s.kind == "recall":
+            h = self.host(s.host)
+            mine = [v for v in o.versions if v.host == h.name and v.durable is not None]
+            if not mine:
+                return "nothing made durable yet"
+            p = max(mine, key=lambda v: v.created).prompt
+            looked, served = self._lookup(h, p, n, s.lossy)
+            note = self._load(h, looked, served, out)
+            return f"prompt {p}: {note}" + self._must_serve(
+                h, Step("get", h.name, p, s.lossy), n, served, out
+            )
         if s.kind == "request":
             h = self.host(s.host)
             looked, served = self._lookup(h, s.prompt, n, s.lossy)

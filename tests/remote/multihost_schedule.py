@@ -127,6 +127,7 @@ KINDS = (
     "load",  # host: load what its last lookup answered
     "get",  # host, prompt, lossy, must: lookup and load at once
     "request",  # host, prompt, lossy: what an engine does: get, then put what was missing
+    "recall",  # host (with a disk tier): get the prompt it last made durable
     "inv_global",  # host, crit: KVStore.invalidate (global on a store with a shared tier)
     "inv_index",  # host (in-process), crit: GlobalIndex.invalidate (records, applies nowhere)
     "revoke",  # host (in-process issuer), target, ban_ms
@@ -227,6 +228,8 @@ WEIGHTS: dict[str, float] = {
     "revoke_race": 0.4,
     "expire": 0.7,
     "restart": 2.5,
+    "restart_disk": 1.5,
+    "recall": 3,
     "redis_restart": 1.2,
     "flushall": 0.6,
     "fault": 3,
@@ -273,6 +276,9 @@ def generate(seed: int, n: int, cast: Cast, without: Sequence[str] = ()) -> list
         kinds.pop("redis_restart", None)
     if len(set(cast.in_process) - set(cast.disk)) < 2:
         kinds.pop("revoke_race", None)
+    if not cast.disk:
+        kinds.pop("restart_disk", None)
+        kinds.pop("recall", None)
     names, weights = list(kinds), list(kinds.values())
     steps: list[Step] = []
     while len(steps) < n:
@@ -306,6 +312,10 @@ def generate(seed: int, n: int, cast: Cast, without: Sequence[str] = ()) -> list
             if host in cast.served and rng.random() < 0.7:
                 continue  # a server process takes a second or two to start: fewer
             steps.append(Step(kind, host, clean=rng.random() < 0.6))
+        elif kind == "restart_disk":  # what it flushed must survive (item 6)
+            steps.append(Step("restart", rng.choice(cast.disk), clean=rng.random() < 0.5))
+        elif kind == "recall":
+            steps.append(Step(kind, rng.choice(cast.disk), lossy=lossy))
         elif kind == "redis_restart":
             steps.append(Step(kind, persist=rng.random() < 0.5))
         elif kind == "flushall":
