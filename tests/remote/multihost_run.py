@@ -130,6 +130,15 @@ class Backend:
             node.close()
         return out
 
+    def index_exists(self, ns: str) -> bool:
+        """Whether index ``ns`` has its identity (incarnation, bucket count) in Redis."""
+        found = False
+        for node in self.nodes():
+            with contextlib.suppress(redis.ResponseError):  # MOVED: another node's slot
+                found = found or bool(node.exists(f"{{kvl:{ns}:idx}}:meta"))
+            node.close()
+        return found
+
     def rule_count(self, ns: str) -> int:
         """Rules recorded in index ``ns``."""
         n = 0
@@ -434,7 +443,7 @@ class World:
                 key = f"{step.kind}:{type(exc).__name__}"
                 out.errors[key] = out.errors.get(key, 0) + 1
                 note = f"{type(exc).__name__}: {str(exc)[:120]}"
-                if step.kind in ("lookup", "get", "load"):
+                if step.kind in ("lookup", "get", "load", "request", "recall"):
                     out.findings.append(
                         self.oracle.raised(n, step.host, step.prompt, step.kind, exc)
                     )
@@ -554,7 +563,12 @@ class World:
             note = self._load(h, looked, served, out)
             if len(served.arrays) == CHUNKS:
                 return note
-            v = self._put(h, s.prompt, n)  # the engine computed the rest
+            try:  # the engine computed the rest (a put may fail: an allowed outcome)
+                v = self._put(h, s.prompt, n)
+            except KVLifeError as exc:
+                key = f"request-put:{type(exc).__name__}"
+                out.errors[key] = out.errors.get(key, 0) + 1
+                return f"{note}; put {type(exc).__name__}: {str(exc)[:100]}"
             return f"{note}; put {v.vid}: stored {v.stored}"
         if s.kind == "load":
             h = self.host(s.host)
@@ -828,7 +842,11 @@ class World:
         the index exists) and tries a lookup, a put, a flush and an invalidation: each is
         refused with a typed error or harmless; it serves nothing, publishes nothing
         another host serves (the oracle's ``mismatch-published``) and records no rule."""
-        self.host(s.host)  # a well configured host has read (so created) the index
+        h = self.host(s.host)  # a well configured host reads (so creates) the index
+        p0 = PROMPTS[0]
+        h.lookup(p0.identity(), p0.ns, JOIN_TOKENS, lossy=False)
+        if not self.backend.index_exists(self.ns):  # it could not: the misconfigured
+            return "no index to join"  # host would create it with its count (docs)
         name = f"m{n}"
         spec = self.backend.spec(name, self.ns)
         wrong = SharedSpec(spec.kind, (*spec.options, ("buckets", WRONG_BUCKETS)))

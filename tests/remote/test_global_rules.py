@@ -25,7 +25,7 @@ from kvlife.globalindex import GlobalIndex, Health, IndexConfig
 from kvlife.tiers.base import ReplicaMeta, Reservation
 from kvlife.tiers.mooncake.server import MooncakeMaster
 from kvlife.tiers.redis.server import RedisClusterServers, RedisServer
-from tests.conftest import prompt_kv, tiny_identity
+from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.remote.fleet import (
     ACME,
     GLOBEX,
@@ -207,6 +207,79 @@ def test_an_emptied_index_drops_what_hosts_adopted(
         assert served(b, 15) == 4
     finally:
         fleet.close()
+
+
+def _chunks(kv: np.ndarray) -> list[np.ndarray]:
+    n = TINY.tokens_per_chunk
+    return [np.ascontiguousarray(kv[:, :, :, i * n : (i + 1) * n]) for i in range(4)]
+
+
+def test_a_delete_planned_before_a_key_is_adopted_again_spares_the_new_replica(
+    tmp_path: Path,
+    kind: str,
+    private: RedisServer,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the multi-host model (seed 6, 400 steps): the lookup that finds the
+    index emptied drops what B had adopted and plans the deletes of those replicas in
+    the background, then adopts the keys again from C's new records. A delete that ran
+    after the adoption (here: its first call slowed down, as a loaded machine did)
+    deleted C's new records and left B's new replicas unheld; B then read whatever
+    record came next unchecked, and served another host's int8 frames as exact KV."""
+    fleet = Fleet(tmp_path, kind, private.url, "again", _master(kind, request))
+    try:
+        a, b, c = fleet.host("a"), fleet.host("b"), fleet.host("c")
+        put(a, 31)
+        a.flush()
+        assert [h.tier for h in look(b, 31).hits] == ["shared"] * 4  # adopted from A
+        raw = redis.Redis.from_url(private.url)
+        raw.flushall()
+        raw.close()
+        tokens, _ = prompt_kv(31, 64)
+        _, other = prompt_kv(32, 64)  # C computed other bytes for the same tokens
+        retrying(lambda: c.put_prompt(tiny_identity(), ACME, tokens, other))
+        c.flush()
+        tier = shared_of(b)
+        real = tier.contains
+
+        def slow(key: ChunkKey) -> bool:  # the background delete's first call
+            time.sleep(0.3)
+            return real(key)
+
+        monkeypatch.setattr(tier, "contains", slow)
+        found = look(b, 31)  # the reset, then C's records adopted
+        b.drain()
+        monkeypatch.undo()
+        assert len(found.hits) == 4
+        e = fleet.host("e")
+        got = e.load(look(e, 31))
+        assert got.loaded == 4, "B's delete removed C's new records"
+        for arr, want in zip(got.arrays, _chunks(other), strict=True):
+            assert np.array_equal(arr, want)
+        d = fleet.host("d", transform="int8")
+        put(d, 31)
+        d.flush()  # D's int8 frames replace C's records
+        assert b.load(found).loaded == 0  # a miss, never D's frames as exact KV
+    finally:
+        fleet.close()
+
+
+def test_letting_go_of_a_replica_keeps_another_hosts_record_of_the_same_bytes(
+    fleet: Fleet,
+) -> None:
+    """Found by the multi-host model: B held A's record; C republished the same bytes
+    (another record: C's host, token and stamp); B's read took C's record for its own
+    ("the same replica"), so B's delete, when it let go, removed C's record."""
+    a, b, c = fleet.host("a"), fleet.host("b"), fleet.host("c")
+    put(a, 33)
+    a.flush()
+    assert len(look(b, 33).hits) == 4  # B holds A's records
+    put(c, 33)
+    c.flush()  # the same bytes, C's records now
+    assert served(b, 33) == 4  # B reads them: the same replica
+    b.evict("shared", 64 << 20)  # B lets go of everything it held there
+    assert served(fleet.host("e"), 33) == 4, "B's delete removed C's record"
 
 
 # ---------------------------------------------------------------------- item 5
