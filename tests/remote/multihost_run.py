@@ -3,6 +3,11 @@ Cluster, or a Mooncake master with its Redis index), hosts that join it on their
 step (in-process stores and ``kvlife serve`` processes, each reaching Redis through a
 loopback fault proxy of its own where the backend allows), and the loop that runs a
 schedule step by step, hands every served chunk to the oracle and collects findings.
+The liveness checks that need more than one call live here too: a handoff of a fresh
+prompt between two hosts, a get that must serve (retried through an index backoff),
+what the disk host made durable, the records of a host revoked while a thread of its
+own publishes (read from Redis directly), and a host configured with another bucket
+count.
 
 Also a command line for working on findings::
 
