@@ -132,6 +132,9 @@ class Served:
     arrays: list[np.ndarray] = field(default_factory=list)
     load_step: int = -1
     """Step at which its load ran (-1: not loaded yet)."""
+    load_t: float = 0.0
+    """When its load began (0: not loaded yet): what the load read was visible then (a
+    load after its lookup may read a record published since, for the same key)."""
 
 
 class Oracle:
@@ -351,7 +354,7 @@ class Oracle:
                     rv.ban_ms > 0
                     and v.host == rv.target
                     and v.created > rv.step
-                    and s.t < rv.t_returned + rv.ban_ms / 1000 - 0.05
+                    and (s.load_t or s.t) < rv.t_returned + rv.ban_ms / 1000 - 0.05
                     and not any(rv.step < w < s.step for w in self.wipes)
                     and (s.host != v.host or s.tiers[i] == "shared")
                 ):

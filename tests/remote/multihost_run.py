@@ -652,6 +652,7 @@ class World:
     def _load(
         self, h: Host, looked: Looked, served: Served, out: Outcome, claims: bool = True
     ) -> str:
+        served.load_t = time.monotonic()
         served.arrays = h.load(looked)
         out.served_chunks += len(served.arrays)
         found = self.oracle.check(served, claims)

@@ -271,6 +271,23 @@ def test_oracle_a_ban_lapses_with_the_index() -> None:
     assert o.check(_served(prompt_keys(1)[0], chunk_of(version_kv(2), 0), 6)) == []
 
 
+def test_oracle_judges_a_late_load_by_when_it_read() -> None:
+    """A load after its lookup may read a record published since (found by seed 19:
+    the revoked host's own put, published after its ban, read by a load whose lookup
+    came before the revocation)."""
+    o = Oracle(key_infos(), [])
+    o.revoked(10, "a", 100.0, 800)
+    kv = version_kv(1)
+    keys = prompt_keys(0)
+    v = o.created(1, "a", 1, 0, 11, {k: chunk_of(kv, i) for i, k in enumerate(keys)}, 0.0)
+    v.committed = 11
+    late = Served("a", 1, 5, 99.0, 0, [keys[0]], ["shared"], ["exact"], False, [chunk_of(kv, 0)])
+    late.load_step, late.load_t = 12, 101.0  # after the ban
+    assert o.check(late, claims=False) == []
+    late.load_t = 100.5  # during it
+    assert [f.kind for f in o.check(late, claims=False)] == ["revoked-published"]
+
+
 def test_oracle_checks_bytes_for_the_representation_asked() -> None:
     o, key, arr = _oracle_with_put()
     frame = np.zeros(1598, np.uint8)
