@@ -285,7 +285,8 @@ class GlobalIndex:
         bucket from now on, and for ``ban_ms`` it gets no new lease. On one server this
         is one script (no moment where the host is banned but still publishes); on a
         cluster, a script on the index's node then one per bucket, each atomic, all
-        done when this returns. Returns the token the buckets now refuse below."""
+        done when this returns. A ban only ever grows: a shorter one (or none) leaves a
+        longer ban in force. Returns the token the buckets now refuse below."""
         if self.standalone:
             token = self.health.call(
                 "revoke lease",

@@ -368,6 +368,20 @@ def test_a_revoke_leaves_no_moment_where_a_banned_host_publishes(
     assert hits(c, 14) == 0
 
 
+def test_a_shorter_ban_never_cuts_a_longer_one_short(fleet: Fleet) -> None:
+    """Found by the multi-host model's soak (seed 12): A was revoked with a ban of
+    1500 ms, then again with 300 ms; the second ban replaced the first, and A published
+    1.2 s before its first ban was over."""
+    a, b = fleet.host("a"), fleet.host("b")
+    index_of(b).revoke("a", ban_ms=5_000)
+    index_of(b).revoke("a", ban_ms=100)
+    time.sleep(0.4)  # the second ban is over, the first is not
+    put(a, 34)
+    with pytest.raises(LeaseError, match="KVLBANNED"):
+        a.flush()
+    assert hits(fleet.host("c"), 34) == 0
+
+
 def test_publish_is_refused_once_the_lease_lapsed_whatever_the_client_claims(
     fleet: Fleet,
 ) -> None:
