@@ -185,6 +185,13 @@ MINIMAL: dict[str, str] = {
         '{"kind":"get","host":"a"},{"kind":"put","host":"a"},{"kind":"flush","host":"a"},'
         '{"kind":"lookup","host":"b"},{"kind":"get","host":"c","must":true}]'
     ),
+    # found by the soak (seed 12): a later revocation with a shorter ban cut B's first
+    # ban short, and B published inside it
+    "ban-shortened": (
+        '[{"kind":"revoke","host":"a","target":"b","ban_ms":1500},'
+        '{"kind":"revoke","host":"c","target":"b","ban_ms":100},{"kind":"wait","ms":300},'
+        '{"kind":"handoff","host":"b","target":"c"}]'
+    ),
     # a host configured with 8 buckets (the index has 16) tries a lookup, a put, a
     # flush and an invalidation: refused, nothing of it recorded or served
     "mismatch": (
