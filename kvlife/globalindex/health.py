@@ -95,7 +95,15 @@ class Health:
             self._retry_at = 0.0
 
 
-REFUSALS = ("KVLSTALE", "KVLEXPIRED", "KVLBANNED", "KVLNOSTAGE", "KVLLOST", "KVLRESET")
+REFUSALS = (
+    "KVLSTALE",
+    "KVLEXPIRED",
+    "KVLBANNED",
+    "KVLNOSTAGE",
+    "KVLLOST",
+    "KVLRESET",
+    "KVLMISMATCH",
+)
 """Error prefixes of the index's own Lua scripts: refusals, not transport failures."""
 
 

@@ -285,7 +285,8 @@ class GlobalIndex:
         bucket from now on, and for ``ban_ms`` it gets no new lease. On one server this
         is one script (no moment where the host is banned but still publishes); on a
         cluster, a script on the index's node then one per bucket, each atomic, all
-        done when this returns. Returns the token the buckets now refuse below."""
+        done when this returns. A ban only ever grows: a shorter one (or none) leaves a
+        longer ban in force. Returns the token the buckets now refuse below."""
         if self.standalone:
             token = self.health.call(
                 "revoke lease",
@@ -475,18 +476,27 @@ class GlobalIndex:
         reason: str = "",
     ) -> InvalidationRule:
         """Record a global invalidation under a fresh epoch (validated first: a rule no
-        host could apply is refused here, InvalidArgument); every host stops serving
-        what it covers at its next lookup."""
+        host could apply is refused here, InvalidArgument; so is one from a host whose
+        bucket count is not the index's, IndexMismatch, recording nothing); every host
+        stops serving what it covers at its next lookup."""
         ns = str(namespace) if isinstance(namespace, Namespace) else namespace
         probe = InvalidationRule(1, ns, adapter_id, weights_digest, prefix, reason)  # validates
-        inc, buckets, epoch = self.health.call(
-            "record invalidation",
-            lambda: self.run_script(
-                "INVALIDATE",
-                [self._meta(), self._idx + ":epoch", self._idx + ":rules"],
-                [_fresh_id(), self.config.buckets, probe.body()],
-            ),
-        )
+        try:
+            inc, buckets, epoch = self.health.call(
+                "record invalidation",
+                lambda: self.run_script(
+                    "INVALIDATE",
+                    [self._meta(), self._idx + ":epoch", self._idx + ":rules"],
+                    [_fresh_id(), self.config.buckets, probe.body()],
+                ),
+            )
+        except RedisError as exc:  # the script refused: nothing recorded
+            if str(exc).startswith("KVLMISMATCH"):
+                raise IndexMismatch(
+                    f"index {self.config.namespace!r}: {str(exc).split(' ', 1)[1]}; this host "
+                    f"is configured with buckets={self.config.buckets}: rule not recorded"
+                ) from exc
+            raise
         inc = _text(inc)
         with self._lock:
             self._observe(inc, buckets)

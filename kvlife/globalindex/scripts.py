@@ -93,7 +93,12 @@ INVALIDATE = (
     _META
     + """
 -- KEYS: meta hash, epoch counter, rules hash   ARGV: fresh incarnation id, buckets, rule
+-- A writer configured with another bucket count records nothing (KVLMISMATCH): it is
+-- told so, and no host applies a rule whose call failed.
 local m = meta(KEYS[1], ARGV[1], ARGV[2])
+if tonumber(m[2]) ~= tonumber(ARGV[2]) then
+  return redis.error_reply('KVLMISMATCH the index spreads keys over ' .. m[2] .. ' buckets')
+end
 local e = redis.call('INCR', KEYS[2])
 redis.call('HSET', KEYS[3], e, ARGV[3])
 return {m[1], m[2], e}
@@ -159,12 +164,23 @@ return d
 """
 )
 
-REVOKE = """
+_BAN = """
+-- a ban is extended, never shortened: a later revocation with a shorter ban (or none)
+-- leaves the longer one in force
+local function ban(k, ms)
+  if ms > 0 and redis.call('PTTL', k) < ms then redis.call('SET', k, '1', 'PX', ms) end
+end
+"""
+
+REVOKE = (
+    _BAN
+    + """
 -- KEYS: fence counter, ban key   ARGV: ban_ms.  The token every bucket then refuses
 -- the host below (REVOKE_BUCKET); the ban keeps the host from a new lease.
-if tonumber(ARGV[1]) > 0 then redis.call('SET', KEYS[2], '1', 'PX', ARGV[1]) end
+ban(KEYS[2], tonumber(ARGV[1]))
 return redis.call('INCR', KEYS[1])
 """
+)
 
 REVOKE_BUCKET = (
     _BUCKET
@@ -177,13 +193,14 @@ return 1
 
 REVOKE_ALL = (
     _BUCKET
+    + _BAN
     + """
 -- KEYS: fence counter, ban key, every bucket's fence hash   ARGV: host, ban_ms
 -- REVOKE and every REVOKE_BUCKET at once: no moment where the host is banned but
 -- its lease still publishes somewhere.
 local token = redis.call('INCR', KEYS[1])
 for i = 3, #KEYS do revoke(KEYS[i], ARGV[1], token) end
-if tonumber(ARGV[2]) > 0 then redis.call('SET', KEYS[2], '1', 'PX', ARGV[2]) end
+ban(KEYS[2], tonumber(ARGV[2]))
 return token
 """
 )

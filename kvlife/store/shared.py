@@ -19,13 +19,17 @@ Called by a lookup after its local pass, outside the index lock (it does network
 3. where the local run ended before the prompt's end, the following keys are probed in
    the shared tier; what other hosts published there, verified (record, identity info
    byte for byte, incarnation, rules), is adopted as INDEXED objects with a replica in
-   that tier, carrying the creation stamp of the record.
+   that tier, carrying the creation stamp of the record. The tier forgets (2) and
+   adopts (3) in a sequencer turn of the lookup's own, after every delete planned
+   before: deletes go by key, and one meant for an older replica of a key must never
+   meet the replica adopted since.
 
 Every put stamps its objects with :func:`creation_stamp` when it is prepared.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -115,13 +119,22 @@ def consult_shared(
         hits = hits[:kept]
         if doomed:
             core.later(core.seq.take(), lambda: _delete_quietly(core, doomed))
-    shared.invalidations_applied(sync)
-    if gone:
-        shared.forget(gone)
+        # What this host holds in the shared tier changes in plan order: the lookup
+        # forgets and adopts in a turn of its own, after every delete planned before it
+        # (by this lookup's rules or anything else). Deletes go by key: one that ran
+        # after a key was adopted again would delete the new record and leave the new
+        # replica unheld, its reads unchecked (an int8 frame served as exact KV).
+        probing = len(hits) < len(keys)
+        ticket = core.seq.take() if gone or probing else None
+    turn = core.seq.turn(ticket) if ticket is not None else contextlib.nullcontext()
+    with turn:
+        shared.invalidations_applied(sync)
+        if gone:
+            shared.forget(gone)
+        if probing:
+            hits = hits + _probe(core, shared, prompt, keys, len(hits), accept, hit_of)
     if sync.fresh and count:
         log.warning("global index new to this host: %d objects created before dropped", count)
-    if len(hits) < len(keys):
-        hits = hits + _probe(core, shared, prompt, keys, len(hits), accept, hit_of)
     gained = len(hits) - local
     if gained:
         with core.lock:

@@ -1,21 +1,29 @@
 """The multi-host model's one adapter to kvlife: every call the model test makes on a
-store, a served store or the global index is in this module, so that an API change
-(a public global invalidation on ``KVStore``, rules validated when written, ...) is
+store, a served store or the global index is in this module, so that an API change is
 one edit here and nowhere else.
 
-Calls used today (issue 29's fixes may change them):
+The calls (docs/remote.md):
 
-- in-process host: ``KVStore.open(path, tiers=(memory dram, <shared kind> shared))``,
-  ``put_prompt``, ``prepare_put``/``commit_put``/``abort_put``, ``lookup(accept=)``,
-  ``load`` then ``drain`` (promotions settle before the next step), ``flush``,
-  ``invalidate`` (local), ``close(flush=)``;
-- global invalidation and revocation: only through the shared tier's index today,
-  ``store.tier("shared").index.invalidate(...)`` and ``.revoke(host, ban_ms)``;
+- in-process host: ``KVStore.open(path, tiers=(memory dram, [disk disk,] <shared kind>
+  shared))``, ``put_prompt``, ``prepare_put``/``commit_put``/``abort_put``,
+  ``lookup(accept=)`` then ``drain`` (the deletes a lookup's rules planned settle before
+  the next step), ``load`` then ``drain`` (promotions settle), ``flush``, ``close(flush=)``;
+- global invalidation, the public way: ``KVStore.invalidate(...)`` on a store whose chain
+  has a shared tier records a rule in the index and applies it on this host before it
+  returns (``IndexUnreachable``: applied here only); through ``kvlife serve``,
+  ``RemoteStore.invalidate`` is the server store's. ``GlobalIndex.invalidate(...)`` (the
+  shared tier's index, ``store.tier("shared").index``) records a rule without applying it
+  on this host; it is how issue 29 found items 1-5, and how a rule reaches the index from
+  somewhere that is no store;
+- revocation: ``GlobalIndex.revoke(host, ban_ms)``;
 - ``kvlife serve`` host: the server's own code (``kvlife.server.server.run``) in a
   process of its own, with a chain of [shm dram, shared] (``tests.remote.multihost_serve``:
   ``kvlife serve`` has no option for a shared tier), driven through
-  ``kvlife.connect(socket)`` (``RemoteStore``: the same calls; its ``invalidate`` is the
-  server store's local one).
+  ``kvlife.connect(socket)`` (``RemoteStore``: the same calls).
+
+Whether a lookup read the index is told by the tier's own count of lookups that could
+not (``details()["unreachable"]``, in-process hosts) or by a hit (a host that cannot
+read the index answers none, docs/remote.md).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from kvlife.transforms.contract import Accept
 
 ROOT = Path(__file__).resolve().parents[2]
 DRAM_BYTES = 8 << 20
+DISK_BYTES = 16 << 20
 SHARED_BYTES = 64 << 20
 
 
@@ -132,6 +141,9 @@ class Looked:
     hits: list[Hit]
     result: LookupResult
     incarnation: int
+    read_index: bool
+    """The lookup read the index (so the host's creation stamps are at least as new as
+    the lookup's start); False where that is not known."""
 
 
 class Host:
@@ -181,9 +193,17 @@ class Host:
 
     def lookup(self, ident: ModelIdentity, ns: str, tokens: np.ndarray, lossy: bool) -> Looked:
         accept = Accept.lossy() if lossy else Accept.EXACT
+        before = self.unreachable()
         res = self.s.lookup(ident, org(ns), tokens, accept=accept)
+        self.s.drain()  # the deletes its rules planned are done before the next step
+        after = self.unreachable()
+        read = bool(res.hits) or (before is not None and after == before)
         hits = [Hit(bytes(h.key), str(h.tier), h.transform, h.exactness) for h in res.hits]
-        return Looked(hits, res, self.incarnation)
+        return Looked(hits, res, self.incarnation, read)
+
+    def unreachable(self) -> int | None:
+        """Lookups so far that could not read the index (None: not known here)."""
+        return None
 
     def load(self, looked: Looked) -> list[np.ndarray]:
         res = self.s.load(looked.result)
@@ -191,16 +211,25 @@ class Host:
         self.s.drain()  # promotions settle: the next step sees a settled store
         return arrays
 
-    def invalidate_local(self, crit: Criteria) -> int:
+    def invalidate(self, crit: Criteria) -> int:
+        """``KVStore.invalidate``: a global rule, applied here before it returns."""
         return self.s.invalidate(**crit.kwargs())
 
 
 class InProcessHost(Host):
-    """A ``KVStore`` in this process with the chain [memory dram, shared]."""
+    """A ``KVStore`` in this process with the chain [memory dram, shared], or with
+    ``disk`` [memory dram, disk disk, shared]."""
+
+    def __init__(self, name: str, path: Path, shared: SharedSpec, disk: bool = False) -> None:
+        super().__init__(name, path, shared)
+        self.disk = disk
 
     def open(self) -> None:
-        chain = (TierSpec("memory", "dram", DRAM_BYTES), self.shared.tier())
-        self.store = KVStore.open(self.path, tiers=chain)
+        chain = [TierSpec("memory", "dram", DRAM_BYTES)]
+        if self.disk:
+            chain.append(TierSpec("disk", "disk", DISK_BYTES))
+        chain.append(self.shared.tier())
+        self.store = KVStore.open(self.path, tiers=tuple(chain))
         self.incarnation += 1
 
     def close(self, clean: bool) -> None:
@@ -214,8 +243,14 @@ class InProcessHost(Host):
         assert isinstance(tier, PublishedTier), "the shared tier publishes under an index"
         return tier.index
 
-    def invalidate_global(self, crit: Criteria) -> int:
-        """A global invalidation issued by this host; returns its epoch."""
+    def unreachable(self) -> int | None:
+        if not isinstance(self.store, KVStore):
+            return None
+        return int(self.store.tier("shared").details()["unreachable"])
+
+    def record_rule(self, crit: Criteria) -> int:
+        """``GlobalIndex.invalidate``: a rule recorded, applied nowhere yet (this host
+        too applies it at its next lookup); returns its epoch."""
         return int(self.index().invalidate(**crit.kwargs()).epoch)
 
     def revoke(self, host_id: str, ban_ms: int) -> int:

@@ -1,40 +1,51 @@
-"""The oracle of the multi-host model: what every host may serve, judged from the
-history of the run alone (no kvlife code decides it).
+"""The oracle of the multi-host model: what every host may serve, and some of what it
+must serve, judged from the history of the run alone (no kvlife code decides it).
 
 It records every put (a *version*: each put computes different bytes, so served bytes
 name the put they came from), when its KV was created (``prepare_put`` or
-``put_prompt``) and committed, every invalidation that returned (its time, its scope:
-every host, or one host for a store's local ``invalidate``, and its selectors), every
-wipe of the index (a Redis restart without persistence, ``FLUSHALL``) and every
-revocation. Time is the schedule's step number: the driver runs one step at a time.
+``put_prompt``), committed and made durable, every invalidation that returned (its
+step and selectors), every wipe of the index (a Redis restart without persistence,
+``FLUSHALL``), every invalidation whose outcome is unknown (it raised: it may or may
+not have been recorded), every revocation, and when each host last surely read the
+index. Time is the schedule's step number: the driver runs one step at a time.
 
-Every chunk a host serves is checked:
+Safety, for every chunk a host serves (docs/remote.md, "Invalidation across hosts: the
+exact rules"):
 
 - its bytes are exactly one version's chunk for that key (an exact lookup), or, for a
   lossy lookup, exactly one or within the declared bound of a transform in use
   (``element_bounds``) of one; anything else (an ``int8`` frame handed out as exact
   KV, another key's bytes) is ``wrong-bytes``;
-- that version is not covered by an invalidation that returned before the lookup
-  started. A global rule covers every version created before it (even one published
-  after it); a local rule covers, on its own host, the versions that host put since its
-  last restart and created before the rule (``stale``);
+- that version is not covered by a rule that returned before the lookup started: a
+  rule covers every version created before it that its selectors match, on every host,
+  published or not (``stale``). A wipe of the index is a rule that covers every version
+  created before it: the index comes back as a new incarnation and every host drops
+  what was created under the old one at its next lookup. (The documented rule covers
+  more: a put prepared after a rule on a host that had not read the index since. When
+  a host last read the index is not observable from outside precisely enough to check
+  that part; it only makes a host serve less.)
 - it was committed, and not aborted, before the load (``tentative``);
 - a host revoked with a ban published nothing during the ban (``revoked-published``),
-  unless the index lost its state meanwhile: a ban is a key in Redis, and a server
-  that restarts empty forgets it (docs/remote.md: fencing across a restart needs
-  persistence).
+  unless the index lost its state meanwhile: a ban is a key of the index, and an index
+  that lost its state forgot its bans (docs/remote.md: fencing across a restart needs
+  persistence);
+- nothing a host configured with another bucket count put is ever served by another
+  host (``mismatch-published``).
 
-A rule stays in force when the index loses its state: an acknowledged invalidation
-is never undone (issue 29 item 4 asks hosts to detect such an index and treat it as
-new; the oracle asks that nothing invalidated comes back).
+Liveness (:meth:`Oracle.durable`): KV a host with a disk tier put and flushed is
+still served by it later, across its restarts, unless something may have covered it: a
+rule or wipe since the host last surely read the index before the put, or an
+invalidation whose outcome is unknown (issue 29 item 6: a loss is ``lost``). The
+runner adds its own liveness checks (a handoff between two hosts, a get that must
+serve, records published after a revocation).
 
 Every finding carries a label naming the hole of issue 29 it is an instance of (a
-heuristic over the history; ``label()`` says how), so that a run with the known holes
-can tell them from a new one.
+heuristic over the history; :meth:`Oracle.label` says how).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,18 +70,23 @@ class Version:
     committed: int | None = None
     aborted: int | None = None
     created_t: float = 0.0
+    stored: int = -1
+    """Chunks its put stored (-1: not known yet)."""
+    durable: int | None = None
+    """Step of the first flush (or clean close) of its host after its commit, in the
+    same host incarnation, when its put stored every chunk."""
 
 
 @dataclass(frozen=True, slots=True)
 class Rule:
     step: int
-    """Step at which it returned."""
-    crit: Criteria
-    scope: str | None
-    """None: every host (global); else the host whose store ran it (local)."""
-    incarnation: int = 0
-    bad: bool = False
-    """A malformed selector (matches nothing; no lookup may break on it)."""
+    """Step at which it returned (a wipe: at which it happened)."""
+    crit: Criteria | None
+    """The selectors; None: every version (a wipe, or an unknown outcome)."""
+    kind: str = "rule"
+    """``rule``, ``wipe`` (the index lost its state) or ``unknown`` (an invalidation
+    that raised: not a rule the safety checks may rely on, but one the liveness
+    checks must allow for)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +132,9 @@ class Served:
     arrays: list[np.ndarray] = field(default_factory=list)
     load_step: int = -1
     """Step at which its load ran (-1: not loaded yet)."""
+    load_t: float = 0.0
+    """When its load began (0: not loaded yet): what the load read was visible then (a
+    load after its lookup may read a record published since, for the same key)."""
 
 
 class Oracle:
@@ -125,13 +144,20 @@ class Oracle:
         self.by_key: dict[bytes, list[Version]] = {}
         self.digests: dict[tuple[bytes, bytes], Version] = {}
         self.rules: list[Rule] = []
-        self.wipes: list[int] = []
         self.revocations: list[Revocation] = []
         self.flushes: dict[str, list[int]] = {}
+        self.reads: dict[tuple[str, int], list[int]] = {}
+        """(host, incarnation) -> steps at which that host surely read the index."""
+        self.misconfigured: set[str] = set()
+        self.bad_rules_tried = 0
         self.transforms = [make_transform(t, {}) for t in lossy_transforms]
         self._bounds: dict[tuple[int, bytes, int], np.ndarray] = {}
 
     # ------------------------------------------------------------------ history
+
+    def know(self, keys: dict[bytes, KeyInfo]) -> None:
+        """Keys of prompts made up during the run (fresh prompts)."""
+        self.keys.update(keys)
 
     def created(
         self,
@@ -150,12 +176,41 @@ class Oracle:
             self.digests[(k, a.tobytes())] = v
         return v
 
-    def rule(self, step: int, crit: Criteria, scope: str | None, incarnation: int = 0) -> None:
-        self.rules.append(Rule(step, crit, scope, incarnation, crit.raw_namespace is not None))
+    def rule(self, step: int, crit: Criteria) -> None:
+        """A global invalidation returned at ``step``."""
+        self.rules.append(Rule(step, crit))
 
-    def flushed(self, host: str, step: int) -> None:
-        """``host`` flushed (or closed cleanly) at ``step``: what it had is published."""
+    def unknown_rule(self, step: int) -> None:
+        """An invalidation raised at ``step``: recorded or not, applied here or not."""
+        self.rules.append(Rule(step, None, "unknown"))
+
+    def wiped(self, step: int) -> None:
+        self.rules.append(Rule(step, None, "wipe"))
+
+    @property
+    def wipes(self) -> list[int]:
+        return [r.step for r in self.rules if r.kind == "wipe"]
+
+    def read(self, host: str, incarnation: int, step: int) -> None:
+        """``host`` surely read the index during ``step`` (a lookup that did, a rule it
+        recorded)."""
+        self.reads.setdefault((host, incarnation), []).append(step)
+
+    def flushed(self, host: str, incarnation: int, step: int) -> None:
+        """``host`` flushed (or closed cleanly) at ``step``: what it had is durable in
+        its first durable tier, and published where that is the shared tier."""
         self.flushes.setdefault(host, []).append(step)
+        for v in self.versions:
+            if (
+                v.host == host
+                and v.incarnation == incarnation
+                and v.durable is None
+                and v.committed is not None
+                and v.committed < step
+                and v.aborted is None
+                and v.stored == len(v.chunks)
+            ):
+                v.durable = step
 
     def published(self, v: Version) -> int | None:
         """The step of the first flush of ``v``'s host after its commit (when it was
@@ -164,15 +219,14 @@ class Oracle:
             return None
         return min((f for f in self.flushes.get(v.host, []) if f >= v.committed), default=None)
 
-    def wiped(self, step: int) -> None:
-        self.wipes.append(step)
-
     def revoked(self, step: int, target: str, t: float, ban_ms: int) -> None:
         self.revocations.append(Revocation(step, target, t, ban_ms))
 
     # ------------------------------------------------------------------ coverage
 
-    def _selects(self, crit: Criteria, key: bytes) -> bool:
+    def _selects(self, crit: Criteria | None, key: bytes) -> bool:
+        if crit is None:
+            return True
         if crit.raw_namespace is not None:
             return False  # no Namespace is named so: it selects nothing
         info = self.keys[key]
@@ -184,16 +238,14 @@ class Oracle:
             return False
         return crit.prefix is None or crit.prefix in info.lineage
 
-    def covering(self, v: Version, key: bytes, host: str, before: int) -> list[Rule]:
-        """Rules that returned before step ``before`` and cover ``v``'s chunk ``key``
-        for a lookup on ``host``."""
-        out = []
-        for r in self.rules:
-            if r.step >= before or v.created >= r.step or not self._selects(r.crit, key):
-                continue
-            if r.scope is None or (r.scope == host == v.host and r.incarnation == v.incarnation):
-                out.append(r)
-        return out
+    def covering(self, v: Version, key: bytes, before: int) -> list[Rule]:
+        """Rules and wipes that happened before step ``before`` and cover ``v``'s chunk
+        ``key`` (created before them, selected by them)."""
+        return [
+            r
+            for r in self.rules
+            if r.kind != "unknown" and v.created < r.step < before and self._selects(r.crit, key)
+        ]
 
     # ------------------------------------------------------------------ checks
 
@@ -261,7 +313,8 @@ class Oracle:
                 continue
             v = vs[0]
             at = s.load_step if s.load_step >= 0 else s.step
-            if v.committed is None or v.committed >= at or v.aborted is not None:
+            # (a step that puts and then loads, a handoff, commits before it loads)
+            if v.committed is None or v.committed > at or v.aborted is not None:
                 out.append(
                     self._finding(
                         "tentative",
@@ -270,20 +323,30 @@ class Oracle:
                         f"put {v.vid} (on {v.host}) was not committed before the load",
                     )
                 )
-            rules = self.covering(v, key, s.host, s.step)
+            rules = self.covering(v, key, s.step)
             if rules:
                 r = rules[0]
-                where = "every host" if r.scope is None else f"host {r.scope}"
+                what = "wipe of the index" if r.kind == "wipe" else f"rule {r.crit.to_json()}"  # type: ignore[union-attr]
                 out.append(
                     self._finding(
                         "stale",
                         s,
                         i,
                         f"put {v.vid} by {v.host} created at step {v.created} (committed "
-                        f"{v.committed}) served from {s.tiers[i]}, covered by the rule of step "
-                        f"{r.step} for {where} {r.crit.to_json()}",
+                        f"{v.committed}) served from {s.tiers[i]}, covered by the {what} of "
+                        f"step {r.step}",
                         v,
                         r,
+                    )
+                )
+            if v.host in self.misconfigured and s.host != v.host:
+                out.append(
+                    self._finding(
+                        "mismatch-published",
+                        s,
+                        i,
+                        f"put {v.vid} by {v.host}, a host configured with another bucket "
+                        f"count, reached {s.host} from {s.tiers[i]}",
                     )
                 )
             for rv in self.revocations:
@@ -291,7 +354,7 @@ class Oracle:
                     rv.ban_ms > 0
                     and v.host == rv.target
                     and v.created > rv.step
-                    and s.t < rv.t_returned + rv.ban_ms / 1000 - 0.05
+                    and (s.load_t or s.t) < rv.t_returned + rv.ban_ms / 1000 - 0.05
                     and not any(rv.step < w < s.step for w in self.wipes)
                     and (s.host != v.host or s.tiers[i] == "shared")
                 ):
@@ -307,10 +370,34 @@ class Oracle:
                     )
         return out
 
+    def durable(self, host: str, prompt: int, keys: Iterable[bytes], step: int) -> Version | None:
+        """The version of ``prompt`` that ``host`` (a host with a disk tier) must serve
+        at ``step``, if any: put there with every chunk stored, made durable by a flush,
+        and nothing since the host last surely read the index before the put (a rule or
+        a wipe after that read, an invalidation of unknown outcome) may cover any chunk
+        of it. (The put's creation stamp is at least that read's state, so no rule
+        before it covers the put.)"""
+        keys = list(keys)
+        best: Version | None = None
+        for v in self.versions:
+            if v.host != host or v.prompt != prompt or v.durable is None or v.durable >= step:
+                continue
+            reads = [r for r in self.reads.get((host, v.incarnation), []) if r < v.created]
+            if not reads:
+                continue
+            since = max(reads)
+            if any(
+                since < r.step < step and any(self._selects(r.crit, k) for k in keys)
+                for r in self.rules
+            ):
+                continue
+            if best is None or v.created > best.created:
+                best = v
+        return best
+
     def raised(self, step: int, host: str, prompt: int, what: str, exc: BaseException) -> Finding:
-        bad = [r for r in self.rules if r.bad]
         name = type(exc).__name__
-        label = "item5" if bad and name == "InvalidArgument" else "raised"
+        label = "item5" if self.bad_rules_tried and name == "InvalidArgument" else "raised"
         return Finding(label, f"{what}-raised", step, host, prompt, -1, f"{name}: {exc}")
 
     # ------------------------------------------------------------------ labels
@@ -338,28 +425,23 @@ class Oracle:
         history, first match wins):
 
         - item3: a transform's frame served as KV, or lossy bytes under an exact
-          lookup (reads never compare the record with the replica the lookup adopted);
-        - item5: a lookup that raised InvalidArgument after a malformed rule;
-        - item2: a stale version whose put was in flight across the rule (a global
-          rule; or a local one: ``KVStore.invalidate`` leaves TENTATIVE objects to
-          their put, the correctness issue's hole 5 that item 2 names);
-        - item1: a stale version under a global rule, published after the rule (its
-          epoch is read when it is published, not when its KV was created);
-        - item4: a stale version served after a wipe of the index that came after a
-          global rule (the rule was lost, or its epoch reused);
+          lookup (reads never compared the record with the replica the lookup adopted);
+        - item5: a lookup that raised InvalidArgument after a malformed rule was tried;
+        - item4: a stale version covered by a wipe of the index (a rule lost with it, an
+          epoch reused, an old incarnation's objects kept);
+        - item2: a stale version whose put was in flight across the rule;
+        - item1: a stale version published after the rule (its epoch was read when it
+          was published, not when its KV was created);
         - the kind itself for anything else (a new hole)."""
         if kind == "wrong-bytes":
             return "item3" if frame or not s.lossy else kind
         if kind != "stale" or v is None or r is None:
             return kind
-        if v.committed is not None and v.created < r.step < v.committed:
-            return "item2"  # global, or local: the correctness issue's hole 5
-        pub = self.published(v)
-        if r.scope is None and pub is not None and pub > r.step:
-            return "item1"
-        first_rule = min(
-            (x.step for x in self.rules if x.scope is None and not x.bad), default=None
-        )
-        if first_rule is not None and any(first_rule < w < s.step for w in self.wipes):
+        if r.kind == "wipe":
             return "item4"
-        return "stale" if r.scope is None else "stale-local"
+        if v.committed is not None and v.created < r.step < v.committed:
+            return "item2"
+        pub = self.published(v)
+        if pub is not None and pub > r.step:
+            return "item1"
+        return "stale"

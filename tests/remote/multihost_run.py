@@ -3,6 +3,11 @@ Cluster, or a Mooncake master with its Redis index), hosts that join it on their
 step (in-process stores and ``kvlife serve`` processes, each reaching Redis through a
 loopback fault proxy of its own where the backend allows), and the loop that runs a
 schedule step by step, hands every served chunk to the oracle and collects findings.
+The liveness checks that need more than one call live here too: a handoff of a fresh
+prompt between two hosts, a get that must serve (retried through an index backoff),
+what the disk host made durable, the records of a host revoked while a thread of its
+own publishes (read from Redis directly), and a host configured with another bucket
+count.
 
 Also a command line for working on findings::
 
@@ -21,6 +26,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -32,10 +38,21 @@ import redis
 
 from kvlife.core.errors import KVLifeError
 from kvlife.faults.proxy import Fault, FaultProxy
+from kvlife.globalindex import RemoteRecord
+from kvlife.globalindex.record import RecordError
 from kvlife.tiers.redis.server import RedisClusterServers, RedisServer
-from tests.remote.multihost_api import Host, InProcessHost, Looked, ServedHost, SharedSpec
+from tests.remote.multihost_api import (
+    Criteria,
+    Host,
+    InProcessHost,
+    Looked,
+    ServedHost,
+    SharedSpec,
+)
 from tests.remote.multihost_oracle import Finding, Oracle, Served, Version
 from tests.remote.multihost_schedule import (
+    CHUNKS,
+    FRESH,
     PROMPTS,
     Cast,
     Step,
@@ -45,6 +62,7 @@ from tests.remote.multihost_schedule import (
     key_infos,
     loads,
     prompt_keys,
+    prompt_of,
     version_kv,
 )
 
@@ -58,7 +76,15 @@ TRANSFORMS = {"d": "int8", "s2": "int4"}
 JOIN_TOKENS = np.random.default_rng(99).integers(0, 50_000, 64)
 """A prompt no step puts: the lookup a host joins with."""
 
-DEFAULT_CAST = Cast(in_process=("a", "b", "c", "d"), served=("s1", "s2"), faults=True)
+DEFAULT_CAST = Cast(("a", "b", "c", "d", "e"), ("s1", "s2"), faults=True, disk=("e",))
+"""Four in-process hosts with [memory dram, shared] (d's shared tier stores int8), one
+with [memory dram, disk disk, shared] (e), two ``kvlife serve`` hosts (s2's shared tier
+stores int4)."""
+CLUSTER_CAST = Cast(("a", "b", "c", "d", "e"), ("s1",), faults=False, disk=("e",))
+"""On a Redis Cluster: no fault proxy (clients follow MOVED to the nodes)."""
+MOONCAKE_CAST = Cast(("a", "b", "c", "d", "e"), (), faults=True, disk=("e",))
+"""On Mooncake: in-process hosts only (a Mooncake client per host)."""
+CASTS = {"redis": DEFAULT_CAST, "cluster": CLUSTER_CAST, "mooncake": MOONCAKE_CAST}
 
 
 # ---------------------------------------------------------------------- backends
@@ -90,6 +116,42 @@ class Backend:
 
     def flushall(self) -> None:
         raise NotImplementedError
+
+    def nodes(self) -> list[redis.Redis]:
+        """A direct client of every node (no proxy): the oracle's own view of Redis."""
+        raise NotImplementedError
+
+    def records(self, ns: str) -> dict[bytes, bytes]:
+        """Every publication record of index ``ns``: key name -> record bytes."""
+        out: dict[bytes, bytes] = {}
+        for node in self.nodes():
+            names = list(node.scan_iter(match=f"{{kvl:{ns}:b*}}:m:*", count=1000))
+            pipe = node.pipeline(transaction=False)
+            for name in names:
+                pipe.get(name)  # one by one: a cluster node answers no cross-slot MGET
+            for name, blob in zip(names, pipe.execute(), strict=True):
+                if blob is not None:
+                    out[name] = blob
+            node.close()
+        return out
+
+    def index_exists(self, ns: str) -> bool:
+        """Whether index ``ns`` has its identity (incarnation, bucket count) in Redis."""
+        found = False
+        for node in self.nodes():
+            with contextlib.suppress(redis.ResponseError):  # MOVED: another node's slot
+                found = found or bool(node.exists(f"{{kvl:{ns}:idx}}:meta"))
+            node.close()
+        return found
+
+    def rule_count(self, ns: str) -> int:
+        """Rules recorded in index ``ns``."""
+        n = 0
+        for node in self.nodes():
+            with contextlib.suppress(redis.ResponseError):  # MOVED: another node's slot
+                n += int(node.hlen(f"{{kvl:{ns}:idx}}:rules"))
+            node.close()
+        return n
 
 
 def _index_options(host: str, ns: str, timeout_s: float) -> tuple[tuple[str, object], ...]:
@@ -157,6 +219,10 @@ class SingleRedis(Backend):
         assert self.server is not None
         redis.Redis(port=self.server.port).flushall()
 
+    def nodes(self) -> list[redis.Redis]:
+        assert self.server is not None
+        return [redis.Redis(port=self.server.port, socket_timeout=10)]
+
 
 class ClusterRedis(Backend):
     """A three-master Redis Cluster (no proxy: clients follow MOVED to the nodes)."""
@@ -191,6 +257,10 @@ class ClusterRedis(Backend):
         assert self.cluster is not None
         for node in self.cluster.nodes:
             redis.Redis(port=node.port).flushall()
+
+    def nodes(self) -> list[redis.Redis]:
+        assert self.cluster is not None
+        return [redis.Redis(port=n.port, socket_timeout=10) for n in self.cluster.nodes]
 
 
 def _wait_cluster_ok(cluster: RedisClusterServers) -> None:
@@ -265,6 +335,31 @@ class Outcome:
     errors: dict[str, int] = field(default_factory=dict)
     """Typed errors the steps met (allowed outcomes: a refused publish, an unreachable
     index), by step kind and error type."""
+    checks: dict[str, int] = field(default_factory=dict)
+    """Liveness checks made, by kind and result (``handoff:ok``, ``handoff:skipped``,
+    ``durable:ok``, ``race:refused``, ...)."""
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.checks[what] = self.checks.get(what, 0) + n
+
+    def summary(self) -> str:
+        checks = ", ".join(f"{k} {v}" for k, v in sorted(self.checks.items()))
+        return (
+            f"{self.steps_run} steps, {self.served_chunks} chunks served, "
+            f"{len(self.findings)} findings; checks: {checks or 'none'}"
+        )
+
+
+HANDOFF_S = 5.0
+"""How long a handoff may take before the target's failure to serve is a finding (a
+host in an index backoff waits up to 2 s)."""
+MUST_S = 3.0
+"""How long a get that must serve is retried."""
+RACE_S = 0.2
+"""How long a revoked host keeps trying to publish after the revocation returned
+(less than the shortest ban a race uses)."""
+WRONG_BUCKETS = 8
+"""The bucket count of a misconfigured host (the others use the default, 16)."""
 
 
 class World:
@@ -282,12 +377,13 @@ class World:
         )
         self.hosts: dict[str, Host] = {}
         self.looked: dict[str, tuple[Looked, Served]] = {}
-        self.faulted: dict[str, int] = {}
-        """Hosts under a fault, and the step at which it heals."""
+        self.faulted: dict[str, tuple[int, str]] = {}
+        """Hosts under a fault: the step at which it heals, and its kind."""
         self.pending: dict[str, Version] = {}
         """The version of each host's pending put."""
         self.oracle = Oracle(key_infos(), sorted(set(TRANSFORMS.values())))
         self.vids = itertools.count(1)
+        self.fresh = itertools.count(FRESH)
         self.out = Outcome()
         self.n = 0
 
@@ -309,7 +405,7 @@ class World:
             if name in self.cast.served:
                 h = ServedHost(name, self.tmp / name, spec, self.shm_dir)
             else:
-                h = InProcessHost(name, self.tmp / name, spec)
+                h = InProcessHost(name, self.tmp / name, spec, disk=name in self.cast.disk)
             self.hosts[name] = h
         if not h.is_open:
             h.open()
@@ -317,7 +413,9 @@ class World:
             # a host joins the index with a lookup (it reads the index's state)
             p = PROMPTS[0]
             try:
-                h.lookup(p.identity(), p.ns, JOIN_TOKENS, lossy=False)
+                joined = h.lookup(p.identity(), p.ns, JOIN_TOKENS, lossy=False)
+                if joined.read_index:
+                    self.oracle.read(name, h.incarnation, self.n)
             except KVLifeError as exc:
                 self.out.findings.append(self.oracle.raised(self.n, name, 0, "join", exc))
         return h
@@ -327,16 +425,22 @@ class World:
         assert isinstance(h, InProcessHost)
         return h
 
+    def partitioned(self, name: str) -> bool:
+        return name in self.faulted and self.faulted[name][1] == "partition"
+
+    def heal(self, name: str) -> None:
+        if self.faulted.pop(name, None) is not None:
+            self.backend.set_fault(name, Fault.none())
+
     # ------------------------------------------------------------------ steps
 
     def run(self, steps: Sequence[Step], stop_at_first: bool = False) -> Outcome:
         out = self.out = Outcome()
         for n, step in enumerate(steps):
             self.n = n
-            for host, until in list(self.faulted.items()):
+            for host, (until, _) in list(self.faulted.items()):
                 if until <= n:  # a fault lasts its span of steps, then heals
-                    del self.faulted[host]
-                    self.backend.set_fault(host, Fault.none())
+                    self.heal(host)
             t0 = time.monotonic()
             try:
                 note = self.step(n, step, out)
@@ -344,10 +448,12 @@ class World:
                 key = f"{step.kind}:{type(exc).__name__}"
                 out.errors[key] = out.errors.get(key, 0) + 1
                 note = f"{type(exc).__name__}: {str(exc)[:120]}"
-                if step.kind in ("lookup", "get", "load"):
+                if step.kind in ("lookup", "get", "load", "request", "recall"):
                     out.findings.append(
                         self.oracle.raised(n, step.host, step.prompt, step.kind, exc)
                     )
+                if step.kind in ("inv_global", "inv_index"):
+                    self.oracle.unknown_rule(n)  # recorded or not, applied here or not
             except Exception as exc:  # a bug: reported, and the run goes on
                 out.findings.append(
                     Finding(
@@ -367,32 +473,54 @@ class World:
                 break
         return out
 
+    def _version(self, h: Host, p: int, n: int) -> tuple[Version, np.ndarray]:
+        """A new version of prompt ``p`` computed on ``h`` at step ``n``."""
+        vid = next(self.vids)
+        kv = version_kv(vid)
+        keys = prompt_keys(p)
+        chunks = {k: chunk_of(kv, i) for i, k in enumerate(keys)}
+        return self.oracle.created(vid, h.name, h.incarnation, p, n, chunks, time.monotonic()), kv
+
+    def _put(self, h: Host, p: int, n: int) -> Version:
+        v, kv = self._version(h, p, n)
+        pr = prompt_of(p)
+        v.stored = h.put(pr.identity(), pr.ns, pr.tokens(), kv)
+        v.committed = n
+        return v
+
+    def _lookup(self, h: Host, p: int, n: int, lossy: bool) -> tuple[Looked, Served]:
+        pr = prompt_of(p)
+        t = time.monotonic()
+        looked = h.lookup(pr.identity(), pr.ns, pr.tokens(), lossy)
+        if looked.read_index:
+            self.oracle.read(h.name, h.incarnation, n)
+        served = Served(
+            h.name,
+            h.incarnation,
+            n,
+            t,
+            p,
+            [x.key for x in looked.hits],
+            [x.tier for x in looked.hits],
+            [x.exactness for x in looked.hits],
+            lossy,
+        )
+        return looked, served
+
     def step(self, n: int, s: Step, out: Outcome) -> str:
         o = self.oracle
-        if s.kind in ("put", "begin"):
+        if s.kind == "put":
+            v = self._put(self.host(s.host), s.prompt, n)
+            return f"put {v.vid}: stored {v.stored}"
+        if s.kind == "begin":
             h = self.host(s.host)
-            if s.kind == "begin" and h.pending is not None:
+            if h.pending is not None:
                 return "a put is pending already"
+            v, kv = self._version(h, s.prompt, n)
             pr = PROMPTS[s.prompt]
-            vid = next(self.vids)
-            kv = version_kv(vid)
-            keys = prompt_keys(s.prompt)
-            v = o.created(
-                vid,
-                h.name,
-                h.incarnation,
-                s.prompt,
-                n,
-                {k: chunk_of(kv, i) for i, k in enumerate(keys)},
-                time.monotonic(),
-            )
-            if s.kind == "put":
-                stored = h.put(pr.identity(), pr.ns, pr.tokens(), kv)
-                v.committed = n
-                return f"put {vid}: stored {stored}"
             h.begin(pr.identity(), pr.ns, pr.tokens(), kv)
             self.pending[h.name] = v
-            return f"begun {vid}"
+            return f"begun {v.vid}"
         if s.kind in ("commit", "abort"):
             h = self.host(s.host)
             if h.pending is None:
@@ -403,37 +531,50 @@ class World:
                 h.abort()
                 return f"aborted {v.vid}"
             try:
-                stored = h.commit()
+                v.stored = h.commit()
             except KVLifeError:
                 v.aborted = n
                 raise
             v.committed = n
-            return f"committed {v.vid}: stored {stored}"
+            return f"committed {v.vid}: stored {v.stored}"
         if s.kind == "flush":
-            done = self.host(s.host).flush()
-            o.flushed(s.host, n)
+            h = self.host(s.host)
+            done = h.flush()
+            o.flushed(h.name, h.incarnation, n)
             return f"flushed {done}"
         if s.kind in ("lookup", "get"):
             h = self.host(s.host)
-            pr = PROMPTS[s.prompt]
-            t = time.monotonic()
-            looked = h.lookup(pr.identity(), pr.ns, pr.tokens(), s.lossy)
-            served = Served(
-                h.name,
-                h.incarnation,
-                n,
-                t,
-                s.prompt,
-                [x.key for x in looked.hits],
-                [x.tier for x in looked.hits],
-                [x.exactness for x in looked.hits],
-                s.lossy,
-            )
+            looked, served = self._lookup(h, s.prompt, n, s.lossy)
             if s.kind == "lookup":
                 self.looked[h.name] = (looked, served)
                 out.findings += o.check(served, claims=True)  # nothing loaded yet
                 return f"{len(looked.hits)} hits {_tiers(served.tiers)}"
-            return self._load(h, looked, served, out)
+            note = self._load(h, looked, served, out)
+            return note + self._must_serve(h, s, n, served, out)
+        if s.kind == "recall":
+            h = self.host(s.host)
+            mine = [v for v in o.versions if v.host == h.name and v.durable is not None]
+            if not mine:
+                return "nothing made durable yet"
+            p = max(mine, key=lambda v: v.created).prompt
+            looked, served = self._lookup(h, p, n, s.lossy)
+            note = self._load(h, looked, served, out)
+            return f"prompt {p}: {note}" + self._must_serve(
+                h, Step("get", h.name, p, s.lossy), n, served, out
+            )
+        if s.kind == "request":
+            h = self.host(s.host)
+            looked, served = self._lookup(h, s.prompt, n, s.lossy)
+            note = self._load(h, looked, served, out)
+            if len(served.arrays) == CHUNKS:
+                return note
+            try:  # the engine computed the rest (a put may fail: an allowed outcome)
+                v = self._put(h, s.prompt, n)
+            except KVLifeError as exc:
+                key = f"request-put:{type(exc).__name__}"
+                out.errors[key] = out.errors.get(key, 0) + 1
+                return f"{note}; put {type(exc).__name__}: {str(exc)[:100]}"
+            return f"{note}; put {v.vid}: stored {v.stored}"
         if s.kind == "load":
             h = self.host(s.host)
             kept = self.looked.pop(h.name, None)
@@ -442,21 +583,28 @@ class World:
             looked, served = kept
             served.load_step = n
             return self._load(h, looked, served, out, claims=False)
-        if s.kind == "inv_local":
+        if s.kind == "inv_global":
             h = self.host(s.host)
             crit = s.criteria()
-            removed = h.invalidate_local(crit)
-            o.rule(n, crit, h.name, h.incarnation)
-            return f"removed {removed}"
-        if s.kind == "inv_global":
+            o.bad_rules_tried += crit.raw_namespace is not None
+            removed = h.invalidate(crit)
+            o.rule(n, crit)
+            o.read(h.name, h.incarnation, n)
+            return f"removed {removed} here"
+        if s.kind == "inv_index":
+            h = self.in_process(s.host)
             crit = s.criteria()
-            epoch = self.in_process(s.host).invalidate_global(crit)
-            o.rule(n, crit, None)
+            o.bad_rules_tried += crit.raw_namespace is not None
+            epoch = h.record_rule(crit)
+            o.rule(n, crit)
+            o.read(h.name, h.incarnation, n)
             return f"epoch {epoch}"
         if s.kind == "revoke":
             token = self.in_process(s.host).revoke(s.target, s.ban_ms)
             o.revoked(n, s.target, time.monotonic(), s.ban_ms)
             return f"token {token}"
+        if s.kind == "revoke_race":
+            return self._race(n, s, out)
         if s.kind == "expire":
             self.host(s.host)
             time.sleep(LEASE_TTL_MS / 1000 + 0.05)
@@ -465,11 +613,16 @@ class World:
             h = self.host(s.host)
             if h.name in self.pending:
                 self.pending.pop(h.name).aborted = n  # closing aborts a pending put
-            h.close(s.clean)
-            if s.clean:
-                o.flushed(h.name, n)
+            before = h.incarnation
+            note = ""
+            try:
+                h.close(s.clean)
+                if s.clean:
+                    o.flushed(h.name, before, n)
+            except KVLifeError as exc:  # closed all the same; what was flushed is unknown
+                note = f" (close: {type(exc).__name__})"
             self.host(s.host)
-            return f"incarnation {h.incarnation}"
+            return f"incarnation {h.incarnation}{note}"
         if s.kind == "redis_restart":
             self.backend.restart(s.persist)
             if not s.persist:
@@ -485,8 +638,12 @@ class World:
             self.host(s.host)
             fault = {"partition": Fault.partition(), "delay": Fault.delay(DELAY_S)}[s.fault]
             self.backend.set_fault(s.host, fault)
-            self.faulted[s.host] = n + 1 + s.span
+            self.faulted[s.host] = (n + 1 + s.span, s.fault)
             return f"{s.fault} for {s.span} steps"
+        if s.kind == "handoff":
+            return self._handoff(n, s, out)
+        if s.kind == "mismatch":
+            return self._mismatch(n, s, out)
         if s.kind == "wait":
             time.sleep(s.ms / 1000)
             return f"waited {s.ms} ms"
@@ -495,6 +652,7 @@ class World:
     def _load(
         self, h: Host, looked: Looked, served: Served, out: Outcome, claims: bool = True
     ) -> str:
+        served.load_t = time.monotonic()
         served.arrays = h.load(looked)
         out.served_chunks += len(served.arrays)
         found = self.oracle.check(served, claims)
@@ -502,6 +660,256 @@ class World:
         return f"{len(looked.hits)} hits {_tiers(served.tiers)}, loaded {len(served.arrays)}" + (
             " !" if found else ""
         )
+
+    # ------------------------------------------------------------------ liveness
+
+    def _must_serve(self, h: Host, s: Step, n: int, served: Served, out: Outcome) -> str:
+        """A get that must serve every chunk (``must``), or a version a host with a disk
+        tier made durable (the oracle's :meth:`~Oracle.durable`): retried while it
+        falls short (an index backoff is no loss), a finding if it still does."""
+        keys = prompt_keys(s.prompt)
+        durable = None
+        if h.name in self.cast.disk and not self.partitioned(h.name):
+            durable = self.oracle.durable(h.name, s.prompt, keys, n)
+        if not s.must and durable is None:
+            return ""
+        deadline = time.monotonic() + MUST_S
+
+        def short(sv: Served) -> str:
+            if len(sv.arrays) < len(keys):
+                return f"served {len(sv.arrays)} of {len(keys)} chunks"
+            if durable is not None and not s.lossy:
+                for k, a in zip(keys, sv.arrays, strict=True):
+                    if not np.array_equal(a, durable.chunks[k]):
+                        return f"served other bytes than put {durable.vid}"
+            return ""
+
+        why = short(served)
+        tries = 1
+        while why and time.monotonic() < deadline:
+            time.sleep(0.1)
+            looked, again = self._lookup(h, s.prompt, n, s.lossy)
+            self._load(h, looked, again, out)
+            why = short(again)
+            tries += 1
+        what = "durable" if durable is not None else "must"
+        if not why:
+            out.count(f"{what}:ok")
+            return f"; {what} ok" + (f" after {tries} tries" if tries > 1 else "")
+        if durable is not None:
+            detail = (
+                f"put {durable.vid} (created at step {durable.created}, durable at step "
+                f"{durable.durable}, incarnation {durable.incarnation}; host now at "
+                f"{h.incarnation}): {why} after {tries} tries"
+            )
+            out.findings.append(Finding("item6", "lost", n, h.name, s.prompt, -1, detail))
+        else:
+            out.findings.append(
+                Finding(
+                    "liveness", "not-served", n, h.name, s.prompt, -1, f"{why} after {tries} tries"
+                )
+            )
+        out.count(f"{what}:failed")
+        return f"; {what} FAILED ({why})"
+
+    def _handoff(self, n: int, s: Step, out: Outcome) -> str:
+        """``s.host`` publishes a fresh prompt (lookup, put, flush: no rule selects it),
+        then ``s.target`` must serve it, lossy allowed (from the shared tier: it never
+        had it). Faults on both end first; a publish that fails (a ban, an index
+        backoff, Mooncake refusing a put) is retried with another fresh prompt. A
+        finding when two publishes succeeded and the target served neither within
+        :data:`HANDOFF_S`."""
+        x, y = self.host(s.host), self.host(s.target)
+        if x.name in self.cast.disk or x.name == y.name:
+            return "no handoff from a host with a disk tier (it flushes to disk)"
+        self.heal(x.name)
+        self.heal(y.name)
+        deadline = time.monotonic() + HANDOFF_S
+        published = 0
+        why = ""
+        while time.monotonic() < deadline:
+            p = next(self.fresh)
+            self.oracle.know(key_infos([p]))
+            try:
+                self._lookup(x, p, n, lossy=False)
+                v = self._put(x, p, n)
+                x.flush()
+                self.oracle.flushed(x.name, x.incarnation, n)
+            except KVLifeError as exc:
+                why = f"{x.name} could not publish: {type(exc).__name__}: {str(exc)[:100]}"
+                time.sleep(0.1)
+                continue
+            published += 1
+            until = min(deadline, time.monotonic() + HANDOFF_S / 3)
+            while True:
+                try:
+                    looked, served = self._lookup(y, p, n, lossy=True)
+                    self._load(y, looked, served, out)
+                except KVLifeError as exc:
+                    out.findings.append(self.oracle.raised(n, y.name, p, "handoff", exc))
+                    return f"{y.name} raised {type(exc).__name__}"
+                if len(served.arrays) == CHUNKS:
+                    out.count("handoff:ok")
+                    return f"put {v.vid} by {x.name} served by {y.name} ({_tiers(served.tiers)})"
+                why = f"{y.name} served {len(served.arrays)} of {CHUNKS} chunks of put {v.vid}"
+                if time.monotonic() >= until:
+                    break
+                time.sleep(0.1)
+        if published >= 2:
+            out.count("handoff:failed")
+            out.findings.append(
+                Finding(
+                    "liveness",
+                    "no-handoff",
+                    n,
+                    y.name,
+                    -1,
+                    -1,
+                    f"{x.name} published {published} fresh prompts, {why}",
+                )
+            )
+            return f"handoff FAILED: {why}"
+        out.count("handoff:skipped")
+        return f"handoff skipped: {why}"
+
+    def _race(self, n: int, s: Step, out: Outcome) -> str:
+        """``s.target`` publishes fresh prompts on a thread of its own while ``s.host``
+        revokes it with a ban (issue 29 item 7): once ``revoke`` returned, no record of
+        the target may appear or change in the index during the ban, whatever the
+        target had in flight."""
+        issuer = self.in_process(s.host)
+        target = self.in_process(s.target)
+        stop = threading.Event()
+        tally = {"published": 0, "refused": 0}
+
+        def racer() -> None:
+            while not stop.is_set():
+                p = next(self.fresh)
+                self.oracle.know(key_infos([p]))
+                try:
+                    self._put(target, p, n)
+                    target.flush()
+                    tally["published"] += 1
+                except KVLifeError:
+                    tally["refused"] += 1
+
+        th = threading.Thread(target=racer, name=f"racer-{target.name}", daemon=True)
+        th.start()
+        time.sleep(s.ms / 1000)  # let a few publishes through first
+        try:
+            issuer.revoke(target.name, s.ban_ms)
+        except BaseException:
+            stop.set()
+            th.join(30)
+            raise
+        returned = time.monotonic()
+        self.oracle.revoked(n, target.name, returned, s.ban_ms)
+        before = self._records_of(target.name)
+        time.sleep(RACE_S)
+        stop.set()
+        th.join(30)
+        assert not th.is_alive(), "the racing publisher did not stop"
+        after = self._records_of(target.name)
+        late = sorted(k for k, blob in after.items() if before.get(k) != blob)
+        if late and time.monotonic() < returned + s.ban_ms / 1000:
+            out.findings.append(
+                Finding(
+                    "item7",
+                    "published-after-revoke",
+                    n,
+                    target.name,
+                    -1,
+                    -1,
+                    f"{len(late)} records of {target.name} appeared or changed after its "
+                    f"revocation (ban {s.ban_ms} ms) returned, e.g. {late[0][:60]!r}",
+                )
+            )
+        out.count("race:runs")
+        out.count("race:published", tally["published"])
+        out.count("race:refused", tally["refused"])
+        return (
+            f"revoked {target.name} while it published: {tally['published']} flushes "
+            f"through, {tally['refused']} refused, {len(late)} records after"
+        )
+
+    def _records_of(self, host: str) -> dict[bytes, bytes]:
+        out: dict[bytes, bytes] = {}
+        for name, blob in self.backend.records(self.ns).items():
+            try:
+                rec = RemoteRecord.decode(blob)
+            except RecordError:
+                continue
+            if rec.host == host:
+                out[name] = blob
+        return out
+
+    def _mismatch(self, n: int, s: Step, out: Outcome) -> str:
+        """A host configured with another bucket count joins (after ``s.host`` made sure
+        the index exists) and tries a lookup, a put, a flush and an invalidation: each is
+        refused with a typed error or harmless; it serves nothing, publishes nothing
+        another host serves (the oracle's ``mismatch-published``) and records no rule."""
+        h = self.host(s.host)  # a well configured host reads (so creates) the index
+        p0 = PROMPTS[0]
+        h.lookup(p0.identity(), p0.ns, JOIN_TOKENS, lossy=False)
+        if not self.backend.index_exists(self.ns):  # it could not: the misconfigured
+            return "no index to join"  # host would create it with its count (docs)
+        name = f"m{n}"
+        spec = self.backend.spec(name, self.ns)
+        wrong = SharedSpec(spec.kind, (*spec.options, ("buckets", WRONG_BUCKETS)))
+        m = InProcessHost(name, self.tmp / name, wrong)
+        self.oracle.misconfigured.add(name)
+        rules = self.backend.rule_count(self.ns)
+        refused: list[str] = []
+        try:
+            m.open()
+        except KVLifeError as exc:
+            return f"{name} could not open: {type(exc).__name__}"
+        pr = PROMPTS[s.prompt]
+        try:
+            for what in ("lookup", "put", "flush", "invalidate"):
+                try:
+                    if what == "lookup":
+                        looked, served = self._lookup(m, s.prompt, n, lossy=True)
+                        self._load(m, looked, served, out)
+                        if served.arrays:
+                            out.findings.append(
+                                Finding(
+                                    "mismatch",
+                                    "mismatch-served",
+                                    n,
+                                    name,
+                                    s.prompt,
+                                    -1,
+                                    f"served {len(served.arrays)} chunks without reading the index",
+                                )
+                            )
+                    elif what == "put":
+                        self._put(m, s.prompt, n)
+                    elif what == "flush":
+                        m.flush()
+                    else:
+                        m.invalidate(Criteria(namespace=pr.ns))
+                        self.oracle.rule(n, Criteria(namespace=pr.ns))
+                except KVLifeError as exc:
+                    refused.append(f"{what}: {type(exc).__name__}")
+        finally:
+            with contextlib.suppress(KVLifeError):
+                m.close(clean=False)
+        if self.backend.rule_count(self.ns) != rules and "invalidate" in " ".join(refused):
+            self.oracle.unknown_rule(n)
+            out.findings.append(
+                Finding(
+                    "mismatch",
+                    "mismatch-recorded",
+                    n,
+                    name,
+                    s.prompt,
+                    -1,
+                    "an invalidation refused with an error was recorded in the index all the same",
+                )
+            )
+        out.count("mismatch:runs")
+        return f"{name} (buckets={WRONG_BUCKETS}) refused: {', '.join(refused) or 'nothing'}"
 
 
 def _tiers(tiers: list[str]) -> str:
@@ -602,11 +1010,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--log", action="store_true", help="print every step")
     ap.add_argument("--without", default="", help="step kinds to leave out, comma-separated")
     args = ap.parse_args(argv)
-    cast = (
-        DEFAULT_CAST
-        if args.backend != "cluster"
-        else Cast(DEFAULT_CAST.in_process, DEFAULT_CAST.served, False)
-    )
+    cast = CASTS[args.backend]
     if args.what == "replay":
         steps = loads(args.schedule)
     else:
@@ -620,7 +1024,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.log or args.what != "run":
         print("\n".join(out.log))
     took = time.monotonic() - t0
-    print(f"{out.steps_run} steps, {out.served_chunks} chunks served, {took:.1f} s")
+    print(f"{out.summary()}; {took:.1f} s")
     print(f"typed errors met: {out.errors}")
     for f in out.findings:
         print(f)

@@ -6,6 +6,9 @@ The prompts are few and overlap on purpose (two share their first two chunks, on
 repeats another's tokens in a second tenant, one uses an adapter, one other weights),
 so that every invalidation selector (namespace, adapter, weights, prefix, and pairs of
 them) covers some chunks and spares others, and hosts keep meeting on the same keys.
+Beside them, *fresh* prompts (numbers from :data:`FRESH`, never reused in a run, in a
+tenant and under weights no invalidation names) carry the liveness checks: a handoff
+between two hosts, and the puts that race a revocation.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ class Prompt:
         return np.concatenate([head, tail])
 
 
+FRESH = 1000
+"""Prompt numbers from here on are fresh prompts (:func:`prompt_of`)."""
+
 PROMPTS: tuple[Prompt, ...] = (
     Prompt("acme", "", "w0", 0, 0),
     Prompt("acme", "", "w0", 0, 1),  # shares its first two chunks with prompt 0
@@ -71,15 +77,25 @@ class KeyInfo:
     """The chunk's key and every key chained before it."""
 
 
+def prompt_of(p: int) -> Prompt:
+    """Prompt ``p``: one of :data:`PROMPTS`, or from :data:`FRESH` on a fresh one (tenant
+    ``fresh``, weights ``wf``: no generated invalidation selects it, and its tokens are
+    its own)."""
+    if p < FRESH:
+        return PROMPTS[p]
+    return Prompt("fresh", "", "wf", p, p)
+
+
 @cache
 def prompt_keys(p: int) -> tuple[bytes, ...]:
-    pr = PROMPTS[p]
+    pr = prompt_of(p)
     return tuple(bytes(k) for k in prompt_chunk_keys(pr.identity(), org(pr.ns), pr.tokens()))
 
 
-def key_infos() -> dict[bytes, KeyInfo]:
+def key_infos(prompts: Sequence[int] = range(len(PROMPTS))) -> dict[bytes, KeyInfo]:
     out: dict[bytes, KeyInfo] = {}
-    for p, pr in enumerate(PROMPTS):
+    for p in prompts:
+        pr = prompt_of(p)
         keys = prompt_keys(p)
         for i, k in enumerate(keys):
             out[k] = KeyInfo(pr.ns, pr.adapter, pr.weights, keys[: i + 1])
@@ -109,15 +125,20 @@ KINDS = (
     "flush",  # host
     "lookup",  # host, prompt, lossy: kept for a later "load"
     "load",  # host: load what its last lookup answered
-    "get",  # host, prompt, lossy: lookup and load at once
-    "inv_local",  # host, crit: the store's own invalidate
-    "inv_global",  # host (an in-process issuer), crit
-    "revoke",  # host (issuer), target, ban_ms
+    "get",  # host, prompt, lossy, must: lookup and load at once
+    "request",  # host, prompt, lossy: what an engine does: get, then put what was missing
+    "recall",  # host (with a disk tier): get the prompt it last made durable
+    "inv_global",  # host, crit: KVStore.invalidate (global on a store with a shared tier)
+    "inv_index",  # host (in-process), crit: GlobalIndex.invalidate (records, applies nowhere)
+    "revoke",  # host (in-process issuer), target, ban_ms
+    "revoke_race",  # host, target, ban_ms, ms: revoke (after ms) while target publishes
     "expire",  # host: sleep past its lease
     "restart",  # host, clean: close (flush or not) and reopen
     "redis_restart",  # persist: with its data (SHUTDOWN SAVE) or empty
     "flushall",  # every key of every node gone
     "fault",  # host, fault, span: a partition or delays between that host and Redis
+    "handoff",  # host, target: host publishes a fresh prompt, target must serve it
+    "mismatch",  # host, prompt: a host configured with other buckets tries everything
     "wait",  # ms: let time pass (leases run down, backoffs end); not generated
 )
 
@@ -137,6 +158,13 @@ class Step:
     span: int = 0
     """A fault's length in steps (it heals after them)."""
     ms: int = 0
+    must: bool = False
+    """A get that must serve every chunk of the prompt (a liveness check of a minimal
+    schedule; retried for a few seconds: an index backoff is no loss)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown step kind {self.kind!r}")
 
     def criteria(self) -> Criteria:
         return Criteria.from_json(self.crit)
@@ -174,6 +202,9 @@ class Cast:
     faults: bool
     """Partitions and delays through a fault proxy (single Redis only)."""
     redis_restarts: bool = True
+    disk: tuple[str, ...] = ()
+    """In-process hosts whose chain has a disk tier between DRAM and the shared tier
+    (what they flushed survives their restarts: issue 29 item 6)."""
 
     @property
     def hosts(self) -> tuple[str, ...]:
@@ -181,23 +212,29 @@ class Cast:
 
 
 WEIGHTS: dict[str, float] = {
-    "put": 12,
+    "put": 6,
+    "request": 14,
     "begin": 4,
     "commit": 5,
     "abort": 0.5,
     "flush": 12,
     "lookup": 8,
     "load": 8,
-    "get": 18,
-    "inv_local": 2,
-    "inv_global": 4,
+    "get": 10,
+    "inv_global": 3,
+    "inv_index": 1.2,
     "inv_bad": 0.15,
-    "revoke": 1.5,
+    "revoke": 1.2,
+    "revoke_race": 0.4,
     "expire": 0.7,
-    "restart": 2,
+    "restart": 2.5,
+    "restart_disk": 1.5,
+    "recall": 3,
     "redis_restart": 1.2,
     "flushall": 0.6,
     "fault": 3,
+    "handoff": 1.5,
+    "mismatch": 0.2,
 }
 
 
@@ -234,9 +271,14 @@ def generate(seed: int, n: int, cast: Cast, without: Sequence[str] = ()) -> list
     rng = random.Random(seed)
     kinds = {k: w for k, w in WEIGHTS.items() if k not in without}
     if not cast.faults:
-        kinds.pop("fault")
+        kinds.pop("fault", None)
     if not cast.redis_restarts:
-        kinds.pop("redis_restart")
+        kinds.pop("redis_restart", None)
+    if len(set(cast.in_process) - set(cast.disk)) < 2:
+        kinds.pop("revoke_race", None)
+    if not cast.disk:
+        kinds.pop("restart_disk", None)
+        kinds.pop("recall", None)
     names, weights = list(kinds), list(kinds.values())
     steps: list[Step] = []
     while len(steps) < n:
@@ -249,20 +291,31 @@ def generate(seed: int, n: int, cast: Cast, without: Sequence[str] = ()) -> list
             steps.append(Step(kind, host, prompt))
         elif kind in ("commit", "abort", "flush", "load", "expire"):
             steps.append(Step(kind, host))
-        elif kind in ("lookup", "get"):
+        elif kind in ("lookup", "get", "request"):
             steps.append(Step(kind, host, prompt, lossy=lossy))
-        elif kind == "inv_local":
+        elif kind == "inv_global":
             steps.append(Step(kind, host, crit=random_criteria(rng)))
-        elif kind in ("inv_global", "inv_bad"):
-            bad = kind == "inv_bad"
-            steps.append(Step("inv_global", issuer, crit=random_criteria(rng, bad)))
+        elif kind == "inv_index":
+            steps.append(Step(kind, issuer, crit=random_criteria(rng)))
+        elif kind == "inv_bad":  # refused when written, by either way in
+            way = rng.choice(["inv_global", "inv_index"])
+            who = host if way == "inv_global" else issuer
+            steps.append(Step(way, who, crit=random_criteria(rng, True)))
         elif kind == "revoke":
             ban = rng.choice([0, 0, 300, 1500])
             steps.append(Step(kind, issuer, target=host, ban_ms=ban))
+        elif kind == "revoke_race":  # the target publishes: no disk tier in between
+            target = rng.choice([h for h in cast.in_process if h not in (issuer, *cast.disk)])
+            ban = rng.choice([800, 1500])
+            steps.append(Step(kind, issuer, target=target, ban_ms=ban, ms=rng.choice([0, 20, 60])))
         elif kind == "restart":
             if host in cast.served and rng.random() < 0.7:
                 continue  # a server process takes a second or two to start: fewer
             steps.append(Step(kind, host, clean=rng.random() < 0.6))
+        elif kind == "restart_disk":  # what it flushed must survive (item 6)
+            steps.append(Step("restart", rng.choice(cast.disk), clean=rng.random() < 0.5))
+        elif kind == "recall":
+            steps.append(Step(kind, rng.choice(cast.disk), lossy=lossy))
         elif kind == "redis_restart":
             steps.append(Step(kind, persist=rng.random() < 0.5))
         elif kind == "flushall":
@@ -270,4 +323,10 @@ def generate(seed: int, n: int, cast: Cast, without: Sequence[str] = ()) -> list
         elif kind == "fault":
             f = rng.choice(["partition", "delay"])
             steps.append(Step(kind, host, fault=f, span=rng.randint(1, 8)))
+        elif kind == "handoff":  # from a host that publishes when it flushes
+            source = rng.choice([h for h in cast.hosts if h not in cast.disk])
+            target = rng.choice([h for h in cast.hosts if h != source])
+            steps.append(Step(kind, source, target=target))
+        elif kind == "mismatch":
+            steps.append(Step(kind, issuer, prompt))
     return steps

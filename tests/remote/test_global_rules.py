@@ -25,7 +25,7 @@ from kvlife.globalindex import GlobalIndex, Health, IndexConfig
 from kvlife.tiers.base import ReplicaMeta, Reservation
 from kvlife.tiers.mooncake.server import MooncakeMaster
 from kvlife.tiers.redis.server import RedisClusterServers, RedisServer
-from tests.conftest import prompt_kv, tiny_identity
+from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.remote.fleet import (
     ACME,
     GLOBEX,
@@ -239,6 +239,79 @@ def test_an_emptied_index_drops_what_hosts_adopted(
         fleet.close()
 
 
+def _chunks(kv: np.ndarray) -> list[np.ndarray]:
+    n = TINY.tokens_per_chunk
+    return [np.ascontiguousarray(kv[:, :, :, i * n : (i + 1) * n]) for i in range(4)]
+
+
+def test_a_delete_planned_before_a_key_is_adopted_again_spares_the_new_replica(
+    tmp_path: Path,
+    kind: str,
+    private: RedisServer,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the multi-host model (seed 6, 400 steps): the lookup that finds the
+    index emptied drops what B had adopted and plans the deletes of those replicas in
+    the background, then adopts the keys again from C's new records. A delete that ran
+    after the adoption (here: its first call slowed down, as a loaded machine did)
+    deleted C's new records and left B's new replicas unheld; B then read whatever
+    record came next unchecked, and served another host's int8 frames as exact KV."""
+    fleet = Fleet(tmp_path, kind, private.url, "again", _master(kind, request))
+    try:
+        a, b, c = fleet.host("a"), fleet.host("b"), fleet.host("c")
+        put(a, 31)
+        a.flush()
+        assert [h.tier for h in look(b, 31).hits] == ["shared"] * 4  # adopted from A
+        raw = redis.Redis.from_url(private.url)
+        raw.flushall()
+        raw.close()
+        tokens, _ = prompt_kv(31, 64)
+        _, other = prompt_kv(32, 64)  # C computed other bytes for the same tokens
+        retrying(lambda: c.put_prompt(tiny_identity(), ACME, tokens, other))
+        c.flush()
+        tier = shared_of(b)
+        real = tier.contains
+
+        def slow(key: ChunkKey) -> bool:  # the background delete's first call
+            time.sleep(0.3)
+            return real(key)
+
+        monkeypatch.setattr(tier, "contains", slow)
+        found = look(b, 31)  # the reset, then C's records adopted
+        b.drain()
+        monkeypatch.undo()
+        assert len(found.hits) == 4
+        e = fleet.host("e")
+        got = e.load(look(e, 31))
+        assert got.loaded == 4, "B's delete removed C's new records"
+        for arr, want in zip(got.arrays, _chunks(other), strict=True):
+            assert np.array_equal(arr, want)
+        d = fleet.host("d", transform="int8")
+        put(d, 31)
+        d.flush()  # D's int8 frames replace C's records
+        assert b.load(found).loaded == 0  # a miss, never D's frames as exact KV
+    finally:
+        fleet.close()
+
+
+def test_letting_go_of_a_replica_keeps_another_hosts_record_of_the_same_bytes(
+    fleet: Fleet,
+) -> None:
+    """Found by the multi-host model: B held A's record; C republished the same bytes
+    (another record: C's host, token and stamp); B's read took C's record for its own
+    ("the same replica"), so B's delete, when it let go, removed C's record."""
+    a, b, c = fleet.host("a"), fleet.host("b"), fleet.host("c")
+    put(a, 33)
+    a.flush()
+    assert len(look(b, 33).hits) == 4  # B holds A's records
+    put(c, 33)
+    c.flush()  # the same bytes, C's records now
+    assert served(b, 33) == 4  # B reads them: the same replica
+    b.evict("shared", 64 << 20)  # B lets go of everything it held there
+    assert served(fleet.host("e"), 33) == 4, "B's delete removed C's record"
+
+
 # ---------------------------------------------------------------------- item 5
 
 
@@ -325,6 +398,20 @@ def test_a_revoke_leaves_no_moment_where_a_banned_host_publishes(
     assert hits(c, 14) == 0
 
 
+def test_a_shorter_ban_never_cuts_a_longer_one_short(fleet: Fleet) -> None:
+    """Found by the multi-host model's soak (seed 12): A was revoked with a ban of
+    1500 ms, then again with 300 ms; the second ban replaced the first, and A published
+    1.2 s before its first ban was over."""
+    a, b = fleet.host("a"), fleet.host("b")
+    index_of(b).revoke("a", ban_ms=5_000)
+    index_of(b).revoke("a", ban_ms=100)
+    time.sleep(0.4)  # the second ban is over, the first is not
+    put(a, 34)
+    with pytest.raises(LeaseError, match="KVLBANNED"):
+        a.flush()
+    assert hits(fleet.host("c"), 34) == 0
+
+
 def test_publish_is_refused_once_the_lease_lapsed_whatever_the_client_claims(
     fleet: Fleet,
 ) -> None:
@@ -388,6 +475,25 @@ def test_hosts_with_different_bucket_counts_are_refused(fleet: Fleet) -> None:
     b = fleet.host("b", buckets=8)
     with pytest.raises(InvalidArgument, match="buckets"):
         look(b, 18)
+
+
+def test_an_invalidation_refused_for_its_bucket_count_records_nothing(
+    fleet: Fleet, index_ns: str
+) -> None:
+    """Found by the multi-host model: the misconfigured host's ``KVStore.invalidate``
+    raised IndexMismatch, but the rule was in the index and every host applied it."""
+    a = fleet.host("a")
+    put(a, 19)
+    a.flush()
+    b = fleet.host("b", buckets=8)
+    with pytest.raises(InvalidArgument, match="buckets"):
+        b.invalidate(namespace=ACME)
+    with pytest.raises(InvalidArgument, match="buckets"):
+        index_of(b).invalidate(namespace=ACME)
+    raw = redis.Redis.from_url(fleet.url)
+    assert raw.hlen(idx_key(index_ns, "rules")) == 0, "a refused invalidation was recorded"
+    raw.close()
+    assert served(fleet.host("c"), 19) == 4
 
 
 def test_two_lookups_racing_over_new_rules_both_trim(fleet: Fleet) -> None:

@@ -277,16 +277,15 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
     def _holds(self, key: ChunkKey, rec: RemoteRecord) -> bool:
         """Whether ``rec`` (read now) still describes the replica held for ``key``
         (a key this host does not hold, e.g. a tier used on its own, is not checked). A
-        record republished with the same bytes (another token, another Mooncake object)
-        is the same replica and is held from now on."""
+        record republished with the same bytes (another host, token, Mooncake object)
+        is the same replica to read; the record held stays the one this host published
+        or adopted, so letting go of the replica never deletes that republication (a
+        delete removes only the record held)."""
         with self._lock:
             held = self._held.get(key)
             if held is None or held == rec:
                 return True
-            if rec.same_replica(held.replica_meta()):
-                self._held[key] = rec
-                return True
-            return False
+            return rec.same_replica(held.replica_meta())
 
     def _missing(self, key: ChunkKey, why: str) -> ReplicaNotFound:
         """The error of a held replica whose record is gone or replaced; the store is
