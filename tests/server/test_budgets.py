@@ -32,60 +32,76 @@ from tests.server.conftest import ROOT, child_env
 
 
 class LedgerMachine(RuleBasedStateMachine):
-    """Takes never exceed either bound of any budget; a take of several budgets is all
-    or none, and a refused one changes nothing and is counted once, against a budget it
-    would have exceeded; the totals are the sum of the sessions'; a session's end gives
-    back all it held."""
+    """Takes never exceed either bound of any budget, the per-client one binding all the
+    connections of one process together; a take of several budgets is all or none, and
+    a refused one changes nothing and is counted once, against a budget it would have
+    exceeded; the totals are the sum of the sessions'; a session's end gives back all it
+    held (and a new connection of the same process takes its place)."""
 
     BOUNDS: ClassVar[dict[str, tuple[int, int]]] = {"x": (10, 4), "y": (7, 5)}
+    PIDS: ClassVar[list[int | None]] = [100, 100, 200, None]
+    """Sessions 0 and 1 are connections of one process; 3's process is unknown."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ledger = Ledger(
             {k: Budget(t, s, k, f"session-{k}", f"{k}-things") for k, (t, s) in self.BOUNDS.items()}
         )
-        self.helds: list[dict[str, int]] = [{}, {}, {}]
+        self.accounts = [self.ledger.open(pid) for pid in self.PIDS]
         self.refused = dict.fromkeys(self.BOUNDS, 0)
 
-    @rule(s=st.integers(0, 2), x=st.integers(0, 5), y=st.none() | st.integers(0, 5))
+    def _client(self, s: int) -> dict[str, int]:
+        """What the process of session ``s`` holds, all its sessions together."""
+        same = [
+            a
+            for i, a in enumerate(self.accounts)
+            if i == s or (self.PIDS[i] is not None and self.PIDS[i] == self.PIDS[s])
+        ]
+        return {k: sum(a.held.get(k, 0) for a in same) for k in self.BOUNDS}
+
+    @rule(s=st.integers(0, 3), x=st.integers(0, 5), y=st.none() | st.integers(0, 5))
     def take(self, s: int, x: int, y: int | None) -> None:
         charge = {"x": x} if y is None else {"x": x, "y": y}
-        before = dict(self.helds[s])
+        before = dict(self.accounts[s].held)
+        client = self._client(s)
         over = [
             k
             for k, n in charge.items()
-            if before.get(k, 0) + n > self.BOUNDS[k][1]
-            or self.ledger.used[k] + n > self.BOUNDS[k][0]
+            if client[k] + n > self.BOUNDS[k][1] or self.ledger.used[k] + n > self.BOUNDS[k][0]
         ]
         try:
-            self.ledger.take(self.helds[s], charge, f"s{s}")
+            self.ledger.take(self.accounts[s], charge, f"s{s}")
         except LimitExceeded as exc:
             assert over and f"{over[0]}-things" in str(exc)
-            assert self.helds[s] == before  # all or none
+            assert self.accounts[s].held == before  # all or none
             self.refused[over[0]] += 1
         else:
             assert not over
 
-    @precondition(lambda self: any(any(h.values()) for h in self.helds))
+    @precondition(lambda self: any(any(a.held.values()) for a in self.accounts))
     @rule(data=st.data())
     def give(self, data: st.DataObject) -> None:
-        s = data.draw(st.sampled_from([i for i, h in enumerate(self.helds) if any(h.values())]))
-        kind = data.draw(st.sampled_from([k for k, v in self.helds[s].items() if v]))
-        n = data.draw(st.integers(1, self.helds[s][kind]))
-        self.ledger.give(self.helds[s], {kind: n})
+        held = [i for i, a in enumerate(self.accounts) if any(a.held.values())]
+        account = self.accounts[data.draw(st.sampled_from(held))]
+        kind = data.draw(st.sampled_from([k for k, v in account.held.items() if v]))
+        n = data.draw(st.integers(1, account.held[kind]))
+        self.ledger.give(account, {kind: n})
 
-    @rule(s=st.integers(0, 2))
+    @rule(s=st.integers(0, 3))
     def session_ends(self, s: int) -> None:
-        self.ledger.give_all(self.helds[s])
-        assert self.helds[s] == {}
+        self.ledger.close(self.accounts[s])
+        assert self.accounts[s].held == {}
+        self.accounts[s] = self.ledger.open(self.PIDS[s])
 
     @invariant()
     def accounting(self) -> None:
         for k, (total, session) in self.BOUNDS.items():
-            assert self.ledger.used[k] == sum(h.get(k, 0) for h in self.helds)
+            assert self.ledger.used[k] == sum(a.held.get(k, 0) for a in self.accounts)
             assert 0 <= self.ledger.used[k] <= total
-            assert all(h.get(k, 0) <= session for h in self.helds)
+            for s in range(len(self.accounts)):
+                assert self._client(s)[k] == self.accounts[s].peer.held.get(k, 0) <= session
             assert self.ledger.refused[k] == self.refused[k]
+        assert self.ledger.peers == 2
 
 
 TestLedger = LedgerMachine.TestCase
@@ -94,11 +110,11 @@ TestLedger.settings = settings(max_examples=60, stateful_step_count=30, deadline
 
 def test_giving_back_more_than_held_is_a_broken_invariant() -> None:
     ledger = Ledger({"x": Budget(10, 10, "x", "x", "x")})
-    held: dict[str, int] = {}
-    ledger.take(held, {"x": 2}, "s")
+    account = ledger.open(None)
+    ledger.take(account, {"x": 2}, "s")
     with pytest.raises(AssertionError):
-        ledger.give(held, {"x": 3})  # never clamped back to zero
-    assert held == {"x": 2} and ledger.used["x"] == 2
+        ledger.give(account, {"x": 3})  # never clamped back to zero
+    assert account.held == {"x": 2} and ledger.used["x"] == 2
 
 
 def test_budgets_resolve_shares_of_the_arena() -> None:
@@ -116,7 +132,7 @@ def _reader(limits: Limits | None = None) -> tuple[socket.socket, FrameReader, L
     b.settimeout(5)
     limits = limits or Limits()
     ledger = Ledger(budgets(limits, 1 << 30, 100))
-    return a, FrameReader(b, limits, ledger, {}), ledger
+    return a, FrameReader(b, limits, ledger, ledger.open(None)), ledger
 
 
 def _frame(body: bytes) -> bytes:
