@@ -1,8 +1,9 @@
 """The pieces of the server's defences on their own: the budget ledger (a state machine
-against a model), the frame reader (frames split anyhow arrive whole and in order; a
-large body is charged, a refused one is read and dropped; a stalled one times out), the
-decoder's bounds, and every limit documented with its default in ``kvlife serve --help``
-and docs/server.md."""
+against a model, connections of one process sharing its bounds), the frame reader
+(frames split anyhow arrive whole and in order; a large body is charged, a refused one
+is read and dropped; a stalled one times out), the decoder's bounds, the identity cache
+(right and within its budget), a put in pieces adding up as one, and every limit
+documented with its default in ``kvlife serve --help`` and docs/server.md."""
 
 from __future__ import annotations
 
@@ -21,12 +22,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvlife.core.errors import LimitExceeded, ProtocolError
+from kvlife.client.puts import joined
+from kvlife.core.errors import InvalidArgument, LimitExceeded, ProtocolError
+from kvlife.core.identity import ChunkKey
+from kvlife.results import PutResult
 from kvlife.server import protocol
+from kvlife.server.identities import MAX_CACHED_CHARS, IdentityCache
 from kvlife.server.limits import INFINITE, PAGE, Budget, Ledger, Limits, budgets, flag
 from kvlife.server.reader import RECV_BYTES, BodyTimeout, Discarded, FrameReader, FrameTooLarge
 from kvlife.tiers.buffers import ALIGN
+from tests.conftest import TINY, tiny_identity
 from tests.server.conftest import ROOT, child_env
+
+N = TINY.tokens_per_chunk
 
 # ---------------------------------------------------------------------- ledger
 
@@ -256,3 +264,70 @@ def _human(value: object) -> str:
     if isinstance(value, int) and value >= 1 << 10 and value % (1 << 10) == 0:
         return f"{value >> 10} KiB"
     return f"`{value}`"
+
+
+# ---------------------------------------------------------------------- identities
+
+
+def _raw_identity(model_id: str, reorder: bool) -> dict[str, object]:
+    """An identity map as a client sends it (fields in the client's order)."""
+    raw = protocol.encode_identity(tiny_identity(model_id=model_id))
+    if reorder:  # the same fields, another order
+        raw = dict(reversed(list(raw.items())))
+    return raw
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sends=st.lists(
+        st.tuples(st.integers(0, 30), st.sampled_from([1, 40, 200, 300, 4096]), st.booleans()),
+        min_size=1,
+        max_size=60,
+    ),
+    limit=st.sampled_from([1, 4096, 16384, 1 << 20]),
+)
+def test_the_identity_cache_is_right_and_within_its_budget(
+    sends: list[tuple[int, int, bool]], limit: int
+) -> None:
+    """Whatever identities come, in whatever field order: each request gets the identity
+    its map names; the cache's charge never exceeds its budget; an identity with a string
+    over MAX_CACHED_CHARS, or larger than the budget, is never kept; another is kept (the
+    same object the next time)."""
+    cache = IdentityCache(limit)
+    for n, length, reorder in sends:
+        raw = _raw_identity(f"{n}-".ljust(length, "x"), reorder)
+        got = cache.get(raw)
+        assert got == protocol.decode_identity(raw)
+        assert got.digest == tiny_identity(model_id=raw["model_id"]).digest  # type: ignore[arg-type]
+        assert cache.nbytes <= limit
+        if length > MAX_CACHED_CHARS or limit == 1:  # never kept: decoded again
+            assert cache.get(raw) is not got
+        else:  # kept (it is the newest entry, and fits the budget alone)
+            assert cache.get(raw) is got
+    assert (cache.nbytes == 0) == (len(cache) == 0)
+
+
+def test_a_bad_identity_is_refused_and_not_kept() -> None:
+    cache = IdentityCache(1 << 20)
+    raw = _raw_identity("m", False)
+    raw["adapter_id"] = "lora"  # without its digest: InvalidArgument from ModelIdentity
+    with pytest.raises(InvalidArgument, match="adapter"):
+        cache.get(raw)
+    assert len(cache) == 0 and cache.nbytes == 0
+
+
+# ---------------------------------------------------------------------- pieces
+
+
+def test_a_put_in_pieces_adds_up_as_one_put() -> None:
+    """The result of a put made of pieces: counts added, keys in order, tokens covered
+    from the start only as far as every piece before covered all of its chunks."""
+    keys = [ChunkKey(bytes([i]) * 32) for i in range(7)]
+
+    def piece(first: int, n: int, covered: int, present: int = 0) -> PutResult:
+        return PutResult(n, n - present, present, 0, 0, covered * N, keys[first : first + n])
+
+    whole = joined([piece(0, 3, 3, present=1), piece(3, 3, 3), piece(6, 1, 1)], N)
+    assert whole == PutResult(7, 6, 1, 0, 0, 7 * N, keys)
+    gap = joined([piece(0, 3, 3), piece(3, 3, 1), piece(6, 1, 1)], N)
+    assert gap.tokens_stored_or_present == 4 * N  # a hole in piece 2 ends the run

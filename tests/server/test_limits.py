@@ -11,6 +11,7 @@ limits through ``kvlife serve`` flags and check the typed refusal, its count in
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -518,3 +519,94 @@ def test_grant_and_body_budgets_over_the_wire(tmp_path: Path) -> None:
             assert snap["held_grant_bytes"] == snap["held_bodies_bytes"] == 0
     finally:
         assert srv.stop() == 0
+
+
+OTHER = """
+    import sys
+    from kvlife.client import RemoteStore
+
+    store = RemoteStore(sys.argv[1], timeout=30)
+    print("connected", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_bodies_and_connections_are_charged_to_the_client_process(tmp_path: Path) -> None:
+    """A large body is charged to its process from its first bytes: while one
+    connection's body comes in slowly, another connection of the same process whose
+    body would take the process over ``--session-bodies-bytes`` is refused (read,
+    dropped, answered); connections beyond ``--session-connections`` of one process are
+    shed, while another process still connects."""
+    srv = _served(("--session-bodies-bytes", "500000", "--session-connections", "3"), tmp_path)
+    try:
+        ident = protocol.encode_identity(tiny_identity())
+        big = protocol.pack(
+            [1, "lookup", {"identity": ident, "namespace": "public", "tokens": b"\0" * 300_000}]
+        )
+        with srv.client() as watcher:
+            slow, fast = Raw(srv.socket), Raw(srv.socket)
+            try:
+                slow.sock.sendall(big[:100_000])  # a third of its body, then nothing yet
+                wait_for(
+                    lambda: watcher.server_state()["held_bodies_bytes"] > 0,
+                    what="the slow body charged",
+                )
+                fast.sock.sendall(big)
+                rid, ok, (kind, msg) = fast.reply()
+                assert (rid, ok, kind) == (1, False, "LimitExceeded")
+                assert "(--session-bodies-bytes)" in msg and f"process {os.getpid()}" in msg
+                slow.sock.sendall(big[100_000:])
+                assert slow.reply()[:2] == [1, True]
+                fast.send(2, "state", {})  # the refused connection is in step
+                assert fast.reply()[:2] == [2, True]
+                # three connections of this process: a fourth is shed, another process's not
+                with pytest.raises(LimitExceeded, match="session-connections"):
+                    RemoteStore(srv.socket, timeout=10)
+                with ClientProc(OTHER, srv.socket) as other:
+                    assert other.line() == "connected"
+                    state = watcher.server_state()
+                    assert state["peers"] == 2 and state["sessions"] == 4
+            finally:
+                slow.close()
+                fast.close()
+            snap = quiet(watcher)
+            assert snap["refused_bodies_bytes"] == 1 and snap["refused_connections"] == 1
+            assert snap["held_bodies_bytes"] == 0 and snap["peers"] == 1
+    finally:
+        assert srv.stop() == 0
+
+
+def test_one_audit_at_a_time(srv: ServerProc) -> None:
+    """``check`` reads every replica: one runs at a time, server-wide (``--audits``);
+    one more is refused and counted, not queued, and every audit that ran is clean."""
+    with srv.client() as client:
+        for i in range(40):
+            _put(client, 300 + i, 16)
+        client.flush()  # disk replicas to read too
+    stores = [srv.client() for _ in range(3)]
+    refusals: list[str] = []
+    reports: list[bool] = []
+    stop = threading.Event()
+
+    def audit(store: RemoteStore) -> None:
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                reports.append(store.check().clean)
+            except LimitExceeded as exc:
+                refusals.append(str(exc))
+                stop.set()
+
+    threads = [threading.Thread(target=audit, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert refusals and all("(--audits)" in r for r in refusals), refusals
+        assert reports and all(reports)
+        snap = quiet(stores[0], 3)
+        assert snap["refused_audits"] == len(refusals) and snap["held_audits"] == 0
+    finally:
+        for s in stores:
+            s.close()
