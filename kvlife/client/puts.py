@@ -26,6 +26,18 @@ Staged (``put_prompt`` once extents of the chunk shape are staged for this conne
 A copy that fails after the deferred ``put`` went out drops the connection (the server
 aborts the put with the session). Extents taken from a connection that another thread
 replaced before they were used fall back to the two-phase put on the new connection.
+
+In pieces (``put_prompt`` of more than half the client's put share, which the server
+names in its ``hello``): the server refuses any put that would make a client hold more
+than its share of the arena (the extents of a pending put cannot be taken back from the
+client writing them), so a larger prompt goes in several puts of whole chunks, in order,
+each within half the share (the other half is left for staged extents), each committed
+before the next is prepared: piece ``i + 1`` starts where piece ``i`` ended (its
+``start``) and continues its chain (its ``parent`` is piece ``i``'s last key), so the
+keys are those of one put. The result adds the pieces up. A piece that fails (the
+arena full, a budget) raises; the pieces before it stay stored, a prefix of the prompt,
+as a save made step by step leaves one; an invalidation covers the pieces prepared
+before it returned.
 """
 
 from __future__ import annotations
@@ -44,6 +56,7 @@ from kvlife.core.identity import KVLayout
 from kvlife.core.objects import PromptRef
 from kvlife.results import PutResult
 from kvlife.server import protocol
+from kvlife.server.limits import page_charge
 from kvlife.store.writes import split_chunks
 
 
@@ -59,6 +72,46 @@ class Puts:
 
     def put_prompt(self, prompt: PromptRef, kv: object, request_id: str) -> PutResult:
         args, layout, chunks = self._args(prompt, kv, request_id)
+        per = self.piece_chunks(layout)
+        if len(chunks) <= per:
+            return self._put(args, layout, chunks)
+        return self._put_pieces(prompt, args, layout, chunks, per)
+
+    def piece_chunks(self, layout: KVLayout) -> int:
+        """Chunks of ``layout`` in one piece of a put: half the client's put share, at
+        least one chunk (a server that names no share: no limit)."""
+        share = self.wire.put_share()
+        if share <= 0:
+            return 1 << 62
+        return max(1, share // 2 // page_charge(layout.chunk_nbytes))
+
+    def _put_pieces(
+        self,
+        prompt: PromptRef,
+        args: dict[str, Any],
+        layout: KVLayout,
+        chunks: list[np.ndarray],
+        per: int,
+    ) -> PutResult:
+        """``chunks`` in puts of ``per`` chunks, in order, each committed before the next
+        is prepared and chained to the one before."""
+        tokens: bytes = args["tokens"]
+        step = 4 * layout.tokens_per_chunk  # bytes of one chunk's token ids
+        results: list[PutResult] = []
+        for first in range(0, len(chunks), per):
+            last = min(first + per, len(chunks))
+            piece = dict(args)
+            # the last piece keeps a trailing partial chunk's tokens, as one put would
+            piece["tokens"] = tokens[first * step : last * step if last < len(chunks) else None]
+            if first:
+                piece["start"] = prompt.start + first * layout.tokens_per_chunk
+                piece["parent"] = bytes(results[-1].keys[-1])
+            results.append(self._put(piece, layout, chunks[first:last]))
+        return joined(results, layout.tokens_per_chunk)
+
+    def _put(self, args: dict[str, Any], layout: KVLayout, chunks: list[np.ndarray]) -> PutResult:
+        """One put: into staged extents when this connection has enough of the shape,
+        else two-phase (asking for extents staged for the next put of this size)."""
         if not chunks:
             return self.commit_put(self._prepare(args, layout, chunks))
         taken = self.take_staged(_shape_key(layout), len(chunks))
@@ -171,3 +224,23 @@ class Puts:
     def abort_put(self, pending: RemotePendingPut, reason: str) -> None:
         self._finish(pending)
         self.wire.call("abort_put", {"put": pending.put, "reason": reason[:4096]})
+
+
+def joined(results: list[PutResult], tokens_per_chunk: int) -> PutResult:
+    """The result of one put made of the puts of its pieces, in order: the counts added
+    up, the keys in order, the tokens covered from the start as far as every chunk
+    before was stored or present."""
+    covered = 0
+    for r in results:
+        covered += r.tokens_stored_or_present
+        if r.tokens_stored_or_present < r.chunks * tokens_per_chunk:
+            break
+    return PutResult(
+        chunks=sum(r.chunks for r in results),
+        stored=sum(r.stored for r in results),
+        already_present=sum(r.already_present for r in results),
+        in_flight=sum(r.in_flight for r in results),
+        dropped=sum(r.dropped for r in results),
+        tokens_stored_or_present=covered,
+        keys=[k for r in results for k in r.keys],
+    )

@@ -199,6 +199,14 @@ class Wire:
                     self.drop()
                 raise
 
+    def put_share(self) -> int:
+        """Bytes of the arena this client's puts may hold at once (its server's
+        ``--session-put-share``, from its ``hello``; 0 if it named none)."""
+        with self.lock:
+            if self.closed:
+                return 0  # the call that follows raises StoreClosedError
+            return int(self.connected().hello.get("put_share", 0))
+
     def release(self, load: int, conn: Connection) -> None:
         """Give a load's grant back: with the next request (no round trip of its own),
         or now when many are waiting. A lost connection released it anyway."""

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvlife.core.errors import InvalidArgument, ProtocolError
-from kvlife.core.identity import ROOT_PARENT, ChunkKey, KVLayout, ModelIdentity
+from kvlife.core.identity import ROOT_PARENT, ChunkKey, KVLayout
 from kvlife.core.objects import PromptRef
 from kvlife.server import protocol
-from kvlife.server.limits import Charge, Held
+from kvlife.server.limits import Account, Charge
 
 if TYPE_CHECKING:
     from kvlife.server.session import ServerState
@@ -29,7 +29,7 @@ class SessionContext:
     """One session's share of the server, and its checks of a request's size."""
 
     def __init__(
-        self, server: ServerState, sid: int, held: Held, part: PartSender | None = None
+        self, server: ServerState, sid: int, account: Account, part: PartSender | None = None
     ) -> None:
         self.server = server
         self.store = server.store
@@ -38,8 +38,9 @@ class SessionContext:
         self.ledger = server.ledger
         self.limits = server.limits
         self.sid = sid
-        self.held = held
-        """What this session holds of each budget (given back whole when it ends)."""
+        self.account = account
+        """What this session holds of each budget (given back whole when it ends), and
+        the client process it is charged to."""
         self.lock = threading.Lock()
         """Guards the leases of the session's protocol objects and its ids."""
         self.closed = False
@@ -49,8 +50,6 @@ class SessionContext:
         self.rid = 0
         """Id of the request being handled (partial replies carry it)."""
         self._ids = itertools.count(1)
-        self._identities: dict[tuple[object, ...], ModelIdentity] = {}
-        """Identities this session sent, decoded once (a lookup repeats its identity)."""
 
     def new_id(self) -> int:
         """An id for a lease of this session (under :attr:`lock`)."""
@@ -61,17 +60,17 @@ class SessionContext:
     def take(self, charge: Charge, who: str) -> None:
         """Charge the session's budgets (LimitExceeded, counted, if it would exceed
         one); ``who`` names the session and the lease in the refusal."""
-        self.ledger.take(self.held, charge, who)
+        self.ledger.take(self.account, charge, who)
 
     def try_take(self, charge: Charge) -> bool:
-        return self.ledger.try_take(self.held, charge)
+        return self.ledger.try_take(self.account, charge)
 
     def give(self, charge: Charge) -> None:
-        self.ledger.give(self.held, charge)
+        self.ledger.give(self.account, charge)
 
     def force(self, charge: Charge) -> None:
         """Charge without a check (bytes given back a moment ago, taken again)."""
-        self.ledger.force(self.held, charge)
+        self.ledger.force(self.account, charge)
 
     # ------------------------------------------------------------------ requests
 
@@ -90,16 +89,7 @@ class SessionContext:
                     f"{nbytes} bytes of extra keys in one request; at most "
                     f"{self.limits.max_extra_key_bytes} (--max-extra-key-bytes)",
                 )
-        raw = args["identity"]
-        memo = tuple(sorted((k, v) for k, v in raw.items() if k != "layout")) + tuple(
-            sorted(raw["layout"].items())
-        )
-        identity = self._identities.get(memo)
-        if identity is None:
-            identity = protocol.decode_identity(raw)
-            if len(self._identities) >= 64:
-                self._identities.clear()
-            self._identities[memo] = identity
+        identity = self.server.identities.get(args["identity"])
         self.chunks(len(tokens) // 4 // max(1, identity.layout.tokens_per_chunk))
         return PromptRef(
             identity,

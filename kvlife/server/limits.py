@@ -1,12 +1,17 @@
 """The budgets of ``kvlife serve``: everything a client can make the server hold is
-bounded, server-wide and per session, and every refusal is a typed, counted error.
+bounded, server-wide and per client, and every refusal is a typed, counted error.
 
 :class:`Limits` holds the settings (each a ``kvlife serve`` flag, made from the field and
 its help text in one place, :func:`add_flags`); :class:`Ledger` holds what the sessions
 hold of each budget and refuses a take that would exceed either bound with
-:class:`~kvlife.core.errors.LimitExceeded`, before anything is allocated. A session's
-holdings are one map (:data:`Held`) that the ledger gives back whole when the session
-ends, so no path can leak a budget past its connection.
+:class:`~kvlife.core.errors.LimitExceeded`, before anything is allocated.
+
+The per-session bounds (the ``--session-*`` flags) bind a *client*: the process at the
+other end of the connection (:class:`Peer`, its ``SO_PEERCRED`` pid). Every connection
+of one process is charged to the same peer, so a second connection does not double what
+a client may hold. A session's own holdings are one :class:`Account` that the ledger
+gives back whole when the session ends, so no path can leak a budget past its
+connection.
 """
 
 from __future__ import annotations
@@ -31,11 +36,15 @@ def _f(default: object, text: str) -> Any:
 @dataclass(frozen=True, slots=True)
 class Limits:
     """Every budget of ``kvlife serve`` (docs/server.md, "Limits"). Bytes of arena-backed
-    budgets are shares of the arena (``dram_bytes + staging_bytes``)."""
+    budgets are shares of the arena (``dram_bytes + staging_bytes``). The ``session_*``
+    bounds bind one client process, all its connections together."""
 
     max_connections: int = _f(512, "connections served at once; more are shed (typed error)")
     """Connections served at once; a connection beyond it gets a LimitExceeded reply and
     is closed (one thread per connection)."""
+    session_connections: int = _f(256, "connections of one client process; more are shed")
+    """Connections of one client process (a process that leaks connections is shed
+    itself, not the others)."""
     backlog: int = _f(1024, "listen backlog (capped by net.core.somaxconn)")
     """Connections the kernel queues before ``accept``: a burst of clients waits there."""
     fd_reserve: int = _f(
@@ -55,36 +64,50 @@ class Limits:
     """Bytes of large request bodies being received at once, all connections together
     (bodies are read in pieces; the announced length is never allocated up front). A
     frame that would exceed it is read, discarded and refused."""
+    session_bodies_bytes: int = _f(
+        64 * MiB, "request bodies one client process may be sending at once (bytes)"
+    )
+    """The same for one client: slow senders of one process cannot hold the whole
+    bodies budget for a body deadline at a time."""
     max_chunks: int = _f(16384, "chunks in one lookup, put or load")
     """Chunks in one lookup, put or load: bounds the work (hashing, index updates under
     the store's lock) and the memory of one request."""
     max_extra_key_bytes: int = _f(16 * KiB, "bytes of extra keys in one request")
     """Bytes of ``extra_keys`` in one request (each chunk's key hashes all of them)."""
+    identity_cache_bytes: int = _f(
+        1 * MiB, "decoded model identities kept for the next request, all sessions (bytes)"
+    )
+    """Model identities decoded once and kept for the requests that repeat them (a
+    lookup's identity), all sessions together; the oldest go first."""
+    audits: int = _f(1, "audits (the check verb) running at once, all sessions")
+    """Audits running at once: ``check`` reads every replica; one more is refused."""
     puts: int = _f(16384, "pending puts, all sessions")
-    session_puts: int = _f(1024, "pending puts of one session")
+    session_puts: int = _f(1024, "pending puts of one client")
     put_share: float = _f(
         1.0, "arena share that pending puts and staged extents may hold, all sessions"
     )
     """Pending puts (every chunk, whole pages, whether it reserved an extent or another
     put is writing it) and staged extents, as a share of the arena."""
     session_put_share: float = _f(
-        0.5, "arena share that one session's puts and staged extents may hold"
+        0.5, "arena share that one client's puts and staged extents may hold"
     )
-    """The same for one session: a client cannot take the whole arena from the others."""
-    session_staged_bytes: int = _f(256 * MiB, "staged extents one session may hold (bytes)")
-    """Extents staged for one session's next puts (within its put share)."""
+    """The same for one client: it cannot take the whole arena from the others. A client's
+    ``put_prompt`` larger than half of it is stored in several puts, each within it."""
+    session_staged_bytes: int = _f(256 * MiB, "staged extents one client may hold (bytes)")
+    """Extents staged for one client's next puts (within half its put share: the other
+    half is left for its puts)."""
     loads: int = _f(16384, "load grants held, all sessions")
-    session_loads: int = _f(1024, "load grants one session may hold")
+    session_loads: int = _f(1024, "load grants one client may hold")
     grant_share: float = _f(4.0, "bytes of load grants held, all sessions (share of the arena)")
     """Bytes of the chunks granted to clients and not released yet (whole pages each), as
     a share of the arena: grants pin extents (disk reads, replicas evicted since)."""
     session_grant_share: float = _f(
-        1.0, "bytes of load grants one session may hold (share of the arena)"
+        1.0, "bytes of load grants one client may hold (share of the arena)"
     )
     buffers: int = _f(4096, "shared buffers, all sessions")
-    session_buffers: int = _f(256, "shared buffers of one session")
+    session_buffers: int = _f(256, "shared buffers of one client")
     buffer_bytes: int = _f(64 * GiB, "bytes of shared buffers, all sessions")
-    session_buffer_bytes: int = _f(16 * GiB, "bytes of shared buffers of one session")
+    session_buffer_bytes: int = _f(16 * GiB, "bytes of shared buffers of one client")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -124,19 +147,45 @@ def from_args(args: argparse.Namespace) -> Limits:
 
 
 Held = dict[str, int]
-"""What one session (or one connection before its session exists) holds, by budget."""
+"""Amounts of some budgets held, by budget."""
 Charge = dict[str, int]
 """Amounts of some budgets taken or given back together."""
 
 INFINITE = 1 << 62
 
 
+@dataclass(slots=True)
+class Peer:
+    """A client process: the per-session bounds bind what all its connections hold
+    together (a second connection does not double its share)."""
+
+    pid: int | None
+    """Its ``SO_PEERCRED`` pid (the process that connected); None when the kernel could
+    not say (a peer in another pid namespace): then the connection is a client alone."""
+    held: Held = field(default_factory=dict)
+    accounts: int = 0
+    """Open accounts (connections) charged to it; it is forgotten at 0."""
+
+    def name(self) -> str:
+        return f"client process {self.pid}" if self.pid is not None else "a client of unknown pid"
+
+
+@dataclass(slots=True)
+class Account:
+    """What one connection (its session) holds of each budget, charged to its
+    :class:`Peer` too; given back whole when the connection ends."""
+
+    peer: Peer
+    held: Held = field(default_factory=dict)
+
+
 @dataclass(frozen=True, slots=True)
 class Budget:
-    """One budget: its server-wide and per-session bounds and the flags that set them."""
+    """One budget: its server-wide and per-client bounds and the flags that set them."""
 
     total: int
     session: int
+    """What one client (all its connections) may hold."""
     total_flag: str
     session_flag: str
     what: str
@@ -148,20 +197,30 @@ def budgets(limits: Limits, arena_bytes: int, descriptors: int) -> dict[str, Bud
     def share(fraction: float) -> int:
         return max(PAGE, int(fraction * arena_bytes))
 
+    put_share = share(limits.session_put_share)
     return {
-        "connections": Budget(limits.max_connections, 1, "max-connections", "", "connections"),
+        "connections": Budget(
+            limits.max_connections,
+            limits.session_connections,
+            "max-connections",
+            "session-connections",
+            "connections",
+        ),
         "descriptors": Budget(descriptors, INFINITE, "fd-reserve", "", "descriptors"),
         "puts": Budget(limits.puts, limits.session_puts, "puts", "session-puts", "pending puts"),
         "put_bytes": Budget(
             share(limits.put_share),
-            share(limits.session_put_share),
+            put_share,
             "put-share",
             "session-put-share",
             "bytes of pending puts and staged extents",
         ),
+        # staging is best effort and keeps to half the client's put share: the other half
+        # is always left for its puts (a put_prompt splits at half the share, so a client's
+        # staged extents never refuse its own next put)
         "staged_bytes": Budget(
             share(limits.put_share),
-            limits.session_staged_bytes,
+            min(limits.session_staged_bytes, put_share // 2),
             "put-share",
             "session-staged-bytes",
             "bytes of staged extents",
@@ -188,11 +247,12 @@ def budgets(limits: Limits, arena_bytes: int, descriptors: int) -> dict[str, Bud
         ),
         "bodies_bytes": Budget(
             limits.bodies_bytes,
-            limits.max_request_bytes,
+            limits.session_bodies_bytes,
             "bodies-bytes",
-            "max-request-bytes",
+            "session-bodies-bytes",
             "bytes of request bodies being received",
         ),
+        "audits": Budget(limits.audits, limits.audits, "audits", "audits", "audits running"),
     }
 
 
@@ -210,70 +270,100 @@ def page_charge(nbytes: int) -> int:
 
 
 class Ledger:
-    """What the sessions hold of each budget, server-wide, and the refusals."""
+    """What the sessions hold of each budget, server-wide and per client, and the
+    refusals."""
 
     def __init__(self, table: dict[str, Budget]) -> None:
         self.table = table
         self.used = dict.fromkeys(table, 0)
         self.refused = dict.fromkeys((*table, *REQUEST_LIMITS), 0)
+        self._peers: dict[int, Peer] = {}
         self._lock = threading.Lock()
 
-    def take(self, held: Held, charge: Charge, who: str) -> None:
-        """Add every amount of ``charge`` (budget -> amount) to ``held``, all or none:
-        LimitExceeded, counted against the first budget that would be exceeded (nothing
-        taken then)."""
+    # ------------------------------------------------------------------ accounts
+
+    def open(self, pid: int | None) -> Account:
+        """An account for a new connection of the process ``pid`` (None: unknown, a
+        client of its own), charged to that process with its other connections."""
         with self._lock:
-            kind = self._over(held, charge)
+            peer = self._peers.get(pid) if pid is not None else None
+            if peer is None:
+                peer = Peer(pid)
+                if pid is not None:
+                    self._peers[pid] = peer
+            peer.accounts += 1
+            return Account(peer)
+
+    def close(self, account: Account) -> None:
+        """Give back everything ``account`` holds (its connection ended) and forget its
+        client once it has no connection left."""
+        with self._lock:
+            self._add(account, dict(account.held), -1)
+            account.held.clear()
+            peer = account.peer
+            peer.accounts -= 1
+            if peer.accounts == 0 and peer.pid is not None:
+                self._peers.pop(peer.pid, None)
+
+    @property
+    def peers(self) -> int:
+        """Client processes with a connection (those of unknown pid not counted)."""
+        with self._lock:
+            return len(self._peers)
+
+    # ------------------------------------------------------------------ taking
+
+    def take(self, account: Account, charge: Charge, who: str) -> None:
+        """Add every amount of ``charge`` (budget -> amount) to ``account`` and its
+        client, all or none: LimitExceeded, counted against the first budget that would
+        be exceeded (nothing taken then)."""
+        with self._lock:
+            kind = self._over(account, charge)
             if kind is None:
-                self._add(held, charge, 1)
+                self._add(account, charge, 1)
                 return
-            why = self._why(held, kind, charge[kind], who)
+            why = self._why(account, kind, charge[kind], who)
         raise self.refuse(kind, why)
 
-    def try_take(self, held: Held, charge: Charge) -> bool:
+    def try_take(self, account: Account, charge: Charge) -> bool:
         """Like :meth:`take`, without a refusal (for best-effort holdings such as staged
         extents): False when it does not fit."""
         with self._lock:
-            if self._over(held, charge) is not None:
+            if self._over(account, charge) is not None:
                 return False
-            self._add(held, charge, 1)
+            self._add(account, charge, 1)
         return True
 
-    def force(self, held: Held, charge: Charge) -> None:
+    def force(self, account: Account, charge: Charge) -> None:
         """Take without a check: amounts moving back to where they were just released."""
         with self._lock:
-            self._add(held, charge, 1)
+            self._add(account, charge, 1)
 
-    def give(self, held: Held, charge: Charge) -> None:
-        """Give back what ``held`` holds of ``charge`` (more than it holds is a broken
+    def give(self, account: Account, charge: Charge) -> None:
+        """Give back what ``account`` holds of ``charge`` (more than it holds is a broken
         invariant: AssertionError, never clamped)."""
         with self._lock:
             for kind, amount in charge.items():
-                if amount > held.get(kind, 0):
+                if amount > account.held.get(kind, 0):
                     raise AssertionError(
-                        f"{kind}: giving back {amount}, holding {held.get(kind, 0)}"
+                        f"{kind}: giving back {amount}, holding {account.held.get(kind, 0)}"
                     )
-            self._add(held, charge, -1)
+            self._add(account, charge, -1)
 
-    def _over(self, held: Held, charge: Charge) -> str | None:
+    def _over(self, account: Account, charge: Charge) -> str | None:
+        mine = account.peer.held
         for kind, amount in charge.items():
             b = self.table[kind]
-            if held.get(kind, 0) + amount > b.session or self.used[kind] + amount > b.total:
+            if mine.get(kind, 0) + amount > b.session or self.used[kind] + amount > b.total:
                 return kind
         return None
 
-    def _add(self, held: Held, charge: Charge, sign: int) -> None:
-        used = self.used
+    def _add(self, account: Account, charge: Charge, sign: int) -> None:
+        used, held, peer = self.used, account.held, account.peer.held
         for kind, amount in charge.items():
             held[kind] = held.get(kind, 0) + sign * amount
+            peer[kind] = peer.get(kind, 0) + sign * amount
             used[kind] += sign * amount
-
-    def give_all(self, held: Held) -> None:
-        """Everything ``held`` holds (its session ended)."""
-        with self._lock:
-            for kind, amount in held.items():
-                self.used[kind] -= amount
-            held.clear()
 
     def refuse(self, kind: str, message: str) -> LimitExceeded:
         """The error of a refusal of ``kind`` (counted)."""
@@ -281,13 +371,14 @@ class Ledger:
             self.refused[kind] += 1
         return LimitExceeded(message)
 
-    def _why(self, held: Held, kind: str, amount: int, who: str) -> str:
+    def _why(self, account: Account, kind: str, amount: int, who: str) -> str:
         b = self.table[kind]
-        mine = held.get(kind, 0)
+        peer = account.peer
+        mine = peer.held.get(kind, 0)
         if mine + amount > b.session:
             return (
-                f"{who} would hold {mine + amount} {b.what}; one session may hold "
-                f"{b.session} (--{b.session_flag})"
+                f"{who} would make {peer.name()} ({peer.accounts} connection(s)) hold "
+                f"{mine + amount} {b.what}; one client may hold {b.session} (--{b.session_flag})"
             )
         return (
             f"{who}: the server's sessions hold {self.used[kind]} {b.what}, {amount} more "
@@ -296,9 +387,10 @@ class Ledger:
 
     def figures(self) -> dict[str, int]:
         """``held_<budget>``, ``limit_<budget>`` and ``refused_<budget>`` of every budget
-        (``state``, ``kvlife info``)."""
+        (``state``, ``kvlife info``), and ``peers``: client processes connected."""
         with self._lock:
             out = {f"held_{k}": v for k, v in self.used.items()}
             out.update({f"limit_{k}": b.total for k, b in self.table.items()})
             out.update({f"refused_{k}": v for k, v in self.refused.items()})
+            out["peers"] = len(self._peers)
         return out

@@ -29,7 +29,15 @@ Staged (``put`` and ``put_commit``, on extents staged for the session):
 
 A session that ends aborts its pending puts and its deferred put, and frees its staged
 extents (:meth:`Puts.close`). Staging is best effort: within ``--session-staged-bytes``
-and the session's put share, as far as the arena has room.
+and half of the client's put share (the other half is left for its puts), as far as the
+arena has room.
+
+Every put is charged to the client's put share before anything is made, and a two-phase
+put larger than the share is refused: the extents of a pending put are the client's to
+write until it commits or aborts, so the server cannot take them back from a client
+that holds them, and refusing at the start is the only way to keep one client from
+holding the arena. A ``put_prompt`` larger than half the share is split by the client
+into several puts, each committed before the next is prepared (:mod:`kvlife.client.puts`).
 """
 
 from __future__ import annotations

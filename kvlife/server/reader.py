@@ -4,9 +4,10 @@ A frame's announced length is never allocated up front (a 4-byte header alone co
 server 16 MiB until its body timed out): small frames land in the connection's receive
 buffer, which also takes whatever follows them in the same ``recv`` (a client sends its
 grant releases and its request in one write: one wake-up, one ``recv``); a large body is
-received in pieces, each charged to the server-wide budget of bodies in flight before
-it is received. Every byte of a frame must arrive within the body deadline once its
-first byte did; an idle connection waits as long as it likes for a next frame.
+received in pieces, charged whole before its first piece to the budget of bodies in
+flight, server-wide and of the client process that sends it. Every byte of a frame must
+arrive within the body deadline once its first byte did; an idle connection waits as
+long as it likes for a next frame.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import struct
 import time
 
 from kvlife.core.errors import LimitExceeded, ProtocolError
-from kvlife.server.limits import Held, Ledger, Limits
+from kvlife.server.limits import Account, Ledger, Limits
 from kvlife.server.protocol import POLL_WAIT_S, Idle
 
 RECV_BYTES = 256 << 10
@@ -47,11 +48,14 @@ class Discarded(LimitExceeded):
 class FrameReader:
     """The frames of one connection, one at a time."""
 
-    def __init__(self, sock: socket.socket, limits: Limits, ledger: Ledger, held: Held) -> None:
+    def __init__(
+        self, sock: socket.socket, limits: Limits, ledger: Ledger, account: Account
+    ) -> None:
         self.sock = sock
         self.limits = limits
         self.ledger = ledger
-        self.held = held
+        self.account = account
+        """The connection's account: bodies are charged to its client process too."""
         self._buf = bytearray(RECV_BYTES)
         self._view = memoryview(self._buf)
         self._start = 0
@@ -108,19 +112,15 @@ class FrameReader:
         self._start = self._end = 0
         got = len(head)
         pieces: list[bytes | bytearray] = [head]
-        if not self.ledger.try_take(self.held, {"bodies_bytes": n}):
-            refused = self.ledger.refuse(
-                "bodies_bytes",
-                f"a request body of {n} bytes: the server is receiving "
-                f"{self.ledger.used['bodies_bytes']} bytes of bodies, at most "
-                f"{self.limits.bodies_bytes} (--bodies-bytes)",
-            )
+        try:
+            self.ledger.take(self.account, {"bodies_bytes": n}, f"a request body of {n} bytes")
+        except LimitExceeded as refused:
             while got < n:  # read and drop: the stream stays in step
                 k = self._recv(self._view[: min(RECV_BYTES, n - got)])
                 if len(head) < 16:
                     head += bytes(self._view[: min(k, 16 - len(head))])
                 got += k
-            raise Discarded(str(refused), peek_rid(head))
+            raise Discarded(str(refused), peek_rid(head)) from None
         try:
             while got < n:
                 piece = bytearray(min(PIECE_BYTES, n - got))
@@ -132,7 +132,7 @@ class FrameReader:
                 got += have
             return b"".join(pieces)
         finally:
-            self.ledger.give(self.held, {"bodies_bytes": n})
+            self.ledger.give(self.account, {"bodies_bytes": n})
 
     # ------------------------------------------------------------------ receiving
 

@@ -26,6 +26,7 @@ import os
 import resource
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -44,7 +45,7 @@ from kvlife.core.errors import (
 from kvlife.core.identity import digest_bytes
 from kvlife.server import protocol
 from kvlife.server.context import PartSender
-from kvlife.server.limits import Held, Limits
+from kvlife.server.limits import Account, Limits
 from kvlife.server.reader import BodyTimeout, Discarded, FrameReader, peek_rid
 from kvlife.server.session import ServerState, Session
 from kvlife.store.config import GiB, MiB, StoreConfig
@@ -272,16 +273,19 @@ class Server:
 
     def _admit(self, conn: socket.socket) -> None:
         """Serve ``conn`` on a thread of its own, or shed it (a typed error reply, then
-        closed) when the connection or descriptor budget is spent."""
-        held: Held = {}
+        closed) when the connection or descriptor budget is spent. Its budgets are
+        charged to the process that connected (every connection of a client shares
+        them)."""
+        ledger = self.state.ledger
+        account = ledger.open(peer_pid(conn))
         try:
-            self.state.ledger.take(held, {"connections": 1, "descriptors": 1}, "a new connection")
+            ledger.take(account, {"connections": 1, "descriptors": 1}, "a new connection")
         except LimitExceeded as exc:
-            self.state.ledger.give_all(held)
+            ledger.close(account)
             _shed(conn, exc)
             return
         conn.settimeout(protocol.POLL_WAIT_S)  # waits in poll: see POLL_WAIT_S
-        t = threading.Thread(target=self._serve_conn, args=(conn, held), daemon=True)
+        t = threading.Thread(target=self._serve_conn, args=(conn, account), daemon=True)
         with self._lock:
             self._conns[conn.fileno()] = conn
             self._threads = [x for x in self._threads if x.is_alive()]
@@ -291,7 +295,7 @@ class Server:
         except RuntimeError as exc:  # no thread to be had: shed, as for descriptors
             with self._lock:
                 self._conns.pop(conn.fileno(), None)
-            self.state.ledger.give_all(held)
+            ledger.close(account)
             self.state.count("accept_errors")
             _shed(conn, LimitExceeded(f"the server cannot start a thread: {exc}"))
 
@@ -327,10 +331,10 @@ class Server:
                 self._spare = os.open(os.devnull, os.O_RDONLY)
         time.sleep(0.01)
 
-    def _serve_conn(self, conn: socket.socket, held: Held) -> None:
-        session = self.state.open_session(held, _part_sender(conn))
+    def _serve_conn(self, conn: socket.socket, account: Account) -> None:
+        session = self.state.open_session(account, _part_sender(conn))
         fd = conn.fileno()
-        reader = FrameReader(conn, self.cfg.limits, self.state.ledger, session.held)
+        reader = FrameReader(conn, self.cfg.limits, self.state.ledger, account)
         try:
             while not self._stop.is_set():
                 try:
@@ -429,6 +433,21 @@ def _shed(conn: socket.socket, exc: KVLifeError) -> None:
         conn.sendall(protocol.error_reply(0, exc))
     with contextlib.suppress(OSError):
         conn.close()
+
+
+_PEERCRED = struct.Struct("3i")
+"""``struct ucred``: pid, uid, gid."""
+
+
+def peer_pid(conn: socket.socket) -> int | None:
+    """The pid of the process that connected ``conn`` (``SO_PEERCRED``); None when the
+    kernel cannot say (0: a process outside this pid namespace)."""
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    except (OSError, AttributeError):
+        return None
+    pid = _PEERCRED.unpack(raw)[0]
+    return pid if pid > 0 else None
 
 
 def _descriptors(limits: Limits) -> tuple[int, int]:

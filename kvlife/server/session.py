@@ -17,8 +17,9 @@ travel from the server to the client, never the other way.
 
 Everything a session holds is also charged to the server's budgets
 (:mod:`kvlife.server.limits`) before it is allocated: pending puts, staged extents,
-load grants and shared buffers, in counts and in bytes, per session and server-wide;
-one request's chunks and extra-key bytes are bounded too. A refusal is a typed
+load grants and shared buffers, in counts and in bytes, per client process (all its
+sessions together) and server-wide; one request's chunks and extra-key bytes are
+bounded too, and so are the audits running at once. A refusal is a typed
 :class:`~kvlife.core.errors.LimitExceeded`, counted, with nothing of the request kept.
 """
 
@@ -35,7 +36,8 @@ from kvlife.core.errors import ProtocolError
 from kvlife.core.identity import ChunkKey
 from kvlife.server import protocol
 from kvlife.server.context import PartSender, SessionContext
-from kvlife.server.limits import INFINITE, Held, Ledger, Limits, budgets
+from kvlife.server.identities import IdentityCache
+from kvlife.server.limits import INFINITE, Account, Ledger, Limits, budgets
 from kvlife.server.loads import Loads
 from kvlife.server.puts import Puts
 from kvlife.store.facade import KVStore
@@ -62,6 +64,8 @@ class ServerState:
         self.ledger = Ledger(budgets(self.limits, self.arena.size, descriptors))
         """The budgets; ``descriptors``: how many connections and shared buffers the
         descriptor limit leaves room for."""
+        self.identities = IdentityCache(self.limits.identity_cache_bytes)
+        """Model identities decoded once, for every session (``--identity-cache-bytes``)."""
         self.sessions: dict[int, Session] = {}
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -81,12 +85,17 @@ class ServerState:
         with self.lock:
             self.events[event] += 1
 
-    def open_session(self, held: Held | None = None, part: PartSender | None = None) -> Session:
-        """A new session; ``held``: what its connection holds already (the connection
-        and its descriptor), given back with everything else when it closes; ``part``:
-        where its partial replies go."""
+    def open_session(
+        self, account: Account | None = None, part: PartSender | None = None
+    ) -> Session:
+        """A new session; ``account``: what its connection holds already (the connection
+        and its descriptor) and the client it is charged to, given back with everything
+        else when it closes (None: a client of its own); ``part``: where its partial
+        replies go."""
+        if account is None:
+            account = self.ledger.open(None)
         with self.lock:
-            session = Session(self, next(self._ids), held if held is not None else {}, part)
+            session = Session(self, next(self._ids), account, part)
             self.sessions[session.sid] = session
             return session
 
@@ -94,7 +103,7 @@ class ServerState:
         try:
             puts, loads = session.close()
         finally:
-            self.ledger.give_all(session.held)
+            self.ledger.close(session.account)
         with self.lock:
             self.sessions.pop(session.sid, None)
             self.released_puts += puts
@@ -131,13 +140,14 @@ class Session:
     :class:`~kvlife.server.context.SessionContext`, and the management verbs."""
 
     def __init__(
-        self, server: ServerState, sid: int, held: Held, part: PartSender | None = None
+        self, server: ServerState, sid: int, account: Account, part: PartSender | None = None
     ) -> None:
         self.server = server
-        self.ctx = SessionContext(server, sid, held, part)
+        self.ctx = SessionContext(server, sid, account, part)
         self.sid = sid
-        self.held = held
-        """What this session holds of each budget (given back whole when it ends)."""
+        self.account = account
+        """What this session holds of each budget (given back whole when it ends), and
+        the client process it is charged to."""
         self.loads = Loads(self.ctx)
         self.puts = Puts(self.ctx)
         store = server.store
@@ -189,6 +199,9 @@ class Session:
             "arena_bytes": self.server.arena.size,
             "tiers": list(store.tier_names),
             "path": str(store.path),
+            # what this client's puts may hold at once: a put_prompt larger than half of
+            # it goes in several puts (kvlife.client.puts)
+            "put_share": self.server.ledger.table["put_bytes"].session,
         }
 
     def invalidate(self, args: dict[str, Any]) -> object:
@@ -207,5 +220,13 @@ class Session:
         return out
 
     def check(self, args: dict[str, Any]) -> object:
-        report = self.server.store.check(fix=False)
+        """The store's read-only audit. It reads every replica: ``--audits`` of them run
+        at once, server-wide; one more is refused (LimitExceeded), not queued, so that
+        no connection thread waits behind an audit."""
+        audit = {"audits": 1}
+        self.ctx.take(audit, f"session {self.sid}'s audit")
+        try:
+            report = self.server.store.check(fix=False)
+        finally:
+            self.ctx.give(audit)
         return {**dataclasses.asdict(report), "clean": report.clean}

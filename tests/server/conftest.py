@@ -9,6 +9,7 @@ import resource
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,6 +131,52 @@ class ServerProc:
     def alive(self) -> bool:
         assert self.proc is not None
         return self.proc.poll() is None
+
+
+class ClientProc:
+    """Another client process: runs ``code`` (Python; the socket path is
+    ``sys.argv[1]``), which talks through its stdout lines and waits for stdin lines.
+    The server charges its per-client budgets to each process, so a client that must not
+    share this test process's budgets runs here."""
+
+    def __init__(self, code: str, socket: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), str(socket)],
+            cwd=ROOT,
+            env=child_env(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def line(self) -> str:
+        """The next line it prints (AssertionError if it ends first)."""
+        assert self.proc.stdout is not None
+        out = self.proc.stdout.readline()
+        assert out, f"the client process ended (status {self.proc.wait(timeout=60)})"
+        return out.strip()
+
+    def send(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> int:
+        """Close its stdin (it ends) and wait; its exit status."""
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __enter__(self) -> ClientProc:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def wait_for(pred: object, timeout: float = 20.0, what: str = "condition") -> None:

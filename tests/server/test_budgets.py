@@ -1,8 +1,9 @@
 """The pieces of the server's defences on their own: the budget ledger (a state machine
-against a model), the frame reader (frames split anyhow arrive whole and in order; a
-large body is charged, a refused one is read and dropped; a stalled one times out), the
-decoder's bounds, and every limit documented with its default in ``kvlife serve --help``
-and docs/server.md."""
+against a model, connections of one process sharing its bounds), the frame reader
+(frames split anyhow arrive whole and in order; a large body is charged, a refused one
+is read and dropped; a stalled one times out), the decoder's bounds, the identity cache
+(right and within its budget), a put in pieces adding up as one, and every limit
+documented with its default in ``kvlife serve --help`` and docs/server.md."""
 
 from __future__ import annotations
 
@@ -21,71 +22,94 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvlife.core.errors import LimitExceeded, ProtocolError
+from kvlife.client.puts import joined
+from kvlife.core.errors import InvalidArgument, LimitExceeded, ProtocolError
+from kvlife.core.identity import ChunkKey
+from kvlife.results import PutResult
 from kvlife.server import protocol
+from kvlife.server.identities import MAX_CACHED_CHARS, IdentityCache
 from kvlife.server.limits import INFINITE, PAGE, Budget, Ledger, Limits, budgets, flag
 from kvlife.server.reader import RECV_BYTES, BodyTimeout, Discarded, FrameReader, FrameTooLarge
 from kvlife.tiers.buffers import ALIGN
+from tests.conftest import TINY, tiny_identity
 from tests.server.conftest import ROOT, child_env
+
+N = TINY.tokens_per_chunk
 
 # ---------------------------------------------------------------------- ledger
 
 
 class LedgerMachine(RuleBasedStateMachine):
-    """Takes never exceed either bound of any budget; a take of several budgets is all
-    or none, and a refused one changes nothing and is counted once, against a budget it
-    would have exceeded; the totals are the sum of the sessions'; a session's end gives
-    back all it held."""
+    """Takes never exceed either bound of any budget, the per-client one binding all the
+    connections of one process together; a take of several budgets is all or none, and
+    a refused one changes nothing and is counted once, against a budget it would have
+    exceeded; the totals are the sum of the sessions'; a session's end gives back all it
+    held (and a new connection of the same process takes its place)."""
 
     BOUNDS: ClassVar[dict[str, tuple[int, int]]] = {"x": (10, 4), "y": (7, 5)}
+    PIDS: ClassVar[list[int | None]] = [100, 100, 200, None]
+    """Sessions 0 and 1 are connections of one process; 3's process is unknown."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ledger = Ledger(
             {k: Budget(t, s, k, f"session-{k}", f"{k}-things") for k, (t, s) in self.BOUNDS.items()}
         )
-        self.helds: list[dict[str, int]] = [{}, {}, {}]
+        self.accounts = [self.ledger.open(pid) for pid in self.PIDS]
         self.refused = dict.fromkeys(self.BOUNDS, 0)
 
-    @rule(s=st.integers(0, 2), x=st.integers(0, 5), y=st.none() | st.integers(0, 5))
+    def _client(self, s: int) -> dict[str, int]:
+        """What the process of session ``s`` holds, all its sessions together."""
+        same = [
+            a
+            for i, a in enumerate(self.accounts)
+            if i == s or (self.PIDS[i] is not None and self.PIDS[i] == self.PIDS[s])
+        ]
+        return {k: sum(a.held.get(k, 0) for a in same) for k in self.BOUNDS}
+
+    @rule(s=st.integers(0, 3), x=st.integers(0, 5), y=st.none() | st.integers(0, 5))
     def take(self, s: int, x: int, y: int | None) -> None:
         charge = {"x": x} if y is None else {"x": x, "y": y}
-        before = dict(self.helds[s])
+        before = dict(self.accounts[s].held)
+        client = self._client(s)
         over = [
             k
             for k, n in charge.items()
-            if before.get(k, 0) + n > self.BOUNDS[k][1]
-            or self.ledger.used[k] + n > self.BOUNDS[k][0]
+            if client[k] + n > self.BOUNDS[k][1] or self.ledger.used[k] + n > self.BOUNDS[k][0]
         ]
         try:
-            self.ledger.take(self.helds[s], charge, f"s{s}")
+            self.ledger.take(self.accounts[s], charge, f"s{s}")
         except LimitExceeded as exc:
             assert over and f"{over[0]}-things" in str(exc)
-            assert self.helds[s] == before  # all or none
+            assert self.accounts[s].held == before  # all or none
             self.refused[over[0]] += 1
         else:
             assert not over
 
-    @precondition(lambda self: any(any(h.values()) for h in self.helds))
+    @precondition(lambda self: any(any(a.held.values()) for a in self.accounts))
     @rule(data=st.data())
     def give(self, data: st.DataObject) -> None:
-        s = data.draw(st.sampled_from([i for i, h in enumerate(self.helds) if any(h.values())]))
-        kind = data.draw(st.sampled_from([k for k, v in self.helds[s].items() if v]))
-        n = data.draw(st.integers(1, self.helds[s][kind]))
-        self.ledger.give(self.helds[s], {kind: n})
+        held = [i for i, a in enumerate(self.accounts) if any(a.held.values())]
+        account = self.accounts[data.draw(st.sampled_from(held))]
+        kind = data.draw(st.sampled_from([k for k, v in account.held.items() if v]))
+        n = data.draw(st.integers(1, account.held[kind]))
+        self.ledger.give(account, {kind: n})
 
-    @rule(s=st.integers(0, 2))
+    @rule(s=st.integers(0, 3))
     def session_ends(self, s: int) -> None:
-        self.ledger.give_all(self.helds[s])
-        assert self.helds[s] == {}
+        self.ledger.close(self.accounts[s])
+        assert self.accounts[s].held == {}
+        self.accounts[s] = self.ledger.open(self.PIDS[s])
 
     @invariant()
     def accounting(self) -> None:
         for k, (total, session) in self.BOUNDS.items():
-            assert self.ledger.used[k] == sum(h.get(k, 0) for h in self.helds)
+            assert self.ledger.used[k] == sum(a.held.get(k, 0) for a in self.accounts)
             assert 0 <= self.ledger.used[k] <= total
-            assert all(h.get(k, 0) <= session for h in self.helds)
+            for s in range(len(self.accounts)):
+                assert self._client(s)[k] == self.accounts[s].peer.held.get(k, 0) <= session
             assert self.ledger.refused[k] == self.refused[k]
+        assert self.ledger.peers == 2
 
 
 TestLedger = LedgerMachine.TestCase
@@ -94,11 +118,11 @@ TestLedger.settings = settings(max_examples=60, stateful_step_count=30, deadline
 
 def test_giving_back_more_than_held_is_a_broken_invariant() -> None:
     ledger = Ledger({"x": Budget(10, 10, "x", "x", "x")})
-    held: dict[str, int] = {}
-    ledger.take(held, {"x": 2}, "s")
+    account = ledger.open(None)
+    ledger.take(account, {"x": 2}, "s")
     with pytest.raises(AssertionError):
-        ledger.give(held, {"x": 3})  # never clamped back to zero
-    assert held == {"x": 2} and ledger.used["x"] == 2
+        ledger.give(account, {"x": 3})  # never clamped back to zero
+    assert account.held == {"x": 2} and ledger.used["x"] == 2
 
 
 def test_budgets_resolve_shares_of_the_arena() -> None:
@@ -116,7 +140,7 @@ def _reader(limits: Limits | None = None) -> tuple[socket.socket, FrameReader, L
     b.settimeout(5)
     limits = limits or Limits()
     ledger = Ledger(budgets(limits, 1 << 30, 100))
-    return a, FrameReader(b, limits, ledger, {}), ledger
+    return a, FrameReader(b, limits, ledger, ledger.open(None)), ledger
 
 
 def _frame(body: bytes) -> bytes:
@@ -240,3 +264,70 @@ def _human(value: object) -> str:
     if isinstance(value, int) and value >= 1 << 10 and value % (1 << 10) == 0:
         return f"{value >> 10} KiB"
     return f"`{value}`"
+
+
+# ---------------------------------------------------------------------- identities
+
+
+def _raw_identity(model_id: str, reorder: bool) -> dict[str, object]:
+    """An identity map as a client sends it (fields in the client's order)."""
+    raw = protocol.encode_identity(tiny_identity(model_id=model_id))
+    if reorder:  # the same fields, another order
+        raw = dict(reversed(list(raw.items())))
+    return raw
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sends=st.lists(
+        st.tuples(st.integers(0, 30), st.sampled_from([1, 40, 200, 300, 4096]), st.booleans()),
+        min_size=1,
+        max_size=60,
+    ),
+    limit=st.sampled_from([1, 4096, 16384, 1 << 20]),
+)
+def test_the_identity_cache_is_right_and_within_its_budget(
+    sends: list[tuple[int, int, bool]], limit: int
+) -> None:
+    """Whatever identities come, in whatever field order: each request gets the identity
+    its map names; the cache's charge never exceeds its budget; an identity with a string
+    over MAX_CACHED_CHARS, or larger than the budget, is never kept; another is kept (the
+    same object the next time)."""
+    cache = IdentityCache(limit)
+    for n, length, reorder in sends:
+        raw = _raw_identity(f"{n}-".ljust(length, "x"), reorder)
+        got = cache.get(raw)
+        assert got == protocol.decode_identity(raw)
+        assert got.digest == tiny_identity(model_id=raw["model_id"]).digest  # type: ignore[arg-type]
+        assert cache.nbytes <= limit
+        if length > MAX_CACHED_CHARS or limit == 1:  # never kept: decoded again
+            assert cache.get(raw) is not got
+        else:  # kept (it is the newest entry, and fits the budget alone)
+            assert cache.get(raw) is got
+    assert (cache.nbytes == 0) == (len(cache) == 0)
+
+
+def test_a_bad_identity_is_refused_and_not_kept() -> None:
+    cache = IdentityCache(1 << 20)
+    raw = _raw_identity("m", False)
+    raw["adapter_id"] = "lora"  # without its digest: InvalidArgument from ModelIdentity
+    with pytest.raises(InvalidArgument, match="adapter"):
+        cache.get(raw)
+    assert len(cache) == 0 and cache.nbytes == 0
+
+
+# ---------------------------------------------------------------------- pieces
+
+
+def test_a_put_in_pieces_adds_up_as_one_put() -> None:
+    """The result of a put made of pieces: counts added, keys in order, tokens covered
+    from the start only as far as every piece before covered all of its chunks."""
+    keys = [ChunkKey(bytes([i]) * 32) for i in range(7)]
+
+    def piece(first: int, n: int, covered: int, present: int = 0) -> PutResult:
+        return PutResult(n, n - present, present, 0, 0, covered * N, keys[first : first + n])
+
+    whole = joined([piece(0, 3, 3, present=1), piece(3, 3, 3), piece(6, 1, 1)], N)
+    assert whole == PutResult(7, 6, 1, 0, 0, 7 * N, keys)
+    gap = joined([piece(0, 3, 3), piece(3, 3, 1), piece(6, 1, 1)], N)
+    assert gap.tokens_stored_or_present == 4 * N  # a hole in piece 2 ends the run

@@ -11,6 +11,7 @@ limits through ``kvlife serve`` flags and check the typed refusal, its count in
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -27,7 +28,7 @@ from kvlife.core.errors import LimitExceeded, StoreUnavailable
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
 from kvlife.server import protocol
 from tests.conftest import TINY, prompt_kv, tiny_identity
-from tests.server.conftest import MiB, ServerProc, quiet, wait_for
+from tests.server.conftest import ClientProc, MiB, ServerProc, quiet, wait_for
 
 N = TINY.tokens_per_chunk
 ONE = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float16", tokens_per_chunk=1)
@@ -231,13 +232,31 @@ def test_defect_4_a_load_of_one_key_many_times_is_bounded(srv: ServerProc) -> No
         assert snap["loads"] == 0 and snap["held_grant_bytes"] == 0
 
 
+WRITER = """
+    import sys
+    from kvlife.client import RemoteStore
+    from kvlife.core.identity import PUBLIC
+    from tests.conftest import TINY, prompt_kv, tiny_identity
+
+    store = RemoteStore(sys.argv[1], timeout=30)
+    tokens, kv = prompt_kv(3, 1000 * TINY.tokens_per_chunk)
+    first = store.prepare_put(tiny_identity(), PUBLIC, tokens, kv)  # writes them all
+    print("ready", flush=True)
+    sys.stdin.readline()
+    store.commit_put(first)
+    print("committed", flush=True)
+    sys.stdin.readline()
+"""
+
+
 def test_defect_4_pending_puts_of_chunks_in_flight_are_bounded(srv: ServerProc) -> None:
     """Pending puts of chunks another put is still writing reserve no arena but hold
     their key lists (82 B a chunk, unbounded in bytes). Every chunk of a pending put is
-    charged now (whole pages), so one session's pile of them is refused."""
+    charged now (whole pages), so one client's pile of them is refused. (The writer is
+    another process: a client's budgets bind all its connections together.)"""
     tokens, kv = prompt_kv(3, 1000 * N)
-    with srv.client() as writer, srv.client() as piler:
-        first = writer.prepare_put(tiny_identity(), PUBLIC, tokens, kv)  # writes them all
+    with ClientProc(WRITER, srv.socket) as writer, srv.client() as piler:
+        assert writer.line() == "ready"
         pending = []
         with pytest.raises(LimitExceeded, match="session-put-share"):
             for _ in range(100):
@@ -247,8 +266,9 @@ def test_defect_4_pending_puts_of_chunks_in_flight_are_bounded(srv: ServerProc) 
         assert 0 < len(pending) < 100
         for p in pending:
             piler.abort_put(p)
-        writer.commit_put(first)
-        snap = quiet(writer, 2)
+        writer.send("commit")
+        assert writer.line() == "committed"
+        snap = quiet(piler, 2)
         assert snap["refused_put_bytes"] == 1 and snap["puts"] == 0
 
 
@@ -298,22 +318,47 @@ def test_defect_5_a_burst_of_clients_all_connect(srv: ServerProc) -> None:
             s.close()
 
 
+HOG = """
+    import sys
+    from kvlife.client import RemoteStore
+    from kvlife.core.errors import LimitExceeded
+    from kvlife.core.identity import PUBLIC
+    from tests.conftest import TINY, prompt_kv, tiny_identity
+
+    hog = RemoteStore(sys.argv[1], timeout=30)
+    held = []
+    try:
+        for seed in range(100):
+            tokens, kv = prompt_kv(100 + seed, 64 * TINY.tokens_per_chunk)
+            held.append(hog.prepare_put(tiny_identity(), PUBLIC, tokens, kv))
+    except LimitExceeded as exc:
+        print("refused", len(held), "(--session-put-share)" in str(exc), flush=True)
+    sys.stdin.readline()
+    for p in held:
+        hog.abort_put(p)
+    print("aborted", flush=True)
+    sys.stdin.readline()
+"""
+"""A client process that holds uncommitted tiny-chunk puts (a 4 KiB page each) until
+its put share refuses one, then waits."""
+
+
 def test_defect_6_one_session_cannot_take_the_arena(srv: ServerProc) -> None:
     """Uncommitted tiny-chunk puts of one session (a 4 KiB page each) filled the 12 MiB
     arena, and every other client's puts failed with StorageFullError until the hog
-    left. A session's puts may take half the arena (``--session-put-share``)."""
-    with srv.client() as hog, srv.client() as other:
-        held = []
-        with pytest.raises(LimitExceeded, match="session-put-share"):
-            for seed in range(100):
-                tokens, kv = prompt_kv(100 + seed, 64 * N)
-                held.append(hog.prepare_put(tiny_identity(), PUBLIC, tokens, kv))
+    left. A client's puts may take half the arena (``--session-put-share``). (The hog is
+    another process: a client's budgets bind all its connections together.)"""
+    with ClientProc(HOG, srv.socket) as hog, srv.client() as other:
+        refused, held, named = hog.line().split()
+        assert refused == "refused" and 0 < int(held) < 100 and named == "True"
         tokens, kv = prompt_kv(7, 64 * N)
         assert other.put_prompt(tiny_identity(), PUBLIC, tokens, kv).stored == 64
         assert other.get(tiny_identity(), PUBLIC, tokens).loaded == 64
-        for p in held:
-            hog.abort_put(p)
-        assert quiet(other, 2)["held_put_bytes"] > 0  # other's staged extents only
+        hog.send("abort")
+        assert hog.line() == "aborted"
+        snap = quiet(other, 2)
+        assert snap["puts"] == 0 and snap["refused_put_bytes"] == 1
+        assert snap["held_put_bytes"] > 0  # other's staged extents only
 
 
 def test_defect_7_no_reply_to_rid_0(srv: ServerProc) -> None:
@@ -374,6 +419,21 @@ def test_connections_beyond_the_budget_are_shed(tmp_path: Path) -> None:
         assert srv.stop() == 0
 
 
+BUFFER = """
+    import sys
+    from kvlife.client import RemoteStore
+    from kvlife.core.errors import LimitExceeded
+
+    store = RemoteStore(sys.argv[1], timeout=30)
+    try:
+        store.alloc_buffer(4096)
+        print("ok", flush=True)
+    except LimitExceeded as exc:
+        print("refused", "(--buffers)" if "(--buffers)" in str(exc) else exc, flush=True)
+    sys.stdin.readline()
+"""
+
+
 def test_lease_budgets_are_refused_typed_and_counted(tmp_path: Path) -> None:
     srv = _served(
         (
@@ -386,7 +446,7 @@ def test_lease_budgets_are_refused_typed_and_counted(tmp_path: Path) -> None:
         tmp_path,
     )  # fmt: skip
     try:
-        with srv.client() as a, srv.client() as b, srv.client() as c:
+        with srv.client() as a, srv.client() as b:
             prompts = [prompt_kv(10 + i, 2 * N) for i in range(3)]
             puts = [a.prepare_put(tiny_identity(), PUBLIC, t, kv) for t, kv in prompts[:2]]
             with pytest.raises(LimitExceeded, match="session-puts"):
@@ -405,18 +465,21 @@ def test_lease_budgets_are_refused_typed_and_counted(tmp_path: Path) -> None:
             rid, ok, (kind, msg) = raw.reply()
             assert (rid, ok, kind) == (3, False, "LimitExceeded") and "session-loads" in msg
             raw.close()
-            # shared buffers: one per session, two in all, 64 KiB each at most
+            # shared buffers: one per client process, two in all, 64 KiB each at most
             with pytest.raises(LimitExceeded, match="session-buffer-bytes"):
                 a.alloc_buffer(128 << 10)
             a.alloc_buffer(4096)
             with pytest.raises(LimitExceeded, match="session-buffers"):
                 a.alloc_buffer(4096)
-            b.alloc_buffer(4096)
-            with pytest.raises(LimitExceeded, match="--buffers"):
-                c.alloc_buffer(4096)
-            snap = quiet(a, 3)
+            with pytest.raises(LimitExceeded, match="session-buffers"):
+                b.alloc_buffer(4096)  # another connection of the same process: one budget
+            with ClientProc(BUFFER, srv.socket) as other:  # another process: a budget of its own
+                assert other.line() == "ok"
+                with ClientProc(BUFFER, srv.socket) as third:
+                    assert third.line() == "refused (--buffers)"
+            snap = quiet(a, 2)
             assert snap["refused_puts"] == 1 and snap["refused_loads"] == 1
-            assert snap["refused_buffer_bytes"] == 1 and snap["refused_buffers"] == 2
+            assert snap["refused_buffer_bytes"] == 1 and snap["refused_buffers"] == 3
         with srv.client() as last:  # everything the sessions held came back
             snap = quiet(last)
             held = {k: v for k, v in snap.items() if k.startswith("held_") and v}
@@ -456,3 +519,94 @@ def test_grant_and_body_budgets_over_the_wire(tmp_path: Path) -> None:
             assert snap["held_grant_bytes"] == snap["held_bodies_bytes"] == 0
     finally:
         assert srv.stop() == 0
+
+
+OTHER = """
+    import sys
+    from kvlife.client import RemoteStore
+
+    store = RemoteStore(sys.argv[1], timeout=30)
+    print("connected", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_bodies_and_connections_are_charged_to_the_client_process(tmp_path: Path) -> None:
+    """A large body is charged to its process from its first bytes: while one
+    connection's body comes in slowly, another connection of the same process whose
+    body would take the process over ``--session-bodies-bytes`` is refused (read,
+    dropped, answered); connections beyond ``--session-connections`` of one process are
+    shed, while another process still connects."""
+    srv = _served(("--session-bodies-bytes", "500000", "--session-connections", "3"), tmp_path)
+    try:
+        ident = protocol.encode_identity(tiny_identity())
+        big = protocol.pack(
+            [1, "lookup", {"identity": ident, "namespace": "public", "tokens": b"\0" * 300_000}]
+        )
+        with srv.client() as watcher:
+            slow, fast = Raw(srv.socket), Raw(srv.socket)
+            try:
+                slow.sock.sendall(big[:100_000])  # a third of its body, then nothing yet
+                wait_for(
+                    lambda: watcher.server_state()["held_bodies_bytes"] > 0,
+                    what="the slow body charged",
+                )
+                fast.sock.sendall(big)
+                rid, ok, (kind, msg) = fast.reply()
+                assert (rid, ok, kind) == (1, False, "LimitExceeded")
+                assert "(--session-bodies-bytes)" in msg and f"process {os.getpid()}" in msg
+                slow.sock.sendall(big[100_000:])
+                assert slow.reply()[:2] == [1, True]
+                fast.send(2, "state", {})  # the refused connection is in step
+                assert fast.reply()[:2] == [2, True]
+                # three connections of this process: a fourth is shed, another process's not
+                with pytest.raises(LimitExceeded, match="session-connections"):
+                    RemoteStore(srv.socket, timeout=10)
+                with ClientProc(OTHER, srv.socket) as other:
+                    assert other.line() == "connected"
+                    state = watcher.server_state()
+                    assert state["peers"] == 2 and state["sessions"] == 4
+            finally:
+                slow.close()
+                fast.close()
+            snap = quiet(watcher)
+            assert snap["refused_bodies_bytes"] == 1 and snap["refused_connections"] == 1
+            assert snap["held_bodies_bytes"] == 0 and snap["peers"] == 1
+    finally:
+        assert srv.stop() == 0
+
+
+def test_one_audit_at_a_time(srv: ServerProc) -> None:
+    """``check`` reads every replica: one runs at a time, server-wide (``--audits``);
+    one more is refused and counted, not queued, and every audit that ran is clean."""
+    with srv.client() as client:
+        for i in range(40):
+            _put(client, 300 + i, 16)
+        client.flush()  # disk replicas to read too
+    stores = [srv.client() for _ in range(3)]
+    refusals: list[str] = []
+    reports: list[bool] = []
+    stop = threading.Event()
+
+    def audit(store: RemoteStore) -> None:
+        deadline = time.monotonic() + 60
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                reports.append(store.check().clean)
+            except LimitExceeded as exc:
+                refusals.append(str(exc))
+                stop.set()
+
+    threads = [threading.Thread(target=audit, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert refusals and all("(--audits)" in r for r in refusals), refusals
+        assert reports and all(reports)
+        snap = quiet(stores[0], 3)
+        assert snap["refused_audits"] == len(refusals) and snap["held_audits"] == 0
+    finally:
+        for s in stores:
+            s.close()
