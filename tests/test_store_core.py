@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvlife.core.errors import InvalidArgument
+from kvlife.core.errors import InvalidArgument, StoreClosedError
 from kvlife.core.events import MemorySink
 from kvlife.core.identity import PUBLIC, ModelIdentity
 from kvlife.faults.damage import flip, scan_frames
@@ -315,6 +315,39 @@ def test_async_load_depth_bounds_reads_in_flight_and_reads_in_chunk_order(
             store.load_async(hit, depth=0)
 
 
+def test_close_during_a_depth_limited_async_load_gives_typed_misses(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """``close()`` while chunk 0 of a ``depth=1`` load is being read: chunk 0 is still
+    handed out, the chunks never read are misses, ``wait()`` raises StoreClosedError (it
+    raised a bare RuntimeError from the shut-down pool, and counted a read error), and a
+    load started after the close is refused the same way."""
+    io = StallingIO()
+    tokens, kv = prompt_kv(52, 4 * N)
+    store = disk_only(tmp_path, fileio=io)
+    store.put_prompt(identity, PUBLIC, tokens, kv)
+    hit = store.lookup(identity, PUBLIC, tokens)
+    io.armed = True  # every read stalls until released
+    handle = store.load_async(hit, depth=1)
+    assert io.stalled.wait(WAIT)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    # let close() reach the I/O pool's shutdown (an order, never a speed claim): it then
+    # waits for the read in flight, whose next chunk can no longer be submitted
+    closer.join(1.0)
+    io.release.set()
+    closer.join(WAIT)
+    assert not closer.is_alive()
+    first = handle.chunk(0, timeout=WAIT)
+    assert first is not None and np.array_equal(first, chunks_of(kv, 1)[0])
+    assert [handle.chunk(i, timeout=WAIT) for i in (1, 2, 3)] == [None, None, None]
+    with pytest.raises(StoreClosedError, match="closed"):
+        handle.wait(timeout=WAIT)
+    assert store.counters.read_errors == 0, "a chunk never read is no read error"
+    with pytest.raises(StoreClosedError):
+        store.load_async(hit, depth=1)
+
+
 @pytest.mark.parametrize("outs", [False, True])
 def test_async_and_sync_loads_agree(tmp_path: Path, identity: ModelIdentity, outs: bool) -> None:
     tokens, kv = prompt_kv(60, 5 * N)
@@ -382,7 +415,7 @@ def test_write_through_put_larger_than_the_disk_is_storage_full_and_stores_nothi
 
 
 def test_unknown_open_setting_is_named(tmp_path: Path) -> None:
-    from kvlife.core.errors import InvalidArgument
+    from kvlife.core.errors import InvalidArgument, StoreClosedError
 
     with pytest.raises(InvalidArgument, match="write_trough"):
         KVStore.open(tmp_path, write_trough=True)
