@@ -449,3 +449,19 @@ def test_garbage_in_the_active_segment_never_refuses_a_batch_that_fits(tmp_path:
             assert np.array_equal(disk.read(m.key), want)
     finally:
         disk.close()
+
+
+def test_evict_takes_nbytes_worth_however_much_is_free(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """``evict(tier, nbytes)`` evicts ``nbytes``' worth of replicas (coldest first), not
+    "until ``nbytes`` are free": a DRAM tier with room for 16 chunks and 3 in it gives up
+    exactly one chunk for ``evict("dram", CHUNK)``, demoted to disk."""
+    tokens, kv = prompt_kv(80, 3 * N)
+    with KVStore.open(tmp_path, dram_bytes=16 * CHUNK, disk_bytes=1 << 24) as store:
+        keys = store.put_prompt(identity, PUBLIC, tokens, kv).keys
+        store.lookup(identity, PUBLIC, tokens[: 2 * N])  # the last chunk is the coldest
+        assert store.evict("dram", CHUNK) == CHUNK
+        assert store.counters.tier("dram").evictions == 1
+        assert store.tier("disk").replica_keys() == [keys[2]]
+        assert store.load(store.lookup(identity, PUBLIC, tokens)).tiers == {"dram": 2, "disk": 1}

@@ -734,6 +734,9 @@ class RemoteStore:
         return n
 
     def evict(self, tier: str, nbytes: int) -> int:
+        """:meth:`KVStore.evict <kvlife.store.KVStore.evict>` in the server's store:
+        ``nbytes``' worth of replicas out of ``tier`` (not "until ``nbytes`` are free");
+        returns the payload bytes evicted."""
         n: int = self._call("evict", {"tier": tier, "nbytes": nbytes})
         return n
 
