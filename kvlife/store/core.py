@@ -10,6 +10,7 @@ tickets (:mod:`kvlife.store.lock`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -191,7 +192,10 @@ class StoreCore:
             if spec.transform
         }
         """Tiers that encode the exact replicas written into them, and with what."""
-        self._sizes: dict[tuple[TierName, tuple[int, ...], str], int] = {}
+        self._frame_nbytes = functools.lru_cache(maxsize=4096)(self._frame_nbytes_uncached)
+        """Frame bytes by (tier, shape, dtype, chunk start): exact per start (a quantiser's
+        chunk at the sequence start holds its sinks, a later one none), bounded (the
+        starts in use are the model's context over its chunk size, per layout)."""
         for slot in self.placement.slots:
             if slot.name in self.encoders:
                 slot.size = self._sizer(slot.name)
@@ -203,20 +207,24 @@ class StoreCore:
         self._bg_lock = threading.Lock()
 
     def _sizer(self, tier: TierName) -> Callable[[Hashable], int]:
-        """Placement's size of a key's replica in a transforming tier: its frame's bound."""
-        t = self.encoders[tier]
+        """Placement's size of a key's replica in a transforming tier: the frame its
+        transform writes for that chunk, at the chunk's absolute start (the one the
+        write passes to ``encode``), so a chunk is charged its sinks only where it holds
+        them. A pure function of the key (its shape, dtype and start never change)."""
+        frame = self._frame_nbytes
 
         def size(key: Hashable) -> int:
             rec = self.index.get(key)  # type: ignore[arg-type]
             if rec is None:
                 raise KVLifeError(f"placement asked the size of unknown object {key!r}")
-            k = (tier, rec.shape, rec.dtype)
-            got = self._sizes.get(k)
-            if got is None:
-                got = self._sizes[k] = encoded_nbytes(t, rec.shape, rec.dtype)
-            return got
+            return frame(tier, rec.shape, rec.dtype, rec.info.start)
 
         return size
+
+    def _frame_nbytes_uncached(
+        self, tier: TierName, shape: tuple[int, ...], dtype: str, start: int
+    ) -> int:
+        return encoded_nbytes(self.encoders[tier], shape, dtype, start=start)
 
     def serving(self, rec: ObjectRecord, accept: Accept) -> Serving:
         """The first tier of the chain with a READY replica that ``accept`` takes (one
