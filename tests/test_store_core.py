@@ -465,3 +465,47 @@ def test_evict_takes_nbytes_worth_however_much_is_free(
         assert store.counters.tier("dram").evictions == 1
         assert store.tier("disk").replica_keys() == [keys[2]]
         assert store.load(store.lookup(identity, PUBLIC, tokens)).tiers == {"dram": 2, "disk": 1}
+
+
+@pytest.mark.parametrize("outs", [False, True])
+def test_a_chunk_being_demoted_is_served_from_its_source_until_its_copy_lands(
+    tmp_path: Path, identity: ModelIdentity, outs: bool
+) -> None:
+    """Copy, then drop: while a put's demotion of a DRAM chunk waits inside its disk
+    write, the chunk is still found and loaded from DRAM (it was a miss, counted nowhere:
+    its DRAM replica left service when the eviction was planned, before its copy
+    existed); once the demotion ran it is served from disk, and nothing was lost."""
+    io = FaultyIO()
+    sink = MemorySink()
+    old_t, old_kv = prompt_kv(90, 2 * N)
+    new_t, new_kv = prompt_kv(91, N)
+    with KVStore.open(
+        tmp_path,
+        dram_bytes=2 * CHUNK,
+        disk_bytes=1 << 24,
+        segment_bytes=1 << 20,
+        fileio=io,
+        sink=sink,
+    ) as store:
+        keys = store.put_prompt(identity, PUBLIC, old_t, old_kv).keys  # DRAM full
+        stall = io.stall("pwritev", path="seg-*.kvs")
+        try:
+            pending = store.prepare_put(identity, PUBLIC, new_t, new_kv)
+            put = store.put_async(pending)  # demotes the coldest old chunk, waits in its write
+            assert stall.wait_entered(WAIT)
+            assert [e.kind for e in sink.take() if e.key == keys[0].hex()][-1] == "evict"
+            for _ in range(2):
+                hit = store.lookup(identity, PUBLIC, old_t)
+                assert [h.key for h in hit.hits] == keys, "a chunk being demoted was a miss"
+                bufs = [np.empty_like(c) for c in chunks_of(old_kv, 2)] if outs else None
+                res = store.load(hit, bufs)
+                assert res.loaded == 2 and res.tiers == {"dram": 2}
+                for a, b in zip(res.arrays, chunks_of(old_kv, 2), strict=True):
+                    assert np.array_equal(a, b)
+        finally:
+            stall.release()
+        assert put.result(timeout=WAIT).stored == 1
+        store.drain()
+        assert store.counters.demotions == 1 and store.counters.vanished == 0
+        res = store.load(store.lookup(identity, PUBLIC, old_t))
+        assert res.loaded == 2 and sum(res.tiers.values()) == 2 and "disk" in res.tiers

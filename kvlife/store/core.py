@@ -67,7 +67,13 @@ class Bound:
 
 class StoreResidency:
     """The placement engine's view of the store's records (replicas being written count,
-    replicas chosen for eviction do not)."""
+    replicas chosen for eviction do not).
+
+    A replica chosen for eviction becomes EVICTING: uncounted at once (placement frees
+    its room in the plan that chose it), still served until the plan's eviction step
+    runs, after the copy that demotes it is published, so that a chunk being demoted
+    is never a miss (copy, then drop). The executor's eviction step takes it out of
+    service (LEAVING) before its bytes go."""
 
     def __init__(self, index: ObjectIndex, ledger: Ledger) -> None:
         self._index = index
@@ -80,7 +86,7 @@ class StoreResidency:
         rec = self._index.get(key)  # type: ignore[arg-type]
         if rec is None:
             return ()
-        return [t for t, r in rec.replicas.items() if r.state is not ReplicaState.LEAVING]
+        return [t for t, r in rec.replicas.items() if r.counted]
 
     def size_of(self, key: Hashable) -> int:
         rec = self._index.get(key)  # type: ignore[arg-type]
@@ -116,7 +122,7 @@ class StoreResidency:
             self.unsettled[rec.key] = self.unsettled.get(rec.key, 0) + 1
         elif isinstance(action, Evict):
             rep = rec.replicas[action.tier]
-            rep.state = ReplicaState.LEAVING
+            rep.state = ReplicaState.EVICTING  # served until its eviction step runs
             self._ledger.move(
                 rec, Move.EVICT, tier=action.tier, nbytes=rec.nbytes, reason="capacity"
             )
@@ -227,27 +233,32 @@ class StoreCore:
         return encoded_nbytes(self.encoders[tier], shape, dtype, start=start)
 
     def serving(self, rec: ObjectRecord, accept: Accept) -> Serving:
-        """The first tier of the chain with a READY replica that ``accept`` takes (one
-        chosen for eviction is never read: its bytes may go at any moment)."""
+        """The first tier of the chain with a READY replica that ``accept`` takes, else
+        the first with an EVICTING one (a chunk being demoted stays servable until its
+        copy is published; a replica that stays is preferred, so that a load races the
+        eviction only when nothing else can serve). A LEAVING replica is never read."""
         refused = ""
         unknown: list[Replica] | None = None
+        going: Serving | None = None
         for tier in self.chain:
             rep = rec.replicas.get(tier.name)
             if rep is None or not rep.readable:
                 continue
             form = rep.transform
-            if form.exact:
+            if not form.exact:
+                try:
+                    why = accept.refusal(contract_of(form))
+                except UnknownTransform as exc:
+                    unknown = (unknown or []) + [rep]
+                    refused = refused or f"{tier.name}: {exc}"
+                    continue
+                if why:
+                    refused = refused or f"{tier.name}: {why}"
+                    continue
+            if rep.lasting:
                 return Serving(tier.name, rep)
-            try:
-                why = accept.refusal(contract_of(form))
-            except UnknownTransform as exc:
-                unknown = (unknown or []) + [rep]
-                refused = refused or f"{tier.name}: {exc}"
-                continue
-            if not why:
-                return Serving(tier.name, rep)
-            refused = refused or f"{tier.name}: {why}"
-        return Serving(None, None, refused, unknown)
+            going = going or Serving(tier.name, rep)
+        return going or Serving(None, None, refused, unknown)
 
     def check_open(self) -> None:
         if self.closed:
@@ -432,11 +443,11 @@ class StoreCore:
         rep = rec.replicas.get(tier)
         if rep is None or self.index.get(rec.key) is not rec:
             return []  # already gone: whoever retired it deletes it
-        if rep.state is not ReplicaState.LEAVING:
+        if rep.counted:
             self.placement.release(rec.key, tier)
         del rec.replicas[tier]
         doomed = [(tier, rec.key)]
-        if not any(r.readable for r in rec.replicas.values()):
+        if not any(r.lasting for r in rec.replicas.values()):
             doomed += self.retire(rec, Move.CORRUPT, why)
         return doomed
 
@@ -456,9 +467,9 @@ class StoreCore:
                 self.counters.corrupt += 1
                 if isinstance(tier, SealedInMemory):
                     self.counters.sealed_mismatch += 1
-                if rep.state is not ReplicaState.LEAVING:
+                if rep.counted:
                     self.placement.release(key, tier.name)
                 del rec.replicas[tier.name]
-                if not any(r.readable for r in rec.replicas.values()):
+                if not any(r.lasting for r in rec.replicas.values()):
                     doomed += self.retire(rec, Move.CORRUPT, f"corrupt: {why}")
         return doomed
