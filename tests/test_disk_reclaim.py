@@ -60,7 +60,10 @@ def _payload(i: int) -> np.ndarray:
 
 def _store(tier: DiskTier, ids: list[int]) -> None:
     arrs = [_payload(i) for i in ids]
-    metas = [ReplicaMeta(_key(i), "float16", a.shape, "exact", b"") for i, a in zip(ids, arrs)]
+    metas = [
+        ReplicaMeta(_key(i), "float16", a.shape, "exact", b"")
+        for i, a in zip(ids, arrs, strict=True)
+    ]
     assert tier.store(metas, arrs)
 
 

@@ -415,7 +415,7 @@ def test_write_through_put_larger_than_the_disk_is_storage_full_and_stores_nothi
 
 
 def test_unknown_open_setting_is_named(tmp_path: Path) -> None:
-    from kvlife.core.errors import InvalidArgument, StoreClosedError
+    from kvlife.core.errors import InvalidArgument
 
     with pytest.raises(InvalidArgument, match="write_trough"):
         KVStore.open(tmp_path, write_trough=True)

@@ -7,8 +7,9 @@ publishes under it: a chunk whose object was invalidated or evicted meanwhile is
 keeps the replica. The first failed chunk ends the result. A pinned replica is never an
 eviction victim. A store closed while an asynchronous load is in flight finishes the
 reads already started; the chunks not read by then are misses, and the handle's
-``wait()`` raises :class:`~kvlife.core.errors.StoreClosedError`. Hits served from a slower tier are promoted by a background thread in
-plan order (``drain()`` waits for it).
+``wait()`` raises :class:`~kvlife.core.errors.StoreClosedError`. Hits served from a
+slower tier are promoted by a background thread in plan order (``drain()`` waits for
+it).
 
 Ownership: a caller's output buffers are written, never kept; an array a load returns
 without a buffer is read-only from the start and its flag cannot be set back (a DRAM

@@ -14,10 +14,11 @@ Segments live as long as anything may read them. A read pins the segments it rea
 reads it, else by its last reader (:meth:`SegmentTable.unpin`). The active segment is
 not retired when it empties (the writer places frames in it); once it is sealed, the
 writer that sealed it retires it if it is still empty after that writer published
-(:meth:`SegmentTable.reap`: frames of the sealing batch may have landed in it). A doomed segment stays
-in the table until its file is gone, so its id, which is its file name, is never reused
-while the old file may still be on disk. Segments that hold rows recovery quarantined
-(:attr:`SegmentTable.held`) are never reclaimed at runtime: only ``check --fix`` may.
+(:meth:`SegmentTable.reap`: frames of the sealing batch may have landed in it). A
+doomed segment stays in the table until its file is gone, so its id, which is its file
+name, is never reused while the old file may still be on disk. Segments that hold rows
+recovery quarantined (:attr:`SegmentTable.held`) are never reclaimed at runtime: only
+``check --fix`` may.
 """
 
 from __future__ import annotations
