@@ -423,8 +423,16 @@ class Oracle:
         self.pendings[pid] = Pending(spec, self.u.keys(spec), written, start, end, self.epoch)
 
     def writing(self) -> set[ChunkKey]:
-        """Chunks a pending put holds TENTATIVE for sure (prepared, commit not started)."""
-        return {k for p in self.pendings.values() if p.live and not p.committing for k in p.written}
+        """Chunks a pending put holds TENTATIVE for sure (prepared, commit not started,
+        and no invalidation since took them out of the index: another put then writes
+        them anew)."""
+        return {
+            k
+            for p in self.pendings.values()
+            if p.live and not p.committing
+            for k in p.written
+            if not any(i.start > p.prep_end for i in self.logs[k].invs)
+        }
 
     def commit_started(self, pid: int, at: int) -> None:
         p = self.pendings[pid]
