@@ -7,10 +7,6 @@ A short budget runs in the default suite (derandomized: the same examples every 
 long one under ``-m slow`` (random examples, and stress runs of thousands of steps).
 Switches (environment):
 
-- ``KVLIFE_ORACLE_EXPECT_HOLES=4,5,6`` (``1``: every known hole and finding, see
-  :data:`tests.helpers.oracle.FINDING_KINDS`): the oracle notes those violations (a
-  warning) and heals the store instead of failing; every other violation still fails.
-  For branches where they are still open; to go once the fixes merged.
 - ``KVLIFE_ORACLE_RULES_OFF=two_phase,reopen,...``: rule groups switched off.
 - ``KVLIFE_ORACLE_EXAMPLES``, ``KVLIFE_ORACLE_STEPS`` (hypothesis),
   ``KVLIFE_ORACLE_STRESS_STEPS``, ``KVLIFE_ORACLE_SEED`` (stress): budgets and the seed;
@@ -22,7 +18,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 
 import pytest
@@ -30,7 +25,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from tests.helpers.oracle import Universe
-from tests.helpers.oracle_machine import NOTED, OracleMachine, stress
+from tests.helpers.oracle_machine import OracleMachine, stress
 from tests.helpers.oracle_targets import EmbeddedTarget, Target
 
 
@@ -61,14 +56,6 @@ def oracle_settings(examples: int, steps: int, derandomize: bool) -> settings:
     )
 
 
-def report_noted() -> None:
-    """The known holes the oracle tolerated, as one warning."""
-    if NOTED:
-        kinds = sorted({n.split("]")[0] + "]" for n in NOTED})
-        warnings.warn(f"oracle: known holes seen ({len(NOTED)}): {kinds}", stacklevel=2)
-        NOTED.clear()
-
-
 def run_stress(machine: OracleMachine, seed: int, steps: int) -> None:
     """A stress run; a failure carries its seed and every step."""
     steps = int(os.environ.get("KVLIFE_ORACLE_STRESS_STEPS", steps))
@@ -81,12 +68,10 @@ def run_stress(machine: OracleMachine, seed: int, steps: int) -> None:
         raise
     finally:
         machine.teardown()
-    report_noted()
 
 
 def test_oracle_embedded() -> None:
     run_state_machine_as_test(EmbeddedOracle, settings=oracle_settings(40, 40, derandomize=True))
-    report_noted()
 
 
 @pytest.mark.parametrize("seed", [2, 5])
@@ -97,7 +82,6 @@ def test_oracle_embedded_stress(seed: int) -> None:
 @pytest.mark.slow
 def test_oracle_embedded_long() -> None:
     run_state_machine_as_test(EmbeddedOracle, settings=oracle_settings(400, 60, derandomize=False))
-    report_noted()
 
 
 @pytest.mark.slow

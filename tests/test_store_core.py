@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvlife.core.errors import InvalidArgument
+from kvlife.core.errors import InvalidArgument, StoreClosedError
 from kvlife.core.events import MemorySink
 from kvlife.core.identity import PUBLIC, ModelIdentity
 from kvlife.faults.damage import flip, scan_frames
@@ -315,6 +315,39 @@ def test_async_load_depth_bounds_reads_in_flight_and_reads_in_chunk_order(
             store.load_async(hit, depth=0)
 
 
+def test_close_during_a_depth_limited_async_load_gives_typed_misses(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """``close()`` while chunk 0 of a ``depth=1`` load is being read: chunk 0 is still
+    handed out, the chunks never read are misses, ``wait()`` raises StoreClosedError (it
+    raised a bare RuntimeError from the shut-down pool, and counted a read error), and a
+    load started after the close is refused the same way."""
+    io = StallingIO()
+    tokens, kv = prompt_kv(52, 4 * N)
+    store = disk_only(tmp_path, fileio=io)
+    store.put_prompt(identity, PUBLIC, tokens, kv)
+    hit = store.lookup(identity, PUBLIC, tokens)
+    io.armed = True  # every read stalls until released
+    handle = store.load_async(hit, depth=1)
+    assert io.stalled.wait(WAIT)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    # let close() reach the I/O pool's shutdown (an order, never a speed claim): it then
+    # waits for the read in flight, whose next chunk can no longer be submitted
+    closer.join(1.0)
+    io.release.set()
+    closer.join(WAIT)
+    assert not closer.is_alive()
+    first = handle.chunk(0, timeout=WAIT)
+    assert first is not None and np.array_equal(first, chunks_of(kv, 1)[0])
+    assert [handle.chunk(i, timeout=WAIT) for i in (1, 2, 3)] == [None, None, None]
+    with pytest.raises(StoreClosedError, match="closed"):
+        handle.wait(timeout=WAIT)
+    assert store.counters.read_errors == 0, "a chunk never read is no read error"
+    with pytest.raises(StoreClosedError):
+        store.load_async(hit, depth=1)
+
+
 @pytest.mark.parametrize("outs", [False, True])
 def test_async_and_sync_loads_agree(tmp_path: Path, identity: ModelIdentity, outs: bool) -> None:
     tokens, kv = prompt_kv(60, 5 * N)
@@ -416,3 +449,63 @@ def test_garbage_in_the_active_segment_never_refuses_a_batch_that_fits(tmp_path:
             assert np.array_equal(disk.read(m.key), want)
     finally:
         disk.close()
+
+
+def test_evict_takes_nbytes_worth_however_much_is_free(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """``evict(tier, nbytes)`` evicts ``nbytes``' worth of replicas (coldest first), not
+    "until ``nbytes`` are free": a DRAM tier with room for 16 chunks and 3 in it gives up
+    exactly one chunk for ``evict("dram", CHUNK)``, demoted to disk."""
+    tokens, kv = prompt_kv(80, 3 * N)
+    with KVStore.open(tmp_path, dram_bytes=16 * CHUNK, disk_bytes=1 << 24) as store:
+        keys = store.put_prompt(identity, PUBLIC, tokens, kv).keys
+        store.lookup(identity, PUBLIC, tokens[: 2 * N])  # the last chunk is the coldest
+        assert store.evict("dram", CHUNK) == CHUNK
+        assert store.counters.tier("dram").evictions == 1
+        assert store.tier("disk").replica_keys() == [keys[2]]
+        assert store.load(store.lookup(identity, PUBLIC, tokens)).tiers == {"dram": 2, "disk": 1}
+
+
+@pytest.mark.parametrize("outs", [False, True])
+def test_a_chunk_being_demoted_is_served_from_its_source_until_its_copy_lands(
+    tmp_path: Path, identity: ModelIdentity, outs: bool
+) -> None:
+    """Copy, then drop: while a put's demotion of a DRAM chunk waits inside its disk
+    write, the chunk is still found and loaded from DRAM (it was a miss, counted nowhere:
+    its DRAM replica left service when the eviction was planned, before its copy
+    existed); once the demotion ran it is served from disk, and nothing was lost."""
+    io = FaultyIO()
+    sink = MemorySink()
+    old_t, old_kv = prompt_kv(90, 2 * N)
+    new_t, new_kv = prompt_kv(91, N)
+    with KVStore.open(
+        tmp_path,
+        dram_bytes=2 * CHUNK,
+        disk_bytes=1 << 24,
+        segment_bytes=1 << 20,
+        fileio=io,
+        sink=sink,
+    ) as store:
+        keys = store.put_prompt(identity, PUBLIC, old_t, old_kv).keys  # DRAM full
+        stall = io.stall("pwritev", path="seg-*.kvs")
+        try:
+            pending = store.prepare_put(identity, PUBLIC, new_t, new_kv)
+            put = store.put_async(pending)  # demotes the coldest old chunk, waits in its write
+            assert stall.wait_entered(WAIT)
+            assert [e.kind for e in sink.take() if e.key == keys[0].hex()][-1] == "evict"
+            for _ in range(2):
+                hit = store.lookup(identity, PUBLIC, old_t)
+                assert [h.key for h in hit.hits] == keys, "a chunk being demoted was a miss"
+                bufs = [np.empty_like(c) for c in chunks_of(old_kv, 2)] if outs else None
+                res = store.load(hit, bufs)
+                assert res.loaded == 2 and res.tiers == {"dram": 2}
+                for a, b in zip(res.arrays, chunks_of(old_kv, 2), strict=True):
+                    assert np.array_equal(a, b)
+        finally:
+            stall.release()
+        assert put.result(timeout=WAIT).stored == 1
+        store.drain()
+        assert store.counters.demotions == 1 and store.counters.vanished == 0
+        res = store.load(store.lookup(identity, PUBLIC, old_t))
+        assert res.loaded == 2 and sum(res.tiers.values()) == 2 and "disk" in res.tiers

@@ -617,3 +617,39 @@ def test_encoded_nbytes_is_the_frame_at_a_start_and_the_worst_case_without() -> 
     shape = TINY.chunk_shape
     assert [encoded_nbytes(t, shape, "float16", start=i * N) for i in range(2)] == frames
     assert encoded_nbytes(t, shape, "float16") == max(frames) > min(frames)
+
+
+def test_placement_charges_each_chunk_its_own_frame_with_or_without_sinks(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """Placement charges a quantising tier the frame each chunk really takes: the chunk
+    at the sequence start with its sinks, a later one without (it charged every chunk
+    the larger frame). A tier whose budget is exactly those frames holds the prompt's
+    three chunks, the tier's own accounting agrees to the byte, and a fourth chunk
+    does not fit without an eviction."""
+    t = make_transform("int4", dict(SINKS4))
+    tokens, kv = prompt_kv(25, 4 * N)
+    frames = [len(t.encode(chunk_of(kv, i), start=i * N).to_frame()) for i in range(4)]
+    assert frames[0] > frames[1] == frames[2] == frames[3]
+    budget = sum(frames[:3])
+    cfg = StoreConfig(
+        tiers=(
+            TierSpec("memory", "q", budget, transform="int4", transform_params=SINKS4),
+            TierSpec("disk", "disk", 1 << 24, options=DISK_OPTS),
+        )
+    )
+    with KVStore(tmp_path, cfg) as store:
+        keys = store.put_prompt(identity, PUBLIC, tokens[: 3 * N], kv[:, :, :, : 3 * N]).keys
+        q = store.tier("q")
+        assert sorted(q.replica_keys()) == sorted(keys), "a chunk was charged more than its frame"
+        assert q.used_bytes == budget == q.capacity_bytes
+        hit = store.lookup(identity, PUBLIC, tokens[: 3 * N], accept=Accept.lossy())
+        assert [(h.tier, h.stored_nbytes) for h in hit.hits] == [("q", f) for f in frames[:3]]
+        assert store.counters.tier("q").evictions == 0
+        # one more chunk (start 3N, no sinks) needs its own frame's room: one goes down
+        more = store.put_prompt(
+            identity, PUBLIC, tokens[3 * N :], kv[:, :, :, 3 * N :], start=3 * N, parent=keys[-1]
+        )
+        assert more.stored == 1
+        assert store.counters.tier("q").evictions == 1
+        assert q.used_bytes <= q.capacity_bytes

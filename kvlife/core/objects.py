@@ -246,8 +246,13 @@ class ReplicaState(enum.Enum):
     """Its bytes are on their way to the tier: counted against the tier, never read."""
     READY = "ready"
     """Sealed and readable."""
+    EVICTING = "evicting"
+    """Chosen for eviction by a plan that has not run yet: no longer counted, still read
+    (its bytes stay until the plan's eviction step, which runs after the copy that
+    demotes it is published: copy, then drop)."""
     LEAVING = "leaving"
-    """Chosen for eviction (or its object retired): no longer counted, never read."""
+    """Being deleted (its plan's eviction step runs, or its object was retired): no
+    longer counted, never read."""
 
 
 @dataclass(slots=True)
@@ -269,9 +274,21 @@ class Replica:
 
     @property
     def readable(self) -> bool:
-        """Loads may read it: sealed, and not chosen for eviction (a LEAVING replica's
-        bytes may go at any moment)."""
+        """Loads may read it: sealed, and not being deleted (an EVICTING replica is read
+        until its eviction runs; a LEAVING replica's bytes may go at any moment)."""
+        return self.state is ReplicaState.READY or self.state is ReplicaState.EVICTING
+
+    @property
+    def lasting(self) -> bool:
+        """Readable and staying: READY (an EVICTING replica goes once its plan runs), so
+        an object with no lasting replica has lost its last copy."""
         return self.state is ReplicaState.READY
+
+    @property
+    def counted(self) -> bool:
+        """Placement charges its tier for it: WRITING or READY (chosen for eviction, it
+        was uncounted when the eviction was planned)."""
+        return self.state is ReplicaState.WRITING or self.state is ReplicaState.READY
 
 
 @dataclass(slots=True)

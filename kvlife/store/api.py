@@ -203,8 +203,13 @@ class StoreAPI(Protocol[P]):
         return self._invalidate(Criteria(weights_digest, adapter_id, namespace, prefix))
 
     def evict(self, tier: str, nbytes: int) -> int:
-        """Evict from ``tier`` until ``nbytes`` of its budget are free (victims demoted
-        first). Returns the payload bytes of the replicas evicted from it."""
+        """Evict ``nbytes``' worth of replicas from ``tier``, coldest first by its policy:
+        victims until the room they held there adds up to at least ``nbytes`` (or no
+        unpinned replica is left), however much of its budget was free already; each
+        victim held only there is demoted to the next tier first where the chain allows.
+        Not "until ``nbytes`` are free". Returns the payload bytes of the replicas evicted
+        from it (a tier that stores frames or rounds to pages charges a replica a
+        different room)."""
         ...
 
     def flush(self) -> int:

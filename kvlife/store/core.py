@@ -10,6 +10,7 @@ tickets (:mod:`kvlife.store.lock`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -70,7 +71,13 @@ class Bound:
 
 class StoreResidency:
     """The placement engine's view of the store's records (replicas being written count,
-    replicas chosen for eviction do not)."""
+    replicas chosen for eviction do not).
+
+    A replica chosen for eviction becomes EVICTING: uncounted at once (placement frees
+    its room in the plan that chose it), still served until the plan's eviction step
+    runs, after the copy that demotes it is published, so that a chunk being demoted
+    is never a miss (copy, then drop). The executor's eviction step takes it out of
+    service (LEAVING) before its bytes go."""
 
     def __init__(self, index: ObjectIndex, ledger: Ledger) -> None:
         self._index = index
@@ -83,7 +90,7 @@ class StoreResidency:
         rec = self._index.get(key)  # type: ignore[arg-type]
         if rec is None:
             return ()
-        return [t for t, r in rec.replicas.items() if r.state is not ReplicaState.LEAVING]
+        return [t for t, r in rec.replicas.items() if r.counted]
 
     def size_of(self, key: Hashable) -> int:
         rec = self._index.get(key)  # type: ignore[arg-type]
@@ -119,7 +126,7 @@ class StoreResidency:
             self.unsettled[rec.key] = self.unsettled.get(rec.key, 0) + 1
         elif isinstance(action, Evict):
             rep = rec.replicas[action.tier]
-            rep.state = ReplicaState.LEAVING
+            rep.state = ReplicaState.EVICTING  # served until its eviction step runs
             self._ledger.move(
                 rec, Move.EVICT, tier=action.tier, nbytes=rec.nbytes, reason="capacity"
             )
@@ -200,7 +207,10 @@ class StoreCore:
             if spec.transform
         }
         """Tiers that encode the exact replicas written into them, and with what."""
-        self._sizes: dict[tuple[TierName, tuple[int, ...], str], int] = {}
+        self._frame_nbytes = functools.lru_cache(maxsize=4096)(self._frame_nbytes_uncached)
+        """Frame bytes by (tier, shape, dtype, chunk start): exact per start (a quantiser's
+        chunk at the sequence start holds its sinks, a later one none), bounded (the
+        starts in use are the model's context over its chunk size, per layout)."""
         for slot in self.placement.slots:
             if slot.name in self.encoders:
                 slot.size = self._sizer(slot.name)
@@ -212,43 +222,52 @@ class StoreCore:
         self._bg_lock = threading.Lock()
 
     def _sizer(self, tier: TierName) -> Callable[[Hashable], int]:
-        """Placement's size of a key's replica in a transforming tier: its frame's bound."""
-        t = self.encoders[tier]
+        """Placement's size of a key's replica in a transforming tier: the frame its
+        transform writes for that chunk, at the chunk's absolute start (the one the
+        write passes to ``encode``), so a chunk is charged its sinks only where it holds
+        them. A pure function of the key (its shape, dtype and start never change)."""
+        frame = self._frame_nbytes
 
         def size(key: Hashable) -> int:
             rec = self.index.get(key)  # type: ignore[arg-type]
             if rec is None:
                 raise KVLifeError(f"placement asked the size of unknown object {key!r}")
-            k = (tier, rec.shape, rec.dtype)
-            got = self._sizes.get(k)
-            if got is None:
-                got = self._sizes[k] = encoded_nbytes(t, rec.shape, rec.dtype)
-            return got
+            return frame(tier, rec.shape, rec.dtype, rec.info.start)
 
         return size
 
+    def _frame_nbytes_uncached(
+        self, tier: TierName, shape: tuple[int, ...], dtype: str, start: int
+    ) -> int:
+        return encoded_nbytes(self.encoders[tier], shape, dtype, start=start)
+
     def serving(self, rec: ObjectRecord, accept: Accept) -> Serving:
-        """The first tier of the chain with a READY replica that ``accept`` takes (one
-        chosen for eviction is never read: its bytes may go at any moment)."""
+        """The first tier of the chain with a READY replica that ``accept`` takes, else
+        the first with an EVICTING one (a chunk being demoted stays servable until its
+        copy is published; a replica that stays is preferred, so that a load races the
+        eviction only when nothing else can serve). A LEAVING replica is never read."""
         refused = ""
         unknown: list[Replica] | None = None
+        going: Serving | None = None
         for tier in self.chain:
             rep = rec.replicas.get(tier.name)
             if rep is None or not rep.readable:
                 continue
             form = rep.transform
-            if form.exact:
+            if not form.exact:
+                try:
+                    why = accept.refusal(contract_of(form))
+                except UnknownTransform as exc:
+                    unknown = (unknown or []) + [rep]
+                    refused = refused or f"{tier.name}: {exc}"
+                    continue
+                if why:
+                    refused = refused or f"{tier.name}: {why}"
+                    continue
+            if rep.lasting:
                 return Serving(tier.name, rep)
-            try:
-                why = accept.refusal(contract_of(form))
-            except UnknownTransform as exc:
-                unknown = (unknown or []) + [rep]
-                refused = refused or f"{tier.name}: {exc}"
-                continue
-            if not why:
-                return Serving(tier.name, rep)
-            refused = refused or f"{tier.name}: {why}"
-        return Serving(None, None, refused, unknown)
+            going = going or Serving(tier.name, rep)
+        return going or Serving(None, None, refused, unknown)
 
     def check_open(self) -> None:
         if self.closed:
@@ -433,11 +452,11 @@ class StoreCore:
         rep = rec.replicas.get(tier)
         if rep is None or self.index.get(rec.key) is not rec:
             return []  # already gone: whoever retired it deletes it
-        if rep.state is not ReplicaState.LEAVING:
+        if rep.counted:
             self.placement.release(rec.key, tier)
         del rec.replicas[tier]
         doomed = [(tier, rec.key)]
-        if not any(r.readable for r in rec.replicas.values()):
+        if not any(r.lasting for r in rec.replicas.values()):
             doomed += self.retire(rec, Move.CORRUPT, why)
         return doomed
 
@@ -457,9 +476,9 @@ class StoreCore:
                 self.counters.corrupt += 1
                 if isinstance(tier, SealedInMemory):
                     self.counters.sealed_mismatch += 1
-                if rep.state is not ReplicaState.LEAVING:
+                if rep.counted:
                     self.placement.release(key, tier.name)
                 del rec.replicas[tier.name]
-                if not any(r.readable for r in rec.replicas.values()):
+                if not any(r.lasting for r in rec.replicas.values()):
                     doomed += self.retire(rec, Move.CORRUPT, f"corrupt: {why}")
         return doomed

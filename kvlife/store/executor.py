@@ -469,13 +469,20 @@ def _publish_copy(
         core.counters.demote_failed += 1
     elif action.reason == "promote":
         core.counters.promote_failed += 1
-    if not any(r.state is ReplicaState.READY for r in rec.replicas.values()):
+    if not any(r.lasting for r in rec.replicas.values()):
         # the replica being demoted was the last one: dropped, counted, explained
         return core.retire(rec, Move.INVALIDATE, f"{action.reason} to {action.dst} failed: {error}")
     return []
 
 
 def _evict(core: StoreCore, tier_name: TierName, group: list[Bound], out: Outcome) -> None:
+    """The eviction step: each replica, served until now (EVICTING: a copy that demotes
+    it was published before this step), leaves service, then its bytes go."""
+    with core.lock:
+        for b in group:
+            rep = b.replica
+            if rep is not None and rep.state is ReplicaState.EVICTING:
+                rep.state = ReplicaState.LEAVING
     keys = [b.rec.key for b in group]
     try:
         core.delete_replicas([(tier_name, k) for k in keys])

@@ -5,8 +5,11 @@ A load pins the replica of each hit under the index lock, reads without the lock
 publishes under it: a chunk whose object was invalidated or evicted meanwhile is a miss
 (``vanished``), a corrupt replica invalidates its object, an I/O error is a miss that
 keeps the replica. The first failed chunk ends the result. A pinned replica is never an
-eviction victim. Hits served from a slower tier are promoted by a background thread in
-plan order (``drain()`` waits for it).
+eviction victim. A store closed while an asynchronous load is in flight finishes the
+reads already started; the chunks not read by then are misses, and the handle's
+``wait()`` raises :class:`~kvlife.core.errors.StoreClosedError`. Hits served from a
+slower tier are promoted by a background thread in plan order (``drain()`` waits for
+it).
 
 Ownership: a caller's output buffers are written, never kept; an array a load returns
 without a buffer is read-only from the start and its flag cannot be set back (a DRAM
@@ -34,6 +37,7 @@ from kvlife.core.errors import (
     KVLifeError,
     ReplicaNotFound,
     ReplicaReadError,
+    StoreClosedError,
 )
 from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import Move, ObjectState
@@ -48,8 +52,9 @@ from kvlife.tiers.base import ReadResult, SealedInMemory, Tier, read_only, seal_
 from kvlife.transforms.base import UnknownTransform
 from kvlife.transforms.contract import Accept
 
-Outcome = ReadResult | ReplicaNotFound | UnknownTransform
-"""A chunk's read: the array, or why it is a miss."""
+Outcome = ReadResult | ReplicaNotFound | UnknownTransform | StoreClosedError
+"""A chunk's read: the array, or why it is a miss (StoreClosedError: never read, the
+store closed first)."""
 
 INDEXED = ObjectState.INDEXED
 
@@ -110,7 +115,9 @@ class LoadHandle(LoadCompletion):
 
     ``chunk(i)`` waits for chunk ``i`` and returns its array, or None when it (or a chunk
     before it) is a miss; ``wait()`` returns the :class:`LoadResult`; ``done()`` says
-    whether every read has finished.
+    whether every read has finished. If the store closes before every read started,
+    the chunks read by then are still handed out by ``chunk(i)``, the others are misses,
+    and ``wait()`` raises :class:`~kvlife.core.errors.StoreClosedError`.
     """
 
     def __init__(
@@ -131,7 +138,9 @@ class LoadHandle(LoadCompletion):
         return len(self._items)
 
     def _complete(self, item: _Item, result: Outcome | BaseException) -> None:
-        if isinstance(result, BaseException) and not isinstance(
+        if isinstance(result, StoreClosedError):  # never read: a miss, and wait() says why
+            self._error = self._error or result
+        elif isinstance(result, BaseException) and not isinstance(
             result, (ReplicaNotFound, UnknownTransform, ChecksumMismatch, ReplicaReadError)
         ):
             if not isinstance(result, KVLifeError):  # a bug, not a miss: wait() raises it
@@ -216,8 +225,15 @@ class _Feed:
             try:
                 self.pool.submit(self.read, it)
                 return
-            except RuntimeError as exc:  # the pool shut down (the store is closing)
-                self.handle._complete(it, exc)  # this chunk and every later one: misses
+            except RuntimeError:  # the pool shut down: the store is closing
+                # this chunk and every later one: misses, typed (wait() raises it)
+                self.handle._complete(
+                    it,
+                    StoreClosedError(
+                        f"store closed while a load was in flight: chunk "
+                        f"{it.rec.key.hex()[:16]}… and the ones after it were not read"
+                    ),
+                )
             with self.lock:
                 it = next(self.queue, None)
 
@@ -271,6 +287,8 @@ class Reader:
         self.core = core
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._closed = False
+        """Closed: no new I/O pool (asynchronous loads raise StoreClosedError)."""
 
     # ------------------------------------------------------------------ lookup
 
@@ -394,9 +412,10 @@ class Reader:
         flight (each finished read submits the next)."""
         if depth is not None and depth < 1:
             raise InvalidArgument(f"load depth must be >= 1, got {depth}")
+        pool = self._io_pool()  # before pinning: a closing store refuses here
         items, vanished = self._start(lookup, outs)
         handle = LoadHandle(self, items, len(lookup.hits), vanished, request_id)
-        feed = _Feed(self._io_pool(), self.core, handle, items, depth is not None)
+        feed = _Feed(pool, self.core, handle, items, depth is not None)
         for _ in range(len(items) if depth is None else min(depth, len(items))):
             feed.submit_next()
         return handle
@@ -414,8 +433,8 @@ class Reader:
             ended = False
             for it in items:
                 res, rec = it.result, it.rec
-                if ended or res is None:
-                    ended = True
+                if ended or res is None or isinstance(res, StoreClosedError):
+                    ended = True  # (never read: the store closed first; wait() raises)
                 elif isinstance(res, ReplicaReadError):
                     core.counters.read_errors += 1  # a miss; the replica may read next time
                     out.read_errors += 1
@@ -514,6 +533,8 @@ class Reader:
 
     def _io_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
+            if self._closed:
+                raise StoreClosedError(f"store {self.core.path} is closed")
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(
                     self.core.config.io_threads, thread_name_prefix="kvlife-load"
@@ -527,6 +548,7 @@ class Reader:
     def close(self) -> None:
         self.drain()
         with self._pool_lock:
+            self._closed = True
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self._pool = None

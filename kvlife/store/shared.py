@@ -157,10 +157,10 @@ def _drop_gone(
         rep = rec.replicas.get(tier) if rec is not None else None
         if rec is None or rep is None or rep.state is ReplicaState.WRITING:
             continue
-        if rep.state is not ReplicaState.LEAVING:
+        if rep.counted:
             core.placement.release(key, tier)
         del rec.replicas[tier]
-        if rec.state is ObjectState.INDEXED and not any(r.readable for r in rec.replicas.values()):
+        if rec.state is ObjectState.INDEXED and not any(r.lasting for r in rec.replicas.values()):
             doomed += core.retire(rec, Move.INVALIDATE, "shared replica gone")
     return doomed
 

@@ -251,8 +251,12 @@ class Writer:
         )
 
     def evict(self, tier: TierName, nbytes: int) -> int:
-        """Evict from ``tier`` until ``nbytes`` of its budget are free (victims are demoted
-        first where the chain allows). Returns the payload bytes of the replicas evicted."""
+        """Evict ``nbytes``' worth of replicas from ``tier``, coldest first by its policy:
+        victims until the room they held there adds up to at least ``nbytes`` (or no
+        unpinned replica is left), however much of its budget was free already; each
+        victim held only there is demoted to the next tier first where the chain allows.
+        Returns the payload bytes of the replicas evicted from it (a tier that stores
+        frames or rounds to pages charges a replica a different room)."""
         core = self.core
         core.check_open()
         if not isinstance(nbytes, int) or nbytes < 0:

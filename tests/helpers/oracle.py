@@ -16,12 +16,10 @@ model is a logical clock: every call gets a start and an end tick. Its invariant
   flushing close) and held since is found by a lookup, or its loss is a counted event
   (an event for that key, or a loss counter that moved).
 
-A violation is a :class:`Violation` with a kind. Three kinds are the signatures of
-issue 18's holes 4, 5 and 6; ``KVLIFE_ORACLE_EXPECT_HOLES`` (``4,5,6``, or ``1`` for
-all three) makes the oracle note those and heal the store instead of failing, so a
-branch where they are still open can run the suite green while every other violation
-still fails. ``KVLIFE_ORACLE_RULES_OFF`` (comma-separated rule groups, see
-:data:`RULE_GROUPS`) switches rule groups off, to show each hole on its own.
+A violation is a :class:`Violation` with a kind, and always fails the test. Some kinds
+are the signatures of what the model found (:data:`HOLE_KINDS`, :data:`FINDING_KINDS`),
+all fixed. ``KVLIFE_ORACLE_RULES_OFF`` (comma-separated rule groups, see
+:data:`RULE_GROUPS`) switches rule groups off, to show a violation on its own.
 """
 
 from __future__ import annotations
@@ -70,6 +68,7 @@ HOLE_KINDS = {
 FINDING_KINDS = {
     "orphan": "emptied-segment-left-behind",
     "async-close": "async-load-untyped-error",
+    "demoting-miss": "held-chunk-missed-while-demoted",
 }
 """Violation kinds of what this model found beyond issue 18's holes, by short name."""
 
@@ -85,24 +84,6 @@ RULE_GROUPS = (
     "background",  # calls racing each other: background and racing commits, scribbles
     # while an eviction runs (off: results depend less on thread timing, for shrinking)
 )
-
-
-def expected_holes() -> frozenset[str]:
-    """Violation kinds to note and heal instead of failing (``KVLIFE_ORACLE_EXPECT_HOLES``:
-    hole numbers ``4``, ``5``, ``6`` and finding names of :data:`FINDING_KINDS`,
-    comma-separated; ``1``: all of them)."""
-    known = {**HOLE_KINDS, **FINDING_KINDS}
-    raw = os.environ.get("KVLIFE_ORACLE_EXPECT_HOLES", "").strip()
-    if not raw or raw == "0":
-        return frozenset()
-    names = set(known) if raw == "1" else {h.strip() for h in raw.split(",") if h.strip()}
-    unknown = names - set(known)
-    if unknown:
-        raise ValueError(
-            f"KVLIFE_ORACLE_EXPECT_HOLES names unknown holes {sorted(unknown)}; "
-            f"known: {sorted(known)}"
-        )
-    return frozenset(known[h] for h in names)
 
 
 def rules_off() -> frozenset[str]:
@@ -313,9 +294,8 @@ class Pending:
 class Oracle:
     """What the store may serve, must not serve and must keep (see the module docstring)."""
 
-    def __init__(self, universe: Universe, tolerate: frozenset[str] = frozenset()) -> None:
+    def __init__(self, universe: Universe) -> None:
         self.u = universe
-        self.tolerate = tolerate
         self.clock = 0
         self.epoch = 0
         self.logs: dict[ChunkKey, KeyLog] = {k: KeyLog() for k in universe.meta}
@@ -327,10 +307,6 @@ class Oracle:
         """Chunks acknowledged durable, with the tick it was acknowledged."""
         self.damaged: set[ChunkKey] = set()
         """Chunks a replica of which was damaged (their loss is explained)."""
-        self.noted: list[str] = []
-        """Tolerated violations (kinds in ``tolerate``), one line each."""
-        self.heal: Callable[[ChunkKey], None] | None = None
-        """Called with a chunk a tolerated violation served, to take it out of the store."""
 
     # ------------------------------------------------------------------ clock
 
@@ -340,12 +316,7 @@ class Oracle:
 
     # ------------------------------------------------------------------ verdicts
 
-    def fail(self, kind: str, message: str, key: ChunkKey | None = None) -> None:
-        if kind in self.tolerate:
-            self.noted.append(f"[{kind}] {message}")
-            if key is not None and self.heal is not None:
-                self.heal(key)
-            return
+    def fail(self, kind: str, message: str) -> None:
         raise Violation(kind, message)
 
     def _last_inv(self, key: ChunkKey, at: int) -> Inv | None:
@@ -372,9 +343,8 @@ class Oracle:
         return "invalidated-chunk-served"
 
     def may_hold(self, key: ChunkKey) -> bool:
-        """The store may hold ``key`` now (or serving it is a tolerated hole)."""
-        why = self.why_forbidden(key, self.clock + 1, self.clock + 1)
-        return why is None or why in self.tolerate
+        """The store may hold ``key`` now."""
+        return self.why_forbidden(key, self.clock + 1, self.clock + 1) is None
 
     def _explain(self, key: ChunkKey, why: str) -> str:
         spec, i = self.u.chunk_ref(key)
@@ -395,7 +365,7 @@ class Oracle:
         for key in hits:
             why = self.why_forbidden(key, start, end)
             if why is not None:
-                self.fail(why, "lookup found " + self._explain(key, why), key)
+                self.fail(why, "lookup found " + self._explain(key, why))
 
     def check_served(
         self, keys: Sequence[ChunkKey], served: Sequence[bytes], start: int, end: int
@@ -413,12 +383,10 @@ class Oracle:
                     f"served bytes differ ({len(diff)} of {len(want)} bytes, {scribbled} of "
                     f"them scribbles{', the payload of ' + other[0].hex()[:12] if other else ''}"
                     f"): {self._explain(key, kind)}",
-                    key,
                 )
-                continue
             why = self.why_forbidden(key, start, end)
             if why is not None:
-                self.fail(why, "load served " + self._explain(key, why), key)
+                self.fail(why, "load served " + self._explain(key, why))
 
     def check_corrupt(self, corrupt: Iterable[ChunkKey]) -> None:
         for key in corrupt:
@@ -455,8 +423,16 @@ class Oracle:
         self.pendings[pid] = Pending(spec, self.u.keys(spec), written, start, end, self.epoch)
 
     def writing(self) -> set[ChunkKey]:
-        """Chunks a pending put holds TENTATIVE for sure (prepared, commit not started)."""
-        return {k for p in self.pendings.values() if p.live and not p.committing for k in p.written}
+        """Chunks a pending put holds TENTATIVE for sure (prepared, commit not started,
+        and no invalidation since took them out of the index: another put then writes
+        them anew)."""
+        return {
+            k
+            for p in self.pendings.values()
+            if p.live and not p.committing
+            for k in p.written
+            if not any(i.start > p.prep_end for i in self.logs[k].invs)
+        }
 
     def commit_started(self, pid: int, at: int) -> None:
         p = self.pendings[pid]
@@ -538,7 +514,7 @@ class Oracle:
         for key in have:
             why = self.why_forbidden(key, start, end)
             if why is not None:
-                self.fail(why, f"{what} says it holds " + self._explain(key, why), key)
+                self.fail(why, f"{what} says it holds " + self._explain(key, why))
         got = set(have)
         if dropped == 0:
             got |= set(written)

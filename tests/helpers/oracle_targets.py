@@ -163,10 +163,17 @@ class Handed:
         """The pool's slots while an asynchronous load owns them."""
 
     def add(self, arrays: object) -> None:
-        if isinstance(arrays, np.ndarray):
-            self.arrays.append(arrays)
-        elif isinstance(arrays, (list, tuple)):
-            self.arrays.extend(a for a in arrays if isinstance(a, np.ndarray))
+        """Keep what a call handed out or was given. Slots of the pool are not kept on
+        their own: the pool is scribbled as a whole while no load owns it, never while
+        an asynchronous load writes into it (a caller that scribbles a buffer a load in
+        flight owns gets what it wrote, which is no fault of the store)."""
+        items = [arrays] if isinstance(arrays, np.ndarray) else arrays
+        if isinstance(items, (list, tuple)):
+            self.arrays.extend(
+                a
+                for a in items
+                if isinstance(a, np.ndarray) and not np.may_share_memory(a, self.pool)
+            )
 
     def outs(self, mode: str, n: int, lasting: bool = False) -> list[np.ndarray] | None:
         """Output buffers for a load of ``n`` chunks (``lasting``: an asynchronous load,

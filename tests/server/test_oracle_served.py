@@ -21,7 +21,7 @@ from tests.helpers.oracle import Universe
 from tests.helpers.oracle_machine import OracleMachine
 from tests.helpers.oracle_served import Rig, ServedTarget
 from tests.helpers.oracle_targets import Target
-from tests.test_oracle_model import oracle_settings, report_noted, run_stress
+from tests.test_oracle_model import oracle_settings, run_stress
 
 _families = itertools.count()
 _rig: list[Rig] = []
@@ -48,7 +48,6 @@ class ServedOracle(OracleMachine):
 
 def test_oracle_served(rig: Rig) -> None:
     run_state_machine_as_test(ServedOracle, settings=oracle_settings(12, 30, derandomize=True))
-    report_noted()
 
 
 def test_oracle_served_stress(rig: Rig) -> None:
@@ -62,7 +61,6 @@ def test_oracle_served_long(rig: Rig) -> None:
         run_state_machine_as_test(
             ServedOracle, settings=oracle_settings(120, 40, derandomize=False)
         )
-    report_noted()
 
 
 @pytest.mark.slow

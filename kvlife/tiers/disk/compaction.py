@@ -92,6 +92,9 @@ class Compactor:
             self._copy_live_frames(seg)
         except OSError as exc:
             table.rollback(start)  # the copies are garbage; rows still point home
+            with table.lock:
+                retired = table.reap()
+            table.remove(retired)
             raise os_error(exc, f"compacting segment {seg.path.name}") from exc
 
     def _copy_live_frames(self, seg: Segment) -> None:
@@ -149,6 +152,6 @@ class Compactor:
             for row, _ in dropped:
                 del rows_now[ChunkKey(row.key)]
             seg.live = 0
-            now = table.retire(seg)
-        if now:
-            table.remove([seg])
+            retired = [seg] if table.retire(seg) else []
+            retired += table.reap()  # a segment the copies sealed, emptied while active
+        table.remove(retired)

@@ -11,10 +11,14 @@ orphan); a retired segment's file is closed and unlinked after the lock is relea
 Segments live as long as anything may read them. A read pins the segments it reads
 (:meth:`SegmentTable.pin`); a segment whose last live frame goes is *retired*
 (:attr:`Segment.doomed`) and removed by whoever leaves it last: at once when nobody
-reads it, else by its last reader (:meth:`SegmentTable.unpin`). A doomed segment stays
-in the table until its file is gone, so its id, which is its file name, is never reused
-while the old file may still be on disk. Segments that hold rows recovery quarantined
-(:attr:`SegmentTable.held`) are never reclaimed at runtime: only ``check --fix`` may.
+reads it, else by its last reader (:meth:`SegmentTable.unpin`). The active segment is
+not retired when it empties (the writer places frames in it); once it is sealed, the
+writer that sealed it retires it if it is still empty after that writer published
+(:meth:`SegmentTable.reap`: frames of the sealing batch may have landed in it). A
+doomed segment stays in the table until its file is gone, so its id, which is its file
+name, is never reused while the old file may still be on disk. Segments that hold rows
+recovery quarantined (:attr:`SegmentTable.held`) are never reclaimed at runtime: only
+``check --fix`` may.
 """
 
 from __future__ import annotations
@@ -109,6 +113,9 @@ class SegmentTable:
         self._creating: set[int] = set()
         """Ids of segments whose files are being created (reserved, not installed yet)."""
         self._active: Segment | None = None
+        self._sealed: list[Segment] = []
+        """Segments :meth:`roll` sealed since the writer last called :meth:`reap`: the
+        writer of the moment may have placed frames in them that it has not published."""
         self._dir_dirty = False
 
     # ------------------------------------------------------------------ lookups
@@ -190,6 +197,8 @@ class SegmentTable:
             seg = Segment(sid, path, fd, 0)
             with self.lock:
                 self.segments[sid] = seg
+                if self._active is not None:
+                    self._sealed.append(self._active)
                 self._active = seg
                 self._dir_dirty = True
         finally:
@@ -243,6 +252,26 @@ class SegmentTable:
         ):
             return self.retire(seg)
         return False
+
+    def reap(self) -> list[Segment]:
+        """Retire the segments sealed since the last call that hold no live frame (one
+        emptied while it was active: :meth:`drop_live` leaves the active segment alone).
+        The writer of the moment calls it once its frames are published or rolled back,
+        so that no frame it placed in a sealed segment is still to be counted. Returns
+        the segments to :meth:`remove` once the lock is released (under the lock)."""
+        retired: list[Segment] = []
+        for seg in self._sealed:
+            if (
+                seg.live == 0
+                and seg is not self._active
+                and not seg.doomed
+                and self.segments.get(seg.id) is seg
+                and seg.id not in self.held
+                and self.retire(seg)
+            ):
+                retired.append(seg)
+        self._sealed.clear()
+        return retired
 
     # ------------------------------------------------------------------ readers
 

@@ -122,12 +122,18 @@ class Writer:
         try:
             check_payloads(reservation.metas, payloads)
             rows = self._write_frames(reservation.metas, payloads)
+        except BaseException:
+            with table.lock:  # a segment this batch sealed may hold nothing live
+                retired = table.reap()
+            table.remove(retired)
+            raise
         finally:
             with table.lock:
                 table.reserved -= reservation.nbytes
                 reservation.done = True
         with table.lock:  # publish: the rows name durable, cataloged bytes
             retired = table.publish(rows)
+            retired += table.reap()  # sealed by this batch, emptied while active
             self._links.learn(link for meta in reservation.metas for link in meta.links)
         table.remove(retired)
 
