@@ -3,6 +3,8 @@
 A policy only orders keys. The store tells it what was inserted, touched and removed,
 and asks :meth:`EvictionPolicy.evict` for victims. ``evict`` is atomic: it either
 returns exactly ``n`` victims (and forgets them) or returns None and changes nothing.
+Placement takes victims one at a time, :meth:`EvictionPolicy.evict_up_to` ``n`` of them
+in one call (the same choices as ``n`` calls of ``evict(1)``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,22 @@ class EvictionPolicy(ABC, Generic[K]):
     @abstractmethod
     def evict(self, n: int, protected: Collection[K] = ()) -> list[K] | None:
         """Choose and forget ``n`` victims not in ``protected``; None (no change) if impossible."""
+
+    def evict_up_to(self, n: int, protected: Collection[K] = ()) -> list[K]:
+        """Up to ``n`` victims, exactly as ``n`` calls of ``evict(1, protected)`` would
+        choose and forget them, stopping at the first that finds none (so the result is
+        shorter than ``n`` only when no unprotected key is left). Placement takes its
+        victims this way; a policy may override it with a faster equivalent."""
+        if n < 0:
+            raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        victims: list[K] = []
+        evict = self.evict
+        for _ in range(n):
+            got = evict(1, protected)
+            if not got:
+                break
+            victims.append(got[0])
+        return victims
 
     @abstractmethod
     def __contains__(self, key: object) -> bool: ...

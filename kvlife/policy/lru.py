@@ -48,6 +48,22 @@ class LRUPolicy(EvictionPolicy[K]):
             del self._order[key]
         return victims
 
+    def evict_up_to(self, n: int, protected: Collection[K] = ()) -> list[K]:
+        # one evict(1) takes the least recent unprotected key: n of them take the first n
+        if n < 0:
+            raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        order = self._order
+        victims: list[K] = []
+        if n:
+            for key in order:
+                if key not in protected:
+                    victims.append(key)
+                    if len(victims) == n:
+                        break
+            for key in victims:
+                del order[key]
+        return victims
+
     def __contains__(self, key: object) -> bool:
         return key in self._order
 
