@@ -9,8 +9,15 @@ The engine keeps each tier's charged units (bytes in the store, blocks in the si
 and its eviction policy; it learns where objects live from a :class:`Residency` that the
 caller implements over its own records. Every action is handed to the residency
 (its ``on_*`` hook) as it is taken, in an order that is safe to execute, so later decisions of
-the same plan see earlier ones; the returned :class:`~kvlife.placement.actions.Plan`
-says only how many there were and whether the room asked for was made.
+the same plan see earlier ones; a run of actions of one kind (a put's placements, a batch
+of evictions and the drops they cause) comes in one call, in the same order. The returned
+:class:`~kvlife.placement.actions.Plan` says only how many there were and whether the
+room asked for was made.
+
+The simulator replays millions of block touches through this engine, so its hot paths
+are written for that (policy calls bound once, victims taken n at a time, one hook call
+per run of actions, one tier without a per-tier loop); they are the engine's only code,
+shared by the store.
 
 The rules (docs/replay.md states them for one tier):
 
@@ -20,8 +27,9 @@ The rules (docs/replay.md states them for one tier):
   evicting a chunk of the prompt; if that fails each goes to the first tier with room,
   and those that fit nowhere are rejected. Then every chunk of the prompt, in order, is
   inserted (new) or touched (present) in each tier holding it;
-- **making room** in tier *i* takes victims one ``evict(1, protected)`` at a time until
-  the shortfall is met. Victims with no replica elsewhere are first copied (demoted) to
+- **making room** in tier *i* takes victims as one ``evict(1, protected)`` at a time
+  would (:meth:`~kvlife.policy.base.EvictionPolicy.evict_up_to`) until the shortfall is
+  met. Victims with no replica elsewhere are first copied (demoted) to
   tier *i+1*, whose room is made the same way, protecting those victims and whatever the
   caller protects (a put's whole prompt); a victim that then has no replica left is
   dropped;
@@ -92,6 +100,7 @@ class TierSlot:
     capacity: int
     """Units (bytes or blocks) the tier may hold."""
     policy: EvictionPolicy[object]
+    """The tier's eviction policy (fixed: the engine binds its calls once)."""
     footprint: Callable[[int], int] = int
     """Units a replica of a given payload size takes (framing included)."""
     used: int = 0
@@ -379,7 +388,7 @@ class Placement:
         tiers_of = res.tiers_of
         evict_up_to = slot.policy.evict_up_to
         unit = slot.unit
-        if unit is not None:  # one size: the number of victims is known
+        if unit:  # one (non-zero) size: the number of victims is known
             want = -(-short // unit)
             while len(victims) < want:
                 ask = want - len(victims)

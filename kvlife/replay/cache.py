@@ -33,7 +33,6 @@ from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from itertools import combinations, compress, pairwise
 from operator import not_
-from typing import cast
 
 import numpy as np
 from numpy.typing import NDArray
@@ -213,7 +212,7 @@ class CacheSim:
             # lookup: the usable prefix, touched from last to first where it is served
             served = list(map(serving, map(where_get, req)))
             p = served.index(None) if None in served else len(req)
-            head = cast("list[TierName]", served[:p])  # the prefix: all present
+            head: list[TierName] = served[:p]  # type: ignore[assignment]  # all present
             hits = list(zip(req[:p], head, strict=True))
             if hits:
                 touch_hits(hits)
