@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Protocol
 
 from kvlife.core.errors import InvalidArgument
@@ -142,6 +143,8 @@ class Placement:
         objects and those with a replica still being written by a pending plan)."""
         # Each tier's policy calls, bound once: the hot loops below make one call per
         # chunk (a slot's policy is fixed for the engine's life).
+        self._only = slots[0].policy if len(slots) == 1 else None
+        """The policy of a one-tier chain (its batch calls serve the hot paths)."""
         self._touch = {s.name: s.policy.touch for s in slots}
         self._insert = {s.name: s.policy.insert for s in slots}
         self._insert_classed = {
@@ -181,6 +184,9 @@ class Placement:
 
     def touch_hits(self, hits: Sequence[tuple[Hashable, TierName]]) -> None:
         """A lookup's hits (key, serving tier), touched from last to first."""
+        if self._only is not None:  # one tier serves every hit
+            self._only.touch_all(map(itemgetter(0), reversed(hits)))
+            return
         touch = self._touch
         for key, tier in reversed(hits):
             touch[tier](key)
@@ -196,21 +202,22 @@ class Placement:
         tiers_of = self.res.tiers_of
         touch, insert = self._touch, self._insert
         classed = self._insert_classed if classes is not None else None
-        if len(self.slots) == 1:
+        only = self._only
+        if only is not None:
             # one tier: it holds every held key, and every placed key went there
             (name,) = self._touch
             touch1 = touch[name]
-            insert1 = insert[name]
             put1 = classed.get(name) if classed else None
+            if put1 is None:
+                only.record_in_order(list(filter(tiers_of, keys)), new)
+                return
             for pos, key in enumerate(keys):
                 if not tiers_of(key):
                     continue
-                if key not in new:
-                    touch1(key)
-                elif put1 is not None:
+                if key in new:
                     put1(key, classes[pos])  # type: ignore[index]
                 else:
-                    insert1(key)
+                    touch1(key)
             return
         home_of = new.get
         for pos, key in enumerate(keys):

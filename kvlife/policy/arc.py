@@ -104,8 +104,10 @@ class ARCPolicy(EvictionPolicy[K]):
         if n < 0:
             raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
         victims: list[K] = []
+        sure = len(self._t1) + len(self._t2) - n >= len(protected)
         for _ in range(n):
-            if not self._can_evict(1, protected):
+            # each victim takes one resident: when n are sure to pass, so is each check
+            if not sure and not self._can_evict(1, protected):
                 break
             victims.append(self._evict_one(protected))
             self._trim_ghosts()

@@ -10,7 +10,7 @@ in one call (the same choices as ``n`` calls of ``evict(1)``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Container, Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -54,6 +54,24 @@ class EvictionPolicy(ABC, Generic[K]):
                 break
             victims.append(got[0])
         return victims
+
+    def touch_all(self, keys: Iterable[K]) -> None:
+        """``touch`` each of ``keys``, in order. Placement touches a lookup's hits this
+        way; a policy may override it with a faster equivalent."""
+        touch = self.touch
+        for key in keys:
+            touch(key)
+
+    def record_in_order(self, keys: Sequence[K], new: Container[K]) -> None:
+        """A put's chunks in prompt order: ``insert`` each key in ``new``, ``touch`` each
+        other. Every key not in ``new`` must be a resident already. A policy may override
+        it with a faster equivalent (same state after the call as the calls one by one)."""
+        insert, touch = self.insert, self.touch
+        for key in keys:
+            if key in new:
+                insert(key)
+            else:
+                touch(key)
 
     @abstractmethod
     def __contains__(self, key: object) -> bool: ...

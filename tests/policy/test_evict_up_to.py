@@ -63,3 +63,36 @@ def test_evict_up_to_takes_what_is_left_and_refuses_a_negative_count(name: str) 
     assert sorted(got) == [2, 3, 4] and len(p) == 2
     with pytest.raises(InvalidArgument, match="negative"):
         p.evict_up_to(-1)
+
+
+BATCH = st.lists(st.tuples(st.sampled_from(["touch_all", "record", "evict"]),
+                           st.lists(st.integers(0, 14), max_size=12), st.integers(0, 5)),
+                 max_size=60)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BUILTIN_POLICIES)
+@settings(max_examples=120, deadline=None)
+@given(ops=BATCH)
+def test_batch_calls_equal_the_calls_one_by_one(
+    name: str, ops: list[tuple[str, list[int], int]]
+) -> None:
+    """``touch_all`` and ``record_in_order`` (a lookup's hits, a put's chunks in prompt
+    order: placement's one-tier paths) leave a policy as the calls one by one would."""
+    batch: EvictionPolicy[int] = make_policy(name)  # type: ignore[assignment]
+    single: EvictionPolicy[int] = make_policy(name)  # type: ignore[assignment]
+    for op, keys, m in ops:
+        if op == "touch_all":  # absent keys are ignored, as touch ignores them
+            batch.touch_all(iter(keys))
+            for k in keys:
+                single.touch(k)
+        elif op == "record":
+            # a put: its new keys are not residents; the others are (the precondition)
+            keys = list(dict.fromkeys(keys))
+            new = {k for k in keys if k not in single}
+            batch.record_in_order(keys, new)
+            for k in keys:
+                single.insert(k) if k in new else single.touch(k)
+        else:
+            assert batch.evict_up_to(m) == _one_at_a_time(single, m, set())
+        assert len(batch) == len(single)
+    assert batch.evict_up_to(len(batch) + 1) == _one_at_a_time(single, len(single) + 1, set())
