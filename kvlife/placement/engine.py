@@ -9,8 +9,15 @@ The engine keeps each tier's charged units (bytes in the store, blocks in the si
 and its eviction policy; it learns where objects live from a :class:`Residency` that the
 caller implements over its own records. Every action is handed to the residency
 (its ``on_*`` hook) as it is taken, in an order that is safe to execute, so later decisions of
-the same plan see earlier ones; the returned :class:`~kvlife.placement.actions.Plan`
-says only how many there were and whether the room asked for was made.
+the same plan see earlier ones; a run of actions of one kind (a put's placements, a batch
+of evictions and the drops they cause) comes in one call, in the same order. The returned
+:class:`~kvlife.placement.actions.Plan` says only how many there were and whether the
+room asked for was made.
+
+The simulator replays millions of block touches through this engine, so its hot paths
+are written for that (policy calls bound once, victims taken n at a time, one hook call
+per run of actions, one tier without a per-tier loop); they are the engine's only code,
+shared by the store.
 
 The rules (docs/replay.md states them for one tier):
 
@@ -20,8 +27,9 @@ The rules (docs/replay.md states them for one tier):
   evicting a chunk of the prompt; if that fails each goes to the first tier with room,
   and those that fit nowhere are rejected. Then every chunk of the prompt, in order, is
   inserted (new) or touched (present) in each tier holding it;
-- **making room** in tier *i* takes victims one ``evict(1, protected)`` at a time until
-  the shortfall is met. Victims with no replica elsewhere are first copied (demoted) to
+- **making room** in tier *i* takes victims as one ``evict(1, protected)`` at a time
+  would (:meth:`~kvlife.policy.base.EvictionPolicy.evict_up_to`) until the shortfall is
+  met. Victims with no replica elsewhere are first copied (demoted) to
   tier *i+1*, whose room is made the same way, protecting those victims and whatever the
   caller protects (a put's whole prompt); a victim that then has no replica left is
   dropped;
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Protocol
 
 from kvlife.core.errors import InvalidArgument
@@ -51,24 +60,25 @@ class Residency(Protocol):
         """Payload size of ``key`` in the caller's units."""
         ...
 
-    # The actions, one hook each (no action object is built on the hot path; the store
-    # makes its own, the simulator executes the hook at once). Each is called as the
-    # action is taken, before the next decision.
+    # The actions (no action object is built on the hot path: the store makes its own,
+    # the simulator executes the hook at once). Each hook is called as its actions are
+    # taken, before the next decision; the hooks that take several keys take them in the
+    # order of their actions.
 
-    def on_place(self, key: Hashable, tier: TierName) -> None:
-        """A new object's first replica goes to ``tier`` (:class:`Place`)."""
+    def on_place(self, keys: Sequence[Hashable], tier: TierName) -> None:
+        """New objects' first replicas go to ``tier`` (a :class:`Place` each)."""
         ...
 
     def on_copy(self, key: Hashable, src: TierName, dst: TierName, reason: str) -> None:
         """A replica is copied (:class:`Copy`)."""
         ...
 
-    def on_evict(self, key: Hashable, tier: TierName) -> None:
-        """The replica in ``tier`` leaves (:class:`Evict`)."""
-        ...
-
-    def on_drop(self, key: Hashable, reason: str) -> None:
-        """The object lost its last replica (:class:`Drop`)."""
+    def on_evict(
+        self, keys: Sequence[Hashable], tier: TierName, last: Collection[Hashable], reason: str
+    ) -> None:
+        """The replicas of ``keys`` in ``tier`` leave (an :class:`Evict` each); a key in
+        ``last`` had no other replica: right after its eviction the object is dropped
+        (:class:`Drop` with ``reason``)."""
         ...
 
     def on_reject(self, key: Hashable, reason: str) -> None:
@@ -91,6 +101,7 @@ class TierSlot:
     capacity: int
     """Units (bytes or blocks) the tier may hold."""
     policy: EvictionPolicy[object]
+    """The tier's eviction policy (fixed: the engine binds its calls once)."""
     footprint: Callable[[int], int] = int
     """Units a replica of a given payload size takes (framing included)."""
     used: int = 0
@@ -130,6 +141,17 @@ class Placement:
         self.shielded: tuple[Collection[Hashable], ...] = ()
         """Keys no eviction may take whatever the call protects (the store's pinned
         objects and those with a replica still being written by a pending plan)."""
+        # Each tier's policy calls, bound once: the hot loops below make one call per
+        # chunk (a slot's policy is fixed for the engine's life).
+        self._only = slots[0].policy if len(slots) == 1 else None
+        """The policy of a one-tier chain (its batch calls serve the hot paths)."""
+        self._touch = {s.name: s.policy.touch for s in slots}
+        self._insert = {s.name: s.policy.insert for s in slots}
+        self._insert_classed = {
+            s.name: s.policy.insert_classed
+            for s in slots
+            if isinstance(s.policy, SupportsClassHints)
+        }
 
     # ------------------------------------------------------------------ queries
 
@@ -162,9 +184,12 @@ class Placement:
 
     def touch_hits(self, hits: Sequence[tuple[Hashable, TierName]]) -> None:
         """A lookup's hits (key, serving tier), touched from last to first."""
-        by_name = self._by_name
+        if self._only is not None:  # one tier serves every hit
+            self._only.touch_all(map(itemgetter(0), reversed(hits)))
+            return
+        touch = self._touch
         for key, tier in reversed(hits):
-            by_name[tier].policy.touch(key)
+            touch[tier](key)
 
     def touch_in_order(
         self,
@@ -175,20 +200,38 @@ class Placement:
         """Every chunk of a put in prompt order: inserted where it was just placed,
         touched in every other tier that holds it."""
         tiers_of = self.res.tiers_of
-        by_name = self._by_name
+        touch, insert = self._touch, self._insert
+        classed = self._insert_classed if classes is not None else None
+        only = self._only
+        if only is not None:
+            # one tier: it holds every held key, and every placed key went there
+            (name,) = self._touch
+            touch1 = touch[name]
+            put1 = classed.get(name) if classed else None
+            if put1 is None:
+                only.record_in_order(list(filter(tiers_of, keys)), new)
+                return
+            for pos, key in enumerate(keys):
+                if not tiers_of(key):
+                    continue
+                if key in new:
+                    put1(key, classes[pos])  # type: ignore[index]
+                else:
+                    touch1(key)
+            return
+        home_of = new.get
         for pos, key in enumerate(keys):
             held = tiers_of(key)
             if not held:
                 continue
-            home = new.get(key) if new else None
+            home = home_of(key)
             for tier in held:  # each policy sees only its own tier's calls: order-free
-                pol = by_name[tier].policy
                 if tier != home:
-                    pol.touch(key)
-                elif classes is not None and isinstance(pol, SupportsClassHints):
-                    pol.insert_classed(key, classes[pos])
+                    touch[tier](key)
+                elif classed and tier in classed:
+                    classed[tier](key, classes[pos])  # type: ignore[index]
                 else:
-                    pol.insert(key)
+                    insert[tier](key)
 
     def charge(self, key: Hashable, tier: TierName) -> None:
         """Count a replica the caller placed by itself (recovery at open)."""
@@ -231,9 +274,15 @@ class Placement:
             protected = set(keys)
             first = self.slots[0].name
             if self._make_room(plan, first, new, protected):
-                for key in new:
-                    self._place(plan, key, first)
-                    placed[key] = first
+                # the common case, all to the first tier: one charge, one hook
+                slot = self.slots[0]
+                if slot.unit is not None:
+                    slot.used += slot.unit * len(new)
+                else:
+                    slot.used += sum(slot.units(self.res, key) for key in new)
+                plan.size += len(new)
+                self.res.on_place(new, first)
+                placed = dict.fromkeys(new, first)
             else:
                 for key in new:
                     for slot in self.slots:
@@ -290,7 +339,7 @@ class Placement:
         slot = self._by_name[tier]
         slot.used += slot.units(self.res, key)
         plan.size += 1
-        self.res.on_place(key, tier)
+        self.res.on_place((key,), tier)
 
     def _copy_into(
         self,
@@ -343,17 +392,29 @@ class Placement:
         victims: list[Hashable] = []
         freed = 0
         res = self.res
-        evict, tiers_of = slot.policy.evict, res.tiers_of
+        tiers_of = res.tiers_of
+        evict_up_to = slot.policy.evict_up_to
         unit = slot.unit
-        while freed < short:
-            got = evict(1, protected)
-            if not got:
-                break
-            key = got[0]
-            if tier not in tiers_of(key):
-                continue  # the policy knew a key the tier no longer holds
-            victims.append(key)
-            freed += unit if unit is not None else slot.units(res, key)
+        if unit:  # one (non-zero) size: the number of victims is known
+            want = -(-short // unit)
+            while len(victims) < want:
+                ask = want - len(victims)
+                got = evict_up_to(ask, protected)
+                # a key the tier no longer holds was only known to the policy: ask again
+                victims += [key for key in got if tier in tiers_of(key)]
+                if len(got) < ask:
+                    break
+            freed = len(victims) * unit
+        else:
+            while freed < short:
+                got = evict_up_to(1, protected)
+                if not got:
+                    break
+                key = got[0]
+                if tier not in tiers_of(key):
+                    continue  # the policy knew a key the tier no longer holds
+                victims.append(key)
+                freed += slot.units(res, key)
         if victims:
             self._evict(plan, tier, victims, protected)
         return freed >= short
@@ -364,7 +425,7 @@ class Placement:
         nxt = self.next_tier(tier)
         demoted = True
         res = self.res
-        tiers_of, on_evict, on_drop = res.tiers_of, res.on_evict, res.on_drop
+        tiers_of = res.tiers_of
         if nxt is not None:
             only_here = [v for v in victims if len(tiers_of(v)) == 1]
             if only_here:
@@ -375,12 +436,19 @@ class Placement:
         slot = self._by_name[tier]
         why = "evicted" if demoted or nxt is None else f"evicted: no room in {nxt}"
         unit = slot.unit
-        for key in victims:
-            slot.used -= unit if unit is not None else slot.units(res, key)
-            plan.size += 1
-            on_evict(key, tier)
-            if not tiers_of(key):
-                for s in self.slots:
-                    s.policy.remove(key)
-                plan.size += 1
-                on_drop(key, why)
+        if unit is not None:
+            slot.used -= unit * len(victims)
+        else:
+            slot.used -= sum(slot.units(res, key) for key in victims)
+        if nxt is None and len(self.slots) == 1:
+            last = set(victims)  # one tier: nowhere else to be
+        else:
+            last = {key for key in victims if len(tiers_of(key)) == 1}
+        res.on_evict(victims, tier, last, why)
+        plan.size += len(victims) + len(last)
+        # a dropped object leaves every policy; this tier's forgot it in eviction already
+        for s in self.slots:
+            if s.name != tier:
+                remove = s.policy.remove
+                for key in last:
+                    remove(key)

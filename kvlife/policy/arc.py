@@ -93,27 +93,46 @@ class ARCPolicy(EvictionPolicy[K]):
     def evict(self, n: int, protected: Collection[K] = ()) -> list[K] | None:
         if n < 0:
             raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
-        resident = len(self._t1) + len(self._t2)
-        # when size - n >= len(protected) it is feasible whatever the protected keys are
-        if resident - n < len(protected) and resident - sum(1 for k in protected if k in self) < n:
+        if not self._can_evict(n, protected):
             return None
-        victims: list[K] = []
-        for _ in range(n):
-            from_t1 = len(self._t1) > self._p
-            key = self._pick(self._t1 if from_t1 else self._t2, protected)
-            if key is None:
-                from_t1 = not from_t1
-                key = self._pick(self._t1 if from_t1 else self._t2, protected)
-            assert key is not None  # feasibility was checked above
-            if from_t1:
-                del self._t1[key]
-                self._b1[key] = None
-            else:
-                del self._t2[key]
-                self._b2[key] = None
-            victims.append(key)
+        victims = [self._evict_one(protected) for _ in range(n)]
         self._trim_ghosts()
         return victims
+
+    def evict_up_to(self, n: int, protected: Collection[K] = ()) -> list[K]:
+        # evict(1) n times: a feasibility check, a victim and a ghost trim each
+        if n < 0:
+            raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        victims: list[K] = []
+        sure = len(self._t1) + len(self._t2) - n >= len(protected)
+        for _ in range(n):
+            # each victim takes one resident: when n are sure to pass, so is each check
+            if not sure and not self._can_evict(1, protected):
+                break
+            victims.append(self._evict_one(protected))
+            self._trim_ghosts()
+        return victims
+
+    def _can_evict(self, n: int, protected: Collection[K]) -> bool:
+        resident = len(self._t1) + len(self._t2)
+        # when size - n >= len(protected) it is feasible whatever the protected keys are
+        return resident - n >= len(protected) or resident - sum(k in self for k in protected) >= n
+
+    def _evict_one(self, protected: Collection[K]) -> K:
+        """Move one victim to its ghost list (there must be an unprotected resident)."""
+        from_t1 = len(self._t1) > self._p
+        key = self._pick(self._t1 if from_t1 else self._t2, protected)
+        if key is None:
+            from_t1 = not from_t1
+            key = self._pick(self._t1 if from_t1 else self._t2, protected)
+        assert key is not None  # feasibility was checked by the caller
+        if from_t1:
+            del self._t1[key]
+            self._b1[key] = None
+        else:
+            del self._t2[key]
+            self._b2[key] = None
+        return key
 
     def __contains__(self, key: object) -> bool:
         return key in self._t1 or key in self._t2

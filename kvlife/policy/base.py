@@ -3,12 +3,14 @@
 A policy only orders keys. The store tells it what was inserted, touched and removed,
 and asks :meth:`EvictionPolicy.evict` for victims. ``evict`` is atomic: it either
 returns exactly ``n`` victims (and forgets them) or returns None and changes nothing.
+Placement takes victims one at a time, :meth:`EvictionPolicy.evict_up_to` ``n`` of them
+in one call (the same choices as ``n`` calls of ``evict(1)``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Container, Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -36,6 +38,40 @@ class EvictionPolicy(ABC, Generic[K]):
     @abstractmethod
     def evict(self, n: int, protected: Collection[K] = ()) -> list[K] | None:
         """Choose and forget ``n`` victims not in ``protected``; None (no change) if impossible."""
+
+    def evict_up_to(self, n: int, protected: Collection[K] = ()) -> list[K]:
+        """Up to ``n`` victims, exactly as ``n`` calls of ``evict(1, protected)`` would
+        choose and forget them, stopping at the first that finds none (so the result is
+        shorter than ``n`` only when no unprotected key is left). Placement takes its
+        victims this way; a policy may override it with a faster equivalent."""
+        if n < 0:
+            raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        victims: list[K] = []
+        evict = self.evict
+        for _ in range(n):
+            got = evict(1, protected)
+            if not got:
+                break
+            victims.append(got[0])
+        return victims
+
+    def touch_all(self, keys: Iterable[K]) -> None:
+        """``touch`` each of ``keys``, in order. Placement touches a lookup's hits this
+        way; a policy may override it with a faster equivalent."""
+        touch = self.touch
+        for key in keys:
+            touch(key)
+
+    def record_in_order(self, keys: Sequence[K], new: Container[K]) -> None:
+        """A put's chunks in prompt order: ``insert`` each key in ``new``, ``touch`` each
+        other. Every key not in ``new`` must be a resident already. A policy may override
+        it with a faster equivalent (same state after the call as the calls one by one)."""
+        insert, touch = self.insert, self.touch
+        for key in keys:
+            if key in new:
+                insert(key)
+            else:
+                touch(key)
 
     @abstractmethod
     def __contains__(self, key: object) -> bool: ...

@@ -75,13 +75,9 @@ class LFUPolicy(EvictionPolicy[K]):
         victims: list[K] = []
         if n == 0:
             return victims
-        if n == 1 and self._buckets:
-            if self._min is None:
-                self._min = min(self._buckets)
-            for key in self._buckets[self._min]:
-                if key not in protected:
-                    self.remove(key)
-                    return [key]
+        if n == 1:
+            key = self._evict_one(protected)
+            return None if key is None else [key]
         for c in sorted(self._buckets):
             for key in self._buckets[c]:
                 if key not in protected:
@@ -95,6 +91,35 @@ class LFUPolicy(EvictionPolicy[K]):
         for key in victims:
             self.remove(key)
         return victims
+
+    def evict_up_to(self, n: int, protected: Collection[K] = ()) -> list[K]:
+        # evict(1) n times, without building a list per victim
+        if n < 0:
+            raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        victims: list[K] = []
+        for _ in range(n):
+            key = self._evict_one(protected)
+            if key is None:
+                break
+            victims.append(key)
+        return victims
+
+    def _evict_one(self, protected: Collection[K]) -> K | None:
+        """Forget and return the unprotected key of the lowest count, least recent first."""
+        if not self._buckets:
+            return None
+        if self._min is None:
+            self._min = min(self._buckets)
+        for key in self._buckets[self._min]:
+            if key not in protected:
+                self.remove(key)
+                return key
+        for c in sorted(self._buckets):  # every key of the lowest count is protected
+            for key in self._buckets[c]:
+                if key not in protected:
+                    self.remove(key)
+                    return key
+        return None
 
     def count(self, key: K) -> int:
         """The key's use count (0 if not resident)."""

@@ -6,8 +6,9 @@ recent keys, skipping protected ones.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Collection, Hashable
+from collections import OrderedDict, deque
+from collections.abc import Collection, Container, Hashable, Iterable, Sequence
+from itertools import repeat
 from typing import TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -47,6 +48,34 @@ class LRUPolicy(EvictionPolicy[K]):
         for key in victims:
             del self._order[key]
         return victims
+
+    def evict_up_to(self, n: int, protected: Collection[K] = ()) -> list[K]:
+        # one evict(1) takes the least recent unprotected key: n of them take the first n
+        if n < 0:
+            raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        order = self._order
+        victims: list[K] = []
+        if n:
+            for key in order:
+                if key not in protected:
+                    victims.append(key)
+                    if len(victims) == n:
+                        break
+            for key in victims:
+                del order[key]
+        return victims
+
+    def touch_all(self, keys: Iterable[K]) -> None:
+        # the residents among keys, each made the most recent in turn (loops in C)
+        order = self._order
+        deque(map(order.move_to_end, filter(order.__contains__, keys)), maxlen=0)
+
+    def record_in_order(self, keys: Sequence[K], new: Container[K]) -> None:
+        # insert and touch both make a key the most recent: add the new keys (the others
+        # are residents already, left where they are), then move each to the end in turn
+        order = self._order
+        order.update(zip(keys, repeat(None)))
+        deque(map(order.move_to_end, keys), maxlen=0)
 
     def __contains__(self, key: object) -> bool:
         return key in self._order

@@ -112,6 +112,22 @@ class S3FIFOPolicy(EvictionPolicy[K]):
             return [self._evict_one(protected)]
         return [self._evict_one(protected) for _ in range(n)]
 
+    def evict_up_to(self, n: int, protected: Collection[K] = ()) -> list[K]:
+        # evict(1) n times, without building a list per victim
+        if n < 0:
+            raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        freq = self._freq
+        if len(freq) - n >= len(protected):
+            # each victim takes one key: every one of the n checks passes on its own
+            return [self._evict_one(protected) for _ in range(n)]
+        victims: list[K] = []
+        for _ in range(n):
+            size = len(freq)
+            if size - 1 < len(protected) and size - sum(1 for k in protected if k in freq) < 1:
+                break
+            victims.append(self._evict_one(protected))
+        return victims
+
     def __contains__(self, key: object) -> bool:
         return key in self._freq
 

@@ -1,12 +1,11 @@
 """The cache model: tiers as policy-ordered key sets, decided by the store's own placement
 engine (:mod:`kvlife.placement`) and executed here by counting.
 
-The general path (any tiers, events, lifespans) hands every decision to
-:class:`~kvlife.placement.Placement`, exactly as :class:`kvlife.store.KVStore` does, so the
-two cannot drift apart. The one-tier path without events is a hand-inlined copy of the
-same rules for speed (millions of block touches per second); a test keeps it equal to the
-general path. Per request (arrival order; blocks in prompt order), as ``lookup`` +
-``load`` + ``put_prompt`` in the store:
+Every decision is handed to :class:`~kvlife.placement.Placement`, exactly as
+:class:`kvlife.store.KVStore` does, so the two cannot drift apart; there is no second
+copy of the rules here (the engine's own fast paths make one tier without events run at
+millions of block touches per second). Per request (arrival order; blocks in prompt
+order), as ``lookup`` + ``load`` + ``put_prompt`` in the store:
 
 1. **lookup**: the usable prefix is the longest run of leading blocks present in any tier;
    its blocks are touched from last to first in the tier that serves them (DRAM if there).
@@ -21,16 +20,19 @@ general path. Per request (arrival order; blocks in prompt order), as ``lookup``
 
 With one tier and LRU this is: *a present block becomes the most recent; a missing block
 is inserted as the most recent, evicting the least recent block not used by the current
-request* (docs/replay.md). Victims are taken one ``evict(1, protected)`` call at a time, as
-the store does, so every policy sees the same calls in both.
+request* (docs/replay.md). Victims are taken as by one ``evict(1, protected)`` call at a
+time (:meth:`~kvlife.policy.base.EvictionPolicy.evict_up_to`), as the store does, so every
+policy sees the same calls in both.
 
 Block capacity is counted in blocks (all blocks of a trace have one size).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import combinations, compress, pairwise
+from operator import not_
 
 import numpy as np
 from numpy.typing import NDArray
@@ -157,117 +159,23 @@ class CacheSim:
     # -- the replay -----------------------------------------------------------------------
 
     def run(self, trace: Trace, progress: Callable[[int], None] | None = None) -> CacheRun:
-        """Replay every request of ``trace``; ``progress(k)`` is called every 1024 requests."""
-        if len(self.policies) == 1 and not self.track:
-            return self._run_one_tier(trace, progress)
-        return self._run_general(trace, progress)
+        """Replay every request of ``trace``; ``progress(k)`` is called every 1024 requests.
 
-    def _run_one_tier(self, trace: Trace, progress: Callable[[int], None] | None) -> CacheRun:
-        """The fast path: one tier, no events, no lifespans (same decisions as the general)."""
+        Every decision is the placement engine's (the store executes the very same plans
+        with real I/O); this loop only finds each request's hits and counts."""
         n = trace.n_requests
-        (tier_name,) = self.policies
-        pol = self.policies[tier_name]
-        cap = self.caps[tier_name]
-        contains = pol.__contains__
-        touch, insert, evict = pol.touch, pol.insert, pol.evict
-        classed = isinstance(pol, SupportsClassHints) and self.class_hints
-        cats = trace.categories.tolist()
-        blocks = trace.blocks.tolist()
-        offs = trace.offsets.tolist()
-        prefix = np.zeros(n, np.int64)
-        present = np.zeros(n, np.int64)
-        new_a = np.zeros(n, np.int64)
-        dropped_a = np.zeros(n, np.int64)
-        evictions = 0
-        resident = len(pol)
-        for r in range(n):
-            req = blocks[offs[r] : offs[r + 1]]
-            p = 0
-            for b in req:
-                if contains(b):
-                    p += 1
-                else:
-                    break
-            for j in range(p - 1, -1, -1):
-                touch(req[j])
-            new = [b for b in req[p:] if not contains(b)]
-            k = resident + len(new) - cap
-            store = new
-            if k > 0:
-                prot = set(req)
-                got = 0
-                while got < k:
-                    v = evict(1, prot)
-                    if v is None:
-                        break
-                    got += 1
-                evictions += got
-                resident -= got
-                if got < k:
-                    room = cap - resident
-                    store = new[: max(room, 0)]
-                    dropped_a[r] = len(new) - len(store)
-            resident += len(store)
-            stored = set(store) if len(store) != len(new) else None
-            if classed:
-                base = cats[r] * 4
-                hinted = pol.insert_classed  # type: ignore[attr-defined]
-                newset = set(new)
-                for pos, b in enumerate(req):
-                    if b in newset:
-                        if stored is None or b in stored:
-                            hinted(b, base + pos_bucket(pos))
-                    else:
-                        touch(b)
-            elif new:
-                newset = set(new) if stored is None else stored
-                dropped = set(new) - newset if stored is not None else ()
-                for b in req:
-                    if b in newset:
-                        insert(b)
-                    elif b not in dropped:
-                        touch(b)
-            else:
-                for b in req:
-                    touch(b)
-            prefix[r] = p
-            present[r] = len(req) - len(new)
-            new_a[r] = len(store)
-            if progress is not None and r & 1023 == 1023:
-                progress(1024)
-        zeros = np.zeros(n, np.int64)
-        tc = TierCounters(
-            prefix_hits=int(prefix.sum()),
-            block_hits=int(present.sum()),
-            inserts=int(new_a.sum()),
-            reads=int(prefix.sum()),
-            evictions=evictions,
-        )
-        dram = tier_name == DRAM
-        return CacheRun(
-            prefix_dram=prefix if dram else zeros,
-            prefix_disk=zeros if dram else prefix,
-            present=present,
-            new=new_a,
-            dropped=dropped_a,
-            promoted=zeros.copy(),
-            demoted=zeros.copy(),
-            tiers={tier_name: tc},
-            resident_at_end=resident,
-        )
-
-    def _run_general(self, trace: Trace, progress: Callable[[int], None] | None) -> CacheRun:
-        """Any tiers, with events and lifespans: the placement engine's plans, executed
-        by counting (the store executes the very same plans with real I/O)."""
-        n = trace.n_requests
-        res = _SimResidency(self, trace, n)
+        tracked = _TrackedResidency(self, trace) if self.track else None
+        res = tracked if tracked is not None else _SimResidency(self, n)
         slots = [
             TierSlot(TierName(name), self.caps[name], pol) for name, pol in self.policies.items()
         ]
         place = Placement(slots, res)
+        touch_hits, plan_promote = place.touch_hits, place.plan_promote
+        plan_put, touch_in_order = place.plan_put, place.touch_in_order
         first = slots[0].name
-        tc = res.tc
-        out = res.out
+        first_is_dram = first == DRAM
+        names = [s.name for s in slots]
+        tcs = [res.tc[name] for name in names]
         emit = self._emit if self.sink is not None else None
         nb = self.block_bytes
         blocks = trace.blocks.tolist()
@@ -277,145 +185,224 @@ class CacheSim:
         tenants = trace.tenants.tolist()
         tnames = trace.tenant_names
         where = res.where
-        fastest = place.fastest
+        where_get = where.get
+        serving = res.serving.__getitem__  # a block's tier set (None: absent) -> serving tier
         hinted = self.class_hints and any(
             isinstance(p, SupportsClassHints) for p in self.policies.values()
         )
+        # class hints by position, one row per category (rows are as long as the longest
+        # request; a put reads only its own positions)
+        longest = max((b - a for a, b in pairwise(offs)), default=0)
+        buckets = [pos_bucket(pos) for pos in range(longest)]
+        rows: dict[int, list[int]] = {}
+        pd: list[int] = []
+        pk: list[int] = []
+        pr: list[int] = []
+        nw: list[int] = []
+        dr: list[int] = []
+        no_placed: dict[Hashable, TierName] = {}
         for r in range(n):
-            res.r = r
-            res.t = times[r]
-            res.ns = tnames[tenants[r]]
-            res.rid = str(r) if emit is not None else ""
             req = blocks[offs[r] : offs[r + 1]]
+            res.r = r
+            if tracked is not None:
+                tracked.t = times[r]
+                tracked.ns = tnames[tenants[r]]
+                tracked.rid = str(r) if emit is not None else ""
+                tracked.cat = cats[r]
             # lookup: the usable prefix, touched from last to first where it is served
-            served: list[TierName | None] = []  # the serving tier of every block, if any
-            for b in req:
-                w = where.get(b)
-                served.append(fastest(w) if w else None)
+            served = list(map(serving, map(where_get, req)))
             p = served.index(None) if None in served else len(req)
-            hits = [(b, t) for b, t in zip(req[:p], served[:p], strict=True) if t is not None]
-            place.touch_hits(hits)
-            n_first = served[:p].count(first)
-            out["pd"][r] = n_first if first == DRAM else 0
-            out["pk"][r] = p - out["pd"][r]
-            for tier in served:
-                if tier is not None:
-                    tc[tier].block_hits += 1
-            # load, then promotion of the hits served from a slower tier
-            for b, tier in hits:
-                tc[tier].prefix_hits += 1
-                tc[tier].reads += 1
-                if emit is not None:
-                    emit(res.t, "load", b, "indexed", tier, nbytes=nb)
-            slower = [b for b, tier in hits if tier != first]
-            if slower:
-                place.plan_promote(slower)
-            # put
-            new = [b for b in req if not where.get(b)]
-            out["pr"][r] = len(req) - len(new)
+            head: list[TierName] = served[:p]  # type: ignore[assignment]  # all present
+            hits = list(zip(req[:p], head, strict=True))
+            if hits:
+                touch_hits(hits)
+            n_first = head.count(first)
+            for name, tc in zip(names, tcs, strict=True):
+                tc.block_hits += served.count(name)
+                k = n_first if name == first else head.count(name)
+                tc.prefix_hits += k
+                tc.reads += k
             if emit is not None:
-                for b in new:
-                    emit(res.t, "put", b, "tentative", nbytes=nb, ns=res.ns, rid=res.rid)
-            res.cat = cats[r]
-            if res.track and new:
-                res.positions = {b: pos for pos, b in enumerate(req)}
-            _, placed = place.plan_put(req, new)
-            classes = None
-            if hinted and placed:
-                base = cats[r] * 4
-                classes = [base + pos_bucket(pos) for pos in range(len(req))]
-            place.touch_in_order(req, placed, classes)
-            out["nw"][r] = len(placed)
-            out["dr"][r] = len(new) - len(placed)
+                for b, tier in hits:
+                    emit(times[r], "load", b, "indexed", tier, nbytes=nb)
+            pd.append(n_first if first_is_dram else 0)
+            pk.append(p - pd[-1])
+            # load, then promotion of the hits served from a slower tier (it may evict
+            # blocks of the request: its new blocks are found after it)
+            if n_first < p:
+                plan_promote([b for b, tier in hits if tier != first])
+                new = [b for b in req if b not in where]
+            else:
+                new = list(compress(req, map(not_, served)))
+            pr.append(len(req) - len(new))
+            # put
+            if new:
+                if tracked is not None:
+                    if emit is not None:
+                        t, ns, rid = tracked.t, tracked.ns, tracked.rid
+                        for b in new:
+                            emit(t, "put", b, "tentative", nbytes=nb, ns=ns, rid=rid)
+                    tracked.positions = {b: pos for pos, b in enumerate(req)}
+                placed = plan_put(req, new)[1]
+                classes = None
+                if hinted and placed:
+                    classes = rows.get(cats[r])
+                    if classes is None:
+                        base = cats[r] * 4
+                        classes = rows[cats[r]] = [base + b for b in buckets]
+                touch_in_order(req, placed, classes)
+            else:
+                placed = no_placed
+                touch_in_order(req, placed)
+            nw.append(len(placed))
+            dr.append(len(new) - len(placed))
             if progress is not None and r & 1023 == 1023:
                 progress(1024)
+
+        def arr(values: list[int]) -> NDArray[np.int64]:
+            return np.array(values, np.int64) if values else np.zeros(n, np.int64)
+
         return CacheRun(
-            prefix_dram=out["pd"],
-            prefix_disk=out["pk"],
-            present=out["pr"],
-            new=out["nw"],
-            dropped=out["dr"],
-            promoted=out["pm"],
-            demoted=out["dm"],
-            tiers=tc,
-            lifespans=res.lifespans,
+            prefix_dram=arr(pd),
+            prefix_disk=arr(pk),
+            present=arr(pr),
+            new=arr(nw),
+            dropped=arr(dr),
+            promoted=arr(res.pm),
+            demoted=arr(res.dm),
+            tiers=res.tc,
+            lifespans=tracked.lifespans if tracked is not None else {},
             resident_at_end=len(where),
         )
 
 
+class _Where(dict[Hashable, frozenset[TierName]]):
+    """Block -> the tiers holding it; a block held nowhere maps to the empty set (so
+    that ``__getitem__``, a C call, is the placement engine's ``tiers_of``)."""
+
+    def __missing__(self, key: Hashable) -> frozenset[TierName]:
+        return NOWHERE
+
+
+NOWHERE: frozenset[TierName] = frozenset()
+
+
 class _SimResidency:
     """Where blocks live in the simulation, and the counting executor of placement's
-    actions (the simulator's side of "one placement engine, two executors")."""
+    actions (the simulator's side of "one placement engine, two executors").
 
-    def __init__(self, sim: CacheSim, trace: Trace, n: int) -> None:
-        self.sim = sim
-        self.where: dict[Hashable, set[TierName]] = {}
-        self.tc = {name: TierCounters() for name in sim.policies}
-        self.out = {k: np.zeros(n, np.int64) for k in ("pd", "pk", "pr", "nw", "dr", "pm", "dm")}
+    Tier sets are interned (one frozenset object per combination of tiers), so moving a
+    replica is two dictionary lookups and the serving tier of a set is precomputed.
+    This class counts only; :class:`_TrackedResidency` adds lifespans and events."""
+
+    tiers_of: Callable[[Hashable], Collection[TierName]]
+
+    def __init__(self, sim: CacheSim, n: int) -> None:
+        names = [TierName(t) for t in sim.policies]
+        sets = [frozenset(c) for k in range(len(names) + 1) for c in combinations(names, k)]
+        interned = {s: s for s in sets}
+        self.one = {t: interned[frozenset((t,))] for t in names}
+        self.plus = {t: {s: interned[s | {t}] for s in sets} for t in names}
+        self.minus = {t: {s: interned[s - {t}] for s in sets} for t in names}
+        order = {t: i for i, t in enumerate(names)}
+        self.serving: dict[frozenset[TierName] | None, TierName | None] = {
+            s: min(s, key=order.__getitem__) for s in sets if s
+        }
+        """The fastest tier of each non-empty set (as Placement.fastest); None: absent."""
+        self.serving[None] = None
+        self.where = _Where()
+        self.tiers_of = self.where.__getitem__
+        self.tc: dict[str, TierCounters] = {t: TierCounters() for t in names}
+        self.pm = [0] * n
+        self.dm = [0] * n
+        self.r = 0
+        self.uniform_size = 1
+        """Every block has one size: placement skips per-key size lookups."""
+
+    def size_of(self, key: Hashable) -> int:
+        return 1
+
+    def on_place(self, keys: Sequence[Hashable], tier: TierName) -> None:
+        self.where.update(dict.fromkeys(keys, self.one[tier]))
+        self.tc[tier].inserts += len(keys)
+
+    def on_copy(self, key: Hashable, src: TierName, dst: TierName, reason: str) -> None:
+        where = self.where
+        where[key] = self.plus[dst][where[key]]
+        self.tc[dst].inserts += 1
+        if reason == "demote":
+            self.tc[src].reads += 1
+            self.dm[self.r] += 1
+        elif reason == "promote":
+            self.pm[self.r] += 1
+
+    def on_evict(
+        self, keys: Sequence[Hashable], tier: TierName, last: Collection[Hashable], reason: str
+    ) -> None:
+        where = self.where
+        minus = self.minus[tier]
+        for key in keys:
+            if key in last:
+                del where[key]
+            else:
+                where[key] = minus[where[key]]
+        self.tc[tier].evictions += len(keys)
+
+    def on_reject(self, key: Hashable, reason: str) -> None:
+        pass
+
+
+class _TrackedResidency(_SimResidency):
+    """The counting executor plus lifespans per object class and lifecycle events."""
+
+    def __init__(self, sim: CacheSim, trace: Trace) -> None:
+        super().__init__(sim, trace.n_requests)
         self.born: dict[Hashable, float] = {}
         self.klass: dict[Hashable, int] = {}
         self.lifespans: dict[str, list[float]] = {}
         self.names = trace.category_names
         self.emit = sim._emit if sim.sink is not None else None
         self.nb = sim.block_bytes
-        self.r = 0
         self.t = 0.0
         self.ns = ""
         self.rid = ""
         self.cat = 0
         self.positions: dict[Hashable, int] = {}
-        self.track = sim.track
-        self.uniform_size = 1
-        """Every block has one size: placement skips per-key size lookups."""
 
-    def tiers_of(self, key: Hashable) -> Collection[TierName]:
-        return self.where.get(key, ())
-
-    def size_of(self, key: Hashable) -> int:
-        return 1
-
-    def on_place(self, key: Hashable, tier: TierName) -> None:
-        self.where[key] = {tier}
-        self.tc[tier].inserts += 1
-        if self.track:
-            self.born[key] = self.t
-            self.klass[key] = self.cat * 4 + pos_bucket(self.positions[key])
-        emit = self.emit
-        if emit is not None:
-            t, nb = self.t, self.nb
-            emit(t, "write", key, "tentative", tier, nbytes=nb, rid=self.rid)
-            emit(t, "seal", key, "tentative", tier, nbytes=nb)
-            emit(t, "commit", key, "committed", tier)
-            emit(t, "index", key, "indexed", tier)
+    def on_place(self, keys: Sequence[Hashable], tier: TierName) -> None:
+        super().on_place(keys, tier)
+        t, emit, nb, positions = self.t, self.emit, self.nb, self.positions
+        base = self.cat * 4
+        for key in keys:
+            self.born[key] = t
+            self.klass[key] = base + pos_bucket(positions[key])
+            if emit is not None:
+                emit(t, "write", key, "tentative", tier, nbytes=nb, rid=self.rid)
+                emit(t, "seal", key, "tentative", tier, nbytes=nb)
+                emit(t, "commit", key, "committed", tier)
+                emit(t, "index", key, "indexed", tier)
 
     def on_copy(self, key: Hashable, src: TierName, dst: TierName, reason: str) -> None:
-        self.where[key].add(dst)
-        self.tc[dst].inserts += 1
-        if reason == "demote":
-            self.tc[src].reads += 1
-            self.out["dm"][self.r] += 1
-        elif reason == "promote":
-            self.out["pm"][self.r] += 1
+        super().on_copy(key, src, dst, reason)
         if self.emit is not None:
             self.emit(self.t, "offload", key, "indexed", src, dst, self.nb, reason)
 
-    def on_evict(self, key: Hashable, tier: TierName) -> None:
-        self.where[key].discard(tier)
-        self.tc[tier].evictions += 1
-        if self.emit is not None:
-            self.emit(self.t, "evict", key, "indexed", tier=tier, nbytes=self.nb, reason="capacity")
-
-    def on_drop(self, key: Hashable, reason: str) -> None:
-        t = self.t
-        del self.where[key]
-        emit = self.emit
-        if emit is not None:
-            emit(t, "invalidate", key, "invalidated", reason=reason, ns=self.ns, rid=self.rid)
-            emit(t, "delete", key, "deleted", reason=reason, ns=self.ns, rid=self.rid)
-        if self.track:
-            c = self.klass.pop(key)
-            name = f"{self.names[c // 4]}/{POS_BUCKETS[c % 4]}"
-            self.lifespans.setdefault(name, []).append(t - self.born.pop(key))
+    def on_evict(
+        self, keys: Sequence[Hashable], tier: TierName, last: Collection[Hashable], reason: str
+    ) -> None:
+        super().on_evict(keys, tier, last, reason)
+        t, emit, nb = self.t, self.emit, self.nb
+        for key in keys:
+            if emit is not None:
+                emit(t, "evict", key, "indexed", tier=tier, nbytes=nb, reason="capacity")
+            if key in last:
+                if emit is not None:
+                    ns, rid = self.ns, self.rid
+                    emit(t, "invalidate", key, "invalidated", reason=reason, ns=ns, rid=rid)
+                    emit(t, "delete", key, "deleted", reason=reason, ns=ns, rid=rid)
+                c = self.klass.pop(key)
+                name = f"{self.names[c // 4]}/{POS_BUCKETS[c % 4]}"
+                self.lifespans.setdefault(name, []).append(t - self.born.pop(key))
 
     def on_reject(self, key: Hashable, reason: str) -> None:
         if self.emit is not None:

@@ -98,17 +98,20 @@ class StoreResidency:
             raise KVLifeError(f"placement asked the size of unknown object {key!r}")
         return rec.nbytes
 
-    def on_place(self, key: Hashable, tier: TierName) -> None:
-        self._apply(Place(key, tier))
+    def on_place(self, keys: Sequence[Hashable], tier: TierName) -> None:
+        for key in keys:
+            self._apply(Place(key, tier))
 
     def on_copy(self, key: Hashable, src: TierName, dst: TierName, reason: str) -> None:
         self._apply(Copy(key, src, dst, reason))
 
-    def on_evict(self, key: Hashable, tier: TierName) -> None:
-        self._apply(Evict(key, tier))
-
-    def on_drop(self, key: Hashable, reason: str) -> None:
-        self._apply(Drop(key, reason))
+    def on_evict(
+        self, keys: Sequence[Hashable], tier: TierName, last: Collection[Hashable], reason: str
+    ) -> None:
+        for key in keys:
+            self._apply(Evict(key, tier))
+            if key in last:
+                self._apply(Drop(key, reason))
 
     def on_reject(self, key: Hashable, reason: str) -> None:
         self._apply(Reject(key, reason))

@@ -106,6 +106,7 @@ def test_cli_sweep_and_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     bench = tmp_path / "b.json"
     assert bench_main(["--max-requests", "100", "--json", str(bench)]) == 0
     b = json.loads(bench.read_text())
+    assert b["decisions"] == "kvlife.placement"  # the figures are the placement engine's
     assert b["policy_only"]["lru"]["block_touches_per_s"] > 0
     assert b["full"]["lru"]["block_touches_per_s"] > 0
     assert "touches/s" in capsys.readouterr().out
