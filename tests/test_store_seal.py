@@ -278,3 +278,26 @@ def test_a_tier_checks_a_payload_against_the_checksum_it_is_asked_to_verify(
         assert isinstance(res, ChecksumMismatch), "a wrong checksum taken as given is a miss"
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("wrong", ["shape", "dtype"])
+def test_a_replica_read_back_in_another_shape_or_dtype_is_never_served(
+    tmp_path: Path, identity: ModelIdentity, wrong: str
+) -> None:
+    """The last check before an array reaches the engine: the bytes a tier hands back
+    (the same bytes, so every seal still matches) in a dtype or shape other than the
+    object's are a corrupt replica (counted, invalidated, a miss), never written into
+    the engine's cache as this chunk."""
+    tokens, kv = prompt_kv(1, 2 * N)
+    with open_store(tmp_path) as store:
+        keys = store.put_prompt(identity, PUBLIC, tokens, kv).keys
+        dram = store.tier("dram")
+        held = dram._held[keys[1]]  # type: ignore[attr-defined]
+        arr = held.array.reshape(-1) if wrong == "shape" else held.array.view(np.uint8)
+        dram._held[keys[1]] = type(held)(held.meta, arr, held.owner, None)  # type: ignore[attr-defined]
+        got = store.load(store.lookup(identity, PUBLIC, tokens))
+        assert got.loaded == 1 and got.corrupt == [keys[1]]
+        np.testing.assert_array_equal(got.arrays[0], chunk(kv, 0))
+        assert store.counters.corrupt == 1
+        again = store.lookup(identity, PUBLIC, tokens)
+        assert len(again.hits) == 1  # the object was taken out of service

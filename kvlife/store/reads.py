@@ -266,18 +266,35 @@ def _read_run(
 
 
 def _decoded(it: _Item, res: ReadResult, rates: DecodeRates, where: TierName) -> Outcome:
-    """A read's outcome, with a framed replica decoded into the item's buffer."""
-    if not it.rep.transform.framed or not isinstance(res, np.ndarray):
+    """A read's outcome, with a framed replica decoded into the item's buffer; an array
+    not of the object's dtype and shape is a ChecksumMismatch (never served)."""
+    if not isinstance(res, np.ndarray):
         return res
+    if not it.rep.transform.framed:
+        return _as_recorded(it.rec, res, where)
     try:
         got = decode_replica(it.rec, it.rep, res, it.out, where, rates)
     except (ChecksumMismatch, UnknownTransform) as exc:
         return exc
-    if it.out is not None:
-        return got
+    bad = _as_recorded(it.rec, got, where)
+    if not isinstance(bad, np.ndarray) or it.out is not None:
+        return bad
     if it.promotable:
         it.seal = seal_of(got)
     return read_only(got)  # a new array: nobody writes it
+
+
+def _as_recorded(rec: ObjectRecord, arr: np.ndarray, where: TierName) -> Outcome:
+    """``arr``, or a ChecksumMismatch if it is not of the dtype and shape the object was
+    put with (a tier that hands back another array's bytes is caught here, whatever its
+    checksums said: the engine would write it into its cache as this chunk)."""
+    if arr.shape == tuple(rec.shape) and arr.dtype == np.dtype(rec.dtype):
+        return arr
+    return ChecksumMismatch(
+        rec.key.hex(),
+        where,
+        f"read {arr.dtype}{list(arr.shape)}, the object is {rec.dtype}{list(rec.shape)}",
+    )
 
 
 class Reader:
