@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from kvlife.core.errors import (
     InvalidArgument,
     LayoutMismatch,
     PartialChunkError,
+    ReplicaNotFound,
     StoreClosedError,
 )
 from kvlife.core.events import MemorySink
@@ -295,3 +297,38 @@ def test_event_stream_obeys_the_table(tmp_path: Path, identity: ModelIdentity) -
         after = check_move(e.key, before, Move(e.kind))
         assert after is not None and after.value == e.state
         state[e.key] = after
+
+
+@pytest.mark.parametrize("vanish", [2, 99])
+def test_flush_plans_again_when_sources_vanish_under_its_copies(
+    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch, vanish: int
+) -> None:
+    """A flush whose copies find their source gone (another thread evicted, replaced or
+    re-adopted it between the plan and the read) plans again from the replicas then; it
+    raises the ReplicaNotFound only when three plans in a row lost sources."""
+    tokens, kv = prompt_kv(5, 3 * N)
+    with open_store(tmp_path) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+        dram = store.tier("dram")
+        calls = {"n": 0}
+
+        def vanishing(real: Any) -> Any:
+            def read(keys: Any, *a: Any, **k: Any) -> Any:
+                calls["n"] += 1
+                if calls["n"] <= vanish:
+                    raise ReplicaNotFound(f"{bytes(keys[0]).hex()} went away under the read")
+                return real(keys, *a, **k)
+
+            return read
+
+        for name in ("read_batch", "read_verified"):
+            monkeypatch.setattr(dram, name, vanishing(getattr(dram, name)))
+        if vanish > 6:  # every plan lost its sources: the error, nothing half-done
+            with pytest.raises(ReplicaNotFound, match="went away"):
+                store.flush()
+            assert store.lookup(identity, PUBLIC, tokens).tiers() == {"dram": 3}
+            monkeypatch.undo()  # the sources are back: close() flushes them
+        else:
+            assert store.flush() == 3
+            assert store.lookup(identity, PUBLIC, tokens).tiers() == {"dram": 3}
+            assert store.flush() == 0  # all durable now

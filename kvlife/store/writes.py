@@ -23,6 +23,7 @@ from kvlife.core.errors import (
     InvalidArgument,
     LayoutMismatch,
     PartialChunkError,
+    ReplicaNotFound,
     StorageFullError,
 )
 from kvlife.core.identity import ChunkKey, KVLayout
@@ -223,7 +224,20 @@ class Writer:
     def flush(self) -> int:
         """Copy every readable object without a durable replica to the first durable
         tier; raises StorageFullError if it cannot hold them, the write error if one
-        failed."""
+        failed. A copy whose source replica went away under it (an eviction, a
+        re-adoption of a shared object, an invalidation) is planned again from the
+        object's replicas then, a few times, before its ReplicaNotFound is raised."""
+        done = 0
+        for attempt in range(_FLUSH_TRIES):
+            try:
+                return done + self._flush_once()
+            except _SourcesVanished as exc:
+                done += exc.done
+                if attempt == _FLUSH_TRIES - 1:
+                    raise exc.error from None
+        raise AssertionError("unreachable")
+
+    def _flush_once(self) -> int:
         core = self.core
         core.check_open()
         if not core.durable:
@@ -237,6 +251,13 @@ class Writer:
         with core.seq.turn(ticket):
             out = execute(core, bound)
         failed = out.copy_errors("flush") + out.errors
+        copied = (
+            sum(1 for b in bound if b.action.__class__.__name__ == "Copy")
+            - len(out.failed_copies)
+            - len(out.unsealed)
+        )
+        if failed and all(isinstance(e, ReplicaNotFound) for e in failed):
+            raise _SourcesVanished(failed[0], copied)
         if failed:
             raise failed[0]
         if not plan.complete:
@@ -244,11 +265,7 @@ class Writer:
                 f"tier {durable} of {core.path} cannot hold the {len(keys)} objects to flush "
                 "even after eviction"
             )
-        return (
-            sum(1 for b in bound if b.action.__class__.__name__ == "Copy")
-            - len(out.failed_copies)
-            - len(out.unsealed)
-        )
+        return copied
 
     def evict(self, tier: TierName, nbytes: int) -> int:
         """Evict ``nbytes``' worth of replicas from ``tier``, coldest first by its policy:
@@ -274,6 +291,19 @@ class Writer:
         return sum(
             b.rec.nbytes for b in bound if isinstance(b.action, Evict) and b.action.tier == tier
         )
+
+
+_FLUSH_TRIES = 3
+"""Plans a flush makes when sources vanish under its copies (each a fresh plan)."""
+
+
+class _SourcesVanished(Exception):
+    """A flush pass whose only failures were sources gone under its copies."""
+
+    def __init__(self, error: Exception, done: int) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.done = done
 
 
 def _still_tentative(pending: PendingPut) -> list[ObjectRecord]:
