@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from kvlife.client import RemoteStore
 from kvlife.core.errors import KVLifeError, LimitExceeded
@@ -201,6 +203,7 @@ CYCLER = textwrap.dedent(
         mine = RemoteStore(sock, timeout=30)
         t2, kv2 = prompt_kv(2, 4 * TINY.tokens_per_chunk)
         mine.prepare_put(tiny_identity(), PUBLIC, t2, kv2)
+        keep.alloc_buffer(4096)  # on the inherited connection, charged to the parent
         print("child", os.getpid(), flush=True)
         os._exit(0)  # nothing closed: the kernel ends both
     os.waitpid(pid, 0)
@@ -209,6 +212,9 @@ CYCLER = textwrap.dedent(
         t3, kv3 = prompt_kv(100 + i, 2 * TINY.tokens_per_chunk)
         s.prepare_put(tiny_identity(), PUBLIC, t3, kv3)
         s.lookup(tiny_identity(), PUBLIC, t3)
+        s.alloc_buffer(3 * 4096)  # a shared buffer (a descriptor, bytes)
+        t4, kv4 = prompt_kv(200 + i, 3 * TINY.tokens_per_chunk)
+        s.put_prompt(tiny_identity(), PUBLIC, t4, kv4)  # staged extents for the next
         if i % 2:
             s.close()
         else:
@@ -245,12 +251,83 @@ def test_accounts_return_to_zero_after_forks_and_many_connections(srv: ServerPro
             proc.wait(timeout=60)
         state = quiet(observer, sessions=1)
         assert state["peers"] == 1
-        assert state["held_connections"] == 1
+        assert state["held_connections"] == state["held_descriptors"] == 1
         assert _held(state) == dict.fromkeys(_held(state), 0)
         assert state["puts"] == state["loads"] == state["staged"] == state["tentative"] == 0
 
 
+def test_a_reused_pid_shares_the_old_account_only_until_its_connections_end() -> None:
+    """A process exits while its connection is still being torn down and a new process
+    gets its pid: the new one is charged to the same client until the old connection is
+    closed (a refusal meanwhile, typed, never more than the share), then has the whole
+    share; every budget and the peer are back to zero once both are gone."""
+    from kvlife.server.limits import Ledger, Limits, budgets
+
+    ledger = Ledger(budgets(Limits(session_put_share=0.5), arena_bytes=64 * 4096, descriptors=99))
+    share = ledger.table["put_bytes"].session
+    old = ledger.open(4242)
+    ledger.take(old, {"connections": 1, "put_bytes": share}, "the old process")
+    new = ledger.open(4242)  # the pid reused before the old connection was closed
+    with pytest.raises(LimitExceeded, match="2 connection"):
+        ledger.take(new, {"put_bytes": 4096}, "the new process")
+    assert ledger.peers == 1
+    ledger.close(old)
+    ledger.take(new, {"connections": 1, "put_bytes": share}, "the new process")
+    ledger.close(new)
+    figures = ledger.figures()
+    assert figures["peers"] == 0
+    assert {k: v for k, v in figures.items() if k.startswith("held_")} == dict.fromkeys(
+        (k for k in figures if k.startswith("held_")), 0
+    )
+
+
 # ---------------------------------------------------------------------- identities
+
+_FIELD_VALUES = st.sampled_from(["a", "b", "\u00ff", "y\u0308", "A", "a ", ""])
+
+
+@settings(max_examples=60, deadline=None)
+@example([("model_id", "\u00ff", 1, False), ("model_id", "y\u0308", 1, False)], 12000)
+@example([("weights_digest", "a", 2, False), ("weights_digest", "a ", 2, False)], 12000)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["model_id", "weights_digest", "adapter", "engine_digest", "tp"]),
+            _FIELD_VALUES,
+            st.integers(1, 3),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    st.integers(2048, 12000),
+)
+def test_the_identity_cache_returns_what_a_fresh_decode_returns(
+    steps: list[tuple[str, str, int, bool]], limit: int
+) -> None:
+    """Identities differing in one field (strings that differ only in case, a trailing
+    space, composed or decomposed unicode; a layout int; the field order), through one
+    cache of a small budget: every get equals a fresh decode of the same map, and the
+    cache is never charged more than its budget nor other than its entries."""
+    from kvlife.server.identities import IdentityCache
+
+    cache = IdentityCache(limit)
+    base = protocol.encode_identity(tiny_identity())
+    for field, value, heads, flip in steps:
+        raw = {**base, "layout": {**base["layout"], "num_kv_heads": heads}}
+        if field == "adapter":
+            raw["adapter_id"], raw["adapter_digest"] = (value, value) if value else ("", "")
+        elif field == "tp":
+            raw["layout"]["tokens_per_chunk"] = 16 * heads
+        elif value or field == "engine_digest":
+            raw[field] = value
+        if flip:
+            raw = dict(reversed(list(raw.items())))
+        got = cache.get(raw)
+        assert got == protocol.decode_identity(raw)
+        assert got.digest == protocol.decode_identity(raw).digest
+        assert cache.nbytes <= limit
+        assert cache.nbytes == sum(cost for _, cost in cache._entries.values())
 
 
 def _raw_lookup(conn: Raw, rid: int, identity: dict[str, Any], tokens: bytes) -> list[Any]:
