@@ -36,8 +36,10 @@ before the next is prepared: piece ``i + 1`` starts where piece ``i`` ended (its
 ``start``) and continues its chain (its ``parent`` is piece ``i``'s last key), so the
 keys are those of one put. The result adds the pieces up. A piece that fails (the
 arena full, a budget) raises; the pieces before it stay stored, a prefix of the prompt,
-as a save made step by step leaves one; an invalidation covers the pieces prepared
-before it returned.
+as a save made step by step leaves one. An invalidation covers the whole put, as it
+covers one put prepared before it returned: a piece after the first is sent
+``chained``, and the server stores nothing of it if the chunk it continues is no
+longer live (an invalidation took the pieces before it; docs/server.md, Limits).
 """
 
 from __future__ import annotations
@@ -106,6 +108,8 @@ class Puts:
             if first:
                 piece["start"] = prompt.start + first * layout.tokens_per_chunk
                 piece["parent"] = bytes(results[-1].keys[-1])
+                # stores nothing if the piece before was invalidated since (server)
+                piece["chained"] = True
             results.append(self._put(piece, layout, chunks[first:last]))
         return joined(results, layout.tokens_per_chunk)
 

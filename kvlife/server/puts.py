@@ -199,7 +199,8 @@ class Puts:
         self.ctx.give({"puts": 1, "put_bytes": put.charge})
 
     def _prepare(self, p: PromptRef, chunks: list[np.ndarray], args: dict[str, Any]) -> PendingPut:
-        return self.ctx.store.prepare_put(
+        store = self.ctx.store
+        pending = store.prepare_put(
             p.identity,
             p.namespace,
             p.tokens,
@@ -209,6 +210,14 @@ class Puts:
             extra_keys=p.extra_keys,
             request_id=args.get("request_id", ""),
         )
+        if args.get("chained"):
+            # a later piece of one put_prompt: if an invalidation took the piece before
+            # it (its parent) since that piece was stored, this one stores nothing either
+            # (its KV was computed before; an invalidation covers the whole put). After
+            # the prepare: an invalidation from here on covers these TENTATIVE chunks
+            # (chained after a parent still indexed), one before took the parent
+            store.continue_put(pending, p.parent)
+        return pending
 
     # ------------------------------------------------------------------ staged
 

@@ -29,7 +29,7 @@ from kvlife.results import LoadResult, LookupResult, PutResult, StoreCounters, S
 from kvlife.store import metrics
 from kvlife.store.api import Criteria, Outs, StoreAPI
 from kvlife.store.config import GiB, StoreConfig
-from kvlife.store.invalidation import invalidate
+from kvlife.store.invalidation import invalidate, orphaned
 from kvlife.store.lifecycle import close_store, open_store
 from kvlife.store.reads import LoadHandle, Reader
 from kvlife.store.recovery import audit
@@ -114,6 +114,14 @@ class KVStore(StoreAPI[PendingPut]):
 
     def commit_put(self, pending: PendingPut) -> PutResult:
         return self._writer.commit_put(pending)
+
+    def continue_put(self, pending: PendingPut, parent: ChunkKey) -> int:
+        """``pending`` continues a put of the same KV stored before it, whose last chunk
+        is ``parent`` (``kvlife serve``: a ``put_prompt`` sent in pieces): if that chunk
+        is no longer live (an invalidation took it since), ``pending`` stores nothing
+        (its chunks counted as dropped at the commit). Returns how many chunks it lost."""
+        with self._core.lock:
+            return orphaned(self._core, parent, [rec for rec, _ in pending.items])
 
     def put_async(self, pending: PendingPut) -> Future[PutResult]:
         return self._writer.put_async(pending)

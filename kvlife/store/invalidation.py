@@ -142,6 +142,27 @@ def raced_a_rule(core: StoreCore, recs: list[ObjectRecord]) -> None:
             core.retire(rec, Move.INVALIDATE, "invalidated: global rules read while prepared")
 
 
+def orphaned(core: StoreCore, parent: ChunkKey, recs: list[ObjectRecord]) -> int:
+    """New TENTATIVE objects of a put that continues an earlier put of the same KV (a
+    served ``put_prompt`` in pieces, :mod:`kvlife.client.puts`) after the chunk
+    ``parent`` (under the lock): if that chunk is no longer live, something (an
+    invalidation, most likely) took it out of service after its piece was stored, and
+    this piece's KV, computed before, is taken out of service too (counted as aborted):
+    an invalidation covers the whole put a caller prepared before it returned, not only
+    its first pieces. A chunk evicted from every tier counts as gone too (a miss, never
+    stale KV). Returns how many were taken out."""
+    rec = core.index.get(parent)
+    if rec is not None and rec.state in LIVE:
+        return 0
+    count = 0
+    for r in recs:
+        if r.state is ObjectState.TENTATIVE:
+            core.counters.aborted += 1
+            core.retire(r, Move.INVALIDATE, "invalidated: the piece it continues is gone")
+            count += 1
+    return count
+
+
 def select(core: StoreCore, scope: Scope) -> list[ObjectRecord]:
     """The live objects ``scope`` covers (under the lock)."""
     index = core.index
