@@ -40,7 +40,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Protocol
 
 from kvlife.core.errors import InvalidArgument
@@ -182,13 +181,14 @@ class Placement:
         else:
             pol.insert(key)
 
-    def touch_hits(self, hits: Sequence[tuple[Hashable, TierName]]) -> None:
-        """A lookup's hits (key, serving tier), touched from last to first."""
+    def touch_hits(self, keys: Sequence[Hashable], tiers: Sequence[TierName]) -> None:
+        """A lookup's hits (their keys, and the tier serving each), touched from last to
+        first."""
         if self._only is not None:  # one tier serves every hit
-            self._only.touch_all(map(itemgetter(0), reversed(hits)))
+            self._only.touch_all(reversed(keys))
             return
         touch = self._touch
-        for key, tier in reversed(hits):
+        for key, tier in zip(reversed(keys), reversed(tiers), strict=True):
             touch[tier](key)
 
     def touch_in_order(

@@ -213,9 +213,9 @@ class CacheSim:
             served = list(map(serving, map(where_get, req)))
             p = served.index(None) if None in served else len(req)
             head: list[TierName] = served[:p]  # type: ignore[assignment]  # all present
-            hits = list(zip(req[:p], head, strict=True))
-            if hits:
-                touch_hits(hits)
+            held = req[:p]
+            if p:
+                touch_hits(held, head)
             n_first = head.count(first)
             for name, tc in zip(names, tcs, strict=True):
                 tc.block_hits += served.count(name)
@@ -223,14 +223,14 @@ class CacheSim:
                 tc.prefix_hits += k
                 tc.reads += k
             if emit is not None:
-                for b, tier in hits:
+                for b, tier in zip(held, head, strict=True):
                     emit(times[r], "load", b, "indexed", tier, nbytes=nb)
             pd.append(n_first if first_is_dram else 0)
             pk.append(p - pd[-1])
             # load, then promotion of the hits served from a slower tier (it may evict
             # blocks of the request: its new blocks are found after it)
             if n_first < p:
-                plan_promote([b for b, tier in hits if tier != first])
+                plan_promote([b for b, tier in zip(held, head, strict=True) if tier != first])
                 new = [b for b in req if b not in where]
             else:
                 new = list(compress(req, map(not_, served)))

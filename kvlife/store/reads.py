@@ -334,7 +334,7 @@ class Reader:
                     refusal = got.refused
                     break
                 hits.append(_hit(i, key, start + i * n, got, rec, rates))
-            core.placement.touch_hits([(h.key, h.tier) for h in hits])
+            core.placement.touch_hits([h.key for h in hits], [h.tier for h in hits])
             core.counters.lookups += 1
             core.counters.lookup_chunks_hit += len(hits)
             core.counters.lookup_chunks_miss += len(keys) - len(hits)

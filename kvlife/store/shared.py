@@ -238,7 +238,7 @@ def _probe(
                 break  # adopted, but not a representation this lookup takes
             i = first + j
             out.append(hit_of(i, key, prompt.start + i * n, got, rec, core.decode_rates))
-        core.placement.touch_hits([(h.key, h.tier) for h in out])
+        core.placement.touch_hits([h.key for h in out], [h.tier for h in out])
     if adopted < len(found):  # charged by the probe, but not adopted here
         shared.forget([m.key for m in found[adopted:]])
     return out
