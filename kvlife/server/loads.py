@@ -243,16 +243,22 @@ class Loads:
                 assert off is not None
             held.append(arr)
             grants.append([off, arr.dtype.str, list(arr.shape)])
-        actual = sum(page_charge(a.nbytes) for a in held)
+        # streamed chunks the publication does not count (invalidated while the load
+        # ran) were sent all the same: the client copies each out of the arena when it
+        # reads its part, which may be after this reply. Their extents stay pinned with
+        # the grant until the client releases it; freed now, another put could reuse
+        # and overwrite them before the client's copy, which hands the chunk out.
+        pinned = held + streamed[kept:]
+        actual = sum(page_charge(a.nbytes) for a in pinned)
         if actual > charge:  # no layout was given: charged now, before it is handed out
             ctx.take({"grant_bytes": actual - charge}, f"session {ctx.sid}")
-        elif held and actual < charge:
+        elif pinned and actual < charge:
             ctx.give({"grant_bytes": charge - actual})
         lid = 0
-        if held:
+        if pinned:
             with ctx.lock:
                 lid = ctx.new_id()
-                self.grants[lid] = _Grant(held, actual)
+                self.grants[lid] = _Grant(pinned, actual)
         else:
             ctx.give({"loads": 1, "grant_bytes": charge})
         return {

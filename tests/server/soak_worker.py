@@ -120,9 +120,30 @@ def check(seed: int, arrays: Sequence[np.ndarray | None], what: str) -> int:
         if arr is None:
             break
         if not np.array_equal(arr, chunk_kv(seed, i)):
-            raise WrongBytes(f"wrong bytes served: prompt {seed} chunk {i} ({what})")
+            raise WrongBytes(
+                f"wrong bytes served: prompt {seed} chunk {i} ({what}); the bytes: "
+                f"{identify(np.array(arr), seed, i)}"
+            )
         n += 1
     return n
+
+
+def identify(arr: np.ndarray, seed: int, i: int) -> str:
+    """What wrong bytes are (a diagnosis for the report): zeros, another chunk, or how
+    much of the expected chunk they hold."""
+    want = chunk_kv(seed, i)
+    flat, exp = arr.reshape(-1).view(np.uint16), want.reshape(-1).view(np.uint16)
+    differ = np.flatnonzero(flat != exp)
+    what = [f"{len(differ)} of {flat.size} elements differ, from {differ[0]} to {differ[-1]}"]
+    if not flat.any():
+        what.append("all zeros")
+    for s in [*range(POOL), *range(1000, 1000 + HOT)]:
+        for j in range(CHUNKS):
+            other = chunk_kv(s, j).reshape(-1).view(np.uint16)
+            same = int((flat == other).sum())
+            if same > flat.size // 8:
+                what.append(f"{same} elements equal prompt {s} chunk {j}")
+    return "; ".join(what)
 
 
 def where(lk: LookupResult) -> str:
@@ -299,7 +320,14 @@ class Client:
             # a chunk handed out is that chunk, even one the load then counts as a miss
             # (invalidated while it was streamed)
             if arr is not None and not np.array_equal(arr, chunk_kv(seed, i)):
-                raise WrongBytes(f"wrong bytes served: prompt {seed} chunk {i} (load_async)")
+                now = np.array(arr)  # the buffer as it is now (the load has ended)
+                raise WrongBytes(
+                    f"wrong bytes served: prompt {seed} chunk {i} (load_async, "
+                    f"{'shared' if shared else 'new'} buffers, hits {where(lk)}, "
+                    f"{len(lk.hits)} hits, tiers {[h.tier for h in lk.hits]}, hinted "
+                    f"{bool(getattr(lk, 'hints', None))}, result {res}); the bytes: "
+                    f"{identify(now, seed, i)}"
+                )
         self.verified(seed, res, "load_async")
         self.stats.ops[f"load_async_{where(lk)}"] += 1
         return res.loaded

@@ -5,16 +5,17 @@ goes with the connection."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvlife.client import RemoteStore
-from kvlife.core.errors import InvalidArgument
-from kvlife.core.identity import PUBLIC
+from kvlife.core.errors import InvalidArgument, StorageFullError
+from kvlife.core.identity import PUBLIC, KVLayout
 from tests.conftest import TINY, prompt_kv, tiny_identity
-from tests.server.conftest import MiB, quiet, wait_for
+from tests.server.conftest import MiB, ServerProc, quiet, wait_for
 
 N = TINY.tokens_per_chunk
 
@@ -110,3 +111,92 @@ def test_a_load_from_disk_is_streamed_chunk_by_chunk(remote: RemoteStore) -> Non
             got = np.frombuffer(f.read(TINY.chunk_nbytes), dtype).reshape(shape)
             assert np.array_equal(got, kv[:, :, :, i * N : (i + 1) * N])
     sock.close()
+
+
+BIG = KVLayout(num_layers=2, num_kv_heads=8, head_dim=64, dtype="float16", tokens_per_chunk=64)
+"""256 KiB chunks: a disk load of 24 of them takes long enough for an invalidation to
+land while it runs."""
+
+
+def test_streamed_chunks_an_invalidation_uncounted_stay_pinned_until_released(
+    tmp_path: Path,
+) -> None:
+    """A streamed load sends each chunk's place in the arena as soon as it verified; an
+    invalidation landing before the load's end makes the load count those chunks as a
+    miss, but the client may not have copied them yet (it copies each when it reads its
+    part) and hands each out once copied. Their extents stay pinned with the grant until
+    the client releases it: before, they were freed with the reply, another put reused
+    them, and the client copied that put's bytes (the soak's "wrong bytes served" in a
+    streamed load_async)."""
+    import socket
+
+    import msgpack
+
+    from kvlife.core.identity import ModelIdentity
+    from kvlife.server import protocol
+
+    srv = ServerProc(tmp_path / "srv", dram=24 * MiB, disk=128 * MiB, staging=16 * MiB).start()
+    try:
+        remote = srv.client()
+        other = srv.client()
+        ident = ModelIdentity(model_id="big", weights_digest="w", tokenizer_digest="t", layout=BIG)
+        hit = 0
+        for attempt in range(12):
+            tokens, kv = prompt_kv(100 + attempt, 24 * BIG.tokens_per_chunk, BIG)
+            remote.put_prompt(ident, PUBLIC, tokens, kv)
+            remote.flush()
+            remote.evict("dram", 1 << 40)
+            lk = remote.lookup(ident, PUBLIC, tokens)
+            assert lk.tiers() == {"disk": 24}
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(remote.socket_path)
+            sock.sendall(protocol.pack([1, "hello", {"version": protocol.PROTOCOL_VERSION}]))
+            body = protocol.recv_frame(sock)
+            assert body is not None
+            arena = Path(msgpack.unpackb(body)[2]["arena"])
+            args = {
+                "keys": b"".join(h.key for h in lk.hits),
+                "starts": [h.start for h in lk.hits],
+                "chunks_total": 24,
+                "layout": protocol.encode_layout(BIG),
+                "stream": True,
+            }
+            sock.sendall(protocol.pack([2, "load", args]))
+            frames = []
+            body = protocol.recv_frame(sock)  # chunk 0 was read: invalidate the prompt now
+            other.invalidate(prefix=lk.hits[0].key)
+            while True:
+                assert body is not None
+                rid, kind, payload = msgpack.unpackb(body)
+                assert rid == 2
+                if kind != protocol.PART:
+                    break
+                frames.append(payload)
+                body = protocol.recv_frame(sock)
+            assert kind is True, payload
+            if payload["streamed"] == len(frames):
+                sock.close()  # the invalidation came after the load's end: again
+                continue
+            hit += 1
+            # chunks streamed but not counted: still pinned, with a grant to release
+            assert payload["load"] != 0
+            # other puts take every free extent meanwhile (none of the pinned ones)
+            for j in range(40):
+                t2, kv2 = prompt_kv(900 + j, 4 * BIG.tokens_per_chunk, BIG)
+                with contextlib.suppress(StorageFullError):  # the arena is full: done
+                    other.put_prompt(ident, PUBLIC, t2, kv2)
+            with arena.open("rb") as f:
+                for i, off, dtype, shape in frames:
+                    f.seek(off)
+                    got = np.frombuffer(f.read(BIG.chunk_nbytes), dtype).reshape(shape)
+                    want = kv[:, :, :, i * BIG.tokens_per_chunk : (i + 1) * BIG.tokens_per_chunk]
+                    assert np.array_equal(got, want), f"chunk {i}'s extent was reused"
+            sock.sendall(protocol.pack([3, "release", {"load": payload["load"]}]))
+            sock.close()
+            if hit >= 2:
+                break
+        assert hit, "no invalidation landed inside a streamed load in 12 tries"
+        snap = quiet(remote, sessions=2)
+        assert snap["loads"] == 0 and snap["held_grant_bytes"] == 0, snap  # all released
+    finally:
+        srv.stop()
