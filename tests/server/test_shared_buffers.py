@@ -6,18 +6,64 @@ goes with the connection."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import socket
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
 from kvlife.client import RemoteStore
 from kvlife.core.errors import InvalidArgument, StorageFullError
-from kvlife.core.identity import PUBLIC, KVLayout
+from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
+from kvlife.results import LookupResult
+from kvlife.server import protocol
 from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.server.conftest import MiB, ServerProc, quiet, wait_for
 
 N = TINY.tokens_per_chunk
+
+
+def _streamed_load(
+    socket_path: str,
+    lk: LookupResult,
+    layout: KVLayout,
+    during: Callable[[], object] = lambda: None,
+) -> tuple[Path, list[list[Any]], dict[str, Any], socket.socket]:
+    """A streamed load of ``lk``'s hits on a connection of its own, spoken raw: the
+    arena's path, the partial replies (chunk, offset, dtype, shape), the final reply
+    and the connection (the caller closes it). ``during`` runs once the first frame
+    after the request arrived (the server has read chunk 0)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(socket_path)
+    sock.sendall(protocol.pack([1, "hello", {"version": protocol.PROTOCOL_VERSION}]))
+    body = protocol.recv_frame(sock)
+    assert body is not None
+    arena = Path(msgpack.unpackb(body)[2]["arena"])
+    args = {
+        "keys": b"".join(h.key for h in lk.hits),
+        "starts": [h.start for h in lk.hits],
+        "chunks_total": lk.chunks_total,
+        "layout": protocol.encode_layout(layout),
+        "stream": True,
+    }
+    sock.sendall(protocol.pack([2, "load", args]))
+    parts: list[list[Any]] = []
+    body = protocol.recv_frame(sock)
+    during()
+    while True:
+        assert body is not None
+        rid, kind, payload = msgpack.unpackb(body)
+        assert rid == 2
+        if kind != protocol.PART:
+            break
+        parts.append(payload)
+        body = protocol.recv_frame(sock)
+    assert kind is True, payload
+    return arena, parts, payload, sock
 
 
 def test_loads_land_in_shared_buffers_from_dram_and_disk(remote: RemoteStore) -> None:
@@ -67,43 +113,14 @@ def test_buffers_outside_shared_memory_take_the_grant_path(remote: RemoteStore) 
 def test_a_load_from_disk_is_streamed_chunk_by_chunk(remote: RemoteStore) -> None:
     """On the wire: one partial reply per chunk read from disk, in order, then the final
     reply counting them; the bytes at each granted offset are the chunk's."""
-    import socket
-
-    import msgpack
-
-    from kvlife.server import protocol
-
     ident = tiny_identity()
     tokens, kv = prompt_kv(23, 3 * N)
     remote.put_prompt(ident, PUBLIC, tokens, kv)
     remote.flush()
     remote.evict("dram", 8 * MiB)
     lk = remote.lookup(ident, PUBLIC, tokens)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(remote.socket_path)
-    hello = [1, "hello", {"version": protocol.PROTOCOL_VERSION}]
-    sock.sendall(protocol.pack(hello))
-    body = protocol.recv_frame(sock)
-    assert body is not None
-    arena = Path(msgpack.unpackb(body)[2]["arena"])
-    args = {
-        "keys": b"".join(h.key for h in lk.hits),
-        "starts": [h.start for h in lk.hits],
-        "chunks_total": 3,
-        "layout": protocol.encode_layout(TINY),
-        "stream": True,
-    }
-    sock.sendall(protocol.pack([2, "load", args]))
-    parts = []
-    while True:
-        body = protocol.recv_frame(sock)
-        assert body is not None
-        rid, kind, payload = msgpack.unpackb(body)
-        assert rid == 2
-        if kind != protocol.PART:
-            break
-        parts.append(payload)
-    assert kind is True and payload["streamed"] == len(parts) == 3 and payload["grants"] == []
+    arena, parts, payload, sock = _streamed_load(remote.socket_path, lk, TINY)
+    assert payload["streamed"] == len(parts) == 3 and payload["grants"] == []
     assert [p[0] for p in parts] == [0, 1, 2]
     with arena.open("rb") as f:
         for i, (_, off, dtype, shape) in enumerate(parts):
@@ -128,13 +145,6 @@ def test_streamed_chunks_an_invalidation_uncounted_stay_pinned_until_released(
     the client releases it: before, they were freed with the reply, another put reused
     them, and the client copied that put's bytes (the soak's "wrong bytes served" in a
     streamed load_async)."""
-    import socket
-
-    import msgpack
-
-    from kvlife.core.identity import ModelIdentity
-    from kvlife.server import protocol
-
     srv = ServerProc(tmp_path / "srv", dram=24 * MiB, disk=128 * MiB, staging=16 * MiB).start()
     try:
         remote = srv.client()
@@ -148,32 +158,12 @@ def test_streamed_chunks_an_invalidation_uncounted_stay_pinned_until_released(
             remote.evict("dram", 1 << 40)
             lk = remote.lookup(ident, PUBLIC, tokens)
             assert lk.tiers() == {"disk": 24}
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(remote.socket_path)
-            sock.sendall(protocol.pack([1, "hello", {"version": protocol.PROTOCOL_VERSION}]))
-            body = protocol.recv_frame(sock)
-            assert body is not None
-            arena = Path(msgpack.unpackb(body)[2]["arena"])
-            args = {
-                "keys": b"".join(h.key for h in lk.hits),
-                "starts": [h.start for h in lk.hits],
-                "chunks_total": 24,
-                "layout": protocol.encode_layout(BIG),
-                "stream": True,
-            }
-            sock.sendall(protocol.pack([2, "load", args]))
-            frames = []
-            body = protocol.recv_frame(sock)  # chunk 0 was read: invalidate the prompt now
-            other.invalidate(prefix=lk.hits[0].key)
-            while True:
-                assert body is not None
-                rid, kind, payload = msgpack.unpackb(body)
-                assert rid == 2
-                if kind != protocol.PART:
-                    break
-                frames.append(payload)
-                body = protocol.recv_frame(sock)
-            assert kind is True, payload
+            arena, frames, payload, sock = _streamed_load(
+                remote.socket_path,
+                lk,
+                BIG,  # chunk 0 was read: the prompt is invalidated while the rest are
+                during=functools.partial(other.invalidate, prefix=lk.hits[0].key),
+            )
             if payload["streamed"] == len(frames):
                 sock.close()  # the invalidation came after the load's end: again
                 continue
