@@ -229,19 +229,25 @@ class Writer:
         object's replicas then, a few times, before its ReplicaNotFound is raised."""
         done = 0
         for attempt in range(_FLUSH_TRIES):
-            try:
-                return done + self._flush_once()
-            except _SourcesVanished as exc:
-                done += exc.done
-                if attempt == _FLUSH_TRIES - 1:
-                    raise exc.error from None
-        raise AssertionError("unreachable")
+            copied, failed, full = self._flush_once()
+            done += copied
+            vanished = bool(failed) and all(isinstance(e, ReplicaNotFound) for e in failed)
+            if vanished and attempt < _FLUSH_TRIES - 1:
+                continue  # a fresh plan, from the replicas the objects have now
+            if failed:
+                raise failed[0]
+            if full is not None:
+                raise full
+            break
+        return done
 
-    def _flush_once(self) -> int:
+    def _flush_once(self) -> tuple[int, list[Exception], StorageFullError | None]:
+        """One plan of the flush, executed: the replicas copied, the copies' errors, and
+        the error to raise if the plan could not make room for them all."""
         core = self.core
         core.check_open()
         if not core.durable:
-            return 0
+            return 0, [], None
         durable = core.durable[0]
         with core.lock:
             keys = [r.key for r in core.index if r.state is INDEXED and durable not in r.replicas]
@@ -250,22 +256,18 @@ class Writer:
             ticket = core.seq.take()
         with core.seq.turn(ticket):
             out = execute(core, bound)
-        failed = out.copy_errors("flush") + out.errors
         copied = (
             sum(1 for b in bound if b.action.__class__.__name__ == "Copy")
             - len(out.failed_copies)
             - len(out.unsealed)
         )
-        if failed and all(isinstance(e, ReplicaNotFound) for e in failed):
-            raise _SourcesVanished(failed[0], copied)
-        if failed:
-            raise failed[0]
+        full = None
         if not plan.complete:
-            raise StorageFullError(
+            full = StorageFullError(
                 f"tier {durable} of {core.path} cannot hold the {len(keys)} objects to flush "
                 "even after eviction"
             )
-        return copied
+        return copied, out.copy_errors("flush") + out.errors, full
 
     def evict(self, tier: TierName, nbytes: int) -> int:
         """Evict ``nbytes``' worth of replicas from ``tier``, coldest first by its policy:
@@ -295,15 +297,6 @@ class Writer:
 
 _FLUSH_TRIES = 3
 """Plans a flush makes when sources vanish under its copies (each a fresh plan)."""
-
-
-class _SourcesVanished(Exception):
-    """A flush pass whose only failures were sources gone under its copies."""
-
-    def __init__(self, error: Exception, done: int) -> None:
-        super().__init__(str(error))
-        self.error = error
-        self.done = done
 
 
 def _still_tentative(pending: PendingPut) -> list[ObjectRecord]:
