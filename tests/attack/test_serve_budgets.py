@@ -8,6 +8,7 @@ processes."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -121,11 +122,10 @@ HOG = textwrap.dedent(
 )
 
 
-def test_a_second_connection_does_not_double_a_clients_share(srv: ServerProc) -> None:
-    """docs/server.md: ``--session-put-share`` means "one client cannot take the arena
-    from the others". A hog process opens two connections, fills each one's share with
-    uncommitted tiny-chunk puts, and waits; an ordinary client's put then failed. Now
-    both connections share the process's one share."""
+@contextlib.contextmanager
+def hog_running(srv: ServerProc) -> Iterator[None]:
+    """The :data:`HOG` process, holding its share of ``srv``'s arena until the block
+    ends (then it is told to go, and waited for)."""
     hog = subprocess.Popen(
         [sys.executable, "-c", HOG, str(srv.socket)],
         cwd=ROOT,
@@ -138,6 +138,19 @@ def test_a_second_connection_does_not_double_a_clients_share(srv: ServerProc) ->
         assert hog.stdout is not None
         line = hog.stdout.readline()
         assert line.startswith("ready"), line
+        yield
+    finally:
+        assert hog.stdin is not None
+        hog.stdin.close()
+        hog.wait(timeout=60)
+
+
+def test_a_second_connection_does_not_double_a_clients_share(srv: ServerProc) -> None:
+    """docs/server.md: ``--session-put-share`` means "one client cannot take the arena
+    from the others". A hog process opens two connections, fills each one's share with
+    uncommitted tiny-chunk puts, and waits; an ordinary client's put then failed. Now
+    both connections share the process's one share."""
+    with hog_running(srv):
         # a prompt of its own: the hog's seeds are 0-99 and 1000-1099 (a put of the hog's
         # pending chunks would leave them to the hog: stored 0, in flight 64)
         tokens, kv = prompt_kv(5000, 64 * N)
@@ -147,10 +160,6 @@ def test_a_second_connection_does_not_double_a_clients_share(srv: ServerProc) ->
             except KVLifeError as exc:
                 pytest.fail(f"a client with two connections took the arena: {exc}")
             assert stored == 64
-    finally:
-        assert hog.stdin is not None
-        hog.stdin.close()
-        hog.wait(timeout=60)
 
 
 def test_a_put_larger_than_half_the_share_goes_in_beside_a_hog(srv: ServerProc) -> None:
@@ -158,18 +167,7 @@ def test_a_put_larger_than_half_the_share_goes_in_beside_a_hog(srv: ServerProc) 
     holds its whole share (6 MiB of uncommitted tiny-chunk puts, on two connections);
     another client's 4 MiB put (over half its share: pieces of 24 and 8 chunks) and its
     ordinary put both go in, and nothing but the hog was refused."""
-    hog = subprocess.Popen(
-        [sys.executable, "-c", HOG, str(srv.socket)],
-        cwd=ROOT,
-        env=child_env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert hog.stdout is not None
-        line = hog.stdout.readline()
-        assert line.startswith("ready"), line
+    with hog_running(srv):
         n = 32
         identity, tokens, kv = _wide(2, n)
         with srv.client() as other:
@@ -187,10 +185,6 @@ def test_a_put_larger_than_half_the_share_goes_in_beside_a_hog(srv: ServerProc) 
             # the hog's two refusals only (its second connection's at its first put: its
             # process held its share already)
             assert other.server_state()["refused_put_bytes"] == 2
-    finally:
-        assert hog.stdin is not None
-        hog.stdin.close()
-        hog.wait(timeout=60)
 
 
 def test_identities_a_client_sends_are_not_held_without_a_budget(srv: ServerProc) -> None:
