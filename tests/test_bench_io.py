@@ -21,6 +21,7 @@ from kvlife.bench.io import (
     size_label,
 )
 from kvlife.report import format_table
+from tests.helpers.machine import assert_machine_figures
 
 RATIO_KEYS = ("disk_store_vs_raw", "disk_load_vs_raw", "mem_put_vs_memcpy", "mem_get_vs_memcpy")
 USER_PATH_KEYS = ("disk_store_unaligned_vs_raw", "disk_writeback_vs_raw", "disk_load_new_vs_raw")
@@ -55,12 +56,14 @@ def test_quick_run_writes_json_of_the_right_shape(tmp_path: Path, capsys, monkey
     assert _positive_finite(doc["lookup_128_chunks_us"])
     assert doc["lookup"]["chunks"] == 128
     assert isinstance(doc["direct_io"], bool)
+    assert_machine_figures(doc)
     assert "peers" not in doc
     # the scratch directory is removed afterwards
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".kvlife-bench-io-")]
     printed = capsys.readouterr().out
     assert "disk store (aligned)" in printed and "lookup of a 128-chunk prompt" in printed
     assert "DRAM seal (xxh3-128)" in printed and "demotion (seal verified)" in printed
+    assert "machine: memcpy" in printed and "Python loop" in printed
 
 
 def test_run_io_bench_returns_the_same_document(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from kvlife.bench.io.config import (
     USER_PATH_TARGET,
     parse_size,
 )
+from kvlife.bench.limits import format_machine
 from kvlife.report import format_table
 
 _ROWS = (
@@ -158,6 +159,9 @@ def format_report(result: dict[str, object]) -> str:
         f"{'on' if direct else 'OFF'}; batch {cfg['batch']}, median of {cfg['repeat']} "
         "paired repetitions; GB/s = 1e9 B/s"
     )
+    machine = result.get("machine")
+    if isinstance(machine, dict):
+        lines.append(format_machine(machine))
     for note in result.get("notes", []) or []:  # type: ignore[attr-defined]
         lines.append(f"note: {note}")
     return "\n".join(lines)
