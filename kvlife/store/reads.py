@@ -1,6 +1,12 @@
 """Reads: lookups, verified loads (synchronous and asynchronous, with per-chunk
 completion) and promotion of hits into the first tier, off the caller's path.
 
+A lookup is one pass over the prompt under the store lock: one probe of the index for
+every key, and the common chunk (a READY exact replica first in chain order) answered
+without the general path, by the hit record its replica answered last time when that
+record still holds (:meth:`Reader._leading_hits`); the answers are the general path's,
+hit for hit.
+
 A load pins the replica of each hit under the index lock, reads without the lock, then
 publishes under it: a chunk whose object was invalidated or evicted meanwhile is a miss
 (``vanished``), a corrupt replica invalidates its object, an I/O error is a miss that
