@@ -55,6 +55,8 @@ def test_quick_run_writes_json_of_the_right_shape(tmp_path: Path, capsys, monkey
             assert _positive_finite(value), (label, key)
     assert _positive_finite(doc["lookup_128_chunks_us"])
     assert doc["lookup"]["chunks"] == 128
+    assert _positive_finite(doc["lookup"]["vs_keys"])
+    assert {t["metric"] for t in doc["targets"]} >= {"lookup_128_chunks_us", "lookup_vs_keys"}
     assert isinstance(doc["direct_io"], bool)
     assert_machine_figures(doc)
     assert "peers" not in doc
@@ -64,6 +66,7 @@ def test_quick_run_writes_json_of_the_right_shape(tmp_path: Path, capsys, monkey
     assert "disk store (aligned)" in printed and "lookup of a 128-chunk prompt" in printed
     assert "DRAM seal (xxh3-128)" in printed and "demotion (seal verified)" in printed
     assert "machine: memcpy" in printed and "Python loop" in printed
+    assert "lookup ÷ its chunk keys alone" in printed
 
 
 def test_run_io_bench_returns_the_same_document(tmp_path: Path) -> None:

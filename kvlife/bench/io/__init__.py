@@ -23,7 +23,8 @@ kvlife
     come from memory recycled when earlier results were garbage collected, so the
     first repetition pays fresh pages and later ones do not; the first one is reported
     apart); plus the time of :meth:`~kvlife.store.KVStore.lookup` of a 128-chunk
-    prompt, BLAKE3 chunk keys included;
+    prompt, BLAKE3 chunk keys included, and its ratio to the keys alone (timed in
+    turn, paired per iteration; target <= 1.5: a lookup adds at most half its keys);
 machine
     the machine's own figures, measured the same way by every benchmark
     (:func:`kvlife.bench.limits.machine_figures`: memcpy, raw O_DIRECT write and read of

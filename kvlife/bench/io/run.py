@@ -159,7 +159,7 @@ def _run(config: IOBenchConfig, workdir: Path, peer_error: str) -> dict[str, obj
         "lookup_128_chunks_us": lookup_us,
         "lookup": lookup,
         "diagnostics": {k: v.diagnostics for k, v in summaries.items()},
-        "targets": targets(ratios, lookup_us),
+        "targets": targets(ratios, lookup_us, float(lookup["vs_keys"])),
         "samples_seconds": ctx.samples,
     }
     if not direct:
