@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,25 @@ def test_user_paths_are_reported_beside_their_limit_with_a_target(tmp_path: Path
         assert by_metric[key]["target"] == ">= 0.85"
     text = format_report(doc)
     assert "disk load new arrays" in text and "≥0.85" in text
+
+
+def test_machine_figures_say_how_they_read(tmp_path: Path) -> None:
+    """The machine figures use O_DIRECT exactly where the directory takes it (tmpfs may
+    not: then buffered I/O, and the line says so); the scratch file is removed."""
+    from kvlife.bench.limits import format_machine, machine_figures
+    from kvlife.tiers.disk.fileio import probe_direct_io
+
+    dirs = [tmp_path]
+    if Path("/dev/shm").is_dir():
+        dirs.append(Path(tempfile.mkdtemp(prefix="kvlife-machine-test-", dir="/dev/shm")))
+    try:
+        for where in dirs:
+            fig = machine_figures(where, quick=True, best_of=1)
+            assert_machine_figures({"machine": fig})
+            assert fig["direct_io"] is probe_direct_io(where)
+            label = "raw O_DIRECT" if fig["direct_io"] else "raw buffered"
+            assert label in format_machine(fig)
+            assert list(where.iterdir()) == []
+    finally:
+        for where in dirs[1:]:
+            shutil.rmtree(where, ignore_errors=True)
