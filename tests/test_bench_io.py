@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from kvlife.bench.io import (
     size_label,
 )
 from kvlife.report import format_table
+from tests.helpers.machine import assert_machine_figures
 
 RATIO_KEYS = ("disk_store_vs_raw", "disk_load_vs_raw", "mem_put_vs_memcpy", "mem_get_vs_memcpy")
 USER_PATH_KEYS = ("disk_store_unaligned_vs_raw", "disk_writeback_vs_raw", "disk_load_new_vs_raw")
@@ -54,13 +57,18 @@ def test_quick_run_writes_json_of_the_right_shape(tmp_path: Path, capsys, monkey
             assert _positive_finite(value), (label, key)
     assert _positive_finite(doc["lookup_128_chunks_us"])
     assert doc["lookup"]["chunks"] == 128
+    assert _positive_finite(doc["lookup"]["vs_keys"])
+    assert {t["metric"] for t in doc["targets"]} >= {"lookup_128_chunks_us", "lookup_vs_keys"}
     assert isinstance(doc["direct_io"], bool)
+    assert_machine_figures(doc)
     assert "peers" not in doc
     # the scratch directory is removed afterwards
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".kvlife-bench-io-")]
     printed = capsys.readouterr().out
     assert "disk store (aligned)" in printed and "lookup of a 128-chunk prompt" in printed
     assert "DRAM seal (xxh3-128)" in printed and "demotion (seal verified)" in printed
+    assert "machine: memcpy" in printed and "Python loop" in printed
+    assert "lookup ÷ its chunk keys alone" in printed
 
 
 def test_run_io_bench_returns_the_same_document(tmp_path: Path) -> None:
@@ -134,3 +142,25 @@ def test_user_paths_are_reported_beside_their_limit_with_a_target(tmp_path: Path
         assert by_metric[key]["target"] == ">= 0.85"
     text = format_report(doc)
     assert "disk load new arrays" in text and "≥0.85" in text
+
+
+def test_machine_figures_say_how_they_read(tmp_path: Path) -> None:
+    """The machine figures use O_DIRECT exactly where the directory takes it (tmpfs may
+    not: then buffered I/O, and the line says so); the scratch file is removed."""
+    from kvlife.bench.limits import format_machine, machine_figures
+    from kvlife.tiers.disk.fileio import probe_direct_io
+
+    dirs = [tmp_path]
+    if Path("/dev/shm").is_dir():
+        dirs.append(Path(tempfile.mkdtemp(prefix="kvlife-machine-test-", dir="/dev/shm")))
+    try:
+        for where in dirs:
+            fig = machine_figures(where, quick=True, best_of=1)
+            assert_machine_figures({"machine": fig})
+            assert fig["direct_io"] is probe_direct_io(where)
+            label = "raw O_DIRECT" if fig["direct_io"] else "raw buffered"
+            assert label in format_machine(fig)
+            assert list(where.iterdir()) == []
+    finally:
+        for where in dirs[1:]:
+            shutil.rmtree(where, ignore_errors=True)

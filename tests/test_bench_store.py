@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvlife.bench import concurrency, overlap
+from tests.helpers.machine import assert_machine_figures
 
 
 def test_bench_concurrency_quick_writes_its_json(
@@ -17,9 +18,11 @@ def test_bench_concurrency_quick_writes_its_json(
     out = tmp_path / "c.json"
     argv = ["--quick", "--threads", "1,2", "--dir", str(tmp_path), "--json", str(out)]
     assert concurrency.main(argv) == 0
-    assert "raw GB/s" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "raw GB/s" in printed and "machine: memcpy" in printed
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "concurrency"
+    assert_machine_figures(doc)
     assert set(doc["targets"]) == {"load_vs_raw_min", "lookup_p99_vs_idle_max"}
     assert [p["threads"] for p in doc["points"]] == [1, 2]
     for p in doc["points"]:

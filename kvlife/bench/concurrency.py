@@ -16,6 +16,9 @@ and again for the same time while the probe looks up and one reader loads from d
 lookup P50/P99 during the audit (against idle), the reader's load GB/s and the audit's
 own read rate (issue 18: an audit must run beside serving, never stall it).
 
+The machine's own figures (memcpy, raw O_DIRECT write and read, a Python loop's speed;
+:func:`kvlife.bench.limits.machine_figures`) go beside the ratios, under ``"machine"``.
+
 Targets (issue 8): aggregate load >= 0.85x raw at the same queue depth; lookup P99 with
 I/O in flight <= 2x its idle P99. A benchmark, not a test: it prints a table and writes
 JSON; nothing here asserts speed.
@@ -36,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from kvlife.bench.concurrency_raw import measure_raw_concurrency
+from kvlife.bench.limits import format_machine, machine_figures
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
 from kvlife.report import format_table
 from kvlife.store import KVStore
@@ -63,6 +67,8 @@ class ConcurrencyConfig:
     """Run the writer thread (puts and demotions) beside the readers."""
     directory: Path | None = None
     """Where the store and the raw file live (default: the current directory)."""
+    quick: bool = False
+    """Tiny sizes (tests): the machine figures move an eighth of their bytes too."""
 
 
 @dataclass(slots=True)
@@ -113,6 +119,7 @@ def run_concurrency_bench(cfg: ConcurrencyConfig) -> dict[str, object]:
 
 
 def _run(cfg: ConcurrencyConfig, work: Path) -> dict[str, object]:
+    machine = machine_figures(work, quick=cfg.quick)
     layout = _layout(cfg)
     ident = ModelIdentity("bench", "w", "t", layout)
     chunk = layout.chunk_nbytes
@@ -159,6 +166,7 @@ def _run(cfg: ConcurrencyConfig, work: Path) -> dict[str, object]:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "chunk_bytes": chunk,
         "direct_io": direct,
+        "machine": machine,
         "targets": {"load_vs_raw_min": LOAD_TARGET, "lookup_p99_vs_idle_max": LOOKUP_P99_TARGET},
         "idle_lookup": {"p50_us": _pct(idle, 50), "p99_us": idle_p99, "n": len(idle)},
         "points": [asdict(p) for p in points],
@@ -352,6 +360,9 @@ def format_report(result: dict[str, object]) -> str:
     text = format_table(head, rows)
     text += f"\nidle lookup P50/P99: {idle['p50_us']:.0f} / {idle['p99_us']:.0f} µs"
     text += f"; direct I/O: {result['direct_io']}; chunk bytes {result['chunk_bytes']}"
+    machine = result.get("machine")
+    if isinstance(machine, dict):
+        text += "\n" + format_machine(machine)
     audit = result.get("audit")
     if isinstance(audit, dict):
         text += (
@@ -389,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ConcurrencyConfig(
             threads=threads, tokens_per_chunk=8, chunks_per_prompt=2, prompts_per_thread=2,
             seconds=min(args.seconds, 0.3), raw_file_bytes=8 * MiB, directory=args.dir,
-            writer=not args.no_writer,
+            writer=not args.no_writer, quick=True,
         )  # fmt: skip
     result = run_concurrency_bench(cfg)
     print(format_report(result))

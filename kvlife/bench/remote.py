@@ -5,7 +5,9 @@
 - kvlife's Mooncake tier against the raw Mooncake client's ``put``/``get_batch`` (run
   inside a private network namespace, since Mooncake binds every interface);
 - lookup of a 128-chunk prompt in the global index (median and P99);
-- reads through the fault proxy under each fault: hit ratio, P99, wrong bytes served.
+- reads through the fault proxy under each fault: hit ratio, P99, wrong bytes served;
+- the machine's own figures (memcpy, raw O_DIRECT write and read, a Python loop's
+  speed; :func:`kvlife.bench.limits.machine_figures`), under ``"machine"``.
 
 Every server is started here on 127.0.0.1 and stopped by PID.
 """
@@ -27,6 +29,7 @@ from typing import Any
 import blake3
 import numpy as np
 
+from kvlife.bench.limits import format_machine, machine_figures
 from kvlife.core.identity import ChunkKey
 from kvlife.faults.proxy import Fault, FaultProxy
 from kvlife.globalindex import IndexConfig
@@ -452,11 +455,13 @@ def run_remote_bench(quick: bool = False, reps: int = 3) -> dict[str, Any]:
     total = 4 * MiB if quick else 64 * MiB
     reps = 1 if quick else reps
     work = Path(tempfile.mkdtemp(prefix="kvlife-bench-remote-"))
+    machine = machine_figures(work, quick=quick)
     server = RedisServer(work).start()
     try:
         result: dict[str, Any] = {
             "bench": "remote",
             "quick": quick,
+            "machine": machine,
             "redis": _redis_section(server, sizes, total, reps),
             "redis_raw_calls": REDIS_RAW_CALLS,
             "lookup": _lookup_section(server, 20 if quick else 200),
@@ -526,6 +531,7 @@ def _table(result: dict[str, Any]) -> str:
                 f"                  {ba['raw_put_gbps']:6.2f} / {ba['raw_get_gbps']:6.2f} "
                 f"({ba['put_ratio']:4.2f} / {ba['get_ratio']:4.2f})"
             )
+    lines.append(format_machine(result["machine"]))
     lk = result["lookup"]
     lines.append(
         f"lookup of a {lk['chunks']}-chunk prompt: median {lk['median_ms']:.2f} ms, "

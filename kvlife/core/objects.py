@@ -271,6 +271,10 @@ class Replica:
     """Loads reading this replica right now; a pinned replica is never an eviction victim."""
     noted: bool = False
     """Its transform is unknown to this reader and that was explained once (an event)."""
+    served: object = field(default=None, compare=False, repr=False)
+    """The lookup hit last answered from this replica (a frozen ChunkHit), reused by the
+    next lookup of the same chunk at the same position while it still says the same
+    (kvlife.store.reads: a lookup builds no hit record per chunk that it built before)."""
 
     @property
     def readable(self) -> bool:

@@ -94,6 +94,10 @@ class ObjectIndex:
     def get(self, key: ChunkKey) -> ObjectRecord | None:
         return self._records.get(key)
 
+    def get_many(self, keys: Iterable[ChunkKey]) -> list[ObjectRecord | None]:
+        """``get`` of every key, in order, in one C-level pass (a lookup's probe)."""
+        return list(map(self._records.get, keys))
+
     def __contains__(self, key: object) -> bool:
         return key in self._records
 

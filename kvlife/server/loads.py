@@ -12,7 +12,8 @@ lookup's hints) or into shared buffers, releases, and the shared buffers themsel
       copied here); the reply grants nothing.
    b. by *grant*: the grant is charged first (every chunk at the layout's size); the
       store loads the hits, DRAM hits as views of their replicas, disk hits read into
-      fresh arena extents in chunk order with :data:`STREAM_BYTES_IN_FLIGHT` in flight.
+      fresh arena extents in chunk order with :data:`STREAM_BYTES_IN_FLIGHT` in flight
+      (at least two chunks, so that a chunk's checksum overlaps the next read).
       With ``stream``, each disk chunk's (offset, dtype, shape) goes out in a partial
       reply as soon as it and every chunk before it verified. Leading chunks whose
       replica is the very extent the client's ``hints`` named (same offset, same
@@ -47,7 +48,8 @@ from kvlife.store.api import LoadProgress
 from kvlife.transforms.contract import Accept
 
 STREAM_BYTES_IN_FLIGHT = 2 << 20
-"""Bytes of disk reads a streamed load keeps in flight (at least one chunk)."""
+"""Bytes of disk reads a streamed load keeps in flight (at least two chunks: the
+checksum of one overlaps the read of the next)."""
 
 
 @dataclass(slots=True)
@@ -94,23 +96,26 @@ class Loads:
             extra_keys=p.extra_keys,
             **opts,
         )
-        names = list(ctx.store.tier_names)
+        number = {name: i for i, name in enumerate(ctx.store.tier_names)}
         shm = ctx.shm
+        hint, dram = shm.hint, shm.name
+        hits = res.hits
         hints: list[int] = []
-        for h in res.hits:
-            where = shm.hint(h.key) if h.tier == shm.name else None
-            hints += where if where is not None else (0, 0)
+        add = hints.extend
+        for h in hits:
+            where = hint(h.key) if h.tier == dram else None
+            add(where if where is not None else (0, 0))
         return {
-            "keys": b"".join(h.key for h in res.hits),
+            "keys": b"".join([h.key for h in hits]),
             # where each DRAM hit lies now (offset, generation; 0, 0 for other tiers): a
             # load may copy from there at once and have the server confirm it
             "hints": hints,
-            "tiers": [names.index(h.tier) for h in res.hits],
+            "tiers": [number[h.tier] for h in hits],
             "chunks_total": res.chunks_total,
             # each hit's representation: what it will serve and what decoding it costs
             "forms": [
                 [h.transform, h.exactness, h.stored_nbytes, h.decode_nbytes, h.decode_seconds]
-                for h in res.hits
+                for h in hits
             ],
             "refusal": res.refusal,
         }
@@ -218,8 +223,10 @@ class Loads:
                 for k in keys
             ]
             # reads in chunk order, few in flight: the client copies chunk i out of the
-            # arena while chunk i + 1 is read (all at once they would finish together)
-            depth = max(1, STREAM_BYTES_IN_FLIGHT // layout.chunk_nbytes)
+            # arena while chunk i + 1 is read (all at once they would finish together);
+            # never fewer than two, so that the checksum of chunk i runs while chunk
+            # i + 1 is read (one at a time, read and checksum ran one after the other)
+            depth = max(2, STREAM_BYTES_IN_FLIGHT // layout.chunk_nbytes)
             handle = store.load_async(lookup, outs, request_id=request_id, depth=depth)  # type: ignore[arg-type]
             streamed = self._stream(handle) if args.get("stream") else []
             res = handle.wait()

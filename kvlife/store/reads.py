@@ -1,6 +1,12 @@
 """Reads: lookups, verified loads (synchronous and asynchronous, with per-chunk
 completion) and promotion of hits into the first tier, off the caller's path.
 
+A lookup is one pass over the prompt under the store lock: one probe of the index for
+every key, and the common chunk (a READY exact replica first in chain order) answered
+without the general path, by the hit record its replica answered last time when that
+record still holds (:meth:`Reader._leading_hits`); the answers are the general path's,
+hit for hit.
+
 A load pins the replica of each hit under the index lock, reads without the lock, then
 publishes under it: a chunk whose object was invalidated or evicted meanwhile is a miss
 (``vanished``), a corrupt replica invalidates its object, an I/O error is a miss that
@@ -41,7 +47,15 @@ from kvlife.core.errors import (
 )
 from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import Move, ObjectState
-from kvlife.core.objects import ObjectRecord, PromptRef, Replica, Representation, TierName
+from kvlife.core.objects import (
+    EXACT,
+    ObjectRecord,
+    PromptRef,
+    Replica,
+    ReplicaState,
+    Representation,
+    TierName,
+)
 from kvlife.results import ChunkHit, LoadResult, LookupResult
 from kvlife.store import args
 from kvlife.store.core import Bound, Serving, StoreCore
@@ -57,6 +71,8 @@ Outcome = ReadResult | ReplicaNotFound | UnknownTransform | StoreClosedError
 store closed first)."""
 
 INDEXED = ObjectState.INDEXED
+READY = ReplicaState.READY
+EVICTING = ReplicaState.EVICTING
 
 
 @dataclass(slots=True)
@@ -316,25 +332,10 @@ class Reader:
             raise InvalidArgument(f"accept must be an Accept, got {type(accept).__name__}")
         keys = prompt.keys()
         n = prompt.tokens_per_chunk
-        start = prompt.start
-        hits: list[ChunkHit] = []
-        refusal = ""
         with core.lock:
             doomed = core.reap_lost()
-            get = core.index.get
-            rates = core.decode_rates
-            for i, key in enumerate(keys):
-                rec = get(key)
-                if rec is None or rec.state is not INDEXED:
-                    break
-                got = core.serving(rec, accept)
-                if got.unknown:
-                    self._explain_unknown(rec, got)
-                if got.tier is None or got.replica is None:
-                    refusal = got.refused
-                    break
-                hits.append(_hit(i, key, start + i * n, got, rec, rates))
-            core.placement.touch_hits([h.key for h in hits], [h.tier for h in hits])
+            hits, tiers, refusal = self._leading_hits(keys, prompt.start, n, accept)
+            core.placement.touch_hits(keys[: len(hits)], tiers)
             core.counters.lookups += 1
             core.counters.lookup_chunks_hit += len(hits)
             core.counters.lookup_chunks_miss += len(keys) - len(hits)
@@ -344,6 +345,66 @@ class Reader:
         # a shared tier: global invalidations, and other hosts' KV where the run ended
         hits = consult_shared(core, prompt, keys, hits, accept, _hit)
         return LookupResult(hits, len(keys), n, accept, int(bool(refusal)), refusal)
+
+    def _leading_hits(
+        self, keys: list[ChunkKey], start: int, n: int, accept: Accept
+    ) -> tuple[list[ChunkHit], list[TierName], str]:
+        """The hits of the prompt's leading indexed chunks, the tier of each, and why the
+        run ended if a chunk's replicas were refused (under the store lock).
+
+        One pass: the index is probed for every key at once (a C-level map of dict
+        lookups), and a chunk whose first readable replica in chain order is READY and
+        exact (what :meth:`StoreCore.serving` answers for it whatever ``accept``: an
+        exact replica is taken by every Accept) is served from it without the general
+        path; its hit record is the one the replica answered last time when that one
+        still says the same chunk, position, tier and size (hits are frozen), else a new
+        one kept on the replica. Anything else (an EVICTING replica first, a transformed
+        one, none readable) goes through ``serving`` as before: the same answers, hit
+        for hit.
+        """
+        core = self.core
+        chain = [t.name for t in core.chain]
+        rates = core.decode_rates
+        hits: list[ChunkHit] = []
+        tiers: list[TierName] = []
+        add_hit, add_tier = hits.append, tiers.append
+        for i, rec in enumerate(core.index.get_many(keys)):
+            if rec is None or rec.state is not INDEXED:
+                break
+            reps = rec.replicas
+            rep: Replica | None = None
+            for name in chain:
+                rep = reps.get(name)
+                if rep is not None and (rep.state is READY or rep.state is EVICTING):
+                    break
+            else:
+                rep = None
+            pos = start + i * n
+            if (
+                rep is not None
+                and rep.state is READY
+                and (rep.transform is EXACT or rep.transform.exact)
+            ):
+                h = rep.served
+                if (
+                    type(h) is not ChunkHit
+                    or h.index != i
+                    or h.start != pos
+                    or h.tier != name
+                    or h.stored_nbytes != rep.nbytes
+                ):
+                    h = rep.served = ChunkHit(i, rec.key, pos, name, stored_nbytes=rep.nbytes)
+                add_hit(h)
+                add_tier(name)
+                continue
+            got = core.serving(rec, accept)
+            if got.unknown:
+                self._explain_unknown(rec, got)
+            if got.tier is None or got.replica is None:
+                return hits, tiers, got.refused
+            add_hit(_hit(i, rec.key, pos, got, rec, rates))
+            add_tier(got.tier)
+        return hits, tiers, ""
 
     def _explain_unknown(self, rec: ObjectRecord, got: Serving) -> None:
         """Count and explain (once per replica) replicas whose transform is unknown."""

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from kvlife.cli import main
+from tests.helpers.machine import assert_machine_figures
 
 
 def test_bench_remote_quick_writes_its_json(tmp_path: Path) -> None:
@@ -14,6 +15,7 @@ def test_bench_remote_quick_writes_its_json(tmp_path: Path) -> None:
     assert main(["bench", "remote", "--quick", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["bench"] == "remote" and data["quick"] is True
+    assert_machine_figures(data)
     row_keys = {
         "size",
         "objects",

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.machine import assert_machine_figures
 from tests.server.conftest import ROOT, child_env
 
 
@@ -34,7 +35,9 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "lookup of a 16-chunk prompt" in proc.stdout and "aggregate GB/s" in proc.stdout
+    assert "machine: memcpy" in proc.stdout
     r = json.loads(out.read_text())
+    assert_machine_figures(r)
     assert set(r) >= {
         "config",
         "lookup",

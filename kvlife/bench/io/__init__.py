@@ -23,7 +23,13 @@ kvlife
     come from memory recycled when earlier results were garbage collected, so the
     first repetition pays fresh pages and later ones do not; the first one is reported
     apart); plus the time of :meth:`~kvlife.store.KVStore.lookup` of a 128-chunk
-    prompt, BLAKE3 chunk keys included;
+    prompt, BLAKE3 chunk keys included, and its ratio to the keys alone (timed in
+    turn, paired per iteration; target <= 1.5: a lookup adds at most half its keys);
+machine
+    the machine's own figures, measured the same way by every benchmark
+    (:func:`kvlife.bench.limits.machine_figures`: memcpy, raw O_DIRECT write and read of
+    64 MiB in 4 MiB calls, a Python loop's speed), so that two machines' ratios can
+    be compared;
 diagnostics
     copy into freshly allocated arrays vs memcpy: the first-touch page-fault cost that
     any path allocating per object pays; the seal alone (xxh3-128 of the batch) against

@@ -6,11 +6,13 @@ from __future__ import annotations
 from kvlife.bench.io.config import (
     DISK_TARGET,
     LOOKUP_TARGET_US,
+    LOOKUP_VS_KEYS_TARGET,
     MEM_TARGET,
     TARGET_MIN_BYTES,
     USER_PATH_TARGET,
     parse_size,
 )
+from kvlife.bench.limits import format_machine
 from kvlife.report import format_table
 
 _ROWS = (
@@ -125,6 +127,11 @@ def format_report(result: dict[str, object]) -> str:
         f"{lookup['tokens_as_list_median_us']:.0f} µs. Target ≤{LOOKUP_TARGET_US:.0f} µs: "
         + ("met" if us <= LOOKUP_TARGET_US else "NOT met")
     )
+    vs_keys = float(lookup["vs_keys"])
+    lines.append(
+        f"lookup ÷ its chunk keys alone (paired per iteration): {vs_keys:.2f}. Target "
+        f"≤{LOOKUP_VS_KEYS_TARGET:g}: " + ("met" if vs_keys <= LOOKUP_VS_KEYS_TARGET else "NOT met")
+    )
     zc = ", ".join(f"{label} {kv[label]['mem_get_zero_copy_us_per_object']:.2f}" for label in kv)
     lines.append(f"mem get zero-copy (read-only view), µs per object: {zc}")
     diag = result["diagnostics"]
@@ -158,6 +165,9 @@ def format_report(result: dict[str, object]) -> str:
         f"{'on' if direct else 'OFF'}; batch {cfg['batch']}, median of {cfg['repeat']} "
         "paired repetitions; GB/s = 1e9 B/s"
     )
+    machine = result.get("machine")
+    if isinstance(machine, dict):
+        lines.append(format_machine(machine))
     for note in result.get("notes", []) or []:  # type: ignore[attr-defined]
         lines.append(f"note: {note}")
     return "\n".join(lines)

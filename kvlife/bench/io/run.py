@@ -18,6 +18,7 @@ from kvlife.bench.io.config import SCHEMA_VERSION, GiB, IOBenchConfig, MiB, size
 from kvlife.bench.io.datapath import DataPathRun, bench_size
 from kvlife.bench.io.lookup import bench_lookup
 from kvlife.bench.io.summary import SizeSummary, summarise, targets
+from kvlife.bench.limits import machine_figures
 from kvlife.bench.peer_lmcache import LMCacheDiskPeer, PeerUnavailable, check_available
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
 from kvlife.tiers.disk.fileio import probe_direct_io
@@ -103,6 +104,7 @@ def _run(config: IOBenchConfig, workdir: Path, peer_error: str) -> dict[str, obj
     )
     ctx = DataPathRun(config, store_dir, direct, disk, np.random.default_rng(20240611), bar)
     summaries: dict[str, SizeSummary] = {}
+    machine = machine_figures(store_dir.parent, quick=config.quick)
     try:
         if use_peer:
             ctx.peer = LMCacheDiskPeer(
@@ -150,13 +152,14 @@ def _run(config: IOBenchConfig, workdir: Path, peer_error: str) -> dict[str, obj
             "transparent_hugepages": _read_text("/sys/kernel/mm/transparent_hugepage/enabled"),
         },
         "direct_io": direct,
+        "machine": machine,
         "limits": {k: v.limits for k, v in summaries.items()},
         "kvlife": {k: v.kvlife for k, v in summaries.items()},
         "ratios": ratios,
         "lookup_128_chunks_us": lookup_us,
         "lookup": lookup,
         "diagnostics": {k: v.diagnostics for k, v in summaries.items()},
-        "targets": targets(ratios, lookup_us),
+        "targets": targets(ratios, lookup_us, float(lookup["vs_keys"])),
         "samples_seconds": ctx.samples,
     }
     if not direct:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from kvlife.bench.io.config import (
     DISK_TARGET,
     LOOKUP_TARGET_US,
+    LOOKUP_VS_KEYS_TARGET,
     MEM_TARGET,
     TARGET_MIN_BYTES,
     USER_PATH_TARGET,
@@ -103,7 +104,9 @@ def summarise(size: int, n: int, s: dict[str, list[float]]) -> SizeSummary:
     )
 
 
-def targets(ratios: dict[str, dict[str, float]], lookup_us: float) -> list[dict[str, object]]:
+def targets(
+    ratios: dict[str, dict[str, float]], lookup_us: float, lookup_vs_keys: float
+) -> list[dict[str, object]]:
     out: list[dict[str, object]] = []
     for label, r in ratios.items():
         if parse_size(label) < TARGET_MIN_BYTES:
@@ -133,6 +136,15 @@ def targets(ratios: dict[str, dict[str, float]], lookup_us: float) -> list[dict[
             "value": lookup_us,
             "target": f"<= {LOOKUP_TARGET_US:g}",
             "met": lookup_us <= LOOKUP_TARGET_US,
+        }
+    )
+    out.append(
+        {
+            "metric": "lookup_vs_keys",
+            "size": None,
+            "value": lookup_vs_keys,
+            "target": f"<= {LOOKUP_VS_KEYS_TARGET:g}",
+            "met": lookup_vs_keys <= LOOKUP_VS_KEYS_TARGET,
         }
     )
     return out

@@ -12,7 +12,9 @@ store and the machine's limits, measured in the same run.
   each client's P99;
 - the DRAM load again from a server run with ``--verify-dram-on-load`` (every chunk
   checked against its replica's xxh3-128 seal): what that setting costs. Puts seal every
-  chunk they adopt (one xxh3-128 each), which the put points include.
+  chunk they adopt (one xxh3-128 each), which the put points include;
+- the machine's own figures (memcpy, raw O_DIRECT write and read, a Python loop's
+  speed; :func:`kvlife.bench.limits.machine_figures`), under ``"machine"``.
 
 Targets (issue 10): lookup <= 2x in-process (median and P99); DRAM load >= 0.8x memcpy,
 disk load >= 0.85x raw; put >= 0.8x memcpy, write-through put >= 0.85x raw. A benchmark,

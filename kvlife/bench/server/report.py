@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvlife.bench.limits import format_machine
 from kvlife.report import format_table
 
 
@@ -95,6 +96,8 @@ def format_report(r: dict[str, Any]) -> str:
     cpus = r["config"]["server_cpus"]
     where = f"server on CPU {cpus}, client on {r['config']['client_cpus']}" if cpus else "no"
     lines.append(f"pinning: {where}")
+    if "machine" in r:
+        lines.append(format_machine(r["machine"]))
     lines.append(_peer_report(r))
     return "\n".join(lines)
 

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvlife.bench.limits import machine_figures
 from kvlife.bench.server.config import TARGETS, MiB, ServerBenchConfig
 from kvlife.bench.server.loads import bench_load, bench_verified
 from kvlife.bench.server.lookup import bench_lookup
@@ -67,6 +68,7 @@ def _points(
     result: dict[str, Any] = {"config": asdict(cfg), "note": ""}
     result["config"]["directory"] = str(base)
     result["config"]["shm_dir"] = str(shm)
+    result["machine"] = machine_figures(work, quick=cfg.quick)
     result["shm_huge_pages"] = huge_pages(shm)
     result["lookup"] = bench_lookup(cfg, work, remote)
     result["load_dram"] = [
