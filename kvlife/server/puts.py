@@ -110,7 +110,7 @@ class Puts:
 
     def prepare_put(self, args: dict[str, Any]) -> object:
         ctx = self.ctx
-        p = ctx.prompt(args)
+        p = ctx.prompt(args, write=True)
         layout = p.identity.layout
         ctx.fits(layout)
         nchunks = len(p.tokens) // layout.tokens_per_chunk
@@ -299,7 +299,7 @@ class Puts:
 
     def _begin_staged(self, args: dict[str, Any]) -> _Staged:
         ctx = self.ctx
-        p = ctx.prompt(args)
+        p = ctx.prompt(args, write=True)
         layout = p.identity.layout
         ids = args["staged"]
         nchunks = len(p.tokens) // layout.tokens_per_chunk
