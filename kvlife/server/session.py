@@ -191,7 +191,7 @@ class Session:
             "info": self.info,
             "counters": self.counters,
             "check": self.check,
-            "state": lambda a: server.snapshot(),
+            "state": self.state,
         }
 
     def handle(self, verb: str, args: dict[str, Any], rid: int = 0) -> object:
@@ -330,6 +330,12 @@ class Session:
         if tenancy is not None:
             out["principals"] = tenancy.counters.every()
         return out
+
+    def state(self, args: dict[str, Any]) -> object:
+        """Leases and arena figures; a tenant's (not an admin's) own sessions only."""
+        if self.server.tenancy is not None and not self.ctx.tenant().admin:
+            return self._tenant_info()["server"]
+        return self.server.snapshot()
 
     def _tenant_info(self) -> dict[str, Any]:
         principal = self.ctx.tenant()

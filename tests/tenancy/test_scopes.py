@@ -43,7 +43,7 @@ def test_a_name_is_accepted_exactly_when_it_has_no_separator_or_control(name: st
         assert check_name("name", name) == name
 
 
-@given(st.text(min_size=1, max_size=20), st.sampled_from(list(SEPARATORS) + ["\x7f", "\x1b"]))
+@given(st.text(min_size=1, max_size=20), st.sampled_from([*SEPARATORS, "\x7f", "\x1b"]))
 @settings(max_examples=200, deadline=None)
 def test_a_request_id_with_a_separator_or_control_is_refused(prefix: str, bad: str) -> None:
     scopes = Scopes(SECRET)
