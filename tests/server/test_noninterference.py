@@ -33,7 +33,7 @@ import msgpack
 
 from kvlife.core.errors import KVLifeError
 from kvlife.core.identity import PUBLIC, Namespace, NamespaceKind, prompt_chunk_keys
-from kvlife.core.objects import PromptRef
+from kvlife.core.objects import PromptRef, TierName
 from kvlife.results import ChunkHit, LookupResult
 from kvlife.server import protocol
 from kvlife.tenancy import Principal, Scopes
@@ -129,7 +129,9 @@ def _world(base: Path, alice_stores_secret: bool) -> tuple[list[Any], list[Any],
             for ns_text in ("user", "organisation", "request:q"):
                 keys = prompt_chunk_keys(IDENT, scopes.named(ALICE, ns_text), p["secret"][0])
                 stolen = LookupResult(
-                    [ChunkHit(i, k, 16 * i, "dram") for i, k in enumerate(keys)], len(keys), 16
+                    [ChunkHit(i, k, 16 * i, TierName("dram")) for i, k in enumerate(keys)],
+                    len(keys),
+                    16,
                 )
                 got = bob.load(stolen)
                 seen.append(["stolen", ns_text, got.loaded, len(got.arrays)])
