@@ -23,6 +23,7 @@ from kvlife.core.objects import PromptRef
 from kvlife.results import LookupResult
 from kvlife.server import protocol
 from kvlife.server.limits import Account, Charge
+from kvlife.tenancy.policy import WITHHELD
 from kvlife.tenancy.principals import REFUSED, Principal
 
 if TYPE_CHECKING:
@@ -182,6 +183,17 @@ class SessionContext:
                 break
         assert best is not None
         return best
+
+    def visible(self, key: ChunkKey) -> ChunkKey:
+        """``key``, or :data:`~kvlife.tenancy.policy.WITHHELD` (a key no chunk has) when
+        it is the key of an object the session's principal may not read: whatever the
+        store does with it then (is it live?) answers as for a key not stored."""
+        if self.tenancy is None:
+            return key
+        (stored,) = self.store.namespaces_of([key])
+        if stored is None or self.tenancy.scopes.may_read(self.tenant(), stored):
+            return key
+        return WITHHELD
 
     def chunks(self, n: int) -> None:
         """``n`` chunks in one request, within ``--max-chunks``."""

@@ -150,6 +150,9 @@ class ServerState:
         }
 
 
+_OWN_PREFIX = "a tenant's prefix invalidation names the key of a stored chunk it may read"
+
+
 class Session:
     """One connection's verbs: the load protocol (:class:`~kvlife.server.loads.Loads`)
     and the put protocol (:class:`~kvlife.server.puts.Puts`) over one shared
@@ -293,8 +296,11 @@ class Session:
     def invalidate(self, args: dict[str, Any]) -> object:
         """The store's invalidation. With principals, a tenant's covers one namespace
         it may write (named: NotPermitted without one, since a count over others'
-        objects would reveal them); an admin names any namespace in full
-        (``user:bob``), or none."""
+        objects would reveal them), and its prefix must be the key of a stored object
+        it may read (NotPermitted, one message, for any other key: a prefix
+        invalidation follows the chain of chunks after the key, and the chain through
+        another tenant's chunks would tell whether they are stored); an admin names any
+        namespace in full (``user:bob``), or none."""
         ns = args.get("namespace")
         prefix = args.get("prefix")
         namespace = protocol.decode_namespace(ns) if ns is not None else None
@@ -308,6 +314,10 @@ class Session:
                         "invalidate across namespaces)"
                     )
                 namespace = self.ctx.namespace(ns, write=True)
+                if prefix is not None:
+                    (stored,) = self.server.store.namespaces_of([ChunkKey(prefix)])
+                    if stored is None or not tenancy.scopes.may_read(principal, stored):
+                        raise NotPermitted(_OWN_PREFIX)
             elif namespace is not None:
                 namespace = Namespace(namespace.kind, namespace.name, tenancy.scopes.secret)
         return self.server.store.invalidate(

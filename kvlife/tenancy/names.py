@@ -18,8 +18,8 @@ MAX_NAME = 128
 """Longest name (characters)."""
 
 NAME_PATTERN = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9_.@+=-]{{0,{MAX_NAME - 1}}}")
-"""What a name may be: ASCII letters, digits and ``_ . @ + = -``, not starting with a
-dot or a dash (no path or option look-alikes)."""
+"""What a name may be: ASCII letters, digits and ``_ . @ + = -``, starting with a letter,
+digit or ``_`` (no path or option look-alikes)."""
 
 REQUEST_SEPARATOR = "/"
 """Joins a principal's name and a request id into a request namespace's name."""
@@ -34,7 +34,7 @@ def check_name(what: str, name: object) -> str:
         shown = ascii(name[:64])
         raise InvalidArgument(
             f"{what} {shown} is not a valid name: 1..{MAX_NAME} of ASCII letters, digits "
-            "and _ . @ + = - (no separators, whitespace or control characters; not "
-            "starting with . or -)"
+            "and _ . @ + = -, starting with a letter, digit or _ (no separators, "
+            "whitespace or control characters)"
         )
     return name

@@ -5,8 +5,13 @@ tenant bob is the same in both.
 bob observes everything a tenant can: lookups of the secret prompt (and of a prompt
 sharing its first chunks) in every scope he may name, of his own and public prompts,
 loads of what they found, a load of alice's very keys (the test computes them with the
-store's secret, which no client has), his put of the secret prompt itself, the errors of
-forbidden requests, ``info``, ``counters`` and ``state``, and his invalidation's count.
+store's secret, which no client has), a put chained after alice's last chunk (the wire's
+``chained`` stores nothing when its parent is gone), a prompt put after alice's second
+chunk and a prefix invalidation from her first (the store follows chains), his put of
+the secret prompt itself, the errors of forbidden requests, ``info``, ``counters`` and
+``state``, and his invalidation's count. The chained put and the prefix invalidation
+were oracles until this test found them (each failed it; fixed in
+:meth:`kvlife.server.context.SessionContext.visible` and ``Session.invalidate``).
 The worlds share the store's secret (the same file in both store directories), so
 keys are comparable.
 
@@ -32,7 +37,7 @@ from typing import Any
 import msgpack
 
 from kvlife.core.errors import KVLifeError
-from kvlife.core.identity import PUBLIC, Namespace, NamespaceKind, prompt_chunk_keys
+from kvlife.core.identity import PUBLIC, ChunkKey, Namespace, NamespaceKind, prompt_chunk_keys
 from kvlife.core.objects import PromptRef, TierName
 from kvlife.results import ChunkHit, LookupResult
 from kvlife.server import protocol
@@ -58,6 +63,7 @@ def _prompts() -> dict[str, Any]:
         "bob_org": prompt_kv(103, 64),
         "public": prompt_kv(104, 64),
         "alice_other": prompt_kv(105, 64),
+        "bob_tail": prompt_kv(106, 64),
     }
 
 
@@ -76,22 +82,43 @@ def _error(call: Any) -> Any:
     return ["ok", out]
 
 
+def _call(s: socket.socket, rid: int, verb: str, args: dict[str, Any]) -> Any:
+    s.sendall(protocol.pack([rid, verb, args]))
+    body = protocol.recv_frame(s)
+    assert body is not None
+    reply = msgpack.unpackb(body, raw=False)
+    assert reply[1] is True, reply
+    return reply[2]
+
+
+def _as_bob(sock_path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(str(sock_path))
+    _call(s, 1, "hello", {"version": protocol.PROTOCOL_VERSION, "token": TOKENS["bob"]})
+    return s
+
+
 def _raw_lookup(sock_path: Path, ns: Namespace, tokens: Any) -> dict[str, Any]:
     """bob's lookup as the wire answers it (every field)."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(30)
-        s.connect(str(sock_path))
-        hello = {"version": protocol.PROTOCOL_VERSION, "token": TOKENS["bob"]}
-        s.sendall(protocol.pack([1, "hello", hello]))
-        protocol.recv_frame(s)
-        args = protocol.encode_prompt(PromptRef(IDENT, ns, tokens))
-        s.sendall(protocol.pack([2, "lookup", args]))
-        body = protocol.recv_frame(s)
-        assert body is not None
-        reply = msgpack.unpackb(body, raw=False)
-        assert reply[1] is True, reply
-        out: dict[str, Any] = reply[2]
+    with _as_bob(sock_path) as s:
+        out: dict[str, Any] = _call(
+            s, 2, "lookup", protocol.encode_prompt(PromptRef(IDENT, ns, tokens))
+        )
         return out
+
+
+def _chained_put(sock_path: Path, tokens: Any, parent: bytes) -> list[Any]:
+    """bob's put chained after ``parent`` (the wire's ``chained``: it stores nothing if
+    its parent is gone), prepared and committed; the arena offsets of its extents left
+    out (they are addresses: see the module docstring)."""
+    with _as_bob(sock_path) as s:
+        prompt = PromptRef(IDENT, USER["bob"], tokens, parent=ChunkKey(parent))
+        args = protocol.encode_prompt(prompt)
+        prepared = _call(s, 2, "prepare_put", {**args, "chained": True})
+        slots = prepared.pop("slots")
+        committed = _call(s, 3, "commit_put", {"put": prepared.pop("put")})
+        return [prepared, [i for i, _ in slots], committed]
 
 
 def _world(base: Path, alice_stores_secret: bool) -> tuple[list[Any], list[Any], int]:
@@ -135,6 +162,17 @@ def _world(base: Path, alice_stores_secret: bool) -> tuple[list[Any], list[Any],
                 )
                 got = bob.load(stolen)
                 seen.append(["stolen", ns_text, got.loaded, len(got.arrays)])
+            # a put chained after alice's last chunk of the secret: whether it is live
+            # must not show in what the put stores
+            keys = prompt_chunk_keys(IDENT, scopes.named(ALICE, "user"), p["secret"][0])
+            seen.append(_chained_put(srv.socket, p["bob_tail"][0], keys[-1]))
+            # bob's prompt put after alice's second chunk, then invalidated from her
+            # first: the chain between them is alice's, and must not be followed
+            tail2, tail2_kv = prompt_kv(107, 64)
+            after = bob.put_prompt(IDENT, USER["bob"], tail2, tail2_kv, start=32, parent=keys[1])
+            seen.append(["after", after.stored, [k.hex() for k in after.keys]])
+            seen.append(_error(lambda: bob.invalidate(namespace=USER["bob"], prefix=keys[0])))
+            seen.append(len(bob.lookup(IDENT, USER["bob"], tail2, start=32, parent=keys[1]).hits))
             # forbidden requests
             secret_tokens, secret_kv = p["secret"]
             seen.append(_error(lambda: bob.put_prompt(IDENT, USER["alice"], *p["secret"])))

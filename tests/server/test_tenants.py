@@ -144,20 +144,28 @@ def test_store_wide_verbs_are_an_admins_and_figures_are_per_principal(
         with pytest.raises(NotPermitted):  # a count over everyone's objects: refused
             bob.invalidate(weights_digest="w0")
         assert bob.invalidate(namespace=USER["bob"]) == 0
+        # a prefix must be a stored chunk bob may read: alice's or an unknown key alike
+        alices = alice.lookup(IDENT, USER["alice"], tokens).hits[0].key
+        for key in (alices, bytes(32)):
+            with pytest.raises(NotPermitted) as err:
+                bob.invalidate(namespace=USER["bob"], prefix=key)
+            assert "may read" in str(err.value)
+        own = bob.put_prompt(IDENT, USER["bob"], tokens, kv).keys
+        assert bob.invalidate(namespace=USER["bob"], prefix=own[2]) == 2
         mine = alice.counters
         assert (mine.puts, mine.chunks_stored, mine.lookups, mine.lookup_chunks_hit) == (
             1,
             4,
-            1,
-            4,
+            2,
+            8,
         )
         theirs = bob.info()
-        assert theirs.objects_by_state == {} and theirs.counters["chunks_stored"] == 0
+        assert theirs.objects_by_state == {} and theirs.counters["chunks_stored"] == 4
         assert all(t.used_bytes == 0 and "withheld" in t.details for t in theirs.tiers)
         full = root.server_info()
-        assert full["objects_by_state"]["indexed"] == 4
+        assert full["objects_by_state"]["indexed"] == 6
         assert full["principals"]["alice"]["chunks_stored"] == 4
-        assert root.counters.chunks_stored == 4
+        assert root.counters.chunks_stored == 8
         root.flush()
         # an admin names any namespace in full
         assert root.invalidate(namespace=USER["alice"]) == 4

@@ -32,7 +32,7 @@ def test_a_name_is_accepted_exactly_when_it_has_no_separator_or_control(name: st
     bad = (
         not name
         or len(name) > 128
-        or name[0] in ".-"
+        or not (name[0].isalnum() or name[0] == "_")
         or any(c in SEPARATORS or not c.isascii() or not c.isprintable() for c in name)
         or not all(c.isalnum() or c in "_.@+=-" for c in name)
     )
