@@ -25,7 +25,7 @@ from kvlife.core.errors import (
     NotPermitted,
     ProtocolError,
 )
-from kvlife.core.identity import PUBLIC, Namespace, NamespaceKind
+from kvlife.core.identity import PUBLIC, ChunkKey, Namespace, NamespaceKind
 from kvlife.results import LookupResult
 from kvlife.tenancy.principals import REFUSED
 from kvlife.tenancy.secret import SECRET_FILE
@@ -146,7 +146,7 @@ def test_store_wide_verbs_are_an_admins_and_figures_are_per_principal(
         assert bob.invalidate(namespace=USER["bob"]) == 0
         # a prefix must be a stored chunk bob may read: alice's or an unknown key alike
         alices = alice.lookup(IDENT, USER["alice"], tokens).hits[0].key
-        for key in (alices, bytes(32)):
+        for key in (alices, ChunkKey(bytes(32))):
             with pytest.raises(NotPermitted) as err:
                 bob.invalidate(namespace=USER["bob"], prefix=key)
             assert "may read" in str(err.value)
