@@ -13,6 +13,10 @@ Canonical encoding of a chunk key (all integers little-endian)::
     | parent key (32, zeros for the first chunk) | start position (u64)
     | token count (u32) | token ids (u32 each) | extra-key count (u32)
     | per extra key: length (u32) + bytes
+
+The namespace salt is BLAKE3 of ``msgpack(["kvlife.namespace.v1", kind, name])``; on a
+server with principals it is BLAKE3 in keyed mode over the same bytes, keyed with the
+store's secret (:attr:`Namespace.salt_key`), so no client can compute it.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ import os
 import stat
 from pathlib import Path
 
+import blake3
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -91,6 +93,16 @@ def test_scopes_are_the_principals_own_and_keyed() -> None:
     assert keys != prompt_chunk_keys(
         IDENTITY, Namespace(NamespaceKind.USER, "alice"), list(range(64))
     )
+
+
+def test_the_keyed_salt_is_blake3_keyed_over_the_v1_encoding() -> None:
+    """Rebuilt independently of kvlife.core.identity (a change of format fails here)."""
+    encoded = msgpack.packb(["kvlife.namespace.v1", "user", "alice"])
+    want = blake3.blake3(encoded, key=SECRET).digest()
+    assert Scopes(SECRET).named(ALICE, "user").salt == want
+    assert Namespace(NamespaceKind.USER, "alice").salt == blake3.blake3(encoded).digest()
+    with pytest.raises(InvalidArgument):
+        Namespace(NamespaceKind.USER, "alice", salt_key=b"short")
 
 
 def test_reads_search_most_private_first_and_public_is_written_by_admins_only() -> None:
