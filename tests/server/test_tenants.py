@@ -266,3 +266,25 @@ def test_an_unauthenticated_connection_is_served_nothing_but_hello(served: Serve
         body = protocol.recv_frame(s)
         assert body is not None
         assert msgpack.unpackb(body, raw=False)[2][0] == ProtocolError.__name__
+
+
+def test_an_embedded_process_names_its_tenant_and_the_server_agrees(tmp_path: Path) -> None:
+    """The embedded store's process is trusted: it keys alice's namespace with the
+    store's secret itself, and alice finds the KV through the server later."""
+    from kvlife.core.identity import NamespaceKind as Kind
+    from kvlife.store import KVStore
+    from kvlife.tenancy import Principal, Scopes, store_secret
+
+    path = tmp_path / "store"
+    path.mkdir()
+    tokens, kv = prompt_kv(8, 64)
+    ns = Scopes(store_secret(path)).namespace(Principal("alice", organisation="acme"), Kind.USER)
+    with KVStore.open(path, dram_bytes=8 << 20, disk_bytes=64 << 20) as store:
+        keys = store.put_prompt(IDENT, ns, tokens, kv).keys
+    srv = tenant_server(path, write_config(tmp_path / "t.toml")).start()
+    try:
+        with as_(srv, "alice") as alice, as_(srv, "bob") as bob:
+            assert [h.key for h in alice.lookup(IDENT, USER["alice"], tokens).hits] == keys
+            assert bob.lookup(IDENT, USER["bob"], tokens).hits == []
+    finally:
+        srv.stop()
