@@ -196,6 +196,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shm_dir=Path(args.shm_dir) if args.shm_dir else SHM_DIR,
         cpus=parse_cpus(args.cpus) if args.cpus else (),
         limits=from_args(args),
+        tenants=Path(args.tenants) if args.tenants else None,
     )
     return run(cfg)
 
@@ -299,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="CPUs the server runs on, e.g. 1 or 2-3 (keep them apart from the clients' "
         "CPUs: requests are then handled while clients copy, docs/server.md)",
+    )
+    p.add_argument(
+        "--tenants",
+        default=None,
+        help="TOML file of principals (Unix users, groups, tokens, admin role): tenants "
+        "enforced by the store, each in its own keyed namespaces (docs/server.md, "
+        "Trust boundary); without it every client of this Unix user is trusted alike",
     )
     from kvlife.server.limits import add_flags
 

@@ -44,11 +44,18 @@ class RemoteStore(StoreAPI[RemotePendingPut]):
     """A store served by ``kvlife serve`` (the public API of ``KVStore``)."""
 
     def __init__(
-        self, socket_path: str | Path, *, timeout: float | None = 60.0, lazy: bool = False
+        self,
+        socket_path: str | Path,
+        *,
+        timeout: float | None = 60.0,
+        lazy: bool = False,
+        token: str | None = None,
     ) -> None:
         """Connect to the server on ``socket_path`` (StoreUnavailable if it is not there;
-        with ``lazy`` the first call connects instead, so a client may start first)."""
-        self._wire = Wire(str(socket_path), timeout)
+        with ``lazy`` the first call connects instead, so a client may start first).
+        ``token``: the principal this client is, on a server with principals where its
+        Unix credentials do not say (NotAuthenticated if the server refuses it)."""
+        self._wire = Wire(str(socket_path), timeout, token)
         self._loads = Loads(self._wire)
         self._puts = Puts(self._wire)
         if not lazy:

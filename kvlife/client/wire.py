@@ -47,9 +47,11 @@ class StaleExtents(Exception):
 class Wire:
     """One RemoteStore's connection to its server, replaced when it is lost."""
 
-    def __init__(self, socket_path: str, timeout: float | None) -> None:
+    def __init__(self, socket_path: str, timeout: float | None, token: str | None = None) -> None:
         self.socket_path = socket_path
         self.timeout = timeout
+        self._token = token
+        """Sent in every ``hello`` (a reconnect authenticates again)."""
         self.conn: Connection | None = None
         self.epoch = 0
         """How many connections this wire has made (pending puts and lookups remember
@@ -77,7 +79,10 @@ class Wire:
         except OSError as exc:
             raise protocol.unavailable(self.socket_path, exc) from None
         try:
-            hello = self.roundtrip(conn, "hello", {"version": protocol.PROTOCOL_VERSION})
+            greeting: dict[str, Any] = {"version": protocol.PROTOCOL_VERSION}
+            if self._token is not None:
+                greeting["token"] = self._token
+            hello = self.roundtrip(conn, "hello", greeting)
             conn.map_arena(hello["arena"], hello["arena_bytes"])
         except OSError as exc:
             refusal = conn.refusal()  # shed for a budget: the server said why

@@ -117,3 +117,16 @@ class LimitExceeded(KVLifeError):
     exceed one of its budgets (the message names the budget, its value and the
     ``kvlife serve`` flag that sets it); nothing of the refused request was kept. The
     server counts every refusal (``state``: ``refused_<budget>``)."""
+
+
+class NotAuthenticated(KVLifeError):
+    """The store server does not know who is connected: a token that is forged, expired
+    or of no principal, or a peer whose Unix user and groups no principal names
+    (docs/server.md, "Trust boundary"). The message never says which of these it was."""
+
+
+class NotPermitted(KVLifeError):
+    """A principal asked for something its role does not allow: writing a scope it may
+    not write (public needs an admin), naming another principal's namespace, or a verb
+    that reads or changes the whole store. It is decided by the principal and the
+    request alone, never by what is stored, so it reveals nothing about other tenants."""

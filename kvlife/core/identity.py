@@ -13,6 +13,10 @@ Canonical encoding of a chunk key (all integers little-endian)::
     | parent key (32, zeros for the first chunk) | start position (u64)
     | token count (u32) | token ids (u32 each) | extra-key count (u32)
     | per extra key: length (u32) + bytes
+
+The namespace salt is BLAKE3 of ``msgpack(["kvlife.namespace.v1", kind, name])``; on a
+server with principals it is BLAKE3 in keyed mode over the same bytes, keyed with the
+store's secret (:attr:`Namespace.salt_key`), so no client can compute it.
 """
 
 from __future__ import annotations
@@ -247,6 +251,12 @@ class Namespace:
     """Level of sharing."""
     name: str = ""
     """Organisation, user or request id (empty for PUBLIC)."""
+    salt_key: bytes = field(default=b"", repr=False, compare=False)
+    """A store's secret (:mod:`kvlife.tenancy.secret`, 32 bytes): the salt is then
+    BLAKE3 in keyed mode over the same encoding, which nobody without the secret can
+    compute, so no client can derive, guess or choose another tenant's keys. Empty:
+    the unkeyed salt of format v1 (a single-tenant store, keys computed by clients).
+    Not compared: within one store every namespace is keyed alike."""
     _salt: Digest = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -258,12 +268,23 @@ class Namespace:
                 + ("an empty name" if self.kind is NamespaceKind.PUBLIC else "a name")
                 + f", got {self.name!r}"
             )
-        salt = digest_bytes(msgpack.packb([_NAMESPACE_TAG, self.kind.value, self.name]))
+        encoded = msgpack.packb([_NAMESPACE_TAG, self.kind.value, self.name])
+        if self.salt_key:
+            if not isinstance(self.salt_key, bytes) or len(self.salt_key) != KEY_BYTES:
+                raise InvalidArgument(f"Namespace.salt_key must be {KEY_BYTES} bytes")
+            salt = Digest(blake3.blake3(encoded, key=self.salt_key).digest())
+        else:
+            salt = digest_bytes(encoded)
         object.__setattr__(self, "_salt", salt)
 
     @property
     def salt(self) -> Digest:
         return self._salt
+
+    @property
+    def keyed(self) -> bool:
+        """Whether the salt is keyed with a store's secret."""
+        return bool(self.salt_key)
 
     def __str__(self) -> str:
         return self.kind.value if not self.name else f"{self.kind.value}:{self.name}"

@@ -1,22 +1,30 @@
 """What the protocol objects of one session share: the server, the session's holdings of
 the budgets, its lock and ids, and the checks every request passes before it reaches
 the store (a prompt decoded, chunks per request, extra-key bytes, a chunk that fits the
-arena). :mod:`kvlife.server.loads` and :mod:`kvlife.server.puts` each hold one."""
+arena), and who is connected: the peer's credentials and, on a server with principals
+(``--tenants``), the session's principal, which turns the namespace a request names into
+the keyed namespace of its scope (:mod:`kvlife.tenancy.scopes`) and searches its
+readable scopes on a lookup. :mod:`kvlife.server.loads` and :mod:`kvlife.server.puts`
+each hold one."""
 
 from __future__ import annotations
 
 import itertools
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvlife.core.errors import InvalidArgument, ProtocolError
-from kvlife.core.identity import ROOT_PARENT, ChunkKey, KVLayout
+from kvlife.core.errors import InvalidArgument, NotAuthenticated, ProtocolError
+from kvlife.core.identity import ROOT_PARENT, ChunkKey, KVLayout, Namespace
 from kvlife.core.objects import PromptRef
+from kvlife.results import LookupResult
 from kvlife.server import protocol
 from kvlife.server.limits import Account, Charge
+from kvlife.tenancy.policy import WITHHELD
+from kvlife.tenancy.principals import REFUSED, Principal
 
 if TYPE_CHECKING:
     from kvlife.server.session import ServerState
@@ -25,11 +33,31 @@ PartSender = Callable[[bytes], None]
 """Sends one frame to the session's client (partial replies of a streamed load)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Who the kernel says connected (``SO_PEERCRED``): the client cannot choose these."""
+
+    pid: int | None
+    """The client's pid (None: outside this pid namespace, or unknown)."""
+    uid: int | None
+    """Its effective Unix user when it connected."""
+    gid: int | None
+    """Its effective primary Unix group when it connected."""
+
+
+UNKNOWN_PEER = Peer(None, None, None)
+
+
 class SessionContext:
     """One session's share of the server, and its checks of a request's size."""
 
     def __init__(
-        self, server: ServerState, sid: int, account: Account, part: PartSender | None = None
+        self,
+        server: ServerState,
+        sid: int,
+        account: Account,
+        part: PartSender | None = None,
+        peer: Peer = UNKNOWN_PEER,
     ) -> None:
         self.server = server
         self.store = server.store
@@ -50,6 +78,22 @@ class SessionContext:
         self.rid = 0
         """Id of the request being handled (partial replies carry it)."""
         self._ids = itertools.count(1)
+        self.peer = peer
+        """Who connected, as the kernel says."""
+        self.tenancy = server.tenancy
+        """The server's principals and scopes (None: a single-tenant server, every
+        client trusted alike, namespaces as the client names them)."""
+        self.principal: Principal | None = (
+            self.tenancy.config.by_peer(peer.uid, peer.gid) if self.tenancy is not None else None
+        )
+        """The session's principal: its peer's, or its token's after ``hello`` (None on
+        a server with principals: not authenticated, nothing but ``hello`` is served)."""
+
+    def tenant(self) -> Principal:
+        """The session's principal (NotAuthenticated if it has none)."""
+        if self.principal is None:
+            raise NotAuthenticated(REFUSED)
+        return self.principal
 
     def new_id(self) -> int:
         """An id for a lease of this session (under :attr:`lock`)."""
@@ -74,9 +118,11 @@ class SessionContext:
 
     # ------------------------------------------------------------------ requests
 
-    def prompt(self, args: dict[str, Any]) -> PromptRef:
-        """The prompt of a ``lookup``, ``prepare_put`` or ``put``, its extra keys and
-        chunks within the limits."""
+    def prompt(self, args: dict[str, Any], *, write: bool = False) -> PromptRef:
+        """The prompt of a ``lookup``, ``prepare_put`` or ``put`` (``write``), its extra
+        keys and chunks within the limits. On a server with principals its namespace is
+        the keyed namespace of the scope it names (a put's: one its principal may write,
+        else NotPermitted; a lookup's: the most private of those it searches)."""
         tokens = args["tokens"]
         if len(tokens) % 4:
             raise ProtocolError("tokens must be little-endian u32 ids (a multiple of 4 bytes)")
@@ -89,16 +135,65 @@ class SessionContext:
                     f"{nbytes} bytes of extra keys in one request; at most "
                     f"{self.limits.max_extra_key_bytes} (--max-extra-key-bytes)",
                 )
+        namespace = self.namespace(args["namespace"], write=write)
         identity = self.server.identities.get(args["identity"])
         self.chunks(len(tokens) // 4 // max(1, identity.layout.tokens_per_chunk))
         return PromptRef(
             identity,
-            protocol.decode_namespace(args["namespace"]),
+            namespace,
             np.frombuffer(tokens, "<u4"),
             args.get("start", 0),
             ChunkKey(args.get("parent", ROOT_PARENT)),
             list(args.get("extra_keys", ())),
         )
+
+    def namespace(self, text: str, *, write: bool = False) -> Namespace:
+        """The namespace a request names by ``text``: as written on a single-tenant
+        server; else the session principal's keyed scope (a write's: one it may write)."""
+        if self.tenancy is None:
+            return protocol.decode_namespace(text)
+        scopes = self.tenancy.scopes
+        principal = self.tenant()
+        if write:
+            return scopes.for_write(principal, text)
+        return scopes.named(principal, text)
+
+    def lookup(self, p: PromptRef, **opts: Any) -> LookupResult:
+        """The store's lookup of ``p``. With principals: each scope its principal may
+        read, most private first from the one ``p`` names, until one holds the whole
+        prompt; the longest run of hits answers (a tie: the more private scope). The
+        answer depends on the scopes the principal may read only."""
+        scopes = [p.namespace]
+        if self.tenancy is not None:
+            scopes = self.tenancy.scopes.wider(self.tenant(), p.namespace)
+        best: LookupResult | None = None
+        for ns in scopes:
+            res = self.store.lookup(
+                p.identity,
+                ns,
+                p.tokens,
+                start=p.start,
+                parent=p.parent,
+                extra_keys=p.extra_keys,
+                **opts,
+            )
+            if best is None or len(res.hits) > len(best.hits):
+                best = res
+            if len(best.hits) == best.chunks_total:
+                break
+        assert best is not None
+        return best
+
+    def visible(self, key: ChunkKey) -> ChunkKey:
+        """``key``, or :data:`~kvlife.tenancy.policy.WITHHELD` (a key no chunk has) when
+        it is the key of an object the session's principal may not read: whatever the
+        store does with it then (is it live?) answers as for a key not stored."""
+        if self.tenancy is None:
+            return key
+        (stored,) = self.store.namespaces_of([key])
+        if stored is None or self.tenancy.scopes.may_read(self.tenant(), stored):
+            return key
+        return WITHHELD
 
     def chunks(self, n: int) -> None:
         """``n`` chunks in one request, within ``--max-chunks``."""

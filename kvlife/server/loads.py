@@ -87,15 +87,7 @@ class Loads:
         opts = dict(args.get("opts", {}))
         if "accept" in opts:
             opts["accept"] = protocol.decode_accept(opts["accept"])
-        res = ctx.store.lookup(
-            p.identity,
-            p.namespace,
-            p.tokens,
-            start=p.start,
-            parent=p.parent,
-            extra_keys=p.extra_keys,
-            **opts,
-        )
+        res = ctx.lookup(p, **opts)  # the scopes its principal may read (context.py)
         number = {name: i for i, name in enumerate(ctx.store.tier_names)}
         shm = ctx.shm
         hint, dram = shm.hint, shm.name

@@ -82,7 +82,8 @@ PROMPT: dict[str, Field] = {
 ID = Field("int", True, 1, _MAX_ID)
 
 VERBS: dict[str, dict[str, Field]] = {
-    "hello": {"version": Field("int", True, 0, 1 << 16)},
+    # token: who the client is, where its Unix credentials do not say (kvlife.tenancy)
+    "hello": {"version": Field("int", True, 0, 1 << 16), "token": Field("str", _OPT, 1, 256)},
     "lookup": {**PROMPT, "opts": Field("map", _OPT, 0, 64)},
     "load": {
         "keys": Field("keys", True, 0, MAX_MESSAGE),

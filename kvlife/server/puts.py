@@ -110,7 +110,7 @@ class Puts:
 
     def prepare_put(self, args: dict[str, Any]) -> object:
         ctx = self.ctx
-        p = ctx.prompt(args)
+        p = ctx.prompt(args, write=True)
         layout = p.identity.layout
         ctx.fits(layout)
         nchunks = len(p.tokens) // layout.tokens_per_chunk
@@ -199,7 +199,8 @@ class Puts:
         self.ctx.give({"puts": 1, "put_bytes": put.charge})
 
     def _prepare(self, p: PromptRef, chunks: list[np.ndarray], args: dict[str, Any]) -> PendingPut:
-        store = self.ctx.store
+        ctx = self.ctx
+        store = ctx.store
         pending = store.prepare_put(
             p.identity,
             p.namespace,
@@ -216,7 +217,9 @@ class Puts:
             # (its KV was computed before; an invalidation covers the whole put). After
             # the prepare: an invalidation from here on covers these TENTATIVE chunks
             # (chained after a parent still indexed), one before took the parent
-            store.continue_put(pending, p.parent)
+            # (a parent the principal may not read counts as gone: whether another
+            # tenant's chunk is live is not told by this put's result)
+            store.continue_put(pending, ctx.visible(p.parent))
         return pending
 
     # ------------------------------------------------------------------ staged
@@ -299,7 +302,7 @@ class Puts:
 
     def _begin_staged(self, args: dict[str, Any]) -> _Staged:
         ctx = self.ctx
-        p = ctx.prompt(args)
+        p = ctx.prompt(args, write=True)
         layout = p.identity.layout
         ids = args["staged"]
         nchunks = len(p.tokens) // layout.tokens_per_chunk

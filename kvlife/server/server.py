@@ -44,12 +44,13 @@ from kvlife.core.errors import (
 )
 from kvlife.core.identity import digest_bytes
 from kvlife.server import protocol
-from kvlife.server.context import PartSender
+from kvlife.server.context import UNKNOWN_PEER, PartSender, Peer
 from kvlife.server.limits import Account, Limits
 from kvlife.server.reader import BodyTimeout, Discarded, FrameReader, peek_rid
 from kvlife.server.session import ServerState, Session
 from kvlife.store.config import GiB, MiB, StoreConfig
 from kvlife.store.facade import KVStore
+from kvlife.tenancy.policy import Tenancy
 from kvlife.tiers.shm import SHM_DIR, ShmTier
 
 DEFAULT_SOCKET = "serve.sock"
@@ -89,6 +90,10 @@ class ServeConfig:
     one mounted ``huge=always`` so that direct I/O into the arena runs at full speed)."""
     limits: Limits = field(default_factory=Limits)
     """Every budget a client can make the server hold (docs/server.md, Limits)."""
+    tenants: Path | None = None
+    """The principals' configuration (TOML, :mod:`kvlife.tenancy.principals`): tenants
+    enforced by the store. None: every client of the server's Unix user is trusted alike
+    (the socket is then 0600; with principals it is 0666 and each peer is mapped)."""
 
     @property
     def socket_path(self) -> Path:
@@ -198,7 +203,10 @@ class Server:
             # then accepted, told why and closed, instead of the error ending the server
             self._spare = os.open(os.devnull, os.O_RDONLY)
             nofile, fds = _descriptors(cfg.limits)
-            self.state = ServerState(self.store, shm, str(cfg.socket_path), cfg.limits, fds)
+            tenancy = Tenancy.open(cfg.path, cfg.tenants) if cfg.tenants is not None else None
+            self.state = ServerState(
+                self.store, shm, str(cfg.socket_path), cfg.limits, fds, tenancy
+            )
             if cfg.pid_file is not None:
                 _write_pid_file(cfg.pid_file)
         except BaseException:
@@ -239,7 +247,9 @@ class Server:
         old = os.umask(0o177)
         try:
             sock.bind(str(tmp))
-            os.chmod(tmp, 0o600)
+            # with principals every peer is mapped from its credentials, so any local
+            # user may connect (and is refused unless the configuration names it)
+            os.chmod(tmp, 0o666 if self.cfg.tenants is not None else 0o600)
             sock.listen(self.cfg.limits.backlog)
             if tmp != path:
                 os.rename(tmp, path)
@@ -277,7 +287,8 @@ class Server:
         charged to the process that connected (every connection of a client shares
         them)."""
         ledger = self.state.ledger
-        account = ledger.open(peer_pid(conn))
+        peer = peer_credentials(conn)
+        account = ledger.open(peer.pid)
         try:
             ledger.take(account, {"connections": 1, "descriptors": 1}, "a new connection")
         except LimitExceeded as exc:
@@ -285,7 +296,7 @@ class Server:
             _shed(conn, exc)
             return
         conn.settimeout(protocol.POLL_WAIT_S)  # waits in poll: see POLL_WAIT_S
-        t = threading.Thread(target=self._serve_conn, args=(conn, account), daemon=True)
+        t = threading.Thread(target=self._serve_conn, args=(conn, account, peer), daemon=True)
         with self._lock:
             self._conns[conn.fileno()] = conn
             self._threads = [x for x in self._threads if x.is_alive()]
@@ -331,8 +342,8 @@ class Server:
                 self._spare = os.open(os.devnull, os.O_RDONLY)
         time.sleep(0.01)
 
-    def _serve_conn(self, conn: socket.socket, account: Account) -> None:
-        session = self.state.open_session(account, _part_sender(conn))
+    def _serve_conn(self, conn: socket.socket, account: Account, peer: Peer) -> None:
+        session = self.state.open_session(account, _part_sender(conn), peer)
         fd = conn.fileno()
         reader = FrameReader(conn, self.cfg.limits, self.state.ledger, account)
         try:
@@ -442,12 +453,26 @@ _PEERCRED = struct.Struct("3i")
 def peer_pid(conn: socket.socket) -> int | None:
     """The pid of the process that connected ``conn`` (``SO_PEERCRED``); None when the
     kernel cannot say (0: a process outside this pid namespace)."""
+    return peer_credentials(conn).pid
+
+
+_NOBODY = 65534
+"""The overflow id the kernel reports for a user or group unmapped in this namespace."""
+
+
+def peer_credentials(conn: socket.socket) -> Peer:
+    """Who connected ``conn`` (``SO_PEERCRED``: pid, effective uid and gid when it
+    connected, filled by the kernel); a field the kernel cannot say is None."""
     try:
         raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     except (OSError, AttributeError):
-        return None
-    pid = _PEERCRED.unpack(raw)[0]
-    return pid if pid > 0 else None
+        return UNKNOWN_PEER
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return Peer(
+        pid if pid > 0 else None,
+        uid if 0 <= uid != _NOBODY else None,
+        gid if 0 <= gid != _NOBODY else None,
+    )
 
 
 def _descriptors(limits: Limits) -> tuple[int, int]:

@@ -21,6 +21,15 @@ load grants and shared buffers, in counts and in bytes, per client process (all 
 sessions together) and server-wide; one request's chunks and extra-key bytes are
 bounded too, and so are the audits running at once. A refusal is a typed
 :class:`~kvlife.core.errors.LimitExceeded`, counted, with nothing of the request kept.
+
+On a server with principals (``--tenants``, :mod:`kvlife.tenancy`) every session has the
+principal of its peer's credentials or of the token its ``hello`` sent; without one only
+``hello`` is served (:class:`~kvlife.core.errors.NotAuthenticated`). Its puts and lookups
+use its own scopes' keyed namespaces (:mod:`kvlife.server.context`); a load's key of an
+object it may not read is loaded as a key that is not stored (the same reply); the
+verbs of the whole store are an admin's (:data:`kvlife.tenancy.ADMIN_VERBS`); ``info``
+and ``counters`` show a tenant its own figures only, an admin every principal's and the
+store's.
 """
 
 from __future__ import annotations
@@ -32,15 +41,16 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvlife.core.errors import ProtocolError
-from kvlife.core.identity import ChunkKey
+from kvlife.core.errors import NotPermitted, ProtocolError
+from kvlife.core.identity import KEY_BYTES, ChunkKey, Namespace
 from kvlife.server import protocol
-from kvlife.server.context import PartSender, SessionContext
+from kvlife.server.context import UNKNOWN_PEER, PartSender, Peer, SessionContext
 from kvlife.server.identities import IdentityCache
 from kvlife.server.limits import INFINITE, Account, Ledger, Limits, budgets
 from kvlife.server.loads import Loads
 from kvlife.server.puts import Puts
 from kvlife.store.facade import KVStore
+from kvlife.tenancy.policy import ADMIN_VERBS, WITHHELD, Tenancy
 from kvlife.tiers.shm import Arena, ShmTier
 
 
@@ -55,8 +65,11 @@ class ServerState:
         socket_path: str,
         limits: Limits | None = None,
         descriptors: int = INFINITE,
+        tenancy: Tenancy | None = None,
     ) -> None:
         self.store = store
+        self.tenancy = tenancy
+        """Principals, scopes and their counters (None: one trusted tenant)."""
         self.shm = shm
         self.arena: Arena = shm.arena
         self.socket_path = socket_path
@@ -86,16 +99,19 @@ class ServerState:
             self.events[event] += 1
 
     def open_session(
-        self, account: Account | None = None, part: PartSender | None = None
+        self,
+        account: Account | None = None,
+        part: PartSender | None = None,
+        peer: Peer = UNKNOWN_PEER,
     ) -> Session:
         """A new session; ``account``: what its connection holds already (the connection
         and its descriptor) and the client it is charged to, given back with everything
         else when it closes (None: a client of its own); ``part``: where its partial
-        replies go."""
+        replies go; ``peer``: who connected (its principal's credentials)."""
         if account is None:
             account = self.ledger.open(None)
         with self.lock:
-            session = Session(self, next(self._ids), account, part)
+            session = Session(self, next(self._ids), account, part, peer)
             self.sessions[session.sid] = session
             return session
 
@@ -134,16 +150,24 @@ class ServerState:
         }
 
 
+_OWN_PREFIX = "a tenant's prefix invalidation names the key of a stored chunk it may read"
+
+
 class Session:
     """One connection's verbs: the load protocol (:class:`~kvlife.server.loads.Loads`)
     and the put protocol (:class:`~kvlife.server.puts.Puts`) over one shared
     :class:`~kvlife.server.context.SessionContext`, and the management verbs."""
 
     def __init__(
-        self, server: ServerState, sid: int, account: Account, part: PartSender | None = None
+        self,
+        server: ServerState,
+        sid: int,
+        account: Account,
+        part: PartSender | None = None,
+        peer: Peer = UNKNOWN_PEER,
     ) -> None:
         self.server = server
-        self.ctx = SessionContext(server, sid, account, part)
+        self.ctx = SessionContext(server, sid, account, part, peer)
         self.sid = sid
         self.account = account
         """What this session holds of each budget (given back whole when it ends), and
@@ -168,14 +192,68 @@ class Session:
             "flush": lambda a: store.flush(),
             "drain": lambda a: store.drain(),
             "info": self.info,
-            "counters": lambda a: store.counters.as_dict(),
+            "counters": self.counters,
             "check": self.check,
-            "state": lambda a: server.snapshot(),
+            "state": self.state,
         }
 
     def handle(self, verb: str, args: dict[str, Any], rid: int = 0) -> object:
         self.ctx.rid = rid
-        return self.handlers[verb](args)
+        if self.server.tenancy is None or verb == "hello":
+            return self.handlers[verb](args)
+        return self._as_tenant(verb, args)
+
+    def _as_tenant(self, verb: str, args: dict[str, Any]) -> object:
+        """``verb`` for the session's principal: refused if it has none, or if the verb
+        is the whole store's and it is no admin; a load's keys it may not read withheld;
+        what its lookups and puts did counted to it."""
+        tenancy = self.server.tenancy
+        assert tenancy is not None
+        principal = self.ctx.tenant()
+        if verb in ADMIN_VERBS and not principal.admin:
+            raise NotPermitted(f"{verb!r} acts on the whole store: admin principals only")
+        if verb == "load":
+            args = self._readable_keys(args)
+        result = self.handlers[verb](args)
+        count = tenancy.counters.add
+        if verb == "lookup" and isinstance(result, dict):
+            hit = len(result["keys"]) // KEY_BYTES
+            count(
+                principal.name,
+                lookups=1,
+                lookup_chunks_hit=hit,
+                lookup_chunks_miss=result["chunks_total"] - hit,
+                lookup_chunks_refused=int(bool(result["refusal"])),
+            )
+        elif verb == "load":
+            count(principal.name, loads=1)
+        elif isinstance(result, dict) and "stored" in result:  # a put's result
+            count(
+                principal.name,
+                puts=1,
+                chunks_stored=result["stored"],
+                chunks_already_present=result["already_present"],
+                chunks_dropped=result["dropped"],
+            )
+        return result
+
+    def _readable_keys(self, args: dict[str, Any]) -> dict[str, Any]:
+        """``args`` of a load with every key its principal may not read (another
+        tenant's, whatever way it learnt it) replaced by :data:`WITHHELD`, a key no
+        chunk has: the load then answers as for a key that is not stored."""
+        tenancy = self.server.tenancy
+        assert tenancy is not None
+        principal = self.ctx.tenant()
+        keys = protocol.split_keys(args["keys"])
+        stored = self.server.store.namespaces_of(keys)
+        may = tenancy.scopes.may_read
+        if all(ns is None or may(principal, ns) for ns in stored):
+            return args
+        kept = [
+            k if ns is None or may(principal, ns) else WITHHELD
+            for k, ns in zip(keys, stored, strict=True)
+        ]
+        return {**args, "keys": b"".join(kept)}
 
     def close(self) -> tuple[int, int]:
         """Abort every pending put, drop every load grant; how many of each."""
@@ -193,7 +271,18 @@ class Session:
                 f"client speaks protocol {args['version']}, server {protocol.PROTOCOL_VERSION}"
             )
         store = self.server.store
+        tenancy = self.server.tenancy
+        principal = ""
+        if tenancy is not None:
+            if "token" in args:
+                # a refused token leaves the session with no principal at all (not its
+                # peer's): a client that sent a token meant to be someone else
+                self.ctx.principal = None
+                self.ctx.principal = tenancy.config.by_token(args["token"])
+            p = self.ctx.tenant()
+            principal = p.name
         return {
+            "principal": principal,
             "session": self.sid,
             "arena": str(self.server.arena.path),
             "arena_bytes": self.server.arena.size,
@@ -205,19 +294,102 @@ class Session:
         }
 
     def invalidate(self, args: dict[str, Any]) -> object:
+        """The store's invalidation. With principals, a tenant's covers one namespace
+        it may write (named: NotPermitted without one, since a count over others'
+        objects would reveal them), and its prefix must be the key of a stored object
+        it may read (NotPermitted, one message, for any other key: a prefix
+        invalidation follows the chain of chunks after the key, and the chain through
+        another tenant's chunks would tell whether they are stored); an admin names any
+        namespace in full (``user:bob``), or none."""
         ns = args.get("namespace")
         prefix = args.get("prefix")
+        namespace = protocol.decode_namespace(ns) if ns is not None else None
+        tenancy = self.server.tenancy
+        if tenancy is not None:
+            principal = self.ctx.tenant()
+            if not principal.admin:
+                if ns is None:
+                    raise NotPermitted(
+                        "a tenant's invalidate must name one of its namespaces (admins only "
+                        "invalidate across namespaces)"
+                    )
+                namespace = self.ctx.namespace(ns, write=True)
+                if prefix is not None:
+                    (stored,) = self.server.store.namespaces_of([ChunkKey(prefix)])
+                    if stored is None or not tenancy.scopes.may_read(principal, stored):
+                        raise NotPermitted(_OWN_PREFIX)
+            elif namespace is not None:
+                namespace = Namespace(namespace.kind, namespace.name, tenancy.scopes.secret)
         return self.server.store.invalidate(
             weights_digest=args.get("weights_digest"),
             adapter_id=args.get("adapter_id"),
-            namespace=protocol.decode_namespace(ns) if ns is not None else None,
+            namespace=namespace,
             prefix=ChunkKey(prefix) if prefix is not None else None,
         )
 
     def info(self, args: dict[str, Any]) -> object:
+        """The store's figures and the server's; for a tenant (not an admin) of a server
+        with principals, its own: tier names and capacities, its counters and its
+        sessions, none of the store's occupancy (which moves with others' objects)."""
+        principal = self.ctx.principal
+        tenancy = self.server.tenancy
+        if tenancy is not None and (principal is None or not principal.admin):
+            return self._tenant_info()
         out = self.server.store.info().to_json()
         out["server"] = {"socket": self.server.socket_path, **self.server.snapshot()}
+        if tenancy is not None:
+            out["principals"] = tenancy.counters.every()
         return out
+
+    def state(self, args: dict[str, Any]) -> object:
+        """Leases and arena figures; a tenant's (not an admin's) own sessions only."""
+        if self.server.tenancy is not None and not self.ctx.tenant().admin:
+            return self._tenant_info()["server"]
+        return self.server.snapshot()
+
+    def _tenant_info(self) -> dict[str, Any]:
+        principal = self.ctx.tenant()
+        tenancy = self.server.tenancy
+        assert tenancy is not None
+        store = self.server.store
+        own = tenancy.counters.of(principal.name)
+        withheld = {"withheld": "occupancy is the store's; a tenant sees its own counters"}
+        with self.server.lock:
+            sessions = sum(1 for s in self.server.sessions.values() if s.ctx.principal is principal)
+        return {
+            "path": str(store.path),
+            "tiers": [
+                {
+                    "name": name,
+                    "capacity_bytes": store.tier(name).capacity_bytes,
+                    "used_bytes": 0,
+                    "replicas": 0,
+                    "details": withheld,
+                }
+                for name in store.tier_names
+            ],
+            "objects_by_state": {},
+            "bytes_by_state": {},
+            "counters": own,
+            "lifetime_counters": {},
+            "principal": {
+                "name": principal.name,
+                "organisation": principal.organisation,
+                "admin": principal.admin,
+                "sessions": sessions,
+            },
+            "server": {"socket": self.server.socket_path, "sessions": sessions},
+        }
+
+    def counters(self, args: dict[str, Any]) -> object:
+        """The store's counters; a tenant's own (StoreCounters names) on a server with
+        principals, unless it is an admin."""
+        tenancy = self.server.tenancy
+        if tenancy is not None:
+            principal = self.ctx.tenant()
+            if not principal.admin:
+                return tenancy.counters.of(principal.name)
+        return self.server.store.counters.as_dict()
 
     def check(self, args: dict[str, Any]) -> object:
         """The store's read-only audit. It reads every replica: ``--audits`` of them run

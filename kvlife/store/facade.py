@@ -16,7 +16,7 @@ store directory is held by one process at a time: a second ``open`` raises
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -165,6 +165,13 @@ class KVStore(StoreAPI[PendingPut]):
     @property
     def tier_names(self) -> list[TierName]:
         return [t.name for t in self._core.chain]
+
+    def namespaces_of(self, keys: Sequence[ChunkKey]) -> list[str | None]:
+        """The namespace (its text) each key's object was stored under; None for a key
+        the store does not know (a server with principals checks a load's keys)."""
+        with self._core.lock:
+            recs = [self._core.index.get(k) for k in keys]
+        return [None if r is None else r.info.namespace for r in recs]
 
     def indexed_keys(self) -> list[ChunkKey]:
         """Keys of every indexed object."""

@@ -1,0 +1,161 @@
+"""Per-tenant shares of one tier: eviction isolated between tenants (issue 24, quotas).
+
+:class:`TenantShares` is an :class:`~kvlife.policy.base.EvictionPolicy` that keeps one
+inner policy per tenant (LRU by default) and a share of the tier per tenant, in the
+placement engine's units (bytes in the store, blocks in the simulator). When the engine
+needs room in the tier it asks this policy for victims, and each victim is taken from
+the tenant furthest over its share, in that tenant's own order. A tenant's excess is
+``used + incoming - share``: ``incoming`` are the units of the protected keys of that
+tenant that the tier does not hold yet, which is what the room is being made for (the
+engine protects a put's whole prompt, and a demotion's victims, while it makes room for
+them), so the tenant that asks for room is charged for it; a tie goes to the tenant seen
+first. So while the shares add up to no more than the tier's capacity, one tenant's
+burst evicts only its own objects: a tenant within its share loses none while another
+is over its share. (In the live store the engine also protects the keys of other
+puts in flight; those count as incoming for their own tenants, which is what they
+are.) A tenant without a share has share 0 (the first to go); shared scopes are a
+tenant of their own (``tenant_of`` says which), with their own share.
+
+It plugs in where any policy does (:class:`~kvlife.placement.engine.TierSlot`), so the
+live store and the replay simulator would enforce the same shares; wiring it to a
+store's namespaces and to a trace's tenants is not done yet (docs/server.md, Trust
+boundary). The engine's code is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Hashable, Mapping
+from typing import Generic, TypeVar
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.policy.base import EvictionPolicy
+from kvlife.policy.lru import LRUPolicy
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T", bound=Hashable)
+
+
+def _one(key: object) -> int:
+    return 1
+
+
+class TenantShares(EvictionPolicy[K], Generic[K, T]):
+    """One inner policy and one share per tenant; victims from the most over-share."""
+
+    name = "tenant-shares"
+
+    def __init__(
+        self,
+        tenant_of: Callable[[K], T],
+        shares: Mapping[T, int],
+        *,
+        inner: Callable[[], EvictionPolicy[K]] = LRUPolicy,
+        size: Callable[[K], int] = _one,
+    ) -> None:
+        """``tenant_of``: a key's tenant (asked once, when it is inserted); ``shares``:
+        each tenant's units of the tier; ``inner``: makes a tenant's own policy;
+        ``size``: a key's units (asked once, at its insert; 1 each by default)."""
+        for tenant, share in shares.items():
+            if type(share) is not int or share < 0:
+                raise InvalidArgument(f"share of tenant {tenant!r} must be an int >= 0")
+        self._tenant_of = tenant_of
+        self._shares = dict(shares)
+        self._inner = inner
+        self._size = size
+        self._parts: dict[T, EvictionPolicy[K]] = {}
+        """Each tenant's policy, in the order tenants were first seen (the tie-break)."""
+        self._used: dict[T, int] = {}
+        self._held: dict[K, tuple[T, int]] = {}
+        """Each resident key's tenant and units, as charged at its insert."""
+
+    # ------------------------------------------------------------------ figures
+
+    def used(self, tenant: T) -> int:
+        """Units ``tenant``'s resident keys take."""
+        return self._used.get(tenant, 0)
+
+    def share(self, tenant: T) -> int:
+        return self._shares.get(tenant, 0)
+
+    # ------------------------------------------------------------------ EvictionPolicy
+
+    def insert(self, key: K) -> None:
+        held = self._held.get(key)
+        if held is not None:  # a resident: a touch
+            self._parts[held[0]].touch(key)
+            return
+        tenant = self._tenant_of(key)
+        size = self._size(key)
+        part = self._parts.get(tenant)
+        if part is None:
+            part = self._parts[tenant] = self._inner()
+            self._used[tenant] = 0
+        part.insert(key)
+        self._held[key] = (tenant, size)
+        self._used[tenant] += size
+
+    def touch(self, key: K) -> None:
+        held = self._held.get(key)
+        if held is not None:
+            self._parts[held[0]].touch(key)
+
+    def remove(self, key: K) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            tenant, size = held
+            self._parts[tenant].remove(key)
+            self._used[tenant] -= size
+
+    def evict(self, n: int, protected: Collection[K] = ()) -> list[K] | None:
+        if n < 0:
+            raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        free = len(self._held) - sum(1 for k in protected if k in self._held)
+        if free < n:
+            return None  # atomic: nothing taken
+        victims = self.evict_up_to(n, protected)
+        if len(victims) != n:  # pragma: no cover - the count above makes this impossible
+            raise AssertionError(f"{len(victims)} of {n} victims after a feasible check")
+        return victims
+
+    def evict_up_to(self, n: int, protected: Collection[K] = ()) -> list[K]:
+        if n < 0:
+            raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        victims: list[K] = []
+        incoming: dict[T, int] = {}
+        held, tenant_of, size = self._held, self._tenant_of, self._size
+        for key in protected:
+            if key not in held:
+                t = tenant_of(key)
+                incoming[t] = incoming.get(t, 0) + size(key)
+        spent: set[T] = set()
+        # tenants with nothing evictable left in this call (all protected)
+        while len(victims) < n:
+            tenant = self._most_over(spent, incoming)
+            if tenant is None:
+                break
+            got = self._parts[tenant].evict_up_to(1, protected)
+            if not got:
+                spent.add(tenant)
+                continue
+            key = got[0]
+            _, units = self._held.pop(key)
+            self._used[tenant] -= units
+            victims.append(key)
+        return victims
+
+    def _most_over(self, spent: set[T], incoming: dict[T, int]) -> T | None:
+        best: T | None = None
+        over = 0
+        for tenant, part in self._parts.items():  # first seen first: ties go to it
+            if tenant in spent or not len(part):
+                continue
+            excess = self._used[tenant] + incoming.get(tenant, 0) - self._shares.get(tenant, 0)
+            if best is None or excess > over:
+                best, over = tenant, excess
+        return best
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._held
+
+    def __len__(self) -> int:
+        return len(self._held)

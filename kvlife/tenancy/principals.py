@@ -1,0 +1,197 @@
+"""Principals: who is connected to ``kvlife serve``, from the server's configuration.
+
+A principal is named by the server's configuration (``kvlife serve --tenants FILE``, a
+TOML file) and reached in one of two ways:
+
+- **the peer's Unix credentials** (``SO_PEERCRED`` of the connection: uid, then primary
+  gid; the kernel fills them, the client cannot choose them), for processes on this
+  host;
+- **a token** (sent in ``hello``), for what credentials cannot name (a remote tier's
+  hosts, or two principals that run as one Unix user). The configuration holds only the
+  token's SHA-256; a presented token is compared against every principal's digest in
+  constant time (``hmac.compare_digest``, no early exit), and a token past its
+  ``token_expires`` is refused like a forged one (:class:`NotAuthenticated`, one message).
+
+The file::
+
+    [principal.alice]
+    uids = [1000]              # Unix users that are alice (SO_PEERCRED uid)
+    gids = []                  # or primary groups
+    organisation = "acme"      # the organisation scope alice reads and writes
+    admin = false              # an admin writes public and sees the whole store
+    token_sha256 = "9f86d0…"   # hex SHA-256 of alice's token (kvlife.tenancy.token_digest)
+    token_expires = 1798761600 # Unix seconds; absent: no expiry
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvlife.core.errors import InvalidArgument, NotAuthenticated
+from kvlife.tenancy.names import check_name
+
+MIN_TOKEN = 16
+MAX_TOKEN = 256
+"""Length bounds of a token (characters)."""
+
+REFUSED = "not authenticated: no principal for this connection (token or credentials)"
+"""The one message of every refusal: it never says whether a token was unknown, forged
+or expired, or which credentials were tried."""
+
+
+def token_digest(token: str) -> str:
+    """The hex SHA-256 of ``token``: what the configuration holds (``token_sha256``)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """One tenant of the server."""
+
+    name: str
+    """The principal's name: its user scope is ``user:<name>``."""
+    uids: frozenset[int] = frozenset()
+    """Unix users that connect as this principal."""
+    gids: frozenset[int] = frozenset()
+    """Primary Unix groups that connect as this principal (after uids: a uid wins)."""
+    organisation: str = ""
+    """The organisation whose scope it reads and writes (empty: none)."""
+    admin: bool = False
+    """An authority: writes the public scope, runs store-wide verbs, sees every figure."""
+    token_sha256: bytes = field(default=b"", repr=False)
+    """SHA-256 of its token (empty: no token)."""
+    token_expires: float | None = None
+    """Unix time after which its token is refused (None: never)."""
+
+    def __post_init__(self) -> None:
+        check_name("principal name", self.name)
+        if self.organisation:
+            check_name(f"principal {self.name}'s organisation", self.organisation)
+        for what, ids in (("uids", self.uids), ("gids", self.gids)):
+            if not isinstance(ids, frozenset) or any(
+                type(i) is not int or not 0 <= i < 2**32 for i in ids
+            ):
+                raise InvalidArgument(f"principal {self.name}: {what} must be ints in [0, 2**32)")
+        if self.token_sha256 and len(self.token_sha256) != hashlib.sha256().digest_size:
+            raise InvalidArgument(f"principal {self.name}: token_sha256 must be 32 bytes")
+        if self.token_expires is not None and not self.token_sha256:
+            raise InvalidArgument(f"principal {self.name}: token_expires without a token")
+
+
+@dataclass(frozen=True, slots=True)
+class TenancyConfig:
+    """Every principal of a server; a uid or gid names at most one."""
+
+    principals: tuple[Principal, ...]
+
+    def __post_init__(self) -> None:
+        seen: dict[str, str] = {}
+        for p in self.principals:
+            keys = [f"name {p.name}"] + [f"uid {u}" for u in p.uids] + [f"gid {g}" for g in p.gids]
+            for k in keys:
+                if k in seen:
+                    raise InvalidArgument(
+                        f"tenancy configuration: {k} belongs to {seen[k]} and {p.name}"
+                    )
+                seen[k] = p.name
+
+    def by_name(self, name: str) -> Principal | None:
+        return next((p for p in self.principals if p.name == name), None)
+
+    def by_peer(self, uid: int | None, gid: int | None) -> Principal | None:
+        """The principal of a peer's credentials: its uid's, else its primary gid's."""
+        if uid is not None:
+            for p in self.principals:
+                if uid in p.uids:
+                    return p
+        if gid is not None:
+            for p in self.principals:
+                if gid in p.gids:
+                    return p
+        return None
+
+    def by_token(self, token: object, now: float | None = None) -> Principal:
+        """The principal whose token this is, not expired; NotAuthenticated (one message
+        for forged, unknown and expired) otherwise. Every digest is compared, in
+        constant time each, whichever matches."""
+        if not isinstance(token, str) or not MIN_TOKEN <= len(token) <= MAX_TOKEN:
+            raise NotAuthenticated(REFUSED)
+        presented = hashlib.sha256(token.encode()).digest()
+        found: Principal | None = None
+        for p in self.principals:
+            if p.token_sha256 and hmac.compare_digest(presented, p.token_sha256):
+                found = p
+        when = time.time() if now is None else now
+        if found is None or (found.token_expires is not None and when >= found.token_expires):
+            raise NotAuthenticated(REFUSED)
+        return found
+
+
+_KEYS = {"uids", "gids", "organisation", "admin", "token_sha256", "token_expires"}
+
+
+def parse_config(data: Mapping[str, object]) -> TenancyConfig:
+    """A configuration from its parsed TOML (InvalidArgument naming what is wrong)."""
+    unknown = set(data) - {"principal"}
+    if unknown:
+        raise InvalidArgument(f"tenancy configuration: unknown sections {sorted(unknown)}")
+    table = data.get("principal", {})
+    if not isinstance(table, dict) or not table:
+        raise InvalidArgument("tenancy configuration: no [principal.NAME] tables")
+    out = []
+    for name, spec in table.items():
+        if not isinstance(spec, dict):
+            raise InvalidArgument(f"tenancy configuration: principal.{name} must be a table")
+        extra = set(spec) - _KEYS
+        if extra:
+            raise InvalidArgument(f"principal {name}: unknown keys {sorted(extra)}")
+        out.append(_principal(name, spec))
+    return TenancyConfig(tuple(out))
+
+
+def _principal(name: str, spec: dict[str, object]) -> Principal:
+    def ids(key: str) -> frozenset[int]:
+        value = spec.get(key, [])
+        if not isinstance(value, list):
+            raise InvalidArgument(f"principal {name}: {key} must be a list of ints")
+        return frozenset(value)
+
+    org = spec.get("organisation", "")
+    admin = spec.get("admin", False)
+    digest = spec.get("token_sha256", "")
+    expires = spec.get("token_expires")
+    if not isinstance(org, str) or not isinstance(admin, bool) or not isinstance(digest, str):
+        raise InvalidArgument(
+            f"principal {name}: organisation and token_sha256 are strings, admin a bool"
+        )
+    if expires is not None and (type(expires) not in (int, float) or isinstance(expires, bool)):
+        raise InvalidArgument(f"principal {name}: token_expires must be Unix seconds")
+    try:
+        raw = bytes.fromhex(digest)
+    except ValueError:
+        raise InvalidArgument(f"principal {name}: token_sha256 must be hex") from None
+    return Principal(
+        name,
+        ids("uids"),
+        ids("gids"),
+        org,
+        admin,
+        raw,
+        None if expires is None else float(expires),  # type: ignore[arg-type]
+    )
+
+
+def load_config(path: Path) -> TenancyConfig:
+    """The configuration in the TOML file ``path`` (InvalidArgument if unreadable)."""
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise InvalidArgument(f"cannot read the tenancy configuration {path}: {exc}") from None
+    return parse_config(data)
