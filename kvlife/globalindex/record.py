@@ -76,12 +76,20 @@ class RemoteRecord:
 
     @classmethod
     def for_payload(
-        cls, meta: ReplicaMeta, payload: np.ndarray, host: str, token: int, loc: str
+        cls,
+        meta: ReplicaMeta,
+        payload: np.ndarray,
+        host: str,
+        token: int,
+        loc: str,
+        checksum: bytes = b"",
     ) -> RemoteRecord:
+        """The record of a new payload: its xxh3-128 is ``checksum`` where the writer
+        knows it already (a copy of a verified replica), else hashed here."""
         header = FrameHeader(
             key=bytes(meta.key),
             payload_len=payload.nbytes,
-            checksum=parts_checksum([payload]),
+            checksum=checksum or parts_checksum([payload]),
             dtype=meta.dtype,
             shape=tuple(meta.shape),
             transform=meta.transform,

@@ -35,12 +35,20 @@ def test_bench_remote_quick_writes_its_json(tmp_path: Path) -> None:
     mc = data["mooncake"]
     assert "rows" in mc or "skipped" in mc
     if "rows" in mc:  # which raw calls each figure used is named beside them
-        assert set(mc["raw_calls"]) == {"raw", "new_arrays", "bytes_api", "kvlife"}
+        assert set(mc["raw_calls"]) == {
+            "raw",
+            "new_arrays",
+            "bytes_api",
+            "known_checksum",
+            "kvlife",
+        }
         assert mc["tier"]["corrupt"] == 0
     for r in mc.get("rows", []):
-        assert set(r) == row_keys | {"new_arrays", "bytes_api"} and r["wrong"] == 0
+        assert set(r) == row_keys | {"new_arrays", "bytes_api", "known_checksum"}
+        assert r["wrong"] == 0
         assert set(r["new_arrays"]) == {"kvlife_get_gbps", "raw_get_gbps", "get_ratio"}
         assert set(r["bytes_api"]) == {"raw_put_gbps", "raw_get_gbps", "put_ratio", "get_ratio"}
+        assert set(r["known_checksum"]) == {"kvlife_put_gbps", "put_ratio"}
     lk = data["lookup"]
     assert lk["chunks"] == 128 and 0 < lk["median_ms"] <= lk["p99_ms"]
     faults = {f["fault"]: f for f in data["faults"]}

@@ -18,8 +18,9 @@ from pathlib import Path
 import blake3
 import numpy as np
 import pytest
+import xxhash
 
-from kvlife.core.errors import ReplicaNotFound, ReplicaReadError
+from kvlife.core.errors import ChecksumMismatch, ReplicaNotFound, ReplicaReadError
 from kvlife.core.identity import ChunkKey
 from kvlife.globalindex import IndexConfig
 from kvlife.tiers.base import ReplicaMeta
@@ -194,5 +195,42 @@ def test_mooncake_large_batch_with_a_repeated_key_reads_exact_bytes(
                     assert g is outs[j]
         d = tier.details()
         assert d["corrupt"] == 0 and d["reread_ok"] == 0 and d["read_misses"] == 0
+    finally:
+        tier.close()
+
+
+@pytest.mark.skipif(not in_private_netns(), reason="runs inside the private namespace")
+def test_mooncake_takes_the_checksum_a_payload_is_known_by_or_checks_it(
+    mooncake_master: MooncakeMaster, redis_server: RedisServer, index_ns: str
+) -> None:
+    """A copy's checksum (a replica the store verified or sealed) is taken as given, not
+    hashed again; with ``verify_checksum`` a payload that differs fails the write (typed,
+    nothing published, nothing charged); a wrong checksum taken as given is a counted
+    corrupt replica on the read, never its bytes."""
+    tier = _tier(mooncake_master, redis_server, index_ns)
+    try:
+        (a,) = _chunks(1, 1 << 15)
+        right = bytes(xxhash.xxh3_128_digest(a.tobytes()))
+        wrong = bytes(16)
+        k1, k2, k3, k4 = (k(40 + i) for i in range(4))
+
+        def meta(key: ChunkKey, checksum: bytes = b"", verify: bool = False) -> ReplicaMeta:
+            return ReplicaMeta(
+                key, "float16", a.shape, "exact", b"i", checksum=checksum, verify_checksum=verify
+            )
+
+        with pytest.raises(ChecksumMismatch):
+            tier.store([meta(k1, wrong, True)], [a])
+        assert not tier.contains(k1) and tier.used_bytes == 0
+        assert tier.details()["publish_failed"] == 1
+        tier.store([meta(k2, right, True)], [a])
+        tier.store([meta(k3)], [a])
+        assert tier.meta(k2).checksum == tier.meta(k3).checksum == right
+        tier.store([meta(k4, wrong)], [a])  # vouched for: not hashed
+        assert tier.meta(k4).checksum == wrong
+        got = tier.read_batch([k2, k3, k4])
+        assert all(isinstance(g, np.ndarray) and np.array_equal(g, a) for g in got[:2])
+        assert isinstance(got[2], ChecksumMismatch), "a wrong checksum taken as given is a miss"
+        assert tier.details()["corrupt"] == 1
     finally:
         tier.close()

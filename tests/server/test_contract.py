@@ -187,6 +187,29 @@ def test_flush_evict_and_load_from_disk(store: Store, ns: Namespace) -> None:
     assert store.lookup(ident, ns, tokens).tiers() == {"dram": 2}
 
 
+def test_a_repeated_lookup_says_where_the_chunks_are_now(store: Store, ns: Namespace) -> None:
+    """A client answers a repeated prompt with the hit records it built before where
+    they say the same; a chunk that moved tier since is a new record, never the old."""
+    ident = tiny_identity()
+    tokens, kv = prompt_kv(21, 3 * N)
+    store.put_prompt(ident, ns, tokens, kv)
+    first = store.lookup(ident, ns, tokens)
+    assert first.tiers() == {"dram": 3}
+    assert store.lookup(ident, ns, tokens).hits == first.hits
+    assert store.flush() >= 3
+    store.evict("dram", 8 * MiB)
+    moved = store.lookup(ident, ns, tokens)
+    assert moved.tiers() == {"disk": 3}
+    assert [h.key for h in moved.hits] == [h.key for h in first.hits]
+    assert [h.start for h in moved.hits] == [0, N, 2 * N]
+    head = store.lookup(ident, ns, tokens[: 2 * N])  # a prefix: the same records, fewer
+    assert head.hits == moved.hits[:2]
+    got = store.load(moved)
+    assert got.loaded == 3 and np.array_equal(got.arrays[2], chunks_of(kv, 3)[2])
+    store.drain()  # the load promoted them back
+    assert store.lookup(ident, ns, tokens).hits == first.hits
+
+
 def test_vanished_between_lookup_and_load(store: Store, ns: Namespace) -> None:
     ident = tiny_identity()
     tokens, kv = prompt_kv(10, 2 * N)

@@ -26,12 +26,13 @@ from typing import Any, TypeVar
 import numpy as np
 from redis.exceptions import NoScriptError, RedisError
 
-from kvlife.core.errors import InvalidArgument, RemoteTierError
+from kvlife.core.errors import ChecksumMismatch, InvalidArgument, RemoteTierError
 from kvlife.core.identity import ChunkKey
 from kvlife.globalindex import GlobalIndex, Health, IndexConfig, RemoteRecord
 from kvlife.globalindex.health import REFUSALS
 from kvlife.globalindex.record import RecordError
-from kvlife.tiers.base import ReplicaMeta
+from kvlife.tiers.base import ChecksumsWrites, ReplicaMeta
+from kvlife.tiers.disk.frame import payload_checksum
 from kvlife.tiers.redis.connect import RedisEndpoint
 from kvlife.tiers.redis.published import PublishedTier, _Pending
 
@@ -71,8 +72,17 @@ class MooncakeConfig:
             object.__setattr__(self, "register_buffers", self.protocol != "tcp")
 
 
-class MooncakeTier(PublishedTier):
-    """Replicas in Mooncake Store, published in the global index on Redis."""
+class MooncakeTier(PublishedTier, ChecksumsWrites):
+    """Replicas in Mooncake Store, published in the global index on Redis.
+
+    A write takes the checksum a payload is known by (:attr:`ReplicaMeta.checksum`, a
+    copy of a replica the store verified or sealed in this plan) instead of hashing it
+    again: such a put costs the transfer and the publish only. With
+    ``verify_checksum`` it hashes the payload while Mooncake copies it, and a mismatch
+    fails the batch (ChecksumMismatch naming the replica; the payloads put are
+    removed, no record published). Readers verify every byte against the record's
+    checksum either way: a checksum given wrongly is a counted corrupt replica, never
+    served."""
 
     def __init__(
         self,
@@ -198,6 +208,30 @@ class MooncakeTier(PublishedTier):
             self._publish(pending, records, locations, blobs)
             return records
         self._publish(pending, records, locations)
+        return records
+
+    def _records_for(
+        self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
+    ) -> list[RemoteRecord]:
+        """The records of new payloads: each payload's xxh3-128 taken as its meta gives
+        it (:class:`ChecksumsWrites`), else computed here (beside Mooncake's copy)."""
+        lease = pending.lease
+        records: list[RemoteRecord] = []
+        for m, a in zip(metas, payloads, strict=True):
+            known = m.checksum
+            if not known or m.verify_checksum:
+                hashed = payload_checksum(a)
+                if known and hashed != known:
+                    raise ChecksumMismatch(
+                        m.key.hex(),
+                        f"{self.name} write",
+                        "the payload no longer matches the checksum it was sealed with",
+                    )
+                known = hashed
+            loc = self._location(m.key, pending)
+            records.append(
+                RemoteRecord.for_payload(m, a, lease.host, lease.token, loc, checksum=known)
+            )
         return records
 
     def _publish(
