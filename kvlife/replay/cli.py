@@ -170,6 +170,26 @@ def sweep_parser() -> argparse.ArgumentParser:
     return p
 
 
+def belady_curve(trace: Trace, shares: Sequence[float]) -> list[dict[str, Any]]:
+    """Belady's offline optimum at each capacity (as the sweep sizes it): the headroom."""
+    from kvlife.replay.belady import belady_hits
+
+    unique = trace.n_unique_blocks()
+    touches = trace.n_touches
+    pts = []
+    for share in shares:
+        cap = max(1, int(unique * share))
+        hits = belady_hits(trace.blocks, cap)
+        pts.append(
+            {
+                "share": share,
+                "capacity_blocks": cap,
+                "block_hit_ratio": hits / touches if touches else 0.0,
+            }
+        )
+    return pts
+
+
 def sweep_main(argv: Sequence[str]) -> int:
     from kvlife.replay.runner import sweep
     from kvlife.report import format_table
@@ -181,12 +201,16 @@ def sweep_main(argv: Sequence[str]) -> int:
         shares = [float(s) for s in args.shares.split(",") if s]
         with _bar(len(pols) * len(shares), "sweep") as bar:
             sw = sweep(trace, pols, shares, progress=bar.update)
+        sw["references"] = {"belady": belady_curve(trace, shares)}
     except (KVLifeError, ValueError) as e:
         print(f"kvlife sweep: error: {e}", file=sys.stderr)
         return 1
     rows = [
         [pol] + [f"{p['block_hit_ratio']:.4f}" for p in pts] for pol, pts in sw["curves"].items()
     ]
+    for ref, pts in sw["references"].items():
+        rows.append([ref] + [f"{p['block_hit_ratio']:.4f}" for p in pts])
+    rows.append(["infinite cache"] + [f"{sw['ideal_hit_ratio']:.4f}"] * len(shares))
     print(format_table(["policy"] + [f"{100 * s:g}%" for s in shares], rows))
     print(f"infinite cache: {sw['ideal_hit_ratio']:.4f}; "
           f"{sw['speed']['block_touches_per_s']:,.0f} block touches/s")  # fmt: skip
