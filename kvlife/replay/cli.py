@@ -21,6 +21,10 @@ from kvlife.trace.importers import FORMATS, read_trace
 from kvlife.trace.model import Trace
 
 DEFAULT_SHARES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
+DEFAULT_SWEEP_POLICIES = (
+    "lru", "lfu", "s3fifo", "arc", "lifespan",
+    "prefixtree", "prefixtree-admit", "prefixtree-door", "kvhd",
+)  # fmt: skip
 
 
 def _trace_args(p: argparse.ArgumentParser) -> None:
@@ -63,7 +67,7 @@ def replay_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlife replay", description="replay a request trace")
     _trace_args(p)
     p.add_argument(
-        "--policy", default="lru", help="eviction policy (lru, lfu, s3fifo, arc, lifespan)"
+        "--policy", default="lru", help="eviction policy (a registered name, e.g. lru, kvhd)"
     )
     p.add_argument("--dram", default="10%", help="DRAM capacity: share of unique blocks or bytes")
     p.add_argument("--disk", default="0", help="disk capacity: share of unique blocks or bytes")
@@ -162,7 +166,7 @@ def sweep_parser() -> argparse.ArgumentParser:
         prog="kvlife sweep", description="hit ratio against capacity for several policies"
     )
     _trace_args(p)
-    p.add_argument("--policies", default="lru,lfu,s3fifo,arc,lifespan", help="comma list")
+    p.add_argument("--policies", default=",".join(DEFAULT_SWEEP_POLICIES), help="comma list")
     p.add_argument("--shares", default=",".join(str(s) for s in DEFAULT_SHARES),
                    help="capacities as shares of the unique blocks, comma list")  # fmt: skip
     p.add_argument("--json", default=None, help="write the curves as JSON")
@@ -202,6 +206,10 @@ def sweep_main(argv: Sequence[str]) -> int:
         with _bar(len(pols) * len(shares), "sweep") as bar:
             sw = sweep(trace, pols, shares, progress=bar.update)
         sw["references"] = {"belady": belady_curve(trace, shares)}
+        if "prefixtree-admit" in pols:
+            from kvlife.replay.predictor import predictor_accuracy
+
+            sw["reuse_predictor"] = predictor_accuracy(trace, 0.1)
     except (KVLifeError, ValueError) as e:
         print(f"kvlife sweep: error: {e}", file=sys.stderr)
         return 1
@@ -214,6 +222,13 @@ def sweep_main(argv: Sequence[str]) -> int:
     print(format_table(["policy"] + [f"{100 * s:g}%" for s in shares], rows))
     print(f"infinite cache: {sw['ideal_hit_ratio']:.4f}; "
           f"{sw['speed']['block_touches_per_s']:,.0f} block touches/s")  # fmt: skip
+    acc = sw.get("reuse_predictor")
+    if acc is not None:
+        parts = ", ".join(
+            f"p>={th}: precision {v['precision']:.3f} recall {v['recall']:.3f}"
+            for th, v in acc["thresholds"].items()
+        )
+        print(f"reuse predictor (prefixtree-admit, 10%): base rate {acc['base_rate']:.3f}; {parts}")
     if args.json:
         Path(args.json).write_text(json.dumps(sw, indent=2), encoding="utf-8")
     if args.report:
