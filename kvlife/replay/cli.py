@@ -171,6 +171,8 @@ def sweep_parser() -> argparse.ArgumentParser:
                    help="capacities as shares of the unique blocks, comma list")  # fmt: skip
     p.add_argument("--json", default=None, help="write the curves as JSON")
     p.add_argument("--report", default=None, help="write an HTML page with the plot")
+    p.add_argument("--no-peers", dest="peers", action="store_false",
+                   help="skip libCacheSim's and vLLM's policies (run when installed)")  # fmt: skip
     return p
 
 
@@ -206,6 +208,16 @@ def sweep_main(argv: Sequence[str]) -> int:
         with _bar(len(pols) * len(shares), "sweep") as bar:
             sw = sweep(trace, pols, shares, progress=bar.update)
         sw["references"] = {"belady": belady_curve(trace, shares)}
+        if args.peers:
+            from kvlife.replay.peers import libcachesim_curves, vllm_offload_curves
+
+            notes = {}
+            for peer, fn in (("libcachesim", libcachesim_curves), ("vllm", vllm_offload_curves)):
+                curves, note = fn(trace, shares)
+                sw["references"].update(curves)
+                if note:
+                    notes[peer] = note
+            sw["peer_notes"] = notes
         if "prefixtree-admit" in pols:
             from kvlife.replay.predictor import predictor_accuracy
 
@@ -222,6 +234,8 @@ def sweep_main(argv: Sequence[str]) -> int:
     print(format_table(["policy"] + [f"{100 * s:g}%" for s in shares], rows))
     print(f"infinite cache: {sw['ideal_hit_ratio']:.4f}; "
           f"{sw['speed']['block_touches_per_s']:,.0f} block touches/s")  # fmt: skip
+    for peer, note in sw.get("peer_notes", {}).items():
+        print(f"{peer}: skipped: {note.splitlines()[0] if note else ''}")
     acc = sw.get("reuse_predictor")
     if acc is not None:
         parts = ", ".join(
