@@ -27,8 +27,9 @@ a :class:`~kvlife.policy.base.LearnsFromPrompts` policy).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Collection, Container, Hashable, Sequence
+from itertools import repeat
 from typing import TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -48,8 +49,8 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         self._order: OrderedDict[K, None] = OrderedDict()
         self._parent: dict[K, K] = {}
         """Resident key -> its resident parent (roots and orphans have none)."""
-        self._kids: dict[K, set[K]] = {}
-        """Resident key -> its resident children (keys with none are absent)."""
+        self._kids: dict[K, int] = {}
+        """Resident key -> how many resident children it has (keys with none are absent)."""
         self._orphans: OrderedDict[K, None] = OrderedDict()
         """Residents whose parent was removed: the next victims."""
         self.admission = admission
@@ -68,25 +69,29 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
 
     def _link(self, key: K, parent: K) -> None:
         self._parent[key] = parent
-        kids = self._kids.get(parent)
-        if kids is None:
-            self._kids[parent] = {key}
-        else:
-            kids.add(key)
+        kids = self._kids
+        kids[parent] = kids.get(parent, 0) + 1
 
     def _unlink(self, key: K) -> None:
         """``key`` leaves: detach it from its parent, orphan its children."""
+        kids = self._kids
         parent = self._parent.pop(key, None)
         if parent is not None:
-            kids = self._kids[parent]
-            kids.discard(key)
-            if not kids:
-                del self._kids[parent]
-        for child in self._kids.pop(key, ()):
-            del self._parent[child]
-            self._orphans[child] = None
-        self._orphans.pop(key, None)
-        self._depth.pop(key, None)
+            left = kids[parent] - 1
+            if left:
+                kids[parent] = left
+            else:
+                del kids[parent]
+        if key in kids:  # rare (a leaf is what eviction takes): find the children
+            del kids[key]
+            children = [c for c, p in self._parent.items() if p == key]
+            for child in children:
+                del self._parent[child]
+                self._orphans[child] = None
+        if self._orphans:
+            self._orphans.pop(key, None)
+        if self._depth:
+            self._depth.pop(key, None)
 
     def parent_of(self, key: K) -> K | None:
         """The resident parent of a resident key (None: a root or an orphan)."""
@@ -119,18 +124,31 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
 
     def record_in_order(self, keys: Sequence[K], new: Container[K]) -> None:
         order = self._order
+        if self.admission is None and self.log is None:
+            # the plain tree: link each new key to the chunk before it, then make the
+            # prompt most recent from its last chunk to its first
+            link = self._link
+            prev: K | None = None
+            for key in keys:
+                if prev is not None and key not in order and key in new:
+                    link(key, prev)
+                prev = key
+            order.update(zip(keys, repeat(None)))
+            deque(map(order.move_to_end, reversed(keys)), maxlen=0)
+            return
+        self._record_classed(keys, new)
+
+    def _record_classed(self, keys: Sequence[K], new: Container[K]) -> None:
+        order = self._order
         flags = [key in new for key in keys]
         adm = self.admission
         cold: list[K] = []
-        if adm is not None or self.log is not None:
-            depth_of = self._depth.get
-            hit = 0
-            while hit < len(keys) and not flags[hit]:
-                hit += 1
-            d_hit = depth_of(keys[hit - 1], 0) if hit > 1 else 0
-            classes, depth = structural_classes(keys, flags, d_hit)
-        else:
-            classes, depth = [], 0
+        depth_of = self._depth.get
+        hit = 0
+        while hit < len(keys) and not flags[hit]:
+            hit += 1
+        d_hit = depth_of(keys[hit - 1], 0) if hit > 1 else 0
+        classes, depth = structural_classes(keys, flags, d_hit)
         prev: K | None = None
         for i, key in enumerate(keys):
             if flags[i]:
@@ -140,17 +158,16 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                     order[key] = None
                     if prev is not None:
                         self._link(key, prev)
-                    if classes:
-                        self._depth[key] = depth
-                        cls = classes[i]
-                        warm = adm.admit(key, cls) if adm is not None else True
-                        if self.log is not None and key not in self.log and self.predictor:
-                            self.log[key] = self.predictor.probability(cls)
-                        if adm is not None:
-                            self._cls[key] = cls
-                            adm.on_insert(key)
-                            if not warm:
-                                cold.append(key)
+                    self._depth[key] = depth
+                    cls = classes[i]
+                    warm = adm.admit(key, cls) if adm is not None else True
+                    if self.log is not None and key not in self.log and self.predictor:
+                        self.log[key] = self.predictor.probability(cls)
+                    if adm is not None:
+                        self._cls[key] = cls
+                        adm.on_insert(key)
+                        if not warm:
+                            cold.append(key)
             elif self._cls:  # a hit: label its class (the move comes below)
                 hit_cls = self._cls.pop(key, None)
                 if hit_cls is not None and adm is not None:
