@@ -69,7 +69,17 @@ def test_sweep_prints_belady_and_the_infinite_cache(
 
     out = Path(str(tmp_path)) / "sweep.json"
     rc = sweep_main(
-        ["--max-requests", "300", "--policies", "lru", "--shares", "0.05,0.3", "--json", str(out)]
+        [
+            "--max-requests",
+            "300",
+            "--policies",
+            "lru",
+            "--shares",
+            "0.05,0.3",
+            "--json",
+            str(out),
+            "--no-peers",
+        ]
     )
     assert rc == 0
     text = capsys.readouterr().out
