@@ -49,8 +49,8 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         self._order: OrderedDict[K, None] = OrderedDict()
         self._parent: dict[K, K] = {}
         """Resident key -> its resident parent (roots and orphans have none)."""
-        self._kids: dict[K, int] = {}
-        """Resident key -> how many resident children it has (keys with none are absent)."""
+        self._kids: dict[K, set[K]] = {}
+        """Resident key -> its resident children (keys with none are absent)."""
         self._orphans: OrderedDict[K, None] = OrderedDict()
         """Residents whose parent was removed: the next victims."""
         self.admission = admission
@@ -69,22 +69,24 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
 
     def _link(self, key: K, parent: K) -> None:
         self._parent[key] = parent
-        kids = self._kids
-        kids[parent] = kids.get(parent, 0) + 1
+        kids = self._kids.get(parent)
+        if kids is None:
+            self._kids[parent] = {key}
+        else:
+            kids.add(key)
 
     def _unlink(self, key: K) -> None:
-        """``key`` leaves: detach it from its parent, orphan its children."""
+        """``key`` leaves: detach it from its parent, orphan its children (kept as sets,
+        so removing an inner block costs its children, not a scan of the cache)."""
         kids = self._kids
         parent = self._parent.pop(key, None)
         if parent is not None:
-            left = kids[parent] - 1
-            if left:
-                kids[parent] = left
-            else:
+            siblings = kids[parent]
+            siblings.discard(key)
+            if not siblings:
                 del kids[parent]
-        if key in kids:  # rare (a leaf is what eviction takes): find the children
-            del kids[key]
-            children = [c for c, p in self._parent.items() if p == key]
+        children = kids.pop(key, None)
+        if children:
             for child in children:
                 del self._parent[child]
                 self._orphans[child] = None
