@@ -102,6 +102,9 @@ class HitDensityPolicy(PrefixTreePolicy[K]):
             elif key in self._kc:
                 self._hit(key)
 
+    def evict_up_to(self, n: int, protected: Collection[K] = ()) -> list[K]:
+        return self._evict_one_by_one(n, protected)
+
     def _victim(self, protected: Collection[K]) -> K | None:
         kids = self._kids
         for key in self._orphans:

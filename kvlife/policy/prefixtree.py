@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Collection, Container, Hashable, Sequence
-from itertools import repeat
+from itertools import islice, repeat
 from typing import TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -203,6 +203,48 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         return len(self._order) - len(blocked)
 
     def evict_up_to(self, n: int, protected: Collection[K] = ()) -> list[K]:
+        # The least recent keys, taken from a copy of the front of the LRU order, are
+        # what n calls of evict(1) would take: a victim only turns its parent into a
+        # leaf, and a parent is normally more recent (further on); if one already passed
+        # over becomes a leaf, or the copy runs out, the scan starts again from the
+        # front, as the next evict(1) would. Orphans take the one-at-a-time path.
+        if n < 0:
+            raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        victims: list[K] = []
+        kids, parent_of, drop = self._kids, self._parent.get, self._drop
+        size = 0
+        while len(victims) < n:
+            if self._orphans:
+                key = self._victim(protected)
+                if key is None:
+                    break
+                victims.append(key)
+                drop(key)
+                continue
+            size = max(size, n - len(victims) + 16)
+            batch = list(islice(self._order, size))
+            passed: set[K] = set()
+            took = len(victims)
+            for key in batch:
+                if key in protected or key in kids:
+                    passed.add(key)
+                    continue
+                parent = parent_of(key)
+                drop(key)
+                victims.append(key)
+                if len(victims) == n:
+                    break
+                if parent in passed and parent not in kids and parent not in protected:
+                    break  # a key passed over is a leaf now: start again from the front
+            else:
+                if len(batch) < size:
+                    break  # the whole order was scanned: nothing more can go
+                if len(victims) == took:
+                    size *= 2  # the copy held no victim: look further next time
+        return victims
+
+    def _evict_one_by_one(self, n: int, protected: Collection[K] = ()) -> list[K]:
+        """``evict_up_to`` by repeated :meth:`_victim` (subclasses with another order)."""
         if n < 0:
             raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
         victims: list[K] = []

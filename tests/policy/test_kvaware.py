@@ -149,6 +149,16 @@ def test_leaves_first_lru_among_leaves() -> None:
     assert p.evict_up_to(9) == ["a", "r"]
 
 
+@pytest.mark.parametrize("name", KV)
+def test_many_protected_keys_at_the_front_are_passed_over(name: str) -> None:
+    p: EvictionPolicy[int] = make_policy(name)  # type: ignore[assignment]
+    for k in range(100):
+        p.insert(k)
+    assert p.evict_up_to(3, protected=set(range(90))) == [90, 91, 92]
+    assert p.evict_up_to(50, protected=set(range(90))) == list(range(93, 100))
+    assert p.evict_up_to(5, protected=set(range(100))) == []
+
+
 def test_orphans_go_first() -> None:
     p: PrefixTreePolicy[str] = PrefixTreePolicy()
     p.record_in_order(["x", "y"], {"x", "y"})
