@@ -67,7 +67,7 @@ def test_sweep_prints_belady_and_the_infinite_cache(
     import json
     from pathlib import Path
 
-    out = Path(str(tmp_path)) / "sweep.json"
+    out, page = Path(str(tmp_path)) / "sweep.json", Path(str(tmp_path)) / "sweep.html"
     rc = sweep_main(
         [
             "--max-requests",
@@ -79,11 +79,14 @@ def test_sweep_prints_belady_and_the_infinite_cache(
             "--json",
             str(out),
             "--no-peers",
+            "--report",
+            str(page),
         ]
     )
     assert rc == 0
     text = capsys.readouterr().out
     assert "belady" in text and "infinite cache" in text
+    assert "data:image/png;base64," in page.read_text()  # the plot draws the references
     sw = json.loads(out.read_text())
     bel = sw["references"]["belady"]
     assert [p["share"] for p in bel] == [0.05, 0.3]
