@@ -65,7 +65,8 @@ class EvictionPolicy(ABC, Generic[K]):
     def record_in_order(self, keys: Sequence[K], new: Container[K]) -> None:
         """A put's chunks in prompt order: ``insert`` each key in ``new``, ``touch`` each
         other. Every key not in ``new`` must be a resident already. A policy may override
-        it with a faster equivalent (same state after the call as the calls one by one)."""
+        it with a faster equivalent (same state after the call as the calls one by one),
+        or, as a :class:`LearnsFromPrompts` policy, learn from the prompt as a whole."""
         insert, touch = self.insert, self.touch
         for key in keys:
             if key in new:
@@ -91,6 +92,13 @@ class SupportsClassHints(ABC, Generic[K]):
     @abstractmethod
     def insert_classed(self, key: K, cls: int) -> None:
         """Like :meth:`EvictionPolicy.insert`, with the object's class."""
+
+
+class LearnsFromPrompts:
+    """Marker: the policy's :meth:`EvictionPolicy.record_in_order` uses the put as a whole
+    (the prompt's order gives the prefix tree, the new keys the turn's structure), so it
+    is *not* the calls one by one; its bare ``insert``/``touch`` still work without it
+    (:mod:`kvlife.policy.prefixtree`, :mod:`kvlife.policy.kvhd`)."""
 
 
 _REGISTRY: dict[str, Callable[[], EvictionPolicy[object]]] = {}
@@ -121,9 +129,12 @@ def policy_names() -> list[str]:
 BUILTIN_POLICIES = ("lru", "lfu", "s3fifo", "arc", "lifespan")
 """Built-in policies (one module each in :mod:`kvlife.policy`), imported on first use."""
 
+KV_POLICY_MODULES = ("prefixtree", "kvhd")
+"""Modules of the KV-aware policies (:class:`LearnsFromPrompts`; several names each)."""
+
 
 def _load_builtins() -> None:
     import importlib
 
-    for name in BUILTIN_POLICIES:
+    for name in BUILTIN_POLICIES + KV_POLICY_MODULES:
         importlib.import_module(f"kvlife.policy.{name}")

@@ -21,6 +21,10 @@ from kvlife.trace.importers import FORMATS, read_trace
 from kvlife.trace.model import Trace
 
 DEFAULT_SHARES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
+DEFAULT_SWEEP_POLICIES = (
+    "lru", "lfu", "s3fifo", "arc", "lifespan",
+    "prefixtree", "prefixtree-admit", "prefixtree-door", "kvhd",
+)  # fmt: skip
 
 
 def _trace_args(p: argparse.ArgumentParser) -> None:
@@ -63,7 +67,7 @@ def replay_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlife replay", description="replay a request trace")
     _trace_args(p)
     p.add_argument(
-        "--policy", default="lru", help="eviction policy (lru, lfu, s3fifo, arc, lifespan)"
+        "--policy", default="lru", help="eviction policy (a registered name, e.g. lru, kvhd)"
     )
     p.add_argument("--dram", default="10%", help="DRAM capacity: share of unique blocks or bytes")
     p.add_argument("--disk", default="0", help="disk capacity: share of unique blocks or bytes")
@@ -162,12 +166,34 @@ def sweep_parser() -> argparse.ArgumentParser:
         prog="kvlife sweep", description="hit ratio against capacity for several policies"
     )
     _trace_args(p)
-    p.add_argument("--policies", default="lru,lfu,s3fifo,arc,lifespan", help="comma list")
+    p.add_argument("--policies", default=",".join(DEFAULT_SWEEP_POLICIES), help="comma list")
     p.add_argument("--shares", default=",".join(str(s) for s in DEFAULT_SHARES),
                    help="capacities as shares of the unique blocks, comma list")  # fmt: skip
     p.add_argument("--json", default=None, help="write the curves as JSON")
     p.add_argument("--report", default=None, help="write an HTML page with the plot")
+    p.add_argument("--no-peers", dest="peers", action="store_false",
+                   help="skip libCacheSim's and vLLM's policies (run when installed)")  # fmt: skip
     return p
+
+
+def belady_curve(trace: Trace, shares: Sequence[float]) -> list[dict[str, Any]]:
+    """Belady's offline optimum at each capacity (as the sweep sizes it): the headroom."""
+    from kvlife.replay.belady import belady_hits
+
+    unique = trace.n_unique_blocks()
+    touches = trace.n_touches
+    pts = []
+    for share in shares:
+        cap = max(1, int(unique * share))
+        hits = belady_hits(trace.blocks, cap)
+        pts.append(
+            {
+                "share": share,
+                "capacity_blocks": cap,
+                "block_hit_ratio": hits / touches if touches else 0.0,
+            }
+        )
+    return pts
 
 
 def sweep_main(argv: Sequence[str]) -> int:
@@ -181,15 +207,42 @@ def sweep_main(argv: Sequence[str]) -> int:
         shares = [float(s) for s in args.shares.split(",") if s]
         with _bar(len(pols) * len(shares), "sweep") as bar:
             sw = sweep(trace, pols, shares, progress=bar.update)
+        sw["references"] = {"belady": belady_curve(trace, shares)}
+        if args.peers:
+            from kvlife.replay.peers import libcachesim_curves, vllm_offload_curves
+
+            notes = {}
+            for peer, fn in (("libcachesim", libcachesim_curves), ("vllm", vllm_offload_curves)):
+                curves, note = fn(trace, shares)
+                sw["references"].update(curves)
+                if note:
+                    notes[peer] = note
+            sw["peer_notes"] = notes
+        if "prefixtree-admit" in pols:
+            from kvlife.replay.predictor import predictor_accuracy
+
+            sw["reuse_predictor"] = predictor_accuracy(trace, 0.1)
     except (KVLifeError, ValueError) as e:
         print(f"kvlife sweep: error: {e}", file=sys.stderr)
         return 1
     rows = [
         [pol] + [f"{p['block_hit_ratio']:.4f}" for p in pts] for pol, pts in sw["curves"].items()
     ]
+    for ref, pts in sw["references"].items():
+        rows.append([ref] + [f"{p['block_hit_ratio']:.4f}" for p in pts])
+    rows.append(["infinite cache"] + [f"{sw['ideal_hit_ratio']:.4f}"] * len(shares))
     print(format_table(["policy"] + [f"{100 * s:g}%" for s in shares], rows))
     print(f"infinite cache: {sw['ideal_hit_ratio']:.4f}; "
           f"{sw['speed']['block_touches_per_s']:,.0f} block touches/s")  # fmt: skip
+    for peer, note in sw.get("peer_notes", {}).items():
+        print(f"{peer}: skipped: {note.splitlines()[0] if note else ''}")
+    acc = sw.get("reuse_predictor")
+    if acc is not None:
+        parts = ", ".join(
+            f"p>={th}: precision {v['precision']:.3f} recall {v['recall']:.3f}"
+            for th, v in acc["thresholds"].items()
+        )
+        print(f"reuse predictor (prefixtree-admit, 10%): base rate {acc['base_rate']:.3f}; {parts}")
     if args.json:
         Path(args.json).write_text(json.dumps(sw, indent=2), encoding="utf-8")
     if args.report:

@@ -77,6 +77,9 @@ def plots(report: dict[str, Any], sweep: dict[str, Any] | None) -> dict[str, str
         for pol, pts in sweep["curves"].items():
             ax.plot([100 * p["share"] for p in pts], [p["block_hit_ratio"] for p in pts],
                     marker="o", label=pol)  # fmt: skip
+        for ref, pts in sweep.get("references", {}).items():  # Belady, libCacheSim's
+            ax.plot([100 * p["share"] for p in pts], [p["block_hit_ratio"] for p in pts],
+                    ls=":", marker="x", label=ref)  # fmt: skip
         ax.axhline(sweep["ideal_hit_ratio"], color="grey", ls="--", label="infinite cache")
         ax.set_xlabel("capacity (% of unique blocks)")
         ax.set_ylabel("block hit ratio")

@@ -98,7 +98,7 @@ def test_cli_replay_writes_json_html_and_events(
 def test_cli_sweep_and_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "s.json"
     argv = ["--max-requests", "200", "--policies", "lru,arc", "--shares", "0.1,0.5",
-            "--json", str(out)]  # fmt: skip
+            "--json", str(out), "--no-peers"]  # fmt: skip
     assert sweep_main(argv) == 0
     data = json.loads(out.read_text())
     lru = data["curves"]["lru"]

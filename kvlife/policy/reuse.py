@@ -1,0 +1,119 @@
+"""Structural classes of KV blocks and an online reuse predictor over them.
+
+A policy that sees a put's chunks in prompt order (:meth:`EvictionPolicy.record_in_order`)
+knows, for each new block: its position (the last block of a prompt is usually a partial
+block that the next turn replaces), whether the put continued a conversation (a hit
+prefix longer than the shared system block), how many blocks the turn added and how deep
+the conversation is (turns so far along the chain). On the Mooncake conversation trace
+these separate reuse from no reuse (share of new blocks touched again, docs/replay.md):
+last block 1%, first turns 26-41% (shorter prompts more), continuations adding < 4
+blocks 49-67%, adding >= 8 blocks 8-11%, deeper turns more.
+
+:class:`ReusePredictor` learns each class's reuse probability online, with no clock and
+no capacity: a block is labelled *reused* when it is touched after its insert (while
+resident), or inserted again while remembered in a ghost list of recently evicted blocks
+(as long as twice the resident count); *not reused* when it leaves the ghost list
+untouched. ``predict`` says "will be reused" when the class's estimate is at least the
+threshold; its precision and recall against the trace's future are reported by
+:func:`kvlife.replay.predictor.predictor_accuracy`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+LAST = 0
+"""The last block of a put's prompt."""
+FIRST_TURN = 1
+"""Classes 1-3: a put whose hit prefix is at most one block, by prompt length (<8, <32, more)."""
+CONTINUATION = 4
+"""Classes 4-12: a put continuing a hit prefix, by blocks added (<4, <8, more) x turn (1, 2, 3+)."""
+REUSED = 13
+"""A block touched at least once after its insert (classes 0-12 move here on a hit)."""
+UNKNOWN = 14
+"""A block inserted without its prompt (a bare ``insert``: structure unknown)."""
+N_CLASSES = 15
+CLASS_NAMES = (
+    "last",
+    *(f"first/len{b}" for b in ("<8", "<32", ">=32")),
+    *(f"cont/add{a}/turn{t}" for a in ("<4", "<8", ">=8") for t in ("1", "2", "3+")),
+    "reused",
+    "unknown",
+)
+
+
+def structural_classes(
+    keys: Sequence[Hashable], new_flags: Sequence[bool], depth_of_hit: int
+) -> tuple[list[int], int]:
+    """The class of each new key of a put (``new_flags[i]``: keys[i] is new) and the turn
+    depth its new keys get. ``depth_of_hit`` is the depth of the last key of the hit prefix
+    (0 when the prefix is at most one block)."""
+    n = len(keys)
+    hit = 0
+    while hit < n and not new_flags[hit]:
+        hit += 1
+    added = sum(new_flags)
+    if hit <= 1:
+        depth = 0
+        base = FIRST_TURN + (0 if n < 8 else 1 if n < 32 else 2)
+    else:
+        depth = depth_of_hit + 1
+        a = 0 if added < 4 else 1 if added < 8 else 2
+        base = CONTINUATION + 3 * a + min(depth, 3) - 1
+    classes = [base] * n
+    classes[n - 1] = LAST
+    return classes, depth
+
+
+class ReusePredictor:
+    """Per-class reuse probability, learned online (see the module docstring)."""
+
+    def __init__(self, threshold: float = 0.1, ghost_factor: float = 2.0) -> None:
+        self.threshold = threshold
+        self.ghost_factor = ghost_factor
+        self.reused = [1.0] * N_CLASSES  # a weak prior of 1 in 2
+        self.unused = [1.0] * N_CLASSES
+        self._ghost: OrderedDict[Hashable, int] = OrderedDict()
+        self._p = [0.5] * N_CLASSES
+
+    def probability(self, cls: int) -> float:
+        """The class's estimated reuse probability."""
+        return self._p[cls]
+
+    def predict(self, cls: int) -> bool:
+        """Will a new block of this class be reused?"""
+        return self._p[cls] >= self.threshold
+
+    def _update(self, cls: int) -> None:
+        r = self.reused[cls]
+        self._p[cls] = r / (r + self.unused[cls])
+
+    def on_hit(self, cls: int) -> None:
+        """A resident block of class ``cls`` was touched for the first time since insert."""
+        if cls < REUSED:
+            self.reused[cls] += 1.0
+            self._update(cls)
+
+    def on_insert(self, key: Hashable) -> None:
+        """A block is inserted: if the ghost list remembers it, its class was reused."""
+        cls = self._ghost.pop(key, None)
+        if cls is not None:
+            self.reused[cls] += 1.0
+            self._update(cls)
+
+    def on_evict(self, key: Hashable, cls: int, resident: int) -> None:
+        """A block left untouched since insert (class ``cls``); ``resident`` keys remain."""
+        if cls >= REUSED:
+            return
+        ghost = self._ghost
+        ghost[key] = cls
+        limit = max(16, int(self.ghost_factor * resident))
+        while len(ghost) > limit:
+            old = ghost.popitem(last=False)[1]
+            self.unused[old] += 1.0
+            self._update(old)
+
+    def estimates(self) -> dict[str, float]:
+        """Each class's estimated reuse probability, by name."""
+        return {name: round(self._p[c], 4) for c, name in enumerate(CLASS_NAMES)}
