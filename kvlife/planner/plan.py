@@ -16,7 +16,7 @@ free end: with ``front = 0`` it is load-only (``stop = h``) or a shorter load, w
 over every ``(front, stop)``; :func:`load_only`, :func:`compute_only` and
 :func:`split_only` are the fixed policies it is compared with. :func:`tokens_to_load` is
 the seam for an engine that cannot compute a front while loading (vLLM's connector):
-the best plan with ``front = 0``, as a token count.
+the best plan with ``front = 0``, as a token count, the engine's own cached prefix free.
 """
 
 from __future__ import annotations
@@ -204,10 +204,24 @@ def split_only(model: CostModel, hits: Sequence[ChunkHit], prompt_tokens: int) -
     return _best(make_plan(model, use, prompt_tokens, s, h) for s in range(1, h))
 
 
-def tokens_to_load(hits: Sequence[ChunkHit], model: CostModel, prompt_tokens: int) -> int:
-    """Tokens an engine that loads only a prefix should load: the ``stop`` of the best
-    plan with no front computed beside the load (0: compute it all), in tokens."""
-    h = usable_hits(hits, prompt_tokens, model.tokens_per_chunk)
-    use = list(hits[:h])
-    best = _best(make_plan(model, use, prompt_tokens, 0, stop) for stop in range(h + 1))
-    return best.stop * model.tokens_per_chunk
+def tokens_to_load(
+    hits: Sequence[ChunkHit], model: CostModel, prompt_tokens: int, computed_tokens: int = 0
+) -> int:
+    """Where an engine that can only load a prefix (no front computed beside the load)
+    should stop loading, in tokens from the prompt's start: the end of the load of least
+    predicted time to first token. ``computed_tokens`` the engine holds already (its own
+    prefix cache) cost nothing; the answer is never below them (``computed_tokens``:
+    load nothing, prefill the rest)."""
+    tpc = model.tokens_per_chunk
+    h = usable_hits(hits, prompt_tokens, tpc)
+    first = min(computed_tokens // tpc, h)  # hits wholly in the engine's cache
+    best_end = computed_tokens
+    best = model.compute_seconds(computed_tokens, prompt_tokens - computed_tokens)
+    for stop in range(first + 1, h + 1):
+        end = stop * tpc
+        if end <= computed_tokens:
+            continue
+        t = model.load_seconds(hits[first:stop]) + model.compute_seconds(end, prompt_tokens - end)
+        if t < best:
+            best, best_end = t, end
+    return best_end
