@@ -17,7 +17,8 @@ A load still running at its deadline (the plan's predicted load time times
 arrived in order are used and the rest is recomputed with the remainder of the prompt
 (vLLM's ``kv_load_failure_policy=recompute`` shape), counted in
 :class:`PlanCounters`. A chunk that fails verification ends the loaded run the same way.
-Each load that completes teaches the cost model the tier's speed.
+Each load that completes teaches the cost model the tier's speed, each prefill the
+engine's speed against its profile.
 
 :func:`measure_prefill` times a few prefills of the engine's own model (a few seconds)
 and fits a :class:`~kvlife.planner.PrefillProfile`; :func:`prefill_profile` reads a
@@ -119,7 +120,7 @@ class PlannedEngine:
         self.deadline_factor = deadline_factor
         self.deadline_slack_s = deadline_slack_s
         self.learn = learn
-        """Feed each completed load's time to the cost model."""
+        """Feed each completed load's and each prefill's time to the cost model."""
         self.counters = PlanCounters()
 
     def prefill(
@@ -175,6 +176,11 @@ class PlannedEngine:
         t3 = time.perf_counter()
         pre = eng._prefill_suffix(ids, cache, start)
         t4 = time.perf_counter()
+        if self.learn:  # prefills of two chunks or more: shorter ones are mostly overhead
+            if front >= 2:
+                self.model.observe_prefill(0, front * tpc, t2 - tf)
+            if n - pre.cached_tokens >= 2 * tpc:
+                self.model.observe_prefill(pre.cached_tokens, n - pre.cached_tokens, t4 - t3)
         pre.lookup_s, pre.load_s = t1 - t0, load_s
         c = self.counters
         c.plans[plan.kind.value] = c.plans.get(plan.kind.value, 0) + 1

@@ -126,6 +126,10 @@ def run(cfg: CrossoverConfig, progress: bool = True) -> dict[str, Any]:
             assert isinstance(tier, ThrottledTier)
             vocab = int(eng.config.vocab_size)
             points: list[dict[str, Any]] = []
+            # one model for the run: the engine's speed is learnt across points, the
+            # disk's is calibrated again at each bandwidth and learnt from every load
+            model = CostModel(profile, tpc)
+            planned = PlannedEngine(eng, model)
             for prefix in cfg.prefixes:
                 ids = rng.integers(0, vocab, prefix + cfg.suffix).tolist()
                 tier.set_limits(0.0)
@@ -133,8 +137,6 @@ def run(cfg: CrossoverConfig, progress: bool = True) -> dict[str, Any]:
                 compute_ttft = float("inf")
                 for bw in cfg.bandwidths_mb_s:
                     tier.set_limits(bw * MB)
-                    model = CostModel(profile, tpc)
-                    planned = PlannedEngine(eng, model)
                     _calibrate(planned, ids, PUBLIC)
                     row: dict[str, Any] = {"prefix": prefix, "bandwidth_mb_s": bw}
                     for name, policy in PLANS.items():
@@ -158,6 +160,7 @@ def run(cfg: CrossoverConfig, progress: bool = True) -> dict[str, Any]:
                     row["oracle"] = min(row[n] for n in PLANS)
                     row["planner_vs_oracle"] = row["planner"] / row["oracle"]
                     row["disk_s_per_mb_learnt"] = (model.tier("disk").per_byte.value or 0) * MB
+                    row["prefill_scale_learnt"] = model.prefill_scale.value
                     points.append(row)
                     if progress:
                         print(

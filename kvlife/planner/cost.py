@@ -12,7 +12,8 @@
   fixed cost, the per-token work (projections, MLP) and attention, whose cost per new
   token grows with its position. Fitted by non-negative least squares from a few timed
   prefills of the engine itself (:meth:`PrefillProfile.fit`), kept as JSON so a restart
-  reads it instead of measuring again.
+  reads it instead of measuring again; a learnt scale (observed over predicted prefill
+  time, :meth:`CostModel.observe_prefill`) follows the engine's speed of the day.
 """
 
 from __future__ import annotations
@@ -148,6 +149,9 @@ class CostModel:
     tiers: dict[str, TierCost] = field(default_factory=dict)
     decode_per_byte: dict[str, RobustEstimate] = field(default_factory=dict)
     """Seconds per decoded byte, by transform (for hits that carry no estimate)."""
+    prefill_scale: RobustEstimate = field(default_factory=lambda: RobustEstimate(1.0))
+    """Observed prefill time over the profile's prediction: the profile's shape with
+    today's speed (another process on the cores, a different batch)."""
 
     def tier(self, name: str) -> TierCost:
         got = self.tiers.get(name)
@@ -182,7 +186,13 @@ class CostModel:
         return lat + sum(self.chunk_load_seconds(h) for h in hits)
 
     def compute_seconds(self, start_token: int, tokens: int) -> float:
-        return self.prefill.seconds(start_token, tokens)
+        return self.prefill.seconds(start_token, tokens) * (self.prefill_scale.value or 1.0)
+
+    def observe_prefill(self, start_token: int, tokens: int, seconds: float) -> None:
+        """A prefill of ``tokens`` after ``start_token`` that took ``seconds``."""
+        predicted = self.prefill.seconds(start_token, tokens)
+        if tokens > 0 and predicted > 0 and seconds > 0:
+            self.prefill_scale.observe(seconds / predicted)
 
     def observe_load(self, hits: Sequence[ChunkHit], seconds: float) -> None:
         """Learn from a load of ``hits`` (of one tier) that took ``seconds``; the

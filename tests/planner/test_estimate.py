@@ -90,3 +90,14 @@ def test_a_prefill_profile_fits_its_own_model(c0: float, c1: float, c2: float) -
     fit = PrefillProfile.fit(samples)
     for s, n in [*points, (8000, 256), (0, 8192)]:
         assert fit.seconds(s, n) == pytest.approx(truth.seconds(s, n), rel=1e-3)
+
+
+def test_the_model_learns_the_engines_speed_of_the_day() -> None:
+    from kvlife.planner.cost import CostModel
+
+    prof = PrefillProfile(0.01, 1e-3, 1e-7)
+    model = CostModel(prof, 64)
+    assert model.compute_seconds(0, 512) == pytest.approx(prof.seconds(0, 512))
+    for n in (256, 512, 1024) * 10:  # the cores are shared today: everything takes 2x
+        model.observe_prefill(0, n, 2 * prof.seconds(0, n))
+    assert model.compute_seconds(512, 256) == pytest.approx(2 * prof.seconds(512, 256), rel=0.05)
