@@ -69,6 +69,10 @@ class CrossoverConfig:
     """Runs of each plan per point (the best is kept)."""
     model: str = "smollm2"
     """``smollm2`` or ``tiny`` (a random tiny Llama, for tests)."""
+    threads: int = 1
+    """torch threads. One by default: on a machine whose cores other processes share,
+    two OpenMP threads wait at every barrier for a descheduled sibling (a 64-token
+    prefill of SmolLM2 took 9 s with two threads beside other jobs, 0.3 s with one)."""
     seed: int = 0
 
 
@@ -104,6 +108,9 @@ def run(cfg: CrossoverConfig, progress: bool = True) -> dict[str, Any]:
     from kvlife.faults.throttle import MB, ThrottledDiskOptions, ThrottledTier
     from kvlife.store import KVStore, StoreConfig, TierSpec
 
+    import torch
+
+    torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
     tpc = cfg.tokens_per_chunk
     with tempfile.TemporaryDirectory(prefix="kvlife-crossover-") as tmp:
@@ -348,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-chunk", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     cfg = CrossoverConfig(tokens_per_chunk=args.tokens_per_chunk, repeats=args.repeats)
@@ -359,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _with(cfg, prefixes=tuple(int(x) for x in args.prefixes.split(",")))
     if args.bandwidths:
         cfg = _with(cfg, bandwidths_mb_s=tuple(float(x) for x in args.bandwidths.split(",")))
-    cfg = _with(cfg, model=args.model, repeats=args.repeats)
+    cfg = _with(cfg, model=args.model, repeats=args.repeats, threads=args.threads)
     result = run(cfg, progress=not args.no_progress)
     text = json.dumps(result, indent=1)
     if args.json:
