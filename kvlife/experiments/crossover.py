@@ -104,11 +104,11 @@ def _calibrate(planned: Any, ids: list[int], namespace: Any) -> None:
 
 
 def run(cfg: CrossoverConfig, progress: bool = True) -> dict[str, Any]:
+    import torch
+
     from kvlife.engines.hf_plan import PlannedEngine, measure_prefill, prefill_profile
     from kvlife.faults.throttle import MB, ThrottledDiskOptions, ThrottledTier
     from kvlife.store import KVStore, StoreConfig, TierSpec
-
-    import torch
 
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
