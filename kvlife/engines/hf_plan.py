@@ -28,6 +28,7 @@ cached one for the same model and thread count instead.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -122,6 +123,7 @@ class PlannedEngine:
         self.learn = learn
         """Feed each completed load's and each prefill's time to the cost model."""
         self.counters = PlanCounters()
+        self._abandoned: list[_Loading] = []
 
     def prefill(
         self,
@@ -159,13 +161,18 @@ class PlannedEngine:
         t2 = time.perf_counter()
         got, load_s = 0, 0.0
         if loading is not None:
-            deadline = t1 + plan.load_s * self.deadline_factor + self.deadline_slack_s
+            deadline = (
+                math.inf
+                if math.isinf(self.deadline_factor)
+                else t1 + plan.load_s * self.deadline_factor + self.deadline_slack_s
+            )
             got, timed_out = loading.take(count, deadline)
             load_s = (loading.finished_at or time.perf_counter()) - t1
             if timed_out:
                 self.counters.timeouts += 1
                 # the load goes on writing into this buffer: the next request needs another
                 eng._buffer = None
+                self._abandoned.append(loading)
             elif got < count:
                 self.counters.misses += 1
             elif self.learn:
@@ -199,6 +206,17 @@ class PlannedEngine:
             rest_s=t4 - t3,
         )
 
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait for the loads abandoned at their deadline to end (they still hold the
+        store's I/O threads and the tier); True when none is left."""
+        end = None if timeout is None else time.perf_counter() + timeout
+        while self._abandoned:
+            left = None if end is None else max(0.0, end - time.perf_counter())
+            if not self._abandoned[0].join(left):
+                return False
+            self._abandoned.pop(0)
+        return True
+
     def generate(
         self,
         ids: Sequence[int],
@@ -229,10 +247,15 @@ class _Loading:
             self.handle.wait()
         self.finished_at = time.perf_counter()
 
+    def join(self, timeout: float | None) -> bool:
+        self._watch.join(timeout)
+        return not self._watch.is_alive()
+
     def take(self, count: int, deadline: float) -> tuple[int, bool]:
-        """Chunks that arrived in order by ``deadline``, and whether it passed first."""
+        """Chunks that arrived in order by ``deadline`` (infinite: wait), and whether it
+        passed first."""
         for i in range(count):
-            left = max(0.0, deadline - time.perf_counter())
+            left = None if math.isinf(deadline) else max(0.0, deadline - time.perf_counter())
             try:
                 arr = self.handle.chunk(i, timeout=left)
             except TimeoutError:

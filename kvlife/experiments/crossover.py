@@ -137,6 +137,8 @@ def run(cfg: CrossoverConfig, progress: bool = True) -> dict[str, Any]:
             # disk's is calibrated again at each bandwidth and learnt from every load
             model = CostModel(profile, tpc)
             planned = PlannedEngine(eng, model)
+            # the fixed policies are measured as they are: no deadline, no fallback
+            fixed = PlannedEngine(eng, model, deadline_factor=float("inf"))
             for prefix in cfg.prefixes:
                 ids = rng.integers(0, vocab, prefix + cfg.suffix).tolist()
                 tier.set_limits(0.0)
@@ -145,14 +147,17 @@ def run(cfg: CrossoverConfig, progress: bool = True) -> dict[str, Any]:
                 for bw in cfg.bandwidths_mb_s:
                     tier.set_limits(bw * MB)
                     _calibrate(planned, ids, PUBLIC)
+                    fallbacks = planned.counters.fallback_chunks
                     row: dict[str, Any] = {"prefix": prefix, "bandwidth_mb_s": bw}
                     for name, policy in PLANS.items():
                         if name == "compute" and compute_ttft < float("inf"):
                             row["compute"] = compute_ttft  # the same at every bandwidth
                             continue
                         best, plan = float("inf"), None
+                        runner = planned if name == "planner" else fixed
                         for _ in range(cfg.repeats):
-                            done = planned.prefill(ids, PUBLIC, policy=policy)
+                            done = runner.prefill(ids, PUBLIC, policy=policy)
+                            runner.settle(600)  # abandoned loads end before the next run
                             if done.ttft_s < best:
                                 best, plan = done.ttft_s, done
                         assert plan is not None
@@ -161,6 +166,12 @@ def run(cfg: CrossoverConfig, progress: bool = True) -> dict[str, Any]:
                             **plan.plan.as_dict(),
                             "loaded": plan.loaded,
                             "fallback": plan.fallback,
+                            "measured": {
+                                "lookup_s": plan.lookup_s,
+                                "front_s": plan.front_s,
+                                "load_s": plan.load_s,
+                                "rest_s": plan.rest_s,
+                            },
                         }
                         if name == "compute":
                             compute_ttft = best
@@ -168,12 +179,16 @@ def run(cfg: CrossoverConfig, progress: bool = True) -> dict[str, Any]:
                     row["planner_vs_oracle"] = row["planner"] / row["oracle"]
                     row["disk_s_per_mb_learnt"] = (model.tier("disk").per_byte.value or 0) * MB
                     row["prefill_scale_learnt"] = model.prefill_scale.value
+                    row["planner_fallback_chunks"] = planned.counters.fallback_chunks - fallbacks
                     points.append(row)
                     if progress:
                         print(
                             f"prefix {prefix:5d} @ {bw or 'full':>5} MB/s: "
                             + "  ".join(f"{n} {row[n]:.3f}s" for n in PLANS)
-                            + f"  planner/oracle {row['planner_vs_oracle']:.3f}",
+                            + f"  planner/oracle {row['planner_vs_oracle']:.3f}"
+                            + f" ({row['planner_plan']['kind']} {row['planner_plan']['front']}"
+                            + f"/{row['planner_plan']['stop']}/{row['planner_plan']['hits']},"
+                            + f" fallback {row['planner_fallback_chunks']})",
                             file=sys.stderr,
                             flush=True,
                         )

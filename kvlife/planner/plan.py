@@ -178,7 +178,12 @@ def _best(plans: Iterator[Plan]) -> Plan:
 
 
 def choose(model: CostModel, hits: Sequence[ChunkHit], prompt_tokens: int) -> Plan:
-    """The plan of least predicted time to first token."""
+    """The plan of least predicted time to first token. Hits on a tier whose speed the
+    model does not know yet are loaded (load-only): that load is how it learns, and
+    loading is what a store without a planner does."""
+    h = usable_hits(hits, prompt_tokens, model.tokens_per_chunk)
+    if any(model.tier(hit.tier).per_byte.value is None for hit in hits[:h]):
+        return load_only(model, hits, prompt_tokens)
     return _best(candidates(model, hits, prompt_tokens))
 
 

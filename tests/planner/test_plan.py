@@ -133,3 +133,12 @@ def test_a_plan_that_breaks_its_bounds_is_refused() -> None:
         make_plan(model, hits, 4 * TPC + 1, 3, 2)
     with pytest.raises(InvalidArgument, match="nothing to prefill"):
         make_plan(model, hits, 4 * TPC, 0, 4)
+
+
+def test_a_tier_of_unknown_speed_is_loaded_to_learn_it() -> None:
+    model = CostModel(PrefillProfile(0.0, 1e-3, 0.0), TPC)
+    hits = _hits(4, 1000, [])
+    plan = choose(model, hits, 4 * TPC + 1)
+    assert plan.kind is PlanKind.LOAD and plan.stop == 4
+    model.observe_load(hits, 10.0)  # very slow: 10 s for 4 kB
+    assert choose(model, hits, 4 * TPC + 1).kind is PlanKind.COMPUTE
