@@ -167,14 +167,18 @@ class PlannedEngine:
                 else t1 + plan.load_s * self.deadline_factor + self.deadline_slack_s
             )
             got, timed_out = loading.take(count, deadline)
+            if not timed_out:
+                loading.join(1.0)  # its watcher notes when the last read ended
             load_s = (loading.finished_at or time.perf_counter()) - t1
-            if timed_out:
-                self.counters.timeouts += 1
-                # the load goes on writing into this buffer: the next request needs another
+            if timed_out or got < count:
+                if timed_out:
+                    self.counters.timeouts += 1
+                else:
+                    self.counters.misses += 1
+                # reads after the last chunk used may still be writing into this buffer:
+                # the next request needs another
                 eng._buffer = None
                 self._abandoned.append(loading)
-            elif got < count:
-                self.counters.misses += 1
             elif self.learn:
                 self.model.observe_load(hits[front:stop], load_s)
             cache = _joined(eng, front_cache, front * tpc, buf, got * tpc)
@@ -183,11 +187,10 @@ class PlannedEngine:
         t3 = time.perf_counter()
         pre = eng._prefill_suffix(ids, cache, start)
         t4 = time.perf_counter()
-        if self.learn:  # prefills of two chunks or more: shorter ones are mostly overhead
-            if front >= 2:
+        if self.learn:
+            if front:
                 self.model.observe_prefill(0, front * tpc, t2 - tf)
-            if n - pre.cached_tokens >= 2 * tpc:
-                self.model.observe_prefill(pre.cached_tokens, n - pre.cached_tokens, t4 - t3)
+            self.model.observe_prefill(pre.cached_tokens, n - pre.cached_tokens, t4 - t3)
         pre.lookup_s, pre.load_s = t1 - t0, load_s
         c = self.counters
         c.plans[plan.kind.value] = c.plans.get(plan.kind.value, 0) + 1
@@ -207,8 +210,8 @@ class PlannedEngine:
         )
 
     def settle(self, timeout: float | None = None) -> bool:
-        """Wait for the loads abandoned at their deadline to end (they still hold the
-        store's I/O threads and the tier); True when none is left."""
+        """Wait for the loads abandoned at their deadline or a miss to end (they still
+        hold the store's I/O threads and the tier); True when none is left."""
         end = None if timeout is None else time.perf_counter() + timeout
         while self._abandoned:
             left = None if end is None else max(0.0, end - time.perf_counter())

@@ -12,13 +12,14 @@
   fixed cost, the per-token work (projections, MLP) and attention, whose cost per new
   token grows with its position. Fitted by non-negative least squares from a few timed
   prefills of the engine itself (:meth:`PrefillProfile.fit`), kept as JSON so a restart
-  reads it instead of measuring again; a learnt scale (observed over predicted prefill
-  time, :meth:`CostModel.observe_prefill`) follows the engine's speed of the day.
+  reads it instead of measuring again; refitted to the latest prefills the engine timed
+  (:meth:`CostModel.observe_prefill`), so it follows the engine's speed of the day.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -145,13 +146,20 @@ class CostModel:
     """What loads, decodes and prefills cost on this engine and these tiers."""
 
     prefill: PrefillProfile
+    """The engine's prefill profile in use: the start-up one, refitted as prefills are
+    observed."""
     tokens_per_chunk: int
     tiers: dict[str, TierCost] = field(default_factory=dict)
     decode_per_byte: dict[str, RobustEstimate] = field(default_factory=dict)
     """Seconds per decoded byte, by transform (for hits that carry no estimate)."""
-    prefill_scale: RobustEstimate = field(default_factory=lambda: RobustEstimate(1.0))
-    """Observed prefill time over the profile's prediction: the profile's shape with
-    today's speed (another process on the cores, a different batch)."""
+    observed: deque[PrefillSample] = field(default_factory=lambda: deque(maxlen=32))
+    """The latest prefills the engine timed; the profile is refitted to these (with the
+    start-up samples while there are fewer than eight), so it follows the engine's speed
+    of the day (another process on the cores) and the cost of the calls it makes."""
+    startup: tuple[PrefillSample, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        self.startup = self.prefill.samples
 
     def tier(self, name: str) -> TierCost:
         got = self.tiers.get(name)
@@ -186,13 +194,19 @@ class CostModel:
         return lat + sum(self.chunk_load_seconds(h) for h in hits)
 
     def compute_seconds(self, start_token: int, tokens: int) -> float:
-        return self.prefill.seconds(start_token, tokens) * (self.prefill_scale.value or 1.0)
+        return self.prefill.seconds(start_token, tokens)
 
     def observe_prefill(self, start_token: int, tokens: int, seconds: float) -> None:
-        """A prefill of ``tokens`` after ``start_token`` that took ``seconds``."""
-        predicted = self.prefill.seconds(start_token, tokens)
-        if tokens > 0 and predicted > 0 and seconds > 0:
-            self.prefill_scale.observe(seconds / predicted)
+        """A prefill of ``tokens`` after ``start_token`` that took ``seconds``: the
+        profile is refitted (relative least squares, so one slow call moves it by its
+        share of the window only)."""
+        if tokens <= 0 or not seconds > 0:
+            return
+        self.observed.append(PrefillSample(start_token, tokens, seconds))
+        # the start-up samples seed the fit until the engine timed enough of its own
+        samples = [*self.observed] if len(self.observed) >= 8 else [*self.startup, *self.observed]
+        if len(samples) >= 3:
+            self.prefill = PrefillProfile.fit(samples, self.prefill.engine)
 
     def observe_load(self, hits: Sequence[ChunkHit], seconds: float) -> None:
         """Learn from a load of ``hits`` (of one tier) that took ``seconds``; the
