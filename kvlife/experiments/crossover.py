@@ -143,16 +143,12 @@ def run(cfg: CrossoverConfig, progress: bool = True) -> dict[str, Any]:
                 ids = rng.integers(0, vocab, prefix + cfg.suffix).tolist()
                 tier.set_limits(0.0)
                 eng.generate(ids[:prefix], PUBLIC, max_new_tokens=1)  # stores the prefix
-                compute_ttft = float("inf")
                 for bw in cfg.bandwidths_mb_s:
                     tier.set_limits(bw * MB)
                     _calibrate(planned, ids, PUBLIC)
                     fallbacks = planned.counters.fallback_chunks
                     row: dict[str, Any] = {"prefix": prefix, "bandwidth_mb_s": bw}
                     for name, policy in PLANS.items():
-                        if name == "compute" and compute_ttft < float("inf"):
-                            row["compute"] = compute_ttft  # the same at every bandwidth
-                            continue
                         best, plan = float("inf"), None
                         runner = planned if name == "planner" else fixed
                         for _ in range(cfg.repeats):
@@ -173,8 +169,6 @@ def run(cfg: CrossoverConfig, progress: bool = True) -> dict[str, Any]:
                                 "rest_s": plan.rest_s,
                             },
                         }
-                        if name == "compute":
-                            compute_ttft = best
                     row["oracle"] = min(row[n] for n in PLANS)
                     row["planner_vs_oracle"] = row["planner"] / row["oracle"]
                     row["disk_s_per_mb_learnt"] = (model.tier("disk").per_byte.value or 0) * MB
