@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "experiment",
-        help="experiments: `kvlife experiment identity|lifetime-hints|transforms --help`",
+        help="experiments: `kvlife experiment identity|lifetime-hints|transforms|crossover --help`",
         add_help=False,
     )
     return parser
@@ -379,6 +379,7 @@ EXPERIMENTS = {
     "lifetime-hints": "kvlife.sim.lifetime_hints",
     "identity": "kvlife.experiments.identity",
     "transforms": "kvlife.experiments.transforms",
+    "crossover": "kvlife.experiments.crossover",
 }
 
 

@@ -27,8 +27,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # building blocks; the global index on Redis is the shared tiers' index and sits
     # with them (record frames and tier names one way, invalidation rules the other)
     ("index", "policy", "transforms", "tiers", "globalindex"),
-    # the I/O-free placement engine; the typed results of the store's API
-    ("placement", "results"),
+    # the I/O-free placement engine; the typed results of the store's API; the
+    # I/O-free load/decode/recompute planner (its plans are made of lookup results)
+    ("placement", "results", "planner"),
     ("store",),
     # what runs a store: the server, trace replay (live mode opens a store), fault
     # injectors (they wrap the store's seams and drive it)

@@ -7,6 +7,9 @@
   seam that holds what is not yet durable apart and loses it in a simulated power cut;
 - :mod:`kvlife.faults.damage`: damage to a closed store's files (frames found through
   the segment format; flips, overwrites, truncation, swaps, deletion);
+- :mod:`kvlife.faults.throttle`: :func:`~kvlife.faults.throttle.throttle`, any tier
+  behind a read-bandwidth limit (token bucket) and an added latency, and the
+  ``throttled-disk`` tier kind;
 - :mod:`kvlife.faults.crash` and :mod:`kvlife.faults.crash_child`: the SIGKILL harness
   (a writer child process, its acknowledgement log, the kill).
 

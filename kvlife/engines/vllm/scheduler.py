@@ -33,6 +33,8 @@ from kvlife.engines.identity import AdapterSpec
 from kvlife.engines.vllm.identity import NamespacePolicy, adapter_spec, with_adapter
 from kvlife.engines.vllm.meta import LoadSpec, SaveSpec, SaveVerdict, StepPlan, StepReport
 from kvlife.engines.vllm.stores import StoreAPI
+from kvlife.planner import CostModel, tokens_to_load
+from kvlife.results import ChunkHit
 
 log = logging.getLogger("kvlife.vllm")
 
@@ -64,6 +66,8 @@ class SchedulerCounters:
     """Steps whose staged saves were all aborted (a rank never reported the step)."""
     saves_aborted: int = 0
     """Request saves aborted by a verdict (and planned again)."""
+    planner_declined: int = 0
+    """Hit tokens not offered because the planner predicted recomputing them faster."""
 
 
 class SchedulerSide:
@@ -77,8 +81,13 @@ class SchedulerSide:
         *,
         block_size: int,
         save_decode: bool = True,
+        planner: CostModel | None = None,
     ) -> None:
         self.store = store
+        self.planner = planner
+        """With a cost model, ``matched`` offers the tokens the planner says to load
+        (:func:`kvlife.planner.tokens_to_load`: fewer than the hit, or none, when the
+        tier is slower than the prefill it saves); without, the longest hit."""
         self.identities = identities
         """One identity per rank (every tensor-parallel shard of every pipeline stage),
         in global rank order."""
@@ -121,20 +130,29 @@ class SchedulerSide:
             return 0
         self.counters.lookups += 1
         hit = limit
+        hits: list[ChunkHit] = []
         try:
             for identity in self.identities:
                 got = self.store.lookup(
                     with_adapter(identity, st.adapter), st.namespace, prompt[:limit]
                 )
                 hit = min(hit, got.tokens)
+                hits = hits or got.hits  # rank 0's hits: every rank loads its own shard
                 if hit == 0:
                     break
         except KVLifeError as exc:
             self.counters.store_errors += 1
             log.warning("kvlife lookup failed, served as a miss: %s", exc)
             return 0
-        st.hit_tokens = hit
         st.saved_chunks = max(st.saved_chunks, hit // self.tpc)
+        if self.planner is not None and hit > num_computed_tokens:
+            chosen = tokens_to_load(
+                hits[: hit // self.tpc], self.planner, len(prompt), num_computed_tokens
+            )
+            if chosen < hit:
+                self.counters.planner_declined += hit - max(chosen, num_computed_tokens)
+                hit = chosen
+        st.hit_tokens = hit
         return max(0, hit - num_computed_tokens)
 
     def allocated(self, request: Any, num_external_tokens: int) -> None:

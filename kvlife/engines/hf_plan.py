@@ -1,0 +1,346 @@
+"""Planned prefills on the transformers engine: the planner's plans executed, and the
+engine's prefill profile measured for its cost model.
+
+:class:`PlannedEngine` wraps an :class:`~kvlife.engines.hf.HFEngine` and a
+:class:`~kvlife.planner.CostModel`. Per request it looks the prompt up, asks a policy
+(the planner's :func:`~kvlife.planner.choose` unless told otherwise) for a
+:class:`~kvlife.planner.Plan` and executes it: the loaded chunks ``[front, stop)`` start
+loading at once in the store's I/O threads (``load_async`` into the engine's aligned
+landing buffer) while the engine prefills the front ``[0, front)`` itself; then the
+cache is the computed front followed by the loaded chunks, and the rest of the prompt is
+prefilled on top. The KV of the front is what a full prefill computes for those
+positions, and the loaded chunks are the KV a full prefill computed for theirs, so the
+logits and tokens are those of a full prefill (tested).
+
+A load still running at its deadline (the plan's predicted load time times
+``deadline_factor``, plus ``deadline_slack_s``) is not waited for: the chunks that
+arrived in order are used and the rest is recomputed with the remainder of the prompt
+(vLLM's ``kv_load_failure_policy=recompute`` shape), counted in
+:class:`PlanCounters`. A chunk that fails verification ends the loaded run the same way.
+Each load that completes teaches the cost model the tier's speed, each prefill the
+engine's speed against its profile.
+
+:func:`measure_prefill` times a few prefills of the engine's own model (a few seconds)
+and fits a :class:`~kvlife.planner.PrefillProfile`; :func:`prefill_profile` reads a
+cached one for the same model and thread count instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvlife.core.errors import KVLifeError
+from kvlife.core.identity import Namespace
+from kvlife.core.payload import to_torch
+from kvlife.engines.hf import HFEngine, Prefill
+from kvlife.engines.identity import cache_dir
+from kvlife.planner import CostModel, Plan, PrefillProfile, choose
+from kvlife.planner.cost import PrefillSample
+from kvlife.planner.plan import usable_hits
+from kvlife.results import ChunkHit
+
+Policy = Callable[[CostModel, Sequence[ChunkHit], int], Plan]
+"""Chooses a plan from the model, the usable hits and the prompt's length."""
+
+PROFILE_POINTS: tuple[tuple[int, int], ...] = (
+    (0, 64),
+    (0, 256),
+    (0, 1024),
+    (256, 256),
+    (1024, 256),
+    (2048, 128),
+)
+"""(start, length) of the prefills :func:`measure_prefill` times: lengths for the
+per-token cost, starts for attention's growth with position."""
+
+
+@dataclass(slots=True)
+class PlanCounters:
+    """What a planned engine did, since it was made."""
+
+    plans: dict[str, int] = field(default_factory=dict)
+    """Requests by plan kind (``compute``, ``load``, ``split``)."""
+    chunks_loaded: int = 0
+    chunks_recomputed: int = 0
+    """Hit chunks recomputed (the front and any after the loaded run)."""
+    fallback_chunks: int = 0
+    """Chunks the plan loaded but the engine recomputed: their load ran past its
+    deadline or a chunk before them was a miss."""
+    timeouts: int = 0
+    """Loads that ran past their deadline."""
+    misses: int = 0
+    """Loads that ended at a chunk that was no longer there or failed verification."""
+
+
+@dataclass(slots=True)
+class PlannedPrefill:
+    """One request's planned prefill."""
+
+    prefill: Prefill
+    plan: Plan
+    loaded: int
+    """Chunks served from the store."""
+    fallback: int
+    """Chunks the plan loaded but were recomputed (deadline, miss)."""
+    ttft_s: float
+    """Lookup to the last prompt position's logits."""
+    lookup_s: float
+    front_s: float
+    """Time the front's prefill took."""
+    load_s: float
+    """Time the load took (to its last chunk; to the deadline when abandoned)."""
+    rest_s: float
+    """Time the prefill after the plan's stop took."""
+
+
+class PlannedEngine:
+    """An HF engine whose prefills follow the planner's plans."""
+
+    def __init__(
+        self,
+        engine: HFEngine,
+        model: CostModel,
+        *,
+        deadline_factor: float = 2.0,
+        deadline_slack_s: float = 0.05,
+        learn: bool = True,
+    ) -> None:
+        if engine.store is None:
+            raise ValueError("a planned engine needs a store")
+        self.engine = engine
+        self.model = model
+        self.deadline_factor = deadline_factor
+        self.deadline_slack_s = deadline_slack_s
+        self.learn = learn
+        """Feed each completed load's and each prefill's time to the cost model."""
+        self.counters = PlanCounters()
+        self._abandoned: list[_Loading] = []
+
+    def prefill(
+        self,
+        ids: Sequence[int],
+        namespace: Namespace,
+        *,
+        policy: Policy = choose,
+        start: int = 0,
+        request_id: str = "",
+    ) -> PlannedPrefill:
+        eng, store = self.engine, self.engine.store
+        assert store is not None
+        eng._check_length(ids, start, 0)
+        lay = eng.identity.layout
+        tpc, n = lay.tokens_per_chunk, len(ids)
+        t0 = time.perf_counter()
+        found = store.lookup(eng.identity, namespace, list(ids), start=start)
+        hits = found.hits[: usable_hits(found.hits, n, tpc)]
+        plan = policy(self.model, hits, n)
+        t1 = time.perf_counter()
+        front, stop = plan.front, plan.stop
+        count = stop - front
+        loading = None
+        if count:
+            shape = (lay.num_layers, 2, lay.num_kv_heads, count * tpc, lay.head_dim)
+            buf = eng._kv_buffer(shape)
+            outs = [buf[:, :, :, i * tpc : (i + 1) * tpc, :] for i in range(count)]
+            handle = store.load_async(found.sub(front, stop), outs, request_id=request_id)
+            loading = _Loading(handle)
+        # the front, computed while the back loads
+        front_cache = eng._new_cache()
+        tf = time.perf_counter()
+        if front:
+            front_cache = eng._prefill_suffix(ids[: front * tpc], front_cache, start).cache
+        t2 = time.perf_counter()
+        got, load_s = 0, 0.0
+        if loading is not None:
+            deadline = (
+                math.inf
+                if math.isinf(self.deadline_factor)
+                else t1 + plan.load_s * self.deadline_factor + self.deadline_slack_s
+            )
+            got, timed_out = loading.take(count, deadline)
+            if not timed_out:
+                loading.join(1.0)  # its watcher notes when the last read ended
+            load_s = (loading.finished_at or time.perf_counter()) - t1
+            if timed_out or got < count:
+                if timed_out:
+                    self.counters.timeouts += 1
+                else:
+                    self.counters.misses += 1
+                # reads after the last chunk used may still be writing into this buffer:
+                # the next request needs another
+                eng._buffer = None
+                self._abandoned.append(loading)
+            elif self.learn:
+                self.model.observe_load(hits[front:stop], load_s)
+            cache = _joined(eng, front_cache, front * tpc, buf, got * tpc)
+        else:
+            cache = front_cache
+        t3 = time.perf_counter()
+        pre = eng._prefill_suffix(ids, cache, start)
+        t4 = time.perf_counter()
+        if self.learn:
+            if front:
+                self.model.observe_prefill(0, front * tpc, t2 - tf)
+            self.model.observe_prefill(pre.cached_tokens, n - pre.cached_tokens, t4 - t3)
+        pre.lookup_s, pre.load_s = t1 - t0, load_s
+        c = self.counters
+        c.plans[plan.kind.value] = c.plans.get(plan.kind.value, 0) + 1
+        c.chunks_loaded += got
+        c.fallback_chunks += count - got
+        c.chunks_recomputed += len(hits) - got
+        return PlannedPrefill(
+            prefill=pre,
+            plan=plan,
+            loaded=got,
+            fallback=count - got,
+            ttft_s=t4 - t0,
+            lookup_s=t1 - t0,
+            front_s=t2 - tf,
+            load_s=load_s,
+            rest_s=t4 - t3,
+        )
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait for the loads abandoned at their deadline or a miss to end (they still
+        hold the store's I/O threads and the tier); True when none is left."""
+        end = None if timeout is None else time.perf_counter() + timeout
+        while self._abandoned:
+            left = None if end is None else max(0.0, end - time.perf_counter())
+            if not self._abandoned[0].join(left):
+                return False
+            self._abandoned.pop(0)
+        return True
+
+    def generate(
+        self,
+        ids: Sequence[int],
+        namespace: Namespace,
+        *,
+        max_new_tokens: int = 16,
+        policy: Policy = choose,
+    ) -> tuple[list[int], PlannedPrefill]:
+        """Greedy tokens after a planned prefill (nothing is stored)."""
+        done = self.prefill(ids, namespace, policy=policy)
+        out, _, _ = self.engine.decode(done.prefill, len(ids), max_new_tokens, stop_at_eos=False)
+        return out, done
+
+
+class _Loading:
+    """An asynchronous load and the time its last chunk completed (a watcher thread
+    waits for it, so the time is the load's own, not when the engine looked)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.finished_at: float | None = None
+        self._watch = threading.Thread(target=self._wait, daemon=True, name="kvlife-plan-load")
+        self._watch.start()
+
+    def _wait(self) -> None:
+        # a failed load only ends sooner here: the engine sees its miss through chunk()
+        with contextlib.suppress(Exception):
+            self.handle.wait()
+        self.finished_at = time.perf_counter()
+
+    def join(self, timeout: float | None) -> bool:
+        self._watch.join(timeout)
+        return not self._watch.is_alive()
+
+    def take(self, count: int, deadline: float) -> tuple[int, bool]:
+        """Chunks that arrived in order by ``deadline`` (infinite: wait), and whether it
+        passed first."""
+        for i in range(count):
+            left = None if math.isinf(deadline) else max(0.0, deadline - time.perf_counter())
+            try:
+                arr = self.handle.chunk(i, timeout=left)
+            except TimeoutError:
+                return i, True
+            except KVLifeError:  # a failed load (store closed...): a miss, recomputed
+                return i, False
+            if arr is None:
+                return i, False
+        return count, False
+
+
+def _joined(eng: HFEngine, front: Any, front_tokens: int, buf: np.ndarray, tokens: int) -> Any:
+    """A cache of the computed front's ``front_tokens`` positions followed by the first
+    ``tokens`` loaded positions of ``buf`` (layers, 2, heads, T, dim)."""
+    if not front_tokens:
+        return eng._inject(buf, tokens)
+    if not tokens:
+        return front
+    torch = eng.torch
+    lay = eng.identity.layout
+    cache = eng._new_cache()
+    for layer in range(lay.num_layers):
+        fk = front.layers[layer].keys[:, :, :front_tokens]
+        fv = front.layers[layer].values[:, :, :front_tokens]
+        lk = to_torch(buf[layer, 0, :, :tokens], lay.dtype)[None]
+        lv = to_torch(buf[layer, 1, :, :tokens], lay.dtype)[None]
+        cache.update(torch.cat([fk, lk], dim=2), torch.cat([fv, lv], dim=2), layer)
+    return cache
+
+
+# ---------------------------------------------------------------------- the prefill profile
+
+
+def _engine_label(engine: HFEngine) -> str:
+    torch = engine.torch
+    return f"{engine.identity.model_id} weights={engine.identity.weights_digest[:16]} " + (
+        f"threads={torch.get_num_threads()}"
+    )
+
+
+def measure_prefill(
+    engine: HFEngine,
+    points: Sequence[tuple[int, int]] = PROFILE_POINTS,
+    *,
+    repeats: int = 2,
+    seed: int = 0,
+) -> PrefillProfile:
+    """Time prefills of ``length`` tokens after ``start`` cached ones (the best of
+    ``repeats``) and fit the profile. Positions past the model's are skipped."""
+    rng = np.random.default_rng(seed)
+    vocab = int(getattr(engine.config, "vocab_size", 1000))
+    samples = []
+    for start, length in points:
+        if start + length > engine.max_positions:
+            continue
+        ids = rng.integers(0, vocab, start + length).tolist()
+        best = float("inf")
+        for _ in range(repeats):
+            cache = engine._new_cache()
+            if start:
+                cache = engine._prefill_suffix(ids[:start], cache, 0).cache
+            t0 = time.perf_counter()
+            engine._prefill_suffix(ids, cache, 0)
+            best = min(best, time.perf_counter() - t0)
+        samples.append(PrefillSample(start, length, best))
+    return PrefillProfile.fit(samples, _engine_label(engine))
+
+
+def prefill_profile(engine: HFEngine, *, cache: Path | None = None) -> PrefillProfile:
+    """The engine's profile from ``cache`` (default: kvlife's cache directory) when one
+    was measured for the same model and thread count, else measured now and saved."""
+    label = _engine_label(engine)
+    path = cache or cache_dir() / "prefill-profiles" / (
+        "".join(ch if ch.isalnum() else "_" for ch in label)[:120] + ".json"
+    )
+    if path.exists():
+        try:
+            got = PrefillProfile.load(path)
+            if got.engine == label:
+                return got
+        except ValueError:
+            pass  # a damaged profile: measure again
+    prof = measure_prefill(engine)
+    prof.save(path)
+    return prof

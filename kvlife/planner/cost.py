@@ -1,0 +1,224 @@
+"""The planner's cost model: what a load, a decode and a prefill will take.
+
+- :class:`TierCost`: a tier's load time, ``latency + bytes * seconds_per_byte``; the time
+  per byte is a :class:`~kvlife.planner.estimate.RobustEstimate` seeded from a short
+  calibration (:meth:`TierCost.calibrate`) and learnt from every load an engine observes
+  (:meth:`CostModel.observe_load`).
+- decode: a hit's own ``decode_seconds`` (the store's measured decode speed of its
+  transform); where that is 0 for a framed replica, a per-transform time per byte learnt
+  from observed decodes.
+- :class:`PrefillProfile`: the engine's prefill time for ``length`` tokens after
+  ``start`` cached ones, ``c0 + c1 * length + c2 * length * (start + length / 2)``: a
+  fixed cost, the per-token work (projections, MLP) and attention, whose cost per new
+  token grows with its position. Fitted by non-negative least squares from a few timed
+  prefills of the engine itself (:meth:`PrefillProfile.fit`), kept as JSON so a restart
+  reads it instead of measuring again; refitted to the latest prefills the engine timed
+  (:meth:`CostModel.observe_prefill`), so it follows the engine's speed of the day.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.planner.estimate import RobustEstimate
+from kvlife.results import ChunkHit
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSample:
+    """One timed prefill."""
+
+    start: int
+    """Tokens already in the cache."""
+    length: int
+    """Tokens prefilled."""
+    seconds: float
+
+
+def _features(start: int, length: int) -> tuple[float, float, float]:
+    return (1.0, float(length), float(length) * (start + length / 2.0))
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillProfile:
+    """Prefill seconds of an engine as ``c0 + c1*L + c2*L*(start + L/2)``."""
+
+    c0: float
+    """Fixed seconds per prefill call."""
+    c1: float
+    """Seconds per token (position-independent work)."""
+    c2: float
+    """Seconds per token per position attended (attention)."""
+    engine: str = ""
+    """What was measured (model, threads), to tell a cached profile from another's."""
+    samples: tuple[PrefillSample, ...] = ()
+    """The measurements the profile was fitted to."""
+
+    def __post_init__(self) -> None:
+        for name in ("c0", "c1", "c2"):
+            if not getattr(self, name) >= 0:
+                raise InvalidArgument(f"prefill profile {name} must be >= 0")
+
+    def seconds(self, start: int, length: int) -> float:
+        """Predicted time to prefill ``length`` tokens after ``start`` cached ones."""
+        if length <= 0:
+            return 0.0
+        f = _features(start, length)
+        return self.c0 * f[0] + self.c1 * f[1] + self.c2 * f[2]
+
+    @classmethod
+    def fit(cls, samples: Sequence[PrefillSample], engine: str = "") -> PrefillProfile:
+        """Non-negative least squares on relative error (each sample weighted by
+        1/seconds, so short prefills count as much as long ones)."""
+        from scipy.optimize import nnls
+
+        if len(samples) < 3:
+            raise InvalidArgument(f"a prefill profile needs >= 3 samples, got {len(samples)}")
+        a = np.array([_features(s.start, s.length) for s in samples])
+        b = np.array([s.seconds for s in samples])
+        if not (b > 0).all():
+            raise InvalidArgument("prefill samples must have positive times")
+        w = 1.0 / b
+        coef, _ = nnls(a * w[:, None], b * w)
+        return cls(float(coef[0]), float(coef[1]), float(coef[2]), engine, tuple(samples))
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> PrefillProfile:
+        try:
+            raw = json.loads(path.read_text())
+            samples = tuple(PrefillSample(**s) for s in raw.pop("samples"))
+            return cls(**raw, samples=samples)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise InvalidArgument(f"{path} is not a prefill profile: {exc}") from exc
+
+
+@dataclass(slots=True)
+class TierCost:
+    """A tier's load time: ``latency_s + nbytes * seconds_per_byte`` (learnt)."""
+
+    name: str
+    latency_s: float = 0.0
+    """Fixed seconds per load (the first byte)."""
+    per_byte: RobustEstimate = field(default_factory=RobustEstimate)
+    """Seconds per byte."""
+
+    def seconds(self, nbytes: int) -> float:
+        """Predicted time to load ``nbytes`` (unknown speed: infinite, never chosen)."""
+        spb = self.per_byte.value
+        if spb is None:
+            return float("inf")
+        return self.latency_s + nbytes * spb
+
+    def calibrate(self, small: tuple[int, float], large: tuple[int, float]) -> None:
+        """Seed from two timed loads (bytes, seconds) of different sizes: the slope is the
+        time per byte, the intercept the latency."""
+        (b1, t1), (b2, t2) = small, large
+        if b2 <= b1 or t1 < 0 or t2 < 0:
+            raise InvalidArgument(
+                f"calibration needs two loads of growing size, got {small}, {large}"
+            )
+        spb = max((t2 - t1) / (b2 - b1), t2 / b2 / 4)
+        self.per_byte.seed(spb)
+        self.latency_s = max(0.0, t2 - b2 * spb)
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        """A load of ``nbytes`` that took ``seconds`` end to end."""
+        if nbytes <= 0 or seconds < 0:
+            return
+        self.per_byte.observe(max(seconds - self.latency_s, 0.0) / nbytes)
+
+
+@dataclass(slots=True)
+class CostModel:
+    """What loads, decodes and prefills cost on this engine and these tiers."""
+
+    prefill: PrefillProfile
+    """The engine's prefill profile in use: the start-up one, refitted as prefills are
+    observed."""
+    tokens_per_chunk: int
+    tiers: dict[str, TierCost] = field(default_factory=dict)
+    decode_per_byte: dict[str, RobustEstimate] = field(default_factory=dict)
+    """Seconds per decoded byte, by transform (for hits that carry no estimate)."""
+    observed: deque[PrefillSample] = field(default_factory=lambda: deque(maxlen=32))
+    """The latest prefills the engine timed; the profile is refitted to these (with the
+    start-up samples while there are fewer than eight), so it follows the engine's speed
+    of the day (another process on the cores) and the cost of the calls it makes."""
+    startup: tuple[PrefillSample, ...] = field(init=False, default=())
+
+    def __post_init__(self) -> None:
+        self.startup = self.prefill.samples
+
+    def tier(self, name: str) -> TierCost:
+        got = self.tiers.get(name)
+        if got is None:
+            got = self.tiers[name] = TierCost(name)
+        return got
+
+    def decode_seconds(self, hit: ChunkHit) -> float:
+        """The decode time of a hit's replica (0 for the engine's own bytes)."""
+        if hit.decode_nbytes <= 0:
+            return 0.0
+        if hit.decode_seconds > 0:
+            return hit.decode_seconds
+        est = self.decode_per_byte.get(hit.transform)
+        v = est.value if est is not None else None
+        return hit.decode_nbytes * v if v is not None else 0.0
+
+    def chunk_load_seconds(self, hit: ChunkHit) -> float:
+        """Transfer plus decode time of one hit, the tier's latency excluded."""
+        cost = self.tier(hit.tier)
+        spb = cost.per_byte.value
+        if spb is None:
+            return float("inf")
+        return hit.stored_nbytes * spb + self.decode_seconds(hit)
+
+    def load_seconds(self, hits: Sequence[ChunkHit]) -> float:
+        """Predicted time to load ``hits`` in one load (each tier's latency once; tiers
+        are read one after another, a conservative bound)."""
+        if not hits:
+            return 0.0
+        lat = sum(self.tier(t).latency_s for t in {h.tier for h in hits})
+        return lat + sum(self.chunk_load_seconds(h) for h in hits)
+
+    def compute_seconds(self, start_token: int, tokens: int) -> float:
+        return self.prefill.seconds(start_token, tokens)
+
+    def observe_prefill(self, start_token: int, tokens: int, seconds: float) -> None:
+        """A prefill of ``tokens`` after ``start_token`` that took ``seconds``: the
+        profile is refitted (relative least squares, so one slow call moves it by its
+        share of the window only)."""
+        if tokens <= 0 or not seconds > 0:
+            return
+        self.observed.append(PrefillSample(start_token, tokens, seconds))
+        # the start-up samples seed the fit until the engine timed enough of its own
+        samples = [*self.observed] if len(self.observed) >= 8 else [*self.startup, *self.observed]
+        if len(samples) >= 3:
+            self.prefill = PrefillProfile.fit(samples, self.prefill.engine)
+
+    def observe_load(self, hits: Sequence[ChunkHit], seconds: float) -> None:
+        """Learn from a load of ``hits`` (of one tier) that took ``seconds``; the
+        decode time the hits predicted is taken off first."""
+        tiers = {h.tier for h in hits}
+        if len(tiers) != 1:
+            return  # a load across tiers does not say which was slow
+        nbytes = sum(h.stored_nbytes for h in hits)
+        decode = sum(self.decode_seconds(h) for h in hits)
+        self.tier(next(iter(tiers))).observe(nbytes, max(seconds - decode, 0.0))
+
+    def observe_decode(self, transform: str, nbytes: int, seconds: float) -> None:
+        est = self.decode_per_byte.setdefault(transform, RobustEstimate())
+        if nbytes > 0 and seconds >= 0:
+            est.observe(seconds / nbytes)

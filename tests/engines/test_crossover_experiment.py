@@ -1,0 +1,55 @@
+"""`kvlife experiment crossover` runs (on the tiny Llama, one prefix, two bandwidths) and
+writes its JSON (every plan's TTFT per point, the oracle, the planner's ratio to it, the
+crossings, the field table) and its plot. Speed is not checked here: the figures come
+from the command, in README and docs/planner.md."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvlife.cli import main
+from kvlife.experiments.crossover import PLANS, field_table
+
+
+def test_the_crossover_experiment_writes_its_json_and_plot(tmp_path: Path) -> None:
+    out, png = tmp_path / "x.json", tmp_path / "x.png"
+    rc = main(
+        [
+            "experiment",
+            "crossover",
+            "--quick",
+            "--model",
+            "tiny",
+            "--no-progress",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
+    assert rc == 0 and png.stat().st_size > 0
+    got = json.loads(out.read_text())
+    assert {p["bandwidth_mb_s"] for p in got["points"]} == {5.0, 0.0}
+    for p in got["points"]:
+        for name in PLANS:
+            assert p[name] > 0
+        assert p["oracle"] == min(p[name] for name in PLANS)
+        assert p["planner_vs_oracle"] >= 1.0
+        assert p["planner_plan"]["kind"] in ("compute", "load", "split")
+        assert p["load_plan"]["loaded"] + p["load_plan"]["fallback"] == p["load_plan"]["hits"]
+    assert set(got["summary"]["crossings"]) == {"256"}
+    assert got["field"]["kv_bytes_per_token"] == 128 * 1024
+
+
+def test_the_field_model_puts_the_crossover_at_a_few_gb_per_s() -> None:
+    t = field_table()
+    for bw in t["crossover_bytes_per_s"].values():
+        assert 1e9 < bw < 10e9
+    for r in t["rows"]:
+        assert r["planner"] <= min(r["load"], r["compute"], r["split"]) * (1 + 1e-9)
