@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlife.bench.vllm import PHASES, ROOT
+from kvlife.bench.vllm import PHASES
+from kvlife.interpreters import ROOT
 
 pytestmark = pytest.mark.skipif(
     not (ROOT / ".venv-vllm" / "bin" / "python").exists(),

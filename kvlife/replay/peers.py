@@ -3,7 +3,7 @@
 Both are references that ``kvlife sweep`` draws beside kvlife's policies, never runtime
 dependencies: libCacheSim (PyPI ``libcachesim``, the reference C implementations of the
 caching literature) is imported lazily here only; vLLM's offloading manager runs in the
-interpreter that has vLLM (:func:`kvlife.bench.vllm.vllm_python`) as a child process
+interpreter that has vLLM (:func:`kvlife.interpreters.vllm_python`) as a child process
 (:mod:`kvlife.bench.vllm_offload_runner`), so its numbers are what vLLM's installed code
 decides. A peer that is not installed is skipped with a note saying why.
 
@@ -69,7 +69,7 @@ def vllm_offload_curves(
 ) -> tuple[dict[str, list[dict[str, Any]]], str]:
     """Block hit ratio of vLLM's CPU offloading manager (each cache policy and
     store_threshold of ``runs``) at each capacity, and a note (empty, or why not)."""
-    from kvlife.bench.vllm import ROOT, vllm_python
+    from kvlife.interpreters import ROOT, vllm_python
 
     try:
         python = vllm_python()

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvlife.bench.vllm import vllm_python
 from kvlife.core.errors import KVLifeError
+from kvlife.interpreters import vllm_python
 from kvlife.replay.belady import belady_hits
 from kvlife.replay.peers import libcachesim_curves, vllm_offload_curves
 from kvlife.trace.model import Trace, TraceBuilder
