@@ -92,6 +92,15 @@ class UniformResidency(Residency, Protocol):
     uniform_size: int
 
 
+class ExactResidency(Residency, Protocol):
+    """A residency changed only by this engine's hooks (the simulator's), so every key a
+    tier's policy knows is held in that tier: placement then skips the check, victim by
+    victim, that the tier still holds what its policy gives up (the store's policies may
+    know a replica that failed or was lost)."""
+
+    policies_exact: bool
+
+
 @dataclass(slots=True)
 class TierSlot:
     """One tier as placement sees it."""
@@ -137,6 +146,8 @@ class Placement:
             for slot in self.slots:
                 if slot.size is None:
                     slot.unit = slot.footprint(uniform)
+        self._exact = getattr(residency, "policies_exact", False) is True
+        """Every key a policy knows is held in its tier (:class:`ExactResidency`)."""
         self.shielded: tuple[Collection[Hashable], ...] = ()
         """Keys no eviction may take whatever the call protects (the store's pinned
         objects and those with a replica still being written by a pending plan)."""
@@ -421,6 +432,8 @@ class Placement:
         unit = slot.unit
         if unit:  # one (non-zero) size: the number of victims is known
             want = -(-short // unit)
+            if self._exact:  # the policy knows only what the tier holds: no check
+                victims = evict_up_to(want, protected)
             one_tier = self._only is not None
             while len(victims) < want:
                 ask = want - len(victims)

@@ -58,7 +58,7 @@ class LRUPolicy(EvictionPolicy[K]):
             return []
         # the first n unprotected keys, found and forgotten in C loops
         victims = list(islice(filterfalse(protected.__contains__, order), n))
-        deque(map(order.__delitem__, victims), maxlen=0)
+        deque(map(order.pop, victims), maxlen=0)
         return victims
 
     def touch_all(self, keys: Iterable[K]) -> None:

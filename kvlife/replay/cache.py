@@ -221,6 +221,9 @@ class CacheSim:
                 head = [first] * p
                 if p:
                     touch_hits(held, head)
+                    if emit is not None:
+                        for b in held:
+                            emit(times[r], "load", b, "indexed", first, nbytes=nb)
                 n_first = p
             else:
                 served = list(map(serving, map(where_get, req)))
@@ -235,6 +238,9 @@ class CacheSim:
                     k = n_first if name == first else head.count(name)
                     tc.prefix_hits += k
                     tc.reads += k
+                if emit is not None:
+                    for b, tier in zip(held, head, strict=True):
+                        emit(times[r], "load", b, "indexed", tier, nbytes=nb)
                 # load, then promotion of the hits served from a slower tier (it may evict
                 # blocks of the request: its new blocks are found after it)
                 if n_first < p:
@@ -242,9 +248,6 @@ class CacheSim:
                     new = [b for b in req if b not in where]
                 else:
                     new = list(compress(req, map(not_, served)))
-            if emit is not None:
-                for b, tier in zip(held, head, strict=True):
-                    emit(times[r], "load", b, "indexed", tier, nbytes=nb)
             pd.append(n_first if first_is_dram else 0)
             pk.append(p - pd[-1])
             pr.append(len(req) - len(new))
@@ -332,6 +335,9 @@ class _SimResidency:
         self.r = 0
         self.uniform_size = 1
         """Every block has one size: placement skips per-key size lookups."""
+        self.policies_exact = True
+        """Only placement's hooks change where blocks live, so the policies know exactly
+        what their tiers hold: placement skips its check of each victim."""
 
     def size_of(self, key: Hashable) -> int:
         return 1
@@ -355,7 +361,7 @@ class _SimResidency:
     ) -> None:
         where = self.where
         if len(last) == len(keys):  # last is a subset of keys: every key leaves (C loop)
-            deque(map(where.__delitem__, keys), maxlen=0)
+            deque(map(where.pop, keys), maxlen=0)
         else:
             minus = self.minus[tier]
             for key in keys:
