@@ -38,7 +38,7 @@ The rules (docs/replay.md states them for one tier):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -76,8 +76,8 @@ class Residency(Protocol):
         self, keys: Sequence[Hashable], tier: TierName, last: Collection[Hashable], reason: str
     ) -> None:
         """The replicas of ``keys`` in ``tier`` leave (an :class:`Evict` each); a key in
-        ``last`` had no other replica: right after its eviction the object is dropped
-        (:class:`Drop` with ``reason``)."""
+        ``last`` (a subset of ``keys``) had no other replica: right after its eviction the
+        object is dropped (:class:`Drop` with ``reason``)."""
         ...
 
     def on_reject(self, key: Hashable, reason: str) -> None:
@@ -90,6 +90,15 @@ class UniformResidency(Residency, Protocol):
     then skips the per-key size lookups."""
 
     uniform_size: int
+
+
+class ExactResidency(Residency, Protocol):
+    """A residency changed only by this engine's hooks (the simulator's), so every key a
+    tier's policy knows is held in that tier: placement then skips the check, victim by
+    victim, that the tier still holds what its policy gives up (the store's policies may
+    know a replica that failed or was lost)."""
+
+    policies_exact: bool
 
 
 @dataclass(slots=True)
@@ -137,6 +146,8 @@ class Placement:
             for slot in self.slots:
                 if slot.size is None:
                     slot.unit = slot.footprint(uniform)
+        self._exact = getattr(residency, "policies_exact", False) is True
+        """Every key a policy knows is held in its tier (:class:`ExactResidency`)."""
         self.shielded: tuple[Collection[Hashable], ...] = ()
         """Keys no eviction may take whatever the call protects (the store's pinned
         objects and those with a replica still being written by a pending plan)."""
@@ -199,6 +210,30 @@ class Placement:
     ) -> None:
         """Every chunk of a put in prompt order: inserted where it was just placed,
         touched in every other tier that holds it."""
+        self._record(keys, new, classes, all_held=False)
+
+    def put_prompt(
+        self,
+        keys: Sequence[Hashable],
+        new: Sequence[Hashable],
+        classes: Sequence[int] | None = None,
+    ) -> tuple[Plan, dict[Hashable, TierName]]:
+        """:meth:`plan_put` then :meth:`touch_in_order`, in one call, for a caller that
+        adds nothing between the two (the simulator; the store adds write-through
+        copies). When every new object was placed, every chunk of the prompt is held
+        (the present ones were protected), so the policies are told without asking
+        where each chunk lives."""
+        plan, placed = self.plan_put(keys, new)
+        self._record(keys, placed, classes, all_held=len(placed) == len(new))
+        return plan, placed
+
+    def _record(
+        self,
+        keys: Sequence[Hashable],
+        new: dict[Hashable, TierName],
+        classes: Sequence[int] | None,
+        all_held: bool,
+    ) -> None:
         tiers_of = self.res.tiers_of
         touch, insert = self._touch, self._insert
         classed = self._insert_classed if classes is not None else None
@@ -209,10 +244,10 @@ class Placement:
             touch1 = touch[name]
             put1 = classed.get(name) if classed else None
             if put1 is None:
-                only.record_in_order(list(filter(tiers_of, keys)), new)
+                only.record_in_order(keys if all_held else list(filter(tiers_of, keys)), new)
                 return
             for pos, key in enumerate(keys):
-                if not tiers_of(key):
+                if not all_held and not tiers_of(key):
                     continue
                 if key in new:
                     put1(key, classes[pos])  # type: ignore[index]
@@ -272,14 +307,14 @@ class Placement:
         placed: dict[Hashable, TierName] = {}
         if new:
             protected = set(keys)
-            first = self.slots[0].name
-            if self._make_room(plan, first, new, protected):
+            slot = self.slots[0]
+            first = slot.name
+            unit = slot.unit
+            need = len(new) * unit if unit is not None else self._units(slot, new)
+            short = slot.used + need - slot.capacity  # _make_room, inlined for the hot path
+            if short <= 0 or self._free(plan, first, short, protected):
                 # the common case, all to the first tier: one charge, one hook
-                slot = self.slots[0]
-                if slot.unit is not None:
-                    slot.used += slot.unit * len(new)
-                else:
-                    slot.used += sum(slot.units(self.res, key) for key in new)
+                slot.used += need
                 plan.size += len(new)
                 self.res.on_place(new, first)
                 placed = dict.fromkeys(new, first)
@@ -373,13 +408,13 @@ class Placement:
         protected: Collection[Hashable],
     ) -> bool:
         slot = self._by_name[tier]
-        res = self.res
-        need = (
-            len(keys) * slot.unit
-            if slot.unit is not None
-            else sum(slot.units(res, k) for k in keys)
-        )
+        need = len(keys) * slot.unit if slot.unit is not None else self._units(slot, keys)
         return self._free(plan, tier, slot.used + need - slot.capacity, protected)
+
+    def _units(self, slot: TierSlot, keys: Iterable[Hashable]) -> int:
+        """Units the replicas of ``keys`` take in ``slot`` (objects of several sizes)."""
+        res = self.res
+        return sum(slot.units(res, key) for key in keys)
 
     def _free(
         self, plan: Plan, tier: TierName, short: int, protected: Collection[Hashable]
@@ -397,11 +432,18 @@ class Placement:
         unit = slot.unit
         if unit:  # one (non-zero) size: the number of victims is known
             want = -(-short // unit)
+            if self._exact:  # the policy knows only what the tier holds: no check
+                victims = evict_up_to(want, protected)
+            one_tier = self._only is not None
             while len(victims) < want:
                 ask = want - len(victims)
                 got = evict_up_to(ask, protected)
                 # a key the tier no longer holds was only known to the policy: ask again
-                victims += [key for key in got if tier in tiers_of(key)]
+                # (with one tier, a key held anywhere is held here: one C pass checks all)
+                if one_tier and all(map(tiers_of, got)):
+                    victims += got
+                else:
+                    victims += [key for key in got if tier in tiers_of(key)]
                 if len(got) < ask:
                     break
             freed = len(victims) * unit
@@ -422,6 +464,16 @@ class Placement:
     def _evict(
         self, plan: Plan, tier: TierName, victims: list[Hashable], protected: Collection[Hashable]
     ) -> None:
+        if self._only is not None:  # one tier: nowhere to demote to, every victim is dropped
+            slot = self.slots[0]
+            unit = slot.unit
+            if unit is not None:
+                slot.used -= unit * len(victims)
+            else:
+                slot.used -= sum(slot.units(self.res, key) for key in victims)
+            self.res.on_evict(victims, tier, set(victims), "evicted")
+            plan.size += 2 * len(victims)
+            return
         nxt = self.next_tier(tier)
         demoted = True
         res = self.res
@@ -440,10 +492,7 @@ class Placement:
             slot.used -= unit * len(victims)
         else:
             slot.used -= sum(slot.units(res, key) for key in victims)
-        if nxt is None and len(self.slots) == 1:
-            last = set(victims)  # one tier: nowhere else to be
-        else:
-            last = {key for key in victims if len(tiers_of(key)) == 1}
+        last = {key for key in victims if len(tiers_of(key)) == 1}
         res.on_evict(victims, tier, last, why)
         plan.size += len(victims) + len(last)
         # a dropped object leaves every policy; this tier's forgot it in eviction already

@@ -60,7 +60,9 @@ class ARCPolicy(EvictionPolicy[K]):
         size = len(t1) + len(t2)
         if size > self._c:
             self._c = size
-        self._trim_ghosts()
+        c = self._c
+        if len(t1) + len(b1) > c or size + len(b1) + len(b2) > 2 * c:
+            self._trim_ghosts()
 
     def touch(self, key: K) -> None:
         t2 = self._t2
@@ -100,7 +102,10 @@ class ARCPolicy(EvictionPolicy[K]):
         return victims
 
     def evict_up_to(self, n: int, protected: Collection[K] = ()) -> list[K]:
-        # evict(1) n times: a feasibility check, a victim and a ghost trim each
+        # evict(1) n times: a feasibility check and a victim each. No ghost trim: the
+        # lists are trimmed after every call, and a victim moves from T1 to B1 or from
+        # T2 to B2, which changes neither |T1| + |B1| nor the total (evict's trim is a
+        # no-op too; it stays as a guard)
         if n < 0:
             raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
         victims: list[K] = []
@@ -110,7 +115,6 @@ class ARCPolicy(EvictionPolicy[K]):
             if not sure and not self._can_evict(1, protected):
                 break
             victims.append(self._evict_one(protected))
-            self._trim_ghosts()
         return victims
 
     def _can_evict(self, n: int, protected: Collection[K]) -> bool:

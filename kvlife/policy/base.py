@@ -10,7 +10,7 @@ in one call (the same choices as ``n`` calls of ``evict(1)``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Container, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -62,11 +62,12 @@ class EvictionPolicy(ABC, Generic[K]):
         for key in keys:
             touch(key)
 
-    def record_in_order(self, keys: Sequence[K], new: Container[K]) -> None:
-        """A put's chunks in prompt order: ``insert`` each key in ``new``, ``touch`` each
-        other. Every key not in ``new`` must be a resident already. A policy may override
-        it with a faster equivalent (same state after the call as the calls one by one),
-        or, as a :class:`LearnsFromPrompts` policy, learn from the prompt as a whole."""
+    def record_in_order(self, keys: Sequence[K], new: Collection[K]) -> None:
+        """A put's chunks in prompt order: ``insert`` each key in ``new`` (those of ``keys``
+        that are not residents), ``touch`` each other (each a resident already). A policy
+        may override it with a faster equivalent (same state after the call as the calls
+        one by one), or, as a :class:`LearnsFromPrompts` policy, learn from the prompt as a
+        whole."""
         insert, touch = self.insert, self.touch
         for key in keys:
             if key in new:

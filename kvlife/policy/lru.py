@@ -7,8 +7,8 @@ recent keys, skipping protected ones.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Collection, Container, Hashable, Iterable, Sequence
-from itertools import repeat
+from collections.abc import Collection, Hashable, Iterable, Sequence
+from itertools import filterfalse, islice, repeat
 from typing import TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -54,15 +54,11 @@ class LRUPolicy(EvictionPolicy[K]):
         if n < 0:
             raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
         order = self._order
-        victims: list[K] = []
-        if n:
-            for key in order:
-                if key not in protected:
-                    victims.append(key)
-                    if len(victims) == n:
-                        break
-            for key in victims:
-                del order[key]
+        if not n:
+            return []
+        # the first n unprotected keys, found and forgotten in C loops
+        victims = list(islice(filterfalse(protected.__contains__, order), n))
+        deque(map(order.pop, victims), maxlen=0)
         return victims
 
     def touch_all(self, keys: Iterable[K]) -> None:
@@ -70,11 +66,11 @@ class LRUPolicy(EvictionPolicy[K]):
         order = self._order
         deque(map(order.move_to_end, filter(order.__contains__, keys)), maxlen=0)
 
-    def record_in_order(self, keys: Sequence[K], new: Container[K]) -> None:
+    def record_in_order(self, keys: Sequence[K], new: Collection[K]) -> None:
         # insert and touch both make a key the most recent: add the new keys (the others
         # are residents already, left where they are), then move each to the end in turn
         order = self._order
-        order.update(zip(keys, repeat(None)))
+        order.update(zip(new, repeat(None)))
         deque(map(order.move_to_end, keys), maxlen=0)
 
     def __contains__(self, key: object) -> bool:

@@ -17,7 +17,7 @@ passed over (back to M's head, frequency kept); after a full turn of M, S is use
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Hashable
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from typing import TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -86,7 +86,10 @@ class S3FIFOPolicy(EvictionPolicy[K]):
                     main[key] = None
                     continue
                 del freq[key]
-                self._remember(key)
+                ghost = self._ghost  # _remember, inlined: once per victim
+                ghost[key] = None
+                if len(ghost) > self._ghost_limit:
+                    ghost.popitem(last=False)
                 return key
             key, _ = main.popitem(last=False)
             main[key] = None  # back at the head unless it is the victim
@@ -127,6 +130,35 @@ class S3FIFOPolicy(EvictionPolicy[K]):
                 break
             victims.append(self._evict_one(protected))
         return victims
+
+    def touch_all(self, keys: Iterable[K]) -> None:
+        # touch, inlined
+        freq = self._freq
+        for key in keys:
+            f = freq.get(key)
+            if f is not None and f < MAX_FREQ:
+                freq[key] = f + 1
+
+    def record_in_order(self, keys: Sequence[K], new: Collection[K]) -> None:
+        # insert and touch, inlined: a resident gains one (capped) either way, a new key
+        # enters S (or M from the ghost), anything else is ignored as touch ignores it
+        freq, ghost = self._freq, self._ghost
+        for key in keys:
+            f = freq.get(key)
+            if f is not None:
+                if f < MAX_FREQ:
+                    freq[key] = f + 1
+            elif key in new:
+                freq[key] = 0
+                if key in ghost:
+                    del ghost[key]
+                    self._main[key] = None
+                else:
+                    self._small[key] = None
+                size = len(freq)
+                if size > self._peak:
+                    self._peak = size
+                    self._ghost_limit = max(1, size - int(size * SMALL_FRACTION))
 
     def __contains__(self, key: object) -> bool:
         return key in self._freq

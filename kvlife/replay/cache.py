@@ -29,9 +29,10 @@ Block capacity is counted in blocks (all blocks of a trace have one size).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
-from itertools import combinations, compress, pairwise
+from itertools import combinations, compress, filterfalse, pairwise, repeat
 from operator import not_
 
 import numpy as np
@@ -171,9 +172,10 @@ class CacheSim:
         ]
         place = Placement(slots, res)
         touch_hits, plan_promote = place.touch_hits, place.plan_promote
-        plan_put, touch_in_order = place.plan_put, place.touch_in_order
+        put_prompt = place.put_prompt
         first = slots[0].name
         first_is_dram = first == DRAM
+        one = len(slots) == 1
         names = [s.name for s in slots]
         tcs = [res.tc[name] for name in names]
         emit = self._emit if self.sink is not None else None
@@ -186,6 +188,7 @@ class CacheSim:
         tnames = trace.tenant_names
         where = res.where
         where_get = where.get
+        held_at = where.__contains__  # one tier: held anywhere is held there
         serving = res.serving.__getitem__  # a block's tier set (None: absent) -> serving tier
         hinted = self.class_hints and any(
             isinstance(p, SupportsClassHints) for p in self.policies.values()
@@ -200,7 +203,6 @@ class CacheSim:
         pr: list[int] = []
         nw: list[int] = []
         dr: list[int] = []
-        no_placed: dict[Hashable, TierName] = {}
         for r in range(n):
             req = blocks[offs[r] : offs[r + 1]]
             res.r = r
@@ -210,32 +212,47 @@ class CacheSim:
                 tracked.rid = str(r) if emit is not None else ""
                 tracked.cat = cats[r]
             # lookup: the usable prefix, touched from last to first where it is served
-            served = list(map(serving, map(where_get, req)))
-            p = served.index(None) if None in served else len(req)
-            head: list[TierName] = served[:p]  # type: ignore[assignment]  # all present
-            held = req[:p]
-            if p:
-                touch_hits(held, head)
-            n_first = head.count(first)
-            for name, tc in zip(names, tcs, strict=True):
-                tc.block_hits += served.count(name)
-                k = n_first if name == first else head.count(name)
-                tc.prefix_hits += k
-                tc.reads += k
-            if emit is not None:
-                for b, tier in zip(held, head, strict=True):
-                    emit(times[r], "load", b, "indexed", tier, nbytes=nb)
+            if one:
+                # one tier serves every present block: the absent ones are the new ones,
+                # and the usable prefix ends at the first of them (counted at the end)
+                new = list(filterfalse(held_at, req))
+                p = req.index(new[0]) if new else len(req)
+                held = req[:p]
+                head = [first] * p
+                if p:
+                    touch_hits(held, head)
+                    if emit is not None:
+                        for b in held:
+                            emit(times[r], "load", b, "indexed", first, nbytes=nb)
+                n_first = p
+            else:
+                served = list(map(serving, map(where_get, req)))
+                p = served.index(None) if None in served else len(req)
+                head = served[:p]  # type: ignore[assignment]  # all present
+                held = req[:p]
+                if p:
+                    touch_hits(held, head)
+                n_first = head.count(first)
+                for name, tc in zip(names, tcs, strict=True):
+                    tc.block_hits += served.count(name)
+                    k = n_first if name == first else head.count(name)
+                    tc.prefix_hits += k
+                    tc.reads += k
+                if emit is not None:
+                    for b, tier in zip(held, head, strict=True):
+                        emit(times[r], "load", b, "indexed", tier, nbytes=nb)
+                # load, then promotion of the hits served from a slower tier (it may evict
+                # blocks of the request: its new blocks are found after it)
+                if n_first < p:
+                    plan_promote([b for b, tier in zip(held, head, strict=True) if tier != first])
+                    new = [b for b in req if b not in where]
+                else:
+                    new = list(compress(req, map(not_, served)))
             pd.append(n_first if first_is_dram else 0)
             pk.append(p - pd[-1])
-            # load, then promotion of the hits served from a slower tier (it may evict
-            # blocks of the request: its new blocks are found after it)
-            if n_first < p:
-                plan_promote([b for b, tier in zip(held, head, strict=True) if tier != first])
-                new = [b for b in req if b not in where]
-            else:
-                new = list(compress(req, map(not_, served)))
             pr.append(len(req) - len(new))
-            # put
+            # put (a request with no new block only tells the policies, in prompt order)
+            classes = None
             if new:
                 if tracked is not None:
                     if emit is not None:
@@ -243,21 +260,21 @@ class CacheSim:
                         for b in new:
                             emit(t, "put", b, "tentative", nbytes=nb, ns=ns, rid=rid)
                     tracked.positions = {b: pos for pos, b in enumerate(req)}
-                placed = plan_put(req, new)[1]
-                classes = None
-                if hinted and placed:
+                if hinted:
                     classes = rows.get(cats[r])
                     if classes is None:
                         base = cats[r] * 4
                         classes = rows[cats[r]] = [base + b for b in buckets]
-                touch_in_order(req, placed, classes)
-            else:
-                placed = no_placed
-                touch_in_order(req, placed)
+            placed = put_prompt(req, new, classes)[1]
             nw.append(len(placed))
             dr.append(len(new) - len(placed))
             if progress is not None and r & 1023 == 1023:
                 progress(1024)
+        if one:
+            (tc,) = tcs
+            tc.block_hits += sum(pr)
+            tc.prefix_hits += sum(pd) + sum(pk)
+            tc.reads += sum(pd) + sum(pk)
 
         def arr(values: list[int]) -> NDArray[np.int64]:
             return np.array(values, np.int64) if values else np.zeros(n, np.int64)
@@ -318,12 +335,15 @@ class _SimResidency:
         self.r = 0
         self.uniform_size = 1
         """Every block has one size: placement skips per-key size lookups."""
+        self.policies_exact = True
+        """Only placement's hooks change where blocks live, so the policies know exactly
+        what their tiers hold: placement skips its check of each victim."""
 
     def size_of(self, key: Hashable) -> int:
         return 1
 
     def on_place(self, keys: Sequence[Hashable], tier: TierName) -> None:
-        self.where.update(dict.fromkeys(keys, self.one[tier]))
+        self.where.update(zip(keys, repeat(self.one[tier])))
         self.tc[tier].inserts += len(keys)
 
     def on_copy(self, key: Hashable, src: TierName, dst: TierName, reason: str) -> None:
@@ -340,12 +360,15 @@ class _SimResidency:
         self, keys: Sequence[Hashable], tier: TierName, last: Collection[Hashable], reason: str
     ) -> None:
         where = self.where
-        minus = self.minus[tier]
-        for key in keys:
-            if key in last:
-                del where[key]
-            else:
-                where[key] = minus[where[key]]
+        if len(last) == len(keys):  # last is a subset of keys: every key leaves (C loop)
+            deque(map(where.pop, keys), maxlen=0)
+        else:
+            minus = self.minus[tier]
+            for key in keys:
+                if key in last:
+                    del where[key]
+                else:
+                    where[key] = minus[where[key]]
         self.tc[tier].evictions += len(keys)
 
     def on_reject(self, key: Hashable, reason: str) -> None:
