@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvlife.client.handles import RemoteLookup
 from kvlife.core.errors import NotPermitted
 from kvlife.core.identity import PUBLIC
 from kvlife.tiers.shm import Arena, Owner
@@ -202,6 +203,7 @@ def test_a_token_only_principal_gets_copies_through_the_socket(served: ServerPro
         assert alice.put_prompt(IDENT, USER["alice"], tokens, kv).stored == 4
         assert alice.put_prompt(IDENT, ORG["alice"], tokens, kv).stored == 4
         hit = alice.lookup(IDENT, USER["alice"], tokens)
+        assert isinstance(hit, RemoteLookup)
         assert hit.hints == (0, 0) * 4  # no arena addresses for a client that maps none
         got = alice.load(hit)
         assert got.loaded == 4
@@ -219,12 +221,14 @@ def test_a_token_only_principal_gets_copies_through_the_socket(served: ServerPro
         other, kv2 = prompt_kv(12, 64)
         assert bob.put_prompt(IDENT, USER["bob"], other, kv2).stored == 4
         mine = bob.lookup(IDENT, USER["bob"], other)
+        assert isinstance(mine, RemoteLookup)
         assert all(mine.hints[1::2])
         assert bob.load(mine).loaded == 4
         shared, kv3 = prompt_kv(13, 64)
         with as_(served, "root") as root:
             assert root.put_prompt(IDENT, PUBLIC, shared, kv3).stored == 4
         theirs = bob.lookup(IDENT, USER["bob"], shared)
+        assert isinstance(theirs, RemoteLookup)
         assert len(theirs.hits) == 4 and theirs.hints == (0, 0) * 4
         got = bob.load(theirs)
         assert got.loaded == 4 and np.array_equal(got.arrays[0], kv3[:, :, :, :n])
