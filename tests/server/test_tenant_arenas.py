@@ -268,3 +268,18 @@ def test_a_replica_lives_in_its_home_arena(tmp_path: Path) -> None:
     finally:
         tier.close()
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_the_tenant_arenas_benchmark_runs_and_writes_its_json(tmp_path: Path) -> None:
+    from kvlife.bench.tenant_arenas import MODES, main
+
+    out = tmp_path / "arenas.json"
+    assert main(["--quick", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert set(got["modes"]) == set(MODES) and got["chunk_bytes"] == 2 << 20
+    assert "memcpy_gbps" in got["machine"]
+    for mode in MODES:
+        fig = got["modes"][mode]
+        assert fig["put_gbps"] > 0 and fig["load_gbps"] > 0
+    assert got["modes"]["socket"]["principal"] == "bench"
+    assert "load_vs_single" in got["modes"]["own_arena"]
