@@ -32,9 +32,10 @@ tagged can be invalidated by namespace and adapter. The legacy ``get``/``set`` c
 have no such dict and use the backend's namespace. A tenant per request cannot be carried
 (:data:`NO_TENANT`): ``kvlife.tenancy = per_request`` is refused at start, and so is a
 ``kvlife serve --tenants`` store unless ``kvlife.tenancy = engine`` declares the engine
-one tenant (every request its principal's, in ``kvlife.namespace``). Pages are stored in kvlife's canonical layout
-``(layers, 2, heads, page_size, head_dim)`` whatever the host pool's layout, verified on
-every load: a corrupt or missing page is a miss (``False`` / ``None``), never data.
+one tenant (every request its principal's, in ``kvlife.namespace``). Pages are stored
+in kvlife's canonical layout ``(layers, 2, heads, page_size, head_dim)`` whatever the
+host pool's layout, verified on every load: a corrupt or missing page is a miss
+(``False`` / ``None``), never data.
 """
 
 from __future__ import annotations
