@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvlife.core.errors import InvalidArgument, NotAuthenticated, ProtocolError
+from kvlife.core.errors import (
+    InvalidArgument,
+    NotAuthenticated,
+    ProtocolError,
+    StorageFullError,
+)
 from kvlife.core.identity import ROOT_PARENT, ChunkKey, KVLayout, Namespace
 from kvlife.core.objects import PromptRef
 from kvlife.results import LookupResult
@@ -117,7 +122,10 @@ class SessionContext:
         owner = owner_of(principal)
         if owner is None or not admits(owner, self.peer.uid, self.peer.gid):
             return
-        arena = arenas.arena_of(principal)
+        try:
+            arena = arenas.arena_of(principal)
+        except StorageFullError:
+            return  # no room for its arena in shared memory now: copies through the socket
         if arena is not None:
             self.arena, self.mapped = arena, True
 

@@ -1,5 +1,10 @@
-"""Shared-memory DRAM tier: replicas in one arena file under ``/dev/shm`` that other
+"""Shared-memory DRAM tier: replicas in arena files under ``/dev/shm`` that other
 processes map (the data plane of ``kvlife serve``).
+
+The tier has its own arena and may keep more (:meth:`ShmTier.add_arena`: a tenant's,
+given to its Unix user, :mod:`kvlife.server.shm_arenas`); :attr:`ShmTier.home` picks each
+new replica's arena from its metadata, and a payload that is not a sealed extent of that
+arena is copied there, so a replica never lies in an arena its readers may not map.
 
 The arena is a file in shared memory (mode 0600) mapped ``MAP_SHARED``; a first-fit
 allocator with coalescing hands out page-aligned extents (:class:`Slot`). Extents are
