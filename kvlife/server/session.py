@@ -206,8 +206,13 @@ class Session:
     def handle(self, verb: str, args: dict[str, Any], rid: int = 0) -> object:
         self.ctx.rid = rid
         if self.server.tenancy is None or verb == "hello":
-            return self.handlers[verb](args)
+            return self._handler(verb, args)(args)
         return self._as_tenant(verb, args)
+
+    def _handler(self, verb: str, args: dict[str, Any]) -> Callable[[dict[str, Any]], object]:
+        if verb == "load" and args.get("inline"):
+            return self.copies.load_inline  # the bytes in the reply (shm_copies)
+        return self.handlers[verb]
 
     def _as_tenant(self, verb: str, args: dict[str, Any]) -> object:
         """``verb`` for the session's principal: refused if it has none, or if the verb
@@ -222,10 +227,7 @@ class Session:
             raise NotPermitted(MAPPED_VERBS[verb])
         if verb == "load":
             args = self._readable_keys(args)
-        if verb == "load" and args.get("inline"):
-            result = self.copies.load_inline(args)
-        else:
-            result = self.handlers[verb](args)
+        result = self._handler(verb, args)(args)
         count = tenancy.counters.add
         if verb == "lookup" and isinstance(result, dict):
             hit = len(result["keys"]) // KEY_BYTES
