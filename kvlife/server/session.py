@@ -29,7 +29,10 @@ use its own scopes' keyed namespaces (:mod:`kvlife.server.context`); a load's ke
 object it may not read is loaded as a key that is not stored (the same reply); the
 verbs of the whole store are an admin's (:data:`kvlife.tenancy.ADMIN_VERBS`); ``info``
 and ``counters`` show a tenant its own figures only, an admin every principal's and the
-store's.
+store's. Its ``hello`` binds it to its principal's own arena when its peer may map that
+file (:mod:`kvlife.server.shm_arenas`); a session bound to none puts and loads through
+the socket (:mod:`kvlife.server.shm_copies`), and the verbs that hand out arena extents
+or shared files are refused to it.
 """
 
 from __future__ import annotations
