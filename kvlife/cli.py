@@ -374,6 +374,7 @@ BENCHES = {
     "vllm": "kvlife.bench.vllm",
     "server": "kvlife.bench.server",
     "lmcache-mp": "kvlife.bench.peer_lmcache_mp",
+    "tenant-arenas": "kvlife.bench.tenant_arenas",
 }
 EXPERIMENTS = {
     "lifetime-hints": "kvlife.sim.lifetime_hints",

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from kvlife.client import copies
 from kvlife.client.connection import Connection
 from kvlife.client.handles import RemoteLoadHandle, RemoteLookup
 from kvlife.client.wire import Wire
@@ -122,6 +123,8 @@ class Loads:
         hits = lookup.hits
         if not hits:
             return LoadResult([], 0, 0)
+        if not self.wire.mapped():  # a session that maps no arena: through the socket
+            return copies.load_inline(self.wire, lookup, outs, request_id, on_chunk)
         args: dict[str, Any] = {
             "keys": b"".join(h.key for h in hits),
             "starts": [h.start for h in hits],

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from kvlife.client import copies
 from kvlife.client.connection import Connection, StagedShape
 from kvlife.client.handles import RemotePendingPut
 from kvlife.client.wire import StaleExtents, Wire
@@ -75,6 +76,8 @@ class Puts:
     def put_prompt(self, prompt: PromptRef, kv: object, request_id: str) -> PutResult:
         args, layout, chunks = self._args(prompt, kv, request_id)
         per = self.piece_chunks(layout)
+        if not self.wire.mapped():  # a session that maps no arena: through the socket
+            per = min(per, copies.inline_piece_chunks(layout))
         if len(chunks) <= per:
             return self._put(args, layout, chunks)
         return self._put_pieces(prompt, args, layout, chunks, per)
@@ -116,6 +119,8 @@ class Puts:
     def _put(self, args: dict[str, Any], layout: KVLayout, chunks: list[np.ndarray]) -> PutResult:
         """One put: into staged extents when this connection has enough of the shape,
         else two-phase (asking for extents staged for the next put of this size)."""
+        if not self.wire.mapped():
+            return copies.put_inline(self.wire, args, layout, chunks)
         if not chunks:
             return self.commit_put(self._prepare(args, layout, chunks))
         taken = self.take_staged(_shape_key(layout), len(chunks))

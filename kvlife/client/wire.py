@@ -83,7 +83,8 @@ class Wire:
             if self._token is not None:
                 greeting["token"] = self._token
             hello = self.roundtrip(conn, "hello", greeting)
-            conn.map_arena(hello["arena"], hello["arena_bytes"])
+            if hello["arena"]:  # "": none to map (kvlife.client.copies)
+                conn.map_arena(hello["arena"], hello["arena_bytes"])
         except OSError as exc:
             refusal = conn.refusal()  # shed for a budget: the server said why
             conn.close()
@@ -211,6 +212,14 @@ class Wire:
             if self.closed:
                 return 0  # the call that follows raises StoreClosedError
             return int(self.connected().hello.get("put_share", 0))
+
+    def mapped(self) -> bool:
+        """Whether this client maps its server's arena (False: its session puts and
+        loads through the socket, :mod:`kvlife.client.copies`)."""
+        with self.lock:
+            if self.closed:
+                return True  # the call that follows raises StoreClosedError
+            return self.connected().arena is not None
 
     def release(self, load: int, conn: Connection) -> None:
         """Give a load's grant back: with the next request (no round trip of its own),

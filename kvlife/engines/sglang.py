@@ -29,9 +29,13 @@ index: ``cache_salt`` (a namespace of kind ``kvlife.salt_kind``, default organis
 ``kvlife.namespace`` (an explicit one, ``user:alice``), ``lora_id`` with ``lora_path``
 (an adapter digested from its files; an id alone is digested as a name). Pages so
 tagged can be invalidated by namespace and adapter. The legacy ``get``/``set`` calls
-have no such dict and use the backend's namespace. Pages are stored in kvlife's canonical layout
-``(layers, 2, heads, page_size, head_dim)`` whatever the host pool's layout, verified on
-every load: a corrupt or missing page is a miss (``False`` / ``None``), never data.
+have no such dict and use the backend's namespace. A tenant per request cannot be carried
+(:data:`NO_TENANT`): ``kvlife.tenancy = per_request`` is refused at start, and so is a
+``kvlife serve --tenants`` store unless ``kvlife.tenancy = engine`` declares the engine
+one tenant (every request its principal's, in ``kvlife.namespace``). Pages are stored
+in kvlife's canonical layout ``(layers, 2, heads, page_size, head_dim)`` whatever the
+host pool's layout, verified on every load: a corrupt or missing page is a miss
+(``False`` / ``None``), never data.
 """
 
 from __future__ import annotations
@@ -76,6 +80,37 @@ _PAGE_LAYOUTS: dict[str, tuple[str, tuple[int, ...]]] = {
 PAGE_TAG = b"kvlife.sglang.page.v1"
 
 
+TENANCY_MODES = ("", "engine", "per_request")
+"""``kvlife.tenancy``: unset (a store without principals), ``engine`` (the engine is one
+tenant: every request in its principal's scopes), ``per_request`` (refused: see
+:data:`NO_TENANT`)."""
+
+NO_TENANT = (
+    "SGLang's cache controller hands a storage backend no request and no tenant: every "
+    "HiCacheStorageExtraInfo it makes holds prefix_keys only (sglang/srt/managers/"
+    "cache_controller.py: the prefetch's batch_get in _page_transfer, its batch_exists "
+    "in _storage_hit_query, the backup's batch_set in _page_backup), and a backup "
+    "(write_storage's StorageOperation) names no request at all; a request's cache_salt "
+    "reaches only SGLang's page hashes (storage_namespace_seed, sglang/srt/mem_cache/"
+    "utils.py), which kvlife cannot tell apart"
+)
+"""Why the backend cannot carry a per-request tenant (SGLang as installed here)."""
+
+
+def served_principal(store: Any) -> str:
+    """The principal a served store's session is (its ``info``: a tenant's names it, an
+    admin's lists every principal); "" for an embedded store or a server without
+    principals."""
+    if not hasattr(store, "server_info"):
+        return ""
+    info = store.server_info()
+    if "principal" in info:
+        return str(info["principal"].get("name", ""))
+    if "principals" in info:
+        return "(an admin)"
+    return ""
+
+
 def _torch_dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -110,8 +145,26 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 f"kvlife.salt_kind {salt_kind!r} is not a namespace kind"
             ) from exc
         self._adapters: dict[tuple[str, str], AdapterSpec] = {}
+        tenancy = str(extra.get("kvlife.tenancy", "") or "")
+        if tenancy not in TENANCY_MODES:
+            raise InvalidArgument(
+                f"kvlife.tenancy {tenancy!r} is not one of {sorted(TENANCY_MODES)}"
+            )
+        if tenancy == "per_request":
+            raise InvalidArgument(f"kvlife.tenancy per_request cannot be served: {NO_TENANT}")
         self.lease: StoreLease = open_store(StoreAddress.from_extra_config(extra))
         self.store = self.lease.store
+        self.principal = served_principal(self.store)
+        """The principal this engine is to a ``kvlife serve --tenants`` ("": none)."""
+        if self.principal and tenancy != "engine":
+            self.lease.release()
+            raise InvalidArgument(
+                f"the kvlife store has principals (kvlife serve --tenants) and this engine "
+                f"is principal {self.principal!r}, but SGLang cannot carry a tenant per "
+                f"request: {NO_TENANT}. Every request of this engine would share "
+                f"{self.principal}'s namespace; set kvlife.tenancy to 'engine' to declare "
+                "that the engine serves one tenant (run one engine per tenant)"
+            )
         self.identity: ModelIdentity | None = None
         self.pool: Any = None
         self._page_shape: tuple[int, ...] = ()

@@ -15,6 +15,7 @@ from kvlife.core.errors import ProtocolError, StorageFullError
 from kvlife.core.identity import KVLayout
 from kvlife.core.payload import numpy_dtype
 from kvlife.tiers.buffers import advise_huge, round_up
+from kvlife.tiers.shm import Owner
 
 NAME_TRIES = 4
 """Random names tried before a buffer is refused (each is new with odds of 2**-64)."""
@@ -37,8 +38,9 @@ class SharedBuffer:
         self.mmap = buf
 
     @classmethod
-    def create(cls, prefix: Path, nbytes: int) -> SharedBuffer:
-        """A new buffer of ``nbytes`` (whole pages) at ``<prefix>-<random>``;
+    def create(cls, prefix: Path, nbytes: int, owner: Owner | None = None) -> SharedBuffer:
+        """A new buffer of ``nbytes`` (whole pages) at ``<prefix>-<random>``, given to
+        ``owner`` (the owner of the session's arena: a tenant's) before it is sized;
         StorageFullError naming why when it cannot be made (no memory, no descriptor,
         no free name)."""
         size = round_up(nbytes)
@@ -51,6 +53,9 @@ class SharedBuffer:
             except OSError as exc:
                 raise StorageFullError(f"cannot create a shared buffer at {path}: {exc}") from None
             try:
+                if owner is not None:
+                    os.fchown(fd, owner.uid, owner.gid)
+                    os.fchmod(fd, owner.mode)
                 os.ftruncate(fd, size)
                 buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
                 advise_huge(buf)

@@ -17,12 +17,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvlife.core.errors import InvalidArgument, NotAuthenticated, ProtocolError
+from kvlife.core.errors import (
+    InvalidArgument,
+    NotAuthenticated,
+    ProtocolError,
+    StorageFullError,
+)
 from kvlife.core.identity import ROOT_PARENT, ChunkKey, KVLayout, Namespace
 from kvlife.core.objects import PromptRef
 from kvlife.results import LookupResult
 from kvlife.server import protocol
 from kvlife.server.limits import Account, Charge
+from kvlife.server.shm_arenas import admits, owner_of
 from kvlife.tenancy.policy import WITHHELD
 from kvlife.tenancy.principals import REFUSED, Principal
 
@@ -63,6 +69,13 @@ class SessionContext:
         self.store = server.store
         self.shm = server.shm
         self.arena = server.arena
+        """The arena this session's extents are in (its grants, staged puts, hints):
+        without principals the server's one arena; with them its principal's own
+        (:meth:`bind`)."""
+        self.mapped = server.tenancy is None
+        """Whether the client maps :attr:`arena` (False: a session of a principal with
+        no arena its peer may map; nothing of an arena is handed to it, it puts and
+        loads through the socket: :mod:`kvlife.server.shm_copies`)."""
         self.ledger = server.ledger
         self.limits = server.limits
         self.sid = sid
@@ -94,6 +107,27 @@ class SessionContext:
         if self.principal is None:
             raise NotAuthenticated(REFUSED)
         return self.principal
+
+    def bind(self) -> None:
+        """On a server with principals: the session's arena becomes its principal's,
+        if the peer's credentials are ones that arena admits (the kernel's word: a
+        token names the principal, not the Unix user who may map its file); else the
+        session maps none (:attr:`mapped` False)."""
+        if self.tenancy is None:
+            return
+        arenas = self.server.tenant_arenas
+        assert arenas is not None
+        self.arena, self.mapped = self.server.arena, False
+        principal = self.tenant()
+        owner = owner_of(principal)
+        if owner is None or not admits(owner, self.peer.uid, self.peer.gid):
+            return
+        try:
+            arena = arenas.arena_of(principal)
+        except StorageFullError:
+            return  # no room for its arena in shared memory now: copies through the socket
+        if arena is not None:
+            self.arena, self.mapped = arena, True
 
     def new_id(self) -> int:
         """An id for a lease of this session (under :attr:`lock`)."""

@@ -94,8 +94,10 @@ class Loads:
         hits = res.hits
         hints: list[int] = []
         add = hints.extend
+        # only replicas in the arena this session maps (with principals: its own)
+        arena = ctx.arena if ctx.mapped else None
         for h in hits:
-            where = hint(h.key) if h.tier == dram else None
+            where = hint(h.key, arena) if arena is not None and h.tier == dram else None
             add(where if where is not None else (0, 0))
         return {
             "keys": b"".join([h.key for h in hits]),
@@ -154,7 +156,7 @@ class Loads:
         charge = {"buffers": 1, "buffer_bytes": size, "descriptors": 1}
         ctx.take(charge, f"session {ctx.sid}'s shared buffers")
         try:
-            buf = SharedBuffer.create(Path(f"{ctx.arena.path}-buf"), size)
+            buf = SharedBuffer.create(Path(f"{ctx.arena.path}-buf"), size, ctx.arena.owner)
         except BaseException:
             ctx.give(charge)
             raise

@@ -95,6 +95,8 @@ VERBS: dict[str, dict[str, Field]] = {
         "request_id": Field("str", _OPT, 0, _MAX_STR),
         "accept": Field("accept", _OPT),
         "hints": Field("int_list", _OPT, 0, 1 << 21),
+        # the chunks' bytes in the reply (a session that maps no arena: shm_copies)
+        "inline": Field("bool", _OPT),
     },
     "release": {"load": ID},
     "alloc_buffer": {"nbytes": Field("int", True, 1, 1 << 40)},
@@ -113,6 +115,13 @@ VERBS: dict[str, dict[str, Field]] = {
         "chained": Field("bool", _OPT),
     },
     "put_commit": {},
+    # a put with its chunks' bytes (a session that maps no arena: server/shm_copies.py)
+    "put_inline": {
+        **PROMPT,
+        "request_id": Field("str", _OPT, 0, _MAX_STR),
+        "chained": Field("bool", _OPT),
+        "chunks": Field("bytes_list", True, 0, 1 << 20),
+    },
     "commit_put": {"put": ID},
     "abort_put": {"put": ID, "reason": Field("str", _OPT, 0, _MAX_STR)},
     "invalidate": {

@@ -29,7 +29,10 @@ use its own scopes' keyed namespaces (:mod:`kvlife.server.context`); a load's ke
 object it may not read is loaded as a key that is not stored (the same reply); the
 verbs of the whole store are an admin's (:data:`kvlife.tenancy.ADMIN_VERBS`); ``info``
 and ``counters`` show a tenant its own figures only, an admin every principal's and the
-store's.
+store's. Its ``hello`` binds it to its principal's own arena when its peer may map that
+file (:mod:`kvlife.server.shm_arenas`); a session bound to none puts and loads through
+the socket (:mod:`kvlife.server.shm_copies`), and the verbs that hand out arena extents
+or shared files are refused to it.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from kvlife.server.identities import IdentityCache
 from kvlife.server.limits import INFINITE, Account, Ledger, Limits, budgets
 from kvlife.server.loads import Loads
 from kvlife.server.puts import Puts
+from kvlife.server.shm_arenas import TenantArenas
+from kvlife.server.shm_copies import MAPPED_VERBS, Copies
 from kvlife.store.facade import KVStore
 from kvlife.tenancy.policy import ADMIN_VERBS, WITHHELD, Tenancy
 from kvlife.tiers.shm import Arena, ShmTier
@@ -77,6 +82,8 @@ class ServerState:
         self.ledger = Ledger(budgets(self.limits, self.arena.size, descriptors))
         """The budgets; ``descriptors``: how many connections and shared buffers the
         descriptor limit leaves room for."""
+        self.tenant_arenas = TenantArenas(shm) if tenancy is not None else None
+        """Each principal's own arena (None: one arena, every client maps it)."""
         self.identities = IdentityCache(self.limits.identity_cache_bytes)
         """Model identities decoded once, for every session (``--identity-cache-bytes``)."""
         self.sessions: dict[int, Session] = {}
@@ -146,7 +153,7 @@ class ServerState:
             "released_loads": self.released_loads,
             **self.events,
             **self.ledger.figures(),
-            **self.arena.stats(),
+            **self.shm.arena_stats(),
         }
 
 
@@ -174,6 +181,7 @@ class Session:
         the client process it is charged to."""
         self.loads = Loads(self.ctx)
         self.puts = Puts(self.ctx)
+        self.copies = Copies(self.ctx)
         store = server.store
         self.handlers: dict[str, Callable[[dict[str, Any]], object]] = {
             "hello": self.hello,
@@ -187,6 +195,7 @@ class Session:
             "put_commit": self.puts.put_commit,
             "commit_put": self.puts.commit_put,
             "abort_put": self.puts.abort_put,
+            "put_inline": self.copies.put_inline,
             "invalidate": self.invalidate,
             "evict": lambda a: store.evict(a["tier"], a["nbytes"]),
             "flush": lambda a: store.flush(),
@@ -200,8 +209,13 @@ class Session:
     def handle(self, verb: str, args: dict[str, Any], rid: int = 0) -> object:
         self.ctx.rid = rid
         if self.server.tenancy is None or verb == "hello":
-            return self.handlers[verb](args)
+            return self._handler(verb, args)(args)
         return self._as_tenant(verb, args)
+
+    def _handler(self, verb: str, args: dict[str, Any]) -> Callable[[dict[str, Any]], object]:
+        if verb == "load" and args.get("inline"):
+            return self.copies.load_inline  # the bytes in the reply (shm_copies)
+        return self.handlers[verb]
 
     def _as_tenant(self, verb: str, args: dict[str, Any]) -> object:
         """``verb`` for the session's principal: refused if it has none, or if the verb
@@ -212,9 +226,11 @@ class Session:
         principal = self.ctx.tenant()
         if verb in ADMIN_VERBS and not principal.admin:
             raise NotPermitted(f"{verb!r} acts on the whole store: admin principals only")
+        if not self.ctx.mapped and verb in MAPPED_VERBS and not args.get("inline"):
+            raise NotPermitted(MAPPED_VERBS[verb])
         if verb == "load":
             args = self._readable_keys(args)
-        result = self.handlers[verb](args)
+        result = self._handler(verb, args)(args)
         count = tenancy.counters.add
         if verb == "lookup" and isinstance(result, dict):
             hit = len(result["keys"]) // KEY_BYTES
@@ -281,11 +297,14 @@ class Session:
                 self.ctx.principal = tenancy.config.by_token(args["token"])
             p = self.ctx.tenant()
             principal = p.name
+            self.ctx.bind()  # its principal's arena, if its peer may map it
+        ctx = self.ctx
         return {
             "principal": principal,
             "session": self.sid,
-            "arena": str(self.server.arena.path),
-            "arena_bytes": self.server.arena.size,
+            # the arena this client maps ("": none, it puts and loads through the socket)
+            "arena": str(ctx.arena.path) if ctx.mapped else "",
+            "arena_bytes": ctx.arena.size if ctx.mapped else 0,
             "tiers": list(store.tier_names),
             "path": str(store.path),
             # what this client's puts may hold at once: a put_prompt larger than half of

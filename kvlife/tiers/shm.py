@@ -1,5 +1,10 @@
-"""Shared-memory DRAM tier: replicas in one arena file under ``/dev/shm`` that other
+"""Shared-memory DRAM tier: replicas in arena files under ``/dev/shm`` that other
 processes map (the data plane of ``kvlife serve``).
+
+The tier has its own arena and may keep more (:meth:`ShmTier.add_arena`: a tenant's,
+given to its Unix user, :mod:`kvlife.server.shm_arenas`); :attr:`ShmTier.home` picks each
+new replica's arena from its metadata, and a payload that is not a sealed extent of that
+arena is copied there, so a replica never lies in an arena its readers may not map.
 
 The arena is a file in shared memory (mode 0600) mapped ``MAP_SHARED``; a first-fit
 allocator with coalescing hands out page-aligned extents (:class:`Slot`). Extents are
@@ -35,14 +40,14 @@ import mmap
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 
-from kvlife.core.errors import InvalidArgument, StorageFullError
+from kvlife.core.errors import InvalidArgument, NotPermitted, StorageFullError
 from kvlife.core.identity import ChunkKey
 from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads, read_only
 from kvlife.tiers.buffers import ALIGN, advise_huge, round_up
@@ -146,26 +151,63 @@ class Slot:
     nbytes: int
 
 
-class Arena:
-    """A shared-memory file mapped into this process, with an allocator."""
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who may map an arena file besides the server: its owner and group, and its mode
+    (0600: the owner only; 0660: the group too)."""
 
-    def __init__(self, path: Path, size: int, *, populate_pages: bool = True) -> None:
+    uid: int
+    gid: int
+    mode: int = 0o600
+
+
+class Arena:
+    """A shared-memory file mapped into this process, with an allocator.
+
+    ``owner``: the file is given to that Unix user and group with that mode before it is
+    mapped (a tenant's arena, :mod:`kvlife.server.shm_arenas`); None: the server's own,
+    0600. ``populate_pages``: map it populated (every page resident from the start)."""
+
+    def __init__(
+        self,
+        path: Path,
+        size: int,
+        *,
+        populate_pages: bool = True,
+        owner: Owner | None = None,
+    ) -> None:
         if size <= 0:
             raise InvalidArgument(f"arena size must be > 0, got {size}")
         size = round_up(size)
         self.path = Path(path)
+        self.owner = owner
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         except FileExistsError:
             raise InvalidArgument(f"arena {self.path} exists already (another server?)") from None
         except OSError as exc:
             raise StorageFullError(f"cannot create the arena {self.path}: {exc}") from exc
         try:
+            if owner is not None:
+                # given away before it holds a byte or is mapped by anyone
+                try:
+                    os.fchown(fd, owner.uid, owner.gid)
+                    os.fchmod(fd, owner.mode)
+                except PermissionError as exc:
+                    raise NotPermitted(
+                        f"cannot give the arena {self.path} to uid {owner.uid} gid "
+                        f"{owner.gid}: {exc} (a server with principals of other Unix users "
+                        "needs CAP_CHOWN, e.g. runs as root)"
+                    ) from None
             os.ftruncate(fd, size)
             # populated: the pages exist (and are mapped here) before the first put, so
             # no copy into the arena pays first-touch faults
             populate = getattr(mmap, "MAP_POPULATE", 0) if populate_pages else 0
             self.mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
+        except NotPermitted:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
         except OSError as exc:
             os.close(fd)
             self.path.unlink(missing_ok=True)
@@ -258,12 +300,18 @@ class Arena:
         self.path.unlink(missing_ok=True)
 
 
+Home = Callable[[ReplicaMeta], "Arena | None"]
+"""Which arena a replica lives in, from its metadata (None: the tier's own)."""
+
+
 @dataclass(slots=True)
 class _Held:
     meta: ReplicaMeta
     array: np.ndarray
     hint: tuple[int, int]
     """The replica's extent: (offset, generation)."""
+    arena: Arena
+    """The arena it lies in."""
 
 
 class ShmTier(HeldTier[_Held]):
@@ -278,8 +326,26 @@ class ShmTier(HeldTier[_Held]):
             )
         super().__init__(capacity_bytes, name)
         self.arena = Arena(arena_path, capacity_bytes + staging_bytes)
+        """The tier's own arena (0600, the server's): every replica without tenants."""
+        self.arenas: dict[str, Arena] = {}
+        """Further arenas by name (a tenant's: :mod:`kvlife.server.shm_arenas`)."""
+        self.home: Home | None = None
+        """Which arena a new replica lives in (None: always :attr:`arena`). A payload
+        that is a sealed extent of its home arena is adopted; any other is copied there
+        (so a replica never lies in an arena its readers may not map)."""
         self.adopted = 0
         """Payloads published without a copy (already in the arena)."""
+
+    def add_arena(self, name: str, arena: Arena) -> None:
+        """Keep ``arena`` with the tier (its figures, and removed when it closes)."""
+        with self._lock:
+            if name in self.arenas:
+                raise InvalidArgument(f"the shm tier has an arena {name!r} already")
+            self.arenas[name] = arena
+
+    def all_arenas(self) -> list[Arena]:
+        with self._lock:
+            return [self.arena, *self.arenas.values()]
 
     def footprint(self, nbytes: int) -> int:
         """Extents are whole pages: that is what a replica takes of the budget."""
@@ -290,7 +356,10 @@ class ShmTier(HeldTier[_Held]):
             raise InvalidArgument("reservation already completed")
         try:
             check_payloads(reservation.metas, payloads)
-            arrays = [self._into_arena(arr) for arr in payloads]
+            homes = [self._home(meta) for meta in reservation.metas]
+            arrays = [
+                self._into_arena(arena, arr) for arena, arr in zip(homes, payloads, strict=True)
+            ]
             # sealed as published (the xxh3-128 of the extent's bytes, or the checksum
             # the store vouches for); kept as a read-only export of the extent
             seals = [
@@ -300,45 +369,64 @@ class ShmTier(HeldTier[_Held]):
             self.cancel_store(reservation)
             raise
         held = []
-        for meta, arr, seal in zip(reservation.metas, arrays, seals, strict=True):
-            off = self.arena.offset_of(arr)
+        for meta, arr, seal, arena in zip(reservation.metas, arrays, seals, homes, strict=True):
+            off = arena.offset_of(arr)
             assert off is not None  # _into_arena: every replica is an extent
             sealed = replace(meta, checksum=seal, links=(), verify_checksum=False)
-            held.append(_Held(sealed, read_only(arr), (off, self.arena.generation(off))))
+            held.append(_Held(sealed, read_only(arr), (off, arena.generation(off)), arena))
         self._install(reservation, held)
 
     def commit_adopt(self, reservation: Reservation, arrays: Sequence[np.ndarray]) -> None:
         """Arrays that are arena extents are taken as they are; others are copied in."""
         self.commit_store(reservation, arrays)
 
-    def _into_arena(self, arr: np.ndarray) -> np.ndarray:
-        if self.arena.offset_of(arr) is not None and not arr.flags.writeable:
+    def _home(self, meta: ReplicaMeta) -> Arena:
+        home = self.home(meta) if self.home is not None else None
+        return home if home is not None else self.arena
+
+    def _into_arena(self, arena: Arena, arr: np.ndarray) -> np.ndarray:
+        if arena.offset_of(arr) is not None and not arr.flags.writeable:
             self.adopted += 1  # a sealed extent (a put a client wrote): no copy
             return arr
-        dst = self.arena.alloc(arr.nbytes, arr.dtype, arr.shape)
+        dst = arena.alloc(arr.nbytes, arr.dtype, arr.shape)
         if dst is None:
             raise StorageFullError(
-                f"arena {self.arena.path} has no free extent of {arr.nbytes} bytes "
-                f"({self.arena.stats()})"
+                f"arena {arena.path} has no free extent of {arr.nbytes} bytes ({arena.stats()})"
             )
         np.copyto(dst, arr)
         dst.flags.writeable = False
         return dst
 
-    def hint(self, key: ChunkKey) -> tuple[int, int] | None:
-        """Where the replica of ``key`` lies now: (offset, generation), or None."""
+    def hint(self, key: ChunkKey, arena: Arena | None = None) -> tuple[int, int] | None:
+        """Where the replica of ``key`` lies now in ``arena`` (default: the tier's own):
+        (offset, generation), or None (not held, or in another arena)."""
         held = self._held.get(key)
-        return held.hint if held is not None else None
+        if held is None or held.arena is not (arena if arena is not None else self.arena):
+            return None
+        return held.hint
 
     def delete(self, key: ChunkKey) -> int:
         with self._lock:
             return self._take(key).meta.nbytes
         # the extent goes back to the arena when the last view of it dies
 
+    def arena_stats(self) -> dict[str, int]:
+        """The tier's own arena's figures, with the used bytes and extents of every
+        arena added up (``arena_arenas``: how many arenas)."""
+        arenas = self.all_arenas()
+        figures = arenas[0].stats()
+        for arena in arenas[1:]:
+            more = arena.stats()
+            figures["arena_used_bytes"] += more["arena_used_bytes"]
+            figures["arena_extents"] += more["arena_extents"]
+        figures["arena_arenas"] = len(arenas)
+        return figures
+
     def details(self) -> dict[str, object]:
-        return {**self.arena.stats(), "arena": str(self.arena.path), "adopted": self.adopted}
+        return {**self.arena_stats(), "arena": str(self.arena.path), "adopted": self.adopted}
 
     def close(self) -> None:
         with self._lock:
             self._held.clear()
-        self.arena.unlink()
+        for arena in self.all_arenas():
+            arena.unlink()

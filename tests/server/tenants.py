@@ -29,9 +29,12 @@ SCOPES_OF_BOB = [
 """Every scope bob may name."""
 
 
-def write_config(path: Path, extra: str = "") -> Path:
+def write_config(path: Path, extra: str = "", bob_uid: int | None = None) -> Path:
     """alice (org acme), bob (org globex), root (admin), old (an expired token); no
-    principal for this Unix user without a token, unless ``extra`` adds one."""
+    principal for this Unix user without a token, unless ``extra`` adds one. Every one
+    is a token only (its sessions map no arena: puts and loads through the socket),
+    unless ``bob_uid`` names bob's Unix user (his sessions from it map his own arena)."""
+    bob_uids = f"uids = [{bob_uid}]" if bob_uid is not None else ""
     path.write_text(
         f"""
 [principal.alice]
@@ -40,6 +43,7 @@ token_sha256 = "{token_digest(TOKENS["alice"])}"
 
 [principal.bob]
 organisation = "globex"
+{bob_uids}
 token_sha256 = "{token_digest(TOKENS["bob"])}"
 
 [principal.root]

@@ -15,12 +15,14 @@ were oracles until this test found them (each failed it; fixed in
 The worlds share the store's secret (the same file in both store directories), so
 keys are comparable.
 
-Not compared, and why: the ``hints`` of a raw lookup reply (where each DRAM hit lies in
-the arena) and arena offsets of grants and staged extents: every tenant's replicas
-share one arena, so where bob's land depends on what was allocated before; these are
-arena addresses, not objects, and they go away with per-principal arenas (issue 24's
-"memory that only its tenant can map", not built yet: docs/server.md, Trust boundary).
-The test asserts they are the only difference in the raw replies. No event stream is
+Arena addresses are compared too: bob's principal has a Unix user (this process's), so
+his sessions map his own arena (docs/server.md, "Tenants' arenas") and the ``hints`` of
+a raw lookup reply and the offsets of his put's extents describe that arena only; they
+must be the same in both worlds, up to the random point where an arena's allocation
+generations start (each world's generations are compared relative to its first). alice
+and the admin are principals by token only: they put and load through the socket.
+(Before per-principal arenas the hints and offsets differed between the worlds: every
+tenant's replicas shared one arena.) No event stream is
 delivered to clients (lifecycle events go to the server's sink only), so there is none
 to compare. Eviction by another tenant's burst is out of this test (ample DRAM): per-
 tenant quotas are not built yet.
@@ -108,28 +110,31 @@ def _raw_lookup(sock_path: Path, ns: Namespace, tokens: Any) -> dict[str, Any]:
         return out
 
 
-def _chained_put(sock_path: Path, tokens: Any, parent: bytes) -> list[Any]:
+def _chained_put(sock_path: Path, tokens: Any, parent: bytes, addresses: list[Any]) -> list[Any]:
     """bob's put chained after ``parent`` (the wire's ``chained``: it stores nothing if
-    its parent is gone), prepared and committed; the arena offsets of its extents left
-    out (they are addresses: see the module docstring)."""
+    its parent is gone), prepared and committed; the arena offsets of its extents go to
+    ``addresses``."""
     with _as_bob(sock_path) as s:
         prompt = PromptRef(IDENT, USER["bob"], tokens, parent=ChunkKey(parent))
         args = protocol.encode_prompt(prompt)
         prepared = _call(s, 2, "prepare_put", {**args, "chained": True})
         slots = prepared.pop("slots")
+        addresses.append(["slots", slots])
         committed = _call(s, 3, "commit_put", {"put": prepared.pop("put")})
         return [prepared, [i for i, _ in slots], committed]
 
 
 def _world(base: Path, alice_stores_secret: bool) -> tuple[list[Any], list[Any], int]:
-    """bob's observations, the raw lookups' hints, and the admin's object count."""
+    """bob's observations, his arena addresses (hints, extents), and the admin's
+    object count."""
     store = base / "store"
     store.mkdir(parents=True)
     fd = os.open(store / SECRET_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, SECRET)
     os.close(fd)
     p = _prompts()
-    srv = tenant_server(store, write_config(base / "tenants.toml")).start()
+    config = write_config(base / "tenants.toml", bob_uid=os.geteuid())
+    srv = tenant_server(store, config).start()
     seen: list[Any] = []
     hints: list[Any] = []
     try:
@@ -149,7 +154,7 @@ def _world(base: Path, alice_stores_secret: bool) -> tuple[list[Any], list[Any],
                     seen.append([name, str(ns), _hits(res), got.loaded])
                     seen.append([hashlib.sha256(a.tobytes()).hexdigest() for a in got.arrays])
                     raw = _raw_lookup(srv.socket, ns, tokens)
-                    hints.append(raw.pop("hints"))
+                    hints.append(["hints", raw.pop("hints")])
                     seen.append(raw)
             # alice's keys of the secret (bob could not compute them; the test can)
             scopes = Scopes(SECRET)
@@ -165,7 +170,7 @@ def _world(base: Path, alice_stores_secret: bool) -> tuple[list[Any], list[Any],
             # a put chained after alice's last chunk of the secret: whether it is live
             # must not show in what the put stores
             keys = prompt_chunk_keys(IDENT, scopes.named(ALICE, "user"), p["secret"][0])
-            seen.append(_chained_put(srv.socket, p["bob_tail"][0], keys[-1]))
+            seen.append(_chained_put(srv.socket, p["bob_tail"][0], keys[-1], hints))
             # bob's prompt put after alice's second chunk, then invalidated from her
             # first: the chain between them is alice's, and must not be followed
             tail2, tail2_kv = prompt_kv(107, 64)
@@ -198,10 +203,24 @@ def _world(base: Path, alice_stores_secret: bool) -> tuple[list[Any], list[Any],
     return [text], hints, admin_objects
 
 
+def _relative(addresses: list[Any]) -> list[Any]:
+    """Hints with each generation relative to the world's first (an arena's
+    generations start at a random point, so that a stale hint names nothing)."""
+    gens = [g for kind, h in addresses if kind == "hints" for g in h[1::2] if g]
+    first = min(gens, default=0)
+    out: list[Any] = []
+    for kind, h in addresses:
+        if kind == "hints":
+            h = [x if i % 2 == 0 or not x else x - first for i, x in enumerate(h)]
+        out.append([kind, h])
+    return out
+
+
 def test_bob_observes_nothing_of_alices_secret_prompt(tmp_path: Path) -> None:
-    without, hints0, objects0 = _world(tmp_path / "w0", alice_stores_secret=False)
-    with_, hints1, objects1 = _world(tmp_path / "w1", alice_stores_secret=True)
+    without, where0, objects0 = _world(tmp_path / "w0", alice_stores_secret=False)
+    with_, where1, objects1 = _world(tmp_path / "w1", alice_stores_secret=True)
     assert objects1 == objects0 + 12  # the worlds do differ: alice's three copies
     assert with_ == without
-    # the shape of the withheld channel: as many hints, the same misses (0, 0)
-    assert [len(h) for h in hints1] == [len(h) for h in hints0]
+    # bob's own arena: the same addresses in both worlds, and some DRAM hits among them
+    assert _relative(where1) == _relative(where0)
+    assert any(g for kind, h in where0 if kind == "hints" for g in h[1::2])

@@ -237,3 +237,55 @@ def test_the_namespace_and_adapter_sglang_passes_are_carried(tmp_path: Path) -> 
     assert backend.store.invalidate(namespace=Namespace(NamespaceKind.ORGANISATION, "alice")) == 4
     assert backend.batch_exists(HASHES, alice) == 0
     backend.close()
+
+
+def test_a_multi_tenant_configuration_it_cannot_carry_is_refused(tmp_path: Path) -> None:
+    """SGLang hands a backend no per-request tenant (kvlife.engines.sglang.NO_TENANT):
+    against a ``kvlife serve --tenants`` the backend refuses to start unless its config
+    declares the engine one tenant (``kvlife.tenancy = engine``), and ``per_request`` is
+    refused outright; declared, the engine's pages are its principal's, and another
+    principal finds none of them."""
+    import os
+
+    from kvlife.core.errors import InvalidArgument
+    from kvlife.core.identity import Namespace, NamespaceKind
+    from tests.server.tenants import as_, tenant_server, write_config
+
+    # bob is this Unix user: the engine's connection (no token) is bob's
+    srv = tenant_server(tmp_path / "store", write_config(tmp_path / "t.toml", bob_uid=os.geteuid()))
+    srv.start()
+    try:
+        served = _extra(tmp_path / "unused", **{"kvlife.namespace": "user:bob"})
+        del served["kvlife.path"]
+        served["kvlife.socket"] = str(srv.socket)
+        pool = HostPool("layer_first")
+        _fill(pool, 5)
+        original = pool.first_pages(4).clone()
+        for tenancy in (None, "per_request", "nonsense"):
+            extra = dict(served) if tenancy is None else served | {"kvlife.tenancy": tenancy}
+            with pytest.raises(InvalidArgument) as err:
+                factory.StorageBackendFactory.create_backend("dynamic", _config(extra), pool)
+            if tenancy is not None and tenancy != "nonsense":
+                assert "cache_controller.py" in str(err.value)
+        backend = _backend(pool, served | {"kvlife.tenancy": "engine"})
+        assert backend.principal == "bob"
+        idx = torch.arange(0, 4 * PAGE)
+        assert all(backend.batch_set_v1(HASHES, idx))
+        assert backend.batch_exists(HASHES) == 4
+        pool.kv_buffer.zero_()
+        assert backend.batch_get_v1(HASHES, idx) == [True] * 4
+        assert torch.equal(pool.first_pages(4), original)
+        # a per-call namespace the principal may not use is a miss, never another's
+        salted = hicache.HiCacheStorageExtraInfo(prefix_keys=[], extra_info={"cache_salt": "x"})
+        assert backend.batch_exists(HASHES, salted) == 0
+        backend.close()
+        with as_(srv, "alice") as alice:
+            ident = backend.identity
+            assert ident is not None
+            ns = Namespace(NamespaceKind.USER, "alice")
+            hit = alice.lookup(
+                ident, ns, [0] * PAGE, extra_keys=backend._ref(HASHES[0])["extra_keys"]
+            )
+            assert hit.hits == []
+    finally:
+        srv.stop()

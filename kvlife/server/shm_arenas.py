@@ -1,0 +1,116 @@
+"""Tenants' arenas: on a server with principals (``--tenants``), each principal's private
+replicas live in an arena file only its Unix user (or group) can map, and a session maps
+its own principal's arena only.
+
+Why: with one arena every client maps every tenant's DRAM replicas read-write
+(docs/server.md, "Trust boundary"). Here the server creates ``<arena>-t-<principal>``
+owned by the principal's Unix user, mode 0600 (a principal named by ``gids`` only: the
+server's user and that group, mode 0660), before any byte is in it; the kernel then
+refuses every other user's ``open`` (EACCES). Which arena a replica lives in follows its
+namespace (:meth:`TenantArenas.home`): a private scope's (``request:<p>/...``,
+``user:<p>``) lives in ``p``'s arena when it has one; organisation and public replicas,
+and anything else, in the tier's own arena, which no client of such a server maps (a
+reader gets a copy in its own arena, made by the server). So the zero-copy data path
+(hints, staged extents, grants, shared buffers) stays within one principal's arena, and
+a writer cannot change a shared replica after its commit (it was copied out of the
+writer's arena).
+
+A session maps an arena only if its peer's credentials are ones that arena admits (the
+owner uid, or for a group arena the primary gid): a principal with no Unix user (a
+token only), or a session whose peer is another user than its principal's arena
+admits, gets no mapping; it puts and loads through the socket (``put_inline``, a load
+with ``inline``), copies both ways.
+
+Arenas are made at a principal's first ``hello``, as large as the tier's own arena but
+not populated (pages are taken as they are first touched), and removed with the tier.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.core.identity import NamespaceKind
+from kvlife.core.objects import ObjectInfo
+from kvlife.tenancy.names import REQUEST_SEPARATOR
+from kvlife.tenancy.principals import Principal
+from kvlife.tiers.base import ReplicaMeta
+from kvlife.tiers.shm import Arena, Owner, ShmTier
+
+PRIVATE_KINDS = (NamespaceKind.USER.value, NamespaceKind.REQUEST.value)
+"""Namespace kinds whose objects only their principal reads."""
+
+
+def owner_of(principal: Principal) -> Owner | None:
+    """Who may map ``principal``'s arena: its lowest uid (0600), else the server's user
+    and its lowest gid (0660); None for a principal with neither (token only)."""
+    if principal.uids:
+        return Owner(min(principal.uids), os.getegid(), 0o600)
+    if principal.gids:
+        return Owner(os.geteuid(), min(principal.gids), 0o660)
+    return None
+
+
+def admits(owner: Owner, uid: int | None, gid: int | None) -> bool:
+    """Whether a peer of ``uid``/``gid`` may map an arena of ``owner`` (decided as the
+    kernel would for the owner and primary group, conservatively: supplementary groups
+    are not counted)."""
+    if uid is not None and uid == owner.uid:
+        return True
+    return owner.mode & 0o060 == 0o060 and gid is not None and gid == owner.gid
+
+
+def private_owner(namespace: str) -> str | None:
+    """The principal whose private scope ``namespace`` (its text, as the store records
+    it) is; None for a shared scope (organisation, public) or another text."""
+    kind, _, name = namespace.partition(":")
+    if kind == NamespaceKind.USER.value:
+        return name or None
+    if kind == NamespaceKind.REQUEST.value and REQUEST_SEPARATOR in name:
+        return name.partition(REQUEST_SEPARATOR)[0] or None
+    return None
+
+
+class TenantArenas:
+    """Each principal's arena, made on first use, and the tier's choice of arena for a
+    new replica."""
+
+    def __init__(self, shm: ShmTier) -> None:
+        self.shm = shm
+        self._lock = threading.Lock()
+        self._by_name: dict[str, Arena] = {}
+        shm.home = self.home
+
+    def arena_of(self, principal: Principal) -> Arena | None:
+        """``principal``'s arena (made now if it has none yet); None without a Unix
+        owner. NotPermitted if the server cannot give the file away (no CAP_CHOWN)."""
+        owner = owner_of(principal)
+        if owner is None:
+            return None
+        with self._lock:
+            arena = self._by_name.get(principal.name)
+            if arena is None:
+                base = self.shm.arena
+                path = base.path.with_name(f"{base.path.name}-t-{principal.name}")
+                arena = Arena(path, base.size, populate_pages=False, owner=owner)
+                try:
+                    self.shm.add_arena(principal.name, arena)
+                except InvalidArgument:
+                    arena.unlink()
+                    raise
+                self._by_name[principal.name] = arena
+            return arena
+
+    def home(self, meta: ReplicaMeta) -> Arena | None:
+        """The arena of a private scope's replica: its principal's, if it has one; None
+        (the tier's own) for anything else."""
+        try:
+            namespace = ObjectInfo.decode(meta.info).namespace
+        except InvalidArgument:
+            return None
+        name = private_owner(namespace)
+        if name is None:
+            return None
+        with self._lock:
+            return self._by_name.get(name)
