@@ -239,18 +239,22 @@ class Session:
 
     def _readable_keys(self, args: dict[str, Any]) -> dict[str, Any]:
         """``args`` of a load with every key its principal may not read (another
-        tenant's, whatever way it learnt it) replaced by :data:`WITHHELD`, a key no
-        chunk has: the load then answers as for a key that is not stored."""
+        tenant's, whatever way it learnt it) or that the store does not know replaced by
+        :data:`WITHHELD`, a key no chunk has: the load then answers as for a key that is
+        not stored."""
         tenancy = self.server.tenancy
         assert tenancy is not None
         principal = self.ctx.tenant()
         keys = protocol.split_keys(args["keys"])
         stored = self.server.store.namespaces_of(keys)
         may = tenancy.scopes.may_read
-        if all(ns is None or may(principal, ns) for ns in stored):
+        # a key the store does not know is withheld too: the load pins what it finds
+        # under a later hold of the store's lock, so a key let through as unknown here
+        # could name another tenant's chunk committed in between (a miss either way)
+        if all(ns is not None and may(principal, ns) for ns in stored):
             return args
         kept = [
-            k if ns is None or may(principal, ns) else WITHHELD
+            k if ns is not None and may(principal, ns) else WITHHELD
             for k, ns in zip(keys, stored, strict=True)
         ]
         return {**args, "keys": b"".join(kept)}
