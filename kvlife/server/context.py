@@ -101,10 +101,10 @@ class SessionContext:
         p = self.principal
         if p is None:
             raise NotAuthenticated(REFUSED)
-        if p.token_expires is not None and p is not self._by_peer:
-            if time.time() >= p.token_expires:
-                self.principal = None  # as a refused hello leaves it: nothing is served
-                raise NotAuthenticated(REFUSED)
+        expires = p.token_expires
+        if expires is not None and p is not self._by_peer and time.time() >= expires:
+            self.principal = None  # as a refused hello leaves it: nothing is served
+            raise NotAuthenticated(REFUSED)
         return p
 
     def new_id(self) -> int:

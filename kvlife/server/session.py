@@ -307,10 +307,16 @@ class Session:
         namespace in full (``user:bob``), or none."""
         ns = args.get("namespace")
         prefix = args.get("prefix")
-        namespace = protocol.decode_namespace(ns) if ns is not None else None
         tenancy = self.server.tenancy
+        principal = self.ctx.tenant() if tenancy is not None else None
+        # a tenant names a scope as its lookups and puts do (``user`` too), read below
+        namespace = (
+            protocol.decode_namespace(ns)
+            if ns is not None and (principal is None or principal.admin)
+            else None
+        )
         if tenancy is not None:
-            principal = self.ctx.tenant()
+            assert principal is not None
             if not principal.admin:
                 if ns is None:
                     raise NotPermitted(

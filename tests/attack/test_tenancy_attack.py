@@ -45,9 +45,7 @@ BRIEF_TOKEN = "brief-token-0123456789"
 @pytest.fixture
 def state(tmp_path: Path) -> Iterator[ServerState]:
     path = tmp_path / "store"
-    store = open_store(
-        ServeConfig(path, dram_bytes=2 * MiB, disk_bytes=8 * MiB, staging_bytes=MiB)
-    )
+    store = open_store(ServeConfig(path, dram_bytes=2 * MiB, disk_bytes=8 * MiB, staging_bytes=MiB))
     shm = store.tier("dram")
     assert isinstance(shm, ShmTier)
     brief = (
@@ -141,7 +139,7 @@ def test_an_expired_token_ends_the_sessions_it_opened(state: ServerState) -> Non
     hello with it before it expired must not go on being served as its principal
     (before the fix it was, for as long as the connection lived)."""
     brief = session(state, BRIEF_TOKEN)
-    tokens, kv = prompt_kv(12, 2 * N)
+    tokens, _ = prompt_kv(12, 2 * N)
     lookup = {"identity": WIRE_IDENT, "namespace": "user", "tokens": tokens_wire(tokens)}
     assert brief.handle("lookup", lookup)["keys"] == b""  # type: ignore[index]
     p = principal(state, "brief")
@@ -240,6 +238,10 @@ def test_a_prefix_invalidation_reaches_only_its_own_namespace(state: ServerState
     assert refusals[0] == refusals[1]
     gone = alice.handle("invalidate", {"namespace": "user:alice", "prefix": shared[0]})
     assert gone == 2
+    # the scope is named as a lookup or a put names it (``user``), or in full
+    again = store.put_prompt(IDENT, keyed(state, "alice"), rest, rest_kv, **after)  # type: ignore[arg-type]
+    assert again.stored == 2
+    assert alice.handle("invalidate", {"namespace": "user", "prefix": shared[0]}) == 2
     left = indexed(store)
     assert set(shared) <= left and set(bobs) <= left and not set(alices) & left
 
@@ -279,3 +281,24 @@ def test_a_forged_salt_key_reaches_no_other_tenants_keys(tmp_path: Path) -> None
         assert len(store.lookup(IDENT, real, tokens).hits) == 2
     finally:
         store.close()
+
+
+def test_a_tenants_invalidate_by_model_or_adapter_stays_in_its_namespace(
+    state: ServerState,
+) -> None:
+    """alice invalidates by model version (and adapter) naming her namespace: bob's
+    chunks and public ones of that model stay; naming no namespace is refused whatever
+    the other criteria, and removes nothing."""
+    store = state.store
+    tokens, kv = prompt_kv(17, 2 * N)
+    bobs = store.put_prompt(IDENT, keyed(state, "bob"), tokens, kv).keys
+    public = store.put_prompt(IDENT, PUBLIC, tokens, kv).keys
+    alices = store.put_prompt(IDENT, keyed(state, "alice"), tokens, kv).keys
+    alice = session(state, TOKENS["alice"])
+    digest = IDENT.weights_digest
+    for args in ({"weights_digest": digest}, {"adapter_id": "x"}, {"prefix": public[0]}):
+        with pytest.raises(NotPermitted):
+            alice.handle("invalidate", args)
+    assert indexed(store) == set(bobs) | set(public) | set(alices)
+    assert alice.handle("invalidate", {"namespace": "user", "weights_digest": digest}) == 2
+    assert indexed(store) == set(bobs) | set(public)
