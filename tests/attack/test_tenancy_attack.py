@@ -302,3 +302,12 @@ def test_a_tenants_invalidate_by_model_or_adapter_stays_in_its_namespace(
     assert indexed(store) == set(bobs) | set(public) | set(alices)
     assert alice.handle("invalidate", {"namespace": "user", "weights_digest": digest}) == 2
     assert indexed(store) == set(bobs) | set(public)
+
+
+def test_one_token_names_at_most_one_principal(tmp_path: Path) -> None:
+    """A configuration giving two principals one token is refused, as one uid for two
+    is (before the fix the token named whichever principal came last, silently: the
+    first one's holder was the second)."""
+    twice = f'[principal.alice2]\ntoken_sha256 = "{token_digest(TOKENS["alice"])}"\n'
+    with pytest.raises(InvalidArgument, match="belongs to alice and alice2"):
+        Tenancy.open(tmp_path, write_config(tmp_path / "t.toml", twice))
