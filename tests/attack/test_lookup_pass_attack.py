@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -200,3 +201,54 @@ def test_a_kept_hit_record_is_shared_but_no_caller_can_change_it(tmp_path: Path)
         c = store.lookup(IDENT, PUBLIC, tokens)
         assert [h.key for h in b.hits] == [h.key for h in c.hits] == keys
         exact_chunks(store.load(c).arrays, kv)
+
+
+def test_concurrent_re_puts_and_evictions_never_mix_or_swap_bytes(tmp_path: Path) -> None:
+    """One thread looks up (reusing the kept hit records) and loads, in a loop; another
+    invalidates the prompt and stores it again with the other of two KV versions, and
+    evicts DRAM, in a loop. Every load returns a leading run of one version's chunks,
+    in order (a shorter run or a miss is fine)."""
+    tokens, _ = prompt_kv(30, 4 * N)
+    versions = [prompt_kv(31, 4 * N)[1], prompt_kv(32, 4 * N)[1]]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    with KVStore.open(tmp_path, dram_bytes=8 * CHUNK, disk_bytes=1 << 24) as store:
+        keys = store.put_prompt(IDENT, PUBLIC, tokens, versions[0]).keys
+
+        def churn() -> None:
+            try:
+                v = 0
+                while not stop.is_set():
+                    store.invalidate(prefix=keys[0])
+                    v = 1 - v
+                    store.put_prompt(IDENT, PUBLIC, tokens, versions[v])
+                    time.sleep(0.001)  # let the reader find the prompt stored
+                    store.evict("dram", 2 * CHUNK)
+                    time.sleep(0.001)
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+
+        t = threading.Thread(target=churn)
+        t.start()
+        loaded = 0
+        try:
+            for i in range(300):
+                hit = store.lookup(IDENT, PUBLIC, tokens)
+                got = (store.load_async(hit).wait() if i % 2 else store.load(hit)).arrays
+                loaded += len(got)
+                if got:
+                    v = next(
+                        (
+                            j
+                            for j, kv in enumerate(versions)
+                            if np.array_equal(got[0], chunk_of(kv, 0))
+                        ),
+                        None,
+                    )
+                    assert v is not None, "chunk 0 is neither version"
+                    exact_chunks(got, versions[v])
+        finally:
+            stop.set()
+            t.join()
+        assert not errors, errors
+        assert loaded > 0
