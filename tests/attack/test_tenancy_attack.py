@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvlife.client import RemoteStore
 from kvlife.core.errors import InvalidArgument, NotAuthenticated, NotPermitted, ProtocolError
 from kvlife.core.identity import (
     PUBLIC,
@@ -33,7 +34,7 @@ from kvlife.tenancy.principals import REFUSED
 from kvlife.tiers.shm import ShmTier
 from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.server.conftest import MiB
-from tests.server.tenants import TOKENS, write_config
+from tests.server.tenants import TOKENS, tenant_server, write_config
 
 IDENT = tiny_identity()
 WIRE_IDENT = protocol.encode_identity(IDENT)
@@ -300,7 +301,7 @@ def test_a_tenants_invalidate_by_model_or_adapter_stays_in_its_namespace(
         with pytest.raises(NotPermitted):
             alice.handle("invalidate", args)
     assert indexed(store) == set(bobs) | set(public) | set(alices)
-    assert alice.handle("invalidate", {"namespace": "user", "weights_digest": digest}) == 2
+    assert alice.handle("invalidate", {"namespace": "user:alice", "weights_digest": digest}) == 2
     assert indexed(store) == set(bobs) | set(public)
 
 
@@ -311,3 +312,25 @@ def test_one_token_names_at_most_one_principal(tmp_path: Path) -> None:
     twice = f'[principal.alice2]\ntoken_sha256 = "{token_digest(TOKENS["alice"])}"\n'
     with pytest.raises(InvalidArgument, match="belongs to alice and alice2"):
         Tenancy.open(tmp_path, write_config(tmp_path / "t.toml", twice))
+
+
+def test_an_expired_token_ends_a_real_servers_connection(tmp_path: Path) -> None:
+    """The same through ``kvlife serve`` and its client: a connection that said hello
+    before its token expired gets NotAuthenticated (one message) after."""
+    expires = time.time() + 10.0  # room for the server to start on a loaded machine
+    brief = (
+        "[principal.brief]\n"
+        f'token_sha256 = "{token_digest(BRIEF_TOKEN)}"\n'
+        f"token_expires = {expires}\n"
+    )
+    srv = tenant_server(tmp_path / "store", write_config(tmp_path / "t.toml", brief)).start()
+    try:
+        tokens, kv = prompt_kv(18, 2 * N)
+        with RemoteStore(srv.socket, timeout=30, token=BRIEF_TOKEN) as client:
+            assert client.put_prompt(IDENT, Namespace(NamespaceKind.USER, "brief"), tokens, kv)
+            time.sleep(max(0.0, expires - time.time()) + 0.1)
+            with pytest.raises(NotAuthenticated) as err:
+                client.lookup(IDENT, Namespace(NamespaceKind.USER, "brief"), tokens)
+            assert str(err.value) == REFUSED
+    finally:
+        srv.stop()
