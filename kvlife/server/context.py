@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -101,12 +102,23 @@ class SessionContext:
         )
         """The session's principal: its peer's, or its token's after ``hello`` (None on
         a server with principals: not authenticated, nothing but ``hello`` is served)."""
+        self._by_peer = self.principal
+        """The principal its peer's credentials name (None: none): the kernel's word,
+        which no token expiry ends."""
 
     def tenant(self) -> Principal:
-        """The session's principal (NotAuthenticated if it has none)."""
-        if self.principal is None:
+        """The session's principal (NotAuthenticated if it has none). A principal reached
+        by a token is checked against the token's expiry on every request: a session
+        that said ``hello`` before its token expired is not served after (it would
+        otherwise keep the principal for as long as the connection lives)."""
+        p = self.principal
+        if p is None:
             raise NotAuthenticated(REFUSED)
-        return self.principal
+        expires = p.token_expires
+        if expires is not None and p is not self._by_peer and time.time() >= expires:
+            self.principal = None  # as a refused hello leaves it: nothing is served
+            raise NotAuthenticated(REFUSED)
+        return p
 
     def bind(self) -> None:
         """On a server with principals: the session's arena becomes its principal's,
@@ -220,12 +232,14 @@ class SessionContext:
 
     def visible(self, key: ChunkKey) -> ChunkKey:
         """``key``, or :data:`~kvlife.tenancy.policy.WITHHELD` (a key no chunk has) when
-        it is the key of an object the session's principal may not read: whatever the
-        store does with it then (is it live?) answers as for a key not stored."""
+        it is the key of an object the session's principal may not read, or of none
+        (another tenant's may be committed before the store acts on it: the store's
+        lock is let go in between): whatever the store does with it then (is it live?)
+        answers as for a key not stored."""
         if self.tenancy is None:
             return key
         (stored,) = self.store.namespaces_of([key])
-        if stored is None or self.tenancy.scopes.may_read(self.tenant(), stored):
+        if stored is not None and self.tenancy.scopes.may_read(self.tenant(), stored):
             return key
         return WITHHELD
 

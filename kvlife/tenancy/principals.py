@@ -86,7 +86,8 @@ class Principal:
 
 @dataclass(frozen=True, slots=True)
 class TenancyConfig:
-    """Every principal of a server; a uid or gid names at most one."""
+    """Every principal of a server; a uid, gid or token names at most one (a token shared
+    by two would silently name whichever is compared last)."""
 
     principals: tuple[Principal, ...]
 
@@ -94,6 +95,8 @@ class TenancyConfig:
         seen: dict[str, str] = {}
         for p in self.principals:
             keys = [f"name {p.name}"] + [f"uid {u}" for u in p.uids] + [f"gid {g}" for g in p.gids]
+            if p.token_sha256:
+                keys.append(f"token_sha256 {p.token_sha256.hex()}")
             for k in keys:
                 if k in seen:
                     raise InvalidArgument(
