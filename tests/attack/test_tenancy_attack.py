@@ -122,17 +122,18 @@ def test_a_load_of_a_key_stored_between_its_check_and_its_read_is_a_miss(
             assert self.put_prompt(IDENT, bob_ns, tokens, kv).stored == 4
         return got
 
+    # token-only principals map no arena: their loads carry the bytes in the reply
     monkeypatch.setattr(type(store), "namespaces_of", check_then_bob_commits)
-    reply = alice.handle("load", load_args(stolen))
+    reply = alice.handle("load", {**load_args(stolen), "inline": True})
     monkeypatch.undo()
     assert fired
     assert isinstance(reply, dict)
-    assert reply["grants"] == [] and reply["load"] == 0, "alice was handed bob's KV"
+    assert reply["inline"] == [] and reply["grants"] == [], "alice was handed bob's KV"
     # bob's chunks are stored, and his own load of them still serves them
     bob = session(state, TOKENS["bob"])
-    mine = bob.handle("load", load_args(stolen))
-    assert isinstance(mine, dict) and len(mine["grants"]) == 4
-    bob.handle("release", {"load": mine["load"]})
+    mine = bob.handle("load", {**load_args(stolen), "inline": True})
+    assert isinstance(mine, dict) and len(mine["inline"]) >= 1
+    assert mine["inline"][0][2] == np.ascontiguousarray(kv[:, :, :, :N]).tobytes()
 
 
 def test_an_expired_token_ends_the_sessions_it_opened(state: ServerState) -> None:
@@ -248,17 +249,21 @@ def test_a_prefix_invalidation_reaches_only_its_own_namespace(state: ServerState
 
 
 def test_a_grant_of_one_connection_is_nobody_elses(state: ServerState) -> None:
-    """Two connections of one process with two tokens: one cannot release the other's
-    load grant (ids are per session), and the other's grant stays held."""
+    """Two connections of one process with two tokens: a token-only session maps no
+    arena, so it takes no load grant at all (a grant would name bytes in a mapping it
+    does not have), and no session can release a load id it was not given (ids are per
+    session)."""
     store = state.store
     tokens, kv = prompt_kv(15, 2 * N)
     keys = store.put_prompt(IDENT, keyed(state, "bob"), tokens, kv).keys
     bob, alice = session(state, TOKENS["bob"]), session(state, TOKENS["alice"])
-    grant = bob.handle("load", load_args(keys))
-    assert isinstance(grant, dict) and len(grant["grants"]) == 2
-    with pytest.raises(ProtocolError):
-        alice.handle("release", {"load": grant["load"]})
-    bob.handle("release", {"load": grant["load"]})
+    with pytest.raises(NotPermitted):
+        bob.handle("load", load_args(keys))
+    inline = bob.handle("load", {**load_args(keys), "inline": True})
+    assert isinstance(inline, dict) and inline["load"] == 0 and inline["inline"]
+    for load_id in (0, 1, 2):
+        with pytest.raises(ProtocolError):
+            alice.handle("release", {"load": load_id})
 
 
 def test_a_forged_salt_key_reaches_no_other_tenants_keys(tmp_path: Path) -> None:
