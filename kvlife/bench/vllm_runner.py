@@ -162,6 +162,7 @@ def _counters() -> dict[str, Any]:
     for conn in live_connectors():
         if conn.worker is not None:
             out["worker"] = asdict(conn.worker.counters)
+            out["timings"] = asdict(conn.worker.timings)
             conn.worker.drain()
             out["store"] = conn.lease.store.counters.as_dict()
         if conn.scheduler is not None:
