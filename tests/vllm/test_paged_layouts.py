@@ -21,6 +21,8 @@ from kvlife.engines.vllm.paged import (
     chunk_to_rows,
     rows_to_chunk,
     split_for_platform,
+    stack_layers,
+    write_chunk,
 )
 
 BLOCKS, BS, HEADS, DIM = 12, 4, 2, 8
@@ -148,6 +150,46 @@ def test_a_steps_chunks_are_written_with_one_copy_per_layer_skipping_cached_bloc
     chunk = np.empty_like(chunks[1])
     rows_to_chunk(back, chunk)
     assert np.array_equal(chunk, chunks[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_in_one_allocation_take_a_chunk_in_one_copy(dtype: Any) -> None:
+    """vLLM 0.32 puts a group's layers in one allocation a constant stride apart (the
+    CPU layout here): a chunk goes straight into its blocks of every layer."""
+    layers = 3
+    raw = torch.randn(layers * BLOCKS * HEADS * BS * 2 * DIM + 5).to(dtype)
+    per = BLOCKS * HEADS * BS * 2 * DIM
+    caches = [
+        raw[5 + i * per : 5 + (i + 1) * per].view(BLOCKS, HEADS, BS, 2 * DIM) for i in range(layers)
+    ]
+    paged = [PagedLayer(c, "halves", HEADS, DIM) for c in caches]
+    stack = stack_layers(paged)
+    assert stack is not None
+    before = [c.clone() for c in caches]
+    chunk = torch.randn(layers, 2, HEADS, 3 * BS, DIM).to(dtype)
+    write_chunk(stack, np.array([9, 0], np.int64), _host_bits(chunk), 1)  # block 0 cached
+    for layer in range(layers):
+        got = _expected(_halves, caches[layer], [9, 0])
+        assert torch.equal(got, chunk[layer, :, :, BS:])
+        rest = [b for b in range(BLOCKS) if b not in (9, 0)]
+        assert torch.equal(
+            _expected(_halves, caches[layer], rest), _expected(_halves, before[layer], rest)
+        )
+    # separate allocations (or a gap between layers) are not stacked: one copy per layer
+    assert (
+        stack_layers(
+            [
+                PagedLayer(torch.zeros(BLOCKS, HEADS, BS, 2 * DIM), "halves", HEADS, DIM)
+                for _ in range(2)
+            ]
+        )
+        is None
+    )
+
+
+def _host_bits(t: torch.Tensor) -> np.ndarray:
+    width = {2: torch.int16, 4: torch.int32}[t.element_size()]
+    return t.view(width).numpy()
 
 
 def test_layouts_that_do_not_fit_are_refused() -> None:

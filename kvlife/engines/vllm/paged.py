@@ -28,14 +28,17 @@ head_dim]`` (no copy) so the copies are the same code. An unknown split, or a te
 whose shape does not fit it, is refused, not guessed: a wrong split would serve wrong KV.
 
 The copies work on *block rows*: ``(n_blocks, heads, 2, block_size, head_dim)``, the
-paged cache's own order. :func:`chunk_to_rows` lays a chunk's blocks out so (all layers
-in one copy), :meth:`PagedLayer.write_rows` writes one layer's rows of every chunk of a
-step into their blocks with one indexed copy, :meth:`PagedLayer.read_rows` reads them
-back (saves), :func:`rows_to_chunk` turns rows into a chunk again. On a CPU tensor the
-copies run in numpy on same-width integer views (bit-exact for every dtype, bfloat16
-included): torch's CPU copies fork an OpenMP team per call, which on a busy host stalls
-against the forward's own team (measured in docs/vllm.md). On a device tensor they are
-torch's ``index_copy_``/``index_select`` with one host-device transfer per layer.
+paged cache's own order. Where every layer lives in one allocation a constant stride
+apart (vLLM 0.32's CPU cache), :func:`write_chunk` copies a chunk straight into its blocks
+of every layer with one indexed copy; otherwise :func:`chunk_to_rows` lays a chunk's
+blocks out as rows (all layers in one copy) and :meth:`PagedLayer.write_rows` writes
+one layer's rows of every chunk of a step into their blocks with one indexed copy;
+:meth:`PagedLayer.read_rows` reads them back (saves), :func:`rows_to_chunk` turns rows
+into a chunk again. On a CPU tensor the copies run in numpy on same-width integer views
+(bit-exact for every dtype, bfloat16 included): torch's CPU copies fork an OpenMP team
+per call, which on a busy host stalls against the forward's own (docs/vllm.md). On a
+device tensor they are torch's ``index_copy_``/``index_select`` with one host-device
+transfer per layer.
 """
 
 from __future__ import annotations
@@ -208,6 +211,44 @@ class PagedLayer:
         rows = np.empty((len(ids), *self.row_shape), arr.dtype)
         chunk_to_rows(arr[None], self.block_size, 0, rows[None])
         self.write_rows(ids, rows)
+
+
+def stack_layers(layers: list[PagedLayer]) -> np.ndarray | None:
+    """Every layer's blocks as one numpy view ``[layers, blocks, heads, 2, block_size,
+    head_dim]`` (integer bits), when the layers are CPU tensors in one allocation a
+    constant stride apart (vLLM 0.32 allocates a group's same-shaped layers so:
+    ``KVCacheTensor`` in ``v1/kv_cache_interface.py``, ``layer_stride``); else None.
+    A chunk is then written into the cache with one copy for all its layers."""
+    bits = [p._bits for p in layers]
+    if not layers or any(b is None for b in bits):
+        return None
+    first = layers[0].view
+    storage = first.untyped_storage().data_ptr()
+    ptrs = [p.view.data_ptr() for p in layers]
+    stride = ptrs[1] - ptrs[0] if len(ptrs) > 1 else 0
+    for i, p in enumerate(layers):
+        same = p.view.shape == first.shape and p.view.stride() == first.stride()
+        if not same or p.view.untyped_storage().data_ptr() != storage:
+            return None
+        if ptrs[i] != ptrs[0] + i * stride:
+            return None
+    b0 = bits[0]
+    assert b0 is not None
+    return np.lib.stride_tricks.as_strided(
+        b0, shape=(len(layers), *b0.shape), strides=(stride, *b0.strides), writeable=True
+    )
+
+
+def write_chunk(stack: np.ndarray, block_ids: np.ndarray, chunk: np.ndarray, skip: int) -> None:
+    """Write ``chunk`` (``(layers, 2, heads, T, head_dim)``) from its block ``skip`` on
+    into blocks ``block_ids`` of every layer of ``stack`` (:func:`stack_layers`): one
+    indexed copy, straight from the chunk into the blocks."""
+    layers, two, heads, tokens, dim = chunk.shape
+    bs = stack.shape[4]
+    if stack.shape[0] != layers or stack.shape[2:] != (heads, two, bs, dim):
+        raise UnsupportedModel(f"chunk of shape {chunk.shape} for paged blocks {stack.shape}")
+    blocks = as_bits(chunk).reshape(layers, two, heads, tokens // bs, bs, dim)[:, :, :, skip:]
+    stack[:, block_ids] = blocks.transpose(0, 3, 2, 1, 4, 5)
 
 
 def _ids(block_ids: Any) -> np.ndarray:

@@ -48,7 +48,13 @@ from kvlife.core.payload import numpy_dtype
 from kvlife.engines.vllm.faults import LayerFault
 from kvlife.engines.vllm.identity import with_adapter
 from kvlife.engines.vllm.meta import LoadSpec, SaveSpec, SaveVerdict, StepPlan, StepReport
-from kvlife.engines.vllm.paged import PagedLayer, chunk_to_rows, rows_to_chunk
+from kvlife.engines.vllm.paged import (
+    PagedLayer,
+    chunk_to_rows,
+    rows_to_chunk,
+    stack_layers,
+    write_chunk,
+)
 from kvlife.engines.vllm.stores import StoreAPI
 
 log = logging.getLogger("kvlife.vllm")
@@ -166,6 +172,7 @@ class WorkerSide:
         lay = identity.layout
         self.tpc = lay.tokens_per_chunk
         self.layers: list[PagedLayer] = []
+        self._stack: np.ndarray | None = None
         self.layer_index: dict[str, int] = {}
         self.counters = WorkerCounters()
         self.timings = WorkerTimings()
@@ -200,6 +207,9 @@ class WorkerSide:
                 f"vLLM registered {len(names)} KV layers; the identity says {lay.num_layers}"
             )
         self.layers = [PagedLayer(t, split, lay.num_kv_heads, lay.head_dim) for t in tensors]
+        self._stack = stack_layers(self.layers)
+        """All layers as one view when they share an allocation (CPU): a chunk is then
+        copied straight into its blocks of every layer, one copy."""
         self.layer_index = {n: i for i, n in enumerate(names)}
         if self.layers and self.layers[0].block_size != self.block_size:
             raise KVLifeError(
@@ -295,7 +305,19 @@ class WorkerSide:
                     parts.append((arr, (lo - c * self.tpc) // bs))
                     block_ids += spec.block_ids[lo // bs : hi // bs]
                     self.counters.tokens_loaded += hi - lo
-            if parts and self.layers:
+            if parts and self._stack is not None:
+                t2 = time.perf_counter()
+                at = 0
+                for arr, skip in parts:  # straight into the blocks, all layers at once
+                    n = self.tpc // bs - skip
+                    ids = np.asarray(block_ids[at : at + n], dtype=np.int64)
+                    write_chunk(self._stack, ids, arr, skip)
+                    at += n
+                    tm.load_bytes += arr.nbytes * n // (self.tpc // bs)
+                for e in events:
+                    e.set()
+                tm.scatter_s += time.perf_counter() - t2
+            elif parts and self.layers:
                 t2 = time.perf_counter()
                 lay = self.identity.layout
                 shape = (lay.num_layers, len(block_ids), *self.layers[0].row_shape)
