@@ -189,7 +189,8 @@ def test_layers_in_one_allocation_take_a_chunk_in_one_copy(dtype: Any) -> None:
 
 def _host_bits(t: torch.Tensor) -> np.ndarray:
     width = {2: torch.int16, 4: torch.int32}[t.element_size()]
-    return t.view(width).numpy()
+    bits: np.ndarray = t.view(width).numpy()
+    return bits
 
 
 def test_layouts_that_do_not_fit_are_refused() -> None:
