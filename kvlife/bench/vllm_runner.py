@@ -8,7 +8,9 @@ and nothing below it imports it.
 one process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so an embedded kvlife store is
 shared by the scheduler- and worker-side connectors), serves the spec's requests one at
 a time, greedy, and writes per request the output token ids, TTFT and cached tokens,
-plus the connector's and the store's counters. Tests, ``kvlife demo --engine vllm`` and
+plus the connector's and the store's counters, the worker's timings (where a load's and a
+save's time goes) and, for the same bytes as the run's loads, the time of a memcpy in
+this process. Tests, ``kvlife demo --engine vllm`` and
 ``kvlife bench vllm`` run each engine as such a child process, so an engine restart is a
 real new process and every engine's memory is returned when it exits.
 
@@ -104,11 +106,13 @@ def _serve(
     tiers = {t: n - before.get(t, 0) for t, n in after.items() if n - before.get(t, 0)}
     m = out.metrics
     ttft = float(m.first_token_latency) if m is not None and m.first_token_latency else wall
+    ids = list(out.outputs[0].token_ids)
     return {
         "prompt_tokens": len(tokens),
-        "output_ids": list(out.outputs[0].token_ids),
+        "output_ids": ids,
         "ttft_s": ttft,
         "wall_s": wall,
+        "tpot_s": (wall - ttft) / (len(ids) - 1) if len(ids) > 1 else None,
         "cached_tokens": int(out.num_cached_tokens or 0),
         "kvlife_chunks": tiers,
     }
@@ -162,11 +166,34 @@ def _counters() -> dict[str, Any]:
     for conn in live_connectors():
         if conn.worker is not None:
             out["worker"] = asdict(conn.worker.counters)
+            out["timings"] = asdict(conn.worker.timings)
             conn.worker.drain()
             out["store"] = conn.lease.store.counters.as_dict()
         if conn.scheduler is not None:
             out["scheduler"] = asdict(conn.scheduler.counters)
     return out
+
+
+def _memcpy(timings: dict[str, Any], rounds: int = 5) -> dict[str, Any]:
+    """memcpy of the bytes the connector loaded, in this process right after the run:
+    each step's bytes (the run's mean) copied between two host arrays once per load step,
+    the fastest of ``rounds`` (the ``connector_load_vs_memcpy`` figure's reference)."""
+    import numpy as np
+
+    steps = int(timings.get("load_steps", 0))
+    total = int(timings.get("load_bytes", 0))
+    if not steps or not total:
+        return {"bytes": 0, "s": 0.0}
+    src = np.ones(total // steps, np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # both arrays paged in before timing
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return {"bytes": src.nbytes * steps, "s": best}
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -194,6 +221,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 error = f"{type(exc).__name__}: {exc}"
                 break
     counters = _counters() if spec.get("kvlife") is not None else {}
+    memcpy = _memcpy(counters.get("timings", {}))
     keys = _keys(spec) if spec.get("kvlife") is not None else []
     if spec.get("kvlife") is not None and not spec.get("multiprocess", False):
         from kvlife.engines.vllm.stores import close_all
@@ -203,6 +231,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "engine_start_s": start_s,
         "requests": rows,
         "counters": counters,
+        "memcpy": memcpy,
         "keys": keys,
         "error": error,
     }

@@ -160,7 +160,8 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
             attn = getattr(self._vllm_config, "attention_config", None)
             backend = str(getattr(attn, "backend", "") or "FLASH_ATTN")
             backend = backend.rsplit(".", 1)[-1]
-        split = split_for_platform(current_platform.is_cpu(), backend)
+        ndim = kv_caches[names[0]].dim() if names else 4
+        split = split_for_platform(current_platform.is_cpu(), backend, ndim)
         self.worker.register(names, [kv_caches[n] for n in names], split)
 
     def _plan(self) -> StepPlan:

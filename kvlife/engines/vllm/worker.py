@@ -10,12 +10,18 @@ reported by ``load_errors`` and vLLM recomputes them (never served). A load that
 part-way (the server dropped, a chunk corrupt) is the same: the chunks that arrived
 whole are written, the rest recomputed.
 
+Both directions move a step's blocks in one indexed copy per layer (``paged.py``): a
+load lays every chunk of the step out as the paged cache's block rows (one copy per
+chunk, all layers; a DRAM hit is read as the replica itself, no copy before that), then
+writes each layer's rows with one indexed copy; no Python loop over chunks x layers.
+
 Saves are all-or-nothing across layers and ranks. During the step ``save_layer`` copies
-each layer of the planned chunks out of the paged cache into a host staging array
-(``(layers, 2, heads, T, head_dim)``), recording which layers it gathered; at ``submit``
-(vLLM's ``wait_for_save``, which runs even when the forward raised) the chunks of a
-request are staged with ``prepare_put`` (TENTATIVE, invisible) only if every layer of
-every chunk was gathered, no load of the request (nor of a block it shares with another
+each layer's blocks of every planned save out of the paged cache into one host array of
+block rows (one indexed copy per layer), recording which layers it gathered; at
+``submit`` (vLLM's ``wait_for_save``, which runs even when the forward raised) the
+chunks of a request are staged with ``prepare_put`` (TENTATIVE, invisible), laid out as
+chunks by a stager thread off the step's path, only if every layer of every chunk was
+gathered, no load of the request (nor of a block it shares with another
 request through vLLM's prefix cache) failed on this rank and no exception is
 propagating. The worker then reports the step (:class:`StepReport`) and holds the
 staged puts until the scheduler's verdict arrives with a later step's plan: commit
@@ -29,6 +35,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,11 +44,17 @@ import numpy as np
 
 from kvlife.core.errors import KVLifeError
 from kvlife.core.identity import ROOT_PARENT, ModelIdentity, prompt_chunk_keys
-from kvlife.core.payload import numpy_dtype, to_torch
+from kvlife.core.payload import numpy_dtype
 from kvlife.engines.vllm.faults import LayerFault
 from kvlife.engines.vllm.identity import with_adapter
 from kvlife.engines.vllm.meta import LoadSpec, SaveSpec, SaveVerdict, StepPlan, StepReport
-from kvlife.engines.vllm.paged import PagedLayer
+from kvlife.engines.vllm.paged import (
+    PagedLayer,
+    chunk_to_rows,
+    rows_to_chunk,
+    stack_layers,
+    write_chunk,
+)
 from kvlife.engines.vllm.stores import StoreAPI
 
 log = logging.getLogger("kvlife.vllm")
@@ -76,30 +89,66 @@ class WorkerCounters:
 
 
 @dataclass(slots=True)
+class WorkerTimings:
+    """Where the connector's time goes (seconds, summed over steps): the breakdown in
+    docs/vllm.md and the ``connector_load_vs_memcpy`` figure of ``kvlife bench vllm``."""
+
+    load_steps: int = 0
+    load_bytes: int = 0
+    """Bytes written into the paged cache from kvlife."""
+    lookup_s: float = 0.0
+    """The worker's own lookup of each planned load (its rank's keys) and the start of
+    the asynchronous read."""
+    read_s: float = 0.0
+    """Waiting for the store's copy of the chunks into host buffers (verified)."""
+    prep_s: float = 0.0
+    """Turning the host chunks into what the paged cache's copy takes (index tensors,
+    the chunks laid out as blocks)."""
+    scatter_s: float = 0.0
+    """The indexed copies into the paged cache, all layers."""
+    load_s: float = 0.0
+    """A step's load from ``start`` until the last layer's event is set."""
+    wait_s: float = 0.0
+    """The forward blocked in ``wait_layer`` (the load's cost on the step's path)."""
+    save_steps: int = 0
+    save_bytes: int = 0
+    gather_s: float = 0.0
+    """Copies out of the paged cache into the staging buffers (in the forward)."""
+    stage_s: float = 0.0
+    """``submit``: staging the step's saves (``prepare_put``) and the verdicts."""
+
+
+@dataclass(slots=True)
 class _Load:
     spec: LoadSpec
     handle: Any
     first_chunk: int
     chunks: int
-    buffers: list[np.ndarray]
 
 
 @dataclass(slots=True)
-class _Staging:
-    """One planned save being gathered layer by layer in the current step."""
+class _SaveStep:
+    """The step's planned saves, gathered layer by layer into one array of block rows
+    ``(layers, blocks, heads, 2, block_size, head_dim)``: spec ``i``'s blocks are rows
+    ``[starts[i], starts[i + 1])``, read with one indexed copy per layer."""
 
-    spec: SaveSpec
-    buf: np.ndarray
+    step: int
+    specs: list[SaveSpec]
+    starts: list[int]
+    block_ids: np.ndarray
+    rows: np.ndarray
     gathered: set[int] = field(default_factory=set)
-    """Layer indices copied into ``buf`` this step."""
+    """Layer indices copied into ``rows`` this step."""
 
 
 @dataclass(slots=True)
 class _Held:
-    """A staged put (TENTATIVE in the store) awaiting the scheduler's verdict."""
+    """A staged put (TENTATIVE in the store) awaiting the scheduler's verdict; staged in
+    the background (``pending`` resolves to the store's pending put, or None when
+    ``prepare_put`` failed, counted)."""
 
     req_id: str
-    pending: Any
+    pending: Future[Any]
 
 
 class WorkerSide:
@@ -123,8 +172,10 @@ class WorkerSide:
         lay = identity.layout
         self.tpc = lay.tokens_per_chunk
         self.layers: list[PagedLayer] = []
+        self._stack: np.ndarray | None = None
         self.layer_index: dict[str, int] = {}
         self.counters = WorkerCounters()
+        self.timings = WorkerTimings()
         self._errors: set[int] = set()
         self._failed: set[str] = set()
         """Requests whose load failed this step: whatever this step computed after the
@@ -137,8 +188,10 @@ class WorkerSide:
         self._events: list[threading.Event] | None = None
         self._loader: Future[None] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlife-vllm-load")
-        self._staging: list[_Staging] = []
-        self._staging_step = -1
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="kvlife-vllm-stage")
+        """Lays gathered saves out as chunks and stages them (``prepare_put``), off the
+        step's path."""
+        self._saving: _SaveStep | None = None
         self._held: dict[int, list[_Held]] = {}
         """Staged puts per step, until the verdict on that step arrives."""
         self._report = StepReport()
@@ -154,6 +207,9 @@ class WorkerSide:
                 f"vLLM registered {len(names)} KV layers; the identity says {lay.num_layers}"
             )
         self.layers = [PagedLayer(t, split, lay.num_kv_heads, lay.head_dim) for t in tensors]
+        self._stack = stack_layers(self.layers)
+        """All layers as one view when they share an allocation (CPU): a chunk is then
+        copied straight into its blocks of every layer, one copy."""
         self.layer_index = {n: i for i, n in enumerate(names)}
         if self.layers and self.layers[0].block_size != self.block_size:
             raise KVLifeError(
@@ -170,31 +226,33 @@ class WorkerSide:
         self._failed_blocks = set()
         if not plan.loads:
             return
+        t0 = time.perf_counter()
         jobs = [job for job in (self._begin(spec) for spec in plan.loads) if job is not None]
+        self.timings.lookup_s += time.perf_counter() - t0
+        self.timings.load_steps += 1
         events = [threading.Event() for _ in self.layers]
         self._events = events
-        self._loader = self._pool.submit(self._write_layers, jobs, events)
+        self._loader = self._pool.submit(self._write_layers, jobs, events, t0)
 
     def _begin(self, spec: LoadSpec) -> _Load | None:
-        import torch  # noqa: F401  (the paged cache is torch)
-
         identity = with_adapter(self.identity, spec.adapter)
         c0, c1 = spec.first_token // self.tpc, spec.end_token // self.tpc
         self.counters.loads += 1
         try:
             hit = self.store.lookup(identity, spec.namespace, spec.tokens)
             sub = hit.sub(c0, c1)  # a served store's answer keeps its layout and hints
-            usable = sub.hits
-            dtype = numpy_dtype(identity.layout.dtype)
-            bufs = [np.empty(identity.layout.chunk_shape, dtype) for _ in usable]
-            handle = self.store.load_async(sub, bufs, request_id=spec.req_id)
+            usable = len(sub.hits)
+            # no output buffers: a DRAM hit is handed over as the replica itself
+            # (read-only, kept alive while referenced), so the only copy of its bytes is
+            # the one into the paged cache's layout
+            handle = self.store.load_async(sub, None, request_id=spec.req_id)
         except KVLifeError as exc:
             log.warning("kvlife load of %s failed, recomputed: %s", spec.req_id, exc)
             self._fail(spec, c0)
             return None
-        if len(usable) < c1 - c0:
-            self._fail(spec, c0 + len(usable))
-        return _Load(spec, handle, c0, len(usable), bufs)
+        if usable < c1 - c0:
+            self._fail(spec, c0 + usable)
+        return _Load(spec, handle, c0, usable)
 
     def _fail(self, spec: LoadSpec, from_chunk: int) -> None:
         """Blocks of ``spec`` from chunk ``from_chunk`` on did not load."""
@@ -207,15 +265,16 @@ class WorkerSide:
             self._errors |= new
             self.counters.blocks_failed += len(new)
 
-    def _arrived(self, job: _Load) -> int:
+    def _arrived(self, job: _Load) -> list[np.ndarray]:
         """Leading chunks of ``job`` that arrived whole (a failure of the handle, e.g.
         the server dropped mid-load, ends the run there: recomputed, not raised)."""
-        got = 0
+        got: list[np.ndarray] = []
         try:
-            for i in range(len(job.buffers)):
-                if job.handle.chunk(i) is None:
+            for i in range(job.chunks):
+                arr = job.handle.chunk(i)
+                if arr is None:
                     break
-                got += 1
+                got.append(arr)
             res = job.handle.wait()
             for tier, n in res.tiers.items():
                 self.counters.tiers[tier] = self.counters.tiers.get(tier, 0) + n
@@ -223,31 +282,61 @@ class WorkerSide:
             log.warning("kvlife load of %s failed part-way, recomputed: %s", job.spec.req_id, exc)
         return got
 
-    def _write_layers(self, jobs: list[_Load], events: list[threading.Event]) -> None:
-        import torch
-
+    def _write_layers(self, jobs: list[_Load], events: list[threading.Event], t0: float) -> None:
+        """Wait for the step's chunks, lay every block of them out as the paged cache
+        holds it (one copy per chunk, all layers at once), then write each layer's
+        blocks of every chunk with one indexed copy and set that layer's event."""
+        tm = self.timings
+        bs = self.block_size
         try:
-            ready: list[tuple[Any, Any, int]] = []  # (block ids tensor, torch chunk, first tok)
+            parts: list[tuple[np.ndarray, int]] = []  # (chunk, leading blocks not written)
+            block_ids: list[int] = []
             for job in jobs:
                 spec = job.spec
+                t1 = time.perf_counter()
                 got = self._arrived(job)
-                if got < len(job.buffers):
-                    self._fail(spec, job.first_chunk + got)
-                for i in range(got):
+                tm.read_s += time.perf_counter() - t1
+                if len(got) < job.chunks:
+                    self._fail(spec, job.first_chunk + len(got))
+                for i, arr in enumerate(got):
                     c = job.first_chunk + i
                     lo = max(spec.first_token, c * self.tpc)
                     hi = (c + 1) * self.tpc
-                    blocks = torch.tensor(
-                        spec.block_ids[lo // self.block_size : hi // self.block_size],
-                        dtype=torch.long,
-                    )
-                    chunk = to_torch(job.buffers[i], self.identity.layout.dtype)
-                    ready.append((blocks, chunk, lo - c * self.tpc))
+                    parts.append((arr, (lo - c * self.tpc) // bs))
+                    block_ids += spec.block_ids[lo // bs : hi // bs]
                     self.counters.tokens_loaded += hi - lo
-            for layer, paged in enumerate(self.layers):
-                for blocks, chunk, off in ready:
-                    paged.scatter(blocks, chunk[layer, :, :, off:])
-                events[layer].set()
+            if parts and self._stack is not None:
+                t2 = time.perf_counter()
+                at = 0
+                for arr, skip in parts:  # straight into the blocks, all layers at once
+                    n = self.tpc // bs - skip
+                    ids = np.asarray(block_ids[at : at + n], dtype=np.int64)
+                    write_chunk(self._stack, ids, arr, skip)
+                    at += n
+                    tm.load_bytes += arr.nbytes * n // (self.tpc // bs)
+                for e in events:
+                    e.set()
+                tm.scatter_s += time.perf_counter() - t2
+            elif parts and self.layers:
+                t2 = time.perf_counter()
+                lay = self.identity.layout
+                shape = (lay.num_layers, len(block_ids), *self.layers[0].row_shape)
+                rows = np.empty(shape, parts[0][0].dtype)
+                at = 0
+                for arr, skip in parts:
+                    n = self.tpc // bs - skip
+                    chunk_to_rows(arr, bs, skip, rows[:, at : at + n])
+                    at += n
+                ids = np.asarray(block_ids, dtype=np.int64)
+                t3 = time.perf_counter()
+                tm.prep_s += t3 - t2
+                for layer, paged in enumerate(self.layers):
+                    paged.write_rows(ids, rows[layer])
+                    events[layer].set()
+                t4 = time.perf_counter()
+                tm.scatter_s += t4 - t3
+                tm.load_bytes += rows.nbytes
+            tm.load_s += time.perf_counter() - t0
         finally:
             for e in events:  # a failure must not hang the forward; wait_layer raises it
                 e.set()
@@ -259,7 +348,9 @@ class WorkerSide:
             return
         if self.fault is not None:
             self.fault.check("load", idx)
+        t0 = time.perf_counter()
         events[idx].wait()
+        self.timings.wait_s += time.perf_counter() - t0
         if idx == len(events) - 1 and self._loader is not None:
             self._loader.result()  # raise a loader bug here, in the engine's step
 
@@ -271,8 +362,9 @@ class WorkerSide:
     # ------------------------------------------------------------------ saves
 
     def save_layer(self, name: str, plan: StepPlan) -> None:
-        import torch
-
+        """Copy layer ``name``'s blocks of every planned save of the step out of the
+        paged cache (one indexed copy); they are laid out as chunks off the step's path
+        (:meth:`submit`)."""
         if not plan.saves:
             return
         idx = self.layer_index.get(name)
@@ -280,62 +372,79 @@ class WorkerSide:
             return
         if self.fault is not None:
             self.fault.check("save", idx)
+        t0 = time.perf_counter()
+        saving = self._saving
+        if saving is None or saving.step != plan.step:
+            saving = self._saving = self._save_step(plan)
+        self.layers[idx].read_rows(saving.block_ids, saving.rows[idx])
+        saving.gathered.add(idx)
+        self.timings.save_bytes += saving.rows[idx].nbytes
+        self.timings.gather_s += time.perf_counter() - t0
+
+    def _save_step(self, plan: StepPlan) -> _SaveStep:
         lay = self.identity.layout
-        if self._staging_step != plan.step:
-            self._staging_step = plan.step
-            self._staging = []
-            for spec in plan.saves:
-                n = (spec.end_chunk - spec.first_chunk) * self.tpc
-                shape = (lay.num_layers, 2, lay.num_kv_heads, n, lay.head_dim)
-                self._staging.append(_Staging(spec, np.empty(shape, numpy_dtype(lay.dtype))))
-        for st in self._staging:
-            lo = st.spec.first_chunk * self.tpc // self.block_size
-            hi = st.spec.end_chunk * self.tpc // self.block_size
-            blocks = torch.tensor(st.spec.block_ids[lo:hi], dtype=torch.long)
-            self.layers[idx].gather(blocks, to_torch(st.buf[idx], lay.dtype))
-            st.gathered.add(idx)
+        starts = [0]
+        ids: list[int] = []
+        for spec in plan.saves:
+            lo = spec.first_chunk * self.tpc // self.block_size
+            hi = spec.end_chunk * self.tpc // self.block_size
+            ids += spec.block_ids[lo:hi]
+            starts.append(len(ids))
+        row = self.layers[0].row_shape if self.layers else (0, 2, self.block_size, 0)
+        rows = np.empty((lay.num_layers, len(ids), *row), numpy_dtype(lay.dtype))
+        return _SaveStep(plan.step, list(plan.saves), starts, np.asarray(ids, np.int64), rows)
 
     def submit(self, plan: StepPlan) -> None:
         """End of the step (vLLM's ``wait_for_save``, also after a forward that raised):
         carry out the verdicts on earlier steps, stage this step's complete saves and
         report the step."""
         self._events = None
+        t0 = time.perf_counter()
         for verdict in plan.verdicts:
             self._settle(verdict)
-        staging = self._staging if self._staging_step == plan.step else []
-        self._staging, self._staging_step = [], -1
+        saving = self._saving if self._saving and self._saving.step == plan.step else None
+        self._saving = None
         if plan.saves:
             # an exception propagating through vLLM's finally: the forward did not complete
             raising = sys.exc_info()[0] is not None
-            failed = self._stage(plan, staging, raising)
+            failed = self._stage(plan, saving, raising)
             self._report.add(plan.step, self.rank, failed)
+            self.timings.save_steps += 1
         self._reap(wait=False)
+        self.timings.stage_s += time.perf_counter() - t0
 
-    def _stage(self, plan: StepPlan, staging: list[_Staging], raising: bool) -> set[str]:
-        """Stage the step's complete saves; the requests this rank failed."""
+    def _stage(self, plan: StepPlan, saving: _SaveStep | None, raising: bool) -> set[str]:
+        """Decide the step's saves: the complete ones go to the stager (laid out as
+        chunks and staged with ``prepare_put`` in the background); the requests this rank
+        failed are returned."""
         failed: set[str] = set()
-        by_spec = {id(st.spec): st for st in staging}
         complete = set(range(self.identity.layout.num_layers))
         with self._lock:
             bad_blocks = set(self._failed_blocks)
-        for spec in plan.saves:
-            st = by_spec.get(id(spec))
+        for i, spec in enumerate(plan.saves):
             # a request whose own load failed, or one that shares a block that did not
             # load (vLLM's prefix cache): both attended to garbage in this step
             if spec.req_id in self._failed or not bad_blocks.isdisjoint(spec.block_ids):
                 self.counters.saves_skipped += 1
                 failed.add(spec.req_id)
                 continue
-            if raising or st is None or st.gathered != complete:
+            if raising or saving is None or saving.gathered != complete:
                 self.counters.saves_incomplete += 1
                 failed.add(spec.req_id)
                 continue
-            pending = self._prepare(spec, st.buf)
-            if pending is not None:
-                self._held.setdefault(plan.step, []).append(_Held(spec.req_id, pending))
+            rows = saving.rows[:, saving.starts[i] : saving.starts[i + 1]]
+            pending = self._stager.submit(self._prepare, spec, rows)
+            self._held.setdefault(plan.step, []).append(_Held(spec.req_id, pending))
         return failed
 
-    def _prepare(self, spec: SaveSpec, buf: np.ndarray) -> Any | None:
+    def _prepare(self, spec: SaveSpec, rows: np.ndarray) -> Any | None:
+        """(Stager thread.) ``rows`` laid out as the spec's chunks, staged TENTATIVE."""
+        lay = self.identity.layout
+        k = self.tpc // self.block_size
+        n = spec.end_chunk - spec.first_chunk
+        chunks = np.empty((n, *lay.chunk_shape), numpy_dtype(lay.dtype))
+        for c in range(n):
+            rows_to_chunk(rows[:, c * k : (c + 1) * k], chunks[c])
         identity = with_adapter(self.identity, spec.adapter)
         start = spec.first_chunk * self.tpc
         parent = ROOT_PARENT
@@ -346,35 +455,46 @@ class WorkerSide:
                 identity,
                 spec.namespace,
                 spec.tokens[start:],
-                buf,
+                list(chunks),
                 start=start,
                 parent=parent,
                 request_id=spec.req_id,
             )
         except KVLifeError as exc:
-            self.counters.put_errors += 1
+            self._put_error()
             log.warning("kvlife put of %s failed (not stored): %s", spec.req_id, exc)
             return None
-        self.counters.saves += 1
+        with self._lock:
+            self.counters.saves += 1
         return pending
 
     def _settle(self, verdict: SaveVerdict) -> None:
         """Commit or abort the puts staged in ``verdict.step``."""
         for held in self._held.pop(verdict.step, []):
+            pending = held.pending.result()  # staged a step ago: done, or nearly
+            if pending is None:  # prepare_put failed (counted): nothing to commit or abort
+                continue
             if verdict.keeps(held.req_id):
                 try:
-                    self._puts.append(self.store.put_async(held.pending))
+                    self._puts.append(self.store.put_async(pending))
                     self.counters.saves_committed += 1
                 except KVLifeError as exc:
-                    self.counters.put_errors += 1
+                    self._put_error()
                     log.warning("kvlife put of %s failed (not stored): %s", held.req_id, exc)
             else:
                 self._abort(held, f"step {verdict.step} failed on another rank or layer")
 
+    def _put_error(self) -> None:
+        with self._lock:  # counted from the stager thread too
+            self.counters.put_errors += 1
+
     def _abort(self, held: _Held, reason: str) -> None:
+        pending = held.pending.result()
+        if pending is None:
+            return
         self.counters.saves_aborted += 1
         try:
-            self.store.abort_put(held.pending, reason)
+            self.store.abort_put(pending, reason)
         except KVLifeError as exc:  # the server dropped: it aborts the session's puts
             log.warning("kvlife abort of %s's put failed: %s", held.req_id, exc)
 
@@ -400,7 +520,7 @@ class WorkerSide:
                 self.counters.chunks_stored += res.stored
                 self.counters.chunks_present += res.already_present
             except KVLifeError as exc:
-                self.counters.put_errors += 1
+                self._put_error()
                 log.warning("kvlife put failed (not stored): %s", exc)
         self._puts = left
 
@@ -417,3 +537,4 @@ class WorkerSide:
                 self._abort(h, f"step {step} not confirmed by every rank before shutdown")
         self.drain()
         self._pool.shutdown(wait=True)
+        self._stager.shutdown(wait=True)
