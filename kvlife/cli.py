@@ -357,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "experiment",
-        help="experiments: `kvlife experiment identity|lifetime-hints|transforms|crossover|object-size --help`",
+        help="experiments: `kvlife experiment "
+        "identity|lifetime-hints|transforms|crossover|object-size --help`",
         add_help=False,
     )
     return parser

@@ -21,7 +21,8 @@ fp16; ``--quick``: a tiny layout and a short prompt). Per size it measures:
 
 :func:`choose_sizes` then asks the planner's cost model (:mod:`kvlife.planner.cost`) per
 tier for the size that minimises predicted load time per token plus the lookup overhead
-per token, among the sizes whose hit loss is within ``max_hit_loss``: the measured disk
+per token, among the sizes whose hit loss is within ``max_hit_loss`` (within ``TIE`` of the
+least predicted time, the finest such size): the measured disk
 (a :class:`~kvlife.planner.cost.TierCost` calibrated per size from a one-chunk and a
 whole-prompt load, so per-chunk costs are in its slope) and the field tiers of the
 crossover experiment (their documented bandwidth and latency, one request per chunk with
@@ -57,6 +58,8 @@ TRACE_BLOCK = 512
 FIELD_DEPTH = 8
 """Chunk reads in flight on a field tier: each chunk is one request whose latency is paid
 once per ``FIELD_DEPTH`` chunks."""
+TIE = 0.01
+"""Predicted times within this fraction of the best are a tie (the finest size wins)."""
 SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float16")
 TINY = dict(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16")
 
@@ -160,6 +163,7 @@ def measure_size(cfg: ObjectSizeConfig, size: int, tmp: Path) -> dict[str, Any]:
             store.load(found.sub(0, 1))
             one.append(time.perf_counter() - t0)
         stored = sum(h.stored_nbytes for h in found.hits)
+        direct = bool(getattr(store.tier("disk"), "direct_io", False))
     finally:
         store.close(flush=False)
     load_s = min(loads)
@@ -172,6 +176,7 @@ def measure_size(cfg: ObjectSizeConfig, size: int, tmp: Path) -> dict[str, Any]:
         "stored_bytes": stored,
         "put_stored": put.stored,
         "put_s": put_s,
+        "direct_io": direct,
         "load_s": load_s,
         "load_one_chunk_s": min(one),
         "load_bytes_per_s": n * lay.bytes_per_token / load_s,
@@ -259,6 +264,7 @@ def hit_loss(cfg: ObjectSizeConfig) -> dict[str, Any]:
         "available": True,
         "requests": len(reqs),
         "block_tokens": TRACE_BLOCK,
+        "finer_than_block": "not derivable from the trace: reported as 512's (a lower bound)",
         "hit_ratio_512": base,
         "sizes": sizes,
     }
@@ -300,9 +306,14 @@ def choose_sizes(
 
     def pick(name: str, per_token: dict[int, float], note: str) -> None:
         ok = {s: v for s, v in per_token.items() if s in allowed}
+        best = min(ok.values(), default=0.0)
+        # within TIE of the best the finest size wins: finer chunks can only hit more,
+        # and a difference that small is the noise of a shared machine's lookups
+        near = [s for s, v in ok.items() if v <= best * (1 + TIE)]
         out[name] = {
             "seconds_per_token": {str(s): v for s, v in per_token.items()},
-            "chosen": min(ok, key=lambda s: ok[s]) if ok else None,
+            "best_seconds_per_token": best,
+            "chosen": min(near) if near else None,
             "model": note,
         }
 
