@@ -357,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "experiment",
-        help="experiments: `kvlife experiment identity|lifetime-hints|transforms|crossover --help`",
+        help="experiments: `kvlife experiment "
+        "identity|lifetime-hints|transforms|crossover|object-size --help`",
         add_help=False,
     )
     return parser
@@ -381,6 +382,7 @@ EXPERIMENTS = {
     "identity": "kvlife.experiments.identity",
     "transforms": "kvlife.experiments.transforms",
     "crossover": "kvlife.experiments.crossover",
+    "object-size": "kvlife.experiments.object_size",
 }
 
 
