@@ -357,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "experiment",
-        help="experiments: `kvlife experiment identity|lifetime-hints|transforms --help`",
+        help="experiments: `kvlife experiment identity|lifetime-hints|transforms|"
+        "sharing-scope|isolation --help`",
         add_help=False,
     )
     return parser
@@ -379,6 +380,8 @@ EXPERIMENTS = {
     "lifetime-hints": "kvlife.sim.lifetime_hints",
     "identity": "kvlife.experiments.identity",
     "transforms": "kvlife.experiments.transforms",
+    "sharing-scope": "kvlife.experiments.sharing_scope",
+    "isolation": "kvlife.experiments.isolation",
 }
 
 

@@ -25,8 +25,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # leaves over core: terminal tables, device models, the trace schema and importers
     ("report", "sim", "trace"),
     # building blocks; the global index on Redis is the shared tiers' index and sits
-    # with them (record frames and tier names one way, invalidation rules the other)
-    ("index", "policy", "transforms", "tiers", "globalindex"),
+    # with them (record frames and tier names one way, invalidation rules the other);
+    # tenancy (names, principals, scopes, quotas) is read by the store and the server
+    ("index", "policy", "transforms", "tiers", "globalindex", "tenancy"),
     # the I/O-free placement engine; the typed results of the store's API
     ("placement", "results"),
     ("store",),
