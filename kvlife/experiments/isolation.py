@@ -10,8 +10,9 @@ a server woken by A's put answers B sooner); the arms are interleaved in a seede
 random order, every trial with a new random prompt, probed ``--repeats`` times (the
 least time counts, as an attacker filters scheduling noise). The
 distinguishing power is the ROC AUC of the probe's time between the arms (the
-probability that a *stored* trial is slower than an *absent* one: a hit loads KV; 0.5:
-no signal), with a bootstrap 95% interval (2,000 resamples of each arm).
+probability that a *stored* trial is slower than an *absent* one: a hit loads KV; for
+the engine's probes, faster: a hit saves prefill; 0.5: no signal), with a bootstrap 95%
+interval (2,000 resamples of each arm).
 
 Three probes, same prompts and sizes:
 
@@ -24,7 +25,11 @@ Three probes, same prompts and sizes:
   A puts, B looks up and copies what it hits. Expected: it leaks (AUC near 1).
 
 Times are wall-clock ``perf_counter`` on a machine other processes share: indicative.
-The engine path (lookup + load + prefill through the HF engine) is not measured here.
+With ``--engine-trials N`` two more probes run through the HF engine
+(:class:`~kvlife.engines.hf.HFEngine` on a small random Llama, CPU, its store the
+server's client): A generates after each stored prompt (the engine stores its chunks),
+the prober times ``prefill`` (lookup + load + prefill of what it did not load), across
+tenants and within A's.
 """
 
 from __future__ import annotations
@@ -88,13 +93,19 @@ def bootstrap(
     return float(lo), float(hi)
 
 
-def summary(name: str, stored: list[float], absent: list[float], seed: int) -> dict[str, Any]:
+def summary(
+    name: str, stored: list[float], absent: list[float], seed: int, hit_faster: bool = False
+) -> dict[str, Any]:
+    """The AUC of the time (``hit_faster``: of minus the time, for a probe where a hit
+    saves work, the engine's prefill) between the arms."""
     pos, neg = np.asarray(stored), np.asarray(absent)
-    lo, hi = bootstrap(pos, neg, seed)
+    sign = -1.0 if hit_faster else 1.0
+    lo, hi = bootstrap(sign * pos, sign * neg, seed)
     return {
         "probe": name,
+        "direction": "stored faster" if hit_faster else "stored slower",
         "trials_per_arm": [int(pos.size), int(neg.size)],
-        "auc": auc(pos, neg),
+        "auc": auc(sign * pos, sign * neg),
         "auc_ci95": [lo, hi],
         "median_s": {"stored": float(np.median(pos)), "absent": float(np.median(neg))},
     }
@@ -142,9 +153,13 @@ def tenant_server(workdir: Path, dram_bytes: int) -> Iterator[tuple[Path, dict[s
         log.close()
 
 
-def _prompt(rng: np.random.Generator, chunks: int) -> tuple[NDArray[np.int64], NDArray[Any]]:
+def _prompt(
+    rng: np.random.Generator, chunks: int, with_kv: bool = True
+) -> tuple[NDArray[np.int64], NDArray[Any]]:
     n = chunks * LAYOUT.tokens_per_chunk
     tokens = rng.integers(0, 50_000, n)
+    if not with_kv:
+        return tokens, np.zeros(0, np.float16)
     kv = rng.standard_normal(
         (LAYOUT.num_layers, 2, LAYOUT.num_kv_heads, n, LAYOUT.head_dim)
     ).astype(np.float16)
@@ -158,6 +173,8 @@ def _trials(
     store: Callable[[NDArray[np.int64], NDArray[Any]], None],
     probe: Callable[[NDArray[np.int64]], int],
     repeats: int = 1,
+    *,
+    with_kv: bool = True,
 ) -> tuple[list[float], list[float], int]:
     """``trials`` per arm in a seeded interleaving; the probe's seconds per arm (the
     least of ``repeats`` probes of the trial's prompt: what an attacker does against
@@ -169,16 +186,16 @@ def _trials(
     absent: list[float] = []
     hits = 0
     for warm in range(5):  # warm the paths (connections, allocations), not counted
-        tokens, kv = _prompt(rng, chunks)
+        tokens, kv = _prompt(rng, chunks, with_kv)
         store(tokens, kv)
         probe(tokens)
-        probe(_prompt(rng, chunks)[0])
+        probe(_prompt(rng, chunks, False)[0])
         del warm
     for arm in arms.tolist():
         # both arms make the same work before the probe: the arms differ only in which
         # of two fresh prompts A stores (A stores as much in each: whether A was active
         # is not what is asked)
-        tokens, kv = _prompt(rng, chunks)
+        tokens, kv = _prompt(rng, chunks, with_kv)
         decoy = rng.integers(0, 50_000, tokens.size)
         store(tokens if arm else decoy, kv)
         dt = math.inf
@@ -197,8 +214,54 @@ def _trials(
     return stored, absent, hits
 
 
+def _engine_probes(
+    sock: Path, tokens: dict[str, str], trials: int, seed: int, chunks: int, repeats: int
+) -> list[dict[str, Any]]:
+    """The probes through the HF engine (a small random Llama on the CPU, fed token ids):
+    A generates one token after each stored prompt (which stores its chunks), the prober
+    times ``prefill`` (lookup + load + prefill of the rest)."""
+    from kvlife.client import RemoteStore
+    from kvlife.engines.hf import HFEngine
+    from kvlife.engines.models import tiny_llama
+
+    loaded = tiny_llama(seed=0, hidden_size=128, layers=4, heads=4, kv_heads=2)
+    tpc = 16
+    stores = {k: RemoteStore(sock, timeout=60, token=tokens[k[0]]) for k in ("a", "a2", "b")}
+    try:
+        eng = {
+            k: HFEngine.for_model(loaded, st, tokens_per_chunk=tpc)  # type: ignore[arg-type]
+            for k, st in stores.items()
+        }
+        ns = {"a": Namespace(NamespaceKind.USER, "a"), "b": Namespace(NamespaceKind.USER, "b")}
+        vocab = int(loaded.model.config.vocab_size)
+        out = []
+        for name, prober, space, s in (
+            ("cross-tenant, HF engine (prefill)", "b", "b", seed + 3),
+            ("within one tenant, HF engine (positive control)", "a2", "a", seed + 4),
+        ):
+
+            def put(t: NDArray[np.int64], kv: NDArray[Any]) -> None:
+                ids = (t % vocab).tolist()
+                eng["a"].generate([*ids, 1], ns["a"], max_new_tokens=1, stop_at_eos=False)
+
+            def probe(t: NDArray[np.int64], who: str = prober, sp: str = space) -> int:
+                ids = [*(t % vocab).tolist(), 1]
+                return len(eng[who].prefill(ids, ns[sp]).loaded_chunks)
+
+            pos, neg, hits = _trials(trials, s, chunks, put, probe, repeats, with_kv=False)
+            out.append(summary(name, pos, neg, s, hit_faster=True) | {"hits_in_stored_arm": hits})
+        return out
+    finally:
+        for st in stores.values():
+            st.close()
+
+
 def run_isolation(
-    trials: int = 1000, seed: int = 0, chunks: int = 16, repeats: int = 3
+    trials: int = 1000,
+    seed: int = 0,
+    chunks: int = 16,
+    repeats: int = 3,
+    engine_trials: int = 0,
 ) -> dict[str, Any]:
     from kvlife.client import RemoteStore
 
@@ -233,6 +296,8 @@ def run_isolation(
                 ):
                     pos, neg, hits = _trials(trials, s, chunks, put_a, probe_fn, repeats)
                     results.append(summary(name, pos, neg, s) | {"hits_in_stored_arm": hits})
+                if engine_trials:
+                    results += _engine_probes(sock, tokens, engine_trials, seed, chunks, repeats)
             finally:
                 a.close()
                 a2.close()
@@ -327,6 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeats", type=int, default=3, help="probes per trial; the least time counts"
     )
+    parser.add_argument(
+        "--engine-trials",
+        type=int,
+        default=0,
+        help="trials per arm of the probes through the HF engine (0: not run; needs torch)",
+    )
     parser.add_argument("--json", default=None, help="write the results to this file")
     parser.add_argument("--plot", default=None, help="write the figure (PNG) to this file")
     args = parser.parse_args(argv)
@@ -337,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    result = run_isolation(trials, args.seed, args.chunks, args.repeats)
+    engine_trials = min(args.engine_trials, 20) if args.quick else args.engine_trials
+    result = run_isolation(trials, args.seed, args.chunks, args.repeats, engine_trials)
     print(format_report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -44,3 +44,17 @@ def test_the_command_runs_the_three_probes(tmp_path: Path) -> None:
         assert 0.0 <= lo <= p["auc"] <= hi <= 1.0
     assert isinstance(result["cross_tenant_meets_target"], bool)
     assert png.stat().st_size > 0
+
+
+def test_the_engine_probes_run_through_the_hf_engine(tmp_path: Path) -> None:
+    out = tmp_path / "e.json"
+    subprocess.run(
+        [sys.executable, "-m", "kvlife.cli", "experiment", "isolation", "--trials", "3",
+         "--engine-trials", "3", "--chunks", "2", "--repeats", "1", "--json", str(out)],
+        cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    probes = {p["probe"]: p for p in json.loads(out.read_text())["probes"]}
+    cross = probes["cross-tenant, HF engine (prefill)"]
+    control = probes["within one tenant, HF engine (positive control)"]
+    assert cross["hits_in_stored_arm"] == 0 and cross["direction"] == "stored faster"
+    assert control["hits_in_stored_arm"] == 3 * 2  # A's engine reuses A's chunks
