@@ -52,7 +52,7 @@ import json
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,7 @@ from kvlife.policy.base import EvictionPolicy, make_policy
 from kvlife.policy.shares import TenantShares
 from kvlife.replay.cache import DRAM, CacheRun, CacheSim
 from kvlife.replay.runner import DEFAULT_KV_BYTES_PER_TOKEN
+from kvlife.replay.tenants import Tenants, derive_tenants
 from kvlife.trace.importers import read_trace
 from kvlife.trace.model import Trace, TraceBuilder
 
@@ -71,63 +72,6 @@ SCOPES = ("request", "user", "organisation", "global")
 
 
 # ---------------------------------------------------------------------------- tenants
-
-
-@dataclass(frozen=True, slots=True)
-class Tenants:
-    """A user and an organisation for every request of a trace."""
-
-    user: NDArray[np.int64]
-    org: NDArray[np.int64]
-    rule: str
-    """How they were found (ground truth, or the derivation rule)."""
-
-    @property
-    def n_users(self) -> int:
-        return int(self.user.max()) + 1 if self.user.size else 0
-
-    @property
-    def n_orgs(self) -> int:
-        return int(self.org.max()) + 1 if self.org.size else 0
-
-
-DERIVED_RULE = (
-    "user: a request extending all but the last block of an earlier request joins that "
-    "request's user (a conversation); organisation: requests with the same first two "
-    "blocks; a user belongs to the organisation of its first request"
-)
-
-
-def derive_tenants(trace: Trace) -> Tenants:
-    """Users and organisations of a trace without ids, by :data:`DERIVED_RULE`."""
-    n = trace.n_requests
-    blocks = trace.blocks.tolist()
-    offs = trace.offsets.tolist()
-    user = np.zeros(n, np.int64)
-    org = np.zeros(n, np.int64)
-    ends: dict[int, int] = {}
-    """A prefix (the id of its last block) that a later request may extend -> its user."""
-    orgs: dict[int, int] = {}
-    org_of_user: list[int] = []
-    for r in range(n):
-        req = blocks[offs[r] : offs[r + 1]]
-        found = -1
-        for k in range(len(req) - 1, 0, -1):  # longest first; at least two blocks
-            u = ends.get(req[k])
-            if u is not None:
-                found = u
-                break
-        if found < 0:
-            found = len(org_of_user)
-            head = req[1] if len(req) > 1 else (req[0] if req else -1)
-            org_of_user.append(orgs.setdefault(head, len(orgs)))
-        user[r] = found
-        org[r] = org_of_user[found]
-        if len(req) >= 2:
-            ends[req[-2]] = found  # all but the (partial) last block
-        if req:
-            ends[req[-1]] = found
-    return Tenants(user, org, DERIVED_RULE)
 
 
 def synthetic_tenants(

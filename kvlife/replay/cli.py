@@ -72,6 +72,9 @@ def replay_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-device", default="nvme", choices=DEVICE_KINDS)
     p.add_argument("--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN)
     p.add_argument("--compute", default="gpu-8b", choices=sorted(COMPUTE_PRESETS))
+    p.add_argument("--derive-tenants", default="", choices=("", "user", "organisation"),
+                   help="label requests with tenants derived from the trace's structure "
+                        "(kvlife.replay.tenants.derive_tenants)")  # fmt: skip
     p.add_argument("--tenant-shares", default="",
                    help="quotas between the trace's tenants: 'equal' or name=fraction,... "
                         "of each tier (kvlife.replay.tenants)")  # fmt: skip
@@ -110,6 +113,10 @@ def _replay(args: argparse.Namespace) -> int:
     from kvlife.replay.runner import replay, sweep
 
     trace = _load(args)
+    if args.derive_tenants:
+        from kvlife.replay.tenants import with_derived_tenants
+
+        trace = with_derived_tenants(trace, args.derive_tenants)
     cfg = _config(args, trace)
     sink = _sink(args.events)
     with _bar(trace.n_requests, f"replay {cfg.policy}") as bar:

@@ -8,7 +8,10 @@ simulator enforces the same quotas as the live store:
 - ``equal``: every tenant of the trace gets an equal share of each tier;
 - ``a=0.5,b=0.25``: the named tenants get those fractions of each tier (others: 0).
 
-A block's tenant is the tenant of the first request of the trace that holds it (block
+A trace without tenant labels (Mooncake's) can be given tenants derived from its
+structure (``kvlife replay --derive-tenants user|organisation``, :func:`derive_tenants`:
+a conversation chain is a user, requests with the same first two blocks an
+organisation). A block's tenant is the tenant of the first request of the trace that holds it (block
 ids are prefix-chained: the same id is the same KV, so a block shared by two tenants
 is charged to the one that brought it in; a trace replayed per scope, as the
 sharing-scope experiment does, has no such block).
@@ -17,8 +20,10 @@ sharing-scope experiment does, has no such block).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import numpy as np
+from numpy.typing import NDArray
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.policy.base import EvictionPolicy, make_policy
@@ -72,3 +77,75 @@ def shares_policy(
         return make_policy(policy)
 
     return TenantShares(tenant_of, shares, inner=inner)
+
+
+@dataclass(frozen=True, slots=True)
+class Tenants:
+    """A user and an organisation for every request of a trace."""
+
+    user: NDArray[np.int64]
+    org: NDArray[np.int64]
+    rule: str
+    """How they were found (ground truth, or the derivation rule)."""
+
+    @property
+    def n_users(self) -> int:
+        return int(self.user.max()) + 1 if self.user.size else 0
+
+    @property
+    def n_orgs(self) -> int:
+        return int(self.org.max()) + 1 if self.org.size else 0
+
+
+DERIVED_RULE = (
+    "user: a request extending all but the last block of an earlier request joins that "
+    "request's user (a conversation); organisation: requests with the same first two "
+    "blocks; a user belongs to the organisation of its first request"
+)
+
+
+def derive_tenants(trace: Trace) -> Tenants:
+    """Users and organisations of a trace without ids, by :data:`DERIVED_RULE`."""
+    n = trace.n_requests
+    blocks = trace.blocks.tolist()
+    offs = trace.offsets.tolist()
+    user = np.zeros(n, np.int64)
+    org = np.zeros(n, np.int64)
+    ends: dict[int, int] = {}
+    """A prefix (the id of its last block) that a later request may extend -> its user."""
+    orgs: dict[int, int] = {}
+    org_of_user: list[int] = []
+    for r in range(n):
+        req = blocks[offs[r] : offs[r + 1]]
+        found = -1
+        for k in range(len(req) - 1, 0, -1):  # longest first; at least two blocks
+            u = ends.get(req[k])
+            if u is not None:
+                found = u
+                break
+        if found < 0:
+            found = len(org_of_user)
+            head = req[1] if len(req) > 1 else (req[0] if req else -1)
+            org_of_user.append(orgs.setdefault(head, len(orgs)))
+        user[r] = found
+        org[r] = org_of_user[found]
+        if len(req) >= 2:
+            ends[req[-2]] = found  # all but the (partial) last block
+        if req:
+            ends[req[-1]] = found
+    return Tenants(user, org, DERIVED_RULE)
+
+
+def with_derived_tenants(trace: Trace, level: str) -> Trace:
+    """``trace`` labelled with derived users or organisations (``level``)."""
+    tenants = derive_tenants(trace)
+    if level == "user":
+        ids, prefix = tenants.user, "user"
+    elif level == "organisation":
+        ids, prefix = tenants.org, "org"
+    else:
+        raise InvalidArgument(f"derived tenants: 'user' or 'organisation', got {level!r}")
+    n = int(ids.max()) + 1 if ids.size else 1
+    return replace(
+        trace, tenants=ids.astype(np.int32), tenant_names=tuple(f"{prefix}{i}" for i in range(n))
+    )

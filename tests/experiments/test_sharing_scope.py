@@ -10,11 +10,11 @@ from pathlib import Path
 
 from kvlife.experiments.sharing_scope import (
     IsolatedLRUModel,
-    derive_tenants,
     quota_comparison,
     scope_table,
     synthetic_tenants,
 )
+from kvlife.replay.tenants import derive_tenants
 from kvlife.trace.model import TraceBuilder
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -61,3 +61,25 @@ def test_the_replay_command_takes_tenant_shares(tmp_path: Path) -> None:
     tiers = report["tenant_shares"]
     assert set(tiers) == {"dram"} and len(tiers["dram"]) >= 2
     assert all(set(f) == {"share", "used", "keys", "evicted"} for f in tiers["dram"].values())
+
+
+def test_replay_derives_tenants_for_a_trace_without_them(tmp_path: Path) -> None:
+    """Two conversations (each request extends the last) with two heads: two users, two
+    organisations, and equal shares between them."""
+    lines = []
+    for i in range(6):
+        conv = i % 2
+        head = [0, 10 + conv]
+        body = [100 * (conv + 1) + j for j in range(i // 2 + 1)]
+        lines.append({"timestamp": i, "input_length": 1024, "output_length": 1,
+                      "hash_ids": head + body})  # fmt: skip
+    trace_file = tmp_path / "t.jsonl"
+    trace_file.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "r.json"
+    subprocess.run(
+        [sys.executable, "-m", "kvlife.cli", "replay", "--trace", str(trace_file), "--dram",
+         "50%", "--derive-tenants", "user", "--tenant-shares", "equal", "--json", str(out)],
+        cwd=ROOT, check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    assert set(report["tenant_shares"]["dram"]) == {"user0", "user1"}
