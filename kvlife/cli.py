@@ -357,8 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser(
         "experiment",
-        help="experiments: `kvlife experiment "
-        "identity|lifetime-hints|transforms|crossover|object-size --help`",
+        help="experiments: `kvlife experiment identity|lifetime-hints|transforms|"
+        "crossover|object-size|sharing-scope|isolation --help`",
         add_help=False,
     )
     return parser
@@ -383,6 +383,8 @@ EXPERIMENTS = {
     "transforms": "kvlife.experiments.transforms",
     "crossover": "kvlife.experiments.crossover",
     "object-size": "kvlife.experiments.object_size",
+    "sharing-scope": "kvlife.experiments.sharing_scope",
+    "isolation": "kvlife.experiments.isolation",
 }
 
 

@@ -17,9 +17,11 @@ are.) A tenant without a share has share 0 (the first to go); shared scopes are 
 tenant of their own (``tenant_of`` says which), with their own share.
 
 It plugs in where any policy does (:class:`~kvlife.placement.engine.TierSlot`), so the
-live store and the replay simulator would enforce the same shares; wiring it to a
-store's namespaces and to a trace's tenants is not done yet (docs/server.md, Trust
-boundary). The engine's code is unchanged.
+live store and the replay simulator enforce the same shares: a store built with
+:attr:`~kvlife.store.config.StoreConfig.tenant_shares` (``kvlife serve --tenants FILE``,
+:mod:`kvlife.tenancy.quotas`) keys tenants by an object's namespace, ``kvlife replay
+--shares`` by a trace's tenants. The engine's code is unchanged. Every victim is counted
+against its tenant (:meth:`TenantShares.evicted`).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class TenantShares(EvictionPolicy[K], Generic[K, T]):
         self._used: dict[T, int] = {}
         self._held: dict[K, tuple[T, int]] = {}
         """Each resident key's tenant and units, as charged at its insert."""
+        self._evicted: dict[T, int] = {}
+        """Victims taken from each tenant (keys)."""
 
     # ------------------------------------------------------------------ figures
 
@@ -76,6 +80,26 @@ class TenantShares(EvictionPolicy[K], Generic[K, T]):
 
     def share(self, tenant: T) -> int:
         return self._shares.get(tenant, 0)
+
+    def evicted(self, tenant: T) -> int:
+        """Keys of ``tenant`` this policy gave up as victims."""
+        return self._evicted.get(tenant, 0)
+
+    def figures(self) -> dict[T, dict[str, int]]:
+        """Each tenant seen or with a share: its ``share``, ``used`` units, resident
+        ``keys`` and ``evicted`` victims."""
+        keys: dict[T, int] = {}
+        for tenant, _ in self._held.values():
+            keys[tenant] = keys.get(tenant, 0) + 1
+        out: dict[T, dict[str, int]] = {}
+        for tenant in (*self._shares, *self._parts):
+            out[tenant] = {
+                "share": self._shares.get(tenant, 0),
+                "used": self._used.get(tenant, 0),
+                "keys": keys.get(tenant, 0),
+                "evicted": self._evicted.get(tenant, 0),
+            }
+        return out
 
     # ------------------------------------------------------------------ EvictionPolicy
 
@@ -140,6 +164,7 @@ class TenantShares(EvictionPolicy[K], Generic[K, T]):
             key = got[0]
             _, units = self._held.pop(key)
             self._used[tenant] -= units
+            self._evicted[tenant] = self._evicted.get(tenant, 0) + 1
             victims.append(key)
         return victims
 

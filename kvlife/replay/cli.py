@@ -60,6 +60,7 @@ def _config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         disk_device=args.disk_device,
         kv_bytes_per_token=args.kv_bytes_per_token,
         compute=COMPUTE_PRESETS[args.compute],
+        tenant_shares=getattr(args, "tenant_shares", "") or "",
     )
 
 
@@ -75,6 +76,12 @@ def replay_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-device", default="nvme", choices=DEVICE_KINDS)
     p.add_argument("--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN)
     p.add_argument("--compute", default="gpu-8b", choices=sorted(COMPUTE_PRESETS))
+    p.add_argument("--derive-tenants", default="", choices=("", "user", "organisation"),
+                   help="label requests with tenants derived from the trace's structure "
+                        "(kvlife.replay.tenants.derive_tenants)")  # fmt: skip
+    p.add_argument("--tenant-shares", default="",
+                   help="quotas between the trace's tenants: 'equal' or name=fraction,... "
+                        "of each tier (kvlife.replay.tenants)")  # fmt: skip
     p.add_argument("--json", default=None, help="write the report as JSON")
     p.add_argument("--report", default=None, help="write an HTML report with plots")
     p.add_argument("--events", default=None, help="write lifecycle events (.jsonl or .parquet)")
@@ -110,6 +117,10 @@ def _replay(args: argparse.Namespace) -> int:
     from kvlife.replay.runner import replay, sweep
 
     trace = _load(args)
+    if args.derive_tenants:
+        from kvlife.replay.tenants import with_derived_tenants
+
+        trace = with_derived_tenants(trace, args.derive_tenants)
     cfg = _config(args, trace)
     sink = _sink(args.events)
     with _bar(trace.n_requests, f"replay {cfg.policy}") as bar:

@@ -13,6 +13,7 @@ import numpy as np
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.events import EventSink
+from kvlife.policy.shares import TenantShares
 from kvlife.replay.cache import DISK, DRAM, CacheRun, CacheSim
 from kvlife.replay.engine import ComputeModel, make_device, simulate
 from kvlife.replay.metrics import per_tenant, percentiles, ratio, reuse_distances
@@ -63,6 +64,25 @@ class ReplayConfig:
     """Run the discrete-event timing simulation (off: policy-only)."""
     class_hints: bool = True
     """Pass object classes to class-aware policies."""
+    tenant_shares: str = ""
+    """Quotas between the trace's tenants (``equal`` or ``name=fraction,...``,
+    :mod:`kvlife.replay.tenants`); empty: one budget per tier."""
+
+
+def _quotas(sim: CacheSim, trace: Trace, cfg: ReplayConfig) -> dict[str, TenantShares[object, str]]:
+    """Each tier's TenantShares when the replay has quotas (they replace the tiers'
+    policies before the run)."""
+    if not cfg.tenant_shares:
+        return {}
+    from kvlife.replay.tenants import block_owners, parse_tenant_shares, shares_policy
+
+    fractions = parse_tenant_shares(cfg.tenant_shares, trace)
+    owners = block_owners(trace)
+    out = {
+        tier: shares_policy(cfg.policy, cap, fractions, owners) for tier, cap in sim.caps.items()
+    }
+    sim.policies.update(out)
+    return out
 
 
 def replay(
@@ -84,9 +104,12 @@ def replay(
         track_lifespans=cfg.timing,
         class_hints=cfg.class_hints,
     )
+    quotas = _quotas(sim, trace, cfg)
     run = sim.run(trace, progress)
     t_cache = time.perf_counter() - t0
     report = summarise(trace, cfg, run, block_bytes)
+    if quotas:
+        report["tenant_shares"] = {tier: p.figures() for tier, p in quotas.items()}
     if cfg.timing:
         devices = {}
         if cfg.dram_blocks:

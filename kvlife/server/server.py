@@ -51,6 +51,7 @@ from kvlife.server.session import ServerState, Session
 from kvlife.store.config import GiB, MiB, StoreConfig
 from kvlife.store.facade import KVStore
 from kvlife.tenancy.policy import Tenancy
+from kvlife.tenancy.principals import load_config
 from kvlife.tiers.shm import SHM_DIR, ShmTier
 
 DEFAULT_SOCKET = "serve.sock"
@@ -160,11 +161,14 @@ def open_store(cfg: ServeConfig) -> KVStore:
         replace(spec, transform=cfg.disk_transform) if spec.kind == "disk" else spec
         for spec in base.chain[1:]
     )
+    # quotas: the tenants' shares of each tier, from the principals' configuration
+    shares = load_config(cfg.tenants).shares if cfg.tenants is not None else ()
     config = StoreConfig(
         tiers=(shm, *rest),
         write_through=cfg.write_through,
         promote_on_hit=cfg.promote_on_hit,
         verify_dram_on_load=cfg.verify_dram_on_load,
+        tenant_shares=shares,
     )
     return KVStore(cfg.path, config)
 

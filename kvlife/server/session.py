@@ -368,6 +368,7 @@ class Session:
         out["server"] = {"socket": self.server.socket_path, **self.server.snapshot()}
         if tenancy is not None:
             out["principals"] = tenancy.counters.every()
+            out["shares"] = self.server.store.share_figures()
         return out
 
     def state(self, args: dict[str, Any]) -> object:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from kvlife.core.errors import InvalidArgument
+from kvlife.tenancy.quotas import Shares, by_tier
 from kvlife.tiers.kinds import DiskOptions
 from kvlife.tiers.options import TierOptionError
 from kvlife.tiers.spec import TierSpec
@@ -58,6 +59,12 @@ class StoreConfig:
     segment_parity: tuple[int, int] | None = None
     """``(k, m)``: protect the disk tiers' segment files with m parity files per k at
     each clean close, and rebuild lost ones at open (:mod:`kvlife.store.protection`)."""
+    tenant_shares: Shares = ()
+    """Quotas: ``((tenant, ((tier name, bytes), ...)), ...)``. Each tier named here
+    evicts through :class:`~kvlife.policy.shares.TenantShares` (its ``policy`` within
+    each tenant), an object's tenant decided by its namespace
+    (:func:`kvlife.tenancy.quotas.tenant_of_namespace`). A tier's shares may not add
+    up to more than its capacity (isolation could not hold)."""
     chain: tuple[TierSpec, ...] = field(init=False, default=())
     """The chain in use (``tiers`` or the default built from the budgets)."""
 
@@ -111,6 +118,16 @@ class StoreConfig:
                 )
             if not any(t.kind == "disk" for t in chain):
                 raise InvalidArgument("segment_parity needs a disk tier")
+        caps = {t.name: t.capacity_bytes for t in chain}
+        for tier, tenants in by_tier(self.tenant_shares).items():
+            if tier not in caps:
+                raise InvalidArgument(f"tenant shares name tier {tier!r}; the chain has {names}")
+            if sum(tenants.values()) > caps[tier]:
+                raise InvalidArgument(
+                    f"tenant shares of tier {tier} add up to {sum(tenants.values())} bytes, "
+                    f"more than its capacity {caps[tier]}: one tenant's burst could evict "
+                    "another's objects within its share"
+                )
         if self.write_through and not any(t.kind == "disk" for t in chain):
             raise InvalidArgument("write_through needs a durable tier (a disk tier)")
 

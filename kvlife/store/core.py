@@ -25,11 +25,13 @@ from kvlife.core.lifecycle import Move, ObjectState
 from kvlife.core.objects import ObjectRecord, Replica, ReplicaState, TierName
 from kvlife.index.prefix import ObjectIndex
 from kvlife.placement import Action, Copy, Drop, Evict, Place, Placement, Reject, TierSlot
-from kvlife.policy.base import make_policy
+from kvlife.policy.base import EvictionPolicy, make_policy
+from kvlife.policy.shares import TenantShares
 from kvlife.store.config import StoreConfig
 from kvlife.store.forms import DecodeRates, contract_of, encoded_nbytes, tier_transform
 from kvlife.store.ledger import Ledger
 from kvlife.store.lock import Sequencer
+from kvlife.tenancy.quotas import UNSCOPED, by_tier, tenant_of_namespace
 from kvlife.tiers.base import (
     Durability,
     KeepsEdges,
@@ -38,6 +40,7 @@ from kvlife.tiers.base import (
     SupportsBatchDelete,
     Tier,
 )
+from kvlife.tiers.spec import TierSpec
 from kvlife.transforms.base import Transform, UnknownTransform
 from kvlife.transforms.contract import Accept
 
@@ -191,9 +194,10 @@ class StoreCore:
         self.chain = chain
         self.tiers: dict[TierName, Tier] = {t.name: t for t in chain}
         self.residency = StoreResidency(self.index, self.ledger)
+        shares = by_tier(config.tenant_shares)
         self.placement = Placement(
             [
-                TierSlot(t.name, t.capacity_bytes, make_policy(spec.policy), t.footprint)
+                TierSlot(t.name, t.capacity_bytes, self._policy(spec, shares), t.footprint)
                 for t, spec in zip(chain, config.chain, strict=True)
             ],
             self.residency,
@@ -223,6 +227,37 @@ class StoreCore:
         self.closed = False
         self._bg: ThreadPoolExecutor | None = None
         self._bg_lock = threading.Lock()
+
+    def _policy(self, spec: TierSpec, shares: dict[str, dict[str, int]]) -> EvictionPolicy[object]:
+        """The tier's policy: ``spec.policy``, within each tenant's share if the tier has
+        shares (quotas: :mod:`kvlife.tenancy.quotas`)."""
+        if spec.name not in shares:
+            return make_policy(spec.policy)
+        name = TierName(spec.name)
+        index = self.index
+
+        def tenant_of(key: object) -> str:
+            rec = index.get(key)  # type: ignore[arg-type]
+            return UNSCOPED if rec is None else tenant_of_namespace(rec.info.namespace)
+
+        def size(key: object) -> int:
+            # the units the placement engine charges this tier for the key
+            return self.placement.slot(name).units(self.residency, key)
+
+        policy: TenantShares[object, str] = TenantShares(
+            tenant_of, shares[spec.name], inner=lambda: make_policy(spec.policy), size=size
+        )
+        return policy
+
+    def share_figures(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Quotas: each tier with shares -> tenant -> share, used bytes, resident
+        objects, objects evicted (an admin's view: it names every tenant)."""
+        with self.lock:
+            return {
+                slot.name: {str(t): f for t, f in slot.policy.figures().items()}
+                for slot in self.placement.slots
+                if isinstance(slot.policy, TenantShares)
+            }
 
     def _sizer(self, tier: TierName) -> Callable[[Hashable], int]:
         """Placement's size of a key's replica in a transforming tier: the frame its

@@ -150,6 +150,12 @@ class KVStore(StoreAPI[PendingPut]):
     def info(self) -> StoreInfo:
         return metrics.info(self._core, self._open.lifetime_base)
 
+    def share_figures(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Quotas (:attr:`StoreConfig.tenant_shares`): each tier with shares -> tenant ->
+        its ``share`` and ``used`` bytes, resident ``keys`` and ``evicted`` objects
+        since this open; empty without shares."""
+        return self._core.share_figures()
+
     @property
     def counters(self) -> StoreCounters:
         """Counters since this open."""

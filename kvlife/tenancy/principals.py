@@ -21,6 +21,13 @@ The file::
     admin = false              # an admin writes public and sees the whole store
     token_sha256 = "9f86d0…"   # hex SHA-256 of alice's token (kvlife.tenancy.token_digest)
     token_expires = 1798761600 # Unix seconds; absent: no expiry
+    shares = { dram = 33554432 }  # bytes of each tier (quotas, kvlife.tenancy.quotas)
+
+    [organisation.acme]            # the organisation scope's own shares
+    shares = { dram = 16777216 }
+
+    [public]                       # the public scope's own shares
+    shares = { dram = 16777216 }
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from pathlib import Path
 
 from kvlife.core.errors import InvalidArgument, NotAuthenticated
 from kvlife.tenancy.names import check_name
+from kvlife.tenancy.quotas import PUBLIC_TENANT, Shares, parse_shares
 
 MIN_TOKEN = 16
 MAX_TOKEN = 256
@@ -90,6 +98,8 @@ class TenancyConfig:
     by two would silently name whichever is compared last)."""
 
     principals: tuple[Principal, ...]
+    shares: Shares = ()
+    """Each tenant's bytes per tier (:mod:`kvlife.tenancy.quotas`); empty: no quotas."""
 
     def __post_init__(self) -> None:
         seen: dict[str, str] = {}
@@ -136,18 +146,19 @@ class TenancyConfig:
         return found
 
 
-_KEYS = {"uids", "gids", "organisation", "admin", "token_sha256", "token_expires"}
+_KEYS = {"uids", "gids", "organisation", "admin", "token_sha256", "token_expires", "shares"}
 
 
 def parse_config(data: Mapping[str, object]) -> TenancyConfig:
     """A configuration from its parsed TOML (InvalidArgument naming what is wrong)."""
-    unknown = set(data) - {"principal"}
+    unknown = set(data) - {"principal", "organisation", "public"}
     if unknown:
         raise InvalidArgument(f"tenancy configuration: unknown sections {sorted(unknown)}")
     table = data.get("principal", {})
     if not isinstance(table, dict) or not table:
         raise InvalidArgument("tenancy configuration: no [principal.NAME] tables")
     out = []
+    shares: list[tuple[str, tuple[tuple[str, int], ...]]] = []
     for name, spec in table.items():
         if not isinstance(spec, dict):
             raise InvalidArgument(f"tenancy configuration: principal.{name} must be a table")
@@ -155,7 +166,25 @@ def parse_config(data: Mapping[str, object]) -> TenancyConfig:
         if extra:
             raise InvalidArgument(f"principal {name}: unknown keys {sorted(extra)}")
         out.append(_principal(name, spec))
-    return TenancyConfig(tuple(out))
+        if "shares" in spec:
+            shares.append((f"user:{name}", parse_shares(f"principal {name}", spec["shares"])))
+    orgs = data.get("organisation", {})
+    if not isinstance(orgs, dict):
+        raise InvalidArgument("tenancy configuration: organisation must hold [organisation.NAME]")
+    for name, spec in orgs.items():
+        check_name("organisation", name)
+        if not isinstance(spec, dict) or set(spec) - {"shares"}:
+            raise InvalidArgument(f"organisation {name}: only a shares table is known")
+        if "shares" in spec:
+            shares.append(
+                (f"organisation:{name}", parse_shares(f"organisation {name}", spec["shares"]))
+            )
+    public = data.get("public", {})
+    if not isinstance(public, dict) or set(public) - {"shares"}:
+        raise InvalidArgument("tenancy configuration: [public] holds only a shares table")
+    if "shares" in public:
+        shares.append((PUBLIC_TENANT, parse_shares("public", public["shares"])))
+    return TenancyConfig(tuple(out), tuple(shares))
 
 
 def _principal(name: str, spec: dict[str, object]) -> Principal:

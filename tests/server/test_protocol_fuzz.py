@@ -187,9 +187,26 @@ def _mutate(data: st.DataObject, verb: str) -> dict[str, Any]:
     return args
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+HANDLER_FUZZ = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+
+
+@settings(max_examples=100, **HANDLER_FUZZ)  # type: ignore[arg-type]
 @given(st.data())
 def test_handlers_raise_only_typed_errors(state: ServerState, data: st.DataObject) -> None:
+    fuzz_handlers(state, data)
+
+
+@pytest.mark.slow
+@settings(max_examples=1000, **HANDLER_FUZZ)  # type: ignore[arg-type]
+@given(st.data())
+def test_handlers_raise_only_typed_errors_long(state: ServerState, data: st.DataObject) -> None:
+    fuzz_handlers(state, data)
+
+
+def fuzz_handlers(state: ServerState, data: st.DataObject) -> None:
+    """Random verbs with random (often invalid) arguments on one session: every refusal
+    is a typed KVLifeError, nothing is left held, a kept prompt loads its own bytes or
+    misses, and the store still works."""
     ident = tiny_identity()
     keep = Namespace(NamespaceKind.ORGANISATION, "keep")  # no mutation invalidates it
     tokens, kv = prompt_kv(1, 2 * TINY.tokens_per_chunk)
