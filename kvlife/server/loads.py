@@ -116,13 +116,7 @@ class Loads:
 
     def load(self, args: dict[str, Any]) -> object:
         ctx = self.ctx
-        keys = protocol.split_keys(args["keys"])
-        starts = args["starts"]
-        if len(starts) != len(keys):
-            raise ProtocolError(f"{len(starts)} starts for {len(keys)} keys")
-        if len(keys) > args["chunks_total"]:
-            raise ProtocolError(f"{len(keys)} hits of a prompt of {args['chunks_total']} chunks")
-        ctx.chunks(len(keys))
+        keys, _ = load_keys(ctx, args)
         layout = protocol.decode_layout(args["layout"]) if "layout" in args else None
         if layout is not None:
             ctx.fits(layout)
@@ -339,3 +333,16 @@ class Loads:
             "vanished": res.vanished,
             "read_errors": res.read_errors,
         }
+
+
+def load_keys(ctx: SessionContext, args: dict[str, Any]) -> tuple[list[ChunkKey], list[int]]:
+    """A load request's keys and starts, checked against each other and the prompt's
+    size, and charged to the session's per-request chunk bound."""
+    keys = protocol.split_keys(args["keys"])
+    starts = args["starts"]
+    if len(starts) != len(keys):
+        raise ProtocolError(f"{len(starts)} starts for {len(keys)} keys")
+    if len(keys) > args["chunks_total"]:
+        raise ProtocolError(f"{len(keys)} hits of a prompt of {args['chunks_total']} chunks")
+    ctx.chunks(len(keys))
+    return keys, starts

@@ -199,28 +199,7 @@ class Puts:
         self.ctx.give({"puts": 1, "put_bytes": put.charge})
 
     def _prepare(self, p: PromptRef, chunks: list[np.ndarray], args: dict[str, Any]) -> PendingPut:
-        ctx = self.ctx
-        store = ctx.store
-        pending = store.prepare_put(
-            p.identity,
-            p.namespace,
-            p.tokens,
-            chunks,
-            start=p.start,
-            parent=p.parent,
-            extra_keys=p.extra_keys,
-            request_id=args.get("request_id", ""),
-        )
-        if args.get("chained"):
-            # a later piece of one put_prompt: if an invalidation took the piece before
-            # it (its parent) since that piece was stored, this one stores nothing either
-            # (its KV was computed before; an invalidation covers the whole put). After
-            # the prepare: an invalidation from here on covers these TENTATIVE chunks
-            # (chained after a parent still indexed), one before took the parent
-            # (a parent the principal may not read counts as gone: whether another
-            # tenant's chunk is live is not told by this put's result)
-            store.continue_put(pending, ctx.visible(p.parent))
-        return pending
+        return prepare_piece(self.ctx, p, chunks, args)
 
     # ------------------------------------------------------------------ staged
 
@@ -366,3 +345,31 @@ class Puts:
         short = len(staged.ids) - len(kept) - len(staged.refill)  # the arena was full
         out["staged"] = kept + staged.refill + self._stage(staged.layout, max(0, short))
         return out
+
+
+def prepare_piece(
+    ctx: SessionContext, p: PromptRef, chunks: list[np.ndarray], args: dict[str, Any]
+) -> PendingPut:
+    """The store's prepare of a put (or of one piece of a put in pieces, ``chained``) of
+    ``chunks`` for ``p``: what every put protocol of a session, staged or inline, does."""
+    store = ctx.store
+    pending = store.prepare_put(
+        p.identity,
+        p.namespace,
+        p.tokens,
+        chunks,
+        start=p.start,
+        parent=p.parent,
+        extra_keys=p.extra_keys,
+        request_id=args.get("request_id", ""),
+    )
+    if args.get("chained"):
+        # a later piece of one put_prompt: if an invalidation took the piece before
+        # it (its parent) since that piece was stored, this one stores nothing either
+        # (its KV was computed before; an invalidation covers the whole put). After
+        # the prepare: an invalidation from here on covers these TENTATIVE chunks
+        # (chained after a parent still indexed), one before took the parent
+        # (a parent the principal may not read counts as gone: whether another
+        # tenant's chunk is live is not told by this put's result)
+        store.continue_put(pending, ctx.visible(p.parent))
+    return pending

@@ -22,6 +22,8 @@ from kvlife.results import ChunkHit, LookupResult
 from kvlife.server import protocol
 from kvlife.server.context import SessionContext
 from kvlife.server.limits import page_charge
+from kvlife.server.loads import load_keys
+from kvlife.server.puts import prepare_piece
 from kvlife.transforms.contract import Accept
 
 INLINE_BYTES = protocol.MAX_MESSAGE // 2
@@ -69,18 +71,7 @@ class Copies:
         ctx.take(charge, f"session {ctx.sid}'s put of {nchunks} chunks")
         try:
             store = ctx.store
-            pending = store.prepare_put(
-                p.identity,
-                p.namespace,
-                p.tokens,
-                chunks,
-                start=p.start,
-                parent=p.parent,
-                extra_keys=p.extra_keys,
-                request_id=args.get("request_id", ""),
-            )
-            if args.get("chained"):  # as for a piece of a staged put (kvlife.server.puts)
-                store.continue_put(pending, ctx.visible(p.parent))
+            pending = prepare_piece(ctx, p, chunks, args)
             # the tier copies each chunk into the replica's home arena (not adopted:
             # these arrays are no arena's)
             return protocol.encode_put_result(store.commit_put(pending))
@@ -91,13 +82,7 @@ class Copies:
         """The hits' bytes in the reply (keys the principal may not read were withheld
         by the session before this: they load as keys not stored)."""
         ctx = self.ctx
-        keys = protocol.split_keys(args["keys"])
-        starts = args["starts"]
-        if len(starts) != len(keys):
-            raise ProtocolError(f"{len(starts)} starts for {len(keys)} keys")
-        if len(keys) > args["chunks_total"]:
-            raise ProtocolError(f"{len(keys)} hits of a prompt of {args['chunks_total']} chunks")
-        ctx.chunks(len(keys))
+        keys, starts = load_keys(ctx, args)
         layout = protocol.decode_layout(args["layout"]) if "layout" in args else None
         per = max(1, INLINE_BYTES // layout.chunk_nbytes) if layout is not None else 1
         nkeys = len(keys)
