@@ -66,16 +66,8 @@ def load_inline(
         for dtype, shape, data in r["inline"]:
             i = len(arrays)
             src = np.frombuffer(data, np.dtype(dtype)).reshape(shape)
-            if outs is not None:
-                out = outs[i]
-                if out.shape != src.shape or out.dtype != src.dtype:
-                    raise InvalidArgument(
-                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
-                        f"{src.dtype}{list(src.shape)}"
-                    )
-                np.copyto(out, src)
-            else:
-                out = src  # a read-only view of the reply's bytes
+            # without an output buffer: a read-only view of the reply's bytes
+            out = copy_into(outs[i], src) if outs is not None else src
             arrays.append(out)
             if on_chunk is not None:
                 on_chunk(i, out)
@@ -95,3 +87,15 @@ def load_inline(
         vanished=vanished,
         read_errors=read_errors,
     )
+
+
+def copy_into(out: np.ndarray, src: np.ndarray) -> np.ndarray:
+    """``src`` copied into the caller's output buffer ``out`` (returned), which must have
+    the replica's shape and dtype (InvalidArgument, naming both, if not)."""
+    if out.shape != src.shape or out.dtype != src.dtype:
+        raise InvalidArgument(
+            f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
+            f"{src.dtype}{list(src.shape)}"
+        )
+    np.copyto(out, src)
+    return out

@@ -44,7 +44,6 @@ from kvlife.client.connection import Connection
 from kvlife.client.handles import RemoteLoadHandle, RemoteLookup
 from kvlife.client.wire import Wire
 from kvlife.core import errors
-from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import KEY_BYTES, ChunkKey, KVLayout
 from kvlife.core.objects import PromptRef, TierName
 from kvlife.core.payload import numpy_dtype
@@ -150,13 +149,7 @@ class Loads:
         def take(conn: Connection, i: int, off: int, dtype: str, shape: Sequence[int]) -> None:
             src = view(conn, off, dtype, shape)
             if outs is not None:
-                out = outs[i]
-                if out.shape != src.shape or out.dtype != src.dtype:
-                    raise InvalidArgument(
-                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
-                        f"{src.dtype}{list(src.shape)}"
-                    )
-                np.copyto(out, src)
+                out = copies.copy_into(outs[i], src)
             else:
                 out = np.empty(src.shape, src.dtype)
                 np.copyto(out, src)
