@@ -38,11 +38,14 @@ conversations, and a few documents that users of every organisation quote.
 **Quotas beside LMCache's IsolatedLRU** (:func:`quota_comparison`): tenants with a steady
 working set, one of which bursts with unique prompts; the same budgets (capacity over
 tenants) under plain LRU (one budget), kvlife's :class:`~kvlife.policy.shares.TenantShares`
-and a **re-implementation** of LMCache 0.5.6's ``IsolatedLRUEvictionPolicy`` with its
-``QuotaManager`` and L2 eviction controller (:class:`IsolatedLRUModel`: LMCache's own
-classes import torch, which the machine has no wheel of, so the semantics are reproduced
-from its source, cited there). Reported: each tenant's hit ratio, and the worst other
-tenant's hit ratio during the burst.
+LMCache 0.5.6's own ``IsolatedLRUEvictionPolicy``, ``QuotaManager`` and L2 eviction
+controller, run in LMCache's interpreter (:func:`lmcache_quota_hits`, arm
+``lmcache-isolated-lru``; skipped with a note on how to install it when no LMCache
+interpreter is found), and a **re-implementation** of those semantics
+(:class:`IsolatedLRUModel`, cited from LMCache's source; it gives the same hits per
+request as LMCache's code on this workload, tests/experiments/test_lmcache_quota.py).
+Reported: each tenant's hit ratio, and the worst other tenant's hit ratio during the
+burst.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
@@ -373,6 +379,74 @@ class IsolatedLRUModel:
                 self.evicted[salt] = self.evicted.get(salt, 0) + 1
 
 
+LMCACHE_INSTALL = (
+    "python3 -m venv VENV && VENV/bin/pip install torch==2.13.0 lmcache==0.5.6, then "
+    "KVLIFE_LMCACHE_PYTHON=VENV/bin/python (docs/tenants.md)"
+)
+RUNNER = Path(__file__).resolve().parents[1] / "bench" / "lmcache_quota_runner.py"
+
+
+def lmcache_python() -> str | None:
+    """The interpreter that has LMCache (it pins torch, so it lives in a virtualenv of its
+    own): :func:`kvlife.bench.peer_lmcache_mp.find_peer_python`'s answer
+    (``$KVLIFE_LMCACHE_PYTHON``, else ``peer-venv/bin/python`` beside the checkout), or
+    None."""
+    from kvlife.bench.peer_lmcache_mp import find_peer_python
+
+    found = find_peer_python()
+    return None if found is None else str(found)
+
+
+def lmcache_quota_hits(
+    trace: Trace,
+    capacity: int,
+    quotas: dict[str, int],
+    watermark: float = 0.8,
+    ratio: float = 0.2,
+) -> tuple[dict[str, Any] | None, str]:
+    """Each request's prefix hits under LMCache's own ``IsolatedLRUEvictionPolicy``,
+    ``QuotaManager`` and L2 eviction controller (:mod:`kvlife.bench.lmcache_quota_runner`,
+    run by the LMCache interpreter as a script: kvlife is not imported there), the cache
+    salt being the tenant's name; or None and why not."""
+    python = lmcache_python()
+    if python is None:
+        return None, f"LMCache not run: no LMCache interpreter found ({LMCACHE_INSTALL})"
+    blocks, offs = trace.blocks.tolist(), trace.offsets.tolist()
+    names = trace.tenant_names
+    ten = trace.tenants.tolist()
+    spec = {
+        "requests": [
+            [names[ten[r]], blocks[offs[r] : offs[r + 1]]] for r in range(trace.n_requests)
+        ],
+        "capacity_blocks": capacity,
+        "quotas": quotas,
+        "trigger_watermark": watermark,
+        "eviction_ratio": ratio,
+    }
+    # kvlife is kept off the peer's path: the runner imports LMCache only.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with tempfile.TemporaryDirectory(prefix="kvlife-lmcache-quota-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec), encoding="utf-8")
+        try:
+            proc = subprocess.run(
+                [python, str(RUNNER), str(spec_path), str(out_path)],
+                env=env,
+                cwd=tmp,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return None, f"LMCache runner ({python}) did not run: {e}"
+        if proc.returncode != 0:
+            return None, f"LMCache runner failed: {proc.stderr.strip()[-2000:]}"
+        result: dict[str, Any] = json.loads(out_path.read_text(encoding="utf-8"))
+    if len(result["prefix_hits"]) != trace.n_requests:
+        return None, "LMCache runner answered a different number of requests"
+    return result, ""
+
+
 def burst_workload(
     seed: int = 0, tenants: int = 4, working_set: int = 40, requests: int = 1200
 ) -> tuple[Trace, int, int]:
@@ -414,7 +488,10 @@ def quota_comparison(seed: int = 0, tenants: int = 4) -> dict[str, Any]:
         "capacity_blocks": capacity,
         "budget_blocks": budget,
         "burst_requests": [start, end],
-        "note": "IsolatedLRU is a re-implementation of LMCache 0.5.6's semantics, not LMCache",
+        "note": (
+            "lmcache-isolated-lru (re-implementation): LMCache 0.5.6's semantics re-written "
+            "here; lmcache-isolated-lru: LMCache's own classes, in its interpreter"
+        ),
     }
     owners = _owners(trace)
     tnames = trace.tenant_names
@@ -438,6 +515,12 @@ def quota_comparison(seed: int = 0, tenants: int = 4) -> dict[str, Any]:
         [model.request(ten[r], blocks[offs[r] : offs[r + 1]]) for r in range(trace.n_requests)],
         np.int64,
     )
+    real, why = lmcache_quota_hits(trace, capacity, {name: budget for name in tnames})
+    if real is None:
+        out["lmcache_note"] = why
+    else:
+        arms["lmcache-isolated-lru"] = np.array(real["prefix_hits"], np.int64)
+        out["lmcache_version"] = real["lmcache_version"]
     lens = np.diff(trace.offsets)
     window = np.zeros(trace.n_requests, bool)
     window[start:end] = True
@@ -526,6 +609,8 @@ def format_report(result: dict[str, Any]) -> str:
         if isinstance(v, dict) and "tenants" in v:
             worst = v["worst_other_tenant_during_burst"]
             lines.append(f"  {arm:>42}: worst other tenant during the burst {worst:.3f}")
+    if "lmcache_note" in q:
+        lines.append(f"  {q['lmcache_note']}")
     return "\n".join(lines)
 
 
