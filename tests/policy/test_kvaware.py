@@ -1,5 +1,5 @@
-"""The KV-aware policies (prefix tree, admission, learned hit density): the eviction
-contract, evict_up_to as evict(1) n times, the prefix-tree invariant as a hypothesis
+"""The KV-aware policies (prefix tree, admission, learned hit density): a protected
+leaf keeps its prefix, evict_up_to as evict(1) n times, the prefix-tree invariant as a hypothesis
 property, each admission filter's and the density ranking's behaviour, and the same hits
 in a real KVStore as in the replay simulator."""
 
@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlife.policy.kvhd as kvhd_mod
-from kvlife.core.errors import InvalidArgument
 from kvlife.policy.base import EvictionPolicy, LearnsFromPrompts, make_policy, policy_names
 from kvlife.policy.kvhd import HitDensityPolicy
 from kvlife.policy.prefixtree import PrefixTreeAdmitPolicy, PrefixTreePolicy
@@ -33,33 +32,11 @@ def test_registered_and_marked() -> None:
         assert p.name == name and isinstance(p, LearnsFromPrompts)
 
 
+# the eviction contract of every policy, these included: tests/policy/test_policies.py
+
+
 @pytest.mark.parametrize("name", KV)
-class TestContract:
-    def test_insert_touch_remove_len(self, name: str) -> None:
-        p: EvictionPolicy[object] = make_policy(name)
-        for k in range(5):
-            p.insert(k)
-        p.insert(2)
-        p.touch(99)
-        assert len(p) == 5 and 3 in p and 99 not in p
-        p.remove(3)
-        p.remove(42)
-        assert len(p) == 4 and 3 not in p
-
-    def test_evict_is_atomic_and_skips_protected(self, name: str) -> None:
-        p: EvictionPolicy[object] = make_policy(name)
-        for k in range(4):
-            p.insert(k)
-        assert p.evict(4, protected={0}) is None
-        assert len(p) == 4
-        got = p.evict(3, protected={0})
-        assert got is not None and sorted(got) == [1, 2, 3]  # type: ignore[type-var]
-        assert p.evict(0) == [] and len(p) == 1
-        with pytest.raises(InvalidArgument):
-            p.evict(-1)
-        with pytest.raises(InvalidArgument):
-            p.evict_up_to(-1)
-
+class TestPrefixContract:
     def test_a_protected_leaf_keeps_its_ancestors(self, name: str) -> None:
         p: EvictionPolicy[object] = make_policy(name)
         p.record_in_order(["a", "b", "c"], {"a", "b", "c"})

@@ -24,6 +24,10 @@ from kvlife.policy.lru import LRUPolicy
 from kvlife.policy.s3fifo import S3FIFOPolicy
 
 ALL = list(BUILTIN_POLICIES)
+KV_AWARE = ["prefixtree", "prefixtree-admit", "prefixtree-door", "kvhd"]
+"""The KV-aware policies (tests/policy/test_kvaware.py): the same contract, not in
+BUILTIN_POLICIES because they learn from whole prompts (batch calls are not the calls
+one by one)."""
 
 
 def test_registry_knows_every_builtin_and_refuses_duplicates() -> None:
@@ -36,7 +40,7 @@ def test_registry_knows_every_builtin_and_refuses_duplicates() -> None:
         make_policy("belady")
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", ALL + KV_AWARE)
 class TestContract:
     def test_insert_touch_remove_len(self, name: str) -> None:
         p: EvictionPolicy[object] = make_policy(name)
@@ -61,6 +65,8 @@ class TestContract:
         assert p.evict(0) == []
         with pytest.raises(InvalidArgument):
             p.evict(-1)
+        with pytest.raises(InvalidArgument):
+            p.evict_up_to(-1)
 
 
 def test_lru_scenario() -> None:
