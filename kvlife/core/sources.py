@@ -64,3 +64,27 @@ class Source:
 
     def __str__(self) -> str:
         return f"{self.name}@{self.version}"
+
+
+@dataclass(frozen=True, slots=True)
+class SourceSpan:
+    """The tokens ``[start, end)`` of one prompt that came from ``source``.
+
+    A prompt declares its spans in order; a chunk ending at token ``e`` depends on every
+    span that starts before ``e`` (attention reads every earlier token)."""
+
+    source: Source
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, Source):
+            raise InvalidArgument(f"a span's source must be a Source, got {self.source!r}")
+        for name in ("start", "end"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(f"span of {self.source}: {name} must be an int >= 0")
+        if self.end <= self.start:
+            raise InvalidArgument(
+                f"span of {self.source}: end {self.end} must be after start {self.start}"
+            )
