@@ -74,6 +74,26 @@ class NullSink(EventSink):
         return None
 
 
+class FanOutSink(EventSink):
+    """Sends every event to each of several sinks, in order (a server's recent-events
+    ring, its log lines, a KV-events publisher)."""
+
+    def __init__(self, *sinks: EventSink) -> None:
+        self.sinks = sinks
+
+    def emit(self, event: LifecycleEvent) -> None:
+        for sink in self.sinks:
+            sink.emit(event)
+
+    def flush(self) -> None:
+        for sink in self.sinks:
+            sink.flush()
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
 class MemorySink(EventSink):
     """Keeps events in memory until the caller drains them with :meth:`take`."""
 
