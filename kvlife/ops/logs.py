@@ -91,16 +91,25 @@ class JsonFormatter(logging.Formatter):
 
 
 class Logging:
-    """The handler :func:`configure` installed; :meth:`close` writes what is queued and
-    removes it."""
+    """The handler :func:`configure` installed; :meth:`close` writes what is queued,
+    removes it and gives the ``kvlife`` logger back its level and propagation."""
 
-    def __init__(self, handler: logging.Handler, listener: logging.handlers.QueueListener):
+    def __init__(
+        self,
+        handler: logging.Handler,
+        listener: logging.handlers.QueueListener,
+        before: tuple[int, bool],
+    ) -> None:
         self._handler = handler
         self._listener = listener
+        self._before = before
 
     def close(self) -> None:
         self._listener.stop()  # writes every queued record first
-        logging.getLogger(LOGGER).removeHandler(self._handler)
+        logger = logging.getLogger(LOGGER)
+        logger.removeHandler(self._handler)
+        logger.setLevel(self._before[0])
+        logger.propagate = self._before[1]
 
 
 def configure(stream: TextIO, *, json_lines: bool = False) -> Logging:
@@ -113,11 +122,12 @@ def configure(stream: TextIO, *, json_lines: bool = False) -> Logging:
     listener = logging.handlers.QueueListener(q, out)
     handler = _RecordQueue(q)
     logger = logging.getLogger(LOGGER)
+    before = (logger.level, logger.propagate)
     logger.setLevel(logging.INFO)
     logger.propagate = False
     logger.addHandler(handler)
     listener.start()
-    return Logging(handler, listener)
+    return Logging(handler, listener, before)
 
 
 class _RecordQueue(logging.handlers.QueueHandler):

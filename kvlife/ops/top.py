@@ -13,6 +13,7 @@ two frames: the first shows ``-``. ``--once`` prints one frame and exits.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -164,16 +165,17 @@ class TopView:
 
 def run_top(socket: str, *, interval: float = 1.0, once: bool = False) -> int:
     """Draw the server on ``socket`` every ``interval`` seconds until interrupted (or one
-    frame with ``once``); 1 if the server cannot be reached or goes away."""
+    frame with ``once``); 1 if the server cannot be reached or goes away (said on
+    stderr)."""
     console = Console()
-    store = RemoteStore(socket, timeout=10)
+    try:
+        store = RemoteStore(socket, timeout=10)
+        stats = store.server_stats()
+    except StoreUnavailable as exc:
+        print(f"kvlife top: no server on {socket}: {exc}", file=sys.stderr)
+        return 1
     view = TopView(socket)
     try:
-        try:
-            stats = store.server_stats(view.since)
-        except StoreUnavailable as exc:
-            console.print(f"kvlife top: no server on {socket}: {exc}")
-            return 1
         if once:
             console.print(view.frame(stats))
             return 0
@@ -184,7 +186,7 @@ def run_top(socket: str, *, interval: float = 1.0, once: bool = False) -> int:
                     stats = store.server_stats(view.since)
                 except StoreUnavailable as exc:
                     live.stop()
-                    console.print(f"kvlife top: the server on {socket} went away: {exc}")
+                    print(f"kvlife top: the server on {socket} went away: {exc}", file=sys.stderr)
                     return 1
                 live.update(view.frame(stats), refresh=True)
     except KeyboardInterrupt:

@@ -1,0 +1,81 @@
+"""Structured logs of a real ``kvlife serve``: one line per lifecycle-significant event,
+human text by default, one JSON object per line with ``--log-json``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from kvlife.core.events import LifecycleEvent
+from kvlife.core.identity import PUBLIC, Namespace, NamespaceKind
+from kvlife.faults.damage import flip, scan_frames
+from kvlife.ops.logs import LogSink, configure
+from tests.conftest import TINY, prompt_kv, tiny_identity
+from tests.server.conftest import ServerProc, wait_for
+
+N = TINY.tokens_per_chunk
+
+
+def _lines(srv: ServerProc) -> list[dict[str, object]]:
+    return [json.loads(line) for line in srv.log.read_text().splitlines()]
+
+
+def test_a_corruption_caught_is_one_json_line(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    ident = tiny_identity()
+    tokens, kv = prompt_kv(6, 3 * N)
+    first = ServerProc(path, extra=("--write-through",)).start()
+    try:
+        store = first.client()
+        keys = store.put_prompt(ident, PUBLIC, tokens, kv).keys
+        store.close()
+    finally:
+        assert first.stop() == 0
+    frame = next(f for f in scan_frames(path) if f.key == keys[1])
+    flip(frame.segment, frame.payload_offset + 37, 5)
+    first.log.unlink()
+    srv = ServerProc(path, extra=("--log-json",)).start()
+    try:
+        wait_for(lambda: any(e["event"] == "start" for e in _lines(srv)), 30, "the start line")
+        store = srv.client()
+        try:
+            assert store.load(store.lookup(ident, PUBLIC, tokens)).corrupt == [keys[1]]
+        finally:
+            store.close()
+        wait_for(lambda: any(e["event"] == "corrupt" for e in _lines(srv)), 30, "the line")
+    finally:
+        assert srv.stop() == 0
+    lines = _lines(srv)  # every line is JSON (json.loads raised otherwise)
+    assert [e["event"] for e in lines] == ["recovery", "start", "corrupt", "stop"]
+    (line,) = [e for e in lines if e["event"] == "corrupt"]
+    assert line["logger"] == "kvlife.store" and line["level"] == "warning"
+    assert line["key"] == keys[1].hex()
+    assert line["namespace"] == "public"
+    assert line["state"] == "invalidated"
+    assert "checksum" in str(line["reason"]) or "corrupt" in str(line["reason"])
+    assert isinstance(line["seq"], int) and str(line["time"]).endswith("Z")
+    start = next(e for e in lines if e["event"] == "start")
+    assert start["logger"] == "kvlife.serve" and start["pid"] == srv.pid
+    assert next(e for e in lines if e["event"] == "recovery")["recovered"] == 3
+
+
+def test_text_lines_by_default_and_tenant_names_withheld(tmp_path: Path) -> None:
+    """The sink on a server with principals logs a tenant's namespace as ``tenants``;
+    the human line keeps the server's old shape (``... kvlife store: corrupt key=...``)."""
+    out = tmp_path / "log"
+    with out.open("w") as fh:
+        logs = configure(fh)
+        try:
+            sink = LogSink(tenants=True)
+            ns = str(Namespace(NamespaceKind.ORGANISATION, "acme"))
+            for kind in ("put", "corrupt", "index"):
+                sink.emit(LifecycleEvent(1.0, 7, kind, "ab" * 32, "invalidated", namespace=ns))
+            logging.getLogger("kvlife.serve").info("plain words")
+        finally:
+            logs.close()
+    lines = out.read_text().splitlines()
+    assert len(lines) == 2
+    assert " kvlife store: corrupt key=" + "ab" * 32 in lines[0]
+    assert "namespace=tenants" in lines[0] and "acme" not in lines[0]
+    assert lines[1].endswith("kvlife serve: plain words")
