@@ -78,9 +78,19 @@ class Latency:
         return {"counts": counts, "sum": total, "count": sum(counts)}
 
 
+RECENT_KINDS = frozenset(
+    {"offload", "evict", "invalidate", "corrupt", "abort", "refuse", "transform"}
+)
+"""The moves the ring keeps: what changes where KV lives or whether it is served
+(demotions and promotions, evictions, invalidations, corruption, aborted puts, refused
+replicas), not the per-chunk steps of every put and load (put, write, seal, commit,
+index, load, delete), which would cost every request an event and flood the view, nor
+the recovery of every object at open (the server logs one line for it)."""
+
+
 class RecentEvents(EventSink):
-    """The last ``size`` lifecycle events of the store (a ring; the ledger calls
-    :meth:`emit` under its lock, so it only appends)."""
+    """The last ``size`` lifecycle events of the store of :data:`RECENT_KINDS` (a ring;
+    the ledger calls :meth:`emit` under its lock, so it only appends)."""
 
     def __init__(self, size: int = 256) -> None:
         self._ring: deque[LifecycleEvent] = deque(maxlen=size)
@@ -89,6 +99,9 @@ class RecentEvents(EventSink):
     def emit(self, event: LifecycleEvent) -> None:
         with self._lock:
             self._ring.append(event)
+
+    def kinds(self) -> frozenset[str]:
+        return RECENT_KINDS
 
     def after(self, seq: int, limit: int) -> list[LifecycleEvent]:
         """The last ``limit`` events whose sequence number is above ``seq``, oldest first."""

@@ -158,6 +158,9 @@ class LogSink(EventSink):
         self.tenants = tenants
         self.log = logging.getLogger(logger)
 
+    def kinds(self) -> frozenset[str]:
+        return frozenset({"corrupt", "invalidate"})
+
     def emit(self, event: LifecycleEvent) -> None:
         if event.kind == "corrupt":
             name = "corrupt"

@@ -7,10 +7,11 @@ import json
 import logging
 from pathlib import Path
 
-from kvlife.core.events import LifecycleEvent
+from kvlife.core.events import FanOutSink, LifecycleEvent, MemorySink
 from kvlife.core.identity import PUBLIC, Namespace, NamespaceKind
 from kvlife.faults.damage import flip, scan_frames
 from kvlife.ops.logs import LogSink, configure
+from kvlife.store import KVStore
 from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.server.conftest import ServerProc, wait_for
 
@@ -79,3 +80,28 @@ def test_text_lines_by_default_and_tenant_names_withheld(tmp_path: Path) -> None
     assert " kvlife store: corrupt key=" + "ab" * 32 in lines[0]
     assert "namespace=tenants" in lines[0] and "acme" not in lines[0]
     assert lines[1].endswith("kvlife serve: plain words")
+
+
+class _Evictions(MemorySink):
+    def kinds(self) -> frozenset[str]:
+        return frozenset({"evict"})
+
+
+def test_a_sink_is_sent_only_the_moves_it_wants(tmp_path: Path) -> None:
+    """The store builds no event for a move its sink does not want (the server's sinks
+    want rare moves only, so puts and loads pay nothing for them)."""
+    sink = _Evictions()
+    every = MemorySink()
+    tokens, kv = prompt_kv(8, 2 * N)
+    for path, s in ((tmp_path / "a", sink), (tmp_path / "b", every)):
+        with KVStore.open(path, dram_bytes=1 << 20, disk_bytes=8 << 20, sink=s) as store:
+            store.put_prompt(tiny_identity(), PUBLIC, tokens, kv)
+            store.load(store.lookup(tiny_identity(), PUBLIC, tokens))
+            store.evict("dram", 1 << 30)
+    got = sink.take()
+    assert [e.kind for e in got] == ["evict", "evict"]
+    assert [e.seq for e in got] == [1, 2]
+    assert {e.kind for e in every.take()} >= {"put", "index", "load", "offload", "evict"}
+    fan = FanOutSink(_Evictions(), LogSink())
+    assert fan.kinds() == {"evict", "corrupt", "invalidate"}
+    assert FanOutSink(_Evictions(), MemorySink()).kinds() is None

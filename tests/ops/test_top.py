@@ -102,7 +102,10 @@ def test_top_shows_a_live_store_in_a_terminal(server: ServerProc) -> None:
             assert "hit ratio 75.0%" in screen and "chunks hit 3" in screen, screen
             # the tier row: name, used, budget, use, served 3, missed 1
             assert re.search(r"dram\s*│(?:[^│]*│){3}\s*3\s*│\s*1\s*│", screen), screen
-            assert re.search(r"\bindex\b", screen), screen  # a recent event: chunks indexed
+            assert store.evict("dram", 1 << 30) > 0  # demoted to disk, evicted from DRAM
+            wait_for(lambda: shows("loads", 1) and " evict " in box[0], 30, f"events: {box}")
+            screen = box[0]
+            assert re.search(r"offload\s*│\s*indexed\s*│\s*dram -> disk", screen), screen
             more, mkv = prompt_kv(3, 2 * N)
             store.put_prompt(ident, PUBLIC, more, mkv)
             wait_for(lambda: shows("chunks stored", 5), 30, f"the figures change: {box}")
@@ -154,9 +157,11 @@ def state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerState]:
     store = open_store(cfg, live.events)
     shm = store.tier("dram")
     assert isinstance(shm, ShmTier)
-    for seed in range(4):
+    for seed in range(4):  # events in the ring: demotions and evictions
         tokens, kv = prompt_kv(seed, 2 * N)
         store.put_prompt(tiny_identity(), PUBLIC, tokens, kv)
+        store.evict("dram", 1 << 30)
+    assert len(live.events.after(0, 64)) >= 16
     yield ServerState(store, shm, "none", live=live)
     store.close()
 
