@@ -326,10 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics",
+        nargs="?",
+        const="127.0.0.1:0",
         default=None,
         metavar="HOST:PORT",
         help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST defaults to "
-        "127.0.0.1; port 0 picks a free one, named in the start line; docs/operations.md)",
+        "127.0.0.1; port 0, or no value, picks a free one, named in the start line; "
+        "docs/operations.md)",
     )
     p.add_argument(
         "--log-json", action="store_true", help="log one JSON object per line (default: text)"

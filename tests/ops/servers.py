@@ -12,10 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.server.conftest import ServerProc, wait_for
 
 
-def metrics_server(path: Path, *extra: str) -> tuple[ServerProc, str]:
-    """A started ``kvlife serve PATH --metrics 127.0.0.1:0 ...`` and the URL its start
-    line names."""
-    srv = ServerProc(path, extra=("--metrics", "127.0.0.1:0", *extra)).start()
+def metrics_server(path: Path, *extra: str, bare: bool = False) -> tuple[ServerProc, str]:
+    """A started ``kvlife serve PATH --metrics 127.0.0.1:0 ...`` (``bare``: ``--metrics``
+    with no value, the same) and the URL its start line names."""
+    flag = ("--metrics",) if bare else ("--metrics", "127.0.0.1:0")
+    srv = ServerProc(path, extra=(*extra, *flag)).start()
     box: list[str] = []
 
     def named() -> bool:

@@ -103,5 +103,5 @@ def test_a_sink_is_sent_only_the_moves_it_wants(tmp_path: Path) -> None:
     assert [e.seq for e in got] == [1, 2]
     assert {e.kind for e in every.take()} >= {"put", "index", "load", "offload", "evict"}
     fan = FanOutSink(_Evictions(), LogSink())
-    assert fan.kinds() == {"evict", "corrupt", "invalidate"}
+    assert fan.kinds() == frozenset({"evict", "corrupt", "invalidate"})
     assert FanOutSink(_Evictions(), MemorySink()).kinds() is None

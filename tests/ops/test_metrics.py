@@ -98,7 +98,8 @@ def test_a_served_store_exports_what_was_done(tmp_path: Path) -> None:
 
 def test_a_tenant_name_never_appears(tmp_path: Path) -> None:
     config = write_config(tmp_path / "tenants.toml")
-    srv, url = metrics_server(tmp_path / "store", "--tenants", str(config))
+    srv, url = metrics_server(tmp_path / "store", "--tenants", str(config), bare=True)
+    assert url.startswith("http://127.0.0.1:")
     try:
         ident = tiny_identity()
         alice = RemoteStore(srv.socket, timeout=30, token=TOKENS["alice"])
