@@ -86,8 +86,8 @@ class TopView:
         line = (
             f"kvlife top  {self.socket}  sessions {stats['sessions']}  "
             f"leases: load {leases['load']} put {leases['put']}\n"
-            f"hit ratio {ratio}  (chunks hit {hit}, missed {miss})  puts {c['puts']}  "
-            f"chunks stored {c['chunks_stored']}  loads {c['loads']}  "
+            f"hit ratio {ratio}  (chunks hit {hit}, missed {miss})\n"
+            f"puts {c['puts']}  chunks stored {c['chunks_stored']}  loads {c['loads']}  "
             f"corrupt {c['corrupt']}  read errors {c['read_errors']}  "
             f"demotion failures {c['demote_failed']}"
         )
@@ -125,7 +125,8 @@ class TopView:
         return table
 
     def _requests(self, stats: dict[str, Any], prev: dict[str, Any] | None, dt: float) -> Table:
-        table = Table(title="requests (latency over the last interval)", title_justify="left")
+        span = f"the last {dt:.1f} s" if prev is not None else "since the server started"
+        table = Table(title=f"requests (latency over {span})", title_justify="left")
         for col in ("request", "count", "rate", "p50", "p90", "p99"):
             table.add_column(col, justify="left" if col == "request" else "right")
         for name, title in REQUESTS:

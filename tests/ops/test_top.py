@@ -134,6 +134,9 @@ def test_top_once_prints_one_frame(server: ServerProc) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert _figure(out.stdout, "chunks stored") == 2
+    # one frame: latencies since the server started, p50/p90/p99 of the one put's commit
+    assert "since the server started" in out.stdout
+    assert re.search(r"put: commit\s*│\s*1\s*│\s*-\s*│(\s*[\d.]+ ms\s*│){3}", out.stdout)
     assert "recent lifecycle events" in out.stdout
 
 
