@@ -1,12 +1,12 @@
 """Structured logs: one line per lifecycle-significant event of a store or a server
-(start, recovery, quarantine, corruption caught, loss, stop), human text by default and
-one JSON object per line on request (``kvlife serve --log-json``).
+(start, recovery, quarantine, corruption caught, loss, fencing, stop), human text by
+default and one JSON object per line on request (``kvlife serve --log-json``).
 
 Every line goes through the standard library's :mod:`logging` under one logger
 namespace, ``kvlife`` (``kvlife.serve`` for the server, ``kvlife.store`` for what the
-store's lifecycle events report), so an application embedding the store routes them as
-it routes its own logs. A line is an *event* name and its *fields*
-(:func:`log_event`); the formatters render the same record as
+store's lifecycle events report, ``kvlife.globalindex.index`` for a fenced publication),
+so an application embedding the store routes them as it routes its own logs. A line is
+an *event* name and its *fields* (:func:`log_event`); the formatters render the same record as
 ``2026-12-02T08:00:00Z kvlife serve: start pid=12 socket=...`` or as
 ``{"time": ..., "level": "info", "logger": "kvlife.serve", "event": "start", "pid": 12, ...}``.
 

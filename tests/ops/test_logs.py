@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
+import pytest
+
+from kvlife.core.errors import LeaseError
 from kvlife.core.events import FanOutSink, LifecycleEvent, MemorySink
 from kvlife.core.identity import PUBLIC, Namespace, NamespaceKind
 from kvlife.faults.damage import flip, scan_frames
-from kvlife.ops.logs import LogSink, configure
+from kvlife.ops.logs import JsonFormatter, LogSink, configure
 from kvlife.store import KVStore
+from kvlife.tiers.base import Reservation
+from kvlife.tiers.redis.server import RedisServer
 from tests.conftest import TINY, prompt_kv, tiny_identity
+from tests.remote.test_leases import arr, meta
+from tests.remote.test_leases import tier as lease_tier
 from tests.server.conftest import ServerProc, wait_for
 
 N = TINY.tokens_per_chunk
@@ -105,3 +113,22 @@ def test_a_sink_is_sent_only_the_moves_it_wants(tmp_path: Path) -> None:
     fan = FanOutSink(_Evictions(), LogSink())
     assert fan.kinds() == frozenset({"evict", "corrupt", "invalidate"})
     assert FanOutSink(_Evictions(), MemorySink()).kinds() is None
+
+
+def test_a_fenced_publication_is_one_line(
+    redis_server: RedisServer, index_ns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shared tier's publication refused by the global index (a lease that expired on
+    the server's clock: the writer is fenced) logs one ``fenced`` line."""
+    a = lease_tier(redis_server, index_ns, "host-a", ttl_ms=200)
+    res = a.prepare_store([meta(2)])
+    assert isinstance(res, Reservation)
+    time.sleep(0.4)
+    object.__setattr__(res.state.lease, "local_deadline", time.monotonic() + 60)  # lying clock
+    with caplog.at_level(logging.INFO, logger="kvlife"), pytest.raises(LeaseError):
+        a.commit_store(res, [arr(2)])
+    (record,) = [r for r in caplog.records if getattr(r, "kvlife_event", "") == "fenced"]
+    line = json.loads(JsonFormatter().format(record))
+    assert line["event"] == "fenced" and line["level"] == "warning"
+    assert line["logger"] == "kvlife.globalindex.index"
+    assert line["host"] == "host-a" and "KVLEXPIRED" in line["reason"]
