@@ -69,6 +69,31 @@ def test_a_corruption_caught_is_one_json_line(tmp_path: Path) -> None:
     assert next(e for e in lines if e["event"] == "recovery")["recovered"] == 3
 
 
+def test_a_row_quarantined_at_open_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    tokens, kv = prompt_kv(9, 3 * N)
+    first = ServerProc(path, extra=("--write-through",)).start()
+    try:
+        store = first.client()
+        keys = store.put_prompt(tiny_identity(), PUBLIC, tokens, kv).keys
+        store.close()
+    finally:
+        assert first.stop() == 0
+    frame = next(f for f in scan_frames(path) if f.key == keys[2])
+    flip(frame.segment, frame.offset + 60, 8)  # inside the key field of its header
+    first.log.unlink()
+    srv = ServerProc(path, extra=("--log-json",)).start()
+    try:
+        wait_for(lambda: any(e["event"] == "start" for e in _lines(srv)), 30, "the start line")
+    finally:
+        assert srv.stop() == 0
+    lines = _lines(srv)
+    assert [e["event"] for e in lines] == ["recovery", "quarantine", "start", "stop"]
+    assert lines[0]["dropped"] == 1 and lines[0]["objects"] == 2
+    assert lines[1]["tier"] == "disk" and lines[1]["rows"] == 1 and lines[1]["segments"] == 0
+    assert lines[1]["level"] == "warning"
+
+
 def test_text_lines_by_default_and_tenant_names_withheld(tmp_path: Path) -> None:
     """The sink on a server with principals logs a tenant's namespace as ``tenants``;
     the human line keeps the server's old shape (``... kvlife store: corrupt key=...``)."""
