@@ -191,3 +191,23 @@ def test_metrics_addresses(text: str, want: tuple[str, int]) -> None:
 def test_a_bad_metrics_address_is_named(text: str) -> None:
     with pytest.raises(InvalidArgument, match="--metrics"):
         parse_address(text)
+
+
+def test_a_metrics_port_in_use_is_refused_by_name(tmp_path: Path) -> None:
+    """The server does not start half-way: the store is closed again, its lock released
+    (a second server of the same directory then starts)."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        port = taken.getsockname()[1]
+        srv = ServerProc(tmp_path / "store", extra=("--metrics", f"127.0.0.1:{port}"))
+        with pytest.raises(RuntimeError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            srv.start()
+        assert srv.proc is not None and srv.proc.wait(timeout=60) == 1
+    finally:
+        taken.close()
+    again, _ = metrics_server(tmp_path / "store")
+    assert again.stop() == 0
