@@ -206,13 +206,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _metrics_address(text: str | None) -> tuple[str, int] | None:
     if text is None:
         return None
-    from kvlife.ops.metrics import parse_address  # the ops extra, only when asked for
+    from kvlife.server.prometheus import parse_address  # the ops extra, only when asked for
 
     return parse_address(text)
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from kvlife.ops.top import run_top
+    from kvlife.apps.top import run_top
 
     return run_top(args.socket, interval=args.interval, once=args.once)
 

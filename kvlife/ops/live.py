@@ -4,7 +4,7 @@ a ring of recent lifecycle events.
 Both are cheap to feed on the hot path (a request costs two clock reads, a bisect and an
 add; an event one append), need no optional package, and are read only when asked: by
 the ``stats`` verb (``kvlife top``) and by the Prometheus collector at scrape time
-(:mod:`kvlife.ops.metrics`).
+(:mod:`kvlife.server.prometheus`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ SIGTERM or SIGINT stops it: connections are closed (their leases released), the 
 is flushed and closed, the socket, arena and pid file removed. One structured log line
 (:mod:`kvlife.ops.logs`, logger ``kvlife.serve``; JSON with ``--log-json``) per start,
 recovery, quarantine and stop, and per object caught corrupt or lost. With ``--metrics
-HOST:PORT`` the server exports Prometheus metrics (:mod:`kvlife.ops.metrics`) and its
+HOST:PORT`` the server exports Prometheus metrics (:mod:`kvlife.server.prometheus`) and its
 start line names the URL; the ``stats`` verb answers ``kvlife top``.
 
 Nothing a client does ends the server: connections beyond ``--max-connections``, or
@@ -62,7 +62,7 @@ from kvlife.tenancy.principals import load_config
 from kvlife.tiers.shm import SHM_DIR, ShmTier
 
 if TYPE_CHECKING:
-    from kvlife.ops.metrics import MetricsServer
+    from kvlife.server.prometheus import MetricsServer
 
 DEFAULT_SOCKET = "serve.sock"
 MAX_SOCKET_PATH = 107
@@ -226,7 +226,7 @@ class Server:
                 self.store, shm, str(cfg.socket_path), cfg.limits, fds, tenancy, self.live
             )
             if cfg.metrics is not None:
-                from kvlife.ops.metrics import serve, server_registry
+                from kvlife.server.prometheus import serve, server_registry
 
                 self.metrics = serve(server_registry(self.state, self.live), *cfg.metrics)
             if cfg.pid_file is not None:

@@ -14,8 +14,14 @@ from kvlife.client import RemoteStore
 from kvlife.core.errors import InvalidArgument, NotPermitted
 from kvlife.core.identity import PUBLIC, Namespace, NamespaceKind
 from kvlife.faults.damage import flip, scan_frames
-from kvlife.ops.metrics import STORE_COUNTERS, TIER_COUNTERS, parse_address, registry_for, serve
 from kvlife.results import StoreCounters, TierCounters
+from kvlife.server.prometheus import (
+    STORE_COUNTERS,
+    TIER_COUNTERS,
+    parse_address,
+    registry_for,
+    serve,
+)
 from kvlife.store import KVStore
 from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.ops.servers import metrics_server, scrape, scrape_text, value
