@@ -67,6 +67,30 @@ class EventSink(ABC):
         self.flush()
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkFacts:
+    """What the store knows of an event's chunk beyond the event itself."""
+
+    parent: bytes
+    """Key of the chunk before it (32 zero bytes for a prompt's first chunk)."""
+    ntokens: int
+    """Tokens in the chunk."""
+    adapter: str
+    """Adapter id (empty: none)."""
+
+
+class DetailedSink(EventSink):
+    """Capability: a sink that is also told each event's :class:`ChunkFacts` (the KV-events
+    publisher, :mod:`kvlife.ops.kv_events`: a router wants each chunk's parent and size,
+    which the event record does not carry)."""
+
+    @abstractmethod
+    def emit_detailed(self, event: LifecycleEvent, facts: ChunkFacts) -> None: ...
+
+    def emit(self, event: LifecycleEvent) -> None:
+        self.emit_detailed(event, ChunkFacts(b"", 0, ""))
+
+
 class NullSink(EventSink):
     """Drops every event."""
 
