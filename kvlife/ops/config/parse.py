@@ -154,8 +154,9 @@ class _Reader:
         self.index = line_index(text)
         self.base = base
         self.issues: list[ConfigIssue] = []
-        self.budgets: dict[str, int] | None = None
-        """Name -> budget of every tier whose name and budget are good (None: no chain)."""
+        self.budgets: dict[str, int | None] | None = None
+        """Name -> budget of each tier (None: a bad budget); None when a tier's name
+        could not be read (no quota or seed is then checked against the chain)."""
 
     def bad(self, path: KeyPath, message: str) -> _Bad:
         self.issues.append(ConfigIssue(format_path(path), line_of(self.index, path), message))
@@ -265,6 +266,7 @@ class _Reader:
         specs: list[TierSpec | None] = []
         seen: set[str] = set()
         self.budgets = {}
+        names_readable = True
         durable_seen = False
         write_through = False
         for i, raw in enumerate(value):
@@ -325,8 +327,10 @@ class _Reader:
                     write_through = True
             if isinstance(kind, str) and not volatile:
                 durable_seen = True
-            if isinstance(name, str) and isinstance(budget, int):
-                self.budgets[name] = budget
+            if isinstance(name, str) and self.budgets is not None:
+                self.budgets[name] = budget if isinstance(budget, int) else None
+            elif not (isinstance(t.get("name"), str) and t["name"]):
+                names_readable = False  # a name twice is still a name quotas may use
             options = self.options(t.get("options", {}), (*path, "options"), kind)
             if (
                 any(p is BAD for p in (name, kind, budget, policy))
@@ -351,6 +355,8 @@ class _Reader:
             except KVLifeError as exc:
                 self.bad(path, str(exc))
                 specs.append(None)
+        if not names_readable:  # which tier a quota or seed means cannot be told
+            self.budgets = None
         if any(s is None for s in specs):
             return None, write_through
         return tuple(s for s in specs if s is not None), write_through
@@ -406,21 +412,22 @@ class _Reader:
             hint = "size" if key.endswith("_bytes") and hints[key] is int else hints[key]
             checked = self.value(given, path, key, hint, ...)
             if checked is BAD:
-                failed = True
+                failed = True  # left at its default to check the others' invariants
             else:
                 ok[key] = checked
         for name, f in fields.items():
             if name not in given and f.default is dataclasses.MISSING:
                 self.bad((*path, name), f"required by a {kind} tier")
-                failed = True
-        if failed:
-            return BAD
+                return BAD
+        for name, f in fields.items():
+            if name not in ok and name in given and f.default is dataclasses.MISSING:
+                return BAD  # a required value of the wrong type: nothing to build
         # invariants: each broken one reported, then left at its default to find the next
         reported: set[str] = set()
         while True:
             try:
                 options = cls(**ok)
-                return BAD if unknown or reported else options
+                return BAD if unknown or failed or reported else options
             except TierOptionError as exc:
                 if exc.field in reported or exc.field not in ok:
                     self.bad(path, str(exc))
@@ -434,7 +441,7 @@ class _Reader:
                 self.bad(path, str(exc))
                 return BAD
 
-    def quotas(self, raw: object, tiers: dict[str, int] | None) -> Shares | None:
+    def quotas(self, raw: object, tiers: dict[str, int | None] | None) -> Shares | None:
         """``[quotas]``: tenant -> {tier = bytes}."""
         table = self.table(raw, ("quotas",), None)
         out: list[tuple[str, tuple[tuple[str, int], ...]]] = []
@@ -463,11 +470,12 @@ class _Reader:
                     failed = True
             out.append((tenant, tuple(sorted(pairs))))
         for tier, total in sums.items():
-            if tiers is not None and total > tiers[tier]:
+            budget = tiers.get(tier) if tiers is not None else None
+            if budget is not None and total > budget:
                 self.bad(
                     last[tier],
                     f"the shares of tier {tier} add up to {total} bytes, more than its "
-                    f"budget {tiers[tier]}: one tenant's burst could evict another's objects",
+                    f"budget {budget}: one tenant's burst could evict another's objects",
                 )
                 failed = True
         return None if failed else tuple(out)
@@ -556,7 +564,7 @@ class _Reader:
             try:
                 parse_config({"principal": {name: spec}})
             except InvalidArgument as exc:
-                self.bad((*path, name), str(exc))
+                self.bad(self._principal_key(path, name, spec), str(exc))
                 failed = True
         if failed:
             return BAD
@@ -566,6 +574,26 @@ class _Reader:
             return parse_config({"principal": t})
         except InvalidArgument as exc:
             return self.bad(path, str(exc))
+
+    @staticmethod
+    def _principal_key(path: KeyPath, name: str, spec: object) -> KeyPath:
+        """The key of a principal's table that is wrong on its own (the table itself when
+        none is, or the name is)."""
+        if not isinstance(spec, dict):
+            return (*path, name)
+        try:
+            parse_config({"principal": {name: {}}})
+        except InvalidArgument:
+            return (*path, name)  # the name itself
+        for key, value in spec.items():
+            alone = {key: value}
+            if key == "token_expires" and "token_sha256" in spec:
+                alone["token_sha256"] = spec["token_sha256"]
+            try:
+                parse_config({"principal": {name: alone}})
+            except InvalidArgument:
+                return (*path, name, key)
+        return (*path, name)
 
     def kv_events(self, raw: object) -> KVEventsConfig | _Bad:
         path: KeyPath = ("server", "kv_events")
@@ -592,7 +620,9 @@ class _Reader:
         except InvalidArgument as exc:
             return self.bad(path, str(exc))
 
-    def planner(self, raw: object, tiers: dict[str, int] | None) -> PlannerSettings | _Bad:
+    def planner(
+        self, raw: object, tiers: dict[str, int | None] | None
+    ) -> PlannerSettings | _Bad:
         path: KeyPath = ("planner",)
         t = self.table(raw, path, {"prefill_profile", "tiers"})
         profile = self.value(t, path, "prefill_profile", str, ...)
