@@ -174,8 +174,11 @@ MISSING = [
         "tiers[0].colour",
         5,
     ),
-    ('[[tiers]]\nname = "m"\nkind = "memory"\nbudget = 4096\n[vllm]\nstore = "served"\n',
-     "vllm.store", 6),
+    (
+        '[[tiers]]\nname = "m"\nkind = "memory"\nbudget = 4096\n[vllm]\nstore = "served"\n',
+        "vllm.store",
+        6,
+    ),
 ]
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlife.client import RemoteStore
 from kvlife.cli import build_parser
+from kvlife.client import RemoteStore
 from kvlife.core.errors import LimitExceeded
 from kvlife.core.identity import PUBLIC
 from kvlife.ops.config.serve import serve_config

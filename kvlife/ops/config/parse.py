@@ -620,9 +620,7 @@ class _Reader:
         except InvalidArgument as exc:
             return self.bad(path, str(exc))
 
-    def planner(
-        self, raw: object, tiers: dict[str, int | None] | None
-    ) -> PlannerSettings | _Bad:
+    def planner(self, raw: object, tiers: dict[str, int | None] | None) -> PlannerSettings | _Bad:
         path: KeyPath = ("planner",)
         t = self.table(raw, path, {"prefill_profile", "tiers"})
         profile = self.value(t, path, "prefill_profile", str, ...)
