@@ -72,9 +72,9 @@ def test_sizes_beside_a_file_are_refused(tmp_path: Path) -> None:
     config = tmp_path / "kvlife.toml"
     config.write_text(EMBEDDED)
     extra, file = resolve_extra_config({"kvlife.config": str(config), "kvlife.dram_mib": 4})
-    with pytest.raises(InvalidArgument, match="kvlife.dram_mib"):
+    with pytest.raises(InvalidArgument, match=r"kvlife\.dram_mib"):
         StoreAddress.from_extra_config(extra, file)
-    with pytest.raises(InvalidArgument, match="kvlife.config"):
+    with pytest.raises(InvalidArgument, match=r"kvlife\.config"):
         StoreAddress.from_extra_config({"kvlife.path": "x", "kvlife.store": "served"})
 
 
