@@ -117,7 +117,7 @@ def test_serve_runs_from_the_file(tmp_path: Path) -> None:
 
 def test_flags_override_the_file(tmp_path: Path) -> None:
     config = tmp_path / "kvlife.toml"
-    config.write_text(CONFIG)
+    config.write_text(CONFIG + '\n[server.kv_events]\nendpoint = "tcp://*:5557"\ntopic = "t"\n')
     args = build_parser().parse_args(
         [
             "serve",
@@ -144,6 +144,12 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert cfg.limits.max_chunks == 64 and cfg.limits.max_connections == 512
     assert cfg.store.promote_on_hit is False
     assert cfg.staging_bytes == 1 << 20
+    assert cfg.kv_events is not None and cfg.kv_events.endpoint == "tcp://*:5557"
+    over = build_parser().parse_args(
+        ["serve", "--config", str(config), "--kv-events", "ipc:///tmp/x", "--kv-events-topic", ""]
+    )
+    events = serve_config(over).kv_events
+    assert events is not None and (events.endpoint, events.topic) == ("ipc:///tmp/x", "")
     # without a file, the same function gives ServeConfig's own defaults
     plain = serve_config(build_parser().parse_args(["serve", str(tmp_path / "s")]))
     assert plain.store is None and plain.dram_bytes == 1 << 30 and plain.limits.max_chunks == 16384
