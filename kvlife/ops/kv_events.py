@@ -204,7 +204,12 @@ class KVEventPublisher(DetailedSink):
     """How long closing waits for the last batches to leave."""
 
     def __init__(self, config: KVEventsConfig) -> None:
-        import zmq
+        try:
+            import zmq
+        except ImportError as exc:  # the ops extra is not installed
+            raise InvalidArgument(
+                f"KV events need pyzmq: pip install 'kvlife[ops]' ({exc})"
+            ) from exc
 
         self.config = config
         self._queue: deque[tuple[LifecycleEvent, ChunkFacts]] = deque()
