@@ -24,7 +24,8 @@ kvlife chunk keys (32 bytes each, the BLAKE3 identity of :mod:`kvlife.core.ident
 Wire format, byte for byte what vLLM's ``ZmqEventPublisher`` sends
 (``vllm/distributed/kv_events.py``): a multipart message ``(topic, seq, payload)``,
 ``seq`` an 8-byte big-endian counter from 0, ``payload`` the msgpack of a
-``KVEventBatch``: an array ``[ts, events, data_parallel_rank]``, each event a map whose
+``KVEventBatch``: an array ``[ts, events, data_parallel_rank]`` (rank 0, as vLLM's
+publisher sends for a single engine), each event a map whose
 first entry is ``"type": "<class name>"`` followed by the fields in declaration order,
 those equal to their default left out (msgspec's ``tag=True, omit_defaults=True``).
 An optional ROUTER socket answers replay requests (an 8-byte start sequence) with the
@@ -127,11 +128,9 @@ def all_blocks_cleared() -> Event:
 
 
 def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int | None = 0) -> bytes:
-    """A ``KVEventBatch`` as vLLM's msgspec encoder writes it: an array (``array_like``)
-    of the time, the events and the rank (left out when None, its default)."""
-    body: list[object] = [float(ts), list(events)]
-    if data_parallel_rank is not None:
-        body.append(data_parallel_rank)
+    """A ``KVEventBatch`` as vLLM's msgspec encoder writes it: an array (``array_like``:
+    every field written, nil for a rank of None) of the time, the events and the rank."""
+    body = [float(ts), list(events), data_parallel_rank]
     return bytes(msgpack.packb(body, use_bin_type=True))
 
 

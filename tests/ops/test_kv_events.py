@@ -233,3 +233,70 @@ def test_merge_folds_chains_and_removals() -> None:
     ]
     out = merge(events)
     assert [e["block_hashes"] for e in out] == [[a, b], [c], [a, b], [c]]
+
+
+class Subscriber:
+    """A SUB socket in this process (pyzmq), batches decoded with msgpack, and the
+    replay socket for what it joined too late for."""
+
+    def __init__(self, endpoint: str, replay: str) -> None:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(endpoint)
+        self.replay_endpoint = replay
+        self.batches: dict[int, list[Any]] = {}
+
+    def collect(self) -> list[list[dict[str, Any]]]:
+        import msgpack
+        import zmq
+
+        while self.sub.poll(300):
+            _, seq, payload = self.sub.recv_multipart()
+            self.batches[int.from_bytes(seq, "big")] = msgpack.unpackb(payload)
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.connect(self.replay_endpoint)
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        while True:
+            _, _, seq, payload = dealer.recv_multipart()
+            n = int.from_bytes(seq, "big", signed=True)
+            if n == -1:
+                break
+            self.batches[n] = msgpack.unpackb(payload)
+        dealer.close(linger=0)
+        assert sorted(self.batches) == list(range(len(self.batches)))
+        return [self.batches[s][1] for s in sorted(self.batches)]
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.ctx.term()
+
+
+def test_a_restarted_server_announces_what_it_recovered(tmp_path: Path) -> None:
+    """After a restart the router is told to forget what the old process said, then
+    every chunk recovered from disk is announced on the disk tier."""
+    srv = ServerProc(tmp_path / "store", dram=64 * 4096, disk=4 << 20)
+    srv.start()
+    with srv.client() as c:
+        tokens, kv = prompt_kv(5, 64)
+        c.put_prompt(tiny_identity(), PUBLIC, tokens, kv)
+        keys = [h.key for h in c.lookup(tiny_identity(), PUBLIC, tokens).hits]
+    assert srv.stop() == 0  # flushed to disk
+    srv.args += ["--kv-events", "tcp://127.0.0.1:*", "--kv-events-replay", "tcp://127.0.0.1:*"]
+    srv.log.write_text("")
+    srv.start()
+    try:
+        m = re.search(r"kv_events endpoint=(\S+) bound=yes replay=(\S+)", srv.log.read_text())
+        assert m is not None
+        sub = Subscriber(m.group(1), m.group(2))
+        batches = sub.collect()
+        sub.close()
+    finally:
+        assert srv.stop() == 0
+    assert batches[0] == [{"type": "AllBlocksCleared"}]
+    stored = [e for b in batches[1:] for e in b if e["type"] == "BlockStored"]
+    assert {e["medium"] for e in stored} == {"disk"}
+    announced = [h for e in stored for h in e["block_hashes"]]
+    assert sorted(announced) == sorted(bytes(k) for k in keys)
