@@ -33,8 +33,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("placement", "results", "planner"),
     ("store",),
     # what runs a store: the server, trace replay (live mode opens a store), fault
-    # injectors (they wrap the store's seams and drive it)
-    ("server", "replay", "faults"),
+    # injectors (they wrap the store's seams and drive it); operating it (ops: the
+    # configuration file mapped onto the server's and the store's settings, the KV
+    # events the server publishes)
+    ("server", "replay", "faults", "ops"),
     # the server's client (it speaks the server's protocol)
     ("client",),
     # engine adapters (the vLLM connector reaches a served store through the client)
