@@ -87,7 +87,7 @@ class ConfigError(InvalidArgument):
     def __init__(self, source: Path, issues: list[ConfigIssue]) -> None:
         self.source = source
         self.issues = issues
-        lines = "\n".join(f"  {source}:{i}" for i in issues)
+        lines = "\n".join(f"  {source}:{i.line}: {i.path}: {i.message}" for i in issues)
         super().__init__(f"{source}: {len(issues)} error(s) in the configuration\n{lines}")
 
 
