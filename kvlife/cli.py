@@ -278,8 +278,18 @@ def build_parser() -> argparse.ArgumentParser:
         "every flag given here overrides the value the file sets",
     )
     p.add_argument("--socket", default=None, help="Unix socket path (default PATH/serve.sock)")
-    p.add_argument("--dram-bytes", type=int, default=1 * GiB, help="shared-memory DRAM tier")
-    p.add_argument("--disk-bytes", type=int, default=8 * GiB, help="disk tier (0: none)")
+    p.add_argument(
+        "--dram-bytes",
+        type=int,
+        default=1 * GiB,
+        help="shared-memory DRAM tier (with --config: the first tier's budget)",
+    )
+    p.add_argument(
+        "--disk-bytes",
+        type=int,
+        default=8 * GiB,
+        help="disk tier (0: none; with --config: the first disk tier's budget)",
+    )
     p.add_argument(
         "--staging-bytes",
         type=int,
