@@ -178,37 +178,30 @@ def _check_live(sock: str, fix: bool) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from kvlife.server.limits import from_args
-    from kvlife.server.server import ServeConfig, parse_cpus, run
-    from kvlife.tiers.shm import SHM_DIR
+    from kvlife.ops.config.serve import serve_config
+    from kvlife.server.server import run
 
-    cfg = ServeConfig(
-        path=Path(args.path),
-        socket=Path(args.socket) if args.socket else None,
-        dram_bytes=args.dram_bytes,
-        disk_bytes=args.disk_bytes,
-        staging_bytes=args.staging_bytes,
-        pid_file=Path(args.pid_file) if args.pid_file else None,
-        write_through=args.write_through,
-        promote_on_hit=not args.no_promote,
-        disk_transform=args.disk_transform,
-        verify_dram_on_load=args.verify_dram_on_load,
-        shm_dir=Path(args.shm_dir) if args.shm_dir else SHM_DIR,
-        cpus=parse_cpus(args.cpus) if args.cpus else (),
-        limits=from_args(args),
-        tenants=Path(args.tenants) if args.tenants else None,
-        metrics=_metrics_address(args.metrics),
-        log_json=args.log_json,
+    return run(serve_config(args))
+
+
+def cmd_config_check(args: argparse.Namespace) -> int:
+    """Every error of a configuration file, by path and line; 0 when there is none."""
+    from kvlife.ops.config import check_file
+
+    config, issues = check_file(args.file)
+    for issue in issues:
+        print(f"{args.file}:{issue.line}: {issue.path}: {issue.message}", file=sys.stderr)
+    if config is None:
+        print(f"{args.file}: {len(issues)} error(s)", file=sys.stderr)
+        return 1
+    tiers = ", ".join(
+        f"{t.name} ({t.kind}, {_fmt_bytes(t.capacity_bytes)}"
+        + (f", {t.transform}" if t.transform else "")
+        + ")"
+        for t in config.store.chain
     )
-    return run(cfg)
-
-
-def _metrics_address(text: str | None) -> tuple[str, int] | None:
-    if text is None:
-        return None
-    from kvlife.server.prometheus import parse_address  # the ops extra, only when asked for
-
-    return parse_address(text)
+    print(f"{args.file}: ok; tiers: {tiers}")
+    return 0
 
 
 def cmd_top(args: argparse.Namespace) -> int:
@@ -280,10 +273,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help="serve a store to many processes (Unix socket + shared memory)"
     )
-    p.add_argument("path", help="store directory (locked while serving)")
+    p.add_argument(
+        "path", nargs="?", help="store directory (locked while serving; default: the config's)"
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="configuration file (TOML: tiers, server, quotas, planner; docs/operations.md); "
+        "every flag given here overrides the value the file sets",
+    )
     p.add_argument("--socket", default=None, help="Unix socket path (default PATH/serve.sock)")
-    p.add_argument("--dram-bytes", type=int, default=1 * GiB, help="shared-memory DRAM tier")
-    p.add_argument("--disk-bytes", type=int, default=8 * GiB, help="disk tier (0: none)")
+    p.add_argument(
+        "--dram-bytes",
+        type=int,
+        default=1 * GiB,
+        help="shared-memory DRAM tier (with --config: the first tier's budget)",
+    )
+    p.add_argument(
+        "--disk-bytes",
+        type=int,
+        default=8 * GiB,
+        help="disk tier (0: none; with --config: the first disk tier's budget)",
+    )
     p.add_argument(
         "--staging-bytes",
         type=int,
@@ -337,9 +349,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--log-json", action="store_true", help="log one JSON object per line (default: text)"
     )
+    p.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="publish BlockStored/BlockRemoved/AllBlocksCleared in vLLM's KV-events format "
+        "on this ZMQ endpoint (medium: the tier's name); bound when it has * or is ipc://, "
+        "e.g. tcp://127.0.0.1:*, else connected to a router's SUB (docs/operations.md)",
+    )
+    p.add_argument(
+        "--kv-events-replay",
+        default=None,
+        metavar="ENDPOINT",
+        help="ZMQ ROUTER endpoint that replays buffered KV-event batches (as vLLM's does)",
+    )
+    p.add_argument("--kv-events-topic", default=None, help="topic frame of KV events")
+    from kvlife.ops.config.serve import unset_defaults
     from kvlife.server.limits import add_flags
 
     add_flags(p)  # every budget a client can make the server hold
+    # a flag given overrides the config file: so each defaults to "not given" and the
+    # real defaults are filled after the file (kvlife.ops.config.serve)
+    unset_defaults(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("top", help="live view of a running `kvlife serve` (needs the ops extra)")
@@ -347,6 +378,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
     p.set_defaults(func=cmd_top)
+
+    p = sub.add_parser("config", help="configuration files: `kvlife config check FILE`")
+    config_sub = p.add_subparsers(dest="config_command", required=True)
+    q = config_sub.add_parser(
+        "check", help="report every error of a configuration file by path and line"
+    )
+    q.add_argument("file", help="the configuration file (TOML)")
+    q.set_defaults(func=cmd_config_check)
 
     p = sub.add_parser(
         "demo",

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("core",),
     # leaves over core: terminal tables, device models, the trace schema and importers,
     # the operations primitives (structured logs, live figures)
-    ("report", "sim", "trace", "interpreters", "ops"),
+    ("report", "sim", "trace", "interpreters"),
     # building blocks; the global index on Redis is the shared tiers' index and sits
     # with them (record frames and tier names one way, invalidation rules the other);
     # tenancy (names, principals, scopes, quotas) is read by the store and the server
@@ -34,8 +34,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("placement", "results", "planner"),
     ("store",),
     # what runs a store: the server, trace replay (live mode opens a store), fault
-    # injectors (they wrap the store's seams and drive it)
-    ("server", "replay", "faults"),
+    # injectors (they wrap the store's seams and drive it); operating it (ops: the
+    # configuration file mapped onto the server's and the store's settings, the KV
+    # events the server publishes)
+    ("server", "replay", "faults", "ops"),
     # the server's client (it speaks the server's protocol)
     ("client",),
     # engine adapters (the vLLM connector reaches a served store through the client)

@@ -26,7 +26,7 @@ from rich.text import Text
 
 from kvlife.client.remote import RemoteStore
 from kvlife.core.errors import StoreUnavailable
-from kvlife.ops.live import quantile
+from kvlife.server.live import quantile
 
 REQUESTS = (
     ("lookup", "lookup"),
@@ -34,7 +34,7 @@ REQUESTS = (
     ("store_prepare", "put: prepare"),
     ("store_commit", "put: commit"),
 )
-"""The histograms of :data:`kvlife.ops.live.TIMED_VERBS`, in the order drawn."""
+"""The histograms of :data:`kvlife.server.live.TIMED_VERBS`, in the order drawn."""
 
 
 def _bytes(n: float) -> str:

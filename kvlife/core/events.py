@@ -73,6 +73,30 @@ class EventSink(ABC):
         self.flush()
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkFacts:
+    """What the store knows of an event's chunk beyond the event itself."""
+
+    parent: bytes
+    """Key of the chunk before it (32 zero bytes for a prompt's first chunk)."""
+    ntokens: int
+    """Tokens in the chunk."""
+    adapter: str
+    """Adapter id (empty: none)."""
+
+
+class DetailedSink(EventSink):
+    """Capability: a sink that is also told each event's :class:`ChunkFacts` (the KV-events
+    publisher, :mod:`kvlife.ops.kv_events`: a router wants each chunk's parent and size,
+    which the event record does not carry)."""
+
+    @abstractmethod
+    def emit_detailed(self, event: LifecycleEvent, facts: ChunkFacts) -> None: ...
+
+    def emit(self, event: LifecycleEvent) -> None:
+        self.emit_detailed(event, ChunkFacts(b"", 0, ""))
+
+
 class NullSink(EventSink):
     """Drops every event."""
 
@@ -107,6 +131,26 @@ class FanOutSink(EventSink):
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+class DetailedFanOutSink(FanOutSink, DetailedSink):
+    """A fan-out with at least one :class:`DetailedSink` among its sinks: those are told
+    each chunk's facts too, the others get the plain event."""
+
+    def emit_detailed(self, event: LifecycleEvent, facts: ChunkFacts) -> None:
+        for sink in self.sinks:
+            if isinstance(sink, DetailedSink):
+                sink.emit_detailed(event, facts)
+            else:
+                sink.emit(event)
+
+
+def fan_out(*sinks: EventSink) -> EventSink:
+    """One sink for several: detailed when any of them is (the store then computes each
+    chunk's facts, which it skips otherwise)."""
+    if any(isinstance(s, DetailedSink) for s in sinks):
+        return DetailedFanOutSink(*sinks)
+    return FanOutSink(*sinks)
 
 
 class MemorySink(EventSink):

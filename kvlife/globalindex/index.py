@@ -42,13 +42,13 @@ from redis.exceptions import NoScriptError, RedisError
 
 from kvlife.core.errors import IndexUnreachable, InvalidArgument, LeaseError, RemoteTierError
 from kvlife.core.identity import Namespace
+from kvlife.core.logs import log_event
 from kvlife.core.objects import UNSTAMPED, EpochStamp, ObjectInfo
 from kvlife.globalindex import scripts
 from kvlife.globalindex.health import REFUSALS, Health
 from kvlife.globalindex.lease import Lease
 from kvlife.globalindex.record import RemoteRecord
 from kvlife.globalindex.rules import InvalidationRule, RuleSync
-from kvlife.ops.logs import log_event
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +324,7 @@ class GlobalIndex:
         self.counters.publishes_refused += 1
         with self._lock:
             self._lease = None  # a refusal means this lease is no good any more
-        # fenced: a structured line (kvlife.ops.logs), counted as publishes_refused
+        # fenced: a structured line (kvlife.core.logs), counted as publishes_refused
         log_event(log, "fenced", logging.WARNING, host=self.host, reason=str(exc))
         return LeaseError(f"publication by {self.host} refused: {exc}")
 

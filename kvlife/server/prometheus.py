@@ -6,11 +6,11 @@ hot path pays nothing for it: the store's counters since it opened
 (:class:`~kvlife.results.StoreCounters`), each tier's figures, one pass over the index for
 objects and bytes per lifecycle state and per namespace
 (:meth:`~kvlife.store.facade.KVStore.namespace_figures`), and on a server its sessions,
-leases and the latency histograms it observes per request (:mod:`kvlife.ops.live`). The
+leases and the latency histograms it observes per request (:mod:`kvlife.server.live`). The
 collectors are registered on a registry of their own, never prometheus-client's global
 one, so two stores in one process export separately.
 
-Namespaces are labels as :func:`kvlife.ops.logs.namespace_label` names them: on a server
+Namespaces are labels as :func:`kvlife.core.logs.namespace_label` names them: on a server
 with principals every tenant's keyed namespace is one label value, ``tenants``, never a
 tenant's name; request namespaces are always ``request``. docs/operations.md lists every
 metric.
@@ -35,9 +35,9 @@ from prometheus_client.core import (
 
 from kvlife.core.errors import InvalidArgument, StoreClosedError
 from kvlife.core.lifecycle import ObjectState
-from kvlife.ops.live import LATENCY_BOUNDS, LiveFigures
-from kvlife.ops.logs import namespace_label
+from kvlife.core.logs import namespace_label
 from kvlife.results import StoreCounters, TierCounters
+from kvlife.server.live import LATENCY_BOUNDS, LiveFigures
 from kvlife.store.facade import KVStore
 from kvlife.tiers.base import Tier
 

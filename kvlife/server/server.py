@@ -9,7 +9,7 @@ connections proceed in parallel. Every frame is decoded and validated
 connection goes on (an oversized length ends it: the stream cannot be resynchronised).
 SIGTERM or SIGINT stops it: connections are closed (their leases released), the store
 is flushed and closed, the socket, arena and pid file removed. One structured log line
-(:mod:`kvlife.ops.logs`, logger ``kvlife.serve``; JSON with ``--log-json``) per start,
+(:mod:`kvlife.core.logs`, logger ``kvlife.serve``; JSON with ``--log-json``) per start,
 recovery, quarantine and stop, and per object caught corrupt or lost. With ``--metrics
 HOST:PORT`` the server exports Prometheus metrics (:mod:`kvlife.server.prometheus`) and its
 start line names the URL; the ``stats`` verb answers ``kvlife top``.
@@ -46,22 +46,23 @@ from kvlife.core.errors import (
     ProtocolError,
     RemoteError,
 )
-from kvlife.core.events import EventSink, FanOutSink
+from kvlife.core.events import EventSink, fan_out
 from kvlife.core.identity import digest_bytes
-from kvlife.ops.live import LiveFigures
-from kvlife.ops.logs import LogSink, log_event
+from kvlife.core.logs import LogSink, log_event
 from kvlife.server import protocol
 from kvlife.server.context import UNKNOWN_PEER, PartSender, Peer
 from kvlife.server.limits import Account, Limits
+from kvlife.server.live import LiveFigures
 from kvlife.server.reader import BodyTimeout, Discarded, FrameReader, peek_rid
 from kvlife.server.session import ServerState, Session
 from kvlife.store.config import GiB, MiB, StoreConfig
 from kvlife.store.facade import KVStore
 from kvlife.tenancy.policy import Tenancy
-from kvlife.tenancy.principals import load_config
+from kvlife.tenancy.principals import TenancyConfig, load_config
 from kvlife.tiers.shm import SHM_DIR, ShmTier
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the publisher (pyzmq) and the exporter are imported only when asked for
+    from kvlife.ops.kv_events import KVEventPublisher, KVEventsConfig
     from kvlife.server.prometheus import MetricsServer
 
 DEFAULT_SOCKET = "serve.sock"
@@ -101,15 +102,23 @@ class ServeConfig:
     one mounted ``huge=always`` so that direct I/O into the arena runs at full speed)."""
     limits: Limits = field(default_factory=Limits)
     """Every budget a client can make the server hold (docs/server.md, Limits)."""
-    tenants: Path | None = None
-    """The principals' configuration (TOML, :mod:`kvlife.tenancy.principals`): tenants
-    enforced by the store. None: every client of the server's Unix user is trusted alike
-    (the socket is then 0600; with principals it is 0666 and each peer is mapped)."""
+    tenants: Path | TenancyConfig | None = None
+    """The principals' configuration (a TOML file, :mod:`kvlife.tenancy.principals`, or
+    the principals of a configuration file): tenants enforced by the store. None: every
+    client of the server's Unix user is trusted alike (the socket is then 0600; with
+    principals it is 0666 and each peer is mapped)."""
+    store: StoreConfig | None = None
+    """The store's settings from a configuration file (:mod:`kvlife.ops.config`): its
+    chain, whose first tier becomes the shared-memory arena, its options and quotas.
+    None: the chain is ``dram_bytes``/``disk_bytes``/``disk_transform`` and the other
+    fields above."""
+    kv_events: KVEventsConfig | None = None
+    """Publish KV events for routers (:mod:`kvlife.ops.kv_events`); None: none."""
     metrics: tuple[str, int] | None = None
     """Serve Prometheus metrics on ``http://HOST:PORT/metrics`` (port 0: a free one;
     None: no metrics)."""
     log_json: bool = False
-    """Log lines as JSON objects (:mod:`kvlife.ops.logs`)."""
+    """Log lines as JSON objects (:mod:`kvlife.core.logs`)."""
 
     @property
     def socket_path(self) -> Path:
@@ -155,15 +164,20 @@ def _remove_stale_arenas(shm_dir: Path, prefix: str) -> None:
 
 
 def open_store(cfg: ServeConfig, sink: EventSink | None = None) -> KVStore:
-    """The store with its first tier in shared memory; ``sink``: its lifecycle events."""
-    if cfg.dram_bytes <= 0:
+    """The store with its first tier in shared memory (``sink``: its lifecycle events)."""
+    if cfg.store is None and cfg.dram_bytes <= 0:
         raise InvalidArgument("kvlife serve needs a DRAM tier (--dram-bytes > 0)")
-    base = StoreConfig(
+    base = cfg.store or StoreConfig(
         dram_bytes=cfg.dram_bytes,
         disk_bytes=cfg.disk_bytes,
         write_through=cfg.write_through,
         promote_on_hit=cfg.promote_on_hit,
     )
+    if base.chain[0].kind not in ("memory", "shm"):
+        raise InvalidArgument(
+            f"kvlife serve keeps its first tier in shared memory: tier {base.chain[0].name!r} "
+            f"is {base.chain[0].kind}, not memory or shm"
+        )
     if not cfg.shm_dir.is_dir():
         raise InvalidArgument(f"shared-memory directory {cfg.shm_dir} does not exist")
     arena = cfg.shm_dir / f"{arena_prefix(cfg.path)}-{os.getpid()}"
@@ -172,12 +186,15 @@ def open_store(cfg: ServeConfig, sink: EventSink | None = None) -> KVStore:
         kind="shm",
         options=(("arena_path", str(arena)), ("staging_bytes", cfg.staging_bytes)),
     )
+    if cfg.store is not None:  # the file's chain and settings, as they are
+        return KVStore(cfg.path, replace(cfg.store, tiers=(shm, *base.chain[1:])), sink=sink)
     rest = tuple(
         replace(spec, transform=cfg.disk_transform) if spec.kind == "disk" else spec
         for spec in base.chain[1:]
     )
     # quotas: the tenants' shares of each tier, from the principals' configuration
-    shares = load_config(cfg.tenants).shares if cfg.tenants is not None else ()
+    tenants = load_config(cfg.tenants) if isinstance(cfg.tenants, Path) else cfg.tenants
+    shares = tenants.shares if tenants is not None else ()
     config = StoreConfig(
         tiers=(shm, *rest),
         write_through=cfg.write_through,
@@ -209,8 +226,16 @@ class Server:
         cfg.path.mkdir(parents=True, exist_ok=True)
         # lock first (inside KVStore), then clean up what a dead server left
         prefix = arena_prefix(cfg.path)
-        sink = FanOutSink(self.live.events, LogSink(tenants=cfg.tenants is not None))
-        self.store = _open_with_cleanup(cfg, prefix, sink)
+        # the KV-events publisher first: it announces what recovery brings back
+        self.kv_events = _kv_events(cfg.kv_events)
+        sinks: list[EventSink] = [] if self.kv_events is None else [self.kv_events]
+        sink = fan_out(*sinks, self.live.events, LogSink(tenants=cfg.tenants is not None))
+        try:
+            self.store = _open_with_cleanup(cfg, prefix, sink)
+        except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.close()
+            raise
         shm = self.store.tier(self.store.tier_names[0])
         assert isinstance(shm, ShmTier)
         self._log_recovery()
@@ -237,6 +262,8 @@ class Server:
             if self._spare is not None:
                 os.close(self._spare)
             self.store.close(flush=False)  # releases the lock, removes the arena
+            if self.kv_events is not None:
+                self.kv_events.close()
             raise
         self._last_accept_log = 0.0
         self.log(
@@ -254,9 +281,15 @@ class Server:
             max_connections=cfg.limits.max_connections,
             metrics=self.metrics.url if self.metrics is not None else "off",
         )
+        if self.kv_events is not None:
+            ev = self.kv_events
+            self.log(
+                f"kv_events endpoint={ev.endpoint} bound={'yes' if ev.bound else 'no'} "
+                f"replay={ev.replay_endpoint or '-'} topic={ev.config.topic!r}"
+            )
 
     def log(self, event: str, level: int = logging.INFO, **fields: object) -> None:
-        """One structured line (:mod:`kvlife.ops.logs`)."""
+        """One structured line (:mod:`kvlife.core.logs`)."""
         log_event(self._log, event, level, **fields)
 
     def _log_recovery(self) -> None:
@@ -494,6 +527,10 @@ class Server:
             flushed = self.store.flush() if self.store.tier_names[1:] else 0
         finally:
             self.store.close(flush=False)
+            if self.kv_events is not None:  # after the store's last events (the flush)
+                self.kv_events.close()
+                ev = self.kv_events
+                self.log(f"kv_events batches={ev.batches} events={ev.events} dropped={ev.dropped}")
             if self.cfg.pid_file is not None:
                 with contextlib.suppress(OSError):
                     self.cfg.pid_file.unlink()
@@ -570,7 +607,15 @@ def _part_sender(conn: socket.socket) -> PartSender:
     return send
 
 
-def _open_with_cleanup(cfg: ServeConfig, prefix: str, sink: EventSink | None) -> KVStore:
+def _kv_events(config: KVEventsConfig | None) -> KVEventPublisher | None:
+    if config is None:
+        return None
+    from kvlife.ops.kv_events import KVEventPublisher
+
+    return KVEventPublisher(config)
+
+
+def _open_with_cleanup(cfg: ServeConfig, prefix: str, sink: EventSink | None = None) -> KVStore:
     from kvlife.store.lock import drop_dir_lock, take_dir_lock
 
     # take the lock once to learn that no other server lives, clean up, then open
@@ -592,7 +637,7 @@ def run(cfg: ServeConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    from kvlife.ops.logs import configure
+    from kvlife.core.logs import configure
 
     logs = configure(sys.stderr, json_lines=cfg.log_json)
     try:

@@ -47,11 +47,11 @@ from typing import Any
 
 from kvlife.core.errors import NotPermitted, ProtocolError
 from kvlife.core.identity import KEY_BYTES, ChunkKey, Namespace
-from kvlife.ops.live import LATENCY_BOUNDS, LiveFigures
 from kvlife.server import protocol
 from kvlife.server.context import UNKNOWN_PEER, PartSender, Peer, SessionContext
 from kvlife.server.identities import IdentityCache
 from kvlife.server.limits import INFINITE, Account, Ledger, Limits, budgets
+from kvlife.server.live import LATENCY_BOUNDS, LiveFigures
 from kvlife.server.loads import Loads
 from kvlife.server.puts import Puts
 from kvlife.server.shm_arenas import TenantArenas

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvlife.core.events import EventSink, LifecycleEvent, NullSink
+from kvlife.core.events import ChunkFacts, DetailedSink, EventSink, LifecycleEvent, NullSink
 from kvlife.core.lifecycle import Move, ObjectState, check_move
 from kvlife.core.objects import ObjectRecord
 from kvlife.results import StoreCounters
@@ -21,6 +21,8 @@ class Ledger:
         kinds = self.sink.kinds()
         self._wanted = None if kinds is None else frozenset(m for m in Move if m.value in kinds)
         """The moves the sink wants (None: all): no event is built for another."""
+        # a sink that also wants each chunk's parent and size (the KV-events publisher)
+        self._detailed = self.sink if isinstance(self.sink, DetailedSink) else None
         self._seq = 0
         self.tentative = 0
         self.counters = StoreCounters()
@@ -50,23 +52,27 @@ class Ledger:
             return
         with self._emit_lock:
             self._seq += 1
-            self.sink.emit(
-                LifecycleEvent(
-                    time=time.time(),
-                    seq=self._seq,
-                    kind=move.value,
-                    key=rec.key.hex(),
-                    state=new_state.value if new_state else "",
-                    tier=tier,
-                    dst_tier=dst,
-                    nbytes=nbytes,
-                    transform=transform,
-                    namespace=rec.info.namespace,
-                    model=rec.info.weights_digest,
-                    reason=reason,
-                    request_id=request_id,
-                )
+            event = LifecycleEvent(
+                time=time.time(),
+                seq=self._seq,
+                kind=move.value,
+                key=rec.key.hex(),
+                state=new_state.value if new_state else "",
+                tier=tier,
+                dst_tier=dst,
+                nbytes=nbytes,
+                transform=transform,
+                namespace=rec.info.namespace,
+                model=rec.info.weights_digest,
+                reason=reason,
+                request_id=request_id,
             )
+            if self._detailed is not None:
+                info = rec.info
+                facts = ChunkFacts(bytes(info.parent), info.ntokens, info.adapter_id)
+                self._detailed.emit_detailed(event, facts)
+            else:
+                self.sink.emit(event)
 
     def flush(self) -> None:
         self.sink.flush()

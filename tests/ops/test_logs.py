@@ -13,8 +13,8 @@ import pytest
 from kvlife.core.errors import LeaseError
 from kvlife.core.events import FanOutSink, LifecycleEvent, MemorySink
 from kvlife.core.identity import PUBLIC, Namespace, NamespaceKind
+from kvlife.core.logs import JsonFormatter, LogSink, configure
 from kvlife.faults.damage import flip, scan_frames
-from kvlife.ops.logs import JsonFormatter, LogSink, configure
 from kvlife.store import KVStore
 from kvlife.tiers.base import Reservation
 from kvlife.tiers.redis.server import RedisServer

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvlife.core.identity import PUBLIC
-from kvlife.ops.live import LATENCY_BOUNDS, LiveFigures, quantile
 from kvlife.server import protocol
+from kvlife.server.live import LATENCY_BOUNDS, LiveFigures, quantile
 from kvlife.server.server import ServeConfig, open_store
 from kvlife.server.session import ServerState
 from kvlife.tiers.shm import ShmTier

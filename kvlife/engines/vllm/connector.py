@@ -7,7 +7,8 @@ Load it with::
         kv_connector_module_path="kvlife.engines.vllm.connector",
         kv_role="kv_both",
         kv_load_failure_policy="recompute",   # a bad chunk is recomputed, not failed
-        kv_connector_extra_config={"kvlife.path": DIR} or {"kvlife.socket": SOCK},
+        kv_connector_extra_config={"kvlife.path": DIR} or {"kvlife.socket": SOCK}
+                                  or {"kvlife.config": "kvlife.toml"},
     )
 
 (:func:`kvlife.engines.vllm.transfer_config` builds it.) The scheduler-side instance
@@ -46,7 +47,12 @@ from kvlife.engines.vllm.identity import NamespacePolicy, facts_from_vllm_config
 from kvlife.engines.vllm.meta import StepPlan, StepReport
 from kvlife.engines.vllm.paged import split_for_platform
 from kvlife.engines.vllm.scheduler import SchedulerSide
-from kvlife.engines.vllm.stores import StoreAddress, StoreLease, open_store
+from kvlife.engines.vllm.stores import (
+    StoreAddress,
+    StoreLease,
+    open_store,
+    resolve_extra_config,
+)
 from kvlife.engines.vllm.worker import WorkerSide
 
 log = logging.getLogger("kvlife.vllm")
@@ -90,7 +96,8 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        # a kvlife.config file gives the store and the defaults of the other keys
+        extra, file = resolve_extra_config(self._kv_transfer_config.kv_connector_extra_config or {})
         self.block_size = int(vllm_config.cache_config.block_size)
         tpc = _int_option(extra, "kvlife.chunk_tokens", DEFAULT_CHUNK_TOKENS)
         self.facts = facts_from_vllm_config(vllm_config)
@@ -110,7 +117,7 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "fails its request instead of being recomputed",
                 self._kv_transfer_config.kv_load_failure_policy,
             )
-        self.lease: StoreLease = open_store(StoreAddress.from_extra_config(extra))
+        self.lease: StoreLease = open_store(StoreAddress.from_extra_config(extra, file))
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         try:
@@ -125,6 +132,7 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     self.namespaces,
                     block_size=self.block_size,
                     save_decode=bool(extra.get("kvlife.save_decode", True)),
+                    planner=file.planner.cost_model(tpc) if file and file.planner else None,
                 )
             else:
                 from vllm.distributed.parallel_state import (

@@ -11,6 +11,10 @@ store. Two ways to name it:
   process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the ``uni`` executor). When another
   process holds ``P`` the open is refused with :class:`EmbeddedStoreInUse`, which says
   to use ``kvlife serve`` instead.
+- ``{"kvlife.config": F}``: a configuration file (:mod:`kvlife.ops.config`,
+  docs/operations.md): its ``[server]`` socket (served) or its ``[store]`` path with its
+  whole chain (embedded; ``[vllm] store`` chooses when it has both), and its ``[vllm]``
+  table as defaults of the other ``kvlife.*`` keys (:func:`resolve_extra_config`).
 
 Both are used through the public ``KVStore`` API only (lookup, prepare_put, put_async,
 commit_put, abort_put, load_async, counters), so either works.
@@ -23,12 +27,16 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvlife.core.errors import InvalidArgument, StoreLockedError
 from kvlife.core.events import EventSink, LifecycleEvent
 from kvlife.engines.errors import EngineError
 from kvlife.store.api import StoreAPI as _StoreAPI
+from kvlife.store.config import StoreConfig
+
+if TYPE_CHECKING:  # the configuration file's modules are read only when one is named
+    from kvlife.ops.config import KVLifeConfig
 
 MiB = 1 << 20
 DEFAULT_DRAM = 256 * MiB
@@ -59,6 +67,8 @@ class StoreAddress:
     """Embedded store: disk tier budget."""
     write_through: bool = False
     """Embedded store: every put durable on disk before it completes."""
+    store: StoreConfig | None = None
+    """Embedded store: its settings from a configuration file (overrides the sizes)."""
 
     def __post_init__(self) -> None:
         if bool(self.socket) == bool(self.path):
@@ -69,7 +79,16 @@ class StoreAddress:
             )
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any]) -> StoreAddress:
+    def from_extra_config(
+        cls, extra: Mapping[str, Any], config: KVLifeConfig | None = None
+    ) -> StoreAddress:
+        """Where the store is: ``kvlife.socket`` or ``kvlife.path`` as given, else the
+        configuration file's (``config``, from :func:`resolve_extra_config`)."""
+        if config is not None:
+            return cls._from_file(extra, config)
+        if "kvlife.store" in extra:
+            raise InvalidArgument("kvlife.store chooses within kvlife.config: give both")
+
         def size(name: str, default: int) -> int:
             value = extra.get(name, default // MiB)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -86,6 +105,47 @@ class StoreAddress:
             disk_bytes=size("kvlife.disk_mib", DEFAULT_DISK),
             write_through=wt,
         )
+
+    @classmethod
+    def _from_file(cls, extra: Mapping[str, Any], config: KVLifeConfig) -> StoreAddress:
+        sized = sorted(k for k in _SIZED if k in extra)
+        if sized:
+            raise InvalidArgument(
+                f"{', '.join(sized)}: the store's tiers come from kvlife.config "
+                f"({config.source}); set them there"
+            )
+        socket = str(extra.get("kvlife.socket", "") or "")
+        path = str(extra.get("kvlife.path", "") or "")
+        if socket or path:  # named explicitly: over the file's choice
+            return cls(socket=socket, path=path, store=config.store if path else None)
+        mode = extra.get("kvlife.store") or ("served" if config.server else "embedded")
+        if mode == "served":
+            if config.server is None:
+                raise InvalidArgument(f"{config.source}: kvlife.store 'served' needs [server]")
+            sock = config.server.socket or config.store_path() / "serve.sock"
+            return cls(socket=str(sock))
+        if mode != "embedded":
+            raise InvalidArgument(f"kvlife.store must be 'served' or 'embedded', got {mode!r}")
+        return cls(path=str(config.store_path()), store=config.store)
+
+
+_SIZED = ("kvlife.dram_mib", "kvlife.disk_mib", "kvlife.write_through")
+"""Keys that size an embedded store: with a configuration file its chain says."""
+
+
+def resolve_extra_config(
+    extra: Mapping[str, Any],
+) -> tuple[dict[str, Any], KVLifeConfig | None]:
+    """``kv_connector_extra_config`` with the ``[vllm]`` table of its ``kvlife.config``
+    file (if any) as defaults under the keys given, and the file's configuration
+    (:class:`~kvlife.ops.config.ConfigError` listing every error of a bad file)."""
+    name = extra.get("kvlife.config")
+    if not name:
+        return dict(extra), None
+    from kvlife.ops.config import load_file
+
+    config = load_file(str(name))
+    return {**config.connector_extra(), **extra}, config
 
 
 class FanoutSink(EventSink):
@@ -174,13 +234,16 @@ def open_store(address: StoreAddress) -> StoreLease:
 
             sink = FanoutSink()
             try:
-                store = KVStore.open(
-                    path,
-                    dram_bytes=address.dram_bytes,
-                    disk_bytes=address.disk_bytes,
-                    write_through=address.write_through,
-                    sink=sink,
-                )
+                if address.store is not None:
+                    store = KVStore(path, address.store, sink=sink)
+                else:
+                    store = KVStore.open(
+                        path,
+                        dram_bytes=address.dram_bytes,
+                        disk_bytes=address.disk_bytes,
+                        write_through=address.write_through,
+                        sink=sink,
+                    )
             except StoreLockedError as exc:
                 raise EmbeddedStoreInUse(
                     f"kvlife.path {path} is held by another process ({exc}). vLLM runs its "
