@@ -136,9 +136,8 @@ def test_bad_sources_are_refused_before_anything_is_written(
 def test_bad_invalidation_arguments_are_typed(
     tmp_path: Path, kwargs: dict[str, object], match: str
 ) -> None:
-    with _open(tmp_path / "s") as store:
-        with pytest.raises(InvalidArgument, match=match):
-            store.invalidate(**kwargs)  # type: ignore[arg-type]
+    with _open(tmp_path / "s") as store, pytest.raises(InvalidArgument, match=match):
+        store.invalidate(**kwargs)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------- the model
