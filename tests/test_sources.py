@@ -219,15 +219,21 @@ class SourcesMachine(RuleBasedStateMachine):
     )
     def invalidate(self, name: str, how: str, version: int) -> None:
         assert self.store is not None
+        bound = max(1, version)
+
+        def hit(s: Source) -> bool:
+            if how == "all":
+                return s.name == name
+            if how == "before":
+                return s.name == name and s.version < bound
+            return s == Source(name, version)
+
         if how == "all":
             got = self.store.invalidate(source=name)
-            hit = lambda s: s.name == name  # noqa: E731
         elif how == "before":
-            got = self.store.invalidate(source=name, before_version=max(1, version))
-            hit = lambda s: s.name == name and s.version < max(1, version)  # noqa: E731
+            got = self.store.invalidate(source=name, before_version=bound)
         else:
             got = self.store.invalidate(source=Source(name, version))
-            hit = lambda s: s == Source(name, version)  # noqa: E731
         doomed = {k for k, (deps, _, _) in self.chunks.items() if any(hit(s) for s in deps)}
         changed = True
         while changed:  # and every chunk chained after them
@@ -391,7 +397,9 @@ def _room(store: KVStore) -> dict[str, int]:
     """Bytes each tier holds for live replicas (the disk's live frames: a segment's file
     bytes come back when compaction or the seal of an emptied segment reclaims it)."""
     out = {t.name: t.used_bytes for t in store.info().tiers}
-    out["disk"] = int(store.tier("disk").details()["live_bytes"])  # type: ignore[call-overload]
+    live = store.tier("disk").details()["live_bytes"]
+    assert isinstance(live, int)
+    out["disk"] = live
     return out
 
 
