@@ -197,8 +197,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cpus=parse_cpus(args.cpus) if args.cpus else (),
         limits=from_args(args),
         tenants=Path(args.tenants) if args.tenants else None,
+        metrics=_metrics_address(args.metrics),
+        log_json=args.log_json,
     )
     return run(cfg)
+
+
+def _metrics_address(text: str | None) -> tuple[str, int] | None:
+    if text is None:
+        return None
+    from kvlife.server.prometheus import parse_address  # the ops extra, only when asked for
+
+    return parse_address(text)
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from kvlife.apps.top import run_top
+
+    return run_top(args.socket, interval=args.interval, once=args.once)
 
 
 def _fix(path: Path) -> list[str]:
@@ -308,10 +324,29 @@ def build_parser() -> argparse.ArgumentParser:
         "enforced by the store, each in its own keyed namespaces (docs/server.md, "
         "Trust boundary); without it every client of this Unix user is trusted alike",
     )
+    p.add_argument(
+        "--metrics",
+        nargs="?",
+        const="127.0.0.1:0",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics (HOST defaults to "
+        "127.0.0.1; port 0, or no value, picks a free one, named in the start line; "
+        "docs/operations.md)",
+    )
+    p.add_argument(
+        "--log-json", action="store_true", help="log one JSON object per line (default: text)"
+    )
     from kvlife.server.limits import add_flags
 
     add_flags(p)  # every budget a client can make the server hold
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("top", help="live view of a running `kvlife serve` (needs the ops extra)")
+    p.add_argument("--socket", required=True, help="the server's Unix socket")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.set_defaults(func=cmd_top)
 
     p = sub.add_parser(
         "demo",

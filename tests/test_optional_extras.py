@@ -1,6 +1,7 @@
 """The store, the server and the client import without the optional extras' packages
-(redis-py for the remote tiers, mooncake): the vLLM virtualenv installs kvlife without
-them, and an engine that never configures a remote tier must not need them."""
+(redis-py for the remote tiers, mooncake; prometheus-client and rich of the ops extra):
+the vLLM virtualenv installs kvlife without them, and an engine that never configures a
+remote tier, or a server run without ``--metrics``, must not need them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-BLOCKED = ("redis", "mooncake")
+BLOCKED = ("redis", "mooncake", "prometheus_client", "rich")
 MODULES = ("kvlife.store", "kvlife.server.server", "kvlife.client.remote", "kvlife.cli")
 
 

@@ -161,6 +161,13 @@ class RemoteStore(StoreAPI[RemotePendingPut]):
         out: dict[str, Any] = self._wire.call("state", {})
         return out
 
+    def server_stats(self, since: int = 0, events: int = 32) -> dict[str, Any]:
+        """What ``kvlife top`` draws: tiers, counters, sessions, leases, latency
+        histograms and the lifecycle events after sequence number ``since``
+        (:meth:`kvlife.server.session.Session.stats`)."""
+        out: dict[str, Any] = self._wire.call("stats", {"since": since, "events": events})
+        return out
+
     @property
     def counters(self) -> StoreCounters:
         """The server's counters since it opened the store (all clients together)."""

@@ -60,6 +60,12 @@ class EventSink(ABC):
     @abstractmethod
     def emit(self, event: LifecycleEvent) -> None: ...
 
+    def kinds(self) -> frozenset[str] | None:
+        """The moves (:class:`~kvlife.core.lifecycle.Move` values) this sink wants; None:
+        every one. The store builds no event for a move no sink wants, so a sink that
+        wants a few rare moves costs the hot path nothing (asked once, at open)."""
+        return None
+
     def flush(self) -> None:
         """Make emitted events durable or visible (default: nothing to do)."""
 
@@ -72,6 +78,35 @@ class NullSink(EventSink):
 
     def emit(self, event: LifecycleEvent) -> None:
         return None
+
+
+class FanOutSink(EventSink):
+    """Sends every event to each of several sinks, in order (a server's recent-events
+    ring, its log lines, a KV-events publisher)."""
+
+    def __init__(self, *sinks: EventSink) -> None:
+        self.sinks = sinks
+
+    def emit(self, event: LifecycleEvent) -> None:
+        for sink in self.sinks:
+            sink.emit(event)
+
+    def kinds(self) -> frozenset[str] | None:
+        wanted: set[str] = set()
+        for sink in self.sinks:
+            got = sink.kinds()
+            if got is None:
+                return None
+            wanted |= got
+        return frozenset(wanted)
+
+    def flush(self) -> None:
+        for sink in self.sinks:
+            sink.flush()
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 class MemorySink(EventSink):

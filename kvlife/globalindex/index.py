@@ -49,6 +49,7 @@ from kvlife.globalindex.health import REFUSALS, Health
 from kvlife.globalindex.lease import Lease
 from kvlife.globalindex.record import RemoteRecord
 from kvlife.globalindex.rules import InvalidationRule, RuleSync
+from kvlife.ops.logs import log_event
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +325,8 @@ class GlobalIndex:
         self.counters.publishes_refused += 1
         with self._lock:
             self._lease = None  # a refusal means this lease is no good any more
+        # fenced: a structured line (kvlife.ops.logs), counted as publishes_refused
+        log_event(log, "fenced", logging.WARNING, host=self.host, reason=str(exc))
         return LeaseError(f"publication by {self.host} refused: {exc}")
 
     # ------------------------------------------------------------------ epochs and rules

@@ -148,6 +148,8 @@ VERBS: dict[str, dict[str, Field]] = {
     "counters": {},
     "check": {},
     "state": {},
+    # kvlife top: the events after sequence number `since`, at most `events` of them
+    "stats": {"since": Field("int", _OPT, 0, _MAX_ID), "events": Field("int", _OPT, 0, 256)},
 }
 """Every verb and its arguments."""
 

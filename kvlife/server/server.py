@@ -8,8 +8,11 @@ connections proceed in parallel. Every frame is decoded and validated
 (:mod:`kvlife.server.protocol`) before use; a bad one gets a typed error reply and the
 connection goes on (an oversized length ends it: the stream cannot be resynchronised).
 SIGTERM or SIGINT stops it: connections are closed (their leases released), the store
-is flushed and closed, the socket, arena and pid file removed. One log line per start,
-recovery and stop.
+is flushed and closed, the socket, arena and pid file removed. One structured log line
+(:mod:`kvlife.ops.logs`, logger ``kvlife.serve``; JSON with ``--log-json``) per start,
+recovery, quarantine and stop, and per object caught corrupt or lost. With ``--metrics
+HOST:PORT`` the server exports Prometheus metrics (:mod:`kvlife.server.prometheus`) and its
+start line names the URL; the ``stats`` verb answers ``kvlife top``.
 
 Nothing a client does ends the server: connections beyond ``--max-connections``, or
 beyond the descriptors left after ``--fd-reserve``, are shed (a typed error reply, then
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import resource
 import signal
@@ -33,7 +37,7 @@ import time
 import traceback
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING
 
 from kvlife.core.errors import (
     InvalidArgument,
@@ -42,7 +46,10 @@ from kvlife.core.errors import (
     ProtocolError,
     RemoteError,
 )
+from kvlife.core.events import EventSink, FanOutSink
 from kvlife.core.identity import digest_bytes
+from kvlife.ops.live import LiveFigures
+from kvlife.ops.logs import LogSink, log_event
 from kvlife.server import protocol
 from kvlife.server.context import UNKNOWN_PEER, PartSender, Peer
 from kvlife.server.limits import Account, Limits
@@ -53,6 +60,9 @@ from kvlife.store.facade import KVStore
 from kvlife.tenancy.policy import Tenancy
 from kvlife.tenancy.principals import load_config
 from kvlife.tiers.shm import SHM_DIR, ShmTier
+
+if TYPE_CHECKING:
+    from kvlife.server.prometheus import MetricsServer
 
 DEFAULT_SOCKET = "serve.sock"
 MAX_SOCKET_PATH = 107
@@ -95,6 +105,11 @@ class ServeConfig:
     """The principals' configuration (TOML, :mod:`kvlife.tenancy.principals`): tenants
     enforced by the store. None: every client of the server's Unix user is trusted alike
     (the socket is then 0600; with principals it is 0666 and each peer is mapped)."""
+    metrics: tuple[str, int] | None = None
+    """Serve Prometheus metrics on ``http://HOST:PORT/metrics`` (port 0: a free one;
+    None: no metrics)."""
+    log_json: bool = False
+    """Log lines as JSON objects (:mod:`kvlife.ops.logs`)."""
 
     @property
     def socket_path(self) -> Path:
@@ -139,8 +154,8 @@ def _remove_stale_arenas(shm_dir: Path, prefix: str) -> None:
             f.unlink()
 
 
-def open_store(cfg: ServeConfig) -> KVStore:
-    """The store with its first tier in shared memory."""
+def open_store(cfg: ServeConfig, sink: EventSink | None = None) -> KVStore:
+    """The store with its first tier in shared memory; ``sink``: its lifecycle events."""
     if cfg.dram_bytes <= 0:
         raise InvalidArgument("kvlife serve needs a DRAM tier (--dram-bytes > 0)")
     base = StoreConfig(
@@ -170,19 +185,21 @@ def open_store(cfg: ServeConfig) -> KVStore:
         verify_dram_on_load=cfg.verify_dram_on_load,
         tenant_shares=shares,
     )
-    return KVStore(cfg.path, config)
+    return KVStore(cfg.path, config, sink=sink)
 
 
 class Server:
     """The listener and one thread per connection."""
 
-    def __init__(
-        self, cfg: ServeConfig, log: TextIO = sys.stderr, stop: threading.Event | None = None
-    ) -> None:
+    def __init__(self, cfg: ServeConfig, stop: threading.Event | None = None) -> None:
         """``stop``: set to stop serving (the signal handlers' event, installed before
-        the pid file announces the server)."""
+        the pid file announces the server). Its lines go to the ``kvlife.serve`` logger
+        (:func:`run` configures where they are written)."""
         self.cfg = cfg
-        self._log = log
+        self._log = logging.getLogger("kvlife.serve")
+        self.live = LiveFigures()
+        """Request latencies and recent lifecycle events (``stats``, metrics)."""
+        self.metrics: MetricsServer | None = None
         self._stop = stop if stop is not None else threading.Event()
         self._conns: dict[int, socket.socket] = {}
         self._threads: list[threading.Thread] = []
@@ -192,14 +209,11 @@ class Server:
         cfg.path.mkdir(parents=True, exist_ok=True)
         # lock first (inside KVStore), then clean up what a dead server left
         prefix = arena_prefix(cfg.path)
-        self.store = _open_with_cleanup(cfg, prefix)
+        sink = FanOutSink(self.live.events, LogSink(tenants=cfg.tenants is not None))
+        self.store = _open_with_cleanup(cfg, prefix, sink)
         shm = self.store.tier(self.store.tier_names[0])
         assert isinstance(shm, ShmTier)
-        c = self.store.counters
-        self.log(
-            f"recovery store={cfg.path} recovered={c.recovered} dropped={c.recovery_dropped} "
-            f"objects={len(self.store.indexed_keys())}"
-        )
+        self._log_recovery()
         self._spare: int | None = None
         try:
             self.listener = self._listen(cfg.socket_path)
@@ -209,27 +223,66 @@ class Server:
             nofile, fds = _descriptors(cfg.limits)
             tenancy = Tenancy.open(cfg.path, cfg.tenants) if cfg.tenants is not None else None
             self.state = ServerState(
-                self.store, shm, str(cfg.socket_path), cfg.limits, fds, tenancy
+                self.store, shm, str(cfg.socket_path), cfg.limits, fds, tenancy, self.live
             )
+            if cfg.metrics is not None:
+                from kvlife.server.prometheus import serve, server_registry
+
+                self.metrics = serve(server_registry(self.state, self.live), *cfg.metrics)
             if cfg.pid_file is not None:
                 _write_pid_file(cfg.pid_file)
         except BaseException:
+            if self.metrics is not None:
+                self.metrics.close()
             if self._spare is not None:
                 os.close(self._spare)
             self.store.close(flush=False)  # releases the lock, removes the arena
             raise
         self._last_accept_log = 0.0
         self.log(
-            f"start pid={os.getpid()} store={cfg.path} socket={cfg.socket_path} "
-            f"arena={shm.arena.path} huge_pages={'yes' if shm.arena.huge_pages else 'no'} "
-            f"cpus={','.join(map(str, sorted(os.sched_getaffinity(0))))} "
-            f"dram_bytes={cfg.dram_bytes} disk_bytes={cfg.disk_bytes} "
-            f"nofile={nofile} client_fds={fds} max_connections={cfg.limits.max_connections}"
+            "start",
+            pid=os.getpid(),
+            store=cfg.path,
+            socket=cfg.socket_path,
+            arena=shm.arena.path,
+            huge_pages="yes" if shm.arena.huge_pages else "no",
+            cpus=",".join(map(str, sorted(os.sched_getaffinity(0)))),
+            dram_bytes=cfg.dram_bytes,
+            disk_bytes=cfg.disk_bytes,
+            nofile=nofile,
+            client_fds=fds,
+            max_connections=cfg.limits.max_connections,
+            metrics=self.metrics.url if self.metrics is not None else "off",
         )
 
-    def log(self, line: str) -> None:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        print(f"{stamp} kvlife serve: {line}", file=self._log, flush=True)
+    def log(self, event: str, level: int = logging.INFO, **fields: object) -> None:
+        """One structured line (:mod:`kvlife.ops.logs`)."""
+        log_event(self._log, event, level, **fields)
+
+    def _log_recovery(self) -> None:
+        """What the open recovered and set aside: a ``recovery`` line, and a
+        ``quarantine`` line when rows or segment files were quarantined."""
+        c = self.store.counters
+        self.log(
+            "recovery",
+            store=self.cfg.path,
+            recovered=c.recovered,
+            dropped=c.recovery_dropped,
+            objects=len(self.store.indexed_keys()),
+        )
+        for name in self.store.tier_names:
+            details = self.store.tier(name).details()
+            rows = details.get("recovery_dropped", 0)
+            segments = details.get("segments_quarantined", 0)
+            if rows or segments:  # found at this open (rows_held: every open's)
+                self.log(
+                    "quarantine",
+                    logging.WARNING,
+                    tier=name,
+                    rows=rows,
+                    segments=segments,
+                    rows_held=details.get("rows_quarantined", 0),
+                )
 
     def _listen(self, path: Path) -> socket.socket:
         if path.exists() or path.is_symlink():
@@ -322,7 +375,7 @@ class Server:
         now = time.monotonic()
         if now - self._last_accept_log > 10:
             self._last_accept_log = now
-            self.log(f"accept failed ({exc}); shedding connections (counted: accept_errors)")
+            self.log("accept_failed", logging.WARNING, error=exc, counted="accept_errors")
         if exc.errno in (errno.EMFILE, errno.ENFILE) and self._spare is not None:
             os.close(self._spare)
             self._spare = None
@@ -382,7 +435,7 @@ class Server:
             try:
                 self.state.close_session(session)
             except Exception as exc:  # the store is closing under us; logged, not raised
-                self.log(f"session {session.sid} cleanup failed: {exc}")
+                self.log("session_cleanup_failed", logging.ERROR, session=session.sid, error=exc)
 
     def _dispatch(self, session: Session, body: bytes) -> bytes | None:
         """The reply to one frame: none for a request of rid 0 (success or failure);
@@ -397,13 +450,17 @@ class Server:
             return protocol.error_reply(peek_rid(body), exc)
         except ProtocolError as exc:  # not a request: no rid to answer
             return protocol.error_reply(0, exc)
+        began = time.perf_counter()
         try:
             result = session.handle(req.verb, req.args, req.rid)
+            self.state.live.observe(req.verb, time.perf_counter() - began)
         except KVLifeError as exc:
             return self._error(req.rid, exc)
         except Exception as exc:  # a bug: logged, reported, and the server keeps serving
             self.state.count("internal_errors")
-            self.log(f"internal error: {exc!r}\n{traceback.format_exc()}")
+            self.log(
+                "internal_error", logging.ERROR, error=repr(exc), traceback=traceback.format_exc()
+            )
             return self._error(req.rid, RemoteError(f"{type(exc).__name__}: {exc}"))
         return protocol.ok_reply(req.rid, result) if req.rid else None
 
@@ -414,6 +471,8 @@ class Server:
         return protocol.error_reply(rid, exc)
 
     def _shutdown(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         with contextlib.suppress(OSError):
             self.listener.close()
         with contextlib.suppress(OSError):
@@ -438,7 +497,7 @@ class Server:
             if self.cfg.pid_file is not None:
                 with contextlib.suppress(OSError):
                     self.cfg.pid_file.unlink()
-            self.log(f"stop pid={os.getpid()} store={self.cfg.path} flushed={flushed}")
+            self.log("stop", pid=os.getpid(), store=self.cfg.path, flushed=flushed)
 
 
 def _shed(conn: socket.socket, exc: KVLifeError) -> None:
@@ -511,7 +570,7 @@ def _part_sender(conn: socket.socket) -> PartSender:
     return send
 
 
-def _open_with_cleanup(cfg: ServeConfig, prefix: str) -> KVStore:
+def _open_with_cleanup(cfg: ServeConfig, prefix: str, sink: EventSink | None) -> KVStore:
     from kvlife.store.lock import drop_dir_lock, take_dir_lock
 
     # take the lock once to learn that no other server lives, clean up, then open
@@ -520,7 +579,7 @@ def _open_with_cleanup(cfg: ServeConfig, prefix: str) -> KVStore:
         _remove_stale_arenas(cfg.shm_dir, prefix)
     finally:
         drop_dir_lock(cfg.path, fh)
-    return open_store(cfg)
+    return open_store(cfg, sink)
 
 
 def run(cfg: ServeConfig) -> int:
@@ -533,8 +592,14 @@ def run(cfg: ServeConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server = Server(cfg, stop=stop)
-    server.serve_forever()
+    from kvlife.ops.logs import configure
+
+    logs = configure(sys.stderr, json_lines=cfg.log_json)
+    try:
+        server = Server(cfg, stop=stop)
+        server.serve_forever()
+    finally:
+        logs.close()
     return 0
 
 

@@ -41,12 +41,14 @@ import dataclasses
 import gc
 import itertools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from kvlife.core.errors import InvalidArgument, NotPermitted, ProtocolError
 from kvlife.core.identity import KEY_BYTES, ChunkKey, Namespace
 from kvlife.core.sources import Source
+from kvlife.ops.live import LATENCY_BOUNDS, LiveFigures
 from kvlife.server import protocol
 from kvlife.server.context import UNKNOWN_PEER, PartSender, Peer, SessionContext
 from kvlife.server.identities import IdentityCache
@@ -72,8 +74,13 @@ class ServerState:
         limits: Limits | None = None,
         descriptors: int = INFINITE,
         tenancy: Tenancy | None = None,
+        live: LiveFigures | None = None,
     ) -> None:
         self.store = store
+        self.live = live if live is not None else LiveFigures()
+        """Request latencies and recent lifecycle events (the ``stats`` verb; fed by the
+        server, and by the store's event sink when it was opened with
+        ``live.events``)."""
         self.tenancy = tenancy
         """Principals, scopes and their counters (None: one trusted tenant)."""
         self.shm = shm
@@ -205,6 +212,7 @@ class Session:
             "counters": self.counters,
             "check": self.check,
             "state": self.state,
+            "stats": self.stats,
         }
 
     def handle(self, verb: str, args: dict[str, Any], rid: int = 0) -> object:
@@ -382,6 +390,52 @@ class Session:
         if self.server.tenancy is not None and not self.ctx.tenant().admin:
             return self._tenant_info()["server"]
         return self.server.snapshot()
+
+    def stats(self, args: dict[str, Any]) -> object:
+        """What ``kvlife top`` draws, cheap enough to ask every second (no audit, no
+        collection, no pass over the index): the tiers' figures, the counters since
+        open, sessions and leases, the latency histograms (bucket bounds and counts) and
+        the lifecycle events after sequence number ``since`` (the last ``events`` of
+        them, 32 by default). The whole store's: an admin's verb on a server with
+        principals."""
+        server = self.server
+        store = server.store
+        with server.lock:
+            sessions = list(server.sessions.values())
+        events = server.live.events.after(args.get("since", 0), args.get("events", 32))
+        return {
+            "time": time.time(),
+            "tiers": [
+                {
+                    "name": name,
+                    "capacity_bytes": tier.capacity_bytes,
+                    "used_bytes": tier.used_bytes,
+                }
+                for name, tier in ((n, store.tier(n)) for n in store.tier_names)
+            ],
+            "counters": store.counters.as_dict(),
+            "sessions": len(sessions),
+            "leases": {
+                "load": sum(len(s.loads.grants) for s in sessions),
+                "put": sum(len(s.puts.pending) for s in sessions),
+            },
+            "latency_bounds": list(LATENCY_BOUNDS),
+            "latency": server.live.latencies(),
+            "events": [
+                {
+                    "seq": e.seq,
+                    "time": e.time,
+                    "kind": e.kind,
+                    "key": e.key,
+                    "state": e.state,
+                    "tier": e.tier,
+                    "dst_tier": e.dst_tier,
+                    "nbytes": e.nbytes,
+                    "reason": e.reason,
+                }
+                for e in events
+            ],
+        }
 
     def _tenant_info(self) -> dict[str, Any]:
         principal = self.ctx.tenant()

@@ -144,6 +144,14 @@ class KVStore(StoreAPI[PendingPut]):
     def info(self) -> StoreInfo:
         return metrics.info(self._core, self._open.lifetime_base)
 
+    def namespace_figures(
+        self, label: Callable[[str], str] = str
+    ) -> tuple[dict[str, tuple[dict[str, int], dict[str, int], dict[str, int]]], int]:
+        """Per namespace (``label`` of its text, for exporters that aggregate): objects
+        by state, their bytes by state, their replicas' bytes per tier; and the
+        TENTATIVE objects (:func:`kvlife.store.metrics.by_namespace`)."""
+        return metrics.by_namespace(self._core, label)
+
     def share_figures(self) -> dict[str, dict[str, dict[str, int]]]:
         """Quotas (:attr:`StoreConfig.tenant_shares`): each tier with shares -> tenant ->
         its ``share`` and ``used`` bytes, resident ``keys`` and ``evicted`` objects

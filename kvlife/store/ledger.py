@@ -18,6 +18,9 @@ class Ledger:
     def __init__(self, sink: EventSink | None) -> None:
         self.sink: EventSink = sink if sink is not None else NullSink()
         self._emitting = not isinstance(self.sink, NullSink)
+        kinds = self.sink.kinds()
+        self._wanted = None if kinds is None else frozenset(m for m in Move if m.value in kinds)
+        """The moves the sink wants (None: all): no event is built for another."""
         self._seq = 0
         self.tentative = 0
         self.counters = StoreCounters()
@@ -43,7 +46,7 @@ class Ledger:
             elif old_state is ObjectState.TENTATIVE:
                 self.tentative -= 1
         rec.state = new_state
-        if not self._emitting:
+        if not self._emitting or (self._wanted is not None and move not in self._wanted):
             return
         with self._emit_lock:
             self._seq += 1

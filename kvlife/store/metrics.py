@@ -3,6 +3,8 @@ counters kept by a tier that persists them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvlife.core.lifecycle import ObjectState
 from kvlife.core.objects import TierName
 from kvlife.results import StoreInfo, TierInfo
@@ -71,3 +73,34 @@ def _transform_of(core: StoreCore, tier: str) -> dict[str, object]:
     if t is None:
         return {}
     return {"transform": t.name, "transform_params": dict(t.params())}
+
+
+def by_namespace(
+    core: StoreCore, label: Callable[[str], str]
+) -> tuple[dict[str, tuple[dict[str, int], dict[str, int], dict[str, int]]], int]:
+    """Per namespace label (``label`` of each object's namespace text: a metrics
+    exporter aggregates there): objects by state, their bytes by state, and the bytes
+    of their replicas in each tier; and the TENTATIVE objects (the ledger's count, in
+    no namespace's figures). One pass over the index under the lock, as :func:`info`."""
+    core.check_open()
+    out: dict[str, tuple[dict[str, int], dict[str, int], dict[str, int]]] = {}
+    labels: dict[str, str] = {}
+    with core.lock:
+        for rec in core.index:
+            state = rec.state
+            if state is None or state is ObjectState.TENTATIVE:
+                continue
+            text = rec.info.namespace
+            name = labels.get(text)
+            if name is None:
+                name = labels[text] = label(text)
+            got = out.get(name)
+            if got is None:
+                got = out[name] = ({}, {}, {})
+            objects, nbytes, tiers = got
+            objects[state.value] = objects.get(state.value, 0) + 1
+            nbytes[state.value] = nbytes.get(state.value, 0) + rec.nbytes
+            for tier, rep in rec.replicas.items():
+                tiers[tier] = tiers.get(tier, 0) + rep.nbytes
+        tentative = core.ledger.tentative
+    return out, tentative

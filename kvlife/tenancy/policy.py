@@ -13,8 +13,8 @@ from kvlife.tenancy.principals import TenancyConfig, load_config
 from kvlife.tenancy.scopes import Scopes
 from kvlife.tenancy.secret import store_secret
 
-ADMIN_VERBS = frozenset({"evict", "flush", "drain", "check"})
-"""Verbs that act on the whole store: an admin principal's only (``state``, ``info`` and
+ADMIN_VERBS = frozenset({"evict", "flush", "drain", "check", "stats"})
+"""Verbs that act on (or show) the whole store: an admin principal's only (``state``, ``info`` and
 ``counters`` answer a tenant with its own figures instead)."""
 
 WITHHELD = ChunkKey(digest_bytes(b"kvlife.tenancy.withheld"))

@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from kvlife.core.events import EventSink
 from kvlife.server import server as srv
 from kvlife.store import KVStore, StoreConfig, TierSpec
 
@@ -31,7 +32,7 @@ def main() -> int:
         transform=str(spec.get("transform", "")),
     )
 
-    def open_store(cfg: srv.ServeConfig) -> KVStore:
+    def open_store(cfg: srv.ServeConfig, sink: EventSink | None = None) -> KVStore:
         arena = cfg.shm_dir / f"{srv.arena_prefix(cfg.path)}-{os.getpid()}"
         shm = TierSpec(
             "shm",
@@ -39,7 +40,7 @@ def main() -> int:
             cfg.dram_bytes,
             options=(("arena_path", str(arena)), ("staging_bytes", cfg.staging_bytes)),
         )
-        return KVStore(cfg.path, StoreConfig(tiers=(shm, shared)))
+        return KVStore(cfg.path, StoreConfig(tiers=(shm, shared)), sink=sink)
 
     srv.open_store = open_store
     cfg = srv.ServeConfig(

@@ -61,6 +61,7 @@ VALID: dict[str, dict[str, Any]] = {
     "flush": {},
     "info": {},
     "state": {},
+    "stats": {"since": 0, "events": 8},
 }
 
 
@@ -184,6 +185,11 @@ def _mutate(data: st.DataObject, verb: str) -> dict[str, Any]:
         }
     elif verb == "invalidate":
         args = {"namespace": data.draw(st.sampled_from(["user:x", "bad", "public"]))}
+    elif verb == "stats":
+        args = {
+            "since": data.draw(st.integers(0, 2**63 - 1)),
+            "events": data.draw(st.integers(0, 256)),
+        }
     return args
 
 
