@@ -84,6 +84,7 @@ TIER_COUNTERS: dict[str, tuple[str, str]] = {
     "bytes_loaded": ("tier_loaded_bytes", "bytes served to loads from this tier"),
     "stored": ("tier_stored_replicas", "replicas written into this tier"),
     "evictions": ("tier_evictions", "replicas evicted from this tier to make room"),
+    "invalidated_bytes": ("tier_invalidated_bytes", "bytes this tier gave back to invalidations"),
 }
 """Every TierCounters field -> (metric name without ``kvlife_``/``_total``, labelled by
 tier, help)."""
