@@ -33,6 +33,7 @@ from kvlife.client.puts import Puts
 from kvlife.client.wire import Wire
 from kvlife.core.errors import StoreUnavailable
 from kvlife.core.objects import PromptRef, TierName
+from kvlife.core.sources import MAX_VERSION
 from kvlife.results import LoadResult, LookupResult, PutResult, StoreCounters, StoreInfo, TierInfo
 from kvlife.store import args
 from kvlife.store.api import Criteria, Outs, StoreAPI
@@ -85,12 +86,19 @@ class RemoteStore(StoreAPI[RemotePendingPut]):
         return self._loads.load_async(lookup, outs, request_id)
 
     def _invalidate(self, criteria: Criteria) -> int:
-        wire = {
+        wire: dict[str, object] = {
             "weights_digest": criteria.weights_digest,
             "adapter_id": criteria.adapter_id,
             "namespace": None if criteria.namespace is None else str(criteria.namespace),
             "prefix": None if criteria.prefix is None else bytes(criteria.prefix),
+            "source": criteria.source,
+            "model": criteria.model,
+            "keep_weights_digest": criteria.keep_weights_digest,
         }
+        if criteria.source is not None and criteria.versions is not None:
+            lo, hi = criteria.versions
+            wire["source_lo"] = lo or None  # 0: the default
+            wire["source_hi"] = hi if hi < MAX_VERSION else None
         n: int = self._wire.call("invalidate", {k: v for k, v in wire.items() if v is not None})
         return n
 

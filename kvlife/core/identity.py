@@ -13,6 +13,15 @@ Canonical encoding of a chunk key (all integers little-endian)::
     | parent key (32, zeros for the first chunk) | start position (u64)
     | token count (u32) | token ids (u32 each) | extra-key count (u32)
     | per extra key: length (u32) + bytes
+    [ | b"kvlife.sources.v1\0" | sources digest (32) ]
+
+The sources section is there only for a chunk that depends on upstream sources
+(:mod:`kvlife.core.sources`: every span of the prompt that starts before the chunk's
+end); its digest is :func:`~kvlife.core.sources.sources_digest` of that sorted set.
+A chunk of a prompt declared without sources keeps the key of format v1, and the
+section follows the length-prefixed extra keys, so no choice of extra keys can make
+a key without sources equal one with them. A new version of any source a chunk
+depends on gives it a new key: a lookup never meets KV of the old version.
 
 The namespace salt is BLAKE3 of ``msgpack(["kvlife.namespace.v1", kind, name])``; on a
 server with principals it is BLAKE3 in keyed mode over the same bytes, keyed with the
@@ -34,6 +43,14 @@ import msgpack
 import numpy as np
 
 from kvlife.core.errors import InvalidArgument
+from kvlife.core.sources import (
+    SOURCES_TAG,
+    Source,
+    SourceSpan,
+    check_spans,
+    chunk_sources,
+    sources_digest,
+)
 
 ChunkKey = NewType("ChunkKey", bytes)
 """32-byte BLAKE3 digest naming one chunk of KV."""
@@ -339,8 +356,10 @@ def chunk_key(
     start: int,
     tokens: Sequence[int] | np.ndarray,
     extra_keys: Sequence[bytes] = (),
+    sources: Sequence[Source] = (),
 ) -> ChunkKey:
-    """Key of one chunk (see the module docstring for the encoding)."""
+    """Key of one chunk (see the module docstring for the encoding); ``sources``: the
+    sources the chunk depends on (:func:`~kvlife.core.sources.dependent`)."""
     if len(identity_digest) != KEY_BYTES or len(namespace_salt) != KEY_BYTES:
         raise InvalidArgument("identity digest and namespace salt must be 32 bytes")
     if len(parent) != KEY_BYTES:
@@ -348,7 +367,13 @@ def chunk_key(
     if start < 0:
         raise InvalidArgument(f"chunk start position must be >= 0, got {start}")
     tb = token_bytes(tokens)
-    return _key_from_parts(identity_digest + namespace_salt, parent, start, tb, _extras(extra_keys))
+    extras = _extras(extra_keys) + _sources_section(tuple(sorted(set(sources))))
+    return _key_from_parts(identity_digest + namespace_salt, parent, start, tb, extras)
+
+
+def _sources_section(sources: tuple[Source, ...]) -> bytes:
+    """The key's sources section: empty for a chunk that depends on none."""
+    return SOURCES_TAG + sources_digest(sources) if sources else b""
 
 
 def _key_from_parts(prefix: bytes, parent: bytes, start: int, tb: bytes, extras: bytes) -> ChunkKey:
@@ -366,8 +391,13 @@ def prompt_chunk_keys(
     start: int | np.integer[Any] = 0,
     parent: bytes = ROOT_PARENT,
     extra_keys: Sequence[bytes] = (),
+    sources: Sequence[SourceSpan] = (),
 ) -> list[ChunkKey]:
     """Keys of every full chunk of ``tokens``, prefix-chained from ``parent``.
+
+    ``sources``: the spans of the prompt's upstream sources, in absolute positions (the
+    coordinates of ``start``; spans before ``start`` count too): each chunk's key hashes
+    the sources of every span that starts before the chunk's end.
 
     ``start`` is the absolute position of ``tokens[0]``. A trailing partial chunk gets
     no key: kvlife stores and looks up full chunks only. ``extra_keys`` apply to every
@@ -375,6 +405,7 @@ def prompt_chunk_keys(
     InvalidArgument naming the argument.
     """
     pos = _check_prompt_args(identity, namespace, start, parent, extra_keys)
+    spans = check_spans(sources)
     tb = token_bytes(tokens)
     n = identity.layout.tokens_per_chunk
     step = 4 * n
@@ -390,7 +421,20 @@ def prompt_chunk_keys(
     hasher = blake3.blake3
     key = bytes(parent)
     keys: list[ChunkKey] = []
-    for i in range(len(tb) // step):
+    count = len(tb) // step
+    if spans:
+        per_chunk = chunk_sources(spans, pos, count, n)
+        sections: dict[int, bytes] = {}  # by id of the (shared) tuple of a run of chunks
+        for i in range(count):
+            deps = per_chunk[i]
+            tail = sections.get(id(deps))
+            if tail is None:
+                tail = sections[id(deps)] = extras + _sources_section(deps)
+            part = tokens_mv[i * step : (i + 1) * step]
+            key = hasher(join((head, key, pack_u64(pos + i * n), count_field, part, tail))).digest()
+            keys.append(ChunkKey(key))
+        return keys
+    for i in range(count):
         part = tokens_mv[i * step : (i + 1) * step]
         key = hasher(join((head, key, pack_u64(pos + i * n), count_field, part, extras))).digest()
         keys.append(ChunkKey(key))

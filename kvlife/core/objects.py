@@ -14,6 +14,7 @@ import numpy as np
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ROOT_PARENT, ChunkKey, ModelIdentity, Namespace, prompt_chunk_keys
 from kvlife.core.lifecycle import ObjectState
+from kvlife.core.sources import Source, SourceSpan, chunk_sources
 
 TierName = NewType("TierName", str)
 """Name of one tier of a store's chain (``dram``, ``disk``, ...)."""
@@ -24,7 +25,8 @@ _INFO_VERSION = 1
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
     """Identity fields of one object, persisted with every durable replica so that a
-    restarted store can invalidate by model version, adapter or namespace."""
+    restarted store can invalidate by model version, adapter, namespace or upstream
+    source."""
 
     identity_digest: bytes
     """Digest of the model identity the KV was computed with."""
@@ -41,24 +43,27 @@ class ObjectInfo:
     ntokens: int
     """Tokens in the chunk."""
     model_id: str = ""
-    """Model name, for reports."""
+    """Model name (``ModelIdentity.model_id``): reports, and invalidation of a model's
+    other weights versions."""
+    sources: tuple[Source, ...] = ()
+    """The upstream sources the chunk's KV depends on (sorted, no repeats): those of
+    every span of its prompt that starts before the chunk's end. Hashed into its key."""
 
     def encode(self) -> bytes:
-        return bytes(
-            msgpack.packb(
-                [
-                    _INFO_VERSION,
-                    self.identity_digest,
-                    self.weights_digest,
-                    self.adapter_id,
-                    self.namespace,
-                    bytes(self.parent),
-                    self.start,
-                    self.ntokens,
-                    self.model_id,
-                ]
-            )
-        )
+        fields: list[object] = [
+            _INFO_VERSION,
+            self.identity_digest,
+            self.weights_digest,
+            self.adapter_id,
+            self.namespace,
+            bytes(self.parent),
+            self.start,
+            self.ntokens,
+            self.model_id,
+        ]
+        if self.sources:  # appended only when set: records without keep their bytes
+            fields.append([[s.name, s.version] for s in self.sources])
+        return bytes(msgpack.packb(fields))
 
     @classmethod
     def decode(cls, data: bytes) -> ObjectInfo:
@@ -66,7 +71,16 @@ class ObjectInfo:
             v = msgpack.unpackb(data)
             if not isinstance(v, list) or v[0] != _INFO_VERSION:
                 raise ValueError(f"unknown object-info version {v[0] if v else None!r}")
-            return cls(v[1], v[2], v[3], v[4], ChunkKey(v[5]), v[6], v[7], v[8])
+            if len(v) not in (9, 10):
+                raise ValueError(f"object info of {len(v)} fields")
+            sources: tuple[Source, ...] = ()
+            if len(v) == 10:
+                if not isinstance(v[9], list) or not v[9]:
+                    raise ValueError("object info sources must be a non-empty list")
+                sources = tuple(Source(name, version) for name, version in v[9])
+                if list(sources) != sorted(set(sources)):
+                    raise ValueError("object info sources are not sorted and unique")
+            return cls(v[1], v[2], v[3], v[4], ChunkKey(v[5]), v[6], v[7], v[8], sources)
         except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
             raise InvalidArgument(f"undecodable object info: {exc}") from exc
 
@@ -77,6 +91,7 @@ class ObjectInfo:
         namespace: Namespace,
         parent: ChunkKey,
         start: int,
+        sources: tuple[Source, ...] = (),
     ) -> ObjectInfo:
         return cls(
             identity.digest,
@@ -87,6 +102,7 @@ class ObjectInfo:
             start,
             identity.layout.tokens_per_chunk,
             identity.model_id,
+            sources,
         )
 
 
@@ -343,6 +359,10 @@ class PromptRef:
     """Key of the chunk before ``tokens[0]`` (zeros at the start of a sequence)."""
     extra_keys: Sequence[bytes] = ()
     """Extra identity per chunk (e.g. a multimodal input digest)."""
+    sources: Sequence[SourceSpan] = ()
+    """Where the prompt's tokens came from (absolute positions, as ``start``): each
+    chunk depends on, and its key hashes, the sources of the spans that start before
+    its end (:mod:`kvlife.core.sources`)."""
 
     def keys(self) -> list[ChunkKey]:
         """Keys of every full chunk, prefix-chained (validates the arguments)."""
@@ -353,7 +373,15 @@ class PromptRef:
             start=self.start,
             parent=self.parent,
             extra_keys=self.extra_keys,
+            sources=self.sources,
         )
+
+    def chunk_sources(self, chunks: int) -> list[tuple[Source, ...]]:
+        """The sources each of the first ``chunks`` chunks depends on (what its record
+        keeps; empty tuples for a prompt without sources)."""
+        if not self.sources:
+            return [()] * chunks
+        return chunk_sources(self.sources, self.start, chunks, self.tokens_per_chunk)
 
     @property
     def tokens_per_chunk(self) -> int:

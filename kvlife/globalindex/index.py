@@ -27,6 +27,7 @@ Rules are handed to the store until it says it applied them (at-least-once).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -474,13 +475,28 @@ class GlobalIndex:
         weights_digest: str | None = None,
         prefix: bytes | None = None,
         reason: str = "",
+        source: str | None = None,
+        versions: tuple[int, int] | None = None,
+        model: str | None = None,
+        keep_weights_digest: str | None = None,
     ) -> InvalidationRule:
         """Record a global invalidation under a fresh epoch (validated first: a rule no
         host could apply is refused here, InvalidArgument; so is one from a host whose
         bucket count is not the index's, IndexMismatch, recording nothing); every host
         stops serving what it covers at its next lookup."""
         ns = str(namespace) if isinstance(namespace, Namespace) else namespace
-        probe = InvalidationRule(1, ns, adapter_id, weights_digest, prefix, reason)  # validates
+        probe = InvalidationRule(  # validates
+            1,
+            ns,
+            adapter_id,
+            weights_digest,
+            prefix,
+            reason,
+            source=source,
+            versions=versions,
+            model=model,
+            keep_weights_digest=keep_weights_digest,
+        )
         try:
             inc, buckets, epoch = self.health.call(
                 "record invalidation",
@@ -500,9 +516,7 @@ class GlobalIndex:
         inc = _text(inc)
         with self._lock:
             self._observe(inc, buckets)
-            rule = InvalidationRule(
-                int(epoch), ns, adapter_id, weights_digest, probe.prefix, reason, inc
-            )
+            rule = dataclasses.replace(probe, epoch=int(epoch), incarnation=inc)
             self._rules[rule.epoch] = rule
             self._epoch = max(self._epoch, rule.epoch)
         return rule

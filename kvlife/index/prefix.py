@@ -1,6 +1,6 @@
-"""The in-memory index of objects: by key, by parent (prefix tree), by model version,
-adapter and namespace, so that lookups are dict probes and invalidation finds its victims
-without a scan.
+"""The in-memory index of objects: by key, by parent (prefix tree), by model, model
+version, adapter, namespace and upstream source name, so that lookups are dict probes
+and invalidation finds its victims without a scan.
 
 The prefix tree is gap-safe: the edge from a parent to a child outlives both records, so
 "this chunk and every chunk chained after it" reaches chunks behind a missing one (a
@@ -32,6 +32,9 @@ class ObjectIndex:
         self._by_weights: defaultdict[str, set[ChunkKey]] = defaultdict(set)
         self._by_adapter: defaultdict[str, set[ChunkKey]] = defaultdict(set)
         self._by_namespace: defaultdict[str, set[ChunkKey]] = defaultdict(set)
+        self._by_model: defaultdict[str, set[ChunkKey]] = defaultdict(set)
+        self._by_source: defaultdict[str, set[ChunkKey]] = defaultdict(set)
+        """source name -> keys of the records that depend on it (at any version)."""
 
     def add(self, rec: ObjectRecord) -> None:
         self._records[rec.key] = rec
@@ -43,6 +46,9 @@ class ObjectIndex:
         if info.adapter_id:
             self._by_adapter[info.adapter_id].add(rec.key)
         self._by_namespace[info.namespace].add(rec.key)
+        self._by_model[info.model_id].add(rec.key)
+        for source in info.sources:
+            self._by_source[source.name].add(rec.key)
 
     def remove(self, key: ChunkKey) -> ObjectRecord | None:
         rec = self._records.pop(key, None)
@@ -52,6 +58,9 @@ class ObjectIndex:
         _discard(self._by_weights, info.weights_digest, key)
         _discard(self._by_adapter, info.adapter_id, key)
         _discard(self._by_namespace, info.namespace, key)
+        _discard(self._by_model, info.model_id, key)
+        for source in info.sources:
+            _discard(self._by_source, source.name, key)
         self._prune(key)
         return rec
 
@@ -115,6 +124,13 @@ class ObjectIndex:
 
     def by_namespace(self, namespace: str) -> set[ChunkKey]:
         return set(self._by_namespace.get(namespace, ()))
+
+    def by_model(self, model_id: str) -> set[ChunkKey]:
+        return set(self._by_model.get(model_id, ()))
+
+    def by_source(self, name: str) -> set[ChunkKey]:
+        """Keys of the records that depend on source ``name`` at any version."""
+        return set(self._by_source.get(name, ()))
 
     def subtree(self, roots: Iterable[ChunkKey]) -> list[ChunkKey]:
         """Indexed keys among ``roots`` and every key chained after them, parents before

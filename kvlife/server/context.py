@@ -191,6 +191,7 @@ class SessionContext:
             args.get("start", 0),
             ChunkKey(args.get("parent", ROOT_PARENT)),
             list(args.get("extra_keys", ())),
+            protocol.decode_spans(args.get("sources", [])),
         )
 
     def namespace(self, text: str, *, write: bool = False) -> Namespace:
@@ -221,6 +222,7 @@ class SessionContext:
                 start=p.start,
                 parent=p.parent,
                 extra_keys=p.extra_keys,
+                sources=p.sources,
                 **opts,
             )
             if best is None or len(res.hits) > len(best.hits):

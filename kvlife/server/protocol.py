@@ -36,6 +36,7 @@ from kvlife.core.identity import (
     token_bytes,
 )
 from kvlife.core.objects import PromptRef
+from kvlife.core.sources import MAX_SOURCE_NAME, MAX_SPANS, Source, SourceSpan
 from kvlife.results import PutResult
 from kvlife.server.limits import MAX_REQUEST, Limits
 from kvlife.transforms.base import ErrorBound, Exactness
@@ -52,6 +53,7 @@ DEFAULT_LIMITS = Limits()
 _LEN = struct.Struct(">I")
 _MAX_STR = 4096
 _MAX_ID = 2**63 - 1
+_U64_MAX = 2**64 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +62,8 @@ class Field:
 
     kind: str
     """``int``, ``bool``, ``str``, ``bytes``, ``keys`` (bytes of whole 32-byte keys),
-    ``key`` (one 32-byte key), ``bytes_list``, ``identity``, ``map``."""
+    ``key`` (one 32-byte key), ``bytes_list``, ``identity``, ``map``, ``spans``
+    (``[name, version, start, end]`` lists, :func:`decode_spans`)."""
     required: bool = True
     lo: int = 0
     hi: int = _MAX_ID
@@ -78,6 +81,8 @@ PROMPT: dict[str, Field] = {
     "start": Field("int", _OPT, 0, 2**40),
     "parent": Field("key", _OPT),
     "extra_keys": Field("bytes_list", _OPT, 0, 1 << 16),
+    # [[name, version, start, end], ...]: the prompt's upstream sources (kvlife.core.sources)
+    "sources": Field("spans", _OPT, 0, MAX_SPANS),
 }
 ID = Field("int", True, 1, _MAX_ID)
 
@@ -129,6 +134,12 @@ VERBS: dict[str, dict[str, Field]] = {
         "adapter_id": Field("str", _OPT, 0, _MAX_STR),
         "namespace": Field("str", _OPT, 0, _MAX_STR),
         "prefix": Field("key", _OPT),
+        "source": Field("str", _OPT, 1, MAX_SOURCE_NAME),
+        # the source's versions [lo, hi); no hi: every version from lo
+        "source_lo": Field("int", _OPT, 0, _U64_MAX),
+        "source_hi": Field("int", _OPT, 1, _U64_MAX),
+        "model": Field("str", _OPT, 1, _MAX_STR),
+        "keep_weights_digest": Field("str", _OPT, 1, _MAX_STR),
     },
     "evict": {"tier": Field("str", True, 1, 256), "nbytes": Field("int", True, 0, _MAX_ID)},
     "flush": {},
@@ -183,6 +194,17 @@ def _check(name: str, spec: Field, value: object) -> None:
     elif kind == "map":
         if type(value) is not dict or len(value) > spec.hi:
             raise ProtocolError(f"field {name!r} must be a map of at most {spec.hi} entries")
+    elif kind == "spans":
+        if type(value) is not list or not spec.lo <= len(value) <= spec.hi:
+            raise ProtocolError(f"field {name!r} must be a list of {spec.lo}..{spec.hi} spans")
+        for item in value:
+            if (
+                type(item) is not list
+                or len(item) != 4
+                or type(item[0]) is not str
+                or not all(type(x) is int and 0 <= x <= _U64_MAX for x in item[1:])
+            ):
+                raise ProtocolError(f"field {name!r} must hold [name, version, start, end] spans")
     elif kind == "identity":
         check_identity(value)
     elif kind == "layout":
@@ -423,7 +445,16 @@ def encode_prompt(prompt: PromptRef) -> dict[str, Any]:
         args["parent"] = bytes(prompt.parent)
     if prompt.extra_keys:
         args["extra_keys"] = [bytes(e) for e in prompt.extra_keys]
+    if prompt.sources:
+        args["sources"] = [
+            [s.source.name, s.source.version, s.start, s.end] for s in prompt.sources
+        ]
     return args
+
+
+def decode_spans(value: list[list[Any]]) -> tuple[SourceSpan, ...]:
+    """Checked ``sources`` of a prompt as spans (InvalidArgument naming a bad one)."""
+    return tuple(SourceSpan(Source(n, v), start, end) for n, v, start, end in value)
 
 
 def split_keys(blob: bytes) -> list[ChunkKey]:

@@ -361,6 +361,7 @@ def prepare_piece(
         start=p.start,
         parent=p.parent,
         extra_keys=p.extra_keys,
+        sources=p.sources,
         request_id=args.get("request_id", ""),
     )
     if args.get("chained"):

@@ -44,8 +44,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from kvlife.core.errors import NotPermitted, ProtocolError
+from kvlife.core.errors import InvalidArgument, NotPermitted, ProtocolError
 from kvlife.core.identity import KEY_BYTES, ChunkKey, Namespace
+from kvlife.core.sources import Source
 from kvlife.server import protocol
 from kvlife.server.context import UNKNOWN_PEER, PartSender, Peer, SessionContext
 from kvlife.server.identities import IdentityCache
@@ -349,11 +350,16 @@ class Session:
                         raise NotPermitted(_OWN_PREFIX)
             elif namespace is not None:
                 namespace = Namespace(namespace.kind, namespace.name, tenancy.scopes.secret)
+        source, before = wire_source(args)
         return self.server.store.invalidate(
             weights_digest=args.get("weights_digest"),
             adapter_id=args.get("adapter_id"),
             namespace=namespace,
             prefix=ChunkKey(prefix) if prefix is not None else None,
+            source=source,
+            before_version=before,
+            model=args.get("model"),
+            keep_weights_digest=args.get("keep_weights_digest"),
         )
 
     def info(self, args: dict[str, Any]) -> object:
@@ -432,3 +438,23 @@ class Session:
         finally:
             self.ctx.give(audit)
         return {**dataclasses.asdict(report), "clean": report.clean}
+
+
+def wire_source(args: dict[str, Any]) -> tuple[Source | str | None, int | None]:
+    """An ``invalidate``'s ``source``, ``source_lo`` and ``source_hi`` as the store's
+    ``source`` and ``before_version``: ``[v, v + 1)`` is ``Source(name, v)``, ``[0, b)``
+    the name before ``b``, no bounds the name (every version); any other range is not
+    one a client sends (InvalidArgument)."""
+    name = args.get("source")
+    lo, hi = args.get("source_lo", 0), args.get("source_hi")
+    if name is None:
+        if "source_lo" in args or hi is not None:
+            raise InvalidArgument("invalidate: source_lo and source_hi need a source")
+        return None, None
+    if lo == 0:
+        return name, hi
+    if hi == lo + 1:
+        return Source(name, lo), None
+    raise InvalidArgument(
+        f"invalidate: source versions [{lo}, {hi}) of {name!r} are not a range a client sends"
+    )

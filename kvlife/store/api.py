@@ -21,8 +21,10 @@ from typing import Protocol, Self, TypeVar
 
 import numpy as np
 
+from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ROOT_PARENT, ChunkKey, ModelIdentity, Namespace
 from kvlife.core.objects import PromptRef, TierName
+from kvlife.core.sources import MAX_VERSION, Source, SourceSpan
 from kvlife.results import LoadResult, LookupResult, PutResult, StoreCounters, StoreInfo
 from kvlife.store import args
 from kvlife.tiers.base import AuditReport
@@ -60,6 +62,45 @@ class Criteria:
     adapter_id: str | None = None
     namespace: Namespace | None = None
     prefix: ChunkKey | None = None
+    source: str | None = None
+    """Name of an upstream source: chunks that depend on it at a version in
+    ``versions``, and every chunk chained after them."""
+    versions: tuple[int, int] | None = None
+    """``[lo, hi)`` of the source's versions (with ``source`` only)."""
+    model: str | None = None
+    """``ModelIdentity.model_id``."""
+    keep_weights_digest: str | None = None
+    """With ``model``: every weights version of that model but this one."""
+
+
+def source_criteria(
+    source: Source | str | None, before_version: int | None
+) -> tuple[str | None, tuple[int, int] | None]:
+    """``invalidate``'s ``source`` and ``before_version`` as a name and a version range
+    ``[lo, hi)``: a name alone is every version, with ``before_version`` the versions
+    below it; a :class:`Source` is that one version (InvalidArgument with
+    ``before_version``: name the source by its name to give a bound)."""
+    if source is None:
+        if before_version is not None:
+            raise InvalidArgument("before_version needs a source")
+        return None, None
+    if isinstance(source, Source):
+        if before_version is not None:
+            raise InvalidArgument(
+                f"invalidate(source={source}) names one version; pass the name "
+                f"{source.name!r} with before_version to cover the versions below it"
+            )
+        return source.name, (source.version, source.version + 1)
+    if not isinstance(source, str):
+        raise InvalidArgument(f"source must be a Source or a name, got {type(source).__name__}")
+    Source(source)  # the name's own checks (non-empty, no '@' or NUL, length)
+    if before_version is None:
+        return source, (0, MAX_VERSION)
+    if isinstance(before_version, bool) or not isinstance(before_version, int):
+        raise InvalidArgument(f"before_version must be an int, got {before_version!r}")
+    if not 0 < before_version <= MAX_VERSION:
+        raise InvalidArgument(f"before_version must be in [1, 2**64], got {before_version}")
+    return source, (0, before_version)
 
 
 class StoreAPI(Protocol[P]):
@@ -77,6 +118,7 @@ class StoreAPI(Protocol[P]):
         start: int = 0,
         parent: ChunkKey = ROOT_PARENT,
         extra_keys: Sequence[bytes] = (),
+        sources: Sequence[SourceSpan] = (),
         request_id: str = "",
     ) -> PutResult:
         """Store the full chunks of a prompt's KV (what ``prepare_put`` + ``commit_put``
@@ -86,8 +128,15 @@ class StoreAPI(Protocol[P]):
         with ``chunks * tokens_per_chunk <= T <= len(tokens)``, or a sequence of chunk
         arrays shaped like ``identity.layout.chunk_shape``. A trailing partial chunk is
         never stored. Everything is validated before anything is written.
+
+        ``sources``: which upstream source (a document, a tool output at a version) the
+        prompt's tokens came from, as spans in absolute positions (those of ``start``;
+        a put of a continuation passes the spans before ``start`` too). Each chunk
+        depends on the sources of every span that starts before its end: its key hashes
+        them (a lookup with another version misses) and its record keeps them, durably,
+        for :meth:`invalidate` by source.
         """
-        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys)
+        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys, sources)
         return self._put_prompt(ref, kv, request_id)
 
     def prepare_put(
@@ -100,13 +149,15 @@ class StoreAPI(Protocol[P]):
         start: int = 0,
         parent: ChunkKey = ROOT_PARENT,
         extra_keys: Sequence[bytes] = (),
+        sources: Sequence[SourceSpan] = (),
         request_id: str = "",
     ) -> P:
         """Validate the KV and create TENTATIVE objects for the prompt's new chunks;
         nothing is visible until :meth:`commit_put`. Keep the arrays of ``kv`` unchanged
         until the commit or abort (the embedded store references them; a served store
-        has copied them into the server's arena when this returns)."""
-        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys)
+        has copied them into the server's arena when this returns). ``sources`` as for
+        :meth:`put_prompt`."""
+        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys, sources)
         return self._prepare_put(ref, kv, request_id)
 
     def commit_put(self, pending: P) -> PutResult:
@@ -134,13 +185,16 @@ class StoreAPI(Protocol[P]):
         start: int = 0,
         parent: ChunkKey = ROOT_PARENT,
         extra_keys: Sequence[bytes] = (),
+        sources: Sequence[SourceSpan] = (),
         accept: Accept = Accept.EXACT,
     ) -> LookupResult:
         """The longest run of INDEXED leading chunks that have a replica ``accept`` takes
         (default: exact replicas only), each with the fastest such tier, the replica's
         transform and its estimated decode cost. A chunk whose readable replicas are all
-        refused (or of a transform this reader does not know) ends the run."""
-        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys)
+        refused (or of a transform this reader does not know) ends the run. ``sources``
+        as the put declared them (:meth:`put_prompt`): the same tokens built from
+        another version of a source are other chunks."""
+        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys, sources)
         return self._lookup(ref, args.accept(accept))
 
     def load(
@@ -191,16 +245,43 @@ class StoreAPI(Protocol[P]):
         adapter_id: str | None = None,
         namespace: Namespace | None = None,
         prefix: ChunkKey | None = None,
+        source: Source | str | None = None,
+        before_version: int | None = None,
+        model: str | None = None,
+        keep_weights_digest: str | None = None,
     ) -> int:
         """Invalidate and delete every object matching all the given criteria; ``prefix``
         selects that chunk and every chunk chained after it, present or not in between.
+        ``source`` selects the chunks that depend on an upstream source (their put
+        declared a span of it starting before their end) and every chunk chained after
+        them: a name selects every version of it (with ``before_version``, those below
+        it), a :class:`~kvlife.core.sources.Source` that version only. ``model`` selects
+        a model's chunks (``ModelIdentity.model_id``); with ``keep_weights_digest``,
+        those of every weights version of it but that one (the current one).
         Puts in flight are covered too: a chunk of a put prepared before this returned
         is never stored. On a store whose chain has a shared tier (Redis, Mooncake) the
         invalidation is global: recorded in the shared index first, so every host stops
         serving what it covers at its next lookup (docs/remote.md), then applied here
         (IndexUnreachable if it could only be applied here). Returns the number of
         objects removed here; durable when it returns."""
-        return self._invalidate(Criteria(weights_digest, adapter_id, namespace, prefix))
+        name, versions = source_criteria(source, before_version)
+        if keep_weights_digest is not None and model is None:
+            raise InvalidArgument("keep_weights_digest needs a model (whose other versions go)")
+        for what, value in (("model", model), ("keep_weights_digest", keep_weights_digest)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidArgument(f"{what} must be a non-empty str, got {value!r:.80}")
+        return self._invalidate(
+            Criteria(
+                weights_digest,
+                adapter_id,
+                namespace,
+                prefix,
+                name,
+                versions,
+                model,
+                keep_weights_digest,
+            )
+        )
 
     def evict(self, tier: str, nbytes: int) -> int:
         """Evict ``nbytes``' worth of replicas from ``tier``, coldest first by its policy:

@@ -19,6 +19,7 @@ from numpy.lib.array_utils import byte_bounds
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ChunkKey, ModelIdentity, Namespace
 from kvlife.core.objects import PromptRef
+from kvlife.core.sources import SourceSpan, check_spans
 from kvlife.results import LookupResult
 from kvlife.transforms.contract import Accept
 
@@ -30,6 +31,7 @@ def prompt(
     start: int,
     parent: ChunkKey,
     extra_keys: Sequence[bytes],
+    sources: Sequence[SourceSpan] = (),
 ) -> PromptRef:
     """A call's prompt, its identity, namespace and start checked (a served store
     encodes them for the wire before the server sees them)."""
@@ -40,7 +42,8 @@ def prompt(
     # wire carries no numpy types; a negative one is refused here, the same by either store
     if not isinstance(start, (int, np.integer)) or isinstance(start, bool) or start < 0:
         raise InvalidArgument(f"start must be an int position >= 0, got {start!r}")
-    return PromptRef(identity, namespace, tokens, int(start), parent, extra_keys)
+    spans = check_spans(sources)
+    return PromptRef(identity, namespace, tokens, int(start), parent, extra_keys, spans)
 
 
 def accept(value: Accept) -> Accept:

@@ -102,13 +102,7 @@ class KVStore(StoreAPI[PendingPut]):
         return self._reader.load_async(lookup, outs, request_id, depth)
 
     def _invalidate(self, criteria: Criteria) -> int:
-        return invalidate(
-            self._core,
-            weights_digest=criteria.weights_digest,
-            adapter_id=criteria.adapter_id,
-            namespace=criteria.namespace,
-            prefix=criteria.prefix,
-        )
+        return invalidate(self._core, criteria)
 
     # ------------------------------------------------------------------ its own calls
 

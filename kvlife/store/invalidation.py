@@ -1,7 +1,9 @@
 """Invalidation, local and global, through one function.
 
-A :class:`Scope` selects objects by model version, adapter, namespace or key prefix
-(criteria intersect), or every object; a global rule's scope covers only objects whose
+A :class:`Scope` selects objects by model version, adapter, namespace, key prefix,
+upstream source (the chunks that depend on it at some versions, and every chunk chained
+after them) or model (with every weights version but one kept), criteria intersecting,
+or every object; a global rule's scope covers only objects whose
 KV was created before the rule (their :class:`~kvlife.core.objects.EpochStamp` is older
 than the rule's epoch), and the reset of an index that lost its state covers every
 object created under another incarnation. :func:`apply_scopes` takes every object of
@@ -30,8 +32,10 @@ from dataclasses import dataclass
 from kvlife.core.errors import IndexUnreachable, InvalidArgument, RemoteTierError
 from kvlife.core.identity import ROOT_PARENT, ChunkKey, Namespace
 from kvlife.core.lifecycle import Move, ObjectState
-from kvlife.core.objects import ObjectRecord, TierName
+from kvlife.core.objects import ObjectInfo, ObjectRecord, TierName
+from kvlife.core.sources import MAX_VERSION
 from kvlife.globalindex.rules import InvalidationRule
+from kvlife.store.api import Criteria
 from kvlife.store.core import StoreCore
 from kvlife.tiers.base import SharedTier
 
@@ -56,18 +60,30 @@ class Scope:
     outside: str | None = None
     """An index reset: only objects created under another incarnation than this."""
     reason: str = ""
+    source: str | None = None
+    """An upstream source's name: the objects that depend on it at a version in
+    ``versions``, and every object chained after one of them."""
+    versions: tuple[int, int] = (0, MAX_VERSION)
+    """``[lo, hi)``: the versions of ``source`` covered."""
+    model: str | None = None
+    """``ModelIdentity.model_id``."""
+    keep_weights: str | None = None
+    """With ``model``: the weights version that stays (every other one is covered)."""
 
     @classmethod
     def of_rule(cls, rule: InvalidationRule) -> Scope:
         return cls(
-            rule.weights_digest,
-            rule.adapter_id,
-            rule.namespace,
-            ChunkKey(rule.prefix) if rule.prefix is not None else None,
-            rule.everything,
-            (rule.incarnation, rule.epoch),
-            None,
-            f"rule {rule.epoch}" + (f" ({rule.reason})" if rule.reason else ""),
+            weights_digest=rule.weights_digest,
+            adapter_id=rule.adapter_id,
+            namespace=rule.namespace,
+            prefix=ChunkKey(rule.prefix) if rule.prefix is not None else None,
+            everything=rule.everything,
+            before=(rule.incarnation, rule.epoch),
+            reason=f"rule {rule.epoch}" + (f" ({rule.reason})" if rule.reason else ""),
+            source=rule.source,
+            versions=rule.versions or (0, MAX_VERSION),
+            model=rule.model,
+            keep_weights=rule.keep_weights_digest,
         )
 
     def criteria(self) -> list[str]:
@@ -78,6 +94,9 @@ class Scope:
                 ("adapter", self.adapter_id),
                 ("namespace", self.namespace),
                 ("prefix", self.prefix),
+                ("source", self.source),
+                ("model", self.model),
+                ("other-weights", self.keep_weights),
             )
             if v is not None
         ]
@@ -90,18 +109,31 @@ class Scope:
             return rec.born.before(*self.before)
         return True
 
+    def depends(self, info: ObjectInfo) -> bool:
+        """Whether an object of ``info`` depends on this scope's source itself."""
+        name = self.source
+        lo, hi = self.versions
+        return any(s.name == name and lo <= s.version < hi for s in info.sources)
+
 
 def covers(core: StoreCore, scope: Scope, rec: ObjectRecord) -> bool:
     """Whether ``scope`` covers ``rec`` (under the lock; ``rec`` is in the index): its
-    criteria, by the record's own fields and, for a prefix, its chain of parents as the
-    index knows it (through absent chunks: the index keeps their edges while a chunk
-    chained after them is indexed)."""
+    criteria, by the record's own fields and, for a prefix or a source, its chain of
+    parents as the index knows it (a prefix: through absent chunks, the index keeps
+    their edges while a chunk chained after them is indexed; a source: by the records
+    on the chain, an absent one's sources are not known here)."""
     info = rec.info
     if scope.weights_digest is not None and info.weights_digest != scope.weights_digest:
         return False
     if scope.adapter_id is not None and info.adapter_id != scope.adapter_id:
         return False
     if scope.namespace is not None and info.namespace != scope.namespace:
+        return False
+    if scope.model is not None and info.model_id != scope.model:
+        return False
+    if scope.keep_weights is not None and info.weights_digest == scope.keep_weights:
+        return False
+    if scope.source is not None and not _chain_depends(core, scope, rec):
         return False
     if scope.prefix is None:
         return True
@@ -115,6 +147,21 @@ def covers(core: StoreCore, scope: Scope, rec: ObjectRecord) -> bool:
         if key == ROOT_PARENT:
             key = None
     return key == root
+
+
+def _chain_depends(core: StoreCore, scope: Scope, rec: ObjectRecord) -> bool:
+    """``rec`` or an object chained before it depends on the scope's source."""
+    got: ObjectRecord | None = rec
+    seen: set[bytes] = set()
+    while got is not None and got.key not in seen:
+        if scope.depends(got.info):
+            return True
+        seen.add(got.key)
+        parent = got.info.parent
+        if bytes(parent) == ROOT_PARENT:
+            return False
+        got = core.index.get(parent)
+    return False
 
 
 def covered_at_birth(core: StoreCore, recs: list[ObjectRecord]) -> None:
@@ -175,6 +222,18 @@ def select(core: StoreCore, scope: Scope) -> list[ObjectRecord]:
         sets.append(index.by_namespace(scope.namespace))
     if scope.prefix is not None:
         sets.append(set(index.subtree([scope.prefix])))
+    if scope.model is not None:
+        models = index.by_model(scope.model)
+        if scope.keep_weights is not None:
+            models -= index.by_weights(scope.keep_weights)
+        sets.append(models)
+    if scope.source is not None:
+        roots: list[ChunkKey] = []
+        for key in index.by_source(scope.source):
+            rec = index.get(key)
+            if rec is not None and scope.depends(rec.info):
+                roots.append(key)
+        sets.append(set(index.subtree(roots)))
     if scope.everything or not sets:
         keys: set[ChunkKey] = {r.key for r in index}
         sets.append(keys)
@@ -206,31 +265,56 @@ def apply_scopes(
     return count, doomed
 
 
-def invalidate(
-    core: StoreCore,
-    *,
-    weights_digest: str | None,
-    adapter_id: str | None,
-    namespace: Namespace | None,
-    prefix: ChunkKey | None,
-) -> int:
+def invalidate(core: StoreCore, criteria: Criteria) -> int:
+    """``KVStore.invalidate`` (:class:`~kvlife.store.api.Criteria` checked here, each
+    wrong one an InvalidArgument naming it): see the module docstring."""
     core.check_open()
-    if weights_digest is None and adapter_id is None and namespace is None and prefix is None:
+    c = criteria
+    if all(
+        v is None
+        for v in (c.weights_digest, c.adapter_id, c.namespace, c.prefix, c.source, c.model)
+    ):
         raise InvalidArgument("invalidate needs at least one criterion")
-    _check(weights_digest, str, "weights_digest")
-    _check(adapter_id, str, "adapter_id")
-    _check(namespace, Namespace, "namespace")
+    _check(c.weights_digest, str, "weights_digest")
+    _check(c.adapter_id, str, "adapter_id")
+    _check(c.namespace, Namespace, "namespace")
+    _check(c.model, str, "model")
+    _check(c.keep_weights_digest, str, "keep_weights_digest")
+    _check(c.source, str, "source")
+    if c.keep_weights_digest is not None and c.model is None:
+        raise InvalidArgument("keep_weights_digest needs a model (whose other versions go)")
+    prefix = c.prefix
     if prefix is not None and (not isinstance(prefix, bytes) or len(prefix) != 32):
         raise InvalidArgument(f"prefix must be a 32-byte chunk key, got {prefix!r:.80}")
-    ns = str(namespace) if namespace is not None else None
+    versions = c.versions if c.versions is not None else (0, MAX_VERSION)
+    lo, hi = versions
+    if c.source is not None and not 0 <= lo < hi <= MAX_VERSION:
+        raise InvalidArgument(f"source versions [{lo}, {hi}) is not a range in [0, 2**64]")
+    ns = str(c.namespace) if c.namespace is not None else None
     key = ChunkKey(prefix) if prefix is not None else None
-    scope = Scope(weights_digest, adapter_id, ns, key)
+    scope = Scope(
+        c.weights_digest,
+        c.adapter_id,
+        ns,
+        key,
+        source=c.source,
+        versions=versions,
+        model=c.model,
+        keep_weights=c.keep_weights_digest,
+    )
     shared = _shared(core)
     failed: RemoteTierError | None = None
     if shared is not None:
         try:
             rule = shared.record_invalidation(
-                namespace=ns, adapter_id=adapter_id, weights_digest=weights_digest, prefix=key
+                namespace=ns,
+                adapter_id=c.adapter_id,
+                weights_digest=c.weights_digest,
+                prefix=key,
+                source=c.source,
+                versions=versions if c.source is not None else None,
+                model=c.model,
+                keep_weights_digest=c.keep_weights_digest,
             )
             scope = Scope.of_rule(rule)
         except RemoteTierError as exc:  # applied here all the same, then raised

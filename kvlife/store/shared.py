@@ -186,9 +186,12 @@ def _probe(
     n = prompt.tokens_per_chunk
     parent = keys[first - 1] if first else prompt.parent
     infos: list[ObjectInfo] = []
+    deps = prompt.chunk_sources(len(keys))
     for i in range(first, len(keys)):
         infos.append(
-            ObjectInfo.for_chunk(prompt.identity, prompt.namespace, parent, prompt.start + i * n)
+            ObjectInfo.for_chunk(
+                prompt.identity, prompt.namespace, parent, prompt.start + i * n, deps[i]
+            )
         )
         parent = keys[i]
     with core.lock:  # keys another put is writing right now are its business

@@ -94,6 +94,7 @@ class Writer:
             core.counters.puts += 1
             pending = PendingPut(keys, n, request_id)
             prev = prompt.parent
+            deps = prompt.chunk_sources(len(keys))
             for i, (key, arr) in enumerate(zip(keys, chunks, strict=True)):
                 rec = core.index.get(key)
                 if rec is not None and rec.state is INDEXED:
@@ -102,7 +103,7 @@ class Writer:
                     pending.in_flight += 1  # one object per key: the other put writes it
                 else:
                     info = ObjectInfo.for_chunk(
-                        prompt.identity, prompt.namespace, prev, prompt.start + i * n
+                        prompt.identity, prompt.namespace, prev, prompt.start + i * n, deps[i]
                     )
                     rec = ObjectRecord(
                         key, info, dtype.name, layout.chunk_shape, layout.chunk_nbytes, born=born

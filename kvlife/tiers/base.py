@@ -394,9 +394,13 @@ class SharedTier(ABC):
         adapter_id: str | None,
         weights_digest: str | None,
         prefix: bytes | None,
+        source: str | None = None,
+        versions: tuple[int, int] | None = None,
+        model: str | None = None,
+        keep_weights_digest: str | None = None,
     ) -> InvalidationRule:
         """Record a global invalidation (validated first) under a fresh epoch; every host
-        applies it at its next lookup."""
+        applies it at its next lookup (criteria as :class:`InvalidationRule`'s)."""
 
     @abstractmethod
     def probe(self, keys: Sequence[ChunkKey], infos: Sequence[bytes]) -> list[ReplicaMeta]:

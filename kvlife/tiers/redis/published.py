@@ -582,12 +582,20 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         adapter_id: str | None,
         weights_digest: str | None,
         prefix: bytes | None,
+        source: str | None = None,
+        versions: tuple[int, int] | None = None,
+        model: str | None = None,
+        keep_weights_digest: str | None = None,
     ) -> InvalidationRule:
         return self.index.invalidate(
             namespace=namespace,
             adapter_id=adapter_id,
             weights_digest=weights_digest,
             prefix=prefix,
+            source=source,
+            versions=versions,
+            model=model,
+            keep_weights_digest=keep_weights_digest,
         )
 
     def take_gone(self) -> list[ChunkKey]:
