@@ -194,6 +194,8 @@ class Strategy:
     """One way of serving a request stream; keeps its own reuse state."""
 
     name = ""
+    unit = ""
+    """What :attr:`invalidated` counts."""
 
     def __init__(self, m: Model, cfg: UpstreamConfig, oracle: StaleOracle) -> None:
         self.m, self.cfg, self.oracle = m, cfg, oracle
@@ -221,6 +223,7 @@ class Prefix(Strategy):
     """Stream2LLM: keep the previous request's KV up to the first changed token."""
 
     name = "prefix"
+    unit = "tokens"
 
     def __init__(self, m: Model, cfg: UpstreamConfig, oracle: StaleOracle) -> None:
         super().__init__(m, cfg, oracle)
@@ -249,6 +252,7 @@ class DepGraph(Strategy):
     """The store with source-keyed chunks and invalidation by source."""
 
     name = "depgraph"
+    unit = "chunks"
 
     def __init__(self, m: Model, cfg: UpstreamConfig, oracle: StaleOracle) -> None:
         super().__init__(m, cfg, oracle)
@@ -305,6 +309,7 @@ class SegmentReuse(Strategy):
     """Segment replicas moved into place and blended (lossy, accepted explicitly)."""
 
     name = "segment"
+    unit = "segments"
     accept = Accept.lossy(transforms=[SEGMENT_BLEND])
 
     def __init__(self, m: Model, cfg: UpstreamConfig, oracle: StaleOracle) -> None:
@@ -403,6 +408,7 @@ def run_workload(m: Model, cfg: UpstreamConfig, name: str) -> dict[str, Any]:
             "stale_tokens": oracle.stale_tokens,
             "stale_events": oracle.events,
             "invalidated": strat.invalidated,
+            "invalidated_unit": strat.unit,
         }
         if sname in EXACT_STRATEGIES or sname == "full":
             for i, (a, b) in enumerate(zip(ref, outs, strict=True)):

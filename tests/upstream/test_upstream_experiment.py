@@ -40,6 +40,9 @@ def test_the_upstream_experiment_writes_its_json_and_plot(tmp_path: Path) -> Non
                 assert 0 <= r["greedy_agree"] <= r["greedy_prefix"] <= 1
             else:
                 assert r["outputs_identical"] is True
+        # every workload updates a source: the store drops what depended on the old one
+        assert rows["depgraph"]["invalidated"] > 0
+        assert rows["depgraph"]["invalidated_unit"] == "chunks"
         # reuse saves work: every reusing strategy recomputes less than everything
         for name in ("prefix", "depgraph", "segment"):
             assert rows[name]["tokens_recomputed"] < total
