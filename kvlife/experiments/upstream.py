@@ -13,9 +13,11 @@ middle of a prompt), each request's prompt declared with the
   chunk depends on (:mod:`kvlife.upstream.sourced`); a new version of a source
   invalidates, by source, every chunk that depended on an older one; each request
   reuses its longest stored chunk run (from any earlier request) exactly;
-- ``segment``: segment replicas (:mod:`kvlife.upstream.segments`) moved to their new
-  position and blended with CacheBlend's selective recompute
-  (:mod:`kvlife.upstream.blend`), served because the lookup accepts ``segment-blend``.
+- ``segment``: the store's exact prefix as ``depgraph`` has it, then segment replicas
+  (:mod:`kvlife.upstream.segments`) moved to their new position and blended with
+  CacheBlend's selective recompute (:mod:`kvlife.upstream.blend`), served because the
+  lookup accepts ``segment-blend``; only the KV before the first blended token (exact)
+  goes back to the store.
 
 Per strategy: tokens recomputed (through every layer), TTFT, correctness against
 ``full`` (exact strategies: the greedy output is asserted identical and the largest
@@ -264,52 +266,63 @@ class DepGraph(Strategy):
         """Oracle side-table: the provenance each stored chunk's KV was computed for."""
 
     def serve(self, prompt: BuiltPrompt, superseded: Sequence[Source]) -> Outcome:
-        import torch
-
-        n, tpc = len(prompt.tokens), self.cfg.tokens_per_chunk
+        n = len(prompt.tokens)
         t0 = time.perf_counter()
-        for src in superseded:
-            self.invalidated += sourced.supersede(self.store, src)
-        hits = sourced.lookup(self.store, self.m.identity, PUBLIC, prompt)
-        usable = min(len(hits.hits), (n - 1) // tpc)
-        reuse = None
-        if usable:
-            res = self.store.load(
-                LookupResult(hits.hits[:usable], hits.chunks_total, tpc, hits.accept)
-            )
-            if res.loaded:
-                arrays = [torch.from_numpy(np.array(a)) for a in res.arrays]
-                reuse = torch.cat(arrays, dim=3)
-                last = hits.hits[res.loaded - 1].key
-                self.oracle.prefix_reused(
-                    prompt.provenance(), self.made_for[last], res.loaded * tpc
-                )
+        self._supersede(superseded)
+        reuse = self._exact_prefix(prompt)
         logits, cache, done = _prefill(self.m, prompt.tokens, reuse)
         ttft = time.perf_counter() - t0
-        kv = _kv_of(cache, n).numpy()
-        sourced.put(self.store, self.m.identity, PUBLIC, prompt, kv)
-        keys = self._keys(prompt)
-        prov = prompt.provenance()
-        for i, key in enumerate(keys):
-            self.made_for.setdefault(key, prov[: (i + 1) * tpc])
+        self._store(prompt, _kv_of(cache, n).numpy(), n)
         ids = _decode(self.m, logits, cache, n, self.cfg.new_tokens)
         return Outcome(ids, logits, ttft, done, done / n)
 
-    def _keys(self, prompt: BuiltPrompt) -> list[ChunkKey]:
+    def _supersede(self, superseded: Sequence[Source]) -> None:
+        for src in superseded:
+            self.invalidated += sourced.supersede(self.store, src)
+
+    def _exact_prefix(self, prompt: BuiltPrompt) -> Any | None:
+        """The stored exact KV of the prompt's longest chunk run (leaving at least one
+        token to prefill), or None."""
+        import torch
+
+        n, tpc = len(prompt.tokens), self.cfg.tokens_per_chunk
+        hits = sourced.lookup(self.store, self.m.identity, PUBLIC, prompt)
+        usable = min(len(hits.hits), (n - 1) // tpc)
+        if not usable:
+            return None
+        res = self.store.load(LookupResult(hits.hits[:usable], hits.chunks_total, tpc, hits.accept))
+        if not res.loaded:
+            return None
+        last = hits.hits[res.loaded - 1].key
+        self.oracle.prefix_reused(prompt.provenance(), self.made_for[last], res.loaded * tpc)
+        return torch.cat([torch.from_numpy(np.array(a)) for a in res.arrays], dim=3)
+
+    def _store(self, prompt: BuiltPrompt, kv: Any, upto: int) -> None:
+        """Put the chunks of the prompt's first ``upto`` tokens (whose KV is exact)."""
+        tpc = self.cfg.tokens_per_chunk
+        if upto < tpc:
+            return
+        sourced.put(self.store, self.m.identity, PUBLIC, prompt, kv[:, :, :, :upto], upto=upto)
         from kvlife.core.identity import prompt_chunk_keys
 
-        return prompt_chunk_keys(self.m.identity, PUBLIC, list(prompt.tokens), sources=prompt.spans)
+        keys = prompt_chunk_keys(
+            self.m.identity, PUBLIC, list(prompt.tokens[:upto]), sources=prompt.spans
+        )
+        prov = prompt.provenance()
+        for i, key in enumerate(keys):
+            self.made_for.setdefault(key, prov[: (i + 1) * tpc])
 
     def close(self) -> None:
         self.store.close(flush=False)
         self.tmp.cleanup()
 
 
-class SegmentReuse(Strategy):
-    """Segment replicas moved into place and blended (lossy, accepted explicitly)."""
+class SegmentReuse(DepGraph):
+    """The exact prefix from the store, then segment replicas moved into place and
+    blended (lossy, accepted explicitly) for the rest."""
 
     name = "segment"
-    unit = "segments"
+    unit = "chunks+segments"
     accept = Accept.lossy(transforms=[SEGMENT_BLEND])
 
     def __init__(self, m: Model, cfg: UpstreamConfig, oracle: StaleOracle) -> None:
@@ -321,20 +334,34 @@ class SegmentReuse(Strategy):
         self.inv_freq = rope_inv_freq(m.model)
 
     def serve(self, prompt: BuiltPrompt, superseded: Sequence[Source]) -> Outcome:
+        from kvlife.upstream.blend import ReusedSpan
+
         n = len(prompt.tokens)
         t0 = time.perf_counter()
+        self._supersede(superseded)
         for src in superseded:
             self.invalidated += self.cache.invalidate(src.name, before_version=src.version)
+        exact = self._exact_prefix(prompt)
+        p = 0 if exact is None else int(exact.shape[3])
         found = self.cache.lookup(PUBLIC, prompt, self.accept)
+        hits = [h for h in found.hits if h.span.end > p]  # the rest is in the exact prefix
         prov = prompt.provenance()
-        for hit in found.hits:
-            self.oracle.segment_reused(prov, hit.span.start, hit.replica.provenance)
-        out = self.blender.prefill(prompt.tokens, reused_spans(found.hits, self.inv_freq))
+        spans: list[ReusedSpan] = []
+        for hit, r in zip(hits, reused_spans(hits, self.inv_freq), strict=True):
+            cut = max(0, p - r.start)  # a segment the exact prefix ends inside
+            self.oracle.segment_reused(prov, r.start + cut, hit.replica.provenance[cut:])
+            spans.append(ReusedSpan(r.start + cut, r.kv[:, :, :, cut:]))
+        out = self.blender.prefill(prompt.tokens, spans, exact)
         ttft = time.perf_counter() - t0
-        hit_spans = {h.span for h in found.hits}
         kv = _kv_of(out.cache, n)
+        fresh = set(out.recomputed)
+        blended = [i for r in spans for i in range(r.start, r.start + int(r.kv.shape[3]))]
+        approx = min((i for i in blended if i not in fresh), default=n)
+        # only the KV before the first blended token is exact: only that goes to the store
+        self._store(prompt, kv.numpy(), approx)
+        hit_spans = {h.span for h in hits}
         for seg, span in zip(prompt.segments, prompt.spans, strict=True):
-            if span not in hit_spans:  # recomputed in full here: keep it for later requests
+            if span.start >= p and span not in hit_spans:  # recomputed here: keep it
                 self.cache.put(PUBLIC, seg, span.start, kv[:, :, :, span.start : span.end].numpy())
         ids = _decode(self.m, out.logits, out.cache, n, self.cfg.new_tokens)
         return Outcome(ids, out.logits, ttft, len(out.recomputed), out.compute_fraction)

@@ -12,6 +12,10 @@ reused segment; from there on only those tokens run through the layers, their fr
 written over the reused KV in place and their queries attending to the whole blended
 cache. The last token is always recomputed (its logits are the first output).
 
+An exact prefix (KV the store served for the prompt's first tokens) can be given too: it
+is taken as it is, and only the tokens after it are computed or selected, so segment
+reuse only ever replaces recompute, never exact reuse.
+
 The forward is written out for Llama-style decoder layers with the model's own modules
 (norms, projections, rotary embedding, MLP) so only the selected rows run; with every
 token selected it is the model's ordinary prefill (a test holds it to the model's
@@ -55,7 +59,9 @@ class Blended:
     recomputed: list[int]
     """Positions run through every layer (not covered by reuse, or selected)."""
     reused_tokens: int
-    """Tokens covered by reused KV."""
+    """Tokens covered by reused KV (the exact prefix included)."""
+    exact_tokens: int
+    """Tokens of the exact prefix taken as given."""
     compute_fraction: float
     """Token-layers computed over those of a full prefill."""
 
@@ -99,8 +105,14 @@ class SegmentBlender:
         self.check_layer = check_layer
         self.config = model.config
 
-    def prefill(self, ids: Sequence[int], reused: Sequence[ReusedSpan] = ()) -> Blended:
-        """Prefill ``ids`` at positions ``0..`` reusing ``reused`` (disjoint spans)."""
+    def prefill(
+        self, ids: Sequence[int], reused: Sequence[ReusedSpan] = (), exact: Any | None = None
+    ) -> Blended:
+        """Prefill ``ids`` at positions ``0..`` reusing ``reused`` (disjoint spans).
+
+        ``exact``: the exact KV ``(layers, 2, kv_heads, P, head_dim)`` of the first ``P``
+        tokens (a prefix the store served): taken as it is, never recomputed nor
+        selected, and the reused spans must start at or after ``P``."""
         import torch
         from transformers import DynamicCache
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -111,17 +123,20 @@ class SegmentBlender:
         inner = self.model.model
         layers = inner.layers
         nl = len(layers)
+        p = 0 if exact is None else int(exact.shape[3])
+        if not 0 <= p < n:
+            raise InvalidArgument(f"an exact prefix of {p} tokens leaves none of {n} to prefill")
         covered = torch.zeros(n, dtype=torch.bool)
         for r in reused:
             t = int(r.kv.shape[3])
-            if r.start < 0 or r.start + t > n or bool(covered[r.start : r.start + t].any()):
+            if r.start < p or r.start + t > n or bool(covered[r.start : r.start + t].any()):
                 raise InvalidArgument(f"reused span [{r.start}, {r.start + t}) overlaps/overruns")
             if int(r.kv.shape[0]) != nl:
                 raise InvalidArgument(f"reused KV has {r.kv.shape[0]} layers, the model {nl}")
             covered[r.start : r.start + t] = True
         pos = torch.arange(n)
         with torch.no_grad():
-            h = inner.embed_tokens(torch.tensor([list(ids)], dtype=torch.long))
+            h = inner.embed_tokens(torch.tensor([list(ids[p:])], dtype=torch.long))
             cos, sin = inner.rotary_emb(h, pos[None])
             attn0 = layers[0].self_attn
             kvh = self.config.num_key_value_heads
@@ -133,13 +148,17 @@ class SegmentBlender:
                 for li in range(nl):
                     keys[li][0, :, sl] = r.kv[li, 0].to(h.dtype)
                     values[li][0, :, sl] = r.kv[li, 1].to(h.dtype)
-            sel = pos
+            if exact is not None:
+                for li in range(nl):
+                    keys[li][0, :, :p] = exact[li, 0].to(h.dtype)
+                    values[li][0, :, :p] = exact[li, 1].to(h.dtype)
+            sel = pos[p:]
             token_layers = 0
             for li, layer in enumerate(layers):
                 attn = layer.self_attn
-                if li == self.check_layer and bool(covered.any()) and len(sel) == n:
-                    sel = self._select(layer, h, cos, sin, keys[li], values[li], covered)
-                    h = h[:, sel]
+                if li == self.check_layer and bool(covered.any()):
+                    sel = self._select(layer, h, cos, sin, keys[li], values[li], covered, p)
+                    h = h[:, sel - p]  # rows of h are positions p.. until here
                 token_layers += len(sel)
                 x = layer.input_layernorm(h)
                 hs = (1, len(sel), -1, attn.head_dim)
@@ -166,31 +185,43 @@ class SegmentBlender:
             logits=logits,
             cache=cache,
             recomputed=[int(i) for i in sel],
-            reused_tokens=int(covered.sum()),
+            reused_tokens=int(covered.sum()) + p,
+            exact_tokens=p,
             compute_fraction=token_layers / (nl * n),
         )
 
     def _select(
-        self, layer: Any, h: Any, cos: Any, sin: Any, k_old: Any, v_old: Any, covered: Any
+        self,
+        layer: Any,
+        h: Any,
+        cos: Any,
+        sin: Any,
+        k_old: Any,
+        v_old: Any,
+        covered: Any,
+        p: int,
     ) -> Any:
-        """Positions to recompute from this layer on: every token not covered, the last
-        token, and the ``ratio`` of covered tokens whose fresh KV here deviates most."""
+        """Positions to recompute from this layer on: every token from ``p`` not covered,
+        the last token, and the ``ratio`` of covered tokens whose fresh KV here deviates
+        most (``h`` holds the rows of positions ``p..``)."""
         import torch
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         attn = layer.self_attn
-        n = h.shape[1]
+        rows = h.shape[1]
         x = layer.input_layernorm(h)
-        hs = (1, n, -1, attn.head_dim)
+        hs = (1, rows, -1, attn.head_dim)
         k = attn.k_proj(x).view(hs).transpose(1, 2)
         v = attn.v_proj(x).view(hs).transpose(1, 2)
-        k, _ = apply_rotary_pos_emb(k, k, cos, sin)
-        dev = ((k - k_old) ** 2).sum(dim=(0, 1, 3)) + ((v - v_old) ** 2).sum(dim=(0, 1, 3))
-        keep = ~covered
-        keep[n - 1] = True
-        idx = torch.nonzero(covered).flatten()
+        k, _ = apply_rotary_pos_emb(k, k, cos[:, p:], sin[:, p:])
+        dk = ((k - k_old[:, :, p:]) ** 2).sum(dim=(0, 1, 3))
+        dev = dk + ((v - v_old[:, :, p:]) ** 2).sum(dim=(0, 1, 3))
+        mine = covered[p:]
+        keep = ~mine
+        keep[rows - 1] = True
+        idx = torch.nonzero(mine).flatten()
         budget = math.ceil(self.ratio * len(idx))
         if budget:
             top = idx[torch.topk(dev[idx], min(budget, len(idx))).indices]
             keep[top] = True
-        return torch.nonzero(keep).flatten()
+        return torch.nonzero(keep).flatten() + p

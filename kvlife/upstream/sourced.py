@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ModelIdentity, Namespace
-from kvlife.core.sources import Source
+from kvlife.core.sources import Source, SourceSpan
 from kvlife.results import LookupResult, PutResult
 from kvlife.store.api import StoreAPI
 from kvlife.transforms.contract import Accept
@@ -41,18 +42,23 @@ def put(
     prompt: BuiltPrompt,
     kv: object,
     *,
+    upto: int | None = None,
     request_id: str = "",
 ) -> PutResult:
     """Store the full chunks of ``prompt``'s KV (``kv`` as ``put_prompt`` takes it),
-    each keyed and recorded with the sources it depends on."""
-    return store.put_prompt(
-        identity,
-        namespace,
-        list(prompt.tokens),
-        kv,
-        sources=prompt.spans,
-        request_id=request_id,
-    )
+    each keyed and recorded with the sources it depends on; with ``upto``, only the
+    chunks inside its first ``upto`` tokens (the part whose KV is exact: their keys are
+    those of the whole prompt's chunks, as a chunk depends on the spans that start
+    before its end)."""
+    tokens, spans = list(prompt.tokens), prompt.spans
+    if upto is not None:
+        if not 0 <= upto <= len(tokens):
+            raise InvalidArgument(f"upto {upto} outside the prompt's {len(tokens)} tokens")
+        tokens = tokens[:upto]
+        spans = tuple(
+            SourceSpan(s.source, s.start, min(s.end, upto)) for s in spans if s.start < upto
+        )
+    return store.put_prompt(identity, namespace, tokens, kv, sources=spans, request_id=request_id)
 
 
 def supersede(store: StoreAPI[Any], source: Source) -> int:

@@ -91,6 +91,22 @@ def test_blending_recomputes_the_bounded_set(smol: LoadedModel) -> None:
     assert int(got.cache.get_seq_length()) == len(ids)
 
 
+def test_an_exact_prefix_is_taken_as_given_and_never_recomputed(smol: LoadedModel) -> None:
+    ids = _ids(smol, TEXT)
+    inv = rope_inv_freq(smol.model)
+    with torch.no_grad():
+        ref = smol.model(input_ids=torch.tensor([ids])).logits[0, -1]
+    prefix = compute_kv(smol.model, ids[:16], 0)
+    seg = ReusedSpan(20, move_kv(compute_kv(smol.model, ids[20:50], 0), 20, inv))
+    exact = SegmentBlender(smol.model, ratio=1.0).prefill(ids, [seg], prefix)
+    assert exact.recomputed == list(range(16, len(ids)))
+    assert float((exact.logits[0] - ref).abs().max()) < 1e-3
+    got = SegmentBlender(smol.model, ratio=0.15).prefill(ids, [seg], prefix)
+    assert min(got.recomputed) == 16 and got.exact_tokens == 16
+    assert len(set(got.recomputed) & set(range(20, 50))) == math.ceil(0.15 * 30)
+    assert got.reused_tokens == 16 + 30
+
+
 def test_a_lossy_segment_replica_is_never_served_to_an_exact_lookup(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
