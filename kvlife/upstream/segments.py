@@ -38,10 +38,11 @@ SEGMENT_BLEND = "segment-blend"
 """The representation's name in contracts (and in an ``Accept``'s ``transforms``)."""
 SEGMENT_BLEND_VERSION = 1
 
-MEASURED_KL: dict[float, float] = {}
-"""Mean KL(exact || blended) of the next-token distribution per recompute ratio, measured
-on SmolLM2-135M by ``kvlife experiment upstream`` (docs/upstream.md); a ratio not here
-has no measured KL, and a lookup that bounds KL refuses it."""
+MEASURED_KL: dict[float, float] = {0.15: 0.080}
+"""KL(exact || blended) of the first output token's distribution per recompute ratio:
+the worst of the three workloads' means measured on SmolLM2-135M by ``kvlife experiment
+upstream`` on 2026-12-02 (rag 0.080, agent 0.004, edits 0.003; docs/upstream.md). A
+ratio not here has no measured KL, and a lookup that bounds KL refuses it."""
 
 
 def segment_contract(ratio: float) -> Contract:
