@@ -133,6 +133,9 @@ class TierCounters:
     bytes_loaded: int = 0
     evictions: int = 0
     """Replicas dropped from this tier to make room."""
+    invalidated_bytes: int = 0
+    """Bytes of replicas this tier gave back to invalidations (its room freed when the
+    invalidation took them out of service; deleted before it returned)."""
 
 
 _TIER_PREFIX = "tier."

@@ -20,6 +20,9 @@ engine-core and worker processes; counters then stay in those processes), ``kvli
 (``kv_connector_extra_config``, or null for no connector), and either ``requests``
 (``[{"tokens": [...], "max_tokens": n, "cache_salt": s}]``) or ``chat``
 (``{"max_new_tokens": n, "turns": t, "users": u}``: the demo's chat workload).
+``reset_before``: indexes of requests before which the run calls
+``llm.reset_prefix_cache(reset_connector=True)`` (vLLM's prefix-cache reset, passed on to
+the connector); what each returned is recorded as ``resets``.
 ``expect_failure``: a request that raises (e.g. the connector's ``kvlife.fail_layer``
 test hook) ends the run instead of the process: the error is recorded as ``error`` and
 the store is closed as usual.
@@ -198,6 +201,7 @@ def _memcpy(timings: dict[str, Any], rounds: int = 5) -> dict[str, Any]:
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     error = ""
+    resets: list[bool] = []
     t0 = time.perf_counter()
     llm = _engine(spec)
     start_s = time.perf_counter() - t0
@@ -211,7 +215,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         )
     else:
         rows = []
-        for r in spec["requests"]:
+        reset_before = set(spec.get("reset_before", ()))
+        for i, r in enumerate(spec["requests"]):
+            if i in reset_before:
+                resets.append(bool(llm.reset_prefix_cache(reset_connector=True)))
             args = (list(r["tokens"]), int(r.get("max_tokens", 16)), r.get("cache_salt"))
             try:
                 rows.append(_serve(llm, *args, r.get("lora")))
@@ -233,6 +240,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "counters": counters,
         "memcpy": memcpy,
         "keys": keys,
+        "resets": resets,
         "error": error,
     }
 

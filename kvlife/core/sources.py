@@ -101,7 +101,7 @@ class SourceSpan:
 SOURCES_TAG = b"kvlife.sources.v1\0"
 """Prefix of the per-chunk sources section of a chunk key (:mod:`kvlife.core.identity`)."""
 
-MAX_SPANS = 1 << 16
+MAX_SPANS = 1024
 """Spans one prompt may declare (they travel in every put and lookup of it)."""
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -224,6 +225,10 @@ class StoreCore:
         self.decode_rates = DecodeRates()
         self.placement.shielded = (self.pinned, self.residency.unsettled)
         self.durable = [t.name for t in chain if t.durability is Durability.DURABLE]
+        self.deleted_at: dict[TierName, float] = {}
+        """``time.monotonic()`` when each tier last finished a batch of physical deletes
+        (``kvlife bench invalidate``: from an invalidation's call to its last stale
+        byte freed, per tier)."""
         self.closed = False
         self._bg: ThreadPoolExecutor | None = None
         self._bg_lock = threading.Lock()
@@ -406,6 +411,8 @@ class StoreCore:
                 for key in present:
                     with contextlib.suppress(ReplicaNotFound):
                         tier.delete(key)
+            if present:
+                self.deleted_at[tier_name] = time.monotonic()
 
     # ------------------------------------------------------------------ prefix links
 

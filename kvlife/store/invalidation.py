@@ -259,6 +259,9 @@ def apply_scopes(
         for rec in select(core, scope):
             if rec.state is ObjectState.TENTATIVE:
                 core.counters.aborted += 1  # its put stores nothing of it
+            for tier, rep in rec.replicas.items():
+                if rep.counted or rep.readable:
+                    core.counters.tier(tier).invalidated_bytes += rep.nbytes
             doomed += core.retire(rec, Move.INVALIDATE, why)
             count += 1
     core.counters.invalidated += count

@@ -19,6 +19,7 @@ from kvlife.core.identity import (
     NamespaceKind,
     prompt_chunk_keys,
 )
+from kvlife.core.sources import Source, SourceSpan
 from kvlife.store import KVStore
 from kvlife.store.writes import Writer
 from tests.conftest import TINY, prompt_kv, tiny_identity
@@ -65,7 +66,23 @@ def test_close_while_background_commits_run_closes_the_store(
 ALICE = Namespace(NamespaceKind.USER, "alice")
 
 
-@pytest.mark.parametrize("selector", ["namespace", "prefix", "weights", "adapter"])
+SELECTORS = ["namespace", "prefix", "weights", "adapter", "source", "other-weights"]
+DOC = [SourceSpan(Source("doc", 1), 0, N)]
+"""The prompts' first chunk comes from ``doc@1`` (every chunk depends on it)."""
+
+
+def _selector(selector: str, ident: ModelIdentity, root: Any) -> dict[str, Any]:
+    return {
+        "namespace": {"namespace": ALICE},
+        "prefix": {"prefix": root},
+        "weights": {"weights_digest": ident.weights_digest},
+        "adapter": {"adapter_id": "lora-a"},
+        "source": {"source": "doc", "before_version": 2},
+        "other-weights": {"model": ident.model_id, "keep_weights_digest": "a newer one"},
+    }[selector]
+
+
+@pytest.mark.parametrize("selector", SELECTORS)
 def test_a_put_prepared_before_an_invalidation_returned_is_never_stored(
     tmp_path: Path, selector: str
 ) -> None:
@@ -82,7 +99,7 @@ def test_a_put_prepared_before_an_invalidation_returned_is_never_stored(
     deletion that returned while KV it should have covered went on being served)."""
     ident = tiny_identity(adapter_id="lora-a", adapter_digest="d")
     shared, _ = prompt_kv(7, N)
-    root = prompt_chunk_keys(ident, ALICE, shared)[0]
+    root = prompt_chunk_keys(ident, ALICE, shared, sources=DOC)[0]
     lock = threading.Lock()
     returned = [0]  # invalidations that returned so far
     stop = time.monotonic() + 1.5
@@ -104,7 +121,7 @@ def test_a_put_prepared_before_an_invalidation_returned_is_never_stored(
                     i += 1
                     own, kv = prompt_kv(1_000_000 * (k + 1) + i, 2 * N)
                     tokens = np.concatenate([shared, own[N:]])
-                    pending = store.prepare_put(ident, ALICE, tokens, kv)
+                    pending = store.prepare_put(ident, ALICE, tokens, kv, sources=DOC)
                     with lock:
                         before = returned[0]
                     if i % 2:
@@ -115,7 +132,7 @@ def test_a_put_prepared_before_an_invalidation_returned_is_never_stored(
                         after = returned[0]
                     if after > before:  # a rule returned after this put was prepared
                         checked[0] += 1
-                        if len(store.lookup(ident, ALICE, tokens).hits) == 2:
+                        if len(store.lookup(ident, ALICE, tokens, sources=DOC).hits) == 2:
                             served.append(f"put {k}/{i}")
             except BaseException as exc:
                 errors.append(exc)
@@ -123,14 +140,7 @@ def test_a_put_prepared_before_an_invalidation_returned_is_never_stored(
         def invalidator() -> None:
             try:
                 while running():
-                    if selector == "namespace":
-                        store.invalidate(namespace=ALICE)
-                    elif selector == "prefix":
-                        store.invalidate(prefix=root)
-                    elif selector == "weights":
-                        store.invalidate(weights_digest=ident.weights_digest)
-                    else:
-                        store.invalidate(adapter_id="lora-a")
+                    store.invalidate(**_selector(selector, ident, root))
                     with lock:
                         returned[0] += 1
             except BaseException as exc:
@@ -147,7 +157,7 @@ def test_a_put_prepared_before_an_invalidation_returned_is_never_stored(
         assert served == [], f"{len(served)} of {checked[0]} covered puts were served"
 
 
-@pytest.mark.parametrize("selector", ["namespace", "prefix", "weights", "adapter"])
+@pytest.mark.parametrize("selector", SELECTORS)
 def test_a_put_prepared_while_an_invalidation_waits_for_its_turn_is_covered(
     tmp_path: Path, selector: str
 ) -> None:
@@ -162,9 +172,9 @@ def test_a_put_prepared_while_an_invalidation_waits_for_its_turn_is_covered(
     later, kv2 = prompt_kv(12, N)
     later = np.concatenate([first[:N], later])
     kv2 = np.concatenate([kv1[:, :, :, :N, :], kv2], axis=3)
-    root = prompt_chunk_keys(ident, ALICE, first)[0]
+    root = prompt_chunk_keys(ident, ALICE, first, sources=DOC)[0]
     with open_store(tmp_path) as store:
-        store.put_prompt(ident, ALICE, first, kv1)  # something for the rule to take
+        store.put_prompt(ident, ALICE, first, kv1, sources=DOC)  # something for the rule
         core = store._core
         hold = threading.Event()
         held = threading.Event()
@@ -178,24 +188,18 @@ def test_a_put_prepared_while_an_invalidation_waits_for_its_turn_is_covered(
         plan.start()
         assert held.wait(10)
         before = store.counters.invalidated
-        choices: dict[str, dict[str, Any]] = {
-            "namespace": {"namespace": ALICE},
-            "prefix": {"prefix": root},
-            "weights": {"weights_digest": ident.weights_digest},
-            "adapter": {"adapter_id": "lora-a"},
-        }
-        rule = threading.Thread(target=store.invalidate, kwargs=choices[selector])
+        rule = threading.Thread(target=store.invalidate, kwargs=_selector(selector, ident, root))
         rule.start()
         deadline = time.monotonic() + 10
         while store.counters.invalidated == before:  # applied; now waiting for its turn
             assert time.monotonic() < deadline
             time.sleep(0.001)
-        pending = store.prepare_put(ident, ALICE, later, kv2)  # returns before the rule
+        pending = store.prepare_put(ident, ALICE, later, kv2, sources=DOC)  # before the rule
         assert rule.is_alive()
         hold.set()
         rule.join(10)
         plan.join(10)
         res = store.commit_put(pending)
         assert res.stored == 0, f"{res.stored} chunks of a covered put were stored"
-        assert store.lookup(ident, ALICE, later).hits == []
-        assert store.lookup(ident, ALICE, first).hits == []
+        assert store.lookup(ident, ALICE, later, sources=DOC).hits == []
+        assert store.lookup(ident, ALICE, first, sources=DOC).hits == []

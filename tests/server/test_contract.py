@@ -27,6 +27,7 @@ from kvlife.core.errors import (
     StoreClosedError,
 )
 from kvlife.core.identity import Namespace, NamespaceKind
+from kvlife.core.sources import Source, SourceSpan
 from kvlife.store import KVStore, PendingPut
 from kvlife.store.api import StoreAPI
 from kvlife.transforms.contract import Accept
@@ -337,6 +338,45 @@ def test_invalidate_by_model_version_and_adapter(store: Store, ns: Namespace) ->
     assert store.invalidate(adapter_id=f"a-{ns.name}") == 1
     assert store.lookup(old, ns, tokens).hits == [] and store.lookup(tuned, ns, tokens).hits == []
     assert len(store.lookup(base, ns, tokens).hits) == 1
+
+
+def test_sources_are_identity_and_invalidate_by_source(store: Store, ns: Namespace) -> None:
+    """Issue 26: a prompt's upstream sources are part of its chunks' keys (a new
+    version misses) and ``invalidate(source=...)`` removes exactly the chunks that
+    depend on the source at the versions named, through either store."""
+    ident = tiny_identity()
+    doc = f"doc-{ns.name}"
+    tokens, kv = prompt_kv(21, 3 * N)
+    v1 = [SourceSpan(Source("sys"), 0, N), SourceSpan(Source(doc, 1), N, 3 * N)]
+    v2 = [SourceSpan(Source("sys"), 0, N), SourceSpan(Source(doc, 2), N, 3 * N)]
+    assert store.put_prompt(ident, ns, tokens, kv, sources=v1).stored == 3
+    assert len(store.lookup(ident, ns, tokens, sources=v2).hits) == 1  # the sys chunk
+    assert store.lookup(ident, ns, tokens).hits == []  # no sources: other keys
+    pending = store.prepare_put(ident, ns, tokens, kv, sources=v2)
+    assert store.commit_put(pending).stored == 2
+    assert store.invalidate(source=doc, before_version=2) == 2  # v1's, not v2's
+    assert len(store.lookup(ident, ns, tokens, sources=v1).hits) == 1
+    assert len(store.lookup(ident, ns, tokens, sources=v2).hits) == 3
+    assert store.invalidate(source=Source(doc, 1)) == 0
+    assert store.invalidate(source=Source(doc, 2)) == 2
+    assert len(store.lookup(ident, ns, tokens, sources=v2).hits) == 1
+    with pytest.raises(InvalidArgument, match="names one version"):
+        store.invalidate(source=Source(doc, 2), before_version=3)
+    with pytest.raises(InvalidArgument, match="sources"):
+        store.lookup(ident, ns, tokens, sources=["sys@0"])  # type: ignore[list-item]
+
+
+def test_invalidate_every_weights_version_but_one(store: Store, ns: Namespace) -> None:
+    tokens, kv = prompt_kv(22, 2 * N)
+    model = f"m-{ns.name}"
+    idents = [tiny_identity(model_id=model, weights_digest=f"w{v}") for v in range(3)]
+    for ident in idents:
+        assert store.put_prompt(ident, ns, tokens, kv).stored == 2
+    assert store.invalidate(model=model, keep_weights_digest="w2") == 4
+    assert [len(store.lookup(i, ns, tokens).hits) for i in idents] == [0, 0, 2]
+    assert store.invalidate(model=model, weights_digest="w2") == 2
+    with pytest.raises(InvalidArgument, match="needs a model"):
+        store.invalidate(keep_weights_digest="w2")
 
 
 def test_check_audits_the_tiers(store: Store, ns: Namespace) -> None:

@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvlife.core.errors import InvalidArgument
+from kvlife.core.errors import InvalidArgument, KVLifeError
 from kvlife.core.identity import Namespace, NamespaceKind
 from kvlife.core.lifecycle import Move
 from kvlife.engines.vllm.faults import LayerFault
@@ -240,6 +240,21 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self.scheduler is not None
         self.scheduler.finished(request)
         return False, None
+
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (the scheduler asks the
+        scheduler-side connector): every tier of kvlife drops this engine's model
+        version (:meth:`SchedulerSide.reset`). False (vLLM reports the reset failed)
+        when the store could not do it."""
+        if self.scheduler is None:
+            return None
+        try:
+            removed = self.scheduler.reset()
+        except KVLifeError as exc:
+            log.warning("kvlife: reset of the connector's cache failed: %s", exc)
+            return False
+        log.info("kvlife: prefix cache reset: %d chunks invalidated on every tier", removed)
+        return True
 
     def take_events(self) -> Iterable[Any]:
         """kvlife lifecycle events of the store as vLLM KV events: a chunk indexed is a

@@ -27,7 +27,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlife.core.errors import KVLifeError
+from kvlife.core.errors import KVLifeError, NotPermitted
 from kvlife.core.identity import ModelIdentity, Namespace
 from kvlife.engines.identity import AdapterSpec
 from kvlife.engines.vllm.identity import NamespacePolicy, adapter_spec, with_adapter
@@ -68,6 +68,8 @@ class SchedulerCounters:
     """Request saves aborted by a verdict (and planned again)."""
     planner_declined: int = 0
     """Hit tokens not offered because the planner predicted recomputing them faster."""
+    resets: int = 0
+    """vLLM prefix-cache resets passed on to every tier of the store."""
 
 
 class SchedulerSide:
@@ -294,6 +296,25 @@ class SchedulerSide:
     def has_pending_verdicts(self) -> bool:
         """Verdicts not yet sent to the workers (vLLM keeps stepping while so)."""
         return bool(self._verdicts)
+
+    def reset(self) -> int:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: every tier of the store
+        stops serving, and frees, the KV this engine could hit: every chunk of its model
+        version (``model`` and ``weights_digest`` of its ranks' identities, adapters
+        included), in every namespace its requests reach; on a server with principals
+        (a tenant names one namespace) in its default namespace. Durable and, with a
+        shared tier, global when it returns. Returns the chunks removed (vLLM #57727:
+        a CPU tier that kept serving after a reset)."""
+        removed = 0
+        for model, weights in sorted({(i.model_id, i.weights_digest) for i in self.identities}):
+            try:
+                removed += self.store.invalidate(model=model, weights_digest=weights)
+            except NotPermitted:
+                removed += self.store.invalidate(
+                    namespace=self.namespaces.default, model=model, weights_digest=weights
+                )
+        self.counters.resets += 1
+        return removed
 
     def finished(self, request: Any) -> None:
         self.requests.pop(request.request_id, None)
