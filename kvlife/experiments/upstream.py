@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 import zlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -192,7 +193,7 @@ def _decode(m: Model, logits: Any, cache: Any, position: int, count: int) -> lis
 # ---------------------------------------------------------------------------- strategies
 
 
-class Strategy:
+class Strategy(ABC):
     """One way of serving a request stream; keeps its own reuse state."""
 
     name = ""
@@ -203,8 +204,9 @@ class Strategy:
         self.m, self.cfg, self.oracle = m, cfg, oracle
         self.invalidated = 0
 
+    @abstractmethod
     def serve(self, prompt: BuiltPrompt, superseded: Sequence[Source]) -> Outcome:
-        raise NotImplementedError
+        """Serve one request; ``superseded``: sources whose version went up with it."""
 
     def close(self) -> None:
         return None

@@ -104,7 +104,9 @@ class SegmentCache:
     ratio: float = DEFAULT_RATIO
     """Recompute ratio the replicas are blended with (their contract's KL is for it)."""
     counters: SegmentCounters = field(default_factory=SegmentCounters)
-    _replicas: dict[tuple[bytes, Source, bytes], SegmentReplica] = field(default_factory=dict)
+    _replicas: dict[tuple[bytes, Source, bytes], SegmentReplica] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @property
     def contract(self) -> Contract:
