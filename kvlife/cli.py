@@ -432,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "experiment",
         help="experiments: `kvlife experiment identity|lifetime-hints|transforms|"
-        "crossover|object-size|sharing-scope|isolation --help`",
+        "crossover|object-size|sharing-scope|isolation|upstream --help`",
         add_help=False,
     )
     return parser
@@ -460,6 +460,7 @@ EXPERIMENTS = {
     "object-size": "kvlife.experiments.object_size",
     "sharing-scope": "kvlife.experiments.sharing_scope",
     "isolation": "kvlife.experiments.isolation",
+    "upstream": "kvlife.experiments.upstream",
 }
 
 

@@ -40,8 +40,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("server", "replay", "faults", "ops"),
     # the server's client (it speaks the server's protocol)
     ("client",),
-    # engine adapters (the vLLM connector reaches a served store through the client)
-    ("engines",),
+    # engine adapters (the vLLM connector reaches a served store through the client);
+    # upstream: the prompt builder and segment reuse an application drives beside an
+    # engine (it runs the model's layers and hands sources to the store)
+    ("engines", "upstream"),
     ("experiments", "bench", "apps"),
     ("cli", FACE),
 )
