@@ -353,6 +353,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("replay", help="replay a trace: `kvlife replay --help`", add_help=False)
     sub.add_parser(
+        "report",
+        help="one run of a trace, all the metrics (JSON, HTML): `kvlife report --help`",
+        add_help=False,
+    )
+    sub.add_parser(
         "sweep", help="hit ratio against capacity per policy: `kvlife sweep --help`", add_help=False
     )
     sub.add_parser(
@@ -399,6 +404,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if argv[0] == "sweep":
                 return replay_cli.sweep_main(argv[1:])
             return replay_cli.bench_main(argv[2:])
+        if argv[:1] == ["report"]:
+            return _forward("kvlife.reporting.cli", argv[1:])
         if argv[:1] in (["bench"], ["experiment"]):
             table = BENCHES if argv[0] == "bench" else EXPERIMENTS
             if len(argv) < 2 or argv[1] not in table:

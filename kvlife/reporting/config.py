@@ -32,6 +32,8 @@ class HostConfig:
     """Host DRAM given to KV."""
     ssd_bytes: int = 2 * TiB
     """SSD capacity given to KV (logical; 0: no SSD tier)."""
+    ssd_drives: int = 4
+    """NVMe drives the SSD tier is striped over (a block lives on one drive)."""
     ssd_op: float = 0.07
     """SSD over-provisioning (physical / logical - 1)."""
     fdp: bool = False
@@ -57,6 +59,8 @@ class HostConfig:
         for name in ("dram_bytes", "ssd_bytes", "remote_bytes"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"{name} must be >= 0")
+        if self.ssd_drives < 1:
+            raise InvalidArgument("ssd_drives must be >= 1")
         if self.remote_link not in REMOTE_LINKS:
             raise InvalidArgument(
                 f"remote link {self.remote_link!r}: one of {', '.join(REMOTE_LINKS)}"

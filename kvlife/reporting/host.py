@@ -183,7 +183,9 @@ def _simulate(
                 capacity_bytes=max(block_bytes, cfg.ssd_bytes // block_bytes * block_bytes),
                 op=cfg.ssd_op,
                 streams=len(POSITION_CLASSES) if cfg.fdp else 1,
-            )
+            ),
+            block_bytes,
+            drives=cfg.ssd_drives,
         )
         if cfg.ssd_bytes >= block_bytes
         else None

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from kvlife.core.errors import InvalidArgument
 from kvlife.sim import ftl_kernels as fk
 from kvlife.sim.device import LatencyRecorder
 from kvlife.sim.ssd import NAND_TIMING, CellType, NandTiming, SSDConfig, SSDModel
@@ -55,8 +56,11 @@ class SSDTierConfig:
         timing = NandTiming(
             read_s=base.read_s * scale, program_s=base.program_s * scale, erase_s=base.erase_s
         )
-        ppb = self.superblock_bytes // self.unit_bytes
         logical = max(1, self.capacity_bytes // self.unit_bytes)
+        # a small (test) drive gets smaller superblocks, so that its spare area still
+        # holds every stream's open blocks and the GC reserve (SSDConfig's condition)
+        fit = int(logical * self.op / (2 * (1 + 2 * self.streams)))
+        ppb = max(1, min(self.superblock_bytes // self.unit_bytes, fit))
         cfg = SSDConfig.for_logical_pages(logical, ppb, self.op, page_bytes=self.unit_bytes)
         # a real die block holds 1024 NAND pages; erase time is charged pro rata per die
         return replace(
@@ -71,47 +75,70 @@ class SSDTierConfig:
 
 
 class SSDTier:
-    """An :class:`SSDModel` with a lifecycle-class hint per write and GC windows."""
+    """``drives`` identical :class:`SSDModel` drives, with a lifecycle-class hint per write
+    and GC windows per drive. A key is written to the drive with the most free space
+    and stays there until it is trimmed (objects are ``object_bytes``; each drive holds
+    ``ceil(objects / drives)`` of them, so the tier never runs out before the cache)."""
 
-    def __init__(self, cfg: SSDTierConfig, name: str = "ssd") -> None:
+    def __init__(
+        self, cfg: SSDTierConfig, object_bytes: int, drives: int = 1, name: str = "ssd"
+    ) -> None:
+        if drives < 1 or object_bytes < 1:
+            raise InvalidArgument(f"an SSD tier needs drives >= 1 and objects >= 1 byte")
         self.cfg = cfg
-        self.model = SSDModel(cfg.ssd_config(), name)
-        self.n_dies = self.model.config.n_dies
-        self._gc_until = -1.0
-        self._gc_time = self.model.ftl.counters().gc_die_time_s
+        per_drive = -(-(cfg.capacity_bytes // object_bytes) // drives) * object_bytes
+        per = replace(cfg, capacity_bytes=per_drive)
+        self.models = [SSDModel(per.ssd_config(), f"{name}{i}") for i in range(drives)]
+        self.n_dies = self.models[0].config.n_dies
+        self._drive: dict[int, int] = {}
+        self._gc_until = [-1.0] * drives
+        self._gc_time = [0.0] * drives
         self.reads_under_gc = LatencyRecorder()
         self.reads_clear = LatencyRecorder()
         self.gc_windows: list[tuple[float, float]] = []
 
     def write(self, t: float, nbytes: int, key: int, hint: int) -> float:
-        done = self.model.write_hinted(t, nbytes, key, hint % self.cfg.streams)
-        gc = float(self.model.ftl.arrays.fctr[fk.FC_GC_DIE_TIME])
-        if gc != self._gc_time:  # this write ran GC: its work is booked on the dies
-            self._gc_time = gc
-            until = float(self.model.ftl.arrays.busy[: self.n_dies].max())
-            self._gc_until = max(self._gc_until, until)
+        d = self._drive.get(key, -1)
+        if d < 0:
+            free = [m.free_bytes() for m in self.models]
+            d = self._drive[key] = free.index(max(free))
+        m = self.models[d]
+        done = m.write_hinted(t, nbytes, key, hint % self.cfg.streams)
+        gc = float(m.ftl.arrays.fctr[fk.FC_GC_DIE_TIME])
+        if gc != self._gc_time[d]:  # this write ran GC: its work is booked on the dies
+            self._gc_time[d] = gc
+            until = float(m.ftl.arrays.busy[: self.n_dies].max())
+            self._gc_until[d] = max(self._gc_until[d], until)
             self.gc_windows.append((t, until))
         return done
 
     def read(self, t: float, nbytes: int, key: int) -> float:
-        done = self.model.read(t, nbytes, key)
-        (self.reads_under_gc if t < self._gc_until else self.reads_clear).add(done - t)
+        d = self._drive.get(key, 0)  # a key never written reads unmapped space
+        done = self.models[d].read(t, nbytes, key)
+        (self.reads_under_gc if t < self._gc_until[d] else self.reads_clear).add(done - t)
         return done
 
     def trim(self, key: int) -> None:
-        self.model.trim(key)
+        d = self._drive.pop(key, -1)
+        if d >= 0:
+            self.models[d].trim(key)
 
     def busy_die_seconds(self) -> float:
         """Die-seconds of NAND work (host reads and programs, GC copies and erases)."""
-        c = self.model.ftl.counters()
-        tm = self.model.config.nand_timing
-        host = c.host_page_reads * tm.read_s + c.host_page_writes * tm.program_s
-        return float(host + c.gc_die_time_s)
+        total = 0.0
+        for m in self.models:
+            c = m.ftl.counters()
+            tm = m.config.nand_timing
+            total += c.host_page_reads * tm.read_s + c.host_page_writes * tm.program_s
+            total += c.gc_die_time_s
+        return total
 
     def figures(self, span_s: float) -> dict[str, object]:
         """WAF, GC, reads under GC and utilisation over a run of ``span_s`` seconds."""
-        st = self.model.stats()
-        c = st.ftl
+        stats = [m.stats() for m in self.models]
+        host = sum(s.ftl.host_page_writes for s in stats)
+        nand = sum(s.ftl.nand_page_writes for s in stats)
+        gc_s = sum(s.ftl.gc_time_s for s in stats)
         under = self.reads_under_gc.values()
         clear = self.reads_clear.values()
         both = np.concatenate([under, clear])
@@ -119,27 +146,31 @@ class SSDTier:
         def p(a: np.ndarray, q: float) -> float:
             return float(np.percentile(a, q)) if a.size else 0.0
 
-        cfg = self.model.config
+        cfg = self.models[0].config
+        k = len(self.models)
+        dies = self.n_dies * k
         return {
-            "logical_bytes": cfg.logical_bytes,
-            "physical_bytes": cfg.physical_pages * cfg.page_bytes,
+            "drives": k,
+            "logical_bytes": cfg.logical_bytes * k,
+            "physical_bytes": cfg.physical_pages * cfg.page_bytes * k,
             "op": cfg.effective_op,
             "streams": cfg.n_streams,
             "unit_bytes": cfg.page_bytes,
-            "host_unit_writes": c.host_page_writes,
-            "nand_unit_writes": c.nand_page_writes,
-            "waf": c.waf if c.host_page_writes else 1.0,
-            "gc_copies": c.gc_copies,
-            "gc_runs": c.gc_runs,
-            "erases": c.erases,
-            "gc_time_s": c.gc_time_s,
-            "gc_share_of_span": c.gc_time_s / span_s if span_s > 0 else 0.0,
+            "host_unit_writes": host,
+            "nand_unit_writes": nand,
+            "waf": nand / host if host else 1.0,
+            "gc_copies": sum(s.ftl.gc_copies for s in stats),
+            "gc_runs": sum(s.ftl.gc_runs for s in stats),
+            "erases": sum(s.ftl.erases for s in stats),
+            "gc_time_s": gc_s / k,
+            "gc_share_of_span": gc_s / k / span_s if span_s > 0 else 0.0,
             "read_p50_s": p(both, 50),
             "read_p99_s": p(both, 99),
             "reads_under_gc": int(under.size),
+            "reads_clear": int(clear.size),
             "read_p99_under_gc_s": p(under, 99),
             "read_p99_clear_s": p(clear, 99),
-            "write_p99_s": st.write_latency.p99_s,
-            "max_erase_count": st.max_erase_count,
-            "utilisation": self.busy_die_seconds() / (self.n_dies * span_s) if span_s else 0.0,
+            "write_p99_s": max(s.write_latency.p99_s for s in stats),
+            "max_erase_count": max(s.max_erase_count for s in stats),
+            "utilisation": self.busy_die_seconds() / (dies * span_s) if span_s else 0.0,
         }
