@@ -344,6 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=6, help="synthetic: turns per user")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.add_argument("--seed", type=int, default=0, help="synthetic: workload seed")
+    p.add_argument(
+        "--events",
+        default=None,
+        help="write the store's lifecycle events here (JSON lines; `kvlife report --events`)",
+    )
     p.set_defaults(func=cmd_demo)
 
     sub.add_parser(

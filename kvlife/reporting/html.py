@@ -210,7 +210,7 @@ def plots(report: dict[str, Any]) -> dict[str, str]:
         out[f"Cluster of {c['hosts']} hosts: TTFT P99 and shared-tier load"] = _png(fig)
         plt.close(fig)
     for name, samples in report.get("_lifespans", {}).items():
-        if not samples:
+        if not any(len(v) for v in samples.values()):
             continue
         fig, ax = plt.subplots(figsize=(6, 3.6))
         for cls, v in samples.items():
