@@ -26,8 +26,18 @@ from kvlife.reporting.config import HostConfig
 from kvlife.reporting.faults import FaultConfig
 from kvlife.trace.importers import FORMATS, read_trace
 
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -48,29 +58,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N")
     p.add_argument("--json", default=None, help="write the report as JSON here")
     p.add_argument("--html", default=None, help="write the report as HTML (plots embedded)")
-    p.add_argument("--events", action="append", default=[],
-                   help="lifecycle event log of a live store (JSONL or Parquet); repeatable")  # fmt: skip
+    p.add_argument(
+        "--events",
+        action="append",
+        default=[],
+        help="lifecycle event log of a live store (JSONL or Parquet); repeatable",
+    )
     h = p.add_argument_group("one host (default mode)")
     h.add_argument("--policy", default="lru", help="eviction policy of the local tiers")
-    h.add_argument("--kv-bytes-per-token", type=int, default=None,
-                   help="KV bytes per token (host: 131072, Llama-3-8B; cluster: 327680, 70B)")  # fmt: skip
+    h.add_argument(
+        "--kv-bytes-per-token",
+        type=int,
+        default=None,
+        help="KV bytes per token (host: 131072, Llama-3-8B; cluster: 327680, 70B)",
+    )
     h.add_argument("--dram", default="256GiB", help="DRAM for KV")
     h.add_argument("--ssd", default="2TiB", help="SSD capacity for KV (0: none)")
     h.add_argument("--ssd-drives", type=int, default=4, help="NVMe drives the SSD tier spans")
     h.add_argument("--ssd-op", type=float, default=0.07, help="SSD over-provisioning")
-    h.add_argument("--fdp", action="store_true",
-                   help="FDP placement hints: one reclaim unit per lifecycle class")  # fmt: skip
+    h.add_argument(
+        "--fdp",
+        action="store_true",
+        help="FDP placement hints: one reclaim unit per lifecycle class",
+    )
     h.add_argument("--remote", default="0", help="remote tier capacity (0: none)")
     h.add_argument("--remote-link", default="rdma", choices=("rdma", "tcp"))
     h.add_argument("--compute", default="gpu-8b", choices=sorted(COMPUTE_PRESETS))
-    h.add_argument("--fault-rate", type=float, default=0.0,
-                   help="probability that a block read from SSD or remote fails")  # fmt: skip
+    h.add_argument(
+        "--fault-rate",
+        type=float,
+        default=0.0,
+        help="probability that a block read from SSD or remote fails",
+    )
     h.add_argument("--seed", type=int, default=0, help="fault seed")
-    h.add_argument("--tenants", default="", choices=("", "user", "organisation"),
-                   help="derive tenants from the trace's prefixes")  # fmt: skip
+    h.add_argument(
+        "--tenants",
+        default="",
+        choices=("", "user", "organisation"),
+        help="derive tenants from the trace's prefixes",
+    )
     h.add_argument("--tenant-groups", type=int, default=4, help="fold derived tenants into N")
-    h.add_argument("--tenant-shares", default="",
-                   help="quotas per tier: equal or name=fraction,... (needs --tenants)")  # fmt: skip
+    h.add_argument(
+        "--tenant-shares",
+        default="",
+        help="quotas per tier: equal or name=fraction,... (needs --tenants)",
+    )
     c = p.add_argument_group("cluster (--cluster N)")
     c.add_argument("--cluster", type=int, default=0, help="simulate N engine hosts instead")
     c.add_argument("--cluster-dram", default="256GiB", help="per-host DRAM for KV")
@@ -120,8 +152,11 @@ def live_lifecycle(paths: Sequence[str]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     trace = read_trace(args.trace, args.format, args.max_requests)
-    report: dict[str, Any] = {"kind": "kvlife.report", "version": 1,
-                              "command": ["kvlife", "report", *argv]}  # fmt: skip
+    report: dict[str, Any] = {
+        "kind": "kvlife.report",
+        "version": 1,
+        "command": ["kvlife", "report", *argv],
+    }
     lifecycles: dict[str, Any] = {}
     samples: dict[str, Any] = {}
     if args.cluster:
@@ -143,7 +178,9 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
         from kvlife.reporting.host import run_host
 
         host = run_host(trace, host_config(args))
-        lifecycles["replay"] = host.pop("lifecycle")["replay"]
+        lc = host.pop("lifecycle")
+        lifecycles["replay"] = lc["replay"]
+        report["lifecycle_trace"] = lc["trace"]
         samples["replay"] = host.pop("_lifespans")
         report["host"] = host
     for name, (res, smp) in live_lifecycle(args.events).items():

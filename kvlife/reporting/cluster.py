@@ -71,19 +71,32 @@ class SharedDesign:
 
 DESIGNS: dict[str, SharedDesign | None] = {
     "rdma-pool": SharedDesign(
-        "rdma-pool", 25e9, 8 * 25e9, 5e-6, 1e-6,
+        "rdma-pool",
+        25e9,
+        8 * 25e9,
+        5e-6,
+        1e-6,
         note="8 memory servers; 2x100 Gb/s RoCE per host and per server",
     ),
     "cpu-dram-pool": SharedDesign(
-        "cpu-dram-pool", 9e9, 8 * 9e9, 30e-6, 10e-6,
+        "cpu-dram-pool",
+        9e9,
+        8 * 9e9,
+        30e-6,
+        10e-6,
         note="the same 8 servers through kernel TCP (100 Gb/s NICs, ~9 GB/s per stream)",
     ),
     "cxl-shared": SharedDesign(
-        "cxl-shared", 52e9, 16 * 26e9, 600e-9, 0.0, memory=True,
+        "cxl-shared",
+        52e9,
+        16 * 26e9,
+        600e-9,
+        0.0,
+        memory=True,
         note="CXL switch; PCIe 5 x16 per host, 16 x8 memory devices (TraCT-style pool)",
     ),
     "local-ssd": None,
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,18 +272,20 @@ def decide(trace: Trace, cfg: ClusterConfig, shared: bool) -> _Decisions:
 
 def _link(design: SharedDesign, bw: float, name: str) -> DeviceModel:  # type: ignore[type-arg]
     if design.memory:
-        return CXLDramExpander(CXLDramConfig(latency_s=design.rtt_s, bandwidth_bytes_per_s=bw), name)
+        return CXLDramExpander(
+            CXLDramConfig(latency_s=design.rtt_s, bandwidth_bytes_per_s=bw), name
+        )
     return NetworkLink(NetworkLinkConfig(bw, design.rtt_s, design.per_message_s), name)
 
 
 def _busy(dev: DeviceModel) -> float:  # type: ignore[type-arg]
     """Seconds a device's transfer queue was busy."""
     if isinstance(dev, NetworkLink):
-        s = dev.stats()
-        return max(s.busy_in_s, s.busy_out_s)
+        ns = dev.stats()
+        return max(ns.busy_in_s, ns.busy_out_s)
     assert isinstance(dev, MemoryDevice)
-    s = dev.stats()
-    return (s.bytes_read + s.bytes_written) / dev.config.bandwidth_bytes_per_s
+    ms = dev.stats()
+    return (ms.bytes_read + ms.bytes_written) / dev.config.bandwidth_bytes_per_s
 
 
 def simulate(
@@ -291,8 +306,9 @@ def simulate(
     dm = dec.demoted.tolist()
     dram = [LocalDRAM(name=f"dram{h}") for h in range(H)]
     ssd = [
-        MemoryDevice(MemoryConfig(latency_s=80e-6, bandwidth_bytes_per_s=cfg.ssd_bytes_per_s),
-                     f"ssd{h}")  # fmt: skip
+        MemoryDevice(
+            MemoryConfig(latency_s=80e-6, bandwidth_bytes_per_s=cfg.ssd_bytes_per_s), f"ssd{h}"
+        )
         for h in range(H)
     ]
     links = [_link(design, design.host_bytes_per_s, f"link{h}") for h in range(H)] if design else []
@@ -360,8 +376,12 @@ def simulate(
         "host_link_max": max(_busy(x) for x in links) / span if links else 0.0,
         "pool": _busy(pool) / span if pool is not None else 0.0,
     }
-    names = {"pool": "shared tier", "host_link_max": "host link", "compute": "prefill compute",
-             "ssd_max": "local SSD"}  # fmt: skip
+    names = {
+        "pool": "shared tier",
+        "host_link_max": "host link",
+        "compute": "prefill compute",
+        "ssd_max": "local SSD",
+    }
     hot = max(util, key=util.__getitem__)
     shared_read = sum(q) * bb
     return {
@@ -402,16 +422,18 @@ def run_cluster(trace: Trace, cfg: ClusterConfig) -> dict[str, Any]:
         dec = decisions[design is not None]
         points = [simulate(trace, cfg, dec, design, load) for load in cfg.loads]
         sat = next((p["load"] for p in points if p["saturated"]), None)
-        designs.append({
-            "design": name,
-            "note": design.note
-            if design
-            else f"per-host DRAM and {local_ssd(cfg) / 2**40:.2f} TiB of local SSD each, "
-            "no shared tier",
-            "points": points,
-            "saturates_at_load": sat,
-            "saturated_resource": next((p["saturated"] for p in points if p["saturated"]), ""),
-        })  # fmt: skip
+        designs.append(
+            {
+                "design": name,
+                "note": design.note
+                if design
+                else f"per-host DRAM and {local_ssd(cfg) / 2**40:.2f} TiB of local SSD each, "
+                "no shared tier",
+                "points": points,
+                "saturates_at_load": sat,
+                "saturated_resource": next((p["saturated"] for p in points if p["saturated"]), ""),
+            }
+        )
     dec = next(iter(decisions.values()))
     hosts_used = int(np.unique(dec.host).size)
     counts = np.bincount(dec.host, minlength=cfg.hosts)
@@ -452,8 +474,8 @@ def findings(report: dict[str, Any]) -> list[str]:
         top = pts[-1]
         if d["saturates_at_load"] is not None:
             out.append(
-                f"{d['design']}: {d['saturated_resource']} saturates at {d['saturates_at_load']:g}x "
-                f"the trace's rate (utilisation >= {SATURATED})"
+                f"{d['design']}: {d['saturated_resource']} saturates at "
+                f"{d['saturates_at_load']:g}x the trace's rate (utilisation >= {SATURATED})"
             )
         else:
             u = top["utilisation"]

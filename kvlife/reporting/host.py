@@ -28,7 +28,13 @@ import numpy as np
 from kvlife.core.events import LifecycleEvent
 from kvlife.replay.cache import CacheSim, pos_bucket
 from kvlife.replay.engine import ComputeModel
-from kvlife.replay.metrics import per_tenant, percentiles, ratio, reuse_distances
+from kvlife.replay.metrics import (
+    per_tenant,
+    percentiles,
+    ratio,
+    reuse_distances,
+    touch_classes,
+)
 from kvlife.replay.tenants import (
     block_owners,
     parse_tenant_shares,
@@ -37,7 +43,7 @@ from kvlife.replay.tenants import (
 )
 from kvlife.reporting.config import HostConfig
 from kvlife.reporting.faults import FaultInjector
-from kvlife.reporting.lifecycle import LifecycleAnalysis
+from kvlife.reporting.lifecycle import LifecycleAnalysis, trace_lifetimes
 from kvlife.reporting.ops import OpsRecorder, RequestOps, split_requests
 from kvlife.reporting.remote import RemoteTier
 from kvlife.reporting.ssd_tier import SSDTier, SSDTierConfig
@@ -139,7 +145,16 @@ def run_host(trace: Trace, cfg: HostConfig) -> dict[str, Any]:
     report["faults"] = {"config": asdict(cfg.faults), **faults.out.figures()}
     if quotas:
         report["tenant_shares"] = {tier: p.figures() for tier, p in quotas.items()}
-    report["lifecycle"] = {"replay": life.result()}
+    lens = np.diff(trace.offsets)
+    report["lifecycle"] = {
+        "replay": life.result(),
+        "trace": trace_lifetimes(
+            trace.blocks,
+            np.repeat(trace.timestamps, lens),
+            touch_classes(trace) % 4,
+            POSITION_CLASSES,
+        ),
+    }
     report["_lifespans"] = life.samples()
     report["reuse_distance_touches"] = reuse_distances(trace)
     elapsed = time.perf_counter() - t0

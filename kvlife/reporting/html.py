@@ -60,8 +60,10 @@ def host_rows(h: dict[str, Any]) -> list[list[str]]:
     rows = [
         ["TTFT P50 / P90 / P99 (ms)", _ms(lat["ttft_s"])],
         ["TPOT P50 / P90 / P99 (ms)", _ms(lat["tpot_s"])],
-        ["queue / load P99 (ms)", f"{1000 * lat['queue_s']['p99']:.1f} / "
-                                  f"{1000 * lat['load_s']['p99']:.1f}"],  # fmt: skip
+        [
+            "queue / load P99 (ms)",
+            f"{1000 * lat['queue_s']['p99']:.1f} / {1000 * lat['load_s']['p99']:.1f}",
+        ],
         ["prefix hit ratio", _f(hits["prefix_hit_ratio"], 4)],
     ]
     for tier, r in hits["per_tier_ratio"].items():
@@ -74,17 +76,25 @@ def host_rows(h: dict[str, Any]) -> list[list[str]]:
     ssd = h.get("ssd")
     if ssd:
         rows += [
-            ["SSD GC time (device-s) / share of span", f"{_f(ssd['gc_time_s'])} / "
-                                                       f"{_f(ssd['gc_share_of_span'])}"],  # fmt: skip
-            ["SSD read P99 under GC / clear (ms)", f"{1000 * ssd['read_p99_under_gc_s']:.2f} / "
-                                                   f"{1000 * ssd['read_p99_clear_s']:.2f}"],  # fmt: skip
+            [
+                "SSD GC time (device-s) / share of span",
+                f"{_f(ssd['gc_time_s'])} / {_f(ssd['gc_share_of_span'])}",
+            ],
+            [
+                "SSD read P99 under GC / clear (ms)",
+                f"{1000 * ssd['read_p99_under_gc_s']:.2f} / {1000 * ssd['read_p99_clear_s']:.2f}",
+            ],
             ["SSD reads under GC / clear", f"{ssd['reads_under_gc']:,} / {ssd['reads_clear']:,}"],
         ]
     for dev, u in h["utilisation"].items():
         rows.append([f"utilisation: {dev}", _f(u)])
     f = h["faults"]
-    rows.append(["faults injected / detected", f"{sum(f['injected'].values()):,} / "
-                                               f"{sum(f['detected'].values()):,}"])  # fmt: skip
+    rows.append(
+        [
+            "faults injected / detected",
+            f"{sum(f['injected'].values()):,} / {sum(f['detected'].values()):,}",
+        ]
+    )
     rows.append(["faults: blocks recomputed", f"{sum(f['recomputed_blocks'].values()):,}"])
     rows.append(["faults: wrong blocks served", str(f["wrong_blocks_served"])])
     iso = h["isolation"]
@@ -96,30 +106,90 @@ def host_rows(h: dict[str, Any]) -> list[list[str]]:
 
 
 def cluster_rows(c: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    heads = ["design", "load", "TTFT P50/P90/P99 ms", "hit", "shared hit", "pool util",
-             "host NIC util", "compute util", "saturated"]  # fmt: skip
+    heads = [
+        "design",
+        "load",
+        "TTFT P50/P90/P99 ms",
+        "hit",
+        "shared hit",
+        "pool util",
+        "host NIC util",
+        "compute util",
+        "saturated",
+    ]
     rows = []
     for d in c["designs"]:
         for pt in d["points"]:
-            rows.append([
-                d["design"], f"{pt['load']:g}x", _ms(pt["ttft_s"]), _f(pt["prefix_hit_ratio"]),
-                _f(pt["shared_hit_ratio"]), _f(pt["utilisation"]["pool"]),
-                _f(pt["utilisation"]["host_link_max"]), _f(pt["utilisation"]["compute"]),
-                pt["saturated"] or "-",
-            ])  # fmt: skip
+            rows.append(
+                [
+                    d["design"],
+                    f"{pt['load']:g}x",
+                    _ms(pt["ttft_s"]),
+                    _f(pt["prefix_hit_ratio"]),
+                    _f(pt["shared_hit_ratio"]),
+                    _f(pt["utilisation"]["pool"]),
+                    _f(pt["utilisation"]["host_link_max"]),
+                    _f(pt["utilisation"]["compute"]),
+                    pt["saturated"] or "-",
+                ]
+            )
     return heads, rows
 
 
 def lifecycle_rows(lc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    heads = ["class", "lives", "open", "lifespan P50 s", "P90 s", "reused", "loads P90",
-             "reuse dist P50 s", "indexed share"]  # fmt: skip
+    heads = [
+        "class",
+        "lives",
+        "open",
+        "lifespan P50 s",
+        "P90 s",
+        "open age P50 s",
+        "reused",
+        "loads P90",
+        "reuse dist P50 s",
+        "indexed share",
+    ]
     rows = []
     for cls, c in lc["classes"].items():
-        rows.append([
-            cls, f"{c['lives_closed']:,}", f"{c['lives_open']:,}", _f(c["lifespan_s"]["p50"], 1),
-            _f(c["lifespan_s"]["p90"], 1), _f(c["reused_share"]), _f(c["reuse_count"]["p90"], 1),
-            _f(c["reuse_distance_s"]["p50"], 1), _f(c["state_share"]["indexed"]),
-        ])  # fmt: skip
+        rows.append(
+            [
+                cls,
+                f"{c['lives_closed']:,}",
+                f"{c['lives_open']:,}",
+                _f(c["lifespan_s"]["p50"], 1),
+                _f(c["lifespan_s"]["p90"], 1),
+                _f(c["open_age_s"]["p50"], 1),
+                _f(c["reused_share"]),
+                _f(c["reuse_count"]["p90"], 1),
+                _f(c["reuse_distance_s"]["p50"], 1),
+                _f(c["state_share"]["indexed"]),
+            ]
+        )
+    return heads, rows
+
+
+def trace_lifetime_rows(lt: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    heads = [
+        "class (first position)",
+        "blocks",
+        "reused",
+        "touches P90",
+        "useful lifetime P50 s",
+        "P90 s",
+        "reuse gap P50 s",
+    ]
+    rows = [
+        [
+            cls,
+            f"{c['blocks']:,}",
+            _f(c["reused_share"]),
+            _f(c["touches"]["p90"], 1),
+            _f(c["useful_lifetime_s"]["p50"], 1),
+            _f(c["useful_lifetime_s"]["p90"], 1),
+            _f(c["reuse_gap_s"]["p50"], 1),
+        ]
+        for cls, c in lt["classes"].items()
+    ]
     return heads, rows
 
 
@@ -135,6 +205,10 @@ def text(report: dict[str, Any]) -> str:
         out.append(f"\ncluster: {c['hosts']} hosts, {c['trace']['note']}")
         out.append(format_table(*cluster_rows(c)))
         out.append("\n".join(c["findings"]))
+    lt = report.get("lifecycle_trace")
+    if lt:
+        out.append(f"\nlifetimes in the trace (no cache): {lt['stability']['verdict']}")
+        out.append(format_table(*trace_lifetime_rows(lt)))
     for name, lc in report.get("lifecycle", {}).items():
         out.append(f"\nlifecycle ({name}): {lc['stability']['verdict']}")
         out.append(format_table(*lifecycle_rows(lc)))
@@ -198,8 +272,12 @@ def plots(report: dict[str, Any]) -> dict[str, str]:
         for d in c["designs"]:
             loads = [p["load"] for p in d["points"]]
             a1.plot(loads, [p["ttft_s"]["p99"] for p in d["points"]], marker="o", label=d["design"])
-            a2.plot(loads, [p["utilisation"]["pool"] for p in d["points"]], marker="o",
-                    label=d["design"])  # fmt: skip
+            a2.plot(
+                loads,
+                [p["utilisation"]["pool"] for p in d["points"]],
+                marker="o",
+                label=d["design"],
+            )
         for ax, lab in ((a1, "TTFT P99 (s)"), (a2, "shared-tier utilisation")):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("load (x the trace's request rate)")
@@ -249,27 +327,38 @@ def write_html(path: str | Path, report: dict[str, Any]) -> None:
     ]
     h = report.get("host")
     if h:
-        parts.append(f"<h2>One host: {e(h['trace']['name'])}, {h['trace']['requests']:,} "
-                     f"requests, {h['trace']['block_touches']:,} block touches</h2>")  # fmt: skip
-        tenants = [[name, f"{t['requests']:,}", _f(t["prefix_hit_ratio"], 4),
-                    _ms(t["ttft_s"])] for name, t in h["tenants"].items()]  # fmt: skip
+        parts.append(
+            f"<h2>One host: {e(h['trace']['name'])}, {h['trace']['requests']:,} "
+            f"requests, {h['trace']['block_touches']:,} block touches</h2>"
+        )
+        tenants = [
+            [name, f"{t['requests']:,}", _f(t["prefix_hit_ratio"], 4), _ms(t["ttft_s"])]
+            for name, t in h["tenants"].items()
+        ]
         parts.append("<div class='row'>")
         parts.append(_table_html(["metric", "value"], host_rows(h)))
-        parts.append(_table_html(["tenant", "requests", "hit ratio", "TTFT P50/P90/P99 ms"],
-                                 tenants))  # fmt: skip
+        parts.append(
+            _table_html(["tenant", "requests", "hit ratio", "TTFT P50/P90/P99 ms"], tenants)
+        )
         parts.append("</div>")
     c = report.get("cluster")
     if c:
         parts.append(f"<h2>Cluster: {c['hosts']} hosts</h2><p>{e(c['trace']['note'])}</p>")
         parts.append(_table_html(*cluster_rows(c)))
         parts.append("<ul>" + "".join(f"<li>{e(x)}</li>" for x in c["findings"]) + "</ul>")
+    lt = report.get("lifecycle_trace")
+    if lt:
+        parts.append("<h2>Lifetimes in the trace (policy-free: first to last touch)</h2>")
+        parts.append(f"<p>Stable classes: <b>{e(lt['stability']['verdict'])}</b></p>")
+        parts.append(_table_html(*trace_lifetime_rows(lt)))
     for name, lc in report.get("lifecycle", {}).items():
         parts.append(f"<h2>Lifecycle distribution ({e(name)})</h2>")
-        parts.append(f"<p>{lc['events']:,} events over {lc['span_s']:,.0f} s. Stable classes: "
-                     f"<b>{e(lc['stability']['verdict'])}</b></p>")  # fmt: skip
+        parts.append(
+            f"<p>{lc['events']:,} events over {lc['span_s']:,.0f} s. Stable classes: "
+            f"<b>{e(lc['stability']['verdict'])}</b></p>"
+        )
         parts.append(_table_html(*lifecycle_rows(lc)))
     for title, b64 in plots(report).items():
-        parts.append(f"<h2>{e(title)}</h2><img alt='{e(title)}' "
-                     f"src='data:image/png;base64,{b64}'>")  # fmt: skip
+        parts.append(f"<h2>{e(title)}</h2><img alt='{e(title)}' src='data:image/png;base64,{b64}'>")
     parts.append(f"<h2>JSON</h2><details><pre>{e(to_json(report))}</pre></details>")
     Path(path).write_text("\n".join(parts), encoding="utf-8")

@@ -40,9 +40,7 @@ class OpsRecorder(EventSink):
             self.tee.emit(event)
         kind = _KIND.get(event.kind)
         if kind is not None:
-            self.rows.append(
-                (kind, int(event.key, 16), _TIER[event.tier], _TIER[event.dst_tier])
-            )
+            self.rows.append((kind, int(event.key, 16), _TIER[event.tier], _TIER[event.dst_tier]))
 
 
 @dataclass(slots=True)

@@ -84,7 +84,7 @@ class SSDTier:
         self, cfg: SSDTierConfig, object_bytes: int, drives: int = 1, name: str = "ssd"
     ) -> None:
         if drives < 1 or object_bytes < 1:
-            raise InvalidArgument(f"an SSD tier needs drives >= 1 and objects >= 1 byte")
+            raise InvalidArgument("an SSD tier needs drives >= 1 and objects >= 1 byte")
         self.cfg = cfg
         per_drive = -(-(cfg.capacity_bytes // object_bytes) // drives) * object_bytes
         per = replace(cfg, capacity_bytes=per_drive)

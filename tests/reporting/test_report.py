@@ -38,20 +38,36 @@ def write_trace(path: Path, convs: int = 40, turns: int = 5, seed: int = 0) -> P
             grow = int(rng.integers(1, 4))
             chain += list(range(next_id, next_id + grow))
             next_id += grow
-            rows.append((t0 + k * 20_000.0 + c, len(chain) * 512 - 100, int(rng.integers(1, 300)),
-                         list(chain)))  # fmt: skip
+            rows.append(
+                (
+                    t0 + k * 20_000.0 + c,
+                    len(chain) * 512 - 100,
+                    int(rng.integers(1, 300)),
+                    list(chain),
+                )
+            )
     rows.sort(key=lambda r: r[0])
     with path.open("w") as fh:
         for ts, inp, out, ids in rows:
-            fh.write(json.dumps({"timestamp": int(ts), "input_length": inp,
-                                 "output_length": out, "hash_ids": ids}) + "\n")  # fmt: skip
+            fh.write(
+                json.dumps(
+                    {
+                        "timestamp": int(ts),
+                        "input_length": inp,
+                        "output_length": out,
+                        "hash_ids": ids,
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
 def run_report(tmp_path: Path, trace: Path, *extra: str) -> tuple[dict[str, Any], str]:
     out_json, out_html = tmp_path / "r.json", tmp_path / "r.html"
-    rc = kvlife_main(["report", "--trace", str(trace), "--json", str(out_json),
-                      "--html", str(out_html), *extra])  # fmt: skip
+    rc = kvlife_main(
+        ["report", "--trace", str(trace), "--json", str(out_json), "--html", str(out_html), *extra]
+    )
     assert rc == 0
     return json.loads(out_json.read_text()), out_html.read_text()
 
@@ -77,8 +93,21 @@ def check_host(h: dict[str, Any]) -> None:
 
 def test_report_on_a_small_trace(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "t.jsonl")
-    r, page = run_report(tmp_path, trace, "--dram", "1GiB", "--ssd", "4GiB", "--remote",
-                         "8GiB", "--tenants", "user", "--tenant-shares", "equal", "--fdp")  # fmt: skip
+    r, page = run_report(
+        tmp_path,
+        trace,
+        "--dram",
+        "1GiB",
+        "--ssd",
+        "4GiB",
+        "--remote",
+        "8GiB",
+        "--tenants",
+        "user",
+        "--tenant-shares",
+        "equal",
+        "--fdp",
+    )
     assert r["kind"] == "kvlife.report"
     h = r["host"]
     check_host(h)
@@ -96,8 +125,9 @@ def test_report_on_a_small_trace(tmp_path: Path) -> None:
 def test_faults_cut_prefixes_and_are_counted(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "t.jsonl")
     base, _ = run_report(tmp_path, trace, "--dram", "1GiB", "--ssd", "4GiB", "--remote", "8GiB")
-    r, _ = run_report(tmp_path, trace, "--dram", "1GiB", "--ssd", "4GiB", "--remote", "8GiB",
-                      "--fault-rate", "1")  # fmt: skip
+    r, _ = run_report(
+        tmp_path, trace, "--dram", "1GiB", "--ssd", "4GiB", "--remote", "8GiB", "--fault-rate", "1"
+    )
     h = r["host"]
     check_host(h)
     f = h["faults"]
@@ -111,8 +141,18 @@ def test_faults_cut_prefixes_and_are_counted(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="needs ../shared/traces")
 def test_report_on_a_mooncake_slice(tmp_path: Path) -> None:
-    r, page = run_report(tmp_path, MOONCAKE, "--max-requests", "300", "--dram", "8GiB",
-                         "--ssd", "32GiB", "--remote", "64GiB")  # fmt: skip
+    r, page = run_report(
+        tmp_path,
+        MOONCAKE,
+        "--max-requests",
+        "300",
+        "--dram",
+        "8GiB",
+        "--ssd",
+        "32GiB",
+        "--remote",
+        "64GiB",
+    )
     h = r["host"]
     check_host(h)
     assert h["trace"]["requests"] == 300
@@ -122,14 +162,28 @@ def test_report_on_a_mooncake_slice(tmp_path: Path) -> None:
 
 def test_cluster_mode(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "t.jsonl")
-    r, page = run_report(tmp_path, trace, "--cluster", "4", "--cluster-dram", "2GiB",
-                         "--shared", "16GiB", "--loads", "1,8",
-                         "--kv-bytes-per-token", "131072")  # fmt: skip
+    r, page = run_report(
+        tmp_path,
+        trace,
+        "--cluster",
+        "4",
+        "--cluster-dram",
+        "2GiB",
+        "--shared",
+        "16GiB",
+        "--loads",
+        "1,8",
+        "--kv-bytes-per-token",
+        "131072",
+    )
     c = r["cluster"]
     assert c["hosts"] == 4
     assert [d["design"] for d in c["designs"]] == [
-        "rdma-pool", "cpu-dram-pool", "cxl-shared", "local-ssd"
-    ]  # fmt: skip
+        "rdma-pool",
+        "cpu-dram-pool",
+        "cxl-shared",
+        "local-ssd",
+    ]
     for d in c["designs"]:
         assert [p["load"] for p in d["points"]] == [1.0, 8.0]
         for p in d["points"]:
@@ -156,8 +210,7 @@ def test_affinity_routes_a_conversation_to_one_host(tmp_path: Path) -> None:
 
 def test_lifecycle_analysis_of_known_events() -> None:
     def ev(t: float, kind: str, key: str, ns: str = "a", tier: str = "") -> LifecycleEvent:
-        return LifecycleEvent(time=t, seq=0, kind=kind, key=key, state="", tier=tier,
-                              namespace=ns)  # fmt: skip
+        return LifecycleEvent(time=t, seq=0, kind=kind, key=key, state="", tier=tier, namespace=ns)
 
     events = []
     for i in range(160):
@@ -165,10 +218,16 @@ def test_lifecycle_analysis_of_known_events() -> None:
         short = i % 2 == 0
         t = float(i)
         life = 1.0 if short else 10.0
-        events += [ev(t, "put", k, "short" if short else "long"),
-                   ev(t, "write", k, tier="dram"), ev(t, "commit", k), ev(t, "index", k),
-                   ev(t + 0.5, "load", k), ev(t + life, "evict", k, tier="dram"),
-                   ev(t + life, "invalidate", k), ev(t + life, "delete", k)]  # fmt: skip
+        events += [
+            ev(t, "put", k, "short" if short else "long"),
+            ev(t, "write", k, tier="dram"),
+            ev(t, "commit", k),
+            ev(t, "index", k),
+            ev(t + 0.5, "load", k),
+            ev(t + life, "evict", k, tier="dram"),
+            ev(t + life, "invalidate", k),
+            ev(t + life, "delete", k),
+        ]
     events.sort(key=lambda e: e.time)
     a = LifecycleAnalysis(lambda _k, e: e.namespace).add_all(events)
     res = a.result()
@@ -186,11 +245,27 @@ def test_live_event_log_from_the_demo(tmp_path: Path) -> None:
     """The real store of ``kvlife demo --synthetic`` writes an event log; the report
     analyses it beside the replay."""
     log = tmp_path / "events.jsonl"
-    assert kvlife_main(["demo", "--synthetic", "--users", "3", "--turns", "2", "--dram-mib",
-                        "32", "--dir", str(tmp_path / "store"), "--events", str(log)]) == 0  # fmt: skip
+    assert (
+        kvlife_main(
+            [
+                "demo",
+                "--synthetic",
+                "--users",
+                "3",
+                "--turns",
+                "2",
+                "--dram-mib",
+                "32",
+                "--dir",
+                str(tmp_path / "store"),
+                "--events",
+                str(log),
+            ]
+        )
+        == 0
+    )
     trace = write_trace(tmp_path / "t.jsonl", convs=5, turns=2)
-    r, page = run_report(tmp_path, trace, "--dram", "1GiB", "--ssd", "4GiB",
-                         "--events", str(log))  # fmt: skip
+    r, page = run_report(tmp_path, trace, "--dram", "1GiB", "--ssd", "4GiB", "--events", str(log))
     live = r["lifecycle"]["live:events.jsonl"]
     assert live["events"] == sum(1 for _ in log.open())
     assert sum(c["lives_closed"] + c["lives_open"] for c in live["classes"].values()) > 0
@@ -203,7 +278,7 @@ def test_ops_stream_that_does_not_match_raises(tmp_path: Path) -> None:
     run = CacheSim("lru", 4, 8, sink=rec, block_bytes=1).run(trace)
     assert len(split_requests(rec.rows, run)) == trace.n_requests
     with pytest.raises(OpsStreamError):
-        split_requests(rec.rows[:-1] + [rec.rows[0]], run)
+        split_requests([*rec.rows[:-1], rec.rows[0]], run)
 
 
 def test_bad_sizes_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
