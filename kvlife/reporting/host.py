@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from kvlife.core.events import LifecycleEvent
-from kvlife.replay.cache import CacheSim, pos_bucket
+from kvlife.policy.shares import TenantShares
+from kvlife.replay.cache import CacheRun, CacheSim, pos_bucket
 from kvlife.replay.engine import ComputeModel
 from kvlife.replay.metrics import (
     per_tenant,
@@ -93,7 +94,7 @@ def run_host(trace: Trace, cfg: HostConfig) -> dict[str, Any]:
     life = LifecycleAnalysis(classify)
     rec = OpsRecorder(tee=life)
     sim = CacheSim(cfg.policy, dram_blocks, ssd_blocks, sink=rec, block_bytes=block_bytes)
-    quotas = {}
+    quotas: dict[str, TenantShares[object, str]] = {}
     if cfg.tenant_shares:
         fractions = parse_tenant_shares(cfg.tenant_shares, trace)
         owners = block_owners(trace)
@@ -335,7 +336,7 @@ def _simulate(
 def _summarise(
     trace: Trace,
     cfg: HostConfig,
-    run: Any,
+    run: CacheRun,
     ops: list[RequestOps],
     pd: list[int],
     local: list[int],
