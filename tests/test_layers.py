@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("client",),
     # engine adapters (the vLLM connector reaches a served store through the client)
     ("engines",),
-    ("experiments", "bench", "apps"),
+    ("experiments", "bench", "apps", "reporting"),
     ("cli", FACE),
 )
 LAYER = {folder: rank for rank, folders in enumerate(LAYERS) for folder in folders}
