@@ -177,7 +177,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print("loading SmolLM2-135M-Instruct (first run converts the GGUF, ~30 s) ...", flush=True)
     loaded = load_smollm2()
     load_s = time.perf_counter() - t0
-    sink = JsonlSink(args.events) if getattr(args, "events", None) else None
+    sink = JsonlSink(args.events) if args.events else None
     try:
         rows, info = run_chat(
             loaded,

@@ -159,7 +159,7 @@ def run_synthetic_demo(args: argparse.Namespace) -> int:
     phases: list[PhaseStats] = []
     fault = ""
     started = time.perf_counter()
-    sink = JsonlSink(args.events) if getattr(args, "events", None) else None
+    sink = JsonlSink(args.events) if args.events else None
     try:
         store = KVStore.open(store_dir, dram_bytes=dram_bytes, disk_bytes=disk_bytes, sink=sink)
         total = args.users * args.turns + args.users
