@@ -143,9 +143,11 @@ class LifecycleAnalysis(EventSink):
         classes: dict[str, Any] = {}
         open_by_class: dict[str, int] = {}
         open_ages: dict[str, list[float]] = {}
+        open_loads: dict[str, list[float]] = {}
         for life in self._open.values():
             open_by_class[life.cls] = open_by_class.get(life.cls, 0) + 1
             open_ages.setdefault(life.cls, []).append(self.t_last - life.born)
+            open_loads.setdefault(life.cls, []).append(float(len(life.loads)))
         for cls in sorted(set(self._acc) | set(open_by_class)):
             acc = self._acc.get(cls, _ClassAcc())
             counts = np.asarray(acc.reuse_counts, dtype=np.float64)
@@ -155,6 +157,7 @@ class LifecycleAnalysis(EventSink):
                 "lives_open": open_by_class.get(cls, 0),
                 "lifespan_s": percentiles(acc.lifespans),
                 "open_age_s": percentiles(open_ages.get(cls, [])),
+                "open_reuse_count": percentiles(open_loads.get(cls, [])),
                 "reuse_count": percentiles(counts),
                 "reused_share": float((counts > 0).mean()) if counts.size else 0.0,
                 "reuse_distance_s": percentiles(acc.reuse_gaps),
