@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlife.cli import main as kvlife_main
 from kvlife.core.errors import InvalidArgument
@@ -21,6 +23,7 @@ from kvlife.reporting.cluster import ClusterConfig, route, run_cluster
 from kvlife.reporting.lifecycle import LifecycleAnalysis
 from kvlife.reporting.ops import OpsRecorder, OpsStreamError, split_requests
 from kvlife.trace.importers import read_mooncake
+from kvlife.trace.model import TraceBuilder
 
 MOONCAKE = Path("/work/shared/traces/mooncake_fast25_conversation_trace.jsonl")
 
@@ -288,3 +291,31 @@ def test_bad_sizes_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert kvlife_main(["report", "--trace", str(trace), "--dram", "lots"]) == 1
     assert "size 'lots'" in capsys.readouterr().err
     assert report_main(["--trace", str(trace), "--dram", "1GiB", "--ssd", "0"]) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    reqs=st.lists(st.lists(st.integers(0, 30), min_size=0, max_size=8), min_size=1, max_size=25),
+    dram=st.integers(0, 6),
+    disk=st.integers(0, 10),
+)
+def test_ops_agree_with_the_run_for_any_trace(reqs: list[list[int]], dram: int, disk: int) -> None:
+    """Whatever the requests and capacities, the moves cut per request add up to the
+    run's own counts (loads from the SSD, promotions, demotions, placements)."""
+    if dram + disk == 0:
+        dram = 1
+    b = TraceBuilder("hyp", 16)
+    for i, ids in enumerate(reqs):
+        # prefix-chained ids: a block's id names its whole prefix
+        chain = [hash(tuple(ids[: k + 1])) & 0xFFFF for k in range(len(ids))]
+        b.add(float(i), 16 * len(chain), 1, chain)
+    trace = b.build()
+    rec = OpsRecorder()
+    run = CacheSim("lru", dram, disk, sink=rec, block_bytes=1).run(trace)
+    ops = split_requests(rec.rows, run)
+    assert len(ops) == trace.n_requests
+    for r, o in enumerate(ops):
+        assert len(o.disk_reads) == int(run.prefix_disk[r])
+        assert o.promotions == int(run.promoted[r])
+        assert len(o.demotions) == int(run.demoted[r])
+        assert o.dram_new + len(o.disk_new) == int(run.new[r])
