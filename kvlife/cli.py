@@ -418,6 +418,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=6, help="synthetic: turns per user")
     p.add_argument("--json", default=None, help="write the results as JSON to this file")
     p.add_argument("--seed", type=int, default=0, help="synthetic: workload seed")
+    p.add_argument(
+        "--events",
+        default=None,
+        help="write the store's lifecycle events here (JSON lines; `kvlife report --events`)",
+    )
     p.set_defaults(func=cmd_demo)
 
     sub.add_parser(
@@ -426,6 +431,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     sub.add_parser("replay", help="replay a trace: `kvlife replay --help`", add_help=False)
+    sub.add_parser(
+        "report",
+        help="one run of a trace, all the metrics (JSON, HTML): `kvlife report --help`",
+        add_help=False,
+    )
     sub.add_parser(
         "sweep", help="hit ratio against capacity per policy: `kvlife sweep --help`", add_help=False
     )
@@ -475,6 +485,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if argv[0] == "sweep":
                 return replay_cli.sweep_main(argv[1:])
             return replay_cli.bench_main(argv[2:])
+        if argv[:1] == ["report"]:
+            return _forward("kvlife.reporting.cli", argv[1:])
         if argv[:1] in (["bench"], ["experiment"]):
             table = BENCHES if argv[0] == "bench" else EXPERIMENTS
             if len(argv) < 2 or argv[1] not in table:

@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # upstream: the prompt builder and segment reuse an application drives beside an
     # engine (it runs the model's layers and hands sources to the store)
     ("engines", "upstream"),
-    ("experiments", "bench", "apps"),
+    ("experiments", "bench", "apps", "reporting"),
     ("cli", FACE),
 )
 LAYER = {folder: rank for rank, folders in enumerate(LAYERS) for folder in folders}

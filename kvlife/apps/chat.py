@@ -23,6 +23,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from kvlife.core.events import EventSink, JsonlSink
 from kvlife.core.identity import Namespace, NamespaceKind
 from kvlife.report import format_table
 
@@ -89,8 +90,10 @@ def run_chat(
     max_new_tokens: int,
     tokens_per_chunk: int,
     progress: bool = True,
+    sink: EventSink | None = None,
 ) -> tuple[list[TurnRow], dict[str, Any]]:
-    """Run the workload without and with kvlife; return per-turn rows and store info."""
+    """Run the workload without and with kvlife; return per-turn rows and store info
+    (the store's lifecycle events go to ``sink``, for ``kvlife report --events``)."""
     from kvlife.engines.hf import HFEngine
     from kvlife.store import KVStore
 
@@ -116,7 +119,7 @@ def run_chat(
         ) as bar:
             for mode in ("without", "with"):
                 store = (
-                    KVStore.open(store_dir, dram_bytes=dram_bytes, disk_bytes=disk_bytes)
+                    KVStore.open(store_dir, dram_bytes=dram_bytes, disk_bytes=disk_bytes, sink=sink)
                     if mode == "with"
                     else None
                 )
@@ -174,14 +177,20 @@ def run_demo(args: argparse.Namespace) -> int:
     print("loading SmolLM2-135M-Instruct (first run converts the GGUF, ~30 s) ...", flush=True)
     loaded = load_smollm2()
     load_s = time.perf_counter() - t0
-    rows, info = run_chat(
-        loaded,
-        store_dir=Path(args.dir) if args.dir else None,
-        dram_bytes=args.dram_mib * MiB,
-        disk_bytes=args.disk_mib * MiB,
-        max_new_tokens=args.max_new_tokens,
-        tokens_per_chunk=args.chunk_tokens,
-    )
+    sink = JsonlSink(args.events) if args.events else None
+    try:
+        rows, info = run_chat(
+            loaded,
+            store_dir=Path(args.dir) if args.dir else None,
+            dram_bytes=args.dram_mib * MiB,
+            disk_bytes=args.disk_mib * MiB,
+            max_new_tokens=args.max_new_tokens,
+            tokens_per_chunk=args.chunk_tokens,
+            sink=sink,
+        )
+    finally:
+        if sink is not None:
+            sink.close()
     headers = [
         "user",
         "turn",

@@ -24,6 +24,7 @@ import blake3
 import numpy as np
 from tqdm import tqdm
 
+from kvlife.core.events import JsonlSink
 from kvlife.core.identity import (
     ChunkKey,
     KVLayout,
@@ -158,8 +159,9 @@ def run_synthetic_demo(args: argparse.Namespace) -> int:
     phases: list[PhaseStats] = []
     fault = ""
     started = time.perf_counter()
+    sink = JsonlSink(args.events) if args.events else None
     try:
-        store = KVStore.open(store_dir, dram_bytes=dram_bytes, disk_bytes=disk_bytes)
+        store = KVStore.open(store_dir, dram_bytes=dram_bytes, disk_bytes=disk_bytes, sink=sink)
         total = args.users * args.turns + args.users
         with tqdm(total=total, desc="demo requests", unit="req", leave=False) as bar:
             for turn in range(args.turns):
@@ -174,7 +176,7 @@ def run_synthetic_demo(args: argparse.Namespace) -> int:
                     bar.update()
             written = _disk(store).stats.bytes_written
             store.close()
-            store = KVStore.open(store_dir, dram_bytes=dram_bytes, disk_bytes=disk_bytes)
+            store = KVStore.open(store_dir, dram_bytes=dram_bytes, disk_bytes=disk_bytes, sink=sink)
             recovered = store.counters.recovered
             phases.append(PhaseStats("after restart"))
             for user in users:
@@ -185,6 +187,8 @@ def run_synthetic_demo(args: argparse.Namespace) -> int:
         read = _disk(store).stats.bytes_read
         store.close()
     finally:
+        if sink is not None:
+            sink.close()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     elapsed = time.perf_counter() - started
