@@ -196,7 +196,7 @@ def _mutate(data: st.DataObject, verb: str) -> dict[str, Any]:
 HANDLER_FUZZ = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 
 
-@settings(max_examples=100, **HANDLER_FUZZ)  # type: ignore[arg-type]
+@settings(max_examples=40, **HANDLER_FUZZ)  # type: ignore[arg-type]
 @given(st.data())
 def test_handlers_raise_only_typed_errors(state: ServerState, data: st.DataObject) -> None:
     fuzz_handlers(state, data)

@@ -458,6 +458,7 @@ def _check_end(srv: ServerProc, rss_start: dict[str, int], rss_peak: int, fds_st
         checker.close()
 
 
+@pytest.mark.slow  # a minute of load: a long tier (make test-slow)
 def test_soak_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run_soak(tmp_path, SHORT_S, monkeypatch)
 

@@ -43,7 +43,11 @@ def _sim_events(dram: int, disk: int) -> list[LifecycleEvent]:
     return sink.take()
 
 
-@pytest.mark.parametrize(("dram", "disk"), [(60, 0), (40, 80)])
+@pytest.mark.parametrize(
+    ("dram", "disk"),
+    # the disk-tier case replays the most: a long tier (make test-slow)
+    [(60, 0), pytest.param(40, 80, marks=pytest.mark.slow)],
+)
 def test_live_and_simulated_events_follow_schema_and_agree(dram: int, disk: int) -> None:
     live, sim = _live_events(dram, disk), _sim_events(dram, disk)
     _check_all(live)

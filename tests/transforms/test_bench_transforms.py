@@ -43,6 +43,7 @@ def test_bench_transforms_quick_writes_its_json(
     assert {"sparse-25-knorm", "lossless-zstd1", "int4-g32"} <= labels
 
 
+@pytest.mark.slow  # the bfloat16 quick run above covers the benchmark's shape
 def test_bench_transforms_float32(tmp_path: Path) -> None:
     out = tmp_path / "t.json"
     assert transforms.main(["--quick", "--dtype", "float32", "--json", str(out)]) == 0
