@@ -19,6 +19,8 @@ Staged (``put_prompt`` once extents of the chunk shape are staged for this conne
 1. One staged extent per chunk is taken from this connection's pool.
 2. A deferred ``put`` naming them goes out with no reply wanted; the server prepares
    the put while this side copies every chunk into its extent.
+   After each MiB or so copied, ``put_written`` (no reply) tells the server how many
+   chunks are written: it hashes them (their seals) while the next ones are copied.
 3. ``put_commit`` is the one round trip: the server seals and adopts the extents of the
    new chunks; the extents of chunks it already held go back to the pool, with the
    replacements it staged for the adopted ones. A prepare that failed is raised here.
@@ -61,6 +63,12 @@ from kvlife.results import PutResult
 from kvlife.server import protocol
 from kvlife.server.limits import page_charge
 from kvlife.store.writes import split_chunks
+
+WRITTEN_NOTICE_BYTES = 1 << 20
+"""A staged put tells the server which chunks it has written (``put_written``) once at
+least this much was copied since it last did: the server hashes them (their seal) while
+the next chunks are copied, instead of all of them at the commit. Smaller chunks go
+together: a notice costs a message and a wake-up on either side."""
 
 
 def _shape_key(layout: KVLayout) -> StagedShape:
@@ -138,8 +146,14 @@ class Puts:
             if conn is not first:
                 raise StaleExtents  # reconnected since: nothing sent yet
             conn.sock.sendall(protocol.pack([0, "put", args]))
-            for (_, off), chunk in zip(extents, chunks, strict=True):
+            told = 0  # bytes copied since the server was last told
+            for i, ((_, off), chunk) in enumerate(zip(extents, chunks, strict=True)):
                 np.copyto(view(conn, off, dtype, layout.chunk_shape), chunk)
+                told += chunk.nbytes
+                if told >= WRITTEN_NOTICE_BYTES and i + 1 < len(chunks):
+                    # the server hashes what is written while we copy the next chunk
+                    conn.sock.sendall(protocol.pack([0, "put_written", {"upto": i + 1}]))
+                    told = 0
 
         try:
             r, conn = self.wire.call_on("put_commit", {}, before=write)

@@ -23,6 +23,8 @@ Staged (``put`` and ``put_commit``, on extents staged for the session):
 2. ``deferred``: the client sent the ``put`` with no reply wanted before copying; the
    prepared put (or its error) waits here for the ``put_commit``, while the client
    copies. A ``put`` without it commits at once.
+   ``put_written`` (no reply) says the client wrote the first chunks: the new ones are
+   hashed then, while it copies the next, and sealed with that hash at commit.
 3. ``put_commit`` seals the extents of the new chunks and commits; their extents become
    replicas. The extents of chunks the store held already go back to the staged pool
    with the replacements; the reply names them all.
@@ -42,19 +44,20 @@ into several puts, each committed before the next is prepared (:mod:`kvlife.clie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from kvlife.core.errors import KVLifeError, ProtocolError, StorageFullError
-from kvlife.core.identity import KVLayout
+from kvlife.core.identity import ChunkKey, KVLayout
 from kvlife.core.objects import PromptRef
 from kvlife.core.payload import numpy_dtype
 from kvlife.server import protocol
 from kvlife.server.context import SessionContext
 from kvlife.server.limits import page_charge
 from kvlife.store.writes import PendingPut
+from kvlife.tiers.base import seal_of
 
 
 @dataclass(slots=True)
@@ -76,6 +79,10 @@ class _Staged:
     layout: KVLayout
     refill: list[list[int]]
     """Extents staged for the client in place of those the new chunks take."""
+    written: int = 0
+    """Chunks the client said it wrote (``put_written``), hashed here since."""
+    new: dict[int | None, ChunkKey] = field(default_factory=dict)
+    """The extents of the new chunks (by arena offset) and their keys."""
 
 
 class Puts:
@@ -219,6 +226,29 @@ class Puts:
         except KVLifeError as exc:
             self.deferred_error = exc
         return None
+
+    def put_written(self, args: dict[str, Any]) -> None:
+        """The client of a deferred put wrote its first ``upto`` chunks (no reply): the
+        new ones among them are hashed now, while it copies the next, and sealed with
+        that hash at commit. A client that writes a chunk again after saying it was
+        written is caught where seals are verified, as one that writes after its put
+        committed."""
+        staged = self.deferred
+        if staged is None:
+            if self.deferred_error is None:
+                raise ProtocolError(f"session {self.ctx.sid} has no deferred put being written")
+            return  # its prepare failed: the put_commit raises that
+        upto = args["upto"]
+        if upto > len(staged.views):
+            raise ProtocolError(f"put_written of {upto} chunks, the put has {len(staged.views)}")
+        pending, arena = staged.pending, self.ctx.arena
+        if staged.written == 0:
+            staged.new = {arena.offset_of(arr): rec.key for rec, arr in pending.items}
+        for view in staged.views[staged.written : upto]:
+            key = staged.new.get(arena.offset_of(view))
+            if key is not None:
+                pending.seals[key] = seal_of(view)
+        staged.written = max(staged.written, upto)
 
     def put_commit(self, args: dict[str, Any]) -> object:
         staged, error = self.deferred, self.deferred_error

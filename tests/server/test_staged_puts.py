@@ -184,3 +184,37 @@ def test_extents_of_a_replaced_connection_fall_back_to_the_two_phase_put(
     remote._puts.take_staged = take  # type: ignore[method-assign]
     _chunks_equal(remote, t2, kv2, 2)
     assert quiet(remote)["staged"] == 2  # the new session's, from the fallback's prepare
+
+
+def test_chunks_said_written_are_sealed_as_written(
+    remote: RemoteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged put tells the server after each chunk (``put_written``); the server
+    hashes those chunks then, and their seals match the bytes (an audit reads every
+    replica against its seal), the present chunk is left alone, nothing failed
+    unanswered, and the bytes load exact."""
+    import kvlife.client.puts as client_puts
+
+    monkeypatch.setattr(client_puts, "WRITTEN_NOTICE_BYTES", 1)  # a notice per chunk
+    ident = tiny_identity()
+    sent: list[str] = []
+    remote.put_prompt(ident, PUBLIC, *prompt_kv(60, 4 * N))  # stages 4 extents
+    pack = protocol.pack
+
+    def spy(msg: object) -> bytes:
+        if isinstance(msg, list) and msg[1] == "put_written":
+            sent.append("put_written")
+        return pack(msg)
+
+    tokens, kv = prompt_kv(61, 4 * N)
+    remote.put_prompt(ident, PUBLIC, tokens[:N], kv[:, :, :, :N])  # chunk 0: present below
+    monkeypatch.setattr(protocol, "pack", spy)
+    res = remote.put_prompt(ident, PUBLIC, tokens, kv)
+    monkeypatch.setattr(protocol, "pack", pack)
+    assert res.stored == 3 and res.already_present == 1
+    assert sent.count("put_written") >= 3, "the staged put said which chunks were written"
+    report = remote.check()
+    assert report.clean, report
+    state = quiet(remote)
+    assert state["unreplied_errors"] == 0 and state["internal_errors"] == 0
+    _chunks_equal(remote, tokens, kv, 4)
