@@ -218,3 +218,47 @@ def test_chunks_said_written_are_sealed_as_written(
     state = quiet(remote)
     assert state["unreplied_errors"] == 0 and state["internal_errors"] == 0
     _chunks_equal(remote, tokens, kv, 4)
+
+
+def test_a_chunk_written_again_after_put_written_is_caught_by_its_seal(
+    remote: RemoteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seal of a chunk the client said was written is the hash of its bytes then: a
+    client that writes the chunk again before its commit is caught where seals are
+    verified (here the audit), as one that writes after the commit, never sealed as
+    the bytes it wrote last."""
+    import kvlife.client.puts as client_puts
+
+    monkeypatch.setattr(client_puts, "WRITTEN_NOTICE_BYTES", 1)  # a notice per chunk
+    ident = tiny_identity()
+    remote.put_prompt(ident, PUBLIC, *prompt_kv(70, 3 * N))  # stages 3 extents
+    assert remote.check().clean
+    dests: list[np.ndarray] = []
+    real = np.copyto
+
+    class Numpy:
+        """numpy for client/puts.py, whose copyto rewrites chunk 0 in its extent just
+        before the last chunk is copied, once the server has taken the notices before
+        (a request with a reply on the same connection: the server answers in order)."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(np, name)
+
+        @staticmethod
+        def copyto(dst: np.ndarray, src: np.ndarray) -> None:
+            dests.append(dst)
+            if len(dests) == 3:
+                conn = remote._wire.conn
+                assert conn is not None
+                remote._wire.roundtrip(conn, "state", {})
+                real(dests[0], dests[0] + 1)  # chunk 0 written again, after its notice
+            real(dst, src)
+
+    monkeypatch.setattr(client_puts, "np", Numpy())
+    tokens, kv = prompt_kv(71, 3 * N)
+    res = remote.put_prompt(ident, PUBLIC, tokens, kv)
+    monkeypatch.setattr(client_puts, "np", np)
+    assert res.stored == 3 and len(dests) == 3, "the staged path, one copy per chunk"
+    report = remote.check()
+    assert not report.clean
+    assert len(report.problems) == 1 and "after it was sealed" in report.problems[0]
