@@ -19,8 +19,9 @@ Staged (``put_prompt`` once extents of the chunk shape are staged for this conne
 1. One staged extent per chunk is taken from this connection's pool.
 2. A deferred ``put`` naming them goes out with no reply wanted; the server prepares
    the put while this side copies every chunk into its extent.
-   After each MiB or so copied, ``put_written`` (no reply) tells the server how many
-   chunks are written: it hashes them (their seals) while the next ones are copied.
+   Every MiB or so (a sixteenth of a large put), ``put_written`` (no reply) tells the
+   server how many bytes are written: it hashes them (the seals) while the rest is
+   copied.
 3. ``put_commit`` is the one round trip: the server seals and adopts the extents of the
    new chunks; the extents of chunks it already held go back to the pool, with the
    replacements it staged for the adopted ones. A prepare that failed is raised here.
@@ -65,10 +66,18 @@ from kvlife.server.limits import page_charge
 from kvlife.store.writes import split_chunks
 
 WRITTEN_NOTICE_BYTES = 1 << 20
-"""A staged put tells the server which chunks it has written (``put_written``) once at
-least this much was copied since it last did: the server hashes them (their seal) while
-the next chunks are copied, instead of all of them at the commit. Smaller chunks go
-together: a notice costs a message and a wake-up on either side."""
+"""A staged put tells the server how many of its bytes it has written (``put_written``)
+every :func:`notice_step` bytes: the server hashes them (the chunks' seals) while the
+rest is copied, so that the commit hashes only the last step instead of every chunk."""
+
+NOTICES_PER_PUT = 16
+"""At most about this many ``put_written`` per put: each costs a message here and a
+wake-up there."""
+
+
+def notice_step(total: int) -> int:
+    """Bytes copied between two ``put_written`` of a put of ``total`` bytes."""
+    return max(WRITTEN_NOTICE_BYTES, total // NOTICES_PER_PUT)
 
 
 def _shape_key(layout: KVLayout) -> StagedShape:
@@ -146,14 +155,22 @@ class Puts:
             if conn is not first:
                 raise StaleExtents  # reconnected since: nothing sent yet
             conn.sock.sendall(protocol.pack([0, "put", args]))
-            told = 0  # bytes copied since the server was last told
-            for i, ((_, off), chunk) in enumerate(zip(extents, chunks, strict=True)):
-                np.copyto(view(conn, off, dtype, layout.chunk_shape), chunk)
-                told += chunk.nbytes
-                if told >= WRITTEN_NOTICE_BYTES and i + 1 < len(chunks):
-                    # the server hashes what is written while we copy the next chunk
-                    conn.sock.sendall(protocol.pack([0, "put_written", {"upto": i + 1}]))
-                    told = 0
+            step = notice_step(layout.chunk_nbytes * len(chunks))
+            rows = max(1, step // max(1, layout.chunk_nbytes // layout.chunk_shape[0]))
+            total = len(chunks) * layout.chunk_nbytes
+            done = told = 0  # bytes copied, and since the server was last told
+            for (_, off), chunk in zip(extents, chunks, strict=True):
+                dst = view(conn, off, dtype, layout.chunk_shape)
+                for r in range(0, len(chunk), rows):  # whole rows: contiguous in dst
+                    np.copyto(dst[r : r + rows], chunk[r : r + rows])
+                    n = dst[r : r + rows].nbytes
+                    done += n
+                    told += n
+                    if told >= step and done < total:
+                        # the server hashes what is written while we copy the rest
+                        msg = [0, "put_written", {"bytes": done}]
+                        conn.sock.sendall(protocol.pack(msg))
+                        told = 0
 
         try:
             r, conn = self.wire.call_on("put_commit", {}, before=write)
