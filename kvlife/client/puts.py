@@ -75,9 +75,10 @@ NOTICES_PER_PUT = 16
 wake-up there."""
 
 
-def notice_step(total: int) -> int:
-    """Bytes copied between two ``put_written`` of a put of ``total`` bytes."""
-    return max(WRITTEN_NOTICE_BYTES, total // NOTICES_PER_PUT)
+def notice_step(total: int, least: int = WRITTEN_NOTICE_BYTES) -> int:
+    """Bytes copied between two ``put_written`` of a put of ``total`` bytes (``least``:
+    at least that many; 0: none at all)."""
+    return max(least, total // NOTICES_PER_PUT) if least > 0 else total + 1
 
 
 def _shape_key(layout: KVLayout) -> StagedShape:
@@ -89,6 +90,10 @@ class Puts:
 
     def __init__(self, wire: Wire) -> None:
         self.wire = wire
+        self.notice_bytes = WRITTEN_NOTICE_BYTES
+        """The least bytes copied between two ``put_written`` of a staged put (0: none,
+        the server hashes every chunk at the commit; ``kvlife bench server`` measures
+        both)."""
 
     def put_prompt(self, prompt: PromptRef, kv: object, request_id: str) -> PutResult:
         args, layout, chunks = self._args(prompt, kv, request_id)
@@ -155,7 +160,7 @@ class Puts:
             if conn is not first:
                 raise StaleExtents  # reconnected since: nothing sent yet
             conn.sock.sendall(protocol.pack([0, "put", args]))
-            step = notice_step(layout.chunk_nbytes * len(chunks))
+            step = notice_step(layout.chunk_nbytes * len(chunks), self.notice_bytes)
             rows = max(1, step // max(1, layout.chunk_nbytes // layout.chunk_shape[0]))
             total = len(chunks) * layout.chunk_nbytes
             done = told = 0  # bytes copied, and since the server was last told

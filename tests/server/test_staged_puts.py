@@ -196,7 +196,7 @@ def test_chunks_said_written_are_sealed_as_written(
     left alone, nothing failed unanswered, and the bytes load exact."""
     import kvlife.client.puts as client_puts
 
-    monkeypatch.setattr(client_puts, "WRITTEN_NOTICE_BYTES", 1)
+    monkeypatch.setattr(remote._puts, "notice_bytes", 1)
     monkeypatch.setattr(client_puts, "NOTICES_PER_PUT", 1 << 30)  # a notice per row
     ident = tiny_identity()
     told: list[int] = []
@@ -234,7 +234,7 @@ def test_a_chunk_written_again_after_put_written_is_caught_by_its_seal(
     the bytes it wrote last."""
     import kvlife.client.puts as client_puts
 
-    monkeypatch.setattr(client_puts, "WRITTEN_NOTICE_BYTES", 1)
+    monkeypatch.setattr(remote._puts, "notice_bytes", 1)
     monkeypatch.setattr(client_puts, "NOTICES_PER_PUT", 1 << 30)  # a notice per row
     ident = tiny_identity()
     remote.put_prompt(ident, PUBLIC, *prompt_kv(70, 3 * N))  # stages 3 extents
