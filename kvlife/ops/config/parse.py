@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import tomllib
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from kvlife.store.config import StoreConfig
 from kvlife.tenancy.names import check_name
 from kvlife.tenancy.principals import TenancyConfig, parse_config
 from kvlife.tenancy.quotas import PUBLIC_TENANT, Shares
-from kvlife.tiers.options import TierOptionError, TierOptions
+from kvlife.tiers.options import TierOptionError, TierOptions, conforms, describe
 from kvlife.tiers.registry import tier_kind
 from kvlife.tiers.spec import TierSpec
 
@@ -192,9 +191,9 @@ class _Reader:
                 return parse_size(raw)
             except InvalidArgument as exc:
                 return self.bad(where, str(exc))
-        ok, value = _conforms(raw, hint)
+        ok, value = conforms(raw, hint)
         if not ok:
-            return self.bad(where, f"must be {_describe(hint)}, got {raw!r}")
+            return self.bad(where, f"must be {describe(hint, optional=False)}, got {raw!r}")
         return value
 
     def file_path(self, value: str) -> Path:
@@ -738,39 +737,3 @@ def _kind(value: object) -> str:
     return {dict: "a table", list: "an array", str: "a string", bool: "a bool"}.get(
         type(value), type(value).__name__
     )
-
-
-def _conforms(value: object, hint: Any) -> tuple[bool, object]:
-    """Whether ``value`` (as TOML gives it) has type ``hint``, and the value to keep (a
-    float for an int)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        for member in typing.get_args(hint):
-            ok, kept = _conforms(value, member)
-            if ok:
-                return True, kept
-        return False, value
-    if origin is Literal:
-        return (isinstance(value, str) and value in typing.get_args(hint)), value
-    if hint is type(None):
-        return value is None, value
-    if hint is bool:
-        return isinstance(value, bool), value
-    if hint is int:
-        return type(value) is int, value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return False, value
-        return True, float(value)
-    if hint is str:
-        return isinstance(value, str), value
-    raise TypeError(f"no configuration value has type {hint!r}")
-
-
-def _describe(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(m) for m in typing.get_args(hint) if m is not type(None))
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
-    return {bool: "a bool", int: "an int", float: "a number", str: "a string"}.get(hint, str(hint))
