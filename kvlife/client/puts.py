@@ -111,6 +111,7 @@ class Puts:
             if first:
                 piece["start"] = prompt.start + first * layout.tokens_per_chunk
                 piece["parent"] = bytes(results[-1].keys[-1])
+                piece.pop("prefix_tokens", None)  # the parent is named by its key now
                 # stores nothing if the piece before was invalidated since (server)
                 piece["chained"] = True
             results.append(self._put(piece, layout, chunks[first:last]))
@@ -169,8 +170,15 @@ class Puts:
 
     def prepare_put(self, prompt: PromptRef, kv: object, request_id: str) -> RemotePendingPut:
         """Validate here, reserve extents on the server for the chunks it lacks, and copy
-        them in (the arrays are not referenced after this returns)."""
-        return self._prepare(*self._args(prompt, kv, request_id))
+        them in (the arrays are not referenced after this returns). A session that maps
+        no arena has no extents to copy into: the put is held here, its chunks copied,
+        and the commit sends it whole through the socket (``put_inline``)."""
+        args, layout, chunks = self._args(prompt, kv, request_id)
+        if not self.wire.mapped():
+            copied = [np.array(c, copy=True) for c in chunks]
+            held = (prompt, copied, request_id)
+            return RemotePendingPut(0, 0, [], layout.tokens_per_chunk, 0, 0, held=held)
+        return self._prepare(args, layout, chunks)
 
     def _args(
         self, prompt: PromptRef, kv: object, request_id: str
@@ -217,7 +225,7 @@ class Puts:
                 "this pending put was already committed or aborted, or its store was closed"
             )
         pending.done = True
-        if pending.epoch != self.wire.epoch:
+        if pending.held is None and pending.epoch != self.wire.epoch:
             raise StoreUnavailable(
                 f"the connection to {self.wire.socket_path} was lost since this put was "
                 "prepared (the server aborted it)"
@@ -225,6 +233,9 @@ class Puts:
 
     def commit_put(self, pending: RemotePendingPut) -> PutResult:
         self._finish(pending)
+        if pending.held is not None:
+            (prompt, chunks, request_id), pending.held = pending.held, None
+            return self.put_prompt(prompt, chunks, request_id)
         return protocol.decode_put_result(self.wire.call("commit_put", {"put": pending.put}))
 
     def put_async(self, pending: RemotePendingPut) -> Future[PutResult]:
@@ -232,6 +243,9 @@ class Puts:
 
     def abort_put(self, pending: RemotePendingPut, reason: str) -> None:
         self._finish(pending)
+        if pending.held is not None:
+            pending.held = None  # nothing of it was sent
+            return
         self.wire.call("abort_put", {"put": pending.put, "reason": reason[:4096]})
 
 

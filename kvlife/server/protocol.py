@@ -78,6 +78,8 @@ PROMPT: dict[str, Field] = {
     "start": Field("int", _OPT, 0, 2**40),
     "parent": Field("key", _OPT),
     "extra_keys": Field("bytes_list", _OPT, 0, 1 << 16),
+    # every token before start (u32 ids): the server derives the parent from them
+    "prefix_tokens": Field("bytes", _OPT, hi=MAX_MESSAGE),
 }
 ID = Field("int", True, 1, _MAX_ID)
 
@@ -423,6 +425,8 @@ def encode_prompt(prompt: PromptRef) -> dict[str, Any]:
         args["parent"] = bytes(prompt.parent)
     if prompt.extra_keys:
         args["extra_keys"] = [bytes(e) for e in prompt.extra_keys]
+    if prompt.prefix_tokens is not None:
+        args["prefix_tokens"] = token_bytes(prompt.prefix_tokens)
     return args
 
 

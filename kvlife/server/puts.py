@@ -351,8 +351,11 @@ def prepare_piece(
     ctx: SessionContext, p: PromptRef, chunks: list[np.ndarray], args: dict[str, Any]
 ) -> PendingPut:
     """The store's prepare of a put (or of one piece of a put in pieces, ``chained``) of
-    ``chunks`` for ``p``: what every put protocol of a session, staged or inline, does."""
+    ``chunks`` for ``p``: what every put protocol of a session, staged or inline, does.
+    A parent named by its prefix tokens is derived here, in the namespace the put
+    writes (with principals the keyed scope: the chain its lookups follow)."""
     store = ctx.store
+    p = p.chained()
     pending = store.prepare_put(
         p.identity,
         p.namespace,

@@ -77,6 +77,7 @@ class StoreAPI(Protocol[P]):
         start: int = 0,
         parent: ChunkKey = ROOT_PARENT,
         extra_keys: Sequence[bytes] = (),
+        prefix_tokens: Tokens | None = None,
         request_id: str = "",
     ) -> PutResult:
         """Store the full chunks of a prompt's KV (what ``prepare_put`` + ``commit_put``
@@ -86,8 +87,16 @@ class StoreAPI(Protocol[P]):
         with ``chunks * tokens_per_chunk <= T <= len(tokens)``, or a sequence of chunk
         arrays shaped like ``identity.layout.chunk_shape``. A trailing partial chunk is
         never stored. Everything is validated before anything is written.
+
+        Tokens that continue a prompt start at ``start`` after the chunk named either by
+        its key (``parent``) or by every token before ``start`` (``prefix_tokens``, with
+        ``start`` at a chunk boundary): the store derives the parent's key from those in
+        the namespace it writes. A served store with principals (``kvlife serve
+        --tenants``) keys namespaces with a secret, so a parent key a client computed
+        itself is one no lookup follows there; a key the server returned (a put's
+        ``keys``) or ``prefix_tokens`` are right on any store.
         """
-        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys)
+        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys, prefix_tokens)
         return self._put_prompt(ref, kv, request_id)
 
     def prepare_put(
@@ -100,13 +109,14 @@ class StoreAPI(Protocol[P]):
         start: int = 0,
         parent: ChunkKey = ROOT_PARENT,
         extra_keys: Sequence[bytes] = (),
+        prefix_tokens: Tokens | None = None,
         request_id: str = "",
     ) -> P:
         """Validate the KV and create TENTATIVE objects for the prompt's new chunks;
         nothing is visible until :meth:`commit_put`. Keep the arrays of ``kv`` unchanged
         until the commit or abort (the embedded store references them; a served store
         has copied them into the server's arena when this returns)."""
-        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys)
+        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys, prefix_tokens)
         return self._prepare_put(ref, kv, request_id)
 
     def commit_put(self, pending: P) -> PutResult:
@@ -134,13 +144,14 @@ class StoreAPI(Protocol[P]):
         start: int = 0,
         parent: ChunkKey = ROOT_PARENT,
         extra_keys: Sequence[bytes] = (),
+        prefix_tokens: Tokens | None = None,
         accept: Accept = Accept.EXACT,
     ) -> LookupResult:
         """The longest run of INDEXED leading chunks that have a replica ``accept`` takes
         (default: exact replicas only), each with the fastest such tier, the replica's
         transform and its estimated decode cost. A chunk whose readable replicas are all
         refused (or of a transform this reader does not know) ends the run."""
-        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys)
+        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys, prefix_tokens)
         return self._lookup(ref, args.accept(accept))
 
     def load(

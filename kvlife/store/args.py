@@ -30,9 +30,10 @@ def prompt(
     start: int,
     parent: ChunkKey,
     extra_keys: Sequence[bytes],
+    prefix_tokens: Sequence[int] | np.ndarray | None = None,
 ) -> PromptRef:
-    """A call's prompt, its identity, namespace and start checked (a served store
-    encodes them for the wire before the server sees them)."""
+    """A call's prompt, its identity, namespace, start and prefix checked (a served
+    store encodes them for the wire before the server sees them)."""
     _typed("identity", identity, ModelIdentity)
     hint = " (use Namespace.parse for text)" if isinstance(namespace, str) else ""
     _typed("namespace", namespace, Namespace, hint)
@@ -40,7 +41,9 @@ def prompt(
     # wire carries no numpy types; a negative one is refused here, the same by either store
     if not isinstance(start, (int, np.integer)) or isinstance(start, bool) or start < 0:
         raise InvalidArgument(f"start must be an int position >= 0, got {start!r}")
-    return PromptRef(identity, namespace, tokens, int(start), parent, extra_keys)
+    ref = PromptRef(identity, namespace, tokens, int(start), parent, extra_keys, prefix_tokens)
+    ref.check_prefix()
+    return ref
 
 
 def accept(value: Accept) -> Accept:
