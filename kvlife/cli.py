@@ -376,6 +376,7 @@ BENCHES = {
     "server": "kvlife.bench.server",
     "lmcache-mp": "kvlife.bench.peer_lmcache_mp",
     "tenant-arenas": "kvlife.bench.tenant_arenas",
+    "shares": "kvlife.bench.shares",
 }
 EXPERIMENTS = {
     "lifetime-hints": "kvlife.sim.lifetime_hints",
