@@ -268,5 +268,16 @@ class SessionContext:
         if layout.chunk_nbytes > self.arena.size:
             raise InvalidArgument(
                 f"a chunk of this layout is {layout.chunk_nbytes} bytes, more than the "
-                f"server's whole arena ({self.arena.size} bytes)"
+                f"whole of {self.arena_text()}"
             )
+
+    def arena_text(self) -> str:
+        """Whose arena :attr:`arena` is and its size, for an error that it is full."""
+        arenas = self.server.tenant_arenas
+        name = arenas.whose(self.arena) if arenas is not None else None
+        if name is None:
+            return f"the server's arena ({self.arena.size} bytes)"
+        return (
+            f"principal {name}'s arena ({self.arena.size} bytes: arena_bytes, or [arenas] "
+            "principal_bytes, in the tenants file)"
+        )

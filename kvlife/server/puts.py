@@ -143,8 +143,8 @@ class Puts:
                 view = ctx.arena.alloc(layout.chunk_nbytes, dtype, layout.chunk_shape)
                 if view is None:
                     raise StorageFullError(
-                        f"the arena has no room to stage chunk {index[rec.key]} of this put "
-                        f"({ctx.arena.stats()})"
+                        f"{ctx.arena_text()} has no room to stage chunk {index[rec.key]} of "
+                        f"this put ({ctx.arena.stats()})"
                     )
                 pending.items[j] = (rec, view)
                 views.append(view)
