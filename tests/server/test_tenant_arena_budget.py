@@ -2,8 +2,9 @@
 map"): each principal's arena is as large as the tenants file says (``arena_bytes``,
 ``[arenas] principal_bytes``), all of them together within ``[arenas] total_bytes``; a
 principal past that bound maps none and puts and loads through the socket; a put staged
-into a full arena is refused with an error naming the principal and the size; a copied
-replica its home arena has no room for lives in the tier's own arena."""
+into a full arena is refused by the server with an error naming the principal and the
+size, and the client then sends it through the socket; a copied replica its home arena
+has no room for lives in the tier's own arena."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import numpy as np
 import pytest
 
 from kvlife.client import RemoteStore
+from kvlife.client.handles import RemoteLookup
 from kvlife.core.errors import InvalidArgument, StorageFullError
 from kvlife.core.identity import ChunkKey, Namespace, NamespaceKind
+from kvlife.core.objects import PromptRef
+from kvlife.server import protocol
 from kvlife.tenancy import token_digest
 from kvlife.tenancy.principals import parse_config
 from kvlife.tiers.base import ReplicaMeta
@@ -83,13 +87,28 @@ def test_each_principals_arena_is_its_size_within_the_total(tmp_path: Path) -> N
             arena = Path(conn.hello["arena"])
             assert arena.name.endswith("-t-bob") and arena.stat().st_size == 128 * KiB
             mine = Namespace(NamespaceKind.USER, "bob")
-            # 40 chunks staged at a page each are more than his 32 pages
+            # 40 chunks staged at a page each are more than his 32 pages: the server
+            # refuses to stage them, naming his arena, and stores nothing of them
             tokens, kv = prompt_kv(31, 40 * n)
+            prompt = PromptRef(IDENT, mine, tokens)
             with pytest.raises(StorageFullError, match=r"principal bob's arena \(131072 bytes"):
-                bob.put_prompt(IDENT, mine, tokens, kv)
-            assert bob.lookup(IDENT, mine, tokens).hits == []  # nothing of it stored
-            small, kv2 = prompt_kv(32, 8 * n)
-            assert bob.put_prompt(IDENT, mine, small, kv2).stored == 8  # what fits, fits
+                bob._wire.call("prepare_put", protocol.encode_prompt(prompt))
+            assert bob.lookup(IDENT, mine, tokens).hits == []
+            # his client then puts them through the socket: the server copies what his
+            # arena has no room for into its own (served to him as copies)
+            assert bob.put_prompt(IDENT, mine, tokens, kv).stored == 40
+            hit = bob.lookup(IDENT, mine, tokens)
+            assert isinstance(hit, RemoteLookup) and len(hit.hits) == 40
+            assert 0 < sum(1 for g in hit.hints[1::2] if g) < 40  # some in his arena, not all
+            got = bob.load(hit)
+            assert got.loaded == 40 and all(
+                np.array_equal(a, kv[:, :, :, i * n : (i + 1) * n])
+                for i, a in enumerate(got.arrays)
+            )
+            # and a prepare_put (the vLLM connector's) is held and sent so by its commit
+            more, kv2 = prompt_kv(32, 40 * n)
+            held = bob.prepare_put(IDENT, mine, more, kv2)
+            assert held.held is not None and bob.commit_put(held).stored == 40
         with RemoteStore(srv.socket, timeout=30, token=CAROL) as carol:
             # 1 MiB more would pass the 640 KiB bound: no arena, the socket instead
             assert carol._wire.connected().arena is None
