@@ -29,10 +29,11 @@ larger); all of them together within ``total_bytes``. A principal whose arena wo
 pass that bound gets none (StorageFullError naming the figures; its sessions then put
 and load through the socket, as a token-only principal's do). A principal's arena holds
 its staged extents and the replicas of its private scopes: a put it stages into a full
-arena is refused with StorageFullError naming the principal and its arena's size; a
-replica copied in (a put through the socket, a promotion) that does not fit goes to the
-tier's own arena instead (which no client maps; counted in
-:attr:`~kvlife.tiers.shm.ShmTier.home_overflow`, served to its principal as a copy).
+arena is refused with StorageFullError naming the principal and its arena's size (the
+client then puts through the socket); a replica copied in (a put through the socket, a
+promotion) that does not fit goes to the tier's own arena instead (which no client
+maps; counted in :attr:`~kvlife.tiers.shm.ShmTier.home_overflow`, served to its
+principal as a copy, through the socket when its arena has no room for that either).
 """
 
 from __future__ import annotations
