@@ -355,6 +355,10 @@ class PromptRef:
         ``start``, or comes with a ``parent`` too (the chunk before is named once)."""
         if self.prefix_tokens is None:
             return
+        if not isinstance(self.prefix_tokens, (Sequence, np.ndarray)):
+            raise InvalidArgument(
+                f"prefix_tokens must be token ids, got {type(self.prefix_tokens).__name__}"
+            )
         if len(self.prefix_tokens) != self.start:
             raise InvalidArgument(
                 f"a prefix of {len(self.prefix_tokens)} tokens for a prompt starting at position "

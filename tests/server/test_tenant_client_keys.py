@@ -141,6 +141,7 @@ def test_a_prefix_that_is_not_every_token_before_start_is_refused(
                 {"start": 2 * n, "prefix_tokens": tokens[:n]},  # too short
                 {"start": n // 2, "prefix_tokens": tokens[: n // 2]},  # not a chunk boundary
                 {"start": 2 * n, "prefix_tokens": tokens[: 2 * n], "parent": b"\1" * 32},
+                {"start": 2 * n, "prefix_tokens": 2 * n},  # not token ids
             ]
             for kw in bad:
                 with pytest.raises(InvalidArgument):
