@@ -198,7 +198,7 @@ class SessionContext:
             args.get("start", 0),
             ChunkKey(args.get("parent", ROOT_PARENT)),
             list(args.get("extra_keys", ())),
-            None if prefix is None else np.frombuffer(prefix, "<u4"),
+            prefix_tokens=None if prefix is None else np.frombuffer(prefix, "<u4"),
         )
         p.check_prefix()  # kept, not derived yet: each scope a lookup searches has its own
         return p

@@ -41,7 +41,9 @@ def prompt(
     # wire carries no numpy types; a negative one is refused here, the same by either store
     if not isinstance(start, (int, np.integer)) or isinstance(start, bool) or start < 0:
         raise InvalidArgument(f"start must be an int position >= 0, got {start!r}")
-    ref = PromptRef(identity, namespace, tokens, int(start), parent, extra_keys, prefix_tokens)
+    ref = PromptRef(
+        identity, namespace, tokens, int(start), parent, extra_keys, prefix_tokens=prefix_tokens
+    )
     ref.check_prefix()
     return ref
 
