@@ -461,6 +461,7 @@ BENCHES = {
     "lmcache-mp": "kvlife.bench.peer_lmcache_mp",
     "tenant-arenas": "kvlife.bench.tenant_arenas",
     "invalidate": "kvlife.bench.invalidate",
+    "shares": "kvlife.bench.shares",
 }
 EXPERIMENTS = {
     "lifetime-hints": "kvlife.sim.lifetime_hints",

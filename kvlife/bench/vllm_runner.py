@@ -15,7 +15,8 @@ this process. Tests, ``kvlife demo --engine vllm`` and
 real new process and every engine's memory is returned when it exits.
 
 Spec keys: ``model`` (directory), ``dtype``, ``block_size``, ``prefix_caching``,
-``kv_cache_mib``, ``max_model_len``, ``multiprocess`` (vLLM's default separate
+``kv_cache_mib``, ``max_model_len``, ``max_num_batched_tokens`` (tokens per step: a
+longer prompt is prefilled over several steps), ``multiprocess`` (vLLM's default separate
 engine-core and worker processes; counters then stay in those processes), ``kvlife``
 (``kv_connector_extra_config``, or null for no connector), and either ``requests``
 (``[{"tokens": [...], "max_tokens": n, "cache_salt": s}]``) or ``chat``
@@ -60,6 +61,8 @@ def _engine(spec: dict[str, Any]) -> Any:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["kvlife"],
         )
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
     if spec.get("enable_lora"):
         kwargs |= {"enable_lora": True, "max_lora_rank": int(spec.get("max_lora_rank", 8))}
     return LLM(

@@ -124,6 +124,43 @@ class Loads:
             return LoadResult([], 0, 0)
         if not self.wire.mapped():  # a session that maps no arena: through the socket
             return copies.load_inline(self.wire, lookup, outs, request_id, on_chunk)
+        res = self._load_mapped(lookup, outs, request_id, on_chunk)
+        got = res.loaded
+        if got == len(hits) or not res.vanished or res.corrupt or not _tenant(self.wire):
+            return res
+        # the rest was not handed over (with principals the session's arena is its
+        # principal's own, which may have no room for the copies): through the socket
+        tail = None if on_chunk is None else _shifted(on_chunk, got)
+        rest = copies.load_inline(
+            self.wire,
+            lookup.sub(got, len(hits)),
+            None if outs is None else outs[got:],
+            request_id,
+            tail,
+        )
+        tiers = dict(res.tiers)  # the server counts what it read, handed over or not
+        if sum(tiers.values()) < got + rest.loaded:
+            for tier, n in rest.tiers.items():
+                tiers[tier] = tiers.get(tier, 0) + n
+        return LoadResult(
+            res.arrays + rest.arrays,
+            got + rest.loaded,
+            res.requested,
+            tiers=tiers,
+            corrupt=rest.corrupt,
+            vanished=rest.vanished,
+            read_errors=res.read_errors + rest.read_errors,
+        )
+
+    def _load_mapped(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None,
+        request_id: str,
+        on_chunk: OnChunk | None,
+    ) -> LoadResult:
+        """A load through this session's arena (hints, grants, streamed parts)."""
+        hits = lookup.hits
         args: dict[str, Any] = {
             "keys": b"".join(h.key for h in hits),
             "starts": [h.start for h in hits],
@@ -276,6 +313,19 @@ class Loads:
 KNOWN_HITS = 1 << 14
 """Hit records a client keeps to answer repeated lookups with (:meth:`Loads._hits`):
 a few MiB at most."""
+
+
+def _tenant(wire: Wire) -> bool:
+    """Whether the session has a principal (a server with ``--tenants``)."""
+    with wire.lock:
+        return bool(wire.connected().hello.get("principal"))
+
+
+def _shifted(on_chunk: OnChunk, by: int) -> OnChunk:
+    def shifted(i: int, arr: np.ndarray | None) -> None:
+        on_chunk(by + i, arr)
+
+    return shifted
 
 
 def _result(arrays: list[np.ndarray], r: dict[str, Any]) -> LoadResult:

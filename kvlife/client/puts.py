@@ -54,7 +54,7 @@ from kvlife.client import copies
 from kvlife.client.connection import Connection, StagedShape
 from kvlife.client.handles import RemotePendingPut
 from kvlife.client.wire import StaleExtents, Wire
-from kvlife.core.errors import InvalidArgument, KVLifeError, StoreUnavailable
+from kvlife.core.errors import InvalidArgument, KVLifeError, StorageFullError, StoreUnavailable
 from kvlife.core.identity import KVLayout
 from kvlife.core.objects import PromptRef
 from kvlife.results import PutResult
@@ -73,14 +73,31 @@ class Puts:
     def __init__(self, wire: Wire) -> None:
         self.wire = wire
 
-    def put_prompt(self, prompt: PromptRef, kv: object, request_id: str) -> PutResult:
+    def put_prompt(
+        self, prompt: PromptRef, kv: object, request_id: str, *, inline: bool = False
+    ) -> PutResult:
+        """``inline``: through the socket even if this session maps an arena."""
         args, layout, chunks = self._args(prompt, kv, request_id)
+        inline = inline or not self.wire.mapped()  # no arena: through the socket
         per = self.piece_chunks(layout)
-        if not self.wire.mapped():  # a session that maps no arena: through the socket
+        if inline:
             per = min(per, copies.inline_piece_chunks(layout))
-        if len(chunks) <= per:
-            return self._put(args, layout, chunks)
-        return self._put_pieces(prompt, args, layout, chunks, per)
+        try:
+            if len(chunks) <= per:
+                return self._one(args, layout, chunks, inline)
+            return self._put_pieces(prompt, args, layout, chunks, per, inline)
+        except StorageFullError:
+            if inline or not self._tenant():
+                raise
+            # the principal's own arena had no room to stage it: through the socket (the
+            # server copies it into that arena, or into its own when that is full)
+            return self.put_prompt(prompt, chunks, request_id, inline=True)
+
+    def _tenant(self) -> bool:
+        """Whether this session has a principal (a server with ``--tenants``): its arena
+        is its principal's own, which may be smaller than the server's."""
+        with self.wire.lock:
+            return bool(self.wire.connected().hello.get("principal"))
 
     def piece_chunks(self, layout: KVLayout) -> int:
         """Chunks of ``layout`` in one piece of a put: half the client's put share, at
@@ -97,6 +114,7 @@ class Puts:
         layout: KVLayout,
         chunks: list[np.ndarray],
         per: int,
+        inline: bool,
     ) -> PutResult:
         """``chunks`` in puts of ``per`` chunks, in order, each committed before the next
         is prepared and chained to the one before."""
@@ -111,10 +129,19 @@ class Puts:
             if first:
                 piece["start"] = prompt.start + first * layout.tokens_per_chunk
                 piece["parent"] = bytes(results[-1].keys[-1])
+                piece.pop("prefix_tokens", None)  # the parent is named by its key now
                 # stores nothing if the piece before was invalidated since (server)
                 piece["chained"] = True
-            results.append(self._put(piece, layout, chunks[first:last]))
+            results.append(self._one(piece, layout, chunks[first:last], inline))
         return joined(results, layout.tokens_per_chunk)
+
+    def _one(
+        self, args: dict[str, Any], layout: KVLayout, chunks: list[np.ndarray], inline: bool
+    ) -> PutResult:
+        """One put, through the socket if ``inline``."""
+        if inline:
+            return copies.put_inline(self.wire, args, layout, chunks)
+        return self._put(args, layout, chunks)
 
     def _put(self, args: dict[str, Any], layout: KVLayout, chunks: list[np.ndarray]) -> PutResult:
         """One put: into staged extents when this connection has enough of the shape,
@@ -169,8 +196,21 @@ class Puts:
 
     def prepare_put(self, prompt: PromptRef, kv: object, request_id: str) -> RemotePendingPut:
         """Validate here, reserve extents on the server for the chunks it lacks, and copy
-        them in (the arrays are not referenced after this returns)."""
-        return self._prepare(*self._args(prompt, kv, request_id))
+        them in (the arrays are not referenced after this returns). A session that maps
+        no arena has no extents to copy into, nor one whose principal's arena has no room
+        for them: the put is held here, its chunks copied, and the commit sends it whole
+        (through the socket: ``put_inline``)."""
+        args, layout, chunks = self._args(prompt, kv, request_id)
+        if self.wire.mapped():
+            try:
+                return self._prepare(args, layout, chunks)
+            except StorageFullError:
+                if not self._tenant():
+                    raise
+                # its principal's own arena has no room to stage it: held, as below
+        copied = [np.array(c, copy=True) for c in chunks]
+        held = (prompt, copied, request_id)
+        return RemotePendingPut(0, 0, [], layout.tokens_per_chunk, 0, 0, held=held)
 
     def _args(
         self, prompt: PromptRef, kv: object, request_id: str
@@ -217,7 +257,7 @@ class Puts:
                 "this pending put was already committed or aborted, or its store was closed"
             )
         pending.done = True
-        if pending.epoch != self.wire.epoch:
+        if pending.held is None and pending.epoch != self.wire.epoch:
             raise StoreUnavailable(
                 f"the connection to {self.wire.socket_path} was lost since this put was "
                 "prepared (the server aborted it)"
@@ -225,6 +265,9 @@ class Puts:
 
     def commit_put(self, pending: RemotePendingPut) -> PutResult:
         self._finish(pending)
+        if pending.held is not None:
+            (prompt, chunks, request_id), pending.held = pending.held, None
+            return self.put_prompt(prompt, chunks, request_id)
         return protocol.decode_put_result(self.wire.call("commit_put", {"put": pending.put}))
 
     def put_async(self, pending: RemotePendingPut) -> Future[PutResult]:
@@ -232,6 +275,9 @@ class Puts:
 
     def abort_put(self, pending: RemotePendingPut, reason: str) -> None:
         self._finish(pending)
+        if pending.held is not None:
+            pending.held = None  # nothing of it was sent
+            return
         self.wire.call("abort_put", {"put": pending.put, "reason": reason[:4096]})
 
 

@@ -335,6 +335,9 @@ class ShmTier(HeldTier[_Held]):
         (so a replica never lies in an arena its readers may not map)."""
         self.adopted = 0
         """Payloads published without a copy (already in the arena)."""
+        self.home_overflow = 0
+        """Replicas copied into the tier's own arena because their home (a tenant's
+        arena) had no room."""
 
     def add_arena(self, name: str, arena: Arena) -> None:
         """Keep ``arena`` with the tier (its figures, and removed when it closes)."""
@@ -359,6 +362,11 @@ class ShmTier(HeldTier[_Held]):
             homes = [self._home(meta) for meta in reservation.metas]
             arrays = [
                 self._into_arena(arena, arr) for arena, arr in zip(homes, payloads, strict=True)
+            ]
+            # a copy its home arena had no room for went to the tier's own (overflow)
+            homes = [
+                home if home.offset_of(arr) is not None else self.arena
+                for home, arr in zip(homes, arrays, strict=True)
             ]
             # sealed as published (the xxh3-128 of the extent's bytes, or the checksum
             # the store vouches for); kept as a read-only export of the extent
@@ -389,6 +397,13 @@ class ShmTier(HeldTier[_Held]):
             self.adopted += 1  # a sealed extent (a put a client wrote): no copy
             return arr
         dst = arena.alloc(arr.nbytes, arr.dtype, arr.shape)
+        if dst is None and arena is not self.arena:
+            # a tenant's arena is full: the tier's own, which no client maps, holds it
+            # (its principal is served copies of it, as of a shared scope's replica)
+            dst = self.arena.alloc(arr.nbytes, arr.dtype, arr.shape)
+            if dst is not None:
+                self.home_overflow += 1
+                arena = self.arena
         if dst is None:
             raise StorageFullError(
                 f"arena {arena.path} has no free extent of {arr.nbytes} bytes ({arena.stats()})"

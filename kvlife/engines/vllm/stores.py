@@ -69,6 +69,10 @@ class StoreAddress:
     """Embedded store: every put durable on disk before it completes."""
     store: StoreConfig | None = None
     """Embedded store: its settings from a configuration file (overrides the sizes)."""
+    token_file: str = ""
+    """Served store with principals (``kvlife serve --tenants``): a file holding the
+    token of the principal the engine is, where its Unix user does not say which (a
+    file, not the token itself: vLLM logs its connector config)."""
 
     def __post_init__(self) -> None:
         if bool(self.socket) == bool(self.path):
@@ -77,6 +81,25 @@ class StoreAddress:
                 f"'kvlife.socket' (kvlife serve) and 'kvlife.path' (embedded); got "
                 f"socket={self.socket!r}, path={self.path!r}"
             )
+        if self.token_file and not self.socket:
+            raise InvalidArgument(
+                "kvlife.token_file names a principal of a served store (kvlife.socket); "
+                "an embedded store (kvlife.path) has no principals"
+            )
+
+    def token(self) -> str | None:
+        """The token in :attr:`token_file` (None: none named)."""
+        if not self.token_file:
+            return None
+        try:
+            token = Path(self.token_file).read_text().strip()
+        except OSError as exc:
+            raise InvalidArgument(
+                f"kvlife.token_file {self.token_file!r} cannot be read: {exc}"
+            ) from exc
+        if not token:
+            raise InvalidArgument(f"kvlife.token_file {self.token_file!r} is empty")
+        return token
 
     @classmethod
     def from_extra_config(
@@ -104,6 +127,7 @@ class StoreAddress:
             dram_bytes=size("kvlife.dram_mib", DEFAULT_DRAM),
             disk_bytes=size("kvlife.disk_mib", DEFAULT_DISK),
             write_through=wt,
+            token_file=str(extra.get("kvlife.token_file", "") or ""),
         )
 
     @classmethod
@@ -224,7 +248,7 @@ def open_store(address: StoreAddress) -> StoreLease:
     if address.socket:
         from kvlife.client import RemoteStore
 
-        remote: StoreAPI = RemoteStore(address.socket)
+        remote: StoreAPI = RemoteStore(address.socket, token=address.token())
         return StoreLease(remote, address)
     path = Path(address.path).resolve()
     with _EMBEDDED_LOCK:

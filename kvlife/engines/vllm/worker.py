@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from kvlife.core.errors import KVLifeError
-from kvlife.core.identity import ROOT_PARENT, ModelIdentity, prompt_chunk_keys
+from kvlife.core.identity import ModelIdentity
 from kvlife.core.payload import numpy_dtype
 from kvlife.engines.vllm.faults import LayerFault
 from kvlife.engines.vllm.identity import with_adapter
@@ -447,17 +447,17 @@ class WorkerSide:
             rows_to_chunk(rows[:, c * k : (c + 1) * k], chunks[c])
         identity = with_adapter(self.identity, spec.adapter)
         start = spec.first_chunk * self.tpc
-        parent = ROOT_PARENT
         try:
-            if spec.first_chunk:
-                parent = prompt_chunk_keys(identity, spec.namespace, spec.tokens[:start])[-1]
+            # the chunk before is named by its tokens, not by a key computed here: the
+            # store derives the key in the namespace it writes (under kvlife serve
+            # --tenants a keyed one, which only the server can compute)
             pending = self.store.prepare_put(
                 identity,
                 spec.namespace,
                 spec.tokens[start:],
                 list(chunks),
                 start=start,
-                parent=parent,
+                prefix_tokens=spec.tokens[:start],
                 request_id=spec.req_id,
             )
         except KVLifeError as exc:
