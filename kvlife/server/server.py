@@ -633,7 +633,9 @@ def _preflight(cfg: ServeConfig) -> None:
         if path.parent != cfg.path and not path.parent.is_dir():  # the store's: made
             raise InvalidArgument(f"{what} {path}: its directory {path.parent} does not exist")
     if not cfg.shm_dir.is_dir():
-        raise InvalidArgument(f"shared-memory directory {cfg.shm_dir} is not a directory")
+        raise InvalidArgument(
+            f"shared-memory directory {cfg.shm_dir} does not exist (or is not a directory)"
+        )
 
 
 def _kv_events(config: KVEventsConfig | None) -> KVEventPublisher | None:
