@@ -16,6 +16,7 @@ import pytest
 from kvlife.core.errors import InvalidArgument, KVLifeError
 from kvlife.core.identity import PUBLIC, prompt_chunk_keys
 from kvlife.core.sources import MAX_SPANS, Source, SourceSpan
+from kvlife.globalindex.rules import InvalidationRule
 from kvlife.store import KVStore
 from kvlife.tiers.redis.server import RedisServer
 from tests.conftest import TINY, prompt_kv, tiny_identity
@@ -121,8 +122,13 @@ def test_a_continuation_without_spans_is_invalidated_on_every_host(fleet: Fleet)
     assert len(keys) == 4
     b.put_prompt(ident, ACME, more, more_kv, start=4 * N, parent=keys[-1])
     b.flush()
+    # before the rule, a host holding the chain before the continuation adopts it whole
+    d = fleet.host("d")
+    assert d.load(d.lookup(ident, ACME, tokens, sources=spans)).loaded == 4
+    res = d.lookup(ident, ACME, more, start=4 * N, parent=keys[-1])
+    assert d.load(res).loaded == 2
     assert a.invalidate(source="doc", before_version=2) == 0  # A holds none itself
-    for host in (c, b, a):
+    for host in (c, d, b, a):
         res = host.lookup(ident, ACME, more, start=4 * N, parent=keys[-1])
         got = host.load(res)
         assert got.loaded == 0, f"host served {got.loaded} chunks chained after doc@1"
@@ -143,6 +149,8 @@ def test_an_invalidation_reaching_the_last_version_works_with_a_shared_tier(
     """A source's versions run to 2**64 (exclusive): the rule's stored form packed that
     bound as a msgpack int, which holds at most 2**64 - 1, so ``invalidate(source=name)``
     on any host with a shared tier raised OverflowError and invalidated nothing."""
+    rule = InvalidationRule(1, source="doc", versions=(0, 1 << 64))
+    assert InvalidationRule.from_body(1, "i", rule.body()).versions == (0, 1 << 64)
     a, b = fleet.host("a"), fleet.host("b")
     ident = tiny_identity()
     top = (1 << 64) - 1
