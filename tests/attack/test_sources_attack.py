@@ -7,13 +7,15 @@ by source never reaches another tenant's chunks."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvlife.core.errors import InvalidArgument, KVLifeError
+from kvlife.core.errors import InvalidArgument, KVLifeError, NotPermitted
 from kvlife.core.identity import PUBLIC, prompt_chunk_keys
 from kvlife.core.sources import MAX_SPANS, Source, SourceSpan
 from kvlife.globalindex.rules import InvalidationRule
@@ -21,6 +23,8 @@ from kvlife.store import KVStore
 from kvlife.tiers.redis.server import RedisServer
 from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.remote.fleet import ACME, Fleet
+from tests.server.conftest import ServerProc
+from tests.server.tenants import ORG, USER, as_, tenant_server, write_config
 
 N = TINY.tokens_per_chunk
 
@@ -179,3 +183,118 @@ def test_held_a_put_with_bad_spans_through_the_store_is_not_partial(tmp_path: Pa
         assert np.all(store.lookup(tiny_identity(), PUBLIC, tokens[:N]).tokens == 0)
     finally:
         store.close()
+
+
+# ---------------------------------------------------------------------- tenants, served
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[ServerProc]:
+    srv = tenant_server(tmp_path / "store", write_config(tmp_path / "tenants.toml")).start()
+    yield srv
+    srv.stop()
+
+
+def test_held_a_tenants_invalidation_by_source_or_weights_stays_in_its_namespaces(
+    served: ServerProc,
+) -> None:
+    """alice and bob put the same prompt built from ``doc@1``; bob invalidates ``doc``
+    (and every weights version but one) in his namespace only: alice's chunks stay;
+    without a namespace, or naming alice's, he is refused; keep_weights_digest without
+    model is a typed error through the wire."""
+    ident = tiny_identity()
+    spans = [SourceSpan(Source("sys"), 0, N), SourceSpan(Source("doc", 1), N, 4 * N)]
+    tokens, kv = prompt_kv(11, 4 * N)
+    with as_(served, "alice") as alice, as_(served, "bob") as bob:
+        assert alice.put_prompt(ident, ORG["alice"], tokens, kv, sources=spans).stored == 4
+        assert bob.put_prompt(ident, USER["bob"], tokens, kv, sources=spans).stored == 4
+        for how in ({"source": "doc"}, {"model": "tiny", "keep_weights_digest": "w9"}):
+            with pytest.raises(NotPermitted):
+                bob.invalidate(**how)  # type: ignore[arg-type]
+            with pytest.raises(NotPermitted):
+                bob.invalidate(namespace=ORG["alice"], **how)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument):
+            bob.invalidate(namespace=USER["bob"], keep_weights_digest="w0")
+        with pytest.raises(InvalidArgument):
+            bob.invalidate(namespace=USER["bob"], source="doc@1")
+        assert bob.invalidate(namespace=USER["bob"], source="doc", before_version=2) == 3
+        got = alice.lookup(ident, ORG["alice"], tokens, sources=spans)
+        assert alice.load(got).loaded == 4
+        assert bob.load(bob.lookup(ident, USER["bob"], tokens, sources=spans)).loaded == 1
+        assert bob.invalidate(namespace=USER["bob"], model="tiny", keep_weights_digest="w9") == 1
+        assert alice.load(alice.lookup(ident, ORG["alice"], tokens, sources=spans)).loaded == 4
+
+
+# ---------------------------------------------------------------------- puts racing, served
+
+
+def test_held_a_served_put_racing_invalidate_by_source_is_all_or_nothing(tmp_path: Path) -> None:
+    """Through a real ``kvlife serve`` whose client put share is a few pages (so each
+    8-chunk put goes in pieces): one client puts new prompts built from ``doc@1`` while another
+    invalidates ``doc`` again and again. Afterwards every prompt whose put returned
+    before the last invalidation began is gone, each prompt is stored whole or not at
+    all, and no chunk is stored that no prompt reaches. A prepared put committed after
+    an invalidation returned stores nothing."""
+    # a client's put share of a few pages: each 8-chunk put goes in pieces
+    arena = (8 << 20) + (4 << 20)
+    share = f"{6 * 4096 / arena:.8f}"
+    srv = ServerProc(tmp_path / "s", dram=8 << 20, extra=("--session-put-share", share)).start()
+    ident = tiny_identity()
+    spans = [SourceSpan(Source("doc", 1), 0, 8 * N)]
+    times: dict[int, tuple[float, float]] = {}
+    starts: list[float] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def putter() -> None:
+        try:
+            with srv.client() as c:
+                for i in range(40):
+                    tokens, kv = prompt_kv(100 + i, 8 * N)
+                    t0 = time.monotonic()
+                    c.put_prompt(ident, PUBLIC, tokens, kv, sources=spans)
+                    times[i] = (t0, time.monotonic())
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            stop.set()
+
+    def invalidator() -> None:
+        try:
+            with srv.client() as c:
+                while not stop.is_set():
+                    starts.append(time.monotonic())
+                    c.invalidate(source="doc")
+                    time.sleep(0.005)
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=putter), threading.Thread(target=invalidator)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        with srv.client() as c:
+            assert c._puts.piece_chunks(ident.layout) < 8  # the puts went in pieces
+        last = starts[-1]
+        found = 0
+        with srv.client() as c:
+            for i, (_, end) in times.items():
+                tokens, _ = prompt_kv(100 + i, 8 * N)
+                hits = len(c.lookup(ident, PUBLIC, tokens, sources=spans).hits)
+                assert hits in (0, 8), (i, hits)
+                if end < last:
+                    assert hits == 0, f"prompt {i} put before the last invalidation survived"
+                found += hits
+            indexed = c.info().objects_by_state.get("indexed", 0)
+            assert indexed == found, (indexed, found)
+            tokens, kv = prompt_kv(999, 2 * N)
+            with srv.client() as other:
+                pending = c.prepare_put(ident, PUBLIC, tokens, kv, sources=spans)
+                other.invalidate(source="doc")
+                c.commit_put(pending)
+            assert c.lookup(ident, PUBLIC, tokens, sources=spans).hits == []
+    finally:
+        srv.stop()
