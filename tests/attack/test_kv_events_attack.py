@@ -18,6 +18,7 @@ import zmq
 
 from kvlife.core.events import ChunkFacts, LifecycleEvent
 from kvlife.core.identity import PUBLIC
+from kvlife.faults.damage import flip, scan_frames
 from kvlife.ops.kv_events import KVEventPublisher, KVEventsConfig
 from kvlife.store import KVStore
 from tests.conftest import prompt_kv, tiny_identity
@@ -126,3 +127,42 @@ def test_held_puts_go_on_with_no_subscriber_and_a_tiny_queue(tmp_path: Path) -> 
         store.close()
         pub.close()
     assert pub.dropped > 0
+
+
+def test_a_replica_dropped_as_corrupt_while_another_survives_is_announced(
+    tmp_path: Path,
+) -> None:
+    """A chunk held on DRAM and disk (write-through); its disk frame is damaged and the
+    check with fix drops that replica. The chunk stays on DRAM, but its disk replica is
+    gone: the router must be told (a ``BlockRemoved`` on ``disk``), as for every other
+    way a replica leaves a tier. The store dropped the replica without a lifecycle
+    event, so the router kept a disk block the store no longer held."""
+    cfg = KVEventsConfig("tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*")
+    pub = KVEventPublisher(cfg)
+    store = KVStore.open(
+        tmp_path / "s",
+        dram_bytes=1 << 22,
+        disk_bytes=16 << 20,
+        segment_bytes=1 << 20,
+        write_through=True,
+        sink=pub,
+    )
+    ident = tiny_identity()
+    try:
+        tokens, kv = prompt_kv(3, 64)
+        keys = store.put_prompt(ident, PUBLIC, tokens, kv).keys
+        store.flush()
+        frame = next(f for f in scan_frames(tmp_path / "s") if f.key == keys[1])
+        flip(frame.segment, frame.payload_offset + 37, 5)
+        assert not store.check(fix=True).clean
+        store.lookup(ident, PUBLIC, tokens)  # takes in what the tiers dropped
+        got = store.load(store.lookup(ident, PUBLIC, tokens))
+        assert got.loaded == 4  # DRAM still serves every chunk
+        _drained(pub)
+        view = _router_view(_replayed(pub.replay_endpoint))
+        assert (bytes(keys[1]), "dram") in view
+        assert (bytes(keys[1]), "disk") not in view, "the router keeps a dropped disk replica"
+        assert (bytes(keys[0]), "disk") in view
+    finally:
+        store.close()
+        pub.close()
