@@ -116,3 +116,50 @@ def test_held_a_bad_file_is_refused_by_line_and_nothing_is_made(tmp_path: Path, 
     assert "Traceback" not in done.stderr, done.stderr
     assert f"c.toml:{line}:" in done.stderr, done.stderr
     assert _left(tmp_path) == [], _left(tmp_path)
+
+
+def _check(tmp: Path, text: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    (tmp / "c.toml").write_text(text)
+    return subprocess.run(
+        [sys.executable, "-m", "kvlife.cli", "config", "check", str(tmp / "c.toml")],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "..", "/abs"])
+def test_a_tier_name_that_is_a_path_is_refused_and_nothing_is_written_outside(
+    tmp_path: Path, name: str
+) -> None:
+    """A disk tier keeps its files in a folder of the store named after the tier: the
+    name ``../escape`` put its segments and catalog beside the store, outside it (and
+    ``/abs`` anywhere), and ``config check`` passed the file."""
+    text = (
+        '[store]\npath = "s"\n[[tiers]]\nname = "dram"\nkind = "memory"\nbudget = "1MiB"\n'
+        f'[[tiers]]\nname = "{name}"\nkind = "disk"\nbudget = "64MiB"\n'
+        "[tiers.options]\ndirect_io = false\n"
+    )
+    done = _check(tmp_path, text)
+    assert done.returncode == 1, done.stderr
+    assert "c.toml:8: tiers[1].name" in done.stderr, done.stderr
+    from kvlife.core.errors import InvalidArgument
+    from kvlife.tiers.spec import TierSpec
+
+    with pytest.raises(InvalidArgument, match="tier name"):
+        TierSpec("disk", name, 64 << 20)
+    assert _left(tmp_path) == []
+
+
+def test_a_cpu_range_beyond_any_machine_is_refused_at_once(tmp_path: Path) -> None:
+    """``cpus = "0-99999999"`` built a set of a hundred million ints: ``config check``
+    (and ``serve``) ran for minutes and gigabytes instead of naming the bad range."""
+    text = (
+        '[store]\npath = "s"\n[server]\ncpus = "0-99999999"\n'
+        '[[tiers]]\nname = "dram"\nkind = "memory"\nbudget = "1MiB"\n'
+    )
+    done = _check(tmp_path, text, timeout=20)
+    assert done.returncode == 1, done.stderr
+    assert "c.toml:4: server.cpus" in done.stderr, done.stderr
