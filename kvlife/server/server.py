@@ -125,6 +125,10 @@ class ServeConfig:
         return self.socket if self.socket is not None else self.path / DEFAULT_SOCKET
 
 
+MAX_CPUS = 1 << 16
+"""CPU numbers ``--cpus`` accepts are below it (Linux's NR_CPUS is at most 8192)."""
+
+
 def parse_cpus(text: str) -> tuple[int, ...]:
     """``"1"``, ``"0,2"`` or ``"2-5"``: the CPU numbers (InvalidArgument naming a bad
     one)."""
@@ -138,6 +142,8 @@ def parse_cpus(text: str) -> tuple[int, ...]:
             raise InvalidArgument(f"--cpus {text!r}: {part!r} is not a CPU or a range") from None
         if first < 0 or last < first:
             raise InvalidArgument(f"--cpus {text!r}: {part!r} is not a CPU or a range")
+        if last >= MAX_CPUS:  # before building the set: 0-99999999 is 10**8 ints
+            raise InvalidArgument(f"--cpus {text!r}: CPU {last} is beyond {MAX_CPUS - 1}")
         out.update(range(first, last + 1))
     return tuple(sorted(out))
 

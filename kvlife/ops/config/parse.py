@@ -40,6 +40,7 @@ from kvlife.server.limits import Limits
 from kvlife.store.config import StoreConfig
 from kvlife.tenancy.names import check_name
 from kvlife.tenancy.principals import TenancyConfig, parse_config
+from kvlife.tiers.spec import TIER_NAME, TIER_NAME_RULE
 from kvlife.tenancy.quotas import PUBLIC_TENANT, Shares
 from kvlife.tiers.options import TierOptionError, TierOptions
 from kvlife.tiers.registry import tier_kind
@@ -276,6 +277,8 @@ class _Reader:
             if isinstance(name, str):
                 if not name:
                     name = self.bad((*path, "name"), "must not be empty")
+                elif not TIER_NAME.fullmatch(name):
+                    name = self.bad((*path, "name"), f"{name!r:.80}: {TIER_NAME_RULE}")
                 elif name in seen:
                     name = self.bad((*path, "name"), f"tier {name!r} is named twice in the chain")
                 else:
