@@ -18,7 +18,6 @@ from kvlife.core.objects import TierName
 from kvlife.tiers.options import TierOptions
 from kvlife.tiers.registry import tier_kind
 
-
 TIER_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
 """What a tier's name may be (it names a folder of the store and a metrics label)."""
 TIER_NAME_RULE = "a tier name is 1 to 64 letters, digits, '_', '-' or '.' (not first)"

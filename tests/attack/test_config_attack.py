@@ -60,20 +60,22 @@ def _server(tmp: Path, **extra: str) -> str:
 
 CASES = {
     # the pid file's folder is missing: the server was listening when writing it failed
-    "pid file folder missing": lambda t: '[store]\npath = "s"\n'
-    + _server(t, pid_file="nodir/kv.pid")
-    + TIERS,
+    "pid file folder missing": lambda t: (
+        '[store]\npath = "s"\n' + _server(t, pid_file="nodir/kv.pid") + TIERS
+    ),
     # the store path is an existing file: a raw FileExistsError before
     "store path is a file": lambda t: '[store]\npath = "c.toml"\n' + _server(t) + TIERS,
     # the socket's folder is missing: a fresh store was created and left behind
-    "socket folder missing": lambda t: '[store]\npath = "s"\n'
-    + _server(t, socket="nodir/kv.sock")
-    + TIERS,
+    "socket folder missing": lambda t: (
+        '[store]\npath = "s"\n' + _server(t, socket="nodir/kv.sock") + TIERS
+    ),
     # a KV-events endpoint that cannot be opened: the store folder was left behind
-    "kv events endpoint unusable": lambda t: '[store]\npath = "s"\n'
-    + _server(t)
-    + '[server.kv_events]\nendpoint = "tcp://999.1.1.1:*"\n'
-    + TIERS,
+    "kv events endpoint unusable": lambda t: (
+        '[store]\npath = "s"\n'
+        + _server(t)
+        + '[server.kv_events]\nendpoint = "tcp://999.1.1.1:*"\n'
+        + TIERS
+    ),
 }
 
 
@@ -89,18 +91,18 @@ def test_a_bad_place_in_the_file_stops_serve_typed_leaving_nothing(
     assert _left(tmp_path) == ["shm"], (case, _left(tmp_path), done.stderr)
 
 
+TIER = '[[tiers]]\nname = "d"\nkind = "memory"\n'
+MEM = '[store]\npath = "s"\n' + TIER
+"""A file whose first tier's budget follows on line 6."""
+
 BAD_FILES = {
     "not toml": ("[store\npath = 1\n", 1),
-    "negative budget": ('[store]\npath = "s"\n[[tiers]]\nname = "d"\nkind = "memory"\nbudget = -5\n', 6),
-    "float budget": ('[store]\npath = "s"\n[[tiers]]\nname = "d"\nkind = "memory"\nbudget = 1.5e9\n', 6),
-    "bool budget": ('[store]\npath = "s"\n[[tiers]]\nname = "d"\nkind = "memory"\nbudget = true\n', 6),
-    "nan budget": ('[store]\npath = "s"\n[[tiers]]\nname = "d"\nkind = "memory"\nbudget = nan\n', 6),
-    "duplicate tier": (
-        '[store]\npath = "s"\n[[tiers]]\nname = "d"\nkind = "memory"\nbudget = 1024\n'
-        '[[tiers]]\nname = "d"\nkind = "memory"\nbudget = 1024\n',
-        8,
-    ),
-    "unknown key": ('[store]\npath = "s"\nbogus = 1\n[[tiers]]\nname = "d"\nkind = "memory"\nbudget = 1024\n', 3),
+    "negative budget": (MEM + "budget = -5\n", 6),
+    "float budget": (MEM + "budget = 1.5e9\n", 6),
+    "bool budget": (MEM + "budget = true\n", 6),
+    "nan budget": (MEM + "budget = nan\n", 6),
+    "duplicate tier": (MEM + "budget = 1024\n" + TIER + "budget = 1024\n", 8),
+    "unknown key": ('[store]\npath = "s"\nbogus = 1\n' + TIER + "budget = 1024\n", 3),
     "first tier on disk": (
         '[store]\npath = "s"\n[server]\n[[tiers]]\nname = "d"\nkind = "disk"\nbudget = "64MiB"\n',
         6,

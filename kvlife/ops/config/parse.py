@@ -40,11 +40,10 @@ from kvlife.server.limits import Limits
 from kvlife.store.config import StoreConfig
 from kvlife.tenancy.names import check_name
 from kvlife.tenancy.principals import TenancyConfig, parse_config
-from kvlife.tiers.spec import TIER_NAME, TIER_NAME_RULE
 from kvlife.tenancy.quotas import PUBLIC_TENANT, Shares
 from kvlife.tiers.options import TierOptionError, TierOptions
 from kvlife.tiers.registry import tier_kind
-from kvlife.tiers.spec import TierSpec
+from kvlife.tiers.spec import TIER_NAME, TIER_NAME_RULE, TierSpec
 
 VOLATILE_KINDS = frozenset({"memory", "shm"})
 """Built-in kinds whose replicas are gone when the process ends; every other kind keeps
