@@ -143,7 +143,9 @@ def parse_cpus(text: str) -> tuple[int, ...]:
         if first < 0 or last < first:
             raise InvalidArgument(f"--cpus {text!r}: {part!r} is not a CPU or a range")
         if last >= MAX_CPUS:  # before building the set: 0-99999999 is 10**8 ints
-            raise InvalidArgument(f"--cpus {text!r}: CPU {last} is beyond {MAX_CPUS - 1}")
+            raise InvalidArgument(
+                f"--cpus {text!r}: cannot run on cpus beyond {MAX_CPUS - 1} (got {last})"
+            )
         out.update(range(first, last + 1))
     return tuple(sorted(out))
 
