@@ -125,6 +125,10 @@ class ServeConfig:
         return self.socket if self.socket is not None else self.path / DEFAULT_SOCKET
 
 
+MAX_CPUS = 1 << 16
+"""CPU numbers ``--cpus`` accepts are below it (Linux's NR_CPUS is at most 8192)."""
+
+
 def parse_cpus(text: str) -> tuple[int, ...]:
     """``"1"``, ``"0,2"`` or ``"2-5"``: the CPU numbers (InvalidArgument naming a bad
     one)."""
@@ -138,6 +142,10 @@ def parse_cpus(text: str) -> tuple[int, ...]:
             raise InvalidArgument(f"--cpus {text!r}: {part!r} is not a CPU or a range") from None
         if first < 0 or last < first:
             raise InvalidArgument(f"--cpus {text!r}: {part!r} is not a CPU or a range")
+        if last >= MAX_CPUS:  # before building the set: 0-99999999 is 10**8 ints
+            raise InvalidArgument(
+                f"--cpus {text!r}: cannot run on cpus beyond {MAX_CPUS - 1} (got {last})"
+            )
         out.update(range(first, last + 1))
     return tuple(sorted(out))
 
@@ -221,13 +229,19 @@ class Server:
         self._conns: dict[int, socket.socket] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        _preflight(cfg)  # nothing made yet: a place it cannot use fails before any is
         if cfg.cpus:  # first: every thread made from here on inherits it
             pin_cpus(cfg.cpus)
-        cfg.path.mkdir(parents=True, exist_ok=True)
         # lock first (inside KVStore), then clean up what a dead server left
         prefix = arena_prefix(cfg.path)
         # the KV-events publisher first: it announces what recovery brings back
         self.kv_events = _kv_events(cfg.kv_events)
+        try:
+            cfg.path.mkdir(parents=True, exist_ok=True)
+        except BaseException:
+            if self.kv_events is not None:
+                self.kv_events.close()
+            raise
         sinks: list[EventSink] = [] if self.kv_events is None else [self.kv_events]
         sink = fan_out(*sinks, self.live.events, LogSink(tenants=cfg.tenants is not None))
         try:
@@ -240,8 +254,10 @@ class Server:
         assert isinstance(shm, ShmTier)
         self._log_recovery()
         self._spare: int | None = None
+        listening = False
         try:
             self.listener = self._listen(cfg.socket_path)
+            listening = True
             # kept to give up when accept runs out of descriptors: the connection is
             # then accepted, told why and closed, instead of the error ending the server
             self._spare = os.open(os.devnull, os.O_RDONLY)
@@ -259,6 +275,10 @@ class Server:
         except BaseException:
             if self.metrics is not None:
                 self.metrics.close()
+            if listening:  # no socket file left for a client to connect to in vain
+                self.listener.close()
+                with contextlib.suppress(OSError):
+                    cfg.socket_path.unlink()
             if self._spare is not None:
                 os.close(self._spare)
             self.store.close(flush=False)  # releases the lock, removes the arena
@@ -605,6 +625,25 @@ def _part_sender(conn: socket.socket) -> PartSender:
             conn.sendall(frame)
 
     return send
+
+
+def _preflight(cfg: ServeConfig) -> None:
+    """The places a server makes, checked before it makes any (InvalidArgument naming
+    the one it cannot use): the store path is a folder or can be made one, the socket's
+    and the pid file's folders and the shared-memory folder exist. Otherwise the server
+    would fail after creating a store, or after listening, and leave them behind."""
+    if cfg.path.exists() and not cfg.path.is_dir():
+        raise InvalidArgument(f"store path {cfg.path} is not a directory")
+    places = [("socket", cfg.socket_path)]
+    if cfg.pid_file is not None:
+        places.append(("pid file", cfg.pid_file))
+    for what, path in places:
+        if path.parent != cfg.path and not path.parent.is_dir():  # the store's: made
+            raise InvalidArgument(f"{what} {path}: its directory {path.parent} does not exist")
+    if not cfg.shm_dir.is_dir():
+        raise InvalidArgument(
+            f"shared-memory directory {cfg.shm_dir} does not exist (or is not a directory)"
+        )
 
 
 def _kv_events(config: KVEventsConfig | None) -> KVEventPublisher | None:

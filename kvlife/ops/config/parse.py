@@ -42,7 +42,7 @@ from kvlife.tenancy.principals import TenancyConfig, parse_config
 from kvlife.tenancy.quotas import PUBLIC_TENANT, Shares
 from kvlife.tiers.options import TierOptionError, TierOptions, conforms, describe
 from kvlife.tiers.registry import tier_kind
-from kvlife.tiers.spec import TierSpec
+from kvlife.tiers.spec import TIER_NAME, TIER_NAME_RULE, TierSpec
 
 VOLATILE_KINDS = frozenset({"memory", "shm"})
 """Built-in kinds whose replicas are gone when the process ends; every other kind keeps
@@ -275,6 +275,8 @@ class _Reader:
             if isinstance(name, str):
                 if not name:
                     name = self.bad((*path, "name"), "must not be empty")
+                elif not TIER_NAME.fullmatch(name):
+                    name = self.bad((*path, "name"), f"{name!r:.80}: {TIER_NAME_RULE}")
                 elif name in seen:
                     name = self.bad((*path, "name"), f"tier {name!r} is named twice in the chain")
                 else:
