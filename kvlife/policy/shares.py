@@ -179,6 +179,10 @@ class TenantShares(EvictionPolicy[K], Generic[K, T]):
                 best, over = tenant, excess
         return best
 
+    @property
+    def members(self) -> Collection[object]:
+        return self._held
+
     def __contains__(self, key: object) -> bool:
         return key in self._held
 
