@@ -76,8 +76,9 @@ class Residency(Protocol):
         self, keys: Sequence[Hashable], tier: TierName, last: Collection[Hashable], reason: str
     ) -> None:
         """The replicas of ``keys`` in ``tier`` leave (an :class:`Evict` each); a key in
-        ``last`` (a subset of ``keys``) had no other replica: right after its eviction the
-        object is dropped (:class:`Drop` with ``reason``)."""
+        ``last`` (a subset of ``keys``, or ``keys`` itself when every key is dropped) had no
+        other replica: right after its eviction the object is dropped (:class:`Drop` with
+        ``reason``)."""
         ...
 
     def on_reject(self, key: Hashable, reason: str) -> None:
@@ -94,9 +95,11 @@ class UniformResidency(Residency, Protocol):
 
 class ExactResidency(Residency, Protocol):
     """A residency changed only by this engine's hooks (the simulator's), so every key a
-    tier's policy knows is held in that tier: placement then skips the check, victim by
-    victim, that the tier still holds what its policy gives up (the store's policies may
-    know a replica that failed or was lost)."""
+    tier's policy knows is held in that tier, and a tier holds exactly what its policy
+    knows: placement then skips the check, victim by victim, that the tier still holds
+    what its policy gives up (the store's policies may know a replica that failed or was
+    lost), and asks a one-tier chain's policy (its ``members``, a C call) whether a key is
+    held rather than the residency, which then needs no map of its own."""
 
     policies_exact: bool
 
@@ -155,6 +158,14 @@ class Placement:
         # chunk (a slot's policy is fixed for the engine's life).
         self._only = slots[0].policy if len(slots) == 1 else None
         """The policy of a one-tier chain (its batch calls serve the hot paths)."""
+        self._held: Callable[[Hashable], object] = residency.tiers_of
+        """Whether a key has a replica (truthy), for a one-tier chain's puts."""
+        self._exact_one = False
+        """One tier of one-size objects whose policy is exactly what it holds: a put
+        is :meth:`_put_exact_one`."""
+        if self._only is not None and self._exact:
+            self._held = self._only.members.__contains__
+            self._exact_one = bool(self.slots[0].unit)
         self._touch = {s.name: s.policy.touch for s in slots}
         self._insert = {s.name: s.policy.insert for s in slots}
         self._insert_classed = {
@@ -223,8 +234,52 @@ class Placement:
         copies). When every new object was placed, every chunk of the prompt is held
         (the present ones were protected), so the policies are told without asking
         where each chunk lives."""
+        if self._exact_one:
+            return self._put_exact_one(keys, new, classes)
         plan, placed = self.plan_put(keys, new)
         self._record(keys, placed, classes, all_held=len(placed) == len(new))
+        return plan, placed
+
+    def _put_exact_one(
+        self,
+        keys: Sequence[Hashable],
+        new: Sequence[Hashable],
+        classes: Sequence[int] | None,
+    ) -> tuple[Plan, dict[Hashable, TierName]]:
+        """:meth:`put_prompt` for one tier of one-size objects whose policy knows exactly
+        what the tier holds (the simulator's policy-only replay): the same decisions,
+        actions and policy calls as :meth:`plan_put`, :meth:`_free`, :meth:`_evict` and
+        :meth:`_record` take there, in one call (a victim the policy gives up is held;
+        every victim is dropped, ``last`` is the victims' list itself)."""
+        plan = Plan()
+        if not new:
+            self._record(keys, {}, classes, all_held=True)
+            return plan, {}
+        slot = self.slots[0]
+        tier = slot.name
+        unit: int = slot.unit  # type: ignore[assignment]  # set: _exact_one
+        need = len(new) * unit
+        short = slot.used + need - slot.capacity
+        res = self.res
+        if short > 0:
+            protected: Collection[Hashable] = set(keys)
+            if any(self.shielded):
+                protected = set(protected).union(*self.shielded)
+            want = -(-short // unit)
+            victims = self._only.evict_up_to(want, protected)  # type: ignore[union-attr]
+            if victims:
+                slot.used -= unit * len(victims)
+                res.on_evict(victims, tier, victims, "evicted")
+                plan.size += 2 * len(victims)
+            if len(victims) < want:  # no room for all at once: one by one, as plan_put
+                placed = self._place_each(plan, new, protected)
+                self._record(keys, placed, classes, all_held=len(placed) == len(new))
+                return plan, placed
+        slot.used += need
+        plan.size += len(new)
+        res.on_place(new, tier)
+        placed = dict.fromkeys(new, tier)
+        self._record(keys, placed, classes, all_held=True)
         return plan, placed
 
     def _record(
@@ -234,33 +289,37 @@ class Placement:
         classes: Sequence[int] | None,
         all_held: bool,
     ) -> None:
-        tiers_of = self.res.tiers_of
         touch, insert = self._touch, self._insert
         classed = self._insert_classed if classes is not None else None
         only = self._only
         if only is not None:
             # one tier: it holds every held key, and every placed key went there
+            held = self._held
             (name,) = self._touch
             touch1 = touch[name]
             put1 = classed.get(name) if classed else None
+            # (a key just placed is held, though an exact policy learns of it only here)
             if put1 is None:
-                only.record_in_order(keys if all_held else list(filter(tiers_of, keys)), new)
+                if not all_held:
+                    keys = [key for key in keys if key in new or held(key)]
+                only.record_in_order(keys, new)
                 return
             for pos, key in enumerate(keys):
-                if not all_held and not tiers_of(key):
+                if not all_held and key not in new and not held(key):
                     continue
                 if key in new:
                     put1(key, classes[pos])  # type: ignore[index]
                 else:
                     touch1(key)
             return
+        tiers_of = self.res.tiers_of
         home_of = new.get
         for pos, key in enumerate(keys):
-            held = tiers_of(key)
-            if not held:
+            holders = tiers_of(key)
+            if not holders:
                 continue
             home = home_of(key)
-            for tier in held:  # each policy sees only its own tier's calls: order-free
+            for tier in holders:  # each policy sees only its own tier's calls: order-free
                 if tier != home:
                     touch[tier](key)
                 elif classed and tier in classed:
@@ -319,17 +378,26 @@ class Placement:
                 self.res.on_place(new, first)
                 placed = dict.fromkeys(new, first)
             else:
-                for key in new:
-                    for slot in self.slots:
-                        if self._make_room(plan, slot.name, [key], protected):
-                            self._place(plan, key, slot.name)
-                            placed[key] = slot.name
-                            break
-                    else:
-                        plan.size += 1
-                        self.res.on_reject(key, "no room in any tier")
-                        plan.complete = False
+                placed = self._place_each(plan, new, protected)
         return plan, placed
+
+    def _place_each(
+        self, plan: Plan, new: Sequence[Hashable], protected: Collection[Hashable]
+    ) -> dict[Hashable, TierName]:
+        """Each new object to the first tier with room for it; those that fit nowhere
+        are rejected."""
+        placed: dict[Hashable, TierName] = {}
+        for key in new:
+            for slot in self.slots:
+                if self._make_room(plan, slot.name, [key], protected):
+                    self._place(plan, key, slot.name)
+                    placed[key] = slot.name
+                    break
+            else:
+                plan.size += 1
+                self.res.on_reject(key, "no room in any tier")
+                plan.complete = False
+        return placed
 
     def plan_copies(
         self,

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Collection, Container, Hashable, Sequence
-from itertools import islice, repeat
+from itertools import islice, pairwise, repeat
 from typing import TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -124,21 +124,47 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
             self._cls.pop(key, None)
             self._unlink(key)
 
-    def record_in_order(self, keys: Sequence[K], new: Container[K]) -> None:
+    def record_in_order(self, keys: Sequence[K], new: Collection[K]) -> None:
         order = self._order
         if self.admission is None and self.log is None:
             # the plain tree: link each new key to the chunk before it, then make the
             # prompt most recent from its last chunk to its first
-            link = self._link
-            prev: K | None = None
-            for key in keys:
-                if prev is not None and key not in order and key in new:
-                    link(key, prev)
-                prev = key
-            order.update(zip(keys, repeat(None)))
-            deque(map(order.move_to_end, reversed(keys)), maxlen=0)
+            head = len(keys) - len(new)
+            if (
+                head >= 0
+                and not any(map(new.__contains__, islice(keys, head)))
+                and not any(map(order.__contains__, islice(keys, head, None)))
+            ):
+                # the usual put: residents first, then its new keys (the last len(new)
+                # keys, each a non-resident once): link each to the key before it, add
+                # them from the last to the first, then move the residents likewise
+                parent_of, kids = self._parent, self._kids
+                for prev, key in pairwise(islice(keys, head - 1 if head else 0, None)):
+                    parent_of[key] = prev  # _link, written out
+                    siblings = kids.get(prev)
+                    if siblings is None:
+                        kids[prev] = {key}
+                    else:
+                        siblings.add(key)
+                order.update(zip(reversed(keys[head:]), repeat(None)))
+                deque(map(order.move_to_end, reversed(keys[:head])), maxlen=0)
+                return
+            self._record_plain(keys, new)
             return
         self._record_classed(keys, new)
+
+    def _record_plain(self, keys: Sequence[K], new: Container[K]) -> None:
+        """The plain tree's put, any keys: link each new key to the chunk before it,
+        then make the prompt most recent from its last chunk to its first."""
+        order = self._order
+        link = self._link
+        prev: K | None = None
+        for key in keys:
+            if prev is not None and key not in order and key in new:
+                link(key, prev)
+            prev = key
+        order.update(zip(keys, repeat(None)))
+        deque(map(order.move_to_end, reversed(keys)), maxlen=0)
 
     def _record_classed(self, keys: Sequence[K], new: Container[K]) -> None:
         order = self._order
@@ -212,6 +238,8 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
             raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
         victims: list[K] = []
         kids, parent_of, drop = self._kids, self._parent.get, self._drop
+        order, parents, depths = self._order, self._parent, self._depth
+        plain = not self._cls and type(self)._drop is PrefixTreePolicy._drop
         size = 0
         while len(victims) < n:
             if self._orphans:
@@ -230,7 +258,20 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                     passed.add(key)
                     continue
                 parent = parent_of(key)
-                drop(key)
+                if plain:
+                    # _drop(key) for a leaf of the plain tree, written out: no class,
+                    # no admission, no children to orphan
+                    del order[key]
+                    if parent is not None:
+                        del parents[key]
+                        siblings = kids[parent]
+                        siblings.discard(key)
+                        if not siblings:
+                            del kids[parent]
+                    if depths:
+                        depths.pop(key, None)
+                else:
+                    drop(key)
                 victims.append(key)
                 if len(victims) == n:
                     break
@@ -272,6 +313,10 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         self._unlink(key)
         if cls is not None and self.admission is not None:
             self.admission.on_evict(key, cls, len(self._order))
+
+    @property
+    def members(self) -> Collection[object]:
+        return self._order
 
     def __contains__(self, key: object) -> bool:
         return key in self._order

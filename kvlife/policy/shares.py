@@ -247,6 +247,10 @@ class TenantShares(EvictionPolicy[K], Generic[K, T]):
                 best, order = tenant, mine
         return best
 
+    @property
+    def members(self) -> Collection[object]:
+        return self._held
+
     def __contains__(self, key: object) -> bool:
         return key in self._held
 

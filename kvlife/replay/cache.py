@@ -29,6 +29,7 @@ Block capacity is counted in blocks (all blocks of a trace have one size).
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -180,7 +181,7 @@ class CacheSim:
         tcs = [res.tc[name] for name in names]
         emit = self._emit if self.sink is not None else None
         nb = self.block_bytes
-        blocks = trace.blocks.tolist()
+        blocks = block_ids(trace)
         offs = trace.offsets.tolist()
         times = trace.timestamps.tolist()
         cats = trace.categories.tolist()
@@ -188,7 +189,8 @@ class CacheSim:
         tnames = trace.tenant_names
         where = res.where
         where_get = where.get
-        held_at = where.__contains__  # one tier: held anywhere is held there
+        # one tier: held anywhere is held there, as its policy knows (no map beside it)
+        held_at = slots[0].policy.members.__contains__
         serving = res.serving.__getitem__  # a block's tier set (None: absent) -> serving tier
         hinted = self.class_hints and any(
             isinstance(p, SupportsClassHints) for p in self.policies.values()
@@ -289,8 +291,34 @@ class CacheSim:
             demoted=arr(res.dm),
             tiers=res.tc,
             lifespans=tracked.lifespans if tracked is not None else {},
-            resident_at_end=len(where),
+            resident_at_end=len(slots[0].policy) if one else len(where),
         )
+
+
+_BLOCK_IDS: dict[int, tuple[weakref.ref[NDArray[np.int64]], list[int]]] = {}
+
+
+def block_ids(trace: Trace) -> list[int]:
+    """The trace's block ids as a list with one int object per distinct id.
+
+    Equal ids are the same object, so the policies' and the engine's dict lookups
+    match a key by identity (no value comparison), and the list is made once per trace
+    (kept while its ``blocks`` array lives) rather than once per replay. Do not change
+    the list: every replay of the trace reads it."""
+    arr = trace.blocks
+    key = id(arr)
+    got = _BLOCK_IDS.get(key)
+    if got is not None and got[0]() is arr:
+        return got[1]
+    values = arr.tolist()
+    first: dict[int, int] = {}
+    ids = list(map(first.setdefault, values, values))
+
+    def forget(_: object, key: int = key) -> None:
+        _BLOCK_IDS.pop(key, None)
+
+    _BLOCK_IDS[key] = (weakref.ref(arr, forget), ids)
+    return ids
 
 
 class _Where(dict[Hashable, frozenset[TierName]]):
@@ -308,9 +336,12 @@ class _SimResidency:
     """Where blocks live in the simulation, and the counting executor of placement's
     actions (the simulator's side of "one placement engine, two executors").
 
-    Tier sets are interned (one frozenset object per combination of tiers), so moving a
-    replica is two dictionary lookups and the serving tier of a set is precomputed.
-    This class counts only; :class:`_TrackedResidency` adds lifespans and events."""
+    With several tiers a map from block to tier set is kept; tier sets are interned (one
+    frozenset object per combination of tiers), so moving a replica is two dictionary
+    lookups and the serving tier of a set is precomputed. With one tier its policy is the
+    residency (it knows exactly what the tier holds, :class:`~kvlife.placement.engine.
+    ExactResidency`) and no map is kept. This class counts only;
+    :class:`_TrackedResidency` adds lifespans and events."""
 
     tiers_of: Callable[[Hashable], Collection[TierName]]
 
@@ -328,7 +359,13 @@ class _SimResidency:
         """The fastest tier of each non-empty set (as Placement.fastest); None: absent."""
         self.serving[None] = None
         self.where = _Where()
+        """Block -> its tiers (several tiers only; it stays empty with one)."""
         self.tiers_of = self.where.__getitem__
+        self.multi = len(names) > 1
+        if not self.multi:
+            members = sim.policies[names[0]].members
+            held = self.one[names[0]]
+            self.tiers_of = lambda key: held if key in members else NOWHERE
         self.tc: dict[str, TierCounters] = {t: TierCounters() for t in names}
         self.pm = [0] * n
         self.dm = [0] * n
@@ -343,7 +380,8 @@ class _SimResidency:
         return 1
 
     def on_place(self, keys: Sequence[Hashable], tier: TierName) -> None:
-        self.where.update(zip(keys, repeat(self.one[tier])))
+        if self.multi:
+            self.where.update(zip(keys, repeat(self.one[tier])))
         self.tc[tier].inserts += len(keys)
 
     def on_copy(self, key: Hashable, src: TierName, dst: TierName, reason: str) -> None:
@@ -360,7 +398,9 @@ class _SimResidency:
         self, keys: Sequence[Hashable], tier: TierName, last: Collection[Hashable], reason: str
     ) -> None:
         where = self.where
-        if len(last) == len(keys):  # last is a subset of keys: every key leaves (C loop)
+        if not self.multi:  # one tier: every key leaves, and nothing is mapped
+            pass
+        elif len(last) == len(keys):  # last is a subset of keys: every key leaves (C loop)
             deque(map(where.pop, keys), maxlen=0)
         else:
             minus = self.minus[tier]
@@ -415,10 +455,11 @@ class _TrackedResidency(_SimResidency):
     ) -> None:
         super().on_evict(keys, tier, last, reason)
         t, emit, nb = self.t, self.emit, self.nb
+        every = len(last) == len(keys)  # last is keys or a subset of them
         for key in keys:
             if emit is not None:
                 emit(t, "evict", key, "indexed", tier=tier, nbytes=nb, reason="capacity")
-            if key in last:
+            if every or key in last:
                 if emit is not None:
                     ns, rid = self.ns, self.rid
                     emit(t, "invalidate", key, "invalidated", reason=reason, ns=ns, rid=rid)

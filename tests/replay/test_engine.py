@@ -108,5 +108,6 @@ def test_cli_sweep_and_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     b = json.loads(bench.read_text())
     assert b["decisions"] == "kvlife.placement"  # the figures are the placement engine's
     assert b["policy_only"]["lru"]["block_touches_per_s"] > 0
+    assert b["policy_only"]["lru"]["block_touches_per_cpu_s"] > 0
     assert b["full"]["lru"]["block_touches_per_s"] > 0
     assert "touches/s" in capsys.readouterr().out
