@@ -358,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "experiment",
         help="experiments: `kvlife experiment identity|lifetime-hints|transforms|"
-        "crossover|object-size|sharing-scope|isolation --help`",
+        "crossover|object-size|sharing-scope|isolation|faults --help`",
         add_help=False,
     )
     return parser
@@ -385,6 +385,7 @@ EXPERIMENTS = {
     "object-size": "kvlife.experiments.object_size",
     "sharing-scope": "kvlife.experiments.sharing_scope",
     "isolation": "kvlife.experiments.isolation",
+    "faults": "kvlife.experiments.faults",
 }
 
 

@@ -28,7 +28,9 @@ from kvlife.core.errors import KVLifeError
 from kvlife.core.events import EventSink, LifecycleEvent
 from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import Move
+from kvlife.faults import damage
 from kvlife.faults.campaign import oracle
+from kvlife.faults.campaign.payload import payload
 from kvlife.faults.campaign.seams import CampaignIO
 from kvlife.faults.campaign.tally import KindTally
 from kvlife.faults.campaign.workload import (
@@ -38,7 +40,6 @@ from kvlife.faults.campaign.workload import (
     Prompt,
     identity,
     make_prompt,
-    payload,
 )
 from kvlife.faults.damage import catalog_file
 from kvlife.store import KVStore
@@ -401,3 +402,51 @@ def stale_catalog_round(root: Path, seed: int, t: KindTally) -> None:
     store.close()
     shutil.rmtree(path, ignore_errors=True)
     shutil.rmtree(snap, ignore_errors=True)
+
+
+DAMAGE_KINDS = ("file-truncated", "file-bitflip", "restart")
+"""On-disk damage to a closed store (the kinds LMCache's disk backend meets too)."""
+
+
+def damage_round(root: Path, seed: int, kind: str, t: KindTally) -> None:
+    """Put prompts, close the store, damage one frame's file (truncate the segment in
+    the middle of the frame, or flip a byte of its payload; ``restart``: nothing), reopen
+    and load everything: the damaged chunk is a miss (detected), the rest right."""
+    rng = random.Random(seed)
+    path = root / f"damage-{seed}"
+    prompts = [make_prompt(seed, i, shared_prefix=False) for i in range(3)]
+    store = open_store(path, None, DropSink(), 8 * MiB)
+    for p in prompts:
+        store.put_prompt(identity(), p.namespace, p.tokens, p.kv())
+    store.close()
+    frames = damage.scan_frames(path)
+    victim = frames[rng.randrange(len(frames))]
+    if kind == "file-truncated":
+        # cut the segment inside the victim's payload (and so every frame after it)
+        damage.truncate(victim.segment, victim.payload_offset + victim.payload_len // 2)
+    elif kind == "file-bitflip":
+        damage.flip(victim.segment, victim.payload_offset + rng.randrange(victim.payload_len), 1)
+    t.injections += 1
+    started = time.perf_counter()
+    sink = DropSink()
+    store = open_store(path, None, sink, 8 * MiB)
+    t.recovery_s.append(time.perf_counter() - started)
+    dropped = store.counters.recovery_dropped
+    lost = 0
+    for p in prompts:
+        for i in range(len(p.keys)):
+            tokens, start, parent = p.chunk(i)
+            found = store.lookup(identity(), p.namespace, tokens, start=start, parent=parent)
+            res = store.load(found)
+            t.served(oracle.check([p.keys[i]], res.arrays))
+            if not res.arrays:
+                lost += 1
+                if p.keys[i] not in sink.dropped and not res.corrupt and not dropped:
+                    t.acked_lost += 1
+                    t.note(f"{kind}: chunk missing with nothing reported")
+    if kind != "restart" and (lost or dropped):
+        t.detections += 1
+    t.lost_explained += lost
+    t.recomputed += lost
+    store.close()
+    shutil.rmtree(path, ignore_errors=True)

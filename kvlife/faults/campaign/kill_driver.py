@@ -139,11 +139,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", type=Path, required=True, help="a private scratch directory")
     ap.add_argument("--kills", type=int, required=True, help="SIGKILLs to land")
     ap.add_argument("--seed", type=int, default=0, help="campaign seed")
-    ap.add_argument("--rounds-per-dir", type=int, default=20, help="rounds per store directory")
+    ap.add_argument(
+        "--rounds-per-dir",
+        type=int,
+        default=0,
+        help="rounds per store directory (0: enough directories for every shape, at most 20)",
+    )
+    ap.add_argument("--serve-kills", type=int, default=0, help="kvlife serve clients to kill")
+    ap.add_argument("--server-kills", type=int, default=0, help="kvlife serve servers to kill")
     ap.add_argument("--json", type=Path, required=True, help="write the tallies here")
     args = ap.parse_args(argv)
-    tallies = run(args.root, args.kills, args.seed, args.rounds_per_dir)
-    args.json.write_text(json.dumps([t.to_json() | {"recovery": t.recovery_s} for t in tallies]))
+    per_dir = args.rounds_per_dir or min(20, max(3, args.kills // (2 * len(STEPS))))
+    tallies = run(args.root, args.kills, args.seed, per_dir) if args.kills else []
+    if args.serve_kills or args.server_kills:
+        from kvlife.faults.campaign import served
+
+        tallies += served.run(args.root / "serve", args.seed, args.serve_kills, args.server_kills)
+    doc = {"tallies": [t.to_json() | {"recovery": t.recovery_s} for t in tallies], "skipped": []}
+    args.json.write_text(json.dumps(doc))
     return 0
 
 

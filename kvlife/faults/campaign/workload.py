@@ -23,9 +23,12 @@ from kvlife.core.identity import (
     NamespaceKind,
     prompt_chunk_keys,
 )
+from kvlife.faults.campaign.payload import CHUNK_SHAPE, payload
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens_per_chunk=16)
-"""2 KiB of KV per chunk."""
+"""2 KiB of KV per chunk (:data:`~kvlife.faults.campaign.payload.CHUNK_SHAPE`)."""
+if LAYOUT.chunk_shape != CHUNK_SHAPE:  # payload.py computes bytes without kvlife's types
+    raise RuntimeError(f"campaign layout {LAYOUT.chunk_shape} != payload shape {CHUNK_SHAPE}")
 
 WEIGHTS_V1 = "a1" * 16
 WEIGHTS_V2 = "b2" * 16
@@ -50,12 +53,6 @@ def identity(weights_digest: str = WEIGHTS_V1) -> ModelIdentity:
         tokenizer_digest="1e" * 16,
         layout=LAYOUT,
     )
-
-
-def payload(key: bytes) -> np.ndarray:
-    """The KV of a chunk: random float16 bit patterns seeded by its key (the oracle)."""
-    rng = np.random.default_rng(int.from_bytes(bytes(key)[:16], "little"))
-    return rng.integers(0, 1 << 16, size=LAYOUT.chunk_shape, dtype=np.uint16).view(np.float16)
 
 
 @dataclass(frozen=True, slots=True)
