@@ -82,9 +82,9 @@ def open_shape(shape: str, path: Path, io: FileIO | None, sink: EventSink | None
             fileio=io,
         )
     if shape == "compaction":
-        # ~48 frames of 8 KiB in 8-frame segments; the live set is at most ~30 frames
+        # 32 frames of 8 KiB in 8-frame segments; the live set is at most 18 frames
         return KVStore.open(
-            path, dram_bytes=0, disk_bytes=384 * KiB, segment_bytes=64 * KiB, sink=sink, fileio=io
+            path, dram_bytes=0, disk_bytes=256 * KiB, segment_bytes=64 * KiB, sink=sink, fileio=io
         )
     raise ValueError(f"unknown kill shape {shape!r}")
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -35,7 +37,9 @@ class Server:
 
     def __init__(self, root: Path) -> None:
         self.path = root / "store"
-        self.socket = root / "serve.sock"
+        # a Unix socket path holds at most 107 bytes: a short directory of its own
+        self.sockdir = Path(tempfile.mkdtemp(prefix="kvf-"))
+        self.socket = self.sockdir / "serve.sock"
         self.pid_file = root / "serve.pid"
         self.log = root / "serve.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -71,6 +75,7 @@ class Server:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.kill()
+        shutil.rmtree(self.sockdir, ignore_errors=True)
 
 
 def _remote(sock: Path) -> object:
