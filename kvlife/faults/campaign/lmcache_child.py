@@ -57,9 +57,10 @@ def _load(peer: Any, key: Any) -> bytes | None:
 
 def run(d: Path, n: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
-    tallies: dict[str, dict[str, Any]] = {k: {"kind": k, "injections": 0, "detections": 0, "served_chunks": 0,
-                   "wrong_chunks": 0, "wrong_bytes": 0, "acked_lost": 0, "recovery": []}
-               for k in KINDS}  # fmt: skip
+    fields = ("injections", "detections", "served_chunks", "wrong_chunks", "wrong_bytes")
+    tallies: dict[str, dict[str, Any]] = {
+        k: {"kind": k, **dict.fromkeys(fields, 0), "acked_lost": 0, "recovery": []} for k in KINDS
+    }
     peer = _peer(d)
     counter = 0
     try:
