@@ -58,7 +58,7 @@ def _env() -> dict[str, str]:
 def test_short_campaign_runs_with_zero_wrong_bytes_for_kvlife(tmp_path: Path) -> None:
     out, report = tmp_path / "f.json", tmp_path / "f.html"
     cmd = [sys.executable, "-m", "kvlife.cli", "experiment", "faults", "--json", str(out)]
-    cmd += ["--report", str(report), "--parts", "embedded,kills,serve", "--seed", "3"]
+    cmd += ["--report", str(report), "--parts", "embedded,kills,serve,redis", "--seed", "3"]
     cmd += ["--workdir", str(tmp_path)]
     subprocess.run(cmd, check=True, cwd=ROOT, env=_env(), timeout=300)
     doc = json.loads(out.read_text())
@@ -75,6 +75,8 @@ def test_short_campaign_runs_with_zero_wrong_bytes_for_kvlife(tmp_path: Path) ->
         assert kinds[name]["detections"] == kinds[name]["injections"] > 0, name
     assert kinds["worker-restart"]["sigkills"] > 0 and kinds["server-sigkill"]["sigkills"] > 0
     assert any(k.startswith("sigkill-commit:") for k in kinds)
+    for name in ("remote-timeout", "remote-partition", "fenced-publish"):
+        assert kinds[name]["detections"] == kinds[name]["injections"] > 0, name
     html = report.read_text()
     assert "data:image/png;base64," in html and "<table>" in html
     assert not list(tmp_path.glob("kvlife-faults-*")), "the scratch directory is removed"

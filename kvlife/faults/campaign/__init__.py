@@ -15,7 +15,11 @@ against :mod:`.oracle`. The pieces:
   protocol, of demotion and of compaction (:mod:`.kill_driver` runs them in a process
   of their own, which only forks);
 - :mod:`.served`: ``kvlife serve`` with client processes killed, and the server killed;
-- :mod:`.lmcache`: the same oracle against LMCache's local-disk backend;
+- :mod:`.remote`: Redis as a shared tier behind the loopback fault proxy (time-outs,
+  partitions) and a host fenced while it publishes;
+- :mod:`.lmcache` (and :mod:`.lmcache_child`, run in LMCache's environment): the same
+  oracle against LMCache's local-disk backend;
+- :mod:`.payload`: the payload of a key, with only numpy imported;
 - :mod:`.html`: the HTML report (a table per kind, a PNG plot);
 - :mod:`.runner`: the campaign's configuration and its run.
 """

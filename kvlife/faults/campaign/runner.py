@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlife.faults.campaign import lmcache
+from kvlife.faults.campaign import lmcache, remote
 from kvlife.faults.campaign.embedded import (
     DAMAGE_KINDS,
     EmbeddedRig,
@@ -31,7 +31,7 @@ from kvlife.faults.campaign.embedded import (
 )
 from kvlife.faults.campaign.tally import Campaign, KindTally
 
-PARTS = ("embedded", "kills", "serve", "lmcache")
+PARTS = ("embedded", "kills", "serve", "redis", "lmcache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +52,8 @@ class Budget:
     """Client processes of ``kvlife serve`` SIGKILLed."""
     server_kills: int
     """``kvlife serve`` SIGKILLed and restarted."""
+    remote: int
+    """Injections per remote kind (time-out, partition, fenced publish) on Redis."""
     lmcache: int
     """Injections per LMCache fault kind."""
     probe: int = 3
@@ -59,7 +61,15 @@ class Budget:
 
 
 SHORT = Budget(
-    per_kind=12, slow=4, stale=2, damage=2, kills=24, serve_kills=4, server_kills=1, lmcache=3
+    per_kind=12,
+    slow=4,
+    stale=2,
+    damage=2,
+    kills=24,
+    serve_kills=4,
+    server_kills=1,
+    remote=3,
+    lmcache=3,
 )
 FULL = Budget(
     per_kind=1000,
@@ -69,6 +79,7 @@ FULL = Budget(
     kills=1000,
     serve_kills=150,
     server_kills=20,
+    remote=150,
     lmcache=120,
 )
 
@@ -153,6 +164,8 @@ def run(root: Path, seed: int, full: bool, parts: tuple[str, ...] = PARTS) -> Ca
         run_forked(root, seed, b, parts, campaign)
     if "embedded" in parts:
         run_embedded(root, seed, b, campaign)
+    if "redis" in parts:
+        remote.run(root / "redis", seed, b.remote, campaign)
     if "lmcache" in parts:
         lmcache.run(root / "lmcache", seed, b.lmcache, campaign)
     return campaign

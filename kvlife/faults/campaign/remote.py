@@ -1,0 +1,156 @@
+"""Redis as a shared remote tier behind the loopback fault proxy: time-outs, partitions,
+and a host fenced while it publishes.
+
+Host ``a`` stores through a :class:`~kvlife.faults.proxy.FaultProxy` in front of a real
+``redis-server``; host ``b`` reads the same index directly. Each injection:
+
+- ``remote-timeout``: the proxy delays every byte past the tier's socket time-out while
+  ``a`` puts and loads; ``remote-partition``: the proxy swallows every byte. Calls fail
+  typed or miss; nothing served is wrong; after the fault is lifted the time until
+  ``a`` stores and serves again is its recovery time.
+- ``fenced-publish``: ``a`` prepares a put, an admin revokes ``a``'s lease (a fenced,
+  stale host), ``a`` commits: the publish must be refused and nothing of it visible to
+  ``b``; once the ban ends ``a`` takes a new lease and publishes again.
+
+Every chunk either host serves is checked against the oracle; every prompt ``a``
+acknowledged must be served to ``b`` bit-exact (the shared tier is durable).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+from kvlife.core.errors import KVLifeError
+from kvlife.faults.campaign import oracle
+from kvlife.faults.campaign.tally import Campaign, KindTally
+from kvlife.faults.campaign.workload import Prompt, identity, make_prompt
+from kvlife.faults.proxy import Fault, FaultProxy
+from kvlife.store import KVStore, TierSpec
+
+if TYPE_CHECKING:
+    pass
+
+MiB = 1 << 20
+TIMEOUT_S = 0.2
+BAN_MS = 300
+
+
+def _store(path: Path, url: str, ns: str, host: str) -> KVStore:
+    spec = TierSpec(
+        "redis",
+        "shared",
+        256 * MiB,
+        options=(
+            ("url", url),
+            ("index_namespace", ns),
+            ("host", host),
+            ("socket_timeout_s", TIMEOUT_S),
+            ("lease_ttl_ms", 5_000),
+        ),
+    )
+    return KVStore.open(path, tiers=(spec,))
+
+
+def _served(store: KVStore, p: Prompt, t: KindTally) -> int:
+    """Load ``p`` from ``store``, check it; the chunks served (0 on a typed failure)."""
+    try:
+        res = store.get(identity(), p.namespace, p.tokens)
+    except KVLifeError:
+        t.typed_errors += 1
+        return 0
+    t.served(oracle.check(p.keys, res.arrays))
+    return res.loaded
+
+
+def _put(store: KVStore, p: Prompt) -> bool:
+    try:
+        store.put_prompt(identity(), p.namespace, p.tokens, p.kv())
+        return True
+    except KVLifeError:
+        return False
+
+
+def _until_back(store: KVStore, p: Prompt, t: KindTally, limit_s: float = 20.0) -> float:
+    """Seconds until ``store`` stores and serves ``p`` again."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < limit_s:
+        if _put(store, p) and _served(store, p, t) == len(p.keys):
+            return time.perf_counter() - started
+        time.sleep(0.02)
+    t.note("did not come back within the limit")
+    return time.perf_counter() - started
+
+
+def run(root: Path, seed: int, n: int, campaign: Campaign) -> None:
+    """``n`` injections of each remote kind against a real redis-server."""
+    if shutil.which("redis-server") is None:
+        campaign.skipped.append("redis: redis-server is not installed")
+        return
+    from kvlife.tiers.redis import RedisTier
+    from kvlife.tiers.redis.server import RedisServer
+
+    root.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    server = RedisServer(root).start()
+    ns = "f" + uuid.uuid4().hex[:10]
+    acked: list[Prompt] = []
+    number = 10_000
+    try:
+        with FaultProxy(("127.0.0.1", server.port)) as proxy:
+            a = _store(root / "a", f"redis://127.0.0.1:{proxy.port}/0", ns, "a")
+            b = _store(root / "b", server.url, ns, "b")
+            admin = _store(root / "admin", server.url, ns, "admin")
+            try:
+                kinds = ["remote-timeout", "remote-partition", "fenced-publish"] * n
+                rng.shuffle(kinds)
+                for kind in kinds:
+                    t = campaign.tally(kind, "redis")
+                    number += 1
+                    p = make_prompt(seed, number, shared_prefix=False)
+                    if kind == "fenced-publish":
+                        pending = a.prepare_put(identity(), p.namespace, p.tokens, p.kv())
+                        cast(RedisTier, admin.tier("shared")).index.revoke("a", ban_ms=BAN_MS)
+                        t.injections += 1
+                        try:
+                            res = a.commit_put(pending)
+                            refused = res.stored == 0
+                        except KVLifeError:
+                            refused = True
+                            t.typed_errors += 1
+                        t.detections += int(refused)
+                        if _served(b, p, t):
+                            t.stale_served += 1
+                            t.note("a fenced host's publish became visible")
+                        time.sleep(BAN_MS / 1000)
+                    else:
+                        proxy.set(
+                            Fault.delay(TIMEOUT_S * 5)
+                            if kind == "remote-timeout"
+                            else Fault.partition()
+                        )
+                        t.injections += 1
+                        ok = _put(a, p)
+                        _served(a, p, t)
+                        if not ok:
+                            t.detections += 1
+                            t.typed_errors += 1
+                        proxy.set(Fault.none())
+                    nxt = make_prompt(seed, number + 500_000, shared_prefix=False)
+                    t.recovery_s.append(_until_back(a, nxt, t))
+                    acked.append(nxt)
+                    # the shared tier is durable: what a acknowledged, b serves
+                    for q in rng.sample(acked, min(3, len(acked))):
+                        got = _served(b, q, t)
+                        if got < len(q.keys):
+                            t.acked_lost += len(q.keys) - got
+                            t.note("an acknowledged put is missing from the shared tier")
+            finally:
+                for s in (a, b, admin):
+                    s.close()
+    finally:
+        server.stop()
