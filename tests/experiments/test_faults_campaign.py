@@ -149,6 +149,25 @@ def test_sigkill_rounds_count_acknowledged_data_a_store_lost(tmp_path: Path) -> 
 
 
 @pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="Mooncake runs in a private network namespace: root and unshare",
+)
+def test_remote_kinds_on_mooncake(tmp_path: Path) -> None:
+    out = tmp_path / "f.json"
+    cmd = [sys.executable, "-m", "kvlife.cli", "experiment", "faults", "--json", str(out)]
+    cmd += ["--parts", "mooncake", "--workdir", str(tmp_path)]
+    subprocess.run(cmd, check=True, cwd=ROOT, env=_env(), timeout=300)
+    doc = json.loads(out.read_text())
+    assert not doc["skipped"], doc["skipped"]
+    kinds = {k["kind"]: k for k in doc["kinds"]}
+    assert set(kinds) == {"remote-timeout", "remote-partition", "fenced-publish"}
+    for k in kinds.values():
+        assert k["deployment"] == "mooncake" and k["detections"] == k["injections"] > 0
+        assert k["wrong_bytes"] == k["stale_served"] == k["acked_lost"] == 0
+        assert k["served_chunks"] > 0
+
+
+@pytest.mark.skipif(
     not Path(os.environ.get("KVLIFE_LMCACHE_PYTHON", "/nonexistent")).exists(),
     reason="LMCache's interpreter (KVLIFE_LMCACHE_PYTHON) is not installed here",
 )

@@ -22,8 +22,9 @@ import random
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 from kvlife.core.errors import KVLifeError
 from kvlife.faults.campaign import oracle
@@ -31,29 +32,42 @@ from kvlife.faults.campaign.tally import Campaign, KindTally
 from kvlife.faults.campaign.workload import Prompt, identity, make_prompt
 from kvlife.faults.proxy import Fault, FaultProxy
 from kvlife.store import KVStore, TierSpec
-
-if TYPE_CHECKING:
-    pass
+from kvlife.tiers.redis import RedisTier
+from kvlife.tiers.redis.server import RedisServer
 
 MiB = 1 << 20
 TIMEOUT_S = 0.2
 BAN_MS = 300
 
 
-def _store(path: Path, url: str, ns: str, host: str) -> KVStore:
-    spec = TierSpec(
-        "redis",
-        "shared",
-        256 * MiB,
-        options=(
-            ("url", url),
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """Where the shared tier lives: Redis alone, or a Mooncake master with its index on
+    Redis (the proxy then stands in front of the index, where leases and publishes go)."""
+
+    kind: str
+    master: str = ""
+    metadata: str = ""
+
+    def store(self, path: Path, url: str, ns: str, host: str) -> KVStore:
+        common = (
             ("index_namespace", ns),
             ("host", host),
             ("socket_timeout_s", TIMEOUT_S),
             ("lease_ttl_ms", 5_000),
-        ),
-    )
-    return KVStore.open(path, tiers=(spec,))
+        )
+        if self.kind == "redis":
+            opts: tuple[tuple[str, object], ...] = (("url", url), *common)
+        else:
+            opts = (
+                ("master", self.master),
+                ("metadata", self.metadata),
+                ("index", url),
+                ("segment_bytes", 64 * MiB),
+                *common,
+            )
+        spec = TierSpec(self.kind, "shared", 256 * MiB, options=opts)
+        return KVStore.open(path, tiers=(spec,))
 
 
 def _served(store: KVStore, p: Prompt, t: KindTally) -> int:
@@ -86,71 +100,138 @@ def _until_back(store: KVStore, p: Prompt, t: KindTally, limit_s: float = 20.0) 
     return time.perf_counter() - started
 
 
-def run(root: Path, seed: int, n: int, campaign: Campaign) -> None:
-    """``n`` injections of each remote kind against a real redis-server."""
+def run(root: Path, seed: int, n: int, campaign: Campaign, backend: str = "redis") -> None:
+    """``n`` injections of each remote kind against a real redis-server (and, for
+    ``mooncake``, a real Mooncake master: only inside a private network namespace)."""
     if shutil.which("redis-server") is None:
         campaign.skipped.append("redis: redis-server is not installed")
         return
-    from kvlife.tiers.redis import RedisTier
-    from kvlife.tiers.redis.server import RedisServer
-
     root.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
     server = RedisServer(root).start()
+    master = None
+    try:
+        if backend == "mooncake":
+            from kvlife.tiers.mooncake.server import MooncakeMaster
+
+            master = MooncakeMaster(root).start()
+            b = Backend("mooncake", master.master, master.metadata)
+        else:
+            b = Backend("redis")
+        _campaign(root, seed, n, campaign, server, b)
+    finally:
+        if master is not None:
+            master.stop()
+        server.stop()
+
+
+def _campaign(
+    root: Path, seed: int, n: int, campaign: Campaign, server: RedisServer, backend: Backend
+) -> None:
+    rng = random.Random(seed)
+    dep = backend.kind
     ns = "f" + uuid.uuid4().hex[:10]
     acked: list[Prompt] = []
     number = 10_000
-    try:
-        with FaultProxy(("127.0.0.1", server.port)) as proxy:
-            a = _store(root / "a", f"redis://127.0.0.1:{proxy.port}/0", ns, "a")
-            b = _store(root / "b", server.url, ns, "b")
-            admin = _store(root / "admin", server.url, ns, "admin")
-            try:
-                kinds = ["remote-timeout", "remote-partition", "fenced-publish"] * n
-                rng.shuffle(kinds)
-                for kind in kinds:
-                    t = campaign.tally(kind, "redis")
-                    number += 1
-                    p = make_prompt(seed, number, shared_prefix=False)
-                    if kind == "fenced-publish":
-                        pending = a.prepare_put(identity(), p.namespace, p.tokens, p.kv())
-                        cast(RedisTier, admin.tier("shared")).index.revoke("a", ban_ms=BAN_MS)
-                        t.injections += 1
-                        try:
-                            res = a.commit_put(pending)
-                            refused = res.stored == 0
-                        except KVLifeError:
-                            refused = True
-                            t.typed_errors += 1
-                        t.detections += int(refused)
-                        if _served(b, p, t):
-                            t.stale_served += 1
-                            t.note("a fenced host's publish became visible")
-                        time.sleep(BAN_MS / 1000)
-                    else:
-                        proxy.set(
-                            Fault.delay(TIMEOUT_S * 5)
-                            if kind == "remote-timeout"
-                            else Fault.partition()
-                        )
-                        t.injections += 1
-                        ok = _put(a, p)
-                        _served(a, p, t)
-                        if not ok:
-                            t.detections += 1
-                            t.typed_errors += 1
-                        proxy.set(Fault.none())
-                    nxt = make_prompt(seed, number + 500_000, shared_prefix=False)
-                    t.recovery_s.append(_until_back(a, nxt, t))
-                    acked.append(nxt)
-                    # the shared tier is durable: what a acknowledged, b serves
-                    for q in rng.sample(acked, min(3, len(acked))):
-                        got = _served(b, q, t)
-                        if got < len(q.keys):
-                            t.acked_lost += len(q.keys) - got
-                            t.note("an acknowledged put is missing from the shared tier")
-            finally:
-                for s in (a, b, admin):
-                    s.close()
-    finally:
-        server.stop()
+    with FaultProxy(("127.0.0.1", server.port)) as proxy:
+        a = backend.store(root / "a", f"redis://127.0.0.1:{proxy.port}/0", ns, "a")
+        b = backend.store(root / "b", server.url, ns, "b")
+        admin = backend.store(root / "admin", server.url, ns, "admin")
+        try:
+            kinds = ["remote-timeout", "remote-partition", "fenced-publish"] * n
+            rng.shuffle(kinds)
+            for kind in kinds:
+                t = campaign.tally(kind, dep)
+                number += 1
+                p = make_prompt(seed, number, shared_prefix=False)
+                if kind == "fenced-publish":
+                    pending = a.prepare_put(identity(), p.namespace, p.tokens, p.kv())
+                    # both shared kinds keep their leases in the same global index
+                    index = cast(RedisTier, admin.tier("shared")).index
+                    index.revoke("a", ban_ms=BAN_MS)
+                    t.injections += 1
+                    try:
+                        res = a.commit_put(pending)
+                        refused = res.stored == 0
+                    except KVLifeError:
+                        refused = True
+                        t.typed_errors += 1
+                    t.detections += int(refused)
+                    if _served(b, p, t):
+                        t.stale_served += 1
+                        t.note("a fenced host's publish became visible")
+                    time.sleep(BAN_MS / 1000)
+                else:
+                    proxy.set(
+                        Fault.delay(TIMEOUT_S * 5)
+                        if kind == "remote-timeout"
+                        else Fault.partition()
+                    )
+                    t.injections += 1
+                    ok = _put(a, p)
+                    _served(a, p, t)
+                    if not ok:
+                        t.detections += 1
+                        t.typed_errors += 1
+                    proxy.set(Fault.none())
+                nxt = make_prompt(seed, number + 500_000, shared_prefix=False)
+                t.recovery_s.append(_until_back(a, nxt, t))
+                acked.append(nxt)
+                # the shared tier is durable: what a acknowledged, b serves
+                for q in rng.sample(acked, min(3, len(acked))):
+                    got = _served(b, q, t)
+                    if got < len(q.keys):
+                        t.acked_lost += len(q.keys) - got
+                        t.note("an acknowledged put is missing from the shared tier")
+        finally:
+            for s in (a, b, admin):
+                s.close()
+
+
+def run_mooncake(root: Path, seed: int, n: int, campaign: Campaign) -> None:
+    """The remote kinds against Mooncake, in a private network namespace (Mooncake binds
+    every interface): this module run there as a child, its tallies read back."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from kvlife.faults.campaign.tally import KindTally
+    from kvlife.tiers.mooncake.server import netns_command
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        campaign.skipped.append("mooncake: a private network namespace needs root and unshare")
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    out = root / "mooncake.json"
+    cmd = [sys.executable, "-m", "kvlife.faults.campaign.remote", str(root), str(seed), str(n)]
+    proc = subprocess.run(
+        netns_command([*cmd, str(out)]), capture_output=True, text=True, timeout=3600
+    )
+    if proc.returncode != 0 or not out.exists():
+        campaign.skipped.append(f"mooncake: the namespace child failed: {proc.stderr[-400:]}")
+        return
+    for d in json.loads(out.read_text()):
+        t = KindTally(d["kind"], d["deployment"], d["system"])
+        for k, v in d.items():
+            if k not in ("kind", "deployment", "system", "recovery_s", "recovery"):
+                setattr(t, k, v)
+        t.recovery_s = list(d["recovery"])
+        campaign.add(t)
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m kvlife.faults.campaign.remote ROOT SEED N OUT`` (inside the namespace)."""
+    import json
+
+    root, seed, n, out = Path(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
+    campaign = Campaign(seed, False)
+    run(root / "inside", seed, n, campaign, backend="mooncake")
+    tallies = [t.to_json() | {"recovery": t.recovery_s} for t in campaign.tallies.values()]
+    out.write_text(json.dumps(tallies))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(_main(sys.argv[1:]))

@@ -31,7 +31,7 @@ from kvlife.faults.campaign.embedded import (
 )
 from kvlife.faults.campaign.tally import Campaign, KindTally
 
-PARTS = ("embedded", "kills", "serve", "redis", "lmcache")
+PARTS = ("embedded", "kills", "serve", "redis", "mooncake", "lmcache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,8 @@ class Budget:
     server_kills: int
     """``kvlife serve`` SIGKILLed and restarted."""
     remote: int
-    """Injections per remote kind (time-out, partition, fenced publish) on Redis."""
+    """Injections per remote kind (time-out, partition, fenced publish) on Redis, and
+    as many on Mooncake."""
     lmcache: int
     """Injections per LMCache fault kind."""
     probe: int = 3
@@ -166,6 +167,8 @@ def run(root: Path, seed: int, full: bool, parts: tuple[str, ...] = PARTS) -> Ca
         run_embedded(root, seed, b, campaign)
     if "redis" in parts:
         remote.run(root / "redis", seed, b.remote, campaign)
+    if "mooncake" in parts:
+        remote.run_mooncake(root / "mooncake", seed, b.remote, campaign)
     if "lmcache" in parts:
         lmcache.run(root / "lmcache", seed, b.lmcache, campaign)
     return campaign
