@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 from kvlife.faults.campaign.tally import Campaign, KindTally
@@ -48,3 +49,52 @@ def run(root: Path, seed: int, n: int, campaign: Campaign) -> None:
         if t.wrong_bytes:
             t.note("no checksum: damaged files are served as hits")
         campaign.add(t)
+    _run_mp(Path(python), root, seed, max(2, n // 4), campaign)
+
+
+def _run_mp(python: Path, root: Path, seed: int, n: int, campaign: Campaign) -> None:
+    """LMCache's MP server: ``n`` clients SIGKILLed mid-STORE per transfer mode, then a
+    new client retrieves every hit (:mod:`.lmcache_mp_child`). A control run first (each
+    client killed only after its STORE returned) must serve every hit right in
+    ``engine_driven`` mode, or the check itself is wrong and the part is skipped."""
+    from kvlife.bench.peer_lmcache_mp import _env, _MPServer
+
+    for mode in ("engine_driven", "lmcache_driven"):
+        results = {}
+        for run in ("control", "kill"):
+            srv = _MPServer(python, 32, 1.0, root / f"mp-{mode}-{run}.log", ())
+            out = root / f"mp-{mode}-{run}.json"
+            try:
+                srv.wait_ready(time.monotonic() + 600)
+                cmd = [str(python), "-m", "kvlife.faults.campaign.lmcache_mp_child", srv.url]
+                cmd += [mode, str(n if run == "kill" else 2), str(seed), str(out), run]
+                proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=1800)
+            finally:
+                srv.stop()
+            if proc.returncode != 0 or not out.exists():
+                campaign.skipped.append(
+                    f"lmcache-mp {mode}: the client failed: {proc.stderr[-300:]}"
+                )
+                break
+            results[run] = json.loads(out.read_text())
+        else:
+            control, got = results["control"], results["kill"]
+            if mode == "engine_driven" and control["wrong_bytes"]:
+                campaign.skipped.append("lmcache-mp: the control run served wrong bytes")
+                return
+            t = KindTally(f"client-killed-mid-store ({mode})", "mp-server", "lmcache")
+            t.injections = t.sigkills = got["kills"]
+            t.served_chunks = got["served_chunks"]
+            t.wrong_chunks = got["wrong_chunks"]
+            t.wrong_bytes = got["wrong_bytes"]
+            t.note(
+                f"control (killed after STORE returned): {control['served_chunks']} chunks "
+                f"served, {control['wrong_bytes']} bytes wrong"
+            )
+            if mode == "lmcache_driven" and got["wrong_bytes"]:
+                t.note(
+                    "a new client's RETRIEVE reports success but the server scatters into "
+                    "the first registered client's memory (LMCache's ServerBenchClient "
+                    "clients share one identity): the new client's blocks stay unwritten"
+                )
+            campaign.add(t)
