@@ -17,8 +17,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from kvlife.faults.campaign import html, runner
+from kvlife.faults.campaign.tally import Campaign
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,15 +51,24 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown parts {unknown}; choose from {list(runner.PARTS)}")
     started = time.perf_counter()
     meta = runner.stamp()
+    command = "kvlife experiment faults " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    def save(campaign: Campaign, finished: str) -> dict[str, Any]:
+        """Write the JSON as it stands (after each part, so a long run that is stopped
+        still leaves what it measured); ``finished`` names the last part done."""
+        doc = campaign.to_json(
+            command=command,
+            elapsed_s=time.perf_counter() - started,
+            parts=list(parts),
+            last_part_done=finished,
+            **meta,
+        )
+        args.json.write_text(json.dumps(doc, indent=1))
+        return doc
+
     with tempfile.TemporaryDirectory(prefix="kvlife-faults-", dir=args.workdir) as tmp:
-        campaign = runner.run(Path(tmp), args.seed, args.full, parts)
-    doc = campaign.to_json(
-        command="kvlife experiment faults " + " ".join(sys.argv[1:] if argv is None else argv),
-        elapsed_s=time.perf_counter() - started,
-        parts=list(parts),
-        **meta,
-    )
-    args.json.write_text(json.dumps(doc, indent=1))
+        campaign = runner.run(Path(tmp), args.seed, args.full, parts, done=save)
+    doc = save(campaign, "all")
     if args.report is not None:
         args.report.write_text(html.render(doc))
     for system, row in doc["totals"].items():

@@ -107,6 +107,10 @@ def run(
     rnd = 0
     dirs = 0
     while done < kills:
+        if rnd > 20 * kills + 100:  # kills stopped landing: say so rather than spin
+            t = tallies.setdefault("stuck", KindTally("sigkill-stuck", "embedded"))
+            t.note(f"only {done} of {kills} kills landed in {rnd} rounds")
+            break
         shape = shapes[dirs % len(shapes)]
         dirs += 1
         d = root / f"{shape}-{dirs}"

@@ -10,7 +10,8 @@ or a :class:`KillSink` (an event sink) stops the writer with SIGSTOP right after
 chosen step of the chosen operation; the driver sees it stopped and SIGKILLs it, so
 the kill lands exactly there. The steps:
 
-- ``commit``, a disk-only store: ``frame-written`` (after a segment pwritev),
+- ``commit``, a disk-only store: ``torn-frame`` (killed inside a segment write: its
+  first pages landed, the rest not), ``frame-written`` (after a segment pwritev),
   ``fsynced`` (after its fdatasync), ``catalog-row`` (the disk tier committed its
   catalog transaction and published the rows: the ``write`` event), ``visible`` (the
   ``index`` event, before the put returns), and ``random`` (a seeded delay);
@@ -56,7 +57,7 @@ KiB = 1 << 10
 MiB = 1 << 20
 
 STEPS: dict[str, tuple[str, ...]] = {
-    "commit": ("frame-written", "fsynced", "catalog-row", "visible", "random"),
+    "commit": ("torn-frame", "frame-written", "fsynced", "catalog-row", "visible", "random"),
     "demotion": ("frame-written", "fsynced", "offloaded"),
     "compaction": ("copy-written", "copies-synced", "old-segment-unlinked"),
 }
@@ -133,9 +134,27 @@ class KillSwitch(FileIO):
         return fd
 
     def pwritev(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
+        path = self._paths.get(fd)
+        if self.op == "torn" and self.armed and path is not None and path.match("seg-*.kvs"):
+            self.nth -= 1
+            if self.nth <= 0:
+                self._torn(fd, buffers, offset)
         n = super().pwritev(fd, buffers, offset)
-        self._hit("pwritev", self._paths.get(fd))
+        self._hit("pwritev", path)
         return n
+
+    def _torn(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> None:
+        """Die inside this write: only its first pages land (whole 4 KiB pages, as a
+        device writes them and as O_DIRECT needs; the slices keep the alignment)."""
+        pages = [
+            b.reshape(-1).view(np.uint8)[i : i + 4096]
+            for b in buffers
+            for i in range(0, b.nbytes, 4096)
+        ]
+        if len(pages) > 1:
+            keep = random.Random(offset).randrange(1, len(pages))
+            super().pwritev(fd, pages[:keep], offset)
+        _stop_here()
 
     def preadv(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
         n = super().preadv(fd, buffers, offset)
@@ -192,7 +211,9 @@ class Plan:
 def _seams(plan: Plan, log: AckLog) -> tuple[KillSwitch, KillSink]:
     op, kind, compaction = "", None, False
     s = plan.step
-    if s in ("frame-written", "copy-written"):
+    if s == "torn-frame":
+        op = "torn"
+    elif s in ("frame-written", "copy-written"):
         op = "pwritev"
     elif s in ("fsynced", "copies-synced"):
         op = "fdatasync"

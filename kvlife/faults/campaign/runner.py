@@ -80,8 +80,8 @@ FULL = Budget(
     kills=1000,
     serve_kills=150,
     server_kills=20,
-    remote=150,
-    lmcache=120,
+    remote=100,
+    lmcache=60,
 )
 
 
@@ -157,20 +157,30 @@ def run_forked(
     campaign.skipped.extend(doc.get("skipped", []))
 
 
-def run(root: Path, seed: int, full: bool, parts: tuple[str, ...] = PARTS) -> Campaign:
-    """Run the campaign's ``parts`` under the private directory ``root``."""
+def run(
+    root: Path,
+    seed: int,
+    full: bool,
+    parts: tuple[str, ...] = PARTS,
+    done: Callable[[Campaign, str], object] | None = None,
+) -> Campaign:
+    """Run the campaign's ``parts`` under the private directory ``root``; ``done`` is
+    called after each part (to save what is counted so far)."""
     b = FULL if full else SHORT
     campaign = Campaign(seed, full)
-    if "kills" in parts or "serve" in parts:
-        run_forked(root, seed, b, parts, campaign)
-    if "embedded" in parts:
-        run_embedded(root, seed, b, campaign)
-    if "redis" in parts:
-        remote.run(root / "redis", seed, b.remote, campaign)
-    if "mooncake" in parts:
-        remote.run_mooncake(root / "mooncake", seed, b.remote, campaign)
-    if "lmcache" in parts:
-        lmcache.run(root / "lmcache", seed, b.lmcache, campaign)
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("kills+serve", lambda: run_forked(root, seed, b, parts, campaign)),
+        ("embedded", lambda: run_embedded(root, seed, b, campaign)),
+        ("redis", lambda: remote.run(root / "redis", seed, b.remote, campaign)),
+        ("mooncake", lambda: remote.run_mooncake(root / "mooncake", seed, b.remote, campaign)),
+        ("lmcache", lambda: lmcache.run(root / "lmcache", seed, b.lmcache, campaign)),
+    ]
+    for name, step in steps:
+        if not set(name.split("+")) & set(parts):
+            continue
+        step()
+        if done is not None:
+            done(campaign, name)
     return campaign
 
 

@@ -4,7 +4,7 @@ in flight (a worker restart), and the server SIGKILLed and started again.
 Everything that talks to the server runs in a process forked from the kill driver:
 the clients (:func:`client`) put prompts, load and check others, hold prepared puts,
 and log every acknowledged put; a checker (:func:`checker`) connects after each kill,
-loads every acknowledged prompt (write-through: each must be there, byte for byte),
+loads acknowledged prompts (write-through: each must be there, byte for byte),
 checks what it served against the oracle and logs how long the server took to answer
 again. The server is a real ``python -m kvlife.cli serve`` process.
 """
@@ -126,8 +126,9 @@ def client(sock: Path, logp: Path, seed: int, cid: int) -> None:
                 time.sleep(0.05)
 
 
-def checker(sock: Path, logp: Path, seed: int, acked: dict[int, int]) -> None:
-    """Wait for the server to answer, then load every acknowledged prompt and check it."""
+def checker(sock: Path, logp: Path, seed: int, acked: dict[int, tuple[int, int]]) -> None:
+    """Wait for the server to answer, then load the acknowledged prompts ``acked`` names
+    (client -> range of prompt numbers) and check them."""
     log = AckLog(logp)
     started = time.perf_counter()
     store = None
@@ -140,8 +141,8 @@ def checker(sock: Path, logp: Path, seed: int, acked: dict[int, int]) -> None:
             time.sleep(0.01)
     log.line(f"up {time.perf_counter() - started:.6f}")
     ident = identity()
-    for cid, count in acked.items():
-        for n in range(count):
+    for cid, (lo, hi) in acked.items():
+        for n in range(lo, hi):
             p = make_prompt(seed * 1000 + cid, n)
             res = store.get(ident, p.namespace, p.tokens)  # type: ignore[attr-defined]
             v = oracle.check(p.keys, res.arrays)
@@ -189,9 +190,26 @@ def _fold(logp: Path, t: KindTally, acked: dict[int, int] | None, cid: int) -> N
             t.typed_errors += 1
 
 
-def _check(srv: Server, root: Path, seed: int, acked: dict[int, int], t: KindTally, k: int) -> None:
+def _check(
+    srv: Server,
+    root: Path,
+    seed: int,
+    acked: dict[int, int],
+    t: KindTally,
+    k: int,
+    checked: dict[int, int] | None = None,
+) -> None:
+    """Check, in a forked process, what ``acked`` says each client acknowledged: every
+    prompt since the last check (``checked``, updated) and the 5 before it; every one
+    when ``checked`` is None (the final check)."""
     logp = root / f"check-{k}.log"
-    pid = _fork(checker, srv.socket, logp, seed, dict(acked))
+    ranges = {}
+    for cid, hi in acked.items():
+        lo = 0 if checked is None else max(0, checked.get(cid, 0) - 5)
+        ranges[cid] = (lo, hi)
+        if checked is not None:
+            checked[cid] = hi
+    pid = _fork(checker, srv.socket, logp, seed, ranges)
     _, status = os.waitpid(pid, 0)
     _fold(logp, t, None, -1)
     if not any(line.kind == "checked" for line in read_log(logp)):
@@ -209,6 +227,7 @@ def run(root: Path, seed: int, client_kills: int, server_kills: int) -> list[Kin
     srv = Server(root)
     srv.start()
     acked: dict[int, int] = {}
+    checked: dict[int, int] = {}
     running: dict[int, tuple[int, Path]] = {}
     gen = 0
 
@@ -236,7 +255,7 @@ def run(root: Path, seed: int, client_kills: int, server_kills: int) -> list[Kin
                 reap(cid, worker)
                 worker.injections += 1
                 worker.sigkills += 1
-                _check(srv, root, seed, acked, worker, k)
+                _check(srv, root, seed, acked, worker, k, checked)
                 spawn(cid)
             else:
                 srv.kill()
@@ -245,7 +264,7 @@ def run(root: Path, seed: int, client_kills: int, server_kills: int) -> list[Kin
                 for cid in list(running):
                     reap(cid, crash)  # their logs say what was acknowledged before
                 crash.recovery_s.append(srv.start())
-                _check(srv, root, seed, acked, crash, k)
+                _check(srv, root, seed, acked, crash, k, checked)
                 for cid in range(CLIENTS):
                     spawn(cid)
         for cid in list(running):
