@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="campaign seed")
     ap.add_argument(
         "--parts",
-        default=",".join(runner.PARTS),
-        help=f"comma-separated parts to run (of {', '.join(runner.PARTS)})",
+        default=",".join(runner.DEFAULT_PARTS),
+        help=f"comma-separated parts to run (of {', '.join(runner.PARTS)}; default: all but vllm)",
     )
     ap.add_argument(
         "--workdir",

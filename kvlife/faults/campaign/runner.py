@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlife.faults.campaign import lmcache, remote
+from kvlife.faults.campaign import lmcache, remote, vllm
 from kvlife.faults.campaign.embedded import (
     DAMAGE_KINDS,
     EmbeddedRig,
@@ -31,7 +31,10 @@ from kvlife.faults.campaign.embedded import (
 )
 from kvlife.faults.campaign.tally import Campaign, KindTally
 
-PARTS = ("embedded", "kills", "serve", "redis", "mooncake", "lmcache")
+PARTS = ("embedded", "kills", "serve", "redis", "mooncake", "lmcache", "vllm")
+DEFAULT_PARTS = PARTS[:-1]
+"""What runs unless ``--parts`` says otherwise: all but vLLM (each of its injections
+starts two or three engines, minutes on a CPU)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,8 @@ class Budget:
     as many on Mooncake."""
     lmcache: int
     """Injections per LMCache fault kind."""
+    vllm: int
+    """Injections per vLLM kind (forward failing part-way, engine killed mid-step)."""
     probe: int = 3
     """Owed chunks checked after each in-process injection."""
 
@@ -71,6 +76,7 @@ SHORT = Budget(
     server_kills=1,
     remote=3,
     lmcache=3,
+    vllm=1,
 )
 FULL = Budget(
     per_kind=1000,
@@ -82,6 +88,7 @@ FULL = Budget(
     server_kills=20,
     remote=100,
     lmcache=60,
+    vllm=2,
 )
 
 
@@ -161,7 +168,7 @@ def run(
     root: Path,
     seed: int,
     full: bool,
-    parts: tuple[str, ...] = PARTS,
+    parts: tuple[str, ...] = DEFAULT_PARTS,
     done: Callable[[Campaign, str], object] | None = None,
 ) -> Campaign:
     """Run the campaign's ``parts`` under the private directory ``root``; ``done`` is
@@ -174,6 +181,7 @@ def run(
         ("redis", lambda: remote.run(root / "redis", seed, b.remote, campaign)),
         ("mooncake", lambda: remote.run_mooncake(root / "mooncake", seed, b.remote, campaign)),
         ("lmcache", lambda: lmcache.run(root / "lmcache", seed, b.lmcache, campaign)),
+        ("vllm", lambda: vllm.run(root / "vllm", seed, b.vllm, campaign)),
     ]
     for name, step in steps:
         if not set(name.split("+")) & set(parts):
