@@ -9,9 +9,10 @@ engine that loads from a store a fault went through must give the same tokens.
   saves (the connector's ``kvlife.fail_layer`` hook, as an out-of-memory would), then a
   fresh engine on the same store: it must load nothing of the failed step and output
   the reference tokens.
-- ``engine-killed``: an engine SIGKILLed a random 0-100% into its requests, then a fresh
-  engine on the same store (recovery: its start to its first output): same outputs as
-  the reference, whatever it loaded.
+- ``engine-killed``: an engine SIGKILLed 0-3 s after its first save reached the disk
+  tier (in its steps), then a fresh engine on the same store: same outputs as the
+  reference, whatever it loaded. Recovery time: the fresh engine's whole run, its start
+  included.
 
 In these rows ``served_chunks`` counts requests compared with the reference,
 ``wrong_chunks`` the requests whose output differed and ``wrong_bytes`` their differing
@@ -123,7 +124,14 @@ def run(root: Path, seed: int, n: int, campaign: Campaign) -> None:
         t = campaign.tally("engine-killed", "vllm")
         store = root / f"ek-{i}"
         victim = _start(python, _spec(model, store, prompts * 2), root, f"ek-{i}-victim")
-        time.sleep(rng.uniform(5.0, 40.0))  # its start takes most of this; then steps
+        # kill it in its steps: once its first save reached the disk tier, 0-3 s later
+        deadline = time.monotonic() + 300
+        segments = store / "disk" / "segments"
+        while victim.poll() is None and time.monotonic() < deadline:
+            if segments.exists() and any(segments.glob("seg-*.kvs")):
+                break
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 3.0))
         if victim.poll() is None:
             os.kill(victim.pid, signal.SIGKILL)
             t.sigkills += 1
