@@ -182,3 +182,21 @@ def test_lmcache_disk_backend_side_by_side(tmp_path: Path) -> None:
     # the oracle sees what LMCache serves: it has no checksum, damaged files are hits
     assert kinds["file-truncated"]["wrong_bytes"] > 0
     assert kinds["file-bitflip"]["wrong_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not Path(os.environ.get("KVLIFE_LMCACHE_PYTHON", "/nonexistent")).exists(),
+    reason="LMCache's interpreter (KVLIFE_LMCACHE_PYTHON) is not installed here",
+)
+def test_lmcache_mp_server_clients_killed_mid_store(tmp_path: Path) -> None:
+    out = tmp_path / "f.json"
+    cmd = [sys.executable, "-m", "kvlife.cli", "experiment", "faults", "--json", str(out)]
+    cmd += ["--parts", "lmcache-mp", "--workdir", str(tmp_path)]
+    subprocess.run(cmd, check=True, cwd=ROOT, env=_env(), timeout=900)
+    doc = json.loads(out.read_text())
+    assert not doc["skipped"], doc["skipped"]
+    kinds = {k["kind"]: k for k in doc["kinds"]}
+    engine = kinds["client-killed-mid-store (engine_driven)"]
+    assert engine["sigkills"] == 2 and engine["wrong_bytes"] == 0  # and its control was clean
+    assert "client-killed-mid-store (lmcache_driven)" in kinds

@@ -49,7 +49,16 @@ def run(root: Path, seed: int, n: int, campaign: Campaign) -> None:
         if t.wrong_bytes:
             t.note("no checksum: damaged files are served as hits")
         campaign.add(t)
-    _run_mp(Path(python), root, seed, max(2, n // 4), campaign)
+
+
+def run_mp(root: Path, seed: int, n: int, campaign: Campaign) -> None:
+    """LMCache's MP server side by side (its own part: each run starts a server)."""
+    python = os.environ.get(ENV, "")
+    if not python or not Path(python).exists():
+        campaign.skipped.append(f"lmcache-mp: no LMCache interpreter ({ENV} is not set)")
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    _run_mp(Path(python), root, seed, n, campaign)
 
 
 def _run_mp(python: Path, root: Path, seed: int, n: int, campaign: Campaign) -> None:

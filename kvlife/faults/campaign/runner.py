@@ -31,7 +31,7 @@ from kvlife.faults.campaign.embedded import (
 )
 from kvlife.faults.campaign.tally import Campaign, KindTally
 
-PARTS = ("embedded", "kills", "serve", "redis", "mooncake", "lmcache", "vllm")
+PARTS = ("embedded", "kills", "serve", "redis", "mooncake", "lmcache", "lmcache-mp", "vllm")
 DEFAULT_PARTS = PARTS[:-1]
 """What runs unless ``--parts`` says otherwise: all but vLLM (each of its injections
 starts two or three engines, minutes on a CPU)."""
@@ -60,6 +60,8 @@ class Budget:
     as many on Mooncake."""
     lmcache: int
     """Injections per LMCache fault kind."""
+    lmcache_mp: int
+    """Clients of LMCache's MP server SIGKILLed mid-STORE, per transfer mode."""
     vllm: int
     """Injections per vLLM kind (forward failing part-way, engine killed mid-step)."""
     probe: int = 3
@@ -76,6 +78,7 @@ SHORT = Budget(
     server_kills=1,
     remote=3,
     lmcache=3,
+    lmcache_mp=2,
     vllm=1,
 )
 FULL = Budget(
@@ -88,6 +91,7 @@ FULL = Budget(
     server_kills=20,
     remote=100,
     lmcache=60,
+    lmcache_mp=15,
     vllm=2,
 )
 
@@ -181,10 +185,11 @@ def run(
         ("redis", lambda: remote.run(root / "redis", seed, b.remote, campaign)),
         ("mooncake", lambda: remote.run_mooncake(root / "mooncake", seed, b.remote, campaign)),
         ("lmcache", lambda: lmcache.run(root / "lmcache", seed, b.lmcache, campaign)),
+        ("lmcache-mp", lambda: lmcache.run_mp(root / "lmcache-mp", seed, b.lmcache_mp, campaign)),
         ("vllm", lambda: vllm.run(root / "vllm", seed, b.vllm, campaign)),
     ]
     for name, step in steps:
-        if not set(name.split("+")) & set(parts):
+        if name not in parts and not set(name.split("+")) & set(parts):
             continue
         step()
         if done is not None:
