@@ -69,11 +69,11 @@ class Budget:
 
 
 SHORT = Budget(
-    per_kind=12,
-    slow=4,
+    per_kind=8,
+    slow=3,
     stale=2,
     damage=2,
-    kills=24,
+    kills=18,
     serve_kills=4,
     server_kills=1,
     remote=3,
