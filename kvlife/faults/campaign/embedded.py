@@ -19,6 +19,7 @@ import errno
 import random
 import shutil
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from kvlife.core.errors import KVLifeError
 from kvlife.core.events import EventSink, LifecycleEvent
-from kvlife.core.identity import ChunkKey
+from kvlife.core.identity import ChunkKey, prompt_chunk_keys
 from kvlife.core.lifecycle import Move
 from kvlife.faults import damage
 from kvlife.faults.campaign import oracle
@@ -70,9 +71,9 @@ class Owed:
         for i, k in enumerate(prompt.keys[:upto]):
             self.chunks[k] = (prompt, i)
 
-    def forget(self, keys: object) -> None:
+    def forget(self, keys: Container[bytes]) -> None:
         for k in list(self.chunks):
-            if k in keys:  # type: ignore[operator]
+            if k in keys:
                 del self.chunks[k]
 
 
@@ -284,8 +285,6 @@ class EmbeddedRig:
         full = len(base.keys) * n
         draft_tokens = np.concatenate([base.tokens[:full], draft_tail])
         ident = identity()
-        from kvlife.core.identity import prompt_chunk_keys
-
         draft_keys = prompt_chunk_keys(ident, base.namespace, draft_tokens)
         draft_kv = [payload(k) for k in draft_keys]
         t.injections += 1
