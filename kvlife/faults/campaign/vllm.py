@@ -9,8 +9,8 @@ engine that loads from a store a fault went through must give the same tokens.
   saves (the connector's ``kvlife.fail_layer`` hook, as an out-of-memory would), then a
   fresh engine on the same store: it must load nothing of the failed step and output
   the reference tokens.
-- ``engine-killed``: an engine SIGKILLed 0-3 s after its first save reached the disk
-  tier (in its steps), then a fresh engine on the same store: same outputs as the
+- ``engine-killed``: an engine (write-through) SIGKILLed 0-3 s after its first save
+  reached the disk tier (in its steps), then a fresh engine on the same store: same outputs as the
   reference, whatever it loaded. Recovery time: the fresh engine's whole run, its start
   included.
 
@@ -123,12 +123,16 @@ def run(root: Path, seed: int, n: int, campaign: Campaign) -> None:
         # an engine killed mid-step
         t = campaign.tally("engine-killed", "vllm")
         store = root / f"ek-{i}"
-        victim = _start(python, _spec(model, store, prompts * 2), root, f"ek-{i}-victim")
+        # write-through, so what it saved before the kill is durable and a fresh engine
+        # has something to load (write-back would hold it in the dead process's DRAM)
+        victim_spec = _spec(model, store, prompts * 2)
+        victim_spec["kvlife"]["kvlife.write_through"] = True
+        victim = _start(python, victim_spec, root, f"ek-{i}-victim")
         # kill it in its steps: once its first save reached the disk tier, 0-3 s later
         deadline = time.monotonic() + 300
         segments = store / "disk" / "segments"
         while victim.poll() is None and time.monotonic() < deadline:
-            if segments.exists() and any(segments.glob("seg-*.kvs")):
+            if segments.exists() and any(f.stat().st_size for f in segments.glob("seg-*.kvs")):
                 break
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 3.0))
