@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "experiment",
         help="experiments: `kvlife experiment identity|lifetime-hints|transforms|"
-        "crossover|object-size|sharing-scope|isolation|upstream --help`",
+        "crossover|object-size|sharing-scope|isolation|upstream|faults --help`",
         add_help=False,
     )
     return parser
@@ -472,6 +472,7 @@ EXPERIMENTS = {
     "sharing-scope": "kvlife.experiments.sharing_scope",
     "isolation": "kvlife.experiments.isolation",
     "upstream": "kvlife.experiments.upstream",
+    "faults": "kvlife.experiments.faults",
 }
 
 
