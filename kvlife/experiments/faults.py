@@ -2,7 +2,7 @@
 
 Drives the campaign's workload through an embedded store, through ``kvlife serve`` with
 client processes, and (side by side) through LMCache's local-disk backend, injecting the
-faults of :mod:`kvlife.faults.campaign` in a seeded random order, and checks every
+faults of :mod:`kvlife.experiments.campaign` in a seeded random order, and checks every
 served chunk against the oracle. Writes the tallies as JSON (``--json``) and an HTML
 report with a table per deployment and a plot (``--report``). The default is a short
 run; ``--full`` runs at least 10,000 injections over at least 10 kinds and at least
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvlife.faults.campaign import html, runner
-from kvlife.faults.campaign.tally import Campaign
+from kvlife.experiments.campaign import html, runner
+from kvlife.experiments.campaign.tally import Campaign
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@
   ``throttled-disk`` tier kind;
 - :mod:`kvlife.faults.crash` and :mod:`kvlife.faults.crash_child`: the SIGKILL harness
   (a writer child process, its acknowledgement log, the kill);
-- :mod:`kvlife.faults.campaign`: the seeded cross-layer fault campaign and its oracle
+- :mod:`kvlife.experiments.campaign`: the seeded cross-layer fault campaign and its oracle
   (``kvlife experiment faults``).
 
 See ``docs/faults.md``. Nothing here is imported by the store itself.

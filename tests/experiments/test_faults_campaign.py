@@ -19,12 +19,12 @@ from typing import cast
 import numpy as np
 import pytest
 
-from kvlife.faults.campaign import oracle
-from kvlife.faults.campaign.embedded import EmbeddedRig
-from kvlife.faults.campaign.kill_driver import one_round
-from kvlife.faults.campaign.kills import Ledger, Plan
-from kvlife.faults.campaign.payload import payload
-from kvlife.faults.campaign.tally import SCHEMA, KindTally
+from kvlife.experiments.campaign import oracle
+from kvlife.experiments.campaign.embedded import EmbeddedRig
+from kvlife.experiments.campaign.kill_driver import one_round
+from kvlife.experiments.campaign.kills import Ledger, Plan
+from kvlife.experiments.campaign.payload import payload
+from kvlife.experiments.campaign.tally import SCHEMA, KindTally
 from kvlife.results import LoadResult, LookupResult
 from kvlife.store import KVStore
 

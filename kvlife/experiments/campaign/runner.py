@@ -6,7 +6,7 @@
 interleaved in a seeded random order, so each fault meets a store that the faults
 before it left behind. The SIGKILL rounds (and the served deployment, whose client
 processes are forked too) run in a process of their own
-(:mod:`kvlife.faults.campaign.kill_driver`), which never starts a thread before it forks.
+(:mod:`kvlife.experiments.campaign.kill_driver`), which never starts a thread before it forks.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlife.faults.campaign import lmcache, remote, vllm
-from kvlife.faults.campaign.embedded import (
+from kvlife.experiments.campaign import lmcache, remote, vllm
+from kvlife.experiments.campaign.embedded import (
     DAMAGE_KINDS,
     EmbeddedRig,
     damage_round,
     stale_catalog_round,
 )
-from kvlife.faults.campaign.tally import Campaign, KindTally
+from kvlife.experiments.campaign.tally import Campaign, KindTally
 
 PARTS = ("embedded", "kills", "serve", "redis", "mooncake", "lmcache", "lmcache-mp", "vllm")
 DEFAULT_PARTS = PARTS[:-1]
@@ -141,7 +141,7 @@ def run_forked(
     cmd = [
         sys.executable,
         "-m",
-        "kvlife.faults.campaign.kill_driver",
+        "kvlife.experiments.campaign.kill_driver",
         "--root",
         str(root / "forked"),
         "--kills",

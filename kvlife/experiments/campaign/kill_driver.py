@@ -1,7 +1,7 @@
 """The SIGKILL rounds of the campaign, in a process of their own.
 
-``python -m kvlife.faults.campaign.kill_driver --root DIR --kills N --seed S --json OUT``
-runs ``N`` rounds (see :mod:`kvlife.faults.campaign.kills`): fork a writer, wait until
+``python -m kvlife.experiments.campaign.kill_driver --root DIR --kills N --seed S --json OUT``
+runs ``N`` rounds (see :mod:`kvlife.experiments.campaign.kills`): fork a writer, wait until
 it stops at its kill point (or, for ``random``, a seeded delay), SIGKILL it, reap it,
 fold its log into what the store directory owes; the next round's writer verifies it.
 A directory is started afresh every ``--rounds-per-dir`` rounds (with a last verifying
@@ -21,7 +21,7 @@ import signal
 import time
 from pathlib import Path
 
-from kvlife.faults.campaign.kills import (
+from kvlife.experiments.campaign.kills import (
     STEPS,
     Ledger,
     Plan,
@@ -30,7 +30,7 @@ from kvlife.faults.campaign.kills import (
     run_child,
     tally_verification,
 )
-from kvlife.faults.campaign.tally import KindTally
+from kvlife.experiments.campaign.tally import KindTally
 
 WAIT_S = 60.0
 
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     per_dir = args.rounds_per_dir or min(20, max(3, args.kills // (2 * len(STEPS))))
     tallies = run(args.root, args.kills, args.seed, per_dir) if args.kills else []
     if args.serve_kills or args.server_kills:
-        from kvlife.faults.campaign import served
+        from kvlife.experiments.campaign import served
 
         tallies += served.run(args.root / "serve", args.seed, args.serve_kills, args.server_kills)
     doc = {"tallies": [t.to_json() | {"recovery": t.recovery_s} for t in tallies], "skipped": []}

@@ -1,7 +1,7 @@
 """The in-process fault kinds, against an embedded store with a disk tier.
 
 One :class:`EmbeddedRig` holds a store (disk tier only, so every byte goes through the
-fault seam :class:`~kvlife.faults.campaign.seams.CampaignIO`) and the model of what it
+fault seam :class:`~kvlife.experiments.campaign.seams.CampaignIO`) and the model of what it
 owes: every acknowledged chunk, minus those the store reported dropping (an event:
 evicted, invalidated, corrupt, deleted). Each ``inject_*`` method injects one fault,
 drives the workload through it, heals, and probes: a served chunk is checked against
@@ -29,12 +29,11 @@ from kvlife.core.errors import KVLifeError
 from kvlife.core.events import EventSink, LifecycleEvent
 from kvlife.core.identity import ChunkKey, prompt_chunk_keys
 from kvlife.core.lifecycle import Move
-from kvlife.faults import damage
-from kvlife.faults.campaign import oracle
-from kvlife.faults.campaign.payload import payload
-from kvlife.faults.campaign.seams import CampaignIO
-from kvlife.faults.campaign.tally import KindTally
-from kvlife.faults.campaign.workload import (
+from kvlife.experiments.campaign import oracle
+from kvlife.experiments.campaign.payload import payload
+from kvlife.experiments.campaign.seams import CampaignIO
+from kvlife.experiments.campaign.tally import KindTally
+from kvlife.experiments.campaign.workload import (
     LAYOUT,
     WEIGHTS_V1,
     WEIGHTS_V2,
@@ -42,6 +41,7 @@ from kvlife.faults.campaign.workload import (
     identity,
     make_prompt,
 )
+from kvlife.faults import damage
 from kvlife.faults.damage import catalog_file
 from kvlife.store import KVStore
 

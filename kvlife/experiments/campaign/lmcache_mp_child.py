@@ -1,7 +1,7 @@
 """LMCache's multi-process server with a client killed mid-store, run in LMCache's own
 virtual environment (torch and LMCache; nothing of kvlife's store is imported).
 
-``PEER_PYTHON -m kvlife.faults.campaign.lmcache_mp_child URL MODE N SEED OUT``: against a
+``PEER_PYTHON -m kvlife.experiments.campaign.lmcache_mp_child URL MODE N SEED OUT``: against a
 running LMCache MP server at ``URL``, ``N`` times: fork a client (LMCache's own
 ``ServerBenchClient``, as :mod:`kvlife.bench.peer_lmcache_mp` drives it), fill its
 request's blocks with bytes that are a pure function of (seed, request), start the STORE

@@ -15,9 +15,9 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvlife.faults.campaign.oracle import Verdict
+from kvlife.experiments.campaign.oracle import Verdict
 
-SCHEMA = "kvlife.faults.campaign/1"
+SCHEMA = "kvlife.experiments.campaign/1"
 
 
 @dataclass(slots=True)

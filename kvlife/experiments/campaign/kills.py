@@ -46,9 +46,9 @@ import numpy as np
 from kvlife.core.events import EventSink, LifecycleEvent
 from kvlife.core.identity import ChunkKey, Namespace, NamespaceKind
 from kvlife.core.lifecycle import Move
-from kvlife.faults.campaign import oracle
-from kvlife.faults.campaign.tally import KindTally
-from kvlife.faults.campaign.workload import Prompt, identity, make_prompt
+from kvlife.experiments.campaign import oracle
+from kvlife.experiments.campaign.tally import KindTally
+from kvlife.experiments.campaign.workload import Prompt, identity, make_prompt
 from kvlife.faults.crash import AckLog, read_log
 from kvlife.store import KVStore
 from kvlife.tiers.disk.fileio import FileIO

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import cast
 
 from kvlife.core.errors import KVLifeError
-from kvlife.faults.campaign import oracle
-from kvlife.faults.campaign.tally import Campaign, KindTally
-from kvlife.faults.campaign.workload import Prompt, identity, make_prompt
+from kvlife.experiments.campaign import oracle
+from kvlife.experiments.campaign.tally import Campaign, KindTally
+from kvlife.experiments.campaign.workload import Prompt, identity, make_prompt
 from kvlife.faults.proxy import Fault, FaultProxy
 from kvlife.store import KVStore, TierSpec
 from kvlife.tiers.redis import RedisTier
@@ -204,7 +204,7 @@ def run_mooncake(root: Path, seed: int, n: int, campaign: Campaign) -> None:
     import subprocess
     import sys
 
-    from kvlife.faults.campaign.tally import KindTally
+    from kvlife.experiments.campaign.tally import KindTally
     from kvlife.tiers.mooncake.server import netns_command
 
     if os.geteuid() != 0 or shutil.which("unshare") is None:
@@ -212,7 +212,7 @@ def run_mooncake(root: Path, seed: int, n: int, campaign: Campaign) -> None:
         return
     root.mkdir(parents=True, exist_ok=True)
     out = root / "mooncake.json"
-    cmd = [sys.executable, "-m", "kvlife.faults.campaign.remote", str(root), str(seed), str(n)]
+    cmd = [sys.executable, "-m", "kvlife.experiments.campaign.remote", str(root), str(seed), str(n)]
     proc = subprocess.run(
         netns_command([*cmd, str(out)]), capture_output=True, text=True, timeout=3600
     )
@@ -229,7 +229,7 @@ def run_mooncake(root: Path, seed: int, n: int, campaign: Campaign) -> None:
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m kvlife.faults.campaign.remote ROOT SEED N OUT`` (inside the namespace)."""
+    """``python -m kvlife.experiments.campaign.remote ROOT SEED N OUT`` (inside the namespace)."""
     import json
 
     root, seed, n, out = Path(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])

@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from kvlife.faults.campaign.tally import Campaign, KindTally
+from kvlife.experiments.campaign.tally import Campaign, KindTally
 
 ENV = "KVLIFE_LMCACHE_PYTHON"
 
@@ -29,7 +29,7 @@ def run(root: Path, seed: int, n: int, campaign: Campaign) -> None:
     out = root / "lmcache.json"
     env = dict(os.environ)
     env.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
-    cmd = [python, "-m", "kvlife.faults.campaign.lmcache_child"]
+    cmd = [python, "-m", "kvlife.experiments.campaign.lmcache_child"]
     cmd += ["--dir", str(root / "disk"), "--n", str(n), "--seed", str(seed), "--json", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -75,7 +75,7 @@ def _run_mp(python: Path, root: Path, seed: int, n: int, campaign: Campaign) -> 
             out = root / f"mp-{mode}-{run}.json"
             try:
                 srv.wait_ready(time.monotonic() + 600)
-                cmd = [str(python), "-m", "kvlife.faults.campaign.lmcache_mp_child", srv.url]
+                cmd = [str(python), "-m", "kvlife.experiments.campaign.lmcache_mp_child", srv.url]
                 cmd += [mode, str(n if run == "kill" else 2), str(seed), str(out), run]
                 proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=1800)
             finally:

@@ -1,6 +1,6 @@
 """The LMCache side of the campaign, run in LMCache's own virtual environment.
 
-``PEER_PYTHON -m kvlife.faults.campaign.lmcache_child --dir D --n N --seed S --json OUT``
+``PEER_PYTHON -m kvlife.experiments.campaign.lmcache_child --dir D --n N --seed S --json OUT``
 drives LMCache's LocalDiskBackend (through :class:`~kvlife.bench.peer_lmcache.LMCacheDiskPeer`)
 with campaign payloads and injects, ``N`` times each, the faults that apply to a disk
 backend: a stored file truncated to half (``file-truncated``), one byte of a stored file
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.faults.campaign.oracle import wrong_bytes
-from kvlife.faults.campaign.payload import CHUNK_BYTES, payload
+from kvlife.experiments.campaign.oracle import wrong_bytes
+from kvlife.experiments.campaign.payload import CHUNK_BYTES, payload
 
 MiB = 1 << 20
 KINDS = ("file-truncated", "file-bitflip", "restart")

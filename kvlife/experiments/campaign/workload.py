@@ -23,10 +23,10 @@ from kvlife.core.identity import (
     NamespaceKind,
     prompt_chunk_keys,
 )
-from kvlife.faults.campaign.payload import CHUNK_SHAPE, payload
+from kvlife.experiments.campaign.payload import CHUNK_SHAPE, payload
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens_per_chunk=16)
-"""2 KiB of KV per chunk (:data:`~kvlife.faults.campaign.payload.CHUNK_SHAPE`)."""
+"""2 KiB of KV per chunk (:data:`~kvlife.experiments.campaign.payload.CHUNK_SHAPE`)."""
 if LAYOUT.chunk_shape != CHUNK_SHAPE:  # payload.py computes bytes without kvlife's types
     raise RuntimeError(f"campaign layout {LAYOUT.chunk_shape} != payload shape {CHUNK_SHAPE}")
 

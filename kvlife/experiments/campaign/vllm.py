@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvlife.faults.campaign.tally import Campaign, KindTally
+from kvlife.experiments.campaign.tally import Campaign, KindTally
 
 CHUNK = 64
 NEW = 8

@@ -1,5 +1,5 @@
 """The oracle: every chunk a store serves is compared, byte for byte, with the payload
-its key must hold (:func:`~kvlife.faults.campaign.payload.payload`).
+its key must hold (:func:`~kvlife.experiments.campaign.payload.payload`).
 
 A served chunk is *right* when its bytes equal the key's payload, *wrong* otherwise
 (the count of differing bytes is what the campaign reports: it must be 0 for kvlife).
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvlife.faults.campaign.payload import payload
+from kvlife.experiments.campaign.payload import payload
 
 
 @dataclass(slots=True)

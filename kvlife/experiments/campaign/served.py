@@ -23,9 +23,9 @@ import traceback
 from pathlib import Path
 
 from kvlife.core.errors import KVLifeError
-from kvlife.faults.campaign import oracle
-from kvlife.faults.campaign.tally import KindTally
-from kvlife.faults.campaign.workload import identity, make_prompt
+from kvlife.experiments.campaign import oracle
+from kvlife.experiments.campaign.tally import KindTally
+from kvlife.experiments.campaign.workload import identity, make_prompt
 from kvlife.faults.crash import AckLog, read_log
 
 MiB = 1 << 20
