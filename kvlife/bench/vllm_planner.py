@@ -39,7 +39,7 @@ POLICIES = ("recompute", "load", "planner")
 
 @dataclass(frozen=True, slots=True)
 class PlannerBenchSettings:
-    bandwidths_mb_s: tuple[float, ...] = (10.0, 100.0, 1000.0)
+    bandwidths_mb_s: tuple[float, ...] = (2.0, 20.0, 1000.0)
     """Read bandwidths of the throttled disk (decimal MB/s)."""
     max_new_tokens: int = 8
     users: int = 2
@@ -236,9 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--planner", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help="write the results to this file")
-    parser.add_argument(
-        "--bandwidths", default="10,100,1000", help="disk read MB/s, comma-separated"
-    )
+    parser.add_argument("--bandwidths", default="2,20,1000", help="disk read MB/s, comma-separated")
     parser.add_argument("--users", type=int, default=2)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=8)
