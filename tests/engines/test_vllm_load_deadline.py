@@ -16,9 +16,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
+from kvlife.engines.vllm.meta import LoadSample, StepReport
 from kvlife.faults.throttle import ThrottledDiskOptions, ThrottledTier
 from kvlife.planner import CostModel, PrefillProfile
 from kvlife.store import KVStore, StoreConfig, TierSpec
@@ -117,3 +120,25 @@ def test_the_planner_learns_the_slow_tier_from_abandoned_loads_and_stops_loading
     served, wrong = served_chunks([store], identities(1), [P])
     assert wrong == [] and served == 4
     engine.close()
+
+
+_samples = st.lists(
+    st.builds(
+        LoadSample, st.sampled_from(["dram", "disk"]), st.integers(1, 1 << 30), st.floats(0, 10)
+    ),
+    max_size=4,
+)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(_samples, min_size=1, max_size=4))
+def test_merged_reports_carry_every_rank_s_load_samples(per_rank: list[list[LoadSample]]) -> None:
+    """vLLM merges the ranks' worker metadata pairwise in any order: every sample
+    survives once, and a report with samples only is still sent (truthy)."""
+    reports = [StepReport(loads=list(s)) for s in per_rank]
+    merged = reports[0]
+    for r in reports[1:]:
+        merged = merged.merge(r)
+    assert sorted(map(repr, merged.loads)) == sorted(repr(x) for s in per_rank for x in s)
+    assert bool(merged) == any(per_rank)
+    assert all(r.loads == s for r, s in zip(reports, per_rank, strict=True))  # unchanged
