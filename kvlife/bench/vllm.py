@@ -248,6 +248,13 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    args_in = sys.argv[1:] if argv is None else argv
+    if "--planner" in args_in:  # load or recompute at a few disk bandwidths
+        from kvlife.bench.vllm_planner import main as planner_main
+
+        return planner_main(args_in)
     parser = argparse.ArgumentParser(
         prog="kvlife bench vllm",
         description=__doc__,
@@ -258,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=64, help="kvlife chunk size")
     parser.add_argument("--quick", action="store_true", help="1 user, 2 turns, 4 tokens (tests)")
     parser.add_argument("--dir", default=None, help="scratch directory (default: under .)")
+    parser.add_argument(
+        "--planner",
+        action="store_true",
+        help="load vs recompute vs the planner on a throttled disk (kvlife.bench.vllm_planner)",
+    )
     args = parser.parse_args(argv)
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, chunk_tokens=args.chunk_tokens)
     if args.quick:

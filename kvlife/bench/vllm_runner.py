@@ -24,6 +24,12 @@ engine-core and worker processes; counters then stay in those processes), ``kvli
 ``reset_before``: indexes of requests before which the run calls
 ``llm.reset_prefix_cache(reset_connector=True)`` (vLLM's prefix-cache reset, passed on to
 the connector); what each returned is recorded as ``resets``.
+``imports``: modules imported before the engine starts (``kvlife.faults.throttle``
+registers the ``throttled-disk`` tier kind a ``kvlife.config`` may name).
+``prefill_profile``: ``{"out": PATH, "points": [[start, length], ...], "repeats": n}``:
+before the requests, the engine's prefill profile is measured
+(:func:`kvlife.engines.vllm.profile.measure_prefill`) and saved to ``PATH`` (what a
+``[planner] prefill_profile`` names); recorded as ``prefill_profile``.
 ``expect_failure``: a request that raises (e.g. the connector's ``kvlife.fail_layer``
 test hook) ends the run instead of the process: the error is recorded as ``error`` and
 the store is closed as usual.
@@ -31,6 +37,7 @@ the store is closed as usual.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -205,9 +212,22 @@ def _memcpy(timings: dict[str, Any], rounds: int = 5) -> dict[str, Any]:
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     error = ""
     resets: list[bool] = []
+    for module in spec.get("imports", ()):
+        importlib.import_module(str(module))
     t0 = time.perf_counter()
     llm = _engine(spec)
     start_s = time.perf_counter() - t0
+    profile: dict[str, Any] = {}
+    if spec.get("prefill_profile"):
+        from dataclasses import asdict
+
+        from kvlife.engines.vllm.profile import POINTS, measure_prefill
+
+        want = spec["prefill_profile"]
+        points = [tuple(p) for p in want.get("points", POINTS)]
+        fitted = measure_prefill(llm, points, repeats=int(want.get("repeats", 2)))
+        fitted.save(Path(want["out"]))
+        profile = asdict(fitted)
     if "chat" in spec:
         chat = spec["chat"]
         rows = _chat(
@@ -239,6 +259,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         close_all()
     return {
         "engine_start_s": start_s,
+        "prefill_profile": profile,
         "requests": rows,
         "counters": counters,
         "memcpy": memcpy,

@@ -46,6 +46,26 @@ def _features(start: int, length: int) -> tuple[float, float, float]:
     return (1.0, float(length), float(length) * (start + length / 2.0))
 
 
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``argmin |a x - b|`` over ``x >= 0`` for a few columns: the best least-squares
+    solution over every subset of free columns that comes out non-negative (exact, and
+    numpy only: the vLLM interpreter, where the connector fits too, has no scipy)."""
+    n = a.shape[1]
+    best, best_res = np.zeros(n), float(b @ b)
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        x, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+        if (x < 0).any():
+            continue
+        full = np.zeros(n)
+        full[cols] = x
+        r = a @ full - b
+        res = float(r @ r)
+        if res < best_res:
+            best, best_res = full, res
+    return best
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillProfile:
     """Prefill seconds of an engine as ``c0 + c1*L + c2*L*(start + L/2)``."""
@@ -77,8 +97,6 @@ class PrefillProfile:
     def fit(cls, samples: Sequence[PrefillSample], engine: str = "") -> PrefillProfile:
         """Non-negative least squares on relative error (each sample weighted by
         1/seconds, so short prefills count as much as long ones)."""
-        from scipy.optimize import nnls
-
         if len(samples) < 3:
             raise InvalidArgument(f"a prefill profile needs >= 3 samples, got {len(samples)}")
         a = np.array([_features(s.start, s.length) for s in samples])
@@ -86,7 +104,7 @@ class PrefillProfile:
         if not (b > 0).all():
             raise InvalidArgument("prefill samples must have positive times")
         w = 1.0 / b
-        coef, _ = nnls(a * w[:, None], b * w)
+        coef = _nnls(a * w[:, None], b * w)
         return cls(float(coef[0]), float(coef[1]), float(coef[2]), engine, tuple(samples))
 
     def save(self, path: Path) -> None:

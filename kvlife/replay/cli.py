@@ -61,6 +61,7 @@ def _config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         kv_bytes_per_token=args.kv_bytes_per_token,
         compute=COMPUTE_PRESETS[args.compute],
         tenant_shares=getattr(args, "tenant_shares", "") or "",
+        planner=bool(getattr(args, "planner", False)),
     )
 
 
@@ -82,6 +83,9 @@ def replay_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant-shares", default="",
                    help="quotas between the trace's tenants: 'equal' or name=fraction,... "
                         "of each tier (kvlife.replay.tenants)")  # fmt: skip
+    p.add_argument("--planner", action="store_true",
+                   help="time the run again with the load-or-recompute planner "
+                        "(kvlife.planner; TTFT beside always-load)")  # fmt: skip
     p.add_argument("--json", default=None, help="write the report as JSON")
     p.add_argument("--report", default=None, help="write an HTML report with plots")
     p.add_argument("--events", default=None, help="write lifecycle events (.jsonl or .parquet)")

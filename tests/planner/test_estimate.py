@@ -105,3 +105,27 @@ def test_the_model_learns_the_engines_speed_of_the_day() -> None:
             model.observe_prefill(s, n, 2 * truth.seconds(s, n))
     got = model.compute_seconds(512, 256) / truth.seconds(512, 256)
     assert got == pytest.approx(2.0, rel=1e-3)  # refitted to what the engine timed
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(3, 9),
+    st.lists(st.sampled_from([1.0, 100.0, 1e4]), min_size=3, max_size=3),
+    st.integers(0, 2**32 - 1),
+)
+def test_the_profile_fit_is_scipys_nnls(rows: int, scales: list[float], seed: int) -> None:
+    """The numpy-only NNLS the profile is fitted with (the vLLM interpreter has no scipy)
+    reaches scipy's residual on any small problem."""
+    import numpy as np
+
+    nnls = pytest.importorskip("scipy.optimize").nnls
+    from kvlife.planner.cost import _nnls
+
+    rng = np.random.default_rng(seed)
+    a = rng.random((rows, 3)) * np.array(scales)
+    b = rng.normal(size=rows) + rng.random() * 3
+    ours = _nnls(a, b)
+    assert (ours >= 0).all()
+    theirs, _ = nnls(a, b)
+    slack = 1e-9 * float(np.linalg.norm(b))
+    assert np.linalg.norm(a @ ours - b) <= np.linalg.norm(a @ theirs - b) + slack

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from kvlife.core.errors import InvalidArgument
-from kvlife.replay.cache import CacheSim
+from kvlife.replay.cache import CacheRun, CacheSim
 from kvlife.replay.cli import bench_main, replay_main, sweep_main
-from kvlife.replay.engine import ComputeModel, make_device, simulate
+from kvlife.replay.engine import ComputeModel, Timing, make_device, simulate
 from kvlife.replay.runner import ReplayConfig, parse_capacity, replay
-from kvlife.trace.model import TraceBuilder
+from kvlife.trace.model import Trace, TraceBuilder
 from kvlife.trace.synthetic import SyntheticConfig, synthetic_trace
 
 TRACE = synthetic_trace(SyntheticConfig(seed=4, sessions=80))
@@ -111,3 +111,47 @@ def test_cli_sweep_and_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert b["policy_only"]["lru"]["block_touches_per_cpu_s"] > 0
     assert b["full"]["lru"]["block_touches_per_s"] > 0
     assert "touches/s" in capsys.readouterr().out
+
+
+def _two_same_requests() -> tuple[Trace, CacheRun]:
+    b = TraceBuilder("plan", 100)
+    b.add(0.0, 300, 10, [1, 2, 3])
+    b.add(10.0, 300, 10, [1, 2, 3])  # all three blocks hit, on the disk tier
+    trace = b.build()
+    return trace, CacheSim("lru", 0, 10).run(trace)
+
+
+@pytest.mark.parametrize("block_bytes", [1000, 10 * 10**9])
+def test_the_planner_reads_a_prefix_only_when_that_beats_recomputing_it(
+    block_bytes: int,
+) -> None:
+    """300 tokens take 3 s to prefill. Three 1 kB blocks read in microseconds from the
+    NVMe model: loaded, as always-load does. Three 10 GB blocks take 4.6 s: the planner
+    recomputes them (3 s), always-load waits for the disk."""
+    trace, run = _two_same_requests()
+    cm = ComputeModel(prefill_tokens_per_s=100.0, instances=1)
+
+    def timed(planner: bool) -> Timing:
+        devices = {"disk": make_device("nvme", "disk")}
+        return simulate(trace, run, cm, devices, block_bytes, planner=planner)
+
+    load, plan = timed(False), timed(True)
+    read_s = 80e-6 + 3 * block_bytes / 6.5e9
+    assert load.ttft[1] == pytest.approx(read_s + 0.01)
+    if read_s < 3.0:
+        assert plan.declined.tolist() == [0, 0]
+        assert plan.ttft[1] == pytest.approx(load.ttft[1])
+    else:
+        assert plan.declined.tolist() == [0, 3]
+        assert plan.ttft[1] == pytest.approx(3.0)
+
+
+def test_replay_reports_ttft_with_and_without_the_planner() -> None:
+    u = TRACE.n_unique_blocks()
+    report = replay(
+        TRACE, ReplayConfig("lru", dram_blocks=u // 10, disk_blocks=u // 4, planner=True)
+    )
+    pl = report["planner"]
+    assert pl["ttft_s_always_load"] == report["ttft_s"]
+    assert 0 <= pl["requests_recomputed"] <= pl["requests_with_prefix"]
+    assert pl["ttft_s"]["count"] == TRACE.n_requests

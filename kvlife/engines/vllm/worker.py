@@ -8,7 +8,11 @@ layer, setting one event per layer, so attention of layer ``l`` (which waits in
 missing or fails verification, and every chunk after it, is not written: its blocks are
 reported by ``load_errors`` and vLLM recomputes them (never served). A load that fails
 part-way (the server dropped, a chunk corrupt) is the same: the chunks that arrived
-whole are written, the rest recomputed.
+whole are written, the rest recomputed. So is a load still running at its deadline
+(``LoadSpec.deadline_s``, from the scheduler's planner or ``kvlife.load_timeout_ms``):
+the chunks that arrived by then are written, the rest are abandoned (never written, late
+or not) and recomputed, counted (``loads_timed_out``). Each load's time is reported to
+the scheduler (``StepReport.loads``), whose cost model learns the tiers' speed from it.
 
 Both directions move a step's blocks in one indexed copy per layer (``paged.py``): a
 load lays every chunk of the step out as the paged cache's block rows (one copy per
@@ -47,7 +51,14 @@ from kvlife.core.identity import ModelIdentity
 from kvlife.core.payload import numpy_dtype
 from kvlife.engines.vllm.faults import LayerFault
 from kvlife.engines.vllm.identity import with_adapter
-from kvlife.engines.vllm.meta import LoadSpec, SaveSpec, SaveVerdict, StepPlan, StepReport
+from kvlife.engines.vllm.meta import (
+    LoadSample,
+    LoadSpec,
+    SaveSpec,
+    SaveVerdict,
+    StepPlan,
+    StepReport,
+)
 from kvlife.engines.vllm.paged import (
     PagedLayer,
     chunk_to_rows,
@@ -67,6 +78,11 @@ class WorkerCounters:
     """Tokens written into the paged cache from kvlife."""
     blocks_failed: int = 0
     """Blocks reported to vLLM as failed loads (recomputed by it)."""
+    loads_timed_out: int = 0
+    """Loads still running at their deadline: the chunks not arrived were abandoned and
+    their blocks reported as failed loads (recomputed by vLLM)."""
+    chunks_timed_out: int = 0
+    """Chunks abandoned at a load's deadline."""
     saves: int = 0
     """Saves staged (``prepare_put``), awaiting the scheduler's verdict."""
     chunks_stored: int = 0
@@ -124,6 +140,8 @@ class _Load:
     handle: Any
     first_chunk: int
     chunks: int
+    sizes: list[tuple[str, int]] = field(default_factory=list)
+    """Tier and stored bytes of each chunk (what the scheduler's cost model learns from)."""
 
 
 @dataclass(slots=True)
@@ -252,7 +270,7 @@ class WorkerSide:
             return None
         if usable < c1 - c0:
             self._fail(spec, c0 + usable)
-        return _Load(spec, handle, c0, usable)
+        return _Load(spec, handle, c0, usable, [(h.tier, h.stored_nbytes) for h in sub.hits])
 
     def _fail(self, spec: LoadSpec, from_chunk: int) -> None:
         """Blocks of ``spec`` from chunk ``from_chunk`` on did not load."""
@@ -265,22 +283,53 @@ class WorkerSide:
             self._errors |= new
             self.counters.blocks_failed += len(new)
 
-    def _arrived(self, job: _Load) -> list[np.ndarray]:
-        """Leading chunks of ``job`` that arrived whole (a failure of the handle, e.g.
-        the server dropped mid-load, ends the run there: recomputed, not raised)."""
+    def _arrived(self, job: _Load, t0: float) -> list[np.ndarray]:
+        """Leading chunks of ``job`` that arrived whole by its deadline (``deadline_s``
+        after ``t0``, the step's start of loads). A failure of the handle (the server
+        dropped mid-load) ends the run there, as does the deadline: recomputed, never
+        raised; chunks arriving after the deadline are never written."""
         got: list[np.ndarray] = []
+        limit = job.spec.deadline_s
         try:
             for i in range(job.chunks):
-                arr = job.handle.chunk(i)
+                left = None if limit is None else max(0.0, t0 + limit - time.perf_counter())
+                try:
+                    arr = job.handle.chunk(i, timeout=left)
+                except TimeoutError:
+                    self.counters.loads_timed_out += 1
+                    self.counters.chunks_timed_out += job.chunks - i
+                    log.warning(
+                        "kvlife load of %s ran past its deadline (%.3f s) at chunk %d of "
+                        "%d: the rest is recomputed",
+                        job.spec.req_id,
+                        limit,
+                        i,
+                        job.chunks,
+                    )
+                    # what it waited for bounds the tier's speed from above
+                    self._observe(job, i + 1, time.perf_counter() - t0)
+                    return got
                 if arr is None:
                     break
                 got.append(arr)
+            if len(got) == job.chunks:
+                self._observe(job, len(got), time.perf_counter() - t0)
             res = job.handle.wait()
             for tier, n in res.tiers.items():
                 self.counters.tiers[tier] = self.counters.tiers.get(tier, 0) + n
         except KVLifeError as exc:
             log.warning("kvlife load of %s failed part-way, recomputed: %s", job.spec.req_id, exc)
         return got
+
+    def _observe(self, job: _Load, chunks: int, seconds: float) -> None:
+        """Report ``job``'s first ``chunks`` as loaded in ``seconds`` (one tier only: a
+        load across tiers does not say which was slow)."""
+        sizes = job.sizes[:chunks]
+        tiers = {t for t, _ in sizes}
+        if len(tiers) == 1 and seconds > 0:
+            sample = LoadSample(tiers.pop(), sum(n for _, n in sizes), seconds)
+            with self._lock:
+                self._report.loads.append(sample)
 
     def _write_layers(self, jobs: list[_Load], events: list[threading.Event], t0: float) -> None:
         """Wait for the step's chunks, lay every block of them out as the paged cache
@@ -294,7 +343,7 @@ class WorkerSide:
             for job in jobs:
                 spec = job.spec
                 t1 = time.perf_counter()
-                got = self._arrived(job)
+                got = self._arrived(job, t0)
                 tm.read_s += time.perf_counter() - t1
                 if len(got) < job.chunks:
                     self._fail(spec, job.first_chunk + len(got))
@@ -501,7 +550,8 @@ class WorkerSide:
     def take_report(self) -> StepReport | None:
         """The steps this worker finished since the last call (vLLM's
         ``build_connector_worker_meta``)."""
-        report, self._report = self._report, StepReport()
+        with self._lock:
+            report, self._report = self._report, StepReport()
         return report if report else None
 
     @property

@@ -676,7 +676,7 @@ class _Reader:
 
 
 def _connector_problem(key: str, value: object, has_server: bool, path: object) -> str:
-    if key == "chunk_tokens" and isinstance(value, int) and value <= 0:
+    if key in ("chunk_tokens", "load_timeout_ms") and isinstance(value, int) and value <= 0:
         return f"must be > 0, got {value}"
     if key == "namespace":
         try:

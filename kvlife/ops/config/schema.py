@@ -88,6 +88,7 @@ class PlannerSettings:
 
 CONNECTOR_KEYS: dict[str, type] = {
     "chunk_tokens": int,
+    "load_timeout_ms": int,
     "namespace": str,
     "salt_kind": str,
     "save_decode": bool,
