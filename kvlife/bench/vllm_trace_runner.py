@@ -59,6 +59,7 @@ def _engine(spec: dict[str, Any]) -> Any:
         max_model_len=int(spec.get("max_model_len", 2048)),
         kv_cache_memory_bytes=int(spec.get("kv_cache_mib", 64)) << 20,
         enforce_eager=True,
+        disable_log_stats=False,  # the request's metrics carry its TTFT
         skip_tokenizer_init=True,
         seed=0,
         **kwargs,
