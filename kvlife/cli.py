@@ -457,6 +457,7 @@ BENCHES = {
     "transforms": "kvlife.bench.transforms",
     "remote": "kvlife.bench.remote",
     "vllm": "kvlife.bench.vllm",
+    "vllm-trace": "kvlife.bench.vllm_trace",
     "server": "kvlife.bench.server",
     "lmcache-mp": "kvlife.bench.peer_lmcache_mp",
     "tenant-arenas": "kvlife.bench.tenant_arenas",
