@@ -48,7 +48,7 @@ from kvlife.core.errors import (
 )
 from kvlife.core.events import EventSink, fan_out
 from kvlife.core.identity import digest_bytes
-from kvlife.core.logs import LogSink, log_event
+from kvlife.core.logs import LogSink, flush_logs, log_event
 from kvlife.server import protocol
 from kvlife.server.context import UNKNOWN_PEER, PartSender, Peer
 from kvlife.server.limits import Account, Limits
@@ -270,6 +270,31 @@ class Server:
                 from kvlife.server.prometheus import serve, server_registry
 
                 self.metrics = serve(server_registry(self.state, self.live), *cfg.metrics)
+            self._last_accept_log = 0.0
+            self.log(
+                "start",
+                pid=os.getpid(),
+                store=cfg.path,
+                socket=cfg.socket_path,
+                arena=shm.arena.path,
+                huge_pages="yes" if shm.arena.huge_pages else "no",
+                cpus=",".join(map(str, sorted(os.sched_getaffinity(0)))),
+                dram_bytes=cfg.dram_bytes,
+                disk_bytes=cfg.disk_bytes,
+                nofile=nofile,
+                client_fds=fds,
+                max_connections=cfg.limits.max_connections,
+                metrics=self.metrics.url if self.metrics is not None else "off",
+            )
+            if self.kv_events is not None:
+                ev = self.kv_events
+                self.log(
+                    f"kv_events endpoint={ev.endpoint} bound={'yes' if ev.bound else 'no'} "
+                    f"replay={ev.replay_endpoint or '-'} topic={ev.config.topic!r}"
+                )
+            # the lines above are written before the pid file appears: whoever waits for
+            # the pid file (a supervisor, a test) reads the start line beside it
+            flush_logs()
             if cfg.pid_file is not None:
                 _write_pid_file(cfg.pid_file)
         except BaseException:
@@ -285,28 +310,6 @@ class Server:
             if self.kv_events is not None:
                 self.kv_events.close()
             raise
-        self._last_accept_log = 0.0
-        self.log(
-            "start",
-            pid=os.getpid(),
-            store=cfg.path,
-            socket=cfg.socket_path,
-            arena=shm.arena.path,
-            huge_pages="yes" if shm.arena.huge_pages else "no",
-            cpus=",".join(map(str, sorted(os.sched_getaffinity(0)))),
-            dram_bytes=cfg.dram_bytes,
-            disk_bytes=cfg.disk_bytes,
-            nofile=nofile,
-            client_fds=fds,
-            max_connections=cfg.limits.max_connections,
-            metrics=self.metrics.url if self.metrics is not None else "off",
-        )
-        if self.kv_events is not None:
-            ev = self.kv_events
-            self.log(
-                f"kv_events endpoint={ev.endpoint} bound={'yes' if ev.bound else 'no'} "
-                f"replay={ev.replay_endpoint or '-'} topic={ev.config.topic!r}"
-            )
 
     def log(self, event: str, level: int = logging.INFO, **fields: object) -> None:
         """One structured line (:mod:`kvlife.core.logs`)."""
