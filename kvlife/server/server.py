@@ -647,6 +647,23 @@ def _preflight(cfg: ServeConfig) -> None:
         raise InvalidArgument(
             f"shared-memory directory {cfg.shm_dir} does not exist (or is not a directory)"
         )
+    first = cfg.store.chain[0].capacity_bytes if cfg.store is not None else cfg.dram_bytes
+    arena = first + cfg.staging_bytes
+    fs = os.statvfs(cfg.shm_dir)
+    room = fs.f_blocks * fs.f_frsize
+    if arena > room:  # the mapping would fail only after the store was made
+        raise InvalidArgument(
+            f"the arena ({_size(arena)}: the first tier's {_size(first)} plus staging "
+            f"{_size(cfg.staging_bytes)}) is larger than the shared-memory filesystem "
+            f"{cfg.shm_dir} ({_size(room)} in all)"
+        )
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
 
 
 def _kv_events(config: KVEventsConfig | None) -> KVEventPublisher | None:

@@ -76,6 +76,13 @@ CASES = {
         + '[server.kv_events]\nendpoint = "tcp://999.1.1.1:*"\n'
         + TIERS
     ),
+    # a first tier larger than the shared-memory filesystem: the mapping failed after
+    # the store folder (and its lock file) was made
+    "arena larger than shm": lambda t: (
+        '[store]\npath = "s"\n'
+        + _server(t)
+        + '[[tiers]]\nname = "dram"\nkind = "memory"\nbudget = "100000TiB"\n'
+    ),
 }
 
 

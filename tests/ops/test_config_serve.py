@@ -117,7 +117,9 @@ def test_serve_runs_from_the_file(tmp_path: Path) -> None:
 
 def test_flags_override_the_file(tmp_path: Path) -> None:
     config = tmp_path / "kvlife.toml"
-    config.write_text(CONFIG + '\n[server.kv_events]\nendpoint = "tcp://*:5557"\ntopic = "t"\n')
+    text = CONFIG.replace("[server]\n", '[server]\nmetrics = ":0"\nlog_json = true\n', 1)
+    assert text != CONFIG
+    config.write_text(text + '\n[server.kv_events]\nendpoint = "tcp://*:5557"\ntopic = "t"\n')
     args = build_parser().parse_args(
         [
             "serve",
@@ -145,10 +147,23 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert cfg.store.promote_on_hit is False
     assert cfg.staging_bytes == 1 << 20
     assert cfg.kv_events is not None and cfg.kv_events.endpoint == "tcp://*:5557"
+    assert cfg.metrics == ("127.0.0.1", 0) and cfg.log_json  # not given: the file's
     over = build_parser().parse_args(
-        ["serve", "--config", str(config), "--kv-events", "ipc:///tmp/x", "--kv-events-topic", ""]
+        [
+            "serve",
+            "--config",
+            str(config),
+            "--kv-events",
+            "ipc:///tmp/x",
+            "--kv-events-topic",
+            "",
+            "--metrics",
+            "9999",
+        ]
     )
-    events = serve_config(over).kv_events
+    over_cfg = serve_config(over)
+    events = over_cfg.kv_events
+    assert over_cfg.metrics == ("127.0.0.1", 9999)  # the flag wins over the file
     assert events is not None and (events.endpoint, events.topic) == ("ipc:///tmp/x", "")
     # without a file, the same function gives ServeConfig's own defaults
     plain = serve_config(build_parser().parse_args(["serve", str(tmp_path / "s")]))

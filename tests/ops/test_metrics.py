@@ -14,10 +14,10 @@ from kvlife.client import RemoteStore
 from kvlife.core.errors import InvalidArgument, NotPermitted
 from kvlife.core.identity import PUBLIC, Namespace, NamespaceKind
 from kvlife.results import StoreCounters, TierCounters
+from kvlife.server.address import parse_address
 from kvlife.server.prometheus import (
     STORE_COUNTERS,
     TIER_COUNTERS,
-    parse_address,
     registry_for,
     serve,
 )

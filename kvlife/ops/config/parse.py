@@ -35,6 +35,7 @@ from kvlife.ops.config.schema import (
     TierSeed,
 )
 from kvlife.ops.kv_events import KVEventsConfig
+from kvlife.server.address import parse_address
 from kvlife.server.limits import Limits
 from kvlife.store.config import StoreConfig
 from kvlife.tenancy.names import check_name
@@ -492,11 +493,14 @@ class _Reader:
         limits = self.limits(t.get("limits", {}))
         principals = self.principals(t["principals"]) if "principals" in t else None
         events = self.kv_events(t["kv_events"]) if "kv_events" in t else None
+        metrics = self.metrics(t)
+        log_json = self.value(t, path, "log_json", bool, False)
         parts = (socket, staging, shm_dir, pid_file, cpus, limits, principals, events)
-        if any(p is BAD for p in parts):
+        if any(p is BAD for p in (*parts, metrics, log_json)):
             return BAD
         assert isinstance(limits, Limits) and isinstance(cpus, tuple)
         assert not isinstance(principals, _Bad) and not isinstance(events, _Bad)
+        assert not isinstance(metrics, _Bad)
         defaults = ServerSettings()
         return ServerSettings(
             socket=self.file_path(socket) if socket else None,
@@ -507,7 +511,22 @@ class _Reader:
             limits=limits,
             principals=principals,
             kv_events=events,
+            metrics=metrics,
+            log_json=log_json,
         )
+
+    def metrics(self, t: Mapping[str, Any]) -> str | _Bad | None:
+        """``metrics = "HOST:PORT"`` (or ``":PORT"``, ``"PORT"``; port 0: a free one)."""
+        if "metrics" not in t:
+            return None
+        value = t["metrics"]
+        if not isinstance(value, str):
+            return self.bad(("server", "metrics"), f"must be 'HOST:PORT', got {value!r}")
+        try:
+            parse_address(value)
+        except InvalidArgument as exc:
+            return self.bad(("server", "metrics"), str(exc))
+        return value
 
     def cpus(self, t: Mapping[str, Any]) -> tuple[int, ...] | _Bad:
         if "cpus" not in t:
@@ -731,6 +750,8 @@ _SERVER_KEYS = {
     "limits",
     "principals",
     "kv_events",
+    "metrics",
+    "log_json",
 }
 _DURABLE_KINDS = frozenset({"disk", "redis", "mooncake"})
 

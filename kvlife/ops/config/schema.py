@@ -48,6 +48,10 @@ class ServerSettings:
     of the server's Unix user is trusted alike."""
     kv_events: KVEventsConfig | None = None
     """Publish KV events for routers (``[server.kv_events]``); None: none."""
+    metrics: str | None = None
+    """Serve Prometheus metrics at this ``HOST:PORT`` (``--metrics``); None: none."""
+    log_json: bool = False
+    """Log one JSON object per line (``--log-json``)."""
 
 
 @dataclass(frozen=True, slots=True)
