@@ -35,7 +35,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -55,6 +55,20 @@ OnChunk = Callable[[int, np.ndarray | None], None]
 """Told of each chunk as soon as it is in its buffer (an asynchronous load's handle)."""
 
 
+Said = tuple[int, bytes, int, TierName, tuple[Any, ...]]
+"""What a lookup reply says of one hit: chunk number, key, position, tier and
+representation (transform, class, stored bytes, decoded bytes, decode seconds)."""
+
+
+def _record(said: Said) -> ChunkHit:
+    """The hit record of what a lookup reply said of a chunk; ProtocolError for a
+    representation of other fields."""
+    i, key, pos, tier, form = said
+    if len(form) != 5:
+        raise errors.ProtocolError(f"lookup reply's representation of {len(form)} fields, not 5")
+    return ChunkHit(i, ChunkKey(key), pos, tier, *form)
+
+
 class Loads:
     """The client side of the load protocol on one :class:`Wire`."""
 
@@ -66,31 +80,46 @@ class Loads:
     def _hits(
         self, blob: bytes, tiers: list[int], forms: list[list[Any]], start: int, n: int
     ) -> list[ChunkHit]:
-        """The hit records of a lookup reply. A record is frozen, so one that says the
-        same (chunk number, key, position, tier, representation) as a record answered
-        before is that record: a repeated prompt, or one sharing a prefix, builds no new
-        record for the chunks it shares (a 128-chunk lookup built 128 at ~2.5 µs each;
-        a tuple and a dict probe cost about a third of that). The reply's fields are
-        msgpack str/int/float already: no per-hit conversions."""
-        if len(blob) != KEY_BYTES * len(tiers) or len(forms) != len(tiers):
+        """The hit records of a lookup reply, in one pass without a Python step per hit
+        for a chunk seen before. A record is frozen, so one that says the same (chunk
+        number, key, position, tier, representation) as a record answered before is
+        that record: a repeated prompt, or one sharing a prefix, builds no new record
+        for the chunks it shares. The keys are cut from the blob, the tier names and
+        representations mapped, and the records found by C-level maps; only the
+        records not seen before are built, one by one. The reply's fields are msgpack
+        str/int/float already: no per-hit conversions."""
+        count = len(tiers)
+        kb = KEY_BYTES
+        if len(blob) != kb * count or len(forms) != count:
             raise errors.ProtocolError(
-                f"lookup reply of {len(blob)} key bytes, {len(tiers)} tiers, {len(forms)} forms"
+                f"lookup reply of {len(blob)} key bytes, {count} tiers, {len(forms)} forms"
             )
         names = [TierName(t) for t in self.wire.names]
+        if count and (min(tiers) < 0 or max(tiers) >= len(names)):
+            raise errors.ProtocolError(
+                f"lookup reply names tier {min(tiers)}..{max(tiers)} of {len(names)}"
+            )
         known = self._known
         if len(known) > KNOWN_HITS:
             known.clear()  # bounded: a new prompt mix starts afresh
-        hits: list[ChunkHit] = []
-        add = hits.append
-        kb = KEY_BYTES
-        for i, (t, f) in enumerate(zip(tiers, forms, strict=True)):
-            key = blob[i * kb : (i + 1) * kb]
-            said = (i, key, start + i * n, names[t], *f)
-            hit = known.get(said)
-            if hit is None:
-                hit = known[said] = ChunkHit(i, ChunkKey(key), start + i * n, names[t], *f)
-            add(hit)
-        return hits
+        ends = range(kb, kb * count + 1, kb)
+        keys = map(blob.__getitem__, map(slice, range(0, kb * count, kb), ends))
+        said = list(
+            zip(
+                range(count),
+                keys,
+                range(start, start + count * n, n),
+                map(names.__getitem__, tiers),
+                map(tuple, forms),
+                strict=True,
+            )
+        )
+        hits = list(map(known.get, said))
+        if None in hits:  # chunks not seen before (or since the last clear)
+            for i, s in enumerate(said):
+                if hits[i] is None:
+                    hits[i] = known[s] = _record(s)
+        return cast(list[ChunkHit], hits)  # no None left
 
     def lookup(self, prompt: PromptRef, accept: Accept) -> RemoteLookup:
         args = protocol.encode_prompt(prompt)
