@@ -62,11 +62,20 @@ representation (transform, class, stored bytes, decoded bytes, decode seconds)."
 
 def _record(said: Said) -> ChunkHit:
     """The hit record of what a lookup reply said of a chunk; ProtocolError for a
-    representation of other fields."""
+    representation of other fields or of other types (a record holds what it says)."""
     i, key, pos, tier, form = said
     if len(form) != 5:
         raise errors.ProtocolError(f"lookup reply's representation of {len(form)} fields, not 5")
-    return ChunkHit(i, ChunkKey(key), pos, tier, *form)
+    transform, exactness, stored, decoded, seconds = form
+    if not (
+        type(transform) is str
+        and type(exactness) is str
+        and type(stored) is int
+        and type(decoded) is int
+        and type(seconds) in (float, int)
+    ):
+        raise errors.ProtocolError(f"lookup reply's representation of other types: {form!r}")
+    return ChunkHit(i, ChunkKey(key), pos, tier, transform, exactness, stored, decoded, seconds)
 
 
 class Loads:
@@ -88,6 +97,8 @@ class Loads:
         representations mapped, and the records found by C-level maps; only the
         records not seen before are built, one by one. The reply's fields are msgpack
         str/int/float already: no per-hit conversions."""
+        if not (isinstance(blob, bytes) and isinstance(tiers, list) and isinstance(forms, list)):
+            raise errors.ProtocolError("lookup reply's keys, tiers or forms of the wrong type")
         count = len(tiers)
         kb = KEY_BYTES
         if len(blob) != kb * count or len(forms) != count:
@@ -95,30 +106,33 @@ class Loads:
                 f"lookup reply of {len(blob)} key bytes, {count} tiers, {len(forms)} forms"
             )
         names = [TierName(t) for t in self.wire.names]
-        if count and (min(tiers) < 0 or max(tiers) >= len(names)):
+        if count and (set(map(type, tiers)) != {int} or min(tiers) < 0 or max(tiers) >= len(names)):
             raise errors.ProtocolError(
-                f"lookup reply names tier {min(tiers)}..{max(tiers)} of {len(names)}"
+                f"lookup reply names tiers other than 0..{len(names) - 1}: {tiers[:8]!r}"
             )
         known = self._known
         if len(known) > KNOWN_HITS:
             known.clear()  # bounded: a new prompt mix starts afresh
         ends = range(kb, kb * count + 1, kb)
         keys = map(blob.__getitem__, map(slice, range(0, kb * count, kb), ends))
-        said = list(
-            zip(
-                range(count),
-                keys,
-                range(start, start + count * n, n),
-                map(names.__getitem__, tiers),
-                map(tuple, forms),
-                strict=True,
+        try:
+            said = list(
+                zip(
+                    range(count),
+                    keys,
+                    range(start, start + count * n, n),
+                    map(names.__getitem__, tiers),
+                    map(tuple, forms),
+                    strict=True,
+                )
             )
-        )
-        hits = list(map(known.get, said))
+            hits = list(map(known.get, said))
+        except TypeError as exc:  # a representation that is no array, or holds one
+            raise errors.ProtocolError(f"lookup reply's representations: {exc}") from None
         if None in hits:  # chunks not seen before (or since the last clear)
-            for i, s in enumerate(said):
-                if hits[i] is None:
-                    hits[i] = known[s] = _record(s)
+            new = [(i, _record(s)) for i, s in enumerate(said) if hits[i] is None]
+            for i, hit in new:  # kept only once every record of the reply was read
+                hits[i] = known[said[i]] = hit
         return cast(list[ChunkHit], hits)  # no None left
 
     def lookup(self, prompt: PromptRef, accept: Accept) -> RemoteLookup:

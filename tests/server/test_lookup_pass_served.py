@@ -127,6 +127,50 @@ def test_a_reply_with_a_representation_of_other_fields_is_a_protocol_error(
         loads._hits(bytes(KEY_BYTES), [0], [["exact", "exact", 1024, 0]], 0, N)
 
 
+junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.floats(allow_nan=False),
+    st.text(max_size=3),
+    st.binary(max_size=3),
+    st.lists(st.integers(0, 2), max_size=2),
+)
+field = st.one_of(st.sampled_from(FORMS).map(list), st.lists(junk, max_size=6), junk)
+
+
+@SETTINGS
+@given(
+    count=st.integers(0, 4),
+    tiers=st.lists(st.one_of(st.integers(-1, 2), junk), max_size=5),
+    forms=st.one_of(st.lists(field, max_size=5), junk),
+    blob_kind=st.sampled_from(("bytes", "short", "text")),
+)
+def test_a_garbled_lookup_reply_is_a_protocol_error_or_the_records_it_says(
+    client: RemoteStore, count: int, tiers: Any, forms: Any, blob_kind: str
+) -> None:
+    """Whatever a reply holds, the client answers the records it says (each field of
+    its type) or raises ProtocolError, keeping nothing of a reply it refused."""
+    loads = _loads(client)
+    names = list(loads.wire.names)
+    blob: Any = bytes(range(count)) * KEY_BYTES
+    if blob_kind == "short":
+        blob = blob[:-1]
+    elif blob_kind == "text":
+        blob = "k" * len(blob)
+    before = dict(loads._known)
+    try:
+        got = loads._hits(blob, tiers, forms, 0, N)
+    except ProtocolError:
+        assert loads._known == before
+        return
+    assert got == reference(names, blob, tiers, forms, 0, N)
+    for h in got:
+        assert type(h.transform) is str and type(h.exactness) is str
+        assert type(h.stored_nbytes) is int and type(h.decode_nbytes) is int
+        assert type(h.decode_seconds) in (float, int)
+
+
 @SETTINGS
 @given(
     held=st.lists(st.sampled_from(("home", "other", "gone")), min_size=1, max_size=10),
