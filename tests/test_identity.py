@@ -389,3 +389,45 @@ def test_pipeline_stage_fields_follow_the_documented_encoding() -> None:
     assert both.digest == digest([15, 3, 64, "float16", 256, "tp", 1, 2, 3, "pp", 1, 2, 15])
     stage0 = ident(pp_rank=0, pp_size=2, first_layer=0)
     assert len({ident().digest, stage0.digest, stage1.digest}) == 3
+
+
+TOKEN_DTYPES = ("<i4", "<u4", ">u4", ">i4", "<i8", "<u8", "<u2", "<i2", "u1")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 2**15 - 1), max_size=40),
+    dtype=st.sampled_from(TOKEN_DTYPES),
+    strided=st.booleans(),
+    start=st.integers(0, 64),
+)
+def test_prompt_keys_of_any_token_array_equal_the_keys_of_its_ids(
+    ids: list[int], dtype: str, strided: bool, start: int
+) -> None:
+    """Keys hashed from a view of an int32/uint32 array's memory (no copy) or from a
+    copy of any other array equal those of the same ids as a list, chunk by chunk as
+    ``chunk_key`` encodes them (issue 28: the lookup no longer copies the tokens)."""
+    ident = ModelIdentity("m", "w", "t", KVLayout(1, 1, 1, "float16", 4))
+    ids = [i % 255 for i in ids] if dtype == "u1" else ids
+    arr = np.array(ids, dtype=dtype)
+    if strided:  # not contiguous: every other id of an array twice as long
+        wide = np.zeros(2 * len(ids), dtype=dtype)
+        wide[::2] = ids
+        arr = wide[::2]
+    keys = prompt_chunk_keys(ident, PUBLIC, arr, start=start)
+    assert keys == prompt_chunk_keys(ident, PUBLIC, ids, start=start)
+    parent, want = ROOT_PARENT, []
+    for i in range(len(ids) // 4):
+        parent = chunk_key(ident.digest, PUBLIC.salt, parent, start + 4 * i, ids[4 * i : 4 * i + 4])
+        want.append(parent)
+    assert keys == want
+
+
+@pytest.mark.parametrize("dtype", ["<i4", "<i8", "<i2", ">i4"])
+def test_negative_token_ids_are_rejected_whatever_the_dtype(dtype: str) -> None:
+    ident = ModelIdentity("m", "w", "t", KVLayout(1, 1, 1, "float16", 4))
+    arr = np.array([1, 2, -3, 4], dtype=dtype)
+    with pytest.raises(InvalidArgument, match="token ids"):
+        prompt_chunk_keys(ident, PUBLIC, arr)
+    with pytest.raises(InvalidArgument, match="token ids"):
+        prompt_chunk_keys(ident, PUBLIC, np.array([2**32], dtype="<i8"))

@@ -35,7 +35,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -55,6 +55,29 @@ OnChunk = Callable[[int, np.ndarray | None], None]
 """Told of each chunk as soon as it is in its buffer (an asynchronous load's handle)."""
 
 
+Said = tuple[int, bytes, int, TierName, tuple[Any, ...]]
+"""What a lookup reply says of one hit: chunk number, key, position, tier and
+representation (transform, class, stored bytes, decoded bytes, decode seconds)."""
+
+
+def _record(said: Said) -> ChunkHit:
+    """The hit record of what a lookup reply said of a chunk; ProtocolError for a
+    representation of other fields or of other types (a record holds what it says)."""
+    i, key, pos, tier, form = said
+    if len(form) != 5:
+        raise errors.ProtocolError(f"lookup reply's representation of {len(form)} fields, not 5")
+    transform, exactness, stored, decoded, seconds = form
+    if not (
+        type(transform) is str
+        and type(exactness) is str
+        and type(stored) is int
+        and type(decoded) is int
+        and type(seconds) in (float, int)
+    ):
+        raise errors.ProtocolError(f"lookup reply's representation of other types: {form!r}")
+    return ChunkHit(i, ChunkKey(key), pos, tier, transform, exactness, stored, decoded, seconds)
+
+
 class Loads:
     """The client side of the load protocol on one :class:`Wire`."""
 
@@ -66,31 +89,51 @@ class Loads:
     def _hits(
         self, blob: bytes, tiers: list[int], forms: list[list[Any]], start: int, n: int
     ) -> list[ChunkHit]:
-        """The hit records of a lookup reply. A record is frozen, so one that says the
-        same (chunk number, key, position, tier, representation) as a record answered
-        before is that record: a repeated prompt, or one sharing a prefix, builds no new
-        record for the chunks it shares (a 128-chunk lookup built 128 at ~2.5 µs each;
-        a tuple and a dict probe cost about a third of that). The reply's fields are
-        msgpack str/int/float already: no per-hit conversions."""
-        if len(blob) != KEY_BYTES * len(tiers) or len(forms) != len(tiers):
+        """The hit records of a lookup reply, in one pass without a Python step per hit
+        for a chunk seen before. A record is frozen, so one that says the same (chunk
+        number, key, position, tier, representation) as a record answered before is
+        that record: a repeated prompt, or one sharing a prefix, builds no new record
+        for the chunks it shares. The keys are cut from the blob, the tier names and
+        representations mapped, and the records found by C-level maps; only the
+        records not seen before are built, one by one. The reply's fields are msgpack
+        str/int/float already: no per-hit conversions."""
+        if not (isinstance(blob, bytes) and isinstance(tiers, list) and isinstance(forms, list)):
+            raise errors.ProtocolError("lookup reply's keys, tiers or forms of the wrong type")
+        count = len(tiers)
+        kb = KEY_BYTES
+        if len(blob) != kb * count or len(forms) != count:
             raise errors.ProtocolError(
-                f"lookup reply of {len(blob)} key bytes, {len(tiers)} tiers, {len(forms)} forms"
+                f"lookup reply of {len(blob)} key bytes, {count} tiers, {len(forms)} forms"
             )
         names = [TierName(t) for t in self.wire.names]
+        if count and (set(map(type, tiers)) != {int} or min(tiers) < 0 or max(tiers) >= len(names)):
+            raise errors.ProtocolError(
+                f"lookup reply names tiers other than 0..{len(names) - 1}: {tiers[:8]!r}"
+            )
         known = self._known
         if len(known) > KNOWN_HITS:
             known.clear()  # bounded: a new prompt mix starts afresh
-        hits: list[ChunkHit] = []
-        add = hits.append
-        kb = KEY_BYTES
-        for i, (t, f) in enumerate(zip(tiers, forms, strict=True)):
-            key = blob[i * kb : (i + 1) * kb]
-            said = (i, key, start + i * n, names[t], *f)
-            hit = known.get(said)
-            if hit is None:
-                hit = known[said] = ChunkHit(i, ChunkKey(key), start + i * n, names[t], *f)
-            add(hit)
-        return hits
+        ends = range(kb, kb * count + 1, kb)
+        keys = map(blob.__getitem__, map(slice, range(0, kb * count, kb), ends))
+        try:
+            said = list(
+                zip(
+                    range(count),
+                    keys,
+                    range(start, start + count * n, n),
+                    map(names.__getitem__, tiers),
+                    map(tuple, forms),
+                    strict=True,
+                )
+            )
+            hits = list(map(known.get, said))
+        except TypeError as exc:  # a representation that is no array, or holds one
+            raise errors.ProtocolError(f"lookup reply's representations: {exc}") from None
+        if None in hits:  # chunks not seen before (or since the last clear)
+            new = [(i, _record(s)) for i, s in enumerate(said) if hits[i] is None]
+            for i, hit in new:  # kept only once every record of the reply was read
+                hits[i] = known[said[i]] = hit
+        return cast(list[ChunkHit], hits)  # no None left
 
     def lookup(self, prompt: PromptRef, accept: Accept) -> RemoteLookup:
         args = protocol.encode_prompt(prompt)

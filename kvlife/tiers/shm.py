@@ -420,6 +420,15 @@ class ShmTier(HeldTier[_Held]):
             return None
         return held.hint
 
+    def hints(self, keys: Sequence[ChunkKey], arena: Arena) -> list[tuple[int, int]]:
+        """:meth:`hint` of every key at once, (0, 0) for a key not held in ``arena``: a
+        served lookup's hints, one comprehension over the C-level probes of the keys."""
+        none = (0, 0)
+        return [
+            none if held is None or held.arena is not arena else held.hint
+            for held in map(self._held.get, keys)
+        ]
+
     def delete(self, key: ChunkKey) -> int:
         with self._lock:
             return self._take(key).meta.nbytes
