@@ -106,14 +106,9 @@ def replay_main(argv: Sequence[str]) -> int:
 def _sink(path: str | None) -> Any:
     if path is None:
         return None
-    if path.endswith(".parquet"):
-        from kvlife.trace.events_io import ParquetSink
+    from kvlife.trace.events_io import open_event_file
 
-        return ParquetSink(path)
-    from kvlife.core.events import JsonlSink
-
-    Path(path).unlink(missing_ok=True)
-    return JsonlSink(path)
+    return open_event_file(path)
 
 
 def _replay(args: argparse.Namespace) -> int:
