@@ -17,11 +17,11 @@ from kvlife.cli import main as kvlife_main
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.events import LifecycleEvent
 from kvlife.replay.cache import CacheSim
+from kvlife.replay.ops import OpsRecorder, OpsStreamError, split_requests
 from kvlife.reporting.cli import main as report_main
 from kvlife.reporting.cli import parse_bytes
 from kvlife.reporting.cluster import ClusterConfig, route, run_cluster
 from kvlife.reporting.lifecycle import LifecycleAnalysis
-from kvlife.reporting.ops import OpsRecorder, OpsStreamError, split_requests
 from kvlife.trace.importers import read_mooncake
 from kvlife.trace.model import TraceBuilder
 
