@@ -136,9 +136,11 @@ class LifecycleAnalysis(EventSink):
             life = self._open[key] = _Life(self.classify(key, event), t)
             if kind == "recover":  # found committed at a restart: its life goes on
                 life.commit = t
-        if kind == "commit":
+        # a restart re-publishes what it recovers (recover, index) within the same life:
+        # the life entered each state the first time
+        if kind == "commit" and life.commit < 0:
             life.commit = t
-        elif kind == "index":
+        elif kind == "index" and life.index < 0:
             life.index = t
         elif kind in ("invalidate", "corrupt"):
             life.invalidate = t

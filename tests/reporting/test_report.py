@@ -244,6 +244,29 @@ def test_lifecycle_analysis_of_known_events() -> None:
     assert res["stability"]["verdict"].startswith("yes")
 
 
+def test_a_restart_does_not_restart_a_life() -> None:
+    """A store restarted mid-log recovers and re-indexes what it held: the life goes on
+    (one life, indexed since its first index), as the demo's log after its restart."""
+
+    def ev(t: float, kind: str) -> LifecycleEvent:
+        return LifecycleEvent(time=t, seq=0, kind=kind, key="k", state="", namespace="a")
+
+    moves = [(0, "put"), (1, "commit"), (2, "index"), (10, "load"), (50, "recover"),
+             (50, "index"), (60, "load")]  # fmt: skip
+    events = [ev(t, k) for t, k in moves]
+    # another key's put ends the log at t = 100
+    events.append(LifecycleEvent(time=100.0, seq=0, kind="put", key="z", state=""))
+    o = LifecycleAnalysis(lambda _k, e: e.namespace).add_all(events).result()["classes"]["a"]
+    assert (o["lives_open"], o["lives_closed"]) == (1, 0)
+    assert o["open_reuse_count"]["p50"] == 2.0
+    assert o["state_s_with_open"] == {
+        "tentative": 1.0,
+        "committed": 1.0,
+        "indexed": 98.0,
+        "invalidated": 0.0,
+    }
+
+
 def test_live_event_log_from_the_demo(tmp_path: Path) -> None:
     """The real store of ``kvlife demo --synthetic`` writes an event log; the report
     analyses it beside the replay."""
