@@ -16,6 +16,7 @@ from typing import Any
 
 from kvlife.core.errors import KVLifeError
 from kvlife.replay.engine import COMPUTE_PRESETS, DEVICE_KINDS
+from kvlife.replay.ftl_disk import DISK_MODELS
 from kvlife.replay.runner import DEFAULT_KV_BYTES_PER_TOKEN, ReplayConfig, parse_capacity
 from kvlife.trace.importers import FORMATS, read_trace
 from kvlife.trace.model import Trace
@@ -62,6 +63,9 @@ def _config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         compute=COMPUTE_PRESETS[args.compute],
         tenant_shares=getattr(args, "tenant_shares", "") or "",
         planner=bool(getattr(args, "planner", False)),
+        disk_model=getattr(args, "disk_model", "bandwidth"),
+        disk_drives=getattr(args, "disk_drives", 1),
+        disk_op=getattr(args, "disk_op", 0.07),
     )
 
 
@@ -75,6 +79,12 @@ def replay_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk", default="0", help="disk capacity: share of unique blocks or bytes")
     p.add_argument("--dram-device", default="dram", choices=DEVICE_KINDS)
     p.add_argument("--disk-device", default="nvme", choices=DEVICE_KINDS)
+    p.add_argument("--disk-model", default="bandwidth", choices=DISK_MODELS,
+                   help="time the disk tier with a bandwidth model of its device, or per "
+                        "block through the page-level FTL with GC (kvlife.replay.ftl_disk, "
+                        "as kvlife report does)")  # fmt: skip
+    p.add_argument("--disk-drives", type=int, default=1, help="FTL: drives the disk tier spans")
+    p.add_argument("--disk-op", type=float, default=0.07, help="FTL: over-provisioning")
     p.add_argument("--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN)
     p.add_argument("--compute", default="gpu-8b", choices=sorted(COMPUTE_PRESETS))
     p.add_argument("--derive-tenants", default="", choices=("", "user", "organisation"),
@@ -106,14 +116,9 @@ def replay_main(argv: Sequence[str]) -> int:
 def _sink(path: str | None) -> Any:
     if path is None:
         return None
-    if path.endswith(".parquet"):
-        from kvlife.trace.events_io import ParquetSink
+    from kvlife.trace.events_io import open_event_file
 
-        return ParquetSink(path)
-    from kvlife.core.events import JsonlSink
-
-    Path(path).unlink(missing_ok=True)
-    return JsonlSink(path)
+    return open_event_file(path)
 
 
 def _replay(args: argparse.Namespace) -> int:

@@ -23,6 +23,11 @@ prefill model of :class:`ComputeModel` that is the planner's load-or-recompute c
 (``kvlife.planner.tokens_to_load`` with a flat prefill profile) for a prefix read from
 both tiers at once.
 
+With an :class:`~kvlife.replay.ftl_disk.FTLDisk` (``kvlife replay --disk-model ftl``),
+the disk tier is timed per block through the page-level FTL instead of a bandwidth
+model: at **start**, the request's disk reads, then its trims, demotions and direct disk
+placements (demotions are still read from DRAM when the prefill is done).
+
 Decode runs on separate instances (prefill/decode disaggregation, as in Mooncake), so
 TPOT = ``decode_s_per_token + decode_s_per_context_token x context``, with the context at
 mid-decode. Devices are :mod:`kvlife.sim` models, called in event order.
@@ -40,6 +45,7 @@ from numpy.typing import NDArray
 from kvlife.core.errors import InvalidArgument
 from kvlife.planner import TierCost
 from kvlife.replay.cache import DISK, DRAM, CacheRun
+from kvlife.replay.ftl_disk import FTLDisk
 from kvlife.sim.device import DeviceModel, LocalDRAM, MemoryConfig, MemoryDevice
 from kvlife.trace.model import Trace
 
@@ -151,9 +157,13 @@ def simulate(
     block_bytes: int,
     *,
     planner: bool = False,
+    ftl: FTLDisk | None = None,
 ) -> Timing:
     """Time the requests of ``trace`` given the cache decisions of ``run``; with
-    ``planner``, each prefix is read or recomputed, whichever is predicted faster."""
+    ``planner``, each prefix is read or recomputed, whichever is predicted faster; with
+    ``ftl``, the disk tier is that FTL (``devices`` then has no disk)."""
+    if ftl is not None and (planner or DISK in devices):
+        raise InvalidArgument("the FTL disk is timed alone: no planner, no disk device beside it")
 
     n = trace.n_requests
     arrival = trace.timestamps.tolist()
@@ -177,6 +187,8 @@ def simulate(
     inflight: dict[str, list[tuple[float, int]]] = {name: [] for name in devices}
     """Per tier, reads not finished: (done, bytes), the queue a new read waits behind."""
     io: dict[str, list[tuple[float, int, int]]] = {name: [] for name in devices}
+    if ftl is not None:
+        io[DISK] = []
     heap: list[tuple[float, int, int, int]] = [(arrival[r], r, _ARRIVAL, r) for r in range(n)]
     heapq.heapify(heap)
     seq = n
@@ -222,6 +234,13 @@ def simulate(
                         heapq.heappush(inflight[tier], (got, nb))
                         done = max(done, got)
                         io[tier].append((t, nb, 0))
+            if ftl is not None:
+                got_io = ftl.start(t, r, 0 if declined[r] else pk[r])
+                done = max(done, got_io.done)
+                if got_io.read_bytes:
+                    io[DISK].append((t, got_io.read_bytes, 0))
+                if got_io.written_bytes:
+                    io[DISK].append((t, 0, got_io.written_bytes))
             load_t[r] = done - t
             cached = 0 if declined[r] else min(blocks * bt, inp[r])
             end = done + max(inp[r] - cached, 1) / rate
@@ -230,9 +249,12 @@ def simulate(
         else:
             ttft[r] = t - arrival[r]
             wrote = (new[r] + prom[r]) * block_bytes
-            if wrote:
+            if wrote and first in devices:  # else the FTL wrote them at the start
                 devices[first].write(t, wrote, r)
                 io[first].append((t, 0, wrote))
+            if dem[r] and dram is not None and ftl is not None:  # written by the FTL
+                dram.read(t, dem[r] * block_bytes, r)
+                io[DRAM].append((t, dem[r] * block_bytes, 0))
             if dem[r] and dram is not None and disk is not None:
                 nb = dem[r] * block_bytes
                 dram.read(t, nb, r)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvlife.core.errors import InvalidArgument
+from kvlife.core.events import MemorySink
 from kvlife.replay.cache import CacheRun, CacheSim
 from kvlife.replay.cli import bench_main, replay_main, sweep_main
 from kvlife.replay.engine import ComputeModel, Timing, make_device, simulate
@@ -155,3 +157,42 @@ def test_replay_reports_ttft_with_and_without_the_planner() -> None:
     assert pl["ttft_s_always_load"] == report["ttft_s"]
     assert 0 <= pl["requests_recomputed"] <= pl["requests_with_prefix"]
     assert pl["ttft_s"]["count"] == TRACE.n_requests
+
+
+def test_disk_through_the_ftl(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--disk-model ftl``: the same cache decisions as the bandwidth model, every block
+    the disk tier takes written to the FTL and every disk hit read from it, GC counted
+    (``nand = host + GC copies``); events still reach a sink; bad combinations refused."""
+    u = TRACE.n_unique_blocks()
+    base = ReplayConfig("lru", dram_blocks=u // 20, disk_blocks=u // 8)
+    bw = replay(TRACE, base)
+    sink = MemorySink()
+    ftl = replay(TRACE, replace(base, disk_model="ftl", disk_op=0.1), sink=sink)
+    events = sink.take()
+    assert events  # the FTL's recorder passes every event on
+    for key in ("block_hit_ratio", "prefix_hit_ratio", "tiers", "dropped_blocks"):
+        assert ftl[key] == bw[key], key
+    d = ftl["disk_ftl"]
+    disk = ftl["tiers"]["disk"]
+    per_block = ftl["config"]["block_bytes"] // d["unit_bytes"]
+    assert d["host_unit_writes"] == disk["bytes_written"] // d["unit_bytes"]
+    assert (
+        d["reads_under_gc"] + d["reads_clear"] == disk["bytes_read"] // ftl["config"]["block_bytes"]
+    )
+    assert d["nand_unit_writes"] == d["host_unit_writes"] + d["gc_copies"]
+    assert d["gc_copies"] > 0 and d["waf"] > 1.0  # the tier is rewritten: GC runs
+    assert per_block >= 1 and ftl["speed"]["ftl_host_unit_writes_per_s"] > 0
+    assert ftl["ttft_s"]["mean"] > 0 and ftl["ttft_s"] != bw["ttft_s"]
+
+    out = tmp_path / "r.json"
+    argv = ["--max-requests", "300", "--dram", "5%", "--disk", "20%", "--disk-model", "ftl",
+            "--disk-drives", "2", "--json", str(out)]  # fmt: skip
+    assert replay_main(argv) == 0
+    assert "disk FTL: WAF" in capsys.readouterr().out
+    assert json.loads(out.read_text())["disk_ftl"]["drives"] == 2
+    with pytest.raises(InvalidArgument, match="planner"):
+        replace(base, disk_model="ftl", planner=True)
+    with pytest.raises(InvalidArgument, match="nvme"):
+        replace(base, disk_model="ftl", disk_device="rdma")
+    with pytest.raises(InvalidArgument, match="disk model"):
+        replace(base, disk_model="flash")

@@ -690,6 +690,8 @@ class _Reader:
             if problem:
                 self.bad((*where, key), problem)
                 continue
+            if key == "events":  # a path, relative to the file's directory
+                value = str(self.file_path(str(value)))
             out.append((f"kvlife.{key}", value))
         return tuple(out)
 
@@ -704,6 +706,8 @@ def _connector_problem(key: str, value: object, has_server: bool, path: object) 
             return str(exc)
     if key == "salt_kind" and value not in {k.value for k in NamespaceKind}:
         return f"must be one of {', '.join(k.value for k in NamespaceKind)}, got {value!r}"
+    if key == "events" and not value:
+        return "must name a file (JSON lines, or .parquet)"
     if key == "store":
         if value not in ("served", "embedded"):
             return f"must be 'served' or 'embedded', got {value!r}"

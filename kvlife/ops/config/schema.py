@@ -92,6 +92,7 @@ class PlannerSettings:
 
 CONNECTOR_KEYS: dict[str, type] = {
     "chunk_tokens": int,
+    "events": str,
     "load_timeout_ms": int,
     "namespace": str,
     "salt_kind": str,
