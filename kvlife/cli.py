@@ -350,6 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-json", action="store_true", help="log one JSON object per line (default: text)"
     )
     p.add_argument(
+        "--events",
+        default=None,
+        metavar="FILE",
+        help="write the store's lifecycle events to FILE (JSON lines, appended to; "
+        ".parquet: Parquet) for `kvlife report --events` (docs/events.md)",
+    )
+    p.add_argument(
         "--kv-events",
         default=None,
         metavar="ENDPOINT",

@@ -60,6 +60,7 @@ from kvlife.store.facade import KVStore
 from kvlife.tenancy.policy import Tenancy
 from kvlife.tenancy.principals import TenancyConfig, load_config
 from kvlife.tiers.shm import SHM_DIR, ShmTier
+from kvlife.trace.events_io import open_event_file
 
 if TYPE_CHECKING:  # the publisher (pyzmq) and the exporter are imported only when asked for
     from kvlife.ops.kv_events import KVEventPublisher, KVEventsConfig
@@ -119,6 +120,10 @@ class ServeConfig:
     None: no metrics)."""
     log_json: bool = False
     """Log lines as JSON objects (:mod:`kvlife.core.logs`)."""
+    events: Path | None = None
+    """Write the store's lifecycle events to this file (schema v1, docs/events.md:
+    JSON lines appended to, so a restarted server continues its log; ``.parquet``
+    written anew), for ``kvlife report --events``. None: no log."""
 
     @property
     def socket_path(self) -> Path:
@@ -236,19 +241,17 @@ class Server:
         prefix = arena_prefix(cfg.path)
         # the KV-events publisher first: it announces what recovery brings back
         self.kv_events = _kv_events(cfg.kv_events)
+        self.event_log: EventLog | None = None
+        sinks: list[EventSink] = [] if self.kv_events is None else [self.kv_events]
         try:
             cfg.path.mkdir(parents=True, exist_ok=True)
-        except BaseException:
-            if self.kv_events is not None:
-                self.kv_events.close()
-            raise
-        sinks: list[EventSink] = [] if self.kv_events is None else [self.kv_events]
-        sink = fan_out(*sinks, self.live.events, LogSink(tenants=cfg.tenants is not None))
-        try:
+            if cfg.events is not None:
+                self.event_log = EventLog(cfg.events)
+                sinks.append(self.event_log.sink)
+            sink = fan_out(*sinks, self.live.events, LogSink(tenants=cfg.tenants is not None))
             self.store = _open_with_cleanup(cfg, prefix, sink)
         except BaseException:
-            if self.kv_events is not None:
-                self.kv_events.close()
+            self._close_event_outputs(failed=True)
             raise
         shm = self.store.tier(self.store.tier_names[0])
         assert isinstance(shm, ShmTier)
@@ -307,9 +310,16 @@ class Server:
             if self._spare is not None:
                 os.close(self._spare)
             self.store.close(flush=False)  # releases the lock, removes the arena
-            if self.kv_events is not None:
-                self.kv_events.close()
+            self._close_event_outputs(failed=True)
             raise
+
+    def _close_event_outputs(self, failed: bool = False) -> None:
+        """Close the KV-events publisher and the event log (``failed``: a start that
+        failed leaves no event file it made)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+        if self.event_log is not None:
+            self.event_log.close(failed)
 
     def log(self, event: str, level: int = logging.INFO, **fields: object) -> None:
         """One structured line (:mod:`kvlife.core.logs`)."""
@@ -550,8 +560,8 @@ class Server:
             flushed = self.store.flush() if self.store.tier_names[1:] else 0
         finally:
             self.store.close(flush=False)
-            if self.kv_events is not None:  # after the store's last events (the flush)
-                self.kv_events.close()
+            self._close_event_outputs()  # after the store's last events (the flush)
+            if self.kv_events is not None:
                 ev = self.kv_events
                 self.log(f"kv_events batches={ev.batches} events={ev.events} dropped={ev.dropped}")
             if self.cfg.pid_file is not None:
@@ -647,6 +657,13 @@ def _preflight(cfg: ServeConfig) -> None:
         raise InvalidArgument(
             f"shared-memory directory {cfg.shm_dir} does not exist (or is not a directory)"
         )
+    if cfg.events is not None:
+        if cfg.events.is_dir():
+            raise InvalidArgument(f"event log {cfg.events} is a directory")
+        if not cfg.events.parent.is_dir():
+            raise InvalidArgument(
+                f"event log {cfg.events}: its directory {cfg.events.parent} does not exist"
+            )
     first = cfg.store.chain[0].capacity_bytes if cfg.store is not None else cfg.dram_bytes
     arena = first + cfg.staging_bytes
     fs = os.statvfs(cfg.shm_dir)
@@ -664,6 +681,22 @@ def _size(n: int) -> str:
         if n >= 1 << shift:
             return f"{n / (1 << shift):.1f} {unit}"
     return f"{n} B"
+
+
+class EventLog:
+    """``--events FILE``: the store's lifecycle events written to a file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.made = not path.exists()
+        """Made by this server (removed again if its start fails)."""
+        self.sink = open_event_file(path, append=True)
+
+    def close(self, failed: bool = False) -> None:
+        self.sink.close()
+        if failed and self.made:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
 
 
 def _kv_events(config: KVEventsConfig | None) -> KVEventPublisher | None:

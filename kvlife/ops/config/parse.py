@@ -495,8 +495,9 @@ class _Reader:
         events = self.kv_events(t["kv_events"]) if "kv_events" in t else None
         metrics = self.metrics(t)
         log_json = self.value(t, path, "log_json", bool, False)
+        event_log = self.value(t, path, "events", str, None)
         parts = (socket, staging, shm_dir, pid_file, cpus, limits, principals, events)
-        if any(p is BAD for p in (*parts, metrics, log_json)):
+        if any(p is BAD for p in (*parts, metrics, log_json, event_log)):
             return BAD
         assert isinstance(limits, Limits) and isinstance(cpus, tuple)
         assert not isinstance(principals, _Bad) and not isinstance(events, _Bad)
@@ -513,6 +514,7 @@ class _Reader:
             kv_events=events,
             metrics=metrics,
             log_json=log_json,
+            events=self.file_path(event_log) if event_log else None,
         )
 
     def metrics(self, t: Mapping[str, Any]) -> str | _Bad | None:
@@ -756,6 +758,7 @@ _SERVER_KEYS = {
     "kv_events",
     "metrics",
     "log_json",
+    "events",
 }
 _DURABLE_KINDS = frozenset({"disk", "redis", "mooncake"})
 

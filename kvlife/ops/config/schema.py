@@ -52,6 +52,8 @@ class ServerSettings:
     """Serve Prometheus metrics at this ``HOST:PORT`` (``--metrics``); None: none."""
     log_json: bool = False
     """Log one JSON object per line (``--log-json``)."""
+    events: Path | None = None
+    """The store's lifecycle event log (``--events``); None: none."""
 
 
 @dataclass(frozen=True, slots=True)

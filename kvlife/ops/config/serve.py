@@ -67,6 +67,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         "kv_events": _kv_events(server.kv_events, args),
         "metrics": _metrics_address(args.metrics if args.metrics is not None else server.metrics),
         "log_json": bool(args.log_json) or server.log_json,
+        "events": Path(args.events) if args.events else server.events,
     }
     if file is None:
         return ServeConfig(
