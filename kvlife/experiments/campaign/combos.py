@@ -220,7 +220,8 @@ class Rig:
         # compaction store (so that its puts compact segments that still hold live frames)
         for _ in range({"demotion": 4, "compaction": 2 * COMPACTION_WINDOW}.get(shape, 0)):
             rig.put(rig.prompt())
-        rig.settle_durable([make_prompt(seed, n, shared_prefix=False) for n in range(rig.number)])
+        filled = range(1, rig.number + 1)
+        rig.settle_durable([make_prompt(seed, n, shared_prefix=False) for n in filled])
         return rig
 
     def close(self) -> None:
@@ -255,6 +256,14 @@ class Rig:
         for k in old.keys:
             self.owed.pop(bytes(k), None)
             self.retired.add(bytes(k))
+
+    def check_retired(self, number: int, t: KindTally) -> None:
+        """Compaction store: nothing of retired prompt ``number`` may be found again."""
+        ns = Namespace(NamespaceKind.USER, f"p{number}")
+        old = make_prompt(self.seed, number, namespace=ns, shared_prefix=False)
+        for i in range(len(old.keys)):
+            if self.load_chunk(old, i, t) != "miss":  # load_chunk counts a served one
+                t.note("a retired chunk was found")
 
     def settle_durable(self, prompts: list[Prompt]) -> None:
         """Demotion store: a chunk is owed once its demotion to disk completed."""
@@ -489,6 +498,8 @@ def _op_compaction(rig: Rig, faults: tuple[str, ...], t: KindTally) -> bool:
     landed = _op_put(rig, faults, t, gate=True)
     if rig.io.calls.get("preadv", 0) == reads:
         t.note("no compaction ran in a put")
+    if rig.number > COMPACTION_WINDOW:  # the prompt this put's invalidation retired
+        rig.check_retired(rig.number - COMPACTION_WINDOW, t)
     return landed
 
 
