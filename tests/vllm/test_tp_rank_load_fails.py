@@ -4,7 +4,9 @@ frame of rank 1's shard is damaged, rank 0's is whole. Rank 1 reports the blocks
 ``get_block_ids_with_load_errors``; vLLM's ``KVOutputAggregator`` unions the ranks'
 failed blocks and its scheduler recomputes them, so no rank uses what rank 0 loaded
 while rank 1's half is missing: the outputs equal those of the engine that stored the
-prompts. The campaign's ``tp-rank-load-fails`` kind (kvlife/experiments/campaign/vllm.py)."""
+prompts. The campaign's ``tp-rank-load-fails`` kind (kvlife/experiments/campaign/vllm.py).
+Two TP=2 engines and two server starts: four to six minutes on two shared cores, so it
+runs with ``make test-slow``."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from kvlife.experiments.campaign.vllm import CHUNK, tp_rank_load_fails
 pytest.importorskip("kvlife.client.remote")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 binds a core per rank")
 def test_one_rank_failing_its_load_is_recomputed_never_used_half_loaded(
     tiny_model: Path, tmp_path: Path
