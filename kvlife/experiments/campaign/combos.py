@@ -410,6 +410,12 @@ def _after(rig: Rig, prompts: list[Prompt], t: KindTally, started: float) -> int
     explained = t.lost_explained
     rig.check_owed(keys, t)
     explained = t.lost_explained - explained
+    # what is not owed (a write-back store's chunks still only in DRAM, a failed put's)
+    # may be served or not, but what is served goes to the oracle too
+    for q in prompts[:-1]:
+        for i, k in enumerate(q.keys):
+            if bytes(k) not in rig.owed:
+                rig.load_chunk(q, i, t)
     p = prompts[-1]
     if any(bytes(k) not in rig.owed for k in p.keys):
         try:
