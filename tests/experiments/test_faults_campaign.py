@@ -25,7 +25,7 @@ import pytest
 from kvlife.experiments.campaign import combos, oracle
 from kvlife.experiments.campaign.embedded import EmbeddedRig
 from kvlife.experiments.campaign.kill_driver import one_round
-from kvlife.experiments.campaign.kills import Ledger, Plan
+from kvlife.experiments.campaign.kills import Ledger, Plan, tally_verification
 from kvlife.experiments.campaign.payload import payload
 from kvlife.experiments.campaign.tally import SCHEMA, KindTally
 from kvlife.results import LoadResult, LookupResult
@@ -96,7 +96,10 @@ def test_short_campaign_runs_with_zero_wrong_bytes_for_kvlife(tmp_path: Path) ->
     _all_detected(kinds, (combos.row_name(op, faults) for op, faults in combos.NAMED))
     drawn = [k for k in kinds.values() if k["kind"].startswith("combo:")]
     assert sum(k["injections"] for k in drawn) >= len(combos.NAMED) + 4
-    assert {k["kind"].rsplit("@", 1)[1] for k in drawn} == set(combos.OPERATIONS)
+    ops = {k["kind"].rsplit("@", 1)[1] for k in drawn}
+    assert set(combos.OPERATIONS) < ops  # and SIGKILLs after a lost write:
+    killed = [k for k in drawn if k["kind"].startswith("combo:lost-write+sigkill@commit:")]
+    assert sum(k["injections"] for k in killed) > 0 and all(k["sigkills"] for k in killed)
     html = report.read_text()
     assert "data:image/png;base64," in html and "<table>" in html
     assert not list(tmp_path.glob("kvlife-faults-*")), "the scratch directory is removed"
@@ -210,6 +213,22 @@ def test_sigkill_rounds_count_acknowledged_data_a_store_lost(tmp_path: Path) -> 
     lost = KindTally("sigkill-commit:fsynced", "embedded")
     one_round(tmp_path, ledger, check, 3, KindTally("verify", "embedded"), lost, rng)
     assert lost.acked_lost == owed > 0 and lost.served_chunks == 0
+
+
+def test_a_corrupt_chunk_after_a_kill_is_lost_unless_a_write_was_lost_on_purpose() -> None:
+    lines = [("ready", ("0.01",)), ("dropped", ("1",)), ("corrupt", ("ab",)), ("miss", ("cd",))]
+    lines.append(("verified", ("5",)))
+    plain = KindTally("sigkill-commit:fsynced", "embedded")
+    assert tally_verification(lines, plain)
+    assert plain.acked_lost == 2 and plain.lost_explained == 0
+    combined = KindTally("combo:lost-write+sigkill@commit:fsynced", "embedded")
+    assert tally_verification(lines, combined, lost_writes=True)
+    # the corrupt chunk, and one missing chunk for the one frame recovery dropped
+    assert combined.acked_lost == 0 and combined.lost_explained == 2
+    lines.insert(3, ("miss", ("ef",)))  # a second miss: more than recovery reported
+    over = KindTally("combo:lost-write+sigkill@commit:fsynced", "embedded")
+    tally_verification(lines, over, lost_writes=True)
+    assert over.acked_lost == 1
 
 
 @pytest.mark.skipif(

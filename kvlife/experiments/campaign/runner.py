@@ -77,6 +77,8 @@ class Budget:
     tensor-parallel rank's load failing)."""
     combos: int = 0
     """Drawn combinations of faults in one operation (after the named ones)."""
+    kill_combos: int = 0
+    """SIGKILLs of writers that lost one of their segment writes first."""
     probe: int = 3
     """Owed chunks checked after each in-process injection."""
 
@@ -94,6 +96,7 @@ SHORT = Budget(
     lmcache_mp=2,
     vllm=1,
     combos=8,
+    kill_combos=4,
 )
 FULL = Budget(
     per_kind=1000,
@@ -108,6 +111,7 @@ FULL = Budget(
     lmcache_mp=15,
     vllm=2,
     combos=400,
+    kill_combos=100,
 )
 
 
@@ -151,7 +155,8 @@ def run_embedded(root: Path, seed: int, b: Budget, campaign: Campaign) -> None:
 def run_forked(
     root: Path, seed: int, b: Budget, parts: tuple[str, ...], campaign: Campaign
 ) -> None:
-    """The SIGKILL rounds and the served deployment, through the kill driver process."""
+    """The SIGKILL rounds (those combined with a lost write too) and the served
+    deployment, through the kill driver process."""
     out = root / "forked.json"
     cmd = [
         sys.executable,
@@ -161,6 +166,8 @@ def run_forked(
         str(root / "forked"),
         "--kills",
         str(b.kills if "kills" in parts else 0),
+        "--kill-combos",
+        str(b.kill_combos if "combos" in parts else 0),
         "--serve-kills",
         str(b.serve_kills if "serve" in parts else 0),
         "--server-kills",
@@ -195,7 +202,7 @@ def run(
     b = FULL if full else SHORT
     campaign = Campaign(seed, full)
     steps: list[tuple[str, Callable[[], None]]] = [
-        ("kills+serve", lambda: run_forked(root, seed, b, parts, campaign)),
+        ("kills+serve+combos", lambda: run_forked(root, seed, b, parts, campaign)),
         ("embedded", lambda: run_embedded(root, seed, b, campaign)),
         ("combos", lambda: combos.run(root / "combos", seed, b.combos, campaign, b.probe)),
         ("redis", lambda: remote.run(root / "redis", seed, b.remote, campaign)),
