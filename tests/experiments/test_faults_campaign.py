@@ -216,7 +216,8 @@ def test_sigkill_rounds_count_acknowledged_data_a_store_lost(tmp_path: Path) -> 
 
 
 def test_a_corrupt_chunk_after_a_kill_is_lost_unless_a_write_was_lost_on_purpose() -> None:
-    lines = [("ready", ("0.01",)), ("dropped", ("1",)), ("corrupt", ("ab",)), ("miss", ("cd",))]
+    lines: list[tuple[str, tuple[str, ...]]] = [("ready", ("0.01",)), ("dropped", ("1",))]
+    lines += [("corrupt", ("ab",)), ("miss", ("cd",))]
     lines.append(("verified", ("5",)))
     plain = KindTally("sigkill-commit:fsynced", "embedded")
     assert tally_verification(lines, plain)

@@ -29,7 +29,8 @@ from kvlife.core.identity import (
     prompt_chunk_keys,
 )
 from kvlife.experiments.campaign.payload import payload
-from kvlife.experiments.campaign.workload import LAYOUT, prompt_tokens
+from kvlife.experiments.campaign.workload import LAYOUT as LAYOUT
+from kvlife.experiments.campaign.workload import prompt_tokens
 from kvlife.results import LoadResult, PutResult
 from kvlife.store import KVStore
 from kvlife.tiers.disk import DiskTier
