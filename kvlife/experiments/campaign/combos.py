@@ -342,7 +342,9 @@ def _arm(rig: Rig, faults: tuple[str, ...], calls: int, gate: bool) -> Armed:
 
     An errno fault ends the operation it hits, so a fault beside it on the same kind of
     call is placed at an earlier call: a flipped read before the EIO read; lost writes
-    are followed by a failing fdatasync (else they could never fire together)."""
+    are followed by a failing fdatasync, and in a compaction (which reads a frame, then
+    writes its copy) by the EIO read of a later frame (else they could never fire
+    together)."""
     io, rng = rig.io, rig.rng
     a = Armed()
     span = max(1, calls)
@@ -355,6 +357,10 @@ def _arm(rig: Rig, faults: tuple[str, ...], calls: int, gate: bool) -> Armed:
             io.flip_next_read("header" if name == "bitflip-header" else "payload", flip_at)
         elif name == "eio-read":
             first = flip_at + 1 if {"bitflip-payload", "bitflip-header"} & set(faults) else 0
+            if "lost-write" in faults:
+                # compaction reads a frame, then writes its copy (a flipped frame is
+                # dropped, not copied): the lost copy's read, and the flipped one's, first
+                first += lose_at + 1
             after = first + rng.randrange(max(1, span - first))
             a.fired[name] = _grew(functools.partial(_injected, io, "preadv"))
             io.arm("preadv", errno.EIO, after=after, once=True, path="seg-*.kvs")
