@@ -17,7 +17,9 @@ real new process and every engine's memory is returned when it exits.
 Spec keys: ``model`` (directory), ``dtype``, ``block_size``, ``prefix_caching``,
 ``kv_cache_mib``, ``max_model_len``, ``max_num_batched_tokens`` (tokens per step: a
 longer prompt is prefilled over several steps), ``multiprocess`` (vLLM's default separate
-engine-core and worker processes; counters then stay in those processes), ``kvlife``
+engine-core and worker processes; counters then stay in those processes),
+``tensor_parallel_size`` (a worker process per rank, so the store must be served:
+``kvlife.socket``; the worker counters stay in them), ``kvlife``
 (``kv_connector_extra_config``, or null for no connector), and either ``requests``
 (``[{"tokens": [...], "max_tokens": n, "cache_salt": s}]``) or ``chat``
 (``{"max_new_tokens": n, "turns": t, "users": u}``: the demo's chat workload).
@@ -70,6 +72,9 @@ def _engine(spec: dict[str, Any]) -> Any:
         )
     if spec.get("max_num_batched_tokens"):
         kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+    if int(spec.get("tensor_parallel_size", 1)) > 1:
+        # worker processes of their own: the store must be served (kvlife.socket)
+        kwargs["tensor_parallel_size"] = int(spec["tensor_parallel_size"])
     if spec.get("enable_lora"):
         kwargs |= {"enable_lora": True, "max_lora_rank": int(spec.get("max_lora_rank", 8))}
     return LLM(

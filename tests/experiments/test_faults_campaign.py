@@ -1,9 +1,11 @@
 """``kvlife experiment faults``: the short campaign runs end to end with real processes
 (forked writers SIGKILLed at commit, demotion and compaction steps, a real ``kvlife
-serve`` and its clients), its JSON has the documented shape and kvlife serves no wrong
-byte; and the checks are live: the oracle catches one flipped bit, the campaign counts
-the wrong bytes of a read path that hands out damaged arrays, and the SIGKILL rounds
-count acknowledged data lost when a store directory loses it."""
+serve`` and its clients) and faults in combination within one operation, its JSON has
+the documented shape and kvlife serves no wrong byte; and the checks are live: the
+oracle catches one flipped bit, the campaign (single kinds and combinations) counts the
+wrong bytes of a read path that hands out damaged arrays and the acknowledged data a
+store loses silently, and the SIGKILL rounds count acknowledged data lost when a store
+directory loses it."""
 
 from __future__ import annotations
 
@@ -13,16 +15,17 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
-from kvlife.experiments.campaign import oracle
+from kvlife.experiments.campaign import combos, oracle
 from kvlife.experiments.campaign.embedded import EmbeddedRig
 from kvlife.experiments.campaign.kill_driver import one_round
-from kvlife.experiments.campaign.kills import Ledger, Plan
+from kvlife.experiments.campaign.kills import Ledger, Plan, tally_verification
 from kvlife.experiments.campaign.payload import payload
 from kvlife.experiments.campaign.tally import SCHEMA, KindTally
 from kvlife.results import LoadResult, LookupResult
@@ -49,6 +52,25 @@ KIND_FIELDS = {
 }
 
 
+def _check_tallies(doc: dict[str, Any], system: str = "kvlife") -> dict[str, dict[str, Any]]:
+    """The campaign JSON's shape, and ``system`` served no wrong or stale byte and lost
+    nothing acknowledged; returns its rows by kind."""
+    assert doc["schema"] == SCHEMA
+    for k in doc["kinds"]:
+        assert set(k) == KIND_FIELDS, k["kind"]
+        assert set(k["recovery_s"]) == {"count", "p50", "max", "mean"}
+    tot = doc["totals"][system]
+    assert tot["wrong_bytes"] == 0 and tot["wrong_chunks"] == 0
+    assert tot["stale_served"] == 0 and tot["acked_lost"] == 0
+    return {k["kind"]: k for k in doc["kinds"] if k["system"] == system}
+
+
+def _all_detected(kinds: dict[str, dict[str, Any]], names: Iterable[str]) -> None:
+    """Every injection of each of ``names`` fired and was detected."""
+    for name in names:
+        assert kinds[name]["detections"] == kinds[name]["injections"] > 0, name
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -58,28 +80,42 @@ def _env() -> dict[str, str]:
 def test_short_campaign_runs_with_zero_wrong_bytes_for_kvlife(tmp_path: Path) -> None:
     out, report = tmp_path / "f.json", tmp_path / "f.html"
     cmd = [sys.executable, "-m", "kvlife.cli", "experiment", "faults", "--json", str(out)]
-    cmd += ["--report", str(report), "--parts", "embedded,kills,serve,redis", "--seed", "3"]
-    cmd += ["--workdir", str(tmp_path)]
+    cmd += ["--report", str(report), "--parts", "embedded,combos,kills,serve,redis"]
+    cmd += ["--seed", "3", "--workdir", str(tmp_path)]
     subprocess.run(cmd, check=True, cwd=ROOT, env=_env(), timeout=300)
     doc = json.loads(out.read_text())
-    assert doc["schema"] == SCHEMA and doc["seed"] == 3 and doc["full"] is False
+    assert doc["seed"] == 3 and doc["full"] is False
+    kinds = _check_tallies(doc)
     tot = doc["totals"]["kvlife"]
-    assert tot["wrong_bytes"] == 0 and tot["wrong_chunks"] == 0
-    assert tot["stale_served"] == 0 and tot["acked_lost"] == 0
     assert tot["kinds"] >= 10 and tot["sigkills"] >= 20 and tot["served_chunks"] > 0
-    kinds = {k["kind"]: k for k in doc["kinds"]}
-    for k in doc["kinds"]:
-        assert set(k) == KIND_FIELDS
-        assert set(k["recovery_s"]) == {"count", "p50", "max", "mean"}
-    for name in ("bitflip-payload", "bitflip-header", "lost-write", "enospc", "eio-read"):
-        assert kinds[name]["detections"] == kinds[name]["injections"] > 0, name
+    _all_detected(kinds, ("bitflip-payload", "bitflip-header", "lost-write", "enospc", "eio-read"))
     assert kinds["worker-restart"]["sigkills"] > 0 and kinds["server-sigkill"]["sigkills"] > 0
     assert any(k.startswith("sigkill-commit:") for k in kinds)
-    for name in ("remote-timeout", "remote-partition", "fenced-publish"):
-        assert kinds[name]["detections"] == kinds[name]["injections"] > 0, name
+    _all_detected(kinds, ("remote-timeout", "remote-partition", "fenced-publish"))
+    # every named combination fired (all its faults in one operation) and was detected
+    _all_detected(kinds, (combos.row_name(op, faults) for op, faults in combos.NAMED))
+    drawn = [k for k in kinds.values() if k["kind"].startswith("combo:")]
+    assert sum(k["injections"] for k in drawn) >= len(combos.NAMED) + 4
+    ops = {k["kind"].rsplit("@", 1)[1] for k in drawn}
+    assert set(combos.OPERATIONS) < ops  # and SIGKILLs after a lost write:
+    killed = [k for k in drawn if k["kind"].startswith("combo:lost-write+sigkill@commit:")]
+    assert sum(k["injections"] for k in killed) > 0 and all(k["sigkills"] for k in killed)
     html = report.read_text()
     assert "data:image/png;base64," in html and "<table>" in html
     assert not list(tmp_path.glob("kvlife-faults-*")), "the scratch directory is removed"
+
+
+def test_combinations_are_drawn_over_compatible_faults_only() -> None:
+    assert all(combos.compatible(faults, op) for op, faults in combos.NAMED)
+    # one channel each: two flips would replace each other; one fault ends the operation
+    assert not combos.compatible(("bitflip-header", "bitflip-payload"), "load")
+    assert not combos.compatible(("eio-read", "enospc"), "compaction")
+    assert not combos.compatible(("stale-catalog", "eio-read"), "reopen")
+    for seed in range(20):
+        a = [combos.draw(random.Random(seed)) for _ in range(30)]
+        assert a == [combos.draw(random.Random(seed)) for _ in range(30)]  # seeded
+        for op, faults in a:
+            assert 2 <= len(faults) <= 3 and combos.compatible(faults, op), (op, faults)
 
 
 def test_the_oracle_catches_one_flipped_bit() -> None:
@@ -132,6 +168,37 @@ def test_the_campaign_counts_wrong_bytes_from_a_damaging_read_path(tmp_path: Pat
         rig.close()
 
 
+class _ForgetfulLoads(_DamagingReads):
+    """A store whose loads come back empty with nothing reported (data lost silently)."""
+
+    def load(self, found: LookupResult) -> LoadResult:
+        res = self._store.load(found)
+        res.arrays = []
+        res.loaded = 0
+        return res
+
+
+def test_combinations_count_wrong_bytes_and_silent_losses(tmp_path: Path) -> None:
+    rig = combos.Rig.make("put", tmp_path, seed=5)
+    faults = ("eio-read", "slow-io")
+    try:
+        honest = KindTally("combo", "embedded")
+        assert any(combos._op_load(rig, faults, honest) for _ in range(5))
+        assert honest.wrong_bytes == honest.acked_lost == 0 and honest.served_chunks > 0
+        real = rig.store
+        rig.store = cast(KVStore, _DamagingReads(real))
+        t = KindTally("combo", "embedded")
+        combos._op_load(rig, faults, t)
+        assert t.wrong_chunks == t.served_chunks > 0 and t.wrong_bytes == t.served_chunks
+        rig.store = cast(KVStore, _ForgetfulLoads(real))
+        lost = KindTally("combo", "embedded")
+        combos._op_load(rig, faults, lost)
+        assert lost.acked_lost > 0
+    finally:
+        rig.store = real
+        rig.close()
+
+
 def test_sigkill_rounds_count_acknowledged_data_a_store_lost(tmp_path: Path) -> None:
     rng = random.Random(0)
     ledger = Ledger("commit", 11)
@@ -148,6 +215,23 @@ def test_sigkill_rounds_count_acknowledged_data_a_store_lost(tmp_path: Path) -> 
     assert lost.acked_lost == owed > 0 and lost.served_chunks == 0
 
 
+def test_a_corrupt_chunk_after_a_kill_is_lost_unless_a_write_was_lost_on_purpose() -> None:
+    lines: list[tuple[str, tuple[str, ...]]] = [("ready", ("0.01",)), ("dropped", ("1",))]
+    lines += [("corrupt", ("ab",)), ("miss", ("cd",))]
+    lines.append(("verified", ("5",)))
+    plain = KindTally("sigkill-commit:fsynced", "embedded")
+    assert tally_verification(lines, plain)
+    assert plain.acked_lost == 2 and plain.lost_explained == 0
+    combined = KindTally("combo:lost-write+sigkill@commit:fsynced", "embedded")
+    assert tally_verification(lines, combined, lost_writes=True)
+    # the corrupt chunk, and one missing chunk for the one frame recovery dropped
+    assert combined.acked_lost == 0 and combined.lost_explained == 2
+    lines.insert(3, ("miss", ("ef",)))  # a second miss: more than recovery reported
+    over = KindTally("combo:lost-write+sigkill@commit:fsynced", "embedded")
+    tally_verification(lines, over, lost_writes=True)
+    assert over.acked_lost == 1
+
+
 @pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None,
     reason="Mooncake runs in a private network namespace: root and unshare",
@@ -159,12 +243,11 @@ def test_remote_kinds_on_mooncake(tmp_path: Path) -> None:
     subprocess.run(cmd, check=True, cwd=ROOT, env=_env(), timeout=300)
     doc = json.loads(out.read_text())
     assert not doc["skipped"], doc["skipped"]
-    kinds = {k["kind"]: k for k in doc["kinds"]}
+    kinds = _check_tallies(doc)
     assert set(kinds) == {"remote-timeout", "remote-partition", "fenced-publish"}
+    _all_detected(kinds, kinds)
     for k in kinds.values():
-        assert k["deployment"] == "mooncake" and k["detections"] == k["injections"] > 0
-        assert k["wrong_bytes"] == k["stale_served"] == k["acked_lost"] == 0
-        assert k["served_chunks"] > 0
+        assert k["deployment"] == "mooncake" and k["served_chunks"] > 0
 
 
 @pytest.mark.skipif(

@@ -11,6 +11,8 @@ against :mod:`.oracle`. The pieces:
 - :mod:`.seams`: the file seam the in-process kinds inject through (bit flips on
   read, lost writes, slow calls, errno faults);
 - :mod:`.embedded`: the cheap kinds, in this process, against an embedded store;
+- :mod:`.combos`: two or three compatible faults hitting one put, load, demotion,
+  compaction or reopen (named combinations and seeded draws);
 - :mod:`.kills`: SIGKILLs of forked writer processes at each step of the commit
   protocol, of demotion and of compaction (:mod:`.kill_driver` runs them in a process
   of their own, which only forks);

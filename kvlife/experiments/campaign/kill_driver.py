@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from kvlife.experiments.campaign.kills import (
+    COMBO_STEPS,
     STEPS,
     Ledger,
     Plan,
@@ -65,6 +66,7 @@ def one_round(
     t: KindTally,
     prev: KindTally | None,
     rng: random.Random,
+    combined: bool = False,
 ) -> bool:
     """One fork-stop-kill round; True if the writer was SIGKILLed at its point. What
     the writer verified at its start is the previous round's outcome: it goes to
@@ -85,14 +87,18 @@ def one_round(
             t.note("a writer never reached its kill point in time")
             killed = False
     lines = parse(logp)
-    if prev is not None and tally_verification(lines, prev):
+    if prev is not None and tally_verification(lines, prev, lost_writes=combined):
         prev.detections += 1
     err = logp.parent / (logp.name + ".err")
     if err.exists():
         t.note("writer failed: " + err.read_text().strip().splitlines()[-1][:200])
-    if killed:
+    if killed and (plan.lose == 0 or any(k == "lostw" for k, _ in lines)):
+        # a combined round counts once both faults fired: the lost write, then the kill
         t.injections += 1
         t.sigkills += 1
+    elif killed:
+        t.sigkills += 1
+        t.note("the kill came before the lost write")
     ledger.absorb(lines, plan)
     return killed
 
@@ -146,6 +152,41 @@ def run(
     return [t for t in tallies.values() if t.injections]
 
 
+def run_combined(root: Path, rounds: int, seed: int, per_dir: int = 8) -> list[KindTally]:
+    """``rounds`` SIGKILLs of ``commit`` writers that lost one of their segment writes
+    first (a lost write, then the kill at a step of :data:`COMBO_STEPS`)."""
+    rng = random.Random(seed * 31 + 7)
+    tallies: dict[str, KindTally] = {}
+    done = rnd = dirs = 0
+    while done < rounds and rnd < 20 * rounds + 100:
+        dirs += 1
+        d = root / f"combo-{dirs}"
+        d.mkdir(parents=True)
+        ledger = Ledger("commit", seed * 1000 + 500 + dirs)
+        prev: KindTally | None = None
+        for _ in range(per_dir):
+            if done >= rounds:
+                break
+            step = rng.choice(COMBO_STEPS)
+            nth = rng.randint(4, 12)
+            name = f"combo:lost-write+sigkill@commit:{step}"
+            t = tallies.setdefault(name, KindTally(name, "embedded"))
+            # the lost write lands among the writer's first puts, before the kill point
+            plan = Plan("commit", step, nth, ledger.seed, ledger.next_first, 12, rng.randint(1, 6))
+            rnd += 1
+            if one_round(d, ledger, plan, rnd, t, prev, rng, combined=True):
+                done += 1
+                prev = t
+            else:
+                prev = None
+        if prev is not None:
+            rnd += 1
+            plan = Plan("commit", "frame-written", 1, ledger.seed, ledger.next_first, max_puts=0)
+            one_round(d, ledger, plan, rnd, KindTally("verify", "embedded"), prev, rng, True)
+        shutil.rmtree(d, ignore_errors=True)
+    return [t for t in tallies.values() if t.sigkills]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--root", type=Path, required=True, help="a private scratch directory")
@@ -157,12 +198,17 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="rounds per store directory (0: enough directories for every shape, at most 20)",
     )
+    ap.add_argument(
+        "--kill-combos", type=int, default=0, help="SIGKILLs combined with a lost write"
+    )
     ap.add_argument("--serve-kills", type=int, default=0, help="kvlife serve clients to kill")
     ap.add_argument("--server-kills", type=int, default=0, help="kvlife serve servers to kill")
     ap.add_argument("--json", type=Path, required=True, help="write the tallies here")
     args = ap.parse_args(argv)
     per_dir = args.rounds_per_dir or min(20, max(3, args.kills // (2 * len(STEPS))))
     tallies = run(args.root, args.kills, args.seed, per_dir) if args.kills else []
+    if args.kill_combos:
+        tallies += run_combined(args.root, args.kill_combos, args.seed)
     if args.serve_kills or args.server_kills:
         from kvlife.experiments.campaign import served
 

@@ -20,6 +20,13 @@ the kill lands exactly there. The steps:
 - ``compaction``, a small disk where every put invalidates an old prompt's namespace so
   garbage builds up: a frame copied, the copies synced, the old segment unlinked.
 
+In combination (:data:`COMBO_STEPS`, rows ``combo:lost-write+sigkill@commit:<step>``):
+a ``commit`` writer whose seam also loses one of its segment writes (acknowledged, never
+written) before it is killed at the step, e.g. a lost write and then a SIGKILL after the
+frame's fdatasync, before its catalog row. The next writer's verification must find
+the acknowledged chunk the lost write hit corrupt (reported, the object invalidated:
+``lost_explained``), never serve it, and find everything else whole.
+
 What a round owes the next: in ``commit`` and ``compaction`` every chunk of an
 acknowledged put; in ``demotion`` every chunk whose demotion to disk completed (an
 acknowledged put of a write-back store is in DRAM only); less every chunk the store
@@ -62,6 +69,9 @@ STEPS: dict[str, tuple[str, ...]] = {
     "compaction": ("copy-written", "copies-synced", "old-segment-unlinked"),
 }
 """Kill points of each shape."""
+
+COMBO_STEPS = ("frame-written", "fsynced", "catalog-row", "visible")
+"""Kill points of the ``commit`` shape combined with a lost write."""
 
 COMPACTION_WINDOW = 6
 """Compaction shape: prompt n's namespace is invalidated after the put of n + this."""
@@ -108,16 +118,32 @@ def _stop_here() -> None:
 class KillSwitch(FileIO):
     """A file seam that stops the process right after the ``nth`` armed call of ``op``
     on a segment file (``during_compaction``: only calls made after a segment read in
-    the same put, which in a writer that never loads is compaction)."""
+    the same put, which in a writer that never loads is compaction). With ``lose``, the
+    ``lose``-th armed segment write is acknowledged and never written (a lost write,
+    logged ``lostw``: the fault combined with the kill)."""
 
-    def __init__(self, op: str, nth: int, during_compaction: bool) -> None:
+    def __init__(
+        self, op: str, nth: int, during_compaction: bool, lose: int = 0, log: AckLog | None = None
+    ) -> None:
         super().__init__(direct=False)
         self.op = op
         self.nth = nth
         self.compaction = during_compaction
+        self.lose = lose
+        self.log = log
         self.armed = False
         self.read_seen = False
         self._paths: dict[int, Path] = {}
+
+    def _lost(self, path: Path | None) -> bool:
+        if not (self.armed and self.lose > 0 and path is not None and path.match("seg-*.kvs")):
+            return False
+        self.lose -= 1
+        if self.lose > 0:
+            return False
+        if self.log is not None:
+            self.log.line("lostw")
+        return True
 
     def _hit(self, op: str, path: Path | None) -> None:
         if not self.armed or op != self.op or path is None or not path.match("seg-*.kvs"):
@@ -135,6 +161,10 @@ class KillSwitch(FileIO):
 
     def pwritev(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
         path = self._paths.get(fd)
+        if self._lost(path):
+            n = sum(b.nbytes for b in buffers)
+            self._hit("pwritev", path)
+            return n
         if self.op == "torn" and self.armed and path is not None and path.match("seg-*.kvs"):
             self.nth -= 1
             if self.nth <= 0:
@@ -206,6 +236,8 @@ class Plan:
     first: int
     """First prompt number this writer puts."""
     max_puts: int = 12
+    lose: int = 0
+    """Lose the ``lose``-th armed segment write (0: none): a lost write, then the kill."""
 
 
 def _seams(plan: Plan, log: AckLog) -> tuple[KillSwitch, KillSink]:
@@ -226,7 +258,8 @@ def _seams(plan: Plan, log: AckLog) -> tuple[KillSwitch, KillSink]:
     elif s == "offloaded":
         kind = Move.OFFLOAD.value
     compaction = plan.shape == "compaction"
-    return KillSwitch(op, plan.nth, compaction), KillSink(log, kind, "disk", plan.nth)
+    io = KillSwitch(op, plan.nth, compaction, plan.lose, log)
+    return io, KillSink(log, kind, "disk", plan.nth)
 
 
 def writer(store: Path, logp: Path, expect: Path, plan: Plan) -> None:
@@ -236,6 +269,7 @@ def writer(store: Path, logp: Path, expect: Path, plan: Plan) -> None:
     started = time.perf_counter()
     kv = open_shape(plan.shape, store, io, sink)
     log.line(f"ready {time.perf_counter() - started:.6f}")
+    log.line(f"dropped {kv.counters.recovery_dropped}")
     verify(kv, plan, json.loads(expect.read_text()) if expect.exists() else {}, log)
     io.armed = sink.armed = True
     for n in range(plan.first, plan.first + plan.max_puts):
@@ -264,6 +298,8 @@ def verify(kv: KVStore, plan: Plan, expect: dict[str, list[list[int]]], log: Ack
             log.line(f"wrong {p.keys[i].hex()} {v.wrong_bytes}")
         if res.arrays:
             ok += 1
+        elif res.corrupt:  # found and reported: the object is invalidated as corrupt
+            log.line(f"corrupt {p.keys[i].hex()}")
         else:
             log.line(f"miss {p.keys[i].hex()}")
     for n, i in expect.get("retired", []):
@@ -317,7 +353,7 @@ class Ledger:
                     self.retired.pop(k, None)
             elif kind == "dur":
                 durable.add(bytes.fromhex(args[0]))
-            elif kind in ("gone", "miss"):
+            elif kind in ("gone", "miss", "corrupt"):
                 self.owed.pop(ChunkKey(bytes.fromhex(args[0])), None)
             elif kind == "inv":
                 p = prompt_of(self.shape, self.seed, int(args[0]))
@@ -344,16 +380,29 @@ def parse(logp: Path) -> list[tuple[str, tuple[str, ...]]]:
     return [(line.kind, line.args) for line in read_log(logp)]
 
 
-def tally_verification(lines: list[tuple[str, tuple[str, ...]]], t: KindTally) -> bool:
-    """Fold a round's verification lines into ``t``; True if the round got that far."""
+def tally_verification(
+    lines: list[tuple[str, tuple[str, ...]]], t: KindTally, lost_writes: bool = False
+) -> bool:
+    """Fold a round's verification lines into ``t``; True if the round got that far.
+    A chunk found corrupt is acknowledged data lost, unless the rounds before lost
+    writes on purpose (``lost_writes``): then it is the lost write, found and reported
+    (so is a missing chunk, as many as the frames recovery counted dropping)."""
     done = False
+    dropped = 0  # frames recovery dropped (torn or unreadable), reported as counted
     for kind, args in lines:
         if kind == "ready":
             t.recovery_s.append(float(args[0]))
+        elif kind == "dropped":
+            dropped = int(args[0])
         elif kind == "wrong":
             t.wrong_chunks += 1
             t.wrong_bytes += int(args[1])
-        elif kind == "miss":
+        elif lost_writes and (kind == "corrupt" or (kind == "miss" and dropped > 0)):
+            # the lost write's chunk: found corrupt at read, or dropped by recovery
+            dropped -= kind == "miss"
+            t.lost_explained += 1
+            t.recomputed += 1
+        elif kind in ("miss", "corrupt"):
             t.acked_lost += 1
             t.recomputed += 1
             t.note(f"owed chunk {args[0][:12]} missing after recovery")

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvlife.experiments.campaign import lmcache, remote, vllm
+from kvlife.experiments.campaign import combos, lmcache, remote, vllm
 from kvlife.experiments.campaign.embedded import (
     DAMAGE_KINDS,
     EmbeddedRig,
@@ -31,7 +31,17 @@ from kvlife.experiments.campaign.embedded import (
 )
 from kvlife.experiments.campaign.tally import Campaign, KindTally
 
-PARTS = ("embedded", "kills", "serve", "redis", "mooncake", "lmcache", "lmcache-mp", "vllm")
+PARTS = (
+    "embedded",
+    "combos",
+    "kills",
+    "serve",
+    "redis",
+    "mooncake",
+    "lmcache",
+    "lmcache-mp",
+    "vllm",
+)
 DEFAULT_PARTS = PARTS[:-1]
 """What runs unless ``--parts`` says otherwise: all but vLLM (each of its injections
 starts two or three engines, minutes on a CPU)."""
@@ -63,7 +73,12 @@ class Budget:
     lmcache_mp: int
     """Clients of LMCache's MP server SIGKILLed mid-STORE, per transfer mode."""
     vllm: int
-    """Injections per vLLM kind (forward failing part-way, engine killed mid-step)."""
+    """Injections per vLLM kind (forward failing part-way, engine killed mid-step, one
+    tensor-parallel rank's load failing)."""
+    combos: int = 0
+    """Drawn combinations of faults in one operation (after the named ones)."""
+    kill_combos: int = 0
+    """SIGKILLs of writers that lost one of their segment writes first."""
     probe: int = 3
     """Owed chunks checked after each in-process injection."""
 
@@ -80,6 +95,8 @@ SHORT = Budget(
     lmcache=3,
     lmcache_mp=2,
     vllm=1,
+    combos=8,
+    kill_combos=4,
 )
 FULL = Budget(
     per_kind=1000,
@@ -93,6 +110,8 @@ FULL = Budget(
     lmcache=60,
     lmcache_mp=15,
     vllm=2,
+    combos=400,
+    kill_combos=100,
 )
 
 
@@ -136,7 +155,8 @@ def run_embedded(root: Path, seed: int, b: Budget, campaign: Campaign) -> None:
 def run_forked(
     root: Path, seed: int, b: Budget, parts: tuple[str, ...], campaign: Campaign
 ) -> None:
-    """The SIGKILL rounds and the served deployment, through the kill driver process."""
+    """The SIGKILL rounds (those combined with a lost write too) and the served
+    deployment, through the kill driver process."""
     out = root / "forked.json"
     cmd = [
         sys.executable,
@@ -146,6 +166,8 @@ def run_forked(
         str(root / "forked"),
         "--kills",
         str(b.kills if "kills" in parts else 0),
+        "--kill-combos",
+        str(b.kill_combos if "combos" in parts else 0),
         "--serve-kills",
         str(b.serve_kills if "serve" in parts else 0),
         "--server-kills",
@@ -180,8 +202,9 @@ def run(
     b = FULL if full else SHORT
     campaign = Campaign(seed, full)
     steps: list[tuple[str, Callable[[], None]]] = [
-        ("kills+serve", lambda: run_forked(root, seed, b, parts, campaign)),
+        ("kills+serve+combos", lambda: run_forked(root, seed, b, parts, campaign)),
         ("embedded", lambda: run_embedded(root, seed, b, campaign)),
+        ("combos", lambda: combos.run(root / "combos", seed, b.combos, campaign, b.probe)),
         ("redis", lambda: remote.run(root / "redis", seed, b.remote, campaign)),
         ("mooncake", lambda: remote.run_mooncake(root / "mooncake", seed, b.remote, campaign)),
         ("lmcache", lambda: lmcache.run(root / "lmcache", seed, b.lmcache, campaign)),

@@ -8,8 +8,13 @@ armed as its ``arm`` does) with three more faults a device commits:
   hands up; the bytes on disk stay good);
 - :meth:`CampaignIO.lose_writes`: the next ``n`` segment writes are acknowledged and
   never reach the file (a lost write: a device that lies about what it stored);
-- :meth:`CampaignIO.slow`: every read and write takes ``factor`` times as long as the
-  real call did (a tier slowed 10-1000x).
+- :meth:`CampaignIO.slow`: every read, write and fdatasync takes ``factor`` times as
+  long as the real call did (a tier slowed 10-1000x).
+
+Each takes an ``after`` (so many matching calls pass first) so that faults combined in
+one operation (:mod:`kvlife.experiments.campaign.combos`) land at different calls of it;
+write faults can be ``gated``: they wait for a segment read first (in a store that only
+puts, a segment read is compaction's, so they hit compaction and not the put itself).
 
 Each counts what it did (``flips``, ``lost``, ``slowed_s``), so a campaign can assert
 that its fault fired.
@@ -52,21 +57,40 @@ class CampaignIO(FaultyIO):
         self._rng = random.Random(seed)
         self._mu = threading.Lock()
         self._flip: Region | None = None
+        self._flip_after = 0
         self._lose = 0
+        self._lose_after = 0
+        self._gated: list[tuple[str, int, int]] = []
+        """Errno faults (op, errno, after) armed at the next segment read."""
+        self._lose_gated = False
         self._factor = 1.0
         self.flips = 0
         self.lost = 0
         self.slowed_s = 0.0
 
-    def flip_next_read(self, region: Region) -> None:
-        """Invert one random bit of the next frame read, in ``region``."""
+    def flip_next_read(self, region: Region, after: int = 0) -> None:
+        """Invert one random bit of the frame read ``after`` segment reads from now, in
+        ``region``."""
         with self._mu:
             self._flip = region
+            self._flip_after = after
 
-    def lose_writes(self, n: int) -> None:
-        """Acknowledge the next ``n`` segment writes without writing them."""
+    def lose_writes(self, n: int, after: int = 0, gated: bool = False) -> None:
+        """Acknowledge ``n`` segment writes without writing them, once ``after`` more
+        have landed (``gated``: counting from the next segment read)."""
         with self._mu:
             self._lose = n
+            self._lose_after = after
+            self._lose_gated = gated
+
+    def arm_gated(self, op: str, err: int, after: int = 0, gated: bool = False) -> None:
+        """:meth:`arm` (sticky, segment files only), now or (``gated``) at the next
+        segment read."""
+        if gated:
+            with self._mu:
+                self._gated.append((op, err, after))
+        else:
+            self.arm(op, err, after=after, path=SEGMENTS)
 
     def slow(self, factor: float) -> None:
         """Make reads and writes take ``factor`` times their real time (1: normal)."""
@@ -79,7 +103,11 @@ class CampaignIO(FaultyIO):
         """Every fault of this seam off (armed errno faults included)."""
         with self._mu:
             self._flip = None
+            self._flip_after = 0
             self._lose = 0
+            self._lose_after = 0
+            self._lose_gated = False
+            self._gated = []
             self._factor = 1.0
         self.disarm()
 
@@ -94,14 +122,27 @@ class CampaignIO(FaultyIO):
 
     def preadv(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
         started = time.perf_counter()
-        n = super().preadv(fd, buffers, offset)
-        self._stretch(started)
+        try:
+            n = super().preadv(fd, buffers, offset)
+        finally:  # a slow device is slow to fail too
+            self._stretch(started)
         path = self._path(fd)
+        segment = path is not None and path.match(SEGMENTS)
         with self._mu:
-            region = self._flip if path is not None and path.match(SEGMENTS) else None
-            if region is None:
-                return n
-            self._flip = None
+            gated, self._gated = (self._gated, []) if segment else ([], self._gated)
+            if segment:
+                self._lose_gated = False
+            region = self._flip if segment else None
+            if region is not None and self._flip_after > 0:
+                self._flip_after -= 1
+                region = None
+            if region is not None:
+                self._flip = None
+        for op, err, after in gated:
+            self.arm(op, err, after=after, path=SEGMENTS)
+        if region is None:
+            return n
+        with self._mu:
             if region == "header":
                 at = self._rng.randrange(HEADER_USED)
             else:
@@ -113,13 +154,29 @@ class CampaignIO(FaultyIO):
     def pwritev(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
         path = self._path(fd)
         with self._mu:
-            lose = self._lose > 0 and path is not None and path.match(SEGMENTS)
-            if lose:
+            lose = (
+                self._lose > 0
+                and not self._lose_gated
+                and path is not None
+                and path.match(SEGMENTS)
+            )
+            if lose and self._lose_after > 0:
+                self._lose_after -= 1
+                lose = False
+            elif lose:
                 self._lose -= 1
                 self.lost += 1
         if lose:
             return sum(b.nbytes for b in buffers)
         started = time.perf_counter()
-        n = super().pwritev(fd, buffers, offset)
-        self._stretch(started)
-        return n
+        try:
+            return super().pwritev(fd, buffers, offset)
+        finally:
+            self._stretch(started)
+
+    def fdatasync(self, fd: int) -> None:
+        started = time.perf_counter()
+        try:
+            super().fdatasync(fd)
+        finally:
+            self._stretch(started)

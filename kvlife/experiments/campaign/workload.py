@@ -76,6 +76,30 @@ class Prompt:
         return self.tokens[i * n : (i + 1) * n], i * n, parent
 
 
+def prefix_tokens(seed: int, prefix_id: int) -> np.ndarray:
+    """The tokens of shared prefix (system prompt) ``prefix_id`` of workload ``seed``."""
+    rng = np.random.default_rng([seed, 1 << 40, prefix_id])
+    return rng.integers(0, VOCAB, size=PREFIX_CHUNKS * LAYOUT.tokens_per_chunk, dtype=np.uint32)
+
+
+def prompt_tokens(
+    seed: int, number: int, namespaces: int, *, shared_prefix: bool = True
+) -> tuple[int, np.ndarray]:
+    """The draw behind prompt ``number`` of workload ``seed``: the index of its namespace
+    (of ``namespaces``) and its tokens, a shared prefix (unless ``shared_prefix`` is
+    False) then 1-3 chunks and a partial chunk of its own. The crash tests' workload
+    (``tests/helpers/workload.py``) draws its prompts here too."""
+    rng = np.random.default_rng([seed, number])
+    ns = int(rng.integers(namespaces))
+    n = LAYOUT.tokens_per_chunk
+    parts = []
+    if shared_prefix:
+        parts.append(prefix_tokens(seed, int(rng.integers(PREFIXES))))
+    own = int(rng.integers(1, 4)) * n + int(rng.integers(0, n))
+    parts.append(rng.integers(0, VOCAB, size=own, dtype=np.uint32))
+    return ns, np.concatenate(parts)
+
+
 def make_prompt(
     seed: int,
     number: int,
@@ -84,17 +108,9 @@ def make_prompt(
     weights_digest: str = WEIGHTS_V1,
     shared_prefix: bool = True,
 ) -> Prompt:
-    """Prompt ``number`` of workload ``seed``: a shared prefix (unless ``shared_prefix``
-    is False) then 1-3 chunks and a partial chunk of its own."""
-    rng = np.random.default_rng([seed, number])
-    ns = NAMESPACES[int(rng.integers(len(NAMESPACES)))] if namespace is None else namespace
-    n = LAYOUT.tokens_per_chunk
-    parts = []
-    if shared_prefix:
-        prefix_rng = np.random.default_rng([seed, 1 << 40, int(rng.integers(PREFIXES))])
-        parts.append(prefix_rng.integers(0, VOCAB, size=PREFIX_CHUNKS * n, dtype=np.uint32))
-    own = int(rng.integers(1, 4)) * n + int(rng.integers(0, n))
-    parts.append(rng.integers(0, VOCAB, size=own, dtype=np.uint32))
-    tokens = np.concatenate(parts)
+    """Prompt ``number`` of workload ``seed`` (:func:`prompt_tokens`), in ``namespace``
+    when given (else the one the workload draws)."""
+    i, tokens = prompt_tokens(seed, number, len(NAMESPACES), shared_prefix=shared_prefix)
+    ns = NAMESPACES[i] if namespace is None else namespace
     keys = tuple(prompt_chunk_keys(identity(weights_digest), ns, tokens))
     return Prompt(number, ns, tokens, keys, weights_digest)
