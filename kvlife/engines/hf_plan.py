@@ -28,7 +28,9 @@ cached one for the same model and thread count instead.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,12 +57,20 @@ PROFILE_POINTS: tuple[tuple[int, int], ...] = (
     (0, 64),
     (0, 256),
     (0, 1024),
-    (256, 256),
+    (256, 16),
+    (1024, 16),
+    (2048, 16),
     (1024, 256),
     (2048, 128),
 )
 """(start, length) of the prefills :func:`measure_prefill` times: lengths for the
-per-token cost, starts for attention's growth with position."""
+per-token cost, long ones after a prefix for attention's growth with position, and short
+ones after a prefix (the rest a plan prefills after its loaded chunks: there the cached
+KV's copy per call, ``c3``, is most of the time)."""
+
+PROFILE_VERSION = 2
+"""Part of the cached profile's label: profiles of another version are measured again
+(2: the cached-copy term and the short prefills after a prefix)."""
 
 
 @dataclass(slots=True)
@@ -100,6 +110,15 @@ class PlannedPrefill:
     """Time the load took (to its last chunk; to the deadline when abandoned)."""
     rest_s: float
     """Time the prefill after the plan's stop took."""
+    wait_s: float = 0.0
+    """Time the engine waited for the load after its front was computed."""
+    join_s: float = 0.0
+    """Time to make the cache of the front and the loaded chunks."""
+    main_cpu_s: float = 0.0
+    """CPU seconds of the engine's thread (torch computes there with one thread)."""
+    other_cpu_s: float = 0.0
+    """CPU seconds of the process's other threads meanwhile: the store's I/O threads
+    loading (reads, checks, copies), with torch's own pool where it has more threads."""
 
 
 class PlannedEngine:
@@ -139,6 +158,7 @@ class PlannedEngine:
         eng._check_length(ids, start, 0)
         lay = eng.identity.layout
         tpc, n = lay.tokens_per_chunk, len(ids)
+        c0, m0 = time.process_time(), time.thread_time()
         t0 = time.perf_counter()
         found = store.lookup(eng.identity, namespace, list(ids), start=start)
         hits = found.hits[: usable_hits(found.hits, n, tpc)]
@@ -159,7 +179,7 @@ class PlannedEngine:
         if front:
             front_cache = eng._prefill_suffix(ids[: front * tpc], front_cache, start).cache
         t2 = time.perf_counter()
-        got, load_s = 0, 0.0
+        got, load_s, timed_out = 0, 0.0, False
         if loading is not None:
             deadline = (
                 math.inf
@@ -170,6 +190,8 @@ class PlannedEngine:
             if not timed_out:
                 loading.join(1.0)  # its watcher notes when the last read ended
             load_s = (loading.finished_at or time.perf_counter()) - t1
+        t2w = time.perf_counter()
+        if loading is not None:
             if timed_out or got < count:
                 if timed_out:
                     self.counters.timeouts += 1
@@ -187,6 +209,8 @@ class PlannedEngine:
         t3 = time.perf_counter()
         pre = eng._prefill_suffix(ids, cache, start)
         t4 = time.perf_counter()
+        main_cpu = time.thread_time() - m0
+        other_cpu = max(0.0, time.process_time() - c0 - main_cpu)
         if self.learn:
             if front:
                 self.model.observe_prefill(0, front * tpc, t2 - tf)
@@ -207,6 +231,10 @@ class PlannedEngine:
             front_s=t2 - tf,
             load_s=load_s,
             rest_s=t4 - t3,
+            wait_s=t2w - t2,
+            join_s=t3 - t2w,
+            main_cpu_s=main_cpu,
+            other_cpu_s=other_cpu,
         )
 
     def settle(self, timeout: float | None = None) -> bool:
@@ -295,7 +323,7 @@ def _joined(eng: HFEngine, front: Any, front_tokens: int, buf: np.ndarray, token
 def _engine_label(engine: HFEngine) -> str:
     torch = engine.torch
     return f"{engine.identity.model_id} weights={engine.identity.weights_digest[:16]} " + (
-        f"threads={torch.get_num_threads()}"
+        f"threads={torch.get_num_threads()} profile=v{PROFILE_VERSION}"
     )
 
 
@@ -306,25 +334,30 @@ def measure_prefill(
     repeats: int = 2,
     seed: int = 0,
 ) -> PrefillProfile:
-    """Time prefills of ``length`` tokens after ``start`` cached ones (the best of
-    ``repeats``) and fit the profile. Positions past the model's are skipped."""
+    """Time prefills of ``length`` tokens after ``start`` cached ones (the median of
+    ``repeats``: the best of a few is biased low on a shared machine) and fit the
+    profile, the cached-copy term included. Each start's prefix is prefilled once and
+    copied for every repeat (untimed). Positions past the model's are skipped."""
     rng = np.random.default_rng(seed)
     vocab = int(getattr(engine.config, "vocab_size", 1000))
     samples = []
+    prefixes: dict[int, tuple[list[int], Any]] = {}
     for start, length in points:
         if start + length > engine.max_positions:
             continue
-        ids = rng.integers(0, vocab, start + length).tolist()
-        best = float("inf")
+        if start and start not in prefixes:
+            head = rng.integers(0, vocab, start).tolist()
+            prefixes[start] = (head, engine._prefill_suffix(head, engine._new_cache(), 0).cache)
+        head, prefix_cache = prefixes.get(start, ([], None))
+        ids = head + rng.integers(0, vocab, length).tolist()
+        times = []
         for _ in range(repeats):
-            cache = engine._new_cache()
-            if start:
-                cache = engine._prefill_suffix(ids[:start], cache, 0).cache
+            cache = copy.deepcopy(prefix_cache) if start else engine._new_cache()
             t0 = time.perf_counter()
             engine._prefill_suffix(ids, cache, 0)
-            best = min(best, time.perf_counter() - t0)
-        samples.append(PrefillSample(start, length, best))
-    return PrefillProfile.fit(samples, _engine_label(engine))
+            times.append(time.perf_counter() - t0)
+        samples.append(PrefillSample(start, length, statistics.median(times)))
+    return PrefillProfile.fit(samples, _engine_label(engine), cached_term=True)
 
 
 def prefill_profile(engine: HFEngine, *, cache: Path | None = None) -> PrefillProfile:

@@ -24,6 +24,8 @@ def test_the_crossover_experiment_writes_its_json_and_plot(tmp_path: Path) -> No
             "experiment",
             "crossover",
             "--quick",
+            "--repeats",
+            "2",
             "--model",
             "tiny",
             "--no-progress",
@@ -43,7 +45,16 @@ def test_the_crossover_experiment_writes_its_json_and_plot(tmp_path: Path) -> No
         assert p["planner_vs_oracle"] >= 1.0
         assert p["planner_plan"]["kind"] in ("compute", "load", "split")
         assert p["load_plan"]["loaded"] + p["load_plan"]["fallback"] == p["load_plan"]["hits"]
+        # each policy's time is the median of its runs; the per-term table and a verdict
+        for name in PLANS:
+            assert len(p[f"{name}_runs"]) == 2
+            assert min(p[f"{name}_runs"]) <= p[name] <= max(p[f"{name}_runs"])
+            row = p["diagnosis"]["table"][name]
+            assert row["measured_s"] == p[name] and row["predicted_s"] > 0
+            assert set(row["term_errors_s"]) == {"front", "load", "join", "rest", "lookup"}
+        assert p["diagnosis"]["verdict"] == "within 5%" or p["planner_vs_oracle"] > 1.05
     assert set(got["summary"]["crossings"]) == {"256"}
+    assert got["summary"]["points_within_5pct"] + len(got["summary"]["misses"]) == 2
     assert got["field"]["kv_bytes_per_token"] == 128 * 1024
 
 
