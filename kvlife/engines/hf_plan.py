@@ -119,6 +119,10 @@ class PlannedPrefill:
     other_cpu_s: float = 0.0
     """CPU seconds of the process's other threads meanwhile: the store's I/O threads
     loading (reads, checks, copies), with torch's own pool where it has more threads."""
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds of the engine's thread per phase (``lookup_s``, ``front_s``,
+    ``join_s``, ``rest_s``): with one torch thread, the phase's work without the time
+    the thread waited for a core (a shared machine's noise)."""
 
 
 class PlannedEngine:
@@ -163,7 +167,7 @@ class PlannedEngine:
         found = store.lookup(eng.identity, namespace, list(ids), start=start)
         hits = found.hits[: usable_hits(found.hits, n, tpc)]
         plan = policy(self.model, hits, n)
-        t1 = time.perf_counter()
+        t1, m1 = time.perf_counter(), time.thread_time()
         front, stop = plan.front, plan.stop
         count = stop - front
         loading = None
@@ -175,10 +179,10 @@ class PlannedEngine:
             loading = _Loading(handle)
         # the front, computed while the back loads
         front_cache = eng._new_cache()
-        tf = time.perf_counter()
+        tf, mf = time.perf_counter(), time.thread_time()
         if front:
             front_cache = eng._prefill_suffix(ids[: front * tpc], front_cache, start).cache
-        t2 = time.perf_counter()
+        t2, m2 = time.perf_counter(), time.thread_time()
         got, load_s, timed_out = 0, 0.0, False
         if loading is not None:
             deadline = (
@@ -190,7 +194,7 @@ class PlannedEngine:
             if not timed_out:
                 loading.join(1.0)  # its watcher notes when the last read ended
             load_s = (loading.finished_at or time.perf_counter()) - t1
-        t2w = time.perf_counter()
+        t2w, m2w = time.perf_counter(), time.thread_time()
         if loading is not None:
             if timed_out or got < count:
                 if timed_out:
@@ -206,10 +210,10 @@ class PlannedEngine:
             cache = _joined(eng, front_cache, front * tpc, buf, got * tpc)
         else:
             cache = front_cache
-        t3 = time.perf_counter()
+        t3, m3 = time.perf_counter(), time.thread_time()
         pre = eng._prefill_suffix(ids, cache, start)
-        t4 = time.perf_counter()
-        main_cpu = time.thread_time() - m0
+        t4, m4 = time.perf_counter(), time.thread_time()
+        main_cpu = m4 - m0
         other_cpu = max(0.0, time.process_time() - c0 - main_cpu)
         if self.learn:
             if front:
@@ -235,6 +239,12 @@ class PlannedEngine:
             join_s=t3 - t2w,
             main_cpu_s=main_cpu,
             other_cpu_s=other_cpu,
+            cpu_s={
+                "lookup_s": m1 - m0,
+                "front_s": m2 - mf,
+                "join_s": m3 - m2w,
+                "rest_s": m4 - m3,
+            },
         )
 
     def settle(self, timeout: float | None = None) -> bool:
