@@ -247,7 +247,13 @@ def _loadavg() -> float:
         return -1.0
 
 
-def run(cfg: CrossoverConfig, progress: bool = True) -> dict[str, Any]:
+def run(
+    cfg: CrossoverConfig,
+    progress: bool = True,
+    partial: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> dict[str, Any]:
+    """The experiment; ``partial`` is handed the points so far after each one (a long
+    run on a shared machine leaves what it measured if it is stopped)."""
     import torch
 
     from kvlife.engines.hf_plan import PlannedEngine, measure_prefill, prefill_profile
@@ -321,6 +327,8 @@ def run(cfg: CrossoverConfig, progress: bool = True) -> dict[str, Any]:
                         },
                     )
                     points.append(row)
+                    if partial is not None:
+                        partial(points)
                     if progress:
                         d = row["diagnosis"]
                         print(
@@ -589,7 +597,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.bandwidths:
         cfg = _with(cfg, bandwidths_mb_s=tuple(float(x) for x in args.bandwidths.split(",")))
     cfg = _with(cfg, model=args.model, repeats=args.repeats, threads=args.threads)
-    result = run(cfg, progress=not args.no_progress)
+
+    def partial(points: list[dict[str, Any]]) -> None:
+        if args.json:
+            tmp = Path(args.json + ".partial")
+            tmp.write_text(json.dumps({"config": asdict(cfg), "points": points}, indent=1))
+
+    result = run(cfg, progress=not args.no_progress, partial=partial)
+    if args.json:
+        Path(args.json + ".partial").unlink(missing_ok=True)
     text = json.dumps(result, indent=1)
     if args.json:
         Path(args.json).write_text(text)
