@@ -216,6 +216,8 @@ class PlannedEngine:
         main_cpu = m4 - m0
         other_cpu = max(0.0, time.process_time() - c0 - main_cpu)
         if self.learn:
+            if front and got:
+                self.model.observe_join((front + got) * tpc, t3 - t2w)
             if front:
                 self.model.observe_prefill(0, front * tpc, t2 - tf)
             self.model.observe_prefill(pre.cached_tokens, n - pre.cached_tokens, t4 - t3)

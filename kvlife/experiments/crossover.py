@@ -167,6 +167,7 @@ def point_row(
         row[f"{name}_runs"] = times
         row[f"{name}_spread"] = (max(times) - min(times)) / med if med > 0 else 0.0
         row[f"{name}_plan"] = _median_run(rs)
+        row[f"{name}_records"] = rs
         row[f"{name}_cpu"] = float(statistics.median(r["cpu_ttft_s"] for r in rs))
     row["oracle_policy"] = min(runs, key=lambda n: row[n])
     row["oracle"] = row[row["oracle_policy"]]

@@ -12,11 +12,13 @@
   + c3 * start``: a fixed cost, the per-token work (projections, MLP), attention, whose
   cost per new token grows with its position, and (where the engine's cache is
   contiguous, as transformers' ``DynamicCache``) the copy of the cached KV that
-  appending to it makes once per call; the same copy joins a computed front to loaded
-  chunks (:meth:`CostModel.join_seconds`). Fitted by non-negative least squares from a few timed
-  prefills of the engine itself (:meth:`PrefillProfile.fit`), kept as JSON so a restart
-  reads it instead of measuring again; refitted to the latest prefills the engine timed
-  (:meth:`CostModel.observe_prefill`), so it follows the engine's speed of the day.
+  appending to it makes once per call. Fitted by non-negative least squares from a few
+  timed prefills of the engine itself (:meth:`PrefillProfile.fit`), kept as JSON so a
+  restart reads it instead of measuring again; refitted to the latest prefills the
+  engine timed (:meth:`CostModel.observe_prefill`), so it follows the engine's speed of
+  the day.
+- the join of a computed front to loaded chunks (a split): a learnt time per position
+  (:meth:`CostModel.join_seconds`, :meth:`CostModel.observe_join`).
 """
 
 from __future__ import annotations
@@ -195,6 +197,8 @@ class CostModel:
     """The latest prefills the engine timed; the profile is refitted to these (with the
     start-up samples while there are fewer than eight), so it follows the engine's speed
     of the day (another process on the cores) and the cost of the calls it makes."""
+    join_per_token: RobustEstimate = field(default_factory=RobustEstimate)
+    """Seconds per position to join a computed front to loaded chunks (learnt)."""
     startup: tuple[PrefillSample, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -237,12 +241,19 @@ class CostModel:
 
     def join_seconds(self, front_tokens: int, loaded_tokens: int) -> float:
         """Joining a computed front of ``front_tokens`` to ``loaded_tokens`` loaded
-        positions: one copy of both into a new contiguous cache (the profile's cached-KV
-        copy, ``c3`` per token); nothing to join when either is empty (loaded chunks
-        alone are injected as views)."""
+        positions: one copy of both into a new contiguous cache, at the learnt time per
+        token (0 until a join was observed; nothing to join when either is empty: loaded
+        chunks alone are injected as views). Not the profile's ``c3``: fitted online to
+        noisy prefills it swung from 0 to 0.7 ms a token in one run, where joins took
+        0.02-0.03 ms a token of CPU (docs/planner.md)."""
         if not front_tokens or not loaded_tokens:
             return 0.0
-        return self.prefill.c3 * (front_tokens + loaded_tokens)
+        return (self.join_per_token.value or 0.0) * (front_tokens + loaded_tokens)
+
+    def observe_join(self, tokens: int, seconds: float) -> None:
+        """A join of ``tokens`` positions that took ``seconds``."""
+        if tokens > 0 and seconds >= 0:
+            self.join_per_token.observe(seconds / tokens)
 
     def observe_prefill(self, start_token: int, tokens: int, seconds: float) -> None:
         """A prefill of ``tokens`` after ``start_token`` that took ``seconds``: the

@@ -79,6 +79,8 @@ def test_the_chosen_plan_is_the_least_predicted_time(
 ) -> None:
     prefill, lat, spb = m
     model = _model(prefill, lat, spb)
+    join_per_token = prefill.c3  # a learnt join cost, drawn with the profile
+    model.join_per_token.seed(join_per_token)
     hits = _hits(h, nbytes, decode)
     n = h * TPC + tail
     usable = min(h, (n - 1) // TPC)
@@ -89,8 +91,8 @@ def test_the_chosen_plan_is_the_least_predicted_time(
             if stop > front
             else 0.0
         )
-        # a computed front joined to loaded chunks is copied once (c3 per token)
-        join = prefill.c3 * stop * TPC if 0 < front < stop else 0.0
+        # a front joined to loaded chunks: one copy of both, at the learnt cost
+        join = join_per_token * stop * TPC if 0 < front < stop else 0.0
         return (
             max(prefill.seconds(0, front * TPC), load)
             + join
