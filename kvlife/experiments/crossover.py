@@ -195,6 +195,16 @@ def _term_errors(run: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def core_share(run: dict[str, Any]) -> float | None:
+    """The share of a core the engine's thread had while it computed (front and rest:
+    CPU seconds over wall seconds); None for a run that computed next to nothing. Far
+    below 1, other processes had the cores: a compute term off its prediction by that
+    factor is the machine's, not the profile's."""
+    wall = run["measured"]["front_s"] + run["measured"]["rest_s"]
+    cpu = run["cpu"]["front_s"] + run["cpu"]["rest_s"]
+    return cpu / wall if wall > 0.05 else None
+
+
 def diagnose(row: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
     """Why the planner is (or is not) within 5 % of the oracle at this point.
 
@@ -218,6 +228,7 @@ def diagnose(row: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
             "measured_s": row[name],
             "spread": row[f"{name}_spread"],
             "cpu_time_s": row[f"{name}_cpu"],
+            "core_share": core_share(run),
             "term_errors_s": _term_errors(run),
         }
     ratio = row["planner_vs_oracle"]

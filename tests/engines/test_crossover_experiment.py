@@ -91,6 +91,7 @@ def _run(ttft: float, front: int, stop: int, pred: float, rest: float = 0.1) -> 
             "join_s": 0.0,
             "rest_s": rest,
         },
+        "cpu": {"lookup_s": 0.0, "front_s": 0.0, "join_s": 0.0, "rest_s": rest},
         "cpu_ttft_s": ttft,
     }
 
