@@ -70,7 +70,7 @@ KV's copy per call, ``c3``, is most of the time)."""
 
 PROFILE_VERSION = 2
 """Part of the cached profile's label: profiles of another version are measured again
-(2: the cached-copy term and the short prefills after a prefix)."""
+(2: the per-cached-token term and the short prefills after a prefix)."""
 
 
 @dataclass(slots=True)
@@ -348,7 +348,7 @@ def measure_prefill(
 ) -> PrefillProfile:
     """Time prefills of ``length`` tokens after ``start`` cached ones (the median of
     ``repeats``: the best of a few is biased low on a shared machine) and fit the
-    profile, the cached-copy term included. Each start's prefix is prefilled once and
+    profile, the per-cached-token term included. Each start's prefix is prefilled once and
     copied for every repeat (untimed). Positions past the model's are skipped."""
     rng = np.random.default_rng(seed)
     vocab = int(getattr(engine.config, "vocab_size", 1000))
