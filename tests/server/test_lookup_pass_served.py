@@ -274,3 +274,63 @@ def test_the_served_lookup_keeps_nothing_from_a_tier_it_refused(tmp_path: Path) 
             )
     finally:
         srv.stop()
+
+
+GARBLED_FIELDS = [
+    ("hints", None),
+    ("hints", 5),
+    ("hints", ["a"] * 8),
+    ("hints", [1.5] * 8),
+    ("hints", [-8, 1] * 4),
+    ("hints", [True] * 8),
+    ("hints", [0, 1] * 3),  # two numbers for three of the four hits
+    ("chunks_total", None),
+    ("chunks_total", "4"),
+    ("chunks_total", -1),
+    ("chunks_total", 3),  # fewer chunks than the reply's hits
+    ("refusal", None),
+    ("refusal", 7),
+    ("keys", KeyError),
+    ("tiers", KeyError),
+    ("forms", KeyError),
+    ("refusal", KeyError),
+    ("chunks_total", KeyError),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), GARBLED_FIELDS)
+def test_a_lookup_reply_with_a_field_the_client_cannot_read_is_refused_keeping_nothing(
+    client: RemoteStore, monkeypatch: pytest.MonkeyPatch, name: str, value: object
+) -> None:
+    """The real server's reply to a lookup of four stored chunks, one field garbled on
+    the way (``KeyError``: left out): the whole reply is a ProtocolError, and no hit
+    record of it is kept (it failed with TypeError or KeyError on the client of
+    7046ddf, which had kept the reply's records, or answered a lookup whose refusal
+    read ``'None'``, whose chunks_total was None or below its hits, or whose hints
+    were not offsets)."""
+    ident = tiny_identity(model_id="served-garbled")
+    tokens, kv = prompt_kv(11, 4 * N)
+    client.put_prompt(ident, PUBLIC, tokens, kv)
+    loads = _loads(client)
+    real = loads.wire.call_on
+
+    def garbled(verb: str, args: dict[str, Any], *more: Any) -> tuple[Any, Any]:
+        r, conn = real(verb, args, *more)
+        if verb == "lookup":
+            assert len(r["tiers"]) == 4
+            r = dict(r)
+            if value is KeyError:
+                del r[name]
+            else:
+                r[name] = value
+        return r, conn
+
+    loads._known.clear()
+    monkeypatch.setattr(loads.wire, "call_on", garbled)
+    with pytest.raises(ProtocolError, match="lookup reply"):
+        client.lookup(ident, PUBLIC, tokens)
+    assert not loads._known
+    monkeypatch.undo()
+    res = client.lookup(ident, PUBLIC, tokens)  # the same reply, ungarbled: read
+    assert len(res.hits) == 4 and res.refused == 0
+    client.invalidate(model="served-garbled")
