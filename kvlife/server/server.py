@@ -50,6 +50,7 @@ from kvlife.core.events import EventSink, fan_out
 from kvlife.core.identity import digest_bytes
 from kvlife.core.logs import LogSink, flush_logs, log_event
 from kvlife.server import protocol
+from kvlife.server.address import check_bindable
 from kvlife.server.context import UNKNOWN_PEER, PartSender, Peer
 from kvlife.server.limits import Account, Limits
 from kvlife.server.live import LiveFigures
@@ -633,7 +634,8 @@ def _part_sender(conn: socket.socket) -> PartSender:
 def _preflight(cfg: ServeConfig) -> None:
     """The places a server makes, checked before it makes any (InvalidArgument naming
     the one it cannot use): the store path is a folder or can be made one, the socket's
-    and the pid file's folders and the shared-memory folder exist. Otherwise the server
+    and the pid file's folders and the shared-memory folder exist, the metrics address
+    can be bound, the arena fits the shared-memory filesystem. Otherwise the server
     would fail after creating a store, or after listening, and leave them behind."""
     if cfg.path.exists() and not cfg.path.is_dir():
         raise InvalidArgument(f"store path {cfg.path} is not a directory")
@@ -647,6 +649,8 @@ def _preflight(cfg: ServeConfig) -> None:
         raise InvalidArgument(
             f"shared-memory directory {cfg.shm_dir} does not exist (or is not a directory)"
         )
+    if cfg.metrics is not None:
+        check_bindable(*cfg.metrics)
     first = cfg.store.chain[0].capacity_bytes if cfg.store is not None else cfg.dram_bytes
     arena = first + cfg.staging_bytes
     fs = os.statvfs(cfg.shm_dir)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -168,3 +169,31 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     # without a file, the same function gives ServeConfig's own defaults
     plain = serve_config(build_parser().parse_args(["serve", str(tmp_path / "s")]))
     assert plain.store is None and plain.dram_bytes == 1 << 30 and plain.limits.max_chunks == 16384
+
+
+@pytest.mark.parametrize("where", ["busy", "unresolvable"])
+def test_a_metrics_address_the_server_cannot_serve_leaves_nothing_behind(
+    tmp_path: Path, where: str
+) -> None:
+    """``[server] metrics`` on a port another socket listens on, or on a host name that
+    does not resolve: ``kvlife serve --config`` fails with the typed one-line error and
+    makes nothing (on the code of 69c924e it failed after making the store folder,
+    which it left behind with its lock file and tier folders)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        address = f"127.0.0.1:{port}" if where == "busy" else "nosuch.invalid:0"
+        config = tmp_path / "kvlife.toml"
+        config.write_text(CONFIG.replace("[server]\n", f'[server]\nmetrics = "{address}"\n', 1))
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvlife.cli", "serve", "--config", str(config)],
+            cwd=ROOT,
+            env=child_env(),
+            capture_output=True,
+            timeout=120,
+        )
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and "cannot serve metrics" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kvlife.toml"]
