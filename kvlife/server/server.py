@@ -650,6 +650,12 @@ def _preflight(cfg: ServeConfig) -> None:
             f"shared-memory directory {cfg.shm_dir} does not exist (or is not a directory)"
         )
     if cfg.metrics is not None:
+        try:  # the ops extra: imported when the server serves metrics, after the store
+            import kvlife.server.prometheus  # noqa: F401
+        except ImportError as exc:
+            raise InvalidArgument(
+                f"metrics need prometheus-client (pip install 'kvlife[ops]'): {exc}"
+            ) from None
         check_bindable(*cfg.metrics)
     first = cfg.store.chain[0].capacity_bytes if cfg.store is not None else cfg.dram_bytes
     arena = first + cfg.staging_bytes
