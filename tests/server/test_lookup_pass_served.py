@@ -334,3 +334,53 @@ def test_a_lookup_reply_with_a_field_the_client_cannot_read_is_refused_keeping_n
     res = client.lookup(ident, PUBLIC, tokens)  # the same reply, ungarbled: read
     assert len(res.hits) == 4 and res.refused == 0
     client.invalidate(model="served-garbled")
+
+
+@pytest.mark.parametrize("again", [True, False])
+def test_held_a_stale_hint_whose_extent_holds_another_chunk_is_never_served(
+    tmp_path: Path, again: bool
+) -> None:
+    """A lookup's hints, then its prompt invalidated and another prompt put into the
+    extents the hints name (and the prompt put again elsewhere, or not): the load with
+    buffers of the layout (the hinted path: the client copies from the hints at once)
+    serves the prompt's own bytes or misses, never the other prompt's that its hints
+    now point at (the server confirms no hint whose extent was reallocated). Checked
+    to fail with a server that confirmed every hint whose chunk it served from the
+    arena, wherever the hint pointed."""
+    srv = ServerProc(tmp_path / "srv", dram=16 << 10).start()
+    try:
+        with srv.client() as client:
+            _stale_hint(client, again)
+    finally:
+        srv.stop()
+
+
+def _stale_hint(client: RemoteStore, again: bool) -> None:
+    ident = tiny_identity(model_id="served-stale")
+    tokens, kv = prompt_kv(20, 4 * N)
+    client.invalidate(model="served-stale")
+    client.put_prompt(ident, PUBLIC, tokens, kv)
+    stale = client.lookup(ident, PUBLIC, tokens)
+    assert isinstance(stale, RemoteLookup) and len(stale.hits) == 4
+    assert all(stale.hints[1::2])  # every hit in DRAM, with a hint
+    # other prompts until one lies where the stale hints point (an extent is freed
+    # when its last view dies, which may be a put later)
+    for seed in range(21, 29):
+        client.invalidate(model="served-stale")
+        other_tokens, other_kv = prompt_kv(seed, 4 * N)
+        client.put_prompt(ident, PUBLIC, other_tokens, other_kv)
+        other = client.lookup(ident, PUBLIC, other_tokens)
+        assert isinstance(other, RemoteLookup)
+        if set(stale.hints[0::2]) & set(other.hints[0::2]):
+            break
+    else:
+        raise AssertionError("no other prompt was put into the stale hints' extents")
+    if again:
+        client.put_prompt(ident, PUBLIC, tokens, kv)
+    outs = [np.full(TINY.chunk_shape, np.nan, np.float16) for _ in stale.hits]
+    got = client.load(stale, outs)
+    assert got.loaded == (4 if again else 0)
+    for i, arr in enumerate(got.arrays):
+        want = kv[:, :, :, i * N : (i + 1) * N]
+        assert np.array_equal(arr, want) and np.array_equal(outs[i], want)
+    client.invalidate(model="served-stale")
