@@ -451,7 +451,7 @@ def _containers(ids: list[int]) -> dict[str, Any]:
         "list": list(ids),
         "tuple": tuple(ids),
         "array.array": array.array("I", ids),
-        "memoryview": memoryview(u4),
+        "memoryview": memoryview(u4.data),
         "<u4": u4,
         ">u4": u4.astype(">u4"),
         "<i8": u4.astype("<i8"),
