@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import json
 import os
@@ -431,3 +432,83 @@ def test_negative_token_ids_are_rejected_whatever_the_dtype(dtype: str) -> None:
         prompt_chunk_keys(ident, PUBLIC, arr)
     with pytest.raises(InvalidArgument, match="token ids"):
         prompt_chunk_keys(ident, PUBLIC, np.array([2**32], dtype="<i8"))
+
+
+BOUNDARY_IDS = [0, 1, 2**15, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1]
+
+
+def _containers(ids: list[int]) -> dict[str, Any]:
+    """The same ids in every form a caller may hand over (each holds all of them)."""
+    u4 = np.array(ids, "<u4")
+    wide = np.zeros(3 * len(ids), "<u4")
+    wide[::3] = ids
+    raw = np.zeros(4 * len(ids) + 1, np.uint8)
+    unaligned = raw[1:].view("<u4")  # a view at an odd address, contiguous
+    unaligned[:] = ids
+    readonly = u4.copy()
+    readonly.flags.writeable = False
+    forms: dict[str, Any] = {
+        "list": list(ids),
+        "tuple": tuple(ids),
+        "array.array": array.array("I", ids),
+        "memoryview": memoryview(u4.data),
+        "<u4": u4,
+        ">u4": u4.astype(">u4"),
+        "<i8": u4.astype("<i8"),
+        ">i8": u4.astype(">i8"),
+        "<u8": u4.astype("<u8"),
+        "strided": wide[::3],
+        "reversed twice": u4[::-1].copy()[::-1],
+        "unaligned": unaligned,
+        "readonly": readonly,
+        "numpy ints in a list": [np.uint64(i) for i in ids],
+    }
+    return forms  # a torch tensor goes through np.asarray alike (not imported: 3 s)
+
+
+def test_held_the_same_ids_in_any_container_give_the_same_keys() -> None:
+    """Ids at the edges of every dtype (2**31 and up: negative as int32, so only an
+    unsigned or 8-byte array holds them), in lists, tuples, buffers, byte orders,
+    strides, an unaligned or read-only view: the keys of the list, every time."""
+    ident = ModelIdentity("m", "w", "t", KVLayout(1, 1, 1, "float16", 4))
+    want = prompt_chunk_keys(ident, PUBLIC, BOUNDARY_IDS)
+    assert len(want) == 2
+    for name, tokens in _containers(BOUNDARY_IDS).items():
+        assert prompt_chunk_keys(ident, PUBLIC, tokens) == want, name
+    small = [0, 1, 127, 5]  # every integer dtype holds these
+    want = prompt_chunk_keys(ident, PUBLIC, small)
+    for dtype in ("i1", "u1", "<i2", ">i2", "<u2", ">u2", "<i4", ">i4", "<u4", ">u4", "<i8"):
+        assert prompt_chunk_keys(ident, PUBLIC, np.array(small, dtype)) == want, dtype
+    # one id more: another prompt, other keys (no id aliases another through a dtype)
+    assert prompt_chunk_keys(ident, PUBLIC, [0, 1, 127, 6]) != want
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        np.array([1, 2, -1, 4], "<i4"),  # as u32: 2**32 - 1, another id: refused
+        np.array([1, 2, -1, 4], ">i4"),
+        np.array([1, 2, -128, 4], "i1"),
+        np.array([1, 2, -1, 4], "<i2"),
+        np.array([1, 2, -(2**63), 4], "<i8"),
+        np.array([1, 2, 2**32, 4], "<u8"),
+        np.array([1, 2, 2**64 - 1, 4], ">u8"),
+        np.array([1, 2, 3, 4], "f4"),
+        np.array([True, True, False, True]),
+        np.array([1, 2, 3, 4], object),
+        np.array([1, 2, 3, 4], "m8[s]"),
+        np.array(5, "<u4"),  # 0-d
+        np.zeros((2, 4), "<u4"),  # 2-d
+        np.array([1, 2, -1, 4], "<i4")[::2],  # strided, the -1 kept
+        b"\x01\x00\x00\x00" * 4,  # bytes are no sequence of ids here
+        [1, 2, 2**32, 4],
+        [1, 2, -1, 4],
+        [1.0, 2.0, 3.0, 4.0],
+        [[1, 2], [3, 4]],
+    ],
+    ids=lambda t: f"{type(t).__name__}-{getattr(t, 'dtype', '')}-{getattr(t, 'shape', '')}",
+)
+def test_held_token_ids_no_key_can_encode_are_refused_typed(tokens: Any) -> None:
+    ident = ModelIdentity("m", "w", "t", KVLayout(1, 1, 1, "float16", 4))
+    with pytest.raises(InvalidArgument, match="token ids"):
+        prompt_chunk_keys(ident, PUBLIC, tokens)

@@ -78,6 +78,35 @@ def _record(said: Said) -> ChunkHit:
     return ChunkHit(i, ChunkKey(key), pos, tier, transform, exactness, stored, decoded, seconds)
 
 
+def _lookup_fields(r: Any) -> tuple[int, str, tuple[int, ...]]:
+    """A lookup reply's chunk count, refusal and hints, each of its type (ProtocolError
+    otherwise), checked against the count of its hits before ``_hits`` keeps any
+    record of it: a garbled reply is refused whole, not read as a lookup whose refusal
+    is ``'None'``, whose prompt has fewer chunks than its hits, or whose hints are no
+    offsets. A reply without hints (a server that sends none) has none."""
+    fields = ("keys", "tiers", "forms", "chunks_total", "refusal")
+    if not isinstance(r, dict) or not all(f in r for f in fields):
+        raise errors.ProtocolError(f"lookup reply without every field of {fields}")
+    tiers, total, refusal = r["tiers"], r["chunks_total"], r["refusal"]
+    hints = r.get("hints", [])
+    if not isinstance(tiers, list):
+        raise errors.ProtocolError("lookup reply's keys, tiers or forms of the wrong type")
+    count = len(tiers)
+    if type(total) is not int or total < count:
+        raise errors.ProtocolError(f"lookup reply of {count} hits in {total!r} chunks")
+    if type(refusal) is not str:
+        raise errors.ProtocolError(f"lookup reply's refusal {refusal!r} is no text")
+    if not (
+        isinstance(hints, list)
+        and len(hints) in (0, 2 * count)
+        and (not hints or (set(map(type, hints)) == {int} and min(hints) >= 0))
+    ):  # C-level passes, as _hits's: no Python step per hit
+        raise errors.ProtocolError(
+            f"lookup reply's hints are not two numbers >= 0 per hit: {str(hints)[:64]}"
+        )
+    return total, refusal, tuple(hints)
+
+
 class Loads:
     """The client side of the load protocol on one :class:`Wire`."""
 
@@ -141,17 +170,17 @@ class Loads:
             args["opts"] = {"accept": protocol.encode_accept(accept)}
         r, conn = self.wire.call_on("lookup", args)
         n = prompt.identity.layout.tokens_per_chunk
+        total, refusal, hints = _lookup_fields(r)  # read before any record is kept
         hits = self._hits(r["keys"], r["tiers"], r["forms"], prompt.start, n)
-        refusal = str(r["refusal"])
         return RemoteLookup(
             hits,
-            r["chunks_total"],
+            total,
             n,
             accept,
             int(bool(refusal)),
             refusal,
             prompt.identity,
-            tuple(r.get("hints", ())),
+            hints,
             conn.epoch,
         )
 

@@ -4,6 +4,8 @@ config check`` can check an address on a machine without it."""
 
 from __future__ import annotations
 
+import socket
+
 from kvlife.core.errors import InvalidArgument
 
 
@@ -21,3 +23,19 @@ def parse_address(text: str) -> tuple[str, int]:
     if not 0 <= number <= 65535:
         raise InvalidArgument(f"--metrics {text!r}: port {number} is not in 0..65535")
     return host, number
+
+
+def check_bindable(host: str, port: int) -> None:
+    """InvalidArgument unless a listening socket can be bound at ``host:port`` now (the
+    host resolves, the port is free), as the metrics server binds it: checked before
+    the server makes its store, so that an address it cannot serve on leaves nothing
+    behind (another process may still take the port before the server binds it)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, sockaddr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            # as http.server does: a port left in TIME_WAIT is bindable
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+    except OSError as exc:
+        raise InvalidArgument(f"cannot serve metrics on {host}:{port}: {exc}") from None

@@ -50,6 +50,7 @@ from kvlife.core.events import EventSink, fan_out
 from kvlife.core.identity import digest_bytes
 from kvlife.core.logs import LogSink, flush_logs, log_event
 from kvlife.server import protocol
+from kvlife.server.address import check_bindable
 from kvlife.server.context import UNKNOWN_PEER, PartSender, Peer
 from kvlife.server.limits import Account, Limits
 from kvlife.server.live import LiveFigures
@@ -643,7 +644,8 @@ def _part_sender(conn: socket.socket) -> PartSender:
 def _preflight(cfg: ServeConfig) -> None:
     """The places a server makes, checked before it makes any (InvalidArgument naming
     the one it cannot use): the store path is a folder or can be made one, the socket's
-    and the pid file's folders and the shared-memory folder exist. Otherwise the server
+    and the pid file's folders and the shared-memory folder exist, the metrics address
+    can be bound, the arena fits the free room of the shared-memory filesystem. Otherwise the server
     would fail after creating a store, or after listening, and leave them behind."""
     if cfg.path.exists() and not cfg.path.is_dir():
         raise InvalidArgument(f"store path {cfg.path} is not a directory")
@@ -664,15 +666,32 @@ def _preflight(cfg: ServeConfig) -> None:
             raise InvalidArgument(
                 f"event log {cfg.events}: its directory {cfg.events.parent} does not exist"
             )
+    if cfg.metrics is not None:
+        try:  # the ops extra: imported when the server serves metrics, after the store
+            import kvlife.server.prometheus  # noqa: F401
+        except ImportError as exc:
+            raise InvalidArgument(
+                f"metrics need prometheus-client (pip install 'kvlife[ops]'): {exc}"
+            ) from None
+        check_bindable(*cfg.metrics)
     first = cfg.store.chain[0].capacity_bytes if cfg.store is not None else cfg.dram_bytes
     arena = first + cfg.staging_bytes
     fs = os.statvfs(cfg.shm_dir)
-    room = fs.f_blocks * fs.f_frsize
-    if arena > room:  # the mapping would fail only after the store was made
+    size = fs.f_blocks * fs.f_frsize
+    # free room, and the room of this store's arenas a dead server left (removed
+    # before the new one is made): an arena that fits the size but not the room failed
+    # only after the store was made (or, before its pages were allocated when made,
+    # with SIGBUS in the first process to write a page the filesystem could not back)
+    stale = 0
+    for f in cfg.shm_dir.glob(arena_prefix(cfg.path) + "-*"):
+        with contextlib.suppress(OSError):
+            stale += f.stat().st_blocks * 512
+    room = fs.f_bavail * fs.f_frsize + stale
+    if arena > room:
         raise InvalidArgument(
             f"the arena ({_size(arena)}: the first tier's {_size(first)} plus staging "
-            f"{_size(cfg.staging_bytes)}) is larger than the shared-memory filesystem "
-            f"{cfg.shm_dir} ({_size(room)} in all)"
+            f"{_size(cfg.staging_bytes)}) is larger than the free room of the "
+            f"shared-memory filesystem {cfg.shm_dir} ({_size(room)} free of {_size(size)})"
         )
 
 

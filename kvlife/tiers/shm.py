@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import errno
 import mmap
 import os
 import threading
@@ -161,6 +162,18 @@ class Owner:
     mode: int = 0o600
 
 
+def _allocate(fd: int, size: int) -> None:
+    """Allocate the pages of an arena file now (OSError ENOSPC where the filesystem has
+    no room for them): a sparse file on a full tmpfs maps fine, and the first write to
+    a page it cannot back kills the writer with SIGBUS (a client's put, the engine). A
+    filesystem that cannot allocate ahead is left to fault its pages in as before."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+
+
 class Arena:
     """A shared-memory file mapped into this process, with an allocator.
 
@@ -200,6 +213,8 @@ class Arena:
                         "needs CAP_CHOWN, e.g. runs as root)"
                     ) from None
             os.ftruncate(fd, size)
+            if populate_pages:
+                _allocate(fd, size)
             # populated: the pages exist (and are mapped here) before the first put, so
             # no copy into the arena pays first-touch faults
             populate = getattr(mmap, "MAP_POPULATE", 0) if populate_pages else 0

@@ -274,3 +274,113 @@ def test_the_served_lookup_keeps_nothing_from_a_tier_it_refused(tmp_path: Path) 
             )
     finally:
         srv.stop()
+
+
+GARBLED_FIELDS = [
+    ("hints", None),
+    ("hints", 5),
+    ("hints", ["a"] * 8),
+    ("hints", [1.5] * 8),
+    ("hints", [-8, 1] * 4),
+    ("hints", [True] * 8),
+    ("hints", [0, 1] * 3),  # two numbers for three of the four hits
+    ("chunks_total", None),
+    ("chunks_total", "4"),
+    ("chunks_total", -1),
+    ("chunks_total", 3),  # fewer chunks than the reply's hits
+    ("refusal", None),
+    ("refusal", 7),
+    ("keys", KeyError),
+    ("tiers", KeyError),
+    ("forms", KeyError),
+    ("refusal", KeyError),
+    ("chunks_total", KeyError),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), GARBLED_FIELDS)
+def test_a_lookup_reply_with_a_field_the_client_cannot_read_is_refused_keeping_nothing(
+    client: RemoteStore, monkeypatch: pytest.MonkeyPatch, name: str, value: object
+) -> None:
+    """The real server's reply to a lookup of four stored chunks, one field garbled on
+    the way (``KeyError``: left out): the whole reply is a ProtocolError, and no hit
+    record of it is kept (it failed with TypeError or KeyError on the client of
+    7046ddf, which had kept the reply's records, or answered a lookup whose refusal
+    read ``'None'``, whose chunks_total was None or below its hits, or whose hints
+    were not offsets)."""
+    ident = tiny_identity(model_id="served-garbled")
+    tokens, kv = prompt_kv(11, 4 * N)
+    client.put_prompt(ident, PUBLIC, tokens, kv)
+    loads = _loads(client)
+    real = loads.wire.call_on
+
+    def garbled(verb: str, args: dict[str, Any], *more: Any) -> tuple[Any, Any]:
+        r, conn = real(verb, args, *more)
+        if verb == "lookup":
+            assert len(r["tiers"]) == 4
+            r = dict(r)
+            if value is KeyError:
+                del r[name]
+            else:
+                r[name] = value
+        return r, conn
+
+    loads._known.clear()
+    monkeypatch.setattr(loads.wire, "call_on", garbled)
+    with pytest.raises(ProtocolError, match="lookup reply"):
+        client.lookup(ident, PUBLIC, tokens)
+    assert not loads._known
+    monkeypatch.undo()
+    res = client.lookup(ident, PUBLIC, tokens)  # the same reply, ungarbled: read
+    assert len(res.hits) == 4 and res.refused == 0
+    client.invalidate(model="served-garbled")
+
+
+@pytest.mark.parametrize("again", [True, False])
+def test_held_a_stale_hint_whose_extent_holds_another_chunk_is_never_served(
+    tmp_path: Path, again: bool
+) -> None:
+    """A lookup's hints, then its prompt invalidated and another prompt put into the
+    extents the hints name (and the prompt put again elsewhere, or not): the load with
+    buffers of the layout (the hinted path: the client copies from the hints at once)
+    serves the prompt's own bytes or misses, never the other prompt's that its hints
+    now point at (the server confirms no hint whose extent was reallocated). Checked
+    to fail with a server that confirmed every hint whose chunk it served from the
+    arena, wherever the hint pointed."""
+    srv = ServerProc(tmp_path / "srv", dram=16 << 10).start()
+    try:
+        with srv.client() as client:
+            _stale_hint(client, again)
+    finally:
+        srv.stop()
+
+
+def _stale_hint(client: RemoteStore, again: bool) -> None:
+    ident = tiny_identity(model_id="served-stale")
+    tokens, kv = prompt_kv(20, 4 * N)
+    client.invalidate(model="served-stale")
+    client.put_prompt(ident, PUBLIC, tokens, kv)
+    stale = client.lookup(ident, PUBLIC, tokens)
+    assert isinstance(stale, RemoteLookup) and len(stale.hits) == 4
+    assert all(stale.hints[1::2])  # every hit in DRAM, with a hint
+    # other prompts until one lies where the stale hints point (an extent is freed
+    # when its last view dies, which may be a put later)
+    for seed in range(21, 29):
+        client.invalidate(model="served-stale")
+        other_tokens, other_kv = prompt_kv(seed, 4 * N)
+        client.put_prompt(ident, PUBLIC, other_tokens, other_kv)
+        other = client.lookup(ident, PUBLIC, other_tokens)
+        assert isinstance(other, RemoteLookup)
+        if set(stale.hints[0::2]) & set(other.hints[0::2]):
+            break
+    else:
+        raise AssertionError("no other prompt was put into the stale hints' extents")
+    if again:
+        client.put_prompt(ident, PUBLIC, tokens, kv)
+    outs = [np.full(TINY.chunk_shape, np.nan, np.float16) for _ in stale.hits]
+    got = client.load(stale, outs)
+    assert got.loaded == (4 if again else 0)
+    for i, arr in enumerate(got.arrays):
+        want = kv[:, :, :, i * N : (i + 1) * N]
+        assert np.array_equal(arr, want) and np.array_equal(outs[i], want)
+    client.invalidate(model="served-stale")
