@@ -83,7 +83,7 @@ def test_cli_replay_writes_json_html_and_events(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out, html, ev = tmp_path / "r.json", tmp_path / "r.html", tmp_path / "e.parquet"
-    argv = ["--max-requests", "300", "--policy", "s3fifo", "--dram", "5%", "--disk", "20%",
+    argv = ["--max-requests", "100", "--policy", "s3fifo", "--dram", "5%", "--disk", "20%",
             "--json", str(out), "--report", str(html), "--events", str(ev), "--live"]  # fmt: skip
     assert replay_main(argv) == 0
     text = capsys.readouterr().out
