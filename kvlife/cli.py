@@ -470,6 +470,7 @@ BENCHES = {
     "tenant-arenas": "kvlife.bench.tenant_arenas",
     "invalidate": "kvlife.bench.invalidate",
     "shares": "kvlife.bench.shares",
+    "replay": "kvlife.bench.replay",
 }
 EXPERIMENTS = {
     "lifetime-hints": "kvlife.sim.lifetime_hints",
@@ -487,21 +488,18 @@ EXPERIMENTS = {
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv[:1] in (["replay"], ["sweep"]) or argv[:2] == ["bench", "replay"]:
+        if argv[:1] in (["replay"], ["sweep"]):
             from kvlife.replay import cli as replay_cli
 
             if argv[0] == "replay":
                 return replay_cli.replay_main(argv[1:])
-            if argv[0] == "sweep":
-                return replay_cli.sweep_main(argv[1:])
-            return replay_cli.bench_main(argv[2:])
+            return replay_cli.sweep_main(argv[1:])
         if argv[:1] == ["report"]:
             return _forward("kvlife.reporting.cli", argv[1:])
         if argv[:1] in (["bench"], ["experiment"]):
             table = BENCHES if argv[0] == "bench" else EXPERIMENTS
             if len(argv) < 2 or argv[1] not in table:
-                names = [*table, "replay"] if argv[0] == "bench" else list(table)
-                print(f"usage: kvlife {argv[0]} {{{','.join(names)}}} [options]", file=sys.stderr)
+                print(f"usage: kvlife {argv[0]} {{{','.join(table)}}} [options]", file=sys.stderr)
                 return 2
             return _forward(table[argv[1]], argv[2:])
         args = build_parser().parse_args(argv)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import filterfalse
 from typing import Protocol
 
 from kvlife.core.errors import InvalidArgument
@@ -131,6 +132,10 @@ class TierSlot:
         return self.footprint(size(key) if size is not None else res.size_of(key))
 
 
+_NO_KEYS: dict[Hashable, TierName] = {}
+"""A put's placements when it has no new key (never changed)."""
+
+
 class Placement:
     """The decisions of a tier chain (fastest first)."""
 
@@ -166,6 +171,13 @@ class Placement:
         if self._only is not None and self._exact:
             self._held = self._only.members.__contains__
             self._exact_one = bool(self.slots[0].unit)
+        # the calls of a one-tier request (request_exact_one), bound once
+        only = slots[0].policy
+        self._touch_all = only.touch_all
+        self._evict_up_to = only.evict_up_to
+        self._record_tail = only.record_tail
+        self._on_place = residency.on_place
+        self._on_evict = residency.on_evict
         self._touch = {s.name: s.policy.touch for s in slots}
         self._insert = {s.name: s.policy.insert for s in slots}
         self._insert_classed = {
@@ -175,6 +187,12 @@ class Placement:
         }
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def exact_one(self) -> bool:
+        """One tier of one-size objects whose policy is exactly what it holds: a whole
+        request can be :meth:`request_exact_one`."""
+        return self._exact_one
 
     def slot(self, name: TierName) -> TierSlot:
         try:
@@ -235,52 +253,94 @@ class Placement:
         (the present ones were protected), so the policies are told without asking
         where each chunk lives."""
         if self._exact_one:
-            return self._put_exact_one(keys, new, classes)
+            plan = Plan()
+            placed = self._put_exact_one(plan, keys, new, classes, None)
+            return plan, placed if placed is not None else dict.fromkeys(new, self.slots[0].name)
         plan, placed = self.plan_put(keys, new)
         self._record(keys, placed, classes, all_held=len(placed) == len(new))
         return plan, placed
 
+    def request_exact_one(
+        self, keys: Sequence[Hashable], classes: Sequence[int] | None = None
+    ) -> tuple[int, int, int]:
+        """A whole request of distinct keys against one tier of one-size objects whose
+        policy knows exactly what the tier holds (:class:`ExactResidency`; the
+        simulator's policy-only replay), in one call: its lookup (the usable prefix,
+        the leading keys held, touched from last to first as :meth:`touch_hits` does)
+        and then its put of the keys not held (:meth:`put_prompt`), with the same
+        decisions, actions and policy calls as those two. Returns the usable prefix's
+        length, the number of keys not held and the number of them placed.
+
+        The simulator maps this over a trace's requests in one C call, so a request
+        costs one Python frame here plus the policy's batch calls; the put's policy
+        calls take the policy's :meth:`~kvlife.policy.base.EvictionPolicy.record_tail`
+        when the keys not held are exactly the request's tail (the usual request)."""
+        new = list(filterfalse(self._held, keys))
+        if not new:  # every key held: all hits, the put only tells the policy
+            if keys:
+                self._touch_all(keys[::-1])
+            self._record(keys, _NO_KEYS, classes, all_held=True)
+            return len(keys), 0, 0
+        hits = keys.index(new[0])
+        if hits:
+            self._touch_all(keys[hits - 1 :: -1])
+        placed = self._put_exact_one(None, keys, new, classes, hits)
+        return hits, len(new), len(new) if placed is None else len(placed)
+
     def _put_exact_one(
         self,
+        plan: Plan | None,
         keys: Sequence[Hashable],
         new: Sequence[Hashable],
         classes: Sequence[int] | None,
-    ) -> tuple[Plan, dict[Hashable, TierName]]:
+        hits: int | None,
+    ) -> dict[Hashable, TierName] | None:
         """:meth:`put_prompt` for one tier of one-size objects whose policy knows exactly
         what the tier holds (the simulator's policy-only replay): the same decisions,
         actions and policy calls as :meth:`plan_put`, :meth:`_free`, :meth:`_evict` and
         :meth:`_record` take there, in one call (a victim the policy gives up is held;
-        every victim is dropped, ``last`` is the victims' list itself)."""
-        plan = Plan()
+        every victim is dropped, ``last`` is the victims' list itself). Counts the
+        actions into ``plan`` when one is given. ``hits``, when given, is the number of
+        leading keys held (:meth:`request_exact_one`): if the keys after them are
+        exactly ``new`` (distinct keys), the policy is told by ``record_tail``.
+
+        Returns where each key was placed, or None when every key of ``new`` went to
+        the tier (the caller knows where) and no map was needed."""
         if not new:
-            self._record(keys, {}, classes, all_held=True)
-            return plan, {}
+            self._record(keys, _NO_KEYS, classes, all_held=True)
+            return {}
         slot = self.slots[0]
-        tier = slot.name
         unit: int = slot.unit  # type: ignore[assignment]  # set: _exact_one
         need = len(new) * unit
         short = slot.used + need - slot.capacity
-        res = self.res
         if short > 0:
             protected: Collection[Hashable] = set(keys)
-            if any(self.shielded):
+            if self.shielded and any(self.shielded):
                 protected = set(protected).union(*self.shielded)
             want = -(-short // unit)
-            victims = self._only.evict_up_to(want, protected)  # type: ignore[union-attr]
+            victims = self._evict_up_to(want, protected)
             if victims:
                 slot.used -= unit * len(victims)
-                res.on_evict(victims, tier, victims, "evicted")
-                plan.size += 2 * len(victims)
+                self._on_evict(victims, slot.name, victims, "evicted")
+                if plan is not None:
+                    plan.size += 2 * len(victims)
             if len(victims) < want:  # no room for all at once: one by one, as plan_put
-                placed = self._place_each(plan, new, protected)
+                placed = self._place_each(plan if plan is not None else Plan(), new, protected)
                 self._record(keys, placed, classes, all_held=len(placed) == len(new))
-                return plan, placed
+                return placed
         slot.used += need
-        plan.size += len(new)
-        res.on_place(new, tier)
-        placed = dict.fromkeys(new, tier)
-        self._record(keys, placed, classes, all_held=True)
-        return plan, placed
+        if plan is not None:
+            plan.size += len(new)
+        self._on_place(new, slot.name)
+        if (
+            hits is not None
+            and hits + len(new) == len(keys)
+            and (classes is None or not self._insert_classed)
+        ):
+            self._record_tail(keys, hits)
+            return None
+        self._record(keys, dict.fromkeys(new, slot.name), classes, all_held=True)
+        return None
 
     def _record(
         self,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Container, Hashable, Iterable, Sequence
+from itertools import islice
 from typing import Generic, TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -74,6 +75,13 @@ class EvictionPolicy(ABC, Generic[K]):
                 insert(key)
             else:
                 touch(key)
+
+    def record_tail(self, keys: Sequence[K], head: int) -> None:
+        """``record_in_order(keys, new)`` for the usual put, whose new keys are its tail:
+        ``keys[:head]`` are residents and ``keys[head:]`` the new keys, none resident,
+        all distinct (placement knows this from the lookup, so the policy need not
+        check it). A policy may override it with a faster equivalent."""
+        self.record_in_order(keys, dict.fromkeys(islice(keys, head, None)))
 
     @property
     def members(self) -> Container[object]:

@@ -102,6 +102,11 @@ class HitDensityPolicy(PrefixTreePolicy[K]):
             elif key in self._kc:
                 self._hit(key)
 
+    def record_tail(self, keys: Sequence[K], head: int) -> None:
+        # the classes are learned in record_in_order: the tree's written-out usual put
+        # (PrefixTreePolicy.record_tail) would skip them
+        self.record_in_order(keys, set(keys[head:]))
+
     def evict_up_to(self, n: int, protected: Collection[K] = ()) -> list[K]:
         return self._evict_one_by_one(n, protected)
 

@@ -87,6 +87,14 @@ class LRUPolicy(EvictionPolicy[K]):
         order.update(zip(new, repeat(None)))
         deque(map(order.move_to_end, keys), maxlen=0)
 
+    def record_tail(self, keys: Sequence[K], head: int) -> None:
+        # record_in_order's usual put without its checks: move the residents in order,
+        # then append the new keys (none resident, so appended in order)
+        order = self._order
+        if head:
+            deque(map(order.move_to_end, islice(keys, head)), maxlen=0)
+        order.update(zip(islice(keys, head, None), repeat(None)))
+
     @property
     def members(self) -> Collection[object]:
         return self._order

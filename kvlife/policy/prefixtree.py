@@ -153,6 +153,33 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
             return
         self._record_classed(keys, new)
 
+    def record_tail(self, keys: Sequence[K], head: int) -> None:
+        # the usual put (residents keys[:head], then new keys), known from the lookup
+        if self.admission is not None or self.log is not None:
+            self._record_classed(keys, set(islice(keys, head, None)))
+            return
+        # record_in_order's usual put without its checks, and its links made in C
+        # loops: each new key's parent is the key before it; each new key but the last
+        # gets the next one as its only child; the first new key is a child of the last
+        # resident, which may have others
+        kids = self._kids
+        tail = keys[head:]
+        if tail and head:
+            last = keys[head - 1]
+            self._parent.update(zip(tail, keys[head - 1 : -1], strict=True))
+            siblings = kids.get(last)
+            if siblings is None:
+                kids[last] = {tail[0]}
+            else:
+                siblings.add(tail[0])
+        else:
+            self._parent.update(zip(tail[1:], tail, strict=False))
+        kids.update(zip(tail, map(set, zip(tail[1:])), strict=False))
+        order = self._order
+        order.update(zip(reversed(tail), repeat(None)))
+        if head:
+            deque(map(order.move_to_end, keys[head - 1 :: -1]), maxlen=0)
+
     def _record_plain(self, keys: Sequence[K], new: Container[K]) -> None:
         """The plain tree's put, any keys: link each new key to the chunk before it,
         then make the prompt most recent from its last chunk to its first."""

@@ -33,7 +33,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
-from itertools import combinations, compress, filterfalse, pairwise, repeat
+from itertools import chain, combinations, compress, filterfalse, islice, pairwise, repeat
 from operator import not_
 
 import numpy as np
@@ -187,6 +187,8 @@ class CacheSim:
         cats = trace.categories.tolist()
         tenants = trace.tenants.tolist()
         tnames = trace.tenant_names
+        if one and tracked is None and place.exact_one and distinct_requests(trace):
+            return self._run_exact_one(trace, place, res, progress)
         where = res.where
         where_get = where.get
         # one tier: held anywhere is held there, as its policy knows (no map beside it)
@@ -294,8 +296,95 @@ class CacheSim:
             resident_at_end=len(slots[0].policy) if one else len(where),
         )
 
+    def _run_exact_one(
+        self,
+        trace: Trace,
+        place: Placement,
+        res: _SimResidency,
+        progress: Callable[[int], None] | None,
+    ) -> CacheRun:
+        """The policy-only replay of one tier (no lifespans, no events): each request is
+        one engine call (:meth:`~kvlife.placement.Placement.request_exact_one`: its
+        lookup, then its put), mapped over the requests in one C call; the counts are
+        taken from what the calls return. The same calls, decisions and counts as the
+        general loop of :meth:`run`."""
+        n = trace.n_requests
+        reqs = request_ids(trace)
+        hinted = self.class_hints and any(
+            isinstance(p, SupportsClassHints) for p in self.policies.values()
+        )
+        classes: list[list[int] | None] | repeat[None]
+        if hinted:
+            # class hints by position, one row per category (a put reads only its own
+            # positions, so rows are as long as the longest request)
+            longest = max(map(len, reqs), default=0)
+            buckets = [pos_bucket(pos) for pos in range(longest)]
+            cats = trace.categories.tolist()
+            rows = {c: [c * 4 + b for b in buckets] for c in set(cats)}
+            classes = list(map(rows.__getitem__, cats))
+        else:
+            classes = repeat(None)
+        serve = place.request_exact_one
+        if progress is None:
+            out = list(map(serve, reqs, classes))
+        else:
+            out = []
+            it = map(serve, reqs, classes)
+            for _ in range(0, n - 1023, 1024):
+                out += islice(it, 1024)
+                progress(1024)
+            out += it
+        got = np.fromiter(chain.from_iterable(out), np.int64, 3 * n).reshape(n, 3)
+        hits, absent, placed = got.T.copy()
+        zeros = np.zeros(n, np.int64)
+        present = np.diff(trace.offsets).astype(np.int64) - absent
+        ((name, tc),) = res.tc.items()
+        tc.block_hits += int(present.sum())
+        tc.prefix_hits += int(hits.sum())
+        tc.reads += int(hits.sum())
+        return CacheRun(
+            prefix_dram=hits if name == DRAM else zeros,
+            prefix_disk=zeros if name == DRAM else hits,
+            present=present,
+            new=placed,
+            dropped=absent - placed,
+            promoted=zeros.copy(),
+            demoted=zeros.copy(),
+            tiers=res.tc,
+            resident_at_end=len(self.policies[name]),
+        )
 
-_BLOCK_IDS: dict[int, tuple[weakref.ref[NDArray[np.int64]], list[int]]] = {}
+
+@dataclass(slots=True)
+class _TraceKeys:
+    """What a trace's replays share (made once per trace, kept while its ``blocks``
+    array lives)."""
+
+    ids: list[int]
+    requests: list[list[int]] | None = None
+    """Each request's block ids (slices of ``ids``)."""
+    distinct: bool | None = None
+    """Whether no request names a block twice."""
+
+
+_TRACE_KEYS: dict[int, tuple[weakref.ref[NDArray[np.int64]], _TraceKeys]] = {}
+
+
+def _trace_keys(trace: Trace) -> _TraceKeys:
+    arr = trace.blocks
+    key = id(arr)
+    got = _TRACE_KEYS.get(key)
+    if got is not None and got[0]() is arr:
+        return got[1]
+    values = arr.tolist()
+    first: dict[int, int] = {}
+    keys = _TraceKeys(list(map(first.setdefault, values, values)))
+
+    def forget(_: object, key: int = key) -> None:
+        _TRACE_KEYS.pop(key, None)
+
+    _TRACE_KEYS[key] = (weakref.ref(arr, forget), keys)
+    return keys
 
 
 def block_ids(trace: Trace) -> list[int]:
@@ -305,20 +394,27 @@ def block_ids(trace: Trace) -> list[int]:
     match a key by identity (no value comparison), and the list is made once per trace
     (kept while its ``blocks`` array lives) rather than once per replay. Do not change
     the list: every replay of the trace reads it."""
-    arr = trace.blocks
-    key = id(arr)
-    got = _BLOCK_IDS.get(key)
-    if got is not None and got[0]() is arr:
-        return got[1]
-    values = arr.tolist()
-    first: dict[int, int] = {}
-    ids = list(map(first.setdefault, values, values))
+    return _trace_keys(trace).ids
 
-    def forget(_: object, key: int = key) -> None:
-        _BLOCK_IDS.pop(key, None)
 
-    _BLOCK_IDS[key] = (weakref.ref(arr, forget), ids)
-    return ids
+def distinct_requests(trace: Trace) -> bool:
+    """Whether no request of ``trace`` names a block twice (chained block ids never
+    do; a hand-made trace may), found once per trace. The one-call-per-request replay
+    (:meth:`~kvlife.placement.Placement.request_exact_one`) takes only such traces."""
+    keys = _trace_keys(trace)
+    if keys.distinct is None:
+        keys.distinct = all(len(set(req)) == len(req) for req in request_ids(trace))
+    return keys.distinct
+
+
+def request_ids(trace: Trace) -> list[list[int]]:
+    """Each request's block ids (as :func:`block_ids`), made once per trace. Do not
+    change the lists: every replay of the trace reads them."""
+    keys = _trace_keys(trace)
+    if keys.requests is None:
+        offs = trace.offsets.tolist()
+        keys.requests = list(map(keys.ids.__getitem__, map(slice, offs, offs[1:])))
+    return keys.requests
 
 
 class _Where(dict[Hashable, frozenset[TierName]]):

@@ -1,8 +1,9 @@
-"""``kvlife replay``, ``kvlife sweep`` and ``kvlife bench replay``: entry points taking argv.
+"""``kvlife replay`` and ``kvlife sweep``: entry points taking argv.
 
-The ``kvlife`` command forwards to :func:`replay_main`, :func:`sweep_main` and
-:func:`bench_main`. Without ``--trace`` the built-in synthetic workload is replayed.
-Progress bars go to stderr (tqdm).
+The ``kvlife`` command forwards to :func:`replay_main` and :func:`sweep_main`
+(``kvlife bench replay`` is :mod:`kvlife.bench.replay`, which reads traces with
+:func:`trace_args` and :func:`load_trace`). Without ``--trace`` the built-in synthetic
+workload is replayed. Progress bars go to stderr (tqdm).
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ DEFAULT_SWEEP_POLICIES = (
 )  # fmt: skip
 
 
-def _trace_args(p: argparse.ArgumentParser) -> None:
+def trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, help="trace file (default: synthetic workload)")
     p.add_argument("--format", default="mooncake", choices=FORMATS, help="trace format")
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
 
 
-def _load(args: argparse.Namespace) -> Trace:
+def load_trace(args: argparse.Namespace) -> Trace:
     if args.trace is None:
         from kvlife.trace.synthetic import SyntheticConfig, synthetic_trace
 
@@ -71,7 +72,7 @@ def _config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
 
 def replay_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlife replay", description="replay a request trace")
-    _trace_args(p)
+    trace_args(p)
     p.add_argument(
         "--policy", default="lru", help="eviction policy (a registered name, e.g. lru, kvhd)"
     )
@@ -125,7 +126,7 @@ def _replay(args: argparse.Namespace) -> int:
     from kvlife.replay.report import table, to_json, write_html
     from kvlife.replay.runner import replay, sweep
 
-    trace = _load(args)
+    trace = load_trace(args)
     if args.derive_tenants:
         from kvlife.replay.tenants import with_derived_tenants
 
@@ -185,7 +186,7 @@ def sweep_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvlife sweep", description="hit ratio against capacity for several policies"
     )
-    _trace_args(p)
+    trace_args(p)
     p.add_argument("--policies", default=",".join(DEFAULT_SWEEP_POLICIES), help="comma list")
     p.add_argument("--shares", default=",".join(str(s) for s in DEFAULT_SHARES),
                    help="capacities as shares of the unique blocks, comma list")  # fmt: skip
@@ -222,7 +223,7 @@ def sweep_main(argv: Sequence[str]) -> int:
 
     args = sweep_parser().parse_args(list(argv))
     try:
-        trace = _load(args)
+        trace = load_trace(args)
         pols = [p for p in args.policies.split(",") if p]
         shares = [float(s) for s in args.shares.split(",") if s]
         with _bar(len(pols) * len(shares), "sweep") as bar:
@@ -276,75 +277,12 @@ def sweep_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def bench_main(argv: Sequence[str]) -> int:
-    """``kvlife bench replay``: block touches per second, policy-only and full simulation.
-
-    Both go through the store's placement engine (:mod:`kvlife.placement`): the
-    simulator has no other path. What is timed: each policy's replay of the parsed
-    trace (``CacheSim`` built, every request run, counts summed), by the wall clock and
-    by the process's CPU time (the figure a shared machine distorts least); parsing the
-    trace and making its block ids Python ints (once per trace,
-    :func:`kvlife.replay.cache.block_ids`) are timed apart (``parse_seconds``)."""
-    import time
-
-    from kvlife.policy.base import policy_names
-    from kvlife.replay.cache import block_ids
-    from kvlife.replay.runner import replay, sweep
-
-    p = argparse.ArgumentParser(prog="kvlife bench replay", description=bench_main.__doc__)
-    _trace_args(p)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(list(argv))
-    try:
-        t0 = time.perf_counter()
-        trace = _load(args)
-        block_ids(trace)  # the block ids as Python ints, made once per trace: parsing
-        parse_s = time.perf_counter() - t0
-        unique = trace.n_unique_blocks()
-        result: dict[str, Any] = {
-            "trace": trace.name,
-            "block_touches": trace.n_touches,
-            "parse_seconds": parse_s,
-            "decisions": "kvlife.placement",
-            "policy_only": {},
-            "full": {},
-        }
-        for pol in policy_names():
-            sw = sweep(trace, [pol], [0.1])
-            result["policy_only"][pol] = {
-                "block_touches_per_s": sw["speed"]["block_touches_per_s"],
-                "block_touches_per_cpu_s": sw["speed"]["block_touches_per_cpu_s"],
-                "hit_ratio": sw["curves"][pol][0]["block_hit_ratio"],
-            }
-            rep = replay(trace, ReplayConfig(pol, int(unique * 0.1), int(unique * 0.3)))
-            result["full"][pol] = {"block_touches_per_s": rep["speed"]["block_touches_per_s"]}
-    except KVLifeError as e:
-        print(f"kvlife bench replay: error: {e}", file=sys.stderr)
-        return 1
-    from kvlife.report import format_table
-
-    rows = [
-        [
-            pol,
-            f"{result['policy_only'][pol]['block_touches_per_s']:,.0f}",
-            f"{result['policy_only'][pol]['block_touches_per_cpu_s']:,.0f}",
-            f"{result['full'][pol]['block_touches_per_s']:,.0f}",
-        ]
-        for pol in policy_names()
-    ]
-    head = ["policy", "policy-only touches/s", "per CPU second", "full-sim touches/s"]
-    print(format_table(head, rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2), encoding="utf-8")
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvlife.replay.cli {replay,sweep,bench} ...`` (until kvlife's CLI wires it)."""
+    """``python -m kvlife.replay.cli {replay,sweep} ...`` (``kvlife`` forwards to it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    table = {"replay": replay_main, "sweep": sweep_main, "bench": bench_main}
+    table = {"replay": replay_main, "sweep": sweep_main}
     if not argv or argv[0] not in table:
-        print("usage: python -m kvlife.replay.cli {replay,sweep,bench} [options]", file=sys.stderr)
+        print("usage: python -m kvlife.replay.cli {replay,sweep} [options]", file=sys.stderr)
         return 2
     return table[argv[0]](argv[1:])
 

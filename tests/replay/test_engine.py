@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvlife.bench.replay import main as bench_main
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.events import MemorySink
 from kvlife.replay.cache import CacheRun, CacheSim
-from kvlife.replay.cli import bench_main, replay_main, sweep_main
+from kvlife.replay.cli import replay_main, sweep_main
 from kvlife.replay.engine import ComputeModel, Timing, make_device, simulate
 from kvlife.replay.runner import ReplayConfig, parse_capacity, replay
 from kvlife.trace.model import Trace, TraceBuilder
@@ -106,13 +107,24 @@ def test_cli_sweep_and_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     lru = data["curves"]["lru"]
     assert lru[0]["block_hit_ratio"] <= lru[1]["block_hit_ratio"] <= data["ideal_hit_ratio"]
     bench = tmp_path / "b.json"
-    assert bench_main(["--max-requests", "100", "--json", str(bench)]) == 0
+    argv = ["--max-requests", "100", "--repeat", "3", "--json", str(bench)]
+    assert bench_main(argv) == 0
     b = json.loads(bench.read_text())
     assert b["decisions"] == "kvlife.placement"  # the figures are the placement engine's
-    assert b["policy_only"]["lru"]["block_touches_per_s"] > 0
-    assert b["policy_only"]["lru"]["block_touches_per_cpu_s"] > 0
+    assert b["repeat"] == 3 and b["policy_only"].keys() == b["full"].keys()
+    for fig in b["policy_only"].values():
+        assert len(fig["runs_per_cpu_s"]) == len(fig["runs_per_s"]) == 3
+        assert fig["block_touches_per_cpu_s"] == max(fig["runs_per_cpu_s"]) > 0
+        assert fig["block_touches_per_s"] == max(fig["runs_per_s"]) > 0
+        assert min(fig["runs_per_cpu_s"]) <= fig["block_touches_per_cpu_s_median"]
+        assert 0 <= fig["hit_ratio"] <= 1
     assert b["full"]["lru"]["block_touches_per_s"] > 0
-    assert "touches/s" in capsys.readouterr().out
+    assert b["machine"]["python_loop_mips"] > 0 and b["machine"]["cpu_count"] >= 1
+    assert "load_average_1m" in b["machine_after"]
+    text = capsys.readouterr().out
+    assert "touches/CPU-s (best of 3)" in text and "Python loop" in text
+    assert bench_main(["--max-requests", "10", "--policies", "lru,nope"]) == 1
+    assert bench_main(["--max-requests", "10", "--repeat", "0"]) == 1
 
 
 def _two_same_requests() -> tuple[Trace, CacheRun]:
