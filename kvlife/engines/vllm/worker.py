@@ -36,6 +36,7 @@ raised into the engine: a missing chunk is a future miss, not wrong KV.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
@@ -67,8 +68,33 @@ from kvlife.engines.vllm.paged import (
     write_chunk,
 )
 from kvlife.engines.vllm.stores import StoreAPI
+from kvlife.results import LoadResult
 
 log = logging.getLogger("kvlife.vllm")
+
+LOAD_GROUPS = 6
+"""A step's loads are written into the paged cache in this many groups of layers (where
+the layers share one allocation), each group's event set as soon as it is written: the
+forward's attention of layer 0 then waits for a sixth of the copy, not all of it, at a
+cost of one more numpy call per chunk per group (about 10 us each)."""
+
+
+def memory_tiers(store: StoreAPI) -> frozenset[str]:
+    """Tiers of an embedded store that hold replicas in memory (a load of them is a
+    pointer, not a read); none for a served store (its loads cross the socket)."""
+    from kvlife.store.facade import KVStore
+    from kvlife.tiers.base import SealedInMemory
+
+    if not isinstance(store, KVStore):
+        return frozenset()
+    return frozenset(n for n in store.tier_names if isinstance(store.tier(n), SealedInMemory))
+
+
+def layer_groups(layers: int, groups: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges splitting ``layers`` into at most ``groups`` near-equal runs."""
+    n = max(1, min(groups, layers))
+    cuts = [layers * i // n for i in range(n + 1)]
+    return [(lo, hi) for lo, hi in itertools.pairwise(cuts) if hi > lo]
 
 
 @dataclass(slots=True)
@@ -144,6 +170,20 @@ class _Load:
     """Tier and stored bytes of each chunk (what the scheduler's cost model learns from)."""
 
 
+class _Loaded:
+    """A load already read (hits held in memory), behind the load handle's interface."""
+
+    def __init__(self, result: LoadResult) -> None:
+        self.result = result
+
+    def chunk(self, i: int, timeout: float | None = None) -> np.ndarray | None:
+        got = self.result.arrays
+        return got[i] if i < len(got) else None
+
+    def wait(self) -> LoadResult:
+        return self.result
+
+
 @dataclass(slots=True)
 class _SaveStep:
     """The step's planned saves, gathered layer by layer into one array of block rows
@@ -183,6 +223,7 @@ class WorkerSide:
     ) -> None:
         self.store = store
         self.identity = identity
+        self._memory_tiers = memory_tiers(store)
         self.block_size = block_size
         self.rank = rank
         """Global rank (stage-major: ``pp_rank * tp_size + tp_rank``) in step reports."""
@@ -227,7 +268,12 @@ class WorkerSide:
         self.layers = [PagedLayer(t, split, lay.num_kv_heads, lay.head_dim) for t in tensors]
         self._stack = stack_layers(self.layers)
         """All layers as one view when they share an allocation (CPU): a chunk is then
-        copied straight into its blocks of every layer, one copy."""
+        copied straight into its blocks of a group of layers with one copy."""
+        self._groups = layer_groups(len(self.layers), LOAD_GROUPS)
+        rows = self.layers[0].row_shape if self.layers else (0,)
+        self._block_nbytes = (
+            len(self.layers) * int(np.prod(rows)) * (self.layers[0].itemsize if self.layers else 0)
+        )
         self.layer_index = {n: i for i, n in enumerate(names)}
         if self.layers and self.layers[0].block_size != self.block_size:
             raise KVLifeError(
@@ -262,8 +308,14 @@ class WorkerSide:
             usable = len(sub.hits)
             # no output buffers: a DRAM hit is handed over as the replica itself
             # (read-only, kept alive while referenced), so the only copy of its bytes is
-            # the one into the paged cache's layout
-            handle = self.store.load_async(sub, None, request_id=spec.req_id)
+            # the one into the paged cache's layout. Hits held in memory are read here,
+            # in this thread (a pointer each, verified as the store verifies them): the
+            # I/O pool would cost a thread hand-off per chunk, which on a busy 2-core
+            # host waits for a core each time
+            if usable and all(h.tier in self._memory_tiers for h in sub.hits):
+                handle: Any = _Loaded(self.store.load(sub, None, request_id=spec.req_id))
+            else:
+                handle = self.store.load_async(sub, None, request_id=spec.req_id)
         except KVLifeError as exc:
             log.warning("kvlife load of %s failed, recomputed: %s", spec.req_id, exc)
             self._fail(spec, c0)
@@ -356,15 +408,23 @@ class WorkerSide:
                     self.counters.tokens_loaded += hi - lo
             if parts and self._stack is not None:
                 t2 = time.perf_counter()
+                k = self.tpc // bs
+                ids = np.asarray(block_ids, dtype=np.int64)
+                spans = []  # each chunk's blocks in ``ids``
                 at = 0
-                for arr, skip in parts:  # straight into the blocks, all layers at once
-                    n = self.tpc // bs - skip
-                    ids = np.asarray(block_ids[at : at + n], dtype=np.int64)
-                    write_chunk(self._stack, ids, arr, skip)
-                    at += n
-                    tm.load_bytes += arr.nbytes * n // (self.tpc // bs)
-                for e in events:
-                    e.set()
+                for arr, skip in parts:
+                    spans.append((arr, skip, ids[at : at + k - skip]))
+                    at += k - skip
+                # straight from the replicas into the blocks, a group of layers at a time
+                # (one copy per chunk per group), so attention of the first layers runs
+                # while later ones are written
+                for lo, hi in self._groups:
+                    stack = self._stack[lo:hi]
+                    for arr, skip, span in spans:
+                        write_chunk(stack, span, arr[lo:hi], skip)
+                    for e in events[lo:hi]:
+                        e.set()
+                tm.load_bytes += at * self._block_nbytes
                 tm.scatter_s += time.perf_counter() - t2
             elif parts and self.layers:
                 t2 = time.perf_counter()
