@@ -139,7 +139,8 @@ def run_bench(settings: BenchSettings, work: Path, progress: bool = True) -> dic
             print(f"[{i + 1}/{len(specs)}] engine run {name!r} ...", flush=True)
         slug = "".join(c if c.isalnum() else "-" for c in name)
         runs[name] = _run(python, spec, work, slug)
-    return summarize(runs, settings)
+    threads = {k: os.environ.get(k, v) for k, v in ENGINE_THREADS.items()}
+    return summarize(runs, settings) | {"engine_env": threads}
 
 
 def summarize(runs: dict[str, dict[str, Any]], settings: BenchSettings) -> dict[str, Any]:
