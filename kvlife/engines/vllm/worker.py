@@ -14,10 +14,15 @@ the chunks that arrived by then are written, the rest are abandoned (never writt
 or not) and recomputed, counted (``loads_timed_out``). Each load's time is reported to
 the scheduler (``StepReport.loads``), whose cost model learns the tiers' speed from it.
 
-Both directions move a step's blocks in one indexed copy per layer (``paged.py``): a
-load lays every chunk of the step out as the paged cache's block rows (one copy per
-chunk, all layers; a DRAM hit is read as the replica itself, no copy before that), then
-writes each layer's rows with one indexed copy; no Python loop over chunks x layers.
+A DRAM hit is read as the replica itself (no copy before the one into the paged cache),
+in ``start``'s own thread: handing each chunk to the store's I/O pool would cost a thread
+hand-off per chunk, each waiting for a core on a busy host. Where every layer lives in one
+allocation a constant stride apart (vLLM 0.32's CPU cache) each chunk is copied straight
+into its blocks of a group of layers with one indexed copy (``paged.write_chunk``;
+``LOAD_GROUPS`` groups, each group's events set as it is written, so the forward's first
+layers run while later ones are written); otherwise every chunk of the step is laid out
+as the paged cache's block rows (one copy per chunk, all layers), then each layer's rows
+are written with one indexed copy. No Python loop over chunks x layers.
 
 Saves are all-or-nothing across layers and ranks. During the step ``save_layer`` copies
 each layer's blocks of every planned save out of the paged cache into one host array of
@@ -384,9 +389,10 @@ class WorkerSide:
                 self._report.loads.append(sample)
 
     def _write_layers(self, jobs: list[_Load], events: list[threading.Event], t0: float) -> None:
-        """Wait for the step's chunks, lay every block of them out as the paged cache
-        holds it (one copy per chunk, all layers at once), then write each layer's
-        blocks of every chunk with one indexed copy and set that layer's event."""
+        """Wait for the step's chunks and write them into their blocks: straight from
+        each chunk into a group of layers at a time where the layers are one stacked
+        view, else laid out as block rows (one copy per chunk, all layers) then one
+        indexed copy per layer; each layer's event is set once it is written."""
         tm = self.timings
         bs = self.block_size
         try:
