@@ -145,7 +145,7 @@ class WorkerTimings:
     """Bytes written into the paged cache from kvlife."""
     lookup_s: float = 0.0
     """The worker's own lookup of each planned load (its rank's keys) and the start of
-    the asynchronous read."""
+    the asynchronous read (for hits held in memory, the whole read: a pointer each)."""
     read_s: float = 0.0
     """Waiting for the store's copy of the chunks into host buffers (verified)."""
     prep_s: float = 0.0
