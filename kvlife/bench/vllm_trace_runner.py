@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvlife.bench.vllm_runner import _counters, _tiers
+from kvlife.bench.vllm_runner import connector_counters, request_row, worker_tiers
 
 
 def _engine(spec: dict[str, Any]) -> Any:
@@ -70,25 +70,10 @@ def _serve(llm: Any, tokens: list[int], max_tokens: int) -> dict[str, Any]:
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    before = _tiers()
+    before = worker_tiers()
     t0 = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": tokens}], sp, use_tqdm=False)[0]
-    wall = time.perf_counter() - t0
-    after = _tiers()
-    m = out.metrics
-    ttft = float(m.first_token_latency) if m is not None and m.first_token_latency else wall
-    ids = list(out.outputs[0].token_ids)
-    return {
-        "prompt_tokens": len(tokens),
-        "output_ids": ids,
-        "ttft_s": ttft,
-        "wall_s": wall,
-        "tpot_s": (wall - ttft) / (len(ids) - 1) if len(ids) > 1 else None,
-        "cached_tokens": int(out.num_cached_tokens or 0),
-        "kvlife_chunks": {
-            t: n - before.get(t, 0) for t, n in after.items() if n - before.get(t, 0)
-        },
-    }
+    return request_row(out, len(tokens), time.perf_counter() - t0, before)
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -98,7 +83,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     rows = [_serve(llm, list(r["tokens"]), int(r["max_tokens"])) for r in spec["requests"]]
     conn = spec.get("connector")
     is_kvlife = conn is not None and str(conn.get("module") or "").startswith("kvlife")
-    counters = _counters() if is_kvlife else {}
+    counters = connector_counters() if is_kvlife else {}
     if is_kvlife:
         from kvlife.engines.vllm.stores import close_all
 

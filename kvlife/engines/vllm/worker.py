@@ -14,10 +14,15 @@ the chunks that arrived by then are written, the rest are abandoned (never writt
 or not) and recomputed, counted (``loads_timed_out``). Each load's time is reported to
 the scheduler (``StepReport.loads``), whose cost model learns the tiers' speed from it.
 
-Both directions move a step's blocks in one indexed copy per layer (``paged.py``): a
-load lays every chunk of the step out as the paged cache's block rows (one copy per
-chunk, all layers; a DRAM hit is read as the replica itself, no copy before that), then
-writes each layer's rows with one indexed copy; no Python loop over chunks x layers.
+A DRAM hit is read as the replica itself (no copy before the one into the paged cache),
+in ``start``'s own thread: handing each chunk to the store's I/O pool would cost a thread
+hand-off per chunk, each waiting for a core on a busy host. Where every layer lives in one
+allocation a constant stride apart (vLLM 0.32's CPU cache) each chunk is copied straight
+into its blocks of a group of layers with one indexed copy (``paged.write_chunk``;
+``LOAD_GROUPS`` groups, each group's events set as it is written, so the forward's first
+layers run while later ones are written); otherwise every chunk of the step is laid out
+as the paged cache's block rows (one copy per chunk, all layers), then each layer's rows
+are written with one indexed copy. No Python loop over chunks x layers.
 
 Saves are all-or-nothing across layers and ranks. During the step ``save_layer`` copies
 each layer's blocks of every planned save out of the paged cache into one host array of
@@ -36,6 +41,7 @@ raised into the engine: a missing chunk is a future miss, not wrong KV.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
@@ -67,8 +73,33 @@ from kvlife.engines.vllm.paged import (
     write_chunk,
 )
 from kvlife.engines.vllm.stores import StoreAPI
+from kvlife.results import LoadResult
 
 log = logging.getLogger("kvlife.vllm")
+
+LOAD_GROUPS = 6
+"""A step's loads are written into the paged cache in this many groups of layers (where
+the layers share one allocation), each group's event set as soon as it is written: the
+forward's attention of layer 0 then waits for a sixth of the copy, not all of it, at a
+cost of one more numpy call per chunk per group (about 10 us each)."""
+
+
+def memory_tiers(store: StoreAPI) -> frozenset[str]:
+    """Tiers of an embedded store that hold replicas in memory (a load of them is a
+    pointer, not a read); none for a served store (its loads cross the socket)."""
+    from kvlife.store.facade import KVStore
+    from kvlife.tiers.base import SealedInMemory
+
+    if not isinstance(store, KVStore):
+        return frozenset()
+    return frozenset(n for n in store.tier_names if isinstance(store.tier(n), SealedInMemory))
+
+
+def layer_groups(layers: int, groups: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges splitting ``layers`` into at most ``groups`` near-equal runs."""
+    n = max(1, min(groups, layers))
+    cuts = [layers * i // n for i in range(n + 1)]
+    return [(lo, hi) for lo, hi in itertools.pairwise(cuts) if hi > lo]
 
 
 @dataclass(slots=True)
@@ -114,7 +145,7 @@ class WorkerTimings:
     """Bytes written into the paged cache from kvlife."""
     lookup_s: float = 0.0
     """The worker's own lookup of each planned load (its rank's keys) and the start of
-    the asynchronous read."""
+    the asynchronous read (for hits held in memory, the whole read: a pointer each)."""
     read_s: float = 0.0
     """Waiting for the store's copy of the chunks into host buffers (verified)."""
     prep_s: float = 0.0
@@ -142,6 +173,20 @@ class _Load:
     chunks: int
     sizes: list[tuple[str, int]] = field(default_factory=list)
     """Tier and stored bytes of each chunk (what the scheduler's cost model learns from)."""
+
+
+class _Loaded:
+    """A load already read (hits held in memory), behind the load handle's interface."""
+
+    def __init__(self, result: LoadResult) -> None:
+        self.result = result
+
+    def chunk(self, i: int, timeout: float | None = None) -> np.ndarray | None:
+        got = self.result.arrays
+        return got[i] if i < len(got) else None
+
+    def wait(self) -> LoadResult:
+        return self.result
 
 
 @dataclass(slots=True)
@@ -183,6 +228,7 @@ class WorkerSide:
     ) -> None:
         self.store = store
         self.identity = identity
+        self._memory_tiers = memory_tiers(store)
         self.block_size = block_size
         self.rank = rank
         """Global rank (stage-major: ``pp_rank * tp_size + tp_rank``) in step reports."""
@@ -227,7 +273,12 @@ class WorkerSide:
         self.layers = [PagedLayer(t, split, lay.num_kv_heads, lay.head_dim) for t in tensors]
         self._stack = stack_layers(self.layers)
         """All layers as one view when they share an allocation (CPU): a chunk is then
-        copied straight into its blocks of every layer, one copy."""
+        copied straight into its blocks of a group of layers with one copy."""
+        self._groups = layer_groups(len(self.layers), LOAD_GROUPS)
+        rows = self.layers[0].row_shape if self.layers else (0,)
+        self._block_nbytes = (
+            len(self.layers) * int(np.prod(rows)) * (self.layers[0].itemsize if self.layers else 0)
+        )
         self.layer_index = {n: i for i, n in enumerate(names)}
         if self.layers and self.layers[0].block_size != self.block_size:
             raise KVLifeError(
@@ -262,8 +313,14 @@ class WorkerSide:
             usable = len(sub.hits)
             # no output buffers: a DRAM hit is handed over as the replica itself
             # (read-only, kept alive while referenced), so the only copy of its bytes is
-            # the one into the paged cache's layout
-            handle = self.store.load_async(sub, None, request_id=spec.req_id)
+            # the one into the paged cache's layout. Hits held in memory are read here,
+            # in this thread (a pointer each, verified as the store verifies them): the
+            # I/O pool would cost a thread hand-off per chunk, which on a busy 2-core
+            # host waits for a core each time
+            if usable and all(h.tier in self._memory_tiers for h in sub.hits):
+                handle: Any = _Loaded(self.store.load(sub, None, request_id=spec.req_id))
+            else:
+                handle = self.store.load_async(sub, None, request_id=spec.req_id)
         except KVLifeError as exc:
             log.warning("kvlife load of %s failed, recomputed: %s", spec.req_id, exc)
             self._fail(spec, c0)
@@ -332,9 +389,10 @@ class WorkerSide:
                 self._report.loads.append(sample)
 
     def _write_layers(self, jobs: list[_Load], events: list[threading.Event], t0: float) -> None:
-        """Wait for the step's chunks, lay every block of them out as the paged cache
-        holds it (one copy per chunk, all layers at once), then write each layer's
-        blocks of every chunk with one indexed copy and set that layer's event."""
+        """Wait for the step's chunks and write them into their blocks: straight from
+        each chunk into a group of layers at a time where the layers are one stacked
+        view, else laid out as block rows (one copy per chunk, all layers) then one
+        indexed copy per layer; each layer's event is set once it is written."""
         tm = self.timings
         bs = self.block_size
         try:
@@ -356,15 +414,23 @@ class WorkerSide:
                     self.counters.tokens_loaded += hi - lo
             if parts and self._stack is not None:
                 t2 = time.perf_counter()
+                k = self.tpc // bs
+                ids = np.asarray(block_ids, dtype=np.int64)
+                spans = []  # each chunk's blocks in ``ids``
                 at = 0
-                for arr, skip in parts:  # straight into the blocks, all layers at once
-                    n = self.tpc // bs - skip
-                    ids = np.asarray(block_ids[at : at + n], dtype=np.int64)
-                    write_chunk(self._stack, ids, arr, skip)
-                    at += n
-                    tm.load_bytes += arr.nbytes * n // (self.tpc // bs)
-                for e in events:
-                    e.set()
+                for arr, skip in parts:
+                    spans.append((arr, skip, ids[at : at + k - skip]))
+                    at += k - skip
+                # straight from the replicas into the blocks, a group of layers at a time
+                # (one copy per chunk per group), so attention of the first layers runs
+                # while later ones are written
+                for lo, hi in self._groups:
+                    stack = self._stack[lo:hi]
+                    for arr, skip, span in spans:
+                        write_chunk(stack, span, arr[lo:hi], skip)
+                    for e in events[lo:hi]:
+                        e.set()
+                tm.load_bytes += at * self._block_nbytes
                 tm.scatter_s += time.perf_counter() - t2
             elif parts and self.layers:
                 t2 = time.perf_counter()
