@@ -15,7 +15,7 @@ from kvlife.core.events import LifecycleEvent
 from kvlife.reporting.cli import live_lifecycle
 from kvlife.store import KVStore
 from kvlife.trace.schema import validate_event
-from tests.vllm.conftest import run_engine
+from tests.vllm.conftest import run_engine, tiny_spec
 
 CHUNK = 64
 P = [int(t) for t in np.random.default_rng(12).integers(5, 1000, size=4 * CHUNK + 9)]
@@ -26,16 +26,10 @@ def test_the_connector_logs_the_lifecycle_of_what_vllm_puts_loads_and_invalidate
 ) -> None:
     req: dict[str, Any] = {"tokens": P, "max_tokens": 8, "cache_salt": None}
     log = tmp_path / "vllm-events.jsonl"
-    spec = {
-        "model": str(tiny_model),
-        "skip_tokenizer_init": True,
-        "block_size": 32,
-        "dtype": "float32",
-        "kv_cache_mib": 64,
-        "max_model_len": 1024,
-        "requests": [req, req, req, req],
-        "reset_before": [2],
-        "kvlife": {
+    spec = tiny_spec(
+        tiny_model,
+        [req, req, req, req],
+        {
             "kvlife.path": str(tmp_path / "store"),
             "kvlife.chunk_tokens": CHUNK,
             "kvlife.dram_mib": 64,
@@ -43,7 +37,8 @@ def test_the_connector_logs_the_lifecycle_of_what_vllm_puts_loads_and_invalidate
             "kvlife.write_through": True,
             "kvlife.events": str(log),
         },
-    }
+        reset_before=[2],
+    )
     run = run_engine(spec, tmp_path, "events", timeout=300)
     assert [r["cached_tokens"] for r in run["requests"]] == [0, 4 * CHUNK, 0, 4 * CHUNK]
     keys = set(run["keys"][0])
