@@ -24,6 +24,8 @@ from kvlife.core.identity import PUBLIC, ModelIdentity, prompt_chunk_keys
 from kvlife.engines.vllm import worker as worker_mod
 from kvlife.engines.vllm.identity import EngineFacts, identity_for
 from kvlife.engines.vllm.meta import LoadSpec, StepPlan
+from kvlife.engines.vllm.paged import PagedLayer
+from kvlife.engines.vllm.paged import write_chunk as real_write_chunk
 from kvlife.engines.vllm.worker import WorkerSide
 from kvlife.store import KVStore
 
@@ -149,7 +151,7 @@ def test_held_no_layer_is_released_before_it_is_written(
         assert events is not None
         early.extend((lo, i) for i in range(lo, layers) if events[i].is_set())
 
-    real_chunk, real_rows = worker_mod.write_chunk, worker_mod.PagedLayer.write_rows
+    real_chunk, real_rows = real_write_chunk, PagedLayer.write_rows
 
     def write_chunk(stack: np.ndarray, ids: Any, chunk: Any, skip: int) -> None:
         assert w._stack is not None
@@ -162,7 +164,7 @@ def test_held_no_layer_is_released_before_it_is_written(
         real_rows(self, ids, rows)
 
     monkeypatch.setattr(worker_mod, "write_chunk", write_chunk)
-    monkeypatch.setattr(worker_mod.PagedLayer, "write_rows", write_rows)
+    monkeypatch.setattr(PagedLayer, "write_rows", write_rows)
     blocks = [BLOCKS - 1, 3, 0, 11]  # the last block of the cache, then any order
     w.start(StepPlan(loads=[LoadSpec("r", tokens, blocks, 0, 2 * CHUNK, PUBLIC, None)], step=1))
 
@@ -304,7 +306,7 @@ def test_held_a_copy_that_raises_releases_the_forward_and_fails_the_step(
     caches = _caches(layers, stacked=True)
     w = WorkerSide(store, ident, block_size=BS)
     w.register(_names(layers), caches, "halves")
-    real = worker_mod.write_chunk
+    real = real_write_chunk
     calls = [0]
 
     def write_chunk(stack: np.ndarray, ids: Any, chunk: Any, skip: int) -> None:
@@ -350,6 +352,7 @@ def test_a_dram_replica_changed_after_the_workers_read_is_not_served(
         gate.set()
         _forward(w, layers)
         assert w.load_errors() == set(blocks[2:])
+        assert w.counters.chunks_changed == 1
         _assert_loaded(caches, kv, blocks[:2])
         w.close()
     finally:
