@@ -8,6 +8,7 @@ the forward waiting."""
 
 from __future__ import annotations
 
+import errno
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from kvlife.engines.vllm.meta import LoadSpec, StepPlan
 from kvlife.engines.vllm.paged import PagedLayer
 from kvlife.engines.vllm.paged import write_chunk as real_write_chunk
 from kvlife.engines.vllm.worker import WorkerSide
+from kvlife.faults.fileio import FaultyIO
 from kvlife.store import KVStore
 
 HEADS, DIM, BS, CHUNK, BLOCKS = 2, 8, 4, 8, 24
@@ -354,6 +356,49 @@ def test_a_dram_replica_changed_after_the_workers_read_is_not_served(
         assert w.load_errors() == set(blocks[2:])
         assert w.counters.chunks_changed == 1
         _assert_loaded(caches, kv, blocks[:2])
+        w.close()
+    finally:
+        store.close()
+
+
+def test_held_a_disk_read_failing_part_way_fails_only_that_request_from_there(
+    tmp_path: Path,
+) -> None:
+    """A's chunks come from disk, the second read on fails with EIO; B's from DRAM in the
+    same step, blocks interleaved with A's. A's chunks before the failed read land, the
+    failed one on are load errors and never written; B lands whole."""
+    io = FaultyIO()
+    store = KVStore.open(tmp_path / "store", dram_bytes=64 << 20, disk_bytes=64 << 20, fileio=io)
+    try:
+        layers = 3
+        ident = _identity(layers)
+        ta, kva = _prompt(store, ident, 30, 3)
+        store.flush()
+        store.evict("dram", 1 << 30)
+        tb, kvb = _prompt(store, ident, 31, 2)
+        caches = _caches(layers, stacked=True)
+        w = WorkerSide(store, ident, block_size=BS)
+        w.register(_names(layers), caches, "halves")
+        a_blocks = [2, 14, 5, BLOCKS - 1, 0, 8]
+        b_blocks = [3, 15, 6, 9]
+        io.arm("preadv", errno.EIO, after=1)
+        plan = StepPlan(
+            loads=[
+                LoadSpec("a", ta, a_blocks, 0, 3 * CHUNK, PUBLIC, None),
+                LoadSpec("b", tb, b_blocks, 0, 2 * CHUNK, PUBLIC, None),
+            ],
+            step=1,
+        )
+        w.start(plan)
+        _forward(w, layers)
+        io.disarm()
+        assert io.injected.get("preadv", 0) >= 1
+        bad = w.load_errors()
+        n = next(j for j in range(0, 6, 2) if a_blocks[j] in bad)  # A's first chunk failed
+        assert bad == set(a_blocks[n:])
+        _assert_loaded(caches, kva, a_blocks[:n])
+        assert _untouched(caches, a_blocks[n:])
+        _assert_loaded(caches, kvb, b_blocks)
         w.close()
     finally:
         store.close()
