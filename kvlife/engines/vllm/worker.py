@@ -15,14 +15,17 @@ or not) and recomputed, counted (``loads_timed_out``). Each load's time is repor
 the scheduler (``StepReport.loads``), whose cost model learns the tiers' speed from it.
 
 A DRAM hit is read as the replica itself (no copy before the one into the paged cache),
-in ``start``'s own thread: handing each chunk to the store's I/O pool would cost a thread
-hand-off per chunk, each waiting for a core on a busy host. Where every layer lives in one
-allocation a constant stride apart (vLLM 0.32's CPU cache) each chunk is copied straight
-into its blocks of a group of layers with one indexed copy (``paged.write_chunk``;
-``LOAD_GROUPS`` groups, each group's events set as it is written, so the forward's first
-layers run while later ones are written); otherwise every chunk of the step is laid out
-as the paged cache's block rows (one copy per chunk, all layers), then each layer's rows
-are written with one indexed copy. No Python loop over chunks x layers.
+in ``start``'s own thread: handing each chunk to the store's I/O pool would cost a
+thread hand-off per chunk, each waiting for a core on a busy host. Its copy into the
+paged cache runs later, so where the store verifies memory replicas
+(``verify_dram_on_load``) they are verified again once copied: one changed in between is
+a load error from there on. Where every layer lives in one allocation a constant stride
+apart (vLLM 0.32's CPU cache) each chunk is copied straight into its blocks of a group
+of layers with one indexed copy (``paged.write_chunk``; ``LOAD_GROUPS`` groups, each
+group's events set as it is written, so the forward's first layers run while later ones
+are written); otherwise every chunk of the step is laid out as the paged cache's block
+rows (one copy per chunk, all layers), then each layer's rows are written with one
+indexed copy. No Python loop over chunks x layers.
 
 Saves are all-or-nothing across layers and ranks. During the step ``save_layer`` copies
 each layer's blocks of every planned save out of the paged cache into one host array of
@@ -95,6 +98,14 @@ def memory_tiers(store: StoreAPI) -> frozenset[str]:
     return frozenset(n for n in store.tier_names if isinstance(store.tier(n), SealedInMemory))
 
 
+def verifies_memory(store: StoreAPI) -> bool:
+    """Whether an embedded store verifies replicas held in memory against their seals on
+    every load (``verify_dram_on_load``)."""
+    from kvlife.store.facade import KVStore
+
+    return isinstance(store, KVStore) and bool(store._core.config.verify_dram_on_load)
+
+
 def layer_groups(layers: int, groups: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` ranges splitting ``layers`` into at most ``groups`` near-equal runs."""
     n = max(1, min(groups, layers))
@@ -114,6 +125,10 @@ class WorkerCounters:
     their blocks reported as failed loads (recomputed by vLLM)."""
     chunks_timed_out: int = 0
     """Chunks abandoned at a load's deadline."""
+    chunks_changed: int = 0
+    """Chunks read as a replica held in memory whose bytes no longer matched its seal
+    once copied into the paged cache (changed after the verified read): load errors from
+    there on, recomputed (only with ``verify_dram_on_load``)."""
     saves: int = 0
     """Saves staged (``prepare_put``), awaiting the scheduler's verdict."""
     chunks_stored: int = 0
@@ -173,6 +188,8 @@ class _Load:
     chunks: int
     sizes: list[tuple[str, int]] = field(default_factory=list)
     """Tier and stored bytes of each chunk (what the scheduler's cost model learns from)."""
+    lookup: Any = None
+    """The lookup the chunks were loaded by (verified again after the copy)."""
 
 
 class _Loaded:
@@ -229,6 +246,7 @@ class WorkerSide:
         self.store = store
         self.identity = identity
         self._memory_tiers = memory_tiers(store)
+        self._verify = verifies_memory(store)
         self.block_size = block_size
         self.rank = rank
         """Global rank (stage-major: ``pp_rank * tp_size + tp_rank``) in step reports."""
@@ -327,7 +345,8 @@ class WorkerSide:
             return None
         if usable < c1 - c0:
             self._fail(spec, c0 + usable)
-        return _Load(spec, handle, c0, usable, [(h.tier, h.stored_nbytes) for h in sub.hits])
+        sizes: list[tuple[str, int]] = [(h.tier, h.stored_nbytes) for h in sub.hits]
+        return _Load(spec, handle, c0, usable, sizes, sub)
 
     def _fail(self, spec: LoadSpec, from_chunk: int) -> None:
         """Blocks of ``spec`` from chunk ``from_chunk`` on did not load."""
@@ -398,11 +417,13 @@ class WorkerSide:
         try:
             parts: list[tuple[np.ndarray, int]] = []  # (chunk, leading blocks not written)
             block_ids: list[int] = []
+            written: list[tuple[_Load, int]] = []  # (job, its leading chunks written)
             for job in jobs:
                 spec = job.spec
                 t1 = time.perf_counter()
                 got = self._arrived(job, t0)
                 tm.read_s += time.perf_counter() - t1
+                written.append((job, len(got)))
                 if len(got) < job.chunks:
                     self._fail(spec, job.first_chunk + len(got))
                 for i, arr in enumerate(got):
@@ -451,10 +472,39 @@ class WorkerSide:
                 t4 = time.perf_counter()
                 tm.scatter_s += t4 - t3
                 tm.load_bytes += rows.nbytes
+            if self._verify:
+                self._verify_copied(written)
             tm.load_s += time.perf_counter() - t0
         finally:
             for e in events:  # a failure must not hang the forward; wait_layer raises it
                 e.set()
+
+    def _verify_copied(self, written: list[tuple[_Load, int]]) -> None:
+        """(Loader thread, after the copies.) A replica held in memory was verified when
+        it was read, then copied later: one whose bytes changed in between (a stray
+        write, a client writing a shared extent) would be in the paged cache. Verify
+        them again now: a chunk that no longer matches its seal (or is gone, so cannot
+        be checked) and every later one are load errors, recomputed, counted. Runs
+        before the last layer's wait returns, so vLLM sees the errors; the forward may
+        have used the layers already released, and vLLM discards what it computed."""
+        for job, n in written:
+            if not n or not any(t in self._memory_tiers for t, _ in job.sizes[:n]):
+                continue
+            try:
+                res = self.store.load(job.lookup.sub(0, n), None, request_id=job.spec.req_id)
+                ok = res.loaded
+            except KVLifeError as exc:
+                log.warning("kvlife re-check of %s's load failed: %s", job.spec.req_id, exc)
+                ok = 0
+            if ok < n:
+                log.warning(
+                    "kvlife load of %s: chunk %d changed after it was read; recomputed",
+                    job.spec.req_id,
+                    job.first_chunk + ok,
+                )
+                with self._lock:
+                    self.counters.chunks_changed += n - ok
+                self._fail(job.spec, job.first_chunk + ok)
 
     def wait_layer(self, name: str) -> None:
         idx = self.layer_index.get(name)
