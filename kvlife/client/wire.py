@@ -237,6 +237,15 @@ class Wire:
             except OSError:
                 self.drop()
 
+    def disown(self, conn: Connection) -> None:
+        """Drop ``conn`` (if it still is the connection) after a reply this client could
+        not read (:mod:`kvlife.client.replies`): the server then releases what its
+        session held (a grant, a pending put, staged extents), and the next call
+        connects again."""
+        with self.lock:
+            if conn is self.conn:
+                self.drop()
+
     def drop(self) -> None:
         """Close the connection (the server then releases what its session held)."""
         if self.conn is not None:
