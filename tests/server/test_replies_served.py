@@ -7,7 +7,6 @@ next call, ungarbled, is answered as before."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,7 +33,7 @@ BAD_GRANTS = [
     [[0, "<f2", "shape"]],
     [[0, "<f2", [-1]]],
     [[0, "<f2"]],
-    [GRANT + [1]],
+    [[*GRANT, 1]],
 ]
 COUNTS = ["load", "streamed", "requested", "vanished", "read_errors"]
 LOAD_CASES: list[tuple[str, object]] = [
