@@ -35,14 +35,16 @@ BAD_GRANTS = [
     [[0, "<f2"]],
     [[*GRANT, 1]],
 ]
+BAD_TIERS: list[object] = [KeyError, [], {"dram": "1"}, {1: 1}, {"dram": -1}]
+BAD_CORRUPT: list[object] = [KeyError, "keys", b"abc", []]
 COUNTS = ["load", "streamed", "requested", "vanished", "read_errors"]
 LOAD_CASES: list[tuple[str, object]] = [
     *((f, v) for f in COUNTS for v in (KeyError, "1", -1, 1.5, None, True)),
     ("streamed", 1),  # more than came in parts
     *(("grants", g) for g in [KeyError, *BAD_GRANTS]),
     *(("confirmed", v) for v in ("1", -1, 1.5, None, 99)),
-    *(("tiers", v) for v in (KeyError, [], {"dram": "1"}, {1: 1}, {"dram": -1})),
-    *(("corrupt", v) for v in (KeyError, "keys", b"abc", [])),
+    *(("tiers", v) for v in BAD_TIERS),
+    *(("corrupt", v) for v in BAD_CORRUPT),
 ]
 PUT_COUNTS = ["chunks", "stored", "already_present", "in_flight", "dropped"]
 PUT_CASES: list[tuple[str, str, object]] = [
