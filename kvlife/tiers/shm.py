@@ -144,6 +144,33 @@ class Allocator:
         return max(self._lens.values(), default=0)
 
 
+class Backed:
+    """The ranges of a sparse arena whose pages are allocated: sorted, disjoint, merged
+    where they touch. Pages once allocated stay (the file is never punched), so an
+    extent inside a range needs no ``fallocate`` when it is handed out again: first-fit
+    reuses the low offsets, and the ranges merge into few. Not thread-safe on its own
+    (:class:`Arena` locks it)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def covers(self, lo: int, hi: int) -> bool:
+        i = bisect.bisect_right(self._starts, lo) - 1
+        return i >= 0 and self._ends[i] >= hi
+
+    def add(self, lo: int, hi: int) -> None:
+        i = bisect.bisect_left(self._ends, lo)  # the first range that reaches lo
+        j = bisect.bisect_right(self._starts, hi)  # past the last that starts by hi
+        if i < j:
+            lo, hi = min(lo, self._starts[i]), max(hi, self._ends[j - 1])
+        self._starts[i:j] = [lo]
+        self._ends[i:j] = [hi]
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+
 @dataclass(frozen=True, slots=True)
 class Slot:
     """One allocated extent of the arena."""
@@ -263,6 +290,8 @@ class Arena:
         self.unbacked = 0
         """Extents of a sparse arena refused because the filesystem had no room for
         their pages (:meth:`alloc` returned None: no room, as for a full arena)."""
+        self._backed = Backed()
+        """Where a sparse arena's pages are allocated already (no ``fallocate`` there)."""
 
     def alloc(self, nbytes: int, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> np.ndarray | None:
         """A writable view of a new extent shaped ``shape`` (None when none fits, or
@@ -287,11 +316,17 @@ class Arena:
         """Allocate the pages of a sparse arena's new extent before anyone writes it
         (whoever writes first: a client's put, the server's copy of a load); False, the
         extent given back and counted in :attr:`unbacked`, where the filesystem has no
-        room for them. One ``fallocate`` per extent (a page already allocated, by an
-        earlier extent there, costs only its lookup)."""
+        room for them. One ``fallocate`` per extent not yet inside an allocated range
+        (:class:`Backed`); an extent reused there costs a lookup."""
+        end = offset + round_up(max(nbytes, 1))
+        with self._lock:
+            if self._backed.covers(offset, end):
+                return True
         try:
-            if not allocate_pages(self._fd, round_up(max(nbytes, 1)), offset):
+            if not allocate_pages(self._fd, end - offset, offset):
                 self._fd = -1  # cannot allocate ahead: faults in as before
+            with self._lock:
+                self._backed.add(offset, end)
             return True
         except OSError:
             with self._lock:

@@ -23,11 +23,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 from kvlife.core.errors import StorageFullError
 from kvlife.server.buffers import SharedBuffer
-from kvlife.tiers.shm import Arena, Owner
+from kvlife.tiers.shm import Arena, Backed, Owner
 from tests.server.conftest import ROOT, ServerProc, child_env
 from tests.server.tenants import TOKENS, as_, write_config
 
@@ -210,3 +212,24 @@ def test_a_client_putting_into_its_principals_arena_on_a_full_tmpfs_survives(
                 assert root.server_state()["arena_unbacked"] >= 1
         finally:
             srv.stop()
+
+
+RANGES = st.lists(st.tuples(st.integers(0, 40), st.integers(0, 8)), max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(added=RANGES, asked=RANGES)
+def test_the_allocated_ranges_of_a_sparse_arena_cover_what_was_added_and_no_more(
+    added: list[tuple[int, int]], asked: list[tuple[int, int]]
+) -> None:
+    """:class:`Backed` against a set of pages: a range is covered exactly when every
+    page of it was added (in one range or several touching ones), and the ranges are
+    merged (never two that touch)."""
+    backed, pages = Backed(), set()
+    for lo, n in added:
+        backed.add(lo, lo + n + 1)
+        pages |= set(range(lo, lo + n + 1))
+    for lo, n in asked + added:
+        assert backed.covers(lo, lo + n + 1) == pages.issuperset(range(lo, lo + n + 1))
+    runs = sum(1 for p in pages if p - 1 not in pages)
+    assert len(backed) == runs
