@@ -84,7 +84,9 @@ class Wire:
                 greeting["token"] = self._token
             hello = self.roundtrip(conn, "hello", greeting)
             if hello["arena"]:  # "": none to map (kvlife.client.copies)
-                conn.map_arena(hello["arena"], hello["arena_bytes"])
+                # a principal's arena is sparse: not populated (Connection.map_arena)
+                populate = not hello.get("principal")
+                conn.map_arena(hello["arena"], hello["arena_bytes"], populate)
         except OSError as exc:
             refusal = conn.refusal()  # shed for a budget: the server said why
             conn.close()

@@ -30,8 +30,9 @@ from hypothesis import given, settings
 from kvlife.core.errors import StorageFullError
 from kvlife.server.buffers import SharedBuffer
 from kvlife.tiers.shm import Arena, Backed, Owner
+from tests.conftest import prompt_kv, tiny_identity
 from tests.server.conftest import ROOT, ServerProc, child_env
-from tests.server.tenants import TOKENS, as_, write_config
+from tests.server.tenants import TOKENS, USER, as_, write_config
 
 MiB = 1 << 20
 
@@ -210,6 +211,33 @@ def test_a_client_putting_into_its_principals_arena_on_a_full_tmpfs_survives(
             assert srv.alive()
             with as_(srv, "root") as root:
                 assert root.server_state()["arena_unbacked"] >= 1
+        finally:
+            srv.stop()
+
+
+def test_a_principals_arena_stays_sparse_its_pages_allocated_as_extents_are_handed_out(
+    tmp_path: Path,
+) -> None:
+    """bob maps his arena (as large as the server's, 8 MiB) and puts a prompt: only the
+    extents handed out have pages (before, his client's ``MAP_POPULATE`` of the shared
+    mapping allocated every page of the file at his first ``hello``)."""
+    with _tmpfs(tmp_path / "shm", "64m") as mnt:
+        config = write_config(tmp_path / "t.toml", bob_uid=os.geteuid())
+        srv = ServerProc(
+            tmp_path / "store",
+            dram=4 * MiB,
+            staging=4 * MiB,
+            extra=("--tenants", str(config), "--shm-dir", str(mnt)),
+        ).start()
+        try:
+            with as_(srv, "bob") as bob:
+                ident = tiny_identity(model_id="sparse")
+                tokens, kv = prompt_kv(1, 4 * ident.layout.tokens_per_chunk)
+                assert bob.put_prompt(ident, USER["bob"], tokens, kv).stored == 4
+                (arena,) = mnt.glob("*-t-bob")
+                st = arena.stat()
+                assert st.st_size == 8 * MiB
+                assert st.st_blocks * 512 <= MiB, st.st_blocks * 512
         finally:
             srv.stop()
 
