@@ -263,13 +263,15 @@ class Arena:
             raise StorageFullError(f"cannot map the arena {self.path}: {exc}") from exc
         self._fd = -1
         """A sparse arena's file, kept open to allocate each extent's pages as it is
-        handed out (:meth:`alloc`); -1: populated (every page allocated when made), or a
-        filesystem that cannot allocate ahead."""
+        handed out (:meth:`alloc`) until :meth:`unlink`; -1: populated (every page
+        allocated when made), a filesystem that cannot allocate ahead, or unlinked."""
+        self._fd_lock = threading.Lock()
+        """Held around each ``fallocate`` and the descriptor's close, so that a closed
+        number (reused by another file) is never allocated into."""
         if populate_pages:
             os.close(fd)
         else:
             self._fd = fd
-            weakref.finalize(self, os.close, fd).atexit = False
         advise_huge(self.mmap)
         self.huge_pages = huge_pages(self.path.parent)
         self.size = size
@@ -305,7 +307,7 @@ class Arena:
                 self._gens[off] = self._gen
         if off is None:
             return None
-        if self._fd >= 0 and not self._back(off, nbytes):
+        if self._fd >= 0 and not self._back(off, nbytes):  # a sparse arena
             return None
         raw = np.frombuffer(self.mmap, np.uint8, count=nbytes, offset=off)
         fin = weakref.finalize(raw.base, self._free, off, nbytes)
@@ -323,8 +325,13 @@ class Arena:
             if self._backed.covers(offset, end):
                 return True
         try:
-            if not allocate_pages(self._fd, end - offset, offset):
-                self._fd = -1  # cannot allocate ahead: faults in as before
+            with self._fd_lock:
+                if self._fd < 0:  # unlinked meanwhile: the server is closing
+                    raise OSError(errno.EBADF, "the arena was removed")
+                if not allocate_pages(self._fd, end - offset, offset):
+                    os.close(self._fd)
+                    self._fd = -1  # cannot allocate ahead: faults in as before
+                    return True
             with self._lock:
                 self._backed.add(offset, end)
             return True
@@ -387,6 +394,10 @@ class Arena:
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)
+        with self._fd_lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 Home = Callable[[ReplicaMeta], "Arena | None"]
