@@ -39,7 +39,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvlife.client import copies
+from kvlife.client import copies, replies
 from kvlife.client.connection import Connection
 from kvlife.client.handles import RemoteLoadHandle, RemoteLookup
 from kvlife.client.wire import Wire
@@ -271,9 +271,10 @@ class Loads:
         def part(conn: Connection, p: list[Any]) -> None:
             # a chunk read from disk, sent as soon as it verified: copied while the
             # server reads the next ones
-            if p[0] != len(arrays):
-                raise errors.ProtocolError(f"streamed chunk {p[0]} out of order")
-            take(conn, p[0], p[1], p[2], p[3])
+            i, off, dtype, shape = replies.part(p)
+            if i != len(arrays) or i >= len(hits):
+                raise errors.ProtocolError(f"streamed chunk {i} out of order")
+            take(conn, i, off, dtype, shape)
 
         args["stream"] = True
         copied: list[np.ndarray] = []
@@ -291,30 +292,37 @@ class Loads:
                     copied.append(out)
 
         r, conn = self.wire.call_on("load", args, part, after)
-        if "into" in r:  # landed in the caller's shared buffers: nothing to copy
+        try:  # every field read before anything of the reply is kept
+            reply = replies.load_reply(r, len(hits), len(arrays))
+            if reply.into is not None and (outs is None or "into" not in args):
+                raise errors.ProtocolError("load reply of chunks in buffers it was not asked for")
+        except errors.ProtocolError:
+            self.wire.disown(conn)  # the server releases the grant it may hold
+            raise
+        if reply.into is not None:  # landed in the caller's shared buffers: nothing to copy
             assert outs is not None
-            landed = list(outs[: r["into"]])
+            landed = list(outs[: reply.into])
             if on_chunk is not None:
                 for i, a in enumerate(landed):
                     on_chunk(i, a)
-            return _result(landed, r)
-        del arrays[r["streamed"] :]  # a streamed chunk invalidated meanwhile is a miss
-        confirmed = r.get("confirmed", 0)
+            return _result(landed, reply.outcome)
+        del arrays[reply.streamed :]  # a streamed chunk invalidated meanwhile is a miss
+        confirmed, grants = reply.confirmed, reply.grants
         try:
             if confirmed:
                 if confirmed > len(copied):  # granted nothing for chunks it confirmed
                     confirmed = 0  # and this client did not copy: they are a miss
-                    r["grants"] = []
+                    grants = []
                 arrays += copied[:confirmed]
                 if on_chunk is not None:
                     for i, a in enumerate(arrays):
                         on_chunk(i, a)
-            for j, (off, dtype, shape) in enumerate(r["grants"]):
-                take(conn, r["streamed"] + confirmed + j, off, dtype, shape)
+            for j, (off, dtype, shape) in enumerate(grants):
+                take(conn, reply.streamed + confirmed + j, off, dtype, shape)
         finally:
-            if r["load"]:
-                self.wire.release(r["load"], conn)
-        return _result(arrays, r)
+            if reply.load:
+                self.wire.release(reply.load, conn)
+        return _result(arrays, reply.outcome)
 
     def load_async(
         self, lookup: LookupResult, outs: Sequence[np.ndarray] | None, request_id: str
@@ -400,14 +408,13 @@ def _shifted(on_chunk: OnChunk, by: int) -> OnChunk:
     return shifted
 
 
-def _result(arrays: list[np.ndarray], r: dict[str, Any]) -> LoadResult:
-    tiers = {str(k): int(v) for k, v in r["tiers"].items()}
+def _result(arrays: list[np.ndarray], done: replies.Outcome) -> LoadResult:
     return LoadResult(
         arrays,
         len(arrays),
-        r["requested"],
-        tiers=tiers,
-        corrupt=protocol.split_keys(r["corrupt"]),
-        vanished=r["vanished"],
-        read_errors=r["read_errors"],
+        done.requested,
+        tiers=done.tiers,
+        corrupt=done.corrupt,
+        vanished=done.vanished,
+        read_errors=done.read_errors,
     )

@@ -50,11 +50,17 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.client import copies
+from kvlife.client import copies, replies
 from kvlife.client.connection import Connection, StagedShape
 from kvlife.client.handles import RemotePendingPut
 from kvlife.client.wire import StaleExtents, Wire
-from kvlife.core.errors import InvalidArgument, KVLifeError, StorageFullError, StoreUnavailable
+from kvlife.core.errors import (
+    InvalidArgument,
+    KVLifeError,
+    ProtocolError,
+    StorageFullError,
+    StoreUnavailable,
+)
 from kvlife.core.identity import KVLayout
 from kvlife.core.objects import PromptRef
 from kvlife.results import PutResult
@@ -174,8 +180,13 @@ class Puts:
             del args["staged"], args["deferred"]
             args["stage"] = len(chunks)
             return self.commit_put(self._prepare(args, layout, chunks))
-        self.add_staged(conn, _shape_key(layout), r["staged"])
-        return protocol.decode_put_result(r)
+        try:  # every field read before any staged extent of it is kept
+            result, extents = replies.put_result(r), replies.staged(r, "put reply")
+        except ProtocolError:
+            self.wire.disown(conn)  # the server frees the extents it staged for us
+            raise
+        self.add_staged(conn, _shape_key(layout), extents)
+        return result
 
     def take_staged(self, shape: StagedShape, count: int) -> tuple[Connection, list[Any]] | None:
         """``count`` staged extents of chunks of ``shape`` of the current connection, if
@@ -228,19 +239,24 @@ class Puts:
     def _prepare(
         self, args: dict[str, Any], layout: KVLayout, chunks: list[np.ndarray]
     ) -> RemotePendingPut:
-        reply, conn = self.wire.call_on("prepare_put", args)
+        r, conn = self.wire.call_on("prepare_put", args)
+        try:  # every field read before the put or a staged extent of it is kept
+            reply = replies.prepared(r, len(chunks))
+        except ProtocolError:
+            self.wire.disown(conn)  # the server aborts the put and frees its extents
+            raise
         pending = RemotePendingPut(
-            reply["put"],
+            reply.put,
             conn.epoch,
-            protocol.split_keys(reply["keys"]),
+            reply.keys,
             layout.tokens_per_chunk,
-            reply["present"],
-            reply["in_flight"],
+            reply.present,
+            reply.in_flight,
         )
-        self.add_staged(conn, _shape_key(layout), reply["staged"])
+        self.add_staged(conn, _shape_key(layout), reply.staged)
         dtype = chunks[0].dtype.str if chunks else "u1"
         try:
-            for index, off in reply["slots"]:
+            for index, off in reply.slots:
                 np.copyto(self.wire.view(conn, off, dtype, layout.chunk_shape), chunks[index])
                 pending.stored_chunks.append(index)
         except BaseException:
@@ -268,7 +284,12 @@ class Puts:
         if pending.held is not None:
             (prompt, chunks, request_id), pending.held = pending.held, None
             return self.put_prompt(prompt, chunks, request_id)
-        return protocol.decode_put_result(self.wire.call("commit_put", {"put": pending.put}))
+        r, conn = self.wire.call_on("commit_put", {"put": pending.put})
+        try:
+            return replies.put_result(r, "commit_put reply")
+        except ProtocolError:
+            self.wire.disown(conn)
+            raise
 
     def put_async(self, pending: RemotePendingPut) -> Future[PutResult]:
         return self.wire.pool().submit(self.commit_put, pending)

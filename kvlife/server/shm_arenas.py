@@ -21,8 +21,12 @@ token only), or a session whose peer is another user than its principal's arena
 admits, gets no mapping; it puts and loads through the socket (``put_inline``, a load
 with ``inline``), copies both ways.
 
-Arenas are made at a principal's first ``hello``, not populated (pages are taken as they
-are first touched), and removed with the tier. Their sizes are the tenants file's
+Arenas are made at a principal's first ``hello``, sparse (each is as large as the
+tier's own arena: allocated whole, they would multiply the memory): the pages of each
+extent are allocated as it is handed out (:meth:`~kvlife.tiers.shm.Arena.alloc`), and
+an extent the filesystem has no room for is no room (counted in ``arena_unbacked``),
+never a page whose first write kills the writer with SIGBUS. Clients map them
+unpopulated. They are removed with the tier. Their sizes are the tenants file's
 (``[arenas]``, :class:`~kvlife.tenancy.principals.ArenaBudget`): each principal's
 ``arena_bytes``, else ``principal_bytes``, else as large as the tier's own arena (never
 larger); all of them together within ``total_bytes``. A principal whose arena would
