@@ -23,13 +23,14 @@ import torch
 
 from kvlife.core.identity import PUBLIC, ModelIdentity, prompt_chunk_keys
 from kvlife.engines.vllm import worker as worker_mod
-from kvlife.engines.vllm.identity import EngineFacts, identity_for
+from kvlife.engines.vllm.identity import identity_for
 from kvlife.engines.vllm.meta import LoadSpec, StepPlan
 from kvlife.engines.vllm.paged import PagedLayer
 from kvlife.engines.vllm.paged import write_chunk as real_write_chunk
 from kvlife.engines.vllm.worker import WorkerSide
 from kvlife.faults.fileio import FaultyIO
 from kvlife.store import KVStore
+from tests.engines.vllm_fakes import facts
 
 HEADS, DIM, BS, CHUNK, BLOCKS = 2, 8, 4, 8, 24
 SENTINEL = -7.0
@@ -37,22 +38,8 @@ WAIT_S = 10.0
 
 
 def _identity(layers: int) -> ModelIdentity:
-    facts = EngineFacts(
-        model="/models/fake",
-        revision="",
-        weights_digest="w",
-        tokenizer_digest="t",
-        position_digest="rope",
-        num_layers=layers,
-        total_kv_heads=HEADS,
-        head_dim=DIM,
-        kv_dtype="float32",
-        compute_dtype="float32",
-        block_size=BS,
-        tp_size=1,
-        engine_version="fake",
-    )
-    return identity_for(facts, tp_rank=0, tokens_per_chunk=CHUNK)
+    engine = facts(1, layers=layers, heads=HEADS, head_dim=DIM, block=BS)
+    return identity_for(engine, tp_rank=0, tokens_per_chunk=CHUNK)
 
 
 def _caches(layers: int, *, stacked: bool) -> list[torch.Tensor]:

@@ -19,32 +19,19 @@ import torch
 
 from kvlife.core.identity import PUBLIC, ModelIdentity
 from kvlife.engines.vllm import worker as worker_mod
-from kvlife.engines.vllm.identity import EngineFacts, identity_for
+from kvlife.engines.vllm.identity import identity_for
 from kvlife.engines.vllm.meta import LoadSpec, StepPlan
 from kvlife.engines.vllm.worker import WorkerSide, layer_groups, memory_tiers
 from kvlife.store import KVStore
+from tests.engines.vllm_fakes import facts
 
 LAYERS, HEADS, DIM, BS, CHUNK, BLOCKS = 7, 2, 8, 4, 8, 40
 SENTINEL = -7.0
 
 
 def _identity() -> ModelIdentity:
-    facts = EngineFacts(
-        model="/models/fake",
-        revision="",
-        weights_digest="w",
-        tokenizer_digest="t",
-        position_digest="rope",
-        num_layers=LAYERS,
-        total_kv_heads=HEADS,
-        head_dim=DIM,
-        kv_dtype="float32",
-        compute_dtype="float32",
-        block_size=BS,
-        tp_size=1,
-        engine_version="fake",
-    )
-    return identity_for(facts, tp_rank=0, tokens_per_chunk=CHUNK)
+    engine = facts(1, layers=LAYERS, heads=HEADS, head_dim=DIM, block=BS)
+    return identity_for(engine, tp_rank=0, tokens_per_chunk=CHUNK)
 
 
 def _cpu_cache() -> list[torch.Tensor]:

@@ -8,7 +8,6 @@ names a tier or a representation the client cannot read is a ProtocolError."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,21 +43,13 @@ FORMS = (
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = ServerProc(tmp_path_factory.mktemp("served-lookup") / "srv", dram=16 << 10).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(module_server: ServerProc) -> ServerProc:
+    return module_server
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProc) -> Iterator[RemoteStore]:
-    remote = server.client()
-    try:
-        yield remote
-    finally:
-        remote.close()
+def client(module_client: RemoteStore) -> RemoteStore:
+    return module_client
 
 
 def _loads(remote: RemoteStore) -> Loads:

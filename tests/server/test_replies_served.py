@@ -6,7 +6,6 @@ next call, ungarbled, is answered as before."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -63,21 +62,13 @@ PUT_CASES: list[tuple[str, str, object]] = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = ServerProc(tmp_path_factory.mktemp("served-replies") / "srv", dram=16 << 10).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(module_server: ServerProc) -> ServerProc:
+    return module_server
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProc) -> Iterator[RemoteStore]:
-    remote = server.client()
-    try:
-        yield remote
-    finally:
-        remote.close()
+def client(module_client: RemoteStore) -> RemoteStore:
+    return module_client
 
 
 def _garble(
