@@ -14,17 +14,9 @@ from pathlib import Path
 
 import kvlife
 from kvlife.core.errors import KVLifeError, StoreLockedError
+from kvlife.report import format_bytes
 
 GiB = 1 << 30
-
-
-def _fmt_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def _open_existing(path: str) -> object:
@@ -88,7 +80,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"store {info.path}")
     rows = []
     for t in info.tiers:
-        rows.append([t.name, str(t.replicas), _fmt_bytes(t.used_bytes)])
+        rows.append([t.name, str(t.replicas), format_bytes(t.used_bytes)])
         extra = {k: v for k, v in t.details.items() if k in ("direct_io", "live_bytes", "segments")}
         if extra:
             rows.append(["", "", ", ".join(f"{k}={v}" for k, v in extra.items())])
@@ -98,7 +90,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         format_table(
             ["state", "objects", "bytes"],
             [
-                [s, str(n), _fmt_bytes(info.bytes_by_state[s])]
+                [s, str(n), format_bytes(info.bytes_by_state[s])]
                 for s, n in info.objects_by_state.items()
             ],
         )
@@ -195,7 +187,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         print(f"{args.file}: {len(issues)} error(s)", file=sys.stderr)
         return 1
     tiers = ", ".join(
-        f"{t.name} ({t.kind}, {_fmt_bytes(t.capacity_bytes)}"
+        f"{t.name} ({t.kind}, {format_bytes(t.capacity_bytes)}"
         + (f", {t.transform}" if t.transform else "")
         + ")"
         for t in config.store.chain

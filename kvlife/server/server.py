@@ -49,6 +49,7 @@ from kvlife.core.errors import (
 from kvlife.core.events import EventSink, fan_out
 from kvlife.core.identity import digest_bytes
 from kvlife.core.logs import LogSink, flush_logs, log_event
+from kvlife.report import format_bytes
 from kvlife.server import protocol
 from kvlife.server.address import check_bindable
 from kvlife.server.context import UNKNOWN_PEER, PartSender, Peer
@@ -689,17 +690,11 @@ def _preflight(cfg: ServeConfig) -> None:
     room = fs.f_bavail * fs.f_frsize + stale
     if arena > room:
         raise InvalidArgument(
-            f"the arena ({_size(arena)}: the first tier's {_size(first)} plus staging "
-            f"{_size(cfg.staging_bytes)}) is larger than the free room of the "
-            f"shared-memory filesystem {cfg.shm_dir} ({_size(room)} free of {_size(size)})"
+            f"the arena ({format_bytes(arena)}: the first tier's {format_bytes(first)} "
+            f"plus staging {format_bytes(cfg.staging_bytes)}) is larger than the free room "
+            f"of the shared-memory filesystem {cfg.shm_dir} ({format_bytes(room)} free of "
+            f"{format_bytes(size)})"
         )
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n} B"
 
 
 class EventLog:
