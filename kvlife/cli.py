@@ -14,17 +14,9 @@ from pathlib import Path
 
 import kvlife
 from kvlife.core.errors import KVLifeError, StoreLockedError
+from kvlife.report import format_bytes
 
 GiB = 1 << 30
-
-
-def _fmt_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def _open_existing(path: str) -> object:
@@ -88,7 +80,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"store {info.path}")
     rows = []
     for t in info.tiers:
-        rows.append([t.name, str(t.replicas), _fmt_bytes(t.used_bytes)])
+        rows.append([t.name, str(t.replicas), format_bytes(t.used_bytes)])
         extra = {k: v for k, v in t.details.items() if k in ("direct_io", "live_bytes", "segments")}
         if extra:
             rows.append(["", "", ", ".join(f"{k}={v}" for k, v in extra.items())])
@@ -98,7 +90,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         format_table(
             ["state", "objects", "bytes"],
             [
-                [s, str(n), _fmt_bytes(info.bytes_by_state[s])]
+                [s, str(n), format_bytes(info.bytes_by_state[s])]
                 for s, n in info.objects_by_state.items()
             ],
         )
@@ -195,7 +187,7 @@ def cmd_config_check(args: argparse.Namespace) -> int:
         print(f"{args.file}: {len(issues)} error(s)", file=sys.stderr)
         return 1
     tiers = ", ".join(
-        f"{t.name} ({t.kind}, {_fmt_bytes(t.capacity_bytes)}"
+        f"{t.name} ({t.kind}, {format_bytes(t.capacity_bytes)}"
         + (f", {t.transform}" if t.transform else "")
         + ")"
         for t in config.store.chain
@@ -350,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--log-json", action="store_true", help="log one JSON object per line (default: text)"
     )
     p.add_argument(
+        "--events",
+        default=None,
+        metavar="FILE",
+        help="write the store's lifecycle events to FILE (JSON lines, appended to; "
+        ".parquet: Parquet) for `kvlife report --events` (docs/events.md)",
+    )
+    p.add_argument(
         "--kv-events",
         default=None,
         metavar="ENDPOINT",
@@ -442,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "experiment",
         help="experiments: `kvlife experiment identity|lifetime-hints|transforms|"
-        "crossover|object-size|sharing-scope|isolation|upstream --help`",
+        "crossover|object-size|sharing-scope|isolation|upstream|faults --help`",
         add_help=False,
     )
     return parser
@@ -457,10 +456,13 @@ BENCHES = {
     "transforms": "kvlife.bench.transforms",
     "remote": "kvlife.bench.remote",
     "vllm": "kvlife.bench.vllm",
+    "vllm-trace": "kvlife.bench.vllm_trace",
     "server": "kvlife.bench.server",
     "lmcache-mp": "kvlife.bench.peer_lmcache_mp",
     "tenant-arenas": "kvlife.bench.tenant_arenas",
     "invalidate": "kvlife.bench.invalidate",
+    "shares": "kvlife.bench.shares",
+    "replay": "kvlife.bench.replay",
 }
 EXPERIMENTS = {
     "lifetime-hints": "kvlife.sim.lifetime_hints",
@@ -471,27 +473,25 @@ EXPERIMENTS = {
     "sharing-scope": "kvlife.experiments.sharing_scope",
     "isolation": "kvlife.experiments.isolation",
     "upstream": "kvlife.experiments.upstream",
+    "faults": "kvlife.experiments.faults",
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if argv[:1] in (["replay"], ["sweep"]) or argv[:2] == ["bench", "replay"]:
+        if argv[:1] in (["replay"], ["sweep"]):
             from kvlife.replay import cli as replay_cli
 
             if argv[0] == "replay":
                 return replay_cli.replay_main(argv[1:])
-            if argv[0] == "sweep":
-                return replay_cli.sweep_main(argv[1:])
-            return replay_cli.bench_main(argv[2:])
+            return replay_cli.sweep_main(argv[1:])
         if argv[:1] == ["report"]:
             return _forward("kvlife.reporting.cli", argv[1:])
         if argv[:1] in (["bench"], ["experiment"]):
             table = BENCHES if argv[0] == "bench" else EXPERIMENTS
             if len(argv) < 2 or argv[1] not in table:
-                names = [*table, "replay"] if argv[0] == "bench" else list(table)
-                print(f"usage: kvlife {argv[0]} {{{','.join(names)}}} [options]", file=sys.stderr)
+                print(f"usage: kvlife {argv[0]} {{{','.join(table)}}} [options]", file=sys.stderr)
                 return 2
             return _forward(table[argv[1]], argv[2:])
         args = build_parser().parse_args(argv)

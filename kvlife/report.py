@@ -48,3 +48,13 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, gap: 
 
     rule = sep.join("-" * w for w in widths)
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit below it: ``"512 B"``, ``"1.5 GiB"``."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

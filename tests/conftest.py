@@ -1,11 +1,14 @@
-"""Shared fixtures: a tiny KV layout and model identity, deterministic KV payloads."""
+"""Shared fixtures: a tiny KV layout and model identity, deterministic KV payloads; the
+hypothesis budget profiles of the default suite and of the slow tier."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from kvlife.core.identity import KVLayout, ModelIdentity
 
@@ -16,6 +19,33 @@ pytest_plugins = (
     if importlib.util.find_spec("redis") is not None
     else []
 )
+
+# Hypothesis budgets. The expensive property tests (state machines, power cuts, fuzzers that
+# start stores) take their example counts from budget(): a small one in the default suite
+# (which must stay under 15 minutes), the long one under the "slow" profile. The profile is
+# "slow" when the -m expression selects slow tests (make test-slow) or when
+# KVLIFE_HYPOTHESIS_PROFILE=slow (e.g. `KVLIFE_HYPOTHESIS_PROFILE=slow pytest -q tests/x.py`
+# runs the default tests of x.py at their long budgets). Tests that set no max_examples get
+# hypothesis' usual 100 under both.
+settings.register_profile("default", max_examples=100)
+settings.register_profile("slow", max_examples=100)
+HYPOTHESIS_PROFILE_ENV = "KVLIFE_HYPOTHESIS_PROFILE"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # before collection: the test modules build their settings when imported
+    markexpr = str(config.getoption("markexpr", "") or "")
+    selects_slow = "slow" in markexpr and "not slow" not in markexpr
+    settings.load_profile(
+        os.environ.get(HYPOTHESIS_PROFILE_ENV) or ("slow" if selects_slow else "default")
+    )
+
+
+def budget(default: int, slow: int) -> int:
+    """An expensive test's budget (examples, steps): ``default`` in the default suite,
+    ``slow`` under the slow profile (see above)."""
+    return slow if settings.get_current_profile_name() == "slow" else default
+
 
 TINY = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens_per_chunk=16)
 

@@ -58,6 +58,8 @@ def test_quick_run_writes_json_of_the_right_shape(tmp_path: Path, capsys, monkey
     assert _positive_finite(doc["lookup_128_chunks_us"])
     assert doc["lookup"]["chunks"] == 128
     assert _positive_finite(doc["lookup"]["vs_keys"])
+    for key in ("cpu_median_us", "key_computation_cpu_median_us", "vs_keys_cpu"):
+        assert _positive_finite(doc["lookup"][key]), key
     assert {t["metric"] for t in doc["targets"]} >= {"lookup_128_chunks_us", "lookup_vs_keys"}
     assert isinstance(doc["direct_io"], bool)
     assert_machine_figures(doc)
@@ -69,6 +71,7 @@ def test_quick_run_writes_json_of_the_right_shape(tmp_path: Path, capsys, monkey
     assert "DRAM seal (xxh3-128)" in printed and "demotion (seal verified)" in printed
     assert "machine: memcpy" in printed and "Python loop" in printed
     assert "lookup ÷ its chunk keys alone" in printed
+    assert "in CPU time: lookup" in printed
 
 
 def test_run_io_bench_returns_the_same_document(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvlife.bench.vllm import PHASES
+from kvlife.bench.vllm_trace import ENGINE_THREADS
 from kvlife.interpreters import ROOT
 
 pytestmark = pytest.mark.skipif(
@@ -25,7 +26,9 @@ def test_bench_vllm_quick_writes_its_json(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvlife.cli", "bench", "vllm", "--quick", "--json", str(out)],
         cwd=tmp_path,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        # the engines' thread settings left to the benchmark (ENGINE_THREADS)
+        env={k: v for k, v in os.environ.items() if k not in ENGINE_THREADS}
+        | {"PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=900,
@@ -43,6 +46,15 @@ def test_bench_vllm_quick_writes_its_json(tmp_path: Path) -> None:
     assert data["turns"][0]["kvlife_chunks"]["kvlife disk"].get("disk", 0) > 0
     load = data["connector_load_vs_memcpy"]  # the DRAM run's loads against memcpy
     assert load["ratio"] > 0 and load["bytes"] > 0 and load["memcpy_s"] > 0
+    assert load["ratio_vs_warm"] > 0 and load["memcpy_warm_s"] > 0  # the cache-resident copy
+    assert (
+        data["engine_env"]
+        == ENGINE_THREADS
+        == {
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
     assert set(load["breakdown_s"]) >= {"lookup_s", "read_s", "scatter_s", "gather_s"}
     assert "tpot_saves_on_vs_off" in data  # None with --quick (no saves-off run)
     assert set(data["tpot_s"]) == set(PHASES)

@@ -31,6 +31,7 @@ from kvlife.core.errors import KVLifeError
 from kvlife.tiers.disk.audit import audit_directory
 from kvlife.tiers.disk.frame import HEADER_USED, frame_len
 from kvlife.tiers.disk.repair import prepare_repair
+from tests.conftest import budget
 from tests.helpers.damage import (
     Workload,
     all_segment_names,
@@ -289,7 +290,7 @@ def _with_examples(f: Callable[..., None]) -> Callable[..., None]:
 _FIXTURE_OK = [HealthCheck.function_scoped_fixture]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=_FIXTURE_OK)
+@settings(max_examples=budget(30, 60), deadline=None, suppress_health_check=_FIXTURE_OK)
 @given(damage=damages)
 @_with_examples
 def test_random_damage_is_a_correct_load_a_miss_or_a_typed_refusal(

@@ -75,8 +75,50 @@ def test_a_store_held_by_another_process_is_refused_naming_the_way_out(tmp_path:
         ({"kvlife.path": "a", "kvlife.socket": "b"}, "exactly one of"),
         ({"kvlife.path": "a", "kvlife.dram_mib": -1}, "kvlife.dram_mib"),
         ({"kvlife.path": "a", "kvlife.write_through": "yes"}, "write_through"),
+        ({"kvlife.socket": "s", "kvlife.events": "e.jsonl"}, "embedded store"),
     ],
 )
 def test_bad_addresses_are_typed_errors(extra: dict[str, object], match: str) -> None:
     with pytest.raises(InvalidArgument, match=match):
         StoreAddress.from_extra_config(extra)
+
+
+def test_kvlife_events_logs_the_embedded_stores_events_once_per_process(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """``kvlife.events``: the store's own lifecycle events, written once however many
+    connectors share it, valid schema v1, and what they say is live is what the store
+    indexes; a connector asking the same store for another log is refused."""
+    import json
+
+    from kvlife.trace.schema import validate_event
+
+    log = tmp_path / "events.jsonl"
+    extra = {"kvlife.path": str(tmp_path / "kv"), "kvlife.dram_mib": 4, "kvlife.events": str(log)}
+    addr = StoreAddress.from_extra_config(extra)
+    scheduler, worker = open_store(addr), open_store(addr)
+    with pytest.raises(InvalidArgument, match=r"kvlife\.events"):
+        open_store(StoreAddress.from_extra_config({**extra, "kvlife.events": "other.jsonl"}))
+    tokens, kv = prompt_kv(3, 32)
+    worker.store.put_prompt(identity, PUBLIC, tokens, kv)
+    hit = scheduler.store.lookup(identity, PUBLIC, tokens)
+    scheduler.store.load(hit)
+    from kvlife.store import KVStore
+
+    assert isinstance(worker.store, KVStore)  # embedded
+    indexed = {k.hex() for k in worker.store.indexed_keys()}
+    worker.release()
+    scheduler.release()  # the last release closes the store and the log
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    for r in records:
+        validate_event(r)
+    seqs = [r["seq"] for r in records]
+    assert seqs == sorted(set(seqs))  # one writer: each event once, in order
+    kinds = [r["kind"] for r in records]
+    assert kinds.count("put") == kinds.count("index") == len(indexed) == 2
+    assert kinds.count("load") == 2
+    assert {r["key"] for r in records if r["kind"] == "index"} == indexed
+    again = open_store(addr)  # reopened: the log is appended to, not replaced
+    again.release()
+    assert len(log.read_text().splitlines()) > len(records)
+    close_all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import json
 import os
@@ -389,3 +390,125 @@ def test_pipeline_stage_fields_follow_the_documented_encoding() -> None:
     assert both.digest == digest([15, 3, 64, "float16", 256, "tp", 1, 2, 3, "pp", 1, 2, 15])
     stage0 = ident(pp_rank=0, pp_size=2, first_layer=0)
     assert len({ident().digest, stage0.digest, stage1.digest}) == 3
+
+
+TOKEN_DTYPES = ("<i4", "<u4", ">u4", ">i4", "<i8", "<u8", "<u2", "<i2", "u1")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ids=st.lists(st.integers(0, 2**15 - 1), max_size=40),
+    dtype=st.sampled_from(TOKEN_DTYPES),
+    strided=st.booleans(),
+    start=st.integers(0, 64),
+)
+def test_prompt_keys_of_any_token_array_equal_the_keys_of_its_ids(
+    ids: list[int], dtype: str, strided: bool, start: int
+) -> None:
+    """Keys hashed from a view of an int32/uint32 array's memory (no copy) or from a
+    copy of any other array equal those of the same ids as a list, chunk by chunk as
+    ``chunk_key`` encodes them (issue 28: the lookup no longer copies the tokens)."""
+    ident = ModelIdentity("m", "w", "t", KVLayout(1, 1, 1, "float16", 4))
+    ids = [i % 255 for i in ids] if dtype == "u1" else ids
+    arr = np.array(ids, dtype=dtype)
+    if strided:  # not contiguous: every other id of an array twice as long
+        wide = np.zeros(2 * len(ids), dtype=dtype)
+        wide[::2] = ids
+        arr = wide[::2]
+    keys = prompt_chunk_keys(ident, PUBLIC, arr, start=start)
+    assert keys == prompt_chunk_keys(ident, PUBLIC, ids, start=start)
+    parent, want = ROOT_PARENT, []
+    for i in range(len(ids) // 4):
+        parent = chunk_key(ident.digest, PUBLIC.salt, parent, start + 4 * i, ids[4 * i : 4 * i + 4])
+        want.append(parent)
+    assert keys == want
+
+
+@pytest.mark.parametrize("dtype", ["<i4", "<i8", "<i2", ">i4"])
+def test_negative_token_ids_are_rejected_whatever_the_dtype(dtype: str) -> None:
+    ident = ModelIdentity("m", "w", "t", KVLayout(1, 1, 1, "float16", 4))
+    arr = np.array([1, 2, -3, 4], dtype=dtype)
+    with pytest.raises(InvalidArgument, match="token ids"):
+        prompt_chunk_keys(ident, PUBLIC, arr)
+    with pytest.raises(InvalidArgument, match="token ids"):
+        prompt_chunk_keys(ident, PUBLIC, np.array([2**32], dtype="<i8"))
+
+
+BOUNDARY_IDS = [0, 1, 2**15, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 2, 2**32 - 1]
+
+
+def _containers(ids: list[int]) -> dict[str, Any]:
+    """The same ids in every form a caller may hand over (each holds all of them)."""
+    u4 = np.array(ids, "<u4")
+    wide = np.zeros(3 * len(ids), "<u4")
+    wide[::3] = ids
+    raw = np.zeros(4 * len(ids) + 1, np.uint8)
+    unaligned = raw[1:].view("<u4")  # a view at an odd address, contiguous
+    unaligned[:] = ids
+    readonly = u4.copy()
+    readonly.flags.writeable = False
+    forms: dict[str, Any] = {
+        "list": list(ids),
+        "tuple": tuple(ids),
+        "array.array": array.array("I", ids),
+        "memoryview": memoryview(u4.data),
+        "<u4": u4,
+        ">u4": u4.astype(">u4"),
+        "<i8": u4.astype("<i8"),
+        ">i8": u4.astype(">i8"),
+        "<u8": u4.astype("<u8"),
+        "strided": wide[::3],
+        "reversed twice": u4[::-1].copy()[::-1],
+        "unaligned": unaligned,
+        "readonly": readonly,
+        "numpy ints in a list": [np.uint64(i) for i in ids],
+    }
+    return forms  # a torch tensor goes through np.asarray alike (not imported: 3 s)
+
+
+def test_held_the_same_ids_in_any_container_give_the_same_keys() -> None:
+    """Ids at the edges of every dtype (2**31 and up: negative as int32, so only an
+    unsigned or 8-byte array holds them), in lists, tuples, buffers, byte orders,
+    strides, an unaligned or read-only view: the keys of the list, every time."""
+    ident = ModelIdentity("m", "w", "t", KVLayout(1, 1, 1, "float16", 4))
+    want = prompt_chunk_keys(ident, PUBLIC, BOUNDARY_IDS)
+    assert len(want) == 2
+    for name, tokens in _containers(BOUNDARY_IDS).items():
+        assert prompt_chunk_keys(ident, PUBLIC, tokens) == want, name
+    small = [0, 1, 127, 5]  # every integer dtype holds these
+    want = prompt_chunk_keys(ident, PUBLIC, small)
+    for dtype in ("i1", "u1", "<i2", ">i2", "<u2", ">u2", "<i4", ">i4", "<u4", ">u4", "<i8"):
+        assert prompt_chunk_keys(ident, PUBLIC, np.array(small, dtype)) == want, dtype
+    # one id more: another prompt, other keys (no id aliases another through a dtype)
+    assert prompt_chunk_keys(ident, PUBLIC, [0, 1, 127, 6]) != want
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        np.array([1, 2, -1, 4], "<i4"),  # as u32: 2**32 - 1, another id: refused
+        np.array([1, 2, -1, 4], ">i4"),
+        np.array([1, 2, -128, 4], "i1"),
+        np.array([1, 2, -1, 4], "<i2"),
+        np.array([1, 2, -(2**63), 4], "<i8"),
+        np.array([1, 2, 2**32, 4], "<u8"),
+        np.array([1, 2, 2**64 - 1, 4], ">u8"),
+        np.array([1, 2, 3, 4], "f4"),
+        np.array([True, True, False, True]),
+        np.array([1, 2, 3, 4], object),
+        np.array([1, 2, 3, 4], "m8[s]"),
+        np.array(5, "<u4"),  # 0-d
+        np.zeros((2, 4), "<u4"),  # 2-d
+        np.array([1, 2, -1, 4], "<i4")[::2],  # strided, the -1 kept
+        b"\x01\x00\x00\x00" * 4,  # bytes are no sequence of ids here
+        [1, 2, 2**32, 4],
+        [1, 2, -1, 4],
+        [1.0, 2.0, 3.0, 4.0],
+        [[1, 2], [3, 4]],
+    ],
+    ids=lambda t: f"{type(t).__name__}-{getattr(t, 'dtype', '')}-{getattr(t, 'shape', '')}",
+)
+def test_held_token_ids_no_key_can_encode_are_refused_typed(tokens: Any) -> None:
+    ident = ModelIdentity("m", "w", "t", KVLayout(1, 1, 1, "float16", 4))
+    with pytest.raises(InvalidArgument, match="token ids"):
+        prompt_chunk_keys(ident, PUBLIC, tokens)

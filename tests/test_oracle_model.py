@@ -24,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from tests.conftest import budget
 from tests.helpers.oracle import Universe
 from tests.helpers.oracle_machine import OracleMachine, stress
 from tests.helpers.oracle_targets import EmbeddedTarget, Target
@@ -71,12 +72,14 @@ def run_stress(machine: OracleMachine, seed: int, steps: int) -> None:
 
 
 def test_oracle_embedded() -> None:
-    run_state_machine_as_test(EmbeddedOracle, settings=oracle_settings(40, 40, derandomize=True))
+    run_state_machine_as_test(
+        EmbeddedOracle, settings=oracle_settings(budget(20, 40), 40, derandomize=True)
+    )
 
 
 @pytest.mark.parametrize("seed", [2, 5])
 def test_oracle_embedded_stress(seed: int) -> None:
-    run_stress(EmbeddedOracle(), int(os.environ.get("KVLIFE_ORACLE_SEED", seed)), 300)
+    run_stress(EmbeddedOracle(), int(os.environ.get("KVLIFE_ORACLE_SEED", seed)), budget(150, 300))
 
 
 @pytest.mark.slow

@@ -18,8 +18,9 @@ plain FileIO, and the test demands:
     ``check()`` finds no bad replica;
 (d) the reopened store takes a put and serves it back.
 
-The default run cuts at a dozen points per workload plus a hypothesis sample; the slow
-tier cuts at every call.
+The default run cuts at half a dozen points per workload plus a small hypothesis sample
+(a dozen points and a bigger sample under the slow profile, see tests/conftest.py); the
+slow tier cuts at every call and draws many more samples.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from kvlife.faults.damage import catalog_file
 from kvlife.faults.powercut import CUT_OPS, CutPoint, PowerCut, PowerCutIO
 from kvlife.store import KVStore
 from kvlife.tiers.disk.fileio import FileIO
+from tests.conftest import budget
 from tests.helpers.workload import (
     LAYOUT,
     ChunkRef,
@@ -545,22 +547,25 @@ def test_power_cut_loses_nothing_acknowledged_serves_nothing_wrong(
 ) -> None:
     total = dry_run(tmp_path, name, SEED).calls
     owed_checked = 0
-    for point in sweep(total, 12):
+    for point in sweep(total, budget(6, 12)):
         run = cut_and_verify(tmp_path, name, SEED, point)
         assert run.cut_at.startswith(point.when), run.cut_at
         owed_checked += len(run.oracle.owed)
     assert owed_checked > 0, "no cut point had anything acknowledged to check"
 
 
-@settings(max_examples=8, deadline=None)
-@given(
-    name=st.sampled_from(sorted(WORKLOADS)),
-    seed=st.integers(0, 2**20),
-    where=st.floats(0.0, 1.0),
-    when=st.sampled_from(["before", "after"]),
-    op=st.sampled_from([None, "pwritev", "fdatasync", "fsync_dir", "unlink"]),
-    persist=st.sampled_from([0.0, 0.5]),
-)
+CUT_SAMPLES = {
+    "name": st.sampled_from(sorted(WORKLOADS)),
+    "seed": st.integers(0, 2**20),
+    "where": st.floats(0.0, 1.0),
+    "when": st.sampled_from(["before", "after"]),
+    "op": st.sampled_from([None, "pwritev", "fdatasync", "fsync_dir", "unlink"]),
+    "persist": st.sampled_from([0.0, 0.5]),
+}
+
+
+@settings(max_examples=budget(4, 8), deadline=None)
+@given(**CUT_SAMPLES)
 def test_power_cut_property(
     tmp_path_factory: pytest.TempPathFactory,
     name: str,
@@ -570,7 +575,35 @@ def test_power_cut_property(
     op: str | None,
     persist: float,
 ) -> None:
-    tmp = tmp_path_factory.mktemp("cut")
+    cut_one_sample(tmp_path_factory.mktemp("cut"), name, seed, where, when, op, persist)
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None)
+@given(**CUT_SAMPLES)
+def test_power_cut_property_many_samples(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    seed: int,
+    where: float,
+    when: Literal["before", "after"],
+    op: str | None,
+    persist: float,
+) -> None:
+    cut_one_sample(tmp_path_factory.mktemp("cut"), name, seed, where, when, op, persist)
+
+
+def cut_one_sample(
+    tmp: Path,
+    name: str,
+    seed: int,
+    where: float,
+    when: Literal["before", "after"],
+    op: str | None,
+    persist: float,
+) -> None:
+    """One drawn cut: the workload ``name`` with ``seed``, cut at the share ``where`` of
+    its file calls (of kind ``op``; None: all calls)."""
     dry = dry_run(tmp, name, seed)
     # ``op`` calls of one kind: count them in the dry run's seam (None: all calls).
     total = dry.calls if op is None else dry.counted.get(op, 0)

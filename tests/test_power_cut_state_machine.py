@@ -19,15 +19,16 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import rule
+from hypothesis.stateful import rule, run_state_machine_as_test
 
 from kvlife.core.errors import KVLifeError
 from kvlife.faults.damage import catalog_file
 from kvlife.faults.powercut import CutPoint, PowerCut, PowerCutIO
 from kvlife.tiers.disk.fileio import FileIO
-from tests.conftest import TINY
+from tests.conftest import TINY, budget
 from tests.test_store_state_machine import PROMPTS, Prompt, StoreMachine, WriteBackMachine
 
 N = TINY.tokens_per_chunk
@@ -113,9 +114,21 @@ def test_stash_directories_are_cleaned(tmp_path: Path) -> None:
     assert not (tmp_path / "stash").exists() and f.exists()
 
 
+# A short budget in the default suite (the long one under the slow profile, see
+# tests/conftest.py); test_power_cut_machines_long runs both machines for longer.
 TestPowerCutMachine = PowerCutMachine.TestCase
-TestPowerCutMachine.settings = settings(max_examples=15, stateful_step_count=25, deadline=None)
+TestPowerCutMachine.settings = settings(
+    max_examples=budget(8, 15), stateful_step_count=25, deadline=None
+)
 TestPowerCutWriteBackMachine = PowerCutWriteBackMachine.TestCase
 TestPowerCutWriteBackMachine.settings = settings(
-    max_examples=15, stateful_step_count=25, deadline=None
+    max_examples=budget(8, 15), stateful_step_count=25, deadline=None
 )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("machine", [PowerCutMachine, PowerCutWriteBackMachine])
+def test_power_cut_machines_long(machine: type[PowerCutRules]) -> None:
+    run_state_machine_as_test(
+        machine, settings=settings(max_examples=100, stateful_step_count=40, deadline=None)
+    )

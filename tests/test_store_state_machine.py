@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -25,6 +26,7 @@ from hypothesis.stateful import (
     consumes,
     invariant,
     rule,
+    run_state_machine_as_test,
 )
 
 from kvlife.core.events import MemorySink
@@ -41,7 +43,7 @@ from kvlife.faults.damage import flip, scan_frames
 from kvlife.store import Accept, KVStore, PendingPut, TierSpec
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.transforms import make_transform
-from tests.conftest import TINY, prompt_kv, tiny_identity
+from tests.conftest import TINY, budget, prompt_kv, tiny_identity
 
 N = TINY.tokens_per_chunk
 ALICE = Namespace(NamespaceKind.USER, "alice")
@@ -323,13 +325,31 @@ class TransformedTierMachine(WriteBackMachine):
             assert np.all(err <= bound), "a lossy replica is outside its declared bound"
 
 
+# The default suite runs a short budget of each machine (the long one under the slow
+# profile, see tests/conftest.py); test_store_machines_long runs them for longer.
 TestStoreMachine = StoreMachine.TestCase
-TestStoreMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestStoreMachine.settings = settings(
+    max_examples=budget(20, 40), stateful_step_count=30, deadline=None
+)
 TestWriteBackMachine = WriteBackMachine.TestCase
-TestWriteBackMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+TestWriteBackMachine.settings = settings(
+    max_examples=budget(20, 40), stateful_step_count=30, deadline=None
+)
 TestThreeTierMachine = ThreeTierMachine.TestCase
-TestThreeTierMachine.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+TestThreeTierMachine.settings = settings(
+    max_examples=budget(15, 30), stateful_step_count=30, deadline=None
+)
 TestTransformedTierMachine = TransformedTierMachine.TestCase
 TestTransformedTierMachine.settings = settings(
-    max_examples=30, stateful_step_count=30, deadline=None
+    max_examples=budget(15, 30), stateful_step_count=30, deadline=None
 )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "machine", [StoreMachine, WriteBackMachine, ThreeTierMachine, TransformedTierMachine]
+)
+def test_store_machines_long(machine: type[StoreMachine]) -> None:
+    run_state_machine_as_test(
+        machine, settings=settings(max_examples=200, stateful_step_count=50, deadline=None)
+    )

@@ -14,8 +14,14 @@
 Two more figures come from the DRAM run itself: ``connector_load_vs_memcpy``, the
 connector's loads of the run's hits into the paged cache (from ``start_load_kv`` until
 the last layer is written, lookups and the store's reads included) against a memcpy of
-the same bytes in the same process right after (a ratio of throughputs: 1.0 is memcpy
-speed), and the worker's breakdown of where that time went (``WorkerTimings``).
+the same bytes in the same process right after, with its bytes out of the caches as the
+loads' are (a ratio of throughputs: 1.0 is memcpy speed; the cache-resident copy's ratio
+beside it), and the worker's breakdown of where that time went (``WorkerTimings``).
+
+Every engine runs one OpenMP thread, unbound, unless the caller's environment says
+otherwise (``ENGINE_THREADS``, as ``kvlife bench vllm-trace`` runs them): vLLM's CPU
+default binds a team to the cores, which on a shared 2-core host stalls in the team's
+barrier whenever another process holds a core, and no run would compare like for like.
 
 Each run is a child process (:mod:`kvlife.bench.vllm_runner`) of the vLLM virtualenv
 (``.venv-vllm``, or ``$KVLIFE_VLLM_PYTHON``); the SmolLM2 weights are the transformers
@@ -36,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvlife.bench.vllm_trace import ENGINE_THREADS
 from kvlife.core.errors import KVLifeError
 from kvlife.interpreters import ROOT, vllm_python
 from kvlife.report import format_table
@@ -79,6 +86,8 @@ def _run(python: str, spec: dict[str, Any], work: Path, name: str) -> dict[str, 
     spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    for k, v in ENGINE_THREADS.items():  # as vllm-trace runs its engines
+        env.setdefault(k, v)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     proc = subprocess.run(
         [python, "-m", "kvlife.bench.vllm_runner", str(spec_path), str(out_path)],
@@ -130,7 +139,8 @@ def run_bench(settings: BenchSettings, work: Path, progress: bool = True) -> dic
             print(f"[{i + 1}/{len(specs)}] engine run {name!r} ...", flush=True)
         slug = "".join(c if c.isalnum() else "-" for c in name)
         runs[name] = _run(python, spec, work, slug)
-    return summarize(runs, settings)
+    threads = {k: os.environ.get(k, v) for k, v in ENGINE_THREADS.items()}
+    return summarize(runs, settings) | {"engine_env": threads}
 
 
 def summarize(runs: dict[str, dict[str, Any]], settings: BenchSettings) -> dict[str, Any]:
@@ -182,17 +192,24 @@ def _median_tpot(requests: list[dict[str, Any]]) -> float | None:
 
 
 def _load_vs_memcpy(run: dict[str, Any]) -> dict[str, Any]:
-    """The connector's loads against memcpy of the same bytes, from one engine run."""
+    """The connector's loads against memcpy of the same bytes, from one engine run:
+    ``ratio`` against a copy whose bytes are out of the caches first, as the loads' are
+    (:func:`kvlife.bench.vllm_runner.memcpy_reference`), ``ratio_vs_warm`` against the
+    same copy repeated on cache-resident arrays."""
     tm = run["counters"].get("timings", {})
     mc = run.get("memcpy", {})
-    load_s, nbytes, mem_s = tm.get("load_s", 0.0), tm.get("load_bytes", 0), mc.get("s", 0.0)
+    load_s, nbytes = tm.get("load_s", 0.0), tm.get("load_bytes", 0)
+    mem_s, warm_s = mc.get("s", 0.0), mc.get("warm_s", 0.0)
     return {
         "ratio": mem_s / load_s if load_s and mem_s else None,
+        "ratio_vs_warm": warm_s / load_s if load_s and warm_s else None,
         "bytes": nbytes,
         "load_s": load_s,
         "memcpy_s": mem_s,
+        "memcpy_warm_s": warm_s,
         "load_gb_s": nbytes / load_s / 1e9 if load_s else None,
         "memcpy_gb_s": nbytes / mem_s / 1e9 if mem_s else None,
+        "memcpy_warm_gb_s": nbytes / warm_s / 1e9 if warm_s else None,
         "breakdown_s": {
             k: tm.get(k, 0.0)
             for k in ("lookup_s", "read_s", "prep_s", "scatter_s", "wait_s", "gather_s", "stage_s")
@@ -235,8 +252,9 @@ def print_report(result: dict[str, Any]) -> None:
     if lm["ratio"] is not None:
         print(
             f"connector load vs memcpy (DRAM run): {lm['ratio']:.2f}x "
-            f"({lm['load_gb_s']:.2f} GB/s against {lm['memcpy_gb_s']:.2f} GB/s, "
-            f"{lm['bytes'] / 1e6:.0f} MB)"
+            f"({lm['load_gb_s']:.2f} GB/s against {lm['memcpy_gb_s']:.2f} GB/s for the "
+            f"same {lm['bytes'] / 1e6:.0f} MB out of the caches; "
+            f"{lm['ratio_vs_warm']:.2f}x of {lm['memcpy_warm_gb_s']:.2f} GB/s cache-resident)"
         )
     if result["tpot_saves_on_vs_off"] is not None:
         print(f"TPOT with decode saves on vs off: {result['tpot_saves_on_vs_off']:.3f}x")
@@ -248,6 +266,13 @@ def print_report(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    args_in = sys.argv[1:] if argv is None else argv
+    if "--planner" in args_in:  # load or recompute at a few disk bandwidths
+        from kvlife.bench.vllm_planner import main as planner_main
+
+        return planner_main(args_in)
     parser = argparse.ArgumentParser(
         prog="kvlife bench vllm",
         description=__doc__,
@@ -258,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=64, help="kvlife chunk size")
     parser.add_argument("--quick", action="store_true", help="1 user, 2 turns, 4 tokens (tests)")
     parser.add_argument("--dir", default=None, help="scratch directory (default: under .)")
+    parser.add_argument(
+        "--planner",
+        action="store_true",
+        help="load vs recompute vs the planner on a throttled disk (kvlife.bench.vllm_planner)",
+    )
     args = parser.parse_args(argv)
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, chunk_tokens=args.chunk_tokens)
     if args.quick:

@@ -10,19 +10,30 @@ shared by the scheduler- and worker-side connectors), serves the spec's requests
 a time, greedy, and writes per request the output token ids, TTFT and cached tokens,
 plus the connector's and the store's counters, the worker's timings (where a load's and a
 save's time goes) and, for the same bytes as the run's loads, the time of a memcpy in
-this process. Tests, ``kvlife demo --engine vllm`` and
-``kvlife bench vllm`` run each engine as such a child process, so an engine restart is a
-real new process and every engine's memory is returned when it exits.
+this process (:func:`memcpy_reference`: cold, as the loads find their bytes, and warm).
+Tests, ``kvlife demo --engine vllm`` and ``kvlife bench vllm`` run each engine as such a
+child process, so an engine restart is a real new process and every engine's memory is
+returned when it exits. :func:`request_row`, :func:`worker_tiers` and
+:func:`connector_counters` are what :mod:`kvlife.bench.vllm_trace_runner` records too.
 
 Spec keys: ``model`` (directory), ``dtype``, ``block_size``, ``prefix_caching``,
-``kv_cache_mib``, ``max_model_len``, ``multiprocess`` (vLLM's default separate
-engine-core and worker processes; counters then stay in those processes), ``kvlife``
+``kv_cache_mib``, ``max_model_len``, ``max_num_batched_tokens`` (tokens per step: a
+longer prompt is prefilled over several steps), ``multiprocess`` (vLLM's default separate
+engine-core and worker processes; counters then stay in those processes),
+``tensor_parallel_size`` (a worker process per rank, so the store must be served:
+``kvlife.socket``; the worker counters stay in them), ``kvlife``
 (``kv_connector_extra_config``, or null for no connector), and either ``requests``
 (``[{"tokens": [...], "max_tokens": n, "cache_salt": s}]``) or ``chat``
 (``{"max_new_tokens": n, "turns": t, "users": u}``: the demo's chat workload).
 ``reset_before``: indexes of requests before which the run calls
 ``llm.reset_prefix_cache(reset_connector=True)`` (vLLM's prefix-cache reset, passed on to
 the connector); what each returned is recorded as ``resets``.
+``imports``: modules imported before the engine starts (``kvlife.faults.throttle``
+registers the ``throttled-disk`` tier kind a ``kvlife.config`` may name).
+``prefill_profile``: ``{"out": PATH, "points": [[start, length], ...], "repeats": n}``:
+before the requests, the engine's prefill profile is measured
+(:func:`kvlife.engines.vllm.profile.measure_prefill`) and saved to ``PATH`` (what a
+``[planner] prefill_profile`` names); recorded as ``prefill_profile``.
 ``expect_failure``: a request that raises (e.g. the connector's ``kvlife.fail_layer``
 test hook) ends the run instead of the process: the error is recorded as ``error`` and
 the store is closed as usual.
@@ -30,6 +41,7 @@ the store is closed as usual.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -60,6 +72,11 @@ def _engine(spec: dict[str, Any]) -> Any:
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=spec["kvlife"],
         )
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
+    if int(spec.get("tensor_parallel_size", 1)) > 1:
+        # worker processes of their own: the store must be served (kvlife.socket)
+        kwargs["tensor_parallel_size"] = int(spec["tensor_parallel_size"])
     if spec.get("enable_lora"):
         kwargs |= {"enable_lora": True, "max_lora_rank": int(spec.get("max_lora_rank", 8))}
     return LLM(
@@ -77,14 +94,39 @@ def _engine(spec: dict[str, Any]) -> Any:
     )
 
 
-def _tiers() -> dict[str, int]:
-    """Chunks the worker-side connector loaded so far, per tier."""
+def worker_tiers() -> dict[str, int]:
+    """Chunks the worker-side connector of this process loaded so far, per tier."""
     from kvlife.engines.vllm.connector import live_connectors
 
     for conn in live_connectors():
         if conn.worker is not None:
             return dict(conn.worker.counters.tiers)
     return {}
+
+
+def request_row(
+    out: Any, prompt_tokens: int, wall: float, tiers_before: dict[str, int]
+) -> dict[str, Any]:
+    """What a benchmark records of one request vLLM served (``out``, its
+    ``RequestOutput``; ``wall``, the ``generate`` call's time; ``tiers_before``,
+    :func:`worker_tiers` before it): output ids, TTFT (vLLM's own metric, else the wall
+    time), time per output token after the first, vLLM's ``num_cached_tokens`` (its
+    prefix cache and the connector together) and the chunks each kvlife tier served."""
+    after = worker_tiers()
+    m = out.metrics
+    ttft = float(m.first_token_latency) if m is not None and m.first_token_latency else wall
+    ids = list(out.outputs[0].token_ids)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "output_ids": ids,
+        "ttft_s": ttft,
+        "wall_s": wall,
+        "tpot_s": (wall - ttft) / (len(ids) - 1) if len(ids) > 1 else None,
+        "cached_tokens": int(out.num_cached_tokens or 0),
+        "kvlife_chunks": {
+            t: n - tiers_before.get(t, 0) for t, n in after.items() if n - tiers_before.get(t, 0)
+        },
+    }
 
 
 def _serve(
@@ -96,7 +138,7 @@ def _serve(
     if salt:
         prompt["cache_salt"] = salt
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
-    before = _tiers()
+    before = worker_tiers()
     t0 = time.perf_counter()
     lora_request = None
     if lora:
@@ -104,21 +146,7 @@ def _serve(
 
         lora_request = LoRARequest(lora["name"], int(lora["id"]), lora["path"])
     out = llm.generate([prompt], sp, use_tqdm=False, lora_request=lora_request)[0]
-    wall = time.perf_counter() - t0
-    after = _tiers()
-    tiers = {t: n - before.get(t, 0) for t, n in after.items() if n - before.get(t, 0)}
-    m = out.metrics
-    ttft = float(m.first_token_latency) if m is not None and m.first_token_latency else wall
-    ids = list(out.outputs[0].token_ids)
-    return {
-        "prompt_tokens": len(tokens),
-        "output_ids": ids,
-        "ttft_s": ttft,
-        "wall_s": wall,
-        "tpot_s": (wall - ttft) / (len(ids) - 1) if len(ids) > 1 else None,
-        "cached_tokens": int(out.num_cached_tokens or 0),
-        "kvlife_chunks": tiers,
-    }
+    return request_row(out, len(tokens), time.perf_counter() - t0, before)
 
 
 def _chat(llm: Any, max_new_tokens: int, turns: int, users: int) -> list[dict[str, Any]]:
@@ -160,7 +188,9 @@ def _keys(spec: dict[str, Any]) -> list[list[str]]:
     return []
 
 
-def _counters() -> dict[str, Any]:
+def connector_counters() -> dict[str, Any]:
+    """The connectors' counters of this process (worker, store, scheduler) and the
+    worker's timings; the worker's committed puts drained first."""
     from dataclasses import asdict
 
     from kvlife.engines.vllm.connector import live_connectors
@@ -177,34 +207,66 @@ def _counters() -> dict[str, Any]:
     return out
 
 
-def _memcpy(timings: dict[str, Any], rounds: int = 5) -> dict[str, Any]:
-    """memcpy of the bytes the connector loaded, in this process right after the run:
+FLUSH_BYTES = 768 << 20
+"""Streamed through the caches before each cold copy: well over this host's last-level
+cache (its L3 reports 300 MiB, shared with other guests)."""
+
+
+def memcpy_reference(timings: dict[str, Any], rounds: int = 5) -> dict[str, Any]:
+    """memcpy of the bytes the connector loaded, in this process right after the run,
     each step's bytes (the run's mean) copied between two host arrays once per load step,
-    the fastest of ``rounds`` (the ``connector_load_vs_memcpy`` figure's reference)."""
+    the fastest of ``rounds``: ``s`` with source and destination evicted from the caches
+    before each step's copy, as the connector's are (the replica was written a turn
+    earlier, the blocks are the paged cache's, and every forward in between streamed
+    the model's weights through the caches): the ``connector_load_vs_memcpy`` figure's
+    reference; ``warm_s`` with both arrays copied again and again (cache-resident up to
+    the last-level cache's size: not the state a load finds its bytes in)."""
     import numpy as np
 
     steps = int(timings.get("load_steps", 0))
     total = int(timings.get("load_bytes", 0))
     if not steps or not total:
-        return {"bytes": 0, "s": 0.0}
+        return {"bytes": 0, "s": 0.0, "warm_s": 0.0}
     src = np.ones(total // steps, np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # both arrays paged in before timing
-    best = float("inf")
+    flush = np.ones(FLUSH_BYTES, np.uint8)
+    cold = warm = float("inf")
     for _ in range(rounds):
+        took = 0.0
+        for _ in range(steps):
+            flush[:: 1 << 12] += 1  # written too: dirty lines of src/dst are written back
+            flush.sum(dtype=np.uint64)
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            took += time.perf_counter() - t0
+        cold = min(cold, took)
         t0 = time.perf_counter()
         for _ in range(steps):
             np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return {"bytes": src.nbytes * steps, "s": best}
+        warm = min(warm, time.perf_counter() - t0)
+    return {"bytes": src.nbytes * steps, "s": cold, "warm_s": warm}
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     error = ""
     resets: list[bool] = []
+    for module in spec.get("imports", ()):
+        importlib.import_module(str(module))
     t0 = time.perf_counter()
     llm = _engine(spec)
     start_s = time.perf_counter() - t0
+    profile: dict[str, Any] = {}
+    if spec.get("prefill_profile"):
+        from dataclasses import asdict
+
+        from kvlife.engines.vllm.profile import POINTS, measure_prefill
+
+        want = spec["prefill_profile"]
+        points = [tuple(p) for p in want.get("points", POINTS)]
+        fitted = measure_prefill(llm, points, repeats=int(want.get("repeats", 2)))
+        fitted.save(Path(want["out"]))
+        profile = asdict(fitted)
     if "chat" in spec:
         chat = spec["chat"]
         rows = _chat(
@@ -227,8 +289,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                     raise
                 error = f"{type(exc).__name__}: {exc}"
                 break
-    counters = _counters() if spec.get("kvlife") is not None else {}
-    memcpy = _memcpy(counters.get("timings", {}))
+    counters = connector_counters() if spec.get("kvlife") is not None else {}
+    memcpy = memcpy_reference(counters.get("timings", {}))
     keys = _keys(spec) if spec.get("kvlife") is not None else []
     if spec.get("kvlife") is not None and not spec.get("multiprocess", False):
         from kvlife.engines.vllm.stores import close_all
@@ -236,6 +298,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         close_all()
     return {
         "engine_start_s": start_s,
+        "prefill_profile": profile,
         "requests": rows,
         "counters": counters,
         "memcpy": memcpy,

@@ -98,10 +98,16 @@ class Connection:
                 return error_from_reply(kind, message)
         return None
 
-    def map_arena(self, path: str, size: int) -> None:
+    def map_arena(self, path: str, size: int, populate: bool = True) -> None:
+        """Map the session's arena. ``populate``: every page mapped now (the server's own
+        arena, whose pages all exist). A principal's arena is mapped without: it is
+        sparse, and populating a shared mapping allocates every page of the file (each
+        principal's arena as large as the whole arena, made whole by its first client);
+        the server allocates each extent's pages as it hands it out, and this side
+        faults in those it touches."""
         fd = os.open(path, os.O_RDWR)
         try:
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
             self.arena = mmap.mmap(fd, size, flags=flags)
         finally:
             os.close(fd)

@@ -6,14 +6,16 @@ buffers need a mapping and are refused by the server (NotPermitted)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from kvlife.client import replies
 from kvlife.client.handles import RemoteLookup
 from kvlife.client.wire import Wire
-from kvlife.core.errors import InvalidArgument
+from kvlife.core.errors import InvalidArgument, ProtocolError
 from kvlife.core.identity import ChunkKey, KVLayout
 from kvlife.results import LoadResult, LookupResult, PutResult
 from kvlife.server import protocol
@@ -28,7 +30,12 @@ def put_inline(
 ) -> PutResult:
     """One piece of a put (``args`` as for ``prepare_put``) with its chunks' bytes."""
     data = [np.ascontiguousarray(c).tobytes() for c in chunks]
-    return protocol.decode_put_result(wire.call("put_inline", {**args, "chunks": data}))
+    r, conn = wire.call_on("put_inline", {**args, "chunks": data})
+    try:
+        return replies.put_result(r, "put_inline reply")
+    except ProtocolError:
+        wire.disown(conn)
+        raise
 
 
 def inline_piece_chunks(layout: KVLayout) -> int:
@@ -62,8 +69,14 @@ def load_inline(
             args["layout"] = protocol.encode_layout(lookup.identity.layout)
         if request_id:
             args["request_id"] = request_id
-        r = wire.call("load", args)
-        for dtype, shape, data in r["inline"]:
+        r, conn = wire.call_on("load", args)
+        try:  # every field read before any chunk of the reply is kept
+            chunks = _inline(r, len(rest))
+            done = replies.outcome(r, "inline load reply")
+        except ProtocolError:
+            wire.disown(conn)
+            raise
+        for dtype, shape, data in chunks:
             i = len(arrays)
             src = np.frombuffer(data, np.dtype(dtype)).reshape(shape)
             # without an output buffer: a read-only view of the reply's bytes
@@ -71,12 +84,12 @@ def load_inline(
             arrays.append(out)
             if on_chunk is not None:
                 on_chunk(i, out)
-        for k, v in r["tiers"].items():
-            tiers[str(k)] = tiers.get(str(k), 0) + int(v)
-        corrupt += protocol.split_keys(r["corrupt"])
-        vanished += r["vanished"]
-        read_errors += r["read_errors"]
-        if not r.get("more") or not r["inline"]:
+        for k, v in done.tiers.items():
+            tiers[k] = tiers.get(k, 0) + v
+        corrupt += done.corrupt
+        vanished += done.vanished
+        read_errors += done.read_errors
+        if r.get("more") is not True or not chunks:
             break
     return LoadResult(
         arrays,
@@ -87,6 +100,24 @@ def load_inline(
         vanished=vanished,
         read_errors=read_errors,
     )
+
+
+def _inline(r: Any, hits: int) -> list[tuple[str, tuple[int, ...], bytes]]:
+    """An inline load reply's chunks: at most ``hits``, each [dtype, shape, bytes] whose
+    bytes are the size its dtype and shape say (ProtocolError otherwise)."""
+    what = "inline load reply"
+    chunks = r.get("inline") if isinstance(r, dict) else None
+    if not isinstance(chunks, list) or len(chunks) > hits:
+        raise ProtocolError(f"{what}'s chunks are not a list of at most {hits}")
+    out = []
+    for c in chunks:
+        if not isinstance(c, list) or len(c) != 3 or not isinstance(c[2], bytes):
+            raise ProtocolError(f"{what}'s chunk is not [dtype, shape, bytes]: {str(c)[:64]}")
+        _, dtype, shape = replies.extent([0, c[0], c[1]], f"{what}'s chunk")
+        if len(c[2]) != np.dtype(dtype).itemsize * math.prod(shape):
+            raise ProtocolError(f"{what}'s chunk of {len(c[2])} bytes is not {dtype}{shape}")
+        out.append((dtype, shape, c[2]))
+    return out
 
 
 def copy_into(out: np.ndarray, src: np.ndarray) -> np.ndarray:

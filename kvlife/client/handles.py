@@ -13,6 +13,7 @@ import numpy as np
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ChunkKey, ModelIdentity
+from kvlife.core.objects import PromptRef
 from kvlife.results import LoadResult, LookupResult
 from kvlife.store.reads import LoadCompletion
 
@@ -30,6 +31,11 @@ class RemotePendingPut:
     stored_chunks: list[int] = field(default_factory=list)
     """Chunk numbers whose bytes this client wrote into the arena."""
     done: bool = False
+    held: tuple[PromptRef, list[np.ndarray], str] | None = None
+    """A put of a session that maps no arena (nothing to prepare into on the server):
+    its prompt, a copy of its chunks and its request id, held here and sent whole
+    through the socket by the commit (``put``, ``keys`` and counts are 0 and empty
+    until then; nothing of it is on the server before)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,11 +35,11 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from kvlife.client import copies
+from kvlife.client import copies, replies
 from kvlife.client.connection import Connection
 from kvlife.client.handles import RemoteLoadHandle, RemoteLookup
 from kvlife.client.wire import Wire
@@ -55,6 +55,58 @@ OnChunk = Callable[[int, np.ndarray | None], None]
 """Told of each chunk as soon as it is in its buffer (an asynchronous load's handle)."""
 
 
+Said = tuple[int, bytes, int, TierName, tuple[Any, ...]]
+"""What a lookup reply says of one hit: chunk number, key, position, tier and
+representation (transform, class, stored bytes, decoded bytes, decode seconds)."""
+
+
+def _record(said: Said) -> ChunkHit:
+    """The hit record of what a lookup reply said of a chunk; ProtocolError for a
+    representation of other fields or of other types (a record holds what it says)."""
+    i, key, pos, tier, form = said
+    if len(form) != 5:
+        raise errors.ProtocolError(f"lookup reply's representation of {len(form)} fields, not 5")
+    transform, exactness, stored, decoded, seconds = form
+    if not (
+        type(transform) is str
+        and type(exactness) is str
+        and type(stored) is int
+        and type(decoded) is int
+        and type(seconds) in (float, int)
+    ):
+        raise errors.ProtocolError(f"lookup reply's representation of other types: {form!r}")
+    return ChunkHit(i, ChunkKey(key), pos, tier, transform, exactness, stored, decoded, seconds)
+
+
+def _lookup_fields(r: Any) -> tuple[int, str, tuple[int, ...]]:
+    """A lookup reply's chunk count, refusal and hints, each of its type (ProtocolError
+    otherwise), checked against the count of its hits before ``_hits`` keeps any
+    record of it: a garbled reply is refused whole, not read as a lookup whose refusal
+    is ``'None'``, whose prompt has fewer chunks than its hits, or whose hints are no
+    offsets. A reply without hints (a server that sends none) has none."""
+    fields = ("keys", "tiers", "forms", "chunks_total", "refusal")
+    if not isinstance(r, dict) or not all(f in r for f in fields):
+        raise errors.ProtocolError(f"lookup reply without every field of {fields}")
+    tiers, total, refusal = r["tiers"], r["chunks_total"], r["refusal"]
+    hints = r.get("hints", [])
+    if not isinstance(tiers, list):
+        raise errors.ProtocolError("lookup reply's keys, tiers or forms of the wrong type")
+    count = len(tiers)
+    if type(total) is not int or total < count:
+        raise errors.ProtocolError(f"lookup reply of {count} hits in {total!r} chunks")
+    if type(refusal) is not str:
+        raise errors.ProtocolError(f"lookup reply's refusal {refusal!r} is no text")
+    if not (
+        isinstance(hints, list)
+        and len(hints) in (0, 2 * count)
+        and (not hints or (set(map(type, hints)) == {int} and min(hints) >= 0))
+    ):  # C-level passes, as _hits's: no Python step per hit
+        raise errors.ProtocolError(
+            f"lookup reply's hints are not two numbers >= 0 per hit: {str(hints)[:64]}"
+        )
+    return total, refusal, tuple(hints)
+
+
 class Loads:
     """The client side of the load protocol on one :class:`Wire`."""
 
@@ -66,31 +118,51 @@ class Loads:
     def _hits(
         self, blob: bytes, tiers: list[int], forms: list[list[Any]], start: int, n: int
     ) -> list[ChunkHit]:
-        """The hit records of a lookup reply. A record is frozen, so one that says the
-        same (chunk number, key, position, tier, representation) as a record answered
-        before is that record: a repeated prompt, or one sharing a prefix, builds no new
-        record for the chunks it shares (a 128-chunk lookup built 128 at ~2.5 µs each;
-        a tuple and a dict probe cost about a third of that). The reply's fields are
-        msgpack str/int/float already: no per-hit conversions."""
-        if len(blob) != KEY_BYTES * len(tiers) or len(forms) != len(tiers):
+        """The hit records of a lookup reply, in one pass without a Python step per hit
+        for a chunk seen before. A record is frozen, so one that says the same (chunk
+        number, key, position, tier, representation) as a record answered before is
+        that record: a repeated prompt, or one sharing a prefix, builds no new record
+        for the chunks it shares. The keys are cut from the blob, the tier names and
+        representations mapped, and the records found by C-level maps; only the
+        records not seen before are built, one by one. The reply's fields are msgpack
+        str/int/float already: no per-hit conversions."""
+        if not (isinstance(blob, bytes) and isinstance(tiers, list) and isinstance(forms, list)):
+            raise errors.ProtocolError("lookup reply's keys, tiers or forms of the wrong type")
+        count = len(tiers)
+        kb = KEY_BYTES
+        if len(blob) != kb * count or len(forms) != count:
             raise errors.ProtocolError(
-                f"lookup reply of {len(blob)} key bytes, {len(tiers)} tiers, {len(forms)} forms"
+                f"lookup reply of {len(blob)} key bytes, {count} tiers, {len(forms)} forms"
             )
         names = [TierName(t) for t in self.wire.names]
+        if count and (set(map(type, tiers)) != {int} or min(tiers) < 0 or max(tiers) >= len(names)):
+            raise errors.ProtocolError(
+                f"lookup reply names tiers other than 0..{len(names) - 1}: {tiers[:8]!r}"
+            )
         known = self._known
         if len(known) > KNOWN_HITS:
             known.clear()  # bounded: a new prompt mix starts afresh
-        hits: list[ChunkHit] = []
-        add = hits.append
-        kb = KEY_BYTES
-        for i, (t, f) in enumerate(zip(tiers, forms, strict=True)):
-            key = blob[i * kb : (i + 1) * kb]
-            said = (i, key, start + i * n, names[t], *f)
-            hit = known.get(said)
-            if hit is None:
-                hit = known[said] = ChunkHit(i, ChunkKey(key), start + i * n, names[t], *f)
-            add(hit)
-        return hits
+        ends = range(kb, kb * count + 1, kb)
+        keys = map(blob.__getitem__, map(slice, range(0, kb * count, kb), ends))
+        try:
+            said = list(
+                zip(
+                    range(count),
+                    keys,
+                    range(start, start + count * n, n),
+                    map(names.__getitem__, tiers),
+                    map(tuple, forms),
+                    strict=True,
+                )
+            )
+            hits = list(map(known.get, said))
+        except TypeError as exc:  # a representation that is no array, or holds one
+            raise errors.ProtocolError(f"lookup reply's representations: {exc}") from None
+        if None in hits:  # chunks not seen before (or since the last clear)
+            new = [(i, _record(s)) for i, s in enumerate(said) if hits[i] is None]
+            for i, hit in new:  # kept only once every record of the reply was read
+                hits[i] = known[said[i]] = hit
+        return cast(list[ChunkHit], hits)  # no None left
 
     def lookup(self, prompt: PromptRef, accept: Accept) -> RemoteLookup:
         args = protocol.encode_prompt(prompt)
@@ -98,17 +170,17 @@ class Loads:
             args["opts"] = {"accept": protocol.encode_accept(accept)}
         r, conn = self.wire.call_on("lookup", args)
         n = prompt.identity.layout.tokens_per_chunk
+        total, refusal, hints = _lookup_fields(r)  # read before any record is kept
         hits = self._hits(r["keys"], r["tiers"], r["forms"], prompt.start, n)
-        refusal = str(r["refusal"])
         return RemoteLookup(
             hits,
-            r["chunks_total"],
+            total,
             n,
             accept,
             int(bool(refusal)),
             refusal,
             prompt.identity,
-            tuple(r.get("hints", ())),
+            hints,
             conn.epoch,
         )
 
@@ -124,6 +196,43 @@ class Loads:
             return LoadResult([], 0, 0)
         if not self.wire.mapped():  # a session that maps no arena: through the socket
             return copies.load_inline(self.wire, lookup, outs, request_id, on_chunk)
+        res = self._load_mapped(lookup, outs, request_id, on_chunk)
+        got = res.loaded
+        if got == len(hits) or not res.vanished or res.corrupt or not _tenant(self.wire):
+            return res
+        # the rest was not handed over (with principals the session's arena is its
+        # principal's own, which may have no room for the copies): through the socket
+        tail = None if on_chunk is None else _shifted(on_chunk, got)
+        rest = copies.load_inline(
+            self.wire,
+            lookup.sub(got, len(hits)),
+            None if outs is None else outs[got:],
+            request_id,
+            tail,
+        )
+        tiers = dict(res.tiers)  # the server counts what it read, handed over or not
+        if sum(tiers.values()) < got + rest.loaded:
+            for tier, n in rest.tiers.items():
+                tiers[tier] = tiers.get(tier, 0) + n
+        return LoadResult(
+            res.arrays + rest.arrays,
+            got + rest.loaded,
+            res.requested,
+            tiers=tiers,
+            corrupt=rest.corrupt,
+            vanished=rest.vanished,
+            read_errors=res.read_errors + rest.read_errors,
+        )
+
+    def _load_mapped(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray] | None,
+        request_id: str,
+        on_chunk: OnChunk | None,
+    ) -> LoadResult:
+        """A load through this session's arena (hints, grants, streamed parts)."""
+        hits = lookup.hits
         args: dict[str, Any] = {
             "keys": b"".join(h.key for h in hits),
             "starts": [h.start for h in hits],
@@ -162,9 +271,10 @@ class Loads:
         def part(conn: Connection, p: list[Any]) -> None:
             # a chunk read from disk, sent as soon as it verified: copied while the
             # server reads the next ones
-            if p[0] != len(arrays):
-                raise errors.ProtocolError(f"streamed chunk {p[0]} out of order")
-            take(conn, p[0], p[1], p[2], p[3])
+            i, off, dtype, shape = replies.part(p)
+            if i != len(arrays) or i >= len(hits):
+                raise errors.ProtocolError(f"streamed chunk {i} out of order")
+            take(conn, i, off, dtype, shape)
 
         args["stream"] = True
         copied: list[np.ndarray] = []
@@ -182,30 +292,37 @@ class Loads:
                     copied.append(out)
 
         r, conn = self.wire.call_on("load", args, part, after)
-        if "into" in r:  # landed in the caller's shared buffers: nothing to copy
+        try:  # every field read before anything of the reply is kept
+            reply = replies.load_reply(r, len(hits), len(arrays))
+            if reply.into is not None and (outs is None or "into" not in args):
+                raise errors.ProtocolError("load reply of chunks in buffers it was not asked for")
+        except errors.ProtocolError:
+            self.wire.disown(conn)  # the server releases the grant it may hold
+            raise
+        if reply.into is not None:  # landed in the caller's shared buffers: nothing to copy
             assert outs is not None
-            landed = list(outs[: r["into"]])
+            landed = list(outs[: reply.into])
             if on_chunk is not None:
                 for i, a in enumerate(landed):
                     on_chunk(i, a)
-            return _result(landed, r)
-        del arrays[r["streamed"] :]  # a streamed chunk invalidated meanwhile is a miss
-        confirmed = r.get("confirmed", 0)
+            return _result(landed, reply.outcome)
+        del arrays[reply.streamed :]  # a streamed chunk invalidated meanwhile is a miss
+        confirmed, grants = reply.confirmed, reply.grants
         try:
             if confirmed:
                 if confirmed > len(copied):  # granted nothing for chunks it confirmed
                     confirmed = 0  # and this client did not copy: they are a miss
-                    r["grants"] = []
+                    grants = []
                 arrays += copied[:confirmed]
                 if on_chunk is not None:
                     for i, a in enumerate(arrays):
                         on_chunk(i, a)
-            for j, (off, dtype, shape) in enumerate(r["grants"]):
-                take(conn, r["streamed"] + confirmed + j, off, dtype, shape)
+            for j, (off, dtype, shape) in enumerate(grants):
+                take(conn, reply.streamed + confirmed + j, off, dtype, shape)
         finally:
-            if r["load"]:
-                self.wire.release(r["load"], conn)
-        return _result(arrays, r)
+            if reply.load:
+                self.wire.release(reply.load, conn)
+        return _result(arrays, reply.outcome)
 
     def load_async(
         self, lookup: LookupResult, outs: Sequence[np.ndarray] | None, request_id: str
@@ -278,14 +395,26 @@ KNOWN_HITS = 1 << 14
 a few MiB at most."""
 
 
-def _result(arrays: list[np.ndarray], r: dict[str, Any]) -> LoadResult:
-    tiers = {str(k): int(v) for k, v in r["tiers"].items()}
+def _tenant(wire: Wire) -> bool:
+    """Whether the session has a principal (a server with ``--tenants``)."""
+    with wire.lock:
+        return bool(wire.connected().hello.get("principal"))
+
+
+def _shifted(on_chunk: OnChunk, by: int) -> OnChunk:
+    def shifted(i: int, arr: np.ndarray | None) -> None:
+        on_chunk(by + i, arr)
+
+    return shifted
+
+
+def _result(arrays: list[np.ndarray], done: replies.Outcome) -> LoadResult:
     return LoadResult(
         arrays,
         len(arrays),
-        r["requested"],
-        tiers=tiers,
-        corrupt=protocol.split_keys(r["corrupt"]),
-        vanished=r["vanished"],
-        read_errors=r["read_errors"],
+        done.requested,
+        tiers=done.tiers,
+        corrupt=done.corrupt,
+        vanished=done.vanished,
+        read_errors=done.read_errors,
     )

@@ -53,11 +53,17 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.client import copies
+from kvlife.client import copies, replies
 from kvlife.client.connection import Connection, StagedShape
 from kvlife.client.handles import RemotePendingPut
 from kvlife.client.wire import StaleExtents, Wire
-from kvlife.core.errors import InvalidArgument, KVLifeError, StoreUnavailable
+from kvlife.core.errors import (
+    InvalidArgument,
+    KVLifeError,
+    ProtocolError,
+    StorageFullError,
+    StoreUnavailable,
+)
 from kvlife.core.identity import KVLayout
 from kvlife.core.objects import PromptRef
 from kvlife.results import PutResult
@@ -95,14 +101,31 @@ class Puts:
         the server hashes every chunk at the commit; ``kvlife bench server`` measures
         both)."""
 
-    def put_prompt(self, prompt: PromptRef, kv: object, request_id: str) -> PutResult:
+    def put_prompt(
+        self, prompt: PromptRef, kv: object, request_id: str, *, inline: bool = False
+    ) -> PutResult:
+        """``inline``: through the socket even if this session maps an arena."""
         args, layout, chunks = self._args(prompt, kv, request_id)
+        inline = inline or not self.wire.mapped()  # no arena: through the socket
         per = self.piece_chunks(layout)
-        if not self.wire.mapped():  # a session that maps no arena: through the socket
+        if inline:
             per = min(per, copies.inline_piece_chunks(layout))
-        if len(chunks) <= per:
-            return self._put(args, layout, chunks)
-        return self._put_pieces(prompt, args, layout, chunks, per)
+        try:
+            if len(chunks) <= per:
+                return self._one(args, layout, chunks, inline)
+            return self._put_pieces(prompt, args, layout, chunks, per, inline)
+        except StorageFullError:
+            if inline or not self._tenant():
+                raise
+            # the principal's own arena had no room to stage it: through the socket (the
+            # server copies it into that arena, or into its own when that is full)
+            return self.put_prompt(prompt, chunks, request_id, inline=True)
+
+    def _tenant(self) -> bool:
+        """Whether this session has a principal (a server with ``--tenants``): its arena
+        is its principal's own, which may be smaller than the server's."""
+        with self.wire.lock:
+            return bool(self.wire.connected().hello.get("principal"))
 
     def piece_chunks(self, layout: KVLayout) -> int:
         """Chunks of ``layout`` in one piece of a put: half the client's put share, at
@@ -119,6 +142,7 @@ class Puts:
         layout: KVLayout,
         chunks: list[np.ndarray],
         per: int,
+        inline: bool,
     ) -> PutResult:
         """``chunks`` in puts of ``per`` chunks, in order, each committed before the next
         is prepared and chained to the one before."""
@@ -133,10 +157,19 @@ class Puts:
             if first:
                 piece["start"] = prompt.start + first * layout.tokens_per_chunk
                 piece["parent"] = bytes(results[-1].keys[-1])
+                piece.pop("prefix_tokens", None)  # the parent is named by its key now
                 # stores nothing if the piece before was invalidated since (server)
                 piece["chained"] = True
-            results.append(self._put(piece, layout, chunks[first:last]))
+            results.append(self._one(piece, layout, chunks[first:last], inline))
         return joined(results, layout.tokens_per_chunk)
+
+    def _one(
+        self, args: dict[str, Any], layout: KVLayout, chunks: list[np.ndarray], inline: bool
+    ) -> PutResult:
+        """One put, through the socket if ``inline``."""
+        if inline:
+            return copies.put_inline(self.wire, args, layout, chunks)
+        return self._put(args, layout, chunks)
 
     def _put(self, args: dict[str, Any], layout: KVLayout, chunks: list[np.ndarray]) -> PutResult:
         """One put: into staged extents when this connection has enough of the shape,
@@ -183,8 +216,13 @@ class Puts:
             del args["staged"], args["deferred"]
             args["stage"] = len(chunks)
             return self.commit_put(self._prepare(args, layout, chunks))
-        self.add_staged(conn, _shape_key(layout), r["staged"])
-        return protocol.decode_put_result(r)
+        try:  # every field read before any staged extent of it is kept
+            result, extents = replies.put_result(r), replies.staged(r, "put reply")
+        except ProtocolError:
+            self.wire.disown(conn)  # the server frees the extents it staged for us
+            raise
+        self.add_staged(conn, _shape_key(layout), extents)
+        return result
 
     def take_staged(self, shape: StagedShape, count: int) -> tuple[Connection, list[Any]] | None:
         """``count`` staged extents of chunks of ``shape`` of the current connection, if
@@ -205,8 +243,21 @@ class Puts:
 
     def prepare_put(self, prompt: PromptRef, kv: object, request_id: str) -> RemotePendingPut:
         """Validate here, reserve extents on the server for the chunks it lacks, and copy
-        them in (the arrays are not referenced after this returns)."""
-        return self._prepare(*self._args(prompt, kv, request_id))
+        them in (the arrays are not referenced after this returns). A session that maps
+        no arena has no extents to copy into, nor one whose principal's arena has no room
+        for them: the put is held here, its chunks copied, and the commit sends it whole
+        (through the socket: ``put_inline``)."""
+        args, layout, chunks = self._args(prompt, kv, request_id)
+        if self.wire.mapped():
+            try:
+                return self._prepare(args, layout, chunks)
+            except StorageFullError:
+                if not self._tenant():
+                    raise
+                # its principal's own arena has no room to stage it: held, as below
+        copied = [np.array(c, copy=True) for c in chunks]
+        held = (prompt, copied, request_id)
+        return RemotePendingPut(0, 0, [], layout.tokens_per_chunk, 0, 0, held=held)
 
     def _args(
         self, prompt: PromptRef, kv: object, request_id: str
@@ -224,19 +275,24 @@ class Puts:
     def _prepare(
         self, args: dict[str, Any], layout: KVLayout, chunks: list[np.ndarray]
     ) -> RemotePendingPut:
-        reply, conn = self.wire.call_on("prepare_put", args)
+        r, conn = self.wire.call_on("prepare_put", args)
+        try:  # every field read before the put or a staged extent of it is kept
+            reply = replies.prepared(r, len(chunks))
+        except ProtocolError:
+            self.wire.disown(conn)  # the server aborts the put and frees its extents
+            raise
         pending = RemotePendingPut(
-            reply["put"],
+            reply.put,
             conn.epoch,
-            protocol.split_keys(reply["keys"]),
+            reply.keys,
             layout.tokens_per_chunk,
-            reply["present"],
-            reply["in_flight"],
+            reply.present,
+            reply.in_flight,
         )
-        self.add_staged(conn, _shape_key(layout), reply["staged"])
+        self.add_staged(conn, _shape_key(layout), reply.staged)
         dtype = chunks[0].dtype.str if chunks else "u1"
         try:
-            for index, off in reply["slots"]:
+            for index, off in reply.slots:
                 np.copyto(self.wire.view(conn, off, dtype, layout.chunk_shape), chunks[index])
                 pending.stored_chunks.append(index)
         except BaseException:
@@ -253,7 +309,7 @@ class Puts:
                 "this pending put was already committed or aborted, or its store was closed"
             )
         pending.done = True
-        if pending.epoch != self.wire.epoch:
+        if pending.held is None and pending.epoch != self.wire.epoch:
             raise StoreUnavailable(
                 f"the connection to {self.wire.socket_path} was lost since this put was "
                 "prepared (the server aborted it)"
@@ -261,13 +317,24 @@ class Puts:
 
     def commit_put(self, pending: RemotePendingPut) -> PutResult:
         self._finish(pending)
-        return protocol.decode_put_result(self.wire.call("commit_put", {"put": pending.put}))
+        if pending.held is not None:
+            (prompt, chunks, request_id), pending.held = pending.held, None
+            return self.put_prompt(prompt, chunks, request_id)
+        r, conn = self.wire.call_on("commit_put", {"put": pending.put})
+        try:
+            return replies.put_result(r, "commit_put reply")
+        except ProtocolError:
+            self.wire.disown(conn)
+            raise
 
     def put_async(self, pending: RemotePendingPut) -> Future[PutResult]:
         return self.wire.pool().submit(self.commit_put, pending)
 
     def abort_put(self, pending: RemotePendingPut, reason: str) -> None:
         self._finish(pending)
+        if pending.held is not None:
+            pending.held = None  # nothing of it was sent
+            return
         self.wire.call("abort_put", {"put": pending.put, "reason": reason[:4096]})
 
 

@@ -84,7 +84,9 @@ class Wire:
                 greeting["token"] = self._token
             hello = self.roundtrip(conn, "hello", greeting)
             if hello["arena"]:  # "": none to map (kvlife.client.copies)
-                conn.map_arena(hello["arena"], hello["arena_bytes"])
+                # a principal's arena is sparse: not populated (Connection.map_arena)
+                populate = not hello.get("principal")
+                conn.map_arena(hello["arena"], hello["arena_bytes"], populate)
         except OSError as exc:
             refusal = conn.refusal()  # shed for a budget: the server said why
             conn.close()
@@ -235,6 +237,15 @@ class Wire:
             try:
                 conn.sock.sendall(frames)
             except OSError:
+                self.drop()
+
+    def disown(self, conn: Connection) -> None:
+        """Drop ``conn`` (if it still is the connection) after a reply this client could
+        not read (:mod:`kvlife.client.replies`): the server then releases what its
+        session held (a grant, a pending put, staged extents), and the next call
+        connects again."""
+        with self.lock:
+            if conn is self.conn:
                 self.drop()
 
     def drop(self) -> None:

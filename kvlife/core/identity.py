@@ -333,12 +333,43 @@ def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
             return array.array("I", tokens).tobytes()
         except (OverflowError, TypeError) as exc:
             raise InvalidArgument(f"token ids must be integers in [0, 2**32): {exc}") from exc
+    arr = _checked_tokens(tokens)
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+_U4 = np.dtype("<u4")
+_I4 = np.dtype("<i4")
+
+
+def _checked_tokens(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``tokens`` as a one-dimensional integer array of ids in [0, 2**32) (InvalidArgument
+    otherwise). A dtype that cannot hold an id out of range is not scanned for one: an
+    unsigned one of up to 4 bytes needs no check, a signed one of up to 4 bytes only
+    its minimum (each scan is a pass over the prompt)."""
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise InvalidArgument(f"token ids must be one-dimensional, got shape {arr.shape}")
-    if arr.size and (arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) >= 2**32):
+    if not arr.size:
+        return arr
+    kind, size = arr.dtype.kind, arr.dtype.itemsize
+    if kind not in "iu":
         raise InvalidArgument("token ids must be integers in [0, 2**32)")
-    return arr.astype("<u4", copy=False).tobytes()
+    if (kind == "i" and int(arr.min()) < 0) or (size > 4 and int(arr.max()) >= 2**32):
+        raise InvalidArgument("token ids must be integers in [0, 2**32)")
+    return arr
+
+
+def token_buffer(tokens: Sequence[int] | np.ndarray) -> bytes | memoryview:
+    """The bytes of :func:`token_bytes`, without copying them where ``tokens`` is a
+    contiguous array of 4-byte little-endian ids already (the engine's int32 or uint32
+    token arrays; the server's view of a request's bytes): a view of its memory, read
+    while the keys are hashed (as with a copy, tokens changed meanwhile by another
+    thread give keys of no prompt the caller meant)."""
+    if isinstance(tokens, np.ndarray) and tokens.dtype in (_U4, _I4):
+        arr = _checked_tokens(tokens)
+        if arr.flags.c_contiguous:
+            return arr.view(_U4).data.cast("B")
+    return token_bytes(tokens)
 
 
 def _extras(extra_keys: Sequence[bytes]) -> bytes:
@@ -406,7 +437,7 @@ def prompt_chunk_keys(
     """
     pos = _check_prompt_args(identity, namespace, start, parent, extra_keys)
     spans = check_spans(sources)
-    tb = token_bytes(tokens)
+    tb = token_buffer(tokens)
     n = identity.layout.tokens_per_chunk
     step = 4 * n
     # Everything but the parent, the position and the tokens is the same for every

@@ -104,7 +104,16 @@ class Logging:
         self._listener = listener
         self._before = before
 
+    def flush(self) -> None:
+        """Write every record queued so far (the writer thread stops after them and a
+        new one starts)."""
+        self._listener.stop()
+        self._listener.start()
+
     def close(self) -> None:
+        global _active
+        if _active is self:
+            _active = None
         self._listener.stop()  # writes every queued record first
         logger = logging.getLogger(LOGGER)
         logger.removeHandler(self._handler)
@@ -127,7 +136,20 @@ def configure(stream: TextIO, *, json_lines: bool = False) -> Logging:
     logger.propagate = False
     logger.addHandler(handler)
     listener.start()
-    return Logging(handler, listener, before)
+    global _active
+    _active = Logging(handler, listener, before)
+    return _active
+
+
+_active: Logging | None = None
+"""The handler :func:`configure` installed last (None: none, or closed)."""
+
+
+def flush_logs() -> None:
+    """Write every line logged so far through :func:`configure`'s queue (nothing to do
+    when none is configured): a server calls it before it says it is ready."""
+    if _active is not None:
+        _active.flush()
 
 
 class _RecordQueue(logging.handlers.QueueHandler):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NewType
 
 import msgpack
@@ -363,9 +363,57 @@ class PromptRef:
     """Where the prompt's tokens came from (absolute positions, as ``start``): each
     chunk depends on, and its key hashes, the sources of the spans that start before
     its end (:mod:`kvlife.core.sources`)."""
+    prefix_tokens: Sequence[int] | np.ndarray | None = None
+    """Every token before ``start`` (from position 0), when the caller names the chunk
+    before ``tokens[0]`` by them rather than by its key (``parent``): the store that
+    keys the namespace derives the parent from them (:meth:`chained`). Under ``kvlife
+    serve --tenants`` only the server can (it keys namespaces with a secret), so a
+    client that did not get the parent's key from the server names it by its prefix."""
+
+    def check_prefix(self) -> None:
+        """InvalidArgument when :attr:`prefix_tokens` is not every token before a chunk-aligned
+        ``start``, or comes with a ``parent`` too (the chunk before is named once)."""
+        if self.prefix_tokens is None:
+            return
+        if not isinstance(self.prefix_tokens, (Sequence, np.ndarray)):
+            raise InvalidArgument(
+                f"prefix_tokens must be token ids, got {type(self.prefix_tokens).__name__}"
+            )
+        if len(self.prefix_tokens) != self.start:
+            raise InvalidArgument(
+                f"a prefix of {len(self.prefix_tokens)} tokens for a prompt starting at position "
+                f"{self.start}: the prefix is every token before start"
+            )
+        if self.start % self.tokens_per_chunk:
+            raise InvalidArgument(
+                f"start {self.start} is not a chunk boundary ({self.tokens_per_chunk} "
+                "tokens per chunk): a prefix names the chunk before a whole chunk"
+            )
+        if bytes(self.parent) != ROOT_PARENT:
+            raise InvalidArgument(
+                "a prompt names the chunk before its tokens by parent or by prefix, not both"
+            )
+
+    def chained(self) -> PromptRef:
+        """This prompt with ``parent`` derived from :attr:`prefix_tokens` in its own namespace
+        (the key of the prefix's last chunk; ROOT_PARENT for an empty prefix) and the
+        prefix dropped; itself when it names no prefix."""
+        if self.prefix_tokens is None:
+            return self
+        self.check_prefix()
+        keys = prompt_chunk_keys(
+            self.identity,
+            self.namespace,
+            self.prefix_tokens,
+            extra_keys=self.extra_keys,
+            sources=self.sources,
+        )
+        return replace(self, parent=keys[-1] if keys else ROOT_PARENT, prefix_tokens=None)
 
     def keys(self) -> list[ChunkKey]:
         """Keys of every full chunk, prefix-chained (validates the arguments)."""
+        if self.prefix_tokens is not None:
+            return self.chained().keys()
         return prompt_chunk_keys(
             self.identity,
             self.namespace,

@@ -39,7 +39,10 @@ class Source:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise InvalidArgument(f"a source's name must be a non-empty str, got {self.name!r}")
-        raw = self.name.encode("utf-8", "surrogatepass")
+        try:  # strictly, as the key encodes it: a lone surrogate is not UTF-8
+            raw = self.name.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidArgument(f"a source's name must be UTF-8 text: {exc}") from None
         if len(raw) > MAX_SOURCE_NAME:
             raise InvalidArgument(
                 f"source name {self.name[:40]!r}... is {len(raw)} bytes, over {MAX_SOURCE_NAME}"

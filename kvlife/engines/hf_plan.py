@@ -28,7 +28,9 @@ cached one for the same model and thread count instead.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -55,12 +57,20 @@ PROFILE_POINTS: tuple[tuple[int, int], ...] = (
     (0, 64),
     (0, 256),
     (0, 1024),
-    (256, 256),
+    (256, 16),
+    (1024, 16),
+    (2048, 16),
     (1024, 256),
     (2048, 128),
 )
 """(start, length) of the prefills :func:`measure_prefill` times: lengths for the
-per-token cost, starts for attention's growth with position."""
+per-token cost, long ones after a prefix for attention's growth with position, and short
+ones after a prefix (the rest a plan prefills after its loaded chunks: there the cached
+KV's copy per call, ``c3``, is most of the time)."""
+
+PROFILE_VERSION = 2
+"""Part of the cached profile's label: profiles of another version are measured again
+(2: the per-cached-token term and the short prefills after a prefix)."""
 
 
 @dataclass(slots=True)
@@ -100,6 +110,19 @@ class PlannedPrefill:
     """Time the load took (to its last chunk; to the deadline when abandoned)."""
     rest_s: float
     """Time the prefill after the plan's stop took."""
+    wait_s: float = 0.0
+    """Time the engine waited for the load after its front was computed."""
+    join_s: float = 0.0
+    """Time to make the cache of the front and the loaded chunks."""
+    main_cpu_s: float = 0.0
+    """CPU seconds of the engine's thread (torch computes there with one thread)."""
+    other_cpu_s: float = 0.0
+    """CPU seconds of the process's other threads meanwhile: the store's I/O threads
+    loading (reads, checks, copies), with torch's own pool where it has more threads."""
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    """CPU seconds of the engine's thread per phase (``lookup_s``, ``front_s``,
+    ``join_s``, ``rest_s``): with one torch thread, the phase's work without the time
+    the thread waited for a core (a shared machine's noise)."""
 
 
 class PlannedEngine:
@@ -139,11 +162,12 @@ class PlannedEngine:
         eng._check_length(ids, start, 0)
         lay = eng.identity.layout
         tpc, n = lay.tokens_per_chunk, len(ids)
+        c0, m0 = time.process_time(), time.thread_time()
         t0 = time.perf_counter()
         found = store.lookup(eng.identity, namespace, list(ids), start=start)
         hits = found.hits[: usable_hits(found.hits, n, tpc)]
         plan = policy(self.model, hits, n)
-        t1 = time.perf_counter()
+        t1, m1 = time.perf_counter(), time.thread_time()
         front, stop = plan.front, plan.stop
         count = stop - front
         loading = None
@@ -155,11 +179,11 @@ class PlannedEngine:
             loading = _Loading(handle)
         # the front, computed while the back loads
         front_cache = eng._new_cache()
-        tf = time.perf_counter()
+        tf, mf = time.perf_counter(), time.thread_time()
         if front:
             front_cache = eng._prefill_suffix(ids[: front * tpc], front_cache, start).cache
-        t2 = time.perf_counter()
-        got, load_s = 0, 0.0
+        t2, m2 = time.perf_counter(), time.thread_time()
+        got, load_s, timed_out = 0, 0.0, False
         if loading is not None:
             deadline = (
                 math.inf
@@ -170,6 +194,8 @@ class PlannedEngine:
             if not timed_out:
                 loading.join(1.0)  # its watcher notes when the last read ended
             load_s = (loading.finished_at or time.perf_counter()) - t1
+        t2w, m2w = time.perf_counter(), time.thread_time()
+        if loading is not None:
             if timed_out or got < count:
                 if timed_out:
                     self.counters.timeouts += 1
@@ -184,10 +210,14 @@ class PlannedEngine:
             cache = _joined(eng, front_cache, front * tpc, buf, got * tpc)
         else:
             cache = front_cache
-        t3 = time.perf_counter()
+        t3, m3 = time.perf_counter(), time.thread_time()
         pre = eng._prefill_suffix(ids, cache, start)
-        t4 = time.perf_counter()
+        t4, m4 = time.perf_counter(), time.thread_time()
+        main_cpu = m4 - m0
+        other_cpu = max(0.0, time.process_time() - c0 - main_cpu)
         if self.learn:
+            if front and got:
+                self.model.observe_join((front + got) * tpc, t3 - t2w)
             if front:
                 self.model.observe_prefill(0, front * tpc, t2 - tf)
             self.model.observe_prefill(pre.cached_tokens, n - pre.cached_tokens, t4 - t3)
@@ -207,6 +237,16 @@ class PlannedEngine:
             front_s=t2 - tf,
             load_s=load_s,
             rest_s=t4 - t3,
+            wait_s=t2w - t2,
+            join_s=t3 - t2w,
+            main_cpu_s=main_cpu,
+            other_cpu_s=other_cpu,
+            cpu_s={
+                "lookup_s": m1 - m0,
+                "front_s": m2 - mf,
+                "join_s": m3 - m2w,
+                "rest_s": m4 - m3,
+            },
         )
 
     def settle(self, timeout: float | None = None) -> bool:
@@ -295,7 +335,7 @@ def _joined(eng: HFEngine, front: Any, front_tokens: int, buf: np.ndarray, token
 def _engine_label(engine: HFEngine) -> str:
     torch = engine.torch
     return f"{engine.identity.model_id} weights={engine.identity.weights_digest[:16]} " + (
-        f"threads={torch.get_num_threads()}"
+        f"threads={torch.get_num_threads()} profile=v{PROFILE_VERSION}"
     )
 
 
@@ -306,25 +346,30 @@ def measure_prefill(
     repeats: int = 2,
     seed: int = 0,
 ) -> PrefillProfile:
-    """Time prefills of ``length`` tokens after ``start`` cached ones (the best of
-    ``repeats``) and fit the profile. Positions past the model's are skipped."""
+    """Time prefills of ``length`` tokens after ``start`` cached ones (the median of
+    ``repeats``: the best of a few is biased low on a shared machine) and fit the
+    profile, the per-cached-token term included. Each start's prefix is prefilled once and
+    copied for every repeat (untimed). Positions past the model's are skipped."""
     rng = np.random.default_rng(seed)
     vocab = int(getattr(engine.config, "vocab_size", 1000))
     samples = []
+    prefixes: dict[int, tuple[list[int], Any]] = {}
     for start, length in points:
         if start + length > engine.max_positions:
             continue
-        ids = rng.integers(0, vocab, start + length).tolist()
-        best = float("inf")
+        if start and start not in prefixes:
+            head = rng.integers(0, vocab, start).tolist()
+            prefixes[start] = (head, engine._prefill_suffix(head, engine._new_cache(), 0).cache)
+        head, prefix_cache = prefixes.get(start, ([], None))
+        ids = head + rng.integers(0, vocab, length).tolist()
+        times = []
         for _ in range(repeats):
-            cache = engine._new_cache()
-            if start:
-                cache = engine._prefill_suffix(ids[:start], cache, 0).cache
+            cache = copy.deepcopy(prefix_cache) if start else engine._new_cache()
             t0 = time.perf_counter()
             engine._prefill_suffix(ids, cache, 0)
-            best = min(best, time.perf_counter() - t0)
-        samples.append(PrefillSample(start, length, best))
-    return PrefillProfile.fit(samples, _engine_label(engine))
+            times.append(time.perf_counter() - t0)
+        samples.append(PrefillSample(start, length, statistics.median(times)))
+    return PrefillProfile.fit(samples, _engine_label(engine), cached_term=True)
 
 
 def prefill_profile(engine: HFEngine, *, cache: Path | None = None) -> PrefillProfile:

@@ -11,7 +11,9 @@
   behind a read-bandwidth limit (token bucket) and an added latency, and the
   ``throttled-disk`` tier kind;
 - :mod:`kvlife.faults.crash` and :mod:`kvlife.faults.crash_child`: the SIGKILL harness
-  (a writer child process, its acknowledgement log, the kill).
+  (a writer child process, its acknowledgement log, the kill);
+- :mod:`kvlife.experiments.campaign`: the seeded cross-layer fault campaign and its oracle
+  (``kvlife experiment faults``).
 
 See ``docs/faults.md``. Nothing here is imported by the store itself.
 """

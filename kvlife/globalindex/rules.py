@@ -147,7 +147,9 @@ class InvalidationRule:
         if self.source is not None:
             ext["source"] = self.source
             if self.versions is not None:
-                ext["versions"] = list(self.versions)
+                lo, hi = self.versions
+                # a msgpack int holds at most 2**64 - 1: the open end is written nil
+                ext["versions"] = [lo, None if hi == MAX_VERSION else hi]
         if self.model is not None:
             ext["model"] = self.model
         if self.keep_weights_digest is not None:
@@ -183,6 +185,8 @@ class InvalidationRule:
             if len(fields) == 6 and (not isinstance(ext, dict) or not ext or set(ext) - _EXTENSION):
                 raise ValueError(f"rule extension {ext!r:.80} is not one this host reads")
             versions = ext.get("versions")
+            if isinstance(versions, list) and len(versions) == 2 and versions[1] is None:
+                versions = [versions[0], MAX_VERSION]
             return cls(
                 epoch,
                 ns,

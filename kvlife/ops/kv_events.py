@@ -211,13 +211,16 @@ class KVEventPublisher(DetailedSink):
             ) from exc
 
         self.config = config
-        self._queue: deque[tuple[LifecycleEvent, ChunkFacts]] = deque()
+        # None: events were dropped here, in queue order (an ``AllBlocksCleared`` goes
+        # out after everything queued before the drop, never ahead of it)
+        self._queue: deque[tuple[LifecycleEvent, ChunkFacts] | None] = deque()
+        self._marked = False
+        """The queue ends with a drop's marker (later drops add none)."""
         self._wake = threading.Event()
         self._closing = False
         self.dropped = 0
         """Lifecycle events not published because the queue was full (each run of them
         is followed by an ``AllBlocksCleared``)."""
-        self._drops_seen = 0
         self.batches = 0
         """Batches published."""
         self.events = 0
@@ -258,8 +261,13 @@ class KVEventPublisher(DetailedSink):
             return
         if len(self._queue) >= self.config.max_queue:
             self.dropped += 1  # the store serialises emits: no lost update
+            if not self._marked:  # one marker per run of drops: at most max_queue + 1
+                self._queue.append(None)
+                self._marked = True
+            self._wake.set()
             return
         self._queue.append((event, facts))
+        self._marked = False
         self._wake.set()
 
     def close(self) -> None:
@@ -292,19 +300,19 @@ class KVEventPublisher(DetailedSink):
 
     def _step(self) -> None:
         out: list[Event] = []
-        dropped = self.dropped
-        if dropped != self._drops_seen:
-            # events were lost: the router must forget what this publisher said and
-            # learn again from what follows
-            self._drops_seen = dropped
-            self._tracker.clear()
-            out.append(all_blocks_cleared())
         queue = self._queue
         for _ in range(self.MAX_BATCH):
             if not queue:
                 break
-            event, facts = queue.popleft()
-            out.extend(self._tracker.events(event, facts))
+            item = queue.popleft()
+            if item is None:
+                # events were lost here: the router must forget what this publisher
+                # said (including what was queued before the loss) and learn again
+                # from what follows
+                self._tracker.clear()
+                out.append(all_blocks_cleared())
+                continue
+            out.extend(self._tracker.events(*item))
         if out:
             self._send(merge(out))
 

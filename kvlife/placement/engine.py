@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import filterfalse
 from typing import Protocol
 
 from kvlife.core.errors import InvalidArgument
@@ -76,8 +77,9 @@ class Residency(Protocol):
         self, keys: Sequence[Hashable], tier: TierName, last: Collection[Hashable], reason: str
     ) -> None:
         """The replicas of ``keys`` in ``tier`` leave (an :class:`Evict` each); a key in
-        ``last`` (a subset of ``keys``) had no other replica: right after its eviction the
-        object is dropped (:class:`Drop` with ``reason``)."""
+        ``last`` (a subset of ``keys``, or ``keys`` itself when every key is dropped) had no
+        other replica: right after its eviction the object is dropped (:class:`Drop` with
+        ``reason``)."""
         ...
 
     def on_reject(self, key: Hashable, reason: str) -> None:
@@ -94,9 +96,11 @@ class UniformResidency(Residency, Protocol):
 
 class ExactResidency(Residency, Protocol):
     """A residency changed only by this engine's hooks (the simulator's), so every key a
-    tier's policy knows is held in that tier: placement then skips the check, victim by
-    victim, that the tier still holds what its policy gives up (the store's policies may
-    know a replica that failed or was lost)."""
+    tier's policy knows is held in that tier, and a tier holds exactly what its policy
+    knows: placement then skips the check, victim by victim, that the tier still holds
+    what its policy gives up (the store's policies may know a replica that failed or was
+    lost), and asks a one-tier chain's policy (its ``members``, a C call) whether a key is
+    held rather than the residency, which then needs no map of its own."""
 
     policies_exact: bool
 
@@ -128,6 +132,10 @@ class TierSlot:
         return self.footprint(size(key) if size is not None else res.size_of(key))
 
 
+_NO_KEYS: dict[Hashable, TierName] = {}
+"""A put's placements when it has no new key (never changed)."""
+
+
 class Placement:
     """The decisions of a tier chain (fastest first)."""
 
@@ -155,6 +163,21 @@ class Placement:
         # chunk (a slot's policy is fixed for the engine's life).
         self._only = slots[0].policy if len(slots) == 1 else None
         """The policy of a one-tier chain (its batch calls serve the hot paths)."""
+        self._held: Callable[[Hashable], object] = residency.tiers_of
+        """Whether a key has a replica (truthy), for a one-tier chain's puts."""
+        self._exact_one = False
+        """One tier of one-size objects whose policy is exactly what it holds: a put
+        is :meth:`_put_exact_one`."""
+        if self._only is not None and self._exact:
+            self._held = self._only.members.__contains__
+            self._exact_one = bool(self.slots[0].unit)
+        # the calls of a one-tier request (request_exact_one), bound once
+        only = slots[0].policy
+        self._touch_all = only.touch_all
+        self._evict_up_to = only.evict_up_to
+        self._record_tail = only.record_tail
+        self._on_place = residency.on_place
+        self._on_evict = residency.on_evict
         self._touch = {s.name: s.policy.touch for s in slots}
         self._insert = {s.name: s.policy.insert for s in slots}
         self._insert_classed = {
@@ -164,6 +187,12 @@ class Placement:
         }
 
     # ------------------------------------------------------------------ queries
+
+    @property
+    def exact_one(self) -> bool:
+        """One tier of one-size objects whose policy is exactly what it holds: a whole
+        request can be :meth:`request_exact_one`."""
+        return self._exact_one
 
     def slot(self, name: TierName) -> TierSlot:
         try:
@@ -223,9 +252,95 @@ class Placement:
         copies). When every new object was placed, every chunk of the prompt is held
         (the present ones were protected), so the policies are told without asking
         where each chunk lives."""
+        if self._exact_one:
+            plan = Plan()
+            placed = self._put_exact_one(plan, keys, new, classes, None)
+            return plan, placed if placed is not None else dict.fromkeys(new, self.slots[0].name)
         plan, placed = self.plan_put(keys, new)
         self._record(keys, placed, classes, all_held=len(placed) == len(new))
         return plan, placed
+
+    def request_exact_one(
+        self, keys: Sequence[Hashable], classes: Sequence[int] | None = None
+    ) -> tuple[int, int, int]:
+        """A whole request of distinct keys against one tier of one-size objects whose
+        policy knows exactly what the tier holds (:class:`ExactResidency`; the
+        simulator's policy-only replay), in one call: its lookup (the usable prefix,
+        the leading keys held, touched from last to first as :meth:`touch_hits` does)
+        and then its put of the keys not held (:meth:`put_prompt`), with the same
+        decisions, actions and policy calls as those two. Returns the usable prefix's
+        length, the number of keys not held and the number of them placed.
+
+        The simulator maps this over a trace's requests in one C call, so a request
+        costs one Python frame here plus the policy's batch calls; the put's policy
+        calls take the policy's :meth:`~kvlife.policy.base.EvictionPolicy.record_tail`
+        when the keys not held are exactly the request's tail (the usual request)."""
+        new = list(filterfalse(self._held, keys))
+        if not new:  # every key held: all hits, the put only tells the policy
+            if keys:
+                self._touch_all(keys[::-1])
+            self._record(keys, _NO_KEYS, classes, all_held=True)
+            return len(keys), 0, 0
+        hits = keys.index(new[0])
+        if hits:
+            self._touch_all(keys[hits - 1 :: -1])
+        placed = self._put_exact_one(None, keys, new, classes, hits)
+        return hits, len(new), len(new) if placed is None else len(placed)
+
+    def _put_exact_one(
+        self,
+        plan: Plan | None,
+        keys: Sequence[Hashable],
+        new: Sequence[Hashable],
+        classes: Sequence[int] | None,
+        hits: int | None,
+    ) -> dict[Hashable, TierName] | None:
+        """:meth:`put_prompt` for one tier of one-size objects whose policy knows exactly
+        what the tier holds (the simulator's policy-only replay): the same decisions,
+        actions and policy calls as :meth:`plan_put`, :meth:`_free`, :meth:`_evict` and
+        :meth:`_record` take there, in one call (a victim the policy gives up is held;
+        every victim is dropped, ``last`` is the victims' list itself). Counts the
+        actions into ``plan`` when one is given. ``hits``, when given, is the number of
+        leading keys held (:meth:`request_exact_one`): if the keys after them are
+        exactly ``new`` (distinct keys), the policy is told by ``record_tail``.
+
+        Returns where each key was placed, or None when every key of ``new`` went to
+        the tier (the caller knows where) and no map was needed."""
+        if not new:
+            self._record(keys, _NO_KEYS, classes, all_held=True)
+            return {}
+        slot = self.slots[0]
+        unit: int = slot.unit  # type: ignore[assignment]  # set: _exact_one
+        need = len(new) * unit
+        short = slot.used + need - slot.capacity
+        if short > 0:
+            protected: Collection[Hashable] = set(keys)
+            if self.shielded and any(self.shielded):
+                protected = set(protected).union(*self.shielded)
+            want = -(-short // unit)
+            victims = self._evict_up_to(want, protected)
+            if victims:
+                slot.used -= unit * len(victims)
+                self._on_evict(victims, slot.name, victims, "evicted")
+                if plan is not None:
+                    plan.size += 2 * len(victims)
+            if len(victims) < want:  # no room for all at once: one by one, as plan_put
+                placed = self._place_each(plan if plan is not None else Plan(), new, protected)
+                self._record(keys, placed, classes, all_held=len(placed) == len(new))
+                return placed
+        slot.used += need
+        if plan is not None:
+            plan.size += len(new)
+        self._on_place(new, slot.name)
+        if (
+            hits is not None
+            and hits + len(new) == len(keys)
+            and (classes is None or not self._insert_classed)
+        ):
+            self._record_tail(keys, hits)
+            return None
+        self._record(keys, dict.fromkeys(new, slot.name), classes, all_held=True)
+        return None
 
     def _record(
         self,
@@ -234,33 +349,37 @@ class Placement:
         classes: Sequence[int] | None,
         all_held: bool,
     ) -> None:
-        tiers_of = self.res.tiers_of
         touch, insert = self._touch, self._insert
         classed = self._insert_classed if classes is not None else None
         only = self._only
         if only is not None:
             # one tier: it holds every held key, and every placed key went there
+            held = self._held
             (name,) = self._touch
             touch1 = touch[name]
             put1 = classed.get(name) if classed else None
+            # (a key just placed is held, though an exact policy learns of it only here)
             if put1 is None:
-                only.record_in_order(keys if all_held else list(filter(tiers_of, keys)), new)
+                if not all_held:
+                    keys = [key for key in keys if key in new or held(key)]
+                only.record_in_order(keys, new)
                 return
             for pos, key in enumerate(keys):
-                if not all_held and not tiers_of(key):
+                if not all_held and key not in new and not held(key):
                     continue
                 if key in new:
                     put1(key, classes[pos])  # type: ignore[index]
                 else:
                     touch1(key)
             return
+        tiers_of = self.res.tiers_of
         home_of = new.get
         for pos, key in enumerate(keys):
-            held = tiers_of(key)
-            if not held:
+            holders = tiers_of(key)
+            if not holders:
                 continue
             home = home_of(key)
-            for tier in held:  # each policy sees only its own tier's calls: order-free
+            for tier in holders:  # each policy sees only its own tier's calls: order-free
                 if tier != home:
                     touch[tier](key)
                 elif classed and tier in classed:
@@ -319,17 +438,26 @@ class Placement:
                 self.res.on_place(new, first)
                 placed = dict.fromkeys(new, first)
             else:
-                for key in new:
-                    for slot in self.slots:
-                        if self._make_room(plan, slot.name, [key], protected):
-                            self._place(plan, key, slot.name)
-                            placed[key] = slot.name
-                            break
-                    else:
-                        plan.size += 1
-                        self.res.on_reject(key, "no room in any tier")
-                        plan.complete = False
+                placed = self._place_each(plan, new, protected)
         return plan, placed
+
+    def _place_each(
+        self, plan: Plan, new: Sequence[Hashable], protected: Collection[Hashable]
+    ) -> dict[Hashable, TierName]:
+        """Each new object to the first tier with room for it; those that fit nowhere
+        are rejected."""
+        placed: dict[Hashable, TierName] = {}
+        for key in new:
+            for slot in self.slots:
+                if self._make_room(plan, slot.name, [key], protected):
+                    self._place(plan, key, slot.name)
+                    placed[key] = slot.name
+                    break
+            else:
+                plan.size += 1
+                self.res.on_reject(key, "no room in any tier")
+                plan.complete = False
+        return placed
 
     def plan_copies(
         self,

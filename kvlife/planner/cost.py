@@ -8,12 +8,17 @@
   transform); where that is 0 for a framed replica, a per-transform time per byte learnt
   from observed decodes.
 - :class:`PrefillProfile`: the engine's prefill time for ``length`` tokens after
-  ``start`` cached ones, ``c0 + c1 * length + c2 * length * (start + length / 2)``: a
-  fixed cost, the per-token work (projections, MLP) and attention, whose cost per new
-  token grows with its position. Fitted by non-negative least squares from a few timed
-  prefills of the engine itself (:meth:`PrefillProfile.fit`), kept as JSON so a restart
-  reads it instead of measuring again; refitted to the latest prefills the engine timed
+  ``start`` cached ones, ``c0 + c1 * length + c2 * length * (start + length / 2)
+  + c3 * start``: a fixed cost, the per-token work (projections, MLP), attention, whose
+  cost per new token grows with its position, and a cost per cached token per call
+  (short prefills after a long prefix take longer than attention accounts for on
+  transformers' ``DynamicCache``, which concatenates the cached KV on every append).
+  Fitted by non-negative least squares from a few timed prefills of the engine itself
+  (:meth:`PrefillProfile.fit`), kept as JSON so a restart reads it instead of measuring
+  again; refitted to the latest prefills the engine timed
   (:meth:`CostModel.observe_prefill`), so it follows the engine's speed of the day.
+- the join of a computed front to loaded chunks (a split): a learnt time per position
+  (:meth:`CostModel.join_seconds`, :meth:`CostModel.observe_join`).
 """
 
 from __future__ import annotations
@@ -42,13 +47,33 @@ class PrefillSample:
     seconds: float
 
 
-def _features(start: int, length: int) -> tuple[float, float, float]:
-    return (1.0, float(length), float(length) * (start + length / 2.0))
+def _features(start: int, length: int) -> tuple[float, float, float, float]:
+    return (1.0, float(length), float(length) * (start + length / 2.0), float(start))
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``argmin |a x - b|`` over ``x >= 0`` for a few columns: the best least-squares
+    solution over every subset of free columns that comes out non-negative (exact, and
+    numpy only: the vLLM interpreter, where the connector fits too, has no scipy)."""
+    n = a.shape[1]
+    best, best_res = np.zeros(n), float(b @ b)
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        x, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+        if (x < 0).any():
+            continue
+        full = np.zeros(n)
+        full[cols] = x
+        r = a @ full - b
+        res = float(r @ r)
+        if res < best_res:
+            best, best_res = full, res
+    return best
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillProfile:
-    """Prefill seconds of an engine as ``c0 + c1*L + c2*L*(start + L/2)``."""
+    """Prefill seconds of an engine as ``c0 + c1*L + c2*L*(start + L/2) + c3*start``."""
 
     c0: float
     """Fixed seconds per prefill call."""
@@ -60,9 +85,16 @@ class PrefillProfile:
     """What was measured (model, threads), to tell a cached profile from another's."""
     samples: tuple[PrefillSample, ...] = ()
     """The measurements the profile was fitted to."""
+    c3: float = 0.0
+    """Seconds per cached token per call (measured: a 16-token prefill after 2,048
+    cached tokens took 3.2x one after 256 on the HF engine; its ``DynamicCache``
+    concatenates the cached KV on every append). 0 where the engine's cache is paged
+    (vLLM) or the profile was fitted without the term."""
+    cached_term: bool = False
+    """Whether fits (and refits) of this engine's profile include ``c3``."""
 
     def __post_init__(self) -> None:
-        for name in ("c0", "c1", "c2"):
+        for name in ("c0", "c1", "c2", "c3"):
             if not getattr(self, name) >= 0:
                 raise InvalidArgument(f"prefill profile {name} must be >= 0")
 
@@ -71,23 +103,33 @@ class PrefillProfile:
         if length <= 0:
             return 0.0
         f = _features(start, length)
-        return self.c0 * f[0] + self.c1 * f[1] + self.c2 * f[2]
+        return self.c0 * f[0] + self.c1 * f[1] + self.c2 * f[2] + self.c3 * f[3]
 
     @classmethod
-    def fit(cls, samples: Sequence[PrefillSample], engine: str = "") -> PrefillProfile:
+    def fit(
+        cls, samples: Sequence[PrefillSample], engine: str = "", *, cached_term: bool = False
+    ) -> PrefillProfile:
         """Non-negative least squares on relative error (each sample weighted by
-        1/seconds, so short prefills count as much as long ones)."""
-        from scipy.optimize import nnls
-
+        1/seconds, so short prefills count as much as long ones); ``c3`` only with
+        ``cached_term`` (and samples at two or more starts to tell it from the rest)."""
         if len(samples) < 3:
             raise InvalidArgument(f"a prefill profile needs >= 3 samples, got {len(samples)}")
-        a = np.array([_features(s.start, s.length) for s in samples])
+        use_c3 = cached_term and len({s.start for s in samples}) >= 2
+        a = np.array([_features(s.start, s.length)[: 4 if use_c3 else 3] for s in samples])
         b = np.array([s.seconds for s in samples])
         if not (b > 0).all():
             raise InvalidArgument("prefill samples must have positive times")
         w = 1.0 / b
-        coef, _ = nnls(a * w[:, None], b * w)
-        return cls(float(coef[0]), float(coef[1]), float(coef[2]), engine, tuple(samples))
+        coef = _nnls(a * w[:, None], b * w)
+        return cls(
+            float(coef[0]),
+            float(coef[1]),
+            float(coef[2]),
+            engine,
+            tuple(samples),
+            c3=float(coef[3]) if use_c3 else 0.0,
+            cached_term=cached_term,
+        )
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -156,6 +198,8 @@ class CostModel:
     """The latest prefills the engine timed; the profile is refitted to these (with the
     start-up samples while there are fewer than eight), so it follows the engine's speed
     of the day (another process on the cores) and the cost of the calls it makes."""
+    join_per_token: RobustEstimate = field(default_factory=RobustEstimate)
+    """Seconds per position to join a computed front to loaded chunks (learnt)."""
     startup: tuple[PrefillSample, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
@@ -196,6 +240,22 @@ class CostModel:
     def compute_seconds(self, start_token: int, tokens: int) -> float:
         return self.prefill.seconds(start_token, tokens)
 
+    def join_seconds(self, front_tokens: int, loaded_tokens: int) -> float:
+        """Joining a computed front of ``front_tokens`` to ``loaded_tokens`` loaded
+        positions: one copy of both into a new contiguous cache, at the learnt time per
+        token (0 until a join was observed; nothing to join when either is empty: loaded
+        chunks alone are injected as views). Not the profile's ``c3``: fitted online to
+        noisy prefills it swung from 0 to 0.7 ms a token in one run, where joins took
+        0.02-0.03 ms a token of CPU (docs/planner.md)."""
+        if not front_tokens or not loaded_tokens:
+            return 0.0
+        return (self.join_per_token.value or 0.0) * (front_tokens + loaded_tokens)
+
+    def observe_join(self, tokens: int, seconds: float) -> None:
+        """A join of ``tokens`` positions that took ``seconds``."""
+        if tokens > 0 and seconds >= 0:
+            self.join_per_token.observe(seconds / tokens)
+
     def observe_prefill(self, start_token: int, tokens: int, seconds: float) -> None:
         """A prefill of ``tokens`` after ``start_token`` that took ``seconds``: the
         profile is refitted (relative least squares, so one slow call moves it by its
@@ -206,7 +266,9 @@ class CostModel:
         # the start-up samples seed the fit until the engine timed enough of its own
         samples = [*self.observed] if len(self.observed) >= 8 else [*self.startup, *self.observed]
         if len(samples) >= 3:
-            self.prefill = PrefillProfile.fit(samples, self.prefill.engine)
+            self.prefill = PrefillProfile.fit(
+                samples, self.prefill.engine, cached_term=self.prefill.cached_term
+            )
 
     def observe_load(self, hits: Sequence[ChunkHit], seconds: float) -> None:
         """Learn from a load of ``hits`` (of one tier) that took ``seconds``; the

@@ -9,7 +9,8 @@ least the last token, so ``h * tokens_per_chunk < n``). A plan names two chunk i
   a transform's frame) while the front computes, in the store's I/O threads,
 - everything from ``stop * tpc`` to ``n`` is prefilled once both are done.
 
-Its predicted time to first token is ``max(C(0, front), L(front, stop)) + C(stop, n)``:
+Its predicted time to first token is ``max(C(0, front), L(front, stop)) + J + C(stop, n)``
+(``J``: joining a computed front to the loaded chunks, :meth:`CostModel.join_seconds`):
 the Cake split (Jin et al., "Compute Or Load KV Cache? Why Not Both?", ICML 2025) with a
 free end: with ``front = 0`` it is load-only (``stop = h``) or a shorter load, with
 ``front = stop = 0`` compute-only. :func:`choose` picks the plan of least predicted time
@@ -82,6 +83,8 @@ class Plan:
     """Predicted prefill time from ``stop`` to the end of the prompt."""
     chunks: tuple[ChunkPlan, ...] = ()
     """One per usable hit, in order."""
+    join_s: float = 0.0
+    """Predicted time to join the computed front to the loaded chunks (split plans)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.front <= self.stop <= self.hits:
@@ -103,7 +106,7 @@ class Plan:
     @property
     def predicted_s(self) -> float:
         """Predicted time to first token (lookup excluded)."""
-        return max(self.front_s, self.load_s) + self.rest_s
+        return max(self.front_s, self.load_s) + self.join_s + self.rest_s
 
     @property
     def loaded(self) -> int:
@@ -119,6 +122,7 @@ class Plan:
             "predicted_s": self.predicted_s,
             "front_s": self.front_s,
             "load_s": self.load_s,
+            "join_s": self.join_s,
             "rest_s": self.rest_s,
         }
 
@@ -148,6 +152,7 @@ def make_plan(
         load_s=model.load_seconds(hits[front:stop]),
         rest_s=model.compute_seconds(stop * tpc, prompt_tokens - stop * tpc),
         chunks=tuple(chunks),
+        join_s=model.join_seconds(front * tpc, (stop - front) * tpc),
     )
 
 

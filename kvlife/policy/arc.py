@@ -16,7 +16,7 @@ that caused the miss. ``c`` is the largest number of resident keys seen.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Hashable
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from typing import TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -76,6 +76,48 @@ class ARCPolicy(EvictionPolicy[K]):
         self._t1.pop(key, None)
         self._t2.pop(key, None)
 
+    def touch_all(self, keys: Iterable[K]) -> None:
+        # touch, written out
+        t1, t2 = self._t1, self._t2
+        for key in keys:
+            if key in t2:
+                t2.move_to_end(key)
+            elif key in t1:
+                del t1[key]
+                t2[key] = None
+
+    def record_in_order(self, keys: Sequence[K], new: Collection[K]) -> None:
+        # insert and touch, written out: a resident is touched either way (insert of a
+        # resident is a touch), a key in new not yet resident is inserted, any other key
+        # is ignored as touch ignores it
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        for key in keys:
+            if key in t2:
+                t2.move_to_end(key)
+                continue
+            if key in t1:
+                del t1[key]
+                t2[key] = None
+                continue
+            if key not in new:
+                continue
+            if key in b1:
+                self._p = min(float(self._c), self._p + max(len(b2) / len(b1), 1.0))
+                del b1[key]
+                t2[key] = None
+            elif key in b2:
+                self._p = max(0.0, self._p - max(len(b1) / len(b2), 1.0))
+                del b2[key]
+                t2[key] = None
+            else:
+                t1[key] = None
+            size = len(t1) + len(t2)
+            if size > self._c:
+                self._c = size
+            c = self._c
+            if len(t1) + len(b1) > c or size + len(b1) + len(b2) > 2 * c:
+                self._trim_ghosts()
+
     def _trim_ghosts(self) -> None:
         c = self._c
         b1, b2 = self._b1, self._b2
@@ -109,12 +151,31 @@ class ARCPolicy(EvictionPolicy[K]):
         if n < 0:
             raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
         victims: list[K] = []
-        sure = len(self._t1) + len(self._t2) - n >= len(protected)
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        sure = len(t1) + len(t2) - n >= len(protected)
         for _ in range(n):
             # each victim takes one resident: when n are sure to pass, so is each check
             if not sure and not self._can_evict(1, protected):
                 break
-            victims.append(self._evict_one(protected))
+            # _evict_one, written out
+            from_t1 = len(t1) > self._p
+            for key in t1 if from_t1 else t2:
+                if key not in protected:
+                    break
+            else:
+                from_t1 = not from_t1
+                for key in t1 if from_t1 else t2:
+                    if key not in protected:
+                        break
+                else:  # pragma: no cover - the feasibility check makes this impossible
+                    raise AssertionError("no unprotected resident after a feasible check")
+            if from_t1:
+                del t1[key]
+                b1[key] = None
+            else:
+                del t2[key]
+                b2[key] = None
+            victims.append(key)
         return victims
 
     def _can_evict(self, n: int, protected: Collection[K]) -> bool:

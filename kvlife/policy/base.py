@@ -10,7 +10,8 @@ in one call (the same choices as ``n`` calls of ``evict(1)``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Container, Hashable, Iterable, Sequence
+from itertools import islice
 from typing import Generic, TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -64,16 +65,31 @@ class EvictionPolicy(ABC, Generic[K]):
 
     def record_in_order(self, keys: Sequence[K], new: Collection[K]) -> None:
         """A put's chunks in prompt order: ``insert`` each key in ``new`` (those of ``keys``
-        that are not residents), ``touch`` each other (each a resident already). A policy
-        may override it with a faster equivalent (same state after the call as the calls
-        one by one), or, as a :class:`LearnsFromPrompts` policy, learn from the prompt as a
-        whole."""
+        that are not residents, each in ``keys``), ``touch`` each other (each a resident
+        already). A policy may override it with a faster equivalent (same state after the
+        call as the calls one by one), or, as a :class:`LearnsFromPrompts` policy, learn
+        from the prompt as a whole."""
         insert, touch = self.insert, self.touch
         for key in keys:
             if key in new:
                 insert(key)
             else:
                 touch(key)
+
+    def record_tail(self, keys: Sequence[K], head: int) -> None:
+        """``record_in_order(keys, new)`` for the usual put, whose new keys are its tail:
+        ``keys[:head]`` are residents and ``keys[head:]`` the new keys, none resident,
+        all distinct (placement knows this from the lookup, so the policy need not
+        check it). A policy may override it with a faster equivalent."""
+        self.record_in_order(keys, dict.fromkeys(islice(keys, head, None)))
+
+    @property
+    def members(self) -> Container[object]:
+        """The resident keys as a container: ``key in policy.members`` is ``key in
+        policy``. A policy that keeps its residents in one dict returns that dict (the
+        same object for the policy's life), so placement and the simulator test
+        membership with a C call, and need no map of their own beside it."""
+        return self
 
     @abstractmethod
     def __contains__(self, key: object) -> bool: ...

@@ -17,7 +17,7 @@ then, and between classes of equal density, the oldest goes first (LRU).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Container, Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from typing import TypeVar
 
 from kvlife.policy.base import register_policy
@@ -83,7 +83,7 @@ class HitDensityPolicy(PrefixTreePolicy[K]):
             del self._cq[cls][key]
         super().remove(key)
 
-    def record_in_order(self, keys: Sequence[K], new: Container[K]) -> None:
+    def record_in_order(self, keys: Sequence[K], new: Collection[K]) -> None:
         flags = [key in new and key not in self._kc for key in keys]
         hit = 0
         while hit < len(keys) and not flags[hit]:
@@ -101,6 +101,11 @@ class HitDensityPolicy(PrefixTreePolicy[K]):
                 place(key, classes[i])
             elif key in self._kc:
                 self._hit(key)
+
+    def record_tail(self, keys: Sequence[K], head: int) -> None:
+        # the classes are learned in record_in_order: the tree's written-out usual put
+        # (PrefixTreePolicy.record_tail) would skip them
+        self.record_in_order(keys, set(keys[head:]))
 
     def evict_up_to(self, n: int, protected: Collection[K] = ()) -> list[K]:
         return self._evict_one_by_one(n, protected)

@@ -9,7 +9,7 @@ skipping protected keys. O(1) per touch: one insertion-ordered dict per count.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Hashable
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from typing import TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -93,16 +93,95 @@ class LFUPolicy(EvictionPolicy[K]):
         return victims
 
     def evict_up_to(self, n: int, protected: Collection[K] = ()) -> list[K]:
-        # evict(1) n times, without building a list per victim
+        # evict(1) n times: _evict_one and remove written out (one call, not two per
+        # victim)
         if n < 0:
             raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
         victims: list[K] = []
+        count, buckets, low = self._count, self._buckets, self._min
         for _ in range(n):
-            key = self._evict_one(protected)
-            if key is None:
+            if not buckets:
                 break
+            if low is None:
+                low = min(buckets)
+            c = low
+            for key in buckets[c]:
+                if key not in protected:
+                    break
+            else:  # every key of the lowest count is protected: the next counts
+                for c in sorted(buckets):
+                    for key in buckets[c]:
+                        if key not in protected:
+                            break
+                    else:
+                        continue
+                    break
+                else:
+                    break  # every key is protected
+            # remove(key), written out
+            del count[key]
+            bucket = buckets[c]
+            del bucket[key]
+            if not bucket:
+                del buckets[c]
+                if low == c:
+                    low = None
             victims.append(key)
+        self._min = low
         return victims
+
+    def touch_all(self, keys: Iterable[K]) -> None:
+        # touch, written out
+        count, buckets, low = self._count, self._buckets, self._min
+        for key in keys:
+            c = count.get(key)
+            if c is None:
+                continue
+            bucket = buckets[c]
+            del bucket[key]
+            if not bucket:
+                del buckets[c]
+                if low == c:
+                    low = c + 1
+            c += 1
+            count[key] = c
+            nxt = buckets.get(c)
+            if nxt is None:
+                buckets[c] = OrderedDict({key: None})
+            else:
+                nxt[key] = None
+        self._min = low
+
+    def record_in_order(self, keys: Sequence[K], new: Collection[K]) -> None:
+        # insert and touch, written out: a key in new not yet resident gets count 1 (a
+        # second place in keys finds it resident: a touch), a resident gains one
+        count, buckets, low = self._count, self._buckets, self._min
+        for key in keys:
+            c = count.get(key)
+            if c is None:
+                if key in new:
+                    count[key] = 1
+                    low = 1
+                    one = buckets.get(1)
+                    if one is None:
+                        buckets[1] = OrderedDict({key: None})
+                    else:
+                        one[key] = None
+                continue
+            bucket = buckets[c]
+            del bucket[key]
+            if not bucket:
+                del buckets[c]
+                if low == c:
+                    low = c + 1
+            c += 1
+            count[key] = c
+            nxt = buckets.get(c)
+            if nxt is None:
+                buckets[c] = OrderedDict({key: None})
+            else:
+                nxt[key] = None
+        self._min = low
 
     def _evict_one(self, protected: Collection[K]) -> K | None:
         """Forget and return the unprotected key of the lowest count, least recent first."""
@@ -124,6 +203,10 @@ class LFUPolicy(EvictionPolicy[K]):
     def count(self, key: K) -> int:
         """The key's use count (0 if not resident)."""
         return self._count.get(key, 0)
+
+    @property
+    def members(self) -> Collection[object]:
+        return self._count
 
     def __contains__(self, key: object) -> bool:
         return key in self._count

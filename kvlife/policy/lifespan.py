@@ -117,6 +117,10 @@ class LifespanPolicy(EvictionPolicy[K], SupportsClassHints[K]):
             self.remove(key)
         return victims
 
+    @property
+    def members(self) -> Collection[object]:
+        return self._cls
+
     def __contains__(self, key: object) -> bool:
         return key in self._cls
 

@@ -67,11 +67,37 @@ class LRUPolicy(EvictionPolicy[K]):
         deque(map(order.move_to_end, filter(order.__contains__, keys)), maxlen=0)
 
     def record_in_order(self, keys: Sequence[K], new: Collection[K]) -> None:
-        # insert and touch both make a key the most recent: add the new keys (the others
-        # are residents already, left where they are), then move each to the end in turn
+        # insert and touch both make a key the most recent, so afterwards the keys are
+        # the most recent in the order of their last places in ``keys``
         order = self._order
+        head = len(keys) - len(new)
+        if (
+            head >= 0
+            and not any(map(new.__contains__, islice(keys, head)))
+            and not any(map(order.__contains__, islice(keys, head, None)))
+        ):
+            # the usual put: residents first, then its new keys (the last len(new) keys,
+            # all of new since new is in keys, none resident): move the residents, then
+            # append the new keys
+            deque(map(order.move_to_end, islice(keys, head)), maxlen=0)
+            order.update(zip(islice(keys, head, None), repeat(None)))
+            return
+        # add the new keys (the others are residents already, left where they are), then
+        # move each key to the end in turn
         order.update(zip(new, repeat(None)))
         deque(map(order.move_to_end, keys), maxlen=0)
+
+    def record_tail(self, keys: Sequence[K], head: int) -> None:
+        # record_in_order's usual put without its checks: move the residents in order,
+        # then append the new keys (none resident, so appended in order)
+        order = self._order
+        if head:
+            deque(map(order.move_to_end, islice(keys, head)), maxlen=0)
+        order.update(zip(islice(keys, head, None), repeat(None)))
+
+    @property
+    def members(self) -> Collection[object]:
+        return self._order
 
     def __contains__(self, key: object) -> bool:
         return key in self._order

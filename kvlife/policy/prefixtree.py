@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Collection, Container, Hashable, Sequence
-from itertools import islice, repeat
+from itertools import islice, pairwise, repeat
 from typing import TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -124,21 +124,74 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
             self._cls.pop(key, None)
             self._unlink(key)
 
-    def record_in_order(self, keys: Sequence[K], new: Container[K]) -> None:
+    def record_in_order(self, keys: Sequence[K], new: Collection[K]) -> None:
         order = self._order
         if self.admission is None and self.log is None:
             # the plain tree: link each new key to the chunk before it, then make the
             # prompt most recent from its last chunk to its first
-            link = self._link
-            prev: K | None = None
-            for key in keys:
-                if prev is not None and key not in order and key in new:
-                    link(key, prev)
-                prev = key
-            order.update(zip(keys, repeat(None)))
-            deque(map(order.move_to_end, reversed(keys)), maxlen=0)
+            head = len(keys) - len(new)
+            if (
+                head >= 0
+                and not any(map(new.__contains__, islice(keys, head)))
+                and not any(map(order.__contains__, islice(keys, head, None)))
+            ):
+                # the usual put: residents first, then its new keys (the last len(new)
+                # keys, each a non-resident once): link each to the key before it, add
+                # them from the last to the first, then move the residents likewise
+                parent_of, kids = self._parent, self._kids
+                for prev, key in pairwise(islice(keys, head - 1 if head else 0, None)):
+                    parent_of[key] = prev  # _link, written out
+                    siblings = kids.get(prev)
+                    if siblings is None:
+                        kids[prev] = {key}
+                    else:
+                        siblings.add(key)
+                order.update(zip(reversed(keys[head:]), repeat(None)))
+                deque(map(order.move_to_end, reversed(keys[:head])), maxlen=0)
+                return
+            self._record_plain(keys, new)
             return
         self._record_classed(keys, new)
+
+    def record_tail(self, keys: Sequence[K], head: int) -> None:
+        # the usual put (residents keys[:head], then new keys), known from the lookup
+        if self.admission is not None or self.log is not None:
+            self._record_classed(keys, set(islice(keys, head, None)))
+            return
+        # record_in_order's usual put without its checks, and its links made in C
+        # loops: each new key's parent is the key before it; each new key but the last
+        # gets the next one as its only child; the first new key is a child of the last
+        # resident, which may have others
+        kids = self._kids
+        tail = keys[head:]
+        if tail and head:
+            last = keys[head - 1]
+            self._parent.update(zip(tail, keys[head - 1 : -1], strict=True))
+            siblings = kids.get(last)
+            if siblings is None:
+                kids[last] = {tail[0]}
+            else:
+                siblings.add(tail[0])
+        else:
+            self._parent.update(zip(tail[1:], tail, strict=False))
+        kids.update(zip(tail, map(set, zip(tail[1:])), strict=False))
+        order = self._order
+        order.update(zip(reversed(tail), repeat(None)))
+        if head:
+            deque(map(order.move_to_end, keys[head - 1 :: -1]), maxlen=0)
+
+    def _record_plain(self, keys: Sequence[K], new: Container[K]) -> None:
+        """The plain tree's put, any keys: link each new key to the chunk before it,
+        then make the prompt most recent from its last chunk to its first."""
+        order = self._order
+        link = self._link
+        prev: K | None = None
+        for key in keys:
+            if prev is not None and key not in order and key in new:
+                link(key, prev)
+            prev = key
+        order.update(zip(keys, repeat(None)))
+        deque(map(order.move_to_end, reversed(keys)), maxlen=0)
 
     def _record_classed(self, keys: Sequence[K], new: Container[K]) -> None:
         order = self._order
@@ -212,6 +265,8 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
             raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
         victims: list[K] = []
         kids, parent_of, drop = self._kids, self._parent.get, self._drop
+        order, parents, depths = self._order, self._parent, self._depth
+        plain = not self._cls and type(self)._drop is PrefixTreePolicy._drop
         size = 0
         while len(victims) < n:
             if self._orphans:
@@ -230,7 +285,20 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                     passed.add(key)
                     continue
                 parent = parent_of(key)
-                drop(key)
+                if plain:
+                    # _drop(key) for a leaf of the plain tree, written out: no class,
+                    # no admission, no children to orphan
+                    del order[key]
+                    if parent is not None:
+                        del parents[key]
+                        siblings = kids[parent]
+                        siblings.discard(key)
+                        if not siblings:
+                            del kids[parent]
+                    if depths:
+                        depths.pop(key, None)
+                else:
+                    drop(key)
                 victims.append(key)
                 if len(victims) == n:
                     break
@@ -272,6 +340,10 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         self._unlink(key)
         if cls is not None and self.admission is not None:
             self.admission.on_evict(key, cls, len(self._order))
+
+    @property
+    def members(self) -> Collection[object]:
+        return self._order
 
     def __contains__(self, key: object) -> bool:
         return key in self._order

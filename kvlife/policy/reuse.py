@@ -62,7 +62,8 @@ def structural_classes(
         a = 0 if added < 4 else 1 if added < 8 else 2
         base = CONTINUATION + 3 * a + min(depth, 3) - 1
     classes = [base] * n
-    classes[n - 1] = LAST
+    if n:  # a put of no keys (an empty request) has no last block
+        classes[n - 1] = LAST
     return classes, depth
 
 

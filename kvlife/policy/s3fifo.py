@@ -160,6 +160,10 @@ class S3FIFOPolicy(EvictionPolicy[K]):
                     self._peak = size
                     self._ghost_limit = max(1, size - int(size * SMALL_FRACTION))
 
+    @property
+    def members(self) -> Collection[object]:
+        return self._freq
+
     def __contains__(self, key: object) -> bool:
         return key in self._freq
 

@@ -9,7 +9,11 @@ the tenant furthest over its share, in that tenant's own order. A tenant's exces
 tenant that the tier does not hold yet, which is what the room is being made for (the
 engine protects a put's whole prompt, and a demotion's victims, while it makes room for
 them), so the tenant that asks for room is charged for it; a tie goes to the tenant seen
-first. So while the shares add up to no more than the tier's capacity, one tenant's
+first. The tenants are kept in a heap by excess (updated lazily: a tenant whose units
+changed is pushed again before the next choice, its older entries skipped when they
+come up), so a victim costs O(log tenants) rather than a scan of every tenant; the
+tenants of the protected keys, whose excess is one call's, are compared by a scan of
+those few. So while the shares add up to no more than the tier's capacity, one tenant's
 burst evicts only its own objects: a tenant within its share loses none while another
 is over its share. (In the live store the engine also protects the keys of other
 puts in flight; those count as incoming for their own tenants, which is what they
@@ -26,6 +30,8 @@ against its tenant (:meth:`TenantShares.evicted`).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import Generic, TypeVar
 
@@ -71,6 +77,17 @@ class TenantShares(EvictionPolicy[K], Generic[K, T]):
         """Each resident key's tenant and units, as charged at its insert."""
         self._evicted: dict[T, int] = {}
         """Victims taken from each tenant (keys)."""
+        self._rank: dict[T, int] = {}
+        """Each tenant's place in the order tenants were first seen (the tie-break)."""
+        self._heap: list[tuple[int, int, int, T]] = []
+        """``(share - used, rank, stamp, tenant)``: the most over its share first, a tie
+        to the first seen. An entry is current while its stamp is its tenant's latest
+        (:attr:`_stamp`) and the tenant is not :attr:`_dirty`; others are skipped."""
+        self._stamp: dict[T, int] = {}
+        self._stamps = itertools.count()
+        self._dirty: set[T] = set()
+        """Tenants whose units changed since their entry was pushed (pushed again before
+        the next choice of a victim: an insert costs no heap operation)."""
 
     # ------------------------------------------------------------------ figures
 
@@ -114,9 +131,11 @@ class TenantShares(EvictionPolicy[K], Generic[K, T]):
         if part is None:
             part = self._parts[tenant] = self._inner()
             self._used[tenant] = 0
+            self._rank[tenant] = len(self._rank)
         part.insert(key)
         self._held[key] = (tenant, size)
         self._used[tenant] += size
+        self._dirty.add(tenant)
 
     def touch(self, key: K) -> None:
         held = self._held.get(key)
@@ -129,6 +148,7 @@ class TenantShares(EvictionPolicy[K], Generic[K, T]):
             tenant, size = held
             self._parts[tenant].remove(key)
             self._used[tenant] -= size
+            self._dirty.add(tenant)
 
     def evict(self, n: int, protected: Collection[K] = ()) -> list[K] | None:
         if n < 0:
@@ -151,33 +171,85 @@ class TenantShares(EvictionPolicy[K], Generic[K, T]):
             if key not in held:
                 t = tenant_of(key)
                 incoming[t] = incoming.get(t, 0) + size(key)
-        spent: set[T] = set()
         # tenants with nothing evictable left in this call (all protected)
-        while len(victims) < n:
-            tenant = self._most_over(spent, incoming)
-            if tenant is None:
-                break
-            got = self._parts[tenant].evict_up_to(1, protected)
-            if not got:
-                spent.add(tenant)
-                continue
-            key = got[0]
-            _, units = self._held.pop(key)
-            self._used[tenant] -= units
-            self._evicted[tenant] = self._evicted.get(tenant, 0) + 1
-            victims.append(key)
+        spent: set[T] = set()
+        # current entries taken off the heap for this call (spent tenants, and those with
+        # incoming units, which are compared by a scan), pushed back at its end
+        aside: list[tuple[int, int, int, T]] = []
+        for changed in self._dirty:
+            self._push(changed)
+        self._dirty.clear()
+        if len(self._heap) > 2 * len(self._parts) + 16:
+            self._rebuild()
+        try:
+            while len(victims) < n:
+                tenant = self._most_over(spent, incoming, aside)
+                if tenant is None:
+                    break
+                got = self._parts[tenant].evict_up_to(1, protected)
+                if not got:
+                    spent.add(tenant)
+                    continue
+                key = got[0]
+                _, units = self._held.pop(key)
+                self._used[tenant] -= units
+                self._evicted[tenant] = self._evicted.get(tenant, 0) + 1
+                victims.append(key)
+                self._push(tenant)
+        finally:
+            stamp = self._stamp
+            for entry in aside:
+                if entry[2] == stamp[entry[3]]:
+                    heapq.heappush(self._heap, entry)
         return victims
 
-    def _most_over(self, spent: set[T], incoming: dict[T, int]) -> T | None:
+    def _push(self, tenant: T) -> None:
+        """An entry for ``tenant``'s excess now; its older entries stop being current."""
+        stamp = self._stamp[tenant] = next(self._stamps)
+        excess = self._used[tenant] - self._shares.get(tenant, 0)
+        heapq.heappush(self._heap, (-excess, self._rank[tenant], stamp, tenant))
+
+    def _rebuild(self) -> None:
+        """The heap of current entries only (older ones pile up below the top)."""
+        stamp = self._stamp
+        self._heap = [e for e in self._heap if e[2] == stamp[e[3]]]
+        heapq.heapify(self._heap)
+
+    def _most_over(
+        self, spent: set[T], incoming: dict[T, int], aside: list[tuple[int, int, int, T]]
+    ) -> T | None:
+        """The tenant with the largest ``used + incoming - share`` that has a key left to
+        give this call (a tie: the first seen), or None. The heap's top answers for the
+        tenants without incoming units; those with some (a call's few) are scanned."""
+        heap, stamp, parts = self._heap, self._stamp, self._parts
         best: T | None = None
-        over = 0
-        for tenant, part in self._parts.items():  # first seen first: ties go to it
-            if tenant in spent or not len(part):
+        order: tuple[int, int] = (0, 0)
+        while heap:
+            entry = heap[0]
+            tenant = entry[3]
+            if entry[2] != stamp[tenant]:
+                heapq.heappop(heap)  # an older entry of a tenant pushed since
+            elif tenant in spent or tenant in incoming:
+                aside.append(heapq.heappop(heap))
+            elif not len(parts[tenant]):
+                # nothing to give (its next insert pushes it again)
+                heapq.heappop(heap)
+            else:
+                best, order = tenant, (entry[0], entry[1])
+                break
+        shares, used, rank = self._shares, self._used, self._rank
+        for tenant, units in incoming.items():
+            part = parts.get(tenant)
+            if part is None or tenant in spent or not len(part):
                 continue
-            excess = self._used[tenant] + incoming.get(tenant, 0) - self._shares.get(tenant, 0)
-            if best is None or excess > over:
-                best, over = tenant, excess
+            mine = (shares.get(tenant, 0) - used[tenant] - units, rank[tenant])
+            if best is None or mine < order:
+                best, order = tenant, mine
         return best
+
+    @property
+    def members(self) -> Collection[object]:
+        return self._held
 
     def __contains__(self, key: object) -> bool:
         return key in self._held

@@ -29,10 +29,11 @@ Block capacity is counted in blocks (all blocks of a trace have one size).
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
-from itertools import combinations, compress, filterfalse, pairwise, repeat
+from itertools import chain, combinations, compress, filterfalse, islice, pairwise, repeat
 from operator import not_
 
 import numpy as np
@@ -180,15 +181,18 @@ class CacheSim:
         tcs = [res.tc[name] for name in names]
         emit = self._emit if self.sink is not None else None
         nb = self.block_bytes
-        blocks = trace.blocks.tolist()
+        blocks = block_ids(trace)
         offs = trace.offsets.tolist()
         times = trace.timestamps.tolist()
         cats = trace.categories.tolist()
         tenants = trace.tenants.tolist()
         tnames = trace.tenant_names
+        if one and tracked is None and place.exact_one and distinct_requests(trace):
+            return self._run_exact_one(trace, place, res, progress)
         where = res.where
         where_get = where.get
-        held_at = where.__contains__  # one tier: held anywhere is held there
+        # one tier: held anywhere is held there, as its policy knows (no map beside it)
+        held_at = slots[0].policy.members.__contains__
         serving = res.serving.__getitem__  # a block's tier set (None: absent) -> serving tier
         hinted = self.class_hints and any(
             isinstance(p, SupportsClassHints) for p in self.policies.values()
@@ -289,8 +293,128 @@ class CacheSim:
             demoted=arr(res.dm),
             tiers=res.tc,
             lifespans=tracked.lifespans if tracked is not None else {},
-            resident_at_end=len(where),
+            resident_at_end=len(slots[0].policy) if one else len(where),
         )
+
+    def _run_exact_one(
+        self,
+        trace: Trace,
+        place: Placement,
+        res: _SimResidency,
+        progress: Callable[[int], None] | None,
+    ) -> CacheRun:
+        """The policy-only replay of one tier (no lifespans, no events): each request is
+        one engine call (:meth:`~kvlife.placement.Placement.request_exact_one`: its
+        lookup, then its put), mapped over the requests in one C call; the counts are
+        taken from what the calls return. The same calls, decisions and counts as the
+        general loop of :meth:`run`."""
+        n = trace.n_requests
+        reqs = request_ids(trace)
+        hinted = self.class_hints and any(
+            isinstance(p, SupportsClassHints) for p in self.policies.values()
+        )
+        classes: list[list[int] | None] | repeat[None]
+        if hinted:
+            # class hints by position, one row per category (a put reads only its own
+            # positions, so rows are as long as the longest request)
+            longest = max(map(len, reqs), default=0)
+            buckets = [pos_bucket(pos) for pos in range(longest)]
+            cats = trace.categories.tolist()
+            rows = {c: [c * 4 + b for b in buckets] for c in set(cats)}
+            classes = list(map(rows.__getitem__, cats))
+        else:
+            classes = repeat(None)
+        serve = place.request_exact_one
+        if progress is None:
+            out = list(map(serve, reqs, classes))
+        else:
+            out = []
+            it = map(serve, reqs, classes)
+            for _ in range(0, n - 1023, 1024):
+                out += islice(it, 1024)
+                progress(1024)
+            out += it
+        got = np.fromiter(chain.from_iterable(out), np.int64, 3 * n).reshape(n, 3)
+        hits, absent, placed = got.T.copy()
+        zeros = np.zeros(n, np.int64)
+        present = np.diff(trace.offsets).astype(np.int64) - absent
+        ((name, tc),) = res.tc.items()
+        tc.block_hits += int(present.sum())
+        tc.prefix_hits += int(hits.sum())
+        tc.reads += int(hits.sum())
+        return CacheRun(
+            prefix_dram=hits if name == DRAM else zeros,
+            prefix_disk=zeros if name == DRAM else hits,
+            present=present,
+            new=placed,
+            dropped=absent - placed,
+            promoted=zeros.copy(),
+            demoted=zeros.copy(),
+            tiers=res.tc,
+            resident_at_end=len(self.policies[name]),
+        )
+
+
+@dataclass(slots=True)
+class _TraceKeys:
+    """What a trace's replays share (made once per trace, kept while its ``blocks``
+    array lives)."""
+
+    ids: list[int]
+    requests: list[list[int]] | None = None
+    """Each request's block ids (slices of ``ids``)."""
+    distinct: bool | None = None
+    """Whether no request names a block twice."""
+
+
+_TRACE_KEYS: dict[int, tuple[weakref.ref[NDArray[np.int64]], _TraceKeys]] = {}
+
+
+def _trace_keys(trace: Trace) -> _TraceKeys:
+    arr = trace.blocks
+    key = id(arr)
+    got = _TRACE_KEYS.get(key)
+    if got is not None and got[0]() is arr:
+        return got[1]
+    values = arr.tolist()
+    first: dict[int, int] = {}
+    keys = _TraceKeys(list(map(first.setdefault, values, values)))
+
+    def forget(_: object, key: int = key) -> None:
+        _TRACE_KEYS.pop(key, None)
+
+    _TRACE_KEYS[key] = (weakref.ref(arr, forget), keys)
+    return keys
+
+
+def block_ids(trace: Trace) -> list[int]:
+    """The trace's block ids as a list with one int object per distinct id.
+
+    Equal ids are the same object, so the policies' and the engine's dict lookups
+    match a key by identity (no value comparison), and the list is made once per trace
+    (kept while its ``blocks`` array lives) rather than once per replay. Do not change
+    the list: every replay of the trace reads it."""
+    return _trace_keys(trace).ids
+
+
+def distinct_requests(trace: Trace) -> bool:
+    """Whether no request of ``trace`` names a block twice (chained block ids never
+    do; a hand-made trace may), found once per trace. The one-call-per-request replay
+    (:meth:`~kvlife.placement.Placement.request_exact_one`) takes only such traces."""
+    keys = _trace_keys(trace)
+    if keys.distinct is None:
+        keys.distinct = all(len(set(req)) == len(req) for req in request_ids(trace))
+    return keys.distinct
+
+
+def request_ids(trace: Trace) -> list[list[int]]:
+    """Each request's block ids (as :func:`block_ids`), made once per trace. Do not
+    change the lists: every replay of the trace reads them."""
+    keys = _trace_keys(trace)
+    if keys.requests is None:
+        offs = trace.offsets.tolist()
+        keys.requests = list(map(keys.ids.__getitem__, map(slice, offs, offs[1:])))
+    return keys.requests
 
 
 class _Where(dict[Hashable, frozenset[TierName]]):
@@ -308,9 +432,12 @@ class _SimResidency:
     """Where blocks live in the simulation, and the counting executor of placement's
     actions (the simulator's side of "one placement engine, two executors").
 
-    Tier sets are interned (one frozenset object per combination of tiers), so moving a
-    replica is two dictionary lookups and the serving tier of a set is precomputed.
-    This class counts only; :class:`_TrackedResidency` adds lifespans and events."""
+    With several tiers a map from block to tier set is kept; tier sets are interned (one
+    frozenset object per combination of tiers), so moving a replica is two dictionary
+    lookups and the serving tier of a set is precomputed. With one tier its policy is the
+    residency (it knows exactly what the tier holds, :class:`~kvlife.placement.engine.
+    ExactResidency`) and no map is kept. This class counts only;
+    :class:`_TrackedResidency` adds lifespans and events."""
 
     tiers_of: Callable[[Hashable], Collection[TierName]]
 
@@ -328,7 +455,13 @@ class _SimResidency:
         """The fastest tier of each non-empty set (as Placement.fastest); None: absent."""
         self.serving[None] = None
         self.where = _Where()
+        """Block -> its tiers (several tiers only; it stays empty with one)."""
         self.tiers_of = self.where.__getitem__
+        self.multi = len(names) > 1
+        if not self.multi:
+            members = sim.policies[names[0]].members
+            held = self.one[names[0]]
+            self.tiers_of = lambda key: held if key in members else NOWHERE
         self.tc: dict[str, TierCounters] = {t: TierCounters() for t in names}
         self.pm = [0] * n
         self.dm = [0] * n
@@ -343,7 +476,8 @@ class _SimResidency:
         return 1
 
     def on_place(self, keys: Sequence[Hashable], tier: TierName) -> None:
-        self.where.update(zip(keys, repeat(self.one[tier])))
+        if self.multi:
+            self.where.update(zip(keys, repeat(self.one[tier])))
         self.tc[tier].inserts += len(keys)
 
     def on_copy(self, key: Hashable, src: TierName, dst: TierName, reason: str) -> None:
@@ -360,7 +494,9 @@ class _SimResidency:
         self, keys: Sequence[Hashable], tier: TierName, last: Collection[Hashable], reason: str
     ) -> None:
         where = self.where
-        if len(last) == len(keys):  # last is a subset of keys: every key leaves (C loop)
+        if not self.multi:  # one tier: every key leaves, and nothing is mapped
+            pass
+        elif len(last) == len(keys):  # last is a subset of keys: every key leaves (C loop)
             deque(map(where.pop, keys), maxlen=0)
         else:
             minus = self.minus[tier]
@@ -415,10 +551,11 @@ class _TrackedResidency(_SimResidency):
     ) -> None:
         super().on_evict(keys, tier, last, reason)
         t, emit, nb = self.t, self.emit, self.nb
+        every = len(last) == len(keys)  # last is keys or a subset of them
         for key in keys:
             if emit is not None:
                 emit(t, "evict", key, "indexed", tier=tier, nbytes=nb, reason="capacity")
-            if key in last:
+            if every or key in last:
                 if emit is not None:
                     ns, rid = self.ns, self.rid
                     emit(t, "invalidate", key, "invalidated", reason=reason, ns=ns, rid=rid)

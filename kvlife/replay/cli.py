@@ -1,8 +1,9 @@
-"""``kvlife replay``, ``kvlife sweep`` and ``kvlife bench replay``: entry points taking argv.
+"""``kvlife replay`` and ``kvlife sweep``: entry points taking argv.
 
-The ``kvlife`` command forwards to :func:`replay_main`, :func:`sweep_main` and
-:func:`bench_main`. Without ``--trace`` the built-in synthetic workload is replayed.
-Progress bars go to stderr (tqdm).
+The ``kvlife`` command forwards to :func:`replay_main` and :func:`sweep_main`
+(``kvlife bench replay`` is :mod:`kvlife.bench.replay`, which reads traces with
+:func:`trace_args` and :func:`load_trace`). Without ``--trace`` the built-in synthetic
+workload is replayed. Progress bars go to stderr (tqdm).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from kvlife.core.errors import KVLifeError
 from kvlife.replay.engine import COMPUTE_PRESETS, DEVICE_KINDS
+from kvlife.replay.ftl_disk import DISK_MODELS
 from kvlife.replay.runner import DEFAULT_KV_BYTES_PER_TOKEN, ReplayConfig, parse_capacity
 from kvlife.trace.importers import FORMATS, read_trace
 from kvlife.trace.model import Trace
@@ -27,14 +29,14 @@ DEFAULT_SWEEP_POLICIES = (
 )  # fmt: skip
 
 
-def _trace_args(p: argparse.ArgumentParser) -> None:
+def trace_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", default=None, help="trace file (default: synthetic workload)")
     p.add_argument("--format", default="mooncake", choices=FORMATS, help="trace format")
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload")
 
 
-def _load(args: argparse.Namespace) -> Trace:
+def load_trace(args: argparse.Namespace) -> Trace:
     if args.trace is None:
         from kvlife.trace.synthetic import SyntheticConfig, synthetic_trace
 
@@ -61,12 +63,16 @@ def _config(args: argparse.Namespace, trace: Trace) -> ReplayConfig:
         kv_bytes_per_token=args.kv_bytes_per_token,
         compute=COMPUTE_PRESETS[args.compute],
         tenant_shares=getattr(args, "tenant_shares", "") or "",
+        planner=bool(getattr(args, "planner", False)),
+        disk_model=getattr(args, "disk_model", "bandwidth"),
+        disk_drives=getattr(args, "disk_drives", 1),
+        disk_op=getattr(args, "disk_op", 0.07),
     )
 
 
 def replay_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvlife replay", description="replay a request trace")
-    _trace_args(p)
+    trace_args(p)
     p.add_argument(
         "--policy", default="lru", help="eviction policy (a registered name, e.g. lru, kvhd)"
     )
@@ -74,6 +80,12 @@ def replay_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk", default="0", help="disk capacity: share of unique blocks or bytes")
     p.add_argument("--dram-device", default="dram", choices=DEVICE_KINDS)
     p.add_argument("--disk-device", default="nvme", choices=DEVICE_KINDS)
+    p.add_argument("--disk-model", default="bandwidth", choices=DISK_MODELS,
+                   help="time the disk tier with a bandwidth model of its device, or per "
+                        "block through the page-level FTL with GC (kvlife.replay.ftl_disk, "
+                        "as kvlife report does)")  # fmt: skip
+    p.add_argument("--disk-drives", type=int, default=1, help="FTL: drives the disk tier spans")
+    p.add_argument("--disk-op", type=float, default=0.07, help="FTL: over-provisioning")
     p.add_argument("--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN)
     p.add_argument("--compute", default="gpu-8b", choices=sorted(COMPUTE_PRESETS))
     p.add_argument("--derive-tenants", default="", choices=("", "user", "organisation"),
@@ -82,6 +94,9 @@ def replay_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant-shares", default="",
                    help="quotas between the trace's tenants: 'equal' or name=fraction,... "
                         "of each tier (kvlife.replay.tenants)")  # fmt: skip
+    p.add_argument("--planner", action="store_true",
+                   help="time the run again with the load-or-recompute planner "
+                        "(kvlife.planner; TTFT beside always-load)")  # fmt: skip
     p.add_argument("--json", default=None, help="write the report as JSON")
     p.add_argument("--report", default=None, help="write an HTML report with plots")
     p.add_argument("--events", default=None, help="write lifecycle events (.jsonl or .parquet)")
@@ -102,21 +117,16 @@ def replay_main(argv: Sequence[str]) -> int:
 def _sink(path: str | None) -> Any:
     if path is None:
         return None
-    if path.endswith(".parquet"):
-        from kvlife.trace.events_io import ParquetSink
+    from kvlife.trace.events_io import open_event_file
 
-        return ParquetSink(path)
-    from kvlife.core.events import JsonlSink
-
-    Path(path).unlink(missing_ok=True)
-    return JsonlSink(path)
+    return open_event_file(path)
 
 
 def _replay(args: argparse.Namespace) -> int:
     from kvlife.replay.report import table, to_json, write_html
     from kvlife.replay.runner import replay, sweep
 
-    trace = _load(args)
+    trace = load_trace(args)
     if args.derive_tenants:
         from kvlife.replay.tenants import with_derived_tenants
 
@@ -176,7 +186,7 @@ def sweep_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvlife sweep", description="hit ratio against capacity for several policies"
     )
-    _trace_args(p)
+    trace_args(p)
     p.add_argument("--policies", default=",".join(DEFAULT_SWEEP_POLICIES), help="comma list")
     p.add_argument("--shares", default=",".join(str(s) for s in DEFAULT_SHARES),
                    help="capacities as shares of the unique blocks, comma list")  # fmt: skip
@@ -213,7 +223,7 @@ def sweep_main(argv: Sequence[str]) -> int:
 
     args = sweep_parser().parse_args(list(argv))
     try:
-        trace = _load(args)
+        trace = load_trace(args)
         pols = [p for p in args.policies.split(",") if p]
         shares = [float(s) for s in args.shares.split(",") if s]
         with _bar(len(pols) * len(shares), "sweep") as bar:
@@ -267,66 +277,12 @@ def sweep_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def bench_main(argv: Sequence[str]) -> int:
-    """``kvlife bench replay``: block touches per second, policy-only and full simulation.
-
-    Both go through the store's placement engine (:mod:`kvlife.placement`): the
-    simulator has no other path."""
-    import time
-
-    from kvlife.policy.base import policy_names
-    from kvlife.replay.runner import replay, sweep
-
-    p = argparse.ArgumentParser(prog="kvlife bench replay", description=bench_main.__doc__)
-    _trace_args(p)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(list(argv))
-    try:
-        t0 = time.perf_counter()
-        trace = _load(args)
-        parse_s = time.perf_counter() - t0
-        unique = trace.n_unique_blocks()
-        result: dict[str, Any] = {
-            "trace": trace.name,
-            "block_touches": trace.n_touches,
-            "parse_seconds": parse_s,
-            "decisions": "kvlife.placement",
-            "policy_only": {},
-            "full": {},
-        }
-        for pol in policy_names():
-            sw = sweep(trace, [pol], [0.1])
-            result["policy_only"][pol] = {
-                "block_touches_per_s": sw["speed"]["block_touches_per_s"],
-                "hit_ratio": sw["curves"][pol][0]["block_hit_ratio"],
-            }
-            rep = replay(trace, ReplayConfig(pol, int(unique * 0.1), int(unique * 0.3)))
-            result["full"][pol] = {"block_touches_per_s": rep["speed"]["block_touches_per_s"]}
-    except KVLifeError as e:
-        print(f"kvlife bench replay: error: {e}", file=sys.stderr)
-        return 1
-    from kvlife.report import format_table
-
-    rows = [
-        [
-            pol,
-            f"{result['policy_only'][pol]['block_touches_per_s']:,.0f}",
-            f"{result['full'][pol]['block_touches_per_s']:,.0f}",
-        ]
-        for pol in policy_names()
-    ]
-    print(format_table(["policy", "policy-only touches/s", "full-sim touches/s"], rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2), encoding="utf-8")
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvlife.replay.cli {replay,sweep,bench} ...`` (until kvlife's CLI wires it)."""
+    """``python -m kvlife.replay.cli {replay,sweep} ...`` (``kvlife`` forwards to it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    table = {"replay": replay_main, "sweep": sweep_main, "bench": bench_main}
+    table = {"replay": replay_main, "sweep": sweep_main}
     if not argv or argv[0] not in table:
-        print("usage: python -m kvlife.replay.cli {replay,sweep,bench} [options]", file=sys.stderr)
+        print("usage: python -m kvlife.replay.cli {replay,sweep} [options]", file=sys.stderr)
         return 2
     return table[argv[0]](argv[1:])
 

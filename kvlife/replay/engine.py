@@ -12,6 +12,22 @@ clock, events ordered by ``(time, sequence)``:
   promotions) are written to their tier, demotions read from DRAM and written to disk,
   asynchronously; the instance takes the next request.
 
+With ``planner``, each start first asks whether the prefix is worth reading: the
+predicted read time (each tier's latency and time per byte, :class:`kvlife.planner.TierCost`
+calibrated on an idle copy of its device model, then learnt from the reads this simulation
+made, queueing included) is
+compared with the prefill time it saves, and a prefix predicted slower to read than to
+recompute is prefilled with the rest (counted in ``Timing.declined``), except one in
+``PROBE_EVERY``, read anyway so the estimate follows a tier whose queue drained. Under the linear
+prefill model of :class:`ComputeModel` that is the planner's load-or-recompute choice
+(``kvlife.planner.tokens_to_load`` with a flat prefill profile) for a prefix read from
+both tiers at once.
+
+With an :class:`~kvlife.replay.ftl_disk.FTLDisk` (``kvlife replay --disk-model ftl``),
+the disk tier is timed per block through the page-level FTL instead of a bandwidth
+model: at **start**, the request's disk reads, then its trims, demotions and direct disk
+placements (demotions are still read from DRAM when the prefill is done).
+
 Decode runs on separate instances (prefill/decode disaggregation, as in Mooncake), so
 TPOT = ``decode_s_per_token + decode_s_per_context_token x context``, with the context at
 mid-decode. Devices are :mod:`kvlife.sim` models, called in event order.
@@ -27,7 +43,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from kvlife.core.errors import InvalidArgument
+from kvlife.planner import TierCost
 from kvlife.replay.cache import DISK, DRAM, CacheRun
+from kvlife.replay.ftl_disk import FTLDisk
 from kvlife.sim.device import DeviceModel, LocalDRAM, MemoryConfig, MemoryDevice
 from kvlife.trace.model import Trace
 
@@ -91,6 +109,8 @@ class Timing:
     """Time from arrival to start of prefill."""
     load: NDArray[np.float64]
     """Time spent reading the usable prefix."""
+    declined: NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Per request, the prefix blocks the planner chose to recompute (``planner`` only)."""
     io: dict[str, list[tuple[float, int, int]]] = field(default_factory=dict)
     """Per tier: (time, bytes read, bytes written) of each device call."""
     device_stats: dict[str, object] = field(default_factory=dict)
@@ -99,14 +119,52 @@ class Timing:
 _ARRIVAL, _START, _DONE = 0, 1, 2
 
 
+def _predict(cost: TierCost, inflight: list[tuple[float, int]], t: float, nbytes: int) -> float:
+    """A read of ``nbytes`` at ``t``: the tier's latency, then its bytes behind those
+    still in flight (the queue depth, in bytes), at the learnt time per byte."""
+    return cost.seconds(_queued(inflight, t) + nbytes)
+
+
+def _queued(inflight: list[tuple[float, int]], t: float) -> int:
+    """Bytes of reads still in flight at ``t`` (finished ones dropped)."""
+    while inflight and inflight[0][0] <= t:
+        heapq.heappop(inflight)
+    return sum(n for _, n in inflight)
+
+
+def _calibrated(name: str, device: DeviceModel[object], block_bytes: int) -> TierCost:  # type: ignore[type-var]
+    """A tier's cost seeded from two reads of an idle copy of its device model (one
+    block, 64 blocks), as the store calibrates a tier: latency and time per byte."""
+    import copy
+
+    idle = copy.deepcopy(device)
+    cost = TierCost(name)
+    small = idle.read(0.0, block_bytes, -1)
+    large = idle.read(1e6, 64 * block_bytes, -1) - 1e6
+    cost.calibrate((block_bytes, small), (64 * block_bytes, large))
+    return cost
+
+
+PROBE_EVERY = 32
+"""With the planner, one prefix in this many that it would recompute is read anyway."""
+
+
 def simulate(
     trace: Trace,
     run: CacheRun,
     compute: ComputeModel,
     devices: dict[str, DeviceModel[object]],  # type: ignore[type-var]
     block_bytes: int,
+    *,
+    planner: bool = False,
+    ftl: FTLDisk | None = None,
 ) -> Timing:
-    """Time the requests of ``trace`` given the cache decisions of ``run``."""
+    """Time the requests of ``trace`` given the cache decisions of ``run``; with
+    ``planner``, each prefix is read or recomputed, whichever is predicted faster; with
+    ``ftl``, the disk tier is that FTL (``devices`` then has no disk)."""
+    if ftl is not None and (planner or DISK in devices):
+        raise InvalidArgument("the FTL disk is timed alone: no planner, no disk device beside it")
+
     n = trace.n_requests
     arrival = trace.timestamps.tolist()
     inp = trace.input_tokens.tolist()
@@ -123,7 +181,14 @@ def simulate(
     ttft = np.zeros(n)
     queue_t = np.zeros(n)
     load_t = np.zeros(n)
+    declined = np.zeros(n, np.int64)
+    costs = {name: _calibrated(name, device, block_bytes) for name, device in devices.items()}
+    refused = 0
+    inflight: dict[str, list[tuple[float, int]]] = {name: [] for name in devices}
+    """Per tier, reads not finished: (done, bytes), the queue a new read waits behind."""
     io: dict[str, list[tuple[float, int, int]]] = {name: [] for name in devices}
+    if ftl is not None:
+        io[DISK] = []
     heap: list[tuple[float, int, int, int]] = [(arrival[r], r, _ARRIVAL, r) for r in range(n)]
     heapq.heapify(heap)
     seq = n
@@ -142,25 +207,54 @@ def simulate(
         elif kind == _START:
             queue_t[r] = t - arrival[r]
             done = t
-            if pd[r] and dram is not None:
-                nb = pd[r] * block_bytes
-                done = max(done, dram.read(t, nb, r))
-                io[DRAM].append((t, nb, 0))
-            if pk[r] and disk is not None:
-                nb = pk[r] * block_bytes
-                done = max(done, disk.read(t, nb, r))
-                io[DISK].append((t, nb, 0))
+            blocks = pd[r] + pk[r]
+            if planner and blocks:
+                # parallel reads, as below; a tier never read predicts 0 (it is read)
+                reads = [(DRAM, pd[r]), (DISK, pk[r])]
+                predicted = max(
+                    _predict(costs[tier], inflight[tier], t, b * block_bytes)
+                    for tier, b in reads
+                    if b and tier in costs
+                )
+                if predicted > min(blocks * bt, inp[r]) / rate:
+                    refused += 1
+                    # every PROBE_EVERY-th refusal reads anyway: a tier that is never
+                    # read is never seen to have become fast again (its queue drained)
+                    if refused % PROBE_EVERY:
+                        declined[r] = blocks
+            if declined[r] == 0:
+                for tier, device, b in ((DRAM, dram, pd[r]), (DISK, disk, pk[r])):
+                    if b and device is not None:
+                        nb = b * block_bytes
+                        # the read waits behind the bytes in flight: it is those and
+                        # its own that its time says something of
+                        queued = _queued(inflight[tier], t)
+                        got = device.read(t, nb, r)
+                        costs[tier].observe(queued + nb, got - t)
+                        heapq.heappush(inflight[tier], (got, nb))
+                        done = max(done, got)
+                        io[tier].append((t, nb, 0))
+            if ftl is not None:
+                got_io = ftl.start(t, r, 0 if declined[r] else pk[r])
+                done = max(done, got_io.done)
+                if got_io.read_bytes:
+                    io[DISK].append((t, got_io.read_bytes, 0))
+                if got_io.written_bytes:
+                    io[DISK].append((t, 0, got_io.written_bytes))
             load_t[r] = done - t
-            cached = min((pd[r] + pk[r]) * bt, inp[r])
+            cached = 0 if declined[r] else min(blocks * bt, inp[r])
             end = done + max(inp[r] - cached, 1) / rate
             push(heap, (end, seq, _DONE, r))
             seq += 1
         else:
             ttft[r] = t - arrival[r]
             wrote = (new[r] + prom[r]) * block_bytes
-            if wrote:
+            if wrote and first in devices:  # else the FTL wrote them at the start
                 devices[first].write(t, wrote, r)
                 io[first].append((t, 0, wrote))
+            if dem[r] and dram is not None and ftl is not None:  # written by the FTL
+                dram.read(t, dem[r] * block_bytes, r)
+                io[DRAM].append((t, dem[r] * block_bytes, 0))
             if dem[r] and dram is not None and disk is not None:
                 nb = dem[r] * block_bytes
                 dram.read(t, nb, r)
@@ -180,6 +274,7 @@ def simulate(
         tpot=tpot.astype(np.float64),
         queue=queue_t,
         load=load_t,
+        declined=declined,
         io=io,
         device_stats={name: d.stats() for name, d in devices.items()},
     )

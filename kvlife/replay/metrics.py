@@ -27,6 +27,19 @@ from kvlife.replay.cache import POS_BUCKETS
 from kvlife.trace.model import Trace
 
 
+def trace_summary(trace: Trace) -> dict[str, Any]:
+    """The ``trace`` section of a replay's and a report's JSON: name, requests, block
+    touches, unique blocks, tokens per block, span (seconds from the first arrival)."""
+    return {
+        "name": trace.name,
+        "requests": trace.n_requests,
+        "block_touches": trace.n_touches,
+        "unique_blocks": trace.n_unique_blocks(),
+        "block_tokens": trace.block_tokens,
+        "span_s": float(trace.timestamps[-1]) if trace.n_requests else 0.0,
+    }
+
+
 def percentiles(values: NDArray[np.float64] | list[float]) -> dict[str, float]:
     """count, mean, P50, P90, P99, max (NaNs ignored; zeros when empty)."""
     a = np.asarray(values, dtype=np.float64)

@@ -38,6 +38,19 @@ def table(report: dict[str, Any]) -> str:
             p = report[key]
             rows.append([f"{key[:4].upper()} P50/P90/P99 (s)",
                          f"{p['p50']:.3f} / {p['p90']:.3f} / {p['p99']:.3f}"])  # fmt: skip
+    ftl = report.get("disk_ftl")
+    if ftl:
+        rows.append(["disk FTL: WAF / GC share of span", f"{ftl['waf']:.3f} / "
+                     f"{ftl['gc_share_of_span']:.3f}"])  # fmt: skip
+        rows.append(["disk FTL: read P99 under GC / clear (s)", f"{ftl['read_p99_under_gc_s']:.3f}"
+                     f" / {ftl['read_p99_clear_s']:.3f}"])  # fmt: skip
+    pl = report.get("planner")
+    if pl:
+        a, b = pl["ttft_s_always_load"], pl["ttft_s"]
+        rows.append(["TTFT P50/P99 always-load (s)", f"{a['p50']:.3f} / {a['p99']:.3f}"])
+        rows.append(["TTFT P50/P99 planner (s)", f"{b['p50']:.3f} / {b['p99']:.3f}"])
+        rows.append(["  prefixes recomputed", f"{pl['requests_recomputed']} of "
+                     f"{pl['requests_with_prefix']}"])  # fmt: skip
     rows.append(["block touches per second", f"{report['speed']['block_touches_per_s']:,.0f}"])
     return format_table(["metric", "value"], rows)
 

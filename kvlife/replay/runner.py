@@ -15,8 +15,17 @@ from kvlife.core.errors import InvalidArgument
 from kvlife.core.events import EventSink
 from kvlife.policy.shares import TenantShares
 from kvlife.replay.cache import DISK, DRAM, CacheRun, CacheSim
-from kvlife.replay.engine import ComputeModel, make_device, simulate
-from kvlife.replay.metrics import per_tenant, percentiles, ratio, reuse_distances
+from kvlife.replay.engine import ComputeModel, Timing, make_device, simulate
+from kvlife.replay.ftl_disk import DISK_MODELS, FTLDisk
+from kvlife.replay.metrics import (
+    per_tenant,
+    percentiles,
+    ratio,
+    reuse_distances,
+    trace_summary,
+)
+from kvlife.replay.ops import OpsRecorder, split_requests
+from kvlife.sim.ssd_tier import SSDTier, SSDTierConfig
 from kvlife.trace.model import Trace
 
 DEFAULT_KV_BYTES_PER_TOKEN = 131072
@@ -67,6 +76,32 @@ class ReplayConfig:
     tenant_shares: str = ""
     """Quotas between the trace's tenants (``equal`` or ``name=fraction,...``,
     :mod:`kvlife.replay.tenants`); empty: one budget per tier."""
+    planner: bool = False
+    """Time the run a second time with the load-or-recompute planner (the cache
+    decisions are the same; ``report["planner"]`` has its TTFT beside the first's)."""
+    disk_model: str = "bandwidth"
+    """How the disk tier is timed: ``bandwidth`` (``disk_device``'s model of the bytes)
+    or ``ftl`` (per block through the page-level FTL with GC, :mod:`kvlife.replay.ftl_disk`;
+    ``report["disk_ftl"]`` has its WAF, GC and reads under GC)."""
+    disk_drives: int = 1
+    """FTL: NVMe drives the disk tier is striped over."""
+    disk_op: float = 0.07
+    """FTL: over-provisioning of the drives (physical / logical - 1)."""
+
+    def __post_init__(self) -> None:
+        if self.disk_model not in DISK_MODELS:
+            raise InvalidArgument(
+                f"disk model {self.disk_model!r}; known: {', '.join(DISK_MODELS)}"
+            )
+        if self.disk_model == "ftl":
+            if self.disk_device != "nvme":
+                raise InvalidArgument(
+                    f"the FTL models an SSD: disk device must be nvme, not {self.disk_device!r}"
+                )
+            if self.planner:
+                raise InvalidArgument("the planner is timed with the bandwidth disk model")
+            if self.disk_drives < 1 or not 0 < self.disk_op < 1:
+                raise InvalidArgument("the FTL disk needs drives >= 1 and 0 < op < 1")
 
 
 def _quotas(sim: CacheSim, trace: Trace, cfg: ReplayConfig) -> dict[str, TenantShares[object, str]]:
@@ -95,11 +130,14 @@ def replay(
     """Replay ``trace`` and return the report dictionary (JSON-ready)."""
     block_bytes = cfg.kv_bytes_per_token * trace.block_tokens
     t0 = time.perf_counter()
+    ftl = cfg.timing and cfg.disk_blocks > 0 and cfg.disk_model == "ftl"
+    # the FTL needs each request's disk blocks: cut from the replay's events
+    recorder = OpsRecorder(tee=sink) if ftl else None
     sim = CacheSim(
         cfg.policy,
         cfg.dram_blocks,
         cfg.disk_blocks,
-        sink=sink,
+        sink=recorder or sink,
         block_bytes=block_bytes,
         track_lifespans=cfg.timing,
         class_hints=cfg.class_hints,
@@ -114,9 +152,25 @@ def replay(
         devices = {}
         if cfg.dram_blocks:
             devices[DRAM] = make_device(cfg.dram_device, DRAM)
-        if cfg.disk_blocks:
+        disk = None
+        if recorder is not None:
+            tier = SSDTier(
+                SSDTierConfig(capacity_bytes=cfg.disk_blocks * block_bytes, op=cfg.disk_op),
+                block_bytes,
+                drives=cfg.disk_drives,
+            )
+            disk = FTLDisk(tier, split_requests(recorder.rows, run), block_bytes)
+            recorder.rows = []
+        elif cfg.disk_blocks:
             devices[DISK] = make_device(cfg.disk_device, DISK)
-        timing = simulate(trace, run, cfg.compute, devices, block_bytes)
+        t1 = time.perf_counter()
+        timing = simulate(trace, run, cfg.compute, devices, block_bytes, ftl=disk)
+        t_timing = time.perf_counter() - t1
+        if disk is not None:
+            end = float(np.max(trace.timestamps + timing.ttft)) if trace.n_requests else 0.0
+            figures = disk.tier.figures(max(end, 1e-9))
+            figures["timing_seconds"] = t_timing
+            report["disk_ftl"] = figures
         rows = {
             "prefix": run.prefix_dram + run.prefix_disk,
             "present": run.present,
@@ -133,13 +187,44 @@ def replay(
         report["reuse_distance_touches"] = reuse_distances(trace)
         report["timeline"] = _timeline(timing.io, float(trace.timestamps[-1]) + 1.0)
         report["_ttft"] = timing.ttft  # for plots; dropped from JSON
+        if cfg.planner:
+            report["planner"] = _planned(trace, run, cfg, block_bytes, timing)
     elapsed = time.perf_counter() - t0
     report["speed"] = {
         "seconds": elapsed,
         "cache_seconds": t_cache,
         "block_touches_per_s": ratio(trace.n_touches, elapsed),
     }
+    if "disk_ftl" in report:  # the FTL's speed: host writes of mapping units per second
+        ftl = report["disk_ftl"]
+        report["speed"]["ftl_host_unit_writes_per_s"] = ratio(
+            int(ftl["host_unit_writes"]), ftl["timing_seconds"]
+        )
     return report
+
+
+def _planned(
+    trace: Trace, run: CacheRun, cfg: ReplayConfig, block_bytes: int, loaded: Timing
+) -> dict[str, Any]:
+    """The same run timed with the planner on fresh devices, against ``loaded`` (every
+    usable prefix read)."""
+    devices = {}
+    if cfg.dram_blocks:
+        devices[DRAM] = make_device(cfg.dram_device, DRAM)
+    if cfg.disk_blocks:
+        devices[DISK] = make_device(cfg.disk_device, DISK)
+    timing = simulate(trace, run, cfg.compute, devices, block_bytes, planner=True)
+    with_prefix = int(((run.prefix_dram + run.prefix_disk) > 0).sum())
+    return {
+        "ttft_s": percentiles(timing.ttft),
+        "ttft_s_always_load": percentiles(loaded.ttft),
+        "mean_ttft_s": float(timing.ttft.mean()),
+        "mean_ttft_s_always_load": float(loaded.ttft.mean()),
+        "requests_with_prefix": with_prefix,
+        "requests_recomputed": int((timing.declined > 0).sum()),
+        "blocks_recomputed": int(timing.declined.sum()),
+        "load_s": percentiles(timing.load),
+    }
 
 
 def summarise(trace: Trace, cfg: ReplayConfig, run: CacheRun, block_bytes: int) -> dict[str, Any]:
@@ -160,13 +245,7 @@ def summarise(trace: Trace, cfg: ReplayConfig, run: CacheRun, block_bytes: int) 
         written += tc.inserts * block_bytes
     cfg_d = asdict(cfg)
     return {
-        "trace": {
-            "name": trace.name,
-            "requests": trace.n_requests,
-            "block_touches": touches,
-            "unique_blocks": trace.n_unique_blocks(),
-            "block_tokens": trace.block_tokens,
-        },
+        "trace": trace_summary(trace),
         "config": {**cfg_d, "block_bytes": block_bytes},
         "block_hit_ratio": ratio(int(run.present.sum()), touches),
         "prefix_hit_ratio": ratio(prefix, touches),
@@ -205,7 +284,7 @@ def sweep(
     """Policy-only hit ratios of each policy at each capacity (share of unique blocks)."""
     unique = trace.n_unique_blocks()
     curves: dict[str, Any] = {}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for pol in policies:
         pts = []
         for share in shares:
@@ -225,6 +304,7 @@ def sweep(
                 progress(1)
         curves[pol] = pts
     elapsed = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     runs = len(policies) * len(shares)
     return {
         "trace": trace.name,
@@ -235,5 +315,7 @@ def sweep(
         "speed": {
             "seconds": elapsed,
             "block_touches_per_s": ratio(trace.n_touches * runs, elapsed),
+            "cpu_seconds": cpu,
+            "block_touches_per_cpu_s": ratio(trace.n_touches * runs, cpu),
         },
     }

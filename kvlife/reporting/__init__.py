@@ -2,10 +2,9 @@
 
 - :mod:`kvlife.reporting.config`: the configured hierarchy (DRAM, SSD through the FTL
   model, a remote tier through the network model, faults, tenant quotas, compute).
-- :mod:`kvlife.reporting.ssd_tier`: the page-level FTL (GC, over-provisioning, FDP
-  streams) as the SSD tier of a replay, with GC windows and reads under GC.
-- :mod:`kvlife.reporting.ops`: the per-request device operations of a cache replay,
-  taken from its lifecycle events.
+- The SSD tier (:mod:`kvlife.replay.ftl_disk` over :mod:`kvlife.sim.ssd_tier`) and the
+  per-request device operations it runs (:mod:`kvlife.replay.ops`) are shared with
+  ``kvlife replay --disk-model ftl``.
 - :mod:`kvlife.reporting.remote`: a shared remote tier (write-through, LRU capacity).
 - :mod:`kvlife.reporting.faults`: seeded simulated faults and their counted outcomes.
 - :mod:`kvlife.reporting.host`: one host: cache decisions, device timing, the metrics.

@@ -5,8 +5,10 @@
   and the lifecycle distribution of its replay.
 - ``kvlife report --trace F --cluster 64 ...``: the cluster simulation
   (:mod:`kvlife.reporting.cluster`) instead of the one-host run.
-- ``--events F`` (repeatable): lifecycle event logs of a live store (JSON lines or
-  Parquet, :func:`kvlife.trace.events_io.read_events`) analysed beside the replay.
+- ``--events [LABEL=]F`` (repeatable): lifecycle event logs of a live engine's store
+  (JSON lines or Parquet, :func:`kvlife.trace.events_io.read_events`: ``kvlife demo
+  --events``, the vLLM connector's ``kvlife.events``) analysed beside the replay, each
+  as the source ``live:LABEL`` (default: the file's name), side by side.
 
 Sizes take units (``256GiB``, ``2TiB``, ``0``).
 """
@@ -62,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--events",
         action="append",
         default=[],
-        help="lifecycle event log of a live store (JSONL or Parquet); repeatable",
+        metavar="[LABEL=]FILE",
+        help="lifecycle event log of a live engine's store (JSONL or Parquet: kvlife demo "
+        "--events, the vLLM connector's kvlife.events), reported as source live:LABEL "
+        "(default: the file name); repeatable",
     )
     h = p.add_argument_group("one host (default mode)")
     h.add_argument("--policy", default="lru", help="eviction policy of the local tiers")
@@ -133,24 +138,42 @@ def host_config(args: argparse.Namespace) -> HostConfig:
     )
 
 
-def live_lifecycle(paths: Sequence[str]) -> dict[str, Any]:
-    """The lifecycle analysis of each live event log (classes: the namespace)."""
+def event_sources(specs: Sequence[str]) -> dict[str, Path]:
+    """``[LABEL=]FILE`` arguments -> ``{"live:LABEL": FILE}`` (LABEL defaults to the
+    file's name; a label given twice is refused)."""
+    out: dict[str, Path] = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or "/" in label:
+            label, path = Path(spec).name, spec
+        name = f"live:{label}"
+        if not Path(path).is_file():
+            raise InvalidArgument(f"--events {spec}: {path} is not a file")
+        if name in out:
+            raise InvalidArgument(f"--events: source {label!r} given twice; label them LABEL=FILE")
+        out[name] = Path(path)
+    return out
+
+
+def live_lifecycle(specs: Sequence[str]) -> dict[str, Any]:
+    """The lifecycle analysis of each live event log (classes: the namespace), by source
+    name (:func:`event_sources`)."""
     from kvlife.core.events import LifecycleEvent
     from kvlife.reporting.lifecycle import LifecycleAnalysis
     from kvlife.trace.events_io import read_events
 
+    def classify(_key: str, e: LifecycleEvent) -> str:
+        return e.namespace or "default"
+
     out: dict[str, Any] = {}
-    for path in paths:
-
-        def classify(_key: str, e: LifecycleEvent) -> str:
-            return e.namespace or "default"
-
+    for name, path in event_sources(specs).items():
         a = LifecycleAnalysis(classify).add_all(read_events(path))
-        out[f"live:{Path(path).name}"] = (a.result(), a.samples())
+        out[name] = (a.result(), a.samples())
     return out
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
+    event_sources(args.events)  # a bad --events fails now, not after the replay
     trace = read_trace(args.trace, args.format, args.max_requests)
     report: dict[str, Any] = {
         "kind": "kvlife.report",

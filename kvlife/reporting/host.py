@@ -2,13 +2,13 @@
 
 1. **Cache decisions**: :class:`~kvlife.replay.cache.CacheSim` (the store's placement
    engine, DRAM and SSD tiers, the policy, tenant quotas if any) with an event sink that
-   keeps the device moves (:mod:`kvlife.reporting.ops`) and the lifecycle analysis
+   keeps the device moves (:mod:`kvlife.replay.ops`) and the lifecycle analysis
    (:mod:`kvlife.reporting.lifecycle`).
 2. **Remote tier and faults**, in arrival order: the remote tier extends each local
    prefix and takes the request's blocks write-through; faults cut prefixes.
 3. **Timing**: a discrete-event simulation (events by ``(time, sequence)``), as
    :func:`kvlife.replay.engine.simulate`, but with per-block SSD I/O through the FTL
-   (:mod:`kvlife.reporting.ssd_tier`) and the remote tier through the network model.
+   (:mod:`kvlife.sim.ssd_tier`) and the remote tier through the network model.
    A request's SSD reads are issued when it starts; its SSD trims, demotions and direct
    SSD placements right after them (the room for its KV is made when it is admitted, in
    arrival order, so the FTL never holds more than the tier's capacity); its new DRAM
@@ -29,13 +29,16 @@ from kvlife.core.events import LifecycleEvent
 from kvlife.policy.shares import TenantShares
 from kvlife.replay.cache import CacheRun, CacheSim, pos_bucket
 from kvlife.replay.engine import ComputeModel
+from kvlife.replay.ftl_disk import FTLDisk
 from kvlife.replay.metrics import (
     per_tenant,
     percentiles,
     ratio,
     reuse_distances,
     touch_classes,
+    trace_summary,
 )
+from kvlife.replay.ops import OpsRecorder, RequestOps, split_requests
 from kvlife.replay.tenants import (
     block_owners,
     parse_tenant_shares,
@@ -45,11 +48,10 @@ from kvlife.replay.tenants import (
 from kvlife.reporting.config import HostConfig
 from kvlife.reporting.faults import FaultInjector
 from kvlife.reporting.lifecycle import LifecycleAnalysis, trace_lifetimes
-from kvlife.reporting.ops import OpsRecorder, RequestOps, split_requests
 from kvlife.reporting.remote import RemoteTier
-from kvlife.reporting.ssd_tier import SSDTier, SSDTierConfig
 from kvlife.sim.device import LocalDRAM
 from kvlife.sim.network import RDMA_100G, TCP_25G, NetworkLink
+from kvlife.sim.ssd_tier import SSDTier, SSDTierConfig
 from kvlife.trace.model import Trace
 
 POSITION_CLASSES = ("pos0", "pos1-3", "pos4-15", "pos16+")
@@ -193,7 +195,7 @@ def _simulate(
     inp = trace.input_tokens.tolist()
     bt = trace.block_tokens
     dram = LocalDRAM(name="dram")
-    ssd = (
+    tier = (
         SSDTier(
             SSDTierConfig(
                 capacity_bytes=max(block_bytes, cfg.ssd_bytes // block_bytes * block_bytes),
@@ -206,6 +208,7 @@ def _simulate(
         if cfg.ssd_bytes >= block_bytes
         else None
     )
+    ssd = FTLDisk(tier, ops, block_bytes, positions) if tier is not None else None
     net = (
         NetworkLink(RDMA_100G if cfg.remote_link == "rdma" else TCP_25G, "remote")
         if cfg.remote_bytes
@@ -247,9 +250,9 @@ def _simulate(
                 done = max(done, dram.read(t, nb, r))
                 io["dram"].append((t, nb, 0))
             n_ssd = local[r] - n_dram
-            if ssd is not None:
-                for key in o.disk_reads[:n_ssd]:
-                    done = max(done, ssd.read(t, block_bytes, key))
+            disk_io = ssd.start(t, r, n_ssd) if ssd is not None else None
+            if disk_io is not None:
+                done = max(done, disk_io.done)
                 if n_ssd:
                     io["ssd"].append((t, n_ssd * block_bytes, 0))
             if rq[r] and net is not None:
@@ -257,18 +260,13 @@ def _simulate(
                 done = max(done, net.read(t, nb, r))
                 io["remote"].append((t, nb, 0))
             done += stall[r]  # a remote fetch that timed out before it was given up
-            if ssd is not None:
-                for key in o.disk_trims:
-                    ssd.trim(key)
-                wrote = 0
+            if disk_io is not None:
+                # the demotions the FTL wrote were read from DRAM
                 if o.demotions:
                     dram.read(t, len(o.demotions) * block_bytes, r)
                     io["dram"].append((t, len(o.demotions) * block_bytes, 0))
-                for key in (*o.demotions, *o.disk_new):
-                    ssd.write(t, block_bytes, key, positions.get(key, 3))
-                    wrote += block_bytes
-                if wrote:
-                    io["ssd"].append((t, 0, wrote))
+                if disk_io.written_bytes:
+                    io["ssd"].append((t, 0, disk_io.written_bytes))
             load[r] = done - t
             cached = min((local[r] + rq[r]) * bt, inp[r])
             work = max(inp[r] - cached, 1) / rate
@@ -313,10 +311,10 @@ def _simulate(
             "link_out_utilisation": ns.busy_out_s / span,
         }
     ssd_fig = None
-    if ssd is not None:
-        ssd_fig = ssd.figures(span)
+    if tier is not None:
+        ssd_fig = tier.figures(span)
         util["ssd_dies"] = float(ssd_fig["utilisation"])  # type: ignore[arg-type]
-        ssd_fig["gc_windows"] = len(ssd.gc_windows)
+        ssd_fig["gc_windows"] = len(tier.gc_windows)
     return {
         "ttft": ttft,
         "tpot": tpot,
@@ -328,7 +326,7 @@ def _simulate(
         "network": net_fig,
         "dram_bytes": (dstat.bytes_read, dstat.bytes_written),
         "io": io,
-        "gc_windows": ssd.gc_windows if ssd is not None else [],
+        "gc_windows": tier.gc_windows if tier is not None else [],
         "seconds": time.perf_counter() - t0,
     }
 
@@ -375,14 +373,7 @@ def _summarise(
     ttft = timing["ttft"]
     cfg_d = asdict(cfg)
     return {
-        "trace": {
-            "name": trace.name,
-            "requests": trace.n_requests,
-            "block_touches": touches,
-            "unique_blocks": trace.n_unique_blocks(),
-            "block_tokens": trace.block_tokens,
-            "span_s": float(trace.timestamps[-1]) if trace.n_requests else 0.0,
-        },
+        "trace": trace_summary(trace),
         "config": {**cfg_d, "block_bytes": block_bytes},
         "latency": {
             "ttft_s": percentiles(ttft),

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvlife.report import format_table
+from kvlife.reporting.lifecycle import STATES
 
 
 def clean(obj: Any) -> Any:
@@ -170,6 +171,59 @@ def lifecycle_rows(lc: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     return heads, rows
 
 
+def _source_column(lc: dict[str, Any], tiers: list[str]) -> list[str]:
+    """One source's column of :func:`source_rows`."""
+    c = lc["overall"]
+
+    def pct(key: str, q: str) -> str:
+        return _f(c[key][q], 1) if c[key]["count"] else "-"
+
+    def pair(key: str) -> str:
+        return f"{pct(key, 'p50')} / {pct(key, 'p90')}"
+
+    col = [
+        f"{lc['events']:,}",
+        _f(lc["span_s"], 0),
+        ", ".join(lc["classes"]) or "-",
+        f"{c['lives_closed']:,} / {c['lives_open']:,}",
+        pair("lifespan_s"),
+        pct("open_age_s", "p50"),
+        pair("reuse_count"),
+        pair("open_reuse_count"),
+        _f(c["reused_share_with_open"]),
+        pair("reuse_distance_s"),
+    ]
+    col += [_f(c["state_share_with_open"][s]) for s in STATES]
+    res = c["tier_residency_s"]
+    col += [_f(res[t]["p50"], 1) if t in res else "-" for t in tiers]
+    col.append(lc["stability"]["verdict"])
+    return col
+
+
+def source_rows(lifecycles: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Every source's lifecycle (a replay, each live log) side by side: one column per
+    source, one row per figure, all classes pooled (``overall``)."""
+    tiers = sorted({t for lc in lifecycles.values() for t in lc["overall"]["tier_residency_s"]})
+    labels = [
+        "events",
+        "span s",
+        "classes",
+        "lives closed / open",
+        "lifespan P50 / P90 s",
+        "open age P50 s",
+        "loads per closed life P50 / P90",
+        "loads per open life P50 / P90",
+        "reused (any load)",
+        "reuse distance P50 / P90 s",
+        *(f"time {s} (share)" for s in STATES),
+        *(f"in {t} until evicted P50 s" for t in tiers),
+        "stable classes",
+    ]
+    cols = [_source_column(lc, tiers) for lc in lifecycles.values()]
+    rows = [[label, *(col[i] for col in cols)] for i, label in enumerate(labels)]
+    return ["figure", *lifecycles], rows
+
+
 def trace_lifetime_rows(lt: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     heads = [
         "class (first position)",
@@ -211,6 +265,9 @@ def text(report: dict[str, Any]) -> str:
     if lt:
         out.append(f"\nlifetimes in the trace (no cache): {lt['stability']['verdict']}")
         out.append(format_table(*trace_lifetime_rows(lt)))
+    if len(report.get("lifecycle", {})) > 1:
+        out.append("\nlifecycle by source (all classes pooled):")
+        out.append(format_table(*source_rows(report["lifecycle"])))
     for name, lc in report.get("lifecycle", {}).items():
         out.append(f"\nlifecycle ({name}): {lc['stability']['verdict']}")
         out.append(format_table(*lifecycle_rows(lc)))
@@ -359,6 +416,13 @@ def write_html(path: str | Path, report: dict[str, Any]) -> None:
         parts.append("<h2>Lifetimes in the trace (policy-free: first to last touch)</h2>")
         parts.append(f"<p>Stable classes: <b>{e(lt['stability']['verdict'])}</b></p>")
         parts.append(_table_html(*trace_lifetime_rows(lt)))
+    if report.get("lifecycle"):
+        parts.append("<h2>Lifecycle by source (all classes pooled)</h2>")
+        parts.append(
+            "<p>The same analysis of each source: the replay's cache and each live "
+            "engine's store log. Open lives' time runs to the end of their log.</p>"
+        )
+        parts.append(_table_html(*source_rows(report["lifecycle"])))
     for name, lc in report.get("lifecycle", {}).items():
         parts.append(f"<h2>Lifecycle distribution ({e(name)})</h2>")
         parts.append(

@@ -9,13 +9,16 @@ new life):
 - *lifespan*: create to delete (lives still open at the end are counted as open, and
   their lifespans are left out: they are censored);
 - *reuse count*: loads during the life; *reuse distance*: seconds from creation to the
-  first load and between consecutive loads;
+  first load and between consecutive loads (of open lives too: a gap between two loads
+  that happened is a whole observation);
 - *time in each state*: tentative (put to commit), committed (commit to index), indexed
   (index to invalidate), invalidated (invalidate to delete); and in each tier (written or
   offloaded in, to evicted).
 
 Lives still open at the end report their age then (a live store rarely deletes: its
-lives are mostly open, so their ages are the figure to read).
+lives are mostly open, so their ages are the figure to read), and their time in each
+state up to the end is in ``state_share_with_open``. ``overall`` pools every class: the
+row a report puts beside other sources' (a replay's, a live engine's).
 
 Cache lifespans depend on the cache (its policy and capacity). :func:`trace_lifetimes`
 gives the policy-free view of a trace: per block, its *useful lifetime* (first to last
@@ -65,6 +68,47 @@ class _ClassAcc:
     state_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STATES, 0.0))
     tier_s: dict[str, list[float]] = field(default_factory=dict)
 
+    def pooled(self, other: _ClassAcc) -> _ClassAcc:
+        """This class's lives and ``other``'s together (neither is changed)."""
+        return _ClassAcc(
+            self.lifespans + other.lifespans,
+            self.born + other.born,
+            self.reuse_counts + other.reuse_counts,
+            self.reuse_gaps + other.reuse_gaps,
+            {s: self.state_s[s] + other.state_s[s] for s in STATES},
+            {
+                t: self.tier_s.get(t, []) + other.tier_s.get(t, [])
+                for t in sorted(set(self.tier_s) | set(other.tier_s))
+            },
+        )
+
+
+def _state_times(life: _Life, end: float) -> dict[str, float]:
+    """Seconds ``life`` spent in each state, from its birth to ``end`` (its delete, or
+    the end of the log for a life still open)."""
+    out = dict.fromkeys(STATES, 0.0)
+    marks = [life.born, life.commit, life.index, life.invalidate, end]
+    last = life.born
+    for state, (a, b) in zip(STATES, pairwise(marks), strict=True):
+        if a >= 0 and b >= 0:
+            out[state] += max(0.0, b - max(a, last))
+            last = max(last, b)
+    # a state entered and not left by the end (an open life): its time runs to the end
+    entered = [(s, m) for s, m in zip(STATES, marks[:-1], strict=True) if m >= 0]
+    if entered and end != life.born:
+        state, since = entered[-1]
+        if all(m < 0 for m in marks[STATES.index(state) + 1 : -1]):
+            out[state] = max(out[state], end - max(since, life.born))
+    return out
+
+
+def _gaps(life: _Life) -> list[float]:
+    gaps, prev = [], life.born
+    for tl in life.loads:
+        gaps.append(tl - prev)
+        prev = tl
+    return gaps
+
 
 class LifecycleAnalysis(EventSink):
     """Accumulates lives from events (as a sink, or fed with :meth:`add_all`)."""
@@ -90,9 +134,13 @@ class LifecycleAnalysis(EventSink):
             if kind not in ("put", "write", "recover"):
                 return  # a move of an object created before the log began
             life = self._open[key] = _Life(self.classify(key, event), t)
-        if kind == "commit":
+            if kind == "recover":  # found committed at a restart: its life goes on
+                life.commit = t
+        # a restart re-publishes what it recovers (recover, index) within the same life:
+        # the life entered each state the first time
+        if kind == "commit" and life.commit < 0:
             life.commit = t
-        elif kind == "index":
+        elif kind == "index" and life.index < 0:
             life.index = t
         elif kind in ("invalidate", "corrupt"):
             life.invalidate = t
@@ -127,52 +175,65 @@ class LifecycleAnalysis(EventSink):
         acc.lifespans.append(t - life.born)
         acc.born.append(life.born)
         acc.reuse_counts.append(len(life.loads))
-        prev = life.born
-        for tl in life.loads:
-            acc.reuse_gaps.append(tl - prev)
-            prev = tl
-        marks = [life.born, life.commit, life.index, life.invalidate, t]
-        last = life.born
-        for state, (a, b) in zip(STATES, pairwise(marks), strict=True):
-            if a >= 0 and b >= 0:
-                acc.state_s[state] += max(0.0, b - max(a, last))
-                last = max(last, b)
+        acc.reuse_gaps += _gaps(life)
+        for state, v in _state_times(life, t).items():
+            acc.state_s[state] += v
 
     def result(self) -> dict[str, Any]:
-        """Per class distributions, open lives, and the stability verdict."""
-        classes: dict[str, Any] = {}
-        open_by_class: dict[str, int] = {}
-        open_ages: dict[str, list[float]] = {}
-        open_loads: dict[str, list[float]] = {}
+        """Per class distributions, all classes pooled (``overall``), open lives, and
+        the stability verdict."""
+        open_lives: dict[str, list[_Life]] = {}
         for life in self._open.values():
-            open_by_class[life.cls] = open_by_class.get(life.cls, 0) + 1
-            open_ages.setdefault(life.cls, []).append(self.t_last - life.born)
-            open_loads.setdefault(life.cls, []).append(float(len(life.loads)))
-        for cls in sorted(set(self._acc) | set(open_by_class)):
+            open_lives.setdefault(life.cls, []).append(life)
+        classes: dict[str, Any] = {}
+        every = _ClassAcc()
+        every_open: list[_Life] = []
+        for cls in sorted(set(self._acc) | set(open_lives)):
             acc = self._acc.get(cls, _ClassAcc())
-            counts = np.asarray(acc.reuse_counts, dtype=np.float64)
-            total_state = sum(acc.state_s.values())
-            classes[cls] = {
-                "lives_closed": len(acc.lifespans),
-                "lives_open": open_by_class.get(cls, 0),
-                "lifespan_s": percentiles(acc.lifespans),
-                "open_age_s": percentiles(open_ages.get(cls, [])),
-                "open_reuse_count": percentiles(open_loads.get(cls, [])),
-                "reuse_count": percentiles(counts),
-                "reused_share": float((counts > 0).mean()) if counts.size else 0.0,
-                "reuse_distance_s": percentiles(acc.reuse_gaps),
-                "state_share": {
-                    s: (v / total_state if total_state else 0.0) for s, v in acc.state_s.items()
-                },
-                "tier_residency_s": {
-                    tier: percentiles(v) for tier, v in sorted(acc.tier_s.items())
-                },
-            }
+            lives = open_lives.get(cls, [])
+            classes[cls] = self._figures(acc, lives)
+            every = every.pooled(acc)
+            every_open += lives
         return {
             "events": self.events,
             "span_s": max(0.0, self.t_last - self.t_first) if self.events else 0.0,
+            "overall": self._figures(every, every_open),
             "classes": classes,
             "stability": stability(self._acc, self.t_first, self.t_last),
+        }
+
+    def _figures(self, acc: _ClassAcc, lives: list[_Life]) -> dict[str, Any]:
+        """The figures of one class: ``acc`` its closed lives, ``lives`` its open ones."""
+        counts = np.asarray(acc.reuse_counts, dtype=np.float64)
+        open_loads = np.asarray([len(x.loads) for x in lives], dtype=np.float64)
+        gaps = list(acc.reuse_gaps)
+        with_open = dict(acc.state_s)
+        for life in lives:
+            gaps += _gaps(life)
+            for state, v in _state_times(life, self.t_last).items():
+                with_open[state] += v
+
+        def shares(d: dict[str, float]) -> dict[str, float]:
+            total = sum(d.values())
+            return {s: (v / total if total else 0.0) for s, v in d.items()}
+
+        n_all = counts.size + open_loads.size
+        return {
+            "lives_closed": len(acc.lifespans),
+            "lives_open": len(lives),
+            "lifespan_s": percentiles(acc.lifespans),
+            "open_age_s": percentiles([self.t_last - x.born for x in lives]),
+            "open_reuse_count": percentiles(open_loads),
+            "reuse_count": percentiles(counts),
+            "reused_share": float((counts > 0).mean()) if counts.size else 0.0,
+            "reused_share_with_open": (
+                float(((counts > 0).sum() + (open_loads > 0).sum()) / n_all) if n_all else 0.0
+            ),
+            "reuse_distance_s": percentiles(gaps),
+            "state_share": shares(acc.state_s),
+            "state_s_with_open": with_open,
+            "state_share_with_open": shares(with_open),
+            "tier_residency_s": {tier: percentiles(v) for tier, v in sorted(acc.tier_s.items())},
         }
 
     def samples(self) -> dict[str, list[float]]:

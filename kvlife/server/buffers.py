@@ -1,6 +1,10 @@
 """Shared output buffers: shared-memory files the server makes for one session, so that
 a load lands straight in the client's memory (disk reads by O_DIRECT, no copy in the
-client)."""
+client).
+
+A buffer's pages are allocated when it is made (``posix_fallocate``; no room:
+StorageFullError, no file left): the server is the first to write it (a load into it),
+and a write to a page a full tmpfs cannot back would kill the server with SIGBUS."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from kvlife.core.errors import ProtocolError, StorageFullError
 from kvlife.core.identity import KVLayout
 from kvlife.core.payload import numpy_dtype
 from kvlife.tiers.buffers import advise_huge, round_up
-from kvlife.tiers.shm import Owner
+from kvlife.tiers.shm import Owner, allocate_pages
 
 NAME_TRIES = 4
 """Random names tried before a buffer is refused (each is new with odds of 2**-64)."""
@@ -57,6 +61,10 @@ class SharedBuffer:
                     os.fchown(fd, owner.uid, owner.gid)
                     os.fchmod(fd, owner.mode)
                 os.ftruncate(fd, size)
+                # the server writes a load into it first (a copy, or a disk read): a page
+                # the filesystem cannot back would kill the server with SIGBUS there, so
+                # every page is allocated now (ENOSPC: refused, nothing left)
+                allocate_pages(fd, size)
                 buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
                 advise_huge(buf)
             except OSError as exc:

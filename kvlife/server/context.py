@@ -4,8 +4,10 @@ the store (a prompt decoded, chunks per request, extra-key bytes, a chunk that f
 arena), and who is connected: the peer's credentials and, on a server with principals
 (``--tenants``), the session's principal, which turns the namespace a request names into
 the keyed namespace of its scope (:mod:`kvlife.tenancy.scopes`) and searches its
-readable scopes on a lookup. :mod:`kvlife.server.loads` and :mod:`kvlife.server.puts`
-each hold one."""
+readable scopes on a lookup. A request may name the chunk before its tokens by every
+token before them (``prefix_tokens``) rather than by a key: the server derives the key
+in the keyed namespace, which no client can (:meth:`kvlife.core.objects.PromptRef.chained`).
+:mod:`kvlife.server.loads` and :mod:`kvlife.server.puts` each hold one."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -181,10 +183,15 @@ class SessionContext:
                     f"{nbytes} bytes of extra keys in one request; at most "
                     f"{self.limits.max_extra_key_bytes} (--max-extra-key-bytes)",
                 )
+        prefix = args.get("prefix_tokens")
+        if prefix is not None and len(prefix) % 4:
+            raise ProtocolError("prefix_tokens must be little-endian u32 ids")
         namespace = self.namespace(args["namespace"], write=write)
         identity = self.server.identities.get(args["identity"])
-        self.chunks(len(tokens) // 4 // max(1, identity.layout.tokens_per_chunk))
-        return PromptRef(
+        # a prefix's chunks are hashed too (the parent is derived from them)
+        ntokens = (len(tokens) + len(prefix or b"")) // 4
+        self.chunks(ntokens // max(1, identity.layout.tokens_per_chunk))
+        p = PromptRef(
             identity,
             namespace,
             np.frombuffer(tokens, "<u4"),
@@ -192,7 +199,10 @@ class SessionContext:
             ChunkKey(args.get("parent", ROOT_PARENT)),
             list(args.get("extra_keys", ())),
             protocol.decode_spans(args.get("sources", [])),
+            prefix_tokens=None if prefix is None else np.frombuffer(prefix, "<u4"),
         )
+        p.check_prefix()  # kept, not derived yet: each scope a lookup searches has its own
+        return p
 
     def namespace(self, text: str, *, write: bool = False) -> Namespace:
         """The namespace a request names by ``text``: as written on a single-tenant
@@ -209,20 +219,22 @@ class SessionContext:
         """The store's lookup of ``p``. With principals: each scope its principal may
         read, most private first from the one ``p`` names, until one holds the whole
         prompt; the longest run of hits answers (a tie: the more private scope). The
-        answer depends on the scopes the principal may read only."""
+        answer depends on the scopes the principal may read only. A parent named by its
+        prefix tokens is derived in each scope (a parent key is one scope's)."""
         scopes = [p.namespace]
         if self.tenancy is not None:
             scopes = self.tenancy.scopes.wider(self.tenant(), p.namespace)
         best: LookupResult | None = None
         for ns in scopes:
+            q = replace(p, namespace=ns).chained()
             res = self.store.lookup(
-                p.identity,
+                q.identity,
                 ns,
-                p.tokens,
-                start=p.start,
-                parent=p.parent,
-                extra_keys=p.extra_keys,
-                sources=p.sources,
+                q.tokens,
+                start=q.start,
+                parent=q.parent,
+                extra_keys=q.extra_keys,
+                sources=q.sources,
                 **opts,
             )
             if best is None or len(res.hits) > len(best.hits):
@@ -258,5 +270,16 @@ class SessionContext:
         if layout.chunk_nbytes > self.arena.size:
             raise InvalidArgument(
                 f"a chunk of this layout is {layout.chunk_nbytes} bytes, more than the "
-                f"server's whole arena ({self.arena.size} bytes)"
+                f"whole of {self.arena_text()}"
             )
+
+    def arena_text(self) -> str:
+        """Whose arena :attr:`arena` is and its size, for an error that it is full."""
+        arenas = self.server.tenant_arenas
+        name = arenas.whose(self.arena) if arenas is not None else None
+        if name is None:
+            return f"the server's arena ({self.arena.size} bytes)"
+        return (
+            f"principal {name}'s arena ({self.arena.size} bytes: arena_bytes, or [arenas] "
+            "principal_bytes, in the tenants file)"
+        )

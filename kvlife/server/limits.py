@@ -142,10 +142,6 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         )
 
 
-def from_args(args: argparse.Namespace) -> Limits:
-    return Limits(**{f.name: getattr(args, f"limit_{f.name}") for f in dataclasses.fields(Limits)})
-
-
 Held = dict[str, int]
 """Amounts of some budgets held, by budget."""
 Charge = dict[str, int]

@@ -31,6 +31,7 @@ buffer and descriptor budgets), removed when freed or when the session ends.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,9 @@ from kvlife.transforms.contract import Accept
 STREAM_BYTES_IN_FLIGHT = 2 << 20
 """Bytes of disk reads a streamed load keeps in flight (at least two chunks: the
 checksum of one overlaps the read of the next)."""
+
+_NO_HINT = (0, 0)
+"""The hint of a hit not in this session's arena."""
 
 
 @dataclass(slots=True)
@@ -82,6 +86,10 @@ class Loads:
     # ------------------------------------------------------------------ verbs
 
     def lookup(self, args: dict[str, Any]) -> object:
+        """The store's lookup, answered in one pass: one comprehension per column of the
+        reply (keys, tiers, representations) and one call to the DRAM tier for every
+        hint (measured on Python 3.11: comprehensions over the frozen hit records beat
+        ``map(attrgetter(...))``)."""
         ctx = self.ctx
         p = ctx.prompt(args)
         opts = dict(args.get("opts", {}))
@@ -90,25 +98,30 @@ class Loads:
         res = ctx.lookup(p, **opts)  # the scopes its principal may read (context.py)
         number = {name: i for i, name in enumerate(ctx.store.tier_names)}
         shm = ctx.shm
-        hint, dram = shm.hint, shm.name
         hits = res.hits
-        hints: list[int] = []
-        add = hints.extend
+        keys = [h.key for h in hits]
+        tiers = [number[h.tier] for h in hits]
         # only replicas in the arena this session maps (with principals: its own)
         arena = ctx.arena if ctx.mapped else None
-        for h in hits:
-            where = hint(h.key, arena) if arena is not None and h.tier == dram else None
-            add(where if where is not None else (0, 0))
+        dram = number.get(shm.name, -1)
+        if arena is None or dram not in tiers:
+            hints = [0] * (2 * len(hits))
+        else:
+            where = shm.hints(keys, arena)
+            if tiers.count(dram) != len(tiers):  # a hint only for a hit served from DRAM
+                where = [w if t == dram else _NO_HINT for w, t in zip(where, tiers, strict=True)]
+            hints = list(chain.from_iterable(where))
         return {
-            "keys": b"".join([h.key for h in hits]),
+            "keys": b"".join(keys),
             # where each DRAM hit lies now (offset, generation; 0, 0 for other tiers): a
             # load may copy from there at once and have the server confirm it
             "hints": hints,
-            "tiers": [number[h.tier] for h in hits],
+            "tiers": tiers,
             "chunks_total": res.chunks_total,
             # each hit's representation: what it will serve and what decoding it costs
+            # (tuples: msgpack writes them as the arrays it always wrote)
             "forms": [
-                [h.transform, h.exactness, h.stored_nbytes, h.decode_nbytes, h.decode_seconds]
+                (h.transform, h.exactness, h.stored_nbytes, h.decode_nbytes, h.decode_seconds)
                 for h in hits
             ],
             "refusal": res.refusal,

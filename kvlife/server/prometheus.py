@@ -296,19 +296,3 @@ class MetricsServer:
 def serve(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0) -> MetricsServer:
     """Serve ``registry`` over HTTP (port 0: a free one; the result names the URL)."""
     return MetricsServer(registry, host, port)
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``:PORT`` or ``PORT`` (loopback when no host) -> (host, port);
-    InvalidArgument naming what is wrong."""
-    host, sep, port = text.rpartition(":")
-    if not sep:
-        host, port = "", text
-    host = host.strip("[]") or "127.0.0.1"
-    try:
-        number = int(port)
-    except ValueError:
-        raise InvalidArgument(f"--metrics {text!r}: {port!r} is not a port number") from None
-    if not 0 <= number <= 65535:
-        raise InvalidArgument(f"--metrics {text!r}: port {number} is not in 0..65535")
-    return host, number

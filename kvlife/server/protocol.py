@@ -83,6 +83,8 @@ PROMPT: dict[str, Field] = {
     "extra_keys": Field("bytes_list", _OPT, 0, 1 << 16),
     # [[name, version, start, end], ...]: the prompt's upstream sources (kvlife.core.sources)
     "sources": Field("spans", _OPT, 0, MAX_SPANS),
+    # every token before start (u32 ids): the server derives the parent from them
+    "prefix_tokens": Field("bytes", _OPT, hi=MAX_MESSAGE),
 }
 ID = Field("int", True, 1, _MAX_ID)
 
@@ -453,6 +455,8 @@ def encode_prompt(prompt: PromptRef) -> dict[str, Any]:
         args["sources"] = [
             [s.source.name, s.source.version, s.start, s.end] for s in prompt.sources
         ]
+    if prompt.prefix_tokens is not None:
+        args["prefix_tokens"] = token_bytes(prompt.prefix_tokens)
     return args
 
 

@@ -153,8 +153,8 @@ class Puts:
                 view = ctx.arena.alloc(layout.chunk_nbytes, dtype, layout.chunk_shape)
                 if view is None:
                     raise StorageFullError(
-                        f"the arena has no room to stage chunk {index[rec.key]} of this put "
-                        f"({ctx.arena.stats()})"
+                        f"{ctx.arena_text()} has no room to stage chunk {index[rec.key]} of "
+                        f"this put ({ctx.arena.stats()})"
                     )
                 pending.items[j] = (rec, view)
                 views.append(view)
@@ -393,8 +393,11 @@ def prepare_piece(
     ctx: SessionContext, p: PromptRef, chunks: list[np.ndarray], args: dict[str, Any]
 ) -> PendingPut:
     """The store's prepare of a put (or of one piece of a put in pieces, ``chained``) of
-    ``chunks`` for ``p``: what every put protocol of a session, staged or inline, does."""
+    ``chunks`` for ``p``: what every put protocol of a session, staged or inline, does.
+    A parent named by its prefix tokens is derived here, in the namespace the put
+    writes (with principals the keyed scope: the chain its lookups follow)."""
     store = ctx.store
+    p = p.chained()
     pending = store.prepare_put(
         p.identity,
         p.namespace,

@@ -48,8 +48,10 @@ from kvlife.core.errors import (
 )
 from kvlife.core.events import EventSink, fan_out
 from kvlife.core.identity import digest_bytes
-from kvlife.core.logs import LogSink, log_event
+from kvlife.core.logs import LogSink, flush_logs, log_event
+from kvlife.report import format_bytes
 from kvlife.server import protocol
+from kvlife.server.address import check_bindable
 from kvlife.server.context import UNKNOWN_PEER, PartSender, Peer
 from kvlife.server.limits import Account, Limits
 from kvlife.server.live import LiveFigures
@@ -60,6 +62,7 @@ from kvlife.store.facade import KVStore
 from kvlife.tenancy.policy import Tenancy
 from kvlife.tenancy.principals import TenancyConfig, load_config
 from kvlife.tiers.shm import SHM_DIR, ShmTier
+from kvlife.trace.events_io import open_event_file
 
 if TYPE_CHECKING:  # the publisher (pyzmq) and the exporter are imported only when asked for
     from kvlife.ops.kv_events import KVEventPublisher, KVEventsConfig
@@ -119,10 +122,18 @@ class ServeConfig:
     None: no metrics)."""
     log_json: bool = False
     """Log lines as JSON objects (:mod:`kvlife.core.logs`)."""
+    events: Path | None = None
+    """Write the store's lifecycle events to this file (schema v1, docs/events.md:
+    JSON lines appended to, so a restarted server continues its log; ``.parquet``
+    written anew), for ``kvlife report --events``. None: no log."""
 
     @property
     def socket_path(self) -> Path:
         return self.socket if self.socket is not None else self.path / DEFAULT_SOCKET
+
+
+MAX_CPUS = 1 << 16
+"""CPU numbers ``--cpus`` accepts are below it (Linux's NR_CPUS is at most 8192)."""
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
@@ -138,6 +149,10 @@ def parse_cpus(text: str) -> tuple[int, ...]:
             raise InvalidArgument(f"--cpus {text!r}: {part!r} is not a CPU or a range") from None
         if first < 0 or last < first:
             raise InvalidArgument(f"--cpus {text!r}: {part!r} is not a CPU or a range")
+        if last >= MAX_CPUS:  # before building the set: 0-99999999 is 10**8 ints
+            raise InvalidArgument(
+                f"--cpus {text!r}: cannot run on cpus beyond {MAX_CPUS - 1} (got {last})"
+            )
         out.update(range(first, last + 1))
     return tuple(sorted(out))
 
@@ -221,27 +236,33 @@ class Server:
         self._conns: dict[int, socket.socket] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        _preflight(cfg)  # nothing made yet: a place it cannot use fails before any is
         if cfg.cpus:  # first: every thread made from here on inherits it
             pin_cpus(cfg.cpus)
-        cfg.path.mkdir(parents=True, exist_ok=True)
         # lock first (inside KVStore), then clean up what a dead server left
         prefix = arena_prefix(cfg.path)
         # the KV-events publisher first: it announces what recovery brings back
         self.kv_events = _kv_events(cfg.kv_events)
+        self.event_log: EventLog | None = None
         sinks: list[EventSink] = [] if self.kv_events is None else [self.kv_events]
-        sink = fan_out(*sinks, self.live.events, LogSink(tenants=cfg.tenants is not None))
         try:
+            cfg.path.mkdir(parents=True, exist_ok=True)
+            if cfg.events is not None:
+                self.event_log = EventLog(cfg.events)
+                sinks.append(self.event_log.sink)
+            sink = fan_out(*sinks, self.live.events, LogSink(tenants=cfg.tenants is not None))
             self.store = _open_with_cleanup(cfg, prefix, sink)
         except BaseException:
-            if self.kv_events is not None:
-                self.kv_events.close()
+            self._close_event_outputs(failed=True)
             raise
         shm = self.store.tier(self.store.tier_names[0])
         assert isinstance(shm, ShmTier)
         self._log_recovery()
         self._spare: int | None = None
+        listening = False
         try:
             self.listener = self._listen(cfg.socket_path)
+            listening = True
             # kept to give up when accept runs out of descriptors: the connection is
             # then accepted, told why and closed, instead of the error ending the server
             self._spare = os.open(os.devnull, os.O_RDONLY)
@@ -254,39 +275,53 @@ class Server:
                 from kvlife.server.prometheus import serve, server_registry
 
                 self.metrics = serve(server_registry(self.state, self.live), *cfg.metrics)
+            self._last_accept_log = 0.0
+            self.log(
+                "start",
+                pid=os.getpid(),
+                store=cfg.path,
+                socket=cfg.socket_path,
+                arena=shm.arena.path,
+                huge_pages="yes" if shm.arena.huge_pages else "no",
+                cpus=",".join(map(str, sorted(os.sched_getaffinity(0)))),
+                dram_bytes=cfg.dram_bytes,
+                disk_bytes=cfg.disk_bytes,
+                nofile=nofile,
+                client_fds=fds,
+                max_connections=cfg.limits.max_connections,
+                metrics=self.metrics.url if self.metrics is not None else "off",
+            )
+            if self.kv_events is not None:
+                ev = self.kv_events
+                self.log(
+                    f"kv_events endpoint={ev.endpoint} bound={'yes' if ev.bound else 'no'} "
+                    f"replay={ev.replay_endpoint or '-'} topic={ev.config.topic!r}"
+                )
+            # the lines above are written before the pid file appears: whoever waits for
+            # the pid file (a supervisor, a test) reads the start line beside it
+            flush_logs()
             if cfg.pid_file is not None:
                 _write_pid_file(cfg.pid_file)
         except BaseException:
             if self.metrics is not None:
                 self.metrics.close()
+            if listening:  # no socket file left for a client to connect to in vain
+                self.listener.close()
+                with contextlib.suppress(OSError):
+                    cfg.socket_path.unlink()
             if self._spare is not None:
                 os.close(self._spare)
             self.store.close(flush=False)  # releases the lock, removes the arena
-            if self.kv_events is not None:
-                self.kv_events.close()
+            self._close_event_outputs(failed=True)
             raise
-        self._last_accept_log = 0.0
-        self.log(
-            "start",
-            pid=os.getpid(),
-            store=cfg.path,
-            socket=cfg.socket_path,
-            arena=shm.arena.path,
-            huge_pages="yes" if shm.arena.huge_pages else "no",
-            cpus=",".join(map(str, sorted(os.sched_getaffinity(0)))),
-            dram_bytes=cfg.dram_bytes,
-            disk_bytes=cfg.disk_bytes,
-            nofile=nofile,
-            client_fds=fds,
-            max_connections=cfg.limits.max_connections,
-            metrics=self.metrics.url if self.metrics is not None else "off",
-        )
+
+    def _close_event_outputs(self, failed: bool = False) -> None:
+        """Close the KV-events publisher and the event log (``failed``: a start that
+        failed leaves no event file it made)."""
         if self.kv_events is not None:
-            ev = self.kv_events
-            self.log(
-                f"kv_events endpoint={ev.endpoint} bound={'yes' if ev.bound else 'no'} "
-                f"replay={ev.replay_endpoint or '-'} topic={ev.config.topic!r}"
-            )
+            self.kv_events.close()
+        if self.event_log is not None:
+            self.event_log.close(failed)
 
     def log(self, event: str, level: int = logging.INFO, **fields: object) -> None:
         """One structured line (:mod:`kvlife.core.logs`)."""
@@ -527,8 +562,8 @@ class Server:
             flushed = self.store.flush() if self.store.tier_names[1:] else 0
         finally:
             self.store.close(flush=False)
-            if self.kv_events is not None:  # after the store's last events (the flush)
-                self.kv_events.close()
+            self._close_event_outputs()  # after the store's last events (the flush)
+            if self.kv_events is not None:
                 ev = self.kv_events
                 self.log(f"kv_events batches={ev.batches} events={ev.events} dropped={ev.dropped}")
             if self.cfg.pid_file is not None:
@@ -605,6 +640,77 @@ def _part_sender(conn: socket.socket) -> PartSender:
             conn.sendall(frame)
 
     return send
+
+
+def _preflight(cfg: ServeConfig) -> None:
+    """The places a server makes, checked before it makes any (InvalidArgument naming
+    the one it cannot use): the store path is a folder or can be made one, the socket's
+    and the pid file's folders and the shared-memory folder exist, the metrics address
+    can be bound, the arena fits the free room of the shared-memory filesystem. Otherwise the server
+    would fail after creating a store, or after listening, and leave them behind."""
+    if cfg.path.exists() and not cfg.path.is_dir():
+        raise InvalidArgument(f"store path {cfg.path} is not a directory")
+    places = [("socket", cfg.socket_path)]
+    if cfg.pid_file is not None:
+        places.append(("pid file", cfg.pid_file))
+    for what, path in places:
+        if path.parent != cfg.path and not path.parent.is_dir():  # the store's: made
+            raise InvalidArgument(f"{what} {path}: its directory {path.parent} does not exist")
+    if not cfg.shm_dir.is_dir():
+        raise InvalidArgument(
+            f"shared-memory directory {cfg.shm_dir} does not exist (or is not a directory)"
+        )
+    if cfg.events is not None:
+        if cfg.events.is_dir():
+            raise InvalidArgument(f"event log {cfg.events} is a directory")
+        if not cfg.events.parent.is_dir():
+            raise InvalidArgument(
+                f"event log {cfg.events}: its directory {cfg.events.parent} does not exist"
+            )
+    if cfg.metrics is not None:
+        try:  # the ops extra: imported when the server serves metrics, after the store
+            import kvlife.server.prometheus  # noqa: F401
+        except ImportError as exc:
+            raise InvalidArgument(
+                f"metrics need prometheus-client (pip install 'kvlife[ops]'): {exc}"
+            ) from None
+        check_bindable(*cfg.metrics)
+    first = cfg.store.chain[0].capacity_bytes if cfg.store is not None else cfg.dram_bytes
+    arena = first + cfg.staging_bytes
+    fs = os.statvfs(cfg.shm_dir)
+    size = fs.f_blocks * fs.f_frsize
+    # free room, and the room of this store's arenas a dead server left (removed
+    # before the new one is made): an arena that fits the size but not the room failed
+    # only after the store was made (or, before its pages were allocated when made,
+    # with SIGBUS in the first process to write a page the filesystem could not back)
+    stale = 0
+    for f in cfg.shm_dir.glob(arena_prefix(cfg.path) + "-*"):
+        with contextlib.suppress(OSError):
+            stale += f.stat().st_blocks * 512
+    room = fs.f_bavail * fs.f_frsize + stale
+    if arena > room:
+        raise InvalidArgument(
+            f"the arena ({format_bytes(arena)}: the first tier's {format_bytes(first)} "
+            f"plus staging {format_bytes(cfg.staging_bytes)}) is larger than the free room "
+            f"of the shared-memory filesystem {cfg.shm_dir} ({format_bytes(room)} free of "
+            f"{format_bytes(size)})"
+        )
+
+
+class EventLog:
+    """``--events FILE``: the store's lifecycle events written to a file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.made = not path.exists()
+        """Made by this server (removed again if its start fails)."""
+        self.sink = open_event_file(path, append=True)
+
+    def close(self, failed: bool = False) -> None:
+        self.sink.close()
+        if failed and self.made:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
 
 
 def _kv_events(config: KVEventsConfig | None) -> KVEventPublisher | None:

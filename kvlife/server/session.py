@@ -90,7 +90,9 @@ class ServerState:
         self.ledger = Ledger(budgets(self.limits, self.arena.size, descriptors))
         """The budgets; ``descriptors``: how many connections and shared buffers the
         descriptor limit leaves room for."""
-        self.tenant_arenas = TenantArenas(shm) if tenancy is not None else None
+        self.tenant_arenas = (
+            TenantArenas(shm, tenancy.config.arenas) if tenancy is not None else None
+        )
         """Each principal's own arena (None: one arena, every client maps it)."""
         self.identities = IdentityCache(self.limits.identity_cache_bytes)
         """Model identities decoded once, for every session (``--identity-cache-bytes``)."""

@@ -21,8 +21,23 @@ token only), or a session whose peer is another user than its principal's arena
 admits, gets no mapping; it puts and loads through the socket (``put_inline``, a load
 with ``inline``), copies both ways.
 
-Arenas are made at a principal's first ``hello``, as large as the tier's own arena but
-not populated (pages are taken as they are first touched), and removed with the tier.
+Arenas are made at a principal's first ``hello``, sparse (each is as large as the
+tier's own arena: allocated whole, they would multiply the memory): the pages of each
+extent are allocated as it is handed out (:meth:`~kvlife.tiers.shm.Arena.alloc`), and
+an extent the filesystem has no room for is no room (counted in ``arena_unbacked``),
+never a page whose first write kills the writer with SIGBUS. Clients map them
+unpopulated. They are removed with the tier. Their sizes are the tenants file's
+(``[arenas]``, :class:`~kvlife.tenancy.principals.ArenaBudget`): each principal's
+``arena_bytes``, else ``principal_bytes``, else as large as the tier's own arena (never
+larger); all of them together within ``total_bytes``. A principal whose arena would
+pass that bound gets none (StorageFullError naming the figures; its sessions then put
+and load through the socket, as a token-only principal's do). A principal's arena holds
+its staged extents and the replicas of its private scopes: a put it stages into a full
+arena is refused with StorageFullError naming the principal and its arena's size (the
+client then puts through the socket); a replica copied in (a put through the socket, a
+promotion) that does not fit goes to the tier's own arena instead (which no client
+maps; counted in :attr:`~kvlife.tiers.shm.ShmTier.home_overflow`, served to its
+principal as a copy, through the socket when its arena has no room for that either).
 """
 
 from __future__ import annotations
@@ -30,12 +45,13 @@ from __future__ import annotations
 import os
 import threading
 
-from kvlife.core.errors import InvalidArgument
+from kvlife.core.errors import InvalidArgument, StorageFullError
 from kvlife.core.identity import NamespaceKind
 from kvlife.core.objects import ObjectInfo
 from kvlife.tenancy.names import REQUEST_SEPARATOR
-from kvlife.tenancy.principals import Principal
+from kvlife.tenancy.principals import ArenaBudget, Principal
 from kvlife.tiers.base import ReplicaMeta
+from kvlife.tiers.buffers import round_up
 from kvlife.tiers.shm import Arena, Owner, ShmTier
 
 PRIVATE_KINDS = (NamespaceKind.USER.value, NamespaceKind.REQUEST.value)
@@ -76,11 +92,28 @@ class TenantArenas:
     """Each principal's arena, made on first use, and the tier's choice of arena for a
     new replica."""
 
-    def __init__(self, shm: ShmTier) -> None:
+    def __init__(self, shm: ShmTier, budget: ArenaBudget | None = None) -> None:
         self.shm = shm
+        self.budget = budget if budget is not None else ArenaBudget()
         self._lock = threading.Lock()
         self._by_name: dict[str, Arena] = {}
+        self._owner: dict[int, str] = {}
+        """Each arena's principal, by the arena's id (for error messages)."""
+        self.made_bytes = 0
+        """Bytes of every principal's arena made so far (within ``budget.total_bytes``)."""
         shm.home = self.home
+
+    def size_of(self, principal: Principal) -> int:
+        """Bytes of ``principal``'s arena (whole pages): its own ``arena_bytes``, else the
+        budget's ``principal_bytes``, at most (and by default) the tier's own arena's."""
+        base = self.shm.arena.size
+        want = principal.arena_bytes or self.budget.principal_bytes or base
+        return round_up(min(want, base))
+
+    def whose(self, arena: Arena) -> str | None:
+        """The principal whose arena ``arena`` is (None: the tier's own, or another)."""
+        with self._lock:
+            return self._owner.get(id(arena))
 
     def arena_of(self, principal: Principal) -> Arena | None:
         """``principal``'s arena (made now if it has none yet); None without a Unix
@@ -91,15 +124,26 @@ class TenantArenas:
         with self._lock:
             arena = self._by_name.get(principal.name)
             if arena is None:
+                size = self.size_of(principal)
+                total = self.budget.total_bytes
+                if total is not None and self.made_bytes + size > total:
+                    raise StorageFullError(
+                        f"principal {principal.name}'s arena of {size} bytes does not fit: "
+                        f"{len(self._by_name)} principals' arenas take {self.made_bytes} of "
+                        f"the {total} bytes of [arenas] total_bytes in the tenants file "
+                        "(its sessions put and load through the socket)"
+                    )
                 base = self.shm.arena
                 path = base.path.with_name(f"{base.path.name}-t-{principal.name}")
-                arena = Arena(path, base.size, populate_pages=False, owner=owner)
+                arena = Arena(path, size, populate_pages=False, owner=owner)
                 try:
                     self.shm.add_arena(principal.name, arena)
                 except InvalidArgument:
                     arena.unlink()
                     raise
                 self._by_name[principal.name] = arena
+                self._owner[id(arena)] = principal.name
+                self.made_bytes += arena.size
             return arena
 
     def home(self, meta: ReplicaMeta) -> Arena | None:

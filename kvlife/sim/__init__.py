@@ -12,6 +12,9 @@ Modules (imported on demand; the FTL kernels compile with numba on first use):
 - :mod:`kvlife.sim.ssd`: page-mapped FTL with greedy / cost-benefit GC, TRIM, write streams
   (FDP reclaim-unit handles) and NAND timing; ``Ftl`` (logical pages) and ``SSDModel`` (keys).
 - :mod:`kvlife.sim.ftl_kernels`: the numba kernels behind ``Ftl``.
+- :mod:`kvlife.sim.ssd_tier`: ``SSDModel`` drives sized and mapped for a KV tier of
+  large objects, with GC windows and reads under GC (``kvlife replay --disk-model ftl``,
+  ``kvlife report``).
 - :mod:`kvlife.sim.cxl`: CXL DRAM expander and CXL-SSD with a device DRAM cache.
 - :mod:`kvlife.sim.network`: network link with bandwidth, RTT, per-message overhead, queueing.
 - :mod:`kvlife.sim.kvstream`: synthetic and Mooncake-trace KV write/read/delete streams.

@@ -119,6 +119,7 @@ class StoreAPI(Protocol[P]):
         parent: ChunkKey = ROOT_PARENT,
         extra_keys: Sequence[bytes] = (),
         sources: Sequence[SourceSpan] = (),
+        prefix_tokens: Tokens | None = None,
         request_id: str = "",
     ) -> PutResult:
         """Store the full chunks of a prompt's KV (what ``prepare_put`` + ``commit_put``
@@ -135,8 +136,18 @@ class StoreAPI(Protocol[P]):
         depends on the sources of every span that starts before its end: its key hashes
         them (a lookup with another version misses) and its record keeps them, durably,
         for :meth:`invalidate` by source.
+
+        Tokens that continue a prompt start at ``start`` after the chunk named either by
+        its key (``parent``) or by every token before ``start`` (``prefix_tokens``, with
+        ``start`` at a chunk boundary): the store derives the parent's key from those in
+        the namespace it writes. A served store with principals (``kvlife serve
+        --tenants``) keys namespaces with a secret, so a parent key a client computed
+        itself is one no lookup follows there; a key the server returned (a put's
+        ``keys``) or ``prefix_tokens`` are right on any store.
         """
-        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys, sources)
+        ref = args.prompt(
+            identity, namespace, tokens, start, parent, extra_keys, sources, prefix_tokens
+        )
         return self._put_prompt(ref, kv, request_id)
 
     def prepare_put(
@@ -150,6 +161,7 @@ class StoreAPI(Protocol[P]):
         parent: ChunkKey = ROOT_PARENT,
         extra_keys: Sequence[bytes] = (),
         sources: Sequence[SourceSpan] = (),
+        prefix_tokens: Tokens | None = None,
         request_id: str = "",
     ) -> P:
         """Validate the KV and create TENTATIVE objects for the prompt's new chunks;
@@ -157,7 +169,9 @@ class StoreAPI(Protocol[P]):
         until the commit or abort (the embedded store references them; a served store
         has copied them into the server's arena when this returns). ``sources`` as for
         :meth:`put_prompt`."""
-        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys, sources)
+        ref = args.prompt(
+            identity, namespace, tokens, start, parent, extra_keys, sources, prefix_tokens
+        )
         return self._prepare_put(ref, kv, request_id)
 
     def commit_put(self, pending: P) -> PutResult:
@@ -186,6 +200,7 @@ class StoreAPI(Protocol[P]):
         parent: ChunkKey = ROOT_PARENT,
         extra_keys: Sequence[bytes] = (),
         sources: Sequence[SourceSpan] = (),
+        prefix_tokens: Tokens | None = None,
         accept: Accept = Accept.EXACT,
     ) -> LookupResult:
         """The longest run of INDEXED leading chunks that have a replica ``accept`` takes
@@ -194,7 +209,9 @@ class StoreAPI(Protocol[P]):
         refused (or of a transform this reader does not know) ends the run. ``sources``
         as the put declared them (:meth:`put_prompt`): the same tokens built from
         another version of a source are other chunks."""
-        ref = args.prompt(identity, namespace, tokens, start, parent, extra_keys, sources)
+        ref = args.prompt(
+            identity, namespace, tokens, start, parent, extra_keys, sources, prefix_tokens
+        )
         return self._lookup(ref, args.accept(accept))
 
     def load(

@@ -32,9 +32,10 @@ def prompt(
     parent: ChunkKey,
     extra_keys: Sequence[bytes],
     sources: Sequence[SourceSpan] = (),
+    prefix_tokens: Sequence[int] | np.ndarray | None = None,
 ) -> PromptRef:
-    """A call's prompt, its identity, namespace and start checked (a served store
-    encodes them for the wire before the server sees them)."""
+    """A call's prompt, its identity, namespace, start and prefix checked (a served
+    store encodes them for the wire before the server sees them)."""
     _typed("identity", identity, ModelIdentity)
     hint = " (use Namespace.parse for text)" if isinstance(namespace, str) else ""
     _typed("namespace", namespace, Namespace, hint)
@@ -43,7 +44,18 @@ def prompt(
     if not isinstance(start, (int, np.integer)) or isinstance(start, bool) or start < 0:
         raise InvalidArgument(f"start must be an int position >= 0, got {start!r}")
     spans = check_spans(sources)
-    return PromptRef(identity, namespace, tokens, int(start), parent, extra_keys, spans)
+    ref = PromptRef(
+        identity,
+        namespace,
+        tokens,
+        int(start),
+        parent,
+        extra_keys,
+        spans,
+        prefix_tokens=prefix_tokens,
+    )
+    ref.check_prefix()
+    return ref
 
 
 def accept(value: Accept) -> Accept:

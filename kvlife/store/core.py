@@ -503,7 +503,15 @@ class StoreCore:
         doomed = [(tier, rec.key)]
         if not any(r.lasting for r in rec.replicas.values()):
             doomed += self.retire(rec, Move.CORRUPT, why)
+        else:
+            self._left_tier(rec, tier, rep.nbytes, why)
         return doomed
+
+    def _left_tier(self, rec: ObjectRecord, tier: TierName, nbytes: int, why: str) -> None:
+        """A replica dropped as corrupt or lost while its object lives on in other tiers:
+        an ``evict`` event of that tier (its reason says why), so what follows the events
+        (the KV-events publisher, a router) learns the tier no longer holds it."""
+        self.ledger.move(rec, Move.EVICT, tier=tier, nbytes=nbytes, reason=why)
 
     def reap_lost(self) -> list[tuple[TierName, ChunkKey]]:
         """Take in replicas tiers dropped by themselves (under the lock); returns the
@@ -526,4 +534,6 @@ class StoreCore:
                 del rec.replicas[tier.name]
                 if not any(r.lasting for r in rec.replicas.values()):
                     doomed += self.retire(rec, Move.CORRUPT, f"corrupt: {why}")
+                else:
+                    self._left_tier(rec, tier.name, rep.nbytes, f"corrupt: {why}")
         return doomed

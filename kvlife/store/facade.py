@@ -83,15 +83,19 @@ class KVStore(StoreAPI[PendingPut]):
 
     # ------------------------------------------------------------------ the steps of StoreAPI
 
+    # a parent named by its prefix tokens is derived here (PromptRef.chained), so the
+    # writer and the reader only ever see parent keys
+
     def _put_prompt(self, prompt: PromptRef, kv: object, request_id: str) -> PutResult:
-        return self._writer.commit_put(self._writer.prepare_put(prompt, kv, request_id))
+        pending = self._writer.prepare_put(prompt.chained(), kv, request_id)
+        return self._writer.commit_put(pending)
 
     def _prepare_put(self, prompt: PromptRef, kv: object, request_id: str) -> PendingPut:
         # the arrays of kv are referenced, not copied
-        return self._writer.prepare_put(prompt, kv, request_id)
+        return self._writer.prepare_put(prompt.chained(), kv, request_id)
 
     def _lookup(self, prompt: PromptRef, accept: Accept) -> LookupResult:
-        return self._reader.lookup(prompt, accept)
+        return self._reader.lookup(prompt.chained(), accept)
 
     def _load(self, lookup: LookupResult, outs: Outs, request_id: str) -> LoadResult:
         return self._reader.load(lookup, outs, request_id)

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from kvlife.core.errors import IndexUnreachable, InvalidArgument, RemoteTierError
 from kvlife.core.identity import ROOT_PARENT, ChunkKey, Namespace
 from kvlife.core.lifecycle import Move, ObjectState
-from kvlife.core.objects import ObjectInfo, ObjectRecord, TierName
-from kvlife.core.sources import MAX_VERSION
+from kvlife.core.objects import ObjectInfo, ObjectRecord, PromptRef, TierName
+from kvlife.core.sources import MAX_VERSION, Source
 from kvlife.globalindex.rules import InvalidationRule
 from kvlife.store.api import Criteria
 from kvlife.store.core import StoreCore
@@ -162,6 +162,24 @@ def _chain_depends(core: StoreCore, scope: Scope, rec: ObjectRecord) -> bool:
             return False
         got = core.index.get(parent)
     return False
+
+
+def record_sources(core: StoreCore, prompt: PromptRef, chunks: int) -> list[tuple[Source, ...]]:
+    """The sources each of a prompt's first ``chunks`` chunks keeps in its record (under
+    the lock): those it depends on by the prompt's spans and those the chunk before the
+    prompt (``parent``) keeps, as this host's index knows it. A continuation put with
+    ``parent=`` and no spans depends on its parent's sources: its published record
+    names them, so another host's probe of the shared tier, which sees one record at a
+    time, refuses it by a rule on them; a host that does not know the parent expects
+    a record without them and misses (never adopts KV chained after invalidated KV)."""
+    deps = prompt.chunk_sources(chunks)
+    if bytes(prompt.parent) == ROOT_PARENT:
+        return deps
+    parent = core.index.get(prompt.parent)
+    if parent is None or not parent.info.sources:
+        return deps
+    inherited = set(parent.info.sources)
+    return [tuple(sorted(inherited.union(d))) for d in deps]
 
 
 def covered_at_birth(core: StoreCore, recs: list[ObjectRecord]) -> None:

@@ -51,7 +51,7 @@ from kvlife.core.objects import (
 from kvlife.results import ChunkHit
 from kvlife.store.core import Serving, StoreCore
 from kvlife.store.forms import DecodeRates
-from kvlife.store.invalidation import Scope, apply_scopes
+from kvlife.store.invalidation import Scope, apply_scopes, record_sources
 from kvlife.tiers.base import SharedTier, Tier
 from kvlife.transforms.contract import Accept
 
@@ -186,7 +186,8 @@ def _probe(
     n = prompt.tokens_per_chunk
     parent = keys[first - 1] if first else prompt.parent
     infos: list[ObjectInfo] = []
-    deps = prompt.chunk_sources(len(keys))
+    with core.lock:  # the sources the putter's record keeps (its parent's too)
+        deps = record_sources(core, prompt, len(keys))
     for i in range(first, len(keys)):
         infos.append(
             ObjectInfo.for_chunk(

@@ -34,7 +34,7 @@ from kvlife.placement import Evict, Plan, Reject
 from kvlife.results import PutResult
 from kvlife.store.core import StoreCore
 from kvlife.store.executor import execute
-from kvlife.store.invalidation import covered_at_birth, raced_a_rule
+from kvlife.store.invalidation import covered_at_birth, raced_a_rule, record_sources
 from kvlife.store.shared import creation_stamp, stamp_moved
 
 INDEXED = ObjectState.INDEXED
@@ -98,7 +98,7 @@ class Writer:
             core.counters.puts += 1
             pending = PendingPut(keys, n, request_id)
             prev = prompt.parent
-            deps = prompt.chunk_sources(len(keys))
+            deps = record_sources(core, prompt, len(keys))
             for i, (key, arr) in enumerate(zip(keys, chunks, strict=True)):
                 rec = core.index.get(key)
                 if rec is not None and rec.state is INDEXED:

@@ -28,6 +28,13 @@ The file::
 
     [public]                       # the public scope's own shares
     shares = { dram = 16777216 }
+
+    [arenas]                       # shared memory of the principals' own arenas
+    principal_bytes = 268435456    # each principal's (default: the tier's arena size)
+    total_bytes = 1073741824       # all of them together (default: no bound)
+
+A principal's own ``arena_bytes`` overrides ``principal_bytes`` for it
+(:mod:`kvlife.server.shm_arenas`).
 """
 
 from __future__ import annotations
@@ -76,9 +83,12 @@ class Principal:
     """SHA-256 of its token (empty: no token)."""
     token_expires: float | None = None
     """Unix time after which its token is refused (None: never)."""
+    arena_bytes: int | None = None
+    """Size of its own arena (None: ``[arenas] principal_bytes``)."""
 
     def __post_init__(self) -> None:
         check_name("principal name", self.name)
+        _size(f"principal {self.name}: arena_bytes", self.arena_bytes)
         if self.organisation:
             check_name(f"principal {self.name}'s organisation", self.organisation)
         for what, ids in (("uids", self.uids), ("gids", self.gids)):
@@ -92,6 +102,29 @@ class Principal:
             raise InvalidArgument(f"principal {self.name}: token_expires without a token")
 
 
+def _size(what: str, value: object) -> None:
+    if value is not None and (type(value) is not int or value <= 0):
+        raise InvalidArgument(f"{what} must be a positive int (bytes), got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaBudget:
+    """Shared memory of the principals' own arenas (``[arenas]``)."""
+
+    principal_bytes: int | None = None
+    """Each principal's arena (None: as large as the tier's own arena); a principal's
+    ``arena_bytes`` overrides it. Never more than the tier's own arena."""
+    total_bytes: int | None = None
+    """All principals' arenas together (None: no bound). An arena is made at its
+    principal's first ``hello`` and kept until the server stops, so the first to come
+    get theirs; a principal whose arena would pass the bound gets none (its sessions put
+    and load through the socket)."""
+
+    def __post_init__(self) -> None:
+        _size("[arenas] principal_bytes", self.principal_bytes)
+        _size("[arenas] total_bytes", self.total_bytes)
+
+
 @dataclass(frozen=True, slots=True)
 class TenancyConfig:
     """Every principal of a server; a uid, gid or token names at most one (a token shared
@@ -100,6 +133,8 @@ class TenancyConfig:
     principals: tuple[Principal, ...]
     shares: Shares = ()
     """Each tenant's bytes per tier (:mod:`kvlife.tenancy.quotas`); empty: no quotas."""
+    arenas: ArenaBudget = ArenaBudget()
+    """The principals' arenas' sizes (:mod:`kvlife.server.shm_arenas`)."""
 
     def __post_init__(self) -> None:
         seen: dict[str, str] = {}
@@ -146,12 +181,21 @@ class TenancyConfig:
         return found
 
 
-_KEYS = {"uids", "gids", "organisation", "admin", "token_sha256", "token_expires", "shares"}
+_KEYS = {
+    "uids",
+    "gids",
+    "organisation",
+    "admin",
+    "token_sha256",
+    "token_expires",
+    "shares",
+    "arena_bytes",
+}
 
 
 def parse_config(data: Mapping[str, object]) -> TenancyConfig:
     """A configuration from its parsed TOML (InvalidArgument naming what is wrong)."""
-    unknown = set(data) - {"principal", "organisation", "public"}
+    unknown = set(data) - {"principal", "organisation", "public", "arenas"}
     if unknown:
         raise InvalidArgument(f"tenancy configuration: unknown sections {sorted(unknown)}")
     table = data.get("principal", {})
@@ -184,7 +228,13 @@ def parse_config(data: Mapping[str, object]) -> TenancyConfig:
         raise InvalidArgument("tenancy configuration: [public] holds only a shares table")
     if "shares" in public:
         shares.append((PUBLIC_TENANT, parse_shares("public", public["shares"])))
-    return TenancyConfig(tuple(out), tuple(shares))
+    arenas = data.get("arenas", {})
+    if not isinstance(arenas, dict) or set(arenas) - {"principal_bytes", "total_bytes"}:
+        raise InvalidArgument(
+            "tenancy configuration: [arenas] holds only principal_bytes and total_bytes"
+        )
+    budget = ArenaBudget(arenas.get("principal_bytes"), arenas.get("total_bytes"))
+    return TenancyConfig(tuple(out), tuple(shares), budget)
 
 
 def _principal(name: str, spec: dict[str, object]) -> Principal:
@@ -216,6 +266,7 @@ def _principal(name: str, spec: dict[str, object]) -> Principal:
         admin,
         raw,
         None if expires is None else float(expires),  # type: ignore[arg-type]
+        spec.get("arena_bytes"),  # type: ignore[arg-type]  # checked by Principal
     )
 
 

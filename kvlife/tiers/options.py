@@ -56,10 +56,10 @@ class TierOptions:
         hints = typing.get_type_hints(type(self))
         for f in fields(self):
             value = getattr(self, f.name)
-            ok, coerced = _conforms(value, hints[f.name])
+            ok, coerced = conforms(value, hints[f.name])
             if not ok:
                 raise TierOptionError(
-                    self.kind, f.name, f"must be {_describe(hints[f.name])}, got {value!r}"
+                    self.kind, f.name, f"must be {describe(hints[f.name])}, got {value!r}"
                 )
             if coerced is not value:  # an int given for a float field
                 object.__setattr__(self, f.name, coerced)
@@ -101,12 +101,12 @@ def options_from_pairs(cls: type[Opts], tier: str, pairs: Sequence[tuple[str, ob
         raise exc.for_tier(tier) from None
 
 
-def _conforms(value: object, hint: Any) -> tuple[bool, object]:
+def conforms(value: object, hint: Any) -> tuple[bool, object]:
     """Whether ``value`` has type ``hint``, and the value to keep (a float for an int)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         for member in typing.get_args(hint):
-            ok, coerced = _conforms(value, member)
+            ok, coerced = conforms(value, member)
             if ok:
                 return True, coerced
         return False, value
@@ -127,10 +127,13 @@ def _conforms(value: object, hint: Any) -> tuple[bool, object]:
     raise TypeError(f"tier options cannot hold a field of type {hint!r}")
 
 
-def _describe(hint: Any) -> str:
+def describe(hint: Any, *, optional: bool = True) -> str:
+    """``hint`` in words for an error message (``optional=False``: leave out a union's
+    None, for readers where an absent key is the None)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(m) for m in typing.get_args(hint))
+        members = [m for m in typing.get_args(hint) if optional or m is not type(None)]
+        return " or ".join(describe(m) for m in members)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
     if hint is type(None):

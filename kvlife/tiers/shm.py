@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import errno
 import mmap
 import os
 import threading
@@ -143,6 +144,33 @@ class Allocator:
         return max(self._lens.values(), default=0)
 
 
+class Backed:
+    """The ranges of a sparse arena whose pages are allocated: sorted, disjoint, merged
+    where they touch. Pages once allocated stay (the file is never punched), so an
+    extent inside a range needs no ``fallocate`` when it is handed out again: first-fit
+    reuses the low offsets, and the ranges merge into few. Not thread-safe on its own
+    (:class:`Arena` locks it)."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def covers(self, lo: int, hi: int) -> bool:
+        i = bisect.bisect_right(self._starts, lo) - 1
+        return i >= 0 and self._ends[i] >= hi
+
+    def add(self, lo: int, hi: int) -> None:
+        i = bisect.bisect_left(self._ends, lo)  # the first range that reaches lo
+        j = bisect.bisect_right(self._starts, hi)  # past the last that starts by hi
+        if i < j:
+            lo, hi = min(lo, self._starts[i]), max(hi, self._ends[j - 1])
+        self._starts[i:j] = [lo]
+        self._ends[i:j] = [hi]
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+
 @dataclass(frozen=True, slots=True)
 class Slot:
     """One allocated extent of the arena."""
@@ -159,6 +187,25 @@ class Owner:
     uid: int
     gid: int
     mode: int = 0o600
+
+
+UNSUPPORTED = (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS)
+"""errno of a filesystem that cannot allocate ahead (its pages fault in as before)."""
+
+
+def allocate_pages(fd: int, size: int, offset: int = 0) -> bool:
+    """Allocate the pages of ``[offset, +size)`` of a shared-memory file now (OSError
+    ENOSPC where the filesystem has no room for them): a sparse file on a full tmpfs
+    maps fine, and the first write to a page it cannot back kills the writer with
+    SIGBUS (a client's put, the engine; or the server copying a load into it). False:
+    the filesystem cannot allocate ahead, and its pages are left to fault in as before."""
+    try:
+        os.posix_fallocate(fd, offset, size)
+    except OSError as exc:
+        if exc.errno not in UNSUPPORTED:
+            raise
+        return False
+    return True
 
 
 class Arena:
@@ -200,6 +247,8 @@ class Arena:
                         "needs CAP_CHOWN, e.g. runs as root)"
                     ) from None
             os.ftruncate(fd, size)
+            if populate_pages:
+                allocate_pages(fd, size)
             # populated: the pages exist (and are mapped here) before the first put, so
             # no copy into the arena pays first-touch faults
             populate = getattr(mmap, "MAP_POPULATE", 0) if populate_pages else 0
@@ -212,7 +261,17 @@ class Arena:
             os.close(fd)
             self.path.unlink(missing_ok=True)
             raise StorageFullError(f"cannot map the arena {self.path}: {exc}") from exc
-        os.close(fd)
+        self._fd = -1
+        """A sparse arena's file, kept open to allocate each extent's pages as it is
+        handed out (:meth:`alloc`) until :meth:`unlink`; -1: populated (every page
+        allocated when made), a filesystem that cannot allocate ahead, or unlinked."""
+        self._fd_lock = threading.Lock()
+        """Held around each ``fallocate`` and the descriptor's close, so that a closed
+        number (reused by another file) is never allocated into."""
+        if populate_pages:
+            os.close(fd)
+        else:
+            self._fd = fd
         advise_huge(self.mmap)
         self.huge_pages = huge_pages(self.path.parent)
         self.size = size
@@ -230,10 +289,16 @@ class Arena:
         offset and a generation name one extent's lifetime (a client's copy from a
         lookup's hint is valid when both still match once the extent is pinned)."""
         self._base = np.frombuffer(self.mmap, np.uint8).ctypes.data
+        self.unbacked = 0
+        """Extents of a sparse arena refused because the filesystem had no room for
+        their pages (:meth:`alloc` returned None: no room, as for a full arena)."""
+        self._backed = Backed()
+        """Where a sparse arena's pages are allocated already (no ``fallocate`` there)."""
 
     def alloc(self, nbytes: int, dtype: npt.DTypeLike, shape: tuple[int, ...]) -> np.ndarray | None:
-        """A writable view of a new extent shaped ``shape`` (None when none fits). The
-        extent is freed when the last view of it dies."""
+        """A writable view of a new extent shaped ``shape`` (None when none fits, or
+        when the filesystem has no room for a sparse arena's pages of it). The extent is
+        freed when the last view of it dies."""
         with self._lock:
             self._drain()
             off = self._alloc.alloc(nbytes)
@@ -242,10 +307,40 @@ class Arena:
                 self._gens[off] = self._gen
         if off is None:
             return None
+        if self._fd >= 0 and not self._back(off, nbytes):  # a sparse arena
+            return None
         raw = np.frombuffer(self.mmap, np.uint8, count=nbytes, offset=off)
         fin = weakref.finalize(raw.base, self._free, off, nbytes)
         fin.atexit = False
         return raw.view(dtype).reshape(shape)
+
+    def _back(self, offset: int, nbytes: int) -> bool:
+        """Allocate the pages of a sparse arena's new extent before anyone writes it
+        (whoever writes first: a client's put, the server's copy of a load); False, the
+        extent given back and counted in :attr:`unbacked`, where the filesystem has no
+        room for them. One ``fallocate`` per extent not yet inside an allocated range
+        (:class:`Backed`); an extent reused there costs a lookup."""
+        end = offset + round_up(max(nbytes, 1))
+        with self._lock:
+            if self._backed.covers(offset, end):
+                return True
+        try:
+            with self._fd_lock:
+                if self._fd < 0:  # unlinked meanwhile: the server is closing
+                    raise OSError(errno.EBADF, "the arena was removed")
+                if not allocate_pages(self._fd, end - offset, offset):
+                    os.close(self._fd)
+                    self._fd = -1  # cannot allocate ahead: faults in as before
+                    return True
+            with self._lock:
+                self._backed.add(offset, end)
+            return True
+        except OSError:
+            with self._lock:
+                self._alloc.free(offset, nbytes)
+                self._gens.pop(offset, None)
+                self.unbacked += 1
+            return False
 
     def _free(self, offset: int, nbytes: int) -> None:
         # a finalizer: no lock, no I/O (it may run inside alloc, under _lock, on a
@@ -294,10 +389,15 @@ class Arena:
                 "arena_extents": self._alloc.extents,
                 "arena_largest_free": self._alloc.largest_free,
                 "arena_huge_pages": int(self.huge_pages),
+                "arena_unbacked": self.unbacked,
             }
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)
+        with self._fd_lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 Home = Callable[[ReplicaMeta], "Arena | None"]
@@ -335,6 +435,9 @@ class ShmTier(HeldTier[_Held]):
         (so a replica never lies in an arena its readers may not map)."""
         self.adopted = 0
         """Payloads published without a copy (already in the arena)."""
+        self.home_overflow = 0
+        """Replicas copied into the tier's own arena because their home (a tenant's
+        arena) had no room."""
 
     def add_arena(self, name: str, arena: Arena) -> None:
         """Keep ``arena`` with the tier (its figures, and removed when it closes)."""
@@ -359,6 +462,11 @@ class ShmTier(HeldTier[_Held]):
             homes = [self._home(meta) for meta in reservation.metas]
             arrays = [
                 self._into_arena(arena, arr) for arena, arr in zip(homes, payloads, strict=True)
+            ]
+            # a copy its home arena had no room for went to the tier's own (overflow)
+            homes = [
+                home if home.offset_of(arr) is not None else self.arena
+                for home, arr in zip(homes, arrays, strict=True)
             ]
             # sealed as published (the xxh3-128 of the extent's bytes, or the checksum
             # the store vouches for); kept as a read-only export of the extent
@@ -389,6 +497,13 @@ class ShmTier(HeldTier[_Held]):
             self.adopted += 1  # a sealed extent (a put a client wrote): no copy
             return arr
         dst = arena.alloc(arr.nbytes, arr.dtype, arr.shape)
+        if dst is None and arena is not self.arena:
+            # a tenant's arena is full: the tier's own, which no client maps, holds it
+            # (its principal is served copies of it, as of a shared scope's replica)
+            dst = self.arena.alloc(arr.nbytes, arr.dtype, arr.shape)
+            if dst is not None:
+                self.home_overflow += 1
+                arena = self.arena
         if dst is None:
             raise StorageFullError(
                 f"arena {arena.path} has no free extent of {arr.nbytes} bytes ({arena.stats()})"
@@ -405,6 +520,15 @@ class ShmTier(HeldTier[_Held]):
             return None
         return held.hint
 
+    def hints(self, keys: Sequence[ChunkKey], arena: Arena) -> list[tuple[int, int]]:
+        """:meth:`hint` of every key at once, (0, 0) for a key not held in ``arena``: a
+        served lookup's hints, one comprehension over the C-level probes of the keys."""
+        none = (0, 0)
+        return [
+            none if held is None or held.arena is not arena else held.hint
+            for held in map(self._held.get, keys)
+        ]
+
     def delete(self, key: ChunkKey) -> int:
         with self._lock:
             return self._take(key).meta.nbytes
@@ -419,6 +543,7 @@ class ShmTier(HeldTier[_Held]):
             more = arena.stats()
             figures["arena_used_bytes"] += more["arena_used_bytes"]
             figures["arena_extents"] += more["arena_extents"]
+            figures["arena_unbacked"] += more["arena_unbacked"]
         figures["arena_arenas"] = len(arenas)
         return figures
 

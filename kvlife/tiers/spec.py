@@ -9,6 +9,7 @@ a store opens anything.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -16,6 +17,10 @@ from kvlife.core.errors import InvalidArgument
 from kvlife.core.objects import TierName
 from kvlife.tiers.options import TierOptions
 from kvlife.tiers.registry import tier_kind
+
+TIER_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
+"""What a tier's name may be (it names a folder of the store and a metrics label)."""
+TIER_NAME_RULE = "a tier name is 1 to 64 letters, digits, '_', '-' or '.' (not first)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +51,10 @@ class TierSpec:
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
             raise InvalidArgument(f"tier name must be a non-empty string, got {self.name!r}")
+        if not TIER_NAME.fullmatch(self.name):
+            # a disk tier's files live in a folder of the store named after it: a name
+            # that is a path (``../x``, ``/x``) would put them outside the store
+            raise InvalidArgument(f"tier name {self.name!r:.80}: {TIER_NAME_RULE}")
         if not isinstance(self.capacity_bytes, int) or self.capacity_bytes <= 0:
             raise InvalidArgument(
                 f"tier {self.name!r} needs capacity_bytes > 0, got {self.capacity_bytes!r}"

@@ -21,7 +21,14 @@ from kvlife.trace.errors import TraceError, TraceFormatError
 FIELDS = [f.name for f in fields(LifecycleEvent)]
 _INT = {"seq", "nbytes"}
 
-__all__ = ["JsonlSink", "ParquetSink", "read_events", "read_events_jsonl", "read_events_parquet"]
+__all__ = [
+    "JsonlSink",
+    "ParquetSink",
+    "open_event_file",
+    "read_events",
+    "read_events_jsonl",
+    "read_events_parquet",
+]
 
 
 def _arrow_schema() -> Any:
@@ -76,6 +83,19 @@ class ParquetSink(EventSink):
                 self._write()
                 self._writer.close()
                 self._closed = True
+
+
+def open_event_file(path: str | Path, *, append: bool = False) -> EventSink:
+    """A sink writing an event file: ``.parquet`` is Parquet (always written anew: a
+    Parquet file cannot be appended to), anything else JSON lines, appended to when
+    ``append`` (an engine restarted on the same store continues its log), else
+    written anew."""
+    p = Path(path)
+    if p.name.endswith(".parquet"):
+        return ParquetSink(p)
+    if not append:
+        p.unlink(missing_ok=True)
+    return JsonlSink(p)
 
 
 def _event(d: dict[str, Any], where: str) -> LifecycleEvent:

@@ -1,8 +1,8 @@
 """The vLLM connector's scheduler side with the planner: ``matched`` (vLLM's
 ``get_num_new_matched_tokens``) offers the whole hit when the tier is fast, nothing when
 recomputing is faster, a shorter prefix in between, and never offers again what vLLM's
-own prefix cache holds; declined tokens are counted. (The connector passes no cost model
-yet: wiring a measured one from its config is left open.)"""
+own prefix cache holds; declined tokens are counted. (The connector builds its cost model
+from the ``[planner]`` table of its ``kvlife.config``: tests/vllm/test_planner_e2e.py.)"""
 
 from __future__ import annotations
 

@@ -38,19 +38,27 @@ NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 POISON = 100.0
 
 
-def facts(tp_size: int) -> EngineFacts:
+def facts(
+    tp_size: int,
+    *,
+    layers: int = LAYERS,
+    heads: int = 2,
+    head_dim: int = HEAD_DIM,
+    block: int = BLOCK,
+) -> EngineFacts:
+    """A fake float32 engine's facts (the mini engine's shape unless told otherwise)."""
     return EngineFacts(
         model="/models/fake",
         revision="",
         weights_digest="w",
         tokenizer_digest="t",
         position_digest="rope",
-        num_layers=LAYERS,
-        total_kv_heads=2,
-        head_dim=HEAD_DIM,
+        num_layers=layers,
+        total_kv_heads=heads,
+        head_dim=head_dim,
         kv_dtype="float32",
         compute_dtype="float32",
-        block_size=BLOCK,
+        block_size=block,
         tp_size=tp_size,
         engine_version="fake",
     )

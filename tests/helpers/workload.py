@@ -1,5 +1,8 @@
 """A deterministic KV workload, shared by the crash child and the tests that check it.
 
+Its layout, prompts and payloads are the fault campaign's
+(:mod:`kvlife.experiments.campaign.workload`), under an identity and namespaces of its own.
+
 Every prompt is a pure function of ``(seed, prompt number)`` and every chunk's KV bytes a
 pure function of its chunk key, so a parent process can recompute exactly what a killed
 child may have written and compare every served byte with it. Prompts share prefixes
@@ -20,21 +23,20 @@ from kvlife.core.identity import (
     PUBLIC,
     ROOT_PARENT,
     ChunkKey,
-    KVLayout,
     ModelIdentity,
     Namespace,
     NamespaceKind,
     prompt_chunk_keys,
 )
+from kvlife.experiments.campaign.payload import payload
+from kvlife.experiments.campaign.workload import LAYOUT as LAYOUT
+from kvlife.experiments.campaign.workload import prompt_tokens
 from kvlife.results import LoadResult, PutResult
 from kvlife.store import KVStore
 from kvlife.tiers.disk import DiskTier
 
 KiB = 1 << 10
 MiB = 1 << 20
-
-LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16", tokens_per_chunk=16)
-"""A tiny layout: 2 KiB of KV per chunk, one 8 KiB frame (header page + payload page)."""
 
 IDENTITY = ModelIdentity(
     model_id="crash-test-model",
@@ -47,11 +49,6 @@ USERS = tuple(Namespace(NamespaceKind.USER, f"u{i}") for i in range(3))
 """Namespaces the churn workload invalidates now and then."""
 
 NAMESPACES: tuple[Namespace, ...] = (PUBLIC, *USERS, Namespace(NamespaceKind.ORGANISATION, "acme"))
-
-PREFIXES = 4
-"""Shared system prompts per seed."""
-PREFIX_CHUNKS = 2
-VOCAB = 32_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,24 +115,12 @@ class ChunkRef:
     parent: ChunkKey
 
 
-def _prefix_tokens(seed: int, prefix_id: int) -> np.ndarray:
-    rng = np.random.default_rng([seed, 1 << 40, prefix_id])
-    n = PREFIX_CHUNKS * LAYOUT.tokens_per_chunk
-    return rng.integers(0, VOCAB, size=n, dtype=np.uint32)
-
-
 def make_prompt(seed: int, number: int, namespace: Namespace | None = None) -> Prompt:
-    """Prompt ``number`` of the workload ``seed``: a shared prefix, then its own tokens.
-
-    ``namespace`` overrides the namespace the workload would pick.
-    """
-    rng = np.random.default_rng([seed, number])
-    ns = NAMESPACES[int(rng.integers(len(NAMESPACES)))]
-    if namespace is not None:
-        ns = namespace
-    prefix = _prefix_tokens(seed, int(rng.integers(PREFIXES)))
-    own = int(rng.integers(1, 4)) * LAYOUT.tokens_per_chunk + int(rng.integers(0, 16))
-    tokens = np.concatenate([prefix, rng.integers(0, VOCAB, size=own, dtype=np.uint32)])
+    """Prompt ``number`` of the workload ``seed``: a shared prefix, then its own tokens
+    (drawn as the fault campaign's are: :func:`~kvlife.experiments.campaign.workload.
+    prompt_tokens`). ``namespace`` overrides the namespace the workload would pick."""
+    i, tokens = prompt_tokens(seed, number, len(NAMESPACES))
+    ns = NAMESPACES[i] if namespace is None else namespace
     keys = tuple(prompt_chunk_keys(IDENTITY, ns, tokens))
     return Prompt(number, ns, tokens, keys)
 
@@ -151,10 +136,9 @@ def invalidation_after(seed: int, number: int, prob: float) -> Namespace | None:
 
 
 def kv_for_key(key: bytes) -> np.ndarray:
-    """The KV bytes of a chunk: random float16 bit patterns seeded by its key."""
-    rng = np.random.default_rng(int.from_bytes(key[:16], "little"))
-    bits = rng.integers(0, 1 << 16, size=LAYOUT.chunk_shape, dtype=np.uint16)
-    return bits.view(np.float16)
+    """The KV bytes of a chunk: random float16 bit patterns seeded by its key (the fault
+    campaign's payload, :func:`~kvlife.experiments.campaign.payload.payload`)."""
+    return payload(key)
 
 
 def chunk_refs(prompt: Prompt) -> list[ChunkRef]:

@@ -84,3 +84,14 @@ def test_a_bad_file_lists_every_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         resolve_extra_config({"kvlife.config": str(config)})
     assert {i.path for i in info.value.issues} == {"tiers[0].budget", "vllm.chunk_tokens"}
+
+
+def test_the_event_log_of_the_file_is_relative_to_it(tmp_path: Path) -> None:
+    config = tmp_path / "kvlife.toml"
+    config.write_text(EMBEDDED + 'events = "logs/kv-events.jsonl"\n')
+    extra, file = resolve_extra_config({"kvlife.config": str(config)})
+    address = StoreAddress.from_extra_config(extra, file)
+    assert address.events == str(tmp_path / "logs" / "kv-events.jsonl")
+    config.write_text(EMBEDDED + 'events = ""\n')
+    with pytest.raises(ConfigError, match="events"):
+        resolve_extra_config({"kvlife.config": str(config)})

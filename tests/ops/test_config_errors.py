@@ -44,6 +44,8 @@ io_depth = 4
 socket = "kv.sock"
 staging_bytes = "16MiB"
 cpus = "0"
+metrics = ":0"
+log_json = true
 
 [server.limits]
 max_connections = 64
@@ -89,6 +91,8 @@ MUTATIONS = [
     ('socket = "kv.sock"', "socket = []", "server.socket"),
     ('staging_bytes = "16MiB"', 'staging_bytes = "lots"', "server.staging_bytes"),
     ('cpus = "0"', 'cpus = "x-y"', "server.cpus"),
+    ('metrics = ":0"', 'metrics = "127.0.0.1:http"', "server.metrics"),
+    ("log_json = true", 'log_json = "yes"', "server.log_json"),
     ("max_connections = 64", "max_connections = -1", "server.limits.max_connections"),
     ("body_timeout_s = 10.0", 'body_timeout_s = "soon"', "server.limits.body_timeout_s"),
     ('organisation = "acme"', 'organisation = "a b"', "server.principals.alice.organisation"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -117,7 +118,9 @@ def test_serve_runs_from_the_file(tmp_path: Path) -> None:
 
 def test_flags_override_the_file(tmp_path: Path) -> None:
     config = tmp_path / "kvlife.toml"
-    config.write_text(CONFIG + '\n[server.kv_events]\nendpoint = "tcp://*:5557"\ntopic = "t"\n')
+    text = CONFIG.replace("[server]\n", '[server]\nmetrics = ":0"\nlog_json = true\n', 1)
+    assert text != CONFIG
+    config.write_text(text + '\n[server.kv_events]\nendpoint = "tcp://*:5557"\ntopic = "t"\n')
     args = build_parser().parse_args(
         [
             "serve",
@@ -145,11 +148,64 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert cfg.store.promote_on_hit is False
     assert cfg.staging_bytes == 1 << 20
     assert cfg.kv_events is not None and cfg.kv_events.endpoint == "tcp://*:5557"
+    assert cfg.metrics == ("127.0.0.1", 0) and cfg.log_json  # not given: the file's
     over = build_parser().parse_args(
-        ["serve", "--config", str(config), "--kv-events", "ipc:///tmp/x", "--kv-events-topic", ""]
+        [
+            "serve",
+            "--config",
+            str(config),
+            "--kv-events",
+            "ipc:///tmp/x",
+            "--kv-events-topic",
+            "",
+            "--metrics",
+            "9999",
+        ]
     )
-    events = serve_config(over).kv_events
+    over_cfg = serve_config(over)
+    events = over_cfg.kv_events
+    assert over_cfg.metrics == ("127.0.0.1", 9999)  # the flag wins over the file
     assert events is not None and (events.endpoint, events.topic) == ("ipc:///tmp/x", "")
     # without a file, the same function gives ServeConfig's own defaults
     plain = serve_config(build_parser().parse_args(["serve", str(tmp_path / "s")]))
     assert plain.store is None and plain.dram_bytes == 1 << 30 and plain.limits.max_chunks == 16384
+
+
+@pytest.mark.parametrize("where", ["busy", "unresolvable", "no ops extra"])
+def test_a_metrics_address_the_server_cannot_serve_leaves_nothing_behind(
+    tmp_path: Path, where: str
+) -> None:
+    """``[server] metrics`` on a port another socket listens on, on a host name that
+    does not resolve, or on a machine without prometheus-client (the ops extra; here
+    a package of that name that fails to import): ``kvlife serve --config`` fails with
+    the typed one-line error and makes nothing. On the code of 69c924e each failed
+    only after making the store folder, which it left behind with its lock file and
+    tier folders, the last with an ImportError traceback."""
+    env = child_env()
+    if where == "no ops extra":
+        shadow = tmp_path / "shadow" / "prometheus_client"
+        shadow.mkdir(parents=True)
+        (shadow / "__init__.py").write_text('raise ImportError("no prometheus_client here")\n')
+        env["PYTHONPATH"] = f"{shadow.parent}{os.pathsep}{env['PYTHONPATH']}"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        address = {"busy": f"127.0.0.1:{port}", "unresolvable": "nosuch.invalid:0"}.get(
+            where, "127.0.0.1:0"
+        )
+        store = tmp_path / "run"
+        store.mkdir()
+        config = store / "kvlife.toml"
+        config.write_text(CONFIG.replace("[server]\n", f'[server]\nmetrics = "{address}"\n', 1))
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvlife.cli", "serve", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )
+    err = proc.stderr.decode()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and err.startswith("kvlife: error:") and "metrics" in err, err
+    assert sorted(p.name for p in store.iterdir()) == ["kvlife.toml"]

@@ -19,6 +19,7 @@ from kvlife.store import KVStore
 from kvlife.tiers.base import Reservation
 from kvlife.tiers.redis.server import RedisServer
 from tests.conftest import TINY, prompt_kv, tiny_identity
+from tests.ops.corrupt import store_with_a_flipped_payload
 from tests.remote.test_leases import arr, meta
 from tests.remote.test_leases import tier as lease_tier
 from tests.server.conftest import ServerProc, wait_for
@@ -32,18 +33,7 @@ def _lines(srv: ServerProc) -> list[dict[str, object]]:
 
 def test_a_corruption_caught_is_one_json_line(tmp_path: Path) -> None:
     path = tmp_path / "store"
-    ident = tiny_identity()
-    tokens, kv = prompt_kv(6, 3 * N)
-    first = ServerProc(path, extra=("--write-through",)).start()
-    try:
-        store = first.client()
-        keys = store.put_prompt(ident, PUBLIC, tokens, kv).keys
-        store.close()
-    finally:
-        assert first.stop() == 0
-    frame = next(f for f in scan_frames(path) if f.key == keys[1])
-    flip(frame.segment, frame.payload_offset + 37, 5)
-    first.log.unlink()
+    ident, tokens, keys = store_with_a_flipped_payload(path)
     srv = ServerProc(path, extra=("--log-json",)).start()
     try:
         wait_for(lambda: any(e["event"] == "start" for e in _lines(srv)), 30, "the start line")

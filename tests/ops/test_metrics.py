@@ -13,17 +13,17 @@ import pytest
 from kvlife.client import RemoteStore
 from kvlife.core.errors import InvalidArgument, NotPermitted
 from kvlife.core.identity import PUBLIC, Namespace, NamespaceKind
-from kvlife.faults.damage import flip, scan_frames
 from kvlife.results import StoreCounters, TierCounters
+from kvlife.server.address import parse_address
 from kvlife.server.prometheus import (
     STORE_COUNTERS,
     TIER_COUNTERS,
-    parse_address,
     registry_for,
     serve,
 )
 from kvlife.store import KVStore
 from tests.conftest import TINY, prompt_kv, tiny_identity
+from tests.ops.corrupt import store_with_a_flipped_payload
 from tests.ops.servers import metrics_server, scrape, scrape_text, value
 from tests.server.conftest import ServerProc
 from tests.server.tenants import ORG, TOKENS, USER, write_config
@@ -131,17 +131,7 @@ def test_a_tenant_name_never_appears(tmp_path: Path) -> None:
 
 def test_a_corrupt_replica_caught_is_counted(tmp_path: Path) -> None:
     path = tmp_path / "store"
-    ident = tiny_identity()
-    tokens, kv = prompt_kv(6, 3 * N)
-    first = ServerProc(path, extra=("--write-through",)).start()
-    try:
-        store = first.client()
-        keys = store.put_prompt(ident, PUBLIC, tokens, kv).keys
-        store.close()
-    finally:
-        assert first.stop() == 0
-    frame = next(f for f in scan_frames(path) if f.key == keys[1])
-    flip(frame.segment, frame.payload_offset + 37, 5)  # the payload of chunk 1
+    ident, tokens, keys = store_with_a_flipped_payload(path)
     srv, url = metrics_server(path)
     try:
         before = scrape(url)

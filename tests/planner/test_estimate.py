@@ -82,13 +82,16 @@ def test_a_tier_calibrates_its_latency_and_time_per_byte() -> None:
     st.floats(min_value=1e-4, max_value=1e-2),
     st.floats(min_value=1e-6, max_value=1e-3),
     st.floats(min_value=1e-10, max_value=1e-7),
+    st.sampled_from([0.0, 1e-6, 1e-4]),
 )
-def test_a_prefill_profile_fits_its_own_model(c0: float, c1: float, c2: float) -> None:
-    truth = PrefillProfile(c0, c1, c2)
-    points = [(0, 64), (0, 256), (0, 1024), (512, 256), (2048, 256), (4096, 128)]
+def test_a_prefill_profile_fits_its_own_model(c0: float, c1: float, c2: float, c3: float) -> None:
+    """With the per-cached-token term (``c3 * start``), a short prefill after a long
+    prefix (the rest after a load) is predicted too."""
+    truth = PrefillProfile(c0, c1, c2, c3=c3)
+    points = [(0, 64), (0, 256), (0, 1024), (512, 256), (2048, 256), (4096, 128), (2048, 16)]
     samples = [PrefillSample(s, n, truth.seconds(s, n)) for s, n in points]
-    fit = PrefillProfile.fit(samples)
-    for s, n in [*points, (8000, 256), (0, 8192)]:
+    fit = PrefillProfile.fit(samples, cached_term=True)
+    for s, n in [*points, (8000, 256), (0, 8192), (1024, 16), (8000, 16)]:
         assert fit.seconds(s, n) == pytest.approx(truth.seconds(s, n), rel=1e-3)
 
 
@@ -105,3 +108,27 @@ def test_the_model_learns_the_engines_speed_of_the_day() -> None:
             model.observe_prefill(s, n, 2 * truth.seconds(s, n))
     got = model.compute_seconds(512, 256) / truth.seconds(512, 256)
     assert got == pytest.approx(2.0, rel=1e-3)  # refitted to what the engine timed
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(3, 9),
+    st.lists(st.sampled_from([1.0, 100.0, 1e4]), min_size=3, max_size=3),
+    st.integers(0, 2**32 - 1),
+)
+def test_the_profile_fit_is_scipys_nnls(rows: int, scales: list[float], seed: int) -> None:
+    """The numpy-only NNLS the profile is fitted with (the vLLM interpreter has no scipy)
+    reaches scipy's residual on any small problem."""
+    import numpy as np
+
+    nnls = pytest.importorskip("scipy.optimize").nnls
+    from kvlife.planner.cost import _nnls
+
+    rng = np.random.default_rng(seed)
+    a = rng.random((rows, 3)) * np.array(scales)
+    b = rng.normal(size=rows) + rng.random() * 3
+    ours = _nnls(a, b)
+    assert (ours >= 0).all()
+    theirs, _ = nnls(a, b)
+    slack = 1e-9 * float(np.linalg.norm(b))
+    assert np.linalg.norm(a @ ours - b) <= np.linalg.norm(a @ theirs - b) + slack

@@ -49,10 +49,11 @@ def _hits(n: int, nbytes: int, decode: list[float]) -> list[ChunkHit]:
 
 
 models = st.builds(
-    lambda c0, c1, c2, lat, spb: (PrefillProfile(c0, c1, c2), lat, spb),
+    lambda c0, c1, c2, c3, lat, spb: (PrefillProfile(c0, c1, c2, c3=c3), lat, spb),
     st.floats(min_value=0, max_value=1e-2),
     st.floats(min_value=1e-6, max_value=1e-3),
     st.floats(min_value=0, max_value=1e-7),
+    st.floats(min_value=0, max_value=1e-4),
     st.floats(min_value=0, max_value=1e-2),
     st.floats(min_value=1e-11, max_value=1e-6),
 )
@@ -78,6 +79,8 @@ def test_the_chosen_plan_is_the_least_predicted_time(
 ) -> None:
     prefill, lat, spb = m
     model = _model(prefill, lat, spb)
+    join_per_token = prefill.c3  # a learnt join cost, drawn with the profile
+    model.join_per_token.seed(join_per_token)
     hits = _hits(h, nbytes, decode)
     n = h * TPC + tail
     usable = min(h, (n - 1) // TPC)
@@ -88,8 +91,12 @@ def test_the_chosen_plan_is_the_least_predicted_time(
             if stop > front
             else 0.0
         )
-        return max(prefill.seconds(0, front * TPC), load) + prefill.seconds(
-            stop * TPC, n - stop * TPC
+        # a front joined to loaded chunks: one copy of both, at the learnt cost
+        join = join_per_token * stop * TPC if 0 < front < stop else 0.0
+        return (
+            max(prefill.seconds(0, front * TPC), load)
+            + join
+            + prefill.seconds(stop * TPC, n - stop * TPC)
         )
 
     brute = min([ttft(0, 0)] + [ttft(f, s) for s in range(1, usable + 1) for f in range(s)])

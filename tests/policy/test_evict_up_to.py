@@ -9,7 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlife.core.errors import InvalidArgument
-from kvlife.policy.base import BUILTIN_POLICIES, EvictionPolicy, SupportsClassHints, make_policy
+from kvlife.policy.base import (
+    BUILTIN_POLICIES,
+    EvictionPolicy,
+    SupportsClassHints,
+    make_policy,
+    policy_names,
+)
 
 OPS = st.lists(
     st.tuples(st.sampled_from(["insert", "classed", "touch", "remove", "evict"]),
@@ -96,3 +102,36 @@ def test_batch_calls_equal_the_calls_one_by_one(
             assert batch.evict_up_to(m) == _one_at_a_time(single, m, set())
         assert len(batch) == len(single)
     assert batch.evict_up_to(len(batch) + 1) == _one_at_a_time(single, len(single) + 1, set())
+
+
+TAIL = st.lists(st.tuples(st.sampled_from(["put", "touch_all", "evict"]),
+                          st.lists(st.integers(0, 20), max_size=12), st.integers(0, 6)),
+                max_size=60)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", policy_names())
+@settings(max_examples=80, deadline=None)
+@given(ops=TAIL)
+def test_record_tail_equals_record_in_order(
+    name: str, ops: list[tuple[str, list[int], int]]
+) -> None:
+    """``record_tail(keys, head)``, the usual put placement knows from its lookup
+    (residents ``keys[:head]``, then new keys), leaves every policy, the KV-aware ones
+    included, as ``record_in_order(keys, keys[head:])`` does."""
+    tail: EvictionPolicy[int] = make_policy(name)  # type: ignore[assignment]
+    full: EvictionPolicy[int] = make_policy(name)  # type: ignore[assignment]
+    for op, keys, m in ops:
+        if op == "put":
+            keys = list(dict.fromkeys(keys))
+            held = [k for k in keys if k in full][:m]  # some residents, in the given order
+            new = [k for k in keys if k not in full]
+            tail.record_tail([*held, *new], len(held))
+            full.record_in_order([*held, *new], set(new))
+        elif op == "touch_all":
+            tail.touch_all(iter(keys))
+            full.touch_all(iter(keys))
+        else:
+            protected = set(keys)
+            assert tail.evict_up_to(m, protected) == full.evict_up_to(m, protected)
+        assert len(tail) == len(full)
+    assert tail.evict_up_to(len(tail) + 1) == full.evict_up_to(len(full) + 1)

@@ -6,6 +6,7 @@ in a real KVStore as in the replay simulator."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import pytest
@@ -114,6 +115,58 @@ def test_no_resident_child_without_its_resident_parent(
             if k in a and par[k] is not None:
                 assert par[k] in a, (k, par[k])
         assert len(a) == len(b)
+
+
+class _GeneralPaths(PrefixTreePolicy[int]):
+    """``prefixtree`` through its general paths only: every put by ``_record_plain``,
+    every victim by ``_drop`` (the fast paths write both out for the usual put and a
+    leaf's eviction)."""
+
+    def record_in_order(self, keys: Sequence[int], new: Collection[int]) -> None:
+        self._record_plain(keys, new)
+
+    def _drop(self, key: int) -> None:
+        super()._drop(key)
+
+
+def _tree_state(p: PrefixTreePolicy[int]) -> tuple[object, ...]:
+    return list(p._order), dict(p._parent), dict(p._kids), list(p._orphans)
+
+
+@settings(max_examples=150, deadline=None)
+@given(parents=TREE, ops=OPS, removes=st.lists(st.integers(0, 40), max_size=4))
+def test_prefixtree_fast_paths_equal_its_general_paths(
+    parents: list[int], ops: list[tuple[str, int, int]], removes: list[int]
+) -> None:
+    """The plain tree's written-out put (residents first, then new keys) and leaf
+    eviction leave exactly the state of its general paths: order, parents, children and
+    orphans, after puts in any order of residents and new keys, lookups, evictions and
+    removals (which make orphans)."""
+    paths = _paths(parents)
+    fast: PrefixTreePolicy[int] = PrefixTreePolicy()
+    slow = _GeneralPaths()
+    for step, (op, i, m) in enumerate(ops):
+        path = paths[i % len(paths)]
+        if op == "put":
+            # a put as placement makes it (residents and new keys; the new ones last or
+            # anywhere when m is odd: a resident after a new key)
+            keys = list(path)
+            if m % 2 and len(keys) > 2:
+                keys = keys[1:] + keys[:1]
+            new = {k for k in keys if k not in fast}
+            fast.record_in_order(keys, new)
+            slow.record_in_order(keys, new)
+        elif op == "touch":
+            hits = [k for k in path if k in fast]
+            fast.touch_all(reversed(hits))
+            slow.touch_all(reversed(hits))
+        else:
+            protected = set(path[: m + 1])
+            assert fast.evict_up_to(m, protected) == slow.evict_up_to(m, protected)
+        if step < len(removes):
+            fast.remove(removes[step])
+            slow.remove(removes[step])
+        assert _tree_state(fast) == _tree_state(slow)
 
 
 def test_leaves_first_lru_among_leaves() -> None:

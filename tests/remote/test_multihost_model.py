@@ -43,6 +43,7 @@ import numpy as np
 import pytest
 
 from kvlife.tiers.mooncake.server import in_private_netns, netns_command
+from tests.conftest import budget
 from tests.remote.multihost_api import Criteria
 from tests.remote.multihost_oracle import Finding, Oracle, Served
 from tests.remote.multihost_run import (
@@ -369,13 +370,13 @@ def test_minimal_schedules_serve_nothing_wrong(name: str, tmp_path: Path) -> Non
 
 
 def test_random_schedule_single_redis(tmp_path: Path) -> None:
-    steps = [*generate(SEED, 150, DEFAULT_CAST), FINAL]
+    steps = [*generate(SEED, budget(80, 150), DEFAULT_CAST), FINAL]
     out = _run(steps, tmp_path)
     judge(out, steps, f"seed {SEED} on one Redis")
 
 
 def test_random_schedule_redis_cluster(tmp_path: Path) -> None:
-    steps = [*generate(SEED, 80, CLUSTER_CAST), FINAL]
+    steps = [*generate(SEED, budget(50, 80), CLUSTER_CAST), FINAL]
     out = _run(steps, tmp_path, "cluster", CLUSTER_CAST)
     judge(out, steps, f"seed {SEED} on a Redis Cluster")
 
@@ -437,7 +438,7 @@ def test_mooncake_model_inner(tmp_path: Path) -> None:
     if seconds > 0:
         soak(tmp_path, seconds, "mooncake", MOONCAKE_CAST, 300)
         return
-    steps = [*generate(SEED, 50, MOONCAKE_CAST), FINAL]
+    steps = [*generate(SEED, budget(30, 50), MOONCAKE_CAST), FINAL]
     out = _run(steps, tmp_path, "mooncake", MOONCAKE_CAST)
     judge(out, steps, f"seed {SEED} on Mooncake")
 

@@ -40,7 +40,7 @@ def test_disk_tiers_match_simulation(dram: int, disk: int) -> None:
 
 @pytest.mark.skipif(not MOONCAKE.exists(), reason="Mooncake trace not present")
 def test_mooncake_head_dram_only_matches() -> None:
-    trace = read_mooncake(MOONCAKE, max_requests=1500)
+    trace = read_mooncake(MOONCAKE, max_requests=500)
     _agree(trace, "lru", trace.n_unique_blocks() // 10, 0)
 
 

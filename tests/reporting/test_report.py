@@ -17,11 +17,11 @@ from kvlife.cli import main as kvlife_main
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.events import LifecycleEvent
 from kvlife.replay.cache import CacheSim
+from kvlife.replay.ops import OpsRecorder, OpsStreamError, split_requests
 from kvlife.reporting.cli import main as report_main
 from kvlife.reporting.cli import parse_bytes
 from kvlife.reporting.cluster import ClusterConfig, route, run_cluster
 from kvlife.reporting.lifecycle import LifecycleAnalysis
-from kvlife.reporting.ops import OpsRecorder, OpsStreamError, split_requests
 from kvlife.trace.importers import read_mooncake
 from kvlife.trace.model import TraceBuilder
 
@@ -244,6 +244,29 @@ def test_lifecycle_analysis_of_known_events() -> None:
     assert res["stability"]["verdict"].startswith("yes")
 
 
+def test_a_restart_does_not_restart_a_life() -> None:
+    """A store restarted mid-log recovers and re-indexes what it held: the life goes on
+    (one life, indexed since its first index), as the demo's log after its restart."""
+
+    def ev(t: float, kind: str) -> LifecycleEvent:
+        return LifecycleEvent(time=t, seq=0, kind=kind, key="k", state="", namespace="a")
+
+    moves = [(0, "put"), (1, "commit"), (2, "index"), (10, "load"), (50, "recover"),
+             (50, "index"), (60, "load")]  # fmt: skip
+    events = [ev(t, k) for t, k in moves]
+    # another key's put ends the log at t = 100
+    events.append(LifecycleEvent(time=100.0, seq=0, kind="put", key="z", state=""))
+    o = LifecycleAnalysis(lambda _k, e: e.namespace).add_all(events).result()["classes"]["a"]
+    assert (o["lives_open"], o["lives_closed"]) == (1, 0)
+    assert o["open_reuse_count"]["p50"] == 2.0
+    assert o["state_s_with_open"] == {
+        "tentative": 1.0,
+        "committed": 1.0,
+        "indexed": 98.0,
+        "invalidated": 0.0,
+    }
+
+
 def test_live_event_log_from_the_demo(tmp_path: Path) -> None:
     """The real store of ``kvlife demo --synthetic`` writes an event log; the report
     analyses it beside the replay."""
@@ -319,3 +342,70 @@ def test_ops_agree_with_the_run_for_any_trace(reqs: list[list[int]], dram: int, 
         assert o.promotions == int(run.promoted[r])
         assert len(o.demotions) == int(run.demoted[r])
         assert o.dram_new + len(o.disk_new) == int(run.new[r])
+
+
+def _store_workload(store: Any, ns: Any) -> None:
+    """Three 2-chunk prompts put, each loaded twice, the first one invalidated."""
+    from tests.conftest import prompt_kv, tiny_identity
+
+    ident = tiny_identity()
+    prompts = [prompt_kv(seed, 32) for seed in range(3)]
+    for tokens, kv in prompts:
+        store.put_prompt(ident, ns, tokens, kv)
+    for _ in range(2):
+        for tokens, _kv in prompts:
+            store.load(store.lookup(ident, ns, tokens))
+    first = store.lookup(ident, ns, prompts[0][0]).hits[0].key
+    assert store.invalidate(prefix=first) == 2
+
+
+def test_live_logs_of_each_source_side_by_side(tmp_path: Path) -> None:
+    """Two live logs, one written through the vLLM connector's store opener
+    (``kvlife.events``) and one as ``kvlife demo --events`` writes it, each labelled,
+    beside the replay: the same figures per source in the JSON and in one HTML table;
+    the time in each state adds up to the lives' spans; bad ``--events`` fail first."""
+    from kvlife.core.events import JsonlSink
+    from kvlife.core.identity import PUBLIC, Namespace
+    from kvlife.engines.vllm.stores import StoreAddress, open_store
+    from kvlife.store import KVStore
+
+    conn_log, demo_log = tmp_path / "conn.jsonl", tmp_path / "demo.jsonl"
+    lease = open_store(
+        StoreAddress.from_extra_config(
+            {"kvlife.path": str(tmp_path / "kv1"), "kvlife.events": str(conn_log)}
+        )
+    )
+    _store_workload(lease.store, PUBLIC)
+    lease.release()
+    sink = JsonlSink(demo_log)
+    store = KVStore.open(tmp_path / "kv2", dram_bytes=1 << 22, disk_bytes=1 << 24, sink=sink)
+    _store_workload(store, Namespace.parse("organisation:acme"))
+    store.close()
+    sink.close()
+
+    trace = write_trace(tmp_path / "t.jsonl", convs=5, turns=2)
+    args = ["--dram", "1GiB", "--ssd", "4GiB"]
+    r, page = run_report(
+        tmp_path, trace, *args, "--events", f"vllm={conn_log}", "--events", f"hf={demo_log}"
+    )
+    assert list(r["lifecycle"]) == ["replay", "live:vllm", "live:hf"]
+    for name in ("live:vllm", "live:hf"):
+        o = r["lifecycle"][name]["overall"]
+        assert (o["lives_closed"], o["lives_open"]) == (2, 4)
+        assert o["reuse_count"]["p50"] == o["open_reuse_count"]["p50"] == 2.0
+        assert o["reused_share_with_open"] == 1.0
+        assert o["reuse_distance_s"]["count"] == 12  # 6 lives x 2 loads, open ones too
+        # a life's time in its states adds up to its lifespan (closed) or its age (open)
+        spans = o["lifespan_s"]["mean"] * 2 + o["open_age_s"]["mean"] * 4
+        assert sum(o["state_s_with_open"].values()) == pytest.approx(spans)
+        assert o["state_s_with_open"]["invalidated"] >= 0
+    assert list(r["lifecycle"]["live:hf"]["classes"]) == ["organisation:acme"]
+    head = "<tr><th>figure</th><th>replay</th><th>live:vllm</th><th>live:hf</th></tr>"
+    assert "Lifecycle by source" in page and head in page
+
+    with pytest.raises(InvalidArgument, match="given twice"):
+        report_main(
+            ["--trace", str(trace), "--events", f"a={conn_log}", "--events", f"a={demo_log}"]
+        )
+    with pytest.raises(InvalidArgument, match="not a file"):
+        report_main(["--trace", str(trace), "--events", str(tmp_path / "missing.jsonl")])

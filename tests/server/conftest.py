@@ -215,3 +215,24 @@ def remote(server: ServerProc) -> Iterator[RemoteStore]:
     yield store
     with contextlib.suppress(StoreUnavailable):
         store.close()
+
+
+@pytest.fixture(scope="module")
+def module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """One server for a module's tests, with a 16 KiB DRAM tier (a few chunks: evictions
+    and disk hits come quickly)."""
+    srv = ServerProc(tmp_path_factory.mktemp("module-server") / "srv", dram=16 << 10).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def module_client(module_server: ServerProc) -> Iterator[RemoteStore]:
+    """A client of :func:`module_server`, shared by the module's tests."""
+    remote = module_server.client()
+    try:
+        yield remote
+    finally:
+        remote.close()

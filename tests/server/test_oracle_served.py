@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
+from tests.conftest import budget
 from tests.helpers.oracle import Universe
 from tests.helpers.oracle_machine import OracleMachine
 from tests.helpers.oracle_served import Rig, ServedTarget
@@ -51,7 +52,7 @@ def test_oracle_served(rig: Rig) -> None:
 
 
 def test_oracle_served_stress(rig: Rig) -> None:
-    run_stress(ServedOracle(), int(os.environ.get("KVLIFE_ORACLE_SEED", "1")), 150)
+    run_stress(ServedOracle(), int(os.environ.get("KVLIFE_ORACLE_SEED", "1")), budget(100, 150))
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from kvlife.server.server import ServeConfig, open_store
 from kvlife.server.session import ServerState
 from kvlife.store import Accept
 from kvlife.tiers.shm import ShmTier
-from tests.conftest import TINY, prompt_kv, tiny_identity
+from tests.conftest import TINY, budget, prompt_kv, tiny_identity
 from tests.server.conftest import ROOT, MiB, ServerProc, child_env, quiet
 
 values = st.recursive(
@@ -196,7 +196,7 @@ def _mutate(data: st.DataObject, verb: str) -> dict[str, Any]:
 HANDLER_FUZZ = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 
 
-@settings(max_examples=40, **HANDLER_FUZZ)  # type: ignore[arg-type]
+@settings(max_examples=budget(20, 40), **HANDLER_FUZZ)  # type: ignore[arg-type]
 @given(st.data())
 def test_handlers_raise_only_typed_errors(state: ServerState, data: st.DataObject) -> None:
     fuzz_handlers(state, data)

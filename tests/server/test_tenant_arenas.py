@@ -214,8 +214,10 @@ def test_a_token_only_principal_gets_copies_through_the_socket(served: ServerPro
         assert np.array_equal(outs[3], kv[:, :, :, 3 * n :])
         with pytest.raises(NotPermitted, match="maps no arena"):
             alice.alloc_buffer(4096)
-        with pytest.raises(NotPermitted, match="maps no arena"):
-            alice.prepare_put(IDENT, USER["alice"], tokens, kv)
+        # a prepare_put is held by her client, sent through the socket by its commit
+        held = alice.prepare_put(IDENT, USER["alice"], tokens, kv)
+        assert held.held is not None
+        alice.abort_put(held)
         # bob: his user scope in his own arena (hints), a public replica by a copy
         # into it (the server's arena is mapped by no client of this server)
         other, kv2 = prompt_kv(12, 64)

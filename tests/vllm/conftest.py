@@ -75,6 +75,24 @@ def lora_dir(path: Path, *, seed: int, rank: int = 8) -> Path:
     return path
 
 
+def tiny_spec(
+    model: Path, requests: list[dict[str, Any]], kvlife: dict[str, Any] | None, **extra: Any
+) -> dict[str, Any]:
+    """An engine spec for :func:`run_engine`: the tiny model in float32, 32-token blocks,
+    64 MiB of paged cache, ``requests`` and the connector's extra config (None: no
+    connector); ``extra`` adds or overrides keys."""
+    return {
+        "model": str(model),
+        "skip_tokenizer_init": True,
+        "block_size": 32,
+        "dtype": "float32",
+        "kv_cache_mib": 64,
+        "max_model_len": 1024,
+        "requests": requests,
+        "kvlife": kvlife,
+    } | extra
+
+
 def run_engine(spec: dict[str, Any], work: Path, name: str, timeout: float = 420) -> dict[str, Any]:
     """Run one engine as a child process (kvlife.bench.vllm_runner); its result."""
     spec_path = work / f"{name}.spec.json"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.vllm.conftest import run_engine
+from tests.vllm.conftest import run_engine, tiny_spec
 
 CHUNK = 64
 P1 = [int(t) for t in np.random.default_rng(11).integers(5, 1000, size=5 * CHUNK)]
@@ -37,16 +37,8 @@ namespace = "public"
 def test_the_connector_runs_from_a_config_file(tiny_model: Path, tmp_path: Path) -> None:
     config = tmp_path / "kvlife.toml"
     config.write_text(CONFIG)
-    spec = {
-        "model": str(tiny_model),
-        "skip_tokenizer_init": True,
-        "block_size": 32,
-        "dtype": "float32",
-        "kv_cache_mib": 64,
-        "max_model_len": 1024,
-        "requests": [{"tokens": P1, "max_tokens": 8}, {"tokens": P1, "max_tokens": 8}],
-        "kvlife": {"kvlife.config": str(config)},
-    }
+    requests = [{"tokens": P1, "max_tokens": 8}, {"tokens": P1, "max_tokens": 8}]
+    spec = tiny_spec(tiny_model, requests, {"kvlife.config": str(config)})
     run = run_engine(spec, tmp_path, "from-config")
     first, second = run["requests"]
     assert first["output_ids"] == second["output_ids"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.vllm.conftest import run_engine
+from tests.vllm.conftest import run_engine, tiny_spec
 
 CHUNK = 64
 P = [int(t) for t in np.random.default_rng(11).integers(5, 1000, size=4 * CHUNK + 9)]
@@ -20,23 +20,18 @@ def test_a_vllm_prefix_cache_reset_resets_every_kvlife_tier(
     tiny_model: Path, tmp_path: Path
 ) -> None:
     req: dict[str, Any] = {"tokens": P, "max_tokens": 8, "cache_salt": None}
-    spec = {
-        "model": str(tiny_model),
-        "skip_tokenizer_init": True,
-        "block_size": 32,
-        "dtype": "float32",
-        "kv_cache_mib": 64,
-        "max_model_len": 1024,
-        "requests": [req, req, req, req],
-        "reset_before": [2],
-        "kvlife": {
+    spec = tiny_spec(
+        tiny_model,
+        [req, req, req, req],
+        {
             "kvlife.path": str(tmp_path / "store"),
             "kvlife.chunk_tokens": CHUNK,
             "kvlife.dram_mib": 64,
             "kvlife.disk_mib": 256,
             "kvlife.write_through": True,  # every chunk in DRAM and on disk
         },
-    }
+        reset_before=[2],
+    )
     run = run_engine(spec, tmp_path, "reset", timeout=300)
     rows = run["requests"]
     assert run["resets"] == [True]

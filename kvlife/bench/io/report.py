@@ -132,6 +132,12 @@ def format_report(result: dict[str, object]) -> str:
         f"lookup ÷ its chunk keys alone (paired per iteration): {vs_keys:.2f}. Target "
         f"≤{LOOKUP_VS_KEYS_TARGET:g}: " + ("met" if vs_keys <= LOOKUP_VS_KEYS_TARGET else "NOT met")
     )
+    if "vs_keys_cpu" in lookup:  # documents written before CPU times were measured lack it
+        lines.append(
+            f"in CPU time: lookup {float(lookup['cpu_median_us']):.0f} µs, keys "
+            f"{float(lookup['key_computation_cpu_median_us']):.0f} µs, paired ratio "
+            f"{float(lookup['vs_keys_cpu']):.2f}"
+        )
     zc = ", ".join(f"{label} {kv[label]['mem_get_zero_copy_us_per_object']:.2f}" for label in kv)
     lines.append(f"mem get zero-copy (read-only view), µs per object: {zc}")
     diag = result["diagnostics"]

@@ -20,8 +20,14 @@ def format_report(r: dict[str, Any]) -> str:
                 ["ratio", f"{lk['ratio_p50']:.2f}", f"{lk['ratio_p99']:.2f}"],
             ],
         ),
-        "",
     ]
+    if "client_cpu_p50_us" in lk:  # documents written before CPU times were measured lack it
+        lines.append(
+            f"CPU time: in-process {lk['inproc_cpu_p50_us']:.0f} µs; served, the client's "
+            f"{lk['client_cpu_p50_us']:.0f} µs + the server's "
+            f"{lk['server_cpu_us_per_lookup']:.0f} µs per lookup"
+        )
+    lines.append("")
     rows = []
     for key, limit in (
         ("load_dram", "memcpy"),

@@ -70,7 +70,7 @@ def _points(
     result["config"]["shm_dir"] = str(shm)
     result["machine"] = machine_figures(work, quick=cfg.quick)
     result["shm_huge_pages"] = huge_pages(shm)
-    result["lookup"] = bench_lookup(cfg, work, remote)
+    result["lookup"] = bench_lookup(cfg, work, remote, main.proc.pid)
     result["load_dram"] = [
         bench_load(cfg, remote, s, 10 + i, None) for i, s in enumerate(cfg.sizes)
     ]

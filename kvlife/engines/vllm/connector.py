@@ -100,6 +100,10 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
         extra, file = resolve_extra_config(self._kv_transfer_config.kv_connector_extra_config or {})
         self.block_size = int(vllm_config.cache_config.block_size)
         tpc = _int_option(extra, "kvlife.chunk_tokens", DEFAULT_CHUNK_TOKENS)
+        # a load still running this long is abandoned and recomputed (worker.py)
+        timeout_s = None
+        if extra.get("kvlife.load_timeout_ms") is not None:
+            timeout_s = _int_option(extra, "kvlife.load_timeout_ms", 1) / 1000
         self.facts = facts_from_vllm_config(vllm_config)
         salt_kind = str(extra.get("kvlife.salt_kind", "organisation"))
         try:
@@ -132,7 +136,10 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     self.namespaces,
                     block_size=self.block_size,
                     save_decode=bool(extra.get("kvlife.save_decode", True)),
+                    # the [planner] table of kvlife.config: the engine's measured prefill
+                    # profile and the tiers' seeded speeds (learnt from every load after)
                     planner=file.planner.cost_model(tpc) if file and file.planner else None,
+                    load_timeout_s=timeout_s,
                 )
             else:
                 from vllm.distributed.parallel_state import (

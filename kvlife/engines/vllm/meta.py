@@ -34,6 +34,21 @@ class LoadSpec:
     """Chunk-aligned end of the kvlife hit."""
     namespace: Namespace
     adapter: AdapterSpec | None
+    deadline_s: float | None = None
+    """Seconds after the worker starts the step's loads by which the chunks must have
+    arrived (the planner's predicted load time with slack, or ``kvlife.load_timeout_ms``);
+    those that have not are abandoned and recomputed by vLLM. None: wait."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSample:
+    """A load a worker timed, for the scheduler's cost model: ``nbytes`` of one tier in
+    ``seconds`` (a load abandoned at its deadline reports the chunks it had plus the one
+    it waited for, over the time it waited: an upper bound of the tier's speed)."""
+
+    tier: str
+    nbytes: int
+    seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +101,8 @@ class StepReport:
     failed: dict[int, set[str]] = field(default_factory=dict)
     """Per step: requests whose saves some rank failed (a load that did not complete,
     so KV after it was computed on garbage; a layer not gathered)."""
+    loads: list[LoadSample] = field(default_factory=list)
+    """Loads the workers timed (every step's, saves or not)."""
 
     def add(self, step: int, rank: int, failed: set[str]) -> None:
         self.ranks.setdefault(step, set()).add(rank)
@@ -101,7 +118,8 @@ class StepReport:
             out.ranks.setdefault(step, set()).update(ranks)
         for step, failed in other.failed.items():
             out.failed.setdefault(step, set()).update(failed)
+        out.loads = [*self.loads, *other.loads]
         return out
 
     def __bool__(self) -> bool:
-        return bool(self.ranks)
+        return bool(self.ranks) or bool(self.loads)

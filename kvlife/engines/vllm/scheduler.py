@@ -48,6 +48,8 @@ class _Request:
     """Chunk-aligned tokens kvlife holds for the prompt (at the last lookup)."""
     load: tuple[int, int] | None = None
     """Tokens to load at the request's next scheduling: [first, end)."""
+    hits: list[ChunkHit] = field(default_factory=list)
+    """The usable hits of the last lookup (rank 0's), for the load's deadline."""
     saved_chunks: int = 0
     """Leading chunks that are in the store or planned to be saved."""
     block_ids: list[int] = field(default_factory=list)
@@ -68,6 +70,14 @@ class SchedulerCounters:
     """Request saves aborted by a verdict (and planned again)."""
     planner_declined: int = 0
     """Hit tokens not offered because the planner predicted recomputing them faster."""
+    planner_loads: int = 0
+    """Lookups with hits where the planner chose to load all of them."""
+    planner_partial: int = 0
+    """Lookups where it chose to load some of them (a prefix) and recompute the rest."""
+    planner_recomputes: int = 0
+    """Lookups where it chose to load none of them."""
+    load_samples: int = 0
+    """Loads the workers timed and the cost model learnt from."""
     resets: int = 0
     """vLLM prefix-cache resets passed on to every tier of the store."""
 
@@ -84,12 +94,23 @@ class SchedulerSide:
         block_size: int,
         save_decode: bool = True,
         planner: CostModel | None = None,
+        load_timeout_s: float | None = None,
+        deadline_factor: float = 2.0,
+        deadline_slack_s: float = 0.05,
     ) -> None:
         self.store = store
         self.planner = planner
         """With a cost model, ``matched`` offers the tokens the planner says to load
         (:func:`kvlife.planner.tokens_to_load`: fewer than the hit, or none, when the
-        tier is slower than the prefill it saves); without, the longest hit."""
+        tier is slower than the prefill it saves); without, the longest hit. It learns
+        the tiers' speed from the loads the workers time (``reported``)."""
+        self.load_timeout_s = load_timeout_s
+        """A load's deadline at most (None: none without a planner)."""
+        self.deadline_factor = deadline_factor
+        self.deadline_slack_s = deadline_slack_s
+        """With a planner, a load's deadline is its predicted time times
+        ``deadline_factor`` plus ``deadline_slack_s`` (as the HF engine's planned
+        prefill), capped by ``load_timeout_s``."""
         self.identities = identities
         """One identity per rank (every tensor-parallel shard of every pipeline stage),
         in global rank order."""
@@ -147,12 +168,18 @@ class SchedulerSide:
             log.warning("kvlife lookup failed, served as a miss: %s", exc)
             return 0
         st.saved_chunks = max(st.saved_chunks, hit // self.tpc)
+        st.hits = hits[: hit // self.tpc]
         if self.planner is not None and hit > num_computed_tokens:
-            chosen = tokens_to_load(
-                hits[: hit // self.tpc], self.planner, len(prompt), num_computed_tokens
-            )
+            chosen = tokens_to_load(st.hits, self.planner, len(prompt), num_computed_tokens)
+            c = self.counters
+            if chosen >= hit:
+                c.planner_loads += 1
+            elif chosen > num_computed_tokens:
+                c.planner_partial += 1
+            else:
+                c.planner_recomputes += 1
             if chosen < hit:
-                self.counters.planner_declined += hit - max(chosen, num_computed_tokens)
+                c.planner_declined += hit - max(chosen, num_computed_tokens)
                 hit = chosen
         st.hit_tokens = hit
         return max(0, hit - num_computed_tokens)
@@ -207,8 +234,19 @@ class SchedulerSide:
                 end,
                 st.namespace,
                 st.adapter,
+                self._deadline(st.hits[first // self.tpc : end // self.tpc]),
             )
         )
+
+    def _deadline(self, hits: list[ChunkHit]) -> float | None:
+        """Seconds the workers wait for a load of ``hits`` before recomputing the rest."""
+        limit = self.load_timeout_s
+        if self.planner is not None and hits:
+            predicted = self.planner.load_seconds(hits)
+            if predicted < float("inf"):
+                own = predicted * self.deadline_factor + self.deadline_slack_s
+                limit = own if limit is None else min(limit, own)
+        return limit
 
     def _plan_save(self, st: _Request, req_id: str, computed: int, out: StepPlan) -> None:
         tokens_known = st.request.all_token_ids
@@ -259,6 +297,10 @@ class SchedulerSide:
         (its output was lost) is aborted whole."""
         if report is None:
             return
+        if self.planner is not None:
+            for sample in report.loads:
+                self.planner.tier(sample.tier).observe(sample.nbytes, sample.seconds)
+                self.counters.load_samples += 1
         everyone = set(range(len(self.identities)))
         for step in sorted(report.ranks):
             if step not in self._awaiting:

@@ -16,6 +16,13 @@ store. Two ways to name it:
   whole chain (embedded; ``[vllm] store`` chooses when it has both), and its ``[vllm]``
   table as defaults of the other ``kvlife.*`` keys (:func:`resolve_extra_config`).
 
+``{"kvlife.events": F}`` beside an embedded store writes its lifecycle events to ``F``
+(schema v1, :mod:`kvlife.core.events`; JSON lines appended, or Parquet when ``F`` ends
+in ``.parquet``): every move of the chunks the connectors of the process put, load,
+evict and invalidate, as the store emits them, for ``kvlife report --events``. A served
+store's events are the server's (the connector only sees its client API), so it is
+refused there.
+
 Both are used through the public ``KVStore`` API only (lookup, prepare_put, put_async,
 commit_put, abort_put, load_async, counters), so either works.
 """
@@ -30,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvlife.core.errors import InvalidArgument, StoreLockedError
-from kvlife.core.events import EventSink, LifecycleEvent
+from kvlife.core.events import EventSink, LifecycleEvent, fan_out
 from kvlife.engines.errors import EngineError
 from kvlife.store.api import StoreAPI as _StoreAPI
 from kvlife.store.config import StoreConfig
@@ -69,6 +76,12 @@ class StoreAddress:
     """Embedded store: every put durable on disk before it completes."""
     store: StoreConfig | None = None
     """Embedded store: its settings from a configuration file (overrides the sizes)."""
+    events: str = ""
+    """Embedded store: file its lifecycle events are written to (empty: none)."""
+    token_file: str = ""
+    """Served store with principals (``kvlife serve --tenants``): a file holding the
+    token of the principal the engine is, where its Unix user does not say which (a
+    file, not the token itself: vLLM logs its connector config)."""
 
     def __post_init__(self) -> None:
         if bool(self.socket) == bool(self.path):
@@ -77,6 +90,30 @@ class StoreAddress:
                 f"'kvlife.socket' (kvlife serve) and 'kvlife.path' (embedded); got "
                 f"socket={self.socket!r}, path={self.path!r}"
             )
+        if self.events and not self.path:
+            raise InvalidArgument(
+                "kvlife.events logs the events of an embedded store (kvlife.path); a "
+                "served store's events are the server's, its clients do not see them"
+            )
+        if self.token_file and not self.socket:
+            raise InvalidArgument(
+                "kvlife.token_file names a principal of a served store (kvlife.socket); "
+                "an embedded store (kvlife.path) has no principals"
+            )
+
+    def token(self) -> str | None:
+        """The token in :attr:`token_file` (None: none named)."""
+        if not self.token_file:
+            return None
+        try:
+            token = Path(self.token_file).read_text().strip()
+        except OSError as exc:
+            raise InvalidArgument(
+                f"kvlife.token_file {self.token_file!r} cannot be read: {exc}"
+            ) from exc
+        if not token:
+            raise InvalidArgument(f"kvlife.token_file {self.token_file!r} is empty")
+        return token
 
     @classmethod
     def from_extra_config(
@@ -104,6 +141,8 @@ class StoreAddress:
             dram_bytes=size("kvlife.dram_mib", DEFAULT_DRAM),
             disk_bytes=size("kvlife.disk_mib", DEFAULT_DISK),
             write_through=wt,
+            events=str(extra.get("kvlife.events", "") or ""),
+            token_file=str(extra.get("kvlife.token_file", "") or ""),
         )
 
     @classmethod
@@ -116,17 +155,19 @@ class StoreAddress:
             )
         socket = str(extra.get("kvlife.socket", "") or "")
         path = str(extra.get("kvlife.path", "") or "")
+        events = str(extra.get("kvlife.events", "") or "")
         if socket or path:  # named explicitly: over the file's choice
-            return cls(socket=socket, path=path, store=config.store if path else None)
+            store = config.store if path else None
+            return cls(socket=socket, path=path, store=store, events=events)
         mode = extra.get("kvlife.store") or ("served" if config.server else "embedded")
         if mode == "served":
             if config.server is None:
                 raise InvalidArgument(f"{config.source}: kvlife.store 'served' needs [server]")
             sock = config.server.socket or config.store_path() / "serve.sock"
-            return cls(socket=str(sock))
+            return cls(socket=str(sock), events=events)
         if mode != "embedded":
             raise InvalidArgument(f"kvlife.store must be 'served' or 'embedded', got {mode!r}")
-        return cls(path=str(config.store_path()), store=config.store)
+        return cls(path=str(config.store_path()), store=config.store, events=events)
 
 
 _SIZED = ("kvlife.dram_mib", "kvlife.disk_mib", "kvlife.write_through")
@@ -186,7 +227,15 @@ class FanoutSink(EventSink):
 class _Embedded:
     store: StoreAPI
     sink: FanoutSink
+    events: str = ""
+    """The event file the store writes (``kvlife.events``; empty: none)."""
+    log: EventSink | None = None
     users: int = 0
+
+    def close(self) -> None:
+        self.store.close()
+        if self.log is not None:  # after the store: its closing moves are logged too
+            self.log.close()
 
 
 @dataclass(slots=True)
@@ -224,34 +273,51 @@ def open_store(address: StoreAddress) -> StoreLease:
     if address.socket:
         from kvlife.client import RemoteStore
 
-        remote: StoreAPI = RemoteStore(address.socket)
+        remote: StoreAPI = RemoteStore(address.socket, token=address.token())
         return StoreLease(remote, address)
     path = Path(address.path).resolve()
     with _EMBEDDED_LOCK:
         held = _EMBEDDED.get(path)
+        events = str(Path(address.events).resolve()) if address.events else ""
+        if held is not None and held.events != events:
+            raise InvalidArgument(
+                f"kvlife.path {path} is open in this process with kvlife.events "
+                f"{held.events or '(none)'}; a connector asked for {events or '(none)'}: "
+                "the connectors of one process share one store and one event log"
+            )
         if held is None:
             from kvlife.store import KVStore
+            from kvlife.trace.events_io import open_event_file
 
             sink = FanoutSink()
             try:
+                log = open_event_file(events, append=True) if events else None
+            except OSError as exc:
+                raise InvalidArgument(f"kvlife.events {events}: cannot be written: {exc}") from exc
+            store_sink: EventSink = sink if log is None else fan_out(sink, log)
+            try:
                 if address.store is not None:
-                    store = KVStore(path, address.store, sink=sink)
+                    store = KVStore(path, address.store, sink=store_sink)
                 else:
                     store = KVStore.open(
                         path,
                         dram_bytes=address.dram_bytes,
                         disk_bytes=address.disk_bytes,
                         write_through=address.write_through,
-                        sink=sink,
+                        sink=store_sink,
                     )
-            except StoreLockedError as exc:
+            except BaseException as exc:
+                if log is not None:
+                    log.close()
+                if not isinstance(exc, StoreLockedError):
+                    raise
                 raise EmbeddedStoreInUse(
                     f"kvlife.path {path} is held by another process ({exc}). vLLM runs its "
                     "scheduler and workers in separate processes unless "
                     "VLLM_ENABLE_V1_MULTIPROCESSING=0 with the uni executor; otherwise run "
                     "`kvlife serve` on that directory and pass kvlife.socket"
                 ) from exc
-            held = _EMBEDDED[path] = _Embedded(store, sink)
+            held = _EMBEDDED[path] = _Embedded(store, sink, events, log)
         held.users += 1
         token = held.sink.subscribe()
         return StoreLease(held.store, address, held.sink, token)
@@ -268,7 +334,7 @@ def _release_embedded(path_text: str, token: int) -> None:
         if held.users > 0:
             return
         del _EMBEDDED[path]
-    held.store.close()
+    held.close()
 
 
 def close_all() -> None:
@@ -279,7 +345,7 @@ def close_all() -> None:
         held = list(_EMBEDDED.values())
         _EMBEDDED.clear()
     for h in held:
-        h.store.close()
+        h.close()
 
 
 # Interpreter exit joins thread pools (the store's writers among them) before atexit

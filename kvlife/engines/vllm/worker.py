@@ -8,12 +8,24 @@ layer, setting one event per layer, so attention of layer ``l`` (which waits in
 missing or fails verification, and every chunk after it, is not written: its blocks are
 reported by ``load_errors`` and vLLM recomputes them (never served). A load that fails
 part-way (the server dropped, a chunk corrupt) is the same: the chunks that arrived
-whole are written, the rest recomputed.
+whole are written, the rest recomputed. So is a load still running at its deadline
+(``LoadSpec.deadline_s``, from the scheduler's planner or ``kvlife.load_timeout_ms``):
+the chunks that arrived by then are written, the rest are abandoned (never written, late
+or not) and recomputed, counted (``loads_timed_out``). Each load's time is reported to
+the scheduler (``StepReport.loads``), whose cost model learns the tiers' speed from it.
 
-Both directions move a step's blocks in one indexed copy per layer (``paged.py``): a
-load lays every chunk of the step out as the paged cache's block rows (one copy per
-chunk, all layers; a DRAM hit is read as the replica itself, no copy before that), then
-writes each layer's rows with one indexed copy; no Python loop over chunks x layers.
+A DRAM hit is read as the replica itself (no copy before the one into the paged cache),
+in ``start``'s own thread: handing each chunk to the store's I/O pool would cost a
+thread hand-off per chunk, each waiting for a core on a busy host. Its copy into the
+paged cache runs later, so where the store verifies memory replicas
+(``verify_dram_on_load``) they are verified again once copied: one changed in between is
+a load error from there on. Where every layer lives in one allocation a constant stride
+apart (vLLM 0.32's CPU cache) each chunk is copied straight into its blocks of a group
+of layers with one indexed copy (``paged.write_chunk``; ``LOAD_GROUPS`` groups, each
+group's events set as it is written, so the forward's first layers run while later ones
+are written); otherwise every chunk of the step is laid out as the paged cache's block
+rows (one copy per chunk, all layers), then each layer's rows are written with one
+indexed copy. No Python loop over chunks x layers.
 
 Saves are all-or-nothing across layers and ranks. During the step ``save_layer`` copies
 each layer's blocks of every planned save out of the paged cache into one host array of
@@ -32,6 +44,7 @@ raised into the engine: a missing chunk is a future miss, not wrong KV.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
@@ -43,11 +56,18 @@ from typing import Any
 import numpy as np
 
 from kvlife.core.errors import KVLifeError
-from kvlife.core.identity import ROOT_PARENT, ModelIdentity, prompt_chunk_keys
+from kvlife.core.identity import ModelIdentity
 from kvlife.core.payload import numpy_dtype
 from kvlife.engines.vllm.faults import LayerFault
 from kvlife.engines.vllm.identity import with_adapter
-from kvlife.engines.vllm.meta import LoadSpec, SaveSpec, SaveVerdict, StepPlan, StepReport
+from kvlife.engines.vllm.meta import (
+    LoadSample,
+    LoadSpec,
+    SaveSpec,
+    SaveVerdict,
+    StepPlan,
+    StepReport,
+)
 from kvlife.engines.vllm.paged import (
     PagedLayer,
     chunk_to_rows,
@@ -56,8 +76,41 @@ from kvlife.engines.vllm.paged import (
     write_chunk,
 )
 from kvlife.engines.vllm.stores import StoreAPI
+from kvlife.results import LoadResult
 
 log = logging.getLogger("kvlife.vllm")
+
+LOAD_GROUPS = 6
+"""A step's loads are written into the paged cache in this many groups of layers (where
+the layers share one allocation), each group's event set as soon as it is written: the
+forward's attention of layer 0 then waits for a sixth of the copy, not all of it, at a
+cost of one more numpy call per chunk per group (about 10 us each)."""
+
+
+def memory_tiers(store: StoreAPI) -> frozenset[str]:
+    """Tiers of an embedded store that hold replicas in memory (a load of them is a
+    pointer, not a read); none for a served store (its loads cross the socket)."""
+    from kvlife.store.facade import KVStore
+    from kvlife.tiers.base import SealedInMemory
+
+    if not isinstance(store, KVStore):
+        return frozenset()
+    return frozenset(n for n in store.tier_names if isinstance(store.tier(n), SealedInMemory))
+
+
+def verifies_memory(store: StoreAPI) -> bool:
+    """Whether an embedded store verifies replicas held in memory against their seals on
+    every load (``verify_dram_on_load``)."""
+    from kvlife.store.facade import KVStore
+
+    return isinstance(store, KVStore) and bool(store._core.config.verify_dram_on_load)
+
+
+def layer_groups(layers: int, groups: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` ranges splitting ``layers`` into at most ``groups`` near-equal runs."""
+    n = max(1, min(groups, layers))
+    cuts = [layers * i // n for i in range(n + 1)]
+    return [(lo, hi) for lo, hi in itertools.pairwise(cuts) if hi > lo]
 
 
 @dataclass(slots=True)
@@ -67,6 +120,15 @@ class WorkerCounters:
     """Tokens written into the paged cache from kvlife."""
     blocks_failed: int = 0
     """Blocks reported to vLLM as failed loads (recomputed by it)."""
+    loads_timed_out: int = 0
+    """Loads still running at their deadline: the chunks not arrived were abandoned and
+    their blocks reported as failed loads (recomputed by vLLM)."""
+    chunks_timed_out: int = 0
+    """Chunks abandoned at a load's deadline."""
+    chunks_changed: int = 0
+    """Chunks read as a replica held in memory whose bytes no longer matched its seal
+    once copied into the paged cache (changed after the verified read): load errors from
+    there on, recomputed (only with ``verify_dram_on_load``)."""
     saves: int = 0
     """Saves staged (``prepare_put``), awaiting the scheduler's verdict."""
     chunks_stored: int = 0
@@ -98,7 +160,7 @@ class WorkerTimings:
     """Bytes written into the paged cache from kvlife."""
     lookup_s: float = 0.0
     """The worker's own lookup of each planned load (its rank's keys) and the start of
-    the asynchronous read."""
+    the asynchronous read (for hits held in memory, the whole read: a pointer each)."""
     read_s: float = 0.0
     """Waiting for the store's copy of the chunks into host buffers (verified)."""
     prep_s: float = 0.0
@@ -124,6 +186,24 @@ class _Load:
     handle: Any
     first_chunk: int
     chunks: int
+    sizes: list[tuple[str, int]] = field(default_factory=list)
+    """Tier and stored bytes of each chunk (what the scheduler's cost model learns from)."""
+    lookup: Any = None
+    """The lookup the chunks were loaded by (verified again after the copy)."""
+
+
+class _Loaded:
+    """A load already read (hits held in memory), behind the load handle's interface."""
+
+    def __init__(self, result: LoadResult) -> None:
+        self.result = result
+
+    def chunk(self, i: int, timeout: float | None = None) -> np.ndarray | None:
+        got = self.result.arrays
+        return got[i] if i < len(got) else None
+
+    def wait(self) -> LoadResult:
+        return self.result
 
 
 @dataclass(slots=True)
@@ -165,6 +245,8 @@ class WorkerSide:
     ) -> None:
         self.store = store
         self.identity = identity
+        self._memory_tiers = memory_tiers(store)
+        self._verify = verifies_memory(store)
         self.block_size = block_size
         self.rank = rank
         """Global rank (stage-major: ``pp_rank * tp_size + tp_rank``) in step reports."""
@@ -209,7 +291,12 @@ class WorkerSide:
         self.layers = [PagedLayer(t, split, lay.num_kv_heads, lay.head_dim) for t in tensors]
         self._stack = stack_layers(self.layers)
         """All layers as one view when they share an allocation (CPU): a chunk is then
-        copied straight into its blocks of every layer, one copy."""
+        copied straight into its blocks of a group of layers with one copy."""
+        self._groups = layer_groups(len(self.layers), LOAD_GROUPS)
+        rows = self.layers[0].row_shape if self.layers else (0,)
+        self._block_nbytes = (
+            len(self.layers) * int(np.prod(rows)) * (self.layers[0].itemsize if self.layers else 0)
+        )
         self.layer_index = {n: i for i, n in enumerate(names)}
         if self.layers and self.layers[0].block_size != self.block_size:
             raise KVLifeError(
@@ -244,15 +331,22 @@ class WorkerSide:
             usable = len(sub.hits)
             # no output buffers: a DRAM hit is handed over as the replica itself
             # (read-only, kept alive while referenced), so the only copy of its bytes is
-            # the one into the paged cache's layout
-            handle = self.store.load_async(sub, None, request_id=spec.req_id)
+            # the one into the paged cache's layout. Hits held in memory are read here,
+            # in this thread (a pointer each, verified as the store verifies them): the
+            # I/O pool would cost a thread hand-off per chunk, which on a busy 2-core
+            # host waits for a core each time
+            if usable and all(h.tier in self._memory_tiers for h in sub.hits):
+                handle: Any = _Loaded(self.store.load(sub, None, request_id=spec.req_id))
+            else:
+                handle = self.store.load_async(sub, None, request_id=spec.req_id)
         except KVLifeError as exc:
             log.warning("kvlife load of %s failed, recomputed: %s", spec.req_id, exc)
             self._fail(spec, c0)
             return None
         if usable < c1 - c0:
             self._fail(spec, c0 + usable)
-        return _Load(spec, handle, c0, usable)
+        sizes: list[tuple[str, int]] = [(h.tier, h.stored_nbytes) for h in sub.hits]
+        return _Load(spec, handle, c0, usable, sizes, sub)
 
     def _fail(self, spec: LoadSpec, from_chunk: int) -> None:
         """Blocks of ``spec`` from chunk ``from_chunk`` on did not load."""
@@ -265,16 +359,37 @@ class WorkerSide:
             self._errors |= new
             self.counters.blocks_failed += len(new)
 
-    def _arrived(self, job: _Load) -> list[np.ndarray]:
-        """Leading chunks of ``job`` that arrived whole (a failure of the handle, e.g.
-        the server dropped mid-load, ends the run there: recomputed, not raised)."""
+    def _arrived(self, job: _Load, t0: float) -> list[np.ndarray]:
+        """Leading chunks of ``job`` that arrived whole by its deadline (``deadline_s``
+        after ``t0``, the step's start of loads). A failure of the handle (the server
+        dropped mid-load) ends the run there, as does the deadline: recomputed, never
+        raised; chunks arriving after the deadline are never written."""
         got: list[np.ndarray] = []
+        limit = job.spec.deadline_s
         try:
             for i in range(job.chunks):
-                arr = job.handle.chunk(i)
+                left = None if limit is None else max(0.0, t0 + limit - time.perf_counter())
+                try:
+                    arr = job.handle.chunk(i, timeout=left)
+                except TimeoutError:
+                    self.counters.loads_timed_out += 1
+                    self.counters.chunks_timed_out += job.chunks - i
+                    log.warning(
+                        "kvlife load of %s ran past its deadline (%.3f s) at chunk %d of "
+                        "%d: the rest is recomputed",
+                        job.spec.req_id,
+                        limit,
+                        i,
+                        job.chunks,
+                    )
+                    # what it waited for bounds the tier's speed from above
+                    self._observe(job, i + 1, time.perf_counter() - t0)
+                    return got
                 if arr is None:
                     break
                 got.append(arr)
+            if len(got) == job.chunks:
+                self._observe(job, len(got), time.perf_counter() - t0)
             res = job.handle.wait()
             for tier, n in res.tiers.items():
                 self.counters.tiers[tier] = self.counters.tiers.get(tier, 0) + n
@@ -282,20 +397,33 @@ class WorkerSide:
             log.warning("kvlife load of %s failed part-way, recomputed: %s", job.spec.req_id, exc)
         return got
 
+    def _observe(self, job: _Load, chunks: int, seconds: float) -> None:
+        """Report ``job``'s first ``chunks`` as loaded in ``seconds`` (one tier only: a
+        load across tiers does not say which was slow)."""
+        sizes = job.sizes[:chunks]
+        tiers = {t for t, _ in sizes}
+        if len(tiers) == 1 and seconds > 0:
+            sample = LoadSample(tiers.pop(), sum(n for _, n in sizes), seconds)
+            with self._lock:
+                self._report.loads.append(sample)
+
     def _write_layers(self, jobs: list[_Load], events: list[threading.Event], t0: float) -> None:
-        """Wait for the step's chunks, lay every block of them out as the paged cache
-        holds it (one copy per chunk, all layers at once), then write each layer's
-        blocks of every chunk with one indexed copy and set that layer's event."""
+        """Wait for the step's chunks and write them into their blocks: straight from
+        each chunk into a group of layers at a time where the layers are one stacked
+        view, else laid out as block rows (one copy per chunk, all layers) then one
+        indexed copy per layer; each layer's event is set once it is written."""
         tm = self.timings
         bs = self.block_size
         try:
             parts: list[tuple[np.ndarray, int]] = []  # (chunk, leading blocks not written)
             block_ids: list[int] = []
+            written: list[tuple[_Load, int]] = []  # (job, its leading chunks written)
             for job in jobs:
                 spec = job.spec
                 t1 = time.perf_counter()
-                got = self._arrived(job)
+                got = self._arrived(job, t0)
                 tm.read_s += time.perf_counter() - t1
+                written.append((job, len(got)))
                 if len(got) < job.chunks:
                     self._fail(spec, job.first_chunk + len(got))
                 for i, arr in enumerate(got):
@@ -307,15 +435,23 @@ class WorkerSide:
                     self.counters.tokens_loaded += hi - lo
             if parts and self._stack is not None:
                 t2 = time.perf_counter()
+                k = self.tpc // bs
+                ids = np.asarray(block_ids, dtype=np.int64)
+                spans = []  # each chunk's blocks in ``ids``
                 at = 0
-                for arr, skip in parts:  # straight into the blocks, all layers at once
-                    n = self.tpc // bs - skip
-                    ids = np.asarray(block_ids[at : at + n], dtype=np.int64)
-                    write_chunk(self._stack, ids, arr, skip)
-                    at += n
-                    tm.load_bytes += arr.nbytes * n // (self.tpc // bs)
-                for e in events:
-                    e.set()
+                for arr, skip in parts:
+                    spans.append((arr, skip, ids[at : at + k - skip]))
+                    at += k - skip
+                # straight from the replicas into the blocks, a group of layers at a time
+                # (one copy per chunk per group), so attention of the first layers runs
+                # while later ones are written
+                for lo, hi in self._groups:
+                    stack = self._stack[lo:hi]
+                    for arr, skip, span in spans:
+                        write_chunk(stack, span, arr[lo:hi], skip)
+                    for e in events[lo:hi]:
+                        e.set()
+                tm.load_bytes += at * self._block_nbytes
                 tm.scatter_s += time.perf_counter() - t2
             elif parts and self.layers:
                 t2 = time.perf_counter()
@@ -336,10 +472,39 @@ class WorkerSide:
                 t4 = time.perf_counter()
                 tm.scatter_s += t4 - t3
                 tm.load_bytes += rows.nbytes
+            if self._verify:
+                self._verify_copied(written)
             tm.load_s += time.perf_counter() - t0
         finally:
             for e in events:  # a failure must not hang the forward; wait_layer raises it
                 e.set()
+
+    def _verify_copied(self, written: list[tuple[_Load, int]]) -> None:
+        """(Loader thread, after the copies.) A replica held in memory was verified when
+        it was read, then copied later: one whose bytes changed in between (a stray
+        write, a client writing a shared extent) would be in the paged cache. Verify
+        them again now: a chunk that no longer matches its seal (or is gone, so cannot
+        be checked) and every later one are load errors, recomputed, counted. Runs
+        before the last layer's wait returns, so vLLM sees the errors; the forward may
+        have used the layers already released, and vLLM discards what it computed."""
+        for job, n in written:
+            if not n or not any(t in self._memory_tiers for t, _ in job.sizes[:n]):
+                continue
+            try:
+                res = self.store.load(job.lookup.sub(0, n), None, request_id=job.spec.req_id)
+                ok = res.loaded
+            except KVLifeError as exc:
+                log.warning("kvlife re-check of %s's load failed: %s", job.spec.req_id, exc)
+                ok = 0
+            if ok < n:
+                log.warning(
+                    "kvlife load of %s: chunk %d changed after it was read; recomputed",
+                    job.spec.req_id,
+                    job.first_chunk + ok,
+                )
+                with self._lock:
+                    self.counters.chunks_changed += n - ok
+                self._fail(job.spec, job.first_chunk + ok)
 
     def wait_layer(self, name: str) -> None:
         idx = self.layer_index.get(name)
@@ -447,17 +612,17 @@ class WorkerSide:
             rows_to_chunk(rows[:, c * k : (c + 1) * k], chunks[c])
         identity = with_adapter(self.identity, spec.adapter)
         start = spec.first_chunk * self.tpc
-        parent = ROOT_PARENT
         try:
-            if spec.first_chunk:
-                parent = prompt_chunk_keys(identity, spec.namespace, spec.tokens[:start])[-1]
+            # the chunk before is named by its tokens, not by a key computed here: the
+            # store derives the key in the namespace it writes (under kvlife serve
+            # --tenants a keyed one, which only the server can compute)
             pending = self.store.prepare_put(
                 identity,
                 spec.namespace,
                 spec.tokens[start:],
                 list(chunks),
                 start=start,
-                parent=parent,
+                prefix_tokens=spec.tokens[:start],
                 request_id=spec.req_id,
             )
         except KVLifeError as exc:
@@ -501,7 +666,8 @@ class WorkerSide:
     def take_report(self) -> StepReport | None:
         """The steps this worker finished since the last call (vLLM's
         ``build_connector_worker_meta``)."""
-        report, self._report = self._report, StepReport()
+        with self._lock:
+            report, self._report = self._report, StepReport()
         return report if report else None
 
     @property

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import tomllib
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,14 +35,15 @@ from kvlife.ops.config.schema import (
     TierSeed,
 )
 from kvlife.ops.kv_events import KVEventsConfig
+from kvlife.server.address import parse_address
 from kvlife.server.limits import Limits
 from kvlife.store.config import StoreConfig
 from kvlife.tenancy.names import check_name
 from kvlife.tenancy.principals import TenancyConfig, parse_config
 from kvlife.tenancy.quotas import PUBLIC_TENANT, Shares
-from kvlife.tiers.options import TierOptionError, TierOptions
+from kvlife.tiers.options import TierOptionError, TierOptions, conforms, describe
 from kvlife.tiers.registry import tier_kind
-from kvlife.tiers.spec import TierSpec
+from kvlife.tiers.spec import TIER_NAME, TIER_NAME_RULE, TierSpec
 
 VOLATILE_KINDS = frozenset({"memory", "shm"})
 """Built-in kinds whose replicas are gone when the process ends; every other kind keeps
@@ -192,9 +192,9 @@ class _Reader:
                 return parse_size(raw)
             except InvalidArgument as exc:
                 return self.bad(where, str(exc))
-        ok, value = _conforms(raw, hint)
+        ok, value = conforms(raw, hint)
         if not ok:
-            return self.bad(where, f"must be {_describe(hint)}, got {raw!r}")
+            return self.bad(where, f"must be {describe(hint, optional=False)}, got {raw!r}")
         return value
 
     def file_path(self, value: str) -> Path:
@@ -276,6 +276,8 @@ class _Reader:
             if isinstance(name, str):
                 if not name:
                     name = self.bad((*path, "name"), "must not be empty")
+                elif not TIER_NAME.fullmatch(name):
+                    name = self.bad((*path, "name"), f"{name!r:.80}: {TIER_NAME_RULE}")
                 elif name in seen:
                     name = self.bad((*path, "name"), f"tier {name!r} is named twice in the chain")
                 else:
@@ -491,11 +493,15 @@ class _Reader:
         limits = self.limits(t.get("limits", {}))
         principals = self.principals(t["principals"]) if "principals" in t else None
         events = self.kv_events(t["kv_events"]) if "kv_events" in t else None
+        metrics = self.metrics(t)
+        log_json = self.value(t, path, "log_json", bool, False)
+        event_log = self.value(t, path, "events", str, None)
         parts = (socket, staging, shm_dir, pid_file, cpus, limits, principals, events)
-        if any(p is BAD for p in parts):
+        if any(p is BAD for p in (*parts, metrics, log_json, event_log)):
             return BAD
         assert isinstance(limits, Limits) and isinstance(cpus, tuple)
         assert not isinstance(principals, _Bad) and not isinstance(events, _Bad)
+        assert not isinstance(metrics, _Bad)
         defaults = ServerSettings()
         return ServerSettings(
             socket=self.file_path(socket) if socket else None,
@@ -506,7 +512,23 @@ class _Reader:
             limits=limits,
             principals=principals,
             kv_events=events,
+            metrics=metrics,
+            log_json=log_json,
+            events=self.file_path(event_log) if event_log else None,
         )
+
+    def metrics(self, t: Mapping[str, Any]) -> str | _Bad | None:
+        """``metrics = "HOST:PORT"`` (or ``":PORT"``, ``"PORT"``; port 0: a free one)."""
+        if "metrics" not in t:
+            return None
+        value = t["metrics"]
+        if not isinstance(value, str):
+            return self.bad(("server", "metrics"), f"must be 'HOST:PORT', got {value!r}")
+        try:
+            parse_address(value)
+        except InvalidArgument as exc:
+            return self.bad(("server", "metrics"), str(exc))
+        return value
 
     def cpus(self, t: Mapping[str, Any]) -> tuple[int, ...] | _Bad:
         if "cpus" not in t:
@@ -670,12 +692,14 @@ class _Reader:
             if problem:
                 self.bad((*where, key), problem)
                 continue
+            if key == "events":  # a path, relative to the file's directory
+                value = str(self.file_path(str(value)))
             out.append((f"kvlife.{key}", value))
         return tuple(out)
 
 
 def _connector_problem(key: str, value: object, has_server: bool, path: object) -> str:
-    if key == "chunk_tokens" and isinstance(value, int) and value <= 0:
+    if key in ("chunk_tokens", "load_timeout_ms") and isinstance(value, int) and value <= 0:
         return f"must be > 0, got {value}"
     if key == "namespace":
         try:
@@ -684,6 +708,8 @@ def _connector_problem(key: str, value: object, has_server: bool, path: object) 
             return str(exc)
     if key == "salt_kind" and value not in {k.value for k in NamespaceKind}:
         return f"must be one of {', '.join(k.value for k in NamespaceKind)}, got {value!r}"
+    if key == "events" and not value:
+        return "must name a file (JSON lines, or .parquet)"
     if key == "store":
         if value not in ("served", "embedded"):
             return f"must be 'served' or 'embedded', got {value!r}"
@@ -730,6 +756,9 @@ _SERVER_KEYS = {
     "limits",
     "principals",
     "kv_events",
+    "metrics",
+    "log_json",
+    "events",
 }
 _DURABLE_KINDS = frozenset({"disk", "redis", "mooncake"})
 
@@ -738,39 +767,3 @@ def _kind(value: object) -> str:
     return {dict: "a table", list: "an array", str: "a string", bool: "a bool"}.get(
         type(value), type(value).__name__
     )
-
-
-def _conforms(value: object, hint: Any) -> tuple[bool, object]:
-    """Whether ``value`` (as TOML gives it) has type ``hint``, and the value to keep (a
-    float for an int)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        for member in typing.get_args(hint):
-            ok, kept = _conforms(value, member)
-            if ok:
-                return True, kept
-        return False, value
-    if origin is Literal:
-        return (isinstance(value, str) and value in typing.get_args(hint)), value
-    if hint is type(None):
-        return value is None, value
-    if hint is bool:
-        return isinstance(value, bool), value
-    if hint is int:
-        return type(value) is int, value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return False, value
-        return True, float(value)
-    if hint is str:
-        return isinstance(value, str), value
-    raise TypeError(f"no configuration value has type {hint!r}")
-
-
-def _describe(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(m) for m in typing.get_args(hint) if m is not type(None))
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
-    return {bool: "a bool", int: "an int", float: "a number", str: "a string"}.get(hint, str(hint))

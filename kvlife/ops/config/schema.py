@@ -48,6 +48,12 @@ class ServerSettings:
     of the server's Unix user is trusted alike."""
     kv_events: KVEventsConfig | None = None
     """Publish KV events for routers (``[server.kv_events]``); None: none."""
+    metrics: str | None = None
+    """Serve Prometheus metrics at this ``HOST:PORT`` (``--metrics``); None: none."""
+    log_json: bool = False
+    """Log one JSON object per line (``--log-json``)."""
+    events: Path | None = None
+    """The store's lifecycle event log (``--events``); None: none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +94,8 @@ class PlannerSettings:
 
 CONNECTOR_KEYS: dict[str, type] = {
     "chunk_tokens": int,
+    "events": str,
+    "load_timeout_ms": int,
     "namespace": str,
     "salt_kind": str,
     "save_decode": bool,

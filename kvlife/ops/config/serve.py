@@ -19,6 +19,7 @@ from kvlife.core.errors import InvalidArgument
 from kvlife.ops.config.parse import load_file
 from kvlife.ops.config.schema import KVLifeConfig, ServerSettings
 from kvlife.ops.kv_events import KVEventsConfig
+from kvlife.server.address import parse_address
 from kvlife.server.limits import Limits
 from kvlife.server.server import ServeConfig, parse_cpus
 from kvlife.store.config import StoreConfig
@@ -64,8 +65,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         "limits": limits,
         "tenants": tenants,
         "kv_events": _kv_events(server.kv_events, args),
-        "metrics": _metrics_address(args.metrics),
-        "log_json": bool(args.log_json),
+        "metrics": _metrics_address(args.metrics if args.metrics is not None else server.metrics),
+        "log_json": bool(args.log_json) or server.log_json,
+        "events": Path(args.events) if args.events else server.events,
     }
     if file is None:
         return ServeConfig(
@@ -98,8 +100,6 @@ def _given(value: int | None, default: int) -> int:
 def _metrics_address(text: str | None) -> tuple[str, int] | None:
     if text is None:
         return None
-    from kvlife.server.prometheus import parse_address  # the ops extra, only when asked for
-
     return parse_address(text)
 
 
