@@ -19,6 +19,9 @@ Staged (``put_prompt`` once extents of the chunk shape are staged for this conne
 1. One staged extent per chunk is taken from this connection's pool.
 2. A deferred ``put`` naming them goes out with no reply wanted; the server prepares
    the put while this side copies every chunk into its extent.
+   Every MiB or so (a sixteenth of a large put), ``put_written`` (no reply) tells the
+   server how many bytes are written: it hashes them (the seals) while the rest is
+   copied.
 3. ``put_commit`` is the one round trip: the server seals and adopts the extents of the
    new chunks; the extents of chunks it already held go back to the pool, with the
    replacements it staged for the adopted ones. A prepare that failed is raised here.
@@ -68,6 +71,21 @@ from kvlife.server import protocol
 from kvlife.server.limits import page_charge
 from kvlife.store.writes import split_chunks
 
+WRITTEN_NOTICE_BYTES = 1 << 20
+"""A staged put tells the server how many of its bytes it has written (``put_written``)
+every :func:`notice_step` bytes: the server hashes them (the chunks' seals) while the
+rest is copied, so that the commit hashes only the last step instead of every chunk."""
+
+NOTICES_PER_PUT = 16
+"""At most about this many ``put_written`` per put: each costs a message here and a
+wake-up there."""
+
+
+def notice_step(total: int, least: int = WRITTEN_NOTICE_BYTES) -> int:
+    """Bytes copied between two ``put_written`` of a put of ``total`` bytes (``least``:
+    at least that many; 0: none at all)."""
+    return max(least, total // NOTICES_PER_PUT) if least > 0 else total + 1
+
 
 def _shape_key(layout: KVLayout) -> StagedShape:
     return (layout.dtype, *layout.chunk_shape)
@@ -78,6 +96,10 @@ class Puts:
 
     def __init__(self, wire: Wire) -> None:
         self.wire = wire
+        self.notice_bytes = WRITTEN_NOTICE_BYTES
+        """The least bytes copied between two ``put_written`` of a staged put (0: none,
+        the server hashes every chunk at the commit; ``kvlife bench server`` measures
+        both)."""
 
     def put_prompt(
         self, prompt: PromptRef, kv: object, request_id: str, *, inline: bool = False
@@ -171,8 +193,22 @@ class Puts:
             if conn is not first:
                 raise StaleExtents  # reconnected since: nothing sent yet
             conn.sock.sendall(protocol.pack([0, "put", args]))
+            step = notice_step(layout.chunk_nbytes * len(chunks), self.notice_bytes)
+            rows = max(1, step // max(1, layout.chunk_nbytes // layout.chunk_shape[0]))
+            total = len(chunks) * layout.chunk_nbytes
+            done = told = 0  # bytes copied, and since the server was last told
             for (_, off), chunk in zip(extents, chunks, strict=True):
-                np.copyto(view(conn, off, dtype, layout.chunk_shape), chunk)
+                dst = view(conn, off, dtype, layout.chunk_shape)
+                for r in range(0, len(chunk), rows):  # whole rows: contiguous in dst
+                    np.copyto(dst[r : r + rows], chunk[r : r + rows])
+                    n = dst[r : r + rows].nbytes
+                    done += n
+                    told += n
+                    if told >= step and done < total:
+                        # the server hashes what is written while we copy the rest
+                        msg = [0, "put_written", {"bytes": done}]
+                        conn.sock.sendall(protocol.pack(msg))
+                        told = 0
 
         try:
             r, conn = self.wire.call_on("put_commit", {}, before=write)

@@ -122,6 +122,8 @@ VERBS: dict[str, dict[str, Field]] = {
         "chained": Field("bool", _OPT),
     },
     "put_commit": {},
+    # the client of a deferred put wrote its first ``bytes`` bytes (no reply wanted)
+    "put_written": {"bytes": Field("int", True, 1, 1 << 50)},
     # a put with its chunks' bytes (a session that maps no arena: server/shm_copies.py)
     "put_inline": {
         **PROMPT,

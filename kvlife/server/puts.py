@@ -23,6 +23,9 @@ Staged (``put`` and ``put_commit``, on extents staged for the session):
 2. ``deferred``: the client sent the ``put`` with no reply wanted before copying; the
    prepared put (or its error) waits here for the ``put_commit``, while the client
    copies. A ``put`` without it commits at once.
+   ``put_written`` (no reply) says how many bytes the client wrote (its chunks in
+   order): the new chunks' bytes are hashed then, while it copies the rest, and each
+   chunk is sealed with that hash at commit.
 3. ``put_commit`` seals the extents of the new chunks and commits; their extents become
    replicas. The extents of chunks the store held already go back to the staged pool
    with the replacements; the reply names them all.
@@ -42,13 +45,14 @@ into several puts, each committed before the next is prepared (:mod:`kvlife.clie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from kvlife.core.errors import KVLifeError, ProtocolError, StorageFullError
-from kvlife.core.identity import KVLayout
+from kvlife.core.identity import ChunkKey, KVLayout
 from kvlife.core.objects import PromptRef
 from kvlife.core.payload import numpy_dtype
 from kvlife.server import protocol
@@ -76,6 +80,12 @@ class _Staged:
     layout: KVLayout
     refill: list[list[int]]
     """Extents staged for the client in place of those the new chunks take."""
+    written: int = 0
+    """Bytes the client said it wrote (``put_written``), hashed here since."""
+    hashing: Any = None
+    """The xxh3-128 state of the chunk being hashed (``put_written``)."""
+    new: dict[int | None, ChunkKey] = field(default_factory=dict)
+    """The extents of the new chunks (by arena offset) and their keys."""
 
 
 class Puts:
@@ -219,6 +229,38 @@ class Puts:
         except KVLifeError as exc:
             self.deferred_error = exc
         return None
+
+    def put_written(self, args: dict[str, Any]) -> None:
+        """The client of a deferred put wrote its first ``bytes`` bytes (its chunks in
+        order, no reply): the new chunks' bytes among them are hashed now, while it
+        copies the rest, and a chunk hashed whole is sealed with that hash at commit. A
+        client that writes bytes again after saying they were written is caught where
+        seals are verified, as one that writes after its put committed."""
+        staged = self.deferred
+        if staged is None:
+            if self.deferred_error is None:
+                raise ProtocolError(f"session {self.ctx.sid} has no deferred put being written")
+            return  # its prepare failed: the put_commit raises that
+        views = staged.views
+        size = views[0].nbytes if views else 0
+        upto = args["bytes"]
+        if upto > size * len(views):
+            raise ProtocolError(f"put_written of {upto} bytes, the put has {size * len(views)}")
+        pending, arena = staged.pending, self.ctx.arena
+        if not staged.new:
+            staged.new = {arena.offset_of(arr): rec.key for rec, arr in pending.items}
+        while staged.written < upto:
+            i, at = divmod(staged.written, size)
+            end = min(upto, (i + 1) * size) - i * size
+            key = staged.new.get(arena.offset_of(views[i]))
+            if key is not None:  # a new chunk (the store holds the others already)
+                if at == 0:
+                    staged.hashing = xxhash.xxh3_128()
+                flat = views[i].reshape(-1).view(np.uint8)
+                staged.hashing.update(flat[at:end].data)
+                if end == size:
+                    pending.seals[key] = bytes(staged.hashing.digest())
+            staged.written = i * size + end
 
     def put_commit(self, args: dict[str, Any]) -> object:
         staged, error = self.deferred, self.deferred_error

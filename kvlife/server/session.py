@@ -203,6 +203,7 @@ class Session:
             "prepare_put": self.puts.prepare_put,
             "put": self.puts.put,
             "put_commit": self.puts.put_commit,
+            "put_written": self.puts.put_written,
             "commit_put": self.puts.commit_put,
             "abort_put": self.puts.abort_put,
             "put_inline": self.copies.put_inline,

@@ -82,18 +82,23 @@ def execute(
     sources: dict[ChunkKey, tuple[np.ndarray, Representation, bytes]] | None = None,
     request_id: str = "",
     protect: set[ChunkKey] | None = None,
+    seals: dict[ChunkKey, bytes] | None = None,
 ) -> Outcome:
     """Run a bound plan in order (the caller holds the plan's sequencer turn).
 
     ``protect``: keys no extra eviction may take while a tier refuses a batch placement
-    made room for (a put's whole prompt; by default the batch itself)."""
+    made room for (a put's whole prompt; by default the batch itself). ``seals``: the
+    xxh3-128 of some ``payloads``, hashed by the caller while they were written
+    (:attr:`PendingPut.seals`): a tier holding replicas in memory takes it as its seal
+    (a writer that changes the bytes after is caught where seals are verified, as one
+    that writes after its put committed), any other tier checks it as it hashes."""
     out = Outcome()
     fresh = set(payloads or ())
     for group in _groups(bound):
         action = group[0].action
         if isinstance(action, Place):
             keys = protect if protect is not None else {b.rec.key for b in group}
-            _place(core, action.tier, group, payloads or {}, request_id, keys, out)
+            _place(core, action.tier, group, payloads or {}, request_id, keys, out, seals)
         elif isinstance(action, Copy):  # protects its batch
             _copy(core, action.src, action.dst, group, sources or {}, fresh, out)
         elif isinstance(action, Evict):
@@ -193,10 +198,24 @@ def _place(
     request_id: str,
     protect: set[ChunkKey],
     out: Outcome,
+    seals: dict[ChunkKey, bytes] | None = None,
 ) -> None:
     recs = [b.rec for b in group]
+    sums: list[bytes] | None = None
+    verify: list[bool] | None = None
+    if seals:
+        sums = [seals.get(r.key, b"") for r in recs]
+        verify = [not isinstance(core.tiers[tier_name], SealedInMemory)] * len(recs)
     try:
-        _write(core, tier_name, recs, [payloads[r.key] for r in recs], protect)
+        _write(
+            core,
+            tier_name,
+            recs,
+            [payloads[r.key] for r in recs],
+            protect,
+            checksums=sums,
+            verify=verify,
+        )
     except (KVLifeError, OSError) as exc:
         with core.lock:
             for b in group:

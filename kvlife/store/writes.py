@@ -53,6 +53,10 @@ class PendingPut:
     in_flight: int = 0
     """Chunks another pending put is writing (one object per key)."""
     done: bool = False
+    seals: dict[ChunkKey, bytes] = field(default_factory=dict)
+    """The xxh3-128 of new chunks' arrays, hashed by the writer as they were written
+    (the server while its client copies the next chunk): the DRAM tier seals them with
+    it instead of hashing at commit (``execute``'s ``seals``)."""
 
 
 class Writer:
@@ -148,6 +152,7 @@ class Writer:
                 payloads={r.key: a for r, a in pending.items if id(r) in keep},
                 request_id=pending.request_id,
                 protect=set(pending.keys),
+                seals=pending.seals,
             )
         wt_errors = out.copy_errors("write-through")
         if core.config.write_through and (not wt.complete or wt_errors):

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -184,3 +185,96 @@ def test_extents_of_a_replaced_connection_fall_back_to_the_two_phase_put(
     remote._puts.take_staged = take  # type: ignore[method-assign]
     _chunks_equal(remote, t2, kv2, 2)
     assert quiet(remote)["staged"] == 2  # the new session's, from the fallback's prepare
+
+
+def test_chunks_said_written_are_sealed_as_written(
+    remote: RemoteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged put tells the server how many bytes it wrote (``put_written``), here
+    after every row, so mid-chunk; the server hashes them then, and the seals match
+    the bytes (an audit reads every replica against its seal), the present chunk is
+    left alone, nothing failed unanswered, and the bytes load exact."""
+    import kvlife.client.puts as client_puts
+
+    monkeypatch.setattr(remote._puts, "notice_bytes", 1)
+    monkeypatch.setattr(client_puts, "NOTICES_PER_PUT", 1 << 30)  # a notice per row
+    ident = tiny_identity()
+    told: list[int] = []
+    remote.put_prompt(ident, PUBLIC, *prompt_kv(60, 4 * N))  # stages 4 extents
+    pack = protocol.pack
+
+    def spy(msg: object) -> bytes:
+        if isinstance(msg, list) and msg[1] == "put_written":
+            told.append(msg[2]["bytes"])
+        return pack(msg)
+
+    tokens, kv = prompt_kv(61, 4 * N)
+    remote.put_prompt(ident, PUBLIC, tokens[:N], kv[:, :, :, :N])  # chunk 0: present below
+    monkeypatch.setattr(protocol, "pack", spy)
+    res = remote.put_prompt(ident, PUBLIC, tokens, kv)
+    monkeypatch.setattr(protocol, "pack", pack)
+    assert res.stored == 3 and res.already_present == 1
+    size = TINY.chunk_nbytes
+    assert told == sorted(told) and told[-1] < 4 * size
+    assert any(b % size for b in told), "notices in the middle of chunks"
+    assert {b // size for b in told} >= {0, 1, 2, 3}
+    report = remote.check()
+    assert report.clean, report
+    state = quiet(remote)
+    assert state["unreplied_errors"] == 0 and state["internal_errors"] == 0
+    _chunks_equal(remote, tokens, kv, 4)
+
+
+def test_a_chunk_written_again_after_put_written_is_caught_by_its_seal(
+    remote: RemoteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The seal of a chunk the client said was written is the hash of its bytes then: a
+    client that writes the chunk again before its commit is caught where seals are
+    verified (here the audit), as one that writes after the commit, never sealed as
+    the bytes it wrote last."""
+    import kvlife.client.puts as client_puts
+
+    monkeypatch.setattr(remote._puts, "notice_bytes", 1)
+    monkeypatch.setattr(client_puts, "NOTICES_PER_PUT", 1 << 30)  # a notice per row
+    ident = tiny_identity()
+    remote.put_prompt(ident, PUBLIC, *prompt_kv(70, 3 * N))  # stages 3 extents
+    assert remote.check().clean
+    wire = remote._wire
+    extents: list[np.ndarray] = []
+    view = wire.view
+
+    def spy_view(*args: Any) -> np.ndarray:
+        extents.append(view(*args))
+        return extents[-1]
+
+    real = np.copyto
+    rewritten: list[bool] = []
+
+    class Numpy:
+        """numpy for client/puts.py, whose copyto rewrites chunk 0 in its extent once
+        the last chunk's copy starts and the server has taken the notices before (a
+        request with a reply on the same connection: the server answers in order)."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(np, name)
+
+        @staticmethod
+        def copyto(dst: np.ndarray, src: np.ndarray) -> None:
+            if len(extents) == 3 and not rewritten:
+                conn = wire.conn
+                assert conn is not None
+                wire.roundtrip(conn, "state", {})
+                real(extents[0], extents[0] + 1)  # chunk 0 written again, after its notice
+                rewritten.append(True)
+            real(dst, src)
+
+    monkeypatch.setattr(wire, "view", spy_view)
+    monkeypatch.setattr(client_puts, "np", Numpy())
+    tokens, kv = prompt_kv(71, 3 * N)
+    res = remote.put_prompt(ident, PUBLIC, tokens, kv)
+    monkeypatch.setattr(client_puts, "np", np)
+    monkeypatch.setattr(wire, "view", view)
+    assert res.stored == 3 and len(extents) == 3 and rewritten, "the staged path"
+    report = remote.check()
+    assert not report.clean
+    assert len(report.problems) == 1 and "after it was sealed" in report.problems[0]

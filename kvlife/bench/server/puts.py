@@ -37,13 +37,15 @@ def bench_put(
     """Put fresh prompts (invalidated after each, outside the timing); the limit is
     memcpy into warm DRAM, or (write-through server: ``raw_dir``) a raw write of the
     same bytes plus fdatasync. ``embedded``: the same puts into an in-process store too
-    (what the store core costs without the server)."""
+    (what the store core costs without the server). DRAM puts are timed once more
+    without ``put_written`` notices (``unnoticed``: the server hashes every chunk at the
+    commit, as before issue 28), interleaved, to show what the notices gain."""
     layout = chunk_layout(size)
     ident = bench_identity(layout)
     n = cfg.chunks_per_call
     dsts = out_buffers(layout, n)
     direct = raw_dir is not None and direct_ok(raw_dir)
-    served, limit, inproc = [], [], []
+    served, limit, inproc, unnoticed = [], [], [], []
     for rep in range(cfg.reps + 1):
         tokens, kv = prompt(layout, n, seed * 1000 + rep)
         chunks = split_chunks(kv, layout, n)
@@ -54,13 +56,30 @@ def bench_put(
                 return raw_write(raw_dir / "raw-put", src, direct)
             return memcpy(dsts, chunks)
 
+        def put_once(
+            notices: bool, tokens: list[int] = tokens, chunks: list[np.ndarray] = chunks
+        ) -> float:
+            least = remote._puts.notice_bytes
+            if not notices:  # the commit hashes every chunk, as before issue 28
+                remote._puts.notice_bytes = 0
+            try:
+                t0 = time.perf_counter()
+                res = remote.put_prompt(ident, NS, tokens, chunks)
+                took = time.perf_counter() - t0
+            finally:
+                remote._puts.notice_bytes = least
+            if res.stored != n:
+                raise RuntimeError(f"put stored {res.stored} of {n} chunks")
+            remote.invalidate(namespace=NS)
+            return took
+
         # the order alternates, so that neither side always finds the source in cache
         t_lim = limit_once() if rep % 2 else 0.0
-        t0 = time.perf_counter()
-        res = remote.put_prompt(ident, NS, tokens, chunks)
-        t = time.perf_counter() - t0
-        if res.stored != n:
-            raise RuntimeError(f"put stored {res.stored} of {n} chunks")
+        if raw_dir is None and rep % 2:  # DRAM: the same put without put_written too
+            unnoticed.append(put_once(False))
+        t = put_once(True)
+        if raw_dir is None and not rep % 2:
+            unnoticed.append(put_once(False))
         if not rep % 2:
             t_lim = limit_once()
         if embedded is not None:
@@ -70,13 +89,14 @@ def bench_put(
             if mine.stored != n:
                 raise RuntimeError(f"in-process put stored {mine.stored} of {n} chunks")
             embedded.invalidate(namespace=NS)
-        remote.invalidate(namespace=NS)
         if rep:
             served.append(t)
             limit.append(t_lim)
     if raw_dir is not None:
         (raw_dir / "raw-put").unlink(missing_ok=True)
     others = {"inproc": inproc[1:]} if inproc else {}  # the first is a warm-up
+    if unnoticed:
+        others["unnoticed"] = unnoticed[1:]
     out = point(layout, n, served, limit, raw=raw_dir is not None, **others)
     if raw_dir is not None:
         out["direct_io"] = direct

@@ -58,6 +58,17 @@ def format_report(r: dict[str, Any]) -> str:
                         f"{p['ratio_inproc']:.2f}",
                     ]
                 )
+            if "unnoticed_gbps" in p:
+                rows.append(
+                    [
+                        f"{key} (no put_written)",
+                        f"{p['chunk_bytes'] >> 10} KiB",
+                        f"{p['unnoticed_gbps']:.2f}",
+                        f"{p[f'{limit}_gbps']:.2f}",
+                        limit,
+                        f"{p['ratio_unnoticed']:.2f}",
+                    ]
+                )
             if "shared_gbps" in p:
                 rows.append(
                     [
