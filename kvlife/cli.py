@@ -339,7 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
         "docs/operations.md)",
     )
     p.add_argument(
-        "--log-json", action="store_true", help="log one JSON object per line (default: text)"
+        "--log-json",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="log one JSON object per line (--no-log-json: text, over a config file's "
+        "log_json = true; default: the file's, else text)",
     )
     p.add_argument(
         "--events",

@@ -160,9 +160,11 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
             "",
             "--metrics",
             "9999",
+            "--no-log-json",
         ]
     )
     over_cfg = serve_config(over)
+    assert not over_cfg.log_json  # --no-log-json switches the file's log_json = true off
     events = over_cfg.kv_events
     assert over_cfg.metrics == ("127.0.0.1", 9999)  # the flag wins over the file
     assert events is not None and (events.endpoint, events.topic) == ("ipc:///tmp/x", "")

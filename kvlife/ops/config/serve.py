@@ -66,7 +66,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         "tenants": tenants,
         "kv_events": _kv_events(server.kv_events, args),
         "metrics": _metrics_address(args.metrics if args.metrics is not None else server.metrics),
-        "log_json": bool(args.log_json) or server.log_json,
+        "log_json": server.log_json if args.log_json is None else bool(args.log_json),
         "events": Path(args.events) if args.events else server.events,
     }
     if file is None:
