@@ -241,3 +241,18 @@ def test_planner_profile_is_read(tmp_path: Path) -> None:
     assert issues == [] and config is not None and config.planner is not None
     model = config.planner.cost_model(64)
     assert model.tier("ssd").seconds(2_000_000_000) > 0.99
+
+
+def test_write_through_onto_a_remote_tier_is_refused_on_its_line(tmp_path: Path) -> None:
+    """The store writes through onto a disk tier only: a remote tier marked
+    write-through is an issue at its own durability line (it was reported as the
+    store-wide 'write_through needs a durable tier (a disk tier)' at line 1)."""
+    text = (
+        '[store]\npath = "store"\n\n[[tiers]]\nname = "dram"\nkind = "memory"\n'
+        'budget = "64MiB"\n\n[[tiers]]\nname = "r"\nkind = "redis"\nbudget = "1GiB"\n'
+        'durability = "write-through"\n\n[tiers.options]\nurl = "redis://127.0.0.1:1/0"\n'
+    )
+    config, issues = parse_text(text, tmp_path / "kvlife.toml")
+    assert config is None
+    assert [(i.path, i.line) for i in issues] == [("tiers[1].durability", 13)]
+    assert "disk tier only" in issues[0].message and "redis" in issues[0].message

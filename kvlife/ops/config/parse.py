@@ -321,7 +321,15 @@ class _Reader:
                         f"a {kind} tier is durable: write-back or write-through",
                     )
                 elif durability == "write-through":
-                    if durable_seen:
+                    if kind != "disk":
+                        # StoreConfig writes through onto a disk tier only; said here,
+                        # on the tier's own line, not as a store-wide error.
+                        self.bad(
+                            (*path, "durability"),
+                            f"write-through goes to a disk tier only; a {kind} tier is "
+                            'written back (durability = "write-back")',
+                        )
+                    elif durable_seen:
                         self.bad(
                             (*path, "durability"),
                             "write-through goes to the first durable tier of the chain only",
