@@ -7,6 +7,7 @@ the engine abandon that forward and recompute (counted), never mix."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -214,3 +215,20 @@ def test_a_group_late_after_the_forward_started_is_recomputed(
         out2, again = planned.generate(ids, PUBLIC, max_new_tokens=12, policy=_fixed(0, 8))
         assert again.loaded == 8 and again.abandoned_layer == -1 and out2 == want
         assert time.monotonic() < deadline
+
+
+def test_the_layered_crossover_variant_writes_its_json_and_plot(tmp_path: Path) -> None:
+    from kvlife.cli import main
+
+    out, png = tmp_path / "x.json", tmp_path / "x.png"
+    argv = ["experiment", "crossover", "--layered", "--quick", "--model", "tiny"]
+    argv += ["--repeats", "1", "--groups", "2", "--no-progress", "--json", str(out)]
+    assert main([*argv, "--plot", str(png)]) == 0 and png.stat().st_size > 0
+    got = json.loads(out.read_text())
+    assert got["groups"] == 2 and [p["bandwidth_mb_s"] for p in got["points"]] == [10.0, 100.0]
+    for p in got["points"]:
+        for name in ("whole", "layered", "compute"):
+            assert p[name] > 0 and p[f"{name}_predicted"] > 0
+        whole, layered = p["whole_runs"][0], p["layered_runs"][0]
+        assert not whole["layered"] and whole["groups"] == 1 and whole["loaded"] == 4
+        assert layered["layered"] and layered["groups"] == 2 and layered["loaded"] == 4
