@@ -220,8 +220,8 @@ class HFEngine:
                 res = self.store.load(
                     group.sub(0, loaded), group_outs[:loaded], request_id=request_id
                 )
-                for tier, count in res.tiers.items():
-                    tiers[tier] = tiers.get(tier, 0) + count
+                if not tiers:  # chunks per tier: the first group's objects say it
+                    tiers = dict(res.tiers)
                 corrupt += len(res.corrupt)
                 loaded = res.loaded
                 if not loaded:

@@ -168,8 +168,9 @@ def put_groups(
     layer group: every group is prepared (validated, TENTATIVE) before any commits, and a
     failure aborts the groups not yet committed. Returns the chunks newly stored in some
     group."""
-    num_layers = int(chunks[0].shape[0]) if chunks else 0
-    spans = layer_groups(num_layers, len(identities)) if chunks else ()
+    if not chunks:
+        return 0
+    spans = layer_groups(int(chunks[0].shape[0]), len(identities))
     pending: list[Any] = []
     try:
         for ident, (first, n) in zip(identities, spans, strict=True):

@@ -132,6 +132,11 @@ def test_layered_plans_give_the_output_of_a_full_prefill(
             assert diff <= 1e-4, f"G={groups} plan {front, stop}: logits differ by {diff}"
             assert out == want, f"G={groups} plan {front, stop}"
         assert planned.counters.abandoned == 0 and planned.counters.misses == 0
+        # the same groups waited for whole before the rest's forward (no overlap)
+        waiting = PlannedEngine(eng, _model(), deadline_factor=float("inf"), layered=False)
+        assert waiting.model.layer_groups == 1
+        out, done = waiting.generate(ids, PUBLIC, max_new_tokens=16, policy=_fixed(2, 8))
+        assert not done.layered and done.loaded == 6 and out == want
 
 
 def test_a_chunk_is_usable_only_when_every_group_is(tiny: LoadedModel, tmp_path: Path) -> None:
