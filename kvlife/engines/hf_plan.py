@@ -20,6 +20,15 @@ arrived in order are used and the rest is recomputed with the remainder of the p
 Each load that completes teaches the cost model the tier's speed, each prefill the
 engine's speed against its profile.
 
+An engine whose chunks are stored as layer groups (``HFEngine(layer_groups=G)``,
+:mod:`kvlife.engines.hf_layers`) loads each group with its own ``load_async``, group 0
+first, and runs the rest's forward at once in a landing cache: layer ``l`` takes its
+prefix when its group has landed and verified, so the forward overlaps the groups still
+loading. A group that does not land whole by the deadline (missing, corrupt, late)
+abandons that forward, whose earlier layers used the loaded prefix: the engine
+recomputes on the chunks every group has whole, counted (``PlanCounters.abandoned``).
+The cost model predicts the overlap (``CostModel.layer_groups``, set here).
+
 :func:`measure_prefill` times a few prefills of the engine's own model (a few seconds)
 and fits a :class:`~kvlife.planner.PrefillProfile`; :func:`prefill_profile` reads a
 cached one for the same model and thread count instead.
