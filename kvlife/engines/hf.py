@@ -10,6 +10,11 @@ forward returns a ``DynamicCache``); the identity comes from the model itself
 At least one prompt token is always prefilled (the logits of the last prompt position
 give the first output token), so a prompt that ends exactly on a chunk boundary reuses
 all but its last chunk. One engine serves one request at a time.
+
+With ``layer_groups=G`` each chunk is stored as G layer-group objects
+(:mod:`kvlife.engines.hf_layers`) and served only when every group of it loads and
+verifies; the planned engine (:mod:`kvlife.engines.hf_plan`) then starts the forward
+while later groups still load.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ import numpy as np
 from kvlife.core.identity import ModelIdentity, Namespace
 from kvlife.core.payload import cast_kv, numpy_dtype, to_torch
 from kvlife.engines.errors import ContextTooLong, IdentityMismatch, UnsupportedModel
+from kvlife.engines.hf_layers import (
+    group_identities,
+    group_views,
+    layer_groups,
+    lookup_groups,
+    put_groups,
+)
 from kvlife.engines.identity import AdapterSpec, llama_shape, model_identity
 from kvlife.engines.models import LoadedModel
 from kvlife.results import LookupResult
@@ -84,6 +96,7 @@ class HFEngine:
         identity: ModelIdentity,
         *,
         tokenizer: Any | None = None,
+        layer_groups: int = 1,
     ) -> None:
         import torch
 
@@ -109,6 +122,9 @@ class HFEngine:
         if dtype != lay.dtype:
             raise IdentityMismatch(f"identity says KV dtype {lay.dtype}, the model runs {dtype}")
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self.group_identities = group_identities(identity, layer_groups)
+        """One identity per layer group a chunk is stored as (:mod:`kvlife.engines.hf_layers`;
+        one group: the identity itself, each chunk one object)."""
         self._buffer: np.ndarray | None = None
         self._probe_cache()
 
@@ -120,6 +136,7 @@ class HFEngine:
         *,
         tokens_per_chunk: int = 256,
         adapter: AdapterSpec | None = None,
+        layer_groups: int = 1,
     ) -> HFEngine:
         identity = model_identity(
             loaded.model,
@@ -129,7 +146,18 @@ class HFEngine:
             model_id=loaded.model_id,
             digest_of_weights=loaded.weights_digest,
         )
-        return cls(loaded.model, store, identity, tokenizer=loaded.tokenizer)
+        return cls(
+            loaded.model, store, identity, tokenizer=loaded.tokenizer, layer_groups=layer_groups
+        )
+
+    @property
+    def layer_groups(self) -> int:
+        """Layer groups each chunk is stored as (and loaded by)."""
+        return len(self.group_identities)
+
+    def group_spans(self) -> tuple[tuple[int, int], ...]:
+        """``(first layer, layers)`` of each layer group."""
+        return layer_groups(self.identity.layout.num_layers, self.layer_groups)
 
     def _probe_cache(self) -> None:
         """Refuse models whose forward does not hand back a per-layer KV cache."""
@@ -173,10 +201,10 @@ class HFEngine:
         lay = self.identity.layout
         n, tpc = len(ids), lay.tokens_per_chunk
         t0 = time.perf_counter()
-        hits = LookupResult([], 0, tpc)
+        found: tuple[LookupResult, ...] = (LookupResult([], 0, tpc),)
         if self.store is not None:
-            hits = self.store.lookup(self.identity, namespace, list(ids), start=start)
-        usable = min(len(hits.hits), (n - 1) // tpc)
+            found = lookup_groups(self.store, self.group_identities, namespace, ids, start)
+        usable = min(len(found[0].hits), (n - 1) // tpc)
         t1 = time.perf_counter()
         loaded_chunks: list[np.ndarray] = []
         tiers: dict[str, int] = {}
@@ -185,11 +213,21 @@ class HFEngine:
             shape = (lay.num_layers, 2, lay.num_kv_heads, usable * tpc, lay.head_dim)
             buf = self._kv_buffer(shape)
             outs = [buf[:, :, :, i * tpc : (i + 1) * tpc, :] for i in range(usable)]
-            sub = LookupResult(hits.hits[:usable], hits.chunks_total, tpc)
-            res = self.store.load(sub, outs, request_id=request_id)
-            tiers, corrupt = res.tiers, len(res.corrupt)
-            loaded_chunks = outs[: res.loaded]
-            cache = self._inject(buf, res.loaded * tpc)
+            views = group_views(buf, self.group_spans(), usable, tpc)
+            loaded = usable
+            for group, group_outs in zip(found, views, strict=True):
+                # a chunk is served only when every layer group of it loaded and verified
+                res = self.store.load(
+                    group.sub(0, loaded), group_outs[:loaded], request_id=request_id
+                )
+                if not tiers:  # chunks per tier: the first group's objects say it
+                    tiers = dict(res.tiers)
+                corrupt += len(res.corrupt)
+                loaded = res.loaded
+                if not loaded:
+                    break
+            loaded_chunks = outs[:loaded]
+            cache = self._inject(buf, loaded * tpc)
         else:
             cache = self._new_cache()
         t2 = time.perf_counter()
@@ -369,6 +407,16 @@ class HFEngine:
             )  # (layers, 2, kv_heads, tokens, head_dim)
             arr = _as_numpy(stacked, lay.dtype)
             chunks += [arr[:, :, :, i * tpc : (i + 1) * tpc, :] for i in range(nfull - first_new)]
+        if self.layer_groups > 1:
+            return put_groups(
+                self.store,
+                self.group_identities,
+                namespace,
+                all_ids[: nfull * tpc],
+                chunks,
+                start=start,
+                request_id=request_id,
+            )
         res = self.store.put_prompt(
             self.identity,
             namespace,

@@ -20,6 +20,15 @@ arrived in order are used and the rest is recomputed with the remainder of the p
 Each load that completes teaches the cost model the tier's speed, each prefill the
 engine's speed against its profile.
 
+An engine whose chunks are stored as layer groups (``HFEngine(layer_groups=G)``,
+:mod:`kvlife.engines.hf_layers`) loads each group with its own ``load_async``, group 0
+first, and runs the rest's forward at once in a landing cache: layer ``l`` takes its
+prefix when its group has landed and verified, so the forward overlaps the groups still
+loading. A group that does not land whole by the deadline (missing, corrupt, late)
+abandons that forward, whose earlier layers used the loaded prefix: the engine
+recomputes on the chunks every group has whole, counted (``PlanCounters.abandoned``).
+The cost model predicts the overlap (``CostModel.layer_groups``, set here).
+
 :func:`measure_prefill` times a few prefills of the engine's own model (a few seconds)
 and fits a :class:`~kvlife.planner.PrefillProfile`; :func:`prefill_profile` reads a
 cached one for the same model and thread count instead.
@@ -44,6 +53,14 @@ from kvlife.core.errors import KVLifeError
 from kvlife.core.identity import Namespace
 from kvlife.core.payload import to_torch
 from kvlife.engines.hf import HFEngine, Prefill
+from kvlife.engines.hf_layers import (
+    GroupUnavailable,
+    combined_hits,
+    group_views,
+    landing_cache,
+    layer_group_index,
+    lookup_groups,
+)
 from kvlife.engines.identity import cache_dir
 from kvlife.planner import CostModel, Plan, PrefillProfile, choose
 from kvlife.planner.cost import PrefillSample
@@ -89,6 +106,10 @@ class PlanCounters:
     """Loads that ran past their deadline."""
     misses: int = 0
     """Loads that ended at a chunk that was no longer there or failed verification."""
+    abandoned: int = 0
+    """Layered forwards abandoned at a layer whose group did not land whole (missing,
+    corrupt, past the deadline): the layers before it had attended to the loaded
+    prefix, so the forward was recomputed on the prefix every group had whole."""
 
 
 @dataclass(slots=True)
@@ -123,6 +144,14 @@ class PlannedPrefill:
     """CPU seconds of the engine's thread per phase (``lookup_s``, ``front_s``,
     ``join_s``, ``rest_s``): with one torch thread, the phase's work without the time
     the thread waited for a core (a shared machine's noise)."""
+    layered: bool = False
+    """The rest's forward ran layer by layer behind the load (``wait_s`` and ``join_s``
+    are then inside ``rest_s``)."""
+    abandoned_layer: int = -1
+    """Layer at which a layered forward was abandoned (its group did not land whole);
+    -1: none."""
+    abandoned_s: float = 0.0
+    """Time the abandoned forward ran before it was given up."""
 
 
 class PlannedEngine:
@@ -136,9 +165,15 @@ class PlannedEngine:
         deadline_factor: float = 2.0,
         deadline_slack_s: float = 0.05,
         learn: bool = True,
+        layered: bool = True,
     ) -> None:
         if engine.store is None:
             raise ValueError("a planned engine needs a store")
+        self.layered = layered and engine.layer_groups > 1
+        """Run the rest's forward behind the load, layer by layer (an engine whose
+        chunks are stored in more than one layer group); else wait for the whole load."""
+        # the plans predict the overlap this engine runs
+        model.layer_groups = engine.layer_groups if self.layered else 1
         self.engine = engine
         self.model = model
         self.deadline_factor = deadline_factor
@@ -164,63 +199,97 @@ class PlannedEngine:
         tpc, n = lay.tokens_per_chunk, len(ids)
         c0, m0 = time.process_time(), time.thread_time()
         t0 = time.perf_counter()
-        found = store.lookup(eng.identity, namespace, list(ids), start=start)
-        hits = found.hits[: usable_hits(found.hits, n, tpc)]
+        found = lookup_groups(store, eng.group_identities, namespace, ids, start)
+        every = combined_hits(found)
+        hits = every[: usable_hits(every, n, tpc)]
         plan = policy(self.model, hits, n)
         t1, m1 = time.perf_counter(), time.thread_time()
         front, stop = plan.front, plan.stop
         count = stop - front
-        loading = None
+        loads: list[_Loading] = []
+        buf = np.empty(0)
         if count:
             shape = (lay.num_layers, 2, lay.num_kv_heads, count * tpc, lay.head_dim)
             buf = eng._kv_buffer(shape)
-            outs = [buf[:, :, :, i * tpc : (i + 1) * tpc, :] for i in range(count)]
-            handle = store.load_async(found.sub(front, stop), outs, request_id=request_id)
-            loading = _Loading(handle)
+            # one load per layer group, issued in group order: group 0's reads go first
+            views = group_views(buf, eng.group_spans(), count, tpc)
+            for group, outs in zip(found, views, strict=True):
+                handle = store.load_async(group.sub(front, stop), outs, request_id=request_id)
+                loads.append(_Loading(handle))
         # the front, computed while the back loads
         front_cache = eng._new_cache()
         tf, mf = time.perf_counter(), time.thread_time()
         if front:
             front_cache = eng._prefill_suffix(ids[: front * tpc], front_cache, start).cache
         t2, m2 = time.perf_counter(), time.thread_time()
-        got, load_s, timed_out = 0, 0.0, False
-        if loading is not None:
-            deadline = (
-                math.inf
-                if math.isinf(self.deadline_factor)
-                else t1 + plan.load_s * self.deadline_factor + self.deadline_slack_s
-            )
-            got, timed_out = loading.take(count, deadline)
-            if not timed_out:
-                loading.join(1.0)  # its watcher notes when the last read ended
-            load_s = (loading.finished_at or time.perf_counter()) - t1
-        t2w, m2w = time.perf_counter(), time.thread_time()
-        if loading is not None:
-            if timed_out or got < count:
+        deadline = (
+            math.inf
+            if math.isinf(self.deadline_factor)
+            else t1 + plan.load_s * self.deadline_factor + self.deadline_slack_s
+        )
+        layered = bool(count) and self.layered
+        got, timed_out, abandoned_layer, abandoned_s = 0, False, -1, 0.0
+        landing = _Landing(eng, loads, front_cache, front * tpc, buf, count, deadline)
+        if layered:
+            # the rest's forward starts now; layer l waits for its group inside the cache
+            t2w, m2w = t2, m2
+            cache = landing.cache()
+            t3, m3 = time.perf_counter(), time.thread_time()
+            try:
+                pre = eng._prefill_suffix(ids, cache, start)
+                got = count
+            except GroupUnavailable as exc:
+                # layers before exc.layer attended to the loaded prefix: nothing of this
+                # forward can be kept; recompute on the prefix every group has whole
+                abandoned_layer, timed_out = exc.layer, exc.timed_out
+                got = min(x.take(count, time.perf_counter())[0] for x in loads)
+                t3a = time.perf_counter()
+                abandoned_s = t3a - t3
+                cache = _joined(eng, front_cache, front * tpc, buf, got * tpc)
+                t3, m3 = time.perf_counter(), time.thread_time()
+                pre = eng._prefill_suffix(ids, cache, start)
+        else:
+            if loads:
+                got, timed_out = _take_all(loads, count, deadline)
+            t2w, m2w = time.perf_counter(), time.thread_time()
+            cache = _joined(eng, front_cache, front * tpc, buf, got * tpc) if loads else front_cache
+            t3, m3 = time.perf_counter(), time.thread_time()
+            pre = eng._prefill_suffix(ids, cache, start)
+        t4, m4 = time.perf_counter(), time.thread_time()
+        load_s = 0.0
+        if loads:
+            if got < count:
                 if timed_out:
                     self.counters.timeouts += 1
                 else:
                     self.counters.misses += 1
+                if abandoned_layer >= 0:
+                    self.counters.abandoned += 1
                 # reads after the last chunk used may still be writing into this buffer:
                 # the next request needs another
                 eng._buffer = None
-                self._abandoned.append(loading)
-            elif self.learn:
-                self.model.observe_load(hits[front:stop], load_s)
-            cache = _joined(eng, front_cache, front * tpc, buf, got * tpc)
-        else:
-            cache = front_cache
-        t3, m3 = time.perf_counter(), time.thread_time()
-        pre = eng._prefill_suffix(ids, cache, start)
-        t4, m4 = time.perf_counter(), time.thread_time()
+                self._abandoned += loads
+                load_s = time.perf_counter() - t1
+            else:
+                for x in loads:
+                    x.join(1.0)  # its watcher notes when the last read ended
+                ends = [x.finished_at or time.perf_counter() for x in loads]
+                load_s = max(ends) - t1
+                if self.learn:
+                    self.model.observe_load(hits[front:stop], load_s)
         main_cpu = m4 - m0
         other_cpu = max(0.0, time.process_time() - c0 - main_cpu)
+        rest_s = t4 - t3
+        wait_s = landing.wait_s if layered else t2w - t2
+        join_s = landing.join_s if layered else t3 - t2w
         if self.learn:
             if front and got:
-                self.model.observe_join((front + got) * tpc, t3 - t2w)
+                self.model.observe_join((front + got) * tpc, join_s)
             if front:
                 self.model.observe_prefill(0, front * tpc, t2 - tf)
-            self.model.observe_prefill(pre.cached_tokens, n - pre.cached_tokens, t4 - t3)
+            # a layered forward's own work: its waits for groups and joins taken off
+            compute = rest_s - (wait_s + join_s if layered and got == count else 0.0)
+            self.model.observe_prefill(pre.cached_tokens, n - pre.cached_tokens, compute)
         pre.lookup_s, pre.load_s = t1 - t0, load_s
         c = self.counters
         c.plans[plan.kind.value] = c.plans.get(plan.kind.value, 0) + 1
@@ -236,9 +305,9 @@ class PlannedEngine:
             lookup_s=t1 - t0,
             front_s=t2 - tf,
             load_s=load_s,
-            rest_s=t4 - t3,
-            wait_s=t2w - t2,
-            join_s=t3 - t2w,
+            rest_s=rest_s,
+            wait_s=wait_s,
+            join_s=join_s,
             main_cpu_s=main_cpu,
             other_cpu_s=other_cpu,
             cpu_s={
@@ -247,6 +316,9 @@ class PlannedEngine:
                 "join_s": m3 - m2w,
                 "rest_s": m4 - m3,
             },
+            layered=layered,
+            abandoned_layer=abandoned_layer,
+            abandoned_s=abandoned_s,
         )
 
     def settle(self, timeout: float | None = None) -> bool:
@@ -308,6 +380,71 @@ class _Loading:
             if arr is None:
                 return i, False
         return count, False
+
+
+def _take_all(loads: Sequence[_Loading], count: int, deadline: float) -> tuple[int, bool]:
+    """Chunks whose every layer group arrived in order by ``deadline``, and whether it
+    passed first (a group that came short ends the wait: later groups cannot add)."""
+    got, timed_out = count, False
+    for x in loads:
+        n, late = x.take(got, deadline)
+        got, timed_out = min(got, n), timed_out or late
+        if not got:
+            break
+    return got, timed_out
+
+
+class _Landing:
+    """The loaded prefix handed to a layered forward: layer ``l``'s first update waits
+    for its group's ``count`` chunks (by the deadline), then takes the computed front's
+    layer joined to the group's loaded positions."""
+
+    def __init__(
+        self,
+        eng: HFEngine,
+        loads: Sequence[_Loading],
+        front: Any,
+        front_tokens: int,
+        buf: np.ndarray,
+        count: int,
+        deadline: float,
+    ) -> None:
+        self.eng, self.loads, self.front, self.front_tokens = eng, loads, front, front_tokens
+        self.buf, self.count, self.deadline = buf, count, deadline
+        lay = eng.identity.layout
+        self.group_of = layer_group_index(lay.num_layers, eng.layer_groups)
+        self.landed = [False] * len(loads)
+        self.wait_s = 0.0
+        """Time layers waited for their groups."""
+        self.join_s = 0.0
+        """Time spent making each layer's prefix (views, or the front joined to them)."""
+
+    def cache(self) -> Any:
+        lay = self.eng.identity.layout
+        tokens = self.front_tokens + self.count * lay.tokens_per_chunk
+        return landing_cache(self.eng.config, lay.num_layers, tokens, self.land)
+
+    def land(self, layer: int) -> tuple[Any, Any]:
+        g = self.group_of[layer]
+        t0 = time.perf_counter()
+        if not self.landed[g]:
+            got, timed_out = self.loads[g].take(self.count, self.deadline)
+            if got < self.count:
+                raise GroupUnavailable(g, layer, got, timed_out)
+            self.landed[g] = True
+        t1 = time.perf_counter()
+        lay = self.eng.identity.layout
+        tokens = self.count * lay.tokens_per_chunk
+        k = to_torch(self.buf[layer, 0, :, :tokens], lay.dtype)[None]
+        v = to_torch(self.buf[layer, 1, :, :tokens], lay.dtype)[None]
+        if self.front_tokens:
+            torch = self.eng.torch
+            fk = self.front.layers[layer].keys[:, :, : self.front_tokens]
+            fv = self.front.layers[layer].values[:, :, : self.front_tokens]
+            k, v = torch.cat([fk, k], dim=2), torch.cat([fv, v], dim=2)
+        self.wait_s += t1 - t0
+        self.join_s += time.perf_counter() - t1
+        return k, v
 
 
 def _joined(eng: HFEngine, front: Any, front_tokens: int, buf: np.ndarray, tokens: int) -> Any:

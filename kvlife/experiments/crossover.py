@@ -15,6 +15,10 @@ calibration (a one-chunk and a four-chunk load) and learnt from every load after
 result says, per point, each TTFT, the planner's plan and its ratio to the oracle, and
 per prefix where the pure plans cross and how much better the split is there.
 
+``--layered`` runs :mod:`kvlife.experiments.crossover_layered` instead: load-only from
+whole chunks against load-only layer by layer (chunks stored as layer groups, the rest's
+forward starting when the first group landed), at a few throttled bandwidths.
+
 :func:`field_table` applies the same model with documented parameters to an H200
 serving Llama-3-8B from NVMe, 100 GbE and CXL (``docs/planner.md`` cites the sources).
 """
@@ -598,11 +602,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--layered",
+        action="store_true",
+        help="the layered variant: load-only from whole chunks against layer by layer "
+        "(kvlife.experiments.crossover_layered), compute-only for scale",
+    )
+    parser.add_argument(
+        "--groups", type=int, default=4, help="--layered: layer groups per chunk (default 4)"
+    )
+    parser.add_argument(
+        "--suffix",
+        type=int,
+        default=None,
+        help="new tokens after the prefix (default 16; --layered: 256)",
+    )
     args = parser.parse_args(argv)
+    if args.layered:
+        return _main_layered(args)
     cfg = CrossoverConfig(tokens_per_chunk=args.tokens_per_chunk, repeats=args.repeats)
+    if args.suffix is not None:
+        cfg = _with(cfg, suffix=args.suffix)
     if args.quick:
         cfg = CrossoverConfig(
-            prefixes=(256,), bandwidths_mb_s=(5.0, 0.0), tokens_per_chunk=args.tokens_per_chunk
+            prefixes=(256,),
+            bandwidths_mb_s=(5.0, 0.0),
+            tokens_per_chunk=args.tokens_per_chunk,
+            suffix=cfg.suffix,
         )
     if args.prefixes:
         cfg = _with(cfg, prefixes=tuple(int(x) for x in args.prefixes.split(",")))
@@ -633,6 +659,48 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(
             f"{k}: {v['bandwidth_mb_s'] or 'full'} MB/s split x{v['split_gain']:.2f}"
             for k, v in s["crossings"].items()
+        ),
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _main_layered(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from kvlife.experiments import crossover_layered as layered
+
+    cfg = layered.LayeredConfig(
+        groups=args.groups,
+        tokens_per_chunk=args.tokens_per_chunk,
+        repeats=args.repeats,
+        model=args.model,
+        threads=args.threads,
+    )
+    if args.quick:
+        cfg = replace(cfg, prefix=256, suffix=64, bandwidths_mb_s=(10.0, 100.0))
+    if args.prefixes:
+        cfg = replace(cfg, prefix=int(args.prefixes.split(",")[0]))
+    if args.suffix is not None:
+        cfg = replace(cfg, suffix=args.suffix)
+    if args.bandwidths:
+        cfg = replace(cfg, bandwidths_mb_s=tuple(float(x) for x in args.bandwidths.split(",")))
+    if any(bw <= 0 for bw in cfg.bandwidths_mb_s):
+        raise SystemExit("--layered sweeps throttled bandwidths: give each as MB/s > 0")
+    result = layered.run(cfg, progress=not args.no_progress)
+    text = json.dumps(result, indent=1)
+    if args.json:
+        Path(args.json).write_text(text)
+    else:
+        print(text)
+    if args.plot:
+        layered.plot_png(result, Path(args.plot))
+    print(
+        "whole/layered TTFT "
+        + ", ".join(
+            f"{p['bandwidth_mb_s']:g} MB/s x{p['whole_vs_layered']:.2f}"
+            f" (predicted x{p['whole_vs_layered_predicted']:.2f})"
+            for p in result["points"]
         ),
         file=sys.stderr,
     )

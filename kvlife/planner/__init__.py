@@ -6,7 +6,8 @@ engine; this package decides it per request from a calibrated cost model.
   median of recent samples) that the cost model learns with;
 - :mod:`kvlife.planner.cost`: the cost model: per tier latency and time per byte learnt
   from observed loads, per transform decode time (the store's ``ChunkHit.decode_seconds``),
-  the engine's prefill time as a function of start position and length (a fitted profile);
+  the engine's prefill time as a function of start position and length (a fitted profile),
+  and the overlap of a load in layer groups with the prefill behind it;
 - :mod:`kvlife.planner.plan`: the typed plans (per chunk: load exact, load and decode,
   recompute; the split point where the engine computes the front while the back loads)
   and the chooser, plus :func:`~kvlife.planner.plan.tokens_to_load`, the seam an engine
@@ -16,7 +17,7 @@ The planner does no I/O: it answers from the model; engines execute its plans an
 the model what they observe. See ``docs/planner.md``.
 """
 
-from kvlife.planner.cost import CostModel, PrefillProfile, TierCost
+from kvlife.planner.cost import CostModel, PrefillProfile, TierCost, layered_seconds
 from kvlife.planner.estimate import RobustEstimate
 from kvlife.planner.plan import (
     ChunkAction,
@@ -43,6 +44,7 @@ __all__ = [
     "candidates",
     "choose",
     "compute_only",
+    "layered_seconds",
     "load_only",
     "split_only",
     "tokens_to_load",

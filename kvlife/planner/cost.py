@@ -183,6 +183,21 @@ class TierCost:
         self.per_byte.observe(max(seconds - self.latency_s, 0.0) / nbytes)
 
 
+def layered_seconds(front_s: float, load_s: float, rest_s: float, groups: int) -> float:
+    """Time until the prefill after a load ends when it runs layer by layer: the load's
+    ``groups`` layer groups land one after another (group ``g`` at ``(g + 1) * load_s /
+    groups``), the prefill starts once the front is computed (``front_s``) and runs a
+    group's layers (``rest_s / groups``) once that group landed and the group before it
+    was computed. With no front it is ``max(load, rest) + min(load, rest) / groups``: a
+    two-stage pipeline; with one group ``max(front, load) + rest``."""
+    if groups < 1:
+        raise InvalidArgument(f"layer groups must be >= 1, got {groups}")
+    done = front_s
+    for g in range(groups):
+        done = max(done, load_s * (g + 1) / groups) + rest_s / groups
+    return done
+
+
 @dataclass(slots=True)
 class CostModel:
     """What loads, decodes and prefills cost on this engine and these tiers."""
@@ -200,10 +215,16 @@ class CostModel:
     of the day (another process on the cores) and the cost of the calls it makes."""
     join_per_token: RobustEstimate = field(default_factory=RobustEstimate)
     """Seconds per position to join a computed front to loaded chunks (learnt)."""
+    layer_groups: int = 1
+    """Layer groups the engine's chunks are stored as and loaded by, layer by layer
+    (:mod:`kvlife.engines.hf_layers`): with more than one, the prefill after the load
+    starts when the first group landed (:func:`layered_seconds`)."""
     startup: tuple[PrefillSample, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         self.startup = self.prefill.samples
+        if not isinstance(self.layer_groups, int) or self.layer_groups < 1:
+            raise InvalidArgument(f"layer_groups must be an int >= 1, got {self.layer_groups!r}")
 
     def tier(self, name: str) -> TierCost:
         got = self.tiers.get(name)

@@ -10,7 +10,11 @@ least the last token, so ``h * tokens_per_chunk < n``). A plan names two chunk i
 - everything from ``stop * tpc`` to ``n`` is prefilled once both are done.
 
 Its predicted time to first token is ``max(C(0, front), L(front, stop)) + J + C(stop, n)``
-(``J``: joining a computed front to the loaded chunks, :meth:`CostModel.join_seconds`):
+(``J``: joining a computed front to the loaded chunks, :meth:`CostModel.join_seconds`);
+where the engine loads layer by layer in ``G`` groups (``CostModel.layer_groups``) the
+join and the rest run group by group behind the load
+(:func:`~kvlife.planner.cost.layered_seconds`; with no front
+``max(L, J + C) + min(L, J + C) / G``):
 the Cake split (Jin et al., "Compute Or Load KV Cache? Why Not Both?", ICML 2025) with a
 free end: with ``front = 0`` it is load-only (``stop = h``) or a shorter load, with
 ``front = stop = 0`` compute-only. :func:`choose` picks the plan of least predicted time
@@ -27,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvlife.core.errors import InvalidArgument
-from kvlife.planner.cost import CostModel
+from kvlife.planner.cost import CostModel, layered_seconds
 from kvlife.results import ChunkHit
 
 
@@ -85,8 +89,13 @@ class Plan:
     """One per usable hit, in order."""
     join_s: float = 0.0
     """Predicted time to join the computed front to the loaded chunks (split plans)."""
+    groups: int = 1
+    """Layer groups the loaded chunks land in, one after another; the prefill of the
+    rest runs each group's layers as soon as that group landed (1: after the whole load)."""
 
     def __post_init__(self) -> None:
+        if self.groups < 1:
+            raise InvalidArgument(f"plan needs groups >= 1, got {self.groups}")
         if not 0 <= self.front <= self.stop <= self.hits:
             raise InvalidArgument(
                 f"plan needs 0 <= front <= stop <= hits, got {self.front}, {self.stop}, {self.hits}"
@@ -105,7 +114,13 @@ class Plan:
 
     @property
     def predicted_s(self) -> float:
-        """Predicted time to first token (lookup excluded)."""
+        """Predicted time to first token (lookup excluded): with layered loading the
+        join and the rest's prefill run group by group behind the load
+        (:func:`~kvlife.planner.cost.layered_seconds`)."""
+        if self.groups > 1 and self.loaded:
+            return layered_seconds(
+                self.front_s, self.load_s, self.join_s + self.rest_s, self.groups
+            )
         return max(self.front_s, self.load_s) + self.join_s + self.rest_s
 
     @property
@@ -124,6 +139,7 @@ class Plan:
             "load_s": self.load_s,
             "join_s": self.join_s,
             "rest_s": self.rest_s,
+            "groups": self.groups,
         }
 
 
@@ -153,6 +169,7 @@ def make_plan(
         rest_s=model.compute_seconds(stop * tpc, prompt_tokens - stop * tpc),
         chunks=tuple(chunks),
         join_s=model.join_seconds(front * tpc, (stop - front) * tpc),
+        groups=model.layer_groups,
     )
 
 
