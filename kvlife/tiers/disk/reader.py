@@ -19,6 +19,7 @@ onto the CPUs.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,7 +28,14 @@ import numpy as np
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaReadError
 from kvlife.core.identity import ChunkKey
 from kvlife.tiers.base import ReadResult, read_only
-from kvlife.tiers.buffers import RecyclingPool, StagingPool, aligned_empty, aligned_runs, round_up
+from kvlife.tiers.buffers import (
+    ALIGN,
+    RecyclingPool,
+    StagingPool,
+    aligned_empty,
+    aligned_runs,
+    round_up,
+)
 from kvlife.tiers.disk.catalog import CatalogRow
 from kvlife.tiers.disk.counters import DiskStats
 from kvlife.tiers.disk.fileio import FileIO
@@ -36,6 +44,29 @@ from kvlife.tiers.disk.segments import Segment, SegmentTable
 
 READ_HELPERS = 16
 """Threads shared by all readers of a tier to keep more than one read of a call in flight."""
+
+_local = threading.local()
+
+
+def _header_buffer() -> np.ndarray:
+    """This thread's aligned buffer for the header of the frame it reads (a thread reads
+    one frame at a time, and nothing keeps the header after the read's verification):
+    one allocation per thread, not one per read."""
+    hdr: np.ndarray | None = getattr(_local, "hdr", None)
+    if hdr is None:
+        hdr = _local.hdr = aligned_empty(HEADER_BYTES)
+    return hdr
+
+
+def _direct_runs(out: np.ndarray) -> list[np.ndarray] | None:
+    """``out``'s memory as the pieces a direct read lands in (:func:`aligned_runs`), the
+    common case first: a C-contiguous aligned buffer is one piece, found without
+    walking its axes."""
+    if out.flags.c_contiguous:
+        if out.nbytes % ALIGN or out.ctypes.data % ALIGN:
+            return None
+        return [out.reshape(-1).view(np.uint8)]
+    return aligned_runs(out)
 
 
 class Reader:
@@ -151,10 +182,9 @@ class Reader:
     ) -> ReadResult:
         """Read and verify one frame: straight into ``out`` when its memory is aligned,
         else into a staging buffer (then copied); without ``out`` into a recycled array."""
-        where = f"{self.name} seg-{row.seg:08d}@{row.off}"
         staged: np.ndarray | None = None
-        hdr = aligned_empty(HEADER_BYTES)
-        runs = aligned_runs(out) if out is not None else None
+        hdr = _header_buffer()
+        runs = _direct_runs(out) if out is not None else None
         if runs is not None:
             payload = runs
             bufs = [hdr, *runs]
@@ -171,14 +201,16 @@ class Reader:
             try:
                 n = self.io.preadv(seg.fd, bufs, row.off)
             except OSError as exc:
-                return ReplicaReadError(row.key.hex(), where, str(exc))
+                return ReplicaReadError(row.key.hex(), self._where(row), str(exc))
             need = HEADER_BYTES + row.nbytes
             if n < need:
-                return ChecksumMismatch(row.key.hex(), where, f"truncated: {n} of {need} bytes")
+                return ChecksumMismatch(
+                    row.key.hex(), self._where(row), f"truncated: {n} of {need} bytes"
+                )
             got.append(n)
             problem = row.verify(hdr.data, payload)
             if problem:
-                return ChecksumMismatch(row.key.hex(), where, problem)
+                return ChecksumMismatch(row.key.hex(), self._where(row), problem)
             if out is None:  # a new array: read-only from the start, for good
                 return read_only(payload[0]).view(np.dtype(row.dtype)).reshape(row.shape)
             if staged is not None:
@@ -187,6 +219,9 @@ class Reader:
         finally:
             if staged is not None:
                 self._staging.put(staged)
+
+    def _where(self, row: CatalogRow) -> str:
+        return f"{self.name} seg-{row.seg:08d}@{row.off}"
 
     def close(self) -> None:
         """Stop the helper threads (no read may be in flight after)."""
