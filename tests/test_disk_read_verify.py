@@ -26,7 +26,7 @@ from kvlife.tiers.disk.frame import (
 )
 from tests.conftest import budget
 
-_names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=30)
+_names = st.text(max_size=30)
 
 
 @st.composite
