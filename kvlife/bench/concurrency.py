@@ -43,6 +43,7 @@ from kvlife.bench.limits import (
     CpuTimes,
     cpu_ceiling,
     cpu_per_chunk,
+    cpus_available,
     format_machine,
     hash_cpu_per_chunk,
     machine_figures,
@@ -168,6 +169,7 @@ def _run(cfg: ConcurrencyConfig, work: Path) -> dict[str, object]:
     )
     hash_s = hash_cpu_per_chunk(chunk, quick=cfg.quick)
     cpus = usable_cpus()
+    available = cpus_available(0.05 if cfg.quick else 0.5)
     idle_p99 = _pct(idle, 99)
     audit.lookup_p99_vs_idle = audit.lookup_p99_us / idle_p99 if idle_p99 else float("nan")
     for p in points:
@@ -175,7 +177,7 @@ def _run(cfg: ConcurrencyConfig, work: Path) -> dict[str, object]:
         p.raw_gbps_same_qd = limit
         p.load_vs_raw = p.load_gbps / limit if limit else float("nan")
         p.lookup_p99_vs_idle = p.lookup_p99_us / idle_p99 if idle_p99 else float("nan")
-        p.cpu = _cpu_budget(p, raw.point(p.threads), hash_s, cpus)
+        p.cpu = _cpu_budget(p, raw.point(p.threads), hash_s, cpus, available)
     return {
         "benchmark": "concurrency",
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
@@ -188,12 +190,13 @@ def _run(cfg: ConcurrencyConfig, work: Path) -> dict[str, object]:
         "audit": asdict(audit),
         "raw": raw.to_json(),
         "cpus": cpus,
+        "cpus_available": available,
         "hash_us_per_chunk": hash_s * 1e6,
     }
 
 
 def _cpu_budget(
-    p: ConcurrencyPoint, raw: RawReadPoint, hash_s: float, cpus: int
+    p: ConcurrencyPoint, raw: RawReadPoint, hash_s: float, cpus: int, available: float
 ) -> dict[str, float]:
     """The point's CPU budget: CPU per chunk of the loads (every thread of the process
     but the writer and the probe; ``loads_*``) and of raw reads at the same queue depth
@@ -204,7 +207,7 @@ def _cpu_budget(
     CPU per chunk in place of raw + hash), ``load_vs_ceiling`` the measured ratio
     against ``ceiling``."""
     rawcpu = cpu_per_chunk(CpuTimes(raw.cpu_user_s, raw.cpu_system_s), raw.reads, raw.seconds)
-    ceiling = cpu_ceiling(rawcpu["us_per_chunk"], hash_s * 1e6, raw.iops, cpus)
+    ceiling = cpu_ceiling(rawcpu["us_per_chunk"], hash_s * 1e6, raw.iops, cpus, available)
     loads_us = p.cpu["loads_us_per_chunk"]
     allow = min(1.0, cpus / (loads_us * 1e-6 * raw.iops)) if loads_us > 0 and raw.iops else 1.0
     return (
@@ -413,7 +416,8 @@ def format_report(result: dict[str, object]) -> str:
     text = format_table(head, rows)
     text += (
         f"\nCPU ceiling: the ratio no verified load could pass on {result['cpus']} CPUs "
-        f"(raw read + xxh3-128 at {result['hash_us_per_chunk']:.0f} µs/chunk, all CPUs)"
+        f"(raw read + xxh3-128 at {result['hash_us_per_chunk']:.0f} µs/chunk, all CPUs); "
+        f"CPUs available to this process now: {result['cpus_available']:.2f}"
     )
     text += f"\nidle lookup P50/P99: {idle['p50_us']:.0f} / {idle['p99_us']:.0f} µs"
     text += f"; direct I/O: {result['direct_io']}; chunk bytes {result['chunk_bytes']}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import resource
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -254,7 +255,11 @@ def hash_cpu_per_chunk(chunk_bytes: int, quick: bool = False, best_of: int = 3) 
 
 
 def cpu_ceiling(
-    raw_us_per_chunk: float, hash_us_per_chunk: float, raw_chunks_per_s: float, cpus: int
+    raw_us_per_chunk: float,
+    hash_us_per_chunk: float,
+    raw_chunks_per_s: float,
+    cpus: int,
+    available: float | None = None,
 ) -> dict[str, float]:
     """The ratio to raw reads that no design of a verified load could pass on this
     machine, from measured CPU per chunk.
@@ -269,15 +274,65 @@ def cpu_ceiling(
     - ``ceiling_same_cpu`` = raw / (raw + hash): the bound when the raw run was itself
       CPU-bound (then no more CPU is to be had than it used), the tighter one then;
     - ``raw_busy_cpus``: CPUs the raw run kept busy (raw x raw chunks/s): near ``cpus``
-      the raw run was CPU-bound and ``ceiling_same_cpu`` applies.
+      the raw run was CPU-bound and ``ceiling_same_cpu`` applies;
+    - ``ceiling_available``: the bound with the CPUs measured ``available`` to this
+      process in the run (:func:`cpus_available`) in place of ``cpus``: on a machine
+      shared with other jobs, what a design that needs no more than raw + hash per
+      chunk could reach that day.
     """
     need = (raw_us_per_chunk + hash_us_per_chunk) * 1e-6
-    ceiling = min(1.0, cpus / (need * raw_chunks_per_s)) if need > 0 and raw_chunks_per_s else 1.0
+
+    def bound(c: float) -> float:
+        return min(1.0, c / (need * raw_chunks_per_s)) if need > 0 and raw_chunks_per_s else 1.0
+
     same = raw_us_per_chunk / (raw_us_per_chunk + hash_us_per_chunk) if need > 0 else 1.0
-    return {
-        "ceiling": ceiling,
+    extra = {} if available is None else {"ceiling_available": bound(available)}
+    return extra | {
+        "ceiling": bound(cpus),
         "ceiling_same_cpu": same,
         "raw_busy_cpus": raw_us_per_chunk * 1e-6 * raw_chunks_per_s,
         "hash_us_per_chunk": hash_us_per_chunk,
         "cpus": cpus,
     }
+
+
+def cpus_available(seconds: float = 0.25) -> float:
+    """CPUs this process gets now when it asks for all of them: one thread per usable
+    CPU hashing memory (xxh3 releases the GIL) for ``seconds``, their CPU time over the
+    wall time. About the CPU count on a quiet machine; less where other processes
+    compete for the CPUs (a shared machine: the share a CPU-bound load would get)."""
+    import xxhash
+
+    buf = np.ones(1 << 20, np.uint8)
+    stop = time.perf_counter() + seconds
+
+    def spin() -> None:
+        while time.perf_counter() < stop:
+            xxhash.xxh3_128_digest(buf.data)
+
+    workers = [threading.Thread(target=spin) for _ in range(usable_cpus())]
+    cpu0 = process_cpu()
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return (process_cpu() - cpu0).total / (time.perf_counter() - t0)
+
+
+def tasks_cpu_seconds(pid: int) -> float:
+    """CPU seconds of every live thread of process ``pid`` (``/proc/PID/task/*/schedstat``:
+    the scheduler's nanosecond runtime, precise where ``/proc/PID/stat`` counts 10 ms
+    ticks); NaN where ``/proc`` cannot tell."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return float("nan")
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
