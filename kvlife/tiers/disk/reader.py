@@ -11,9 +11,9 @@ were garbage collected, returned read-only.
 
 Reads neither wait for the writer's I/O nor for each other. The tier's ``io_depth`` is
 shared among concurrent callers: one caller alone gets ``io_depth - 1`` helper threads
-(from a pool of :data:`READ_HELPERS` shared by the tier), ``io_depth`` or more callers
-get none, so N callers keep max(N, io_depth) reads in flight without piling threads
-onto the CPUs.
+(from a pool of :data:`READ_HELPERS` shared by the tier), and every caller of two or
+more frames gets at least one (:data:`PIPELINE`), so that its checksum of one frame
+overlaps the read of the next: N callers keep max(2N, io_depth) reads in flight.
 """
 
 from __future__ import annotations
@@ -44,6 +44,12 @@ from kvlife.tiers.disk.segments import Segment, SegmentTable
 
 READ_HELPERS = 16
 """Threads shared by all readers of a tier to keep more than one read of a call in flight."""
+
+PIPELINE = 2
+"""Reads of one call in flight at least (when it has that many frames), however many
+callers share ``io_depth``: with one, a caller's checksum of frame i and its Python
+ran before the read of frame i + 1 was issued, so each caller left the device idle
+for that long per frame (issue 28)."""
 
 _local = threading.local()
 
@@ -102,8 +108,8 @@ class Reader:
         segment is unlinked by compaction or its last delete only when its last reader
         leaves); the reads run without it, in the caller's thread plus helpers. The
         tier's ``io_depth`` is shared among concurrent callers (one alone gets
-        ``io_depth - 1`` helpers, ``io_depth`` or more callers get none), so N callers
-        keep max(N, io_depth) reads in flight without piling threads onto the CPUs.
+        ``io_depth - 1`` helpers, each of many at least one when it reads two frames or
+        more), so N callers keep max(2N, io_depth) reads in flight.
         """
         if outs is not None and len(outs) != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
@@ -112,7 +118,7 @@ class Reader:
             rows = [table.row(k) for k in keys]
             pinned = table.pin_rows(rows)
             self._callers += 1
-            share = max(1, self._io_depth // self._callers)
+            share = max(PIPELINE, self._io_depth // self._callers)
         got: list[int] = []
         try:
             plan = [

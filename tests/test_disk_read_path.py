@@ -1,11 +1,17 @@
-"""The disk tier's read path verifies a frame's header by comparing it with the header
-its catalog row's frame was written with (one comparison instead of parsing it field by
-field, issue 28): its answer is the field-by-field check's answer for every header, the
-right one and every damaged one, and a frame the tier wrote matches its row's header."""
+"""The disk tier's read path (issue 28).
+
+It verifies a frame's header by comparing it with the header its catalog row's frame
+was written with (one comparison instead of parsing it field by field): its answer is
+the field-by-field check's answer for every header, the right one and every damaged
+one, and a frame the tier wrote matches its row's header. And a call keeps two of its
+reads in flight even when other callers have taken the tier's whole ``io_depth``, so
+that its checksum of one frame overlaps the read of the next."""
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +22,7 @@ from kvlife.core.identity import ChunkKey
 from kvlife.tiers.base import ReplicaMeta, Reservation
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
 from kvlife.tiers.disk.catalog import CatalogRow
+from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.disk.frame import (
     HEADER_BYTES,
     HEADER_USED,
@@ -142,3 +149,48 @@ def test_every_single_byte_of_damage_is_answered_as_field_by_field(row: CatalogR
         buf[at] ^= 0x5A
         header = memoryview(bytes(buf))
         assert row.verify(header, None) == verify_frame(header, None, **_fields(row))  # type: ignore[arg-type]
+
+
+class PairIO(FileIO):
+    """Once armed, every ``preadv`` waits until another one is inside too (a broken
+    barrier, after its timeout, proves that reads ran one at a time)."""
+
+    def __init__(self) -> None:
+        super().__init__(direct=False)
+        self.armed = False
+        self.barrier = threading.Barrier(2, timeout=5)
+        self.broken = False
+
+    def preadv(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
+        if self.armed:
+            try:
+                self.barrier.wait()
+            except threading.BrokenBarrierError:
+                self.broken = True
+        return super().preadv(fd, buffers, offset)
+
+
+def test_a_caller_keeps_two_reads_in_flight_when_others_hold_io_depth(tmp_path: Path) -> None:
+    """``io_depth`` 1, one caller (or as many as its io_depth): the call still reads two
+    frames at once (before, it read one, hashed it, then issued the next read)."""
+    io = PairIO()
+    tier = DiskTier(tmp_path, DiskTierConfig(64 << 20, direct_io=False, io_depth=1), fileio=io)
+    try:
+        arrays = [np.full((64, 64), i, np.float16) for i in range(4)]
+        metas = [
+            ReplicaMeta(
+                ChunkKey(bytes([i]) * 32), "float16", (64, 64), checksum=payload_checksum(a)
+            )
+            for i, a in enumerate(arrays)
+        ]
+        res = tier.prepare_store(metas)
+        assert isinstance(res, Reservation)
+        tier.commit_store(res, arrays)
+        io.armed = True
+        got = tier.read_batch([m.key for m in metas])
+        assert not io.broken, "the call's reads ran one at a time"
+        for a, g in zip(arrays, got, strict=True):
+            assert isinstance(g, np.ndarray) and np.array_equal(a, g)
+    finally:
+        io.barrier.abort()
+        tier.close()
