@@ -19,6 +19,12 @@ own read rate (issue 18: an audit must run beside serving, never stall it).
 The machine's own figures (memcpy, raw O_DIRECT write and read, a Python loop's speed;
 :func:`kvlife.bench.limits.machine_figures`) go beside the ratios, under ``"machine"``.
 
+Each point also carries its CPU budget (``cpu``, issue 28): CPU per chunk of the loads
+and of raw reads at the same queue depth, user and system apart, the checksum's CPU per
+chunk, and the ceiling they imply: the ratio to raw that no verified load could pass on
+this machine's CPUs (:func:`kvlife.bench.limits.cpu_ceiling`), so that a miss can be
+told apart from a limit of the machine.
+
 Targets (issue 8): aggregate load >= 0.85x raw at the same queue depth; lookup P99 with
 I/O in flight <= 2x its idle P99. A benchmark, not a test: it prints a table and writes
 JSON; nothing here asserts speed.
@@ -100,7 +106,12 @@ class ConcurrencyPoint:
     load_vs_raw: float = float("nan")
     lookup_p99_vs_idle: float = float("nan")
     cpu: dict[str, float] = field(default_factory=dict)
-    """The CPU budget of the point (:func:`_cpu_budget`; README "Concurrency")."""
+    """The CPU budget of the point (:func:`_cpu_budget`; README "Concurrency"):
+    ``loads_*`` and ``raw_*`` (``user_us_per_chunk``, ``system_us_per_chunk``,
+    ``us_per_chunk``, ``busy_cpus``, ``chunks``), ``others_s`` (the writer's and the
+    probe's own CPU seconds, left out of ``loads_*``), ``hash_us_per_chunk``, ``cpus``,
+    ``ceiling``, ``ceiling_same_cpu``, ``ceiling_available``, ``raw_busy_cpus``,
+    ``loads_allow`` and ``load_vs_ceiling``."""
 
 
 def _layout(cfg: ConcurrencyConfig) -> KVLayout:
