@@ -11,6 +11,14 @@ and a Python loop's speed, written beside the ratios (JSON key ``"machine"``, on
 of the table), so that two machines' ratios can be compared: a ratio that falls on a
 machine whose Python loop is 3x slower points at per-chunk Python, one that falls with
 its raw read speed at the device.
+
+The CPU budget (issue 28): :func:`process_cpu`, :func:`thread_cpu` and
+:func:`tasks_cpu_seconds` (another process's threads) measure CPU time over a timed
+window, :func:`cpu_per_chunk` turns it into µs per chunk (user and system apart),
+:func:`hash_cpu_per_chunk` measures the checksum every load verifies,
+:func:`cpus_available` how many CPUs the process gets now, and :func:`cpu_ceiling` the
+ratio to raw reads that no verified load could pass with them (``kvlife bench
+concurrency``; ``kvlife bench server`` reports the per-chunk CPU of its disk loads).
 """
 
 from __future__ import annotations
