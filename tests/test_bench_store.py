@@ -29,6 +29,19 @@ def test_bench_concurrency_quick_writes_its_json(
         assert p["errors"] == [], p["errors"]
         assert p["load_gbps"] > 0 and p["raw_gbps_same_qd"] > 0 and p["lookups"] > 0
         assert {"load_vs_raw", "lookup_p50_us", "lookup_p99_us", "lookup_p99_vs_idle"} <= set(p)
+        cpu = p["cpu"]  # the CPU budget (issue 28)
+        for who in ("loads", "raw"):
+            for k in ("user_us_per_chunk", "system_us_per_chunk", "us_per_chunk", "busy_cpus"):
+                assert cpu[f"{who}_{k}"] >= 0, (who, k)
+            assert cpu[f"{who}_chunks"] > 0
+        assert cpu["loads_us_per_chunk"] > 0 and cpu["hash_us_per_chunk"] > 0
+        for k in ("ceiling", "ceiling_available", "loads_allow"):
+            assert 0 < cpu[k] <= 1, (k, cpu[k])
+        assert 0 <= cpu["ceiling_same_cpu"] <= 1
+        assert abs(cpu["load_vs_ceiling"] - p["load_vs_raw"] / cpu["ceiling"]) < 1e-9
+        assert cpu["cpus"] == doc["cpus"] >= 1
+    assert doc["cpus_available"] > 0 and doc["hash_us_per_chunk"] > 0
+    assert "CPU ceiling" in printed
     assert {1, 2} <= {p["queue_depth"] for p in doc["raw"]["points"]}
     audit = doc["audit"]
     assert audit["errors"] == [], audit["errors"]

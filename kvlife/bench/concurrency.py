@@ -19,6 +19,12 @@ own read rate (issue 18: an audit must run beside serving, never stall it).
 The machine's own figures (memcpy, raw O_DIRECT write and read, a Python loop's speed;
 :func:`kvlife.bench.limits.machine_figures`) go beside the ratios, under ``"machine"``.
 
+Each point also carries its CPU budget (``cpu``, issue 28): CPU per chunk of the loads
+and of raw reads at the same queue depth, user and system apart, the checksum's CPU per
+chunk, and the ceiling they imply: the ratio to raw that no verified load could pass on
+this machine's CPUs (:func:`kvlife.bench.limits.cpu_ceiling`), so that a miss can be
+told apart from a limit of the machine.
+
 Targets (issue 8): aggregate load >= 0.85x raw at the same queue depth; lookup P99 with
 I/O in flight <= 2x its idle P99. A benchmark, not a test: it prints a table and writes
 JSON; nothing here asserts speed.
@@ -33,13 +39,24 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from kvlife.bench.concurrency_raw import measure_raw_concurrency
-from kvlife.bench.limits import format_machine, machine_figures
+from kvlife.bench.concurrency_raw import RawReadPoint, measure_raw_concurrency
+from kvlife.bench.limits import (
+    CpuTimes,
+    cpu_ceiling,
+    cpu_per_chunk,
+    cpus_available,
+    format_machine,
+    hash_cpu_per_chunk,
+    machine_figures,
+    process_cpu,
+    thread_cpu,
+    usable_cpus,
+)
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
 from kvlife.report import format_table
 from kvlife.store import KVStore
@@ -88,6 +105,13 @@ class ConcurrencyPoint:
     raw_gbps_same_qd: float = float("nan")
     load_vs_raw: float = float("nan")
     lookup_p99_vs_idle: float = float("nan")
+    cpu: dict[str, float] = field(default_factory=dict)
+    """The CPU budget of the point (:func:`_cpu_budget`; README "Concurrency"):
+    ``loads_*`` and ``raw_*`` (``user_us_per_chunk``, ``system_us_per_chunk``,
+    ``us_per_chunk``, ``busy_cpus``, ``chunks``), ``others_s`` (the writer's and the
+    probe's own CPU seconds, left out of ``loads_*``), ``hash_us_per_chunk``, ``cpus``,
+    ``ceiling``, ``ceiling_same_cpu``, ``ceiling_available``, ``raw_busy_cpus``,
+    ``loads_allow`` and ``load_vs_ceiling``."""
 
 
 def _layout(cfg: ConcurrencyConfig) -> KVLayout:
@@ -154,6 +178,9 @@ def _run(cfg: ConcurrencyConfig, work: Path) -> dict[str, object]:
     raw = measure_raw_concurrency(
         work, file_bytes=cfg.raw_file_bytes, block_bytes=chunk, queue_depths=depths
     )
+    hash_s = hash_cpu_per_chunk(chunk, quick=cfg.quick)
+    cpus = usable_cpus()
+    available = cpus_available(0.05 if cfg.quick else 0.5)
     idle_p99 = _pct(idle, 99)
     audit.lookup_p99_vs_idle = audit.lookup_p99_us / idle_p99 if idle_p99 else float("nan")
     for p in points:
@@ -161,6 +188,7 @@ def _run(cfg: ConcurrencyConfig, work: Path) -> dict[str, object]:
         p.raw_gbps_same_qd = limit
         p.load_vs_raw = p.load_gbps / limit if limit else float("nan")
         p.lookup_p99_vs_idle = p.lookup_p99_us / idle_p99 if idle_p99 else float("nan")
+        p.cpu = _cpu_budget(p, raw.point(p.threads), hash_s, cpus, available)
     return {
         "benchmark": "concurrency",
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
@@ -172,7 +200,33 @@ def _run(cfg: ConcurrencyConfig, work: Path) -> dict[str, object]:
         "points": [asdict(p) for p in points],
         "audit": asdict(audit),
         "raw": raw.to_json(),
+        "cpus": cpus,
+        "cpus_available": available,
+        "hash_us_per_chunk": hash_s * 1e6,
     }
+
+
+def _cpu_budget(
+    p: ConcurrencyPoint, raw: RawReadPoint, hash_s: float, cpus: int, available: float
+) -> dict[str, float]:
+    """The point's CPU budget: CPU per chunk of the loads (every thread of the process
+    but the writer and the probe; ``loads_*``) and of raw reads at the same queue depth
+    (``raw_*``), the checksum's CPU per chunk, and the ceilings they imply
+    (:func:`~kvlife.bench.limits.cpu_ceiling`): ``ceiling`` is the ratio to raw that no
+    design of a verified load could pass on this machine's CPUs, ``loads_allow`` the
+    one kvlife's own measured CPU per chunk allows (the same formula with the loads'
+    CPU per chunk in place of raw + hash), ``load_vs_ceiling`` the measured ratio
+    against ``ceiling``."""
+    rawcpu = cpu_per_chunk(CpuTimes(raw.cpu_user_s, raw.cpu_system_s), raw.reads, raw.seconds)
+    ceiling = cpu_ceiling(rawcpu["us_per_chunk"], hash_s * 1e6, raw.iops, cpus, available)
+    loads_us = p.cpu["loads_us_per_chunk"]
+    allow = min(1.0, cpus / (loads_us * 1e-6 * raw.iops)) if loads_us > 0 and raw.iops else 1.0
+    return (
+        p.cpu
+        | {f"raw_{k}": v for k, v in rawcpu.items()}
+        | ceiling
+        | {"loads_allow": allow, "load_vs_ceiling": p.load_vs_raw / ceiling["ceiling"]}
+    )
 
 
 def _lookups(
@@ -282,6 +336,7 @@ def _point(
     stop = threading.Event()
     loaded = [0] * threads
     errors: list[BaseException] = []
+    others: list[CpuTimes] = []  # the writer's and the probe's own CPU time
     start = threading.Barrier(threads + 1 + int(cfg.writer))
 
     def reader(t: int) -> None:
@@ -305,12 +360,14 @@ def _point(
         n = 0
         try:
             start.wait()
+            cpu0 = thread_cpu()
             while not stop.is_set():
                 tokens, kv = _prompt(
                     10_000_000 + threads * 100_000 + n, layout, cfg.chunks_per_prompt
                 )
                 store.put_prompt(ident, PUBLIC, tokens, kv)
                 n += 1
+            others.append(thread_cpu() - cpu0)
         except BaseException as exc:
             errors.append(exc)
 
@@ -321,12 +378,17 @@ def _point(
         w.start()
     demotions0 = store.counters.demotions
     start.wait()
+    cpu0, probe0 = process_cpu(), thread_cpu()
     t0 = time.perf_counter()
     lat = _lookups(store, ident, probe_tokens, cfg.seconds, stop)
+    others.append(thread_cpu() - probe0)
     stop.set()
     for w in workers:
         w.join()
     wall = time.perf_counter() - t0
+    spent = process_cpu() - cpu0
+    other = sum(others, CpuTimes(0.0, 0.0))
+    cpu = cpu_per_chunk(spent - other, sum(loaded) // layout.chunk_nbytes, wall)
     return ConcurrencyPoint(
         threads=threads,
         seconds=wall,
@@ -336,6 +398,7 @@ def _point(
         lookup_p99_us=_pct(lat, 99),
         lookups=len(lat),
         errors=[repr(e) for e in errors],
+        cpu={f"loads_{k}": v for k, v in cpu.items()} | {"others_s": other.total},
     )
 
 
@@ -353,11 +416,20 @@ def format_report(result: dict[str, object]) -> str:
                 str(p["demotions"]),
                 f"{p['lookup_p50_us']:.0f} / {p['lookup_p99_us']:.0f}",
                 f"{p['lookup_p99_vs_idle']:.2f}",
+                _cpu_cell(p["cpu"], "loads"),
+                _cpu_cell(p["cpu"], "raw"),
+                f"{p['cpu'].get('ceiling', float('nan')):.2f}",
             ]
         )
     head = ["threads", "load GB/s", "raw GB/s (QD=T)", "ratio", "demotions",
-            "lookup P50/P99 µs", "P99 / idle"]  # fmt: skip
+            "lookup P50/P99 µs", "P99 / idle", "loads CPU µs/chunk (user+sys)",
+            "raw CPU µs/chunk", "CPU ceiling"]  # fmt: skip
     text = format_table(head, rows)
+    text += (
+        f"\nCPU ceiling: the ratio no verified load could pass on {result['cpus']} CPUs "
+        f"(raw read + xxh3-128 at {result['hash_us_per_chunk']:.0f} µs/chunk, all CPUs); "
+        f"CPUs available to this process now: {result['cpus_available']:.2f}"
+    )
     text += f"\nidle lookup P50/P99: {idle['p50_us']:.0f} / {idle['p99_us']:.0f} µs"
     text += f"; direct I/O: {result['direct_io']}; chunk bytes {result['chunk_bytes']}"
     machine = result.get("machine")
@@ -373,6 +445,15 @@ def format_report(result: dict[str, object]) -> str:
             f"{audit['load_gbps']:.2f} GB/s"
         )
     return text
+
+
+def _cpu_cell(cpu: dict[str, float], who: str) -> str:
+    if f"{who}_us_per_chunk" not in cpu:
+        return "-"
+    return (
+        f"{cpu[f'{who}_us_per_chunk']:.0f} ({cpu[f'{who}_user_us_per_chunk']:.0f}+"
+        f"{cpu[f'{who}_system_us_per_chunk']:.0f}), {cpu[f'{who}_busy_cpus']:.2f} CPUs"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvlife.bench.limits import process_cpu
 from kvlife.core.errors import InvalidArgument, StorePathError
 from kvlife.tiers.buffers import ALIGN, aligned_empty, prefault
 from kvlife.tiers.disk.fileio import probe_direct_io
@@ -56,6 +57,11 @@ class RawReadPoint:
     """Median time of one preadv, microseconds."""
     latency_p99_us: float
     """99th percentile time of one preadv, microseconds."""
+    cpu_user_s: float = 0.0
+    """CPU seconds of the whole process in user mode from the common start until the
+    last thread finished (the reads run alone in it: their cost, with the threads')."""
+    cpu_system_s: float = 0.0
+    """The same in the kernel (the system calls, O_DIRECT's page pinning and I/O)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,10 +225,12 @@ def _measure_point(
         for th in threads:
             th.start()
         start.wait()
+        cpu0 = process_cpu()
         t0 = time.perf_counter()
         for th in threads:
             th.join()
         seconds = time.perf_counter() - t0
+        cpu = process_cpu() - cpu0
     finally:
         os.close(fd)
     if errors:
@@ -242,4 +250,6 @@ def _measure_point(
         iops=reads / seconds,
         latency_p50_us=float(np.percentile(lat_us, 50)),
         latency_p99_us=float(np.percentile(lat_us, 99)),
+        cpu_user_s=cpu.user,
+        cpu_system_s=cpu.system,
     )

@@ -11,14 +11,25 @@ and a Python loop's speed, written beside the ratios (JSON key ``"machine"``, on
 of the table), so that two machines' ratios can be compared: a ratio that falls on a
 machine whose Python loop is 3x slower points at per-chunk Python, one that falls with
 its raw read speed at the device.
+
+The CPU budget (issue 28): :func:`process_cpu`, :func:`thread_cpu` and
+:func:`tasks_cpu_seconds` (another process's threads) measure CPU time over a timed
+window, :func:`cpu_per_chunk` turns it into µs per chunk (user and system apart),
+:func:`hash_cpu_per_chunk` measures the checksum every load verifies,
+:func:`cpus_available` how many CPUs the process gets now, and :func:`cpu_ceiling` the
+ratio to raw reads that no verified load could pass with them (``kvlife bench
+concurrency``; ``kvlife bench server`` reports the per-chunk CPU of its disk loads).
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -163,3 +174,173 @@ def format_machine(fig: Mapping[str, object]) -> str:
         f"({calls}), Python loop "
         f"{fig['python_loop_mips']:.1f} M iterations/s, {fig['cpu_count']} CPUs"
     )
+
+
+# ---------------------------------------------------------------------- CPU budget
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTimes:
+    """CPU seconds spent, user and system (kernel) separately (``getrusage``: the
+    kernel's precise runtime, split between user and system by its tick samples)."""
+
+    user: float
+    system: float
+
+    @property
+    def total(self) -> float:
+        return self.user + self.system
+
+    def __sub__(self, other: CpuTimes) -> CpuTimes:
+        return CpuTimes(self.user - other.user, self.system - other.system)
+
+    def __add__(self, other: CpuTimes) -> CpuTimes:
+        return CpuTimes(self.user + other.user, self.system + other.system)
+
+
+def process_cpu() -> CpuTimes:
+    """CPU time of this whole process so far (every thread)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return CpuTimes(r.ru_utime, r.ru_stime)
+
+
+def thread_cpu() -> CpuTimes:
+    """CPU time of the calling thread so far (Linux ``RUSAGE_THREAD``; elsewhere the
+    thread's total from ``time.thread_time``, counted as user time)."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    if who is None:
+        return CpuTimes(time.thread_time(), 0.0)
+    r = resource.getrusage(who)
+    return CpuTimes(r.ru_utime, r.ru_stime)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    if affinity is not None:
+        return len(affinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_per_chunk(spent: CpuTimes, chunks: int, wall: float) -> dict[str, float]:
+    """JSON figures of ``spent`` CPU over ``chunks`` chunks in ``wall`` seconds: µs of
+    user, system and both per chunk, and how many CPUs were busy on average."""
+    n = max(chunks, 1)
+    return {
+        "user_us_per_chunk": spent.user / n * 1e6,
+        "system_us_per_chunk": spent.system / n * 1e6,
+        "us_per_chunk": spent.total / n * 1e6,
+        "busy_cpus": spent.total / wall if wall > 0 else float("nan"),
+        "chunks": chunks,
+    }
+
+
+HASH_SAMPLE_BYTES = 64 << 20
+"""Bytes the checksum's CPU cost is measured over (more than a last-level cache, so each
+chunk is hashed from memory, as a chunk that a read just put there by DMA is)."""
+
+
+def hash_cpu_per_chunk(chunk_bytes: int, quick: bool = False, best_of: int = 3) -> float:
+    """CPU seconds of one xxh3-128 (the checksum every load verifies) of ``chunk_bytes``
+    in memory: the calling thread's CPU time over chunks that together exceed the
+    last-level cache, best of ``best_of``."""
+    import xxhash
+
+    from kvlife.tiers.buffers import aligned_empty
+
+    total = HASH_SAMPLE_BYTES // 8 if quick else HASH_SAMPLE_BYTES
+    count = max(2, total // max(chunk_bytes, 1))
+    bufs = [aligned_empty(chunk_bytes) for _ in range(count)]
+    for i, b in enumerate(bufs):
+        b.fill(i % 251 + 1)
+    best = float("inf")
+    for _ in range(best_of):
+        t0 = time.thread_time()
+        for b in bufs:
+            xxhash.xxh3_128_digest(b.data)
+        best = min(best, (time.thread_time() - t0) / count)
+    return best
+
+
+def cpu_ceiling(
+    raw_us_per_chunk: float,
+    hash_us_per_chunk: float,
+    raw_chunks_per_s: float,
+    cpus: int,
+    available: float | None = None,
+) -> dict[str, float]:
+    """The ratio to raw reads that no design of a verified load could pass on this
+    machine, from measured CPU per chunk.
+
+    A verified load costs at least what the raw read costs (``raw_us_per_chunk``: the
+    system call, the kernel's O_DIRECT work) plus the checksum of its bytes
+    (``hash_us_per_chunk``; the promise is that every byte is verified). With all
+    ``cpus`` CPUs doing nothing else, it completes at most cpus / (raw + hash) chunks a
+    second, and never more than the device gives raw reads (``raw_chunks_per_s``):
+
+    - ``ceiling`` = min(1, cpus / ((raw + hash) x raw chunks/s)): the bound;
+    - ``ceiling_same_cpu`` = raw / (raw + hash): the bound when the raw run was itself
+      CPU-bound (then no more CPU is to be had than it used), the tighter one then;
+    - ``raw_busy_cpus``: CPUs the raw run kept busy (raw x raw chunks/s): near ``cpus``
+      the raw run was CPU-bound and ``ceiling_same_cpu`` applies;
+    - ``ceiling_available``: the bound with the CPUs measured ``available`` to this
+      process in the run (:func:`cpus_available`) in place of ``cpus``: on a machine
+      shared with other jobs, what a design that needs no more than raw + hash per
+      chunk could reach that day.
+    """
+    need = (raw_us_per_chunk + hash_us_per_chunk) * 1e-6
+
+    def bound(c: float) -> float:
+        return min(1.0, c / (need * raw_chunks_per_s)) if need > 0 and raw_chunks_per_s else 1.0
+
+    same = raw_us_per_chunk / (raw_us_per_chunk + hash_us_per_chunk) if need > 0 else 1.0
+    extra = {} if available is None else {"ceiling_available": bound(available)}
+    return extra | {
+        "ceiling": bound(cpus),
+        "ceiling_same_cpu": same,
+        "raw_busy_cpus": raw_us_per_chunk * 1e-6 * raw_chunks_per_s,
+        "hash_us_per_chunk": hash_us_per_chunk,
+        "cpus": cpus,
+    }
+
+
+def cpus_available(seconds: float = 0.25) -> float:
+    """CPUs this process gets now when it asks for all of them: one thread per usable
+    CPU hashing memory (xxh3 releases the GIL) for ``seconds``, their CPU time over the
+    wall time. About the CPU count on a quiet machine; less where other processes
+    compete for the CPUs (a shared machine: the share a CPU-bound load would get)."""
+    import xxhash
+
+    buf = np.ones(1 << 20, np.uint8)
+    stop = time.perf_counter() + seconds
+
+    def spin() -> None:
+        while time.perf_counter() < stop:
+            xxhash.xxh3_128_digest(buf.data)
+
+    workers = [threading.Thread(target=spin) for _ in range(usable_cpus())]
+    cpu0 = process_cpu()
+    t0 = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return (process_cpu() - cpu0).total / (time.perf_counter() - t0)
+
+
+def tasks_cpu_seconds(pid: int) -> float:
+    """CPU seconds of every live thread of process ``pid`` (``/proc/PID/task/*/schedstat``:
+    the scheduler's nanosecond runtime, precise where ``/proc/PID/stat`` counts 10 ms
+    ticks); NaN where ``/proc`` cannot tell."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return float("nan")
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9

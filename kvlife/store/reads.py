@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -57,7 +57,6 @@ from kvlife.core.objects import (
     TierName,
 )
 from kvlife.results import ChunkHit, LoadResult, LookupResult
-from kvlife.store import args
 from kvlife.store.core import Bound, Serving, StoreCore
 from kvlife.store.executor import execute
 from kvlife.store.forms import DecodeRates, decode_replica, exactness_of
@@ -75,6 +74,10 @@ READY = ReplicaState.READY
 EVICTING = ReplicaState.EVICTING
 
 
+_UNWAITED = threading.Event()
+"""The ``done`` of every synchronous load's chunk: nobody waits on it."""
+
+
 @dataclass(slots=True)
 class _Item:
     rec: ObjectRecord
@@ -84,7 +87,10 @@ class _Item:
     result: Outcome | None = None
     """The read's outcome; ReplicaNotFound when the replica was deleted under the read,
     UnknownTransform when its frame names a transform this reader lacks."""
-    done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = _UNWAITED
+    """Set when the read finished: an Event of its own for an asynchronous load's chunk
+    (:class:`LoadHandle` waits on it), a shared one never waited on for a synchronous
+    load's (read in the caller's thread: one Event less to make per chunk)."""
     promotable: bool = False
     """Served from a tier after the first: its result may be promoted."""
     seal: bytes = b""
@@ -427,15 +433,16 @@ class Reader:
     # ------------------------------------------------------------------ load
 
     def _start(
-        self, lookup: LookupResult, outs: Sequence[np.ndarray] | None
+        self, lookup: LookupResult, outs: Sequence[np.ndarray] | None, waited: bool
     ) -> tuple[list[_Item], int]:
+        """Pin the replica of each hit; ``waited``: each chunk gets an Event of its own
+        (an asynchronous load's). ``outs`` were checked by the store's ``load`` or
+        ``load_async`` (:func:`kvlife.store.args.outs`), the only callers."""
         core = self.core
         core.check_open()
         hits = lookup.hits
-        if outs is not None:
-            if len(outs) != len(hits):
-                raise InvalidArgument(f"{len(outs)} output buffers for {len(hits)} hits")
-            args.check_outs(outs)
+        if outs is not None and len(outs) != len(hits):
+            raise InvalidArgument(f"{len(outs)} output buffers for {len(hits)} hits")
         items: list[_Item] = []
         with core.lock:
             doomed = core.reap_lost()
@@ -449,6 +456,8 @@ class Reader:
                     break
                 out = outs[i] if outs is not None else None
                 item = _Item(rec, tier, core.pin(rec, tier), out)
+                if waited:
+                    item.done = threading.Event()
                 item.promotable = tier != core.chain[0].name
                 items.append(item)
             core.delete_later(doomed)
@@ -458,7 +467,7 @@ class Reader:
         self, lookup: LookupResult, outs: Sequence[np.ndarray] | None, request_id: str
     ) -> LoadResult:
         """Read in the caller's thread, one batch per run of chunks in the same tier."""
-        items, vanished = self._start(lookup, outs)
+        items, vanished = self._start(lookup, outs, waited=False)
         verify = self.core.config.verify_dram_on_load
         try:
             i = 0
@@ -491,7 +500,7 @@ class Reader:
         if depth is not None and depth < 1:
             raise InvalidArgument(f"load depth must be >= 1, got {depth}")
         pool = self._io_pool()  # before pinning: a closing store refuses here
-        items, vanished = self._start(lookup, outs)
+        items, vanished = self._start(lookup, outs, waited=True)
         handle = LoadHandle(self, items, len(lookup.hits), vanished, request_id)
         feed = _Feed(pool, self.core, handle, items, depth is not None)
         for _ in range(len(items) if depth is None else min(depth, len(items))):

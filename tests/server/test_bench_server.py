@@ -80,6 +80,14 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     for key in ("load_dram", "load_disk"):
         for p in r[key]:
             assert p["shared_gbps"] > 0 and p["ratio_shared"] > 0
+    assert "CPU µs per chunk" in proc.stdout
+    for p in r["load_disk"]:  # the CPU each side spent per chunk (issue 28)
+        cpu = p["cpu"]
+        for phase in ("ordinary", "shared", "raw"):
+            assert cpu[f"client_{phase}_us_per_chunk"] >= 0
+            assert cpu[f"server_{phase}_us_per_chunk"] >= 0
+        assert cpu["server_ordinary_us_per_chunk"] > 0  # the server read and hashed
+        assert cpu["hash_us_per_chunk"] > 0
     for p in r["put_dram"]:  # the same puts into an in-process store, beside
         assert p["inproc_gbps"] > 0
         assert abs(p["ratio_inproc"] - p["inproc_gbps"] / p["memcpy_gbps"]) < 1e-9

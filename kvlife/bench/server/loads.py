@@ -10,7 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.bench.limits import memcpy, raw_read, raw_write
+from kvlife.bench.limits import (
+    hash_cpu_per_chunk,
+    memcpy,
+    process_cpu,
+    raw_read,
+    raw_write,
+    tasks_cpu_seconds,
+)
 from kvlife.bench.server.config import ServerBenchConfig
 from kvlife.bench.server.servers import BenchServer, direct_ok
 from kvlife.bench.server.workload import (
@@ -29,11 +36,17 @@ from kvlife.client import RemoteStore
 
 
 def bench_load(
-    cfg: ServerBenchConfig, remote: RemoteStore, size: int, seed: int, raw_dir: Path | None
+    cfg: ServerBenchConfig,
+    remote: RemoteStore,
+    size: int,
+    seed: int,
+    raw_dir: Path | None,
+    server_pid: int | None = None,
 ) -> dict[str, Any]:
     """Load ``chunks_per_call`` chunks into preallocated buffers; the limit is memcpy of
     the same bytes from warm memory (DRAM) or raw reads of a file of them (disk:
-    ``raw_dir`` given, the chunks flushed and evicted from DRAM first)."""
+    ``raw_dir`` given, the chunks flushed and evicted from DRAM first). With
+    ``server_pid``, the CPU per chunk each side spent (``cpu``: :func:`_cpu_budget`)."""
     layout = chunk_layout(size)
     ident = bench_identity(layout)
     n = cfg.chunks_per_call
@@ -63,18 +76,23 @@ def bench_load(
         for i in range(n)
     ]
     served_shared: list[float] = []
+    cpu = _CpuTally(server_pid)
     for rep in range(cfg.reps + 1):
+        cpu.start()
         t0 = time.perf_counter()
         res = remote.load(lk, outs)
         t = time.perf_counter() - t0
+        cpu.stop("ordinary", rep > 0)
         t0 = time.perf_counter()
         res_shared = remote.load(lk, shared)
         t_shared = time.perf_counter() - t0
+        cpu.stop("shared", rep > 0)
         for got, bufs in ((res, outs), (res_shared, shared)):
             same = rep > 0 or all(same_bits(o, c) for o, c in zip(bufs, chunks, strict=True))
             if got.loaded != n or not same:
                 raise RuntimeError(f"load served {got.loaded} of {n} chunks, or wrong bytes")
         t_lim = raw_read(raw_file, flat, direct) if raw_file is not None else memcpy(outs, chunks)
+        cpu.stop("raw", rep > 0)
         if rep:  # the first is a warm-up
             served.append(t)
             served_shared.append(t_shared)
@@ -87,7 +105,47 @@ def bench_load(
     out["server_p99_ms"] = pct(served, 99) * 1e3
     if raw_file is not None:
         out["direct_io"] = direct
+    if server_pid is not None:
+        chunks_timed = cfg.reps * n
+        out["cpu"] = cpu.per_chunk(chunks_timed) | {
+            "hash_us_per_chunk": hash_cpu_per_chunk(layout.chunk_nbytes, quick=cfg.quick) * 1e6
+        }
     return out
+
+
+class _CpuTally:
+    """CPU seconds of this (client) process and of the server's threads, per phase of a
+    load point: ``ordinary`` and ``shared`` loads, and the ``raw`` (or memcpy) limit,
+    which runs in this process alone (the server's CPU meanwhile is its idle cost)."""
+
+    def __init__(self, server_pid: int | None) -> None:
+        self.pid = server_pid
+        self.spent: dict[str, list[float]] = {}
+        self._mark = (0.0, 0.0)
+
+    def _now(self) -> tuple[float, float]:
+        server = tasks_cpu_seconds(self.pid) if self.pid is not None else 0.0
+        return process_cpu().total, server
+
+    def start(self) -> None:
+        self._mark = self._now()
+
+    def stop(self, phase: str, keep: bool) -> None:
+        now = self._now()
+        if keep:
+            got = self.spent.setdefault(phase, [0.0, 0.0])
+            got[0] += now[0] - self._mark[0]
+            got[1] += now[1] - self._mark[1]
+        self._mark = now
+
+    def per_chunk(self, chunks: int) -> dict[str, float]:
+        """µs per chunk of each phase, client and server (``client_<phase>_us_per_chunk``,
+        ``server_<phase>_us_per_chunk``)."""
+        out: dict[str, float] = {}
+        for phase, (client, server) in self.spent.items():
+            out[f"client_{phase}_us_per_chunk"] = client / max(chunks, 1) * 1e6
+            out[f"server_{phase}_us_per_chunk"] = server / max(chunks, 1) * 1e6
+        return out
 
 
 def bench_verified(

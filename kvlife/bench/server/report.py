@@ -115,6 +115,17 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"pinning: {where}")
     if "machine" in r:
         lines.append(format_machine(r["machine"]))
+    for p in r.get("load_disk", []):
+        c = p.get("cpu")
+        if c:
+            lines.append(
+                f"disk loads of {p['chunk_bytes'] >> 10} KiB, CPU µs per chunk: ordinary "
+                f"buffers client {c['client_ordinary_us_per_chunk']:.0f} + server "
+                f"{c['server_ordinary_us_per_chunk']:.0f}, shared buffers client "
+                f"{c['client_shared_us_per_chunk']:.0f} + server "
+                f"{c['server_shared_us_per_chunk']:.0f}; raw read "
+                f"{c['client_raw_us_per_chunk']:.0f}, xxh3-128 {c['hash_us_per_chunk']:.0f}"
+            )
     lines.append(_peer_report(r))
     return "\n".join(lines)
 

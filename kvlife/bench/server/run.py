@@ -90,7 +90,7 @@ def _points(
     servers.append(disk)
     remote = disk.client()
     result["load_disk"] = [
-        bench_load(cfg, remote, s, 30 + i, work) for i, s in enumerate(cfg.sizes)
+        bench_load(cfg, remote, s, 30 + i, work, disk.proc.pid) for i, s in enumerate(cfg.sizes)
     ]
     result["put_write_through"] = [
         bench_put(cfg, remote, s, 40 + i, work) for i, s in enumerate(cfg.sizes)

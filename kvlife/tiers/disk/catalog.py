@@ -49,7 +49,7 @@ import sqlite3
 import threading
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -58,7 +58,16 @@ import numpy as np
 import xxhash
 
 from kvlife.core.errors import KVLifeError, StorageFullError, StoreFormatError, StorePathError
-from kvlife.tiers.disk.frame import MAX_NDIM, TRANSFORM_BYTES, verify_frame
+from kvlife.tiers.disk.frame import (
+    HEADER_BYTES,
+    HEADER_USED,
+    MAX_NDIM,
+    TRANSFORM_BYTES,
+    FrameHeader,
+    pack_header,
+    parts_checksum,
+    verify_frame,
+)
 from kvlife.tiers.disk.superblock import Superblock
 
 CATALOG_VERSION = 4
@@ -147,6 +156,39 @@ class CatalogRow:
     """The store's representation record (transform descriptor); empty for exact."""
     born: bytes = b""
     """The store's record of the epoch the KV was created under; empty: unknown."""
+    _header: bytes = field(default=b"", init=False, compare=False, repr=False)
+    """The header bytes a frame of this row has (made on first use: :meth:`header`)."""
+
+    def header(self) -> bytes:
+        """The used bytes of the header a frame written for this row holds, byte for
+        byte: a read whose header equals them verified every field of it at the cost
+        of one comparison (:meth:`verify`)."""
+        if not self._header:
+            head = FrameHeader(
+                self.key, self.nbytes, self.checksum, self.dtype, self.shape, self.transform
+            )
+            buf = bytearray(HEADER_BYTES)
+            try:
+                pack_header(head, memoryview(buf))
+            except (ValueError, UnicodeEncodeError):
+                buf = bytearray()
+            del buf[HEADER_USED:]
+            # a row whose own header would not verify field by field (a name longer
+            # than its header field) gets one that no read matches: the slow check
+            # answers for it, as it always did
+            ok = buf and not verify_frame(bytes(buf), None, **self._expect())
+            self._header = bytes(buf) if ok else b"\0"
+        return self._header
+
+    def _expect(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "nbytes": self.nbytes,
+            "checksum": self.checksum,
+            "dtype": self.dtype,
+            "shape": self.shape,
+            "transform": self.transform,
+        }
 
     def fields(self) -> tuple[bytes, int, int, int, bytes, str, str, str, bytes, bytes, bytes]:
         """The persisted fields, in column order (the shape as its text)."""
@@ -166,17 +208,17 @@ class CatalogRow:
 
     def verify(self, header: memoryview | bytes, payload: list[np.ndarray] | None) -> str:
         """Empty string if a frame's header (and payload, when given) matches this row
-        in every field, else what differs."""
-        return verify_frame(
-            header,
-            payload,
-            key=self.key,
-            nbytes=self.nbytes,
-            checksum=self.checksum,
-            dtype=self.dtype,
-            shape=self.shape,
-            transform=self.transform,
-        )
+        in every field, else what differs.
+
+        The header is first compared with the one this row's frame was written with
+        (:meth:`header`): equal, every field and the header checksum are as the row
+        says, and only the payload is left to hash; different (a frame of another
+        format version, or damage), the field by field check says what differs."""
+        if header[:HEADER_USED] == self.header():
+            if payload is not None and parts_checksum(payload) != self.checksum:
+                return "payload checksum mismatch"
+            return ""
+        return verify_frame(header, payload, **self._expect())
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,14 +11,15 @@ were garbage collected, returned read-only.
 
 Reads neither wait for the writer's I/O nor for each other. The tier's ``io_depth`` is
 shared among concurrent callers: one caller alone gets ``io_depth - 1`` helper threads
-(from a pool of :data:`READ_HELPERS` shared by the tier), ``io_depth`` or more callers
-get none, so N callers keep max(N, io_depth) reads in flight without piling threads
-onto the CPUs.
+(from a pool of :data:`READ_HELPERS` shared by the tier), and every caller of two or
+more frames gets at least one (:data:`PIPELINE`), so that its checksum of one frame
+overlaps the read of the next: N callers keep max(2N, io_depth) reads in flight.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,7 +28,14 @@ import numpy as np
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaReadError
 from kvlife.core.identity import ChunkKey
 from kvlife.tiers.base import ReadResult, read_only
-from kvlife.tiers.buffers import RecyclingPool, StagingPool, aligned_empty, aligned_runs, round_up
+from kvlife.tiers.buffers import (
+    ALIGN,
+    RecyclingPool,
+    StagingPool,
+    aligned_empty,
+    aligned_runs,
+    round_up,
+)
 from kvlife.tiers.disk.catalog import CatalogRow
 from kvlife.tiers.disk.counters import DiskStats
 from kvlife.tiers.disk.fileio import FileIO
@@ -36,6 +44,35 @@ from kvlife.tiers.disk.segments import Segment, SegmentTable
 
 READ_HELPERS = 16
 """Threads shared by all readers of a tier to keep more than one read of a call in flight."""
+
+PIPELINE = 2
+"""Reads of one call in flight at least (when it has that many frames), however many
+callers share ``io_depth``: with one, a caller's checksum of frame i and its Python
+ran before the read of frame i + 1 was issued, so each caller left the device idle
+for that long per frame (issue 28)."""
+
+_local = threading.local()
+
+
+def _header_buffer() -> np.ndarray:
+    """This thread's aligned buffer for the header of the frame it reads (a thread reads
+    one frame at a time, and nothing keeps the header after the read's verification):
+    one allocation per thread, not one per read."""
+    hdr: np.ndarray | None = getattr(_local, "hdr", None)
+    if hdr is None:
+        hdr = _local.hdr = aligned_empty(HEADER_BYTES)
+    return hdr
+
+
+def _direct_runs(out: np.ndarray) -> list[np.ndarray] | None:
+    """``out``'s memory as the pieces a direct read lands in (:func:`aligned_runs`), the
+    common case first: a C-contiguous aligned buffer is one piece, found without
+    walking its axes."""
+    if out.flags.c_contiguous:
+        if out.nbytes % ALIGN or out.ctypes.data % ALIGN:
+            return None
+        return [out.reshape(-1).view(np.uint8)]
+    return aligned_runs(out)
 
 
 class Reader:
@@ -71,8 +108,8 @@ class Reader:
         segment is unlinked by compaction or its last delete only when its last reader
         leaves); the reads run without it, in the caller's thread plus helpers. The
         tier's ``io_depth`` is shared among concurrent callers (one alone gets
-        ``io_depth - 1`` helpers, ``io_depth`` or more callers get none), so N callers
-        keep max(N, io_depth) reads in flight without piling threads onto the CPUs.
+        ``io_depth - 1`` helpers, each of many at least one when it reads two frames or
+        more), so N callers keep max(2N, io_depth) reads in flight.
         """
         if outs is not None and len(outs) != len(keys):
             raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
@@ -81,7 +118,7 @@ class Reader:
             rows = [table.row(k) for k in keys]
             pinned = table.pin_rows(rows)
             self._callers += 1
-            share = max(1, self._io_depth // self._callers)
+            share = max(PIPELINE, self._io_depth // self._callers)
         got: list[int] = []
         try:
             plan = [
@@ -151,10 +188,9 @@ class Reader:
     ) -> ReadResult:
         """Read and verify one frame: straight into ``out`` when its memory is aligned,
         else into a staging buffer (then copied); without ``out`` into a recycled array."""
-        where = f"{self.name} seg-{row.seg:08d}@{row.off}"
         staged: np.ndarray | None = None
-        hdr = aligned_empty(HEADER_BYTES)
-        runs = aligned_runs(out) if out is not None else None
+        hdr = _header_buffer()
+        runs = _direct_runs(out) if out is not None else None
         if runs is not None:
             payload = runs
             bufs = [hdr, *runs]
@@ -171,14 +207,16 @@ class Reader:
             try:
                 n = self.io.preadv(seg.fd, bufs, row.off)
             except OSError as exc:
-                return ReplicaReadError(row.key.hex(), where, str(exc))
+                return ReplicaReadError(row.key.hex(), self._where(row), str(exc))
             need = HEADER_BYTES + row.nbytes
             if n < need:
-                return ChecksumMismatch(row.key.hex(), where, f"truncated: {n} of {need} bytes")
+                return ChecksumMismatch(
+                    row.key.hex(), self._where(row), f"truncated: {n} of {need} bytes"
+                )
             got.append(n)
             problem = row.verify(hdr.data, payload)
             if problem:
-                return ChecksumMismatch(row.key.hex(), where, problem)
+                return ChecksumMismatch(row.key.hex(), self._where(row), problem)
             if out is None:  # a new array: read-only from the start, for good
                 return read_only(payload[0]).view(np.dtype(row.dtype)).reshape(row.shape)
             if staged is not None:
@@ -187,6 +225,9 @@ class Reader:
         finally:
             if staged is not None:
                 self._staging.put(staged)
+
+    def _where(self, row: CatalogRow) -> str:
+        return f"{self.name} seg-{row.seg:08d}@{row.off}"
 
     def close(self) -> None:
         """Stop the helper threads (no read may be in flight after)."""
