@@ -89,7 +89,7 @@ def copy_sealed(raw: np.ndarray, arr: np.ndarray, block: int = SEAL_BLOCK) -> by
         return seal_of(raw)
     h = xxhash.xxh3_128()
     if arr.flags.c_contiguous:  # byte ranges: the fewest Python steps per block
-        src, out = memoryview(arr.reshape(-1).view(np.uint8)), memoryview(raw)
+        src, out = arr.reshape(-1).view(np.uint8).data, raw.data
         for i in range(0, arr.nbytes, block):
             piece = out[i : i + block]
             piece[:] = src[i : i + block]
@@ -97,7 +97,7 @@ def copy_sealed(raw: np.ndarray, arr: np.ndarray, block: int = SEAL_BLOCK) -> by
         return bytes(h.digest())
     for d, s in _blocks(dst, arr, block):
         np.copyto(d, s)
-        h.update(d)  # a run of whole leading rows of the contiguous copy: contiguous
+        h.update(d.data)  # a run of whole leading rows of the contiguous copy: contiguous
     return bytes(h.digest())
 
 
