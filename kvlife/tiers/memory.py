@@ -17,14 +17,21 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ChunkKey
-from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads, read_only, seal_of
+from kvlife.tiers.base import (
+    ReplicaMeta,
+    Reservation,
+    check_payloads,
+    read_only,
+    seal_of,
+    sealed_meta,
+)
 from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.held import HeldTier
 
@@ -160,7 +167,7 @@ class MemoryTier(HeldTier[_Held]):
                 frozen = read_only(raw)
                 held.append(
                     _Held(
-                        replace(meta, checksum=seal, links=(), verify_checksum=False),
+                        sealed_meta(meta, seal),
                         frozen.view(arr.dtype).reshape(arr.shape),
                         frozen,
                         raw,
@@ -186,7 +193,7 @@ class MemoryTier(HeldTier[_Held]):
                 seal = self._seal(meta, flat)
                 held.append(
                     _Held(
-                        replace(meta, checksum=seal, links=(), verify_checksum=False),
+                        sealed_meta(meta, seal),
                         flat.view(arr.dtype).reshape(arr.shape),
                         flat,
                         None,

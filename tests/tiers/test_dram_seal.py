@@ -1,15 +1,20 @@
-"""The DRAM tier's fused copy-and-seal (:func:`kvlife.tiers.memory.copy_sealed`): the
-copy holds the source's bytes and its seal is the one-shot xxh3-128 of them
-(:func:`~kvlife.tiers.base.seal_of`), whatever the shape, dtype, strides and block size
-(the seal becomes a disk frame's checksum unchanged, so it must be byte-identical)."""
+"""The DRAM tiers' seal. The memory tier's fused copy-and-seal
+(:func:`kvlife.tiers.memory.copy_sealed`): the copy holds the source's bytes and its
+seal is the one-shot xxh3-128 of them (:func:`~kvlife.tiers.base.seal_of`), whatever
+the shape, dtype, strides and block size (the seal becomes a disk frame's checksum
+unchanged, so it must be byte-identical). The meta a DRAM tier records with a seal
+(:func:`~kvlife.tiers.base.sealed_meta`) loses nothing else of the writer's."""
 
 from __future__ import annotations
+
+from dataclasses import fields, replace
 
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvlife.tiers.base import seal_of
+from kvlife.core.identity import ChunkKey
+from kvlife.tiers.base import ReplicaMeta, dtype_name, seal_of, sealed_meta
 from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.memory import SEAL_BLOCK, copy_sealed
 
@@ -55,3 +60,32 @@ def test_a_chunk_with_rows_larger_than_a_block_is_copied_and_sealed_whole() -> N
     raw = aligned_empty(chunk.nbytes)
     assert copy_sealed(raw, chunk) == seal_of(np.ascontiguousarray(chunk))
     assert np.array_equal(raw.view(np.uint16).reshape(chunk.shape), kv[:, :, :, 1024:])
+
+
+def test_a_sealed_meta_keeps_every_field_but_the_seal_links_and_verification() -> None:
+    """:func:`sealed_meta` builds the meta a DRAM tier records field by field (cheaper
+    than ``dataclasses.replace``): every field of ReplicaMeta, including any added
+    later, is carried over, except those it is meant to set."""
+    meta = ReplicaMeta(
+        ChunkKey(bytes(range(32))),
+        "float16",
+        (2, 3),
+        "fp8",
+        b"info",
+        b"c" * 16,
+        b"form",
+        True,
+        ((b"a" * 32, b"b" * 32),),
+        born=b"born",
+    )
+    got = sealed_meta(meta, b"s" * 16)
+    assert (got.checksum, got.links, got.verify_checksum) == (b"s" * 16, (), False)
+    for f in fields(ReplicaMeta):
+        if f.name not in {"checksum", "links", "verify_checksum"}:
+            assert getattr(got, f.name) == getattr(meta, f.name), f.name
+    assert got == replace(meta, checksum=b"s" * 16, links=(), verify_checksum=False)
+
+
+def test_dtype_name_is_numpys_name() -> None:
+    for dt in (np.float16, np.float32, np.uint8, np.int64, ">f4"):
+        assert dtype_name(np.dtype(dt)) == np.dtype(dt).name
