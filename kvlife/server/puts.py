@@ -26,7 +26,9 @@ Staged (``put`` and ``put_commit``, on extents staged for the session):
    ``put_written`` (no reply) says how many bytes the client wrote (its chunks in
    order): the new chunks' bytes are hashed then, while it copies the rest, and each
    chunk is sealed with that hash at commit.
-3. ``put_commit`` seals the extents of the new chunks and commits; their extents become
+3. ``put_commit`` hashes what no notice covered (the chunk the last notice stopped in
+   from where it stopped, not whole again), seals the extents of the new chunks and
+   commits; their extents become
    replicas. The extents of chunks the store held already go back to the staged pool
    with the replacements; the reply names them all.
 
@@ -59,6 +61,7 @@ from kvlife.server import protocol
 from kvlife.server.context import SessionContext
 from kvlife.server.limits import page_charge
 from kvlife.store.writes import PendingPut
+from kvlife.tiers.shm import Arena
 
 
 @dataclass(slots=True)
@@ -246,21 +249,7 @@ class Puts:
         upto = args["bytes"]
         if upto > size * len(views):
             raise ProtocolError(f"put_written of {upto} bytes, the put has {size * len(views)}")
-        pending, arena = staged.pending, self.ctx.arena
-        if not staged.new:
-            staged.new = {arena.offset_of(arr): rec.key for rec, arr in pending.items}
-        while staged.written < upto:
-            i, at = divmod(staged.written, size)
-            end = min(upto, (i + 1) * size) - i * size
-            key = staged.new.get(arena.offset_of(views[i]))
-            if key is not None:  # a new chunk (the store holds the others already)
-                if at == 0:
-                    staged.hashing = xxhash.xxh3_128()
-                flat = views[i].reshape(-1).view(np.uint8)
-                staged.hashing.update(flat[at:end].data)
-                if end == size:
-                    pending.seals[key] = bytes(staged.hashing.digest())
-            staged.written = i * size + end
+        _hash_written(staged, upto, self.ctx.arena)
 
     def put_commit(self, args: dict[str, Any]) -> object:
         staged, error = self.deferred, self.deferred_error
@@ -269,6 +258,9 @@ class Puts:
             raise error
         if staged is None:
             raise ProtocolError(f"session {self.ctx.sid} has no deferred put to commit")
+        # the rest of the chunk the notices stopped in is hashed from where they stopped
+        # (the tier would hash that chunk whole again), the chunks after it whole
+        _hash_written(staged, sum(v.nbytes for v in staged.views), self.ctx.arena)
         return self._finish_staged(staged)
 
     def _stage(self, layout: KVLayout, count: int) -> list[list[int]]:
@@ -387,6 +379,28 @@ class Puts:
         short = len(staged.ids) - len(kept) - len(staged.refill)  # the arena was full
         out["staged"] = kept + staged.refill + self._stage(staged.layout, max(0, short))
         return out
+
+
+def _hash_written(staged: _Staged, upto: int, arena: Arena) -> None:
+    """Hash the new chunks' bytes of ``staged`` from where its hashing stopped up to
+    byte ``upto`` of its chunks in order (``upto`` checked by the caller); a chunk
+    hashed to its end is sealed with that hash at commit."""
+    views, pending = staged.views, staged.pending
+    size = views[0].nbytes if views else 0
+    if not staged.new:
+        staged.new = {arena.offset_of(arr): rec.key for rec, arr in pending.items}
+    while staged.written < upto:
+        i, at = divmod(staged.written, size)
+        end = min(upto, (i + 1) * size) - i * size
+        key = staged.new.get(arena.offset_of(views[i]))
+        if key is not None:  # a new chunk (the store holds the others already)
+            if at == 0:
+                staged.hashing = xxhash.xxh3_128()
+            flat = views[i].reshape(-1).view(np.uint8)
+            staged.hashing.update(flat[at:end].data)
+            if end == size:
+                pending.seals[key] = bytes(staged.hashing.digest())
+        staged.written = i * size + end
 
 
 def prepare_piece(

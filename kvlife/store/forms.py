@@ -27,7 +27,7 @@ import numpy as np
 
 from kvlife.core.errors import CorruptFrame, InvalidArgument, KVLifeError
 from kvlife.core.objects import EXACT, ObjectRecord, Replica, Representation, TierName
-from kvlife.tiers.base import ReplicaMeta
+from kvlife.tiers.base import ReplicaMeta, dtype_name
 from kvlife.transforms.base import (
     EncodedPayload,
     Exactness,
@@ -83,7 +83,7 @@ def meta_for(
     tier makes durable with it."""
     return ReplicaMeta(
         rec.key,
-        array.dtype.name,
+        dtype_name(array.dtype),
         array.shape,
         form.name,
         rec.info.encode(),

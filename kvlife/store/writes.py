@@ -36,6 +36,7 @@ from kvlife.store.core import StoreCore
 from kvlife.store.executor import execute
 from kvlife.store.invalidation import covered_at_birth, raced_a_rule, record_sources
 from kvlife.store.shared import creation_stamp, stamp_moved
+from kvlife.tiers.base import dtype_name
 
 INDEXED = ObjectState.INDEXED
 TENTATIVE = ObjectState.TENTATIVE
@@ -90,7 +91,7 @@ class Writer:
         keys = prompt.keys()
         layout = prompt.identity.layout
         chunks = split_chunks(kv, layout, len(keys), len(prompt.tokens))
-        dtype = numpy_dtype(layout.dtype)
+        dtype = dtype_name(numpy_dtype(layout.dtype))
         n = layout.tokens_per_chunk
         born = creation_stamp(core)  # before the lock: the first one may read the index
         with core.lock:
@@ -110,7 +111,7 @@ class Writer:
                         prompt.identity, prompt.namespace, prev, prompt.start + i * n, deps[i]
                     )
                     rec = ObjectRecord(
-                        key, info, dtype.name, layout.chunk_shape, layout.chunk_nbytes, born=born
+                        key, info, dtype, layout.chunk_shape, layout.chunk_nbytes, born=born
                     )
                     core.ledger.move(rec, Move.PUT, nbytes=rec.nbytes, request_id=request_id)
                     core.index.add(rec)

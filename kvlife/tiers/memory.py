@@ -16,15 +16,22 @@ Reads into a caller's buffer are one copy. No pickling.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ChunkKey
-from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads, read_only, seal_of
+from kvlife.tiers.base import (
+    ReplicaMeta,
+    Reservation,
+    check_payloads,
+    read_only,
+    seal_of,
+    sealed_meta,
+)
 from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.held import HeldTier
 
@@ -78,21 +85,54 @@ class _BufferPool:
                 self.nbytes -= size
 
 
-def copy_sealed(raw: np.ndarray, arr: np.ndarray) -> bytes:
-    """Copy ``arr`` into the aligned bytes ``raw`` and return the xxh3-128 of the copy,
-    hashing each block right after copying it (the bytes are hashed from cache, not
-    read back from memory)."""
+def copy_sealed(raw: np.ndarray, arr: np.ndarray, block: int = SEAL_BLOCK) -> bytes:
+    """Copy ``arr`` into the aligned bytes ``raw`` and return the xxh3-128 of the copy
+    (:func:`~kvlife.tiers.base.seal_of` of ``raw``, the same digest), hashing each block
+    of at most ``block`` bytes right after copying it, so that the hash reads it from
+    cache, not back from memory."""
     dst = raw.view(arr.dtype).reshape(arr.shape)
-    if arr.ndim == 0 or arr.shape[0] <= 1 or arr.nbytes <= SEAL_BLOCK:
+    if arr.nbytes <= block:
         np.copyto(dst, arr)
         return seal_of(raw)
-    row = arr.nbytes // arr.shape[0]
-    step = max(1, SEAL_BLOCK // row)
     h = xxhash.xxh3_128()
-    for i in range(0, arr.shape[0], step):
-        np.copyto(dst[i : i + step], arr[i : i + step])
-        h.update(raw[i * row : (i + step) * row].data)
+    if arr.flags.c_contiguous:  # byte ranges: the fewest Python steps per block
+        src, out = arr.reshape(-1).view(np.uint8).data, raw.data
+        for i in range(0, arr.nbytes, block):
+            piece = out[i : i + block]
+            piece[:] = src[i : i + block]
+            h.update(piece)
+        return bytes(h.digest())
+    for d, s in _blocks(dst, arr, block):
+        np.copyto(d, s)
+        h.update(d.data)  # a run of whole leading rows of the contiguous copy: contiguous
     return bytes(h.digest())
+
+
+def _blocks(
+    dst: np.ndarray, src: np.ndarray, block: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``dst`` (C-contiguous) and ``src`` (same shape, any strides) as pairs of blocks
+    that cover them in C order, each at most ``block`` bytes where the strides
+    allow: runs of rows of the leading axes merged (a chunk cut from a KV tensor,
+    ``kv[:, :, :, t0:t1]``, merges them; a row of 2 MiB hashed whole would no longer
+    be in cache, issue 28), else each index of the first axis in turn."""
+    if src.nbytes <= block or src.ndim <= 1:
+        yield dst, src
+        return
+    inner, k = src.itemsize, src.ndim  # the bytes of one row of the last ndim - k axes
+    while k > 1 and inner * src.shape[k - 1] <= block:
+        k -= 1
+        inner *= src.shape[k]
+    try:
+        rows = src.reshape((-1, *src.shape[k:]), copy=False)
+    except ValueError:  # the leading axes do not merge without a copy
+        for i in range(src.shape[0]):
+            yield from _blocks(dst[i], src[i], block)
+        return
+    into = dst.reshape(rows.shape)
+    step = max(1, block // inner)
+    for i in range(0, rows.shape[0], step):
+        yield into[i : i + step], rows[i : i + step]
 
 
 class MemoryTier(HeldTier[_Held]):
@@ -127,7 +167,7 @@ class MemoryTier(HeldTier[_Held]):
                 frozen = read_only(raw)
                 held.append(
                     _Held(
-                        replace(meta, checksum=seal, links=(), verify_checksum=False),
+                        sealed_meta(meta, seal),
                         frozen.view(arr.dtype).reshape(arr.shape),
                         frozen,
                         raw,
@@ -153,7 +193,7 @@ class MemoryTier(HeldTier[_Held]):
                 seal = self._seal(meta, flat)
                 held.append(
                     _Held(
-                        replace(meta, checksum=seal, links=(), verify_checksum=False),
+                        sealed_meta(meta, seal),
                         flat.view(arr.dtype).reshape(arr.shape),
                         flat,
                         None,

@@ -42,7 +42,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +50,7 @@ import numpy.typing as npt
 
 from kvlife.core.errors import InvalidArgument, NotPermitted, StorageFullError
 from kvlife.core.identity import ChunkKey
-from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads, read_only
+from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads, read_only, sealed_meta
 from kvlife.tiers.buffers import ALIGN, advise_huge, round_up
 from kvlife.tiers.held import HeldTier
 
@@ -480,7 +480,7 @@ class ShmTier(HeldTier[_Held]):
         for meta, arr, seal, arena in zip(reservation.metas, arrays, seals, homes, strict=True):
             off = arena.offset_of(arr)
             assert off is not None  # _into_arena: every replica is an extent
-            sealed = replace(meta, checksum=seal, links=(), verify_checksum=False)
+            sealed = sealed_meta(meta, seal)
             held.append(_Held(sealed, read_only(arr), (off, arena.generation(off)), arena))
         self._install(reservation, held)
 

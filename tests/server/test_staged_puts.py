@@ -278,3 +278,73 @@ def test_a_chunk_written_again_after_put_written_is_caught_by_its_seal(
     report = remote.check()
     assert not report.clean
     assert len(report.problems) == 1 and "after it was sealed" in report.problems[0]
+
+
+def test_the_commit_hashes_a_chunk_the_notices_stopped_in_from_where_they_stopped(
+    remote: RemoteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last notice of a put falls inside its last chunk (here: after its first row).
+    The ``put_commit`` hashes that chunk from there on (issue 28: not the whole chunk
+    again), so its seal covers the first row as the notice found it: a client that
+    writes that row again before the commit is caught by the audit, as one that writes
+    a chunk it said was written."""
+    import kvlife.client.puts as client_puts
+
+    monkeypatch.setattr(remote._puts, "notice_bytes", 1)
+    monkeypatch.setattr(client_puts, "NOTICES_PER_PUT", 1 << 30)  # a notice per row
+    ident = tiny_identity()
+    remote.put_prompt(ident, PUBLIC, *prompt_kv(80, 3 * N))  # stages 3 extents
+    assert remote.check().clean
+    wire = remote._wire
+    extents: list[np.ndarray] = []
+    view = wire.view
+
+    def spy_view(*args: Any) -> np.ndarray:
+        extents.append(view(*args))
+        return extents[-1]
+
+    real = np.copyto
+    rows = TINY.chunk_shape[0]
+    last_rows: list[int] = []
+
+    class Numpy:
+        """numpy for client/puts.py, whose copyto of the last chunk's last row first
+        rewrites that chunk's first row, once the server has taken its notice (a request
+        with a reply on the same connection: the server answers in order)."""
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(np, name)
+
+        @staticmethod
+        def copyto(dst: np.ndarray, src: np.ndarray) -> None:
+            if len(extents) == 3:
+                last_rows.append(1)
+                if len(last_rows) == rows:  # the last row: the ones before were noticed
+                    conn = wire.conn
+                    assert conn is not None
+                    wire.roundtrip(conn, "state", {})
+                    real(extents[2][0], extents[2][0] + 1)  # row 0 again, after its notice
+            real(dst, src)
+
+    pack = protocol.pack
+    told: list[int] = []
+
+    def spy(msg: object) -> bytes:
+        if isinstance(msg, list) and msg[1] == "put_written":
+            told.append(msg[2]["bytes"])
+        return pack(msg)
+
+    monkeypatch.setattr(wire, "view", spy_view)
+    monkeypatch.setattr(client_puts, "np", Numpy())
+    monkeypatch.setattr(protocol, "pack", spy)
+    tokens, kv = prompt_kv(81, 3 * N)
+    res = remote.put_prompt(ident, PUBLIC, tokens, kv)
+    monkeypatch.setattr(protocol, "pack", pack)
+    monkeypatch.setattr(client_puts, "np", np)
+    monkeypatch.setattr(wire, "view", view)
+    assert res.stored == 3 and len(extents) == 3 and len(last_rows) == rows, "the staged path"
+    size = TINY.chunk_nbytes
+    assert 2 * size < told[-1] < 3 * size, "the last notice inside the last chunk"
+    report = remote.check()
+    assert not report.clean
+    assert len(report.problems) == 1 and "after it was sealed" in report.problems[0]
