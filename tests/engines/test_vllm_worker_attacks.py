@@ -407,6 +407,7 @@ def test_a_store_that_raises_a_non_kvlife_error_is_load_errors(
         return handle
 
     monkeypatch.setattr(store, "load_async", load_async)
+    store.evict("dram", 1 << 30)  # b was promoted by its load: from disk again
     caches = _caches(layers, stacked=True)
     w2 = WorkerSide(store, ident, block_size=BS)
     w2.register(_names(layers), caches, "halves")
@@ -437,9 +438,7 @@ def test_a_load_spec_with_too_few_blocks_is_a_typed_error_and_load_errors(
     w = WorkerSide(store, ident, block_size=BS)
     w.register(_names(layers), caches, "halves")
     b_blocks = [3, 8, 13, BLOCKS - 1]
-    plan = StepPlan(
-        loads=[short, LoadSpec("b", tb, b_blocks, 0, 2 * CHUNK, PUBLIC, None)], step=1
-    )
+    plan = StepPlan(loads=[short, LoadSpec("b", tb, b_blocks, 0, 2 * CHUNK, PUBLIC, None)], step=1)
     with caplog.at_level("WARNING", logger="kvlife.vllm"):
         w.start(plan)
         _forward(w, layers)
