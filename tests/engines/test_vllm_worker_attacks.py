@@ -403,7 +403,7 @@ def test_a_store_that_raises_a_non_kvlife_error_is_load_errors(
                 raise RuntimeError("read bug")
             return real_chunk(i, timeout)
 
-        handle.chunk = chunk
+        monkeypatch.setattr(handle, "chunk", chunk)  # the store's own handle, failing
         return handle
 
     monkeypatch.setattr(store, "load_async", load_async)

@@ -51,4 +51,5 @@ class LayerFault:
         if self.fired or phase != self.phase or layer != self.layer:
             return
         self.fired = True
-        raise InjectedForwardError(f"kvlife test hook: forward failed at {phase} of layer {layer}")
+        where = "the loader's copy" if phase == "copy" else "forward"
+        raise InjectedForwardError(f"kvlife test hook: {where} failed at {phase} of layer {layer}")

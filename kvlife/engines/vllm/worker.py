@@ -14,6 +14,16 @@ the chunks that arrived by then are written, the rest are abandoned (never writt
 or not) and recomputed, counted (``loads_timed_out``). Each load's time is reported to
 the scheduler (``StepReport.loads``), whose cost model learns the tiers' speed from it.
 
+A load never fails the engine's step. Whatever raises on its way (a spec that does not
+fit its tokens, refused where it is received: ``LoadSpec.check``; the store's lookup or
+read, a kvlife error or not; the copy into the paged cache; the re-check after it), the
+chunks not written whole into every layer, the one whose copy began and failed included,
+are load errors: reported, recomputed by vLLM (which overwrites those blocks), counted
+by reason (``load_failures``) and logged once; the step goes on. ``submit`` (vLLM's
+``wait_for_save``) waits for the step's copy before it returns, so no write of a step
+lands in blocks vLLM has taken back; after a forward that raised, the copy writes no
+further chunk.
+
 A DRAM hit is read as the replica itself (no copy before the one into the paged cache),
 in ``start``'s own thread: handing each chunk to the store's I/O pool would cost a
 thread hand-off per chunk, each waiting for a core on a busy host. Its copy into the
@@ -86,6 +96,7 @@ LOAD_FAILURES = {
     "read": "the read raised part-way (the server dropped, an I/O error, a bug)",
     "copy": "the copy into the paged cache raised",
     "verify": "the re-check of a memory replica after its copy raised",
+    "loader": "the loader raised outside its reads and copies (a bug): none of it is kept",
     "step_failed": "the forward raised before the copy ended: the rest was not written",
 }
 """Reasons of ``WorkerCounters.load_failures``."""
@@ -369,11 +380,12 @@ class WorkerSide:
                 # the blocks it names from its first token on, else its last one (a block
                 # vLLM's prefix cache holds: recomputed from there, more than needed)
                 bad = spec.block_ids[first : spec.end_token // self.block_size]
-                if not (bad or spec.block_ids[-1:]):
+                bad = bad or spec.block_ids[-1:]
+                if not bad:
                     raise
                 self.counters.loads += 1
                 self._load_failed("spec", spec.req_id, exc)
-                self._fail_blocks(spec.req_id, set(bad or spec.block_ids[-1:]))
+                self._fail_blocks(spec.req_id, set(bad))
                 continue
             good.append(spec)
         return good
@@ -513,9 +525,8 @@ class WorkerSide:
                     c = job.first_chunk + i
                     lo = max(spec.first_token, c * self.tpc)
                     hi = (c + 1) * self.tpc
-                    blocks = spec.block_ids[lo // bs : hi // bs]
                     pieces.append(_Piece(job, c, arr, (lo - c * self.tpc) // bs, hi - lo))
-                    block_ids += blocks
+                    block_ids += spec.block_ids[lo // bs : hi // bs]
             done = self._copy(pieces, block_ids, events, stop)
             # the chunks not written whole into every layer (the one whose copy began and
             # failed included) are load errors: recomputed by vLLM, which overwrites them
@@ -531,7 +542,7 @@ class WorkerSide:
                 self._verify_copied([(job, written.get(id(job), 0)) for job in jobs])
             tm.load_s += time.perf_counter() - t0
         except Exception as exc:  # a bug outside the copy: nothing of the step is trusted
-            self._load_failed("copy", ", ".join(j.spec.req_id for j in jobs), exc)
+            self._load_failed("loader", ", ".join(j.spec.req_id for j in jobs), exc)
             for job in jobs:
                 self._fail(job.spec, job.first_chunk)
         finally:
@@ -668,8 +679,8 @@ class WorkerSide:
         blocks are vLLM's again (reused, or recomputed after a failure), and a copy still
         writing into them would corrupt them; its load errors are then complete for
         ``get_block_ids_with_load_errors``. After a forward that raised (``failed``) the
-        loader writes no more chunks (their blocks are load errors) and only its copy in
-        progress is waited for, with the chunks still being read."""
+        loader writes no further chunk (their blocks are load errors): the wait is for
+        the copy in progress, or the read the loader is waiting on."""
         loader, self._loader = self._loader, None
         if loader is None:
             return
@@ -720,8 +731,9 @@ class WorkerSide:
     def submit(self, plan: StepPlan) -> None:
         """End of the step (vLLM's ``wait_for_save``, also after a forward that raised):
         carry out the verdicts on earlier steps, stage this step's complete saves and
-        report the step. Waits for the step's copy into the paged cache first (a forward
-        that raised does not wait for it to end: its blocks would be vLLM's again)."""
+        report the step. First waits for the step's copy into the paged cache (once this
+        returns vLLM reuses the step's blocks); after a forward that raised, the copy
+        writes no further chunk."""
         # an exception propagating through vLLM's finally: the forward did not complete
         raising = sys.exc_info()[0] is not None
         self._join_loads(failed=raising)
