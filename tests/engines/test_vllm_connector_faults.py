@@ -165,6 +165,27 @@ def test_a_load_spec_with_too_few_blocks_is_recomputed_not_fatal(store: KVStore)
     assert _check(store, [P, Q]) > 0
 
 
+def test_a_save_spec_with_too_few_blocks_is_refused_not_fatal(store: KVStore) -> None:
+    """The first step with saves reaches the workers with each save naming one block
+    fewer than its tokens need: each worker refuses it where it receives it (counted,
+    ``saves_refused``; before, the stager's shape error was raised into the engine at
+    the next step's verdict), the step's saves are kept nowhere, and the chunks are
+    planned and stored again, whole, in a later step."""
+    cut: list[int] = []
+
+    def drop_a_block(plan: Any) -> None:
+        if plan.saves and not cut:
+            cut.append(plan.step)
+            plan.saves[:] = [replace(s, block_ids=s.block_ids[:-1]) for s in plan.saves]
+
+    engine = MiniEngine(store, [store, store], before_start=drop_a_block)
+    assert engine.serve(P, 4) == reference_outputs(P, 4)
+    assert cut
+    assert all(w.counters.saves_refused >= 1 for w in engine.workers)
+    assert all(w.counters.put_errors == 0 for w in engine.workers)
+    assert _check(store, [P]) == 2 * 4
+
+
 @pytest.mark.parametrize("when", ["before the workers' lookups", "after the loads started"])
 def test_the_server_killed_during_a_load_leaves_nothing_wrong(tmp_path: Path, when: str) -> None:
     """The scheduler found the prefix; then the server is SIGKILLed, either before the

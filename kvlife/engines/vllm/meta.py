@@ -91,6 +91,26 @@ class SaveSpec:
     namespace: Namespace
     adapter: AdapterSpec | None
 
+    def check(self, block_size: int, tokens_per_chunk: int) -> None:
+        """Raise :class:`InvalidArgument` naming the request when this spec cannot be
+        saved as it says: a chunk range that is empty or reversed, fewer token ids or
+        block ids than ``[0, end_chunk * tokens_per_chunk)`` needs (checked where a
+        worker receives the spec: a refused save, never a shape error in the stager)."""
+        end = self.end_chunk * tokens_per_chunk
+        need = end // block_size
+        if not 0 <= self.first_chunk < self.end_chunk:
+            why = f"saves chunks [{self.first_chunk}, {self.end_chunk})"
+        elif len(self.tokens) < end:
+            why = f"has {len(self.tokens)} token ids for {end} tokens"
+        elif len(self.block_ids) < need:
+            why = (
+                f"has {end} tokens and {len(self.block_ids)} block ids; saving them "
+                f"from {block_size}-token blocks needs {need}"
+            )
+        else:
+            return
+        raise InvalidArgument(f"save spec of request {self.req_id!r} {why}")
+
 
 @dataclass(frozen=True, slots=True)
 class SaveVerdict:

@@ -162,6 +162,9 @@ class WorkerCounters:
     saves_incomplete: int = 0
     """Saves not staged because the forward did not complete: a layer of a chunk was
     not gathered, or an exception was propagating."""
+    saves_refused: int = 0
+    """Saves not staged because their spec did not fit its tokens (``SaveSpec.check``:
+    too few block ids, say); logged, and failed on every rank through the report."""
     saves_committed: int = 0
     """Staged saves committed on the scheduler's verdict."""
     saves_aborted: int = 0
@@ -256,6 +259,8 @@ class _SaveStep:
     starts: list[int]
     block_ids: np.ndarray
     rows: np.ndarray
+    refused: set[int] = field(default_factory=set)
+    """Indices of specs that do not fit their tokens (``SaveSpec.check``): no rows."""
     gathered: set[int] = field(default_factory=set)
     """Layer indices copied into ``rows`` this step."""
 
@@ -719,14 +724,24 @@ class WorkerSide:
         lay = self.identity.layout
         starts = [0]
         ids: list[int] = []
-        for spec in plan.saves:
+        refused: set[int] = set()
+        for i, spec in enumerate(plan.saves):
+            try:
+                spec.check(self.block_size, self.tpc)
+            except InvalidArgument as exc:  # gathers nothing; failed at submit
+                log.warning("kvlife save refused (not stored): %s", exc)
+                refused.add(i)
+                starts.append(len(ids))
+                continue
             lo = spec.first_chunk * self.tpc // self.block_size
             hi = spec.end_chunk * self.tpc // self.block_size
             ids += spec.block_ids[lo:hi]
             starts.append(len(ids))
         row = self.layers[0].row_shape if self.layers else (0, 2, self.block_size, 0)
         rows = np.empty((lay.num_layers, len(ids), *row), numpy_dtype(lay.dtype))
-        return _SaveStep(plan.step, list(plan.saves), starts, np.asarray(ids, np.int64), rows)
+        return _SaveStep(
+            plan.step, list(plan.saves), starts, np.asarray(ids, np.int64), rows, refused
+        )
 
     def submit(self, plan: StepPlan) -> None:
         """End of the step (vLLM's ``wait_for_save``, also after a forward that raised):
@@ -765,6 +780,10 @@ class WorkerSide:
                 self.counters.saves_skipped += 1
                 failed.add(spec.req_id)
                 continue
+            if saving is not None and i in saving.refused:
+                self.counters.saves_refused += 1
+                failed.add(spec.req_id)
+                continue
             if raising or saving is None or saving.gathered != complete:
                 self.counters.saves_incomplete += 1
                 failed.add(spec.req_id)
@@ -779,12 +798,12 @@ class WorkerSide:
         lay = self.identity.layout
         k = self.tpc // self.block_size
         n = spec.end_chunk - spec.first_chunk
-        chunks = np.empty((n, *lay.chunk_shape), numpy_dtype(lay.dtype))
-        for c in range(n):
-            rows_to_chunk(rows[:, c * k : (c + 1) * k], chunks[c])
         identity = with_adapter(self.identity, spec.adapter)
         start = spec.first_chunk * self.tpc
         try:
+            chunks = np.empty((n, *lay.chunk_shape), numpy_dtype(lay.dtype))
+            for c in range(n):
+                rows_to_chunk(rows[:, c * k : (c + 1) * k], chunks[c])
             # the chunk before is named by its tokens, not by a key computed here: the
             # store derives the key in the namespace it writes (under kvlife serve
             # --tenants a keyed one, which only the server can compute)
@@ -797,9 +816,14 @@ class WorkerSide:
                 prefix_tokens=spec.tokens[:start],
                 request_id=spec.req_id,
             )
-        except KVLifeError as exc:
+        except Exception as exc:  # any error: counted, a future miss, never the engine's
             self._put_error()
-            log.warning("kvlife put of %s failed (not stored): %s", spec.req_id, exc)
+            log.warning(
+                "kvlife put of %s failed (not stored): %s",
+                spec.req_id,
+                exc,
+                exc_info=not isinstance(exc, KVLifeError),
+            )
             return None
         with self._lock:
             self.counters.saves += 1
