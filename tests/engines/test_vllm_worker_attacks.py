@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
@@ -351,6 +353,84 @@ def test_a_copy_that_raises_is_load_errors_and_the_step_goes_on(
     assert w.load_errors() == set()
     _assert_loaded(caches, kv, blocks)
     w.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layers=st.integers(1, 7),
+    groups=st.integers(1, 6),
+    chunks=st.integers(1, 3),
+    first_block=st.integers(0, 1),
+    stacked=st.booleans(),
+    fail_at=st.integers(1, 24),
+)
+def test_wherever_a_copy_raises_no_block_reported_loaded_is_partial(
+    tmp_path_factory: pytest.TempPathFactory,
+    layers: int,
+    groups: int,
+    chunks: int,
+    first_block: int,
+    stacked: bool,
+    fail_at: int,
+) -> None:
+    """Whatever the layer and group counts, the chunks of the step, the blocks vLLM's
+    own cache holds and the copy (of either path) that raises: the reported blocks are
+    a suffix of the load from a chunk boundary, every block not reported holds its
+    chunk's bytes in every layer, and the failure is counted once (or no copy raised,
+    nothing is reported and all is loaded)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(worker_mod, "LOAD_GROUPS", groups)
+        store = KVStore.open(
+            tmp_path_factory.mktemp("s") / "store", dram_bytes=16 << 20, disk_bytes=16 << 20
+        )
+        try:
+            ident = _identity(layers)
+            tokens, kv = _prompt(store, ident, 7 * layers + chunks, chunks)
+            caches = _caches(layers, stacked=stacked)
+            w = WorkerSide(store, ident, block_size=BS)
+            w.register(_names(layers), caches, "halves")
+            calls = [0]
+            real_rows = PagedLayer.write_rows
+
+            def count() -> None:
+                calls[0] += 1
+                if calls[0] == fail_at:
+                    raise RuntimeError("copy failed")
+
+            def write_chunk(stack: np.ndarray, ids: Any, chunk: Any, skip: int) -> None:
+                count()
+                real_write_chunk(stack, ids, chunk, skip)
+
+            def write_rows(self: Any, ids: Any, rows: Any) -> None:
+                count()
+                real_rows(self, ids, rows)
+
+            mp.setattr(worker_mod, "write_chunk", write_chunk)
+            mp.setattr(PagedLayer, "write_rows", write_rows)
+            per = CHUNK // BS
+            blocks = [(5 * j + 3) % BLOCKS for j in range(chunks * per)]
+            spec = LoadSpec("r", tokens, blocks, first_block * BS, chunks * CHUNK, PUBLIC, None)
+            w.start(StepPlan(loads=[spec], step=1))
+            _forward(w, layers)
+            bad = w.load_errors()
+            loaded = blocks[first_block:]
+            if bad:
+                assert w.counters.load_failures == {"copy": 1}
+                cut = blocks.index(min(bad, key=blocks.index))
+                assert cut % per == 0 or cut == first_block  # a chunk's first written block
+                assert bad == set(blocks[cut:])
+                loaded = blocks[first_block:cut]
+            else:
+                assert w.counters.load_failures == {}
+            for layer, cache in enumerate(caches):
+                for b in loaded:
+                    j = blocks.index(b)
+                    want = kv[layer, :, :, j * BS : (j + 1) * BS]
+                    assert np.array_equal(_block(cache, b), want), (layer, j)
+            assert w.counters.tokens_loaded == len(loaded) * BS
+            w.close()
+        finally:
+            store.close()
 
 
 def test_a_store_that_raises_a_non_kvlife_error_is_load_errors(
