@@ -315,6 +315,8 @@ class WorkerSide:
         self._loader: Future[None] | None = None
         self._stop = threading.Event()
         """Set when the step's forward failed: the loader writes no more chunks."""
+        self._traced: set[str] = set()
+        """Load failure reasons whose traceback was logged (once each)."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlife-vllm-load")
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="kvlife-vllm-stage")
         """Lays gathered saves out as chunks and stages them (``prepare_put``), off the
@@ -425,17 +427,18 @@ class WorkerSide:
     def _load_failed(self, reason: str, what: str, exc: BaseException | str) -> None:
         """Count (``load_failures[reason]``) and log, once, a load that failed by an
         error rather than a miss; its unwritten chunks are reported by the caller."""
+        # a kvlife error is a failure the store expects (the server dropped, an I/O
+        # error); anything else is a bug somewhere, whose traceback is worth logging,
+        # once per reason (a bug that fails every step would repeat it every step)
+        bug = isinstance(exc, BaseException) and not isinstance(exc, KVLifeError)
         with self._lock:  # counted from the loader thread too
             n = self.counters.load_failures
             n[reason] = n.get(reason, 0) + 1
-        # a kvlife error is a failure the store expects (the server dropped, an I/O
-        # error); anything else is a bug somewhere, whose traceback is worth the line
+            trace = bug and reason not in self._traced
+            if trace:
+                self._traced.add(reason)
         log.warning(
-            "kvlife load of %s failed (%s), recomputed: %s",
-            what,
-            reason,
-            exc,
-            exc_info=isinstance(exc, BaseException) and not isinstance(exc, KVLifeError),
+            "kvlife load of %s failed (%s), recomputed: %s", what, reason, exc, exc_info=trace
         )
 
     def _fail(self, spec: LoadSpec, from_chunk: int) -> None:
