@@ -433,12 +433,24 @@ def test_wherever_a_copy_raises_no_block_reported_loaded_is_partial(
             store.close()
 
 
+@pytest.fixture
+def unpromoted(tmp_path: Path) -> Iterator[KVStore]:
+    """A store that does not promote a chunk read from disk: each load of it reads it
+    from disk again (with the store's I/O pool)."""
+    s = KVStore.open(
+        tmp_path / "unpromoted", dram_bytes=64 << 20, disk_bytes=64 << 20, promote_on_hit=False
+    )
+    yield s
+    s.close()
+
+
 def test_a_store_that_raises_a_non_kvlife_error_is_load_errors(
-    store: KVStore, monkeypatch: pytest.MonkeyPatch
+    unpromoted: KVStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Whatever the store raises (here a bug's ``RuntimeError``, not a kvlife error),
     in the worker's lookup or in a read part-way, the affected chunks are load errors,
     counted by reason; the other request of the step loads whole."""
+    store = unpromoted
     layers = 3
     ident = _identity(layers)
     ta, _ = _prompt(store, ident, 40, 2)
@@ -487,7 +499,6 @@ def test_a_store_that_raises_a_non_kvlife_error_is_load_errors(
         return handle
 
     monkeypatch.setattr(store, "load_async", load_async)
-    store.evict("dram", 1 << 30)  # b was promoted by its load: from disk again
     caches = _caches(layers, stacked=True)
     w2 = WorkerSide(store, ident, block_size=BS)
     w2.register(_names(layers), caches, "halves")
