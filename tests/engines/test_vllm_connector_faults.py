@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,10 @@ import pytest
 
 from kvlife.core.errors import KVLifeError
 from kvlife.core.identity import PUBLIC, prompt_chunk_keys
+from kvlife.engines.vllm.paged import PagedLayer
 from kvlife.store import KVStore
 from tests.engines.vllm_fakes import (
+    BLOCK,
     CHUNK,
     LAYERS,
     EngineDied,
@@ -110,6 +113,77 @@ def test_one_ranks_failed_load_aborts_every_ranks_saves_of_the_step(store: KVSto
     again = MiniEngine(store, [store, store])
     assert again.serve(Q, 4) == reference_outputs(Q, 4)
     assert again.scheduler.counters.hit_tokens == 5 * CHUNK
+
+
+def test_a_copy_that_raises_in_one_ranks_loader_is_recomputed_not_fatal(
+    store: KVStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's copy of the shared prefix into its paged cache raises at layer 1 (a bug
+    in the scatter), after layer 0 was written: the step goes on, every loaded block of
+    rank 0 is a load error (none was written whole), vLLM recomputes them, the outputs
+    are those without kvlife, and no save of that step is kept on either rank."""
+    MiniEngine(store, [store, store]).serve(P, 2)
+    engine = MiniEngine(store, [store, store])
+    target = engine.workers[0].layers[1]
+    real = PagedLayer.write_rows
+    fired: list[int] = []
+
+    def write_rows(self: PagedLayer, ids: Any, rows: Any) -> None:
+        if self is target and not fired:
+            fired.append(len(ids))
+            raise RuntimeError("scatter bug")
+        real(self, ids, rows)
+
+    monkeypatch.setattr(PagedLayer, "write_rows", write_rows)
+    assert engine.serve(Q, 4) == reference_outputs(Q, 4)
+    assert fired == [3 * CHUNK // BLOCK]
+    assert engine.workers[0].counters.load_failures == {"copy": 1}
+    assert engine.workers[0].counters.blocks_failed == 3 * CHUNK // BLOCK
+    assert engine.workers[0].counters.saves_skipped >= 1
+    assert engine.workers[1].counters.saves_aborted >= 1  # poisoned through the all-reduce
+    assert _check(store, [P, Q]) > 0
+    again = MiniEngine(store, [store, store])
+    assert again.serve(Q, 4) == reference_outputs(Q, 4)
+    assert again.scheduler.counters.hit_tokens == 5 * CHUNK
+
+
+def test_a_load_spec_with_too_few_blocks_is_recomputed_not_fatal(store: KVStore) -> None:
+    """The step's plan reaches the workers with a load naming one block fewer than its
+    tokens need (a scheduler bug, a plan mangled in transit): each worker refuses it
+    where it receives it (counted, ``spec``), reports its blocks as load errors, and the
+    engine recomputes them: outputs unchanged, nothing wrong stored."""
+    MiniEngine(store, [store, store]).serve(P, 2)
+
+    def drop_a_block(plan: Any) -> None:
+        plan.loads[:] = [replace(s, block_ids=s.block_ids[:-1]) for s in plan.loads]
+
+    engine = MiniEngine(store, [store, store], before_start=drop_a_block)
+    assert engine.serve(Q, 4) == reference_outputs(Q, 4)
+    for w in engine.workers:
+        assert w.counters.load_failures == {"spec": 1}
+        assert w.counters.tokens_loaded == 0
+    assert _check(store, [P, Q]) > 0
+
+
+def test_a_save_spec_with_too_few_blocks_is_refused_not_fatal(store: KVStore) -> None:
+    """The first step with saves reaches the workers with each save naming one block
+    fewer than its tokens need: each worker refuses it where it receives it (counted,
+    ``saves_refused``; before, the stager's shape error was raised into the engine at
+    the next step's verdict), the step's saves are kept nowhere, and the chunks are
+    planned and stored again, whole, in a later step."""
+    cut: list[int] = []
+
+    def drop_a_block(plan: Any) -> None:
+        if plan.saves and not cut:
+            cut.append(plan.step)
+            plan.saves[:] = [replace(s, block_ids=s.block_ids[:-1]) for s in plan.saves]
+
+    engine = MiniEngine(store, [store, store], before_start=drop_a_block)
+    assert engine.serve(P, 4) == reference_outputs(P, 4)
+    assert cut
+    assert all(w.counters.saves_refused >= 1 for w in engine.workers)
+    assert all(w.counters.put_errors == 0 for w in engine.workers)
+    assert _check(store, [P]) == 2 * 4
 
 
 @pytest.mark.parametrize("when", ["before the workers' lookups", "after the loads started"])

@@ -16,11 +16,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
 import torch
 
+from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import PUBLIC, ModelIdentity, prompt_chunk_keys
 from kvlife.engines.vllm import worker as worker_mod
 from kvlife.engines.vllm.identity import identity_for
@@ -284,36 +287,310 @@ def test_held_two_requests_interleaved_one_failing_part_way(store: KVStore) -> N
     w.close()
 
 
-def test_held_a_copy_that_raises_releases_the_forward_and_fails_the_step(
-    store: KVStore, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize(
+    ("fail_at", "loaded"),
+    [(1, 0), (3, 0), (5, 0), (6, 1)],
+    ids=["first-copy", "second-group", "last-group", "last-copy"],
+)
+def test_a_copy_that_raises_is_load_errors_and_the_step_goes_on(
+    store: KVStore,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    stacked: bool,
+    fail_at: int,
+    loaded: int,
 ) -> None:
-    """A copy raising half-way (the second of three groups of layers) never leaves the
-    forward waiting: every later layer is released and the step raises the error at the
-    last layer's wait (vLLM's step fails; nothing it computed is kept or saved)."""
+    """A copy into the paged cache raising (a bug in the scatter) at copy ``fail_at`` of
+    the step (three groups of layers, two chunks a group; the per-layer path: a layer
+    per copy) never fails the step: every later layer is released, the forward runs to
+    its end, and every chunk not written whole into every layer (the one whose copy
+    began and failed included) is a load error, counted with its reason and logged
+    once; only the chunks written whole (``loaded``, in the stacked path) are not."""
     monkeypatch.setattr(worker_mod, "LOAD_GROUPS", 3)
     layers = 6
     ident = _identity(layers)
-    tokens, _ = _prompt(store, ident, 20, 2)
-    caches = _caches(layers, stacked=True)
+    tokens, kv = _prompt(store, ident, 20, 2)
+    caches = _caches(layers, stacked=stacked)
     w = WorkerSide(store, ident, block_size=BS)
     w.register(_names(layers), caches, "halves")
-    real = real_write_chunk
     calls = [0]
 
-    def write_chunk(stack: np.ndarray, ids: Any, chunk: Any, skip: int) -> None:
+    def count() -> None:
         calls[0] += 1
-        if calls[0] == 3:  # two chunks a group: the first copy of the second group
+        if calls[0] == fail_at:
             raise RuntimeError("copy failed")
-        real(stack, ids, chunk, skip)
+
+    def write_chunk(stack: np.ndarray, ids: Any, chunk: Any, skip: int) -> None:
+        count()
+        real_write_chunk(stack, ids, chunk, skip)
+
+    real_rows = PagedLayer.write_rows
+
+    def write_rows(self: Any, ids: Any, rows: Any) -> None:
+        count()
+        real_rows(self, ids, rows)
 
     monkeypatch.setattr(worker_mod, "write_chunk", write_chunk)
+    monkeypatch.setattr(PagedLayer, "write_rows", write_rows)
     blocks = [4, 9, 1, BLOCKS - 1]
     w.start(StepPlan(loads=[LoadSpec("r", tokens, blocks, 0, 2 * CHUNK, PUBLIC, None)], step=1))
     reached: list[int] = []
-    with pytest.raises(RuntimeError, match="copy failed"):
-        _forward(w, layers, reached.append)
-    assert reached == list(range(layers - 1))  # released, and raised at the last wait
+    with caplog.at_level("WARNING", logger="kvlife.vllm"):
+        _forward(w, layers, reached.append)  # no exception: the step goes on
+    assert reached == list(range(layers))
+    good = 2 * loaded if stacked else 0
+    assert w.load_errors() == set(blocks[good:])
+    _assert_loaded(caches, kv, blocks[:good])
+    assert w.counters.load_failures == {"copy": 1}
+    assert w.counters.blocks_failed == len(blocks) - good
+    assert w.counters.tokens_loaded == good * BS
+    logged = [r for r in caplog.records if "copy failed" in r.getMessage()]
+    assert len(logged) == 1 and "r" in logged[0].getMessage()
+    # the next step's loads run as usual
+    w.start(StepPlan(loads=[LoadSpec("r", tokens, blocks, 0, 2 * CHUNK, PUBLIC, None)], step=2))
+    _forward(w, layers)
+    assert w.load_errors() == set()
+    _assert_loaded(caches, kv, blocks)
     w.close()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layers=st.integers(1, 7),
+    groups=st.integers(1, 6),
+    chunks=st.integers(1, 3),
+    first_block=st.integers(0, 1),
+    stacked=st.booleans(),
+    fail_at=st.integers(1, 24),
+)
+def test_wherever_a_copy_raises_no_block_reported_loaded_is_partial(
+    tmp_path_factory: pytest.TempPathFactory,
+    layers: int,
+    groups: int,
+    chunks: int,
+    first_block: int,
+    stacked: bool,
+    fail_at: int,
+) -> None:
+    """Whatever the layer and group counts, the chunks of the step, the blocks vLLM's
+    own cache holds and the copy (of either path) that raises: the reported blocks are
+    a suffix of the load from a chunk boundary, every block not reported holds its
+    chunk's bytes in every layer, and the failure is counted once (or no copy raised,
+    nothing is reported and all is loaded)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(worker_mod, "LOAD_GROUPS", groups)
+        store = KVStore.open(
+            tmp_path_factory.mktemp("s") / "store", dram_bytes=16 << 20, disk_bytes=16 << 20
+        )
+        try:
+            ident = _identity(layers)
+            tokens, kv = _prompt(store, ident, 7 * layers + chunks, chunks)
+            caches = _caches(layers, stacked=stacked)
+            w = WorkerSide(store, ident, block_size=BS)
+            w.register(_names(layers), caches, "halves")
+            calls = [0]
+            real_rows = PagedLayer.write_rows
+
+            def count() -> None:
+                calls[0] += 1
+                if calls[0] == fail_at:
+                    raise RuntimeError("copy failed")
+
+            def write_chunk(stack: np.ndarray, ids: Any, chunk: Any, skip: int) -> None:
+                count()
+                real_write_chunk(stack, ids, chunk, skip)
+
+            def write_rows(self: Any, ids: Any, rows: Any) -> None:
+                count()
+                real_rows(self, ids, rows)
+
+            mp.setattr(worker_mod, "write_chunk", write_chunk)
+            mp.setattr(PagedLayer, "write_rows", write_rows)
+            per = CHUNK // BS
+            blocks = [(5 * j + 3) % BLOCKS for j in range(chunks * per)]
+            spec = LoadSpec("r", tokens, blocks, first_block * BS, chunks * CHUNK, PUBLIC, None)
+            w.start(StepPlan(loads=[spec], step=1))
+            _forward(w, layers)
+            bad = w.load_errors()
+            loaded = blocks[first_block:]
+            if bad:
+                assert w.counters.load_failures == {"copy": 1}
+                cut = blocks.index(min(bad, key=blocks.index))
+                assert cut % per == 0 or cut == first_block  # a chunk's first written block
+                assert bad == set(blocks[cut:])
+                loaded = blocks[first_block:cut]
+            else:
+                assert w.counters.load_failures == {}
+            for layer, cache in enumerate(caches):
+                for b in loaded:
+                    j = blocks.index(b)
+                    want = kv[layer, :, :, j * BS : (j + 1) * BS]
+                    assert np.array_equal(_block(cache, b), want), (layer, j)
+            assert w.counters.tokens_loaded == len(loaded) * BS
+            w.close()
+        finally:
+            store.close()
+
+
+@pytest.fixture
+def unpromoted(tmp_path: Path) -> Iterator[KVStore]:
+    """A store that does not promote a chunk read from disk: each load of it reads it
+    from disk again (with the store's I/O pool)."""
+    s = KVStore.open(
+        tmp_path / "unpromoted", dram_bytes=64 << 20, disk_bytes=64 << 20, promote_on_hit=False
+    )
+    yield s
+    s.close()
+
+
+def test_a_store_that_raises_a_non_kvlife_error_is_load_errors(
+    unpromoted: KVStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the store raises (here a bug's ``RuntimeError``, not a kvlife error),
+    in the worker's lookup or in a read part-way, the affected chunks are load errors,
+    counted by reason; the other request of the step loads whole."""
+    store = unpromoted
+    layers = 3
+    ident = _identity(layers)
+    ta, _ = _prompt(store, ident, 40, 2)
+    tb, kvb = _prompt(store, ident, 41, 2)
+    store.flush()
+    store.evict("dram", 1 << 30)  # read with load_async: a handle the loader waits on
+    caches = _caches(layers, stacked=True)
+    w = WorkerSide(store, ident, block_size=BS)
+    w.register(_names(layers), caches, "halves")
+    real_lookup = store.lookup
+
+    def lookup(identity: Any, namespace: Any, tokens: Any, **kw: Any) -> Any:
+        if list(tokens) == ta:
+            raise RuntimeError("lookup bug")
+        return real_lookup(identity, namespace, tokens, **kw)
+
+    monkeypatch.setattr(store, "lookup", lookup)
+    a_blocks, b_blocks = [0, 5, 10, 15], [1, 6, 11, BLOCKS - 1]
+    plan = StepPlan(
+        loads=[
+            LoadSpec("a", ta, a_blocks, 0, 2 * CHUNK, PUBLIC, None),
+            LoadSpec("b", tb, b_blocks, 0, 2 * CHUNK, PUBLIC, None),
+        ],
+        step=1,
+    )
+    w.start(plan)
+    _forward(w, layers)
+    assert w.load_errors() == set(a_blocks)
+    assert _untouched(caches, a_blocks)
+    _assert_loaded(caches, kvb, b_blocks)
+    assert w.counters.load_failures == {"lookup": 1}
+    monkeypatch.undo()
+
+    real_load = store.load_async
+
+    def load_async(hit: Any, *a: Any, **kw: Any) -> Any:
+        handle = real_load(hit, *a, **kw)
+        real_chunk = handle.chunk
+
+        def chunk(i: int, timeout: float | None = None) -> Any:
+            if i == 1:
+                raise RuntimeError("read bug")
+            return real_chunk(i, timeout)
+
+        monkeypatch.setattr(handle, "chunk", chunk)  # the store's own handle, failing
+        return handle
+
+    monkeypatch.setattr(store, "load_async", load_async)
+    caches = _caches(layers, stacked=True)
+    w2 = WorkerSide(store, ident, block_size=BS)
+    w2.register(_names(layers), caches, "halves")
+    w2.start(StepPlan(loads=[LoadSpec("b", tb, b_blocks, 0, 2 * CHUNK, PUBLIC, None)], step=1))
+    _forward(w2, layers)
+    assert w2.load_errors() == set(b_blocks[2:])
+    _assert_loaded(caches, kvb, b_blocks[:2])
+    assert _untouched(caches, b_blocks[2:])
+    assert w2.counters.load_failures == {"read": 1}
+    w2.close()
+    w.close()
+
+
+def test_a_load_spec_with_too_few_blocks_is_a_typed_error_and_load_errors(
+    store: KVStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A LoadSpec naming fewer blocks than its tokens need is refused where the worker
+    receives it (an InvalidArgument naming the request, the tokens and the block
+    count), not by a shape error deep in the copy: the blocks it does name from its
+    first token on are load errors (vLLM recomputes from there), nothing is written,
+    and the step's other load lands whole."""
+    layers = 3
+    ident = _identity(layers)
+    ta, _ = _prompt(store, ident, 50, 2)
+    tb, kvb = _prompt(store, ident, 51, 2)
+    short = LoadSpec("short-req", ta, [2, 7, 12], BS, 2 * CHUNK, PUBLIC, None)
+    caches = _caches(layers, stacked=True)
+    w = WorkerSide(store, ident, block_size=BS)
+    w.register(_names(layers), caches, "halves")
+    b_blocks = [3, 8, 13, BLOCKS - 1]
+    plan = StepPlan(loads=[short, LoadSpec("b", tb, b_blocks, 0, 2 * CHUNK, PUBLIC, None)], step=1)
+    with caplog.at_level("WARNING", logger="kvlife.vllm"):
+        w.start(plan)
+        _forward(w, layers)
+    assert w.load_errors() == {7, 12}
+    assert _untouched(caches, [2, 7, 12])
+    _assert_loaded(caches, kvb, b_blocks)
+    assert w.counters.load_failures == {"spec": 1}
+    assert any("short-req" in r.getMessage() for r in caplog.records)
+    # its saves in the step are not staged either: what it computed attended to garbage
+    assert "short-req" in w._failed
+    w.close()
+    with pytest.raises(InvalidArgument, match=r"short-req.*16 tokens.*3 block ids.*needs 4"):
+        short.check(BS, CHUNK)
+
+
+def test_a_load_spec_naming_no_block_of_its_load_fails_the_step(store: KVStore) -> None:
+    """A spec whose block ids stop before its first token to load names no block vLLM
+    could be told to recompute: reporting nothing would let vLLM use unwritten blocks
+    as computed, so the step fails with the typed error instead."""
+    layers = 3
+    ident = _identity(layers)
+    tokens, _ = _prompt(store, ident, 52, 2)
+    w = WorkerSide(store, ident, block_size=BS)
+    w.register(_names(layers), _caches(layers, stacked=True), "halves")
+    with pytest.raises(InvalidArgument, match="no-blocks"):
+        w.start(
+            StepPlan(loads=[LoadSpec("no-blocks", tokens, [], 0, 2 * CHUNK, PUBLIC, None)], step=1)
+        )
+    w.close()
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_a_failed_step_returns_from_wait_for_save_only_after_its_copy(
+    store: KVStore, stacked: bool
+) -> None:
+    """The forward raises before the load finished (an out-of-memory at layer 0): vLLM
+    calls ``wait_for_save`` in its ``finally``, then reuses the step's blocks. No write
+    of the step's loads may land in the paged cache after ``wait_for_save`` returned."""
+    layers = 3
+    ident = _identity(layers)
+    tokens, _ = _prompt(store, ident, 60, 2)
+    caches = _caches(layers, stacked=stacked)
+    w = WorkerSide(store, ident, block_size=BS)
+    w.register(_names(layers), caches, "halves")
+    gate = threading.Event()
+    w._pool.submit(gate.wait, WAIT_S)  # the loader queues behind this
+    blocks = [6, 2, 19, 1]
+    plan = StepPlan(loads=[LoadSpec("r", tokens, blocks, 0, 2 * CHUNK, PUBLIC, None)], step=1)
+    w.start(plan)
+    timer = threading.Timer(0.3, gate.set)  # the loader runs while wait_for_save waits
+    timer.start()
+    try:
+        raise MemoryError("out of memory at layer 0")
+    except MemoryError:
+        w.submit(plan)  # vLLM's finally: an exception is propagating
+    after = [c.clone() for c in caches]
+    timer.join()
+    w.close()  # every thread of the worker done
+    assert all(torch.equal(a, c) for a, c in zip(after, caches, strict=True)), (
+        "the failed step's copy wrote into the paged cache after wait_for_save returned"
+    )
 
 
 def test_a_dram_replica_changed_after_the_workers_read_is_not_served(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import Namespace
 from kvlife.engines.identity import AdapterSpec
 
@@ -38,6 +39,31 @@ class LoadSpec:
     """Seconds after the worker starts the step's loads by which the chunks must have
     arrived (the planner's predicted load time with slack, or ``kvlife.load_timeout_ms``);
     those that have not are abandoned and recomputed by vLLM. None: wait."""
+
+    def check(self, block_size: int, tokens_per_chunk: int) -> None:
+        """Raise :class:`InvalidArgument` naming the request when this spec cannot be
+        loaded as it says: a first token not on a block boundary or past the end, an
+        end not on a chunk boundary, fewer token ids or block ids than ``[0,
+        end_token)`` needs. Checked where a worker receives the spec, so a bad one is a
+        refused load (its blocks recomputed), never a shape error deep in the copy."""
+        need = -(-self.end_token // block_size)
+        if not 0 <= self.first_token <= self.end_token:
+            why = f"loads tokens [{self.first_token}, {self.end_token})"
+        elif self.first_token % block_size or self.end_token % tokens_per_chunk:
+            why = (
+                f"loads tokens [{self.first_token}, {self.end_token}), not from a "
+                f"{block_size}-token block to a {tokens_per_chunk}-token chunk boundary"
+            )
+        elif len(self.tokens) < self.end_token:
+            why = f"has {len(self.tokens)} token ids for {self.end_token} tokens"
+        elif len(self.block_ids) < need:
+            why = (
+                f"has {self.end_token} tokens and {len(self.block_ids)} block ids; "
+                f"loading them in {block_size}-token blocks needs {need}"
+            )
+        else:
+            return
+        raise InvalidArgument(f"load spec of request {self.req_id!r} {why}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +90,26 @@ class SaveSpec:
     end_chunk: int
     namespace: Namespace
     adapter: AdapterSpec | None
+
+    def check(self, block_size: int, tokens_per_chunk: int) -> None:
+        """Raise :class:`InvalidArgument` naming the request when this spec cannot be
+        saved as it says: a chunk range that is empty or reversed, fewer token ids or
+        block ids than ``[0, end_chunk * tokens_per_chunk)`` needs (checked where a
+        worker receives the spec: a refused save, never a shape error in the stager)."""
+        end = self.end_chunk * tokens_per_chunk
+        need = end // block_size
+        if not 0 <= self.first_chunk < self.end_chunk:
+            why = f"saves chunks [{self.first_chunk}, {self.end_chunk})"
+        elif len(self.tokens) < end:
+            why = f"has {len(self.tokens)} token ids for {end} tokens"
+        elif len(self.block_ids) < need:
+            why = (
+                f"has {end} tokens and {len(self.block_ids)} block ids; saving them "
+                f"from {block_size}-token blocks needs {need}"
+            )
+        else:
+            return
+        raise InvalidArgument(f"save spec of request {self.req_id!r} {why}")
 
 
 @dataclass(frozen=True, slots=True)

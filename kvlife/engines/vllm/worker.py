@@ -14,6 +14,16 @@ the chunks that arrived by then are written, the rest are abandoned (never writt
 or not) and recomputed, counted (``loads_timed_out``). Each load's time is reported to
 the scheduler (``StepReport.loads``), whose cost model learns the tiers' speed from it.
 
+A load never fails the engine's step. Whatever raises on its way (a spec that does not
+fit its tokens, refused where it is received: ``LoadSpec.check``; the store's lookup or
+read, a kvlife error or not; the copy into the paged cache; the re-check after it), the
+chunks not written whole into every layer, the one whose copy began and failed included,
+are load errors: reported, recomputed by vLLM (which overwrites those blocks), counted
+by reason (``load_failures``) and logged once; the step goes on. ``submit`` (vLLM's
+``wait_for_save``) waits for the step's copy before it returns, so no write of a step
+lands in blocks vLLM has taken back; after a forward that raised, the copy writes no
+further chunk.
+
 A DRAM hit is read as the replica itself (no copy before the one into the paged cache),
 in ``start``'s own thread: handing each chunk to the store's I/O pool would cost a
 thread hand-off per chunk, each waiting for a core on a busy host. Its copy into the
@@ -55,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.core.errors import KVLifeError
+from kvlife.core.errors import InvalidArgument, KVLifeError
 from kvlife.core.identity import ModelIdentity
 from kvlife.core.payload import numpy_dtype
 from kvlife.engines.vllm.faults import LayerFault
@@ -79,6 +89,17 @@ from kvlife.engines.vllm.stores import StoreAPI
 from kvlife.results import LoadResult
 
 log = logging.getLogger("kvlife.vllm")
+
+LOAD_FAILURES = {
+    "spec": "a LoadSpec that does not fit its tokens (LoadSpec.check): refused whole",
+    "lookup": "the worker's lookup of the load, or the start of its read, raised",
+    "read": "the read raised part-way (the server dropped, an I/O error, a bug)",
+    "copy": "the copy into the paged cache raised",
+    "verify": "the re-check of a memory replica after its copy raised",
+    "loader": "the loader raised outside its reads and copies (a bug): none of it is kept",
+    "step_failed": "the forward raised before the copy ended: the rest was not written",
+}
+"""Reasons of ``WorkerCounters.load_failures``."""
 
 LOAD_GROUPS = 6
 """A step's loads are written into the paged cache in this many groups of layers (where
@@ -141,6 +162,9 @@ class WorkerCounters:
     saves_incomplete: int = 0
     """Saves not staged because the forward did not complete: a layer of a chunk was
     not gathered, or an exception was propagating."""
+    saves_refused: int = 0
+    """Saves not staged because their spec did not fit its tokens (``SaveSpec.check``:
+    too few block ids, say); logged, and failed on every rank through the report."""
     saves_committed: int = 0
     """Staged saves committed on the scheduler's verdict."""
     saves_aborted: int = 0
@@ -148,6 +172,10 @@ class WorkerCounters:
     step was never confirmed before shutdown."""
     tiers: dict[str, int] = field(default_factory=dict)
     """Chunks loaded per tier."""
+    load_failures: dict[str, int] = field(default_factory=dict)
+    """Loads that failed by an error rather than a miss, per reason (:data:`LOAD_FAILURES`),
+    each logged once: the chunks they left not written whole into every layer are load
+    errors (``blocks_failed``), recomputed by vLLM; the step goes on."""
 
 
 @dataclass(slots=True)
@@ -192,6 +220,20 @@ class _Load:
     """The lookup the chunks were loaded by (verified again after the copy)."""
 
 
+@dataclass(slots=True)
+class _Piece:
+    """A chunk of a load that arrived whole, to be written into its blocks."""
+
+    job: _Load
+    chunk: int
+    """The chunk's index in its request."""
+    arr: np.ndarray
+    skip: int
+    """Leading blocks of the chunk not written (vLLM's prefix cache holds them)."""
+    tokens: int
+    """Tokens it writes."""
+
+
 class _Loaded:
     """A load already read (hits held in memory), behind the load handle's interface."""
 
@@ -217,6 +259,8 @@ class _SaveStep:
     starts: list[int]
     block_ids: np.ndarray
     rows: np.ndarray
+    refused: set[int] = field(default_factory=set)
+    """Indices of specs that do not fit their tokens (``SaveSpec.check``): no rows."""
     gathered: set[int] = field(default_factory=set)
     """Layer indices copied into ``rows`` this step."""
 
@@ -269,6 +313,10 @@ class WorkerSide:
         too."""
         self._events: list[threading.Event] | None = None
         self._loader: Future[None] | None = None
+        self._stop = threading.Event()
+        """Set when the step's forward failed: the loader writes no more chunks."""
+        self._traced: set[str] = set()
+        """Load failure reasons whose traceback was logged (once each)."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlife-vllm-load")
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="kvlife-vllm-stage")
         """Lays gathered saves out as chunks and stages them (``prepare_put``), off the
@@ -308,18 +356,46 @@ class WorkerSide:
 
     def start(self, plan: StepPlan) -> None:
         """Start this step's loads (before the forward)."""
+        self._join_loads(failed=False)  # vLLM ended the last step with wait_for_save
         self._events = None
         self._failed = set()
         self._failed_blocks = set()
         if not plan.loads:
             return
         t0 = time.perf_counter()
-        jobs = [job for job in (self._begin(spec) for spec in plan.loads) if job is not None]
+        specs = self._checked(plan.loads)
+        jobs = [job for job in (self._begin(spec) for spec in specs) if job is not None]
         self.timings.lookup_s += time.perf_counter() - t0
         self.timings.load_steps += 1
         events = [threading.Event() for _ in self.layers]
         self._events = events
-        self._loader = self._pool.submit(self._write_layers, jobs, events, t0)
+        self._stop = threading.Event()
+        self._loader = self._pool.submit(self._write_layers, jobs, events, t0, self._stop)
+
+    def _checked(self, specs: list[LoadSpec]) -> list[LoadSpec]:
+        """The specs that fit their tokens (:meth:`LoadSpec.check`); each other one is
+        refused, counted (``spec``) and its blocks from its first token on reported as
+        load errors. One that names no block vLLM could be told to recompute raises its
+        error before any load starts: reporting nothing would let vLLM use the unwritten
+        blocks as computed (the step fails instead)."""
+        good: list[LoadSpec] = []
+        for spec in specs:
+            try:
+                spec.check(self.block_size, self.tpc)
+            except InvalidArgument as exc:
+                first = min(spec.first_token, spec.end_token) // self.block_size
+                # the blocks it names from its first token on, else its last one (a block
+                # vLLM's prefix cache holds: recomputed from there, more than needed)
+                bad = spec.block_ids[first : spec.end_token // self.block_size]
+                bad = bad or spec.block_ids[-1:]
+                if not bad:
+                    raise
+                self.counters.loads += 1
+                self._load_failed("spec", spec.req_id, exc)
+                self._fail_blocks(spec.req_id, set(bad))
+                continue
+            good.append(spec)
+        return good
 
     def _begin(self, spec: LoadSpec) -> _Load | None:
         identity = with_adapter(self.identity, spec.adapter)
@@ -339,8 +415,8 @@ class WorkerSide:
                 handle: Any = _Loaded(self.store.load(sub, None, request_id=spec.req_id))
             else:
                 handle = self.store.load_async(sub, None, request_id=spec.req_id)
-        except KVLifeError as exc:
-            log.warning("kvlife load of %s failed, recomputed: %s", spec.req_id, exc)
+        except Exception as exc:  # whatever the store raised: recomputed, not fatal
+            self._load_failed("lookup", spec.req_id, exc)
             self._fail(spec, c0)
             return None
         if usable < c1 - c0:
@@ -348,12 +424,33 @@ class WorkerSide:
         sizes: list[tuple[str, int]] = [(h.tier, h.stored_nbytes) for h in sub.hits]
         return _Load(spec, handle, c0, usable, sizes, sub)
 
+    def _load_failed(self, reason: str, what: str, exc: BaseException | str) -> None:
+        """Count (``load_failures[reason]``) and log, once, a load that failed by an
+        error rather than a miss; its unwritten chunks are reported by the caller."""
+        # a kvlife error is a failure the store expects (the server dropped, an I/O
+        # error); anything else is a bug somewhere, whose traceback is worth logging,
+        # once per reason (a bug that fails every step would repeat it every step)
+        bug = isinstance(exc, BaseException) and not isinstance(exc, KVLifeError)
+        with self._lock:  # counted from the loader thread too
+            n = self.counters.load_failures
+            n[reason] = n.get(reason, 0) + 1
+            trace = bug and reason not in self._traced
+            if trace:
+                self._traced.add(reason)
+        log.warning(
+            "kvlife load of %s failed (%s), recomputed: %s", what, reason, exc, exc_info=trace
+        )
+
     def _fail(self, spec: LoadSpec, from_chunk: int) -> None:
         """Blocks of ``spec`` from chunk ``from_chunk`` on did not load."""
         first_block = max(spec.first_token, from_chunk * self.tpc) // self.block_size
-        bad = set(spec.block_ids[first_block : spec.end_token // self.block_size])
+        self._fail_blocks(
+            spec.req_id, set(spec.block_ids[first_block : spec.end_token // self.block_size])
+        )
+
+    def _fail_blocks(self, req_id: str, bad: set[int]) -> None:
         with self._lock:
-            self._failed.add(spec.req_id)
+            self._failed.add(req_id)
             self._failed_blocks |= bad
             new = bad - self._errors
             self._errors |= new
@@ -362,8 +459,9 @@ class WorkerSide:
     def _arrived(self, job: _Load, t0: float) -> list[np.ndarray]:
         """Leading chunks of ``job`` that arrived whole by its deadline (``deadline_s``
         after ``t0``, the step's start of loads). A failure of the handle (the server
-        dropped mid-load) ends the run there, as does the deadline: recomputed, never
-        raised; chunks arriving after the deadline are never written."""
+        dropped mid-load, or anything else it raises) ends the run there, as does the
+        deadline: recomputed, never raised; chunks arriving after the deadline are never
+        written."""
         got: list[np.ndarray] = []
         limit = job.spec.deadline_s
         try:
@@ -393,8 +491,8 @@ class WorkerSide:
             res = job.handle.wait()
             for tier, n in res.tiers.items():
                 self.counters.tiers[tier] = self.counters.tiers.get(tier, 0) + n
-        except KVLifeError as exc:
-            log.warning("kvlife load of %s failed part-way, recomputed: %s", job.spec.req_id, exc)
+        except Exception as exc:  # the chunks before it arrived whole: kept
+            self._load_failed("read", job.spec.req_id, exc)
         return got
 
     def _observe(self, job: _Load, chunks: int, seconds: float) -> None:
@@ -407,77 +505,140 @@ class WorkerSide:
             with self._lock:
                 self._report.loads.append(sample)
 
-    def _write_layers(self, jobs: list[_Load], events: list[threading.Event], t0: float) -> None:
-        """Wait for the step's chunks and write them into their blocks: straight from
-        each chunk into a group of layers at a time where the layers are one stacked
-        view, else laid out as block rows (one copy per chunk, all layers) then one
-        indexed copy per layer; each layer's event is set once it is written."""
+    def _write_layers(
+        self,
+        jobs: list[_Load],
+        events: list[threading.Event],
+        t0: float,
+        stop: threading.Event,
+    ) -> None:
+        """(Loader thread.) Wait for the step's chunks and write them into their blocks
+        (:meth:`_copy`); each layer's event is set once it is written, every one of them
+        whatever happens. Never raises: a chunk not written whole into every layer, for
+        any reason, is a load error (its blocks reported, vLLM recomputes them), so a
+        failed load never fails the engine's step."""
         tm = self.timings
         bs = self.block_size
+        pieces: list[_Piece] = []  # chunks that arrived whole, in the step's order
+        block_ids: list[int] = []
         try:
-            parts: list[tuple[np.ndarray, int]] = []  # (chunk, leading blocks not written)
-            block_ids: list[int] = []
-            written: list[tuple[_Load, int]] = []  # (job, its leading chunks written)
             for job in jobs:
                 spec = job.spec
                 t1 = time.perf_counter()
                 got = self._arrived(job, t0)
                 tm.read_s += time.perf_counter() - t1
-                written.append((job, len(got)))
                 if len(got) < job.chunks:
                     self._fail(spec, job.first_chunk + len(got))
                 for i, arr in enumerate(got):
                     c = job.first_chunk + i
                     lo = max(spec.first_token, c * self.tpc)
                     hi = (c + 1) * self.tpc
-                    parts.append((arr, (lo - c * self.tpc) // bs))
+                    pieces.append(_Piece(job, c, arr, (lo - c * self.tpc) // bs, hi - lo))
                     block_ids += spec.block_ids[lo // bs : hi // bs]
-                    self.counters.tokens_loaded += hi - lo
-            if parts and self._stack is not None:
+            done = self._copy(pieces, block_ids, events, stop)
+            # the chunks not written whole into every layer (the one whose copy began and
+            # failed included) are load errors: recomputed by vLLM, which overwrites them
+            written: dict[int, int] = {}
+            for p in pieces[:done]:
+                written[id(p.job)] = written.get(id(p.job), 0) + 1
+                self.counters.tokens_loaded += p.tokens
+                tm.load_bytes += (self.tpc // bs - p.skip) * self._block_nbytes
+            for p in pieces[done:]:
+                if p.chunk == p.job.first_chunk + written.get(id(p.job), 0):
+                    self._fail(p.job.spec, p.chunk)
+            if self._verify:
+                self._verify_copied([(job, written.get(id(job), 0)) for job in jobs])
+            tm.load_s += time.perf_counter() - t0
+        except Exception as exc:  # a bug outside the copy: nothing of the step is trusted
+            self._load_failed("loader", ", ".join(j.spec.req_id for j in jobs), exc)
+            for job in jobs:
+                self._fail(job.spec, job.first_chunk)
+        finally:
+            for e in events:  # a failure must not hang the forward
+                e.set()
+
+    def _copy(
+        self,
+        pieces: list[_Piece],
+        block_ids: list[int],
+        events: list[threading.Event],
+        stop: threading.Event,
+    ) -> int:
+        """Write ``pieces`` into their blocks (``block_ids``, in order): straight from
+        each chunk into a group of layers at a time where the layers are one stacked
+        view, else laid out as block rows (one copy per chunk, all layers) then one
+        indexed copy per layer; each layer's event is set once it is written. The
+        number of leading pieces written whole into every layer: a copy that raises
+        ends it there (counted, ``copy``), as does the step's forward failing before
+        the copy finished (``stop``; counted, ``step_failed``)."""
+        if not pieces:
+            return 0
+        tm = self.timings
+        bs = self.block_size
+        k = self.tpc // bs
+        done = 0
+        try:
+            if self._stack is not None:
                 t2 = time.perf_counter()
-                k = self.tpc // bs
                 ids = np.asarray(block_ids, dtype=np.int64)
                 spans = []  # each chunk's blocks in ``ids``
                 at = 0
-                for arr, skip in parts:
-                    spans.append((arr, skip, ids[at : at + k - skip]))
-                    at += k - skip
+                for p in pieces:
+                    spans.append((p.arr, p.skip, ids[at : at + k - p.skip]))
+                    at += k - p.skip
                 # straight from the replicas into the blocks, a group of layers at a time
                 # (one copy per chunk per group), so attention of the first layers runs
-                # while later ones are written
-                for lo, hi in self._groups:
+                # while later ones are written; a chunk is whole once the last group has it
+                last = len(self._groups) - 1
+                for g, (lo, hi) in enumerate(self._groups):
+                    self._copy_fault(lo, hi)
                     stack = self._stack[lo:hi]
-                    for arr, skip, span in spans:
+                    for j, (arr, skip, span) in enumerate(spans):
+                        if stop.is_set():
+                            return self._stopped(pieces, done)
                         write_chunk(stack, span, arr[lo:hi], skip)
+                        if g == last:
+                            done = j + 1
                     for e in events[lo:hi]:
                         e.set()
-                tm.load_bytes += at * self._block_nbytes
                 tm.scatter_s += time.perf_counter() - t2
-            elif parts and self.layers:
+            elif self.layers:
                 t2 = time.perf_counter()
                 lay = self.identity.layout
                 shape = (lay.num_layers, len(block_ids), *self.layers[0].row_shape)
-                rows = np.empty(shape, parts[0][0].dtype)
+                rows = np.empty(shape, pieces[0].arr.dtype)
                 at = 0
-                for arr, skip in parts:
-                    n = self.tpc // bs - skip
-                    chunk_to_rows(arr, bs, skip, rows[:, at : at + n])
+                for p in pieces:
+                    n = k - p.skip
+                    chunk_to_rows(p.arr, bs, p.skip, rows[:, at : at + n])
                     at += n
                 ids = np.asarray(block_ids, dtype=np.int64)
                 t3 = time.perf_counter()
                 tm.prep_s += t3 - t2
                 for layer, paged in enumerate(self.layers):
+                    self._copy_fault(layer, layer + 1)
+                    if stop.is_set():
+                        return self._stopped(pieces, done)
                     paged.write_rows(ids, rows[layer])
                     events[layer].set()
-                t4 = time.perf_counter()
-                tm.scatter_s += t4 - t3
-                tm.load_bytes += rows.nbytes
-            if self._verify:
-                self._verify_copied(written)
-            tm.load_s += time.perf_counter() - t0
-        finally:
-            for e in events:  # a failure must not hang the forward; wait_layer raises it
-                e.set()
+                done = len(pieces)
+                tm.scatter_s += time.perf_counter() - t3
+        except Exception as exc:
+            reqs = dict.fromkeys(p.job.spec.req_id for p in pieces[done:])
+            self._load_failed("copy", ", ".join(reqs), exc)
+        return done
+
+    def _copy_fault(self, lo: int, hi: int) -> None:
+        """The test hook's copy fault (``kvlife.fail_layer = "copy:L"``), raised in the
+        copy into layers ``[lo, hi)`` as a bug in the scatter would."""
+        if self.fault is not None:
+            for layer in range(lo, hi):
+                self.fault.check("copy", layer)
+
+    def _stopped(self, pieces: list[_Piece], done: int) -> int:
+        reqs = ", ".join(dict.fromkeys(p.job.spec.req_id for p in pieces[done:]))
+        self._load_failed("step_failed", reqs, "the step's forward raised before its copy ended")
+        return done
 
     def _verify_copied(self, written: list[tuple[_Load, int]]) -> None:
         """(Loader thread, after the copies.) A replica held in memory was verified when
@@ -493,8 +654,8 @@ class WorkerSide:
             try:
                 res = self.store.load(job.lookup.sub(0, n), None, request_id=job.spec.req_id)
                 ok = res.loaded
-            except KVLifeError as exc:
-                log.warning("kvlife re-check of %s's load failed: %s", job.spec.req_id, exc)
+            except Exception as exc:  # cannot say the copy is whole: recomputed
+                self._load_failed("verify", job.spec.req_id, exc)
                 ok = 0
             if ok < n:
                 log.warning(
@@ -517,7 +678,23 @@ class WorkerSide:
         events[idx].wait()
         self.timings.wait_s += time.perf_counter() - t0
         if idx == len(events) - 1 and self._loader is not None:
-            self._loader.result()  # raise a loader bug here, in the engine's step
+            # the load's errors are all known before the last layer's attention (the
+            # loader never raises: it reports what it did not write)
+            self._loader.result()
+
+    def _join_loads(self, *, failed: bool) -> None:
+        """Wait for the step's loader: once vLLM's ``wait_for_save`` returns, the step's
+        blocks are vLLM's again (reused, or recomputed after a failure), and a copy still
+        writing into them would corrupt them; its load errors are then complete for
+        ``get_block_ids_with_load_errors``. After a forward that raised (``failed``) the
+        loader writes no further chunk (their blocks are load errors): the wait is for
+        the copy in progress, or the read the loader is waiting on."""
+        loader, self._loader = self._loader, None
+        if loader is None:
+            return
+        if failed:
+            self._stop.set()
+        loader.result()
 
     def load_errors(self) -> set[int]:
         with self._lock:
@@ -550,19 +727,34 @@ class WorkerSide:
         lay = self.identity.layout
         starts = [0]
         ids: list[int] = []
-        for spec in plan.saves:
+        refused: set[int] = set()
+        for i, spec in enumerate(plan.saves):
+            try:
+                spec.check(self.block_size, self.tpc)
+            except InvalidArgument as exc:  # gathers nothing; failed at submit
+                log.warning("kvlife save refused (not stored): %s", exc)
+                refused.add(i)
+                starts.append(len(ids))
+                continue
             lo = spec.first_chunk * self.tpc // self.block_size
             hi = spec.end_chunk * self.tpc // self.block_size
             ids += spec.block_ids[lo:hi]
             starts.append(len(ids))
         row = self.layers[0].row_shape if self.layers else (0, 2, self.block_size, 0)
         rows = np.empty((lay.num_layers, len(ids), *row), numpy_dtype(lay.dtype))
-        return _SaveStep(plan.step, list(plan.saves), starts, np.asarray(ids, np.int64), rows)
+        return _SaveStep(
+            plan.step, list(plan.saves), starts, np.asarray(ids, np.int64), rows, refused
+        )
 
     def submit(self, plan: StepPlan) -> None:
         """End of the step (vLLM's ``wait_for_save``, also after a forward that raised):
         carry out the verdicts on earlier steps, stage this step's complete saves and
-        report the step."""
+        report the step. First waits for the step's copy into the paged cache (once this
+        returns vLLM reuses the step's blocks); after a forward that raised, the copy
+        writes no further chunk."""
+        # an exception propagating through vLLM's finally: the forward did not complete
+        raising = sys.exc_info()[0] is not None
+        self._join_loads(failed=raising)
         self._events = None
         t0 = time.perf_counter()
         for verdict in plan.verdicts:
@@ -570,8 +762,6 @@ class WorkerSide:
         saving = self._saving if self._saving and self._saving.step == plan.step else None
         self._saving = None
         if plan.saves:
-            # an exception propagating through vLLM's finally: the forward did not complete
-            raising = sys.exc_info()[0] is not None
             failed = self._stage(plan, saving, raising)
             self._report.add(plan.step, self.rank, failed)
             self.timings.save_steps += 1
@@ -593,6 +783,10 @@ class WorkerSide:
                 self.counters.saves_skipped += 1
                 failed.add(spec.req_id)
                 continue
+            if saving is not None and i in saving.refused:
+                self.counters.saves_refused += 1
+                failed.add(spec.req_id)
+                continue
             if raising or saving is None or saving.gathered != complete:
                 self.counters.saves_incomplete += 1
                 failed.add(spec.req_id)
@@ -607,12 +801,12 @@ class WorkerSide:
         lay = self.identity.layout
         k = self.tpc // self.block_size
         n = spec.end_chunk - spec.first_chunk
-        chunks = np.empty((n, *lay.chunk_shape), numpy_dtype(lay.dtype))
-        for c in range(n):
-            rows_to_chunk(rows[:, c * k : (c + 1) * k], chunks[c])
         identity = with_adapter(self.identity, spec.adapter)
         start = spec.first_chunk * self.tpc
         try:
+            chunks = np.empty((n, *lay.chunk_shape), numpy_dtype(lay.dtype))
+            for c in range(n):
+                rows_to_chunk(rows[:, c * k : (c + 1) * k], chunks[c])
             # the chunk before is named by its tokens, not by a key computed here: the
             # store derives the key in the namespace it writes (under kvlife serve
             # --tenants a keyed one, which only the server can compute)
@@ -625,9 +819,14 @@ class WorkerSide:
                 prefix_tokens=spec.tokens[:start],
                 request_id=spec.req_id,
             )
-        except KVLifeError as exc:
+        except Exception as exc:  # any error: counted, a future miss, never the engine's
             self._put_error()
-            log.warning("kvlife put of %s failed (not stored): %s", spec.req_id, exc)
+            log.warning(
+                "kvlife put of %s failed (not stored): %s",
+                spec.req_id,
+                exc,
+                exc_info=not isinstance(exc, KVLifeError),
+            )
             return None
         with self._lock:
             self.counters.saves += 1
