@@ -57,26 +57,37 @@ shards, each in its own namespace with its own master and Redis, finish the same
 in about a third of the wall time of one."""
 
 
-def _run_in_private_netns(files: list[str], select: str, at_least: int) -> None:
+MODEL = "tests/remote/test_multihost_model.py::test_mooncake_model_inner"
+"""The multi-host model on Mooncake: in the default suite it runs beside the shards of
+:func:`test_mooncake_suite_in_a_private_network_namespace`, a process (and namespace) of
+its own (its runner in test_multihost_model.py is in the slow tier)."""
+
+
+def _run_in_private_netns(
+    files: list[str], select: str, at_least: int, beside: tuple[str, ...] = ()
+) -> None:
     """``pytest files -k select`` under ``unshare -n``, as :data:`SHARDS` shards at once
-    (each its own namespace): every shard passes; at least ``at_least`` tests passed in
-    all."""
+    (each its own namespace), and each test of ``beside`` in a process of its own beside
+    them: every process passes; at least ``at_least`` tests passed in all."""
     if os.geteuid() != 0:
         pytest.skip("unshare -n needs root (CI runs as root)")
     probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
     if probe.returncode != 0:  # e.g. a container without CAP_SYS_ADMIN
         pytest.skip(f"no private network namespace here: {probe.stderr.strip()}")
-    inner = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    inner += ["-p", "tests.remote.shard", *files, "-k", select]
+    base = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    inner = [*base, "-p", "tests.remote.shard", *files, "-k", select]
+    commands = [[*inner, "--shard", f"{i}/{SHARDS}"] for i in range(SHARDS)]
+    commands += [[*base, test] for test in beside]
     shards = [
         subprocess.Popen(
-            netns_command([*inner, "--shard", f"{i}/{SHARDS}"]),
+            netns_command(command),
             cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),  # children import this tree
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for i in range(SHARDS)
+        for command in commands
     ]
     total = 0
     try:
@@ -105,7 +116,8 @@ def test_mooncake_suite_in_a_private_network_namespace() -> None:
             "tests/remote/test_global_rules.py",
         ],
         f"mooncake and not ({' or '.join(INDEX_ONLY_RULES)})",
-        at_least=30,
+        at_least=31,
+        beside=(MODEL,),
     )
 
 
