@@ -38,19 +38,28 @@ class PowerCutRules(StoreMachine):
     """The base rules, every session behind a power-cut seam, plus two cut rules."""
 
     io: PowerCutIO
+    stashes: Path | None = None
+    """One directory per machine holding every session's stash: a session closed
+    without a cut (the base machine's ``crash_and_reopen``) is never settled, so its
+    stash would outlive the machine; teardown removes them all."""
 
     def _fileio(self) -> FileIO:
+        if self.stashes is None:  # the first session starts in the base __init__
+            self.stashes = Path(tempfile.mkdtemp(prefix="kvlife-sm-stash-"))
         self.io = PowerCutIO(
-            catalogs=[catalog_file(self.dir)],
-            stash=Path(tempfile.mkdtemp(prefix="kvlife-sm-stash-")),
+            catalogs=[catalog_file(self.dir)], stash=Path(tempfile.mkdtemp(dir=self.stashes))
         )
         return self.io
 
     def teardown(self) -> None:
-        self.io.cut("teardown")
-        self.store.close(flush=False)
-        self.io.settle()  # removes its stash
-        shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            self.io.cut("teardown")
+            self.store.close(flush=False)
+            self.io.settle()  # removes its stash
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            if self.stashes is not None:
+                shutil.rmtree(self.stashes, ignore_errors=True)
 
     def _cut_and_reopen(self) -> None:
         self.io.cut()
@@ -112,6 +121,20 @@ def test_stash_directories_are_cleaned(tmp_path: Path) -> None:
     io.cut()
     io.settle()
     assert not (tmp_path / "stash").exists() and f.exists()
+
+
+@pytest.mark.parametrize("machine", [PowerCutMachine, PowerCutWriteBackMachine])
+def test_the_machines_leave_no_directory_behind(
+    machine: type[PowerCutRules], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A few short runs (reopens without a cut among them: ``crash_and_reopen``) leave no
+    stash or store directory in the temporary directory: every session's stash goes
+    with its machine, not only the ones a cut settled."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    run_state_machine_as_test(
+        machine, settings=settings(max_examples=3, stateful_step_count=10, deadline=None)
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 # A short budget in the default suite (the long one under the slow profile, see

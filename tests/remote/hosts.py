@@ -16,7 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 class Host:
     """One host process with its own store directory."""
 
-    def __init__(self, store_dir: Path, kind: str, options: dict[str, object]) -> None:
+    def __init__(
+        self, store_dir: Path, kind: str, options: dict[str, object], *, wait: bool = True
+    ) -> None:
+        """Start the host; with ``wait``, return once it said it is ready (else call
+        :meth:`ready`: :func:`start_hosts` starts several at once that way)."""
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.remote.host", str(store_dir), kind, json.dumps(options)],
@@ -26,9 +30,16 @@ class Host:
             cwd=ROOT,
             env=env,
         )
+        self.id = ""
+        if wait:
+            self.ready()
+
+    def ready(self) -> Host:
+        """Wait for the host's hello (its store open)."""
         hello = self._line()
         assert hello.get("ready"), hello
         self.id = str(hello["host"])
+        return self
 
     def _line(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -63,3 +74,19 @@ class Host:
             except ProcessLookupError:
                 pass
         self.proc.wait(timeout=10)
+
+
+def start_hosts(
+    store_dirs: dict[str, Path], kind: str, options: dict[str, object]
+) -> dict[str, Host]:
+    """One host per name, started side by side (each process imports and opens its store
+    while the others do), returned once all are ready."""
+    made = {name: Host(d, kind, options, wait=False) for name, d in store_dirs.items()}
+    try:
+        for h in made.values():
+            h.ready()
+    except BaseException:
+        for h in made.values():
+            h.stop()
+        raise
+    return made

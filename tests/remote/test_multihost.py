@@ -14,7 +14,7 @@ import pytest
 from kvlife.faults.proxy import Fault, FaultProxy
 from kvlife.tiers.redis.server import RedisServer
 from tests.conftest import TINY, prompt_kv
-from tests.remote.hosts import Host
+from tests.remote.hosts import Host, start_hosts
 
 
 def chunk_digests(seed: int, ntokens: int = 64) -> list[str]:
@@ -29,7 +29,7 @@ def chunk_digests(seed: int, ntokens: int = 64) -> list[str]:
 @pytest.fixture
 def hosts(tmp_path: Path, redis_server: RedisServer, index_ns: str) -> Iterator[dict[str, Host]]:
     opts: dict[str, object] = {"url": redis_server.url, "index_namespace": index_ns}
-    made = {name: Host(tmp_path / name, "redis", opts) for name in ("a", "b", "c")}
+    made = start_hosts({name: tmp_path / name for name in ("a", "b", "c")}, "redis", opts)
     yield made
     for h in made.values():
         h.stop()

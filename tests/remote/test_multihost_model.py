@@ -478,6 +478,11 @@ def _mooncake_outer(seconds: float) -> None:
     assert re.search(r"\b1 passed", tail), tail
 
 
+# The default suite runs test_mooncake_model_inner beside the Mooncake shards of
+# tests/remote/test_mooncake.py (test_mooncake_suite_in_a_private_network_namespace, its
+# MODEL), which wait on Mooncake clients' closes most of the time: this runner of the same
+# test alone is for `make test-slow`.
+@pytest.mark.slow
 @pytest.mark.skipif(in_private_netns(), reason="this is the runner; it runs outside")
 def test_mooncake_model_in_a_private_network_namespace() -> None:
     _mooncake_outer(0)

@@ -21,7 +21,7 @@ import numpy as np
 
 from tests.server.conftest import MiB, ServerProc
 from tests.server.tenants import TOKENS, tenant_server, write_config
-from tests.vllm.conftest import run_engine
+from tests.vllm.conftest import run_engine, tiny_spec
 
 CHUNK = 64
 STEP = 128
@@ -42,17 +42,8 @@ def _spec(model: Path, socket: Path, token_file: Path | None = None) -> dict[str
     }
     if token_file is not None:
         extra["kvlife.token_file"] = str(token_file)
-    return {
-        "model": str(model),
-        "skip_tokenizer_init": True,
-        "block_size": 32,
-        "dtype": "float32",
-        "kv_cache_mib": 64,
-        "max_model_len": 1024,
-        "max_num_batched_tokens": STEP,
-        "requests": [{"tokens": t, "max_tokens": NEW, "cache_salt": SALT} for t in (TURN1, TURN2)],
-        "kvlife": extra,
-    }
+    turns = [{"tokens": t, "max_tokens": NEW, "cache_salt": SALT} for t in (TURN1, TURN2)]
+    return tiny_spec(model, turns, extra, max_num_batched_tokens=STEP)
 
 
 def _cached(run: dict[str, Any]) -> list[int]:
