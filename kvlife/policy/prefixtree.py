@@ -28,16 +28,21 @@ a :class:`~kvlife.policy.base.LearnsFromPrompts` policy).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Collection, Container, Hashable, Sequence
-from itertools import islice, pairwise, repeat
+from collections.abc import Collection, Container, Hashable, Iterable, Sequence
+from functools import partial
+from itertools import compress, count, filterfalse, islice, pairwise, repeat
+from operator import is_not, le, not_
 from typing import TypeVar
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.policy.admission import Admission, Doorkeeper, PredictorAdmission
 from kvlife.policy.base import EvictionPolicy, LearnsFromPrompts, register_policy
-from kvlife.policy.reuse import UNKNOWN, ReusePredictor, structural_classes
+from kvlife.policy.reuse import LAST, UNKNOWN, ReusePredictor, put_class, structural_classes
 
 K = TypeVar("K", bound=Hashable)
+
+_is_class = partial(is_not, None)
+"""A popped class, not a miss (class 0 is falsy)."""
 
 
 class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
@@ -46,11 +51,16 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
     name = "prefixtree"
 
     def __init__(self, admission: Admission | None = None) -> None:
-        self._order: OrderedDict[K, None] = OrderedDict()
-        self._parent: dict[K, K] = {}
-        """Resident key -> its resident parent (roots and orphans have none)."""
-        self._kids: dict[K, set[K]] = {}
-        """Resident key -> its resident children (keys with none are absent)."""
+        self._order: OrderedDict[K, K | None] = OrderedDict()
+        """Resident keys, least recent first -> each one's resident parent (None: a root
+        or an orphan): one table, so a victim's removal gives its parent."""
+        self._kids: dict[K, K] = {}
+        """Resident key -> one of its resident children (keys with none are absent): a
+        put's chain is one entry per key, made in a C loop, not a set per key."""
+        self._more: dict[K, set[K]] = {}
+        """Resident key -> all its resident children, for a key that has had two at once
+        (a branch), kept until it has none: the set one set per parent would be, built
+        by the same adds and discards (so its orphans come in the same order)."""
         self._orphans: OrderedDict[K, None] = OrderedDict()
         """Residents whose parent was removed: the next victims."""
         self.admission = admission
@@ -61,6 +71,10 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         self.predictor: ReusePredictor | None = (
             admission.predictor if isinstance(admission, PredictorAdmission) else None
         )
+        self._batched = type(admission) is PredictorAdmission or admission is None
+        """The admission's calls can be made per batch (the predictor's sums, or none)."""
+        self._batch_evict = self._batched and type(self)._drop is PrefixTreePolicy._drop
+        """Victims may be taken and dropped as a batch (:meth:`_evict_batch`)."""
         self.log: dict[K, float] | None = None
         """When set (and a predictor decides), each new key's reuse probability at its
         first insert (for :func:`kvlife.replay.predictor.predictor_accuracy`)."""
@@ -68,27 +82,48 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
     # ------------------------------------------------------------------ structure
 
     def _link(self, key: K, parent: K) -> None:
-        self._parent[key] = parent
-        kids = self._kids.get(parent)
-        if kids is None:
-            self._kids[parent] = {key}
-        else:
-            kids.add(key)
+        """``key`` (inserted here if new) is a child of ``parent``."""
+        self._order[key] = parent
+        self._adopt(parent, key)
 
-    def _unlink(self, key: K) -> None:
-        """``key`` leaves: detach it from its parent, orphan its children (kept as sets,
-        so removing an inner block costs its children, not a scan of the cache)."""
+    def _adopt(self, parent: K, key: K) -> None:
+        """``key`` is a resident child of ``parent`` (its children's side)."""
         kids = self._kids
-        parent = self._parent.pop(key, None)
+        if parent not in kids:
+            kids[parent] = key
+            return
+        more = self._more.get(parent)
+        if more is None:  # a second child: the branch's set, as {first} then add
+            more = {kids[parent]}
+            self._more[parent] = more
+        more.add(key)
+
+    def _unkid(self, parent: K, key: K) -> None:
+        """``key`` is no longer a resident child of ``parent``."""
+        more = self._more.get(parent)
+        if more is None:  # its only child
+            del self._kids[parent]
+            return
+        more.discard(key)
+        if not more:
+            del self._more[parent]
+            del self._kids[parent]
+        elif self._kids[parent] == key:
+            self._kids[parent] = next(iter(more))
+
+    def _unlink(self, key: K, parent: K | None) -> None:
+        """``key`` left the order (its parent was ``parent``): detach it from its parent,
+        orphan its children (kept per parent, so removing an inner block costs its
+        children, not a scan of the cache)."""
+        kids = self._kids
         if parent is not None:
-            siblings = kids[parent]
-            siblings.discard(key)
-            if not siblings:
-                del kids[parent]
-        children = kids.pop(key, None)
-        if children:
-            for child in children:
-                del self._parent[child]
+            self._unkid(parent, key)
+        if key in kids:
+            children: Collection[K] | None = self._more.pop(key, None)
+            only = kids.pop(key)
+            order = self._order
+            for child in (only,) if children is None else children:
+                order[child] = None  # no parent now (its place in the order stays)
                 self._orphans[child] = None
         if self._orphans:
             self._orphans.pop(key, None)
@@ -97,7 +132,14 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
 
     def parent_of(self, key: K) -> K | None:
         """The resident parent of a resident key (None: a root or an orphan)."""
-        return self._parent.get(key)
+        return self._order.get(key)
+
+    def children_of(self, key: K) -> set[K]:
+        """The resident children of a resident key."""
+        more = self._more.get(key)
+        if more is not None:
+            return set(more)
+        return {self._kids[key]} if key in self._kids else set()
 
     # ------------------------------------------------------------------ EvictionPolicy
 
@@ -118,79 +160,125 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                 if cls is not None and self.admission is not None:
                     self.admission.on_hit(cls)
 
+    def touch_all(self, keys: Iterable[K]) -> None:
+        # touch one by one, its moves in a C loop, then the first touches' labels (the
+        # admission's hits are sums, independent of the moves)
+        order = self._order
+        held = list(filter(order.__contains__, keys))
+        deque(map(order.move_to_end, held), maxlen=0)
+        if self._cls and held:
+            self._label_hits(held)
+
+    def _label_hits(self, keys: Iterable[K]) -> None:
+        """The first touches since insert among ``keys`` (residents), to the admission."""
+        got = list(filter(_is_class, map(self._cls.pop, keys, repeat(None))))
+        if not got or self.admission is None:
+            return
+        if self.predictor is not None and self._batched:
+            self.predictor.on_hits(got)
+        else:
+            deque(map(self.admission.on_hit, got), maxlen=0)
+
     def remove(self, key: K) -> None:
         if key in self._order:
-            del self._order[key]
+            parent = self._order.pop(key)
             self._cls.pop(key, None)
-            self._unlink(key)
+            self._unlink(key, parent)
 
     def record_in_order(self, keys: Sequence[K], new: Collection[K]) -> None:
-        order = self._order
-        if self.admission is None and self.log is None:
-            # the plain tree: link each new key to the chunk before it, then make the
-            # prompt most recent from its last chunk to its first
-            head = len(keys) - len(new)
-            if (
-                head >= 0
-                and not any(map(new.__contains__, islice(keys, head)))
-                and not any(map(order.__contains__, islice(keys, head, None)))
-            ):
-                # the usual put: residents first, then its new keys (the last len(new)
-                # keys, each a non-resident once): link each to the key before it, add
-                # them from the last to the first, then move the residents likewise
-                parent_of, kids = self._parent, self._kids
-                for prev, key in pairwise(islice(keys, head - 1 if head else 0, None)):
-                    parent_of[key] = prev  # _link, written out
-                    siblings = kids.get(prev)
-                    if siblings is None:
-                        kids[prev] = {key}
-                    else:
-                        siblings.add(key)
-                order.update(zip(reversed(keys[head:]), repeat(None)))
-                deque(map(order.move_to_end, reversed(keys[:head])), maxlen=0)
-                return
+        head = len(keys) - len(new)
+        held = self._order.__contains__
+        if (
+            head >= 0
+            and not any(map(new.__contains__, islice(keys, head)))
+            and all(map(held, islice(keys, head)))
+            and not any(map(held, islice(keys, head, None)))
+        ):
+            # the usual put: residents first, then its new keys (the last len(new) keys,
+            # each a non-resident once)
+            self._put_tail(keys, head)
+        elif self.admission is None and self.log is None:
             self._record_plain(keys, new)
-            return
-        self._record_classed(keys, new)
+        else:
+            self._record_classed(keys, new)
 
     def record_tail(self, keys: Sequence[K], head: int) -> None:
         # the usual put (residents keys[:head], then new keys), known from the lookup
-        if self.admission is not None or self.log is not None:
-            self._record_classed(keys, set(islice(keys, head, None)))
-            return
-        # record_in_order's usual put without its checks, and its links made in C
-        # loops: each new key's parent is the key before it; each new key but the last
-        # gets the next one as its only child; the first new key is a child of the last
-        # resident, which may have others
-        kids = self._kids
+        self._put_tail(keys, head)
+
+    def _put_tail(self, keys: Sequence[K], head: int) -> None:
+        """``record_in_order``'s usual put, its links and moves made in C loops: each new
+        key's parent is the key before it; each new key but the last gets the next one
+        as its only child; the first new key is a child of the last resident, which may
+        have others. With an admission, the classes and decisions of
+        :meth:`_record_classed`, computed once per put (:meth:`_admit_tail`)."""
         tail = keys[head:]
-        if tail and head:
-            last = keys[head - 1]
-            self._parent.update(zip(tail, keys[head - 1 : -1], strict=True))
-            siblings = kids.get(last)
-            if siblings is None:
-                kids[last] = {tail[0]}
-            else:
-                siblings.add(tail[0])
-        else:
-            self._parent.update(zip(tail[1:], tail, strict=False))
-        kids.update(zip(tail, map(set, zip(tail[1:])), strict=False))
+        classed = self.admission is not None or self.log is not None
+        if classed and not self._can_admit_tail(tail):
+            self._record_classed(keys, set(tail))
+            return
+        if head and self._cls:  # first touches of the residents (usually done by the lookup)
+            self._label_hits(islice(keys, head))
         order = self._order
-        order.update(zip(reversed(tail), repeat(None)))
+        if tail:
+            # from the last new key to the first, each with the key before it as parent
+            if head:
+                order.update(zip(reversed(tail), reversed(keys[head - 1 : -1]), strict=True))
+                self._adopt(keys[head - 1], tail[0])
+            else:
+                order.update(zip(reversed(tail), [*reversed(tail[:-1]), None], strict=True))
+            self._kids.update(pairwise(tail))
         if head:
             deque(map(order.move_to_end, keys[head - 1 :: -1]), maxlen=0)
+        if classed:
+            self._admit_tail(keys, head, tail)
+
+    def _can_admit_tail(self, tail: Sequence[K]) -> bool:
+        """Whether :meth:`_admit_tail` decides the new keys ``tail`` as
+        :meth:`_record_classed` would: the reuse predictor's admission (not logging),
+        and no new key in its ghost list (whose on_insert would change a class's
+        estimate within the put; otherwise every new key but the last has one class,
+        so one decision)."""
+        pred = self.predictor
+        return (
+            bool(tail)
+            and self.log is None
+            and pred is not None
+            and self._batched
+            and not pred.remembers_any(tail)
+        )
+
+    def _admit_tail(self, keys: Sequence[K], head: int, tail: Sequence[K]) -> None:
+        pred = self.predictor
+        assert pred is not None  # _can_admit_tail
+        d_hit = self._depth.get(keys[head - 1], 0) if head > 1 else 0
+        base, depth = put_class(len(keys), head, len(tail), d_hit)
+        self._depth.update(zip(tail, repeat(depth)))
+        cls_of = self._cls
+        cls_of.update(zip(tail, repeat(base)))
+        cls_of[tail[-1]] = LAST
+        # cold keys to the front in prompt order: the deepest is evicted first
+        cold = [] if pred.predict(base) else tail[:-1]
+        if not pred.predict(LAST):
+            cold = [*cold, tail[-1]]
+        if cold:
+            deque(map(self._order.move_to_end, cold, repeat(False)), maxlen=0)
 
     def _record_plain(self, keys: Sequence[K], new: Container[K]) -> None:
         """The plain tree's put, any keys: link each new key to the chunk before it,
         then make the prompt most recent from its last chunk to its first."""
         order = self._order
-        link = self._link
+        links: list[tuple[K, K]] = []
         prev: K | None = None
         for key in keys:
             if prev is not None and key not in order and key in new:
-                link(key, prev)
+                links.append((key, prev))
+                self._adopt(prev, key)
             prev = key
-        order.update(zip(keys, repeat(None)))
+        # the new keys in prompt order, then their parents (a key named twice is linked
+        # to the key before its last place)
+        order.update(zip(filterfalse(order.__contains__, keys), repeat(None)))
+        order.update(links)
         deque(map(order.move_to_end, reversed(keys)), maxlen=0)
 
     def _record_classed(self, keys: Sequence[K], new: Container[K]) -> None:
@@ -247,7 +335,7 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         """Keys that some sequence of evictions could take: neither protected nor an
         ancestor of a protected resident."""
         blocked: set[K] = set()
-        parent = self._parent.get
+        parent = self._order.get
         for key in protected:
             k: K | None = key if key in self._order else None
             while k is not None and k not in blocked:
@@ -263,10 +351,15 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         # front, as the next evict(1) would. Orphans take the one-at-a-time path.
         if n < 0:
             raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        if self._batch_evict and not self._orphans:
+            taken = self._evict_batch(n, protected)
+            if taken is not None:
+                return taken
         victims: list[K] = []
-        kids, parent_of, drop = self._kids, self._parent.get, self._drop
-        order, parents, depths = self._order, self._parent, self._depth
+        kids, drop = self._kids, self._drop
+        order, depths = self._order, self._depth
         plain = not self._cls and type(self)._drop is PrefixTreePolicy._drop
+        unkid = self._unkid
         size = 0
         while len(victims) < n:
             if self._orphans:
@@ -284,20 +377,16 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                 if key in protected or key in kids:
                     passed.add(key)
                     continue
-                parent = parent_of(key)
                 if plain:
                     # _drop(key) for a leaf of the plain tree, written out: no class,
                     # no admission, no children to orphan
-                    del order[key]
+                    parent = order.pop(key)
                     if parent is not None:
-                        del parents[key]
-                        siblings = kids[parent]
-                        siblings.discard(key)
-                        if not siblings:
-                            del kids[parent]
+                        unkid(parent, key)
                     if depths:
                         depths.pop(key, None)
                 else:
+                    parent = order[key]
                     drop(key)
                 victims.append(key)
                 if len(victims) == n:
@@ -309,6 +398,52 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                     break  # the whole order was scanned: nothing more can go
                 if len(victims) == took:
                     size *= 2  # the copy held no victim: look further next time
+        return victims
+
+    def _evict_batch(self, n: int, protected: Collection[K]) -> list[K] | None:
+        """``evict_up_to`` in C loops, when the first ``n`` unprotected keys of the LRU
+        order are what ``n`` calls of evict(1) take, else None (nothing changed).
+
+        They are when each one's resident children are victims before it: then each
+        is, in its turn, a leaf with only protected keys or earlier victims before it,
+        the least recent leaf not protected (no orphans: the caller checks). That is
+        the usual order (a parent is more recent than its children: a put's chain
+        goes from the last to the first); checked per victim by a child's place among
+        the victims, and every child of a branch's set."""
+        order = self._order
+        victims = list(islice(filterfalse(protected.__contains__, order), n))
+        m = len(victims)
+        if not m:
+            return victims
+        kids, more = self._kids, self._more
+        at = dict(zip(victims, range(m), strict=True))
+        # a victim without children names itself (its own place); one with a child
+        # needs the child's place before its own
+        if not all(map(le, map(at.get, map(kids.get, victims, victims), repeat(m)), count())):
+            return None
+        branched = at.keys() & more.keys() if more else ()
+        for key in branched:
+            j = at[key]
+            if any(at.get(kid, m) >= j for kid in more[key]):
+                return None
+        # drop them: each one's children went before it, so only the parents that stay
+        # lose a child
+        parents = list(map(order.pop, victims))
+        deque(map(kids.pop, victims, repeat(None)), maxlen=0)
+        for key in branched:
+            del more[key]
+        unkid = self._unkid
+        stay = map(not_, map(at.__contains__, parents))
+        for key, parent in compress(zip(victims, parents, strict=True), stay):
+            if parent is not None:
+                unkid(parent, key)
+        if self._depth:
+            deque(map(self._depth.pop, victims, repeat(None)), maxlen=0)
+        if self._cls:
+            assert self.predictor is not None  # _batch_evict: the predictor's sums, or none
+            self.predictor.on_evicts(
+                victims, list(map(self._cls.pop, victims, repeat(UNKNOWN))), len(order)
+            )
         return victims
 
     def _evict_one_by_one(self, n: int, protected: Collection[K] = ()) -> list[K]:
@@ -335,9 +470,9 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         return None
 
     def _drop(self, key: K) -> None:
-        del self._order[key]
+        parent = self._order.pop(key)
         cls = self._cls.pop(key, None)
-        self._unlink(key)
+        self._unlink(key, parent)
         if cls is not None and self.admission is not None:
             self.admission.on_evict(key, cls, len(self._order))
 
