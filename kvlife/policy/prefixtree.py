@@ -31,7 +31,7 @@ from collections import OrderedDict, deque
 from collections.abc import Collection, Container, Hashable, Iterable, Sequence
 from functools import partial
 from itertools import compress, count, filterfalse, islice, pairwise, repeat
-from operator import is_not, le, not_
+from operator import gt, is_not, le, not_
 from typing import TypeVar
 
 from kvlife.core.errors import InvalidArgument
@@ -56,11 +56,11 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         or an orphan): one table, so a victim's removal gives its parent."""
         self._kids: dict[K, K] = {}
         """Resident key -> one of its resident children (keys with none are absent): a
-        put's chain is one entry per key, made in a C loop, not a set per key."""
+        put's chain is one entry per key, made in a C loop, not a set per key. Kept
+        only while :attr:`_tree` is set (see :meth:`_ensure_tree`)."""
         self._more: dict[K, set[K]] = {}
         """Resident key -> all its resident children, for a key that has had two at once
-        (a branch), kept until it has none: the set one set per parent would be, built
-        by the same adds and discards (so its orphans come in the same order)."""
+        (a branch), kept until it has none (while :attr:`_tree` is set)."""
         self._orphans: OrderedDict[K, None] = OrderedDict()
         """Residents whose parent was removed: the next victims."""
         self.admission = admission
@@ -75,16 +75,48 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         """The admission's calls can be made per batch (the predictor's sums, or none)."""
         self._batch_evict = self._batched and type(self)._drop is PrefixTreePolicy._drop
         """Victims may be taken and dropped as a batch (:meth:`_evict_batch`)."""
+        self._tree = not self._batch_evict
+        """The children maps are kept. Without them (the usual replay) the order is
+        tidy and a victim is found without them (:meth:`_evict_tidy`); they are made
+        from the parents when a path needs them (:meth:`_ensure_tree`)."""
+        self._tidy = True
+        """Known: every resident's parent is later in the order than it (so the least
+        recent keys are leaves); unknown after a move that may break it, until
+        :meth:`_order_is_tidy` finds it again."""
+        self._sticky = False
+        """The children maps hold a link the parents do not (a put naming a key twice
+        linked it to two parents): they are kept for good."""
+        self._recheck = 0
+        self._backoff = 1
         self.log: dict[K, float] | None = None
         """When set (and a predictor decides), each new key's reuse probability at its
         first insert (for :func:`kvlife.replay.predictor.predictor_accuracy`)."""
 
     # ------------------------------------------------------------------ structure
 
-    def _link(self, key: K, parent: K) -> None:
-        """``key`` (inserted here if new) is a child of ``parent``."""
-        self._order[key] = parent
-        self._adopt(parent, key)
+    def _ensure_tree(self) -> None:
+        """Make the children maps from the parents (in LRU order), to keep from now on."""
+        if self._tree:
+            return
+        adopt = self._adopt
+        for key, parent in self._order.items():
+            if parent is not None:
+                adopt(parent, key)
+        self._tree = True
+
+    def _order_is_tidy(self) -> bool:
+        """Whether every resident's parent is later in the order than it (C loops)."""
+        order = self._order
+        at = dict(zip(order, count()))
+        return all(map(gt, map(at.get, order.values(), repeat(len(order))), count()))
+
+    def _chain_moved(self, moved: Sequence[K]) -> None:
+        """``moved`` were made most recent in turn: the order stays tidy if each one's
+        parent is the next (the last a root), as a prompt's keys from last to first."""
+        if self._tidy and moved:
+            parents = list(map(self._order.get, moved))
+            if parents[-1] is not None or parents[:-1] != moved[1:]:
+                self._tidy = False
 
     def _adopt(self, parent: K, key: K) -> None:
         """``key`` is a resident child of ``parent`` (its children's side)."""
@@ -136,6 +168,7 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
 
     def children_of(self, key: K) -> set[K]:
         """The resident children of a resident key."""
+        self._ensure_tree()
         more = self._more.get(key)
         if more is not None:
             return set(more)
@@ -154,6 +187,8 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
 
     def touch(self, key: K) -> None:
         if key in self._order:
+            if self._order[key] is not None:
+                self._tidy = False  # now after its parent
             self._order.move_to_end(key)
             if self._cls:
                 cls = self._cls.pop(key, None)
@@ -166,7 +201,8 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         order = self._order
         held = list(filter(order.__contains__, keys))
         deque(map(order.move_to_end, held), maxlen=0)
-        if self._cls and held:
+        self._chain_moved(held)
+        if self._cls and not self._cls.keys().isdisjoint(held):
             self._label_hits(held)
 
     def _label_hits(self, keys: Iterable[K]) -> None:
@@ -181,6 +217,7 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
 
     def remove(self, key: K) -> None:
         if key in self._order:
+            self._ensure_tree()  # its children become orphans
             parent = self._order.pop(key)
             self._cls.pop(key, None)
             self._unlink(key, parent)
@@ -213,23 +250,28 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         have others. With an admission, the classes and decisions of
         :meth:`_record_classed`, computed once per put (:meth:`_admit_tail`)."""
         tail = keys[head:]
+        moved = keys[head - 1 :: -1] if head else []
+        self._chain_moved(moved)  # the residents' moves below (new keys keep it tidy)
         classed = self.admission is not None or self.log is not None
         if classed and not self._can_admit_tail(tail):
-            self._record_classed(keys, set(tail))
+            self._record_classed(keys, set(tail), usual=True)
             return
-        if head and self._cls:  # first touches of the residents (usually done by the lookup)
-            self._label_hits(islice(keys, head))
+        cls_of = self._cls
+        if head and cls_of and not cls_of.keys().isdisjoint(islice(keys, head)):
+            self._label_hits(islice(keys, head))  # first touches (usually the lookup's)
         order = self._order
         if tail:
             # from the last new key to the first, each with the key before it as parent
             if head:
                 order.update(zip(reversed(tail), reversed(keys[head - 1 : -1]), strict=True))
-                self._adopt(keys[head - 1], tail[0])
             else:
                 order.update(zip(reversed(tail), [*reversed(tail[:-1]), None], strict=True))
-            self._kids.update(pairwise(tail))
-        if head:
-            deque(map(order.move_to_end, keys[head - 1 :: -1]), maxlen=0)
+            if self._tree:
+                if head:
+                    self._adopt(keys[head - 1], tail[0])
+                self._kids.update(pairwise(tail))
+        if moved:
+            deque(map(order.move_to_end, moved), maxlen=0)
         if classed:
             self._admit_tail(keys, head, tail)
 
@@ -261,6 +303,8 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         cold = [] if pred.predict(base) else tail[:-1]
         if not pred.predict(LAST):
             cold = [*cold, tail[-1]]
+        elif cold:  # the last new key's parent goes to the front, the key stays
+            self._tidy = False
         if cold:
             deque(map(self._order.move_to_end, cold, repeat(False)), maxlen=0)
 
@@ -268,21 +312,33 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         """The plain tree's put, any keys: link each new key to the chunk before it,
         then make the prompt most recent from its last chunk to its first."""
         order = self._order
+        self._tidy = False  # any keys in any order: found again by _order_is_tidy
         links: list[tuple[K, K]] = []
         prev: K | None = None
         for key in keys:
             if prev is not None and key not in order and key in new:
                 links.append((key, prev))
-                self._adopt(prev, key)
             prev = key
+        if len(dict(links)) < len(links):
+            # a key named twice, linked to the keys before both its places (its
+            # children's side keeps both, the parent the last): keep the maps for good
+            self._ensure_tree()
+            self._sticky = True
+        if self._tree:
+            for key, prev in links:
+                self._adopt(prev, key)
         # the new keys in prompt order, then their parents (a key named twice is linked
         # to the key before its last place)
         order.update(zip(filterfalse(order.__contains__, keys), repeat(None)))
         order.update(links)
         deque(map(order.move_to_end, reversed(keys)), maxlen=0)
 
-    def _record_classed(self, keys: Sequence[K], new: Container[K]) -> None:
+    def _record_classed(self, keys: Sequence[K], new: Container[K], usual: bool = False) -> None:
+        """The put one key at a time, with classes and admission. ``usual``: the usual
+        put (residents first, their moves checked by the caller)."""
         order = self._order
+        if not usual:
+            self._tidy = False  # found again by _order_is_tidy
         flags = [key in new for key in keys]
         adm = self.admission
         cold: list[K] = []
@@ -298,9 +354,9 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                 if key in order:  # a resident named new: a touch, as insert says
                     self.touch(key)
                 else:
-                    order[key] = None
-                    if prev is not None:
-                        self._link(key, prev)
+                    order[key] = prev
+                    if prev is not None and self._tree:
+                        self._adopt(prev, key)
                     self._depth[key] = depth
                     cls = classes[i]
                     warm = adm.admit(key, cls) if adm is not None else True
@@ -323,6 +379,11 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                 move(key)
         for key in cold:  # in prompt order to the front: the deepest is evicted first
             move(key, last=False)
+        if cold and usual:
+            # a cold key before a warm child (the next new key) is before its child
+            gone = set(cold)
+            if any(order.get(key) in gone and key not in gone for key in keys):
+                self._tidy = False
 
     def evict(self, n: int, protected: Collection[K] = ()) -> list[K] | None:
         if n < 0:
@@ -351,6 +412,18 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         # front, as the next evict(1) would. Orphans take the one-at-a-time path.
         if n < 0:
             raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        if not n:
+            return []
+        if self._batch_evict and not self._orphans and not self._sticky:
+            if not self._tidy:
+                self._recover()
+            if self._tidy:
+                if self._tree:  # tidy again: the children maps are not needed
+                    self._kids.clear()
+                    self._more.clear()
+                    self._tree = False
+                return self._evict_tidy(n, protected)
+        self._ensure_tree()
         if self._batch_evict and not self._orphans:
             taken = self._evict_batch(n, protected)
             if taken is not None:
@@ -398,6 +471,46 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                     break  # the whole order was scanned: nothing more can go
                 if len(victims) == took:
                     size *= 2  # the copy held no victim: look further next time
+        return victims
+
+    def _recover(self) -> None:
+        """Look for a tidy order again, less often while it is not (an O(n) check)."""
+        if self._recheck:
+            self._recheck -= 1
+        elif self._order_is_tidy():
+            self._tidy, self._backoff = True, 1
+        else:
+            self._backoff = min(2 * self._backoff, 1024)
+            self._recheck = self._backoff
+
+    def _evict_tidy(self, n: int, protected: Collection[K]) -> list[K]:
+        """``evict_up_to`` in a tidy order without orphans (every resident's parent is
+        later than it, and resident): the first ``n`` keys that are neither protected
+        nor an ancestor of a protected resident, as ``n`` calls of evict(1) take them.
+
+        Each such key is a leaf in its turn: its children are earlier in the order, so
+        each was taken before it (one that is protected or an ancestor of a protected
+        key would make this key an ancestor too); every key it passes over is
+        protected, or an ancestor of one, a parent for the whole call."""
+        order = self._order
+        victims = list(islice(order, n))
+        if any(map(protected.__contains__, victims)):
+            blocked: set[K] = set()
+            parent = order.get
+            for key in protected:
+                k: K | None = key if key in order else None
+                while k is not None and k not in blocked:
+                    blocked.add(k)
+                    k = parent(k)
+            victims = list(islice(filterfalse(blocked.__contains__, order), n))
+        deque(map(order.__delitem__, victims), maxlen=0)
+        if self._depth:
+            deque(map(self._depth.pop, victims, repeat(None)), maxlen=0)
+        if self._cls:
+            assert self.predictor is not None  # _batch_evict: the predictor's sums, or none
+            self.predictor.on_evicts(
+                victims, list(map(self._cls.pop, victims, repeat(UNKNOWN))), len(order)
+            )
         return victims
 
     def _evict_batch(self, n: int, protected: Collection[K]) -> list[K] | None:
