@@ -28,11 +28,11 @@ a :class:`~kvlife.policy.base.LearnsFromPrompts` policy).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Collection, Container, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Container, Hashable, Iterable, Sequence
 from functools import partial
 from itertools import compress, count, filterfalse, islice, pairwise, repeat
 from operator import gt, is_not, le, not_
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.policy.admission import Admission, Doorkeeper, PredictorAdmission
@@ -43,6 +43,8 @@ K = TypeVar("K", bound=Hashable)
 
 _is_class = partial(is_not, None)
 """A popped class, not a miss (class 0 is falsy)."""
+_after = cast("Callable[[int, int], bool]", gt)
+"""A place after another (``operator.gt``, typed for the C loops)."""
 
 
 class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
@@ -107,8 +109,8 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
     def _order_is_tidy(self) -> bool:
         """Whether every resident's parent is later in the order than it (C loops)."""
         order = self._order
-        at = dict(zip(order, count()))
-        return all(map(gt, map(at.get, order.values(), repeat(len(order))), count()))
+        at: dict[object, int] = dict(zip(order, count()))  # a root's parent: after all
+        return all(map(_after, map(at.get, order.values(), repeat(len(order))), count()))
 
     def _chain_moved(self, moved: Sequence[K]) -> None:
         """``moved`` were made most recent in turn: the order stays tidy if each one's
@@ -207,7 +209,7 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
 
     def _label_hits(self, keys: Iterable[K]) -> None:
         """The first touches since insert among ``keys`` (residents), to the admission."""
-        got = list(filter(_is_class, map(self._cls.pop, keys, repeat(None))))
+        got = cast("list[int]", list(filter(_is_class, map(self._cls.pop, keys, repeat(None)))))
         if not got or self.admission is None:
             return
         if self.predictor is not None and self._batched:
