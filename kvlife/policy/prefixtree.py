@@ -11,8 +11,23 @@ the chunk before it) and keeps two rules:
   is the next victim.
 
 Among leaves the order is LRU. A put's chunks (and a lookup's hits) are made most recent
-from the last to the first, so a parent is always more recent than its children and the
-least recent key is a leaf: eviction stays a scan of one or two keys.
+from the last to the first, so a parent is normally more recent than its children and the
+least recent key is a leaf.
+
+**Speed** (the replay runs millions of keys through this): each resident's parent is its
+value in the LRU order, so one table holds both and a victim's removal gives its parent.
+While the order is *tidy* (every resident's parent later in it than the resident: what
+puts and lookups of whole prefixes keep) and no key is an orphan, ``n`` calls of
+``evict(1)`` take the first ``n`` keys that are neither protected nor an ancestor of a
+protected resident, so victims are found and dropped in C loops with no children maps at
+all. A move that may break tidiness (a single touch of a non-root, a put of any other
+shape, a cold key before its warm child) makes it unknown until an O(n) check in C
+loops finds it again (backing off while it does not); meanwhile, and for removals,
+orphans and subclasses, the children maps are made from the parents and kept (one dict
+entry per chain link, a set only at a branch), and victims go as a checked batch or one
+by one. The admission's per-put work is done once per put (every new key but the last
+has one class) and the predictor learns from sums. Every fast path leaves the state of
+the one-key-at-a-time paths (``tests/policy/test_tree_fast_paths.py``).
 
 Variants (registered names): ``prefixtree`` (the above), ``prefixtree-admit`` (new
 blocks whose structural class the online reuse predictor does not expect to be reused
