@@ -16,12 +16,17 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvlife.policy.base as base_module
 from kvlife.policy.prefixtree import PrefixTreeAdmitPolicy, PrefixTreePolicy
 from kvlife.policy.reuse import N_CLASSES, ReusePredictor
+from kvlife.replay.cache import CacheSim
+from kvlife.trace.model import Trace, TraceBuilder
+from kvlife.trace.synthetic import SyntheticConfig, synthetic_trace
 
 
 class _PlainOneByOne(PrefixTreePolicy[int]):
@@ -210,3 +215,48 @@ def test_a_key_named_twice_keeps_both_links() -> None:
     assert fast.children_of(1) == slow.children_of(1) == {2, 9}
     assert [fast.evict_up_to(1) for _ in range(7)] == [slow.evict_up_to(1) for _ in range(7)]
     assert _state(fast) == _state(slow)
+
+
+def _scrambled(seed: int) -> Trace:
+    """A synthetic trace whose requests break the chain (a block after another
+    predecessor, a rotated request, a block named twice: the general loop)."""
+    base = synthetic_trace(SyntheticConfig(seed=seed, sessions=40))
+    rng = np.random.default_rng(seed)
+    out = TraceBuilder("scrambled", base.block_tokens)
+    offs, blocks = base.offsets.tolist(), base.blocks.tolist()
+    for i in range(base.n_requests):
+        req = blocks[offs[i] : offs[i + 1]]
+        r = rng.random()
+        if r < 0.15 and len(req) > 2:
+            k = int(rng.integers(1, len(req)))
+            req = req[k:] + req[:k]
+        elif r < 0.25 and len(req) > 1:
+            del req[int(rng.integers(0, len(req)))]
+        elif r < 0.3 and len(req) > 1:
+            req = [*req, req[0]]
+        out.add(float(i), len(req) * base.block_tokens, 1, req)
+    return out.build()
+
+
+@pytest.mark.parametrize("variant", ["plain", "admit-0.1", "admit-0.6"])
+def test_replays_equal_the_calls_one_by_one(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The simulator (its one-call-per-request path, its general loop, two tiers) gives
+    the same per-request results, counters and lifespans with the fast paths as with the
+    same policy through its one-key-at-a-time paths."""
+    monkeypatch.setitem(base_module._REGISTRY, "fast", lambda: _make(variant)[0])
+    monkeypatch.setitem(base_module._REGISTRY, "one-by-one", lambda: _make(variant)[1])
+    for trace in (synthetic_trace(SyntheticConfig(seed=5, sessions=60)), _scrambled(7)):
+        unique = trace.n_unique_blocks()
+        for dram, disk, lifespans in (
+            (unique // 10, 0, False),
+            (unique // 40, 0, False),
+            (unique // 50, unique // 10, True),
+        ):
+            runs = [
+                CacheSim(p, dram, disk, track_lifespans=lifespans).run(trace)
+                for p in ("fast", "one-by-one")
+            ]
+            for f in ("prefix_dram", "prefix_disk", "present", "new", "dropped", "promoted"):
+                assert np.array_equal(getattr(runs[0], f), getattr(runs[1], f)), (dram, f)
+            assert runs[0].tiers == runs[1].tiers and runs[0].lifespans == runs[1].lifespans
+            assert int(runs[0].present.sum()) > 0
