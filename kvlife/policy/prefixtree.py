@@ -96,10 +96,11 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         """The children maps are kept. Without them (the usual replay) the order is
         tidy and a victim is found without them (:meth:`_evict_tidy`); they are made
         from the parents when a path needs them (:meth:`_ensure_tree`)."""
-        self._tidy = True
+        self._tidy = self._batch_evict
         """Known: every resident's parent is later in the order than it (so the least
         recent keys are leaves); unknown after a move that may break it, until
-        :meth:`_order_is_tidy` finds it again."""
+        :meth:`_order_is_tidy` finds it again. Never known where no batch is taken
+        (nothing would use it)."""
         self._sticky = False
         """The children maps hold a link the parents do not (a put naming a key twice
         linked it to two parents): they are kept for good."""
@@ -396,7 +397,7 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                 move(key)
         for key in cold:  # in prompt order to the front: the deepest is evicted first
             move(key, last=False)
-        if cold and usual:
+        if cold and usual and self._tidy:
             # a cold key before a warm child (the next new key) is before its child
             gone = set(cold)
             if any(order.get(key) in gone and key not in gone for key in keys):
