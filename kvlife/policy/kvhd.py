@@ -17,7 +17,7 @@ then, and between classes of equal density, the oldest goes first (LRU).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from typing import TypeVar
 
 from kvlife.policy.base import register_policy
@@ -76,6 +76,12 @@ class HitDensityPolicy(PrefixTreePolicy[K]):
         if key in self._kc:
             super().touch(key)
             self._hit(key)
+
+    def touch_all(self, keys: Iterable[K]) -> None:
+        # one by one: each touch moves the key in its class queue too
+        touch = self.touch
+        for key in keys:
+            touch(key)
 
     def remove(self, key: K) -> None:
         cls = self._kc.pop(key, None)

@@ -11,8 +11,23 @@ the chunk before it) and keeps two rules:
   is the next victim.
 
 Among leaves the order is LRU. A put's chunks (and a lookup's hits) are made most recent
-from the last to the first, so a parent is always more recent than its children and the
-least recent key is a leaf: eviction stays a scan of one or two keys.
+from the last to the first, so a parent is normally more recent than its children and the
+least recent key is a leaf.
+
+**Speed** (the replay runs millions of keys through this): each resident's parent is its
+value in the LRU order, so one table holds both and a victim's removal gives its parent.
+While the order is *tidy* (every resident's parent later in it than the resident: what
+puts and lookups of whole prefixes keep) and no key is an orphan, ``n`` calls of
+``evict(1)`` take the first ``n`` keys that are neither protected nor an ancestor of a
+protected resident, so victims are found and dropped in C loops with no children maps at
+all. A move that may break tidiness (a single touch of a non-root, a put of any other
+shape, a cold key before its warm child) makes it unknown until an O(n) check in C
+loops finds it again (backing off while it does not); meanwhile, and for removals,
+orphans and subclasses, the children maps are made from the parents and kept (one dict
+entry per chain link, a set only at a branch), and victims go as a checked batch or one
+by one. The admission's per-put work is done once per put (every new key but the last
+has one class) and the predictor learns from sums. Every fast path leaves the state of
+the one-key-at-a-time paths (``tests/policy/test_tree_fast_paths.py``).
 
 Variants (registered names): ``prefixtree`` (the above), ``prefixtree-admit`` (new
 blocks whose structural class the online reuse predictor does not expect to be reused
@@ -28,16 +43,23 @@ a :class:`~kvlife.policy.base.LearnsFromPrompts` policy).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Collection, Container, Hashable, Sequence
-from itertools import islice, pairwise, repeat
-from typing import TypeVar
+from collections.abc import Callable, Collection, Container, Hashable, Iterable, Sequence
+from functools import partial
+from itertools import compress, count, filterfalse, islice, pairwise, repeat
+from operator import gt, is_not, le, not_
+from typing import TypeVar, cast
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.policy.admission import Admission, Doorkeeper, PredictorAdmission
 from kvlife.policy.base import EvictionPolicy, LearnsFromPrompts, register_policy
-from kvlife.policy.reuse import UNKNOWN, ReusePredictor, structural_classes
+from kvlife.policy.reuse import LAST, UNKNOWN, ReusePredictor, put_class, structural_classes
 
 K = TypeVar("K", bound=Hashable)
+
+_is_class = partial(is_not, None)
+"""A popped class, not a miss (class 0 is falsy)."""
+_after = cast("Callable[[int, int], bool]", gt)
+"""A place after another (``operator.gt``, typed for the C loops)."""
 
 
 class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
@@ -46,11 +68,16 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
     name = "prefixtree"
 
     def __init__(self, admission: Admission | None = None) -> None:
-        self._order: OrderedDict[K, None] = OrderedDict()
-        self._parent: dict[K, K] = {}
-        """Resident key -> its resident parent (roots and orphans have none)."""
-        self._kids: dict[K, set[K]] = {}
-        """Resident key -> its resident children (keys with none are absent)."""
+        self._order: OrderedDict[K, K | None] = OrderedDict()
+        """Resident keys, least recent first -> each one's resident parent (None: a root
+        or an orphan): one table, so a victim's removal gives its parent."""
+        self._kids: dict[K, K] = {}
+        """Resident key -> one of its resident children (keys with none are absent): a
+        put's chain is one entry per key, made in a C loop, not a set per key. Kept
+        only while :attr:`_tree` is set (see :meth:`_ensure_tree`)."""
+        self._more: dict[K, set[K]] = {}
+        """Resident key -> all its resident children, for a key that has had two at once
+        (a branch), kept until it has none (while :attr:`_tree` is set)."""
         self._orphans: OrderedDict[K, None] = OrderedDict()
         """Residents whose parent was removed: the next victims."""
         self.admission = admission
@@ -61,34 +88,92 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         self.predictor: ReusePredictor | None = (
             admission.predictor if isinstance(admission, PredictorAdmission) else None
         )
+        self._batched = type(admission) is PredictorAdmission or admission is None
+        """The admission's calls can be made per batch (the predictor's sums, or none)."""
+        self._batch_evict = self._batched and type(self)._drop is PrefixTreePolicy._drop
+        """Victims may be taken and dropped as a batch (:meth:`_evict_batch`)."""
+        self._tree = not self._batch_evict
+        """The children maps are kept. Without them (the usual replay) the order is
+        tidy and a victim is found without them (:meth:`_evict_tidy`); they are made
+        from the parents when a path needs them (:meth:`_ensure_tree`)."""
+        self._tidy = self._batch_evict
+        """Known: every resident's parent is later in the order than it (so the least
+        recent keys are leaves); unknown after a move that may break it, until
+        :meth:`_order_is_tidy` finds it again. Never known where no batch is taken
+        (nothing would use it)."""
+        self._sticky = False
+        """The children maps hold a link the parents do not (a put naming a key twice
+        linked it to two parents): they are kept for good."""
+        self._recheck = 0
+        self._backoff = 1
         self.log: dict[K, float] | None = None
         """When set (and a predictor decides), each new key's reuse probability at its
         first insert (for :func:`kvlife.replay.predictor.predictor_accuracy`)."""
 
     # ------------------------------------------------------------------ structure
 
-    def _link(self, key: K, parent: K) -> None:
-        self._parent[key] = parent
-        kids = self._kids.get(parent)
-        if kids is None:
-            self._kids[parent] = {key}
-        else:
-            kids.add(key)
+    def _ensure_tree(self) -> None:
+        """Make the children maps from the parents (in LRU order), to keep from now on."""
+        if self._tree:
+            return
+        adopt = self._adopt
+        for key, parent in self._order.items():
+            if parent is not None:
+                adopt(parent, key)
+        self._tree = True
 
-    def _unlink(self, key: K) -> None:
-        """``key`` leaves: detach it from its parent, orphan its children (kept as sets,
-        so removing an inner block costs its children, not a scan of the cache)."""
+    def _order_is_tidy(self) -> bool:
+        """Whether every resident's parent is later in the order than it (C loops)."""
+        order = self._order
+        at: dict[object, int] = dict(zip(order, count()))  # a root's parent: after all
+        return all(map(_after, map(at.get, order.values(), repeat(len(order))), count()))
+
+    def _chain_moved(self, moved: Sequence[K]) -> None:
+        """``moved`` were made most recent in turn: the order stays tidy if each one's
+        parent is the next (the last a root), as a prompt's keys from last to first."""
+        if self._tidy and moved:
+            parents = list(map(self._order.get, moved))
+            if parents[-1] is not None or parents[:-1] != moved[1:]:
+                self._tidy = False
+
+    def _adopt(self, parent: K, key: K) -> None:
+        """``key`` is a resident child of ``parent`` (its children's side)."""
         kids = self._kids
-        parent = self._parent.pop(key, None)
+        if parent not in kids:
+            kids[parent] = key
+            return
+        more = self._more.get(parent)
+        if more is None:  # a second child: the branch's set, as {first} then add
+            more = {kids[parent]}
+            self._more[parent] = more
+        more.add(key)
+
+    def _unkid(self, parent: K, key: K) -> None:
+        """``key`` is no longer a resident child of ``parent``."""
+        more = self._more.get(parent)
+        if more is None:  # its only child
+            del self._kids[parent]
+            return
+        more.discard(key)
+        if not more:
+            del self._more[parent]
+            del self._kids[parent]
+        elif self._kids[parent] == key:
+            self._kids[parent] = next(iter(more))
+
+    def _unlink(self, key: K, parent: K | None) -> None:
+        """``key`` left the order (its parent was ``parent``): detach it from its parent,
+        orphan its children (kept per parent, so removing an inner block costs its
+        children, not a scan of the cache)."""
+        kids = self._kids
         if parent is not None:
-            siblings = kids[parent]
-            siblings.discard(key)
-            if not siblings:
-                del kids[parent]
-        children = kids.pop(key, None)
-        if children:
-            for child in children:
-                del self._parent[child]
+            self._unkid(parent, key)
+        if key in kids:
+            children: Collection[K] | None = self._more.pop(key, None)
+            only = kids.pop(key)
+            order = self._order
+            for child in (only,) if children is None else children:
+                order[child] = None  # no parent now (its place in the order stays)
                 self._orphans[child] = None
         if self._orphans:
             self._orphans.pop(key, None)
@@ -97,7 +182,15 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
 
     def parent_of(self, key: K) -> K | None:
         """The resident parent of a resident key (None: a root or an orphan)."""
-        return self._parent.get(key)
+        return self._order.get(key)
+
+    def children_of(self, key: K) -> set[K]:
+        """The resident children of a resident key."""
+        self._ensure_tree()
+        more = self._more.get(key)
+        if more is not None:
+            return set(more)
+        return {self._kids[key]} if key in self._kids else set()
 
     # ------------------------------------------------------------------ EvictionPolicy
 
@@ -112,89 +205,158 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
 
     def touch(self, key: K) -> None:
         if key in self._order:
+            if self._order[key] is not None:
+                self._tidy = False  # now after its parent
             self._order.move_to_end(key)
             if self._cls:
                 cls = self._cls.pop(key, None)
                 if cls is not None and self.admission is not None:
                     self.admission.on_hit(cls)
 
+    def touch_all(self, keys: Iterable[K]) -> None:
+        # touch one by one, its moves in a C loop, then the first touches' labels (the
+        # admission's hits are sums, independent of the moves)
+        order = self._order
+        held = list(filter(order.__contains__, keys))
+        deque(map(order.move_to_end, held), maxlen=0)
+        self._chain_moved(held)
+        if self._cls and not self._cls.keys().isdisjoint(held):
+            self._label_hits(held)
+
+    def _label_hits(self, keys: Iterable[K]) -> None:
+        """The first touches since insert among ``keys`` (residents), to the admission."""
+        got = cast("list[int]", list(filter(_is_class, map(self._cls.pop, keys, repeat(None)))))
+        if not got or self.admission is None:
+            return
+        if self.predictor is not None and self._batched:
+            self.predictor.on_hits(got)
+        else:
+            deque(map(self.admission.on_hit, got), maxlen=0)
+
     def remove(self, key: K) -> None:
         if key in self._order:
-            del self._order[key]
+            self._ensure_tree()  # its children become orphans
+            parent = self._order.pop(key)
             self._cls.pop(key, None)
-            self._unlink(key)
+            self._unlink(key, parent)
 
     def record_in_order(self, keys: Sequence[K], new: Collection[K]) -> None:
-        order = self._order
-        if self.admission is None and self.log is None:
-            # the plain tree: link each new key to the chunk before it, then make the
-            # prompt most recent from its last chunk to its first
-            head = len(keys) - len(new)
-            if (
-                head >= 0
-                and not any(map(new.__contains__, islice(keys, head)))
-                and not any(map(order.__contains__, islice(keys, head, None)))
-            ):
-                # the usual put: residents first, then its new keys (the last len(new)
-                # keys, each a non-resident once): link each to the key before it, add
-                # them from the last to the first, then move the residents likewise
-                parent_of, kids = self._parent, self._kids
-                for prev, key in pairwise(islice(keys, head - 1 if head else 0, None)):
-                    parent_of[key] = prev  # _link, written out
-                    siblings = kids.get(prev)
-                    if siblings is None:
-                        kids[prev] = {key}
-                    else:
-                        siblings.add(key)
-                order.update(zip(reversed(keys[head:]), repeat(None)))
-                deque(map(order.move_to_end, reversed(keys[:head])), maxlen=0)
-                return
+        head = len(keys) - len(new)
+        held = self._order.__contains__
+        if (
+            head >= 0
+            and not any(map(new.__contains__, islice(keys, head)))
+            and all(map(held, islice(keys, head)))
+            and not any(map(held, islice(keys, head, None)))
+        ):
+            # the usual put: residents first, then its new keys (the last len(new) keys,
+            # each a non-resident once)
+            self._put_tail(keys, head)
+        elif self.admission is None and self.log is None:
             self._record_plain(keys, new)
-            return
-        self._record_classed(keys, new)
+        else:
+            self._record_classed(keys, new)
 
     def record_tail(self, keys: Sequence[K], head: int) -> None:
         # the usual put (residents keys[:head], then new keys), known from the lookup
-        if self.admission is not None or self.log is not None:
-            self._record_classed(keys, set(islice(keys, head, None)))
-            return
-        # record_in_order's usual put without its checks, and its links made in C
-        # loops: each new key's parent is the key before it; each new key but the last
-        # gets the next one as its only child; the first new key is a child of the last
-        # resident, which may have others
-        kids = self._kids
+        self._put_tail(keys, head)
+
+    def _put_tail(self, keys: Sequence[K], head: int) -> None:
+        """``record_in_order``'s usual put, its links and moves made in C loops: each new
+        key's parent is the key before it; each new key but the last gets the next one
+        as its only child; the first new key is a child of the last resident, which may
+        have others. With an admission, the classes and decisions of
+        :meth:`_record_classed`, computed once per put (:meth:`_admit_tail`)."""
         tail = keys[head:]
-        if tail and head:
-            last = keys[head - 1]
-            self._parent.update(zip(tail, keys[head - 1 : -1], strict=True))
-            siblings = kids.get(last)
-            if siblings is None:
-                kids[last] = {tail[0]}
-            else:
-                siblings.add(tail[0])
-        else:
-            self._parent.update(zip(tail[1:], tail, strict=False))
-        kids.update(zip(tail, map(set, zip(tail[1:])), strict=False))
+        moved = keys[head - 1 :: -1] if head else []
+        self._chain_moved(moved)  # the residents' moves below (new keys keep it tidy)
+        classed = self.admission is not None or self.log is not None
+        if classed and not self._can_admit_tail(tail):
+            self._record_classed(keys, set(tail), usual=True)
+            return
+        cls_of = self._cls
+        if head and cls_of and not cls_of.keys().isdisjoint(islice(keys, head)):
+            self._label_hits(islice(keys, head))  # first touches (usually the lookup's)
         order = self._order
-        order.update(zip(reversed(tail), repeat(None)))
-        if head:
-            deque(map(order.move_to_end, keys[head - 1 :: -1]), maxlen=0)
+        if tail:
+            # from the last new key to the first, each with the key before it as parent
+            if head:
+                order.update(zip(reversed(tail), reversed(keys[head - 1 : -1]), strict=True))
+            else:
+                order.update(zip(reversed(tail), [*reversed(tail[:-1]), None], strict=True))
+            if self._tree:
+                if head:
+                    self._adopt(keys[head - 1], tail[0])
+                self._kids.update(pairwise(tail))
+        if moved:
+            deque(map(order.move_to_end, moved), maxlen=0)
+        if classed:
+            self._admit_tail(keys, head, tail)
+
+    def _can_admit_tail(self, tail: Sequence[K]) -> bool:
+        """Whether :meth:`_admit_tail` decides the new keys ``tail`` as
+        :meth:`_record_classed` would: the reuse predictor's admission (not logging),
+        and no new key in its ghost list (whose on_insert would change a class's
+        estimate within the put; otherwise every new key but the last has one class,
+        so one decision)."""
+        pred = self.predictor
+        return (
+            bool(tail)
+            and self.log is None
+            and pred is not None
+            and self._batched
+            and not pred.remembers_any(tail)
+        )
+
+    def _admit_tail(self, keys: Sequence[K], head: int, tail: Sequence[K]) -> None:
+        pred = self.predictor
+        assert pred is not None  # _can_admit_tail
+        d_hit = self._depth.get(keys[head - 1], 0) if head > 1 else 0
+        base, depth = put_class(len(keys), head, len(tail), d_hit)
+        self._depth.update(zip(tail, repeat(depth)))
+        cls_of = self._cls
+        cls_of.update(zip(tail, repeat(base)))
+        cls_of[tail[-1]] = LAST
+        # cold keys to the front in prompt order: the deepest is evicted first
+        cold = [] if pred.predict(base) else tail[:-1]
+        if not pred.predict(LAST):
+            cold = [*cold, tail[-1]]
+        elif cold:  # the last new key's parent goes to the front, the key stays
+            self._tidy = False
+        if cold:
+            deque(map(self._order.move_to_end, cold, repeat(False)), maxlen=0)
 
     def _record_plain(self, keys: Sequence[K], new: Container[K]) -> None:
         """The plain tree's put, any keys: link each new key to the chunk before it,
         then make the prompt most recent from its last chunk to its first."""
         order = self._order
-        link = self._link
+        self._tidy = False  # any keys in any order: found again by _order_is_tidy
+        links: list[tuple[K, K]] = []
         prev: K | None = None
         for key in keys:
             if prev is not None and key not in order and key in new:
-                link(key, prev)
+                links.append((key, prev))
             prev = key
-        order.update(zip(keys, repeat(None)))
+        if len(dict(links)) < len(links):
+            # a key named twice, linked to the keys before both its places (its
+            # children's side keeps both, the parent the last): keep the maps for good
+            self._ensure_tree()
+            self._sticky = True
+        if self._tree:
+            for key, prev in links:
+                self._adopt(prev, key)
+        # the new keys in prompt order, then their parents (a key named twice is linked
+        # to the key before its last place)
+        order.update(zip(filterfalse(order.__contains__, keys), repeat(None)))
+        order.update(links)
         deque(map(order.move_to_end, reversed(keys)), maxlen=0)
 
-    def _record_classed(self, keys: Sequence[K], new: Container[K]) -> None:
+    def _record_classed(self, keys: Sequence[K], new: Container[K], usual: bool = False) -> None:
+        """The put one key at a time, with classes and admission. ``usual``: the usual
+        put (residents first, their moves checked by the caller)."""
         order = self._order
+        if not usual:
+            self._tidy = False  # found again by _order_is_tidy
         flags = [key in new for key in keys]
         adm = self.admission
         cold: list[K] = []
@@ -210,9 +372,9 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                 if key in order:  # a resident named new: a touch, as insert says
                     self.touch(key)
                 else:
-                    order[key] = None
-                    if prev is not None:
-                        self._link(key, prev)
+                    order[key] = prev
+                    if prev is not None and self._tree:
+                        self._adopt(prev, key)
                     self._depth[key] = depth
                     cls = classes[i]
                     warm = adm.admit(key, cls) if adm is not None else True
@@ -235,6 +397,11 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                 move(key)
         for key in cold:  # in prompt order to the front: the deepest is evicted first
             move(key, last=False)
+        if cold and usual and self._tidy:
+            # a cold key before a warm child (the next new key) is before its child
+            gone = set(cold)
+            if any(order.get(key) in gone and key not in gone for key in keys):
+                self._tidy = False
 
     def evict(self, n: int, protected: Collection[K] = ()) -> list[K] | None:
         if n < 0:
@@ -247,7 +414,7 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         """Keys that some sequence of evictions could take: neither protected nor an
         ancestor of a protected resident."""
         blocked: set[K] = set()
-        parent = self._parent.get
+        parent = self._order.get
         for key in protected:
             k: K | None = key if key in self._order else None
             while k is not None and k not in blocked:
@@ -263,10 +430,27 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         # front, as the next evict(1) would. Orphans take the one-at-a-time path.
         if n < 0:
             raise InvalidArgument(f"cannot evict a negative number of keys ({n})")
+        if not n:
+            return []
+        if self._batch_evict and not self._orphans and not self._sticky:
+            if not self._tidy:
+                self._recover()
+            if self._tidy:
+                if self._tree:  # tidy again: the children maps are not needed
+                    self._kids.clear()
+                    self._more.clear()
+                    self._tree = False
+                return self._evict_tidy(n, protected)
+        self._ensure_tree()
+        if self._batch_evict and not self._orphans:
+            taken = self._evict_batch(n, protected)
+            if taken is not None:
+                return taken
         victims: list[K] = []
-        kids, parent_of, drop = self._kids, self._parent.get, self._drop
-        order, parents, depths = self._order, self._parent, self._depth
+        kids, drop = self._kids, self._drop
+        order, depths = self._order, self._depth
         plain = not self._cls and type(self)._drop is PrefixTreePolicy._drop
+        unkid = self._unkid
         size = 0
         while len(victims) < n:
             if self._orphans:
@@ -284,20 +468,16 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                 if key in protected or key in kids:
                     passed.add(key)
                     continue
-                parent = parent_of(key)
                 if plain:
                     # _drop(key) for a leaf of the plain tree, written out: no class,
                     # no admission, no children to orphan
-                    del order[key]
+                    parent = order.pop(key)
                     if parent is not None:
-                        del parents[key]
-                        siblings = kids[parent]
-                        siblings.discard(key)
-                        if not siblings:
-                            del kids[parent]
+                        unkid(parent, key)
                     if depths:
                         depths.pop(key, None)
                 else:
+                    parent = order[key]
                     drop(key)
                 victims.append(key)
                 if len(victims) == n:
@@ -309,6 +489,92 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                     break  # the whole order was scanned: nothing more can go
                 if len(victims) == took:
                     size *= 2  # the copy held no victim: look further next time
+        return victims
+
+    def _recover(self) -> None:
+        """Look for a tidy order again, less often while it is not (an O(n) check)."""
+        if self._recheck:
+            self._recheck -= 1
+        elif self._order_is_tidy():
+            self._tidy, self._backoff = True, 1
+        else:
+            self._backoff = min(2 * self._backoff, 1024)
+            self._recheck = self._backoff
+
+    def _evict_tidy(self, n: int, protected: Collection[K]) -> list[K]:
+        """``evict_up_to`` in a tidy order without orphans (every resident's parent is
+        later than it, and resident): the first ``n`` keys that are neither protected
+        nor an ancestor of a protected resident, as ``n`` calls of evict(1) take them.
+
+        Each such key is a leaf in its turn: its children are earlier in the order, so
+        each was taken before it (one that is protected or an ancestor of a protected
+        key would make this key an ancestor too); every key it passes over is
+        protected, or an ancestor of one, a parent for the whole call."""
+        order = self._order
+        victims = list(islice(order, n))
+        if any(map(protected.__contains__, victims)):
+            blocked: set[K] = set()
+            parent = order.get
+            for key in protected:
+                k: K | None = key if key in order else None
+                while k is not None and k not in blocked:
+                    blocked.add(k)
+                    k = parent(k)
+            victims = list(islice(filterfalse(blocked.__contains__, order), n))
+        deque(map(order.__delitem__, victims), maxlen=0)
+        if self._depth:
+            deque(map(self._depth.pop, victims, repeat(None)), maxlen=0)
+        if self._cls:
+            assert self.predictor is not None  # _batch_evict: the predictor's sums, or none
+            self.predictor.on_evicts(
+                victims, list(map(self._cls.pop, victims, repeat(UNKNOWN))), len(order)
+            )
+        return victims
+
+    def _evict_batch(self, n: int, protected: Collection[K]) -> list[K] | None:
+        """``evict_up_to`` in C loops, when the first ``n`` unprotected keys of the LRU
+        order are what ``n`` calls of evict(1) take, else None (nothing changed).
+
+        They are when each one's resident children are victims before it: then each
+        is, in its turn, a leaf with only protected keys or earlier victims before it,
+        the least recent leaf not protected (no orphans: the caller checks). That is
+        the usual order (a parent is more recent than its children: a put's chain
+        goes from the last to the first); checked per victim by a child's place among
+        the victims, and every child of a branch's set."""
+        order = self._order
+        victims = list(islice(filterfalse(protected.__contains__, order), n))
+        m = len(victims)
+        if not m:
+            return victims
+        kids, more = self._kids, self._more
+        at = dict(zip(victims, range(m), strict=True))
+        # a victim without children names itself (its own place); one with a child
+        # needs the child's place before its own
+        if not all(map(le, map(at.get, map(kids.get, victims, victims), repeat(m)), count())):
+            return None
+        branched = at.keys() & more.keys() if more else ()
+        for key in branched:
+            j = at[key]
+            if any(at.get(kid, m) >= j for kid in more[key]):
+                return None
+        # drop them: each one's children went before it, so only the parents that stay
+        # lose a child
+        parents = list(map(order.pop, victims))
+        deque(map(kids.pop, victims, repeat(None)), maxlen=0)
+        for key in branched:
+            del more[key]
+        unkid = self._unkid
+        stay = map(not_, map(at.__contains__, parents))
+        for key, parent in compress(zip(victims, parents, strict=True), stay):
+            if parent is not None:
+                unkid(parent, key)
+        if self._depth:
+            deque(map(self._depth.pop, victims, repeat(None)), maxlen=0)
+        if self._cls:
+            assert self.predictor is not None  # _batch_evict: the predictor's sums, or none
+            self.predictor.on_evicts(
+                victims, list(map(self._cls.pop, victims, repeat(UNKNOWN))), len(order)
+            )
         return victims
 
     def _evict_one_by_one(self, n: int, protected: Collection[K] = ()) -> list[K]:
@@ -335,9 +601,9 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         return None
 
     def _drop(self, key: K) -> None:
-        del self._order[key]
+        parent = self._order.pop(key)
         cls = self._cls.pop(key, None)
-        self._unlink(key)
+        self._unlink(key, parent)
         if cls is not None and self.admission is not None:
             self.admission.on_evict(key, cls, len(self._order))
 

@@ -20,8 +20,10 @@ threshold; its precision and recall against the trace's future are reported by
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from itertools import compress, repeat
+from operator import gt, itemgetter
 
 LAST = 0
 """The last block of a put's prompt."""
@@ -53,18 +55,22 @@ def structural_classes(
     hit = 0
     while hit < n and not new_flags[hit]:
         hit += 1
-    added = sum(new_flags)
-    if hit <= 1:
-        depth = 0
-        base = FIRST_TURN + (0 if n < 8 else 1 if n < 32 else 2)
-    else:
-        depth = depth_of_hit + 1
-        a = 0 if added < 4 else 1 if added < 8 else 2
-        base = CONTINUATION + 3 * a + min(depth, 3) - 1
+    base, depth = put_class(n, hit, sum(new_flags), depth_of_hit)
     classes = [base] * n
     if n:  # a put of no keys (an empty request) has no last block
         classes[n - 1] = LAST
     return classes, depth
+
+
+def put_class(n: int, hit: int, added: int, depth_of_hit: int) -> tuple[int, int]:
+    """The class of every new key of a put but its last block (:data:`LAST`), and the
+    turn depth they get: ``n`` keys, the first ``hit`` of them resident (the hit prefix),
+    ``added`` of them new (:func:`structural_classes`, computed once per put)."""
+    if hit <= 1:
+        return FIRST_TURN + (0 if n < 8 else 1 if n < 32 else 2), 0
+    depth = depth_of_hit + 1
+    a = 0 if added < 4 else 1 if added < 8 else 2
+    return CONTINUATION + 3 * a + min(depth, 3) - 1, depth
 
 
 class ReusePredictor:
@@ -77,6 +83,10 @@ class ReusePredictor:
         self.unused = [1.0] * N_CLASSES
         self._ghost: OrderedDict[Hashable, int] = OrderedDict()
         self._p = [0.5] * N_CLASSES
+
+    def remembers_any(self, keys: Iterable[Hashable]) -> bool:
+        """Whether the ghost list holds any of ``keys`` (their inserts would count)."""
+        return bool(self._ghost) and not self._ghost.keys().isdisjoint(keys)
 
     def probability(self, cls: int) -> float:
         """The class's estimated reuse probability."""
@@ -114,6 +124,39 @@ class ReusePredictor:
             old = ghost.popitem(last=False)[1]
             self.unused[old] += 1.0
             self._update(old)
+
+    def on_hits(self, classes: Iterable[int]) -> None:
+        """:meth:`on_hit` for each of ``classes`` (a lookup's first touches): the counts
+        are sums, so one update per class gives the same estimates."""
+        reused, update = self.reused, self._update
+        for cls, times in Counter(classes).items():
+            if cls < REUSED:
+                reused[cls] += times
+                update(cls)
+
+    def on_evicts(self, keys: Sequence[Hashable], classes: Sequence[int], resident: int) -> None:
+        """:meth:`on_evict` for each of ``keys`` in turn (an eviction's victims, in
+        order), ``classes`` theirs, ``resident`` the keys that remain after the last: the
+        same ghost list and estimates as the calls one by one. The victims' entries go
+        to the ghost list in order and are trimmed once, to the limit of the last call
+        that trims (the last of class < :data:`REUSED`): a limit only falls from one
+        victim to the next (one resident fewer each), so no earlier call's trim takes
+        an entry that this one keeps; the unused counts are sums, updated once per
+        class."""
+        mask = list(map(gt, repeat(REUSED), classes))
+        if True not in mask:
+            return
+        ghost = self._ghost
+        ghost.update(compress(zip(keys, classes, strict=True), mask))
+        after = mask[::-1].index(True)  # victims after the last that trims
+        limit = max(16, int(self.ghost_factor * (resident + after)))
+        over = len(ghost) - limit
+        if over > 0:
+            gone = Counter(map(itemgetter(1), map(ghost.popitem, repeat(False, over))))
+            unused, update = self.unused, self._update
+            for cls, times in gone.items():
+                unused[cls] += times
+                update(cls)
 
     def estimates(self) -> dict[str, float]:
         """Each class's estimated reuse probability, by name."""

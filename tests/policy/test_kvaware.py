@@ -130,7 +130,8 @@ class _GeneralPaths(PrefixTreePolicy[int]):
 
 
 def _tree_state(p: PrefixTreePolicy[int]) -> tuple[object, ...]:
-    return list(p._order), dict(p._parent), dict(p._kids), list(p._orphans)
+    kids = {k: p.children_of(k) for k in p._order}
+    return list(p._order.items()), {k: c for k, c in kids.items() if c}, list(p._orphans)
 
 
 @settings(max_examples=150, deadline=None)
