@@ -512,8 +512,8 @@ waits per attention layer, ``wait_for_layer_load``; LMCache's layerwise retrieva
 advances one layer per wait)."""
 
 FIELD_GROUPS: tuple[int, ...] = (LLAMA3_8B_LAYERS, 4)
-"""Layer groups of the field table's layered columns: per layer, and kvlife's HF
-engine's default of four."""
+"""Layer groups of the field table's layered columns: per layer, and the four of the
+``--layered`` figure."""
 
 
 def _field_model(
