@@ -20,7 +20,10 @@ whole chunks against load-only layer by layer (chunks stored as layer groups, th
 forward starting when the first group landed), at a few throttled bandwidths.
 
 :func:`field_table` applies the same model with documented parameters to an H200
-serving Llama-3-8B from NVMe, 100 GbE and CXL (``docs/planner.md`` cites the sources).
+serving Llama-3-8B from NVMe, 100 GbE and CXL (``docs/planner.md`` cites the sources):
+each plan's predicted TTFT, load-only also layer by layer (one group per layer, as a GPU
+engine injects, and four), the planner told the engine loads per layer, and where
+loading beats recomputing, whole and layered. ``--field`` prints only that table.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import PUBLIC, ChunkKey
 from kvlife.core.objects import TierName
 from kvlife.planner import (
@@ -502,20 +506,75 @@ FIELD_TIERS: tuple[FieldTier, ...] = (
 )
 
 
+LLAMA3_8B_LAYERS = 32
+"""Layer groups a GPU engine loads Llama-3-8B's KV in: one per layer (vLLM's connector
+waits per attention layer, ``wait_for_layer_load``; LMCache's layerwise retrieval
+advances one layer per wait)."""
+
+FIELD_GROUPS: tuple[int, ...] = (LLAMA3_8B_LAYERS, 4)
+"""Layer groups of the field table's layered columns: per layer, and the four of the
+``--layered`` figure."""
+
+
+def _field_model(
+    profile: PrefillProfile, tokens_per_chunk: int, tier: FieldTier, groups: int
+) -> CostModel:
+    model = CostModel(profile, tokens_per_chunk, layer_groups=groups)
+    cost = model.tier("field")
+    cost.latency_s = tier.latency_s
+    cost.per_byte.seed(1.0 / min(tier.bytes_per_s, PCIE5_X16))
+    return model
+
+
+def break_even_load_s(compute_s: float, rest_s: float, groups: int) -> float:
+    """The load time at which load-only (load, then the rest's ``rest_s`` of prefill,
+    layer by layer in ``groups`` groups) takes as long as computing the whole prompt
+    (``compute_s``): the root of ``max(L, R) + min(L, R) / G = C`` in ``L``
+    (:func:`~kvlife.planner.layered_seconds` with no front, increasing in ``L``).
+    Where ``C >= R + R / G`` the load is the longer stage at the root, ``L = C - R / G``;
+    else ``L = G (C - R)``. With one group ``C - R``, the whole-chunk break-even."""
+    if groups < 1:
+        raise InvalidArgument(f"layer groups must be >= 1, got {groups}")
+    if compute_s >= rest_s * (1 + 1 / groups):
+        return compute_s - rest_s / groups
+    return groups * max(compute_s - rest_s, 0.0)
+
+
 def field_table(
-    prefixes: Sequence[int] = (1024, 4096, 8192, 32768), tokens_per_chunk: int = 256
+    prefixes: Sequence[int] = (1024, 4096, 8192, 32768),
+    tokens_per_chunk: int = 256,
+    *,
+    suffix: int = 16,
+    groups: Sequence[int] = FIELD_GROUPS,
+    tiers: Sequence[FieldTier] = FIELD_TIERS,
+    profile: PrefillProfile = H200_LLAMA3_8B,
+    kv_bytes_per_token: int = LLAMA3_8B_KV_BYTES_PER_TOKEN,
 ) -> dict[str, Any]:
-    """Predicted TTFT of each plan on an H200 for Llama-3-8B KV from each field tier,
-    and the bandwidth below which recomputing beats loading (per prefix)."""
-    kvb = LLAMA3_8B_KV_BYTES_PER_TOKEN
+    """Predicted TTFT of each plan on an H200 for Llama-3-8B KV from each field tier
+    (a prompt of ``prefix + suffix`` tokens whose prefix is stored), load-only also
+    layer by layer in each of ``groups`` layer groups (``load_layered``, by ``G``: the
+    rest's prefill runs each group's layers once that group landed), and the bandwidth
+    below which recomputing beats loading, per prefix, whole and layered (the tier's
+    latency neglected: 1-100 us against milliseconds of load)."""
+    if suffix < 1:
+        raise InvalidArgument(
+            f"the field table needs suffix >= 1 (the engine prefills the last token), got {suffix}"
+        )
+    if tokens_per_chunk < 1 or any(p < 0 for p in prefixes):
+        raise InvalidArgument(
+            f"the field table needs tokens_per_chunk >= 1 and prefixes >= 0, got "
+            f"{tokens_per_chunk}, {tuple(prefixes)}"
+        )
+    if any(not isinstance(g, int) or g < 1 for g in groups):
+        raise InvalidArgument(f"layer groups must be ints >= 1, got {tuple(groups)}")
+    kvb = kv_bytes_per_token
+    finest = max(groups, default=None)
     rows = []
-    for tier in FIELD_TIERS:
-        model = CostModel(H200_LLAMA3_8B, tokens_per_chunk)
-        cost = model.tier("field")
-        cost.latency_s = tier.latency_s
-        cost.per_byte.seed(1.0 / min(tier.bytes_per_s, PCIE5_X16))
+    for tier in tiers:
+        model = _field_model(profile, tokens_per_chunk, tier, 1)
+        layered = {g: _field_model(profile, tokens_per_chunk, tier, g) for g in groups}
         for prefix in prefixes:
-            n = prefix + 16
+            n = prefix + suffix
             hits = [
                 ChunkHit(
                     index=i,
@@ -527,25 +586,44 @@ def field_table(
                 for i in range(prefix // tokens_per_chunk)
             ]
             got = {name: policy(model, hits, n) for name, policy in PLANS.items()}
-            rows.append(
-                {
-                    "tier": tier.name,
-                    "prefix": prefix,
-                    **{name: p.predicted_s for name, p in got.items()},
-                    "planner_plan": got["planner"].as_dict(),
-                }
-            )
-    crossover = {}
+            row: dict[str, Any] = {
+                "tier": tier.name,
+                "prefix": prefix,
+                "suffix": suffix,
+                **{name: p.predicted_s for name, p in got.items()},
+                "load_layered": {
+                    str(g): load_only(m, hits, n).predicted_s for g, m in layered.items()
+                },
+                "planner_plan": got["planner"].as_dict(),
+            }
+            if finest is not None:
+                # the planner told the engine loads in the finest groups: every
+                # (front, stop) layered, the split's rest behind its load as well
+                best = choose(layered[finest], hits, n)
+                row["planner_layered"] = best.predicted_s
+                row["planner_layered_plan"] = best.as_dict()
+            rows.append(row)
+    crossover: dict[str, float] = {}
+    crossover_layered: dict[str, dict[str, float]] = {str(g): {} for g in groups}
     for prefix in prefixes:
-        # load-only equals compute-only when bytes / bw = C(0, prefix) - latency
-        c = H200_LLAMA3_8B.seconds(0, prefix + 16) - H200_LLAMA3_8B.seconds(prefix, 16)
-        crossover[str(prefix)] = prefix * kvb / c
+        # load-only equals compute-only where the load of the whole chunks of the
+        # prefix takes break_even_load_s
+        loaded = prefix // tokens_per_chunk * tokens_per_chunk
+        full = profile.seconds(0, prefix + suffix)
+        rest = profile.seconds(loaded, prefix + suffix - loaded)
+        for g, into in ((1, crossover), *((g, crossover_layered[str(g)]) for g in groups)):
+            t = break_even_load_s(full, rest, g)
+            into[str(prefix)] = loaded * kvb / t if t > 0 else float("inf")
     return {
         "kv_bytes_per_token": kvb,
-        "profile": {"c0": H200_LLAMA3_8B.c0, "c1": H200_LLAMA3_8B.c1, "c2": H200_LLAMA3_8B.c2},
-        "tiers": [asdict(t) for t in FIELD_TIERS],
+        "suffix": suffix,
+        "tokens_per_chunk": tokens_per_chunk,
+        "groups": list(groups),
+        "profile": {"c0": profile.c0, "c1": profile.c1, "c2": profile.c2},
+        "tiers": [asdict(t) for t in tiers],
         "rows": rows,
         "crossover_bytes_per_s": crossover,
+        "crossover_layered_bytes_per_s": crossover_layered,
     }
 
 
@@ -617,7 +695,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="new tokens after the prefix (default 16; --layered: 256)",
     )
+    parser.add_argument(
+        "--field",
+        action="store_true",
+        help="print only the H200 / Llama-3-8B field table (the cost model with documented "
+        "parameters, no engine run): --prefixes, --suffix (default 16), --json",
+    )
     args = parser.parse_args(argv)
+    if args.field:
+        return _main_field(args)
     if args.layered:
         return _main_layered(args)
     cfg = CrossoverConfig(tokens_per_chunk=args.tokens_per_chunk, repeats=args.repeats)
@@ -662,6 +748,20 @@ def main(argv: list[str] | None = None) -> int:
         ),
         file=sys.stderr,
     )
+    return 0
+
+
+def _main_field(args: argparse.Namespace) -> int:
+    kwargs: dict[str, Any] = {}
+    if args.prefixes:
+        kwargs["prefixes"] = tuple(int(x) for x in args.prefixes.split(","))
+    if args.suffix is not None:
+        kwargs["suffix"] = args.suffix
+    text = json.dumps(field_table(**kwargs), indent=1)
+    if args.json:
+        Path(args.json).write_text(text)
+    else:
+        print(text)
     return 0
 
 

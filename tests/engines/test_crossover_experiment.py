@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvlife.cli import main
-from kvlife.experiments.crossover import PLANS, field_table
+from kvlife.core.errors import InvalidArgument
+from kvlife.experiments.crossover import PCIE5_X16, PLANS, FieldTier, field_table
+from kvlife.planner import PrefillProfile
 
 
 def test_the_crossover_experiment_writes_its_json_and_plot(tmp_path: Path) -> None:
@@ -55,15 +60,150 @@ def test_the_crossover_experiment_writes_its_json_and_plot(tmp_path: Path) -> No
         assert p["diagnosis"]["verdict"] == "within 5%" or p["planner_vs_oracle"] > 1.05
     assert set(got["summary"]["crossings"]) == {"256"}
     assert got["summary"]["points_within_5pct"] + len(got["summary"]["misses"]) == 2
-    assert got["field"]["kv_bytes_per_token"] == 128 * 1024
+    field = got["field"]
+    assert field["kv_bytes_per_token"] == 128 * 1024
+    assert {r["prefix"] for r in field["rows"]} == {1024, 4096, 8192, 32768}
+    assert set(field["crossover_layered_bytes_per_s"]) == {"32", "4"}
+    for prefix, bw in field["crossover_bytes_per_s"].items():
+        assert 1e9 < field["crossover_layered_bytes_per_s"]["32"][prefix] <= bw < 10e9
+    for r in field["rows"]:
+        assert r["load_layered"]["32"] <= r["load_layered"]["4"] <= r["load"]
+        assert r["planner_layered"] <= r["planner"] * (1 + 1e-9)
 
 
 def test_the_field_model_puts_the_crossover_at_a_few_gb_per_s() -> None:
-    t = field_table()
-    for bw in t["crossover_bytes_per_s"].values():
+    """The H200 / Llama-3-8B table (32k tokens, whose planner takes seconds, is checked
+    in the experiment's JSON above): loading beats recomputing above a few GB/s;
+    layer by layer (one group per layer, and four) load-only is never slower and the
+    break-even bandwidth is lower; the planner told the engine loads per layer is at
+    least as good as every plan, whole or layered."""
+    t = field_table(prefixes=(1024, 4096, 8192))
+    assert t["groups"] == [32, 4]
+    for prefix, bw in t["crossover_bytes_per_s"].items():
         assert 1e9 < bw < 10e9
+        for g in ("32", "4"):
+            assert 1e9 < t["crossover_layered_bytes_per_s"][g][prefix] <= bw
+        assert (
+            t["crossover_layered_bytes_per_s"]["32"][prefix]
+            <= t["crossover_layered_bytes_per_s"]["4"][prefix]
+        )
+    assert len(t["rows"]) == 5 * 3
     for r in t["rows"]:
         assert r["planner"] <= min(r["load"], r["compute"], r["split"]) * (1 + 1e-9)
+        layered = r["load_layered"]
+        assert set(layered) == {"32", "4"}
+        assert layered["32"] <= layered["4"] <= r["load"]
+        assert r["planner_layered"] <= min(r["planner"], layered["32"]) * (1 + 1e-9)
+        assert r["planner_layered_plan"]["groups"] == 32
+    # with 16 new tokens layering hides at most their prefill, 5.5 ms here: a short
+    # prefix from a fast tier gains the most (CXL, 1024 tokens: 8.2 -> 5.6 ms)
+    cxl = next(r for r in t["rows"] if r["tier"].startswith("CXL") and r["prefix"] == 1024)
+    assert cxl["load"] / cxl["load_layered"]["32"] > 1.3
+
+
+@st.composite
+def _field_params(draw: st.DrawFn) -> dict[str, Any]:
+    tiers = [
+        FieldTier(
+            f"t{i}",
+            draw(st.floats(1e8, 1e11)),
+            draw(st.floats(0.0, 1e-3)),
+            "drawn",
+        )
+        for i in range(draw(st.integers(1, 2)))
+    ]
+    profile = PrefillProfile(
+        c0=draw(st.floats(0.0, 1e-2)),
+        c1=draw(st.floats(1e-7, 1e-4)),
+        c2=draw(st.floats(0.0, 1e-8)),
+    )
+    tpc = draw(st.sampled_from((64, 128, 256)))
+    return {
+        "prefixes": tuple(draw(st.lists(st.integers(0, 2048), min_size=1, max_size=3))),
+        "tokens_per_chunk": tpc,
+        "suffix": draw(st.integers(1, 4096)),
+        "groups": (1, *draw(st.lists(st.integers(1, 80), min_size=1, max_size=2))),
+        "tiers": tiers,
+        "profile": profile,
+        "kv_bytes_per_token": draw(st.integers(1_000, 1_000_000)),
+    }
+
+
+@settings(max_examples=40, deadline=None)
+@given(_field_params())
+def test_layered_load_is_never_slower_and_one_group_is_whole(params: dict[str, Any]) -> None:
+    """Over tiers, prefill profiles, prefixes, suffixes and layer groups: the layered
+    load-only column is never slower than load-only, falls with more groups, hides at
+    most the rest's prefill (``max(load, rest)`` bounds it below), equals load-only with
+    one group, and at the layered break-even bandwidth load-only layer by layer takes as
+    long as computing the whole prompt."""
+    t = field_table(**params)
+    profile: PrefillProfile = params["profile"]
+    tpc, suffix = params["tokens_per_chunk"], params["suffix"]
+    for r in t["rows"]:
+        whole = r["load"]
+        layered = {int(g): s for g, s in r["load_layered"].items()}
+        assert layered[1] == whole
+        for g, s in layered.items():
+            assert s <= whole * (1 + 1e-12)
+            loaded = r["prefix"] // tpc * tpc
+            rest = profile.seconds(loaded, r["prefix"] + suffix - loaded)
+            assert s >= max(whole - rest, rest) * (1 - 1e-9)
+            for g2, s2 in layered.items():
+                if g2 > g:
+                    assert s2 <= s * (1 + 1e-12)
+        assert r["planner_layered"] <= min(r["planner"], *layered.values()) * (1 + 1e-9)
+    # the break-even: a latency-free tier at the crossover bandwidth
+    for g, by_prefix in [
+        ("1", t["crossover_bytes_per_s"]),
+        *t["crossover_layered_bytes_per_s"].items(),
+    ]:
+        for prefix, bw in by_prefix.items():
+            if not 0 < bw <= PCIE5_X16 or int(prefix) < tpc:
+                continue  # nothing to load, or faster than the link the model caps at
+            at = field_table(
+                (int(prefix),),
+                tpc,
+                suffix=suffix,
+                groups=(int(g),),
+                tiers=(FieldTier("at", bw, 0.0, "crossover"),),
+                profile=profile,
+                kv_bytes_per_token=params["kv_bytes_per_token"],
+            )["rows"][0]
+            assert at["load_layered"][g] == pytest.approx(at["compute"], rel=1e-9)
+
+
+def test_the_field_table_refuses_bad_parameters() -> None:
+    bad: list[dict[str, Any]] = [
+        {"suffix": 0},
+        {"groups": (0,)},
+        {"tokens_per_chunk": 0},
+        {"prefixes": (-1,)},
+    ]
+    for kwargs in bad:
+        with pytest.raises(InvalidArgument):
+            field_table(**{"prefixes": (1024,), **kwargs})
+
+
+def test_the_field_table_alone_from_the_command_line(tmp_path: Path) -> None:
+    out = tmp_path / "field.json"
+    rc = main(
+        [
+            "experiment",
+            "crossover",
+            "--field",
+            "--prefixes",
+            "1024",
+            "--suffix",
+            "512",
+            "--json",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    got = json.loads(out.read_text())
+    assert got["suffix"] == 512 and {r["prefix"] for r in got["rows"]} == {1024}
+    assert all(r["load_layered"]["32"] < r["load"] for r in got["rows"])
 
 
 def _run(ttft: float, front: int, stop: int, pred: float, rest: float = 0.1) -> dict[str, object]:
