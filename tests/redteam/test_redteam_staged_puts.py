@@ -207,4 +207,3 @@ def test_a_client_killed_between_its_notices_and_its_commit_stores_nothing(
             os.kill(child.pid, signal.SIGKILL)
             child.wait()
         watcher.close()
-
