@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -204,7 +205,7 @@ def test_an_invalidation_while_group_1_is_in_flight_abandons_the_layered_forward
         assert isinstance(tier, ThrottledTier)
         group_bytes = 6 * eng.identity.layout.chunk_nbytes // 2
         chunk = group_bytes // 6
-        tier.set_limits(chunk / 0.04, burst_bytes=group_bytes + chunk // 2)
+        tier.set_limits(chunk / 0.15, burst_bytes=group_bytes + chunk // 2)
         planned = PlannedEngine(eng, _model(), deadline_factor=float("inf"))
         keys0 = chunk_keys(eng.group_identities[0], PUBLIC, ids[: 6 * TPC])
         done = threading.Event()
@@ -212,7 +213,7 @@ def test_an_invalidation_while_group_1_is_in_flight_abandons_the_layered_forward
 
         def invalidate_when_group_0_landed() -> None:
             # group 0 landed: its chunks' loads were published (the lookup of group 0
-            # is unchanged, group 1 still reading at 0.04 s a chunk)
+            # is unchanged, group 1 still reading at 0.15 s a chunk)
             while not done.is_set():
                 if store.counters.bytes_loaded >= group_bytes:
                     gone.append(store.invalidate(namespace=PUBLIC))
@@ -251,13 +252,12 @@ def test_changing_what_a_prefill_handed_out_changes_nothing_stored(
         )
     with KVStore.open(path, dram_bytes=64 << 20, disk_bytes=64 << 20) as store:
         eng = HFEngine.for_model(tiny, store, tokens_per_chunk=TPC, layer_groups=2)
-        pre = PlannedEngine(eng, _model(), deadline_factor=float("inf")).prefill(
-            ids, PUBLIC, policy=_fixed(0, 4)
-        )
-        assert pre.prefill.cached_tokens == 4 * TPC
-        for arr in pre.prefill.loaded_chunks:
+        pre = eng.prefill(ids, PUBLIC)
+        assert pre.cached_tokens == 4 * TPC and pre.tiers == {"disk": 4}
+        assert len(pre.loaded_chunks) == 4
+        for arr in pre.loaded_chunks:
             arr[...] = 7  # at once, while the promotions may still run
-        for layer in pre.prefill.cache.layers:
+        for layer in pre.cache.layers:
             layer.keys.zero_()
         store.drain()
         assert store.counters.promotions >= 8
@@ -266,6 +266,60 @@ def test_changing_what_a_prefill_handed_out_changes_nothing_stored(
         assert again.tiers == {"dram": 4}, "served from the promoted replicas"
         assert _diff(again.logits, full, again.cached_tokens) <= 1e-4
         assert store.check().clean
+
+
+def test_a_forward_that_fails_while_groups_load_leaves_no_read_in_the_next_buffer(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """A planned prefill's forward fails (an out-of-memory, an interrupt) while its
+    group loads are still reading into the engine's landing buffer. The next prefill
+    must not land its chunks in that buffer: a read of the failed request that ends
+    there later overwrites verified chunks of the next one with another prompt's KV.
+    Here the failed request's first read is held in the disk's seam until the next
+    prefill has loaded its group 0."""
+    rng = np.random.default_rng(14)
+    ids_a = rng.integers(0, 512, 4 * TPC + 3).tolist()
+    ids_b = rng.integers(0, 512, 4 * TPC + 3).tolist()
+    full_b = _full_logits(tiny, ids_b)
+    io = FaultyIO()
+    with KVStore.open(
+        tmp_path / "s", dram_bytes=0, disk_bytes=64 << 20, fileio=io, promote_on_hit=False
+    ) as store:
+        eng = HFEngine.for_model(tiny, store, tokens_per_chunk=TPC, layer_groups=2)
+        eng.generate(ids_a, PUBLIC, max_new_tokens=1)
+        eng.generate(ids_b, PUBLIC, max_new_tokens=1)
+        planned = PlannedEngine(eng, _model(), deadline_factor=float("inf"))
+        stall = io.stall("preadv", timeout_s=30.0)  # A's first read: group 0, chunk 0
+        real_suffix = eng._prefill_suffix
+
+        def failing(*args: Any, **kw: Any) -> Any:
+            raise RuntimeError("simulated: the forward ran out of memory")
+
+        eng._prefill_suffix = failing  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="simulated"):
+            planned.prefill(ids_a, PUBLIC, policy=_fixed(0, 4))
+        eng._prefill_suffix = real_suffix  # type: ignore[method-assign]
+        assert stall.wait_entered(10.0)
+        real_load = store.load
+        calls: list[int] = []
+
+        def load(lookup: Any, outs: Any = None, **kw: Any) -> Any:
+            res = real_load(lookup, outs, **kw)
+            calls.append(res.loaded)
+            if len(calls) == 1:  # B's group 0 landed: A's held read ends now
+                stall.release()
+                time.sleep(0.5)
+            return res
+
+        store.load = load  # type: ignore[method-assign]
+        try:
+            pre = eng.prefill(ids_b, PUBLIC)
+        finally:
+            store.load = real_load  # type: ignore[method-assign]
+            stall.release()
+        assert calls == [4, 4] and pre.cached_tokens == 4 * TPC
+        assert _diff(pre.logits, full_b, pre.cached_tokens) <= 1e-4, "A's KV in B's prefix"
+        assert not stall.timed_out
 
 
 def test_a_layer_group_never_shares_a_key_with_a_vllm_pipeline_stage(tiny: LoadedModel) -> None:
@@ -301,3 +355,29 @@ def test_a_layer_group_never_shares_a_key_with_a_vllm_pipeline_stage(tiny: Loade
         assert stage.layout == group.layout, "the same layers, the same fields"
         assert stage.digest != group.digest
         assert not set(chunk_keys(stage, PUBLIC, ids)) & set(chunk_keys(group, PUBLIC, ids))
+
+
+def test_group_views_take_direct_reads_in_aligned_runs(tmp_path: Path) -> None:
+    """A group's landing views are strided slices of the engine's buffer (its layers of
+    each chunk's positions); with runs of whole 4 KiB pages a disk read lands in them
+    directly, piece by piece: every group's bytes where they belong, none elsewhere."""
+    from kvlife.engines.hf_layers import group_views, layer_groups
+    from kvlife.tiers.buffers import aligned_empty, aligned_runs
+
+    lay = KVLayout(LAYERS, 2, 64, "float32", 16)  # a head's 16 tokens: 4 KiB
+    ident = ModelIdentity(model_id="m", weights_digest="w", tokenizer_digest="t", layout=lay)
+    groups = group_identities(ident, 2)
+    rng = np.random.default_rng(15)
+    chunks = [rng.standard_normal(lay.chunk_shape).astype(np.float32) for _ in range(3)]
+    ids = list(range(3 * 16))
+    with KVStore.open(tmp_path / "s", dram_bytes=0, disk_bytes=64 << 20) as store:
+        assert put_groups(store, groups, PUBLIC, ids, chunks, start=0, request_id="") == 3
+        buf = aligned_empty(LAYERS * 2 * 2 * 48 * 64 * 4).view(np.float32)
+        buf = buf.reshape(LAYERS, 2, 2, 48, 64)
+        buf[...] = np.nan
+        views = group_views(buf, layer_groups(LAYERS, 2), 3, 16)
+        assert all(aligned_runs(v) for vs in views for v in vs), "direct reads possible"
+        for found, vs in zip(lookup_groups(store, groups, PUBLIC, ids, 0), views, strict=True):
+            assert store.load(found, vs).loaded == 3
+        for i in range(3):
+            assert np.array_equal(buf[:, :, :, i * 16 : (i + 1) * 16], chunks[i])
