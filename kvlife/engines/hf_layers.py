@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.core.errors import InvalidArgument
+from kvlife.core.errors import InvalidArgument, LayoutMismatch
 from kvlife.core.identity import ModelIdentity, Namespace
 from kvlife.results import ChunkHit, LookupResult
 from kvlife.store import KVStore
@@ -170,7 +170,18 @@ def put_groups(
     group."""
     if not chunks:
         return 0
-    spans = layer_groups(int(chunks[0].shape[0]), len(identities))
+    # the groups' layers, from their identities: every chunk must hold all of them (a
+    # chunk's extra layers would be cut off by the slices below, not refused, and the
+    # groups would store a chunk the whole-chunk put refuses)
+    layers = sum(ident.layout.num_layers for ident in identities)
+    for i, c in enumerate(chunks):
+        if np.ndim(c) < 1 or int(np.shape(c)[0]) != layers:
+            raise LayoutMismatch(
+                f"chunk {i} has shape {tuple(np.shape(c))}; its {len(identities)} layer "
+                f"groups hold {layers} layers (layers, k/v, kv_heads, tokens_per_chunk, "
+                "head_dim)"
+            )
+    spans = layer_groups(layers, len(identities))
     pending: list[Any] = []
     try:
         for ident, (first, n) in zip(identities, spans, strict=True):

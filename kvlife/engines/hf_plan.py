@@ -16,7 +16,10 @@ A load still running at its deadline (the plan's predicted load time times
 ``deadline_factor``, plus ``deadline_slack_s``) is not waited for: the chunks that
 arrived in order are used and the rest is recomputed with the remainder of the prompt
 (vLLM's ``kv_load_failure_policy=recompute`` shape), counted in
-:class:`PlanCounters`. A chunk that fails verification ends the loaded run the same way.
+:class:`PlanCounters`. The loads of a prefill whose forward raises (out of memory, an
+interrupt) keep the buffer they read into too, and the engine takes a new one: a late
+read of theirs never lands in the next request's chunks. A chunk that fails
+verification ends the loaded run the same way.
 Each load that completes teaches the cost model the tier's speed, each prefill the
 engine's speed against its profile.
 
@@ -216,45 +219,57 @@ class PlannedEngine:
             for group, outs in zip(found, views, strict=True):
                 handle = store.load_async(group.sub(front, stop), outs, request_id=request_id)
                 loads.append(_Loading(handle))
-        # the front, computed while the back loads
-        front_cache = eng._new_cache()
-        tf, mf = time.perf_counter(), time.thread_time()
-        if front:
-            front_cache = eng._prefill_suffix(ids[: front * tpc], front_cache, start).cache
-        t2, m2 = time.perf_counter(), time.thread_time()
-        deadline = (
-            math.inf
-            if math.isinf(self.deadline_factor)
-            else t1 + plan.load_s * self.deadline_factor + self.deadline_slack_s
-        )
-        layered = bool(count) and self.layered
-        got, timed_out, abandoned_layer, abandoned_s = 0, False, -1, 0.0
-        landing = _Landing(eng, loads, front_cache, front * tpc, buf, count, deadline)
-        if layered:
-            # the rest's forward starts now; layer l waits for its group inside the cache
-            t2w, m2w = t2, m2
-            cache = landing.cache()
-            t3, m3 = time.perf_counter(), time.thread_time()
-            try:
-                pre = eng._prefill_suffix(ids, cache, start)
-                got = count
-            except GroupUnavailable as exc:
-                # layers before exc.layer attended to the loaded prefix: nothing of this
-                # forward can be kept; recompute on the prefix every group has whole
-                abandoned_layer, timed_out = exc.layer, exc.timed_out
-                got = min(x.take(count, time.perf_counter())[0] for x in loads)
-                t3a = time.perf_counter()
-                abandoned_s = t3a - t3
-                cache = _joined(eng, front_cache, front * tpc, buf, got * tpc)
+        try:
+            # the front, computed while the back loads
+            front_cache = eng._new_cache()
+            tf, mf = time.perf_counter(), time.thread_time()
+            if front:
+                front_cache = eng._prefill_suffix(ids[: front * tpc], front_cache, start).cache
+            t2, m2 = time.perf_counter(), time.thread_time()
+            deadline = (
+                math.inf
+                if math.isinf(self.deadline_factor)
+                else t1 + plan.load_s * self.deadline_factor + self.deadline_slack_s
+            )
+            layered = bool(count) and self.layered
+            got, timed_out, abandoned_layer, abandoned_s = 0, False, -1, 0.0
+            landing = _Landing(eng, loads, front_cache, front * tpc, buf, count, deadline)
+            if layered:
+                # the rest's forward starts now; layer l waits for its group inside the cache
+                t2w, m2w = t2, m2
+                cache = landing.cache()
+                t3, m3 = time.perf_counter(), time.thread_time()
+                try:
+                    pre = eng._prefill_suffix(ids, cache, start)
+                    got = count
+                except GroupUnavailable as exc:
+                    # layers before exc.layer attended to the loaded prefix: nothing of this
+                    # forward can be kept; recompute on the prefix every group has whole
+                    abandoned_layer, timed_out = exc.layer, exc.timed_out
+                    got = min(x.take(count, time.perf_counter())[0] for x in loads)
+                    t3a = time.perf_counter()
+                    abandoned_s = t3a - t3
+                    cache = _joined(eng, front_cache, front * tpc, buf, got * tpc)
+                    t3, m3 = time.perf_counter(), time.thread_time()
+                    pre = eng._prefill_suffix(ids, cache, start)
+            else:
+                if loads:
+                    got, timed_out = _take_all(loads, count, deadline)
+                t2w, m2w = time.perf_counter(), time.thread_time()
+                cache = (
+                    _joined(eng, front_cache, front * tpc, buf, got * tpc) if loads else front_cache
+                )
                 t3, m3 = time.perf_counter(), time.thread_time()
                 pre = eng._prefill_suffix(ids, cache, start)
-        else:
+        except BaseException:
             if loads:
-                got, timed_out = _take_all(loads, count, deadline)
-            t2w, m2w = time.perf_counter(), time.thread_time()
-            cache = _joined(eng, front_cache, front * tpc, buf, got * tpc) if loads else front_cache
-            t3, m3 = time.perf_counter(), time.thread_time()
-            pre = eng._prefill_suffix(ids, cache, start)
+                # the forward failed (out of memory, an interrupt) with reads of this
+                # request still landing in the engine's buffer: the next request needs
+                # another, or a late read overwrites chunks it verified with this
+                # prompt's KV
+                eng._buffer = None
+                self._abandoned += loads
+            raise
         t4, m4 = time.perf_counter(), time.thread_time()
         load_s = 0.0
         if loads:
