@@ -43,7 +43,6 @@ transfer per layer.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -219,8 +218,7 @@ def stack_layers(layers: list[PagedLayer]) -> np.ndarray | None:
     head_dim]`` (integer bits), when the layers are CPU tensors in one allocation a
     constant stride apart (vLLM 0.32 allocates a group's same-shaped layers so:
     ``KVCacheTensor`` in ``v1/kv_cache_interface.py``, ``layer_stride``); else None.
-    A chunk is then written into the cache with one copy for all its layers; the copy
-    is compiled here (:func:`warm_copy`), at registration, not in the first load."""
+    A chunk is then written into the cache with one copy for all its layers."""
     bits = [p._bits for p in layers]
     if not layers or any(b is None for b in bits):
         return None
@@ -236,19 +234,17 @@ def stack_layers(layers: list[PagedLayer]) -> np.ndarray | None:
             return None
     b0 = bits[0]
     assert b0 is not None
-    stack = np.lib.stride_tricks.as_strided(
+    return np.lib.stride_tricks.as_strided(
         b0, shape=(len(layers), *b0.shape), strides=(stride, *b0.strides), writeable=True
     )
-    warm_copy(stack)
-    return stack
 
 
 def write_chunk(stack: np.ndarray, block_ids: np.ndarray, chunk: np.ndarray, skip: int) -> None:
     """Write ``chunk`` (``(layers, 2, heads, T, head_dim)``) from its block ``skip`` on
     into blocks ``block_ids`` of every layer of ``stack`` (:func:`stack_layers`): one
-    call, straight from the chunk into the blocks (the compiled kernel of
-    :func:`copy_kernel` where a block's ``(block_size, head_dim)`` rows are contiguous,
-    else numpy's indexed copy)."""
+    indexed copy, straight from the chunk into the blocks. (A numba kernel over the
+    runs, releasing the GIL, and a slice copy per run of consecutive blocks were measured
+    against it and were no faster: docs/vllm.md, "The load and save path".)"""
     layers, two, heads, tokens, dim = chunk.shape
     bs = stack.shape[4]
     if stack.shape[0] != layers or stack.shape[2:] != (heads, two, bs, dim):
@@ -258,81 +254,16 @@ def write_chunk(stack: np.ndarray, block_ids: np.ndarray, chunk: np.ndarray, ski
             f"chunk of {chunk.dtype.itemsize}-byte elements for paged blocks of {stack.itemsize}"
         )
     k = tokens // bs
-    if not 0 <= skip <= k or len(block_ids) != k - skip:
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if not 0 <= skip <= k or ids.shape != (k - skip,):
         raise UnsupportedModel(
-            f"{len(block_ids)} blocks for a chunk of {k} blocks from its block {skip} on"
+            f"{len(ids)} blocks for a chunk of {k} blocks from its block {skip} on"
         )
-    ids = np.ascontiguousarray(block_ids, dtype=np.int64)
-    # the compiled copy checks no bounds, and numpy's would take -1 for the last block
+    # numpy would take -1 as the last block: refuse, never guess
     if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= stack.shape[1]):
         raise UnsupportedModel(f"block ids {ids.tolist()} outside {stack.shape[1]} blocks")
-    src = as_bits(chunk).reshape(layers, two, heads, k, bs, dim)
-    kernel = copy_kernel()
-    rows = _row_view(stack) if kernel is not None else None
-    if kernel is not None and rows is not None:
-        kernel(rows, src.reshape(layers, two, heads, k, bs * dim), ids, skip)
-        return
-    stack[:, ids] = src[:, :, :, skip:].transpose(0, 3, 2, 1, 4, 5)
-
-
-def _row_view(stack: np.ndarray) -> np.ndarray | None:
-    """``stack`` ``[layers, blocks, heads, 2, block_size, head_dim]`` as ``[layers,
-    blocks, heads, 2, block_size * head_dim]`` (a view), when each block's ``(block_size,
-    head_dim)`` is one contiguous run (vLLM's CPU layout); else None."""
-    item = stack.itemsize
-    bs, dim = stack.shape[4], stack.shape[5]
-    if stack.strides[5] != item or (bs > 1 and stack.strides[4] != dim * item):
-        return None
-    return np.lib.stride_tricks.as_strided(
-        stack, shape=(*stack.shape[:4], bs * dim), strides=(*stack.strides[:4], item)
-    )
-
-
-def _copy_runs(dst: Any, src: Any, ids: Any, skip: int) -> None:  # pragma: no cover - compiled
-    """``dst[l, ids[j], h, kv, :] = src[l, kv, h, skip + j, :]``: each (layer, block,
-    head, key/value) run of ``block_size * head_dim`` elements copied once (numba)."""
-    layers, two, heads, run = src.shape[0], src.shape[1], src.shape[2], src.shape[4]
-    for layer in range(layers):
-        for j in range(ids.shape[0]):
-            b = ids[j]
-            for h in range(heads):
-                for kv in range(two):
-                    d = dst[layer, b, h, kv]
-                    s = src[layer, kv, h, skip + j]
-                    for x in range(run):
-                        d[x] = s[x]
-
-
-_KERNEL: Any = None
-"""The compiled :func:`_copy_runs` (None: not tried yet; False: numba is missing)."""
-_KERNEL_LOCK = threading.Lock()
-
-
-def copy_kernel() -> Any | None:
-    """:func:`_copy_runs` compiled by numba (``nogil``: the loader thread's copy never
-    holds the GIL the forward's thread needs; ``cache``: compiled once per installation,
-    loaded from numba's cache by later processes), or None where numba is not installed
-    (vLLM depends on it; numpy's indexed copy then). Compiled lazily per element width:
-    :func:`warm_copy` compiles it at registration, before the first request."""
-    global _KERNEL
-    with _KERNEL_LOCK:
-        if _KERNEL is None:
-            try:
-                from numba import njit
-            except ImportError:
-                _KERNEL = False
-            else:
-                _KERNEL = njit(nogil=True, cache=True)(_copy_runs)
-        return _KERNEL or None
-
-
-def warm_copy(stack: np.ndarray) -> None:
-    """Compile (or load from numba's cache) the copy for ``stack``'s element width now:
-    a copy of no blocks. Runs where the layers are registered, so no request's load pays
-    the compilation (seconds on a busy host, once per installation)."""
-    layers, _, heads, two, bs, dim = stack.shape
-    chunk = np.zeros((layers, two, heads, bs, dim), stack.dtype)
-    write_chunk(stack, np.zeros(0, np.int64), chunk, 1)
+    blocks = as_bits(chunk).reshape(layers, two, heads, k, bs, dim)[:, :, :, skip:]
+    stack[:, ids] = blocks.transpose(0, 3, 2, 1, 4, 5)
 
 
 def _ids(block_ids: Any) -> np.ndarray:
