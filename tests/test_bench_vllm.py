@@ -41,6 +41,12 @@ def test_bench_vllm_quick_writes_its_json(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["identical_outputs"] is True
     assert set(data["total_ttft_s"]) == set(PHASES) == set(data["ratio_vs_vllm_apc"])
+    assert set(data["total_ttft_after_first_s"]) == set(PHASES)
+    assert set(data["ratio_vs_vllm_apc_after_first"]) == set(PHASES)
+    # the connector's time in the engine's thread, per request of each kvlife run
+    spent = data["turns"][0]["connector_s"]["kvlife dram"]
+    assert set(spent) == {"lookup_s", "wait_s", "gather_s", "stage_s", "load_s", "path_s"}
+    assert spent["gather_s"] > 0  # the first turn's prompt is saved: a miss is not free
     assert len(data["turns"]) == 2
     assert data["settings"]["jobs"] == 3
     second = data["turns"][1]

@@ -104,19 +104,52 @@ def worker_tiers() -> dict[str, int]:
     return {}
 
 
+PATH_TIMINGS = ("lookup_s", "wait_s", "gather_s", "stage_s")
+"""The worker's timings spent in the engine's own thread, on the step's path (the
+loader's copy, ``load_s``, runs beside the forward; the stager's work after the step)."""
+
+
+def worker_timings() -> dict[str, float]:
+    """The worker-side connector's timings of this process so far (``WorkerTimings``)."""
+    from dataclasses import asdict
+
+    from kvlife.engines.vllm.connector import live_connectors
+
+    for conn in live_connectors():
+        if conn.worker is not None:
+            return {k: float(v) for k, v in asdict(conn.worker.timings).items()}
+    return {}
+
+
 def request_row(
-    out: Any, prompt_tokens: int, wall: float, tiers_before: dict[str, int]
+    out: Any,
+    prompt_tokens: int,
+    wall: float,
+    tiers_before: dict[str, int],
+    timings_before: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """What a benchmark records of one request vLLM served (``out``, its
     ``RequestOutput``; ``wall``, the ``generate`` call's time; ``tiers_before``,
     :func:`worker_tiers` before it): output ids, TTFT (vLLM's own metric, else the wall
     time), time per output token after the first, vLLM's ``num_cached_tokens`` (its
-    prefix cache and the connector together) and the chunks each kvlife tier served."""
+    prefix cache and the connector together) and the chunks each kvlife tier served;
+    given ``timings_before`` (:func:`worker_timings`), ``connector_s``: the connector's
+    time in the engine's thread during the request (:data:`PATH_TIMINGS`, over all its
+    steps) and its loads' ``load_s``."""
     after = worker_tiers()
     m = out.metrics
     ttft = float(m.first_token_latency) if m is not None and m.first_token_latency else wall
     ids = list(out.outputs[0].token_ids)
+    spent: dict[str, float] = {}
+    if timings_before is not None:
+        now = worker_timings()
+        spent = {
+            k: now[k] - timings_before.get(k, 0.0) for k in (*PATH_TIMINGS, "load_s") if k in now
+        }
+        if spent:
+            spent["path_s"] = sum(spent[k] for k in PATH_TIMINGS)
     return {
+        "connector_s": spent,
         "prompt_tokens": prompt_tokens,
         "output_ids": ids,
         "ttft_s": ttft,
@@ -139,6 +172,7 @@ def _serve(
         prompt["cache_salt"] = salt
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
     before = worker_tiers()
+    timings = worker_timings()
     t0 = time.perf_counter()
     lora_request = None
     if lora:
@@ -146,7 +180,7 @@ def _serve(
 
         lora_request = LoRARequest(lora["name"], int(lora["id"]), lora["path"])
     out = llm.generate([prompt], sp, use_tqdm=False, lora_request=lora_request)[0]
-    return request_row(out, len(tokens), time.perf_counter() - t0, before)
+    return request_row(out, len(tokens), time.perf_counter() - t0, before, timings)
 
 
 def _chat(llm: Any, max_new_tokens: int, turns: int, users: int) -> list[dict[str, Any]]:

@@ -187,6 +187,60 @@ def test_layers_in_one_allocation_take_a_chunk_in_one_copy(dtype: Any) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "targets",
+    [
+        pytest.param([[11, 3, 7], [2, 10, 1, 6]], id="scattered"),
+        pytest.param([[0, 1, 2], [3, 4, 5, 6]], id="ascending"),
+        pytest.param([[9, 8, 7], [6, 5, 4, 3]], id="descending"),
+        pytest.param([[0, 5, 6], [11, 10, 2, 3]], id="mixed-runs"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_group_of_layers_takes_its_slice_of_each_chunk_in_any_block_order(
+    targets: list[list[int]], dtype: Any
+) -> None:
+    """The loader writes a step's chunks a group of layers at a time (``stack[lo:hi]``,
+    ``chunk[lo:hi]``), in whatever order vLLM hands out blocks (fresh ones ascending,
+    freed ones descending): exactly the chunk's blocks after ``skip`` land in the given
+    blocks of those layers, and nothing else changes."""
+    layers = 5
+    raw = torch.randn(layers * BLOCKS * HEADS * BS * 2 * DIM).to(dtype)
+    per = BLOCKS * HEADS * BS * 2 * DIM
+    caches = [raw[i * per : (i + 1) * per].view(BLOCKS, HEADS, BS, 2 * DIM) for i in range(layers)]
+    stack = stack_layers([PagedLayer(c, "halves", HEADS, DIM) for c in caches])
+    assert stack is not None
+    before = [c.clone() for c in caches]
+    chunks = [torch.randn(layers, 2, HEADS, 4 * BS, DIM).to(dtype) for _ in range(2)]
+    # the first chunk's leading block is cached (vLLM's prefix cache): not written
+    for lo, hi in [(0, 2), (2, 5)]:
+        write_chunk(stack[lo:hi], np.array(targets[0]), _host_bits(chunks[0])[lo:hi], 1)
+        write_chunk(stack[lo:hi], np.array(targets[1]), _host_bits(chunks[1])[lo:hi], 0)
+    for layer in range(layers):
+        got = _expected(_halves, caches[layer], targets[0])
+        assert torch.equal(got, chunks[0][layer, :, :, BS:])
+        assert torch.equal(_expected(_halves, caches[layer], targets[1]), chunks[1][layer])
+        rest = [b for b in range(BLOCKS) if b not in targets[0] + targets[1]]
+        assert torch.equal(
+            _expected(_halves, caches[layer], rest), _expected(_halves, before[layer], rest)
+        )
+
+
+@pytest.mark.parametrize("ids", [[3, BLOCKS], [-1, 2], [4]])
+def test_block_ids_that_do_not_fit_are_refused_before_anything_is_written(ids: list[int]) -> None:
+    """An id outside the cache (numpy would take -1 as the last block), or a count that
+    does not match the chunk's blocks, is refused, and the cache is left as it was."""
+    raw = torch.randn(2 * BLOCKS * HEADS * BS * 2 * DIM)
+    caches = [c.view(BLOCKS, HEADS, BS, 2 * DIM) for c in raw.chunk(2)]
+    stack = stack_layers([PagedLayer(c, "halves", HEADS, DIM) for c in caches])
+    assert stack is not None
+    before = raw.clone()
+    chunk = torch.randn(2, 2, HEADS, 2 * BS, DIM)
+    with pytest.raises((UnsupportedModel, IndexError)):
+        write_chunk(stack, np.array(ids, np.int64), _host_bits(chunk), 0)
+    assert torch.equal(raw, before)
+
+
 def _host_bits(t: torch.Tensor) -> np.ndarray:
     width = {2: torch.int16, 4: torch.int32}[t.element_size()]
     bits: np.ndarray = t.view(width).numpy()

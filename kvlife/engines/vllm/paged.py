@@ -242,13 +242,28 @@ def stack_layers(layers: list[PagedLayer]) -> np.ndarray | None:
 def write_chunk(stack: np.ndarray, block_ids: np.ndarray, chunk: np.ndarray, skip: int) -> None:
     """Write ``chunk`` (``(layers, 2, heads, T, head_dim)``) from its block ``skip`` on
     into blocks ``block_ids`` of every layer of ``stack`` (:func:`stack_layers`): one
-    indexed copy, straight from the chunk into the blocks."""
+    indexed copy, straight from the chunk into the blocks. (A numba kernel over the
+    runs, releasing the GIL, and a slice copy per run of consecutive blocks were measured
+    against it and were no faster: docs/vllm.md, "The load and save path".)"""
     layers, two, heads, tokens, dim = chunk.shape
     bs = stack.shape[4]
     if stack.shape[0] != layers or stack.shape[2:] != (heads, two, bs, dim):
         raise UnsupportedModel(f"chunk of shape {chunk.shape} for paged blocks {stack.shape}")
-    blocks = as_bits(chunk).reshape(layers, two, heads, tokens // bs, bs, dim)[:, :, :, skip:]
-    stack[:, block_ids] = blocks.transpose(0, 3, 2, 1, 4, 5)
+    if chunk.dtype.itemsize != stack.itemsize:
+        raise UnsupportedModel(
+            f"chunk of {chunk.dtype.itemsize}-byte elements for paged blocks of {stack.itemsize}"
+        )
+    k = tokens // bs
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if not 0 <= skip <= k or ids.shape != (k - skip,):
+        raise UnsupportedModel(
+            f"{len(ids)} blocks for a chunk of {k} blocks from its block {skip} on"
+        )
+    # numpy would take -1 as the last block: refuse, never guess
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= stack.shape[1]):
+        raise UnsupportedModel(f"block ids {ids.tolist()} outside {stack.shape[1]} blocks")
+    blocks = as_bits(chunk).reshape(layers, two, heads, k, bs, dim)[:, :, :, skip:]
+    stack[:, ids] = blocks.transpose(0, 3, 2, 1, 4, 5)
 
 
 def _ids(block_ids: Any) -> np.ndarray:
