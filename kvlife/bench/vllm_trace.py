@@ -28,6 +28,8 @@ evicts, as a loaded deployment's does):
 - ``vllm``: no KV layer, vLLM's own prefix cache only (the reference);
 - ``kvlife dram``: kvlife's connector, embedded store, DRAM tier only (``dram_mib``);
 - ``kvlife dram+disk``: the same DRAM and a disk tier (``disk_mib``);
+- ``kvlife serve``: the same DRAM and disk in a ``kvlife serve`` process the benchmark
+  starts for the run (stopped by PID after it), the engine its client over a Unix socket;
 - ``vllm offload``: vLLM's own ``OffloadingConnector`` (``CPUOffloadingSpec``, LRU) with
   ``cpu_bytes_to_use`` equal to kvlife's DRAM;
 - ``lmcache``: LMCache's vLLM connector (``LMCacheConnectorV1``, local CPU backend of
@@ -70,6 +72,7 @@ CONFIGS = (
     "vllm",
     "kvlife dram",
     "kvlife dram+disk",
+    "kvlife serve",
     "vllm offload",
     "vllm simple offload",
     "lmcache",
@@ -77,6 +80,7 @@ CONFIGS = (
 PEERS = ("vllm offload", "vllm simple offload", "lmcache")
 """Configurations that may not run on this machine: their error is recorded as the
 evidence (vLLM's or LMCache's file and line that refused), the benchmark goes on."""
+MIB = 1 << 20
 TOKEN_LOW, TOKEN_HIGH = 256, 48_000
 """Synthetic token ids are drawn from here: clear of SmolLM2's special tokens (the first
 few ids) and inside its 49,152-token vocabulary."""
@@ -119,9 +123,10 @@ QUICK = TraceSettings(
     kv_cache_mib=16,
     dram_mib=64,
     disk_mib=128,
-    configs=("vllm", "kvlife dram", "kvlife dram+disk"),
+    configs=("vllm", "kvlife dram", "kvlife dram+disk", "kvlife serve"),
 )
-"""``--quick`` (the test): 9 requests, 1,652 prompt tokens, kvlife and no KV layer only."""
+"""``--quick`` (the test): 9 requests, 1,652 prompt tokens, kvlife (embedded and served) and
+no KV layer only."""
 
 
 def load_slice(path: Path, sl: TraceSlice) -> list[dict[str, Any]]:
@@ -197,10 +202,16 @@ def _specs(
             },
         }
 
+    served = kvlife("served", settings.disk_mib)
+    served["extra"] = {
+        "kvlife.socket": str(served_socket(work)),
+        "kvlife.chunk_tokens": sl.block_tokens,
+    }
     all_specs = {
         "vllm": base,
         "kvlife dram": base | {"connector": kvlife("store-dram", 0)},
         "kvlife dram+disk": base | {"connector": kvlife("store-disk", settings.disk_mib)},
+        "kvlife serve": base | {"connector": served},
         "vllm offload": base
         | {
             "connector": {
@@ -233,6 +244,17 @@ def _specs(
         },
     }
     return {name: all_specs[name] for name in settings.configs}
+
+
+SERVED = "kvlife serve"
+"""The configuration whose store is a ``kvlife serve`` process (DRAM and disk of the same
+sizes as ``kvlife dram+disk``) the benchmark starts before its engine and stops by PID
+after it: the engine is its client over a Unix socket."""
+
+
+def served_socket(work: Path) -> Path:
+    """The socket of :data:`SERVED`'s server (``BenchServer`` names it after the store)."""
+    return work / "served-store.sock"
 
 
 def lmcache_site() -> Path | None:
@@ -277,6 +299,25 @@ def _run(python: str, spec: dict[str, Any], work: Path, name: str) -> dict[str, 
     return result
 
 
+def _run_served(
+    python: str, spec: dict[str, Any], work: Path, settings: TraceSettings
+) -> dict[str, Any]:
+    """:data:`SERVED`'s run: a ``kvlife serve`` of the DRAM + disk budgets started for
+    it, its counters read after the engine exited, stopped by PID."""
+    from kvlife.bench.server.servers import BenchServer
+    from kvlife.tiers.shm import SHM_DIR
+
+    server = BenchServer(
+        work / "served-store", settings.dram_mib * MIB, settings.disk_mib * MIB, SHM_DIR
+    )
+    try:
+        if server.socket != served_socket(work):
+            raise KVLifeError(f"kvlife serve listens on {server.socket}, not the spec's socket")
+        return _run(python, spec, work, SERVED)
+    finally:
+        server.stop()
+
+
 def _degraded(stderr: str) -> str:
     """A peer's own words that it runs without its cache (LMCache: "No supported cpu
     connector found ... System will operate in degraded mode (recompute)"), or ""."""
@@ -311,7 +352,10 @@ def run_bench(
     for i, (name, spec) in enumerate(specs.items()):
         if progress:
             print(f"[{i + 1}/{len(specs)}] {name!r}: {len(requests)} requests ...", flush=True)
-        runs[name] = _run(python, spec, work, name)
+        if name == SERVED:
+            runs[name] = _run_served(python, spec, work, settings)
+        else:
+            runs[name] = _run(python, spec, work, name)
     machine = machine_figures(work, quick=True)
     return summarize(runs, requests, settings, trace, machine)
 

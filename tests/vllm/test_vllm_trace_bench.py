@@ -52,7 +52,7 @@ def test_kvlife_outputs_equal_no_kv_layer_and_kvlife_serves_reuse(
     result: dict[str, Any],
 ) -> None:
     assert result["reusable_ratio"] > 0
-    for name in ("kvlife dram", "kvlife dram+disk"):
+    for name in ("kvlife dram", "kvlife dram+disk", "kvlife serve"):
         c = result["configs"][name]
         assert c["ran"] and c["identical_outputs"], (name, c["different_requests"])
         assert c["kvlife_hit_ratio"] > 0, name
