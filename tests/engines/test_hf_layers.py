@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +23,11 @@ from kvlife.core.identity import PUBLIC  # noqa: E402
 from kvlife.core.identity import prompt_chunk_keys as chunk_keys  # noqa: E402
 from kvlife.engines.hf import HFEngine  # noqa: E402
 from kvlife.engines.hf_layers import group_identities, layer_groups  # noqa: E402
-from kvlife.engines.hf_plan import PlannedEngine, Policy  # noqa: E402
+from kvlife.engines.hf_plan import PlannedEngine  # noqa: E402
 from kvlife.engines.models import LoadedModel, tiny_llama  # noqa: E402
 from kvlife.faults.damage import flip, scan_frames  # noqa: E402
-from kvlife.faults.throttle import ThrottledDiskOptions, ThrottledTier  # noqa: E402
-from kvlife.planner import CostModel, Plan, PrefillProfile  # noqa: E402
-from kvlife.planner.plan import make_plan  # noqa: E402
-from kvlife.results import ChunkHit  # noqa: E402
-from kvlife.store import KVStore, StoreConfig, TierSpec  # noqa: E402
+from kvlife.faults.throttle import ThrottledTier  # noqa: E402
+from tests.engines.plans import fixed, seeded_model, throttled_store  # noqa: E402
 
 TPC = 32
 LAYERS = 4
@@ -40,29 +36,6 @@ LAYERS = 4
 @pytest.fixture(scope="module")
 def tiny() -> LoadedModel:
     return tiny_llama(seed=7, layers=LAYERS)
-
-
-def _store(path: Path) -> KVStore:
-    spec = TierSpec(
-        "throttled-disk",
-        "disk",
-        256 << 20,
-        options=ThrottledDiskOptions(read_mb_s=0.0, segment_bytes=16 << 20, direct_io=False),
-    )
-    return KVStore(path, StoreConfig(tiers=(spec,), promote_on_hit=False))
-
-
-def _model(spb: float = 1e-9) -> CostModel:
-    m = CostModel(PrefillProfile(0.0, 1e-4, 1e-9), TPC)
-    m.tier("disk").per_byte.seed(spb)
-    return m
-
-
-def _fixed(front: int, stop: int) -> Policy:
-    def policy(model: CostModel, hits: Sequence[ChunkHit], n: int) -> Plan:
-        return make_plan(model, hits, n, front, stop)
-
-    return policy
 
 
 def _want(tiny: LoadedModel, ids: list[int], new: int) -> tuple[list[int], Any]:
@@ -110,7 +83,7 @@ def test_layered_plans_give_the_output_of_a_full_prefill(
     rng = np.random.default_rng(groups)
     ids = rng.integers(0, 512, 8 * TPC + 11).tolist()
     want, full = _want(tiny, ids, 16)
-    with _store(tmp_path) as store:
+    with throttled_store(tmp_path) as store:
         eng = HFEngine.for_model(tiny, store, tokens_per_chunk=TPC, layer_groups=groups)
         eng.generate(ids[: 8 * TPC + 3], PUBLIC, max_new_tokens=1)  # stores 8 chunks
         assert len(store.indexed_keys()) == 8 * groups  # one object per chunk and group
@@ -118,11 +91,11 @@ def test_layered_plans_give_the_output_of_a_full_prefill(
         pre = eng.prefill(ids, PUBLIC)
         assert pre.cached_tokens == 8 * TPC
         assert _exact(pre.logits, full, pre.cached_tokens) <= 1e-4
-        planned = PlannedEngine(eng, _model(), deadline_factor=float("inf"))
+        planned = PlannedEngine(eng, seeded_model(TPC), deadline_factor=float("inf"))
         assert planned.model.layer_groups == groups
         # load-only, a shorter load, the Cake split (front computed while back loads)
         for front, stop in [(0, 8), (0, 5), (3, 8), (1, 6), (0, 0)]:
-            out, done = planned.generate(ids, PUBLIC, max_new_tokens=16, policy=_fixed(front, stop))
+            out, done = planned.generate(ids, PUBLIC, max_new_tokens=16, policy=fixed(front, stop))
             assert done.loaded == stop - front and done.fallback == 0
             assert done.layered == (groups > 1 and stop > front)
             assert done.plan.groups == groups
@@ -133,9 +106,9 @@ def test_layered_plans_give_the_output_of_a_full_prefill(
             assert out == want, f"G={groups} plan {front, stop}"
         assert planned.counters.abandoned == 0 and planned.counters.misses == 0
         # the same groups waited for whole before the rest's forward (no overlap)
-        waiting = PlannedEngine(eng, _model(), deadline_factor=float("inf"), layered=False)
+        waiting = PlannedEngine(eng, seeded_model(TPC), deadline_factor=float("inf"), layered=False)
         assert waiting.model.layer_groups == 1
-        out, done = waiting.generate(ids, PUBLIC, max_new_tokens=16, policy=_fixed(2, 8))
+        out, done = waiting.generate(ids, PUBLIC, max_new_tokens=16, policy=fixed(2, 8))
         assert not done.layered and done.loaded == 6 and out == want
 
 
@@ -143,7 +116,7 @@ def test_a_chunk_is_usable_only_when_every_group_is(tiny: LoadedModel, tmp_path:
     rng = np.random.default_rng(3)
     ids = rng.integers(0, 512, 8 * TPC + 5).tolist()
     want, full = _want(tiny, ids, 12)
-    with _store(tmp_path) as store:
+    with throttled_store(tmp_path) as store:
         eng = HFEngine.for_model(tiny, store, tokens_per_chunk=TPC, layer_groups=2)
         eng.generate(ids, PUBLIC, max_new_tokens=1)
         # group 1 loses chunks 5.. (an invalidation of its chain); group 0 keeps all 8
@@ -153,7 +126,7 @@ def test_a_chunk_is_usable_only_when_every_group_is(tiny: LoadedModel, tmp_path:
         pre = eng.prefill(ids, PUBLIC)
         assert pre.cached_tokens == 5 * TPC
         assert _exact(pre.logits, full, 5 * TPC) <= 1e-4
-        planned = PlannedEngine(eng, _model(), deadline_factor=float("inf"))
+        planned = PlannedEngine(eng, seeded_model(TPC), deadline_factor=float("inf"))
         out, done = planned.generate(ids, PUBLIC, max_new_tokens=12)
         assert done.plan.hits == 5 and out == want
 
@@ -164,17 +137,17 @@ def test_a_corrupt_group_after_the_forward_started_is_recomputed(
     rng = np.random.default_rng(4)
     ids = rng.integers(0, 512, 8 * TPC + 7).tolist()
     want, full = _want(tiny, ids, 12)
-    with _store(tmp_path) as store:
+    with throttled_store(tmp_path) as store:
         eng = HFEngine.for_model(tiny, store, tokens_per_chunk=TPC, layer_groups=2)
         eng.generate(ids, PUBLIC, max_new_tokens=1)
     # a real file on the disk tier: flip bytes of group 1's chunk 3
     key = chunk_keys(eng.group_identities[1], PUBLIC, ids[: 8 * TPC])[3]
     frame = next(f for f in scan_frames(tmp_path) if f.key == key)
     flip(frame.segment, frame.payload_offset + 100, 4)
-    with _store(tmp_path) as store:
+    with throttled_store(tmp_path) as store:
         eng = HFEngine.for_model(tiny, store, tokens_per_chunk=TPC, layer_groups=2)
-        planned = PlannedEngine(eng, _model(), deadline_factor=float("inf"))
-        out, done = planned.generate(ids, PUBLIC, max_new_tokens=12, policy=_fixed(0, 8))
+        planned = PlannedEngine(eng, seeded_model(TPC), deadline_factor=float("inf"))
+        out, done = planned.generate(ids, PUBLIC, max_new_tokens=12, policy=fixed(0, 8))
         cached = done.prefill.cached_tokens
         assert _exact(done.prefill.logits, full, cached) <= 1e-4
         assert out == want
@@ -193,7 +166,7 @@ def test_a_group_late_after_the_forward_started_is_recomputed(
     rng = np.random.default_rng(5)
     ids = rng.integers(0, 512, 8 * TPC + 9).tolist()
     want, full = _want(tiny, ids, 12)
-    with _store(tmp_path) as store:
+    with throttled_store(tmp_path) as store:
         eng = HFEngine.for_model(tiny, store, tokens_per_chunk=TPC, layer_groups=2)
         eng.generate(ids, PUBLIC, max_new_tokens=1)
         tier = store.tier("disk")
@@ -204,8 +177,8 @@ def test_a_group_late_after_the_forward_started_is_recomputed(
         # 1 be charged first); group 1 then trickles at ~0.2 s a chunk while the model,
         # seeded for a fast disk, plans for microseconds: its deadline is the 0.6 s slack
         tier.set_limits(chunk / 0.2, burst_bytes=group_bytes + chunk // 2)
-        planned = PlannedEngine(eng, _model(1e-10), deadline_slack_s=0.6)
-        out, done = planned.generate(ids, PUBLIC, max_new_tokens=12, policy=_fixed(0, 8))
+        planned = PlannedEngine(eng, seeded_model(TPC, 1e-10), deadline_slack_s=0.6)
+        out, done = planned.generate(ids, PUBLIC, max_new_tokens=12, policy=fixed(0, 8))
         cached = done.prefill.cached_tokens
         assert _exact(done.prefill.logits, full, cached) <= 1e-4
         assert out == want
@@ -217,7 +190,7 @@ def test_a_group_late_after_the_forward_started_is_recomputed(
         assert planned.settle(30.0)
         tier.set_limits(0.0)
         deadline = time.monotonic() + 5
-        out2, again = planned.generate(ids, PUBLIC, max_new_tokens=12, policy=_fixed(0, 8))
+        out2, again = planned.generate(ids, PUBLIC, max_new_tokens=12, policy=fixed(0, 8))
         assert again.loaded == 8 and again.abandoned_layer == -1 and out2 == want
         assert time.monotonic() < deadline
 

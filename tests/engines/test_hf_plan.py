@@ -6,7 +6,6 @@ output is still exact; the engine's prefill profile is measured and cached."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,16 +18,13 @@ from kvlife.core.identity import PUBLIC  # noqa: E402
 from kvlife.engines.hf import HFEngine  # noqa: E402
 from kvlife.engines.hf_plan import (  # noqa: E402
     PlannedEngine,
-    Policy,
     measure_prefill,
     prefill_profile,
 )
 from kvlife.engines.models import LoadedModel, tiny_llama  # noqa: E402
-from kvlife.faults.throttle import MB, ThrottledDiskOptions, ThrottledTier  # noqa: E402
-from kvlife.planner import CostModel, Plan, PrefillProfile, choose  # noqa: E402
-from kvlife.planner.plan import make_plan  # noqa: E402
-from kvlife.results import ChunkHit  # noqa: E402
-from kvlife.store import KVStore, StoreConfig, TierSpec  # noqa: E402
+from kvlife.faults.throttle import MB, ThrottledTier  # noqa: E402
+from kvlife.planner import choose  # noqa: E402
+from tests.engines.plans import fixed, seeded_model, throttled_store  # noqa: E402
 
 TPC = 32
 
@@ -38,43 +34,20 @@ def tiny() -> LoadedModel:
     return tiny_llama(seed=5)
 
 
-def _store(path: Path, mb_s: float = 0.0) -> KVStore:
-    spec = TierSpec(
-        "throttled-disk",
-        "disk",
-        256 << 20,
-        options=ThrottledDiskOptions(read_mb_s=mb_s, segment_bytes=16 << 20, direct_io=False),
-    )
-    return KVStore(path, StoreConfig(tiers=(spec,), promote_on_hit=False))
-
-
-def _model(spb: float = 1e-9) -> CostModel:
-    m = CostModel(PrefillProfile(0.0, 1e-4, 1e-9), TPC)
-    m.tier("disk").per_byte.seed(spb)
-    return m
-
-
-def _fixed(front: int, stop: int) -> Policy:
-    def policy(model: CostModel, hits: Sequence[ChunkHit], n: int) -> Plan:
-        return make_plan(model, hits, n, front, stop)
-
-    return policy
-
-
 def test_every_plan_gives_the_output_of_a_full_prefill(tiny: LoadedModel, tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 512, 8 * TPC + 11).tolist()
     base = HFEngine.for_model(tiny, None, tokens_per_chunk=TPC)
     full = base.prefill(ids, PUBLIC)
     want, _, _ = base.decode(full, len(ids), 24, stop_at_eos=False)
-    with _store(tmp_path) as store:
+    with throttled_store(tmp_path) as store:
         eng = HFEngine.for_model(tiny, store, tokens_per_chunk=TPC)
         eng.generate(ids[: 8 * TPC + 3], PUBLIC, max_new_tokens=1)  # stores 8 chunks
         # exactness, not timing: no deadline (a busy machine must not turn loads into
         # fallbacks here; the deadline has its own test)
-        planned = PlannedEngine(eng, _model(), deadline_factor=float("inf"))
+        planned = PlannedEngine(eng, seeded_model(TPC), deadline_factor=float("inf"))
         for front, stop in [(0, 0), (0, 8), (0, 5), (1, 8), (4, 8), (7, 8), (2, 6), (3, 3)]:
-            out, done = planned.generate(ids, PUBLIC, max_new_tokens=24, policy=_fixed(front, stop))
+            out, done = planned.generate(ids, PUBLIC, max_new_tokens=24, policy=fixed(front, stop))
             plan = done.plan
             assert (plan.front, plan.stop) == ((front, stop) if front != stop else (0, 0))
             assert done.loaded == plan.stop - plan.front and done.fallback == 0
@@ -97,7 +70,7 @@ def test_a_load_past_its_deadline_falls_back_to_recompute(
     ids = rng.integers(0, 512, 8 * TPC + 5).tolist()
     base = HFEngine.for_model(tiny, None, tokens_per_chunk=TPC)
     want = base.generate(ids, PUBLIC, max_new_tokens=16, stop_at_eos=False).output_ids
-    with _store(tmp_path) as store:
+    with throttled_store(tmp_path) as store:
         eng = HFEngine.for_model(tiny, store, tokens_per_chunk=TPC)
         eng.generate(ids, PUBLIC, max_new_tokens=1)
         tier = store.tier("disk")
@@ -105,8 +78,8 @@ def test_a_load_past_its_deadline_falls_back_to_recompute(
         # a chunk of the tiny model is 24 KiB: at 0.2 MB/s each takes ~0.12 s, while the
         # model (seeded for a fast disk) plans for microseconds
         tier.set_limits(0.2 * MB)
-        planned = PlannedEngine(eng, _model(1e-10), deadline_slack_s=0.2)
-        out, done = planned.generate(ids, PUBLIC, max_new_tokens=16, policy=_fixed(0, 8))
+        planned = PlannedEngine(eng, seeded_model(TPC, 1e-10), deadline_slack_s=0.2)
+        out, done = planned.generate(ids, PUBLIC, max_new_tokens=16, policy=fixed(0, 8))
         assert done.fallback > 0 and done.loaded + done.fallback == 8
         assert planned.counters.timeouts == 1 and planned.counters.fallback_chunks == done.fallback
         assert done.prefill.cached_tokens == done.loaded * TPC
@@ -117,7 +90,7 @@ def test_a_load_past_its_deadline_falls_back_to_recompute(
         while tier.counters.reads < 8 and time.monotonic() < deadline:
             time.sleep(0.05)
         tier.set_limits(0.0)
-        out2, again = planned.generate(ids, PUBLIC, max_new_tokens=16, policy=_fixed(0, 8))
+        out2, again = planned.generate(ids, PUBLIC, max_new_tokens=16, policy=fixed(0, 8))
         assert again.loaded == 8 and out2 == want
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +27,12 @@ from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity  # noqa: E402
 from kvlife.core.identity import prompt_chunk_keys as chunk_keys  # noqa: E402
 from kvlife.engines.hf import HFEngine  # noqa: E402
 from kvlife.engines.hf_layers import group_identities, lookup_groups, put_groups  # noqa: E402
-from kvlife.engines.hf_plan import PlannedEngine, Policy  # noqa: E402
+from kvlife.engines.hf_plan import PlannedEngine  # noqa: E402
 from kvlife.engines.models import LoadedModel, tiny_llama  # noqa: E402
 from kvlife.faults.fileio import FaultyIO  # noqa: E402
-from kvlife.faults.throttle import ThrottledDiskOptions, ThrottledTier  # noqa: E402
-from kvlife.planner import CostModel, Plan, PrefillProfile  # noqa: E402
-from kvlife.planner.plan import make_plan  # noqa: E402
-from kvlife.results import ChunkHit  # noqa: E402
-from kvlife.store import KVStore, StoreConfig, TierSpec  # noqa: E402
+from kvlife.faults.throttle import ThrottledTier  # noqa: E402
+from kvlife.store import KVStore  # noqa: E402
+from tests.engines.plans import fixed, seeded_model, throttled_store  # noqa: E402
 
 TPC = 32
 LAYERS = 4
@@ -46,29 +43,6 @@ IDENT = ModelIdentity(model_id="m", weights_digest="w", tokenizer_digest="t", la
 @pytest.fixture(scope="module")
 def tiny() -> LoadedModel:
     return tiny_llama(seed=7, layers=LAYERS)
-
-
-def _throttled(path: Path) -> KVStore:
-    spec = TierSpec(
-        "throttled-disk",
-        "disk",
-        256 << 20,
-        options=ThrottledDiskOptions(read_mb_s=0.0, segment_bytes=16 << 20, direct_io=False),
-    )
-    return KVStore(path, StoreConfig(tiers=(spec,), promote_on_hit=False))
-
-
-def _model(spb: float = 1e-9) -> CostModel:
-    m = CostModel(PrefillProfile(0.0, 1e-4, 1e-9), TPC)
-    m.tier("disk").per_byte.seed(spb)
-    return m
-
-
-def _fixed(front: int, stop: int) -> Policy:
-    def policy(model: CostModel, hits: Sequence[ChunkHit], n: int) -> Plan:
-        return make_plan(model, hits, n, front, stop)
-
-    return policy
 
 
 def _full_logits(tiny: LoadedModel, ids: list[int]) -> Any:
@@ -158,7 +132,7 @@ def test_an_invalidation_between_two_groups_loads_is_never_served_half(
     rng = np.random.default_rng(11)
     ids = rng.integers(0, 512, 6 * TPC + 5).tolist()
     full = _full_logits(tiny, ids)
-    with _throttled(tmp_path) as store:
+    with throttled_store(tmp_path) as store:
         eng = HFEngine.for_model(tiny, store, tokens_per_chunk=TPC, layer_groups=2)
         eng.generate(ids, PUBLIC, max_new_tokens=1)
         other = HFEngine.for_model(tiny, store, tokens_per_chunk=TPC, layer_groups=2)
@@ -198,7 +172,7 @@ def test_an_invalidation_while_group_1_is_in_flight_abandons_the_layered_forward
     rng = np.random.default_rng(12)
     ids = rng.integers(0, 512, 6 * TPC + 9).tolist()
     full = _full_logits(tiny, ids)
-    with _throttled(tmp_path) as store:
+    with throttled_store(tmp_path) as store:
         eng = HFEngine.for_model(tiny, store, tokens_per_chunk=TPC, layer_groups=2)
         eng.generate(ids, PUBLIC, max_new_tokens=1)
         tier = store.tier("disk")
@@ -206,7 +180,7 @@ def test_an_invalidation_while_group_1_is_in_flight_abandons_the_layered_forward
         group_bytes = 6 * eng.identity.layout.chunk_nbytes // 2
         chunk = group_bytes // 6
         tier.set_limits(chunk / 0.15, burst_bytes=group_bytes + chunk // 2)
-        planned = PlannedEngine(eng, _model(), deadline_factor=float("inf"))
+        planned = PlannedEngine(eng, seeded_model(TPC), deadline_factor=float("inf"))
         keys0 = chunk_keys(eng.group_identities[0], PUBLIC, ids[: 6 * TPC])
         done = threading.Event()
         gone: list[int] = []
@@ -223,7 +197,7 @@ def test_an_invalidation_while_group_1_is_in_flight_abandons_the_layered_forward
         t = threading.Thread(target=invalidate_when_group_0_landed)
         t.start()
         try:
-            _, res = planned.generate(ids, PUBLIC, max_new_tokens=1, policy=_fixed(0, 6))
+            _, res = planned.generate(ids, PUBLIC, max_new_tokens=1, policy=fixed(0, 6))
         finally:
             done.set()
             t.join()
@@ -288,7 +262,7 @@ def test_a_forward_that_fails_while_groups_load_leaves_no_read_in_the_next_buffe
         eng = HFEngine.for_model(tiny, store, tokens_per_chunk=TPC, layer_groups=2)
         eng.generate(ids_a, PUBLIC, max_new_tokens=1)
         eng.generate(ids_b, PUBLIC, max_new_tokens=1)
-        planned = PlannedEngine(eng, _model(), deadline_factor=float("inf"))
+        planned = PlannedEngine(eng, seeded_model(TPC), deadline_factor=float("inf"))
         stall = io.stall("preadv", timeout_s=30.0)  # A's first read: group 0, chunk 0
         real_suffix = eng._prefill_suffix
 
@@ -297,7 +271,7 @@ def test_a_forward_that_fails_while_groups_load_leaves_no_read_in_the_next_buffe
 
         eng._prefill_suffix = failing  # type: ignore[method-assign]
         with pytest.raises(RuntimeError, match="simulated"):
-            planned.prefill(ids_a, PUBLIC, policy=_fixed(0, 4))
+            planned.prefill(ids_a, PUBLIC, policy=fixed(0, 4))
         eng._prefill_suffix = real_suffix  # type: ignore[method-assign]
         assert stall.wait_entered(10.0)
         real_load = store.load
