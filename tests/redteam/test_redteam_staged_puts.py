@@ -8,19 +8,15 @@ internal error; a killed client leaves nothing staged, tentative or stored."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvlife.client import RemoteStore
-from kvlife.core.errors import StoreUnavailable
 from kvlife.core.identity import PUBLIC
 from kvlife.server import protocol
 from tests.conftest import TINY, prompt_kv, tiny_identity
@@ -28,21 +24,6 @@ from tests.server.conftest import ROOT, ServerProc, child_env, quiet
 
 N = TINY.tokens_per_chunk
 SIZE = TINY.chunk_nbytes
-
-
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[ServerProc]:
-    srv = ServerProc(tmp_path / "store").start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def remote(server: ServerProc) -> Iterator[RemoteStore]:
-    store = server.client()
-    yield store
-    with contextlib.suppress(StoreUnavailable):
-        store.close()
 
 
 def _exact(remote: RemoteStore, tokens: np.ndarray, kv: np.ndarray, n: int) -> None:
