@@ -22,6 +22,7 @@ from kvlife.replay.cache import CacheSim
 from kvlife.replay.live import run_live
 from kvlife.trace.model import Trace, TraceBuilder
 from kvlife.trace.synthetic import SyntheticConfig, synthetic_trace
+from tests.policy.trees import prompt_paths
 
 KV = ["prefixtree", "prefixtree-admit", "prefixtree-door", "kvhd"]
 
@@ -50,20 +51,6 @@ class TestPrefixContract:
 TREE = st.lists(st.integers(0, 30), min_size=1, max_size=40)  # parent index of node i+1
 
 
-def _paths(parents: list[int]) -> list[list[int]]:
-    par: dict[int, int | None] = {0: None}
-    par.update({i + 1: min(p, i) for i, p in enumerate(parents)})
-    out: list[list[int]] = []
-    for node in par:
-        path: list[int] = []
-        k: int | None = node
-        while k is not None:
-            path.append(k)
-            k = par[k]
-        out.append(path[::-1])
-    return out
-
-
 OPS = st.lists(
     st.tuples(st.sampled_from(["put", "put", "evict", "touch"]), st.integers(0, 40),
               st.integers(0, 5)),
@@ -80,7 +67,7 @@ def test_no_resident_child_without_its_resident_parent(
     """Puts of prefix paths, lookups and evictions (protecting a put's prompt, as the
     engine does) never leave a resident block whose parent is not resident; and
     evict_up_to takes what evict(1) n times would."""
-    paths = _paths(parents)
+    paths = prompt_paths(parents)
     par = {path[-1]: (path[-2] if len(path) > 1 else None) for path in paths}
     a: EvictionPolicy[int] = make_policy(name)  # type: ignore[assignment]
     b: EvictionPolicy[int] = make_policy(name)  # type: ignore[assignment]
@@ -136,14 +123,14 @@ def _tree_state(p: PrefixTreePolicy[int]) -> tuple[object, ...]:
 
 @settings(max_examples=150, deadline=None)
 @given(parents=TREE, ops=OPS, removes=st.lists(st.integers(0, 40), max_size=4))
-def test_prefixtree_fast_paths_equal_its_general_paths(
+def test_prefixtree_fast_paths_equal_its_generalprompt_paths(
     parents: list[int], ops: list[tuple[str, int, int]], removes: list[int]
 ) -> None:
     """The plain tree's written-out put (residents first, then new keys) and leaf
     eviction leave exactly the state of its general paths: order, parents, children and
     orphans, after puts in any order of residents and new keys, lookups, evictions and
     removals (which make orphans)."""
-    paths = _paths(parents)
+    paths = prompt_paths(parents)
     fast: PrefixTreePolicy[int] = PrefixTreePolicy()
     slow = _GeneralPaths()
     for step, (op, i, m) in enumerate(ops):

@@ -27,6 +27,7 @@ from kvlife.policy.reuse import N_CLASSES, ReusePredictor
 from kvlife.replay.cache import CacheSim
 from kvlife.trace.model import Trace, TraceBuilder
 from kvlife.trace.synthetic import SyntheticConfig, synthetic_trace
+from tests.policy.trees import prompt_paths
 
 
 class _PlainOneByOne(PrefixTreePolicy[int]):
@@ -94,20 +95,6 @@ OPS = st.lists(
 )  # fmt: skip
 
 
-def _paths(parents: list[int]) -> list[list[int]]:
-    par: dict[int, int | None] = {0: None}
-    par.update({i + 1: min(p, i) for i, p in enumerate(parents)})
-    out: list[list[int]] = []
-    for node in par:
-        path: list[int] = []
-        k: int | None = node
-        while k is not None:
-            path.append(k)
-            k = par[k]
-        out.append(path[::-1])
-    return out
-
-
 def _make(variant: str) -> tuple[PrefixTreePolicy[int], PrefixTreePolicy[int]]:
     if variant == "plain":
         return PrefixTreePolicy(), _PlainOneByOne()
@@ -127,7 +114,7 @@ PRIOR = st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3)), min_size=N_CLA
 def test_fast_paths_equal_the_calls_one_by_one(
     variant: str, parents: list[int], ops: list[tuple[str, int, int]], prior: list[tuple[int, int]]
 ) -> None:
-    paths = _paths(parents)
+    paths = prompt_paths(parents)
     fast, slow = _make(variant)
     for p in (fast, slow):
         if p.predictor is not None:  # some classes warm, some cold, from the start
