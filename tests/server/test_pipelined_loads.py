@@ -146,7 +146,7 @@ def test_a_corrupt_middle_chunk_is_a_counted_miss_and_those_before_it_exact(
     tokens, kv = prompt_kv(72, n * N)
     mark(kv, bad, N, CORRUPT_MARK)
     lk = _on_disk(remote, kv, tokens, n)
-    corrupt_before = remote.counters().corrupt
+    corrupt_before = remote.counters.corrupt
     outs = _outs(remote, n, shared)
     handle = remote.load_async(lk, outs)  # type: ignore[arg-type]
     res = handle.wait(timeout=30)
@@ -156,6 +156,6 @@ def test_a_corrupt_middle_chunk_is_a_counted_miss_and_those_before_it_exact(
     assert [handle.chunk(i, timeout=1) is not None for i in range(n)] == [True] * bad + [
         False
     ] * (n - bad)
-    assert remote.counters().corrupt == corrupt_before + 1
+    assert remote.counters.corrupt == corrupt_before + 1
     # the corrupt object is gone: the prompt's hits end before it
     assert remote.lookup(tiny_identity(), PUBLIC, tokens).tiers() == {"disk": bad}
