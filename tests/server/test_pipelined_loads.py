@@ -39,8 +39,14 @@ class StalledServer:
         self.log = tmp / "s.log"
         with self.log.open("wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.server.stalled_server", str(tmp / "store")]
-                + [str(self.socket), str(pid_file)],
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.server.stalled_server",
+                    str(tmp / "store"),
+                    str(self.socket),
+                    str(pid_file),
+                ],
                 cwd=ROOT,
                 env=child_env(),
                 stdin=subprocess.PIPE,
@@ -103,8 +109,7 @@ def _outs(remote: RemoteStore, n: int, shared: bool) -> list[np.ndarray]:
     raw = remote.alloc_buffer(n * 4096)
     size = TINY.chunk_nbytes
     return [
-        raw[i * 4096 : i * 4096 + size].view(np.float16).reshape(TINY.chunk_shape)
-        for i in range(n)
+        raw[i * 4096 : i * 4096 + size].view(np.float16).reshape(TINY.chunk_shape) for i in range(n)
     ]
 
 
@@ -153,9 +158,9 @@ def test_a_corrupt_middle_chunk_is_a_counted_miss_and_those_before_it_exact(
     assert res.loaded == bad and res.corrupt == [lk.hits[bad].key]  # type: ignore[attr-defined]
     assert all(_exact(a, kv, i) for i, a in enumerate(res.arrays))
     # nothing from the corrupt chunk on was handed out
-    assert [handle.chunk(i, timeout=1) is not None for i in range(n)] == [True] * bad + [
-        False
-    ] * (n - bad)
+    assert [handle.chunk(i, timeout=1) is not None for i in range(n)] == [True] * bad + [False] * (
+        n - bad
+    )
     assert remote.counters.corrupt == corrupt_before + 1
     # the corrupt object is gone: the prompt's hits end before it
     assert remote.lookup(tiny_identity(), PUBLIC, tokens).tiers() == {"disk": bad}
