@@ -16,7 +16,9 @@ shared output buffers (the server side is :mod:`kvlife.server.loads`).
       that replica: same offset, same generation); the rest come as grants.
    b. *into shared buffers* (every buffer inside a buffer from ``alloc_buffer`` of this
       connection): the request names (buffer, offset) targets and the server writes
-      the chunks there itself; nothing is copied here.
+      the chunks there itself; nothing is copied here. With disk reads each chunk's
+      number comes in a partial reply as soon as it verified in its buffer (an
+      asynchronous load hands it out then, while the server reads the next).
    c. *grants*: the server pins each chunk in the arena (a DRAM replica, or a disk read
       landed in a fresh extent) and replies with (offset, dtype, shape) per chunk; this
       side copies each into the caller's buffer or a new array. With disk reads the
@@ -269,6 +271,17 @@ class Loads:
                 on_chunk(i, out)
 
         def part(conn: Connection, p: list[Any]) -> None:
+            if "into" in args:
+                # a chunk verified in the caller's shared buffer: handed out while the
+                # server reads the next ones
+                i = replies.part_into(p)
+                if i != len(arrays) or i >= len(hits):
+                    raise errors.ProtocolError(f"streamed chunk {i} out of order")
+                assert outs is not None
+                arrays.append(outs[i])
+                if on_chunk is not None:
+                    on_chunk(i, outs[i])
+                return
             # a chunk read from disk, sent as soon as it verified: copied while the
             # server reads the next ones
             i, off, dtype, shape = replies.part(p)
@@ -302,9 +315,9 @@ class Loads:
         if reply.into is not None:  # landed in the caller's shared buffers: nothing to copy
             assert outs is not None
             landed = list(outs[: reply.into])
-            if on_chunk is not None:
-                for i, a in enumerate(landed):
-                    on_chunk(i, a)
+            if on_chunk is not None:  # those not streamed (told already) are told now
+                for i in range(len(arrays), len(landed)):
+                    on_chunk(i, landed[i])
             return _result(landed, reply.outcome)
         del arrays[reply.streamed :]  # a streamed chunk invalidated meanwhile is a miss
         confirmed, grants = reply.confirmed, reply.grants

@@ -89,6 +89,14 @@ def part(p: Any) -> tuple[int, int, str, tuple[int, ...]]:
     return p[0], off, dtype, shape
 
 
+def part_into(p: Any) -> int:
+    """A load into shared buffers' partial reply: [chunk number], the chunk verified in
+    its buffer."""
+    if not isinstance(p, list | tuple) or len(p) != 1 or type(p[0]) is not int or p[0] < 0:
+        raise ProtocolError(f"load's streamed part is not [chunk]: {p!r:.64}")
+    return int(p[0])
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     """What a load reply says of the chunks besides their bytes (every way of loading)."""

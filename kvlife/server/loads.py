@@ -8,12 +8,14 @@ lookup's hints) or into shared buffers, releases, and the shared buffers themsel
    ways:
 
    a. *into* the session's shared buffers (``into`` names buffer and offset per hit):
-      the store loads straight into views of them (disk reads by O_DIRECT, DRAM hits
-      copied here); the reply grants nothing.
+      the store loads straight into views of them (disk reads by O_DIRECT in chunk
+      order, :func:`read_depth` in flight; DRAM hits copied here); the reply grants
+      nothing. With ``stream``, each chunk's number goes out in a partial reply as soon
+      as it and every chunk before it verified in its buffer.
    b. by *grant*: the grant is charged first (every chunk at the layout's size); the
       store loads the hits, DRAM hits as views of their replicas, disk hits read into
-      fresh arena extents in chunk order with :data:`STREAM_BYTES_IN_FLIGHT` in flight
-      (at least two chunks, so that a chunk's checksum overlaps the next read).
+      fresh arena extents in chunk order, :func:`read_depth` in flight (at least two
+      chunks, so that a chunk's checksum overlaps the next read).
       With ``stream``, each disk chunk's (offset, dtype, shape) goes out in a partial
       reply as soon as it and every chunk before it verified. Leading chunks whose
       replica is the very extent the client's ``hints`` named (same offset, same
@@ -135,7 +137,9 @@ class Loads:
             ctx.fits(layout)
         if "into" in args:
             lookup = self._lookup_of(args, keys, layout)
-            return self._into(lookup, args["into"], layout, args.get("request_id", ""))
+            return self._into(
+                lookup, args["into"], layout, args.get("request_id", ""), bool(args.get("stream"))
+            )
         # the grant is charged before the load: every chunk at its layout's size (none
         # known: at the size it turns out to have, checked before it is handed out)
         charge = len(keys) * page_charge(layout.chunk_nbytes) if layout is not None else 0
@@ -227,7 +231,7 @@ class Loads:
             # arena while chunk i + 1 is read (all at once they would finish together);
             # never fewer than two, so that the checksum of chunk i runs while chunk
             # i + 1 is read (one at a time, read and checksum ran one after the other)
-            depth = max(2, STREAM_BYTES_IN_FLIGHT // layout.chunk_nbytes)
+            depth = read_depth(layout.chunk_nbytes)
             handle = store.load_async(lookup, outs, request_id=request_id, depth=depth)  # type: ignore[arg-type]
             streamed = self._stream(handle) if args.get("stream") else []
             res = handle.wait()
@@ -317,10 +321,32 @@ class Loads:
             ctx.part(protocol.part_reply(ctx.rid, [i, off, arr.dtype.str, list(arr.shape)]))
         return sent
 
+    def _stream_into(self, handle: LoadProgress) -> int:
+        """Send each chunk's number as soon as it (and every chunk before it) verified
+        in the client's shared buffer, so the client may use it while later chunks are
+        read; the first miss ends the stream. How many were sent."""
+        ctx = self.ctx
+        if ctx.part is None or not ctx.rid:
+            return 0
+        sent = 0
+        for i in range(len(handle)):
+            if handle.chunk(i) is None:
+                break
+            ctx.part(protocol.part_reply(ctx.rid, [i]))
+            sent += 1
+        return sent
+
     def _into(
-        self, lookup: LookupResult, into: list[int], layout: KVLayout | None, request_id: str
+        self,
+        lookup: LookupResult,
+        into: list[int],
+        layout: KVLayout | None,
+        request_id: str,
+        stream: bool,
     ) -> object:
-        """Load straight into the session's shared buffers (no grants, no client copy)."""
+        """Load straight into the session's shared buffers (no grants, no client copy):
+        disk reads in chunk order, :func:`read_depth` in flight, each chunk's number sent
+        in a partial reply (``stream``) once it and every chunk before it verified."""
         if layout is None:
             raise ProtocolError("a load into shared buffers needs the layout")
         if len(into) != 2 * len(lookup.hits):
@@ -334,8 +360,15 @@ class Loads:
         store = self.ctx.store
         if all(self.ctx.shm.contains(h.key) for h in lookup.hits):
             res = store.load(lookup, outs, request_id=request_id)
-        else:  # reads in parallel on the I/O pool
-            res = store.load_async(lookup, outs, request_id=request_id).wait()
+        else:
+            # in chunk order, few in flight: chunk i is verified (and told to the
+            # client) while later ones are read; all at once, they finished together
+            # and their checksums ran one after another after the last read
+            depth = read_depth(layout.chunk_nbytes)
+            handle = store.load_async(lookup, outs, request_id=request_id, depth=depth)
+            if stream:
+                self._stream_into(handle)
+            res = handle.wait()
         return {
             "load": 0,
             "grants": [],
@@ -346,6 +379,12 @@ class Loads:
             "vanished": res.vanished,
             "read_errors": res.read_errors,
         }
+
+
+def read_depth(chunk_nbytes: int) -> int:
+    """Disk reads a load keeps in flight: :data:`STREAM_BYTES_IN_FLIGHT` worth, never
+    fewer than two (the checksum of one chunk runs while the next is read)."""
+    return max(2, STREAM_BYTES_IN_FLIGHT // max(chunk_nbytes, 1))
 
 
 def load_keys(ctx: SessionContext, args: dict[str, Any]) -> tuple[list[ChunkKey], list[int]]:

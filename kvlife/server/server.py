@@ -61,6 +61,7 @@ from kvlife.store.config import GiB, MiB, StoreConfig
 from kvlife.store.facade import KVStore
 from kvlife.tenancy.policy import Tenancy
 from kvlife.tenancy.principals import TenancyConfig, load_config
+from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.shm import SHM_DIR, ShmTier
 from kvlife.trace.events_io import open_event_file
 
@@ -126,6 +127,9 @@ class ServeConfig:
     """Write the store's lifecycle events to this file (schema v1, docs/events.md:
     JSON lines appended to, so a restarted server continues its log; ``.parquet``
     written anew), for ``kvlife report --events``. None: no log."""
+    fileio: FileIO | None = None
+    """The disk tier's file seam (None: plain files). Tests pass a
+    :class:`~kvlife.faults.fileio.FaultyIO` to stall or fail a served store's reads."""
 
     @property
     def socket_path(self) -> Path:
@@ -202,7 +206,9 @@ def open_store(cfg: ServeConfig, sink: EventSink | None = None) -> KVStore:
         options=(("arena_path", str(arena)), ("staging_bytes", cfg.staging_bytes)),
     )
     if cfg.store is not None:  # the file's chain and settings, as they are
-        return KVStore(cfg.path, replace(cfg.store, tiers=(shm, *base.chain[1:])), sink=sink)
+        return KVStore(
+            cfg.path, replace(cfg.store, tiers=(shm, *base.chain[1:])), sink=sink, fileio=cfg.fileio
+        )
     rest = tuple(
         replace(spec, transform=cfg.disk_transform) if spec.kind == "disk" else spec
         for spec in base.chain[1:]
@@ -217,7 +223,7 @@ def open_store(cfg: ServeConfig, sink: EventSink | None = None) -> KVStore:
         verify_dram_on_load=cfg.verify_dram_on_load,
         tenant_shares=shares,
     )
-    return KVStore(cfg.path, config, sink=sink)
+    return KVStore(cfg.path, config, sink=sink, fileio=cfg.fileio)
 
 
 class Server:
