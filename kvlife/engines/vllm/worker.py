@@ -273,11 +273,11 @@ class _RowBuffers:
     def take(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
         """A buffer of at least the bytes of ``shape`` and the array of ``shape`` over it."""
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        raw: np.ndarray | None = None
         with self._lock:
-            fits = [b for b in self._free if b.nbytes >= nbytes]
-            raw = min(fits, key=lambda b: b.nbytes) if fits else None
-            if raw is not None:
-                self._free.remove(raw)
+            fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
+            if fits:  # the smallest that fits (by index: == on arrays compares elements)
+                raw = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
         if raw is None:
             raw = np.empty(nbytes, np.uint8)
         return raw, raw[:nbytes].view(dtype).reshape(shape)
