@@ -399,6 +399,7 @@ def summarize(
             "ran": True,
             "engine_start_s": run["engine_start_s"],
             "ttft_s": {"p50": _pct(ttft, 50), "p90": _pct(ttft, 90), "p99": _pct(ttft, 99)},
+            "ttft_by_request_s": ttft,
             "tpot_s": {"p50": _pct(tpot, 50), "p99": _pct(tpot, 99)},
             "total_ttft_s": total,
             "ttft_saved_vs_vllm": 1.0 - total / ref_total if ref_total else None,
@@ -409,6 +410,7 @@ def summarize(
             "identical_outputs": all(same),
             "different_requests": [i for i, s in enumerate(same) if not s],
             "counters": run.get("counters", {}),
+            "threads_cpu_s": run.get("threads_cpu_s", {}),
             "degraded": run.get("degraded", ""),
         }
     return {

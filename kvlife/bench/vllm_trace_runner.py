@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,29 @@ def _serve(llm: Any, tokens: list[int], max_tokens: int) -> dict[str, Any]:
     return request_row(out, len(tokens), time.perf_counter() - t0, before)
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each live Python thread of this process by name
+    (Linux ``/proc/self/task/TID/stat``), and ``other`` for the rest of the process
+    (threads that ended, native ones such as OpenMP's): where the connector's
+    background threads (the stager, the store's put thread) take the engine's cores."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu(stat: Path) -> float:
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        if t.native_id is not None:
+            out[t.name] = out.get(t.name, 0.0) + cpu(Path(f"/proc/self/task/{t.native_id}/stat"))
+    total = cpu(Path("/proc/self/stat"))
+    out["other"] = max(0.0, total - sum(out.values()))
+    return out
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = _engine(spec)
@@ -84,11 +108,17 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     conn = spec.get("connector")
     is_kvlife = conn is not None and str(conn.get("module") or "").startswith("kvlife")
     counters = connector_counters() if is_kvlife else {}
+    cpu = thread_cpu()
     if is_kvlife:
         from kvlife.engines.vllm.stores import close_all
 
         close_all()
-    return {"engine_start_s": start_s, "requests": rows, "counters": counters}
+    return {
+        "engine_start_s": start_s,
+        "requests": rows,
+        "counters": counters,
+        "threads_cpu_s": cpu,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,7 +38,7 @@ def test_json_shape(result: dict[str, Any]) -> None:
     assert result["requests"] > 0 and result["prompt_tokens"] > 0
     assert {"memcpy_gbps", "raw_read_gbps", "python_loop_mips"} <= set(result["machine"])
     assert set(QUICK.configs) <= set(result["configs"])
-    for c in result["configs"].values():
+    for name, c in result["configs"].items():
         if not c["ran"]:
             assert c["error"]
             continue
@@ -46,6 +46,10 @@ def test_json_shape(result: dict[str, Any]) -> None:
         assert c["ttft_s"]["p50"] <= c["ttft_s"]["p90"] <= c["ttft_s"]["p99"]
         assert 0.0 <= c["hit_ratio"] <= 1.0 and 0.0 <= c["kvlife_hit_ratio"] <= c["hit_ratio"]
         assert isinstance(c["ttft_saved_vs_vllm"], float)
+        assert len(c["ttft_by_request_s"]) == result["requests"]
+        assert "MainThread" in c["threads_cpu_s"]
+        if name.startswith("kvlife"):  # the stager thread's CPU is its own figure
+            assert c["counters"]["timings"]["stager_cpu_s"] >= 0.0
 
 
 def test_kvlife_outputs_equal_no_kv_layer_and_kvlife_serves_reuse(

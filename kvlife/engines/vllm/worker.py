@@ -206,6 +206,12 @@ class WorkerTimings:
     """Copies out of the paged cache into the staging buffers (in the forward)."""
     stage_s: float = 0.0
     """``submit``: staging the step's saves (``prepare_put``) and the verdicts."""
+    stager_s: float = 0.0
+    """The stager thread laying gathered saves out as chunks and staging them (wall
+    time, off the step's path)."""
+    stager_cpu_s: float = 0.0
+    """The same, the stager thread's CPU time (``time.thread_time``): what it takes from
+    the engine's cores."""
 
 
 @dataclass(slots=True)
@@ -248,6 +254,41 @@ class _Loaded:
         return self.result
 
 
+class _RowBuffers:
+    """Host buffers the saves' gather copies block rows into, reused from step to step.
+    A fresh buffer of a step's rows (12 MB a request here) costs a page fault per page
+    on its first write, in the gather, on the step's path (about a third of the
+    gather's time, docs/vllm.md); a buffer comes back once the stager has laid every
+    save of its step out as chunks (those are new arrays the store keeps, never these),
+    so no gather writes rows still being read."""
+
+    KEEP = 2
+    """Free buffers kept (the largest): the step being gathered and the one the stager
+    is laying out."""
+
+    def __init__(self) -> None:
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
+        """A buffer of at least the bytes of ``shape`` and the array of ``shape`` over it."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        raw: np.ndarray | None = None
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
+            if fits:  # the smallest that fits (by index: == on arrays compares elements)
+                raw = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+        if raw is None:
+            raw = np.empty(nbytes, np.uint8)
+        return raw, raw[:nbytes].view(dtype).reshape(shape)
+
+    def give(self, raw: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(raw)
+            self._free.sort(key=lambda b: b.nbytes, reverse=True)
+            del self._free[self.KEEP :]
+
+
 @dataclass(slots=True)
 class _SaveStep:
     """The step's planned saves, gathered layer by layer into one array of block rows
@@ -263,6 +304,10 @@ class _SaveStep:
     """Indices of specs that do not fit their tokens (``SaveSpec.check``): no rows."""
     gathered: set[int] = field(default_factory=set)
     """Layer indices copied into ``rows`` this step."""
+    raw: np.ndarray | None = None
+    """The pooled buffer under ``rows`` (:class:`_RowBuffers`)."""
+    readers: int = 0
+    """Saves of the step the stager has still to lay out; the buffer goes back at 0."""
 
 
 @dataclass(slots=True)
@@ -322,6 +367,7 @@ class WorkerSide:
         """Lays gathered saves out as chunks and stages them (``prepare_put``), off the
         step's path."""
         self._saving: _SaveStep | None = None
+        self._buffers = _RowBuffers()
         self._held: dict[int, list[_Held]] = {}
         """Staged puts per step, until the verdict on that step arrives."""
         self._report = StepReport()
@@ -741,9 +787,9 @@ class WorkerSide:
             ids += spec.block_ids[lo:hi]
             starts.append(len(ids))
         row = self.layers[0].row_shape if self.layers else (0, 2, self.block_size, 0)
-        rows = np.empty((lay.num_layers, len(ids), *row), numpy_dtype(lay.dtype))
+        raw, rows = self._buffers.take((lay.num_layers, len(ids), *row), numpy_dtype(lay.dtype))
         return _SaveStep(
-            plan.step, list(plan.saves), starts, np.asarray(ids, np.int64), rows, refused
+            plan.step, list(plan.saves), starts, np.asarray(ids, np.int64), rows, refused, raw=raw
         )
 
     def submit(self, plan: StepPlan) -> None:
@@ -773,6 +819,7 @@ class WorkerSide:
         chunks and staged with ``prepare_put`` in the background); the requests this rank
         failed are returned."""
         failed: set[str] = set()
+        staged: list[tuple[SaveSpec, np.ndarray]] = []
         complete = set(range(self.identity.layout.num_layers))
         with self._lock:
             bad_blocks = set(self._failed_blocks)
@@ -791,22 +838,45 @@ class WorkerSide:
                 self.counters.saves_incomplete += 1
                 failed.add(spec.req_id)
                 continue
-            rows = saving.rows[:, saving.starts[i] : saving.starts[i + 1]]
-            pending = self._stager.submit(self._prepare, spec, rows)
+            staged.append((spec, saving.rows[:, saving.starts[i] : saving.starts[i + 1]]))
+        if saving is not None:
+            # counted before the first is handed over: the stager may finish it at once
+            saving.readers = len(staged)
+            if not staged:
+                self._release_rows(saving)
+        for spec, rows in staged:
+            assert saving is not None
+            pending = self._stager.submit(self._prepare, spec, rows, saving)
             self._held.setdefault(plan.step, []).append(_Held(spec.req_id, pending))
         return failed
 
-    def _prepare(self, spec: SaveSpec, rows: np.ndarray) -> Any | None:
-        """(Stager thread.) ``rows`` laid out as the spec's chunks, staged TENTATIVE."""
+    def _release_rows(self, saving: _SaveStep) -> None:
+        """The stager is done with one save of ``saving`` (or none was staged): the last
+        gives the step's buffer back for a later gather."""
+        with self._lock:
+            saving.readers = max(0, saving.readers - 1)
+            raw, last = saving.raw, saving.readers == 0
+            if last:
+                saving.raw = None
+        if last and raw is not None:
+            self._buffers.give(raw)
+
+    def _prepare(self, spec: SaveSpec, rows: np.ndarray, saving: _SaveStep) -> Any | None:
+        """(Stager thread.) ``rows`` (of ``saving``'s buffer) laid out as the spec's
+        chunks, staged TENTATIVE."""
         lay = self.identity.layout
         k = self.tpc // self.block_size
         n = spec.end_chunk - spec.first_chunk
         identity = with_adapter(self.identity, spec.adapter)
         start = spec.first_chunk * self.tpc
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            chunks = np.empty((n, *lay.chunk_shape), numpy_dtype(lay.dtype))
-            for c in range(n):
-                rows_to_chunk(rows[:, c * k : (c + 1) * k], chunks[c])
+            try:
+                chunks = np.empty((n, *lay.chunk_shape), numpy_dtype(lay.dtype))
+                for c in range(n):
+                    rows_to_chunk(rows[:, c * k : (c + 1) * k], chunks[c])
+            finally:  # the rows are read: their buffer may take a later step's gather
+                self._release_rows(saving)
             # the chunk before is named by its tokens, not by a key computed here: the
             # store derives the key in the namespace it writes (under kvlife serve
             # --tenants a keyed one, which only the server can compute)
@@ -828,6 +898,10 @@ class WorkerSide:
                 exc_info=not isinstance(exc, KVLifeError),
             )
             return None
+        finally:
+            with self._lock:
+                self.timings.stager_s += time.perf_counter() - t0
+                self.timings.stager_cpu_s += time.thread_time() - c0
         with self._lock:
             self.counters.saves += 1
         return pending
