@@ -493,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         "--configs", default=None, help=f"comma-separated, of: {', '.join(CONFIGS)}"
     )
     parser.add_argument("--dir", default=None, help="scratch directory (default: under .)")
+    parser.add_argument("--plot", default=None, help="write the figure (PNG) to this file")
     args = parser.parse_args(argv)
     settings = QUICK if args.quick else TraceSettings()
     if args.conversations is not None:
@@ -515,5 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     print_report(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        from kvlife.bench.vllm_trace_plot import plot_png
+
+        plot_png(result, Path(args.plot))
     ok = all(c["identical_outputs"] for c in result["configs"].values() if c["ran"])
     return 0 if ok else 1
