@@ -280,10 +280,10 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         order = self._order
         if tail:
             # from the last new key to the first, each with the key before it as parent
-            if head:
-                order.update(zip(reversed(tail), reversed(keys[head - 1 : -1]), strict=True))
-            else:
-                order.update(zip(reversed(tail), [*reversed(tail[:-1]), None], strict=True))
+            # a plain loop: an OrderedDict's update() is slower than item assignment
+            parents = keys[head - 1 : -1] if head else [None, *tail[:-1]]
+            for key, parent in zip(reversed(tail), reversed(parents), strict=True):
+                order[key] = parent
             if self._tree:
                 if head:
                     self._adopt(keys[head - 1], tail[0])
@@ -308,9 +308,10 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         assert pred is not None  # _can_admit_tail
         d_hit = self._depth.get(keys[head - 1], 0) if head > 1 else 0
         base, depth = put_class(len(keys), head, len(tail), d_hit)
-        self._depth.update(zip(tail, repeat(depth)))
-        cls_of = self._cls
-        cls_of.update(zip(tail, repeat(base)))
+        depths, cls_of = self._depth, self._cls
+        for key in tail:  # a plain loop: faster than update(zip(...)) here
+            depths[key] = depth
+            cls_of[key] = base
         cls_of[tail[-1]] = LAST
         warm = pred.admit_inserts(tail, base, LAST)
         if warm is None:  # no key remembered: one decision for all but the last
