@@ -280,10 +280,10 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         order = self._order
         if tail:
             # from the last new key to the first, each with the key before it as parent
-            if head:
-                order.update(zip(reversed(tail), reversed(keys[head - 1 : -1]), strict=True))
-            else:
-                order.update(zip(reversed(tail), [*reversed(tail[:-1]), None], strict=True))
+            # a plain loop: an OrderedDict's update() is slower than item assignment
+            parents = keys[head - 1 : -1] if head else [None, *tail[:-1]]
+            for key, parent in zip(reversed(tail), reversed(parents), strict=True):
+                order[key] = parent
             if self._tree:
                 if head:
                     self._adopt(keys[head - 1], tail[0])
@@ -295,34 +295,36 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
 
     def _can_admit_tail(self, tail: Sequence[K]) -> bool:
         """Whether :meth:`_admit_tail` decides the new keys ``tail`` as
-        :meth:`_record_classed` would: the reuse predictor's admission (not logging),
-        and no new key in its ghost list (whose on_insert would change a class's
-        estimate within the put; otherwise every new key but the last has one class,
-        so one decision)."""
-        pred = self.predictor
-        return (
-            bool(tail)
-            and self.log is None
-            and pred is not None
-            and self._batched
-            and not pred.remembers_any(tail)
-        )
+        :meth:`_record_classed` would: the reuse predictor's admission, not logging."""
+        return bool(tail) and self.log is None and self.predictor is not None and self._batched
 
     def _admit_tail(self, keys: Sequence[K], head: int, tail: Sequence[K]) -> None:
+        """The classes, turn depth and admission of a usual put's new keys ``tail``, as
+        :meth:`_record_classed` gives them: every new key but the last has one class, so
+        one decision, unless the ghost list remembers some of them (each one's insert
+        changes its old class's estimate before the next key is decided:
+        :meth:`~kvlife.policy.reuse.ReusePredictor.admit_inserts`)."""
         pred = self.predictor
         assert pred is not None  # _can_admit_tail
         d_hit = self._depth.get(keys[head - 1], 0) if head > 1 else 0
         base, depth = put_class(len(keys), head, len(tail), d_hit)
-        self._depth.update(zip(tail, repeat(depth)))
-        cls_of = self._cls
-        cls_of.update(zip(tail, repeat(base)))
+        depths, cls_of = self._depth, self._cls
+        for key in tail:  # a plain loop: faster than update(zip(...)) here
+            depths[key] = depth
+            cls_of[key] = base
         cls_of[tail[-1]] = LAST
-        # cold keys to the front in prompt order: the deepest is evicted first
-        cold = [] if pred.predict(base) else tail[:-1]
-        if not pred.predict(LAST):
-            cold = [*cold, tail[-1]]
-        elif cold:  # the last new key's parent goes to the front, the key stays
-            self._tidy = False
+        warm = pred.admit_inserts(tail, base, LAST)
+        if warm is None:  # no key remembered: one decision for all but the last
+            # cold keys to the front in prompt order: the deepest is evicted first
+            cold = [] if pred.predict(base) else tail[:-1]
+            if not pred.predict(LAST):
+                cold = [*cold, tail[-1]]
+            elif cold:  # the last new key's parent goes to the front, the key stays
+                self._tidy = False
+        else:
+            if any(map(gt, warm[1:], warm)):  # a warm key after its cold parent
+                self._tidy = False
+            cold = list(compress(tail, map(not_, warm)))
         if cold:
             deque(map(self._order.move_to_end, cold, repeat(False)), maxlen=0)
 
@@ -521,7 +523,8 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                     blocked.add(k)
                     k = parent(k)
             victims = list(islice(filterfalse(blocked.__contains__, order), n))
-        deque(map(order.__delitem__, victims), maxlen=0)
+        for key in victims:  # faster than map() over the OrderedDict's method wrapper
+            del order[key]
         if self._depth:
             deque(map(self._depth.pop, victims, repeat(None)), maxlen=0)
         if self._cls:

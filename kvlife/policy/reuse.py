@@ -20,10 +20,10 @@ threshold; its precision and recall against the trace's future are reported by
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from itertools import compress, repeat
-from operator import gt, itemgetter
+from itertools import compress, count, repeat
+from operator import gt
 
 LAST = 0
 """The last block of a put's prompt."""
@@ -84,9 +84,33 @@ class ReusePredictor:
         self._ghost: OrderedDict[Hashable, int] = OrderedDict()
         self._p = [0.5] * N_CLASSES
 
-    def remembers_any(self, keys: Iterable[Hashable]) -> bool:
-        """Whether the ghost list holds any of ``keys`` (their inserts would count)."""
-        return bool(self._ghost) and not self._ghost.keys().isdisjoint(keys)
+    def admit_inserts(self, keys: Sequence[Hashable], cls: int, last_cls: int) -> list[bool] | None:
+        """:meth:`predict` then :meth:`on_insert` for each of ``keys`` in turn (a put's
+        new keys: each of class ``cls``, the last of ``last_cls``): whether each is
+        predicted reused. None, and nothing changed, when the ghost list remembers none
+        of them: then no insert changes an estimate, and the caller decides all but the
+        last by ``predict(cls)``. Otherwise only a remembered key's insert changes an
+        estimate, so the keys between two remembered ones share one decision."""
+        ghost = self._ghost
+        if not ghost or ghost.keys().isdisjoint(keys):
+            return None
+        predict, insert = self.predict, self.on_insert
+        last = len(keys) - 1
+        warm: list[bool] = []
+        start = 0
+        for j in compress(count(), map(ghost.__contains__, keys)):
+            # keys start..j are decided now (j before its own insert)
+            if j < last:
+                warm += repeat(predict(cls), j + 1 - start)
+            else:
+                warm += repeat(predict(cls), last - start)
+                warm.append(predict(last_cls))
+            insert(keys[j])
+            start = j + 1
+        if start <= last:
+            warm += repeat(predict(cls), last - start)
+            warm.append(predict(last_cls))
+        return warm
 
     def probability(self, cls: int) -> float:
         """The class's estimated reuse probability."""
@@ -128,10 +152,11 @@ class ReusePredictor:
     def on_hits(self, classes: Iterable[int]) -> None:
         """:meth:`on_hit` for each of ``classes`` (a lookup's first touches): the counts
         are sums, so one update per class gives the same estimates."""
+        got = classes if isinstance(classes, list) else list(classes)
         reused, update = self.reused, self._update
-        for cls, times in Counter(classes).items():
+        for cls in set(got):  # a few distinct classes: a count each, no Counter
             if cls < REUSED:
-                reused[cls] += times
+                reused[cls] += got.count(cls)
                 update(cls)
 
     def on_evicts(self, keys: Sequence[Hashable], classes: Sequence[int], resident: int) -> None:
@@ -147,15 +172,19 @@ class ReusePredictor:
         if True not in mask:
             return
         ghost = self._ghost
-        ghost.update(compress(zip(keys, classes, strict=True), mask))
+        # plain loops: an OrderedDict's item assignment and popitem run faster from
+        # bytecode than through update(), map() or a method wrapper
+        for key, cls in compress(zip(keys, classes, strict=True), mask):
+            ghost[key] = cls
         after = mask[::-1].index(True)  # victims after the last that trims
         limit = max(16, int(self.ghost_factor * (resident + after)))
         over = len(ghost) - limit
         if over > 0:
-            gone = Counter(map(itemgetter(1), map(ghost.popitem, repeat(False, over))))
+            popitem = ghost.popitem
+            gone = [popitem(False)[1] for _ in range(over)]
             unused, update = self.unused, self._update
-            for cls, times in gone.items():
-                unused[cls] += times
+            for cls in set(gone):
+                unused[cls] += gone.count(cls)
                 update(cls)
 
     def estimates(self) -> dict[str, float]:

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import kvlife.policy.base as base_module
 from kvlife.policy.prefixtree import PrefixTreeAdmitPolicy, PrefixTreePolicy
-from kvlife.policy.reuse import N_CLASSES, ReusePredictor
+from kvlife.policy.reuse import FIRST_TURN, LAST, N_CLASSES, ReusePredictor
 from kvlife.replay.cache import CacheSim
 from kvlife.trace.model import Trace, TraceBuilder
 from kvlife.trace.synthetic import SyntheticConfig, synthetic_trace
@@ -201,6 +201,35 @@ def test_a_key_named_twice_keeps_both_links() -> None:
         p.record_tail([7, 8], 0)
     assert fast.children_of(1) == slow.children_of(1) == {2, 9}
     assert [fast.evict_up_to(1) for _ in range(7)] == [slow.evict_up_to(1) for _ in range(7)]
+    assert _state(fast) == _state(slow)
+
+
+def test_a_put_of_remembered_keys_is_decided_key_by_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A usual put whose new keys the ghost list remembers: each one's insert counts its
+    old class reused before the next key is decided, so a class turns warm within the
+    put. The fast path (no call of the general path) decides the keys between two
+    remembered ones at once, as the general path decides them one by one."""
+    fast, slow = PrefixTreeAdmitPolicy[int](0.5), _AdmitOneByOne(0.5)
+    for p in (fast, slow):
+        pred = p.predictor
+        assert pred is not None
+        # short first turns: 2 of 5 reused (0.4, cold) until a remembered one comes back
+        pred.reused[FIRST_TURN], pred.unused[FIRST_TURN] = 2.0, 3.0
+        pred._update(FIRST_TURN)
+        pred._ghost.update({11: FIRST_TURN, 13: FIRST_TURN, 99: LAST})
+
+    def general(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the usual put took the general path")
+
+    monkeypatch.setattr(fast, "_record_classed", general)
+    for p in (fast, slow):
+        p.record_tail([10, 11, 12, 13, 14], 0)
+    # 10 and 11 decided at 2/5, 12 and 13 at 3/6, the last block at its prior 1/2
+    assert list(fast._order)[:2] == [11, 10]
+    assert fast.predictor is not None and fast.predictor.probability(FIRST_TURN) == 4 / 7
+    assert fast._tidy is False and not fast._order_is_tidy()  # 12 after its cold parent
+    assert _state(fast) == _state(slow)
+    assert fast.evict_up_to(5) == slow.evict_up_to(5)
     assert _state(fast) == _state(slow)
 
 
