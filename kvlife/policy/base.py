@@ -146,7 +146,7 @@ def policy_names() -> list[str]:
 BUILTIN_POLICIES = ("lru", "lfu", "s3fifo", "arc", "lifespan")
 """Built-in policies (one module each in :mod:`kvlife.policy`), imported on first use."""
 
-KV_POLICY_MODULES = ("prefixtree", "kvhd")
+KV_POLICY_MODULES = ("prefixtree", "kvhd", "wild")
 """Modules of the KV-aware policies (:class:`LearnsFromPrompts`; several names each)."""
 
 

@@ -123,14 +123,13 @@ class HitDensityPolicy(PrefixTreePolicy[K]):
                 return key
         best: K | None = None
         best_score = (0.0, 0)
-        clock, shift, density = self._clock, self._shift, self._density
+        clock, rank = self._clock, self._rank
         for cls, queue in enumerate(self._cq):
             if not queue:
                 continue
             for scanned, (key, stamp) in enumerate(queue.items(), 1):
                 if key not in protected and key not in kids:
-                    b = (clock - stamp) >> shift
-                    score = (density[cls][b if b < N_BUCKETS else N_BUCKETS - 1], stamp)
+                    score = (rank(cls, clock - stamp), stamp)
                     if best is None or score < best_score:
                         best, best_score = key, score
                     break
@@ -139,6 +138,12 @@ class HitDensityPolicy(PrefixTreePolicy[K]):
         if best is None:  # every queue's head is busy: any evictable leaf
             return super()._victim(protected)
         return best
+
+    def _rank(self, cls: int, age: int) -> float:
+        """What the victim has least of (the oldest first on a tie): the learned hit
+        density of the class at that age."""
+        b = age >> self._shift
+        return self._density[cls][b if b < N_BUCKETS else N_BUCKETS - 1]
 
     def _drop(self, key: K) -> None:
         cls = self._kc.pop(key)

@@ -25,7 +25,7 @@ from kvlife.trace.model import Trace
 DEFAULT_SHARES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
 DEFAULT_SWEEP_POLICIES = (
     "lru", "lfu", "s3fifo", "arc", "lifespan",
-    "prefixtree", "prefixtree-admit", "prefixtree-door", "kvhd",
+    "prefixtree", "prefixtree-admit", "prefixtree-door", "kvhd", "wild",
 )  # fmt: skip
 
 

@@ -14,17 +14,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlife.policy.kvhd as kvhd_mod
+import kvlife.policy.wild as wild_mod
 from kvlife.policy.base import EvictionPolicy, LearnsFromPrompts, make_policy, policy_names
 from kvlife.policy.kvhd import HitDensityPolicy
 from kvlife.policy.prefixtree import PrefixTreeAdmitPolicy, PrefixTreePolicy
-from kvlife.policy.reuse import LAST, ReusePredictor, structural_classes
+from kvlife.policy.reuse import LAST, N_CLASSES, ReusePredictor, structural_classes
+from kvlife.policy.wild import WorkloadAwarePolicy
 from kvlife.replay.cache import CacheSim
 from kvlife.replay.live import run_live
 from kvlife.trace.model import Trace, TraceBuilder
 from kvlife.trace.synthetic import SyntheticConfig, synthetic_trace
 from tests.policy.trees import prompt_paths
 
-KV = ["prefixtree", "prefixtree-admit", "prefixtree-door", "kvhd"]
+KV = ["prefixtree", "prefixtree-admit", "prefixtree-door", "kvhd", "wild"]
 
 
 def test_registered_and_marked() -> None:
@@ -254,6 +256,43 @@ def test_kvhd_learns_the_dead_last_blocks(monkeypatch: pytest.MonkeyPatch) -> No
     assert isinstance(pol, HitDensityPolicy)
     dens = pol.densities()
     assert max(dens[LAST]) == 0.0 < max(max(row) for row in dens.values())
+
+
+def test_wild_fits_dead_last_blocks_and_evicts_them_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kvhd_mod, "RECOMPUTE_EVERY", 32)  # fit within a small trace
+    trace = conversations()
+    hits = {p: int(CacheSim(p, 200).run(trace).present.sum()) for p in ("lru", "wild")}
+    assert hits["wild"] > 2 * hits["lru"], hits
+    sim = CacheSim("wild", 200)
+    sim.run(trace)
+    pol = sim.policies["dram"]
+    assert isinstance(pol, WorkloadAwarePolicy)
+    fits = pol.fits()
+    assert fits[LAST][0] == 0.0  # the partial last blocks: never reused
+    reused = [c for c, (p, lam, life) in fits.items() if p > 0.0]
+    assert reused and all(fits[c][1] > 0.0 and fits[c][2] > 0.0 for c in reused)
+    assert all(pol.reuse_probability(LAST, age) == 0.0 for age in (0, 10, 10**6))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    p=st.floats(0.0, 1.0),
+    mean=st.floats(1.0, 1e6),
+    means=st.floats(0.5, 8.0),
+    ages=st.lists(st.integers(0, 10**8), min_size=2, max_size=8),
+)
+def test_wild_reuse_probability_is_a_probability_falling_with_age(
+    p: float, mean: float, means: float, ages: list[int]
+) -> None:
+    pol: WorkloadAwarePolicy[int] = WorkloadAwarePolicy()
+    pol._p[1], pol._lam[1], pol._life[1] = p, 1.0 / mean, means * mean
+    probs = [pol.reuse_probability(1, a) for a in sorted(ages)]
+    assert all(0.0 <= q <= p + 1e-12 for q in probs)
+    assert all(a >= b - 1e-12 for a, b in itertools.pairwise(probs))
+    assert all(q == 0.0 for a, q in zip(sorted(ages), probs, strict=True) if a >= means * mean)
+    assert len(pol.fits()) == N_CLASSES and wild_mod.LIFE_MEANS > 0
 
 
 def test_admission_beats_lru_when_last_blocks_crowd_the_cache() -> None:

@@ -24,7 +24,7 @@ from kvlife.policy.lru import LRUPolicy
 from kvlife.policy.s3fifo import S3FIFOPolicy
 
 ALL = list(BUILTIN_POLICIES)
-KV_AWARE = ["prefixtree", "prefixtree-admit", "prefixtree-door", "kvhd"]
+KV_AWARE = ["prefixtree", "prefixtree-admit", "prefixtree-door", "kvhd", "wild"]
 """The KV-aware policies (tests/policy/test_kvaware.py): the same contract, not in
 BUILTIN_POLICIES because they learn from whole prompts (batch calls are not the calls
 one by one)."""

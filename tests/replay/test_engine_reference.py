@@ -80,7 +80,9 @@ def trace() -> Trace:
     return synthetic_trace(SyntheticConfig(seed=11, sessions=40))
 
 
-@pytest.mark.parametrize("policy", [*BUILTIN_POLICIES, "prefixtree", "prefixtree-admit", "kvhd"])
+@pytest.mark.parametrize(
+    "policy", [*BUILTIN_POLICIES, "prefixtree", "prefixtree-admit", "kvhd", "wild"]
+)
 def test_engine_replay_equals_the_reference_run(trace: Trace, policy: str) -> None:
     longest = int(np.diff(trace.offsets).max())
     unique = trace.n_unique_blocks()
