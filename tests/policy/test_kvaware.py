@@ -245,14 +245,20 @@ def conversations(convs: int = 30, turns: int = 12) -> Trace:
     return tb.build()
 
 
-def test_kvhd_learns_the_dead_last_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kvhd_mod, "RECOMPUTE_EVERY", 32)  # learn within a small trace
+def learned_on_conversations(name: str, monkeypatch: pytest.MonkeyPatch) -> object:
+    """The DRAM policy ``name`` after the round-robin conversations (refreshed every 32
+    evictions, to learn within a small trace), having more than twice LRU's hits."""
+    monkeypatch.setattr(kvhd_mod, "RECOMPUTE_EVERY", 32)
     trace = conversations()
-    hits = {p: int(CacheSim(p, 200).run(trace).present.sum()) for p in ("lru", "kvhd")}
-    assert hits["kvhd"] > 2 * hits["lru"], hits
-    sim = CacheSim("kvhd", 200)
+    hits = {p: int(CacheSim(p, 200).run(trace).present.sum()) for p in ("lru", name)}
+    assert hits[name] > 2 * hits["lru"], hits
+    sim = CacheSim(name, 200)
     sim.run(trace)
-    pol = sim.policies["dram"]
+    return sim.policies["dram"]
+
+
+def test_kvhd_learns_the_dead_last_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    pol = learned_on_conversations("kvhd", monkeypatch)
     assert isinstance(pol, HitDensityPolicy)
     dens = pol.densities()
     assert max(dens[LAST]) == 0.0 < max(max(row) for row in dens.values())
@@ -261,13 +267,7 @@ def test_kvhd_learns_the_dead_last_blocks(monkeypatch: pytest.MonkeyPatch) -> No
 def test_wild_fits_dead_last_blocks_and_evicts_them_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(kvhd_mod, "RECOMPUTE_EVERY", 32)  # fit within a small trace
-    trace = conversations()
-    hits = {p: int(CacheSim(p, 200).run(trace).present.sum()) for p in ("lru", "wild")}
-    assert hits["wild"] > 2 * hits["lru"], hits
-    sim = CacheSim("wild", 200)
-    sim.run(trace)
-    pol = sim.policies["dram"]
+    pol = learned_on_conversations("wild", monkeypatch)
     assert isinstance(pol, WorkloadAwarePolicy)
     fits = pol.fits()
     assert fits[LAST][0] == 0.0  # the partial last blocks: never reused
