@@ -61,7 +61,14 @@ from kvlife.store.core import Bound, Serving, StoreCore
 from kvlife.store.executor import execute
 from kvlife.store.forms import DecodeRates, decode_replica, exactness_of
 from kvlife.store.shared import consult_shared
-from kvlife.tiers.base import ReadResult, SealedInMemory, Tier, read_only, seal_of
+from kvlife.tiers.base import (
+    ReadResult,
+    SealedInMemory,
+    Tier,
+    read_only,
+    seal_of,
+    when_read_returns,
+)
 from kvlife.transforms.base import UnknownTransform
 from kvlife.transforms.contract import Accept
 
@@ -230,14 +237,22 @@ class _Feed:
         self.chained = chained
 
     def read(self, it: _Item) -> None:
+        nxt = _Next(self) if self.chained else None
         try:
-            res: Outcome | BaseException = _read_run(
-                self.tiers[it.tier], [it], self.rates, self.verify
-            )[0]
+            if nxt is None:
+                res: Outcome | BaseException = _read_run(
+                    self.tiers[it.tier], [it], self.rates, self.verify
+                )[0]
+            else:
+                # the next read is submitted as soon as this one's device read returned
+                # (a tier that says so: the disk tier), so that this chunk's checksum
+                # (and copy) overlaps it; else after this read, as before
+                with when_read_returns(nxt):
+                    res = _read_run(self.tiers[it.tier], [it], self.rates, self.verify)[0]
         except BaseException as exc:  # handed to the handle as a typed miss
             res = exc
-        if self.chained:
-            self.submit_next()
+        if nxt is not None:
+            nxt()
         self.handle._complete(it, res)
 
     def submit_next(self) -> None:
@@ -258,6 +273,21 @@ class _Feed:
                 )
             with self.lock:
                 it = next(self.queue, None)
+
+
+class _Next:
+    """Submits a chained load's next read, once (from the tier's read hook or after
+    the read, whichever comes first)."""
+
+    __slots__ = ("feed",)
+
+    def __init__(self, feed: _Feed) -> None:
+        self.feed: _Feed | None = feed
+
+    def __call__(self) -> None:
+        feed, self.feed = self.feed, None
+        if feed is not None:
+            feed.submit_next()
 
 
 def _read_run(

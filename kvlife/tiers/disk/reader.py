@@ -27,7 +27,7 @@ import numpy as np
 
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaReadError
 from kvlife.core.identity import ChunkKey
-from kvlife.tiers.base import ReadResult, read_only
+from kvlife.tiers.base import ReadResult, device_read_returned, read_only
 from kvlife.tiers.buffers import (
     ALIGN,
     RecyclingPool,
@@ -147,20 +147,27 @@ class Reader:
     ) -> list[ReadResult]:
         n = len(plan)
         results: list[ReadResult | None] = [None] * n
-        helpers_wanted = min(depth, n) - 1
+        # one worker more than reads in flight when the batch has more frames than
+        # ``depth``: while one worker verifies (and copies) the frame it read, ``depth``
+        # others' reads stay in flight (``slots``, held for the preadv alone)
+        workers = min(depth + 1, n) if n > depth else n
+        helpers_wanted = workers - 1 if depth > 1 else 0
         if helpers_wanted <= 0:
             for i, (row, seg, out) in enumerate(plan):
                 results[i] = self._read_one(row, seg, out, got)
         else:
             # Work sharing: the caller and its helpers each take the next frame. The
             # caller never waits for a helper to start, so a pool that is busy (or has a
-            # worker stalled in a device read) slows a batch down but never blocks it.
+            # worker stalled in a device read) slows a batch down but never blocks it;
+            # a slot is held only by a worker in its preadv, which ends without waiting
+            # for anything.
             counter = itertools.count()
+            slots = threading.Semaphore(depth) if workers > depth else None
 
             def work() -> None:
                 while (i := next(counter)) < n:
                     row, seg, out = plan[i]
-                    results[i] = self._read_one(row, seg, out, got)
+                    results[i] = self._read_one(row, seg, out, got, slots)
 
             pool = self._reader_pool()
             helpers = [pool.submit(work) for _ in range(helpers_wanted)]
@@ -184,10 +191,17 @@ class Reader:
             return self._read_pool
 
     def _read_one(
-        self, row: CatalogRow, seg: Segment, out: np.ndarray | None, got: list[int]
+        self,
+        row: CatalogRow,
+        seg: Segment,
+        out: np.ndarray | None,
+        got: list[int],
+        slots: threading.Semaphore | None = None,
     ) -> ReadResult:
         """Read and verify one frame: straight into ``out`` when its memory is aligned,
-        else into a staging buffer (then copied); without ``out`` into a recycled array."""
+        else into a staging buffer (then copied); without ``out`` into a recycled array.
+        ``slots``: the call's reads in flight, held for the ``preadv`` alone (not for
+        the verification and the copy that follow it)."""
         staged: np.ndarray | None = None
         hdr = _header_buffer()
         runs = _direct_runs(out) if out is not None else None
@@ -205,9 +219,15 @@ class Reader:
             bufs = [hdr, body] if row.nbytes else [hdr]
         try:
             try:
-                n = self.io.preadv(seg.fd, bufs, row.off)
+                if slots is None:
+                    n = self.io.preadv(seg.fd, bufs, row.off)
+                else:
+                    with slots:
+                        n = self.io.preadv(seg.fd, bufs, row.off)
             except OSError as exc:
                 return ReplicaReadError(row.key.hex(), self._where(row), str(exc))
+            finally:
+                device_read_returned()  # a one-at-a-time caller submits its next read
             need = HEADER_BYTES + row.nbytes
             if n < need:
                 return ChecksumMismatch(
