@@ -1,8 +1,9 @@
-"""Pipelined disk reads (issue 28): a read slot frees as soon as its ``preadv`` returned,
-so that the checksum (and copy) of one chunk overlaps the read of the next, and no
-promise moves: every byte is verified before it is handed out, a corrupt chunk in the
-middle is a counted miss with nothing after it handed out, pins balance, a close with
-reads in flight gives typed misses, and reads in flight never exceed the bound.
+"""Pipelined disk loads (issue 28): a chained ``load_async`` submits its next read as soon
+as the disk tier's ``preadv`` returned (the tier's read hook), so that the checksum
+(and copy) of one chunk overlaps the read of the next, and no promise moves: every
+byte is verified before it is handed out, a corrupt chunk in the middle is a counted
+miss with nothing after it handed out, pins balance, a close with reads in flight gives
+typed misses, and reads in flight never exceed the load's depth.
 
 Orders are forced with events and barriers (each wait bounded by ``WAIT``: a hang is
 a failure, never a speed claim)."""
@@ -181,39 +182,6 @@ def test_close_with_a_read_in_flight_behind_a_verified_chunk_gives_typed_misses(
     assert io.issued == 2, "a chunk was read after the close"
 
 
-class PairedIO(FileIO):
-    """Reads number 1 and 2 (0-based) each wait at a barrier for the other: they pass
-    only when both are in flight at once; counts the most reads in flight."""
-
-    def __init__(self) -> None:
-        super().__init__(direct=False)
-        self.lock = threading.Lock()
-        self.issued = 0
-        self.now = 0
-        self.most = 0
-        self.armed = False
-        self.barrier = threading.Barrier(2, timeout=WAIT)
-        self.paired = threading.Event()
-
-    def preadv(self, fd: int, buffers: Sequence[np.ndarray], offset: int) -> int:
-        with self.lock:
-            k = self.issued
-            self.issued += 1
-            self.now += 1
-            self.most = max(self.most, self.now)
-        try:
-            if self.armed and k in (1, 2):
-                try:
-                    self.barrier.wait()
-                    self.paired.set()
-                except threading.BrokenBarrierError:
-                    pass
-            return super().preadv(fd, buffers, offset)
-        finally:
-            with self.lock:
-                self.now -= 1
-
-
 def _disk_tier(
     path: Path, io: FileIO, arrays: list[np.ndarray], depth: int
 ) -> tuple[DiskTier, list[ChunkKey]]:
@@ -230,39 +198,25 @@ def _disk_tier(
     return tier, [m.key for m in metas]
 
 
-def test_a_batch_keeps_its_reads_in_flight_while_one_frame_is_verified(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``io_depth`` 2, one caller, 6 frames: while the first frame read is verified, two
-    more reads are in flight at once (before, the call had two workers: one verifying,
-    one reading); never more than two reads in flight; every frame exact."""
-    io = PairedIO()
-    arrays = [np.full((64, 64), i, np.float16) for i in range(6)]
-    tier, keys = _disk_tier(tmp_path, io, arrays, depth=2)
-    try:
-        io.armed = True
-        io.issued = io.most = 0
-        seen = _verify_waits_for(monkeypatch, io.paired)
-        got = tier.read_batch(keys)
-        assert seen == [True], "no two reads were in flight while a frame was verified"
-        assert io.most == 2, "more reads in flight than the call's share of io_depth"
-        for a, g in zip(arrays, got, strict=True):
-            assert isinstance(g, np.ndarray) and np.array_equal(a, g)
-    finally:
-        io.barrier.abort()
-        tier.close()
-
-
 def test_a_corrupt_frame_in_a_pipelined_batch_is_its_own_miss(tmp_path: Path) -> None:
-    """A batch of 6 frames read by workers that verify while others read: the damaged
-    frame is a ChecksumMismatch, every other frame exact (into buffers and new arrays)."""
+    """A batch of 6 frames read by the caller and a helper (one verifies while the other
+    reads), the read hook firing in the caller's thread: the damaged frame is a
+    ChecksumMismatch, every other frame exact (into buffers and new arrays), and the
+    hook ran once, in the caller's thread."""
     arrays = [np.full((64, 64), i, np.float16) for i in range(6)]
     tier, keys = _disk_tier(tmp_path, FileIO(direct=False), arrays, depth=2)
     try:
         frame = next(f for f in scan_frames(tmp_path) if f.key == keys[3])
         flip(frame.segment, frame.payload_offset + 11, 1)
         for outs in (None, [np.zeros_like(a) for a in arrays]):
-            got = tier.read_batch(keys, outs)
+            fired: list[str] = []
+
+            def hook(fired: list[str] = fired) -> None:
+                fired.append(threading.current_thread().name)
+
+            with when_read_returns(hook):
+                got = tier.read_batch(keys, outs)
+            assert fired == [threading.current_thread().name]
             for i, (a, g) in enumerate(zip(arrays, got, strict=True)):
                 if i == 3:
                     assert isinstance(g, ChecksumMismatch)

@@ -14,6 +14,11 @@ shared among concurrent callers: one caller alone gets ``io_depth - 1`` helper t
 (from a pool of :data:`READ_HELPERS` shared by the tier), and every caller of two or
 more frames gets at least one (:data:`PIPELINE`), so that its checksum of one frame
 overlaps the read of the next: N callers keep max(2N, io_depth) reads in flight.
+
+A read in the caller's thread signals :func:`~kvlife.tiers.base.device_read_returned`
+as soon as its ``preadv`` returned, before the frame is verified: a caller that reads
+one chunk at a time (the store's ``load_async`` with a depth) submits its next read
+from there, so that the checksum overlaps it.
 """
 
 from __future__ import annotations
@@ -147,27 +152,20 @@ class Reader:
     ) -> list[ReadResult]:
         n = len(plan)
         results: list[ReadResult | None] = [None] * n
-        # one worker more than reads in flight when the batch has more frames than
-        # ``depth``: while one worker verifies (and copies) the frame it read, ``depth``
-        # others' reads stay in flight (``slots``, held for the preadv alone)
-        workers = min(depth + 1, n) if n > depth else n
-        helpers_wanted = workers - 1 if depth > 1 else 0
+        helpers_wanted = min(depth, n) - 1
         if helpers_wanted <= 0:
             for i, (row, seg, out) in enumerate(plan):
                 results[i] = self._read_one(row, seg, out, got)
         else:
             # Work sharing: the caller and its helpers each take the next frame. The
             # caller never waits for a helper to start, so a pool that is busy (or has a
-            # worker stalled in a device read) slows a batch down but never blocks it;
-            # a slot is held only by a worker in its preadv, which ends without waiting
-            # for anything.
+            # worker stalled in a device read) slows a batch down but never blocks it.
             counter = itertools.count()
-            slots = threading.Semaphore(depth) if workers > depth else None
 
             def work() -> None:
                 while (i := next(counter)) < n:
                     row, seg, out = plan[i]
-                    results[i] = self._read_one(row, seg, out, got, slots)
+                    results[i] = self._read_one(row, seg, out, got)
 
             pool = self._reader_pool()
             helpers = [pool.submit(work) for _ in range(helpers_wanted)]
@@ -191,17 +189,10 @@ class Reader:
             return self._read_pool
 
     def _read_one(
-        self,
-        row: CatalogRow,
-        seg: Segment,
-        out: np.ndarray | None,
-        got: list[int],
-        slots: threading.Semaphore | None = None,
+        self, row: CatalogRow, seg: Segment, out: np.ndarray | None, got: list[int]
     ) -> ReadResult:
         """Read and verify one frame: straight into ``out`` when its memory is aligned,
-        else into a staging buffer (then copied); without ``out`` into a recycled array.
-        ``slots``: the call's reads in flight, held for the ``preadv`` alone (not for
-        the verification and the copy that follow it)."""
+        else into a staging buffer (then copied); without ``out`` into a recycled array."""
         staged: np.ndarray | None = None
         hdr = _header_buffer()
         runs = _direct_runs(out) if out is not None else None
@@ -219,15 +210,11 @@ class Reader:
             bufs = [hdr, body] if row.nbytes else [hdr]
         try:
             try:
-                if slots is None:
-                    n = self.io.preadv(seg.fd, bufs, row.off)
-                else:
-                    with slots:
-                        n = self.io.preadv(seg.fd, bufs, row.off)
+                n = self.io.preadv(seg.fd, bufs, row.off)
             except OSError as exc:
                 return ReplicaReadError(row.key.hex(), self._where(row), str(exc))
             finally:
-                device_read_returned()  # a one-at-a-time caller submits its next read
+                device_read_returned()  # a one-chunk-at-a-time caller submits its next read
             need = HEADER_BYTES + row.nbytes
             if n < need:
                 return ChecksumMismatch(
