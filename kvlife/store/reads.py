@@ -285,11 +285,13 @@ class _Next:
 
     The yield: the thread that submitted goes on to hash its chunk, and the pool
     thread that takes the next read needs a CPU and the interpreter lock to reach its
-    ``preadv``. On one CPU (``kvlife serve --cpus``) it got neither until the hash was
-    done, so the next read started no earlier than before (measured, issue 28: 2 MiB
-    chunks, the next read 350 µs after the last ended against 220 µs before the hook;
-    with the yield 96 µs). ``os.sched_yield`` lets it run to its ``preadv`` (where it
-    blocks and gives both back) first; where a CPU is free it costs a system call."""
+    ``preadv``. On one CPU (``kvlife serve --cpus`` with one) it got neither until the
+    hash was done, so the next read started no earlier than before (measured, issue
+    28: 2 MiB chunks, the next read 350 µs after the last ended against 220 µs before
+    the hook; with the yield 96 µs). ``os.sched_yield`` lets it run to its ``preadv``
+    (where it blocks and gives both back) first. Only on one CPU: with more, the pool
+    thread may run beside, and a yield could hand this CPU to any other runnable
+    thread or process for a time slice (milliseconds) before the hash."""
 
     __slots__ = ("feed",)
 
@@ -297,8 +299,8 @@ class _Next:
         self.feed: _Feed | None = feed
 
     def __call__(self) -> None:
-        """The tier's hook: submit the next read and let it start."""
-        if self.submit():
+        """The tier's hook: submit the next read and, on one CPU, let it start."""
+        if self.submit() and _one_cpu():
             os.sched_yield()
 
     def submit(self) -> bool:
@@ -307,6 +309,14 @@ class _Next:
         other processes a yield for nothing lost a time slice, 2 ms, measured)."""
         feed, self.feed = self.feed, None
         return feed is not None and feed.submit_next()
+
+
+def _one_cpu() -> bool:
+    """This thread may run on one CPU only (its affinity)."""
+    try:
+        return len(os.sched_getaffinity(0)) == 1
+    except (AttributeError, OSError):  # no affinity on this platform
+        return False
 
 
 def _read_run(
