@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -168,7 +169,12 @@ def test_close_with_a_read_in_flight_behind_a_verified_chunk_gives_typed_misses(
     assert first is not None and np.array_equal(first, chunks_of(kv, 1)[0])
     closer = threading.Thread(target=store.close)
     closer.start()
-    closer.join(1.0)  # close() reaches the I/O pool's shutdown (an order, not a speed)
+    pool = store._reader._pool
+    assert pool is not None
+    deadline = time.monotonic() + WAIT
+    while not pool._shutdown and time.monotonic() < deadline:  # close() reached the
+        closer.join(0.01)  # I/O pool's shutdown, which waits for the read in flight
+    assert pool._shutdown
     io.release.set()
     closer.join(WAIT)
     assert not closer.is_alive()
@@ -200,9 +206,9 @@ def _disk_tier(
 
 def test_a_corrupt_frame_in_a_pipelined_batch_is_its_own_miss(tmp_path: Path) -> None:
     """A batch of 6 frames read by the caller and a helper (one verifies while the other
-    reads), the read hook firing in the caller's thread: the damaged frame is a
+    reads), a read hook set in the caller's thread: the damaged frame is a
     ChecksumMismatch, every other frame exact (into buffers and new arrays), and the
-    hook ran once, in the caller's thread."""
+    hook ran at most once, in the caller's thread only."""
     arrays = [np.full((64, 64), i, np.float16) for i in range(6)]
     tier, keys = _disk_tier(tmp_path, FileIO(direct=False), arrays, depth=2)
     try:
@@ -216,7 +222,9 @@ def test_a_corrupt_frame_in_a_pipelined_batch_is_its_own_miss(tmp_path: Path) ->
 
             with when_read_returns(hook):
                 got = tier.read_batch(keys, outs)
-            assert fired == [threading.current_thread().name]
+            # at most once, and never in a helper's thread (the caller reads a frame
+            # unless its helper took them all first)
+            assert fired in ([], [threading.current_thread().name])
             for i, (a, g) in enumerate(zip(arrays, got, strict=True)):
                 if i == 3:
                     assert isinstance(g, ChecksumMismatch)
