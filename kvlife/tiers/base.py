@@ -23,9 +23,11 @@ edit of the store.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -420,6 +422,36 @@ class SharedTier(ABC):
         """Replicas this host held whose records other hosts deleted or replaced since
         the last call (found by reads): no longer this host's replicas. The store drops
         them, then calls :meth:`forget`."""
+
+
+_read_hook = threading.local()
+
+
+@contextlib.contextmanager
+def when_read_returns(fn: Callable[[], None]) -> Iterator[None]:
+    """Call ``fn`` once, in this thread, as soon as the next device read this thread
+    issues has returned, before its bytes are verified (issue 28): a caller that reads
+    one chunk at a time submits its next read from ``fn``, so that the checksum of this
+    chunk overlaps the next chunk's read. A tier that signals it
+    (:func:`device_read_returned`; the disk tier does, for reads in the caller's thread)
+    frees the caller's read slot early; one that does not leaves ``fn`` uncalled, and
+    the caller calls it after the read as before. Nothing is served earlier: the read's
+    outcome is returned after its verification either way."""
+    prev = getattr(_read_hook, "fn", None)
+    _read_hook.fn = fn
+    try:
+        yield
+    finally:
+        _read_hook.fn = prev
+
+
+def device_read_returned() -> None:
+    """A tier's device read in this thread returned (its bytes not yet verified): run
+    the hook :func:`when_read_returns` set, once; nothing when none is set."""
+    fn = getattr(_read_hook, "fn", None)
+    if fn is not None:
+        _read_hook.fn = None
+        fn()
 
 
 def seal_of(arr: np.ndarray) -> bytes:

@@ -14,6 +14,11 @@ shared among concurrent callers: one caller alone gets ``io_depth - 1`` helper t
 (from a pool of :data:`READ_HELPERS` shared by the tier), and every caller of two or
 more frames gets at least one (:data:`PIPELINE`), so that its checksum of one frame
 overlaps the read of the next: N callers keep max(2N, io_depth) reads in flight.
+
+A read in the caller's thread signals :func:`~kvlife.tiers.base.device_read_returned`
+as soon as its ``preadv`` returned, before the frame is verified: a caller that reads
+one chunk at a time (the store's ``load_async`` with a depth) submits its next read
+from there, so that the checksum overlaps it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import numpy as np
 
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaReadError
 from kvlife.core.identity import ChunkKey
-from kvlife.tiers.base import ReadResult, read_only
+from kvlife.tiers.base import ReadResult, device_read_returned, read_only
 from kvlife.tiers.buffers import (
     ALIGN,
     RecyclingPool,
@@ -208,6 +213,8 @@ class Reader:
                 n = self.io.preadv(seg.fd, bufs, row.off)
             except OSError as exc:
                 return ReplicaReadError(row.key.hex(), self._where(row), str(exc))
+            finally:
+                device_read_returned()  # a one-chunk-at-a-time caller submits its next read
             need = HEADER_BYTES + row.nbytes
             if n < need:
                 return ChecksumMismatch(
