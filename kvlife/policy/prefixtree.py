@@ -52,7 +52,14 @@ from typing import TypeVar, cast
 from kvlife.core.errors import InvalidArgument
 from kvlife.policy.admission import Admission, Doorkeeper, PredictorAdmission
 from kvlife.policy.base import EvictionPolicy, LearnsFromPrompts, register_policy
-from kvlife.policy.reuse import LAST, UNKNOWN, ReusePredictor, put_class, structural_classes
+from kvlife.policy.reuse import (
+    FIRST_TURN,
+    LAST,
+    UNKNOWN,
+    ReusePredictor,
+    put_class,
+    structural_classes,
+)
 
 K = TypeVar("K", bound=Hashable)
 
@@ -84,7 +91,8 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         self._cls: dict[K, int] = {}
         """Class of each resident not touched since insert (for the admission's labels)."""
         self._depth: dict[K, int] = {}
-        """Conversation turn of each resident inserted by a put (structure only)."""
+        """Conversation turn of each resident inserted by a put (structure only), kept
+        only where it is not 0 (a first turn's keys, most of them: 0 by default)."""
         self.predictor: ReusePredictor | None = (
             admission.predictor if isinstance(admission, PredictorAdmission) else None
         )
@@ -306,25 +314,44 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         :meth:`~kvlife.policy.reuse.ReusePredictor.admit_inserts`)."""
         pred = self.predictor
         assert pred is not None  # _can_admit_tail
-        d_hit = self._depth.get(keys[head - 1], 0) if head > 1 else 0
-        base, depth = put_class(len(keys), head, len(tail), d_hit)
-        depths, cls_of = self._depth, self._cls
-        for key in tail:  # a plain loop: faster than update(zip(...)) here
-            depths[key] = depth
-            cls_of[key] = base
-        cls_of[tail[-1]] = LAST
-        warm = pred.admit_inserts(tail, base, LAST)
-        if warm is None:  # no key remembered: one decision for all but the last
-            # cold keys to the front in prompt order: the deepest is evicted first
-            cold = [] if pred.predict(base) else tail[:-1]
-            if not pred.predict(LAST):
-                cold = [*cold, tail[-1]]
-            elif cold:  # the last new key's parent goes to the front, the key stays
-                self._tidy = False
+        n, added = len(keys), len(tail)
+        if head <= 1:  # put_class, written out: a first turn, by prompt length
+            base = FIRST_TURN + (0 if n < 8 else 1 if n < 32 else 2)
+            depth = 0
         else:
-            if any(map(gt, warm[1:], warm)):  # a warm key after its cold parent
-                self._tidy = False
-            cold = list(compress(tail, map(not_, warm)))
+            base, depth = put_class(n, head, added, self._depth.get(keys[head - 1], 0))
+        cls_of = self._cls
+        if depth:
+            depths = self._depth
+            for key in tail:  # a plain loop: faster than update(zip(...)) here
+                depths[key] = depth
+                cls_of[key] = base
+        else:
+            for key in tail:
+                cls_of[key] = base
+        last = tail[-1]
+        cls_of[last] = LAST
+        ghost = pred._ghost
+        if type(pred) is ReusePredictor and (not ghost or ghost.keys().isdisjoint(tail)):
+            # no key remembered (admit_inserts' None, its predictions written out): one
+            # decision for all but the last; cold keys to the front in prompt order (the
+            # deepest is evicted first)
+            warm_last = pred._p[LAST] >= pred.threshold
+            if pred._p[base] >= pred.threshold:
+                if not warm_last:
+                    self._order.move_to_end(last, False)
+            else:
+                cold = tail[:-1] if warm_last else tail
+                if warm_last and cold:  # the last new key's parent goes to the front
+                    self._tidy = False
+                deque(map(self._order.move_to_end, cold, repeat(False)), maxlen=0)
+            return
+        warm = pred.admit_inserts(tail, base, LAST)
+        if warm is None:  # (a subclass's predictor: its own predictions)
+            warm = [pred.predict(base)] * (added - 1) + [pred.predict(LAST)]
+        if any(map(gt, warm[1:], warm)):  # a warm key after its cold parent
+            self._tidy = False
+        cold = list(compress(tail, map(not_, warm)))
         if cold:
             deque(map(self._order.move_to_end, cold, repeat(False)), maxlen=0)
 
@@ -377,7 +404,8 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                     order[key] = prev
                     if prev is not None and self._tree:
                         self._adopt(prev, key)
-                    self._depth[key] = depth
+                    if depth:
+                        self._depth[key] = depth
                     cls = classes[i]
                     warm = adm.admit(key, cls) if adm is not None else True
                     if self.log is not None and key not in self.log and self.predictor:

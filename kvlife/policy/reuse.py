@@ -20,10 +20,11 @@ threshold; its precision and recall against the trace's future are reported by
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import compress, count, repeat
 from operator import gt
+
+from kvlife.core.errors import InvalidArgument
 
 LAST = 0
 """The last block of a put's prompt."""
@@ -76,12 +77,27 @@ def put_class(n: int, hit: int, added: int, depth_of_hit: int) -> tuple[int, int
 class ReusePredictor:
     """Per-class reuse probability, learned online (see the module docstring)."""
 
+    compact_at = 4096
+    """The ghost list's FIFO drops its trimmed entries once they are more than this
+    and more than half of it."""
+
     def __init__(self, threshold: float = 0.1, ghost_factor: float = 2.0) -> None:
         self.threshold = threshold
         self.ghost_factor = ghost_factor
         self.reused = [1.0] * N_CLASSES  # a weak prior of 1 in 2
         self.unused = [1.0] * N_CLASSES
-        self._ghost: OrderedDict[Hashable, int] = OrderedDict()
+        self._ghost: dict[Hashable, int] = {}
+        """The ghost list: each remembered key -> its place in :attr:`_keys` (counted
+        from the first key ever remembered); :meth:`ghost_items`."""
+        self._keys: list[Hashable] = []
+        """The keys remembered, in the order they came, from :attr:`_head` on (the
+        entries before it are trimmed); :attr:`_classes` holds each one's class."""
+        self._classes: list[int] = []
+        """The class of each entry of :attr:`_keys`: :data:`UNKNOWN` for a key that
+        left the list by an insert (the trim skips it)."""
+        self._head = 0
+        self._base = 0
+        """The place of ``_keys[0]`` (the entries before it were compacted away)."""
         self._p = [0.5] * N_CLASSES
 
     def admit_inserts(self, keys: Sequence[Hashable], cls: int, last_cls: int) -> list[bool] | None:
@@ -132,8 +148,12 @@ class ReusePredictor:
 
     def on_insert(self, key: Hashable) -> None:
         """A block is inserted: if the ghost list remembers it, its class was reused."""
-        cls = self._ghost.pop(key, None)
-        if cls is not None:
+        at = self._ghost.pop(key, None)
+        if at is not None:
+            at -= self._base
+            classes = self._classes
+            cls = classes[at]
+            classes[at] = UNKNOWN  # left: skipped by the trim
             self.reused[cls] += 1.0
             self._update(cls)
 
@@ -141,13 +161,62 @@ class ReusePredictor:
         """A block left untouched since insert (class ``cls``); ``resident`` keys remain."""
         if cls >= REUSED:
             return
-        ghost = self._ghost
-        ghost[key] = cls
+        self._remember([key], [cls])
         limit = max(16, int(self.ghost_factor * resident))
-        while len(ghost) > limit:
-            old = ghost.popitem(last=False)[1]
-            self.unused[old] += 1.0
-            self._update(old)
+        if len(self._ghost) > limit:
+            self._trim(limit)
+
+    def _remember(self, keys: list[Hashable], classes: list[int]) -> None:
+        """Add ``keys`` (of ``classes``, each < :data:`REUSED`) to the ghost list in
+        turn, one by one: a key remembered already keeps its place and takes the new
+        class, as an ordered dict's would."""
+        ghost, order, labels = self._ghost, self._keys, self._classes
+        for key, cls in zip(keys, classes, strict=True):
+            at = ghost.get(key)
+            if at is None:
+                ghost[key] = self._base + len(order)
+                order.append(key)
+                labels.append(cls)
+            else:
+                labels[at - self._base] = cls
+
+    def _trim(self, limit: int) -> None:
+        """Forget the oldest remembered keys down to ``limit`` (below the list's
+        length); each one forgotten counts its class not reused (sums: one update per
+        class)."""
+        over = len(self._ghost) - limit
+        head = self._head
+        end = head + over
+        gone = self._classes[head:end]
+        left = gone.count(UNKNOWN)
+        while left:  # keys that left by an insert: look as much further
+            more = self._classes[end : end + left]
+            end += left
+            gone += more
+            left = more.count(UNKNOWN)
+        keys = self._keys[head:end]
+        if len(gone) > over:
+            live = list(map(gt, repeat(REUSED), gone))
+            keys = list(compress(keys, live))
+            gone = list(compress(gone, live))
+        ghost = self._ghost
+        for key in keys:  # a plain loop: faster than map() here
+            del ghost[key]
+        if end > self.compact_at and 2 * end > len(self._keys):  # the trimmed part goes
+            del self._keys[:end]
+            del self._classes[:end]
+            self._base += end
+            end = 0
+        self._head = end
+        unused, update = self.unused, self._update
+        for cls in set(gone):  # a few distinct classes: a count each, no Counter
+            unused[cls] += gone.count(cls)
+            update(cls)
+
+    def ghost_items(self) -> list[tuple[Hashable, int]]:
+        """The ghost list, oldest first: (key, class) of each remembered key."""
+        pairs = zip(self._keys[self._head :], self._classes[self._head :], strict=True)
+        return [(key, cls) for key, cls in pairs if cls != UNKNOWN]
 
     def on_hits(self, classes: Iterable[int]) -> None:
         """:meth:`on_hit` for each of ``classes`` (a lookup's first touches): the counts
@@ -168,24 +237,36 @@ class ReusePredictor:
         victim to the next (one resident fewer each), so no earlier call's trim takes
         an entry that this one keeps; the unused counts are sums, updated once per
         class."""
-        mask = list(map(gt, repeat(REUSED), classes))
-        if True not in mask:
+        if len(keys) != len(classes):
+            raise InvalidArgument(f"{len(keys)} victims with {len(classes)} classes")
+        if not classes:
             return
+        if max(classes) < REUSED:  # the usual batch: every victim untouched
+            added, labels, after = list(keys), list(classes), 0
+        else:
+            mask = list(map(gt, repeat(REUSED), classes))
+            if True not in mask:
+                return
+            added = list(compress(keys, mask))
+            labels = list(compress(classes, mask))
+            after = mask[::-1].index(True)  # victims after the last that trims
         ghost = self._ghost
-        # plain loops: an OrderedDict's item assignment and popitem run faster from
-        # bytecode than through update(), map() or a method wrapper
-        for key, cls in compress(zip(keys, classes, strict=True), mask):
-            ghost[key] = cls
-        after = mask[::-1].index(True)  # victims after the last that trims
+        if ghost.keys().isdisjoint(added):  # the usual batch: each key new to the list
+            size = len(ghost)
+            for key, at in zip(added, count(self._base + len(self._keys))):
+                ghost[key] = at  # a plain loop: faster than update() here
+            if len(ghost) - size == len(added):
+                self._keys += added
+                self._classes += labels
+            else:  # a key named twice: undone, then key by key
+                for key in added:
+                    ghost.pop(key, None)
+                self._remember(added, labels)
+        else:
+            self._remember(added, labels)
         limit = max(16, int(self.ghost_factor * (resident + after)))
-        over = len(ghost) - limit
-        if over > 0:
-            popitem = ghost.popitem
-            gone = [popitem(False)[1] for _ in range(over)]
-            unused, update = self.unused, self._update
-            for cls in set(gone):
-                unused[cls] += gone.count(cls)
-                update(cls)
+        if len(ghost) > limit:
+            self._trim(limit)
 
     def estimates(self) -> dict[str, float]:
         """Each class's estimated reuse probability, by name."""

@@ -14,6 +14,7 @@ claims one.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 
 import kvlife.policy.base as base_module
 from kvlife.policy.prefixtree import PrefixTreeAdmitPolicy, PrefixTreePolicy
-from kvlife.policy.reuse import FIRST_TURN, LAST, N_CLASSES, ReusePredictor
+from kvlife.policy.reuse import FIRST_TURN, LAST, N_CLASSES, REUSED, ReusePredictor
 from kvlife.replay.cache import CacheSim
 from kvlife.trace.model import Trace, TraceBuilder
 from kvlife.trace.synthetic import SyntheticConfig, synthetic_trace
@@ -70,7 +71,7 @@ def _state(p: PrefixTreePolicy[int]) -> tuple[object, ...]:
     learned = (
         None
         if pred is None
-        else (list(pred._ghost.items()), list(pred.reused), list(pred.unused), list(pred._p))
+        else (pred.ghost_items(), list(pred.reused), list(pred.unused), list(pred._p))
     )
     return (
         list(p._order.items()),
@@ -185,7 +186,7 @@ def test_predictor_sums_equal_its_calls_one_by_one(
         batch.on_hits(hits)
         for cls in hits:
             single.on_hit(cls)
-        assert list(batch._ghost.items()) == list(single._ghost.items())
+        assert batch.ghost_items() == single.ghost_items()
         assert (batch.reused, batch.unused, batch._p) == (single.reused, single.unused, single._p)
 
 
@@ -216,7 +217,7 @@ def test_a_put_of_remembered_keys_is_decided_key_by_key(monkeypatch: pytest.Monk
         # short first turns: 2 of 5 reused (0.4, cold) until a remembered one comes back
         pred.reused[FIRST_TURN], pred.unused[FIRST_TURN] = 2.0, 3.0
         pred._update(FIRST_TURN)
-        pred._ghost.update({11: FIRST_TURN, 13: FIRST_TURN, 99: LAST})
+        pred.on_evicts([11, 13, 99], [FIRST_TURN, FIRST_TURN, LAST], 100)  # remembered
 
     def general(*args: object, **kwargs: object) -> None:
         raise AssertionError("the usual put took the general path")
@@ -276,3 +277,76 @@ def test_replays_equal_the_calls_one_by_one(variant: str, monkeypatch: pytest.Mo
                 assert np.array_equal(getattr(runs[0], f), getattr(runs[1], f)), (dram, f)
             assert runs[0].tiers == runs[1].tiers and runs[0].lifespans == runs[1].lifespans
             assert int(runs[0].present.sum()) > 0
+
+
+class _OrderedGhost:
+    """The reuse predictor's ghost list as an ordered dict, trimmed one key at a time
+    (and a batch of victims trimmed once, to its last trimming victim's limit): the
+    reference for its FIFO of places."""
+
+    def __init__(self, ghost_factor: float) -> None:
+        self.ghost_factor = ghost_factor
+        self.ghost: OrderedDict[int, int] = OrderedDict()
+        self.reused = [1.0] * N_CLASSES
+        self.unused = [1.0] * N_CLASSES
+
+    def on_insert(self, key: int) -> None:
+        cls = self.ghost.pop(key, None)
+        if cls is not None:
+            self.reused[cls] += 1.0
+
+    def on_evict(self, key: int, cls: int, resident: int) -> None:
+        if cls >= REUSED:
+            return
+        self.ghost[key] = cls
+        self.trim(resident)
+
+    def on_evicts(self, keys: list[int], classes: list[int], resident: int) -> None:
+        kept = [j for j, cls in enumerate(classes) if cls < REUSED]
+        for j in kept:
+            self.ghost[keys[j]] = classes[j]
+        if kept:
+            self.trim(resident + len(keys) - 1 - kept[-1])
+
+    def trim(self, resident: int) -> None:
+        while len(self.ghost) > max(16, int(self.ghost_factor * resident)):
+            self.unused[self.ghost.popitem(last=False)[1]] += 1.0
+
+
+GHOST_OPS = st.lists(
+    st.tuples(st.sampled_from(["evict", "evicts", "insert"]),
+              st.lists(st.tuples(st.integers(0, 30), st.integers(0, N_CLASSES - 1)),
+                       min_size=1, max_size=12),
+              st.integers(0, 25)),
+    max_size=80,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("ghost_factor", [0.5, 2.0])
+@settings(max_examples=200, deadline=None)
+@given(ops=GHOST_OPS)
+def test_the_ghost_list_is_an_ordered_dict(
+    ghost_factor: float, ops: list[tuple[str, list[tuple[int, int]], int]]
+) -> None:
+    """Keys remembered, inserted (they leave) and remembered again, a batch naming a key
+    twice or one remembered already: the ghost list keeps the order, classes and counts
+    of an ordered dict trimmed from its oldest end one key at a time (the trims run far
+    past keys that left, and the FIFO is compacted)."""
+    pred, ref = ReusePredictor(0.1, ghost_factor), _OrderedGhost(ghost_factor)
+    pred.compact_at = 8
+    for op, pairs, resident in ops:
+        keys, classes = [k for k, _ in pairs], [c for _, c in pairs]
+        if op == "evicts":
+            pred.on_evicts(keys, classes, resident)
+            ref.on_evicts(keys, classes, resident)
+        else:
+            for key, cls in pairs:
+                if op == "evict":
+                    pred.on_evict(key, cls, resident)
+                    ref.on_evict(key, cls, resident)
+                else:
+                    pred.on_insert(key)
+                    ref.on_insert(key)
+        assert pred.ghost_items() == list(ref.ghost.items())
+        assert (pred.reused, pred.unused) == (ref.reused, ref.unused)
+        assert pred._p == [r / (r + u) for r, u in zip(ref.reused, ref.unused, strict=True)]
