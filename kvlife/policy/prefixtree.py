@@ -97,6 +97,21 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
             admission.predictor if isinstance(admission, PredictorAdmission) else None
         )
         self._batched = type(admission) is PredictorAdmission or admission is None
+        pred = self.predictor
+        self._shared = (
+            self._batched
+            and type(pred) is ReusePredictor
+            and not pred._remembered
+            and not pred._keys
+        )
+        """The predictor's ghost list keeps its classes in :attr:`_cls` (an untouched
+        victim's class stays there: :meth:`ReusePredictor.share_ghost`), so only
+        classes below ``REUSED`` are kept there (a bare insert's ``UNKNOWN`` is no
+        entry, which tells the predictor the same) and a resident's entry is the class
+        of a key not touched since insert, any other key's a remembered key's."""
+        if self._shared:
+            assert pred is not None
+            pred.share_ghost(cast("dict[Hashable, int]", self._cls))
         """The admission's calls can be made per batch (the predictor's sums, or none)."""
         self._batch_evict = self._batched and type(self)._drop is PrefixTreePolicy._drop
         """Victims may be taken and dropped as a batch (:meth:`_evict_batch`)."""
@@ -208,8 +223,9 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
             return
         self._order[key] = None
         if self.admission is not None:
-            self._cls[key] = UNKNOWN
-            self.admission.on_insert(key)
+            self.admission.on_insert(key)  # first: a shared ghost list holds classes
+            if not self._shared:
+                self._cls[key] = UNKNOWN
 
     def touch(self, key: K) -> None:
         if key in self._order:
@@ -320,6 +336,13 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
             depth = 0
         else:
             base, depth = put_class(n, head, added, self._depth.get(keys[head - 1], 0))
+        ghost = pred._ghost
+        if type(pred) is ReusePredictor and (not ghost or ghost.keys().isdisjoint(tail)):
+            warm = None  # no key remembered (admit_inserts' None, written out)
+        else:  # before the classes below: a shared ghost list holds them
+            warm = pred.admit_inserts(tail, base, LAST)
+            if warm is None:  # (a subclass's predictor: its own predictions)
+                warm = [pred.predict(base)] * (added - 1) + [pred.predict(LAST)]
         cls_of = self._cls
         if depth:
             depths = self._depth
@@ -331,11 +354,9 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                 cls_of[key] = base
         last = tail[-1]
         cls_of[last] = LAST
-        ghost = pred._ghost
-        if type(pred) is ReusePredictor and (not ghost or ghost.keys().isdisjoint(tail)):
-            # no key remembered (admit_inserts' None, its predictions written out): one
-            # decision for all but the last; cold keys to the front in prompt order (the
-            # deepest is evicted first)
+        if warm is None:
+            # one decision for all but the last (predict() written out); cold keys to
+            # the front in prompt order (the deepest is evicted first)
             warm_last = pred._p[LAST] >= pred.threshold
             if pred._p[base] >= pred.threshold:
                 if not warm_last:
@@ -346,9 +367,6 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                     self._tidy = False
                 deque(map(self._order.move_to_end, cold, repeat(False)), maxlen=0)
             return
-        warm = pred.admit_inserts(tail, base, LAST)
-        if warm is None:  # (a subclass's predictor: its own predictions)
-            warm = [pred.predict(base)] * (added - 1) + [pred.predict(LAST)]
         if any(map(gt, warm[1:], warm)):  # a warm key after its cold parent
             self._tidy = False
         cold = list(compress(tail, map(not_, warm)))
@@ -411,11 +429,11 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                     if self.log is not None and key not in self.log and self.predictor:
                         self.log[key] = self.predictor.probability(cls)
                     if adm is not None:
+                        adm.on_insert(key)  # first: a shared ghost list holds classes
                         self._cls[key] = cls
-                        adm.on_insert(key)
                         if not warm:
                             cold.append(key)
-            elif self._cls:  # a hit: label its class (the move comes below)
+            elif self._cls and key in order:  # a hit: label its class (moved below)
                 hit_cls = self._cls.pop(key, None)
                 if hit_cls is not None and adm is not None:
                     adm.on_hit(hit_cls)
@@ -556,10 +574,7 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         if self._depth:
             deque(map(self._depth.pop, victims, repeat(None)), maxlen=0)
         if self._cls:
-            assert self.predictor is not None  # _batch_evict: the predictor's sums, or none
-            self.predictor.on_evicts(
-                victims, list(map(self._cls.pop, victims, repeat(UNKNOWN))), len(order)
-            )
+            self._evicted(victims)
         return victims
 
     def _evict_batch(self, n: int, protected: Collection[K]) -> list[K] | None:
@@ -602,11 +617,25 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         if self._depth:
             deque(map(self._depth.pop, victims, repeat(None)), maxlen=0)
         if self._cls:
-            assert self.predictor is not None  # _batch_evict: the predictor's sums, or none
-            self.predictor.on_evicts(
-                victims, list(map(self._cls.pop, victims, repeat(UNKNOWN))), len(order)
-            )
+            self._evicted(victims)
         return victims
+
+    def _evicted(self, victims: list[K]) -> None:
+        """Tell the predictor (``_batch_evict``: the predictor's sums, or none) of a
+        batch of victims, dropped from the order."""
+        pred = self.predictor
+        assert pred is not None
+        cls_of = self._cls
+        if not self._shared:
+            classes = list(map(cls_of.pop, victims, repeat(UNKNOWN)))
+            pred.on_evicts(victims, classes, len(self._order))
+            return
+        # the untouched victims' classes stay, as the ghost list's (a C loop finds them)
+        kept = list(filter(cls_of.__contains__, victims))
+        if kept:
+            last = kept[-1]
+            after = 0 if last == victims[-1] else len(victims) - 1 - victims.index(last)
+            pred.on_evicts_kept(kept, after, len(self._order))
 
     def _evict_one_by_one(self, n: int, protected: Collection[K] = ()) -> list[K]:
         """``evict_up_to`` by repeated :meth:`_victim` (subclasses with another order)."""

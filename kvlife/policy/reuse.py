@@ -87,17 +87,19 @@ class ReusePredictor:
         self.reused = [1.0] * N_CLASSES  # a weak prior of 1 in 2
         self.unused = [1.0] * N_CLASSES
         self._ghost: dict[Hashable, int] = {}
-        """The ghost list: each remembered key -> its place in :attr:`_keys` (counted
-        from the first key ever remembered); :meth:`ghost_items`."""
+        """The ghost list's classes: remembered key -> its class. A policy may share
+        this dict, its residents' classes beside the remembered keys
+        (:meth:`share_ghost`): a key not resident in it is remembered."""
+        self._remembered = 0
+        """How many keys the ghost list remembers."""
         self._keys: list[Hashable] = []
-        """The keys remembered, in the order they came, from :attr:`_head` on (the
-        entries before it are trimmed); :attr:`_classes` holds each one's class."""
-        self._classes: list[int] = []
-        """The class of each entry of :attr:`_keys`: :data:`UNKNOWN` for a key that
-        left the list by an insert (the trim skips it)."""
+        """The keys remembered, oldest first, from :attr:`_head` on (the entries before
+        it are trimmed), with *stale* entries of keys that left by an insert
+        (:attr:`_stale`), skipped by the trim."""
         self._head = 0
-        self._base = 0
-        """The place of ``_keys[0]`` (the entries before it were compacted away)."""
+        self._stale: dict[Hashable, int] = {}
+        """Key -> how many of its entries in :attr:`_keys` are stale: they all come
+        before its live one (a key is remembered again only after it left)."""
         self._p = [0.5] * N_CLASSES
 
     def admit_inserts(self, keys: Sequence[Hashable], cls: int, last_cls: int) -> list[bool] | None:
@@ -146,14 +148,23 @@ class ReusePredictor:
             self.reused[cls] += 1.0
             self._update(cls)
 
+    def share_ghost(self, classes: dict[Hashable, int]) -> None:
+        """Keep the ghost list's classes in ``classes``, a policy's own map of its
+        residents' classes (before anything is remembered): an untouched victim's class
+        then stays where it is (:meth:`on_evicts_kept`), so a victim costs no dict
+        write; the policy must keep only classes below :data:`REUSED` there, and call
+        :meth:`on_insert` for a key before it writes the key's new class."""
+        if self._remembered or self._keys:
+            raise InvalidArgument("the ghost list is shared only before it remembers")
+        self._ghost = classes
+
     def on_insert(self, key: Hashable) -> None:
         """A block is inserted: if the ghost list remembers it, its class was reused."""
-        at = self._ghost.pop(key, None)
-        if at is not None:
-            at -= self._base
-            classes = self._classes
-            cls = classes[at]
-            classes[at] = UNKNOWN  # left: skipped by the trim
+        cls = self._ghost.pop(key, None)
+        if cls is not None:
+            self._remembered -= 1
+            stale = self._stale
+            stale[key] = stale.get(key, 0) + 1  # its entry, skipped by the trim
             self.reused[cls] += 1.0
             self._update(cls)
 
@@ -161,53 +172,58 @@ class ReusePredictor:
         """A block left untouched since insert (class ``cls``); ``resident`` keys remain."""
         if cls >= REUSED:
             return
-        self._remember([key], [cls])
-        limit = max(16, int(self.ghost_factor * resident))
-        if len(self._ghost) > limit:
-            self._trim(limit)
+        ghost = self._ghost
+        if key not in ghost:  # (remembered already: its place stays, as a dict's would)
+            self._keys.append(key)
+            self._remembered += 1
+        ghost[key] = cls
+        self._trim(max(16, int(self.ghost_factor * resident)))
 
-    def _remember(self, keys: list[Hashable], classes: list[int]) -> None:
-        """Add ``keys`` (of ``classes``, each < :data:`REUSED`) to the ghost list in
-        turn, one by one: a key remembered already keeps its place and takes the new
-        class, as an ordered dict's would."""
-        ghost, order, labels = self._ghost, self._keys, self._classes
-        for key, cls in zip(keys, classes, strict=True):
-            at = ghost.get(key)
-            if at is None:
-                ghost[key] = self._base + len(order)
-                order.append(key)
-                labels.append(cls)
-            else:
-                labels[at - self._base] = cls
+    def on_evicts_kept(self, keys: Sequence[Hashable], after: int, resident: int) -> None:
+        """:meth:`on_evicts` for a policy that shares the ghost list's classes
+        (:meth:`share_ghost`): ``keys`` are its untouched victims in order, their
+        classes left where they are, ``after`` the victims after the last of them,
+        ``resident`` the keys that remain after the last victim."""
+        self._keys += keys
+        self._remembered += len(keys)
+        self._trim(max(16, int(self.ghost_factor * (resident + after))))
 
     def _trim(self, limit: int) -> None:
-        """Forget the oldest remembered keys down to ``limit`` (below the list's
-        length); each one forgotten counts its class not reused (sums: one update per
-        class)."""
-        over = len(self._ghost) - limit
+        """Forget the oldest remembered keys down to ``limit``; each one forgotten counts
+        its class not reused (sums: one update per class)."""
+        need = self._remembered - limit
+        if need <= 0:
+            return
+        self._remembered = limit
+        keys, stale = self._keys, self._stale
         head = self._head
-        end = head + over
-        gone = self._classes[head:end]
-        left = gone.count(UNKNOWN)
-        while left:  # keys that left by an insert: look as much further
-            more = self._classes[end : end + left]
-            end += left
-            gone += more
-            left = more.count(UNKNOWN)
-        keys = self._keys[head:end]
-        if len(gone) > over:
-            live = list(map(gt, repeat(REUSED), gone))
-            keys = list(compress(keys, live))
-            gone = list(compress(gone, live))
-        ghost = self._ghost
-        for key in keys:  # a plain loop: faster than map() here
-            del ghost[key]
-        if end > self.compact_at and 2 * end > len(self._keys):  # the trimmed part goes
-            del self._keys[:end]
-            del self._classes[:end]
-            self._base += end
-            end = 0
-        self._head = end
+        oldest: list[Hashable] = []
+        while need > 0:
+            window = keys[head : head + need]
+            if not window:  # (cannot happen: as many live entries as remembered keys)
+                break
+            head += len(window)
+            if stale and not stale.keys().isdisjoint(window):
+                # skip the stale entries (each key's come before its live one)
+                live = [True] * len(window)
+                for i in compress(count(), map(stale.__contains__, window)):
+                    key = window[i]
+                    n = stale.get(key)
+                    if n is None:  # its stale entries were passed: this one is live
+                        continue
+                    live[i] = False
+                    if n == 1:
+                        del stale[key]
+                    else:
+                        stale[key] = n - 1
+                window = list(compress(window, live))
+            oldest += window
+            need -= len(window)
+        gone = list(map(self._ghost.pop, oldest))
+        if head > self.compact_at and 2 * head > len(keys):  # the trimmed part goes
+            del keys[:head]
+            head = 0
+        self._head = head
         unused, update = self.unused, self._update
         for cls in set(gone):  # a few distinct classes: a count each, no Counter
             unused[cls] += gone.count(cls)
@@ -215,8 +231,15 @@ class ReusePredictor:
 
     def ghost_items(self) -> list[tuple[Hashable, int]]:
         """The ghost list, oldest first: (key, class) of each remembered key."""
-        pairs = zip(self._keys[self._head :], self._classes[self._head :], strict=True)
-        return [(key, cls) for key, cls in pairs if cls != UNKNOWN]
+        ghost, stale = self._ghost, dict(self._stale)
+        items = []
+        for key in self._keys[self._head :]:
+            n = stale.get(key)
+            if n:
+                stale[key] = n - 1
+            else:
+                items.append((key, ghost[key]))
+        return items
 
     def on_hits(self, classes: Iterable[int]) -> None:
         """:meth:`on_hit` for each of ``classes`` (a lookup's first touches): the counts
@@ -253,20 +276,20 @@ class ReusePredictor:
         ghost = self._ghost
         if ghost.keys().isdisjoint(added):  # the usual batch: each key new to the list
             size = len(ghost)
-            for key, at in zip(added, count(self._base + len(self._keys))):
-                ghost[key] = at  # a plain loop: faster than update() here
-            if len(ghost) - size == len(added):
-                self._keys += added
-                self._classes += labels
-            else:  # a key named twice: undone, then key by key
-                for key in added:
-                    ghost.pop(key, None)
-                self._remember(added, labels)
+            for key, cls in zip(added, labels, strict=True):  # plain: faster than update()
+                ghost[key] = cls
+            n = len(ghost) - size
+            # in order (a key named twice: its first place)
+            self._keys += added if n == len(added) else dict.fromkeys(added)
+            self._remembered += n
         else:
-            self._remember(added, labels)
-        limit = max(16, int(self.ghost_factor * (resident + after)))
-        if len(ghost) > limit:
-            self._trim(limit)
+            order = self._keys
+            for key, cls in zip(added, labels, strict=True):
+                if key not in ghost:
+                    order.append(key)
+                    self._remembered += 1
+                ghost[key] = cls
+        self._trim(max(16, int(self.ghost_factor * (resident + after))))
 
     def estimates(self) -> dict[str, float]:
         """Each class's estimated reuse probability, by name."""

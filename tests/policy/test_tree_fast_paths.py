@@ -23,8 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlife.policy.base as base_module
+from kvlife.policy.admission import PredictorAdmission
 from kvlife.policy.prefixtree import PrefixTreeAdmitPolicy, PrefixTreePolicy
-from kvlife.policy.reuse import FIRST_TURN, LAST, N_CLASSES, REUSED, ReusePredictor
+from kvlife.policy.reuse import FIRST_TURN, LAST, N_CLASSES, REUSED, UNKNOWN, ReusePredictor
 from kvlife.replay.cache import CacheSim
 from kvlife.trace.model import Trace, TraceBuilder
 from kvlife.trace.synthetic import SyntheticConfig, synthetic_trace
@@ -65,6 +66,11 @@ class _AdmitOneByOne(PrefixTreeAdmitPolicy[int]):
         super()._drop(key)
 
 
+class _OwnGhost(ReusePredictor):
+    """The reuse predictor not shared with the policy (its own ghost list's classes,
+    each victim's class popped and told: the path of any subclass)."""
+
+
 def _state(p: PrefixTreePolicy[int]) -> tuple[object, ...]:
     kids = {k: p.children_of(k) for k in p._order}
     pred = p.predictor
@@ -77,7 +83,9 @@ def _state(p: PrefixTreePolicy[int]) -> tuple[object, ...]:
         list(p._order.items()),
         {k: c for k, c in kids.items() if c},
         list(p._orphans),
-        dict(p._cls),
+        # the residents' classes (a shared ghost list keeps its own beside them; a bare
+        # insert's UNKNOWN is no entry there, which the predictor takes alike)
+        {k: c for k, c in p._cls.items() if k in p._order and c != UNKNOWN},
         dict(p._depth),
         learned,
     )
@@ -99,6 +107,11 @@ OPS = st.lists(
 def _make(variant: str) -> tuple[PrefixTreePolicy[int], PrefixTreePolicy[int]]:
     if variant == "plain":
         return PrefixTreePolicy(), _PlainOneByOne()
+    if variant.startswith("shared"):  # the ghost list shared with the policy, or not
+        threshold = float(variant.split("-")[1])
+        unshared = PrefixTreePolicy[int](PredictorAdmission(_OwnGhost(threshold)))
+        assert not unshared._shared
+        return PrefixTreeAdmitPolicy(threshold), unshared
     # 0.6: a class of estimate 0.5 is cold, warm once hit
     threshold = float(variant.split("-")[1])
     return PrefixTreeAdmitPolicy(threshold), _AdmitOneByOne(threshold)
@@ -109,7 +122,7 @@ PRIOR = st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3)), min_size=N_CLA
 """Each class's reused and unused counts to start from (estimates 0.25-0.75)."""
 
 
-@pytest.mark.parametrize("variant", ["plain", "admit-0.1", "admit-0.6"])
+@pytest.mark.parametrize("variant", ["plain", "admit-0.1", "admit-0.6", "shared-0.1", "shared-0.6"])
 @settings(max_examples=120, deadline=None)
 @given(parents=TREE, ops=OPS, prior=PRIOR)
 def test_fast_paths_equal_the_calls_one_by_one(
@@ -255,7 +268,7 @@ def _scrambled(seed: int) -> Trace:
     return out.build()
 
 
-@pytest.mark.parametrize("variant", ["plain", "admit-0.1", "admit-0.6"])
+@pytest.mark.parametrize("variant", ["plain", "admit-0.1", "admit-0.6", "shared-0.1"])
 def test_replays_equal_the_calls_one_by_one(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The simulator (its one-call-per-request path, its general loop, two tiers) gives
     the same per-request results, counters and lifespans with the fast paths as with the
