@@ -26,8 +26,10 @@ loops finds it again (backing off while it does not); meanwhile, and for removal
 orphans and subclasses, the children maps are made from the parents and kept (one dict
 entry per chain link, a set only at a branch), and victims go as a checked batch or one
 by one. The admission's per-put work is done once per put (every new key but the last
-has one class) and the predictor learns from sums. Every fast path leaves the state of
-the one-key-at-a-time paths (``tests/policy/test_tree_fast_paths.py``).
+has one class) and the predictor learns from sums; its ghost list keeps its classes in
+this policy's class map (:meth:`~kvlife.policy.reuse.ReusePredictor.share_ghost`: an
+untouched victim's class stays where it is). Every fast path leaves the state of the
+one-key-at-a-time paths (``tests/policy/test_tree_fast_paths.py``).
 
 Variants (registered names): ``prefixtree`` (the above), ``prefixtree-admit`` (new
 blocks whose structural class the online reuse predictor does not expect to be reused

@@ -177,7 +177,9 @@ class ReusePredictor:
             self._keys.append(key)
             self._remembered += 1
         ghost[key] = cls
-        self._trim(max(16, int(self.ghost_factor * resident)))
+        limit = max(16, int(self.ghost_factor * resident))
+        if self._remembered > limit:
+            self._trim(limit)
 
     def on_evicts_kept(self, keys: Sequence[Hashable], after: int, resident: int) -> None:
         """:meth:`on_evicts` for a policy that shares the ghost list's classes
@@ -186,7 +188,9 @@ class ReusePredictor:
         ``resident`` the keys that remain after the last victim."""
         self._keys += keys
         self._remembered += len(keys)
-        self._trim(max(16, int(self.ghost_factor * (resident + after))))
+        limit = max(16, int(self.ghost_factor * (resident + after)))
+        if self._remembered > limit:
+            self._trim(limit)
 
     def _trim(self, limit: int) -> None:
         """Forget the oldest remembered keys down to ``limit``; each one forgotten counts
@@ -289,7 +293,9 @@ class ReusePredictor:
                     order.append(key)
                     self._remembered += 1
                 ghost[key] = cls
-        self._trim(max(16, int(self.ghost_factor * (resident + after))))
+        limit = max(16, int(self.ghost_factor * (resident + after)))
+        if self._remembered > limit:
+            self._trim(limit)
 
     def estimates(self) -> dict[str, float]:
         """Each class's estimated reuse probability, by name."""
