@@ -79,7 +79,8 @@ class ReusePredictor:
 
     compact_at = 4096
     """The ghost list's FIFO drops its trimmed entries once they are more than this
-    and more than half of it."""
+    and more than half of it, and its stale ones once it holds more than this beyond
+    twice the keys remembered."""
 
     def __init__(self, threshold: float = 0.1, ghost_factor: float = 2.0) -> None:
         self.threshold = threshold
@@ -167,6 +168,22 @@ class ReusePredictor:
             stale[key] = stale.get(key, 0) + 1  # its entry, skipped by the trim
             self.reused[cls] += 1.0
             self._update(cls)
+            if len(self._keys) - self._head > 2 * self._remembered + self.compact_at:
+                self._compact()  # stale entries pile up where the trim does not run
+
+    def _compact(self) -> None:
+        """Keep only the live entries of the FIFO (the trimmed and stale ones go)."""
+        stale = self._stale
+        live = []
+        for key in self._keys[self._head :]:
+            n = stale.get(key)
+            if n is None:
+                live.append(key)
+            elif n == 1:
+                del stale[key]
+            else:
+                stale[key] = n - 1
+        self._keys, self._head = live, 0
 
     def on_evict(self, key: Hashable, cls: int, resident: int) -> None:
         """A block left untouched since insert (class ``cls``); ``resident`` keys remain."""

@@ -363,3 +363,23 @@ def test_the_ghost_list_is_an_ordered_dict(
         assert pred.ghost_items() == list(ref.ghost.items())
         assert (pred.reused, pred.unused) == (ref.reused, ref.unused)
         assert pred._p == [r / (r + u) for r, u in zip(ref.reused, ref.unused, strict=True)]
+
+
+def test_the_ghost_list_stays_bounded_when_keys_keep_coming_back() -> None:
+    """Most remembered keys come back before the list is full, so the trim never runs:
+    the entries they leave behind are dropped all the same (the FIFO stays within
+    twice the keys remembered plus its compaction margin), and the list keeps the
+    order of an ordered dict."""
+    pred, ref = ReusePredictor(0.1), _OrderedGhost(2.0)
+    pred.compact_at = 8
+    for step in range(500):
+        keys, classes = [step, step + 1000], [FIRST_TURN, LAST]
+        pred.on_evicts(keys, classes, 100)
+        ref.on_evicts(keys, classes, 100)
+        for key in keys if step % 10 else keys[:1]:  # one in ten stays remembered
+            pred.on_insert(key)
+            ref.on_insert(key)
+        assert len(pred._keys) - pred._head <= 2 * pred._remembered + pred.compact_at + 1
+    assert len(pred._keys) < 200  # of the 1000 remembered in all
+    assert pred.ghost_items() == list(ref.ghost.items())
+    assert (pred.reused, pred.unused) == (ref.reused, ref.unused)
