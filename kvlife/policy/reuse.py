@@ -113,12 +113,43 @@ class ReusePredictor:
         ghost = self._ghost
         if not ghost or ghost.keys().isdisjoint(keys):
             return None
-        predict, insert = self.predict, self.on_insert
+        if type(self) is not ReusePredictor:  # a subclass: its own methods, called
+            return self._admit_inserts_calls(keys, cls, last_cls)
+        # predict() and on_insert() written out (a few keys of one put each time)
+        p, threshold, reused, unused = self._p, self.threshold, self.reused, self.unused
+        stale = self._stale
         last = len(keys) - 1
         warm: list[bool] = []
         start = 0
         for j in compress(count(), map(ghost.__contains__, keys)):
             # keys start..j are decided now (j before its own insert)
+            if j < last:
+                warm += repeat(p[cls] >= threshold, j + 1 - start)
+            else:
+                warm += repeat(p[cls] >= threshold, last - start)
+                warm.append(p[last_cls] >= threshold)
+            key = keys[j]
+            old = ghost.pop(key)  # its insert: its class was reused
+            stale[key] = stale.get(key, 0) + 1
+            self._remembered -= 1
+            r = reused[old] + 1.0
+            reused[old] = r
+            p[old] = r / (r + unused[old])
+            start = j + 1
+        if start <= last:
+            warm += repeat(p[cls] >= threshold, last - start)
+            warm.append(p[last_cls] >= threshold)
+        if len(self._keys) - self._head > 2 * self._remembered + self.compact_at:
+            self._compact()
+        return warm
+
+    def _admit_inserts_calls(self, keys: Sequence[Hashable], cls: int, last_cls: int) -> list[bool]:
+        """:meth:`admit_inserts` by calls of :meth:`predict` and :meth:`on_insert`."""
+        ghost, predict, insert = self._ghost, self.predict, self.on_insert
+        last = len(keys) - 1
+        warm: list[bool] = []
+        start = 0
+        for j in compress(count(), map(ghost.__contains__, keys)):
             if j < last:
                 warm += repeat(predict(cls), j + 1 - start)
             else:
