@@ -100,6 +100,9 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         )
         self._batched = type(admission) is PredictorAdmission or admission is None
         pred = self.predictor
+        self._admits_by_sums = pred is not None and self._batched
+        """The reuse predictor's admission, told per batch: :meth:`_admit_tail` decides a
+        usual put's new keys as :meth:`_record_classed` would (unless logging)."""
         self._shared = (
             self._batched
             and type(pred) is ReusePredictor
@@ -297,11 +300,12 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         moved = keys[head - 1 :: -1] if head else []
         self._chain_moved(moved)  # the residents' moves below (new keys keep it tidy)
         classed = self.admission is not None or self.log is not None
-        if classed and not self._can_admit_tail(tail):
+        if classed and not (tail and self.log is None and self._admits_by_sums):
+            # not the reuse predictor's admission, or logging: key by key
             self._record_classed(keys, set(tail), usual=True)
             return
         cls_of = self._cls
-        if head and cls_of and not cls_of.keys().isdisjoint(islice(keys, head)):
+        if head and cls_of and not cls_of.keys().isdisjoint(moved):
             self._label_hits(islice(keys, head))  # first touches (usually the lookup's)
         order = self._order
         if tail:
@@ -319,11 +323,6 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         if classed:
             self._admit_tail(keys, head, tail)
 
-    def _can_admit_tail(self, tail: Sequence[K]) -> bool:
-        """Whether :meth:`_admit_tail` decides the new keys ``tail`` as
-        :meth:`_record_classed` would: the reuse predictor's admission, not logging."""
-        return bool(tail) and self.log is None and self.predictor is not None and self._batched
-
     def _admit_tail(self, keys: Sequence[K], head: int, tail: Sequence[K]) -> None:
         """The classes, turn depth and admission of a usual put's new keys ``tail``, as
         :meth:`_record_classed` gives them: every new key but the last has one class, so
@@ -331,7 +330,7 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         changes its old class's estimate before the next key is decided:
         :meth:`~kvlife.policy.reuse.ReusePredictor.admit_inserts`)."""
         pred = self.predictor
-        assert pred is not None  # _can_admit_tail
+        assert pred is not None  # _admits_by_sums
         n, added = len(keys), len(tail)
         if head <= 1:  # put_class, written out: a first turn, by prompt length
             base = FIRST_TURN + (0 if n < 8 else 1 if n < 32 else 2)
