@@ -26,8 +26,10 @@ loops finds it again (backing off while it does not); meanwhile, and for removal
 orphans and subclasses, the children maps are made from the parents and kept (one dict
 entry per chain link, a set only at a branch), and victims go as a checked batch or one
 by one. The admission's per-put work is done once per put (every new key but the last
-has one class) and the predictor learns from sums. Every fast path leaves the state of
-the one-key-at-a-time paths (``tests/policy/test_tree_fast_paths.py``).
+has one class) and the predictor learns from sums; its ghost list keeps its classes in
+this policy's class map (:meth:`~kvlife.policy.reuse.ReusePredictor.share_ghost`: an
+untouched victim's class stays where it is). Every fast path leaves the state of the
+one-key-at-a-time paths (``tests/policy/test_tree_fast_paths.py``).
 
 Variants (registered names): ``prefixtree`` (the above), ``prefixtree-admit`` (new
 blocks whose structural class the online reuse predictor does not expect to be reused
@@ -52,7 +54,14 @@ from typing import TypeVar, cast
 from kvlife.core.errors import InvalidArgument
 from kvlife.policy.admission import Admission, Doorkeeper, PredictorAdmission
 from kvlife.policy.base import EvictionPolicy, LearnsFromPrompts, register_policy
-from kvlife.policy.reuse import LAST, UNKNOWN, ReusePredictor, put_class, structural_classes
+from kvlife.policy.reuse import (
+    FIRST_TURN,
+    LAST,
+    UNKNOWN,
+    ReusePredictor,
+    put_class,
+    structural_classes,
+)
 
 K = TypeVar("K", bound=Hashable)
 
@@ -84,11 +93,30 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         self._cls: dict[K, int] = {}
         """Class of each resident not touched since insert (for the admission's labels)."""
         self._depth: dict[K, int] = {}
-        """Conversation turn of each resident inserted by a put (structure only)."""
+        """Conversation turn of each resident inserted by a put (structure only), kept
+        only where it is not 0 (a first turn's keys, most of them: 0 by default)."""
         self.predictor: ReusePredictor | None = (
             admission.predictor if isinstance(admission, PredictorAdmission) else None
         )
         self._batched = type(admission) is PredictorAdmission or admission is None
+        pred = self.predictor
+        self._admits_by_sums = pred is not None and self._batched
+        """The reuse predictor's admission, told per batch: :meth:`_admit_tail` decides a
+        usual put's new keys as :meth:`_record_classed` would (unless logging)."""
+        self._shared = (
+            self._batched
+            and type(pred) is ReusePredictor
+            and not pred._remembered
+            and not pred._keys
+        )
+        """The predictor's ghost list keeps its classes in :attr:`_cls` (an untouched
+        victim's class stays there: :meth:`ReusePredictor.share_ghost`), so only
+        classes below ``REUSED`` are kept there (a bare insert's ``UNKNOWN`` is no
+        entry, which tells the predictor the same) and a resident's entry is the class
+        of a key not touched since insert, any other key's a remembered key's."""
+        if self._shared:
+            assert pred is not None
+            pred.share_ghost(cast("dict[Hashable, int]", self._cls))
         """The admission's calls can be made per batch (the predictor's sums, or none)."""
         self._batch_evict = self._batched and type(self)._drop is PrefixTreePolicy._drop
         """Victims may be taken and dropped as a batch (:meth:`_evict_batch`)."""
@@ -200,8 +228,9 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
             return
         self._order[key] = None
         if self.admission is not None:
-            self._cls[key] = UNKNOWN
-            self.admission.on_insert(key)
+            self.admission.on_insert(key)  # first: a shared ghost list holds classes
+            if not self._shared:
+                self._cls[key] = UNKNOWN
 
     def touch(self, key: K) -> None:
         if key in self._order:
@@ -271,11 +300,12 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         moved = keys[head - 1 :: -1] if head else []
         self._chain_moved(moved)  # the residents' moves below (new keys keep it tidy)
         classed = self.admission is not None or self.log is not None
-        if classed and not self._can_admit_tail(tail):
+        if classed and not (tail and self.log is None and self._admits_by_sums):
+            # not the reuse predictor's admission, or logging: key by key
             self._record_classed(keys, set(tail), usual=True)
             return
         cls_of = self._cls
-        if head and cls_of and not cls_of.keys().isdisjoint(islice(keys, head)):
+        if head and cls_of and not cls_of.keys().isdisjoint(moved):
             self._label_hits(islice(keys, head))  # first touches (usually the lookup's)
         order = self._order
         if tail:
@@ -293,11 +323,6 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         if classed:
             self._admit_tail(keys, head, tail)
 
-    def _can_admit_tail(self, tail: Sequence[K]) -> bool:
-        """Whether :meth:`_admit_tail` decides the new keys ``tail`` as
-        :meth:`_record_classed` would: the reuse predictor's admission, not logging."""
-        return bool(tail) and self.log is None and self.predictor is not None and self._batched
-
     def _admit_tail(self, keys: Sequence[K], head: int, tail: Sequence[K]) -> None:
         """The classes, turn depth and admission of a usual put's new keys ``tail``, as
         :meth:`_record_classed` gives them: every new key but the last has one class, so
@@ -305,26 +330,47 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         changes its old class's estimate before the next key is decided:
         :meth:`~kvlife.policy.reuse.ReusePredictor.admit_inserts`)."""
         pred = self.predictor
-        assert pred is not None  # _can_admit_tail
-        d_hit = self._depth.get(keys[head - 1], 0) if head > 1 else 0
-        base, depth = put_class(len(keys), head, len(tail), d_hit)
-        depths, cls_of = self._depth, self._cls
-        for key in tail:  # a plain loop: faster than update(zip(...)) here
-            depths[key] = depth
-            cls_of[key] = base
-        cls_of[tail[-1]] = LAST
-        warm = pred.admit_inserts(tail, base, LAST)
-        if warm is None:  # no key remembered: one decision for all but the last
-            # cold keys to the front in prompt order: the deepest is evicted first
-            cold = [] if pred.predict(base) else tail[:-1]
-            if not pred.predict(LAST):
-                cold = [*cold, tail[-1]]
-            elif cold:  # the last new key's parent goes to the front, the key stays
-                self._tidy = False
+        assert pred is not None  # _admits_by_sums
+        n, added = len(keys), len(tail)
+        if head <= 1:  # put_class, written out: a first turn, by prompt length
+            base = FIRST_TURN + (0 if n < 8 else 1 if n < 32 else 2)
+            depth = 0
         else:
-            if any(map(gt, warm[1:], warm)):  # a warm key after its cold parent
-                self._tidy = False
-            cold = list(compress(tail, map(not_, warm)))
+            base, depth = put_class(n, head, added, self._depth.get(keys[head - 1], 0))
+        ghost = pred._ghost
+        if type(pred) is ReusePredictor and (not ghost or ghost.keys().isdisjoint(tail)):
+            warm = None  # no key remembered (admit_inserts' None, written out)
+        else:  # before the classes below: a shared ghost list holds them
+            warm = pred.admit_inserts(tail, base, LAST)
+            if warm is None:  # (a subclass's predictor: its own predictions)
+                warm = [pred.predict(base)] * (added - 1) + [pred.predict(LAST)]
+        cls_of = self._cls
+        if depth:
+            depths = self._depth
+            for key in tail:  # a plain loop: faster than update(zip(...)) here
+                depths[key] = depth
+                cls_of[key] = base
+        else:
+            for key in tail:
+                cls_of[key] = base
+        last = tail[-1]
+        cls_of[last] = LAST
+        if warm is None:
+            # one decision for all but the last (predict() written out); cold keys to
+            # the front in prompt order (the deepest is evicted first)
+            warm_last = pred._p[LAST] >= pred.threshold
+            if pred._p[base] >= pred.threshold:
+                if not warm_last:
+                    self._order.move_to_end(last, False)
+            else:
+                cold = tail[:-1] if warm_last else tail
+                if warm_last and cold:  # the last new key's parent goes to the front
+                    self._tidy = False
+                deque(map(self._order.move_to_end, cold, repeat(False)), maxlen=0)
+            return
+        if any(map(gt, warm[1:], warm)):  # a warm key after its cold parent
+            self._tidy = False
+        cold = list(compress(tail, map(not_, warm)))
         if cold:
             deque(map(self._order.move_to_end, cold, repeat(False)), maxlen=0)
 
@@ -377,17 +423,18 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
                     order[key] = prev
                     if prev is not None and self._tree:
                         self._adopt(prev, key)
-                    self._depth[key] = depth
+                    if depth:
+                        self._depth[key] = depth
                     cls = classes[i]
                     warm = adm.admit(key, cls) if adm is not None else True
                     if self.log is not None and key not in self.log and self.predictor:
                         self.log[key] = self.predictor.probability(cls)
                     if adm is not None:
+                        adm.on_insert(key)  # first: a shared ghost list holds classes
                         self._cls[key] = cls
-                        adm.on_insert(key)
                         if not warm:
                             cold.append(key)
-            elif self._cls:  # a hit: label its class (the move comes below)
+            elif self._cls and key in order:  # a hit: label its class (moved below)
                 hit_cls = self._cls.pop(key, None)
                 if hit_cls is not None and adm is not None:
                     adm.on_hit(hit_cls)
@@ -528,10 +575,7 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         if self._depth:
             deque(map(self._depth.pop, victims, repeat(None)), maxlen=0)
         if self._cls:
-            assert self.predictor is not None  # _batch_evict: the predictor's sums, or none
-            self.predictor.on_evicts(
-                victims, list(map(self._cls.pop, victims, repeat(UNKNOWN))), len(order)
-            )
+            self._evicted(victims)
         return victims
 
     def _evict_batch(self, n: int, protected: Collection[K]) -> list[K] | None:
@@ -574,11 +618,25 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         if self._depth:
             deque(map(self._depth.pop, victims, repeat(None)), maxlen=0)
         if self._cls:
-            assert self.predictor is not None  # _batch_evict: the predictor's sums, or none
-            self.predictor.on_evicts(
-                victims, list(map(self._cls.pop, victims, repeat(UNKNOWN))), len(order)
-            )
+            self._evicted(victims)
         return victims
+
+    def _evicted(self, victims: list[K]) -> None:
+        """Tell the predictor (``_batch_evict``: the predictor's sums, or none) of a
+        batch of victims, dropped from the order."""
+        pred = self.predictor
+        assert pred is not None
+        cls_of = self._cls
+        if not self._shared:
+            classes = list(map(cls_of.pop, victims, repeat(UNKNOWN)))
+            pred.on_evicts(victims, classes, len(self._order))
+            return
+        # the untouched victims' classes stay, as the ghost list's (a C loop finds them)
+        kept = list(filter(cls_of.__contains__, victims))
+        if kept:
+            last = kept[-1]
+            after = 0 if last == victims[-1] else len(victims) - 1 - victims.index(last)
+            pred.on_evicts_kept(kept, after, len(self._order))
 
     def _evict_one_by_one(self, n: int, protected: Collection[K] = ()) -> list[K]:
         """``evict_up_to`` by repeated :meth:`_victim` (subclasses with another order)."""

@@ -14,6 +14,7 @@ claims one.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
@@ -22,8 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlife.policy.base as base_module
+from kvlife.policy.admission import PredictorAdmission
 from kvlife.policy.prefixtree import PrefixTreeAdmitPolicy, PrefixTreePolicy
-from kvlife.policy.reuse import FIRST_TURN, LAST, N_CLASSES, ReusePredictor
+from kvlife.policy.reuse import FIRST_TURN, LAST, N_CLASSES, REUSED, UNKNOWN, ReusePredictor
 from kvlife.replay.cache import CacheSim
 from kvlife.trace.model import Trace, TraceBuilder
 from kvlife.trace.synthetic import SyntheticConfig, synthetic_trace
@@ -64,19 +66,26 @@ class _AdmitOneByOne(PrefixTreeAdmitPolicy[int]):
         super()._drop(key)
 
 
+class _OwnGhost(ReusePredictor):
+    """The reuse predictor not shared with the policy (its own ghost list's classes,
+    each victim's class popped and told: the path of any subclass)."""
+
+
 def _state(p: PrefixTreePolicy[int]) -> tuple[object, ...]:
     kids = {k: p.children_of(k) for k in p._order}
     pred = p.predictor
     learned = (
         None
         if pred is None
-        else (list(pred._ghost.items()), list(pred.reused), list(pred.unused), list(pred._p))
+        else (pred.ghost_items(), list(pred.reused), list(pred.unused), list(pred._p))
     )
     return (
         list(p._order.items()),
         {k: c for k, c in kids.items() if c},
         list(p._orphans),
-        dict(p._cls),
+        # the residents' classes (a shared ghost list keeps its own beside them; a bare
+        # insert's UNKNOWN is no entry there, which the predictor takes alike)
+        {k: c for k, c in p._cls.items() if k in p._order and c != UNKNOWN},
         dict(p._depth),
         learned,
     )
@@ -98,6 +107,11 @@ OPS = st.lists(
 def _make(variant: str) -> tuple[PrefixTreePolicy[int], PrefixTreePolicy[int]]:
     if variant == "plain":
         return PrefixTreePolicy(), _PlainOneByOne()
+    if variant.startswith("shared"):  # the ghost list shared with the policy, or not
+        threshold = float(variant.split("-")[1])
+        unshared = PrefixTreePolicy[int](PredictorAdmission(_OwnGhost(threshold)))
+        assert not unshared._shared
+        return PrefixTreeAdmitPolicy(threshold), unshared
     # 0.6: a class of estimate 0.5 is cold, warm once hit
     threshold = float(variant.split("-")[1])
     return PrefixTreeAdmitPolicy(threshold), _AdmitOneByOne(threshold)
@@ -108,7 +122,7 @@ PRIOR = st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3)), min_size=N_CLA
 """Each class's reused and unused counts to start from (estimates 0.25-0.75)."""
 
 
-@pytest.mark.parametrize("variant", ["plain", "admit-0.1", "admit-0.6"])
+@pytest.mark.parametrize("variant", ["plain", "admit-0.1", "admit-0.6", "shared-0.1", "shared-0.6"])
 @settings(max_examples=120, deadline=None)
 @given(parents=TREE, ops=OPS, prior=PRIOR)
 def test_fast_paths_equal_the_calls_one_by_one(
@@ -185,7 +199,7 @@ def test_predictor_sums_equal_its_calls_one_by_one(
         batch.on_hits(hits)
         for cls in hits:
             single.on_hit(cls)
-        assert list(batch._ghost.items()) == list(single._ghost.items())
+        assert batch.ghost_items() == single.ghost_items()
         assert (batch.reused, batch.unused, batch._p) == (single.reused, single.unused, single._p)
 
 
@@ -216,7 +230,7 @@ def test_a_put_of_remembered_keys_is_decided_key_by_key(monkeypatch: pytest.Monk
         # short first turns: 2 of 5 reused (0.4, cold) until a remembered one comes back
         pred.reused[FIRST_TURN], pred.unused[FIRST_TURN] = 2.0, 3.0
         pred._update(FIRST_TURN)
-        pred._ghost.update({11: FIRST_TURN, 13: FIRST_TURN, 99: LAST})
+        pred.on_evicts([11, 13, 99], [FIRST_TURN, FIRST_TURN, LAST], 100)  # remembered
 
     def general(*args: object, **kwargs: object) -> None:
         raise AssertionError("the usual put took the general path")
@@ -254,7 +268,7 @@ def _scrambled(seed: int) -> Trace:
     return out.build()
 
 
-@pytest.mark.parametrize("variant", ["plain", "admit-0.1", "admit-0.6"])
+@pytest.mark.parametrize("variant", ["plain", "admit-0.1", "admit-0.6", "shared-0.1"])
 def test_replays_equal_the_calls_one_by_one(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The simulator (its one-call-per-request path, its general loop, two tiers) gives
     the same per-request results, counters and lifespans with the fast paths as with the
@@ -276,3 +290,96 @@ def test_replays_equal_the_calls_one_by_one(variant: str, monkeypatch: pytest.Mo
                 assert np.array_equal(getattr(runs[0], f), getattr(runs[1], f)), (dram, f)
             assert runs[0].tiers == runs[1].tiers and runs[0].lifespans == runs[1].lifespans
             assert int(runs[0].present.sum()) > 0
+
+
+class _OrderedGhost:
+    """The reuse predictor's ghost list as an ordered dict, trimmed one key at a time
+    (and a batch of victims trimmed once, to its last trimming victim's limit): the
+    reference for its FIFO of places."""
+
+    def __init__(self, ghost_factor: float) -> None:
+        self.ghost_factor = ghost_factor
+        self.ghost: OrderedDict[int, int] = OrderedDict()
+        self.reused = [1.0] * N_CLASSES
+        self.unused = [1.0] * N_CLASSES
+
+    def on_insert(self, key: int) -> None:
+        cls = self.ghost.pop(key, None)
+        if cls is not None:
+            self.reused[cls] += 1.0
+
+    def on_evict(self, key: int, cls: int, resident: int) -> None:
+        if cls >= REUSED:
+            return
+        self.ghost[key] = cls
+        self.trim(resident)
+
+    def on_evicts(self, keys: list[int], classes: list[int], resident: int) -> None:
+        kept = [j for j, cls in enumerate(classes) if cls < REUSED]
+        for j in kept:
+            self.ghost[keys[j]] = classes[j]
+        if kept:
+            self.trim(resident + len(keys) - 1 - kept[-1])
+
+    def trim(self, resident: int) -> None:
+        while len(self.ghost) > max(16, int(self.ghost_factor * resident)):
+            self.unused[self.ghost.popitem(last=False)[1]] += 1.0
+
+
+GHOST_OPS = st.lists(
+    st.tuples(st.sampled_from(["evict", "evicts", "insert"]),
+              st.lists(st.tuples(st.integers(0, 30), st.integers(0, N_CLASSES - 1)),
+                       min_size=1, max_size=12),
+              st.integers(0, 25)),
+    max_size=80,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("ghost_factor", [0.5, 2.0])
+@settings(max_examples=200, deadline=None)
+@given(ops=GHOST_OPS)
+def test_the_ghost_list_is_an_ordered_dict(
+    ghost_factor: float, ops: list[tuple[str, list[tuple[int, int]], int]]
+) -> None:
+    """Keys remembered, inserted (they leave) and remembered again, a batch naming a key
+    twice or one remembered already: the ghost list keeps the order, classes and counts
+    of an ordered dict trimmed from its oldest end one key at a time (the trims run far
+    past keys that left, and the FIFO is compacted)."""
+    pred, ref = ReusePredictor(0.1, ghost_factor), _OrderedGhost(ghost_factor)
+    pred.compact_at = 8
+    for op, pairs, resident in ops:
+        keys, classes = [k for k, _ in pairs], [c for _, c in pairs]
+        if op == "evicts":
+            pred.on_evicts(keys, classes, resident)
+            ref.on_evicts(keys, classes, resident)
+        else:
+            for key, cls in pairs:
+                if op == "evict":
+                    pred.on_evict(key, cls, resident)
+                    ref.on_evict(key, cls, resident)
+                else:
+                    pred.on_insert(key)
+                    ref.on_insert(key)
+        assert pred.ghost_items() == list(ref.ghost.items())
+        assert (pred.reused, pred.unused) == (ref.reused, ref.unused)
+        assert pred._p == [r / (r + u) for r, u in zip(ref.reused, ref.unused, strict=True)]
+
+
+def test_the_ghost_list_stays_bounded_when_keys_keep_coming_back() -> None:
+    """Most remembered keys come back before the list is full, so the trim never runs:
+    the entries they leave behind are dropped all the same (the FIFO stays within
+    twice the keys remembered plus its compaction margin), and the list keeps the
+    order of an ordered dict."""
+    pred, ref = ReusePredictor(0.1), _OrderedGhost(2.0)
+    pred.compact_at = 8
+    for step in range(500):
+        keys, classes = [step, step + 1000], [FIRST_TURN, LAST]
+        pred.on_evicts(keys, classes, 100)
+        ref.on_evicts(keys, classes, 100)
+        for key in keys if step % 10 else keys[:1]:  # one in ten stays remembered
+            pred.on_insert(key)
+            ref.on_insert(key)
+        assert len(pred._keys) - pred._head <= 2 * pred._remembered + pred.compact_at + 1
+    assert len(pred._keys) < 200  # of the 1000 remembered in all
+    assert pred.ghost_items() == list(ref.ghost.items())
+    assert (pred.reused, pred.unused) == (ref.reused, ref.unused)
