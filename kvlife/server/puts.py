@@ -347,9 +347,14 @@ class Puts:
         # replacements for the extents the new chunks will take, made now (a deferred put
         # is prepared while the client copies): the commit only hands them out
         refill = self._stage(layout, len(pending.items))
-        offsets = [ctx.arena.offset_of(v) for v in views]
-        keys = {ctx.arena.offset_of(arr): rec.key for rec, arr in pending.items}
-        new = [keys.get(off) if off is not None else None for off in offsets]
+        arena = ctx.arena
+        offsets = [arena.offset_of(v) for v in views]
+        # the store took the extents themselves as the new chunks' arrays (no copy)
+        by_id = {id(arr): rec.key for rec, arr in pending.items}
+        new = [by_id.get(id(v)) for v in views]
+        if sum(k is not None for k in new) != len(by_id):  # not the same objects: by offset
+            keys = {arena.offset_of(arr): rec.key for rec, arr in pending.items}
+            new = [keys.get(off) if off is not None else None for off in offsets]
         return _Staged(pending, ids, views, layout, refill, offsets, new)
 
     def _finish_staged(self, staged: _Staged) -> dict[str, Any]:
