@@ -34,7 +34,13 @@ from kvlife.globalindex.record import RecordError
 from kvlife.tiers.base import ChecksumsWrites, ReplicaMeta
 from kvlife.tiers.disk.frame import payload_checksum
 from kvlife.tiers.redis.connect import RedisEndpoint
-from kvlife.tiers.redis.published import PublishedTier, _Pending
+from kvlife.tiers.redis.published import (
+    NOT_FETCHED,
+    Payload,
+    PublishedTier,
+    _NotFetched,
+    _Pending,
+)
 
 T = TypeVar("T")
 
@@ -396,34 +402,40 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
     def _fetch_stream(
         self, records: list[RemoteRecord], outs: list[np.ndarray | None]
     ) -> Generator[memoryview | bytes | Exception | None, None, None]:
-        """A large batch is fetched in groups (about an eighth of it, 4-16 MiB) on worker
-        threads, two groups in flight, so the caller verifies one group's checksums
-        while the next one is copied; closing the stream waits for the groups in
-        flight (they write into the caller's buffers)."""
-        sizes = [r.header.payload_len for r in records]
-        total = sum(sizes)
-        if len(records) < 2 or total < 2 * GROUP_MIN:
-            yield from self._fetch_values(records, outs)
-            return
-        groups = iter(_groups(sizes, min(GROUP_MAX, max(GROUP_MIN, total // 8))))
-        flight: deque[Future[list[memoryview | bytes | Exception | None]]] = deque()
-
-        def submit() -> None:
-            g = next(groups, None)
-            if g is not None:
-                recs, dests = [records[i] for i in g], [outs[i] for i in g]
-                flight.append(self._readers.submit(self._fetch_values, recs, dests))
-
-        submit()
-        submit()
+        """The payloads in order, fetched in groups (:class:`_Groups`) while the caller
+        verifies the group before; closing the stream waits for the groups in flight
+        (they write into the caller's buffers)."""
+        groups = _Groups(self, records, outs, inline=True)
         try:
-            while flight:
-                got = flight.popleft().result()
-                submit()
-                yield from got
+            for i, rec in enumerate(records):
+                got = groups.take(i, rec.location)
+                assert not isinstance(got, _NotFetched)
+                yield got
         finally:
-            for f in flight:
-                f.result()
+            groups.close()
+
+    def _fetch_ahead(
+        self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None
+    ) -> _Groups | None:
+        """When this host holds a record for every key (it published or adopted each
+        replica: every read the store makes), their objects are fetched from the
+        moment the read starts, beside the record reads; a payload is served only if
+        the record read names the same object, and it is verified against that record
+        (else it is fetched again from the object the record names)."""
+        if not keys:
+            return None
+        with self._lock:
+            held = [self._held.get(k) for k in keys]
+        records: list[RemoteRecord] = []
+        for i, rec in enumerate(held):
+            if rec is None or not rec.location:
+                return None
+            out = outs[i] if outs is not None else None
+            h = rec.header
+            if out is not None and (out.shape != h.shape or out.dtype != np.dtype(h.dtype)):
+                return None  # read_batch refuses it before any byte is written
+            records.append(rec)
+        return _Groups(self, records, list(outs) if outs is not None else [None] * len(keys))
 
     def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord]) -> None:
         self._reap()
@@ -492,11 +504,71 @@ class _Doomed:
         }
 
 
+class _Groups:
+    """The payloads of ``records``, fetched in groups (:func:`_schedule`), each one
+    ``batch_get_into`` on the tier's reader threads, two in flight, so the caller
+    verifies a group (its bytes still in the cache) while the next one is copied. A
+    batch too small to split is one group: with ``inline`` fetched on the caller's
+    thread when first taken, else on a reader thread from the start. Payloads are
+    taken in order (:class:`~kvlife.tiers.redis.published.FetchAhead`)."""
+
+    def __init__(
+        self,
+        tier: MooncakeTier,
+        records: list[RemoteRecord],
+        outs: Sequence[np.ndarray | None],
+        inline: bool = False,
+    ) -> None:
+        self.tier = tier
+        self.records = records
+        self.outs = outs
+        sizes = [r.header.payload_len for r in records]
+        self.groups = _schedule(sizes)
+        self.inline = inline and len(self.groups) == 1
+        self.flight: deque[Future[list[Payload]]] = deque()
+        self.next_group = 0
+        self.done: list[Payload] = []
+        self.base = 0  # index of done[0]
+        self.closed = False
+        if not self.inline:
+            self._submit()
+            self._submit()
+
+    def _submit(self) -> None:
+        if self.closed or self.next_group >= len(self.groups):
+            return
+        g = self.groups[self.next_group]
+        self.next_group += 1
+        recs, dests = [self.records[i] for i in g], [self.outs[i] for i in g]
+        self.flight.append(self.tier._readers.submit(self.tier._fetch_values, recs, dests))
+
+    def take(self, at: int, location: str) -> Payload | _NotFetched:
+        while at >= self.base + len(self.done):
+            self.base += len(self.done)
+            if self.inline:
+                self.inline = False
+                self.next_group = 1
+                self.done = self.tier._fetch_values(self.records, list(self.outs))
+                continue
+            if not self.flight:
+                raise IndexError(f"payload {at} of {len(self.records)} taken twice or past the end")
+            self.done = self.flight.popleft().result()
+            self._submit()
+        got = self.done[at - self.base]
+        return got if self.records[at].location == location else NOT_FETCHED
+
+    def close(self) -> None:
+        self.closed = True
+        while self.flight:
+            with contextlib.suppress(Exception):
+                self.flight.popleft().result()
+
+
 READERS = 4
 """Worker threads fetching groups of large reads (shared by the tier's readers)."""
 GROUP_MIN = 4 << 20
-GROUP_MAX = 16 << 20
-"""Bounds of one fetch group of a large read (:meth:`MooncakeTier._fetch_stream`)."""
+"""The smallest fetch group of a batch split into groups; a batch under twice this is
+one group (:func:`_schedule`)."""
 
 NOT_FOUND = -704
 """Mooncake's OBJECT_NOT_FOUND."""
@@ -543,14 +615,28 @@ def _takes(out: np.ndarray, size: int) -> bool:
     return bool(out.flags.c_contiguous and out.flags.writeable and out.nbytes == size)
 
 
-def _groups(sizes: list[int], target: int) -> list[list[int]]:
-    """Consecutive indices in groups of about ``target`` bytes (at least one each)."""
-    groups: list[list[int]] = [[]]
-    held = 0
-    for i, size in enumerate(sizes):
-        if groups[-1] and held + size > target:
-            groups.append([])
-            held = 0
-        groups[-1].append(i)
-        held += size
+def _schedule(sizes: list[int]) -> list[list[int]]:
+    """The fetch groups of a read batch: consecutive indices, halving in size from half
+    the batch down to ``max(GROUP_MIN, batch / 16)`` (64 MiB: 32, 16, 8, 4, 4 MiB), so
+    a batch costs few Mooncake calls (each about 0.1-0.4 ms of CPU) and the caller's
+    last verification, which no copy hides, is of a small group. A batch under
+    ``2 * GROUP_MIN`` is one group; a payload over its group's target is a group alone."""
+    total = sum(sizes)
+    if len(sizes) < 2 or total < 2 * GROUP_MIN:
+        return [list(range(len(sizes)))]
+    floor = max(GROUP_MIN, total // 16)
+    groups: list[list[int]] = []
+    left = total
+    i = 0
+    while i < len(sizes):
+        target = max(floor, left // 2)
+        group = [i]
+        held = sizes[i]
+        i += 1
+        while i < len(sizes) and held + sizes[i] <= target:
+            held += sizes[i]
+            group.append(i)
+            i += 1
+        groups.append(group)
+        left -= held
     return groups
