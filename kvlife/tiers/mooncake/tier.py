@@ -529,13 +529,16 @@ class _Doomed:
 
 
 class _Groups:
-    """The payloads of ``records``, fetched in groups (:func:`_schedule`), each one
-    ``batch_get_into`` on the tier's reader threads, two in flight, so the caller
-    verifies a group while the next one is copied (a group of a few MiB verified right
-    after its copy is still in the cache: about twice as fast as from memory here). A
-    batch too small to split is one group: with ``inline`` fetched on the caller's
-    thread when first taken, else on a reader thread from the start. Payloads are
-    taken in order (:class:`~kvlife.tiers.redis.published.FetchAhead`)."""
+    """The payloads of ``records``, fetched in groups (:func:`_schedule`), one
+    ``batch_get_into`` per group, one after the other on one of the tier's reader
+    threads, so the caller verifies a group while the next one is copied (a group of a
+    few MiB verified right after its copy is still in the cache: about twice as fast as
+    from memory here). One group at a time: two ``batch_get_into`` calls of one client
+    run interleaved, each finishing only when both are done (measured with 0.3.13), which
+    would keep the caller waiting for two groups. A batch too small to split is one
+    group: with ``inline`` fetched on the caller's thread when first taken, else on a
+    reader thread from the start. Payloads are taken in order
+    (:class:`~kvlife.tiers.redis.published.FetchAhead`)."""
 
     def __init__(
         self,
@@ -550,45 +553,50 @@ class _Groups:
         sizes = [r.header.payload_len for r in records]
         self.groups = _schedule(sizes)
         self.inline = inline and len(self.groups) == 1
-        self.flight: deque[Future[list[Payload]]] = deque()
+        self.results: list[Future[list[Payload]]] = [Future() for _ in self.groups]
         self.next_group = 0
         self.done: list[Payload] = []
         self.base = 0  # index of done[0]
-        self.closed = False
+        self.closed = threading.Event()
+        self.chain: Future[None] | None = None
         if not self.inline:
-            self._submit()
-            self._submit()
+            self.chain = tier._readers.submit(self._fetch_all)
 
-    def _submit(self) -> None:
-        if self.closed or self.next_group >= len(self.groups):
-            return
-        g = self.groups[self.next_group]
-        self.next_group += 1
-        recs, dests = [self.records[i] for i in g], [self.outs[i] for i in g]
-        self.flight.append(self.tier._readers.submit(self.tier._fetch_values, recs, dests))
+    def _fetch_all(self) -> None:
+        """Fetch the groups in order until all are done or the reader closed."""
+        for g, result in zip(self.groups, self.results, strict=True):
+            if self.closed.is_set():
+                result.cancel()
+                continue
+            recs, dests = [self.records[i] for i in g], [self.outs[i] for i in g]
+            try:
+                result.set_result(self.tier._fetch_values(recs, dests))
+            except BaseException as exc:
+                result.set_exception(exc)
 
     def take(self, at: int, location: str) -> Payload | _NotFetched:
         if at < self.base:
             raise IndexError(f"payload {at} taken after payload {self.base}")
         while at >= self.base + len(self.done):
             self.base += len(self.done)
+            if self.next_group >= len(self.groups):
+                raise IndexError(f"payload {at} of a batch of {len(self.records)}")
             if self.inline:
                 self.inline = False
-                self.next_group = 1
                 self.done = self.tier._fetch_values(self.records, list(self.outs))
-                continue
-            if not self.flight:
-                raise IndexError(f"payload {at} of a batch of {len(self.records)}")
-            self.done = self.flight.popleft().result()
-            self._submit()
+            else:
+                self.done = self.results[self.next_group].result()
+            self.next_group += 1
         got = self.done[at - self.base]
         return got if self.records[at].location == location else NOT_FETCHED
 
     def close(self) -> None:
-        self.closed = True
-        while self.flight:
+        """Stop after the group being fetched and wait for it (it writes into the
+        caller's buffers)."""
+        self.closed.set()
+        if self.chain is not None:
             with contextlib.suppress(Exception):
-                self.flight.popleft().result()
+                self.chain.result()
 
 
 READERS = 4
