@@ -353,7 +353,7 @@ MOONCAKE_RAW_CALLS = {
     "(readers verify every byte as always)",
     "kvlife": "store (xxh3-128 of each payload and the publish calls, computed while "
     "batch_put_from runs, then the publish scripts) and read_batch into outs over the same "
-    "reused buffer (batch_get_into per fetch group, 32/16/8/4/4 MiB of a 64 MiB batch, "
+    "reused buffer (batch_get_into per fetch group of about 8 MiB, one after the other, "
     "started beside the MGET of the records this host holds; every payload verified)",
 }
 """What each Mooncake contestant calls (in the JSON beside the rows)."""

@@ -10,12 +10,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlife.tiers.mooncake.tier import GROUP_MIN, _destinations, _Doomed, _schedule
+from kvlife.tiers.mooncake.tier import GROUP_BYTES, GROUP_MIN, _destinations, _Doomed, _schedule
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.integers(0, 1 << 24), max_size=300))
-def test_fetch_groups_cover_the_batch_in_order_halving_to_a_small_last_group(
+def test_fetch_groups_cover_the_batch_in_order_each_about_a_group_of_bytes(
     sizes: list[int],
 ) -> None:
     groups = _schedule(sizes)
@@ -25,16 +25,13 @@ def test_fetch_groups_cover_the_batch_in_order_halving_to_a_small_last_group(
     if len(sizes) < 2 or total < 2 * GROUP_MIN:
         assert len(groups) == 1
         return
-    floor = max(GROUP_MIN, total // 16)
-    left = total
-    for g in groups:
+    target = max(GROUP_MIN, min(GROUP_BYTES, total // 2))
+    for g, after in itertools.pairwise(groups):
         held = sum(sizes[i] for i in g)
         if len(g) > 1:  # a group over its target is one payload that alone is over it
-            assert held <= max(floor, left // 2)
-        left -= held
-    # few Mooncake calls: about log2(16) groups plus the payloads too big to share one
-    big = sum(1 for s in sizes if s > floor)
-    assert len(groups) <= 2 * (5 + big)
+            assert held <= target
+        assert held + sizes[after[0]] > target  # a group ends only where the next would not fit
+    assert len(groups) >= 2
 
 
 @settings(max_examples=200, deadline=None)
