@@ -334,7 +334,7 @@ def test_mooncake_corrupt_byte_in_any_fetch_group_is_caught(
     writer = _tier(mooncake_master, redis_server, index_ns)
     other = _tier(mooncake_master, redis_server, index_ns)
     try:
-        arrs = _chunks(12, 1 << 20)  # 2 MiB each: groups of 12, 6, 4 and 2 MiB
+        arrs = _chunks(12, 1 << 20)  # 2 MiB each: three fetch groups of 8 MiB
         keys = [k(200 + i) for i in range(12)]
         metas = [
             ReplicaMeta(key, "float16", a.shape, "exact", b"i")
