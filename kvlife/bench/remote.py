@@ -15,6 +15,7 @@ Every server is started here on 127.0.0.1 and stopped by PID.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -72,6 +73,7 @@ def _kvlife_run(
     into_outs: bool,
     after: Callable[[], None] | None = None,
     known: bool = False,
+    before: Callable[[], None] | None = None,
 ) -> Run:
     """kvlife's store + read_batch (verifying every payload's xxh3-128), reading into
     caller buffers (``outs``, one reused buffer) or into new arrays. With ``known`` the
@@ -82,6 +84,8 @@ def _kvlife_run(
 
     def run(arrs: list[np.ndarray], rep: int) -> tuple[float, float, int, float, float]:
         nonlocal dest
+        if before is not None:
+            before()  # untimed
         n = len(arrs)
         keys = [_key(f"b{size}-{rep}-", i) for i in range(n)]
         given = [b""] * n
@@ -351,6 +355,8 @@ MOONCAKE_RAW_CALLS = {
     "known_checksum": "kvlife's store given each payload's checksum (hashed untimed), as "
     "the store's copy of a replica it verified or sealed gives it: no hash on the put "
     "(readers verify every byte as always)",
+    "whole_batch": "kvlife's read_batch with read_group_bytes=0: one batch_get_into for "
+    "the whole batch, every payload verified after",
     "kvlife": "store (xxh3-128 of each payload and the publish calls, computed while "
     "batch_put_from runs, then the publish scripts) and read_batch into outs over the same "
     "reused buffer (batch_get_into per fetch group of about 8 MiB, one after the other, "
@@ -426,12 +432,32 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
             if tier.doomed.pending() * size > seg // 4:
                 tier.settle_removals(timeout_s=10.0)
 
+        def grouped(group_bytes: int) -> Callable[[], None]:
+            def set_groups() -> None:
+                tier.config = dataclasses.replace(cfg, read_group_bytes=group_bytes)
+
+            return set_groups
+
         rows = []
         for size in sizes:
             runs = {
-                "kvlife": _kvlife_run(tier, size, into_outs=True, after=drain),
-                "kvlife_new": _kvlife_run(tier, size, into_outs=False, after=drain),
-                "kvlife_known": _kvlife_run(tier, size, into_outs=True, after=drain, known=True),
+                "kvlife": _kvlife_run(
+                    tier, size, into_outs=True, after=drain, before=grouped(cfg.read_group_bytes)
+                ),
+                "kvlife_whole": _kvlife_run(
+                    tier, size, into_outs=True, after=drain, before=grouped(0)
+                ),
+                "kvlife_new": _kvlife_run(
+                    tier, size, into_outs=False, after=drain, before=grouped(cfg.read_group_bytes)
+                ),
+                "kvlife_known": _kvlife_run(
+                    tier,
+                    size,
+                    into_outs=True,
+                    after=drain,
+                    known=True,
+                    before=grouped(cfg.read_group_bytes),
+                ),
                 "raw": _raw_run(
                     zc_put, lambda ns, sz: zc_get_into(ns, sz, new=False), remove, size
                 ),
@@ -460,6 +486,10 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
                     "known_checksum": {
                         "kvlife_put_gbps": g["kvlife_known_put_gbps"],
                         "put_ratio": g["kvlife_known_put_gbps"] / g["raw_put_gbps"],
+                    },
+                    "whole_batch": {
+                        "kvlife_get_gbps": g["kvlife_whole_get_gbps"],
+                        "get_ratio": g["kvlife_whole_get_gbps"] / g["raw_get_gbps"],
                     },
                     "bytes_api": {
                         "raw_put_gbps": g["raw_bytes_put_gbps"],
@@ -557,6 +587,13 @@ def _table(result: dict[str, Any]) -> str:
             "mooncake  size      new arrays kvlife/raw get GB/s (ratio)"
             "   bytes API raw put/get GB/s (ratio put/get)   put, checksum known (ratio)"
         )
+        for r in mc["rows"]:
+            wb = r["whole_batch"]
+            lines.append(
+                f"mooncake  {r['size'] // KiB:6d}K   get in one call, verified after"
+                f" (read_group_bytes=0): {wb['kvlife_get_gbps']:6.2f} GB/s"
+                f" ({wb['get_ratio']:4.2f} of raw; grouped {r['get_ratio']:4.2f})"
+            )
         for r in mc["rows"]:
             na, ba, kc = r["new_arrays"], r["bytes_api"], r["known_checksum"]
             lines.append(

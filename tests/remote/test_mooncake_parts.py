@@ -7,9 +7,12 @@ import itertools
 import time
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlife.core.errors import InvalidArgument
+from kvlife.tiers.mooncake import MooncakeConfig
 from kvlife.tiers.mooncake.tier import GROUP_BYTES, GROUP_MIN, _destinations, _Doomed, _schedule
 
 
@@ -18,6 +21,7 @@ from kvlife.tiers.mooncake.tier import GROUP_BYTES, GROUP_MIN, _destinations, _D
 def test_fetch_groups_cover_the_batch_in_order_each_about_a_group_of_bytes(
     sizes: list[int],
 ) -> None:
+    assert _schedule(sizes, 0) == [list(range(len(sizes)))]  # read_group_bytes 0: whole
     groups = _schedule(sizes)
     assert [i for g in groups for i in g] == list(range(len(sizes)))
     assert all(groups) or not sizes  # only an empty batch has an empty group
@@ -88,3 +92,9 @@ def test_doomed_removals_wait_for_the_lease_then_retry_a_few_times_then_are_aban
     c = doomed.counters()
     assert c["removals_pending"] == 0 and c["removals_abandoned"] == 1
     assert c["removals_deferred"] == 2  # first deferrals only, not retries
+
+
+def test_a_negative_read_group_size_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="read_group_bytes"):
+        MooncakeConfig("127.0.0.1:1", "http://127.0.0.1:2/metadata", read_group_bytes=-1)
+    assert MooncakeConfig("127.0.0.1:1", "http://127.0.0.1:2/metadata").read_group_bytes > 0

@@ -44,6 +44,16 @@ from kvlife.tiers.redis.published import (
 
 T = TypeVar("T")
 
+GROUP_MIN = 4 << 20
+"""The smallest fetch group of a batch split into groups; a batch under twice this is
+one group (:func:`_schedule`)."""
+GROUP_BYTES = 8 << 20
+"""The default size of a fetch group (:attr:`MooncakeConfig.read_group_bytes`): small
+enough that a group and the copy of the next one fit in this machine's 32 MiB L3 (the
+verification of a group just copied read it at about 45 GB/s, from memory at about
+22 GB/s, and a copy beside a hash that streams from memory fell from 11.6 to 4.4 GB/s),
+large enough that the calls (0.1-0.4 ms each) stay a small part of the copy."""
+
 
 @dataclass(frozen=True, slots=True)
 class MooncakeConfig:
@@ -66,6 +76,11 @@ class MooncakeConfig:
     read_lease_s: float = 2.0
     """The master's ``--default_kv_lease_ttl``: a removal refused because a reader holds
     the object is retried after this."""
+    read_group_bytes: int = GROUP_BYTES
+    """A large read is fetched in groups of about this many bytes, each verified while
+    the next is copied (:func:`_schedule`); 0: one ``batch_get_into`` for the whole
+    batch, verified after (less CPU and memory traffic: better where no second CPU is
+    free; ``kvlife bench remote`` measures both)."""
 
     def __post_init__(self) -> None:
         if not self.metadata.startswith("http://"):
@@ -74,6 +89,10 @@ class MooncakeConfig:
             raise InvalidArgument("mooncake segment_bytes >= 0 and buffer_bytes > 0")
         if self.read_lease_s <= 0:
             raise InvalidArgument(f"mooncake read_lease_s must be > 0, got {self.read_lease_s}")
+        if self.read_group_bytes < 0:
+            raise InvalidArgument(
+                f"mooncake read_group_bytes must be >= 0, got {self.read_group_bytes}"
+            )
         if self.register_buffers is None:
             object.__setattr__(self, "register_buffers", self.protocol != "tcp")
 
@@ -447,7 +466,8 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
             if out is not None and (out.shape != h.shape or out.dtype != np.dtype(h.dtype)):
                 return None  # read_batch refuses it before any byte is written
             records.append(rec)
-        if len(_schedule([r.header.payload_len for r in records])) < 2:
+        sizes = [r.header.payload_len for r in records]
+        if len(_schedule(sizes, self.config.read_group_bytes)) < 2:
             return None  # one group: fetched on the caller's thread, after the records
         return _Groups(self, records, list(outs) if outs is not None else [None] * len(keys))
 
@@ -551,7 +571,7 @@ class _Groups:
         self.records = records
         self.outs = outs
         sizes = [r.header.payload_len for r in records]
-        self.groups = _schedule(sizes)
+        self.groups = _schedule(sizes, tier.config.read_group_bytes)
         self.inline = inline and len(self.groups) == 1
         self.results: list[Future[list[Payload]]] = [Future() for _ in self.groups]
         self.next_group = 0
@@ -601,15 +621,6 @@ class _Groups:
 
 READERS = 4
 """Worker threads fetching groups of large reads (shared by the tier's readers)."""
-GROUP_MIN = 4 << 20
-"""The smallest fetch group of a batch split into groups; a batch under twice this is
-one group (:func:`_schedule`)."""
-GROUP_BYTES = 8 << 20
-"""The size of a fetch group (:func:`_schedule`): small enough that a group and the
-copy of the next one fit in this machine's 32 MiB L3 (the verification of a group just
-copied read it at about 45 GB/s, from memory at about 22 GB/s, and a copy beside a hash
-that streams from memory fell from 11.6 to 4.4 GB/s), large enough that the calls
-(0.1-0.4 ms each) stay a small part of the copy."""
 
 NOT_FOUND = -704
 """Mooncake's OBJECT_NOT_FOUND."""
@@ -656,16 +667,17 @@ def _takes(out: np.ndarray, size: int) -> bool:
     return bool(out.flags.c_contiguous and out.flags.writeable and out.nbytes == size)
 
 
-def _schedule(sizes: list[int]) -> list[list[int]]:
-    """The fetch groups of a read batch: consecutive indices, about :data:`GROUP_BYTES`
-    each (a payload larger than that is a group alone), so that the caller verifies
-    each group while it is still in the cache: a hash that reads the bytes from memory
-    again competes with the copy for memory bandwidth. A batch under
-    ``2 * GROUP_MIN`` bytes or of one payload is one group."""
+def _schedule(sizes: list[int], group_bytes: int = GROUP_BYTES) -> list[list[int]]:
+    """The fetch groups of a read batch: consecutive indices, about ``group_bytes``
+    each (:attr:`MooncakeConfig.read_group_bytes`; a payload larger than that is a
+    group alone), so that the caller verifies each group while it is still in the
+    cache: a hash that reads the bytes from memory again competes with the copy for
+    memory bandwidth. A batch under ``2 * GROUP_MIN`` bytes or of one payload, or any
+    batch with ``group_bytes`` 0, is one group."""
     total = sum(sizes)
-    if len(sizes) < 2 or total < 2 * GROUP_MIN:
+    if len(sizes) < 2 or total < 2 * GROUP_MIN or group_bytes <= 0:
         return [list(range(len(sizes)))]
-    target = max(GROUP_MIN, min(GROUP_BYTES, total // 2))
+    target = max(GROUP_MIN, min(group_bytes, total // 2))
     groups: list[list[int]] = [[]]
     held = 0
     for i, size in enumerate(sizes):
