@@ -111,6 +111,7 @@ OPTIONAL: dict[str, dict[str, st.SearchStrategy[object]]] = {
         "buffer_bytes": st.integers(1, 1 << 40),
         "read_lease_s": st.floats(0.01, 100) | st.integers(1, 100),
         "register_buffers": st.none() | st.booleans(),
+        "read_group_bytes": st.integers(0, 1 << 40),
     },
 }
 
@@ -224,6 +225,16 @@ def test_a_value_of_the_wrong_type_is_refused_by_name(
             "metadata",
         ),
         ("mooncake", (("master", "m:1"), ("metadata", "http://m"), ("index", "r:1")), "index"),
+        (
+            "mooncake",
+            (
+                ("master", "m:1"),
+                ("metadata", "http://m"),
+                ("index", "redis://r"),
+                ("read_group_bytes", -1),
+            ),
+            "read_group_bytes",
+        ),
         ("memory", (("segment_bytes", 4096),), "segment_bytes"),
         ("disk", (("segment_bytes", 4096), ("segment_bytes", 8192)), "segment_bytes"),
     ],

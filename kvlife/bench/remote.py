@@ -15,6 +15,7 @@ Every server is started here on 127.0.0.1 and stopped by PID.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -60,9 +61,10 @@ def _p99(xs: list[float]) -> float:
     return float(np.percentile(xs, 99)) if xs else 0.0
 
 
-Run = Callable[[list[np.ndarray], int], tuple[float, float, int]]
+Run = Callable[[list[np.ndarray], int], tuple[float, float, int, float, float]]
 """One contestant's round: put the arrays, read them back, check, clean up; returns
-(put seconds, get seconds, wrong objects)."""
+(put seconds, get seconds, wrong objects, put CPU seconds, get CPU seconds: the
+process's, all its threads)."""
 
 
 def _kvlife_run(
@@ -71,6 +73,7 @@ def _kvlife_run(
     into_outs: bool,
     after: Callable[[], None] | None = None,
     known: bool = False,
+    before: Callable[[], None] | None = None,
 ) -> Run:
     """kvlife's store + read_batch (verifying every payload's xxh3-128), reading into
     caller buffers (``outs``, one reused buffer) or into new arrays. With ``known`` the
@@ -79,8 +82,10 @@ def _kvlife_run(
     dest = np.zeros(0, np.uint8)
     sums: dict[int, list[bytes]] = {}
 
-    def run(arrs: list[np.ndarray], rep: int) -> tuple[float, float, int]:
+    def run(arrs: list[np.ndarray], rep: int) -> tuple[float, float, int, float, float]:
         nonlocal dest
+        if before is not None:
+            before()  # untimed
         n = len(arrs)
         keys = [_key(f"b{size}-{rep}-", i) for i in range(n)]
         given = [b""] * n
@@ -98,11 +103,11 @@ def _kvlife_run(
             if dest.nbytes != n * size:
                 dest = np.ones(n * size, np.uint8)  # touched once: no page faults timed
             outs = [dest[i * size : (i + 1) * size] for i in range(n)]
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         assert tier.store(metas, arrs), "bench tier too small"
-        t1 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
         got = tier.read_batch(keys, outs)
-        t2 = time.perf_counter()
+        c2, t2 = time.process_time(), time.perf_counter()
         wrong = sum(
             1
             for g, a in zip(got, arrs, strict=True)
@@ -112,7 +117,7 @@ def _kvlife_run(
         tier.delete_batch(keys)
         if after is not None:
             after()  # untimed
-        return t1 - t0, t2 - t1, wrong
+        return t1 - t0, t2 - t1, wrong, c1 - c0, c2 - c1
 
     return run
 
@@ -123,45 +128,49 @@ def _raw_run(
     remove: Callable[[list[str]], None],
     size: int,
 ) -> Run:
-    def run(arrs: list[np.ndarray], rep: int) -> tuple[float, float, int]:
+    def run(arrs: list[np.ndarray], rep: int) -> tuple[float, float, int, float, float]:
         names = [f"raw:{size}:{rep}:{i}" for i in range(len(arrs))]
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         put(names, arrs)
-        t1 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
         got = get(names, size)
-        t2 = time.perf_counter()
+        c2, t2 = time.process_time(), time.perf_counter()
         wrong = sum(1 for g, a in zip(got, arrs, strict=True) if len(g) != a.nbytes)
         del got
         remove(names)
-        return t1 - t0, t2 - t1, wrong
+        return t1 - t0, t2 - t1, wrong, c1 - c0, c2 - c1
 
     return run
 
 
 def _contest(
     runs: dict[str, Run], size: int, total: int, reps: int
-) -> tuple[dict[str, float], int, int]:
-    """Median put/get GB/s per contestant; the order rotates every round (drift)."""
+) -> tuple[dict[str, float], int, int, dict[str, float]]:
+    """Median put/get GB/s per contestant; the order rotates every round (drift). Also
+    the median process CPU per batch put and get, in ms (``NAME_put``, ``NAME_get``)."""
     n = max(1, total // size)
     arrs = _arrays(size, n)
     names = list(runs)
     puts: dict[str, list[float]] = {k: [] for k in names}
     gets: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {f"{k}_{op}": [] for k in names for op in ("put", "get")}
     wrong = 0
     for rep in range(reps * len(names)):
         order = names[rep % len(names) :] + names[: rep % len(names)]
         if rep // len(names) % 2:
             order.reverse()
         name = order[0]
-        p, g, w = runs[name](arrs, rep)
+        p, g, w, pc, gc = runs[name](arrs, rep)
         puts[name].append(p)
         gets[name].append(g)
+        cpu[f"{name}_put"].append(pc)
+        cpu[f"{name}_get"].append(gc)
         wrong += w
     gbps: dict[str, float] = {}
     for k in names:
         gbps[f"{k}_put_gbps"] = n * size / _median(puts[k]) / 1e9
         gbps[f"{k}_get_gbps"] = n * size / _median(gets[k]) / 1e9
-    return gbps, n, wrong
+    return gbps, n, wrong, {k: 1e3 * _median(v) for k, v in cpu.items()}
 
 
 def _redis_section(
@@ -200,7 +209,7 @@ def _redis_section(
                 "raw": _raw_run(raw_put, raw_get, raw_remove, size),
                 "unpacked": _raw_run(unpacked_put, raw_get, raw_remove, size),
             }
-            g, n, wrong = _contest(runs, size, total, reps)
+            g, n, wrong, _ = _contest(runs, size, total, reps)
             rows.append(
                 {
                     "size": size,
@@ -346,9 +355,12 @@ MOONCAKE_RAW_CALLS = {
     "known_checksum": "kvlife's store given each payload's checksum (hashed untimed), as "
     "the store's copy of a replica it verified or sealed gives it: no hash on the put "
     "(readers verify every byte as always)",
-    "kvlife": "store (xxh3-128 of each payload, computed while batch_put_from runs, then "
-    "the publish script) and read_batch into outs over the same reused buffer (batch_get_into, "
-    "every payload verified)",
+    "whole_batch": "kvlife's read_batch with read_group_bytes=0: one batch_get_into for "
+    "the whole batch, every payload verified after",
+    "kvlife": "store (xxh3-128 of each payload and the publish calls, computed while "
+    "batch_put_from runs, then the publish scripts) and read_batch into outs over the same "
+    "reused buffer (batch_get_into per fetch group of about 8 MiB, one after the other, "
+    "started beside the MGET of the records this host holds; every payload verified)",
 }
 """What each Mooncake contestant calls (in the JSON beside the rows)."""
 
@@ -420,12 +432,32 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
             if tier.doomed.pending() * size > seg // 4:
                 tier.settle_removals(timeout_s=10.0)
 
+        def grouped(group_bytes: int) -> Callable[[], None]:
+            def set_groups() -> None:
+                tier.config = dataclasses.replace(cfg, read_group_bytes=group_bytes)
+
+            return set_groups
+
         rows = []
         for size in sizes:
             runs = {
-                "kvlife": _kvlife_run(tier, size, into_outs=True, after=drain),
-                "kvlife_new": _kvlife_run(tier, size, into_outs=False, after=drain),
-                "kvlife_known": _kvlife_run(tier, size, into_outs=True, after=drain, known=True),
+                "kvlife": _kvlife_run(
+                    tier, size, into_outs=True, after=drain, before=grouped(cfg.read_group_bytes)
+                ),
+                "kvlife_whole": _kvlife_run(
+                    tier, size, into_outs=True, after=drain, before=grouped(0)
+                ),
+                "kvlife_new": _kvlife_run(
+                    tier, size, into_outs=False, after=drain, before=grouped(cfg.read_group_bytes)
+                ),
+                "kvlife_known": _kvlife_run(
+                    tier,
+                    size,
+                    into_outs=True,
+                    after=drain,
+                    known=True,
+                    before=grouped(cfg.read_group_bytes),
+                ),
                 "raw": _raw_run(
                     zc_put, lambda ns, sz: zc_get_into(ns, sz, new=False), remove, size
                 ),
@@ -434,7 +466,7 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
                 ),
                 "raw_bytes": _raw_run(bytes_put, bytes_get, remove, size),
             }
-            g, n, wrong = _contest(runs, size, total, reps)
+            g, n, wrong, cpu = _contest(runs, size, total, reps)
             rows.append(
                 {
                     "size": size,
@@ -455,11 +487,18 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
                         "kvlife_put_gbps": g["kvlife_known_put_gbps"],
                         "put_ratio": g["kvlife_known_put_gbps"] / g["raw_put_gbps"],
                     },
+                    "whole_batch": {
+                        "kvlife_get_gbps": g["kvlife_whole_get_gbps"],
+                        "get_ratio": g["kvlife_whole_get_gbps"] / g["raw_get_gbps"],
+                    },
                     "bytes_api": {
                         "raw_put_gbps": g["raw_bytes_put_gbps"],
                         "raw_get_gbps": g["raw_bytes_get_gbps"],
                         "put_ratio": g["kvlife_put_gbps"] / g["raw_bytes_put_gbps"],
                         "get_ratio": g["kvlife_get_gbps"] / g["raw_bytes_get_gbps"],
+                    },
+                    "cpu_ms": {
+                        k: cpu[k] for k in ("kvlife_put", "kvlife_get", "raw_put", "raw_get")
                     },
                 }
             )
@@ -549,6 +588,13 @@ def _table(result: dict[str, Any]) -> str:
             "   bytes API raw put/get GB/s (ratio put/get)   put, checksum known (ratio)"
         )
         for r in mc["rows"]:
+            wb = r["whole_batch"]
+            lines.append(
+                f"mooncake  {r['size'] // KiB:6d}K   get in one call, verified after"
+                f" (read_group_bytes=0): {wb['kvlife_get_gbps']:6.2f} GB/s"
+                f" ({wb['get_ratio']:4.2f} of raw; grouped {r['get_ratio']:4.2f})"
+            )
+        for r in mc["rows"]:
             na, ba, kc = r["new_arrays"], r["bytes_api"], r["known_checksum"]
             lines.append(
                 f"mooncake  {r['size'] // KiB:6d}K   {na['kvlife_get_gbps']:6.2f} / "
@@ -557,6 +603,15 @@ def _table(result: dict[str, Any]) -> str:
                 f"({ba['put_ratio']:4.2f} / {ba['get_ratio']:4.2f})"
                 f"             {kc['kvlife_put_gbps']:6.2f} ({kc['put_ratio']:4.2f})"
             )
+    for r in mc.get("rows", []):
+        c, n = r["cpu_ms"], r["objects"]
+        lines.append(
+            f"mooncake  {r['size'] // KiB:6d}K   CPU per batch of {n} (this process, all"
+            f" threads): put {c['kvlife_put']:.1f} ms vs raw {c['raw_put']:.1f}, get"
+            f" {c['kvlife_get']:.1f} vs raw {c['raw_get']:.1f}; kvlife extra per chunk"
+            f" put {1e3 * (c['kvlife_put'] - c['raw_put']) / n:.0f} µs,"
+            f" get {1e3 * (c['kvlife_get'] - c['raw_get']) / n:.0f} µs"
+        )
     lines.append(format_machine(result["machine"]))
     lk = result["lookup"]
     lines.append(

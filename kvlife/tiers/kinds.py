@@ -160,6 +160,10 @@ class MooncakeOptions(SharedIndexOptions):
     register_buffers: bool | None = None
     """Register buffers with the transfer engine around each call (RDMA needs it; None:
     only when the protocol is not tcp)."""
+    read_group_bytes: int = 8 * MiB
+    """A large read is fetched in groups of about this many bytes, each verified while
+    the next is copied; 0: the whole batch in one call, verified after
+    (:attr:`~kvlife.tiers.mooncake.MooncakeConfig.read_group_bytes`)."""
 
     def check(self) -> None:
         SharedIndexOptions.check(self)
@@ -175,3 +179,5 @@ class MooncakeOptions(SharedIndexOptions):
             raise self.bad("buffer_bytes", f"must be > 0, got {self.buffer_bytes}")
         if self.read_lease_s <= 0:
             raise self.bad("read_lease_s", f"must be > 0, got {self.read_lease_s}")
+        if self.read_group_bytes < 0:
+            raise self.bad("read_group_bytes", f"must be >= 0, got {self.read_group_bytes}")

@@ -179,6 +179,7 @@ def _mooncake(spec: TierSpec, o: MooncakeOptions, ctx: TierContext) -> Tier:
         buffer_bytes=o.buffer_bytes,
         read_lease_s=o.read_lease_s,
         register_buffers=o.register_buffers,
+        read_group_bytes=o.read_group_bytes,
     )
     index = RedisEndpoint.parse(o.index, socket_timeout_s=o.socket_timeout_s)
     return MooncakeTier(mc, index, spec.capacity_bytes, spec.name, _index_config(o))
