@@ -60,9 +60,10 @@ def _p99(xs: list[float]) -> float:
     return float(np.percentile(xs, 99)) if xs else 0.0
 
 
-Run = Callable[[list[np.ndarray], int], tuple[float, float, int]]
+Run = Callable[[list[np.ndarray], int], tuple[float, float, int, float, float]]
 """One contestant's round: put the arrays, read them back, check, clean up; returns
-(put seconds, get seconds, wrong objects)."""
+(put seconds, get seconds, wrong objects, put CPU seconds, get CPU seconds: the
+process's, all its threads)."""
 
 
 def _kvlife_run(
@@ -79,7 +80,7 @@ def _kvlife_run(
     dest = np.zeros(0, np.uint8)
     sums: dict[int, list[bytes]] = {}
 
-    def run(arrs: list[np.ndarray], rep: int) -> tuple[float, float, int]:
+    def run(arrs: list[np.ndarray], rep: int) -> tuple[float, float, int, float, float]:
         nonlocal dest
         n = len(arrs)
         keys = [_key(f"b{size}-{rep}-", i) for i in range(n)]
@@ -98,11 +99,11 @@ def _kvlife_run(
             if dest.nbytes != n * size:
                 dest = np.ones(n * size, np.uint8)  # touched once: no page faults timed
             outs = [dest[i * size : (i + 1) * size] for i in range(n)]
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         assert tier.store(metas, arrs), "bench tier too small"
-        t1 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
         got = tier.read_batch(keys, outs)
-        t2 = time.perf_counter()
+        c2, t2 = time.process_time(), time.perf_counter()
         wrong = sum(
             1
             for g, a in zip(got, arrs, strict=True)
@@ -112,7 +113,7 @@ def _kvlife_run(
         tier.delete_batch(keys)
         if after is not None:
             after()  # untimed
-        return t1 - t0, t2 - t1, wrong
+        return t1 - t0, t2 - t1, wrong, c1 - c0, c2 - c1
 
     return run
 
@@ -123,45 +124,49 @@ def _raw_run(
     remove: Callable[[list[str]], None],
     size: int,
 ) -> Run:
-    def run(arrs: list[np.ndarray], rep: int) -> tuple[float, float, int]:
+    def run(arrs: list[np.ndarray], rep: int) -> tuple[float, float, int, float, float]:
         names = [f"raw:{size}:{rep}:{i}" for i in range(len(arrs))]
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         put(names, arrs)
-        t1 = time.perf_counter()
+        c1, t1 = time.process_time(), time.perf_counter()
         got = get(names, size)
-        t2 = time.perf_counter()
+        c2, t2 = time.process_time(), time.perf_counter()
         wrong = sum(1 for g, a in zip(got, arrs, strict=True) if len(g) != a.nbytes)
         del got
         remove(names)
-        return t1 - t0, t2 - t1, wrong
+        return t1 - t0, t2 - t1, wrong, c1 - c0, c2 - c1
 
     return run
 
 
 def _contest(
     runs: dict[str, Run], size: int, total: int, reps: int
-) -> tuple[dict[str, float], int, int]:
-    """Median put/get GB/s per contestant; the order rotates every round (drift)."""
+) -> tuple[dict[str, float], int, int, dict[str, float]]:
+    """Median put/get GB/s per contestant; the order rotates every round (drift). Also
+    the median process CPU per batch put and get, in ms (``NAME_put``, ``NAME_get``)."""
     n = max(1, total // size)
     arrs = _arrays(size, n)
     names = list(runs)
     puts: dict[str, list[float]] = {k: [] for k in names}
     gets: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {f"{k}_{op}": [] for k in names for op in ("put", "get")}
     wrong = 0
     for rep in range(reps * len(names)):
         order = names[rep % len(names) :] + names[: rep % len(names)]
         if rep // len(names) % 2:
             order.reverse()
         name = order[0]
-        p, g, w = runs[name](arrs, rep)
+        p, g, w, pc, gc = runs[name](arrs, rep)
         puts[name].append(p)
         gets[name].append(g)
+        cpu[f"{name}_put"].append(pc)
+        cpu[f"{name}_get"].append(gc)
         wrong += w
     gbps: dict[str, float] = {}
     for k in names:
         gbps[f"{k}_put_gbps"] = n * size / _median(puts[k]) / 1e9
         gbps[f"{k}_get_gbps"] = n * size / _median(gets[k]) / 1e9
-    return gbps, n, wrong
+    return gbps, n, wrong, {k: 1e3 * _median(v) for k, v in cpu.items()}
 
 
 def _redis_section(
@@ -200,7 +205,7 @@ def _redis_section(
                 "raw": _raw_run(raw_put, raw_get, raw_remove, size),
                 "unpacked": _raw_run(unpacked_put, raw_get, raw_remove, size),
             }
-            g, n, wrong = _contest(runs, size, total, reps)
+            g, n, wrong, _ = _contest(runs, size, total, reps)
             rows.append(
                 {
                     "size": size,
@@ -346,9 +351,10 @@ MOONCAKE_RAW_CALLS = {
     "known_checksum": "kvlife's store given each payload's checksum (hashed untimed), as "
     "the store's copy of a replica it verified or sealed gives it: no hash on the put "
     "(readers verify every byte as always)",
-    "kvlife": "store (xxh3-128 of each payload, computed while batch_put_from runs, then "
-    "the publish script) and read_batch into outs over the same reused buffer (batch_get_into, "
-    "every payload verified)",
+    "kvlife": "store (xxh3-128 of each payload and the publish calls, computed while "
+    "batch_put_from runs, then the publish scripts) and read_batch into outs over the same "
+    "reused buffer (batch_get_into per fetch group of about 8 MiB, one after the other, "
+    "started beside the MGET of the records this host holds; every payload verified)",
 }
 """What each Mooncake contestant calls (in the JSON beside the rows)."""
 
@@ -434,7 +440,7 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
                 ),
                 "raw_bytes": _raw_run(bytes_put, bytes_get, remove, size),
             }
-            g, n, wrong = _contest(runs, size, total, reps)
+            g, n, wrong, cpu = _contest(runs, size, total, reps)
             rows.append(
                 {
                     "size": size,
@@ -460,6 +466,9 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
                         "raw_get_gbps": g["raw_bytes_get_gbps"],
                         "put_ratio": g["kvlife_put_gbps"] / g["raw_bytes_put_gbps"],
                         "get_ratio": g["kvlife_get_gbps"] / g["raw_bytes_get_gbps"],
+                    },
+                    "cpu_ms": {
+                        k: cpu[k] for k in ("kvlife_put", "kvlife_get", "raw_put", "raw_get")
                     },
                 }
             )
@@ -557,6 +566,15 @@ def _table(result: dict[str, Any]) -> str:
                 f"({ba['put_ratio']:4.2f} / {ba['get_ratio']:4.2f})"
                 f"             {kc['kvlife_put_gbps']:6.2f} ({kc['put_ratio']:4.2f})"
             )
+    for r in mc.get("rows", []):
+        c, n = r["cpu_ms"], r["objects"]
+        lines.append(
+            f"mooncake  {r['size'] // KiB:6d}K   CPU per batch of {n} (this process, all"
+            f" threads): put {c['kvlife_put']:.1f} ms vs raw {c['raw_put']:.1f}, get"
+            f" {c['kvlife_get']:.1f} vs raw {c['raw_get']:.1f}; kvlife extra per chunk"
+            f" put {1e3 * (c['kvlife_put'] - c['raw_put']) / n:.0f} µs,"
+            f" get {1e3 * (c['kvlife_get'] - c['raw_get']) / n:.0f} µs"
+        )
     lines.append(format_machine(result["machine"]))
     lk = result["lookup"]
     lines.append(

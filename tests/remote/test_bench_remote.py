@@ -44,7 +44,9 @@ def test_bench_remote_quick_writes_its_json(tmp_path: Path) -> None:
         }
         assert mc["tier"]["corrupt"] == 0
     for r in mc.get("rows", []):
-        assert set(r) == row_keys | {"new_arrays", "bytes_api", "known_checksum"}
+        assert set(r) == row_keys | {"new_arrays", "bytes_api", "known_checksum", "cpu_ms"}
+        assert set(r["cpu_ms"]) == {"kvlife_put", "kvlife_get", "raw_put", "raw_get"}
+        assert all(v >= 0 for v in r["cpu_ms"].values())
         assert r["wrong"] == 0
         assert set(r["new_arrays"]) == {"kvlife_get_gbps", "raw_get_gbps", "get_ratio"}
         assert set(r["bytes_api"]) == {"raw_put_gbps", "raw_get_gbps", "put_ratio", "get_ratio"}

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,10 +23,11 @@ import xxhash
 
 from kvlife.core.errors import ChecksumMismatch, ReplicaNotFound, ReplicaReadError
 from kvlife.core.identity import ChunkKey
-from kvlife.globalindex import IndexConfig
+from kvlife.globalindex import IndexConfig, RemoteRecord
 from kvlife.tiers.base import ReplicaMeta
 from kvlife.tiers.mooncake import MooncakeConfig, MooncakeTier
 from kvlife.tiers.mooncake.server import MooncakeMaster, in_private_netns, netns_command
+from kvlife.tiers.mooncake.tier import _schedule
 from kvlife.tiers.redis import RedisEndpoint
 from kvlife.tiers.redis.server import RedisServer
 
@@ -301,5 +303,177 @@ def test_mooncake_takes_the_checksum_a_payload_is_known_by_or_checks_it(
         assert all(isinstance(g, np.ndarray) and np.array_equal(g, a) for g in got[:2])
         assert isinstance(got[2], ChecksumMismatch), "a wrong checksum taken as given is a miss"
         assert tier.details()["corrupt"] == 1
+    finally:
+        tier.close()
+
+
+def _corrupt(tier: MooncakeTier, key: ChunkKey, original: np.ndarray, at: int) -> None:
+    """Replace the Mooncake object behind ``key``'s record with a copy of ``original``
+    whose byte ``at`` is flipped: a real damaged object in the real store, under the
+    name the record gives (the record and its checksum are left as they were)."""
+    rec = tier._records([key])[0]
+    assert isinstance(rec, RemoteRecord) and rec.location
+    bad = original.reshape(-1).view(np.uint8).copy()
+    bad[at] ^= 0x5A
+    assert tier.mc.batch_remove([rec.location], True) == [0]
+    assert tier.mc.batch_put_from([rec.location], [bad.ctypes.data], [bad.nbytes]) == [0]
+    back = np.empty_like(bad)
+    assert tier.mc.batch_get_into([rec.location], [back.ctypes.data], [bad.nbytes]) == [bad.nbytes]
+    assert np.array_equal(back, bad)
+
+
+@pytest.mark.skipif(not in_private_netns(), reason="runs inside the private namespace")
+def test_mooncake_corrupt_byte_in_any_fetch_group_is_caught(
+    mooncake_master: MooncakeMaster, redis_server: RedisServer, index_ns: str
+) -> None:
+    """A 24 MiB read is fetched in groups (each its own ``batch_get_into``) and verified
+    group by group while the next is copied. One flipped byte in a real object of any
+    group (its first or last payload, at the payload's first, middle or last byte) is
+    a counted corrupt replica, never served; every other payload of the batch is read
+    exact. Both ways a read goes: fetched beside the record reads (this host holds the
+    records: ``_fetch_ahead``) and after them (another host that holds none)."""
+    writer = _tier(mooncake_master, redis_server, index_ns)
+    other = _tier(mooncake_master, redis_server, index_ns)
+    try:
+        arrs = _chunks(12, 1 << 20)  # 2 MiB each: three fetch groups of 8 MiB
+        keys = [k(200 + i) for i in range(12)]
+        metas = [
+            ReplicaMeta(key, "float16", a.shape, "exact", b"i")
+            for key, a in zip(keys, arrs, strict=True)
+        ]
+        groups = _schedule([a.nbytes for a in arrs])
+        assert len(groups) >= 3, groups
+        victims = sorted({i for g in groups for i in (g[0], g[-1])})
+        assert writer.store(metas, arrs)
+        size = arrs[0].nbytes
+        for n, victim in enumerate(victims):
+            at = (0, size // 2 + 7, size - 1)[n % 3]
+            _corrupt(writer, keys[victim], arrs[victim], at)
+            for reader, into in ((writer, True), (other, False), (writer, False), (other, True)):
+                before = reader.details()["corrupt"]
+                outs: list[np.ndarray | None] | None = (
+                    [np.empty_like(a) for a in arrs] if into else None
+                )
+                got = reader.read_batch(keys, outs)
+                for i, g in enumerate(got):
+                    if i == victim:
+                        assert isinstance(g, ChecksumMismatch), (victim, at, type(g))
+                    else:
+                        assert isinstance(g, np.ndarray) and np.array_equal(g, arrs[i]), (i, victim)
+                assert reader.details()["corrupt"] == before + 1
+            assert writer.store([metas[victim]], [arrs[victim]])  # whole again (a new object)
+            assert np.array_equal(writer.read(keys[victim]), arrs[victim])
+    finally:
+        other.close()
+        writer.close()
+
+
+@pytest.mark.skipif(not in_private_netns(), reason="runs inside the private namespace")
+def test_mooncake_read_fetched_ahead_follows_a_record_moved_to_another_object(
+    mooncake_master: MooncakeMaster, redis_server: RedisServer, index_ns: str
+) -> None:
+    """A host fetches the objects its held records name while it reads the records
+    again. Another host republishes the same bytes under new objects (and removes the
+    old ones): the read serves each payload from the object the record names now,
+    exact; republished with other bytes, the read is a miss (ReplicaNotFound) and
+    leaves nothing in flight."""
+    a = _tier(mooncake_master, redis_server, index_ns)
+    b = _tier(mooncake_master, redis_server, index_ns)
+    try:
+        arrs = _chunks(6, 1 << 21)  # 4 MiB each: a batch fetched in groups
+        keys = [k(300 + i) for i in range(6)]
+        metas = [
+            ReplicaMeta(key, "float16", x.shape, "exact", b"i")
+            for key, x in zip(keys, arrs, strict=True)
+        ]
+        assert a.store(metas, arrs)
+        old: list[str] = []
+        for key in keys:
+            rec = a._records([key])[0]
+            assert isinstance(rec, RemoteRecord)
+            old.append(rec.location)
+        assert b.store(metas[::2], arrs[::2])  # keys 0, 2, 4 now name b's objects
+        assert b.settle_removals(timeout_s=10.0) == 0
+        for i, key in enumerate(keys):
+            now = a._records([key])[0]
+            assert isinstance(now, RemoteRecord)
+            assert (now.location != old[i]) == (i % 2 == 0)
+            if i % 2 == 0:  # the object a's held record names is gone
+                assert a.mc.is_exist(old[i]) != 1
+        for outs in (None, [np.empty_like(x) for x in arrs]):
+            got = a.read_batch(keys, outs)
+            for g, x in zip(got, arrs, strict=True):
+                assert isinstance(g, np.ndarray) and np.array_equal(g, x)
+        d = a.details()
+        assert d["corrupt"] == 0 and d["read_misses"] == 0 and d["reread_ok"] == 0
+        other = [x + np.float16(1) for x in arrs]
+        assert b.store(metas[1:2], other[1:2])  # other bytes: not a's replica any more
+        with pytest.raises(ReplicaNotFound):
+            a.read_batch(keys, [np.empty_like(x) for x in arrs])
+        got = a.read_batch(keys[2:])
+        for g, x in zip(got, arrs[2:], strict=True):
+            assert isinstance(g, np.ndarray) and np.array_equal(g, x)
+    finally:
+        b.close()
+        a.close()
+
+
+@pytest.mark.skipif(not in_private_netns(), reason="runs inside the private namespace")
+def test_mooncake_reads_fetched_ahead_under_overwrites_serve_one_version_whole(
+    mooncake_master: MooncakeMaster, redis_server: RedisServer, index_ns: str
+) -> None:
+    """Batches large enough to be fetched ahead, read by two threads while this host
+    overwrites their keys with another version and back (new objects each time, the old
+    ones removed once their read lease lapses): every payload served is one version of
+    its key, whole; the rest are typed misses; nothing counted corrupt."""
+    tier = _tier(mooncake_master, redis_server, index_ns, read_lease_s=0.5)
+    try:
+        n = 6
+        versions = [_chunks(n, 1 << 21), [x + np.float16(1) for x in _chunks(n, 1 << 21)]]
+        keys = [k(400 + i) for i in range(n)]
+        metas = [
+            ReplicaMeta(key, "float16", x.shape, "exact", b"i")
+            for key, x in zip(keys, versions[0], strict=True)
+        ]
+        assert tier.store(metas, versions[0])
+        stop = time.monotonic() + 3.0
+        bad: list[str] = []
+        served = [0]
+
+        def reader(into: bool) -> None:
+            outs: list[np.ndarray | None] | None = (
+                [np.empty_like(x) for x in versions[0]] if into else None
+            )
+            while time.monotonic() < stop:
+                try:
+                    got = tier.read_batch(keys, outs)
+                except ReplicaNotFound:
+                    continue  # held record replaced meanwhile: a miss
+                for i, g in enumerate(got):
+                    if isinstance(g, np.ndarray):
+                        served[0] += 1
+                        if not any(np.array_equal(g, v[i]) for v in versions):
+                            bad.append(f"key {i}: bytes of no version")
+                    elif not isinstance(g, ReplicaReadError):
+                        bad.append(f"key {i}: {type(g).__name__}: {g}")
+
+        threads = [threading.Thread(target=reader, args=(into,)) for into in (True, False)]
+        for t in threads:
+            t.start()
+        turn = 0
+        try:
+            while time.monotonic() < stop:
+                turn += 1
+                pick = [i for i in range(n) if (i + turn) % 2]
+                # paced: an object read in the last 2 s (the master's read lease) keeps
+                # its memory, and the segment is 128 MiB
+                time.sleep(0.3)
+                tier.store([metas[i] for i in pick], [versions[turn % 2][i] for i in pick])
+        finally:
+            for t in threads:
+                t.join()
+        assert not bad, bad[:5]
+        assert served[0] > 0 and turn > 2
+        assert tier.details()["corrupt"] == 0
     finally:
         tier.close()

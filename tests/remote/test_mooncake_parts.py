@@ -10,20 +10,28 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlife.tiers.mooncake.tier import _destinations, _Doomed, _groups
+from kvlife.tiers.mooncake.tier import GROUP_BYTES, GROUP_MIN, _destinations, _Doomed, _schedule
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 1 << 22), max_size=40), st.integers(1, 1 << 23))
-def test_fetch_groups_cover_the_batch_in_order_and_stay_near_their_target(
-    sizes: list[int], target: int
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 1 << 24), max_size=300))
+def test_fetch_groups_cover_the_batch_in_order_each_about_a_group_of_bytes(
+    sizes: list[int],
 ) -> None:
-    groups = _groups(sizes, target)
+    groups = _schedule(sizes)
     assert [i for g in groups for i in g] == list(range(len(sizes)))
-    for g in groups:
-        assert g or not sizes  # only an empty batch has an empty group
+    assert all(groups) or not sizes  # only an empty batch has an empty group
+    total = sum(sizes)
+    if len(sizes) < 2 or total < 2 * GROUP_MIN:
+        assert len(groups) == 1
+        return
+    target = max(GROUP_MIN, min(GROUP_BYTES, total // 2))
+    for g, after in itertools.pairwise(groups):
+        held = sum(sizes[i] for i in g)
         if len(g) > 1:  # a group over its target is one payload that alone is over it
-            assert sum(sizes[i] for i in g) <= target
+            assert held <= target
+        assert held + sizes[after[0]] > target  # a group ends only where the next would not fit
+    assert len(groups) >= 2
 
 
 @settings(max_examples=200, deadline=None)

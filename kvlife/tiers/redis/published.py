@@ -29,7 +29,7 @@ import uuid
 from abc import abstractmethod
 from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from redis.exceptions import NoScriptError, RedisError
@@ -96,6 +96,30 @@ class RemoteCounters:
 
 FETCHES = 4
 """Fetches of one payload in one read, the first included (:meth:`PublishedTier._settle`)."""
+
+Payload = memoryview | bytes | Exception | None
+"""A fetched payload: its bytes (not verified yet), None (gone), an exception (I/O)."""
+
+
+class _NotFetched:
+    """The payload of a key was fetched from another object than its record names."""
+
+
+NOT_FETCHED = _NotFetched()
+
+
+class FetchAhead(Protocol):
+    """Payloads a tier started fetching before their records were read again
+    (:meth:`PublishedTier._fetch_ahead`)."""
+
+    def take(self, at: int, location: str) -> Payload | _NotFetched:
+        """The payload of ``keys[at]`` (waiting for it), or :data:`NOT_FETCHED` if it
+        was not fetched from ``location``. Called with ``at`` increasing."""
+        ...
+
+    def close(self) -> None:
+        """Wait for every fetch in flight (they write into the caller's buffers)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,6 +398,28 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
     ) -> list[ReadResult]:
         self.counters.reads += len(keys)
+        ahead = self._fetch_ahead(keys, outs)
+        try:
+            return self._read_batch(keys, outs, ahead)
+        finally:
+            if ahead is not None:
+                ahead.close()  # its fetches in flight write into ``outs``: wait for them
+
+    def _fetch_ahead(
+        self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None
+    ) -> FetchAhead | None:
+        """A tier may start fetching the payloads of the records it holds for ``keys``
+        while :meth:`read_batch` reads the records again; each payload is then served
+        only if the record read names the object it came from, and verified against that
+        record like any other (None: fetch after the records are read)."""
+        return None
+
+    def _read_batch(
+        self,
+        keys: Sequence[ChunkKey],
+        outs: Sequence[np.ndarray | None] | None,
+        ahead: FetchAhead | None,
+    ) -> list[ReadResult]:
         try:
             records = self._records(keys)
         except RemoteTierError as exc:
@@ -393,11 +439,11 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                         f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
                         f"{h.dtype}{list(h.shape)}"
                     )
-        good = [r for r in records if isinstance(r, RemoteRecord)]
+        good = [r for r in records if isinstance(r, RemoteRecord) and ahead is None]
         good_outs = [
             outs[i] if outs is not None else None
             for i, r in enumerate(records)
-            if isinstance(r, RemoteRecord)
+            if isinstance(r, RemoteRecord) and ahead is None
         ]
         stream = self._fetch_stream(good, good_outs)
         results: list[ReadResult] = []
@@ -407,8 +453,14 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                     self.counters.corrupt += 1
                     results.append(ChecksumMismatch(key.hex(), self.name, f"record: {rec}"))
                     continue
-                got = next(stream)
-                results.append(self._settle(key, rec, got, outs[i] if outs else None))
+                out = outs[i] if outs else None
+                if ahead is None:
+                    got = next(stream)
+                else:
+                    taken = ahead.take(i, rec.location)
+                    # the record names another object now: fetch that one
+                    got = self._fetch_one(rec, out) if isinstance(taken, _NotFetched) else taken
+                results.append(self._settle(key, rec, got, out))
         finally:
             stream.close()  # a tier fetching ahead waits for what it started
         return results
