@@ -18,9 +18,18 @@ _NUMPY_NAME = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "u
 """Storage dtype in numpy for KV dtypes numpy lacks (the bits are kept exactly)."""
 
 
+_NUMPY_DTYPES: dict[str, np.dtype[Any]] = {}
+
+
 def numpy_dtype(kv_dtype: str) -> np.dtype[Any]:
-    """The numpy dtype kvlife uses to hold ``kv_dtype``."""
-    return np.dtype(_NUMPY_NAME.get(kv_dtype, kv_dtype))
+    """The numpy dtype kvlife uses to hold ``kv_dtype`` (remembered by name: ``np.dtype``
+    of a name takes about 1 us, several times in every put, issue 28)."""
+    dtype = _NUMPY_DTYPES.get(kv_dtype)
+    if dtype is None:
+        dtype = np.dtype(_NUMPY_NAME.get(kv_dtype, kv_dtype))
+        if len(_NUMPY_DTYPES) < 256:  # the dtypes of KV: a handful
+            _NUMPY_DTYPES[kv_dtype] = dtype
+    return dtype
 
 
 def is_torch_tensor(obj: object) -> bool:

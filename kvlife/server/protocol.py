@@ -484,13 +484,29 @@ def decode_put_result(r: dict[str, Any]) -> PutResult:
     return PutResult(**{k: r[k] for k in _PUT_COUNTS}, keys=split_keys(r["keys"]))
 
 
+_NAMESPACES: dict[str, Namespace] = {}
+NAMESPACES_KEPT = 1024
+"""Namespaces decoded from text and kept (a namespace is immutable; parsing one hashes
+its encoding, about 40 us of a put on a slow CPU, issue 28). At most this many, each
+named by at most :data:`NAMESPACE_KEPT_CHARS` characters; the rest are decoded anew."""
+NAMESPACE_KEPT_CHARS = 256
+
+
 def decode_namespace(text: str) -> Namespace:
+    ns = _NAMESPACES.get(text)
+    if ns is not None:
+        return ns
     try:
-        return Namespace.parse(text)
+        ns = Namespace.parse(text)
     except InvalidArgument:
         raise
     except Exception as exc:
         raise InvalidArgument(f"bad namespace {text[:64]!r}: {exc}") from None
+    if len(text) <= NAMESPACE_KEPT_CHARS:
+        if len(_NAMESPACES) >= NAMESPACES_KEPT:
+            _NAMESPACES.clear()  # whoever names many namespaces decodes them anew
+        _NAMESPACES[text] = ns
+    return ns
 
 
 # ---------------------------------------------------------------------- framing

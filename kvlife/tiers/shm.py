@@ -460,26 +460,22 @@ class ShmTier(HeldTier[_Held]):
         try:
             check_payloads(reservation.metas, payloads)
             homes = [self._home(meta) for meta in reservation.metas]
-            arrays = [
+            # each replica's extent: (array, arena, offset); a copy its home arena had
+            # no room for went to the tier's own (overflow)
+            placed = [
                 self._into_arena(arena, arr) for arena, arr in zip(homes, payloads, strict=True)
-            ]
-            # a copy its home arena had no room for went to the tier's own (overflow)
-            homes = [
-                home if home.offset_of(arr) is not None else self.arena
-                for home, arr in zip(homes, arrays, strict=True)
             ]
             # sealed as published (the xxh3-128 of the extent's bytes, or the checksum
             # the store vouches for); kept as a read-only export of the extent
             seals = [
-                self._seal(meta, arr) for meta, arr in zip(reservation.metas, arrays, strict=True)
+                self._seal(meta, arr)
+                for meta, (arr, _, _) in zip(reservation.metas, placed, strict=True)
             ]
         except BaseException:
             self.cancel_store(reservation)
             raise
         held = []
-        for meta, arr, seal, arena in zip(reservation.metas, arrays, seals, homes, strict=True):
-            off = arena.offset_of(arr)
-            assert off is not None  # _into_arena: every replica is an extent
+        for meta, (arr, arena, off), seal in zip(reservation.metas, placed, seals, strict=True):
             sealed = sealed_meta(meta, seal)
             held.append(_Held(sealed, read_only(arr), (off, arena.generation(off)), arena))
         self._install(reservation, held)
@@ -492,10 +488,13 @@ class ShmTier(HeldTier[_Held]):
         home = self.home(meta) if self.home is not None else None
         return home if home is not None else self.arena
 
-    def _into_arena(self, arena: Arena, arr: np.ndarray) -> np.ndarray:
-        if arena.offset_of(arr) is not None and not arr.flags.writeable:
+    def _into_arena(self, arena: Arena, arr: np.ndarray) -> tuple[np.ndarray, Arena, int]:
+        """The replica's extent holding ``arr``: the array, its arena and its offset
+        there (``arr`` itself where it is a sealed extent of ``arena``, else a copy)."""
+        off = arena.offset_of(arr)
+        if off is not None and not arr.flags.writeable:
             self.adopted += 1  # a sealed extent (a put a client wrote): no copy
-            return arr
+            return arr, arena, off
         dst = arena.alloc(arr.nbytes, arr.dtype, arr.shape)
         if dst is None and arena is not self.arena:
             # a tenant's arena is full: the tier's own, which no client maps, holds it
@@ -510,7 +509,9 @@ class ShmTier(HeldTier[_Held]):
             )
         np.copyto(dst, arr)
         dst.flags.writeable = False
-        return dst
+        at = arena.offset_of(dst)
+        assert at is not None  # an extent of the arena it was allocated in
+        return dst, arena, at
 
     def hint(self, key: ChunkKey, arena: Arena | None = None) -> tuple[int, int] | None:
         """Where the replica of ``key`` lies now in ``arena`` (default: the tier's own):

@@ -348,3 +348,112 @@ def test_the_commit_hashes_a_chunk_the_notices_stopped_in_from_where_they_stoppe
     report = remote.check()
     assert not report.clean
     assert len(report.problems) == 1 and "after it was sealed" in report.problems[0]
+
+
+def test_a_client_killed_between_its_deferred_put_and_the_commit_leaves_nothing(
+    server: ServerProc,
+) -> None:
+    """The client sent its deferred ``put`` and a ``put_written``, then died while
+    copying the next chunk: the server aborts the put with the session. None of its
+    chunks is visible, none is TENTATIVE, and every extent it took (the put's, those
+    staged for it and their replacements) is back in the arena."""
+    code = (
+        "import sys, numpy as np; from kvlife.client import RemoteStore\n"
+        "import kvlife.client.puts as cp\n"
+        "from kvlife.core.identity import PUBLIC\n"
+        "from tests.conftest import prompt_kv, tiny_identity, TINY\n"
+        "r = RemoteStore(sys.argv[1]); n = 3 * TINY.tokens_per_chunk\n"
+        "r.put_prompt(tiny_identity(), PUBLIC, *prompt_kv(52, n))  # stages 3 extents\n"
+        "r._puts.notice_bytes = 1; cp.NOTICES_PER_PUT = 1 << 30  # a notice per row\n"
+        "calls = []\n"
+        "class Numpy:\n"
+        "    def __getattr__(self, name): return getattr(np, name)\n"
+        "    @staticmethod\n"
+        "    def copyto(dst, src):\n"
+        "        calls.append(1)\n"
+        "        if len(calls) == 3:  # the put and a notice went out before\n"
+        "            print('copying', flush=True); sys.stdin.read()\n"
+        "        np.copyto(dst, src)\n"
+        "cp.np = Numpy()\n"
+        "r.put_prompt(tiny_identity(), PUBLIC, *prompt_kv(53, n))\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(server.socket)],
+        cwd=ROOT,
+        env=child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == b"copying"
+    watcher = server.client()
+    try:
+        before = quiet(watcher, sessions=2)
+        assert before["tentative"] == 3, "the deferred put was prepared"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        state = quiet(watcher, sessions=1)
+        assert state["staged"] == 0 and state["tentative"] == 0 and state["puts"] == 0
+        assert state["shm_replicas"] == 3  # the first put's chunks only
+        assert state["arena_extents"] == state["shm_replicas"]
+        tokens, _ = prompt_kv(53, 3 * N)
+        assert watcher.lookup(tiny_identity(), PUBLIC, tokens).hits == []
+    finally:
+        watcher.close()
+
+
+def test_an_invalidation_while_a_deferred_put_is_copied_stores_none_of_it(
+    server: ServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another client invalidates the namespace while this one copies the chunks of its
+    deferred put (after the ``put`` and a ``put_written`` were taken): the commit stores
+    none of them (an invalidation covers a put in flight), nothing of it is visible,
+    the extents of its new chunks are given back (never staged again, never replicas),
+    and the next puts go on the staged path with exact bytes."""
+    import kvlife.client.puts as client_puts
+
+    remote, other = server.client(), server.client()
+    try:
+        monkeypatch.setattr(remote._puts, "notice_bytes", 1)
+        monkeypatch.setattr(client_puts, "NOTICES_PER_PUT", 1 << 30)  # a notice per row
+        ident = tiny_identity()
+        remote.put_prompt(ident, PUBLIC, *prompt_kv(90, 3 * N))  # stages 3 extents
+        wire = remote._wire
+        real = np.copyto
+        calls: list[int] = []
+
+        class Numpy:
+            """numpy for client/puts.py: once its put and a notice were taken (a request
+            with a reply on the same connection: the server answers in order), the other
+            client invalidates the namespace, then the copy goes on."""
+
+            def __getattr__(self, name: str) -> object:
+                return getattr(np, name)
+
+            @staticmethod
+            def copyto(dst: np.ndarray, src: np.ndarray) -> None:
+                calls.append(1)
+                if len(calls) == 3:
+                    conn = wire.conn
+                    assert conn is not None
+                    assert wire.roundtrip(conn, "state", {})["tentative"] == 3
+                    other.invalidate(namespace=PUBLIC)
+                real(dst, src)
+
+        monkeypatch.setattr(client_puts, "np", Numpy())
+        tokens, kv = prompt_kv(91, 3 * N)
+        res = remote.put_prompt(ident, PUBLIC, tokens, kv)
+        monkeypatch.setattr(client_puts, "np", np)
+        assert len(calls) > 3, "the staged path"
+        assert res.stored == 0 and res.tokens_stored_or_present == 0
+        assert remote.lookup(ident, PUBLIC, tokens).hits == []
+        state = quiet(other, sessions=2)
+        assert state["tentative"] == 0 and state["shm_replicas"] == 0
+        assert state["arena_extents"] == state["staged"] == 3, "replacements, no leak"
+        t2, kv2 = prompt_kv(92, 3 * N)
+        assert remote.put_prompt(ident, PUBLIC, t2, kv2).stored == 3
+        _chunks_equal(remote, t2, kv2, 3)
+        assert remote.check().clean
+    finally:
+        remote.close()
+        other.close()
