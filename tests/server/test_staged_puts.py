@@ -116,6 +116,21 @@ def test_a_put_naming_extents_it_was_not_given_is_a_typed_error(remote: RemoteSt
     assert remote.lookup(tiny_identity(), PUBLIC, prompt_kv(43, 2 * N)[0]).hits == []
 
 
+def client_process(server: ServerProc, code: str, ready: bytes) -> subprocess.Popen[bytes]:
+    """A client process running ``code`` against the server, once it printed ``ready``
+    (it then waits on its stdin, to be killed where it stands)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(server.socket)],
+        cwd=ROOT,
+        env=child_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == ready
+    return child
+
+
 def test_a_killed_client_leaves_no_staged_extent(server: ServerProc) -> None:
     code = (
         "import sys; from kvlife.client import RemoteStore\n"
@@ -125,15 +140,7 @@ def test_a_killed_client_leaves_no_staged_extent(server: ServerProc) -> None:
         "r.put_prompt(tiny_identity(), PUBLIC, t, kv)\n"
         "print('staged', flush=True); sys.stdin.read()\n"
     )
-    child = subprocess.Popen(
-        [sys.executable, "-c", code, str(server.socket)],
-        cwd=ROOT,
-        env=child_env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    assert child.stdout is not None
-    assert child.stdout.readline().strip() == b"staged"
+    child = client_process(server, code, b"staged")
     watcher = server.client()
     try:
         assert quiet(watcher, sessions=2)["staged"] == 2
@@ -377,15 +384,7 @@ def test_a_client_killed_between_its_deferred_put_and_the_commit_leaves_nothing(
         "cp.np = Numpy()\n"
         "r.put_prompt(tiny_identity(), PUBLIC, *prompt_kv(53, n))\n"
     )
-    child = subprocess.Popen(
-        [sys.executable, "-c", code, str(server.socket)],
-        cwd=ROOT,
-        env=child_env(),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    assert child.stdout is not None
-    assert child.stdout.readline().strip() == b"copying"
+    child = client_process(server, code, b"copying")
     watcher = server.client()
     try:
         before = quiet(watcher, sessions=2)
