@@ -99,6 +99,7 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
             admission.predictor if isinstance(admission, PredictorAdmission) else None
         )
         self._batched = type(admission) is PredictorAdmission or admission is None
+        """The admission's calls can be made per batch (the predictor's sums, or none)."""
         pred = self.predictor
         self._admits_by_sums = pred is not None and self._batched
         """The reuse predictor's admission, told per batch: :meth:`_admit_tail` decides a
@@ -117,7 +118,6 @@ class PrefixTreePolicy(EvictionPolicy[K], LearnsFromPrompts):
         if self._shared:
             assert pred is not None
             pred.share_ghost(cast("dict[Hashable, int]", self._cls))
-        """The admission's calls can be made per batch (the predictor's sums, or none)."""
         self._batch_evict = self._batched and type(self)._drop is PrefixTreePolicy._drop
         """Victims may be taken and dropped as a batch (:meth:`_evict_batch`)."""
         self._tree = not self._batch_evict

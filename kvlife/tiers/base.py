@@ -37,6 +37,7 @@ import xxhash
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaReadError
 from kvlife.core.identity import ChunkKey
 from kvlife.core.objects import TierName
+from kvlife.core.payload import numpy_dtype
 
 if TYPE_CHECKING:
     from kvlife.core.objects import EpochStamp
@@ -99,7 +100,7 @@ class ReplicaMeta:
 
     @property
     def nbytes(self) -> int:
-        n = _itemsize(self.dtype)
+        n = numpy_dtype(self.dtype).itemsize
         for d in self.shape:
             n *= d
         return n
@@ -481,18 +482,6 @@ def sealed_meta(meta: ReplicaMeta, seal: bytes) -> ReplicaMeta:
 
 
 _DTYPE_NAMES: dict[np.dtype[Any], str] = {}
-_ITEMSIZES: dict[str, int] = {}
-
-
-def _itemsize(dtype: str) -> int:
-    """``np.dtype(dtype).itemsize``, remembered by name (``np.dtype`` of a name takes
-    about 1 us: several times per chunk of every DRAM put, issue 28)."""
-    size = _ITEMSIZES.get(dtype)
-    if size is None:
-        size = np.dtype(dtype).itemsize
-        if len(_ITEMSIZES) < 256:  # the dtypes of KV: a handful
-            _ITEMSIZES[dtype] = size
-    return size
 
 
 def dtype_name(dtype: np.dtype[Any]) -> str:
