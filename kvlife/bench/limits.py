@@ -2,7 +2,9 @@
 
 Raw sequential writes and reads of a batch of objects (O_DIRECT where the directory
 allows it), ``np.copyto`` into warm buffers, and copies into freshly allocated arrays
-(the first-touch page faults any allocating path pays). Used by ``kvlife bench io``,
+(the first-touch page faults any allocating path pays), and the same copies sealed
+(xxh3-128) on one thread or with the hash on a second thread (:func:`sealed_copy`,
+:class:`SplitSealer`: the ceilings of a verified put). Used by ``kvlife bench io``,
 ``kvlife bench ttft`` and ``kvlife bench server``.
 
 :func:`machine_figures` measures the machine itself, the same way in every benchmark
@@ -75,6 +77,71 @@ def memcpy(dst: Sequence[np.ndarray], src: Sequence[np.ndarray]) -> float:
     for d, s in zip(dst, src, strict=True):
         np.copyto(d, s)
     return time.perf_counter() - t0
+
+
+def sealed_copy(dst: Sequence[np.ndarray], src: Sequence[np.ndarray]) -> float:
+    """Seconds to copy each source object into its (warm) destination and take the
+    destination's seal (xxh3-128, :func:`~kvlife.tiers.base.seal_of`) on this thread:
+    the least a verified put does on one CPU with a copy and a hash call."""
+    from kvlife.tiers.base import seal_of
+
+    t0 = time.perf_counter()
+    for d, s in zip(dst, src, strict=True):
+        np.copyto(d, s)
+        seal_of(d)
+    return time.perf_counter() - t0
+
+
+class SplitSealer:
+    """A second thread that hashes what this one copied, piece by piece (the hash call
+    releases the interpreter lock): :meth:`copy` is a verified put's copy and seal with
+    both overlapped on two CPUs, the way a served put splits them (the client copies,
+    the server hashes each MiB it is told is written), without any of the put's
+    bookkeeping. Use as a context manager; the thread lives across calls."""
+
+    def __init__(self, piece_bytes: int = 1 << 20) -> None:
+        import queue
+
+        self.piece_bytes = piece_bytes
+        self._todo: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="split-sealer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import xxhash
+
+        while (piece := self._todo.get()) is not None:
+            xxhash.xxh3_128_digest(piece)
+            self._done.put(len(piece))
+
+    def copy(self, dst: Sequence[np.ndarray], src: Sequence[np.ndarray]) -> float:
+        """Seconds until every byte of ``src`` is copied into ``dst`` and hashed."""
+        pieces = 0
+        t0 = time.perf_counter()
+        for d, s in zip(dst, src, strict=True):
+            if not d.flags.c_contiguous:
+                raise ValueError("SplitSealer copies into C-contiguous destinations only")
+            flat_d = d.reshape(-1).view(np.uint8)
+            flat_s = s.reshape(-1).view(np.uint8)
+            for off in range(0, flat_d.nbytes, self.piece_bytes):
+                end = off + self.piece_bytes
+                np.copyto(flat_d[off:end], flat_s[off:end])
+                self._todo.put(flat_d[off:end].data)
+                pieces += 1
+        for _ in range(pieces):
+            self._done.get()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self._todo.put(None)
+        self._thread.join()
+
+    def __enter__(self) -> SplitSealer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def alloc_copy(src: Sequence[np.ndarray]) -> float:

@@ -91,6 +91,12 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     for p in r["put_dram"]:  # the same puts into an in-process store, beside
         assert p["inproc_gbps"] > 0
         assert abs(p["ratio_inproc"] - p["inproc_gbps"] / p["memcpy_gbps"]) < 1e-9
+        # the verified put's ceilings: a copy and its seal, one thread or two
+        assert p["sealed_gbps"] > 0 and p["split_gbps"] > 0
+        assert abs(p["ratio_sealed"] - p["sealed_gbps"] / p["memcpy_gbps"]) < 1e-9
+    assert "ceiling: copy + seal, one thread" in proc.stdout
+    for p in r["put_write_through"]:  # no ceilings of a DRAM put there
+        assert "sealed_gbps" not in p
     assert isinstance(r["shm_huge_pages"], bool)
     assert {"shm_dir", "server_cpus", "client_cpus"} <= set(r["config"])
     names = {t["name"] for t in r["targets"]}

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.bench.limits import memcpy, raw_write
+from kvlife.bench.limits import SplitSealer, memcpy, raw_write, sealed_copy
 from kvlife.bench.server.config import ServerBenchConfig
 from kvlife.bench.server.servers import direct_ok
 from kvlife.bench.server.workload import (
@@ -39,64 +39,82 @@ def bench_put(
     same bytes plus fdatasync. ``embedded``: the same puts into an in-process store too
     (what the store core costs without the server). DRAM puts are timed once more
     without ``put_written`` notices (``unnoticed``: the server hashes every chunk at the
-    commit, as before issue 28), interleaved, to show what the notices gain."""
+    commit, as before issue 28), interleaved, to show what the notices gain; and beside
+    them the two ceilings of a verified put with no bookkeeping at all: the copy and its
+    seal on one thread (``sealed``: what an in-process put cannot beat) and with the seal
+    on a second thread, MiB by MiB (``split``: what the served put, the client copying
+    while the server hashes, cannot beat)."""
     layout = chunk_layout(size)
     ident = bench_identity(layout)
     n = cfg.chunks_per_call
     dsts = out_buffers(layout, n)
     direct = raw_dir is not None and direct_ok(raw_dir)
     served, limit, inproc, unnoticed = [], [], [], []
-    for rep in range(cfg.reps + 1):
-        tokens, kv = prompt(layout, n, seed * 1000 + rep)
-        chunks = split_chunks(kv, layout, n)
-        src = [aligned_copy(c) for c in chunks] if raw_dir is not None else chunks
+    sealed: list[float] = []
+    split: list[float] = []
+    sealer = SplitSealer() if raw_dir is None else None
+    try:
+        for rep in range(cfg.reps + 1):
+            tokens, kv = prompt(layout, n, seed * 1000 + rep)
+            chunks = split_chunks(kv, layout, n)
+            src = [aligned_copy(c) for c in chunks] if raw_dir is not None else chunks
 
-        def limit_once(src: list[np.ndarray] = src, chunks: list[np.ndarray] = chunks) -> float:
-            if raw_dir is not None:  # O_DIRECT needs aligned memory
-                return raw_write(raw_dir / "raw-put", src, direct)
-            return memcpy(dsts, chunks)
+            def limit_once(src: list[np.ndarray] = src, chunks: list[np.ndarray] = chunks) -> float:
+                if raw_dir is not None:  # O_DIRECT needs aligned memory
+                    return raw_write(raw_dir / "raw-put", src, direct)
+                return memcpy(dsts, chunks)
 
-        def put_once(
-            notices: bool, tokens: list[int] = tokens, chunks: list[np.ndarray] = chunks
-        ) -> float:
-            least = remote._puts.notice_bytes
-            if not notices:  # the commit hashes every chunk, as before issue 28
-                remote._puts.notice_bytes = 0
-            try:
+            def put_once(
+                notices: bool, tokens: list[int] = tokens, chunks: list[np.ndarray] = chunks
+            ) -> float:
+                least = remote._puts.notice_bytes
+                if not notices:  # the commit hashes every chunk, as before issue 28
+                    remote._puts.notice_bytes = 0
+                try:
+                    t0 = time.perf_counter()
+                    res = remote.put_prompt(ident, NS, tokens, chunks)
+                    took = time.perf_counter() - t0
+                finally:
+                    remote._puts.notice_bytes = least
+                if res.stored != n:
+                    raise RuntimeError(f"put stored {res.stored} of {n} chunks")
+                remote.invalidate(namespace=NS)
+                return took
+
+            # the order alternates, so that neither side always finds the source in cache
+            t_lim = limit_once() if rep % 2 else 0.0
+            if raw_dir is None and rep % 2:  # DRAM: the same put without put_written too
+                unnoticed.append(put_once(False))
+            t = put_once(True)
+            if raw_dir is None and not rep % 2:
+                unnoticed.append(put_once(False))
+            if not rep % 2:
+                t_lim = limit_once()
+            if embedded is not None:
                 t0 = time.perf_counter()
-                res = remote.put_prompt(ident, NS, tokens, chunks)
-                took = time.perf_counter() - t0
-            finally:
-                remote._puts.notice_bytes = least
-            if res.stored != n:
-                raise RuntimeError(f"put stored {res.stored} of {n} chunks")
-            remote.invalidate(namespace=NS)
-            return took
-
-        # the order alternates, so that neither side always finds the source in cache
-        t_lim = limit_once() if rep % 2 else 0.0
-        if raw_dir is None and rep % 2:  # DRAM: the same put without put_written too
-            unnoticed.append(put_once(False))
-        t = put_once(True)
-        if raw_dir is None and not rep % 2:
-            unnoticed.append(put_once(False))
-        if not rep % 2:
-            t_lim = limit_once()
-        if embedded is not None:
-            t0 = time.perf_counter()
-            mine = embedded.put_prompt(ident, NS, tokens, chunks)
-            inproc.append(time.perf_counter() - t0)
-            if mine.stored != n:
-                raise RuntimeError(f"in-process put stored {mine.stored} of {n} chunks")
-            embedded.invalidate(namespace=NS)
-        if rep:
-            served.append(t)
-            limit.append(t_lim)
+                mine = embedded.put_prompt(ident, NS, tokens, chunks)
+                inproc.append(time.perf_counter() - t0)
+                if mine.stored != n:
+                    raise RuntimeError(f"in-process put stored {mine.stored} of {n} chunks")
+                embedded.invalidate(namespace=NS)
+            if sealer is not None:  # the ceilings, on the same (warm) sources
+                t_sealed, t_split = sealed_copy(dsts, chunks), sealer.copy(dsts, chunks)
+                if rep:
+                    sealed.append(t_sealed)
+                    split.append(t_split)
+            if rep:
+                served.append(t)
+                limit.append(t_lim)
+    finally:
+        if sealer is not None:
+            sealer.close()
     if raw_dir is not None:
         (raw_dir / "raw-put").unlink(missing_ok=True)
     others = {"inproc": inproc[1:]} if inproc else {}  # the first is a warm-up
     if unnoticed:
         others["unnoticed"] = unnoticed[1:]
+    if sealed:
+        others |= {"sealed": sealed, "split": split}
     out = point(layout, n, served, limit, raw=raw_dir is not None, **others)
     if raw_dir is not None:
         out["direct_io"] = direct

@@ -58,6 +58,21 @@ def format_report(r: dict[str, Any]) -> str:
                         f"{p['ratio_inproc']:.2f}",
                     ]
                 )
+            for extra, label in (
+                ("sealed", "ceiling: copy + seal, one thread"),
+                ("split", "ceiling: copy, seal on a 2nd thread"),
+            ):
+                if f"{extra}_gbps" in p:
+                    rows.append(
+                        [
+                            f"{key} ({label})",
+                            f"{p['chunk_bytes'] >> 10} KiB",
+                            f"{p[f'{extra}_gbps']:.2f}",
+                            f"{p[f'{limit}_gbps']:.2f}",
+                            limit,
+                            f"{p[f'ratio_{extra}']:.2f}",
+                        ]
+                    )
             if "unnoticed_gbps" in p:
                 rows.append(
                     [
