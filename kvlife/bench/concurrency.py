@@ -42,10 +42,11 @@ same store (loads) with the same block size:
 
 ``load_vs_raw_paired`` is the median of the rounds' loads ÷ raw: **the same ratio as
 ``load_vs_raw``, and the target's**, measured so that the device's swings hit both
-sides alike. ``load_vs_raw_writer_paired`` (loads ÷ raw+writer) and ``paired
-.raw_writer_vs_raw`` (raw+writer ÷ raw) do not replace it: they say how much of a miss
-the write load explains (what the device loses to it, against what the loads lose).
-The raw writer reproduces the writer's frame bytes, not its SQLite commits.
+sides alike. ``load_vs_raw_writer_paired`` (loads ÷ raw+writer) and
+``raw_writer_vs_raw`` in ``paired`` (raw+writer ÷ raw) do not replace it: they say how
+much of a miss the write load explains (what the device loses to it, against what the
+loads lose). The raw writer reproduces the writer's frame bytes, not its SQLite
+commits, nor its CPU (the put's, and the bench's drawing of each prompt's KV values).
 
 Targets (issue 8): aggregate load >= 0.85x raw (alone) at the same queue depth; lookup
 P99 with I/O in flight <= 2x its idle P99. A benchmark, not a test: it prints a table
