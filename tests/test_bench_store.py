@@ -42,6 +42,19 @@ def test_bench_concurrency_quick_writes_its_json(
         assert cpu["cpus"] == doc["cpus"] >= 1
     assert doc["cpus_available"] > 0 and doc["hash_us_per_chunk"] > 0
     assert "CPU ceiling" in printed
+    for p in doc["points"]:  # the paired rounds: raw alone, loads, raw beside a raw writer
+        pp = p["paired"]
+        assert pp["threads"] == p["threads"] and pp["errors"] == [], pp["errors"]
+        assert pp["rounds"] == doc["config"]["rounds"] >= 1
+        for k in ("load_gbps", "raw_gbps", "raw_writer_gbps", "writer_bps", "raw_writer_bps"):
+            assert len(pp[k]) == pp["rounds"], k
+        assert all(x > 0 for x in pp["load_gbps"] + pp["raw_gbps"] + pp["raw_writer_gbps"])
+        assert len(set(pp["order"])) == min(2, pp["rounds"])  # the order alternates
+        ratios = [a / b for a, b in zip(pp["load_gbps"], pp["raw_gbps"], strict=True)]
+        assert min(ratios) <= p["load_vs_raw_paired"] == pp["load_vs_raw"] <= max(ratios)
+        assert p["load_vs_raw_writer_paired"] == pp["load_vs_raw_writer"] > 0
+        assert p["disk_bytes_written"] >= 0
+    assert "paired: vs raw / vs raw+writer" in printed
     assert {1, 2} <= {p["queue_depth"] for p in doc["raw"]["points"]}
     audit = doc["audit"]
     assert audit["errors"] == [], audit["errors"]
@@ -51,8 +64,21 @@ def test_bench_concurrency_quick_writes_its_json(
 
 
 def test_bench_concurrency_without_writer_runs(tmp_path: Path) -> None:
-    argv = ["--quick", "--no-writer", "--threads", "1", "--dir", str(tmp_path)]
+    out = tmp_path / "c.json"
+    argv = ["--quick", "--no-writer", "--threads", "1", "--dir", str(tmp_path), "--json", str(out)]
     assert concurrency.main(argv) == 0
+    (p,) = json.loads(out.read_text())["points"]
+    assert p["demotions"] == 0 and p["disk_bytes_written"] == 0
+    pp = p["paired"]  # no store writer: no raw writer either, raw alone is the limit
+    assert pp["writer_bps"] == pp["raw_writer_bps"] == [0.0] * pp["rounds"]
+    assert pp["raw_writer_gbps"] == pp["raw_gbps"]
+    assert p["load_vs_raw_writer_paired"] == p["load_vs_raw_paired"]
+
+
+def test_bench_concurrency_rejects_bad_rounds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert concurrency.main(["--quick", "--rounds", "-1"]) == 2
+    assert concurrency.main(["--quick", "--slice", "0"]) == 2
+    assert "--rounds" in capsys.readouterr().err
 
 
 def test_bench_async_quick_writes_its_json(tmp_path: Path) -> None:

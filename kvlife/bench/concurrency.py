@@ -25,14 +25,38 @@ chunk, and the ceiling they imply: the ratio to raw that no verified load could 
 this machine's CPUs (:func:`kvlife.bench.limits.cpu_ceiling`), so that a miss can be
 told apart from a limit of the machine.
 
-Targets (issue 8): aggregate load >= 0.85x raw at the same queue depth; lookup P99 with
-I/O in flight <= 2x its idle P99. A benchmark, not a test: it prints a table and writes
-JSON; nothing here asserts speed.
+Paired rounds (issue 28). The point above measures the loads for ``seconds`` and raw
+reads once, afterwards, apart from them; on a virtual disk whose read speed swings from
+one second to the next that ratio follows the swings. So each thread count is also
+measured in ``rounds`` rounds (:class:`PairedPoint`, ``points[].paired``), each three
+slices of ``slice_seconds`` in alternating order (even rounds raw, loads, raw+writer;
+odd rounds loads, raw+writer, raw), all reading the same prepared file (raw) or the
+same store (loads) with the same block size:
+
+- ``raw``: raw reads at queue depth T alone (:class:`~kvlife.bench.concurrency_raw.RawFile`);
+- ``loads``: the loads of the point above (T readers, the writer demoting, the probe);
+- ``raw+writer``: raw reads at queue depth T beside a raw writer (O_DIRECT ``pwrite``
+  of the same block size and ``fdatasync``, same directory) paced at the bytes/s the
+  store's writer wrote to the disk tier in that round's loads slice: the device's read
+  limit under the same write load.
+
+``load_vs_raw_paired`` is the median of the rounds' loads ÷ raw: **the same ratio as
+``load_vs_raw``, and the target's**, measured so that the device's swings hit both
+sides alike. ``load_vs_raw_writer_paired`` (loads ÷ raw+writer) and
+``raw_writer_vs_raw`` in ``paired`` (raw+writer ÷ raw) do not replace it: they say how
+much of a miss the write load explains (what the device loses to it, against what the
+loads lose). The raw writer reproduces the writer's frame bytes, not its SQLite
+commits, nor its CPU (the put's, and the bench's drawing of each prompt's KV values).
+
+Targets (issue 8): aggregate load >= 0.85x raw (alone) at the same queue depth; lookup
+P99 with I/O in flight <= 2x its idle P99. A benchmark, not a test: it prints a table
+and writes JSON; nothing here asserts speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -44,7 +68,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvlife.bench.concurrency_raw import RawReadPoint, measure_raw_concurrency
+from kvlife.bench.concurrency_raw import RawFile, RawReadPoint, measure_raw_concurrency
 from kvlife.bench.limits import (
     CpuTimes,
     cpu_ceiling,
@@ -60,7 +84,7 @@ from kvlife.bench.limits import (
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
 from kvlife.report import format_table
 from kvlife.store import KVStore
-from kvlife.tiers.buffers import aligned_empty
+from kvlife.tiers.buffers import aligned_empty, prefault
 
 MiB = 1 << 20
 LOAD_TARGET = 0.85
@@ -86,6 +110,11 @@ class ConcurrencyConfig:
     """Where the store and the raw file live (default: the current directory)."""
     quick: bool = False
     """Tiny sizes (tests): the machine figures move an eighth of their bytes too."""
+    rounds: int = 4
+    """Paired rounds per thread count: each a slice of raw reads, one of the loads (with
+    the writer) and one of raw reads beside a raw writer, in alternating order."""
+    slice_seconds: float = 0.4
+    """Time of each paired slice."""
 
 
 @dataclass(slots=True)
@@ -105,6 +134,17 @@ class ConcurrencyPoint:
     raw_gbps_same_qd: float = float("nan")
     load_vs_raw: float = float("nan")
     lookup_p99_vs_idle: float = float("nan")
+    disk_bytes_written: int = 0
+    """Bytes the writer's demotions wrote to the disk tier (frames) meanwhile."""
+    load_vs_raw_paired: float = float("nan")
+    """The same ratio as ``load_vs_raw``, measured paired: the median over the rounds of
+    ``paired`` of each round's loads ÷ the raw reads of the same round."""
+    load_vs_raw_writer_paired: float = float("nan")
+    """Median over the rounds of the loads ÷ raw reads at the same queue depth with a
+    raw writer beside them writing at the bytes/s the store's writer wrote in that
+    round's slice of loads (the device's read limit under the same write load)."""
+    paired: dict[str, object] = field(default_factory=dict)
+    """The paired rounds (:class:`PairedPoint`)."""
     cpu: dict[str, float] = field(default_factory=dict)
     """The CPU budget of the point (:func:`_cpu_budget`; README "Concurrency"):
     ``loads_*`` and ``raw_*`` (``user_us_per_chunk``, ``system_us_per_chunk``,
@@ -112,6 +152,35 @@ class ConcurrencyPoint:
     probe's own CPU seconds, left out of ``loads_*``), ``hash_us_per_chunk``, ``cpus``,
     ``ceiling``, ``ceiling_same_cpu``, ``ceiling_available``, ``raw_busy_cpus``,
     ``loads_allow`` and ``load_vs_ceiling``."""
+
+
+@dataclass(slots=True)
+class PairedPoint:
+    """One thread count measured in rounds of three short slices, alternating: raw reads
+    at queue depth T alone, the loads from T threads (with the writer and the probe, as
+    in :class:`ConcurrencyPoint`), raw reads at queue depth T beside a raw writer paced
+    at the bytes/s the store's writer wrote in the same round's loads slice. Each list
+    has one value per round; the ratios are medians of the per-round ratios."""
+
+    threads: int
+    rounds: int
+    slice_seconds: float
+    order: list[str]
+    """Each round's order of its slices (``raw``, ``loads``, ``raw+writer``)."""
+    load_gbps: list[float]
+    raw_gbps: list[float]
+    raw_writer_gbps: list[float]
+    """Raw reads beside the raw writer (the raw slice's figure again where the store's
+    writer wrote nothing: no raw writer ran)."""
+    writer_bps: list[float]
+    """Bytes/s the store's writer wrote to the disk tier (frames) in the loads slice."""
+    raw_writer_bps: list[float]
+    """Bytes/s the raw writer achieved beside the raw reads (paced at ``writer_bps``)."""
+    load_vs_raw: float
+    load_vs_raw_writer: float
+    raw_writer_vs_raw: float
+    """What the write load costs the device's reads (median of the rounds)."""
+    errors: list[str]
 
 
 def _layout(cfg: ConcurrencyConfig) -> KVLayout:
@@ -124,6 +193,25 @@ def _prompt(seed: int, layout: KVLayout, chunks: int) -> tuple[np.ndarray, np.nd
     tokens = rng.integers(0, 50_000, n, dtype=np.int64)
     shape = (layout.num_layers, 2, layout.num_kv_heads, n, layout.head_dim)
     return tokens, rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(np.asarray(values))) if values else float("nan")
+
+
+def _buffers(layout: KVLayout, threads: int, chunks: int) -> list[list[np.ndarray]]:
+    """Each reader thread's output buffers, aligned and faulted in now, once for every
+    point: as the raw reads' buffers are (:mod:`kvlife.bench.concurrency_raw`) and an
+    engine's KV buffers would be. Fresh ones per point were faulted in by the first
+    reads into them, inside the timed window, which the raw reads never pay (measured
+    on 2026-12-03: within the noise of 0.4 s slices at T = 8, five pairs)."""
+    outs = []
+    for _ in range(threads):
+        bufs = [aligned_empty(layout.chunk_nbytes) for _ in range(chunks)]
+        for b in bufs:
+            prefault(b)
+        outs.append([b.view(np.float16).reshape(layout.chunk_shape) for b in bufs])
+    return outs
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -169,8 +257,18 @@ def _run(cfg: ConcurrencyConfig, work: Path) -> dict[str, object]:
         store.evict("dram", 1 << 40)  # the readers' chunks now live on disk only
         probe_tokens = readers[0][0][0]
         idle = _lookups(store, ident, probe_tokens, cfg.seconds / 2, threading.Event())
-        points = [_point(cfg, store, ident, readers, t, probe_tokens) for t in cfg.threads]
-        audit = _audit_point(cfg, store, ident, readers[0], probe_tokens)
+        outs = _buffers(layout, most, cfg.chunks_per_prompt)
+        points = [_point(cfg, store, ident, readers, t, probe_tokens, outs) for t in cfg.threads]
+        if cfg.rounds > 0:
+            with RawFile(work, file_bytes=cfg.raw_file_bytes, block_bytes=chunk) as rawfile:
+                for p in points:
+                    paired = _paired(
+                        cfg, store, ident, readers, p.threads, probe_tokens, outs, rawfile
+                    )
+                    p.paired = asdict(paired)
+                    p.load_vs_raw_paired = paired.load_vs_raw
+                    p.load_vs_raw_writer_paired = paired.load_vs_raw_writer
+        audit = _audit_point(cfg, store, ident, readers[0], probe_tokens, outs)
         direct = bool(store.tier("disk").details().get("direct_io"))
     finally:
         store.close(flush=False)
@@ -269,8 +367,8 @@ def _audit_point(
     ident: ModelIdentity,
     prompts: list[tuple[np.ndarray, np.ndarray]],
     probe_tokens: np.ndarray,
+    outs: list[list[np.ndarray]],
 ) -> AuditPoint:
-    layout = ident.layout
     stop = threading.Event()
     errors: list[BaseException] = []
     done = [0, 0, 0]  # audits, rows, bytes
@@ -288,10 +386,7 @@ def _audit_point(
             errors.append(exc)
 
     def reader() -> None:
-        bufs = [
-            aligned_empty(layout.chunk_nbytes).view(np.float16).reshape(layout.chunk_shape)
-            for _ in range(cfg.chunks_per_prompt)
-        ]
+        bufs = outs[0]
         i = 0
         try:
             while not stop.is_set():
@@ -331,7 +426,11 @@ def _point(
     readers: list[list[tuple[np.ndarray, np.ndarray]]],
     threads: int,
     probe_tokens: np.ndarray,
+    outs: list[list[np.ndarray]],
+    salt: int = 0,
 ) -> ConcurrencyPoint:
+    """``salt``: makes this call's writer put prompts no earlier call put (a put of a
+    prompt already stored would demote nothing)."""
     layout = ident.layout
     stop = threading.Event()
     loaded = [0] * threads
@@ -340,10 +439,7 @@ def _point(
     start = threading.Barrier(threads + 1 + int(cfg.writer))
 
     def reader(t: int) -> None:
-        bufs = [
-            aligned_empty(layout.chunk_nbytes).view(np.float16).reshape(layout.chunk_shape)
-            for _ in range(cfg.chunks_per_prompt)
-        ]
+        bufs = outs[t]
         try:
             start.wait()
             i = 0
@@ -363,7 +459,9 @@ def _point(
             cpu0 = thread_cpu()
             while not stop.is_set():
                 tokens, kv = _prompt(
-                    10_000_000 + threads * 100_000 + n, layout, cfg.chunks_per_prompt
+                    10_000_000 + salt * 1_000_000 + threads * 100_000 + n,
+                    layout,
+                    cfg.chunks_per_prompt,
                 )
                 store.put_prompt(ident, PUBLIC, tokens, kv)
                 n += 1
@@ -377,6 +475,7 @@ def _point(
     for w in workers:
         w.start()
     demotions0 = store.counters.demotions
+    written0 = _disk_bytes_written(store)
     start.wait()
     cpu0, probe0 = process_cpu(), thread_cpu()
     t0 = time.perf_counter()
@@ -394,11 +493,83 @@ def _point(
         seconds=wall,
         load_gbps=sum(loaded) / wall / 1e9,
         demotions=store.counters.demotions - demotions0,
+        disk_bytes_written=_disk_bytes_written(store) - written0,
         lookup_p50_us=_pct(lat, 50),
         lookup_p99_us=_pct(lat, 99),
         lookups=len(lat),
         errors=[repr(e) for e in errors],
         cpu={f"loads_{k}": v for k, v in cpu.items()} | {"others_s": other.total},
+    )
+
+
+def _disk_bytes_written(store: KVStore) -> int:
+    written = store.tier("disk").details().get("bytes_written", 0)
+    return written if isinstance(written, int) else 0
+
+
+def _paired(
+    cfg: ConcurrencyConfig,
+    store: KVStore,
+    ident: ModelIdentity,
+    readers: list[list[tuple[np.ndarray, np.ndarray]]],
+    threads: int,
+    probe_tokens: np.ndarray,
+    outs: list[list[np.ndarray]],
+    rawfile: RawFile,
+) -> PairedPoint:
+    """``cfg.rounds`` rounds of three slices of ``cfg.slice_seconds`` at ``threads``
+    (:class:`PairedPoint`): even rounds raw, loads, raw+writer; odd rounds loads,
+    raw+writer, raw (the raw writer's pace is always the one of the same round's loads)."""
+    rng = np.random.default_rng(threads)
+    sliced = dataclasses.replace(cfg, seconds=cfg.slice_seconds)
+    loads: list[float] = []
+    raws: list[float] = []
+    raw_ws: list[float] = []
+    writer_bps: list[float] = []
+    raw_writer_bps: list[float] = []
+    errors: list[str] = []
+    orders: list[str] = []
+    for r in range(cfg.rounds):
+        steps = ["raw", "loads", "raw+writer"] if r % 2 == 0 else ["loads", "raw+writer", "raw"]
+        orders.append(",".join(steps))
+        raw = raw_w = float("nan")
+        for step in steps:
+            if step == "loads":
+                p = _point(sliced, store, ident, readers, threads, probe_tokens, outs, 1 + r)
+                loads.append(p.load_gbps)
+                writer_bps.append(p.disk_bytes_written / p.seconds)
+                errors += p.errors
+            elif step == "raw":
+                raw = rawfile.read_slice(threads, cfg.slice_seconds, rng).gbps
+            elif writer_bps[-1] > 0:
+                got = rawfile.read_slice(
+                    threads,
+                    cfg.slice_seconds,
+                    rng,
+                    write_bps=writer_bps[-1],
+                    batch_blocks=cfg.chunks_per_prompt,
+                )
+                raw_w = got.gbps
+                raw_writer_bps.append(got.write_bps)
+            else:  # the store's writer wrote nothing: raw reads alone are the limit
+                raw_writer_bps.append(0.0)
+        raws.append(raw)
+        raw_ws.append(raw_w)
+    raw_ws = [r if np.isnan(w) else w for w, r in zip(raw_ws, raws, strict=True)]  # none ran
+    return PairedPoint(
+        threads=threads,
+        rounds=cfg.rounds,
+        slice_seconds=cfg.slice_seconds,
+        order=orders,
+        load_gbps=loads,
+        raw_gbps=raws,
+        raw_writer_gbps=raw_ws,
+        writer_bps=writer_bps,
+        raw_writer_bps=raw_writer_bps,
+        load_vs_raw=_median([a / b for a, b in zip(loads, raws, strict=True)]),
+        load_vs_raw_writer=_median([a / b for a, b in zip(loads, raw_ws, strict=True)]),
+        raw_writer_vs_raw=_median([a / b for a, b in zip(raw_ws, raws, strict=True)]),
+        errors=errors,
     )
 
 
@@ -413,6 +584,7 @@ def format_report(result: dict[str, object]) -> str:
                 f"{p['load_gbps']:.2f}",
                 f"{p['raw_gbps_same_qd']:.2f}",
                 f"{p['load_vs_raw']:.2f}",
+                f"{p['load_vs_raw_paired']:.2f} / {p['load_vs_raw_writer_paired']:.2f}",
                 str(p["demotions"]),
                 f"{p['lookup_p50_us']:.0f} / {p['lookup_p99_us']:.0f}",
                 f"{p['lookup_p99_vs_idle']:.2f}",
@@ -421,10 +593,26 @@ def format_report(result: dict[str, object]) -> str:
                 f"{p['cpu'].get('ceiling', float('nan')):.2f}",
             ]
         )
-    head = ["threads", "load GB/s", "raw GB/s (QD=T)", "ratio", "demotions",
+    head = ["threads", "load GB/s", "raw GB/s (QD=T)", "ratio",
+            "paired: vs raw / vs raw+writer", "demotions",
             "lookup P50/P99 µs", "P99 / idle", "loads CPU µs/chunk (user+sys)",
             "raw CPU µs/chunk", "CPU ceiling"]  # fmt: skip
     text = format_table(head, rows)
+    text += (
+        "\npaired: the median over rounds of alternating slices of the loads and of raw "
+        "reads at QD T alone / beside a raw writer at the store writer's bytes/s "
+        f"(the target, >= {LOAD_TARGET}, is the ratio to raw alone)"
+    )
+    for p in result["points"]:  # type: ignore[attr-defined]
+        pp = p.get("paired")
+        if pp:
+            text += (
+                f"\n  T={p['threads']}: loads {_gbps_list(pp['load_gbps'])}, raw "
+                f"{_gbps_list(pp['raw_gbps'])}, raw+writer {_gbps_list(pp['raw_writer_gbps'])}"
+                f" GB/s; writer {_gbps_list([b / 1e6 for b in pp['writer_bps']], 0)} MB/s "
+                f"(raw writer {_gbps_list([b / 1e6 for b in pp['raw_writer_bps']], 0)}); "
+                f"raw+writer / raw {pp['raw_writer_vs_raw']:.2f}"
+            )
     text += (
         f"\nCPU ceiling: the ratio no verified load could pass on {result['cpus']} CPUs "
         f"(raw read + xxh3-128 at {result['hash_us_per_chunk']:.0f} µs/chunk, all CPUs); "
@@ -447,6 +635,10 @@ def format_report(result: dict[str, object]) -> str:
     return text
 
 
+def _gbps_list(values: list[float], digits: int = 2) -> str:
+    return " ".join(f"{v:.{digits}f}" for v in values)
+
+
 def _cpu_cell(cpu: dict[str, float], who: str) -> str:
     if f"{who}_us_per_chunk" not in cpu:
         return "-"
@@ -463,6 +655,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=2.0, help="time per point (default 2)")
     p.add_argument("--threads", default="1,2,4,8", help="reader thread counts (default 1,2,4,8)")
     p.add_argument("--no-writer", action="store_true", help="readers only (no puts meanwhile)")
+    p.add_argument(
+        "--rounds", type=int, default=4, help="paired rounds per thread count (default 4; 0: none)"
+    )
+    p.add_argument(
+        "--slice", type=float, default=0.4, help="seconds per paired slice (default 0.4)"
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes (for tests)")
     return p
 
@@ -474,14 +672,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"kvlife bench concurrency: error: bad --threads {args.threads!r}", file=sys.stderr)
         return 2
+    if args.rounds < 0 or not args.slice > 0:
+        print("kvlife bench concurrency: error: --rounds >= 0 and --slice > 0", file=sys.stderr)
+        return 2
     cfg = ConcurrencyConfig(
-        threads=threads, seconds=args.seconds, directory=args.dir, writer=not args.no_writer
-    )
+        threads=threads, seconds=args.seconds, directory=args.dir, writer=not args.no_writer,
+        rounds=args.rounds, slice_seconds=args.slice,
+    )  # fmt: skip
     if args.quick:
         cfg = ConcurrencyConfig(
             threads=threads, tokens_per_chunk=8, chunks_per_prompt=2, prompts_per_thread=2,
             seconds=min(args.seconds, 0.3), raw_file_bytes=8 * MiB, directory=args.dir,
-            writer=not args.no_writer, quick=True,
+            writer=not args.no_writer, quick=True, rounds=min(args.rounds, 2),
+            slice_seconds=min(args.slice, 0.1),
         )  # fmt: skip
     result = run_concurrency_bench(cfg)
     print(format_report(result))

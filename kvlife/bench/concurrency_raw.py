@@ -11,6 +11,13 @@ buffered and the file's cached pages are dropped with ``posix_fadvise(DONTNEED)`
 each point, which is as close as an unprivileged process gets (the result says so).
 
 :func:`measure_raw_concurrency` returns a :class:`RawConcurrencyResult`.
+
+:class:`RawFile` issues the same reads for a fixed time instead of a fixed count, from a
+file prepared once, so that ``kvlife bench concurrency`` can alternate short slices of
+raw reads with slices of its loads (paired: the device's swings from one second to the
+next hit both alike); with a paced raw writer beside the reads (O_DIRECT ``pwrite`` of
+the same block size and ``fdatasync``, same directory) it also gives the device's read
+limit under a given write load (:class:`RawSlice`).
 """
 
 from __future__ import annotations
@@ -253,3 +260,222 @@ def _measure_point(
         cpu_user_s=cpu.user,
         cpu_system_s=cpu.system,
     )
+
+
+# ---------------------------------------------------------------------- paired slices
+
+
+@dataclass(frozen=True, slots=True)
+class RawSlice:
+    """Raw reads at one queue depth for a fixed time, optionally with a paced raw writer
+    beside them (:meth:`RawFile.read_slice`)."""
+
+    queue_depth: int
+    seconds: float
+    """Wall time from the common start until the last reader finished."""
+    reads: int
+    gbps: float
+    """Aggregate read throughput, 1e9 bytes per second."""
+    write_target_bps: float
+    """Bytes per second the writer was paced at (0: no writer)."""
+    written_bytes: int
+    """Bytes the writer wrote (and made durable with fdatasync) meanwhile."""
+    write_bps: float
+    """What the writer achieved: ``written_bytes`` over the slice's wall time."""
+
+
+class RawFile:
+    """A prepared file (real data, durable) for raw read slices, made in ``directory``
+    and removed by :meth:`close`; the reads are the ones :func:`measure_raw_concurrency`
+    issues (aligned O_DIRECT ``os.preadv`` of ``block_bytes`` at random offsets from Q
+    threads), but for a fixed time, so that they can alternate with other work.
+
+    With ``write_bps`` > 0, :meth:`read_slice` runs a raw writer beside the reads: one
+    thread that appends ``block_bytes`` with aligned O_DIRECT ``os.pwrite`` to a new
+    file in the same directory, ``batch_blocks`` blocks then one ``fdatasync``, paced
+    at ``write_bps`` (it writes as fast as it can when the device cannot keep that
+    pace; ``write_bps`` of the result says what it got), starting a new file every
+    ``segment_bytes`` as the disk tier rolls its segments.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        file_bytes: int = 1 << 30,
+        block_bytes: int = 2 * MiB,
+        direct: bool | None = None,
+        segment_bytes: int = 256 * MiB,
+    ) -> None:
+        where = Path(directory)
+        _check_args(file_bytes, block_bytes, (1,), 1)
+        if segment_bytes < block_bytes:
+            raise InvalidArgument(
+                f"segment_bytes must be >= block_bytes ({block_bytes}), got {segment_bytes}"
+            )
+        if not where.is_dir():
+            raise StorePathError(f"{where} is not a directory")
+        can_direct = probe_direct_io(where)
+        if direct and not can_direct:
+            raise StorePathError(f"{where} does not accept O_DIRECT (direct=True)")
+        self.directory = where
+        self.direct = can_direct if direct is None else bool(direct)
+        self.file_bytes = file_bytes
+        self.block_bytes = block_bytes
+        self.segment_bytes = segment_bytes
+        fd, name = tempfile.mkstemp(prefix=".kvlife-raw-slices-", suffix=".bin", dir=where)
+        os.close(fd)
+        self.path = Path(name)
+        try:
+            _prepare(self.path, file_bytes, self.direct)
+        except BaseException:
+            self.path.unlink(missing_ok=True)
+            raise
+        self._wbuf = aligned_empty(block_bytes)
+        self._wbuf[:] = np.random.default_rng(2).integers(1, 256, block_bytes, dtype=np.uint8)
+
+    def __enter__(self) -> RawFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the prepared file."""
+        self.path.unlink(missing_ok=True)
+
+    def read_slice(
+        self,
+        qd: int,
+        seconds: float,
+        rng: np.random.Generator,
+        *,
+        write_bps: float = 0.0,
+        batch_blocks: int = 1,
+    ) -> RawSlice:
+        """Q threads read for ``seconds`` (each finishes the read it started), with the
+        paced raw writer beside them when ``write_bps`` > 0."""
+        if qd < 1 or seconds <= 0 or write_bps < 0 or batch_blocks < 1:
+            raise InvalidArgument(
+                f"bad raw slice: qd={qd}, seconds={seconds}, write_bps={write_bps}, "
+                f"batch_blocks={batch_blocks}"
+            )
+        block = self.block_bytes
+        blocks = self.file_bytes // block
+        buffers = [aligned_empty(block) for _ in range(qd)]
+        for b in buffers:
+            prefault(b)
+        seeds = rng.integers(0, 1 << 62, size=qd)
+        counts = [0] * qd
+        written = [0]
+        errors: list[BaseException] = []
+        stop = threading.Event()
+        start = threading.Barrier(qd + 1 + int(write_bps > 0))
+        fd = _open(self.path, os.O_RDONLY, self.direct)
+        end = [0.0]
+
+        def reader(t: int) -> None:
+            view = [buffers[t].data]
+            offs = np.random.default_rng(int(seeds[t]))
+            try:
+                start.wait()
+                while time.perf_counter() < end[0]:
+                    off = int(offs.integers(0, blocks)) * block
+                    got = os.preadv(fd, view, off)
+                    if got != block:
+                        raise StorePathError(f"short raw read: {got} of {block} bytes")
+                    counts[t] += 1
+            except BaseException as exc:
+                errors.append(exc)
+
+        def writer() -> None:
+            try:
+                start.wait()
+                self._write_paced(write_bps, batch_blocks, stop, written)
+            except BaseException as exc:
+                errors.append(exc)
+
+        workers = [threading.Thread(target=reader, args=(t,), daemon=True) for t in range(qd)]
+        if write_bps > 0:
+            workers.append(threading.Thread(target=writer, daemon=True))
+        try:
+            for w in workers:
+                w.start()
+            t0 = time.perf_counter()
+            end[0] = t0 + seconds
+            start.wait()
+            for w in workers[:qd]:
+                w.join()
+            wall = time.perf_counter() - t0
+            stop.set()
+            for w in workers[qd:]:
+                w.join()
+        finally:
+            stop.set()
+            os.close(fd)
+        if errors:
+            err = errors[0]
+            if isinstance(err, OSError) and not isinstance(err, StorePathError):
+                raise StorePathError(f"raw slice in {self.directory} failed: {err}") from err
+            raise err
+        reads = sum(counts)
+        return RawSlice(
+            queue_depth=qd,
+            seconds=wall,
+            reads=reads,
+            gbps=reads * block / wall / 1e9,
+            write_target_bps=write_bps,
+            written_bytes=written[0],
+            write_bps=written[0] / wall,
+        )
+
+    def _write_paced(
+        self, bps: float, batch_blocks: int, stop: threading.Event, written: list[int]
+    ) -> None:
+        """Append blocks (``batch_blocks``, then fdatasync) at ``bps`` until ``stop``."""
+        block = self.block_bytes
+        half = batch_blocks * block / 2  # each batch due when its middle is: no burst at 0
+        view = self._wbuf.data
+        t0 = time.perf_counter()
+        fd = -1
+        name = ""
+        off = 0
+        try:
+            while not stop.is_set():
+                due = t0 + (written[0] + half) / bps
+                wait = due - time.perf_counter()
+                if wait > 0:
+                    stop.wait(wait)
+                    continue
+                if fd < 0 or off + batch_blocks * block > self.segment_bytes:
+                    if fd >= 0:
+                        os.close(fd)
+                        os.unlink(name)
+                    fd, name = _new_file(self.directory)
+                    fd = _reopen(fd, name, self.direct)
+                    off = 0
+                for _ in range(batch_blocks):
+                    n = os.pwrite(fd, view, off)
+                    if n != block:
+                        raise StorePathError(f"short raw write: {n} of {block} bytes")
+                    off += n
+                os.fdatasync(fd)
+                written[0] += batch_blocks * block
+        finally:
+            if fd >= 0:
+                os.close(fd)
+                os.unlink(name)
+
+
+def _new_file(where: Path) -> tuple[int, str]:
+    return tempfile.mkstemp(prefix=".kvlife-raw-writer-", suffix=".bin", dir=where)
+
+
+def _reopen(fd: int, name: str, direct: bool) -> int:
+    """``name`` (made by mkstemp, open as ``fd``) reopened for O_DIRECT writes."""
+    os.close(fd)
+    try:
+        return _open(Path(name), os.O_WRONLY, direct)
+    except BaseException:
+        os.unlink(name)
+        raise
