@@ -19,10 +19,10 @@ lookup's hints) or into shared buffers, releases, and the shared buffers themsel
       chunks, so that a chunk's checksum overlaps the next read).
       With ``stream``, each disk chunk's (offset, dtype, shape) goes out in a partial
       reply as soon as it and every chunk before it verified, unless the load was
-      published by then (every read finished): the final reply grants those. Leading chunks whose
-      replica is the very extent the client's ``hints`` named (same offset, same
-      generation) are *confirmed*: the client copied them already while this pinned
-      them. The rest get grants (a chunk read outside the arena is copied into an
+      published by then (every read finished): the final reply grants those. Leading
+      chunks whose replica is the very extent the client's ``hints`` named (same
+      offset, same generation) are *confirmed*: the client copied them already while
+      this pinned them. The rest get grants (a chunk read outside the arena is copied into an
       extent first). The reply counts streamed, confirmed and granted chunks; every
       array handed out is held as the session's load grant (pinned) until released.
 3. ``release`` of a load: its arrays are dropped (extents of deleted replicas freed),
