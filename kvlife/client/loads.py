@@ -18,13 +18,15 @@ shared output buffers (the server side is :mod:`kvlife.server.loads`).
       connection): the request names (buffer, offset) targets and the server writes
       the chunks there itself; nothing is copied here. With disk reads each chunk's
       number comes in a partial reply as soon as it verified in its buffer (an
-      asynchronous load hands it out then, while the server reads the next).
+      asynchronous load hands it out then, while the server reads the next); the last
+      chunk, and any verified once the load was published, only with the final reply.
    c. *grants*: the server pins each chunk in the arena (a DRAM replica, or a disk read
       landed in a fresh extent) and replies with (offset, dtype, shape) per chunk; this
       side copies each into the caller's buffer or a new array. With disk reads the
       grants are *streamed*: each comes in a partial reply as soon as it verified and
       is copied while the server reads the next; the final reply says how many streamed
-      chunks still count (one invalidated meanwhile is a miss) and grants the rest.
+      chunks still count (one invalidated meanwhile is a miss) and grants the rest
+      (chunks verified once the load was published among them).
 
 3. The grant (what the server pinned for a, c) is released with the next request, or
    at once when a copy failed (:meth:`~kvlife.client.wire.Wire.release`).

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvlife.client import RemoteStore
+from kvlife.client import RemoteStore, replies
 from kvlife.core.identity import PUBLIC
 from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.server.conftest import ROOT, child_env
@@ -140,6 +140,51 @@ def test_chunks_before_a_held_read_are_handed_out_and_none_after_it(
     res = handle.wait(timeout=30)
     assert res.loaded == n and res.corrupt == [] and res.tiers == {"disk": n}
     assert all(_exact(a, kv, i) for i, a in enumerate(res.arrays))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["grants", "shared-buffers"])
+def test_chunks_verified_after_the_last_read_ride_in_the_final_reply(
+    stalled: tuple[StalledServer, RemoteStore], shared: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chunks before a held read come in a partial reply each while it is held; the
+    held chunk and the ones after it (read meanwhile), verified once every read had
+    finished, come with the final reply (into shared buffers the last chunk always
+    does): every chunk handed out exact, in order, none twice."""
+    srv, remote = stalled
+    n, held = 6, 3
+    tokens, kv = prompt_kv(73, n * N)
+    mark(kv, held, N, STALL_MARK)
+    lk = _on_disk(remote, kv, tokens, n)
+    outs = _outs(remote, n, shared)
+    parts: list[int] = []  # the chunk of each partial reply the client read
+    part, part_into = replies.part, replies.part_into
+
+    def seen(p: list[object]) -> tuple[int, int, str, tuple[int, ...]]:
+        got = part(p)
+        parts.append(got[0])
+        return got
+
+    def seen_into(p: list[object]) -> int:
+        parts.append(part_into(p))
+        return parts[-1]
+
+    monkeypatch.setattr(replies, "part", seen)
+    monkeypatch.setattr(replies, "part_into", seen_into)
+    handle = remote.load_async(lk, outs)  # type: ignore[arg-type]
+    assert srv.line() == "entered"
+    for i in range(held):
+        assert _exact(handle.chunk(i, timeout=10), kv, i)
+    assert parts == list(range(held))
+    time.sleep(0.3)  # the reads after the held one finish meanwhile
+    srv.release()
+    assert srv.line() == "released"
+    res = handle.wait(timeout=30)
+    assert res.loaded == n and all(_exact(a, kv, i) for i, a in enumerate(res.arrays))
+    assert [handle.chunk(i, timeout=1) is outs[i] for i in range(n)] == [True] * n
+    # in order, none twice; normally none for the held chunk and those after it (the
+    # load is published by the time this thread sees them), never the last into
+    # shared buffers
+    assert parts == list(range(len(parts))) and held <= len(parts) <= n - shared
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["grants", "shared-buffers"])

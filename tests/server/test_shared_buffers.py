@@ -111,8 +111,10 @@ def test_buffers_outside_shared_memory_take_the_grant_path(remote: RemoteStore) 
 
 
 def test_a_load_from_disk_is_streamed_chunk_by_chunk(remote: RemoteStore) -> None:
-    """On the wire: one partial reply per chunk read from disk, in order, then the final
-    reply counting them; the bytes at each granted offset are the chunk's."""
+    """On the wire: one partial reply per chunk read from disk and verified before the
+    load was published, in order, then the final reply counting them and granting the
+    rest (chunks verified once every read had finished ride in it: one frame, not one
+    per chunk); the bytes at each offset are the chunk's."""
     ident = tiny_identity()
     tokens, kv = prompt_kv(23, 3 * N)
     remote.put_prompt(ident, PUBLIC, tokens, kv)
@@ -120,10 +122,11 @@ def test_a_load_from_disk_is_streamed_chunk_by_chunk(remote: RemoteStore) -> Non
     remote.evict("dram", 8 * MiB)
     lk = remote.lookup(ident, PUBLIC, tokens)
     arena, parts, payload, sock = _streamed_load(remote.socket_path, lk, TINY)
-    assert payload["streamed"] == len(parts) == 3 and payload["grants"] == []
-    assert [p[0] for p in parts] == [0, 1, 2]
+    assert payload["streamed"] == len(parts) and len(parts) + len(payload["grants"]) == 3
+    assert [p[0] for p in parts] == list(range(len(parts)))
+    placed = [(off, dtype, shape) for _, off, dtype, shape in parts] + payload["grants"]
     with arena.open("rb") as f:
-        for i, (_, off, dtype, shape) in enumerate(parts):
+        for i, (off, dtype, shape) in enumerate(placed):
             f.seek(off)
             got = np.frombuffer(f.read(TINY.chunk_nbytes), dtype).reshape(shape)
             assert np.array_equal(got, kv[:, :, :, i * N : (i + 1) * N])
