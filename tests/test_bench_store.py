@@ -25,6 +25,8 @@ def test_bench_concurrency_quick_writes_its_json(
     assert_machine_figures(doc)
     assert set(doc["targets"]) == {"load_vs_raw_min", "lookup_p99_vs_idle_max"}
     assert [p["threads"] for p in doc["points"]] == [1, 2]
+    assert doc["config"]["writer_mb_per_s"] == 64.0  # the writer's pace, a setting
+    assert all(p["writer_puts"] >= 2 for p in doc["points"])  # 4 ms apart at 64 MB/s
     for p in doc["points"]:
         assert p["errors"] == [], p["errors"]
         assert p["load_gbps"] > 0 and p["raw_gbps_same_qd"] > 0 and p["lookups"] > 0
@@ -78,7 +80,24 @@ def test_bench_concurrency_without_writer_runs(tmp_path: Path) -> None:
 def test_bench_concurrency_rejects_bad_rounds(capsys: pytest.CaptureFixture[str]) -> None:
     assert concurrency.main(["--quick", "--rounds", "-1"]) == 2
     assert concurrency.main(["--quick", "--slice", "0"]) == 2
+    assert concurrency.main(["--quick", "--writer-mbps", "-1"]) == 2
     assert "--rounds" in capsys.readouterr().err
+
+
+def test_bench_concurrency_writer_keeps_its_pace(tmp_path: Path) -> None:
+    """At 0.5 MB/s a quick put of 256 KiB is due every 0.52 s: in a point of 0.3 s the
+    writer puts once (at its start), however fast the machine; without a pace (0) it
+    puts as fast as it can."""
+    runs = {}
+    for mbps in ("0.5", "0"):
+        out = tmp_path / f"w{mbps}.json"
+        argv = ["--quick", "--threads", "1,2", "--rounds", "0", "--writer-mbps", mbps]
+        assert concurrency.main([*argv, "--dir", str(tmp_path), "--json", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        assert doc["config"]["writer_mb_per_s"] == float(mbps)
+        runs[mbps] = [p["writer_puts"] for p in doc["points"]]
+    assert all(n <= 1 for n in runs["0.5"]), runs
+    assert all(n >= 2 for n in runs["0"]), runs
 
 
 def test_bench_async_quick_writes_its_json(tmp_path: Path) -> None:

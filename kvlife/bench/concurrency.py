@@ -46,7 +46,16 @@ sides alike. ``load_vs_raw_writer_paired`` (loads ÷ raw+writer) and
 ``raw_writer_vs_raw`` in ``paired`` (raw+writer ÷ raw) do not replace it: they say how
 much of a miss the write load explains (what the device loses to it, against what the
 loads lose). The raw writer reproduces the writer's frame bytes, not its SQLite
-commits, nor its CPU (the put's, and the bench's drawing of each prompt's KV values).
+commits, nor its CPU (the put's).
+
+The writer (issue 28, 2026-12-03). Its KV values are drawn before any point, a pool of
+``WRITER_POOL`` prompts' worth that its puts take in turn, each put with tokens of its
+own, so that every chunk it puts is new; and it puts at ``writer_mb_per_s`` (a setting,
+64 MB/s of KV by default, 0: as fast as it can). Until then it drew each prompt's KV
+while the readers ran: 55-70 ms of CPU for a prompt of 8 MiB, at the 5-8 puts/s it
+reached a quarter to a half of one of the machine's two vCPUs, work of the bench, not
+of the store, that the raw slices never had beside them; its pace was whatever that
+left (38-66 MB/s on this machine, README).
 
 Targets (issue 8): aggregate load >= 0.85x raw (alone) at the same queue depth; lookup
 P99 with I/O in flight <= 2x its idle P99. A benchmark, not a test: it prints a table
@@ -89,6 +98,8 @@ from kvlife.tiers.buffers import aligned_empty, prefault
 MiB = 1 << 20
 LOAD_TARGET = 0.85
 LOOKUP_P99_TARGET = 2.0
+WRITER_POOL = 4
+"""Prompts' worth of KV values the writer's puts take in turn (drawn before any point)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +117,8 @@ class ConcurrencyConfig:
     raw_file_bytes: int = 1 << 30
     writer: bool = True
     """Run the writer thread (puts and demotions) beside the readers."""
+    writer_mb_per_s: float = 64.0
+    """The writer's pace: MB (1e6 bytes) of KV put per second (0: as fast as it can)."""
     directory: Path | None = None
     """Where the store and the raw file live (default: the current directory)."""
     quick: bool = False
@@ -136,6 +149,9 @@ class ConcurrencyPoint:
     lookup_p99_vs_idle: float = float("nan")
     disk_bytes_written: int = 0
     """Bytes the writer's demotions wrote to the disk tier (frames) meanwhile."""
+    writer_puts: int = 0
+    """Prompts the writer put meanwhile (at ``writer_mb_per_s``: at most one more than
+    the pace allows in ``seconds``)."""
     load_vs_raw_paired: float = float("nan")
     """The same ratio as ``load_vs_raw``, measured paired: the median over the rounds of
     ``paired`` of each round's loads ÷ the raw reads of the same round."""
@@ -189,10 +205,34 @@ def _layout(cfg: ConcurrencyConfig) -> KVLayout:
 
 def _prompt(seed: int, layout: KVLayout, chunks: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    n = chunks * layout.tokens_per_chunk
-    tokens = rng.integers(0, 50_000, n, dtype=np.int64)
+    tokens = _tokens(rng, layout, chunks)
+    n = len(tokens)
     shape = (layout.num_layers, 2, layout.num_kv_heads, n, layout.head_dim)
     return tokens, rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
+
+
+def _tokens(rng: np.random.Generator, layout: KVLayout, chunks: int) -> np.ndarray:
+    return rng.integers(0, 50_000, chunks * layout.tokens_per_chunk, dtype=np.int64)
+
+
+class _WriterPace:
+    """When the writer's ``n``-th put is due: ``bytes_per_put`` at ``mb_per_s`` from
+    :meth:`start` (0: every put at once). A writer behind its pace puts without
+    waiting; it does not put faster afterwards to catch up more than its pace allows."""
+
+    def __init__(self, bytes_per_put: int, mb_per_s: float) -> None:
+        self.interval = bytes_per_put / (mb_per_s * 1e6) if mb_per_s > 0 else 0.0
+        self.t0 = 0.0
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def wait(self, n: int, stop: threading.Event) -> None:
+        """Sleep until put ``n`` is due (or ``stop`` is set)."""
+        if self.interval > 0:
+            late = self.t0 + n * self.interval - time.perf_counter()
+            if late > 0:
+                stop.wait(late)
 
 
 def _median(values: list[float]) -> float:
@@ -258,12 +298,26 @@ def _run(cfg: ConcurrencyConfig, work: Path) -> dict[str, object]:
         probe_tokens = readers[0][0][0]
         idle = _lookups(store, ident, probe_tokens, cfg.seconds / 2, threading.Event())
         outs = _buffers(layout, most, cfg.chunks_per_prompt)
-        points = [_point(cfg, store, ident, readers, t, probe_tokens, outs) for t in cfg.threads]
+        writer_kv = [
+            _prompt(5_000_000 + i, layout, cfg.chunks_per_prompt)[1] for i in range(WRITER_POOL)
+        ]
+        points = [
+            _point(cfg, store, ident, readers, t, probe_tokens, outs, writer_kv)
+            for t in cfg.threads
+        ]
         if cfg.rounds > 0:
             with RawFile(work, file_bytes=cfg.raw_file_bytes, block_bytes=chunk) as rawfile:
                 for p in points:
                     paired = _paired(
-                        cfg, store, ident, readers, p.threads, probe_tokens, outs, rawfile
+                        cfg,
+                        store,
+                        ident,
+                        readers,
+                        p.threads,
+                        probe_tokens,
+                        outs,
+                        writer_kv,
+                        rawfile,
                     )
                     p.paired = asdict(paired)
                     p.load_vs_raw_paired = paired.load_vs_raw
@@ -427,15 +481,18 @@ def _point(
     threads: int,
     probe_tokens: np.ndarray,
     outs: list[list[np.ndarray]],
+    writer_kv: list[np.ndarray],
     salt: int = 0,
 ) -> ConcurrencyPoint:
-    """``salt``: makes this call's writer put prompts no earlier call put (a put of a
-    prompt already stored would demote nothing)."""
+    """``writer_kv``: the KV values the writer's puts take in turn; ``salt``: makes this
+    call's writer put prompts no earlier call put (a put of a prompt already stored
+    would demote nothing)."""
     layout = ident.layout
     stop = threading.Event()
     loaded = [0] * threads
     errors: list[BaseException] = []
     others: list[CpuTimes] = []  # the writer's and the probe's own CPU time
+    puts: list[int] = []  # the writer's
     start = threading.Barrier(threads + 1 + int(cfg.writer))
 
     def reader(t: int) -> None:
@@ -454,18 +511,20 @@ def _point(
 
     def writer() -> None:
         n = 0
+        # fresh tokens for every put (its chunks are new), the KV values from the pool
+        rng = np.random.default_rng(10_000_000 + salt * 1_000_000 + threads * 100_000)
+        pace = _WriterPace(writer_kv[0].nbytes, cfg.writer_mb_per_s)
         try:
             start.wait()
             cpu0 = thread_cpu()
+            pace.start()
             while not stop.is_set():
-                tokens, kv = _prompt(
-                    10_000_000 + salt * 1_000_000 + threads * 100_000 + n,
-                    layout,
-                    cfg.chunks_per_prompt,
-                )
-                store.put_prompt(ident, PUBLIC, tokens, kv)
+                tokens = _tokens(rng, layout, cfg.chunks_per_prompt)
+                store.put_prompt(ident, PUBLIC, tokens, writer_kv[n % len(writer_kv)])
                 n += 1
+                pace.wait(n, stop)
             others.append(thread_cpu() - cpu0)
+            puts.append(n)
         except BaseException as exc:
             errors.append(exc)
 
@@ -494,6 +553,7 @@ def _point(
         load_gbps=sum(loaded) / wall / 1e9,
         demotions=store.counters.demotions - demotions0,
         disk_bytes_written=_disk_bytes_written(store) - written0,
+        writer_puts=sum(puts),
         lookup_p50_us=_pct(lat, 50),
         lookup_p99_us=_pct(lat, 99),
         lookups=len(lat),
@@ -515,6 +575,7 @@ def _paired(
     threads: int,
     probe_tokens: np.ndarray,
     outs: list[list[np.ndarray]],
+    writer_kv: list[np.ndarray],
     rawfile: RawFile,
 ) -> PairedPoint:
     """``cfg.rounds`` rounds of three slices of ``cfg.slice_seconds`` at ``threads``
@@ -535,7 +596,9 @@ def _paired(
         raw = raw_w = float("nan")
         for step in steps:
             if step == "loads":
-                p = _point(sliced, store, ident, readers, threads, probe_tokens, outs, 1 + r)
+                p = _point(
+                    sliced, store, ident, readers, threads, probe_tokens, outs, writer_kv, 1 + r
+                )
                 loads.append(p.load_gbps)
                 writer_bps.append(p.disk_bytes_written / p.seconds)
                 errors += p.errors
@@ -656,6 +719,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", default="1,2,4,8", help="reader thread counts (default 1,2,4,8)")
     p.add_argument("--no-writer", action="store_true", help="readers only (no puts meanwhile)")
     p.add_argument(
+        "--writer-mbps",
+        type=float,
+        default=64.0,
+        help="the writer's pace, MB of KV put per second (default 64; 0: as fast as it can)",
+    )
+    p.add_argument(
         "--rounds", type=int, default=4, help="paired rounds per thread count (default 4; 0: none)"
     )
     p.add_argument(
@@ -672,19 +741,22 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print(f"kvlife bench concurrency: error: bad --threads {args.threads!r}", file=sys.stderr)
         return 2
-    if args.rounds < 0 or not args.slice > 0:
-        print("kvlife bench concurrency: error: --rounds >= 0 and --slice > 0", file=sys.stderr)
+    if args.rounds < 0 or not args.slice > 0 or not args.writer_mbps >= 0:
+        print(
+            "kvlife bench concurrency: error: --rounds >= 0, --slice > 0 and --writer-mbps >= 0",
+            file=sys.stderr,
+        )
         return 2
     cfg = ConcurrencyConfig(
         threads=threads, seconds=args.seconds, directory=args.dir, writer=not args.no_writer,
-        rounds=args.rounds, slice_seconds=args.slice,
+        rounds=args.rounds, slice_seconds=args.slice, writer_mb_per_s=args.writer_mbps,
     )  # fmt: skip
     if args.quick:
         cfg = ConcurrencyConfig(
             threads=threads, tokens_per_chunk=8, chunks_per_prompt=2, prompts_per_thread=2,
             seconds=min(args.seconds, 0.3), raw_file_bytes=8 * MiB, directory=args.dir,
             writer=not args.no_writer, quick=True, rounds=min(args.rounds, 2),
-            slice_seconds=min(args.slice, 0.1),
+            slice_seconds=min(args.slice, 0.1), writer_mb_per_s=args.writer_mbps,
         )  # fmt: skip
     result = run_concurrency_bench(cfg)
     print(format_report(result))
