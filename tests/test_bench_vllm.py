@@ -18,10 +18,15 @@ from kvlife.bench.vllm import PHASES
 from kvlife.bench.vllm_trace import ENGINE_THREADS
 from kvlife.interpreters import ROOT
 
-pytestmark = pytest.mark.skipif(
-    not (ROOT / ".venv-vllm" / "bin" / "python").exists(),
-    reason="needs .venv-vllm (make test builds it before running the suite)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (ROOT / ".venv-vllm" / "bin" / "python").exists(),
+        reason="needs .venv-vllm (make test builds it before running the suite)",
+    ),
+    # about two minutes (four engines on two vCPUs): in `make test-slow`, so that the
+    # default suite stays under 15 minutes; tests/vllm runs real engines in the default one
+    pytest.mark.slow,
+]
 
 
 def test_bench_vllm_quick_writes_its_json(tmp_path: Path) -> None:
