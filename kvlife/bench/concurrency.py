@@ -55,7 +55,7 @@ own, so that every chunk it puts is new; and it puts at ``writer_mb_per_s`` (a s
 while the readers ran: 55-70 ms of CPU for a prompt of 8 MiB, at the 5-8 puts/s it
 reached a quarter to a half of one of the machine's two vCPUs, work of the bench, not
 of the store, that the raw slices never had beside them; its pace was whatever that
-left (38-66 MB/s on this machine, README).
+left (38-83 MB/s on this machine, README).
 
 Targets (issue 8): aggregate load >= 0.85x raw (alone) at the same queue depth; lookup
 P99 with I/O in flight <= 2x its idle P99. A benchmark, not a test: it prints a table
@@ -216,9 +216,10 @@ def _tokens(rng: np.random.Generator, layout: KVLayout, chunks: int) -> np.ndarr
 
 
 class _WriterPace:
-    """When the writer's ``n``-th put is due: ``bytes_per_put`` at ``mb_per_s`` from
-    :meth:`start` (0: every put at once). A writer behind its pace puts without
-    waiting; it does not put faster afterwards to catch up more than its pace allows."""
+    """When the writer's ``n``-th put is due: ``n`` puts of ``bytes_per_put`` at
+    ``mb_per_s`` from :meth:`start` (0: every put at once). The schedule is fixed from the
+    start: a writer behind it puts without waiting until it is on it again, so that by
+    any time it has put at most one put more than the pace allows."""
 
     def __init__(self, bytes_per_put: int, mb_per_s: float) -> None:
         self.interval = bytes_per_put / (mb_per_s * 1e6) if mb_per_s > 0 else 0.0
