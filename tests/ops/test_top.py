@@ -42,12 +42,15 @@ class Tmux:
 
     def _run(self, *args: str) -> str:
         assert TMUX is not None
+        # the pane's size is the terminal's: COLUMNS and LINES (pytest-xdist's workers
+        # set 80 x 24) would override it, and top drew 24 lines of a 40-line pane
+        env = {k: v for k, v in child_env().items() if k not in ("COLUMNS", "LINES")}
         out = subprocess.run(
             [TMUX, "-L", self.name, *args],
             capture_output=True,
             text=True,
             timeout=30,
-            env=child_env(),
+            env=env,
             check=True,
         )
         return out.stdout

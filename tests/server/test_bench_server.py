@@ -109,3 +109,24 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     } <= names
     assert all(isinstance(t["met"], bool) for t in r["targets"])
     assert not list(tmp_path.glob("kvsrv-*"))  # its work directory is removed
+
+
+def test_a_bench_server_under_a_deep_directory_serves_on_a_short_socket(tmp_path: Path) -> None:
+    """A work directory deeper than a Unix socket path may be (pytest-xdist's temporary
+    directories, a user's ``--dir``): the server's socket goes to a short directory of
+    its own, removed when it stops; before, ``kvlife serve`` refused the path."""
+    from kvlife.bench.server.servers import BenchServer
+    from kvlife.server.server import MAX_SOCKET_PATH
+    from kvlife.tiers.shm import SHM_DIR
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    assert len(str(deep / "served.sock")) > MAX_SOCKET_PATH
+    server = BenchServer(deep / "served", 16 << 20, 0, SHM_DIR)
+    try:
+        assert len(str(server.socket)) <= MAX_SOCKET_PATH
+        with server.client() as store:
+            assert store.counters.chunks_stored == 0
+    finally:
+        server.stop()
+    assert not server.socket.parent.exists()

@@ -5,23 +5,33 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from kvlife.bench.server.config import MiB, ServerBenchConfig
 from kvlife.client import RemoteStore
+from kvlife.server.server import MAX_SOCKET_PATH
 from kvlife.tiers.shm import SHM_DIR
 
 
 class BenchServer:
-    """A ``kvlife serve`` child process, stopped by PID."""
+    """A ``kvlife serve`` child process, stopped by PID. Its socket is ``PATH.sock``
+    beside the store, or in a short directory of its own where that path would be
+    longer than a Unix socket path may be (a deep work directory: pytest's under
+    pytest-xdist, a user's ``--dir``)."""
 
     def __init__(self, path: Path, dram: int, disk: int, shm: Path, *flags: str) -> None:
         self.socket = path.parent / f"{path.name}.sock"
+        self._sockdir: Path | None = None
+        if len(os.fsencode(self.socket)) > MAX_SOCKET_PATH:
+            self._sockdir = Path(tempfile.mkdtemp(prefix="kvb-"))
+            self.socket = self._sockdir / "serve.sock"
         pid_file = path.parent / f"{path.name}.pid"
         cmd = [
             sys.executable, "-m", "kvlife.cli", "serve", str(path), "--socket", str(self.socket),
@@ -34,6 +44,7 @@ class BenchServer:
         deadline = time.monotonic() + 120
         while not pid_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError(f"kvlife serve did not start: {log.read_text()[-2000:]}")
             time.sleep(0.05)
 
@@ -48,6 +59,8 @@ class BenchServer:
         except subprocess.TimeoutExpired:
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        if self._sockdir is not None:
+            shutil.rmtree(self._sockdir, ignore_errors=True)
 
 
 def child_env() -> dict[str, str]:
