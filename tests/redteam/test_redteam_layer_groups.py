@@ -202,10 +202,12 @@ def test_an_invalidation_while_group_1_is_in_flight_abandons_the_layered_forward
         gone: list[int] = []
 
         def invalidate_when_group_0_landed() -> None:
-            # group 0 landed: its chunks' loads were published; group 1 is held
+            # group 0 landed: its chunks' loads were published; group 1 is held (both
+            # waited for: on a busy machine group 0 could land before group 1's reads
+            # were issued, and an invalidation then left them nothing to read)
             try:
                 while not done.is_set():
-                    if store.counters.bytes_loaded >= group_bytes:
+                    if store.counters.bytes_loaded >= group_bytes and held:
                         gone.append(store.invalidate(namespace=PUBLIC))
                         return
                     done.wait(0.005)
