@@ -312,7 +312,13 @@ def _run_served(
     )
     try:
         if server.socket != served_socket(work):
-            raise KVLifeError(f"kvlife serve listens on {server.socket}, not the spec's socket")
+            # BenchServer moves a socket whose path would pass a Unix socket path's
+            # length to a short directory; the engine's spec named the path beside the store
+            raise KVLifeError(
+                f"kvlife serve listens on {server.socket}, not the spec's socket "
+                f"{served_socket(work)} (longer than a Unix socket path may be: use a "
+                "shorter --dir)"
+            )
         return _run(python, spec, work, SERVED)
     finally:
         server.stop()
