@@ -95,6 +95,17 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
         assert p["sealed_gbps"] > 0 and p["split_gbps"] > 0
         assert abs(p["ratio_sealed"] - p["sealed_gbps"] / p["memcpy_gbps"]) < 1e-9
     assert "ceiling: copy + seal, one thread" in proc.stdout
+    # the protocol's floor, a bare server with no store, beside the DRAM puts and the
+    # disk loads (kvlife/bench/server/floor.py)
+    for key, series in (("put_dram", ("floor", "floor_sealed")), ("load_disk", ("floor",))):
+        for p in r[key]:
+            limit = p["memcpy_gbps" if key == "put_dram" else "raw_gbps"]
+            for name in series:
+                assert p[f"{name}_gbps"] > 0
+                assert abs(p[f"ratio_{name}"] - p[f"{name}_gbps"] / limit) < 1e-9
+    for key in ("load_dram", "put_write_through"):
+        assert all("floor_gbps" not in p for p in r[key])
+    assert "floor: a bare server, no store" in proc.stdout
     for p in r["put_write_through"]:  # no ceilings of a DRAM put there
         assert "sealed_gbps" not in p
     assert isinstance(r["shm_huge_pages"], bool)
@@ -109,6 +120,7 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     } <= names
     assert all(isinstance(t["met"], bool) for t in r["targets"])
     assert not list(tmp_path.glob("kvsrv-*"))  # its work directory is removed
+    assert not list(Path(r["config"]["shm_dir"]).glob("kvlife-floor-*"))
 
 
 def test_a_bench_server_under_a_deep_directory_serves_on_a_short_socket(tmp_path: Path) -> None:

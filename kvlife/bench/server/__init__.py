@@ -26,7 +26,10 @@ One module per benchmark: :mod:`.lookup`, :mod:`.loads` (DRAM, disk, and DRAM wi
 every load verified), :mod:`.puts`, :mod:`.scaling` (client processes), :mod:`.peer`
 (LMCache); :mod:`.workload` makes their chunks, :mod:`.servers` the ``kvlife serve``
 processes, :mod:`.run` the run and its JSON document, :mod:`.report` the tables,
-:mod:`.cli` the command line.
+:mod:`.cli` the command line; :mod:`.floor` (with :mod:`.floor_server`) the protocol's
+floor: the DRAM puts and the disk loads again through a bare server with no store, on
+the servers' CPU, so a miss can be told apart: the machine's (the floor misses too) or
+kvlife's own (the floor does not).
 """
 
 from kvlife.bench.server.cli import build_parser, main

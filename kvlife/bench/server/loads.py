@@ -19,6 +19,7 @@ from kvlife.bench.limits import (
     tasks_cpu_seconds,
 )
 from kvlife.bench.server.config import ServerBenchConfig
+from kvlife.bench.server.floor import FloorServer
 from kvlife.bench.server.servers import BenchServer, direct_ok
 from kvlife.bench.server.workload import (
     NS,
@@ -42,11 +43,14 @@ def bench_load(
     seed: int,
     raw_dir: Path | None,
     server_pid: int | None = None,
+    floor: FloorServer | None = None,
 ) -> dict[str, Any]:
     """Load ``chunks_per_call`` chunks into preallocated buffers; the limit is memcpy of
     the same bytes from warm memory (DRAM) or raw reads of a file of them (disk:
     ``raw_dir`` given, the chunks flushed and evicted from DRAM first). With
-    ``server_pid``, the CPU per chunk each side spent (``cpu``: :func:`_cpu_budget`)."""
+    ``server_pid``, the CPU per chunk each side spent (``cpu``: :func:`_cpu_budget`).
+    ``floor`` (disk only): the same load of the raw file through a bare server with no
+    store, timed beside (``floor``: :mod:`kvlife.bench.server.floor`)."""
     layout = chunk_layout(size)
     ident = bench_identity(layout)
     n = cfg.chunks_per_call
@@ -67,6 +71,9 @@ def bench_load(
     direct = raw_dir is not None and direct_ok(raw_dir)
     if raw_file is not None:
         raw_write(raw_file, [aligned_copy(c) for c in chunks], direct)
+        if floor is not None:
+            floor.open_file(raw_file, direct)
+    floored: list[float] = []
     flat = [o.view(np.uint8).reshape(-1) for o in outs]
     shared_raw = remote.alloc_buffer(total)
     shared = [
@@ -78,6 +85,9 @@ def bench_load(
     served_shared: list[float] = []
     cpu = _CpuTally(server_pid)
     for rep in range(cfg.reps + 1):
+        floor_first = (
+            floor.load(chunks) if floor is not None and raw_file is not None and rep % 2 else 0.0
+        )
         cpu.start()
         t0 = time.perf_counter()
         res = remote.load(lk, outs)
@@ -93,6 +103,11 @@ def bench_load(
                 raise RuntimeError(f"load served {got.loaded} of {n} chunks, or wrong bytes")
         t_lim = raw_read(raw_file, flat, direct) if raw_file is not None else memcpy(outs, chunks)
         cpu.stop("raw", rep > 0)
+        if floor is not None and raw_file is not None:
+            # outside the CPU tally's phases; before the served loads every other time
+            t_floor = floor_first if rep % 2 else floor.load(chunks)
+            if rep:
+                floored.append(t_floor)
         if rep:  # the first is a warm-up
             served.append(t)
             served_shared.append(t_shared)
@@ -101,7 +116,8 @@ def bench_load(
     if raw_file is not None:
         raw_file.unlink(missing_ok=True)
     remote.invalidate(namespace=NS)
-    out = point(layout, n, served, limit, raw=raw_file is not None, shared=served_shared)
+    others = {"floor": floored} if floored else {}
+    out = point(layout, n, served, limit, raw=raw_file is not None, shared=served_shared, **others)
     out["server_p99_ms"] = pct(served, 99) * 1e3
     if raw_file is not None:
         out["direct_io"] = direct

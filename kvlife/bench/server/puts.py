@@ -11,6 +11,7 @@ import numpy as np
 
 from kvlife.bench.limits import SplitSealer, memcpy, raw_write, sealed_copy
 from kvlife.bench.server.config import ServerBenchConfig
+from kvlife.bench.server.floor import FloorServer
 from kvlife.bench.server.servers import direct_ok
 from kvlife.bench.server.workload import (
     NS,
@@ -33,6 +34,7 @@ def bench_put(
     seed: int,
     raw_dir: Path | None,
     embedded: KVStore | None = None,
+    floor: FloorServer | None = None,
 ) -> dict[str, Any]:
     """Put fresh prompts (invalidated after each, outside the timing); the limit is
     memcpy into warm DRAM, or (write-through server: ``raw_dir``) a raw write of the
@@ -43,7 +45,10 @@ def bench_put(
     them the two ceilings of a verified put with no bookkeeping at all: the copy and its
     seal on one thread (``sealed``: what an in-process put cannot beat) and with the seal
     on a second thread, MiB by MiB (``split``: what the served put, the client copying
-    while the server hashes, cannot beat)."""
+    while the server hashes, cannot beat). ``floor``: the same put through a bare server
+    with no store, timed beside (:mod:`kvlife.bench.server.floor`): the server hashing
+    what the notices say is written (``floor``), the client hashing as it copies and
+    sending the seals (``floor_sealed``)."""
     layout = chunk_layout(size)
     ident = bench_identity(layout)
     n = cfg.chunks_per_call
@@ -52,6 +57,8 @@ def bench_put(
     served, limit, inproc, unnoticed = [], [], [], []
     sealed: list[float] = []
     split: list[float] = []
+    floored: list[float] = []
+    floored_sealed: list[float] = []
     sealer = SplitSealer() if raw_dir is None else None
     try:
         for rep in range(cfg.reps + 1):
@@ -82,6 +89,9 @@ def bench_put(
                 return took
 
             # the order alternates, so that neither side always finds the source in cache
+            notice = remote._puts.notice_bytes
+            if floor is not None and rep % 2:
+                t_floor, t_sealed_floor = floor.put(chunks, notice), floor.put(chunks, 0, True)
             t_lim = limit_once() if rep % 2 else 0.0
             if raw_dir is None and rep % 2:  # DRAM: the same put without put_written too
                 unnoticed.append(put_once(False))
@@ -97,6 +107,12 @@ def bench_put(
                 if mine.stored != n:
                     raise RuntimeError(f"in-process put stored {mine.stored} of {n} chunks")
                 embedded.invalidate(namespace=NS)
+            if floor is not None:
+                if not rep % 2:
+                    t_sealed_floor, t_floor = floor.put(chunks, 0, True), floor.put(chunks, notice)
+                if rep:
+                    floored.append(t_floor)
+                    floored_sealed.append(t_sealed_floor)
             if sealer is not None:  # the ceilings, on the same (warm) sources
                 t_sealed, t_split = sealed_copy(dsts, chunks), sealer.copy(dsts, chunks)
                 if rep:
@@ -115,6 +131,8 @@ def bench_put(
         others["unnoticed"] = unnoticed[1:]
     if sealed:
         others |= {"sealed": sealed, "split": split}
+    if floored:
+        others |= {"floor": floored, "floor_sealed": floored_sealed}
     out = point(layout, n, served, limit, raw=raw_dir is not None, **others)
     if raw_dir is not None:
         out["direct_io"] = direct

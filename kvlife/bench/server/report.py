@@ -7,6 +7,17 @@ from typing import Any
 from kvlife.bench.limits import format_machine
 from kvlife.report import format_table
 
+_SERIES = (
+    ("inproc", "in-process store"),
+    ("sealed", "ceiling: copy + seal, one thread"),
+    ("split", "ceiling: copy, seal on a 2nd thread"),
+    ("unnoticed", "no put_written"),
+    ("shared", "shared buffers"),
+    ("floor", "floor: a bare server, no store"),
+    ("floor_sealed", "floor: a bare server, seals by the client"),
+)
+"""The other series of a point, each a row of its own: (key, label)."""
+
 
 def format_report(r: dict[str, Any]) -> str:
     lk = r["lookup"]
@@ -47,21 +58,7 @@ def format_report(r: dict[str, Any]) -> str:
                     f"{p['ratio']:.2f}",
                 ]
             )
-            if "inproc_gbps" in p:
-                rows.append(
-                    [
-                        f"{key} (in-process store)",
-                        f"{p['chunk_bytes'] >> 10} KiB",
-                        f"{p['inproc_gbps']:.2f}",
-                        f"{p[f'{limit}_gbps']:.2f}",
-                        limit,
-                        f"{p['ratio_inproc']:.2f}",
-                    ]
-                )
-            for extra, label in (
-                ("sealed", "ceiling: copy + seal, one thread"),
-                ("split", "ceiling: copy, seal on a 2nd thread"),
-            ):
+            for extra, label in _SERIES:
                 if f"{extra}_gbps" in p:
                     rows.append(
                         [
@@ -73,28 +70,6 @@ def format_report(r: dict[str, Any]) -> str:
                             f"{p[f'ratio_{extra}']:.2f}",
                         ]
                     )
-            if "unnoticed_gbps" in p:
-                rows.append(
-                    [
-                        f"{key} (no put_written)",
-                        f"{p['chunk_bytes'] >> 10} KiB",
-                        f"{p['unnoticed_gbps']:.2f}",
-                        f"{p[f'{limit}_gbps']:.2f}",
-                        limit,
-                        f"{p['ratio_unnoticed']:.2f}",
-                    ]
-                )
-            if "shared_gbps" in p:
-                rows.append(
-                    [
-                        f"{key} (shared buffers)",
-                        f"{p['chunk_bytes'] >> 10} KiB",
-                        f"{p['shared_gbps']:.2f}",
-                        f"{p[f'{limit}_gbps']:.2f}",
-                        limit,
-                        f"{p['ratio_shared']:.2f}",
-                    ]
-                )
     lines.append(
         format_table(["point", "chunk", "server GB/s", "limit GB/s", "limit", "ratio"], rows)
     )

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvlife.bench.limits import machine_figures
 from kvlife.bench.server.config import TARGETS, MiB, ServerBenchConfig
+from kvlife.bench.server.floor import FloorServer
 from kvlife.bench.server.loads import bench_load, bench_verified
 from kvlife.bench.server.lookup import bench_lookup
 from kvlife.bench.server.peer import peer_lmcache
@@ -62,6 +63,22 @@ def _points(
     cpus: str,
 ) -> dict[str, Any]:
     pin = ("--cpus", cpus) if cpus else ()
+    with FloorServer(shm, max(cfg.sizes) * cfg.chunks_per_call, cpus) as floor:
+        return _served_points(cfg, work, base, dram, shm, servers, pin, floor)
+
+
+def _served_points(
+    cfg: ServerBenchConfig,
+    work: Path,
+    base: Path,
+    dram: int,
+    shm: Path,
+    servers: list[BenchServer],
+    pin: tuple[str, ...],
+    floor: FloorServer,
+) -> dict[str, Any]:
+    """Every point through ``kvlife serve``; the DRAM puts and the disk loads also
+    through ``floor``, the bare server (on the servers' CPUs), beside."""
     main = BenchServer(work / "m", dram, 4 * dram, shm, *pin)
     servers.append(main)
     remote = main.client()
@@ -77,7 +94,8 @@ def _points(
     embedded = KVStore.open(work / "inproc", dram_bytes=dram, disk_bytes=0)
     try:
         result["put_dram"] = [
-            bench_put(cfg, remote, s, 20 + i, None, embedded) for i, s in enumerate(cfg.sizes)
+            bench_put(cfg, remote, s, 20 + i, None, embedded, floor)
+            for i, s in enumerate(cfg.sizes)
         ]
     finally:
         embedded.close(flush=False)
@@ -90,7 +108,8 @@ def _points(
     servers.append(disk)
     remote = disk.client()
     result["load_disk"] = [
-        bench_load(cfg, remote, s, 30 + i, work, disk.proc.pid) for i, s in enumerate(cfg.sizes)
+        bench_load(cfg, remote, s, 30 + i, work, disk.proc.pid, floor)
+        for i, s in enumerate(cfg.sizes)
     ]
     result["put_write_through"] = [
         bench_put(cfg, remote, s, 40 + i, work) for i, s in enumerate(cfg.sizes)

@@ -1,0 +1,96 @@
+"""The protocol floor of ``kvlife bench server`` (issue 28): a real bare server process
+that must hash every byte it is given and read every byte it is asked for, or the floor
+raises (speed is never asserted here)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvlife.bench.limits import raw_write
+from kvlife.bench.server.floor import FloorError, FloorServer
+from kvlife.tiers.buffers import aligned_empty
+from kvlife.tiers.shm import SHM_DIR
+
+CHUNK = 256 << 10
+N = 3
+
+
+def _chunks(seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1 << 16, CHUNK // 2, dtype=np.uint16) for _ in range(N)]
+
+
+def _aligned(chunks: list[np.ndarray]) -> list[np.ndarray]:
+    out = []
+    for c in chunks:
+        a = aligned_empty(c.nbytes)
+        a[:] = c.view(np.uint8)
+        out.append(a)
+    return out
+
+
+@pytest.fixture
+def floor() -> Iterator[FloorServer]:
+    f = FloorServer(SHM_DIR, N * CHUNK)
+    yield f
+    f.stop()
+
+
+@pytest.mark.parametrize(("notice", "client_seals"), [(64 << 10, False), (0, False), (0, True)])
+def test_a_floor_put_lands_every_byte_and_returns_its_seals(
+    floor: FloorServer, notice: int, client_seals: bool
+) -> None:
+    for seed in range(3):  # the server's hashing state starts afresh for every put
+        chunks = _chunks(seed)
+        took = floor.put(chunks, notice, client_seals)
+        assert took > 0
+        assert bytes(floor.shm[: N * CHUNK]) == b"".join(c.tobytes() for c in chunks)
+
+
+def test_a_floor_load_reads_the_file_into_the_shared_memory(
+    floor: FloorServer, tmp_path: Path
+) -> None:
+    chunks = _chunks(7)
+    path = tmp_path / "raw"
+    raw_write(path, _aligned(chunks), direct=False)
+    floor.open_file(path, direct=False)
+    floor.shm[:] = 0
+    assert floor.load(chunks) > 0
+    assert bytes(floor.shm[: N * CHUNK]) == b"".join(c.tobytes() for c in chunks)
+
+
+def test_a_floor_load_of_other_bytes_raises(floor: FloorServer, tmp_path: Path) -> None:
+    """The seals checked are those of the chunks the caller expects: a file that holds
+    other bytes is caught, so the floor cannot be faster by reading nothing."""
+    path = tmp_path / "raw"
+    raw_write(path, _aligned(_chunks(1)), direct=False)
+    floor.open_file(path, direct=False)
+    with pytest.raises(FloorError, match="not the chunks'"):
+        floor.load(_chunks(2))
+
+
+def test_a_floor_server_killed_mid_run_is_a_clear_error_and_stop_cleans_up(
+    tmp_path: Path,
+) -> None:
+    f = FloorServer(SHM_DIR, N * CHUNK)
+    try:
+        assert f.proc is not None
+        os.kill(f.proc.pid, signal.SIGKILL)
+        f.proc.wait(timeout=10)
+        with pytest.raises(FloorError):
+            f.put(_chunks(0), 0)
+    finally:
+        f.stop()
+    assert not f.shm_path.exists()
+    assert f.proc is not None and f.proc.returncode is not None
+
+
+def test_a_put_larger_than_the_shared_memory_is_refused(floor: FloorServer) -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        floor.put(_chunks(0) + _chunks(1), 0)
