@@ -24,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from kvlife.store import reads
 from tests.conftest import budget
 from tests.helpers.oracle import Universe
 from tests.helpers.oracle_machine import OracleMachine, stress
@@ -75,6 +76,17 @@ def test_oracle_embedded() -> None:
     run_state_machine_as_test(
         EmbeddedOracle, settings=oracle_settings(budget(20, 40), 40, derandomize=True)
     )
+
+
+def test_oracle_embedded_one_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same model with loads read as on one CPU (``kvlife serve --cpus`` with one):
+    each load with a depth read back to back by one task, each chunk verified on a
+    helper of the disk tier meanwhile (``kvlife.store.reads``, ``_Feed.pipelined``)."""
+    monkeypatch.setattr(reads, "_one_cpu", lambda: True)
+    run_state_machine_as_test(
+        EmbeddedOracle, settings=oracle_settings(budget(10, 20), 40, derandomize=True)
+    )
+    run_stress(EmbeddedOracle(), 7, budget(100, 200))
 
 
 @pytest.mark.parametrize("seed", [2, 5])

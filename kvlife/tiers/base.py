@@ -289,6 +289,27 @@ class SealedInMemory(ABC):
         ChecksumMismatch for one that changed, nothing copied out of it)."""
 
 
+class PipelinedReads(ABC):
+    """Capability: the tier reads a run of replicas back to back in the caller's thread
+    while a helper verifies each one read (the disk tier), so a load of a few chunks
+    keeps the device busy while the checksums run."""
+
+    @abstractmethod
+    def read_pipelined(
+        self,
+        keys: Sequence[ChunkKey],
+        outs: Sequence[np.ndarray | None],
+        done: Callable[[int, ReadResult], None],
+        proceed: Callable[[], bool] | None = None,
+    ) -> int:
+        """Read every key's replica in order (into its ``outs`` buffer, or a new array
+        for None); call ``done(i, result)`` once key ``i``'s outcome is known (any
+        thread, any order); ask ``proceed`` before each read after the first (False:
+        stop, the rest neither read nor given to ``done``). Returns, once every
+        ``done`` has returned, how many were read. ReplicaNotFound, raised before
+        anything is read, when a key has no replica here."""
+
+
 class ReportsLostReplicas(ABC):
     """Capability: the tier may drop replicas by itself (found corrupt by recovery,
     compaction or an audit) and reports each, with why, exactly once."""

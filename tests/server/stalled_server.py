@@ -1,5 +1,7 @@
 """A real ``kvlife serve`` whose disk reads a test holds or damages, chunk by chunk:
-``python -m tests.server.stalled_server STORE SOCKET PID_FILE``.
+``python -m tests.server.stalled_server STORE SOCKET PID_FILE [one-cpu]`` (``one-cpu``:
+the server on one CPU, where the store reads a load's chunks back to back and verifies
+each on a helper thread: ``kvlife.store.reads``, ``_Feed.pipelined``).
 
 The server is :func:`kvlife.server.server.run` with the disk tier's file seam
 (``ServeConfig.fileio``) a :class:`MarkedIO`: a segment read whose payload begins with
@@ -16,6 +18,7 @@ Commands on stdin, one a line, each answered on stdout: ``release`` (``released`
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -84,6 +87,8 @@ def _control(io: MarkedIO) -> None:
 
 def main() -> int:
     store, sock, pid_file = (Path(a) for a in sys.argv[1:4])
+    if sys.argv[4:] == ["one-cpu"]:  # as ``kvlife serve --cpus`` with one: pipelined loads
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     io = MarkedIO()
     threading.Thread(target=_control, args=(io,), daemon=True).start()
     cfg = ServeConfig(

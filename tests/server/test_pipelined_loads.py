@@ -6,7 +6,8 @@ load, the chunks before it exact. Both ways a disk load hands its chunks over: g
 (read there by the server, each chunk told as soon as it verified).
 
 The server is a real ``kvlife serve`` whose disk reads of marked chunks are held or
-damaged (:mod:`tests.server.stalled_server`)."""
+damaged (:mod:`tests.server.stalled_server`), on every CPU and on one (where the store
+reads a load's chunks back to back, each verified on a helper meanwhile)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ N = TINY.tokens_per_chunk
 class StalledServer:
     """The child program of :mod:`tests.server.stalled_server`, stopped by PID."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, one_cpu: bool = False) -> None:
         self.socket = tmp / "s.sock"
         pid_file = tmp / "s.pid"
         self.log = tmp / "s.log"
@@ -46,6 +47,7 @@ class StalledServer:
                     str(tmp / "store"),
                     str(self.socket),
                     str(pid_file),
+                    *(["one-cpu"] if one_cpu else []),
                 ],
                 cwd=ROOT,
                 env=child_env(),
@@ -82,9 +84,13 @@ class StalledServer:
             self.proc.wait()
 
 
-@pytest.fixture
-def stalled(tmp_path: Path) -> Iterator[tuple[StalledServer, RemoteStore]]:
-    srv = StalledServer(tmp_path)
+@pytest.fixture(params=[False, True], ids=["cpus", "one-cpu"])
+def stalled(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[StalledServer, RemoteStore]]:
+    """The server on every CPU (a load's reads chained, one chunk per task) and on one
+    (its reads back to back, each chunk verified on a helper meanwhile)."""
+    srv = StalledServer(tmp_path, one_cpu=request.param)
     remote = RemoteStore(srv.socket, timeout=60)
     try:
         yield srv, remote

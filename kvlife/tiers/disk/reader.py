@@ -15,6 +15,12 @@ shared among concurrent callers: one caller alone gets ``io_depth - 1`` helper t
 more frames gets at least one (:data:`PIPELINE`), so that its checksum of one frame
 overlaps the read of the next: N callers keep max(2N, io_depth) reads in flight.
 
+``read_pipelined`` reads a run of frames the other way round: one after another in the
+caller's thread, each issued as soon as the one before it returned, each verified on a
+helper meanwhile, so the reading thread never waits for a checksum (the store uses it
+for a load on one CPU, where a helper that had to issue the next read could not run
+before the reader's checksum was done).
+
 A read in the caller's thread signals :func:`~kvlife.tiers.base.device_read_returned`
 as soon as its ``preadv`` returned, before the frame is verified: a caller that reads
 one chunk at a time (the store's ``load_async`` with a depth) submits its next read
@@ -25,8 +31,9 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -78,6 +85,19 @@ def _direct_runs(out: np.ndarray) -> list[np.ndarray] | None:
             return None
         return [out.reshape(-1).view(np.uint8)]
     return aligned_runs(out)
+
+
+@dataclass(slots=True)
+class _Landed:
+    """A frame whose device read returned, not yet verified."""
+
+    row: CatalogRow
+    out: np.ndarray | None
+    hdr: np.ndarray
+    """Its header, read into a buffer of its own (the next read does not reuse it)."""
+    payload: list[np.ndarray]
+    staged: np.ndarray | None
+    """The staging buffer it was read into, given back once it is checked."""
 
 
 class Reader:
@@ -144,6 +164,87 @@ class Reader:
                 retired = table.unpin(pinned.values())
             table.remove(retired, quiet=True)
 
+    def read_pipelined(
+        self,
+        keys: Sequence[ChunkKey],
+        outs: Sequence[np.ndarray | None],
+        done: Callable[[int, ReadResult], None],
+        proceed: Callable[[], bool] | None = None,
+    ) -> int:
+        """Read the frames of ``keys`` one after another in this thread, each issued as
+        soon as the one before it returned, and verify each on a helper thread
+        meanwhile; ``done(i, result)`` is called (on the helper, or here for a read that
+        failed) once frame ``i``'s outcome is known, in no set order. ``proceed``,
+        asked before each read after the first: False stops there (the frames from it
+        on are neither read nor given to ``done``). Returns, once every ``done`` has
+        returned, how many frames were read; raises ReplicaNotFound (nothing read) when
+        a key has no replica here, and whatever a ``done`` raised (after the others ran).
+
+        This thread never hashes: on a CPU shared with the verifier, the next read is
+        issued while the last one's checksum runs, and the device is never idle for
+        it (issue 28: the store's load of a few chunks, one at a time, handed the next
+        read to another thread instead, which on one CPU could not issue it before this
+        one's checksum was done; measured through ``kvlife serve``, docs/server.md)."""
+        if len(outs) != len(keys):
+            raise InvalidArgument(f"{len(keys)} keys but {len(outs)} output buffers")
+        table = self._table
+        with table.lock:
+            rows = [table.row(k) for k in keys]
+            pinned = table.pin_rows(rows)
+        got: list[int] = []
+        try:
+            for row, out in zip(rows, outs, strict=True):
+                if out is not None and (out.shape != row.shape or out.dtype != np.dtype(row.dtype)):
+                    raise InvalidArgument(
+                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
+                        f"{row.dtype}{list(row.shape)}"
+                    )
+            return self._pipeline(rows, pinned, outs, done, proceed, got)
+        finally:
+            with table.lock:
+                self.stats.bytes_read += sum(got)
+                retired = table.unpin(pinned.values())
+            table.remove(retired, quiet=True)
+
+    def _pipeline(
+        self,
+        rows: list[CatalogRow],
+        pinned: dict[int, Segment],
+        outs: Sequence[np.ndarray | None],
+        done: Callable[[int, ReadResult], None],
+        proceed: Callable[[], bool] | None,
+        got: list[int],
+    ) -> int:
+        pool = self._reader_pool()
+        hdrs = aligned_empty(HEADER_BYTES * len(rows))
+        checks: list[Future[None]] = []
+
+        def check(i: int, landed: _Landed) -> None:
+            done(i, self._check(landed))
+
+        read = 0
+        try:
+            for i, (row, out) in enumerate(zip(rows, outs, strict=True)):
+                if i and proceed is not None and not proceed():
+                    break
+                read += 1
+                hdr = hdrs[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+                landed = self._land(row, pinned[row.seg], out, got, hdr)
+                if isinstance(landed, _Landed):
+                    checks.append(pool.submit(check, i, landed))
+                else:
+                    done(i, landed)
+        finally:
+            failed: BaseException | None = None
+            for c in checks:  # every submitted check ends before the segments unpin
+                try:
+                    c.result()
+                except BaseException as exc:
+                    failed = failed or exc
+        if failed is not None:
+            raise failed
+        return read
+
     def _read_all(
         self,
         plan: list[tuple[CatalogRow, Segment, np.ndarray | None]],
@@ -193,8 +294,20 @@ class Reader:
     ) -> ReadResult:
         """Read and verify one frame: straight into ``out`` when its memory is aligned,
         else into a staging buffer (then copied); without ``out`` into a recycled array."""
+        landed = self._land(row, seg, out, got, _header_buffer())
+        return self._check(landed) if isinstance(landed, _Landed) else landed
+
+    def _land(
+        self,
+        row: CatalogRow,
+        seg: Segment,
+        out: np.ndarray | None,
+        got: list[int],
+        hdr: np.ndarray,
+    ) -> _Landed | ReadResult:
+        """The device read of one frame, its header into ``hdr``: the frame for
+        :meth:`_check` to verify, or the read's typed miss."""
         staged: np.ndarray | None = None
-        hdr = _header_buffer()
         runs = _direct_runs(out) if out is not None else None
         if runs is not None:
             payload = runs
@@ -208,6 +321,7 @@ class Reader:
             body = self._new_arrays.take(round_up(row.nbytes))
             payload = [body[: row.nbytes]]
             bufs = [hdr, body] if row.nbytes else [hdr]
+        landed = False
         try:
             try:
                 n = self.io.preadv(seg.fd, bufs, row.off)
@@ -221,17 +335,30 @@ class Reader:
                     row.key.hex(), self._where(row), f"truncated: {n} of {need} bytes"
                 )
             got.append(n)
-            problem = row.verify(hdr.data, payload)
+            landed = True
+            return _Landed(row, out, hdr, payload, staged)
+        finally:
+            if staged is not None and not landed:
+                self._staging.put(staged)
+
+    def _check(self, landed: _Landed) -> ReadResult:
+        """Verify a frame whose read returned (its header against the row, its
+        payload's xxh3-128 against the row's checksum), then hand its bytes out: the
+        caller's buffer (copied there from a staging buffer if it was read into one), or
+        a new read-only array."""
+        row, out, payload = landed.row, landed.out, landed.payload
+        try:
+            problem = row.verify(landed.hdr.data, payload)
             if problem:
                 return ChecksumMismatch(row.key.hex(), self._where(row), problem)
             if out is None:  # a new array: read-only from the start, for good
                 return read_only(payload[0]).view(np.dtype(row.dtype)).reshape(row.shape)
-            if staged is not None:
+            if landed.staged is not None:
                 np.copyto(out, payload[0].view(np.dtype(row.dtype)).reshape(row.shape))
             return out
         finally:
-            if staged is not None:
-                self._staging.put(staged)
+            if landed.staged is not None:
+                self._staging.put(landed.staged)
 
     def _where(self, row: CatalogRow) -> str:
         return f"{self.name} seg-{row.seg:08d}@{row.off}"

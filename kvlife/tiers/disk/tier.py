@@ -52,6 +52,7 @@ from kvlife.tiers.base import (
     Durability,
     KeepsEdges,
     PersistsCounters,
+    PipelinedReads,
     ReadResult,
     ReplicaMeta,
     ReportsLostReplicas,
@@ -118,6 +119,7 @@ class DiskTier(
     PersistsCounters,
     KeepsEdges,
     ChecksumsWrites,
+    PipelinedReads,
 ):
     """Segment files plus a SQLite catalog under one directory (the module docstring
     says how it is built and what its locks guard)."""
@@ -282,6 +284,17 @@ class DiskTier(
         self, keys: Sequence[ChunkKey], outs: Sequence[np.ndarray | None] | None = None
     ) -> list[ReadResult]:
         return self._reader.read_batch(keys, outs)
+
+    def read_pipelined(
+        self,
+        keys: Sequence[ChunkKey],
+        outs: Sequence[np.ndarray | None],
+        done: Callable[[int, ReadResult], None],
+        proceed: Callable[[], bool] | None = None,
+    ) -> int:
+        """Reads back to back in this thread, each verified on a helper meanwhile
+        (:meth:`Reader.read_pipelined <kvlife.tiers.disk.reader.Reader.read_pipelined>`)."""
+        return self._reader.read_pipelined(keys, outs, done, proceed)
 
     # ------------------------------------------------------------------ deletes and reclaim
 
