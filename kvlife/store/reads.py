@@ -338,18 +338,25 @@ class _Feed:
             self.handle._complete(it, out)
 
         try:
-            return tier.read_pipelined(
+            read = tier.read_pipelined(
                 [items[i].rec.key for i in run], [items[i].out for i in run], done, self.open
             )
-        except ReplicaNotFound:
+        except (ReplicaNotFound, InvalidArgument):
+            # a replica gone, or a buffer that does not fit, before anything was read:
+            # one chunk at a time, as the chained reads (the chunks before it served)
             if any(finished[i] for i in run):
                 raise
-            for i in run:  # gone before anything was read: one chunk at a time
-                if i > run.start and not self.open():
-                    return i - run.start
-                self.read_alone(items[i])
-                finished[i] = True
-            return len(run)
+            read = 0
+        # stopped early (the store closing, or a replica gone or replaced since the
+        # run began): the rest one chunk at a time, each looked up when it is read, as
+        # the chained reads do, so that none is read from a replica an invalidation
+        # took before its read began
+        for i in run[read:]:
+            if i > run.start and not self.open():
+                return i - run.start
+            self.read_alone(items[i])
+            finished[i] = True
+        return len(run)
 
     @staticmethod
     def _closed_at(items: list[_Item], finished: list[bool]) -> StoreClosedError:

@@ -44,8 +44,11 @@ def run_server_bench(cfg: ServerBenchConfig) -> dict[str, Any]:
 def _run(
     cfg: ServerBenchConfig, work: Path, base: Path, dram: int, shm: Path, servers: list[BenchServer]
 ) -> dict[str, Any]:
-    with pinned(cfg) as (server_cpus, client_cpus):
-        result = _points(cfg, work, base, dram, shm, servers, server_cpus)
+    with (
+        pinned(cfg) as (server_cpus, client_cpus),
+        FloorServer(shm, max(cfg.sizes) * cfg.chunks_per_call, server_cpus) as floor,
+    ):
+        result = _points(cfg, work, base, dram, shm, servers, server_cpus, floor)
         result["peer_lmcache"] = peer_lmcache(cfg, server_cpus, work)
     result["config"]["server_cpus"] = server_cpus
     result["config"]["client_cpus"] = client_cpus
@@ -61,24 +64,11 @@ def _points(
     shm: Path,
     servers: list[BenchServer],
     cpus: str,
-) -> dict[str, Any]:
-    pin = ("--cpus", cpus) if cpus else ()
-    with FloorServer(shm, max(cfg.sizes) * cfg.chunks_per_call, cpus) as floor:
-        return _served_points(cfg, work, base, dram, shm, servers, pin, floor)
-
-
-def _served_points(
-    cfg: ServerBenchConfig,
-    work: Path,
-    base: Path,
-    dram: int,
-    shm: Path,
-    servers: list[BenchServer],
-    pin: tuple[str, ...],
     floor: FloorServer,
 ) -> dict[str, Any]:
     """Every point through ``kvlife serve``; the DRAM puts and the disk loads also
     through ``floor``, the bare server (on the servers' CPUs), beside."""
+    pin = ("--cpus", cpus) if cpus else ()
     main = BenchServer(work / "m", dram, 4 * dram, shm, *pin)
     servers.append(main)
     remote = main.client()

@@ -63,6 +63,10 @@ callers share ``io_depth``: with one, a caller's checksum of frame i and its Pyt
 ran before the read of frame i + 1 was issued, so each caller left the device idle
 for that long per frame (issue 28)."""
 
+CHECKERS = 4
+"""Threads shared by all ``read_pipelined`` calls of a tier to verify the frames read
+(CPU only: a stalled device read elsewhere never holds one)."""
+
 _local = threading.local()
 
 
@@ -121,6 +125,7 @@ class Reader:
         self.stats = stats
         self._new_arrays = RecyclingPool(read_pool_bytes)
         self._read_pool: ThreadPoolExecutor | None = None
+        self._check_pool: ThreadPoolExecutor | None = None
         self._callers = 0
         """Reads in progress (under the tier lock): how ``io_depth`` is shared."""
 
@@ -174,11 +179,15 @@ class Reader:
         """Read the frames of ``keys`` one after another in this thread, each issued as
         soon as the one before it returned, and verify each on a helper thread
         meanwhile; ``done(i, result)`` is called (on the helper, or here for a read that
-        failed) once frame ``i``'s outcome is known, in no set order. ``proceed``,
-        asked before each read after the first: False stops there (the frames from it
-        on are neither read nor given to ``done``). Returns, once every ``done`` has
-        returned, how many frames were read; raises ReplicaNotFound (nothing read) when
-        a key has no replica here, and whatever a ``done`` raised (after the others ran).
+        failed) once frame ``i``'s outcome is known, in no set order. Before each read
+        after the first, ``proceed`` is asked and the frame's row looked up again: False,
+        or a row deleted or replaced since the call began (an invalidation, an
+        eviction), stops there, the frames from it on neither read nor given to
+        ``done`` (the caller reads them one at a time, as ``read_batch`` would, or not at
+        all). Returns, once every ``done`` has returned, how many frames were read;
+        raises ReplicaNotFound (nothing read) when a key has no replica here,
+        InvalidArgument (nothing read) for a buffer that does not fit its replica, and
+        whatever a ``done`` raised (after the others ran).
 
         This thread never hashes: on a CPU shared with the verifier, the next read is
         issued while the last one's checksum runs, and the device is never idle for
@@ -215,9 +224,10 @@ class Reader:
         proceed: Callable[[], bool] | None,
         got: list[int],
     ) -> int:
-        pool = self._reader_pool()
+        pool = self._checker_pool()
         hdrs = aligned_empty(HEADER_BYTES * len(rows))
         checks: list[Future[None]] = []
+        table = self._table
 
         def check(i: int, landed: _Landed) -> None:
             done(i, self._check(landed))
@@ -227,6 +237,10 @@ class Reader:
             for i, (row, out) in enumerate(zip(rows, outs, strict=True)):
                 if i and proceed is not None and not proceed():
                     break
+                if i:
+                    with table.lock:  # gone or replaced since: not read here
+                        if table.rows.get(ChunkKey(row.key)) is not row:
+                            break
                 read += 1
                 hdr = hdrs[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
                 landed = self._land(row, pinned[row.seg], out, got, hdr)
@@ -280,6 +294,16 @@ class Reader:
                 raise RuntimeError("a frame of the batch was not read")
             done.append(r)
         return done
+
+    def _checker_pool(self) -> ThreadPoolExecutor:
+        """The threads that verify ``read_pipelined``'s frames: never the read helpers,
+        which a stalled device read can hold (a check never waits on the device)."""
+        with self._table.lock:
+            if self._check_pool is None:
+                self._check_pool = ThreadPoolExecutor(
+                    max_workers=CHECKERS, thread_name_prefix="kvlife-check"
+                )
+            return self._check_pool
 
     def _reader_pool(self) -> ThreadPoolExecutor:
         with self._table.lock:
@@ -367,3 +391,5 @@ class Reader:
         """Stop the helper threads (no read may be in flight after)."""
         if self._read_pool is not None:
             self._read_pool.shutdown(wait=True)
+        if self._check_pool is not None:
+            self._check_pool.shutdown(wait=True)
