@@ -17,9 +17,11 @@ overlaps the read of the next: N callers keep max(2N, io_depth) reads in flight.
 
 ``read_pipelined`` reads a run of frames the other way round: one after another in the
 caller's thread, each issued as soon as the one before it returned, each verified on a
-helper meanwhile, so the reading thread never waits for a checksum (the store uses it
-for a load on one CPU, where a helper that had to issue the next read could not run
-before the reader's checksum was done).
+thread of the tier's check pool (:data:`CHECKERS`, never the read helpers) meanwhile,
+so the reading thread never waits for a checksum (the store uses it for a load on one
+CPU, where a helper that had to issue the next read could not run before the reader's
+checksum was done). Each read after the first looks its row up again and stops the run
+at one deleted or replaced since (an invalidation took it: not read).
 
 A read in the caller's thread signals :func:`~kvlife.tiers.base.device_read_returned`
 as soon as its ``preadv`` returned, before the frame is verified: a caller that reads
