@@ -1,6 +1,8 @@
 """Attacks on the pipelined disk load (issue 28, commit f6c0dfe): ``load_async`` with a
 depth, as on one CPU, reads a run of plain disk replicas back to back in one task
-(``Reader.read_pipelined``) and verifies each on the disk tier's helper pool.
+(``Reader.read_pipelined``) and verifies each on the disk tier's check pool. Two faults it
+found are fixed (e713584): a chunk read after an invalidation took its row, and checks
+queued behind other loads' stalled reads on the read helpers' pool.
 
 Every test here forces that path (``reads._one_cpu`` patched to True) and checks that it
 ran (``DiskTier.read_pipelined`` was called), then holds it to the store's promises:
@@ -10,6 +12,7 @@ a hang is a failure, never a stuck run."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import random
@@ -24,6 +27,7 @@ import pytest
 from kvlife.core.errors import KVLifeError, StoreClosedError
 from kvlife.core.identity import PUBLIC, ChunkKey, ModelIdentity
 from kvlife.faults.damage import Frame, flip, scan_frames, swap_frames
+from kvlife.results import LookupResult
 from kvlife.store import Accept, KVStore, StoreConfig, TierSpec, reads
 from kvlife.store.reads import LoadHandle
 from kvlife.tiers.disk import DiskTier
@@ -1004,28 +1008,21 @@ class StallIO(FileIO):
         return super().preadv(fd, buffers, offset)
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [
-        "chained",
-        "one-cpu",
-    ],
-)
-def test_a_load_whose_reads_returned_does_not_wait_for_other_loads_stalled_reads(
-    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch, mode: str
-) -> None:
-    """Sixteen synchronous loads stall in the device (a slow region of the disk), their
-    batch helpers filling the tier's helper pool; a ``depth=2`` load of another prompt,
-    whose own reads return at once, must still hand out its chunks (chained: it does)."""
-    monkeypatch.setattr(reads, "_one_cpu", lambda: mode == "one-cpu")
+@contextlib.contextmanager
+def _stalled_helpers(
+    tmp_path: Path, identity: ModelIdentity, seed: int
+) -> Iterator[tuple[KVStore, StallIO, LookupResult, np.ndarray, list[threading.Thread]]]:
+    """A disk-only store whose read helpers are all held by sixteen synchronous loads
+    stalled in the device (a slow region of the disk), and the lookup of another,
+    2-chunk prompt whose reads return at once; the stalls end when the block does."""
     io = StallIO()
     store = disk_only(tmp_path, io)
     stalled: list[threading.Thread] = []
     try:
-        slow = [prompt_kv(350 + p, 4 * N) for p in range(16)]
-        for tokens, kv in slow:
-            store.put_prompt(identity, PUBLIC, tokens, kv)
-        tokens, kv = prompt_kv(349, 2 * N)
+        slow = [prompt_kv(seed + 1 + p, 4 * N) for p in range(16)]
+        for t, k in slow:
+            store.put_prompt(identity, PUBLIC, t, k)
+        tokens, kv = prompt_kv(seed, 2 * N)
         store.put_prompt(identity, PUBLIC, tokens, kv)
         slow_hits = [store.lookup(identity, PUBLIC, t) for t, _ in slow]
         hit = store.lookup(identity, PUBLIC, tokens)
@@ -1035,9 +1032,7 @@ def test_a_load_whose_reads_returned_does_not_wait_for_other_loads_stalled_reads
             th.start()
             stalled.append(th)
         wait_until(lambda: io.helpers_stalled >= 16, "the helper pool to fill with stalled reads")
-        handle = store.load_async(hit, depth=2)
-        first = handle.chunk(0, timeout=2.0)  # TimeoutError: the load is starved
-        assert first is not None and np.array_equal(first, chunk(kv, 0))
+        yield store, io, hit, kv, stalled
     finally:
         io.go.set()
         for th in stalled:
@@ -1046,28 +1041,27 @@ def test_a_load_whose_reads_returned_does_not_wait_for_other_loads_stalled_reads
     assert not any(th.is_alive() for th in stalled)
 
 
+@pytest.mark.parametrize("mode", ["chained", "one-cpu"])
+def test_a_load_whose_reads_returned_does_not_wait_for_other_loads_stalled_reads(
+    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """Sixteen synchronous loads stall in the device, their batch helpers filling the
+    tier's helper pool; a ``depth=2`` load of another prompt, whose own reads return at
+    once, must still hand out its chunks (chained: it does; pipelined: its checks run on
+    a pool of their own since the review, before they queued behind the stalls)."""
+    monkeypatch.setattr(reads, "_one_cpu", lambda: mode == "one-cpu")
+    with _stalled_helpers(tmp_path, identity, 349) as (store, _, hit, kv, _):
+        handle = store.load_async(hit, depth=2)
+        first = handle.chunk(0, timeout=2.0)  # TimeoutError: the load is starved
+        assert first is not None and np.array_equal(first, chunk(kv, 0))
+
+
 def test_a_starved_pipelined_load_completes_once_the_stalled_reads_return(
     tmp_path: Path, identity: ModelIdentity, pipelined: list[int]
 ) -> None:
-    """The same starvation as above, then the stalled reads return: the pipelined load
-    completes (no deadlock), exact, and every load leaves no pin."""
-    io = StallIO()
-    store = disk_only(tmp_path, io)
-    stalled: list[threading.Thread] = []
-    try:
-        slow = [prompt_kv(370 + p, 4 * N) for p in range(16)]
-        for t, k in slow:
-            store.put_prompt(identity, PUBLIC, t, k)
-        tokens, kv = prompt_kv(369, 2 * N)
-        store.put_prompt(identity, PUBLIC, tokens, kv)
-        slow_hits = [store.lookup(identity, PUBLIC, t) for t, _ in slow]
-        hit = store.lookup(identity, PUBLIC, tokens)
-        io.go.clear()
-        for h in slow_hits:
-            th = threading.Thread(target=store.load, args=(h,), daemon=True)
-            th.start()
-            stalled.append(th)
-        wait_until(lambda: io.helpers_stalled >= 16, "the helper pool to fill with stalled reads")
+    """The same stalls, then the stalled reads return: the pipelined load completes (no
+    deadlock), exact, and every load leaves no pin."""
+    with _stalled_helpers(tmp_path, identity, 369) as (store, io, hit, kv, stalled):
         handle = store.load_async(hit, depth=2)
         io.go.set()
         res = handle.wait(timeout=WAIT)
@@ -1079,9 +1073,6 @@ def test_a_starved_pipelined_load_completes_once_the_stalled_reads_return(
             th.join(WAIT)
         assert not any(th.is_alive() for th in stalled)
         settled(store)
-    finally:
-        io.go.set()
-        store.close()
 
 
 # ---------------------------------------------------------------------------- fallbacks
