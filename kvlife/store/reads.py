@@ -264,8 +264,8 @@ class _Feed:
     def pipelined(self) -> bool:
         """On one CPU, submit the whole load as one task that goes through its chunks
         in order: runs of plain replicas (no frame to decode) on a tier that reads so
-        (the disk tier: ``read_pipelined``) read back to back, each chunk verified on a
-        helper meanwhile, the other chunks read one at a time. Whether it was (False:
+        (the disk tier: ``read_pipelined``) read back to back, each chunk verified on the
+        tier's check pool meanwhile, the other chunks read one at a time. Whether it was (False:
         on more CPUs, or with no such run, the chained reads, one chunk per task).
 
         Measured (issue 28), 4 chunks a load: through ``kvlife serve`` on one CPU the
@@ -288,6 +288,7 @@ class _Feed:
         return True
 
     def _same_run(self, first: _Item, it: _Item) -> bool:
+        """``it`` continues a pipelined run that began with ``first``."""
         return it.tier == first.tier and self._pipelinable(it)
 
     def _pipelinable(self, it: _Item) -> bool:
@@ -307,9 +308,7 @@ class _Feed:
                     at += 1
                     continue
                 end = at + 1
-                while (
-                    end < n and items[end].tier == items[at].tier and self._pipelinable(items[end])
-                ):
+                while end < n and self._same_run(items[at], items[end]):
                     end += 1
                 read = self._read_run_pipelined(items, range(at, end), finished)
                 at += read
