@@ -113,11 +113,23 @@ def test_defect_2_out_of_descriptors_sheds_connections_not_the_server(tmp_path: 
         assert 0 < shed < 90
         for c in conns:
             c.close()
-        with srv.client() as client:  # the descriptors came back: served again
+        # The descriptors come back as the server's sessions see the closes, which takes
+        # a moment on a busy machine: until then a new connection is shed (and counted).
+        late = 0
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client = srv.client()
+                break
+            except LimitExceeded:
+                late += 1
+                assert time.monotonic() < deadline, "the descriptors never came back"
+                time.sleep(0.05)
+        with client:  # the descriptors came back: served again
             tokens, _kv = _put(client, 1, 2)
             assert client.get(tiny_identity(), PUBLIC, tokens).loaded == 2
             snap = quiet(client)
-            assert snap["refused_descriptors"] + snap["refused_connections"] == shed
+            assert snap["refused_descriptors"] + snap["refused_connections"] == shed + late
             assert snap["held_connections"] == snap["held_descriptors"] == 1
     finally:
         for c in conns:
