@@ -10,7 +10,8 @@ fp16; ``--quick``: a tiny layout and a short prompt). Per size it measures:
 - **lookup cost** per prompt (median of ``repeats`` lookups of the stored prompt);
 - **metadata bytes per token**: what the store keeps per chunk besides the KV itself:
   the disk catalog's growth (SQLite database and WAL after a flush), each frame's header
-  and padding (:func:`kvlife.tiers.disk.frame.frame_len` less the payload), and the
+  and padding (:func:`kvlife.tiers.disk.frame.frame_room` less the payload: the most a
+  frame takes, the zeros that align a large payload included), and the
   resident bookkeeping of the process (``tracemalloc``'s growth over the put, the KV
   arrays themselves allocated before it started), both over the put of a second prompt
   so that buffers the tier keeps after its first writes are not counted;
@@ -103,7 +104,7 @@ def measure_size(cfg: ObjectSizeConfig, size: int, tmp: Path) -> dict[str, Any]:
     """Store, look up and load one prompt in chunks of ``size`` tokens on a fresh
     disk-only store; returns the measurements of that size."""
     from kvlife.store import KVStore, StoreConfig, TierSpec
-    from kvlife.tiers.disk.frame import frame_len
+    from kvlife.tiers.disk.frame import frame_room
 
     identity = _identity(cfg, size)
     lay = identity.layout
@@ -167,7 +168,7 @@ def measure_size(cfg: ObjectSizeConfig, size: int, tmp: Path) -> dict[str, Any]:
     finally:
         store.close(flush=False)
     load_s = min(loads)
-    framing = frame_len(payload) - payload
+    framing = frame_room(payload) - payload
     return {
         "tokens_per_chunk": size,
         "chunks": chunks,

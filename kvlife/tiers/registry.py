@@ -113,9 +113,9 @@ def footprint(kind: str, nbytes: int) -> int:
 
 
 def _disk_footprint(nbytes: int) -> int:
-    from kvlife.tiers.disk.frame import frame_len
+    from kvlife.tiers.disk.frame import frame_room
 
-    return frame_len(nbytes)
+    return frame_room(nbytes)
 
 
 def _shm_footprint(nbytes: int) -> int:

@@ -25,7 +25,7 @@ from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.disk.catalog import Catalog, CatalogRow
 from kvlife.tiers.disk.counters import DiskStats, LostReplicas
 from kvlife.tiers.disk.fileio import FileIO, os_error
-from kvlife.tiers.disk.frame import HEADER_BYTES, frame_len
+from kvlife.tiers.disk.frame import HEADER_BYTES, frame_len, frame_room, padding
 from kvlife.tiers.disk.segments import Segment, SegmentTable
 
 
@@ -128,12 +128,12 @@ class Compactor:
             if problem:
                 dropped.append((row, problem))
                 continue
-            dst, off = table.place(flen)
-            written = self.io.pwritev(dst.fd, [frame], off)
-            if written != flen:
-                raise OSError(errno.EIO, f"short write: {written} of {flen} bytes")
+            dst, off, pad = table.place(row.nbytes)
+            written = self.io.pwritev(dst.fd, [padding(pad), frame] if pad else [frame], off - pad)
+            if written != pad + flen:
+                raise OSError(errno.EIO, f"short write: {written} of {pad + flen} bytes")
             touched.add(dst.id)
-            copied += flen
+            copied += pad + flen
             moves.append((row.key, dst.id, off))
         for sid in touched:
             self.io.fdatasync(table.segments[sid].fd)
@@ -148,7 +148,7 @@ class Compactor:
             for key, sid, off in moves:
                 ck = ChunkKey(key)
                 rows_now[ck] = dataclasses.replace(rows_now[ck], seg=sid, off=off)
-                table.segments[sid].live += frame_len(rows_now[ck].nbytes)
+                table.segments[sid].live += frame_room(rows_now[ck].nbytes)
             for row, _ in dropped:
                 del rows_now[ChunkKey(row.key)]
             seg.live = 0

@@ -28,7 +28,7 @@ from kvlife.tiers.disk.audit import check_frame
 from kvlife.tiers.disk.catalog import Catalog, CatalogCorrupt, CatalogMissing
 from kvlife.tiers.disk.counters import DiskStats, LostReplicas
 from kvlife.tiers.disk.fileio import FileIO, os_error
-from kvlife.tiers.disk.frame import frame_len
+from kvlife.tiers.disk.frame import frame_room
 from kvlife.tiers.disk.segments import Segment, SegmentTable, segment_files
 from kvlife.tiers.disk.superblock import FILE_NAME as SUPERBLOCK_FILE
 from kvlife.tiers.disk.superblock import CatalogRolledBack, Superblock, SuperblockError
@@ -142,7 +142,7 @@ def recover(
             continue
         assert s.row is not None
         table.rows[ChunkKey(s.row.key)] = s.row
-        table.segments[s.row.seg].live += frame_len(s.row.nbytes)
+        table.segments[s.row.seg].live += frame_room(s.row.nbytes)
     catalog.quarantine(marks)
     stats.recovered = len(table.rows)
     stats.recovery_dropped = len(marks)

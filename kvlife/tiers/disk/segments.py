@@ -35,7 +35,7 @@ from kvlife.core.identity import ChunkKey
 from kvlife.tiers.disk.catalog import CatalogRow
 from kvlife.tiers.disk.counters import DiskStats
 from kvlife.tiers.disk.fileio import FileIO, os_error
-from kvlife.tiers.disk.frame import frame_len
+from kvlife.tiers.disk.frame import frame_len, frame_pad, frame_room
 
 SEGMENT_RE = re.compile(r"^seg-(\d{8})\.kvs$")
 """File names of segments: ``seg-`` and the id in eight digits."""
@@ -71,7 +71,8 @@ class Segment:
     length: int
     """Bytes placed in it (written, or being written by the one writer)."""
     live: int = 0
-    """Bytes of its frames that rows name (the rest is garbage for compaction)."""
+    """Bytes of its frames that rows name, each counted with the padding it may need
+    (:func:`~kvlife.tiers.disk.frame.frame_room`); the rest is garbage for compaction."""
     readers: int = 0
     """Reads in flight on this segment (its file must outlive them)."""
     doomed: bool = False
@@ -163,21 +164,27 @@ class SegmentTable:
                 if sid in self.segments:
                     self.segments[sid].length = length
 
-    def place(self, flen: int) -> tuple[Segment, int]:
-        """Room for a frame of ``flen`` bytes at the end of the active segment, or of a
+    def place(self, payload_len: int) -> tuple[Segment, int, int]:
+        """Room for a frame of ``payload_len`` at the end of the active segment, or of a
         new one when it would pass ``segment_bytes`` (a larger frame gets a segment of
-        its own). The writer's only: the writer of the moment holds the write mutex."""
+        its own): the segment, the frame's offset and the padding skipped before it
+        (:func:`~kvlife.tiers.disk.frame.frame_pad`). The writer's only: the writer of
+        the moment holds the write mutex."""
+        flen = frame_len(payload_len)
         with self.lock:
             seg = self.active
-            if seg.length == 0 or seg.length + flen <= self.segment_bytes:
-                off = seg.length
-                seg.length += flen
-                return seg, off
+            pad = frame_pad(seg.length, payload_len)
+            if seg.length == 0 or seg.length + pad + flen <= self.segment_bytes:
+                return seg, *self._extend(seg, pad, flen)
         seg = self.roll()
         with self.lock:
-            off = seg.length
-            seg.length += flen
-            return seg, off
+            return seg, *self._extend(seg, frame_pad(seg.length, payload_len), flen)
+
+    @staticmethod
+    def _extend(seg: Segment, pad: int, flen: int) -> tuple[int, int]:
+        off = seg.length + pad
+        seg.length = off + flen
+        return off, pad
 
     def roll(self) -> Segment:
         """Seal the active segment and make a new, empty one active. The file is created
@@ -226,7 +233,7 @@ class SegmentTable:
             if old is not None and self.drop_live(old):
                 retired.append(self.segments[old.seg])
             self.rows[key] = row
-            self.segments[row.seg].live += frame_len(row.nbytes)
+            self.segments[row.seg].live += frame_room(row.nbytes)
         return retired
 
     def unpublish(self, rows: Iterable[CatalogRow]) -> list[Segment]:
@@ -243,7 +250,7 @@ class SegmentTable:
         """Uncount a row's frame (under the lock); True if its segment is now retired and
         unreferenced, for the caller to remove once the lock is released."""
         seg = self.segments[row.seg]
-        seg.live -= frame_len(row.nbytes)
+        seg.live -= frame_room(row.nbytes)
         if (
             seg.live == 0
             and seg is not self._active

@@ -66,7 +66,7 @@ from kvlife.tiers.disk.audit import TierSource, audit
 from kvlife.tiers.disk.compaction import Compactor
 from kvlife.tiers.disk.counters import DiskStats, LostReplicas
 from kvlife.tiers.disk.fileio import FileIO, probe_direct_io
-from kvlife.tiers.disk.frame import frame_len
+from kvlife.tiers.disk.frame import frame_room
 from kvlife.tiers.disk.links import Links
 from kvlife.tiers.disk.reader import Reader
 from kvlife.tiers.disk.recovery import open_catalog, recover
@@ -222,7 +222,7 @@ class DiskTier(
         return self._table.used_bytes()
 
     def footprint(self, nbytes: int) -> int:
-        return frame_len(nbytes)
+        return frame_room(nbytes)
 
     @property
     def segment_count(self) -> int:
@@ -233,7 +233,7 @@ class DiskTier(
         return self._table.live_bytes()
 
     def prepare_store(self, metas: Sequence[ReplicaMeta]) -> Reservation | CapacityShortfall:
-        need = sum(frame_len(m.nbytes) for m in metas)
+        need = sum(frame_room(m.nbytes) for m in metas)
         with self._write_mutex:  # compaction writes: one writer at a time
             with self._lock:
                 fits = self.used_bytes + need <= self.capacity_bytes

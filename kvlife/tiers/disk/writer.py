@@ -11,7 +11,9 @@ Frames go out with aligned O_DIRECT ``pwritev`` where the filesystem allows it
 to :data:`WRITE_GROUP_BYTES`, queued to the writer's I/O thread so that checksums and
 staging copies of the next frames overlap the device, at most ``io_depth`` calls in
 flight. A frame's header gets a page of its own, so aligned caller memory is written as
-it is and only unaligned payloads are staged (copied once, checksummed in cache).
+it is and only unaligned payloads are staged (copied once, checksummed in cache). The
+zeros before a large frame (:func:`~kvlife.tiers.disk.frame.frame_pad`) go out in the
+same call, from one shared buffer.
 
 A delete commits its catalog transaction (rows gone, generation bumped and recorded in
 the superblock) before the rows leave the segment table; a segment left with no live
@@ -45,6 +47,7 @@ from kvlife.tiers.disk.frame import (
     FrameHeader,
     frame_len,
     pack_header,
+    padding,
     payload_checksum,
 )
 from kvlife.tiers.disk.links import Links
@@ -168,20 +171,24 @@ class Writer:
         touched: set[int] = set()
         inflight: list[_WriteGroup] = []
         group: _WriteGroup | None = None
+        padded = 0
         try:
             for meta, arr in zip(metas, payloads, strict=True):
                 u8 = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-                flen = frame_len(u8.nbytes)
-                seg, off = self._table.place(flen)
+                seg, off, pad = self._table.place(u8.nbytes)
                 start.setdefault(seg.id, 0)
                 touched.add(seg.id)
                 bufs, staged, checksum = self._frame_buffers(meta, u8)
-                if group is not None and not group.takes(seg, off, flen, len(bufs)):
+                if pad:  # written with the frame: one request, no hole before it
+                    bufs.insert(0, padding(pad))
+                    padded += pad
+                placed = pad + frame_len(u8.nbytes)
+                if group is not None and not group.takes(seg, off - pad, placed, len(bufs)):
                     self._submit_group(group, inflight)
                     group = None
                 if group is None:
-                    group = _WriteGroup(seg, off)
-                group.add(bufs, flen, staged)
+                    group = _WriteGroup(seg, off - pad)
+                group.add(bufs, placed, staged)
                 rows.append(
                     CatalogRow(
                         meta.key,
@@ -221,7 +228,7 @@ class Writer:
             raise
         with self._table.lock:
             self.stats.frames_written += len(rows)
-            self.stats.bytes_written += sum(frame_len(r.nbytes) for r in rows)
+            self.stats.bytes_written += sum(frame_len(r.nbytes) for r in rows) + padded
             self.stats.payload_bytes_written += sum(r.nbytes for r in rows)
         return rows
 
