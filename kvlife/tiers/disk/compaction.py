@@ -51,39 +51,37 @@ class Compactor:
     def make_room(self, need: int) -> None:
         """Copy live frames out of the most wasteful sealed segments until ``need`` fits.
         Segments with reads in flight are left for later (a reader that pins one after
-        this choice only delays its unlink)."""
+        this choice only delays its unlink).
+
+        The candidates are chosen again after each segment: copies may seal the active
+        segment with garbage in it (they roll to a new one when it is full), and that
+        segment is a candidate too, so that a batch that fits the live budget is never
+        refused. Each segment is compacted once per call at most."""
         table = self._table
-        with table.lock:
-            candidates = sorted(
-                (
+        done: set[int] = set()
+        while table.used_bytes() + need > self._capacity:
+            with table.lock:
+                candidates = [
                     s
                     for s in table.segments.values()
-                    if s is not table.active
-                    and s.length > s.live
+                    if s.length > s.live
+                    and s.id not in done
                     and not s.doomed
                     and s.readers == 0  # its space would not come back until they leave
                     and s.id not in table.held  # holds quarantined rows
-                ),
-                key=lambda s: s.live / max(s.length, 1),
-            )
-        for seg in candidates:
-            if table.used_bytes() + need <= self._capacity:
+                ]
+                sealed = [s for s in candidates if s is not table.active]
+            if sealed:
+                seg = min(sealed, key=lambda s: s.live / max(s.length, 1))
+            elif candidates:
+                # the garbage is in the active segment: seal it and compact it like any
+                # other
+                seg = candidates[0]
+                table.roll()
+            else:
                 return
+            done.add(seg.id)
             self._compact_segment(seg)
-        # Still short: the garbage is in the active segment. Seal it and compact it like
-        # any other, so that a batch that fits the live budget is never refused.
-        with table.lock:
-            act = table.active
-            roll = (
-                table.used_bytes() + need > self._capacity
-                and act.length > act.live
-                and act.readers == 0
-                and not act.doomed
-                and act.id not in table.held
-            )
-        if roll:
-            table.roll()
-            self._compact_segment(act)
 
     def _compact_segment(self, seg: Segment) -> None:
         table = self._table
