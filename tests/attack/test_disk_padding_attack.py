@@ -39,13 +39,11 @@ Everything else held.
 from __future__ import annotations
 
 import errno
-import itertools
 import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import blake3
 import numpy as np
 import pytest
 
@@ -55,7 +53,6 @@ from kvlife.faults.crash import AckLog, read_log
 from kvlife.faults.damage import scan_frames
 from kvlife.faults.fileio import FaultyIO
 from kvlife.store import KVStore
-from kvlife.tiers.base import ReadResult, ReplicaMeta
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
 from kvlife.tiers.disk import segments as segments_module
 from kvlife.tiers.disk.audit import audit_directory
@@ -67,6 +64,14 @@ from kvlife.tiers.disk.frame import (
     frame_room,
 )
 from kvlife.tiers.registry import footprint
+from tests.helpers.disk_frames import (
+    check_invariants,
+    expect_reads,
+    frame_key,
+    frame_metas,
+    frame_payload,
+    store_frames,
+)
 
 MiB = 1 << 20
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
@@ -90,25 +95,6 @@ larger than the 5 MiB segments the tests use."""
 # ---------------------------------------------------------------------------- helpers
 
 
-def _key(tag: str, i: int) -> ChunkKey:
-    return ChunkKey(blake3.blake3(f"{tag}-{i}".encode()).digest())
-
-
-def _payload(seed: int, nbytes: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-
-
-def _metas(keys: list[ChunkKey], arrs: list[np.ndarray]) -> list[ReplicaMeta]:
-    return [ReplicaMeta(k, "uint8", a.shape) for k, a in zip(keys, arrs, strict=True)]
-
-
-def _store(tier: DiskTier, tag: str, sizes: list[int], seed: int = 0) -> dict[ChunkKey, np.ndarray]:
-    keys = [_key(tag, i) for i in range(len(sizes))]
-    arrs = [_payload(seed + i, n) for i, n in enumerate(sizes)]
-    assert tier.store(_metas(keys, arrs), arrs)
-    return dict(zip(keys, arrs, strict=True))
-
-
 def _open(root: Path, capacity: int, segment: int, io: FaultyIO | None = None) -> DiskTier:
     """A disk tier at ``root/disk`` (where the store keeps it: the audit of a closed
     directory and ``scan_frames`` find it there)."""
@@ -121,64 +107,6 @@ def _state(tier: DiskTier) -> tuple[int, int, dict[int, tuple[int, int]], dict[C
     with table.lock:
         segs = {s.id: (s.length, s.live) for s in table.segments.values()}
         return tier.used_bytes, tier.live_bytes, segs, dict(table.rows)
-
-
-def _invariants(tier: DiskTier, *, capacity: bool = True) -> None:
-    """The space accounting of the tier, all of it: every segment's ``live`` is the
-    ``frame_room`` of the rows naming it (so never negative), no row names a retired
-    segment or reaches past a segment's length, large payloads aligned, frames never
-    overlap, every sealed segment with no live frame retired, no reservation left,
-    capacity never passed."""
-    table = tier._table
-    with table.lock:
-        room: dict[int, int] = {}
-        spans: dict[int, list[tuple[int, int]]] = {}
-        for row in table.rows.values():
-            seg = table.segments[row.seg]
-            assert not seg.doomed, f"a row names retired segment {row.seg}"
-            assert row.off % 4096 == 0
-            assert row.off + frame_len(row.nbytes) <= seg.length
-            if row.nbytes >= ALIGNED_FROM:
-                assert (row.off + HEADER_BYTES) % PAYLOAD_ALIGN == 0, (row.off, row.nbytes)
-            room[row.seg] = room.get(row.seg, 0) + frame_room(row.nbytes)
-            spans.setdefault(row.seg, []).append((row.off, row.off + frame_len(row.nbytes)))
-        for sid, seg in table.segments.items():
-            assert seg.live == room.get(sid, 0), (sid, seg.live, room.get(sid, 0))
-            if seg is not table.active and seg.live == 0 and sid not in table.held:
-                assert seg.doomed, f"sealed segment {sid} holds no live frame but is kept"
-        for ranges in spans.values():
-            ranges.sort()
-            for (_, end), (start, _) in itertools.pairwise(ranges):
-                assert start >= end, "frames overlap"
-        assert table.reserved == 0, f"{table.reserved} bytes still reserved"
-    if capacity:
-        assert tier.used_bytes <= tier.capacity_bytes
-
-
-def _expect_reads(tier: DiskTier, want: dict[ChunkKey, np.ndarray]) -> None:
-    """Every way of reading: new arrays, aligned and unaligned caller buffers, batched
-    and pipelined; each result bit-exact."""
-    keys = list(want)
-    for got, key in zip(tier.read_batch(keys), keys, strict=True):
-        assert isinstance(got, np.ndarray), got
-        assert np.array_equal(got, want[key])
-    aligned = [np.zeros_like(want[k]) for k in keys]
-    unaligned = [np.zeros(want[k].nbytes + 1, np.uint8)[1:] for k in keys]
-    for outs in (aligned, unaligned):
-        for got, out, key in zip(tier.read_batch(keys, outs), outs, keys, strict=True):
-            assert got is out
-            assert np.array_equal(out, want[key])
-    for outs_p in ([None] * len(keys), [np.zeros_like(want[k]) for k in keys]):
-        results: dict[int, ReadResult] = {}
-
-        def done(i: int, result: ReadResult, results: dict[int, ReadResult] = results) -> None:
-            results[i] = result
-
-        assert tier.read_pipelined(keys, outs_p, done) == len(keys)
-        for i, key in enumerate(keys):
-            got = results[i]
-            assert isinstance(got, np.ndarray), got
-            assert np.array_equal(got, want[key])
 
 
 def _scan_matches_rows(root: Path, tier_rows: dict[ChunkKey, tuple[int, int, int]]) -> None:
@@ -214,10 +142,10 @@ def back_to_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_sizes_around_the_threshold_read_back_every_way_and_scan_clean(tmp_path: Path) -> None:
     tier = _open(tmp_path, 256 * MiB, 5 * MiB)
     try:
-        want = _store(tier, "edge", EDGE_SIZES)
-        want |= _store(tier, "again", list(reversed(EDGE_SIZES)), seed=50)
-        _invariants(tier)
-        _expect_reads(tier, want)
+        want = store_frames(tier, "edge", EDGE_SIZES)
+        want |= store_frames(tier, "again", list(reversed(EDGE_SIZES)), seed=50)
+        check_invariants(tier)
+        expect_reads(tier, want)
         # the footprint the placement charges is what a live frame counts as
         assert all(tier.footprint(n) == footprint("disk", n) == frame_room(n) for n in EDGE_SIZES)
         assert tier.live_bytes == sum(frame_room(a.nbytes) for a in want.values())
@@ -231,11 +159,11 @@ def test_sizes_around_the_threshold_read_back_every_way_and_scan_clean(tmp_path:
     assert len(scan_frames(tmp_path)) == len(rows)
     tier = _open(tmp_path, 256 * MiB, 5 * MiB)
     try:
-        _invariants(tier)
-        _expect_reads(tier, want)
+        check_invariants(tier)
+        expect_reads(tier, want)
         # delete everything: every sealed segment goes, nothing is left counted
         tier.delete_batch(list(want))
-        _invariants(tier)
+        check_invariants(tier)
         assert tier.live_bytes == 0
         assert tier.segment_count == 1
     finally:
@@ -263,13 +191,13 @@ def test_a_batch_failing_anywhere_leaves_nothing_and_gives_the_padding_back(
     io = FaultyIO()
     tier = _open(tmp_path, 64 * MiB, 5 * MiB, io)
     try:
-        first = _store(tier, "first", [ALIGNED_FROM, 4096])  # the active segment not empty
+        first = store_frames(tier, "first", [ALIGNED_FROM, 4096])  # the active segment not empty
         before = _state(tier)
-        keys = [_key("failing", i) for i in range(len(FAILING_BATCH))]
-        arrs = [_payload(100 + i, n) for i, n in enumerate(FAILING_BATCH)]
+        keys = [frame_key("failing", i) for i in range(len(FAILING_BATCH))]
+        arrs = [frame_payload(100 + i, n) for i, n in enumerate(FAILING_BATCH)]
         io.arm(op, errno.EIO, after=after, once=True, path="seg-*.kvs")
         with pytest.raises(OSError):
-            tier.store(_metas(keys, arrs), arrs)
+            tier.store(frame_metas(keys, arrs), arrs)
         assert io.injected.get(op) == 1
         io.disarm()
         after_state = _state(tier)
@@ -280,12 +208,12 @@ def test_a_batch_failing_anywhere_leaves_nothing_and_gives_the_padding_back(
         for sid, (length, live) in after_state[2].items():
             assert (length, live) == before[2].get(sid, (0, 0)), sid
         assert not any(tier.contains(k) for k in keys)
-        _invariants(tier)
+        check_invariants(tier)
         # the same batch goes through now, laid out aligned and exact
-        assert tier.store(_metas(keys, arrs), arrs)
+        assert tier.store(frame_metas(keys, arrs), arrs)
         want = first | dict(zip(keys, arrs, strict=True))
-        _invariants(tier)
-        _expect_reads(tier, want)
+        check_invariants(tier)
+        expect_reads(tier, want)
         assert tier.check().clean
         rows = _rows_of(tier)
     finally:
@@ -295,8 +223,8 @@ def test_a_batch_failing_anywhere_leaves_nothing_and_gives_the_padding_back(
     tier = _open(tmp_path, 64 * MiB, 5 * MiB)
     try:
         assert tier.stats.recovery_dropped == 0
-        _invariants(tier)
-        _expect_reads(tier, want)
+        check_invariants(tier)
+        expect_reads(tier, want)
     finally:
         tier.close()
 
@@ -308,19 +236,19 @@ def test_a_failed_compaction_copy_after_padding_rolls_back(tmp_path: Path) -> No
     room = frame_room(ALIGNED_FROM)
     tier = _open(tmp_path, 5 * room, 2 * room, io)
     try:
-        want = _store(tier, "a", [ALIGNED_FROM, ALIGNED_FROM])
-        want |= _store(tier, "b", [ALIGNED_FROM, ALIGNED_FROM], seed=10)
+        want = store_frames(tier, "a", [ALIGNED_FROM, ALIGNED_FROM])
+        want |= store_frames(tier, "b", [ALIGNED_FROM, ALIGNED_FROM], seed=10)
         doomed = list(want)[1]
         tier.delete(doomed)
         del want[doomed]
         io.arm("pwritev", errno.EIO, after=1, path="seg-*.kvs")  # padding ok, frame fails
-        arrs = [_payload(70, ALIGNED_FROM), _payload(71, ALIGNED_FROM)]
-        keys = [_key("c", 0), _key("c", 1)]
+        arrs = [frame_payload(70, ALIGNED_FROM), frame_payload(71, ALIGNED_FROM)]
+        keys = [frame_key("c", 0), frame_key("c", 1)]
         with pytest.raises(OSError):
-            tier.store(_metas(keys, arrs), arrs)
+            tier.store(frame_metas(keys, arrs), arrs)
         io.disarm()
         assert not any(tier.contains(k) for k in keys)
-        _expect_reads(tier, want)
+        expect_reads(tier, want)
         assert tier.check().clean
         with tier._table.lock:
             for seg in tier._table.segments.values():
@@ -338,7 +266,7 @@ def test_a_store_written_back_to_back_reopens_compacts_and_empties(
     old_sizes += [ALIGNED_FROM, 9 * MiB, ALIGNED_FROM]
     tier = _open(tmp_path, 64 * MiB, 7 * MiB)
     try:
-        want = _store(tier, "old", old_sizes)
+        want = store_frames(tier, "old", old_sizes)
         old_rows = _rows_of(tier)
     finally:
         tier.close()
@@ -362,9 +290,9 @@ def test_a_store_written_back_to_back_reopens_compacts_and_empties(
             for seg in tier._table.segments.values():
                 assert seg.live >= 0
         assert tier.check().clean
-        _expect_reads(tier, want)
+        expect_reads(tier, want)
         # a new large frame fits by the bytes the disk really holds
-        want |= _store(tier, "new", [ALIGNED_FROM], seed=40)
+        want |= store_frames(tier, "new", [ALIGNED_FROM], seed=40)
         _invariants_tolerating_old(tier)
         # delete frames of the old segments, then store under pressure: compaction
         # copies old frames, now with padding, and nothing is lost
@@ -374,24 +302,24 @@ def test_a_store_written_back_to_back_reopens_compacts_and_empties(
             del want[k]
         stored = False
         for attempt in range(3):
-            arr = _payload(60 + attempt, ALIGNED_FROM)
-            key = _key("pressure", attempt)
-            if tier.store(_metas([key], [arr]), [arr]):
+            arr = frame_payload(60 + attempt, ALIGNED_FROM)
+            key = frame_key("pressure", attempt)
+            if tier.store(frame_metas([key], [arr]), [arr]):
                 want[key] = arr
                 stored = True
             _invariants_tolerating_old(tier)
         assert stored
         assert tier.stats.compaction_bytes_written > 0  # old frames were copied
-        _expect_reads(tier, want)
+        expect_reads(tier, want)
         assert tier.check().clean
     finally:
         tier.close()
     assert audit_directory(tmp_path).clean
     tier = _open(tmp_path, capacity, 7 * MiB)
     try:
-        _expect_reads(tier, want)
+        expect_reads(tier, want)
         tier.delete_batch(list(want))
-        _invariants(tier)
+        check_invariants(tier)
         assert tier.live_bytes == 0 and tier.segment_count == 1
     finally:
         tier.close()
@@ -437,10 +365,10 @@ def test_random_churn_of_large_and_small_frames_keeps_the_accounting(
             if op < 0.65:
                 keys, arrs = [], []
                 for _ in range(rng.randint(1, 3)):
-                    keys.append(_key("churn", n))
-                    arrs.append(_payload(n, rng.choice(sizes)))
+                    keys.append(frame_key("churn", n))
+                    arrs.append(frame_payload(n, rng.choice(sizes)))
                     n += 1
-                if tier.store(_metas(keys, arrs), arrs):
+                if tier.store(frame_metas(keys, arrs), arrs):
                     want |= dict(zip(keys, arrs, strict=True))
                 else:
                     need = sum(frame_room(a.nbytes) for a in arrs)
@@ -449,17 +377,17 @@ def test_random_churn_of_large_and_small_frames_keeps_the_accounting(
                 for k in rng.sample(list(want), min(len(want), rng.randint(1, 3))):
                     tier.delete(k)
                     del want[k]
-            _invariants(tier)
-        _expect_reads(tier, want)
+            check_invariants(tier)
+        expect_reads(tier, want)
         assert tier.check().clean
         assert tier.stats.compaction_bytes_written > 0  # the pressure was real
     finally:
         tier.close()
     tier = _open(tmp_path, 16 * MiB, 4 * MiB + 4096)
     try:
-        _invariants(tier)
+        check_invariants(tier)
         tier.delete_batch(list(want))
-        _invariants(tier)
+        check_invariants(tier)
         assert tier.segment_count == 1
     finally:
         tier.close()
@@ -482,22 +410,22 @@ def test_garbage_in_the_active_segment_sealed_by_compaction_still_takes_a_fittin
     capacity = 5 * room
     tier = _open(tmp_path, capacity, 5 * MiB)  # 2R fits a segment, 3R does not
     try:
-        a = _store(tier, "a", [ALIGNED_FROM, ALIGNED_FROM])  # segment 1
-        b = _store(tier, "b", [ALIGNED_FROM, ALIGNED_FROM], seed=10)  # segment 2
-        c = _store(tier, "c", [ALIGNED_FROM], seed=20)  # segment 3, active
+        a = store_frames(tier, "a", [ALIGNED_FROM, ALIGNED_FROM])  # segment 1
+        b = store_frames(tier, "b", [ALIGNED_FROM, ALIGNED_FROM], seed=10)  # segment 2
+        c = store_frames(tier, "c", [ALIGNED_FROM], seed=20)  # segment 3, active
         assert tier.segment_count == 3 and tier.used_bytes == capacity
         garbage = [list(a)[1], list(b)[1], *c]
         tier.delete_batch(garbage)
         want = {k: v for k, v in (a | b).items() if k not in garbage}
-        _invariants(tier)
+        check_invariants(tier)
         assert tier.live_bytes == 2 * room
-        keys = [_key("batch", i) for i in range(3)]
-        arrs = [_payload(30 + i, ALIGNED_FROM) for i in range(3)]
+        keys = [frame_key("batch", i) for i in range(3)]
+        arrs = [frame_payload(30 + i, ALIGNED_FROM) for i in range(3)]
         need = 3 * room
         assert tier.live_bytes + need <= capacity  # fits the live budget
-        first = tier.store(_metas(keys, arrs), arrs)
-        _invariants(tier)
-        _expect_reads(tier, want)
+        first = tier.store(frame_metas(keys, arrs), arrs)
+        check_invariants(tier)
+        expect_reads(tier, want)
         assert first, (
             "a batch within the live budget was refused: "
             f"live {tier.live_bytes} + need {need} <= capacity {capacity}, used now "
@@ -559,7 +487,7 @@ def test_store_with_chunks_around_2_mib_evicts_reopens_and_serves_exact(tmp_path
             prompts.append((ident, tokens, kv))
         disk = store.tier("disk")
         assert isinstance(disk, DiskTier)
-        _invariants(disk)
+        check_invariants(disk)
         sizes = {nbytes for _, _, nbytes in _rows_of(disk).values()}
         assert sizes == {ALIGNED_FROM - 4096, ALIGNED_FROM, ALIGNED_FROM + 4096}
         served = _check_prompts(store, prompts)
@@ -572,7 +500,7 @@ def test_store_with_chunks_around_2_mib_evicts_reopens_and_serves_exact(tmp_path
     try:
         disk = store.tier("disk")
         assert isinstance(disk, DiskTier)
-        _invariants(disk)
+        check_invariants(disk)
         assert _check_prompts(store, prompts) == served
     finally:
         store.close()
@@ -610,7 +538,7 @@ CRASH_SIZES = [ALIGNED_FROM, 4096, ALIGNED_FROM + 4096, ALIGNED_FROM - 1, 3 * Mi
 
 
 def _crash_payload(i: int) -> np.ndarray:
-    return _payload(1000 + i, CRASH_SIZES[i % len(CRASH_SIZES)])
+    return frame_payload(1000 + i, CRASH_SIZES[i % len(CRASH_SIZES)])
 
 
 def crash_workload(store: Path, log: AckLog, args: list[str]) -> None:
@@ -620,15 +548,15 @@ def crash_workload(store: Path, log: AckLog, args: list[str]) -> None:
     first = int(args[0])
     tier = _open(store, 40 * MiB, 5 * MiB)
     log.line("ready")
-    alive = [i for i in range(first) if tier.contains(_key("crash", i))]
+    alive = [i for i in range(first) if tier.contains(frame_key("crash", i))]
     i = first
     while True:
         batch = [i, i + 1]
         arrs = [_crash_payload(j) for j in batch]
-        keys = [_key("crash", j) for j in batch]
-        while not tier.store(_metas(keys, arrs), arrs):
+        keys = [frame_key("crash", j) for j in batch]
+        while not tier.store(frame_metas(keys, arrs), arrs):
             victims = alive[:2]
-            tier.delete_batch([_key("crash", j) for j in victims])
+            tier.delete_batch([frame_key("crash", j) for j in victims])
             del alive[:2]
             log.ack("del " + " ".join(map(str, victims)))
         alive += batch
@@ -665,34 +593,34 @@ def test_a_kill_while_writing_large_frames_recovers_what_was_committed(tmp_path:
             # not capacity: a kill mid-compaction leaves the copies it made before
             # retiring their source in the files (compaction copies first, as before the
             # change); the next store compacts them away (below)
-            _invariants(tier, capacity=False)
+            check_invariants(tier, capacity=False)
             assert tier.check().clean
             # acknowledged and not deleted: there, exact; deleted: gone
             # (but for the delete the kill may have cut short: the two oldest alive)
             alive = sorted(put - deleted)
-            missing = [i for i in alive if not tier.contains(_key("crash", i))]
+            missing = [i for i in alive if not tier.contains(frame_key("crash", i))]
             assert missing == alive[: len(missing)] and len(missing) <= 2, missing
             deleted.update(missing)
-            kept = {_key("crash", i): _crash_payload(i) for i in put - deleted}
-            _expect_reads(tier, kept)
-            assert not any(tier.contains(_key("crash", i)) for i in deleted)
+            kept = {frame_key("crash", i): _crash_payload(i) for i in put - deleted}
+            expect_reads(tier, kept)
+            assert not any(tier.contains(frame_key("crash", i)) for i in deleted)
             # anything else served is a frame the workload wrote, exact
-            names = {_key("crash", i): i for i in range(first)}
+            names = {frame_key("crash", i): i for i in range(first)}
             others = [k for k in tier.replica_keys() if k not in kept]
             assert all(k in names for k in others)
-            _expect_reads(tier, {k: _crash_payload(names[k]) for k in others})
+            expect_reads(tier, {k: _crash_payload(names[k]) for k in others})
             # a store after recovery: within capacity again, accounting intact
             arrs = [_crash_payload(first - 4), _crash_payload(first - 3)]
-            extra = [_key("after", round_), _key("after2", round_)]
+            extra = [frame_key("after", round_), frame_key("after2", round_)]
             oldest = sorted(put - deleted)
-            while not tier.store(_metas(extra, arrs), arrs):  # full: make room as the child
+            while not tier.store(frame_metas(extra, arrs), arrs):  # full: make room as the child
                 victims, oldest = oldest[:2], oldest[2:]
                 assert victims, "an empty tier refused two frames"
-                tier.delete_batch([_key("crash", i) for i in victims])
+                tier.delete_batch([frame_key("crash", i) for i in victims])
                 deleted.update(victims)
-            _invariants(tier)
+            check_invariants(tier)
             tier.delete_batch(extra)
-            _invariants(tier)
+            check_invariants(tier)
         finally:
             tier.close()
     assert put and deleted  # the kills fell among stores, deletes and compaction

@@ -10,14 +10,13 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-import blake3
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvlife.core.identity import ChunkKey
 from kvlife.faults.fileio import FaultyIO
-from kvlife.tiers.base import ReplicaMeta
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
 from kvlife.tiers.disk.frame import (
     ALIGNED_FROM,
@@ -27,54 +26,18 @@ from kvlife.tiers.disk.frame import (
     frame_pad,
     frame_room,
 )
+from tests.helpers.disk_frames import (
+    check_invariants,
+    expect_reads,
+    frame_key,
+    frame_metas,
+    frame_payload,
+    store_frames,
+)
 
 MiB = 1 << 20
 SIZES = [4096, 100_000, ALIGNED_FROM - 4096, ALIGNED_FROM, ALIGNED_FROM + 12_345, 3 * MiB]
 """Payload sizes on both sides of the threshold, aligned or not to a page."""
-
-
-def _key(tag: str, i: int) -> bytes:
-    return blake3.blake3(f"{tag}-{i}".encode()).digest()
-
-
-def _payload(seed: int, nbytes: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-
-
-def _store(tier: DiskTier, tag: str, sizes: list[int], seed: int = 0) -> dict[bytes, np.ndarray]:
-    arrs = {_key(tag, i): _payload(seed + i, n) for i, n in enumerate(sizes)}
-    metas = [ReplicaMeta(k, "uint8", a.shape) for k, a in arrs.items()]  # type: ignore[arg-type]
-    assert tier.store(metas, list(arrs.values()))
-    return arrs
-
-
-def _rows(tier: DiskTier) -> list[tuple[int, int, int]]:
-    """(segment, offset, payload bytes) of every published frame, in segment order."""
-    table = tier._reader._table
-    return sorted((r.seg, r.off, r.nbytes) for r in table.rows.values())
-
-
-def _check_layout(tier: DiskTier) -> None:
-    """Large payloads aligned, small frames 4 KiB-aligned, no two frames overlapping,
-    every frame inside its segment's length."""
-    table = tier._reader._table
-    prev: tuple[int, int] = (-1, 0)
-    for seg, off, nbytes in _rows(tier):
-        assert off % 4096 == 0
-        if nbytes >= ALIGNED_FROM:
-            assert (off + HEADER_BYTES) % PAYLOAD_ALIGN == 0, (off, nbytes)
-        if seg == prev[0]:
-            assert off >= prev[1], "frames overlap"
-        prev = (seg, off + frame_len(nbytes))
-        assert off + frame_len(nbytes) <= table.segments[seg].length
-
-
-def _read_all(tier: DiskTier, arrs: dict[bytes, np.ndarray]) -> None:
-    keys = list(arrs)
-    got = tier.read_batch(keys)  # type: ignore[arg-type]
-    for k, g in zip(keys, got, strict=True):
-        assert isinstance(g, np.ndarray), g
-        assert np.array_equal(g.reshape(-1).view(np.uint8), arrs[k])
 
 
 def test_frame_pad_aligns_large_payloads_only() -> None:
@@ -101,23 +64,23 @@ def test_mixed_batches_lay_out_aligned_and_read_back_exact(
     where = tmp_path_factory.mktemp("disk")
     cfg = DiskTierConfig(256 * MiB, segment_bytes=segment_mib * MiB)
     tier = DiskTier(where, cfg)
-    stored: dict[bytes, np.ndarray] = {}
+    stored: dict[ChunkKey, np.ndarray] = {}
     try:
         for b, sizes in enumerate(batches):
             before = tier.used_bytes
-            stored |= _store(tier, f"b{b}", sizes, seed=100 * b)
+            stored |= store_frames(tier, f"b{b}", sizes, seed=100 * b)
             # what the batch placed: its frames, plus at most the padding frame_room allows
             grew = tier.used_bytes - before
             assert sum(frame_len(n) for n in sizes) <= grew <= sum(frame_room(n) for n in sizes)
-        _check_layout(tier)
-        _read_all(tier, stored)
+        check_invariants(tier)
+        expect_reads(tier, stored)
         assert tier.check().clean
     finally:
         tier.close()
     tier = DiskTier(where, cfg)  # reopen: the rows name the frames, padding and all
     try:
-        _check_layout(tier)
-        _read_all(tier, stored)
+        check_invariants(tier)
+        expect_reads(tier, stored)
     finally:
         tier.close()
 
@@ -126,18 +89,18 @@ def test_a_failed_batch_of_large_frames_rolls_back_its_padding(tmp_path: Path) -
     io = FaultyIO()
     tier = DiskTier(tmp_path, DiskTierConfig(64 * MiB, segment_bytes=16 * MiB), fileio=io)
     try:
-        first = _store(tier, "first", [100_000, 2 * MiB])
+        first = store_frames(tier, "first", [100_000, 2 * MiB])
         used = tier.used_bytes
         io.arm("pwritev", errno.EIO, after=0, once=True)
-        arrs = [_payload(9, 2 * MiB), _payload(10, 4096), _payload(11, 2 * MiB)]
-        metas = [ReplicaMeta(_key("failed", i), "uint8", a.shape) for i, a in enumerate(arrs)]  # type: ignore[arg-type]
+        arrs = [frame_payload(9, 2 * MiB), frame_payload(10, 4096), frame_payload(11, 2 * MiB)]
+        metas = frame_metas([frame_key("failed", i) for i in range(3)], arrs)
         with pytest.raises(OSError):
             tier.store(metas, arrs)
         assert tier.used_bytes == used  # the tail (padding included) given back
         assert all(not tier.contains(m.key) for m in metas)
-        again = _store(tier, "again", [2 * MiB, 4096, 2 * MiB])
-        _check_layout(tier)
-        _read_all(tier, first | again)
+        again = store_frames(tier, "again", [2 * MiB, 4096, 2 * MiB])
+        check_invariants(tier)
+        expect_reads(tier, first | again)
     finally:
         tier.close()
 
@@ -150,26 +113,24 @@ def test_compaction_moves_large_frames_aligned_and_skips_padding_only_segments(
     cfg = DiskTierConfig(capacity_bytes=10 * room - 4096, segment_bytes=3 * room)
     tier = DiskTier(tmp_path, cfg)
     try:
-        arrs = _store(tier, "full", [2 * MiB] * 9)
+        arrs = store_frames(tier, "full", [2 * MiB] * 9)
         assert tier.segment_count == 3
         assert tier.live_bytes == 9 * room  # each live frame counted with its padding
         # the only garbage is padding, which a copy would keep: a frame that does not
         # fit is refused without compaction copying a byte
-        assert not tier.store(
-            [ReplicaMeta(_key("big", 0), "uint8", (2 * MiB,))],  # type: ignore[arg-type]
-            [_payload(50, 2 * MiB)],
-        )
+        big = [frame_payload(50, 2 * MiB)]
+        assert not tier.store(frame_metas([frame_key("big", 0)], big), big)
         assert tier.stats.compaction_bytes_written == 0
         # delete two frames of each of the first two segments: copying their last
         # frames out frees room, and the copies land aligned
         gone = [k for i, k in enumerate(arrs) if i in (0, 1, 3, 4)]
         for k in gone:
-            tier.delete(k)  # type: ignore[arg-type]
+            tier.delete(k)
             del arrs[k]
-        arrs |= _store(tier, "after", [2 * MiB] * 4, seed=70)
+        arrs |= store_frames(tier, "after", [2 * MiB] * 4, seed=70)
         assert tier.stats.compaction_bytes_written > 0
-        _check_layout(tier)
-        _read_all(tier, arrs)
+        check_invariants(tier)
+        expect_reads(tier, arrs)
         assert tier.check().clean
     finally:
         tier.close()
