@@ -69,3 +69,17 @@ def prompt_kv(seed: int, ntokens: int, layout: KVLayout = TINY) -> tuple[np.ndar
 @pytest.fixture
 def identity() -> ModelIdentity:
     return tiny_identity()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Leave no killed server's arena in shared memory: crash tests SIGKILL servers, and a
+    killed server cannot remove its files (kvlife.server.stale_arenas). Once, by the
+    process that ran or coordinated every test (not an xdist worker, whose neighbour may
+    be inspecting a server it just killed), sparing the last half minute's (another
+    session's crash test may be looking at them)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    from kvlife.server.stale_arenas import sweep
+    from kvlife.tiers.shm import SHM_DIR
+
+    sweep(SHM_DIR, grace_s=30)

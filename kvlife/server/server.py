@@ -57,6 +57,7 @@ from kvlife.server.limits import Account, Limits
 from kvlife.server.live import LiveFigures
 from kvlife.server.reader import BodyTimeout, Discarded, FrameReader, peek_rid
 from kvlife.server.session import ServerState, Session
+from kvlife.server.stale_arenas import Swept, sweep
 from kvlife.store.config import GiB, MiB, StoreConfig
 from kvlife.store.facade import KVStore
 from kvlife.tenancy.policy import Tenancy
@@ -242,6 +243,17 @@ class Server:
         self._conns: dict[int, socket.socket] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        # dead servers' arenas (killed: none removed them) give their memory back first
+        swept = sweep(cfg.shm_dir) if cfg.shm_dir.is_dir() else Swept()
+        if swept.files:
+            self.log(
+                "stale_arenas_removed",
+                logging.WARNING,
+                files=swept.files,
+                bytes=swept.nbytes,
+                dead_servers=",".join(map(str, swept.servers)),
+                shm_dir=cfg.shm_dir,
+            )
         _preflight(cfg)  # nothing made yet: a place it cannot use fails before any is
         if cfg.cpus:  # first: every thread made from here on inherits it
             pin_cpus(cfg.cpus)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import collections
 import errno
+import fcntl
 import mmap
 import os
 import threading
@@ -208,6 +209,31 @@ def allocate_pages(fd: int, size: int, offset: int = 0) -> bool:
     return True
 
 
+def held(path: Path) -> bool:
+    """True if a live process holds ``path``'s arena lock (:class:`Arena` takes it when it
+    makes the file and keeps it until it removes the file), or if that cannot be told
+    (the file is not ours to open); False if the file is gone or nobody holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops the shared lock if it was taken
+    return False
+
+
+def _close_descriptor(fd: int) -> None:
+    """An arena's finalizer: closing its descriptor drops its lock (no Python lock taken,
+    no file opened or written; docs/server.md, "Finalizers")."""
+    os.close(fd)
+
+
 class Arena:
     """A shared-memory file mapped into this process, with an allocator.
 
@@ -235,6 +261,11 @@ class Arena:
         except OSError as exc:
             raise StorageFullError(f"cannot create the arena {self.path}: {exc}") from exc
         try:
+            # held for the arena's life (the descriptor stays open until unlink): the
+            # kernel drops the lock when this process dies, however it dies, so an
+            # unlocked arena is one nobody serves (:func:`held`, the sweep of
+            # :mod:`kvlife.server.stale_arenas`)
+            fcntl.flock(fd, fcntl.LOCK_EX)
             if owner is not None:
                 # given away before it holds a byte or is mapped by anyone
                 try:
@@ -254,24 +285,23 @@ class Arena:
             populate = getattr(mmap, "MAP_POPULATE", 0) if populate_pages else 0
             self.mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
         except NotPermitted:
-            os.close(fd)
             self.path.unlink(missing_ok=True)
+            os.close(fd)
             raise
         except OSError as exc:
-            os.close(fd)
             self.path.unlink(missing_ok=True)
+            os.close(fd)
             raise StorageFullError(f"cannot map the arena {self.path}: {exc}") from exc
-        self._fd = -1
-        """A sparse arena's file, kept open to allocate each extent's pages as it is
-        handed out (:meth:`alloc`) until :meth:`unlink`; -1: populated (every page
-        allocated when made), a filesystem that cannot allocate ahead, or unlinked."""
+        self._release = weakref.finalize(self, _close_descriptor, fd)
+        """Closes the file's descriptor, and so drops its lock, once: at :meth:`unlink`,
+        or when the arena is collected without it."""
+        self._fd = -1 if populate_pages else fd
+        """The same descriptor where the arena is sparse, to allocate each extent's pages
+        as it is handed out (:meth:`alloc`); -1: populated (every page allocated when
+        made), a filesystem that cannot allocate ahead, or unlinked."""
         self._fd_lock = threading.Lock()
         """Held around each ``fallocate`` and the descriptor's close, so that a closed
         number (reused by another file) is never allocated into."""
-        if populate_pages:
-            os.close(fd)
-        else:
-            self._fd = fd
         advise_huge(self.mmap)
         self.huge_pages = huge_pages(self.path.parent)
         self.size = size
@@ -329,7 +359,6 @@ class Arena:
                 if self._fd < 0:  # unlinked meanwhile: the server is closing
                     raise OSError(errno.EBADF, "the arena was removed")
                 if not allocate_pages(self._fd, end - offset, offset):
-                    os.close(self._fd)
                     self._fd = -1  # cannot allocate ahead: faults in as before
                     return True
             with self._lock:
@@ -393,11 +422,12 @@ class Arena:
             }
 
     def unlink(self) -> None:
+        """Remove the file (mappings live on), then drop its lock: never an unlocked
+        arena under its name while this process serves it."""
         self.path.unlink(missing_ok=True)
         with self._fd_lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+            self._fd = -1
+            self._release()
 
 
 Home = Callable[[ReplicaMeta], "Arena | None"]
