@@ -194,3 +194,46 @@ def test_a_caller_keeps_two_reads_in_flight_when_others_hold_io_depth(tmp_path: 
     finally:
         io.barrier.abort()
         tier.close()
+
+
+def test_new_arrays_are_mapped_by_the_caller_before_any_read(tmp_path: Path) -> None:
+    """A batch read into new arrays maps every array on the calling thread before the
+    first read: a mapping made on a helper while the others' reads fault fresh pages in
+    waits for them all (the process's memory map lock; the first batch ran at 0.2x of
+    later ones). Mixed with caller buffers, only the frames without one get an array."""
+    tier = DiskTier(tmp_path, DiskTierConfig(64 << 20, direct_io=False, io_depth=4))
+    events: list[tuple[str, str]] = []
+    reader = tier._reader
+    pool = reader._new_arrays
+    take, preadv = pool.take, tier.io.preadv
+
+    def traced_take(nbytes: int) -> np.ndarray:
+        events.append(("take", threading.current_thread().name))
+        return take(nbytes)
+
+    def traced_preadv(fd: int, bufs: Sequence[np.ndarray], offset: int) -> int:
+        events.append(("read", threading.current_thread().name))
+        return preadv(fd, bufs, offset)
+
+    try:
+        arrays = [np.full((256, 64), i, np.float16) for i in range(8)]
+        metas = [ReplicaMeta(ChunkKey(bytes([i]) * 32), "float16", (256, 64)) for i in range(8)]
+        res = tier.prepare_store(metas)
+        assert isinstance(res, Reservation)
+        tier.commit_store(res, arrays)
+        pool.take = traced_take  # type: ignore[method-assign]
+        tier.io.preadv = traced_preadv  # type: ignore[method-assign, assignment]
+        outs: list[np.ndarray | None] = [
+            None if i % 2 == 0 else np.empty((256, 64), np.float16) for i in range(8)
+        ]
+        got = tier.read_batch([m.key for m in metas], outs)
+        for a, g in zip(arrays, got, strict=True):
+            assert isinstance(g, np.ndarray) and np.array_equal(a, g)
+        kinds = [k for k, _ in events]
+        assert kinds.count("take") == 4 and kinds.count("read") == 8
+        assert kinds[:4] == ["take"] * 4, kinds  # all mapped before the first read
+        me = threading.current_thread().name
+        assert all(who == me for k, who in events if k == "take")
+        assert {who for k, who in events if k == "read"} - {me}, "no helper read"
+    finally:
+        tier.close()
