@@ -75,8 +75,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Leave no killed server's arena in shared memory: crash tests SIGKILL servers, and a
     killed server cannot remove its files (kvlife.server.stale_arenas). Once, by the
     process that ran or coordinated every test (not an xdist worker, whose neighbour may
-    be inspecting a server it just killed), sparing the last half minute's (another
-    session's crash test may be looking at them)."""
+    be inspecting a server it just killed), sparing files made or sized in the last half
+    minute (another session's crash test may be looking at a server it just started
+    and killed)."""
     if hasattr(session.config, "workerinput"):
         return
     from kvlife.server.stale_arenas import sweep

@@ -244,7 +244,11 @@ class Server:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         # dead servers' arenas (killed: none removed them) give their memory back first
-        swept = sweep(cfg.shm_dir) if cfg.shm_dir.is_dir() else Swept()
+        try:
+            swept = sweep(cfg.shm_dir) if cfg.shm_dir.is_dir() else Swept()
+        except OSError as exc:  # the memory is not this start's to lose over
+            self.log("stale_arenas_sweep_failed", logging.WARNING, error=exc)
+            swept = Swept()
         if swept.files:
             self.log(
                 "stale_arenas_removed",

@@ -22,12 +22,13 @@ A family of files (one server's) is stale when all of these hold:
   locking it).
 
 A file that cannot be told (not ours to open) counts as held: the sweep never removes
-what may be served.
+what may be served. Only regular files are removed (never a directory, never through a
+link), and a file the sweep may not remove is left: whatever lies in the directory, a
+sweep does not raise (a server's start runs one).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import time
@@ -36,8 +37,10 @@ from pathlib import Path
 
 from kvlife.tiers.shm import held
 
-NAME = re.compile(r"^(kvlife-[0-9a-f]{16})-([0-9]+)(?:-.+)?$")
-"""A server's shared-memory file: its arena, a tenant's arena or a shared buffer."""
+NAME = re.compile(r"^(kvlife-[0-9a-f]{16})-([1-9][0-9]{0,6})(?:-.+)?$")
+"""A server's shared-memory file: its arena, a tenant's arena or a shared buffer (a pid
+as the kernel writes it: no leading zero, at most 7 digits; any other name is not a
+server's)."""
 
 GRACE_S = 60.0
 """How old a dead server's files must be before a sweep removes them."""
@@ -58,13 +61,16 @@ def sweep(shm_dir: Path, grace_s: float = GRACE_S) -> Swept:
     """Remove the files of dead servers in ``shm_dir`` (nothing if it cannot be read)."""
     families: dict[tuple[str, int], list[Path]] = {}
     try:
-        names = os.listdir(shm_dir)
+        with os.scandir(shm_dir) as entries:
+            for entry in entries:
+                m = NAME.match(entry.name)
+                # only regular files are a server's: a directory, a link or a device
+                # with such a name (anyone may make one in /dev/shm) is left as it is
+                if m is not None and entry.is_file(follow_symlinks=False):
+                    key = (m.group(1), int(m.group(2)))
+                    families.setdefault(key, []).append(shm_dir / entry.name)
     except OSError:
         return Swept()
-    for name in names:
-        m = NAME.match(name)
-        if m is not None:
-            families.setdefault((m.group(1), int(m.group(2))), []).append(shm_dir / name)
     out = Swept()
     now = time.time()
     for (prefix, pid), files in sorted(families.items()):
@@ -73,15 +79,15 @@ def sweep(shm_dir: Path, grace_s: float = GRACE_S) -> Swept:
         sizes = [_size_if_old(f, now - grace_s) for f in files]
         if any(s is None for s in sizes):
             continue
-        removed = False
         for f, size in zip(files, sizes, strict=True):
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 f.unlink()
-                out.files += 1
-                out.nbytes += size or 0
-                removed = True
-        if removed:
-            out.servers.append(pid)
+            except OSError:  # gone meanwhile, or not ours to remove: left
+                continue
+            out.files += 1
+            out.nbytes += size or 0
+            if pid not in out.servers:
+                out.servers.append(pid)
     return out
 
 
@@ -93,6 +99,8 @@ def _size_if_old(path: Path, before: float) -> int | None:
         st = path.lstat()
     except FileNotFoundError:
         return 0
+    except OSError:
+        return None
     return st.st_blocks * 512 if st.st_mtime < before else None
 
 
