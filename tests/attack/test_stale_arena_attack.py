@@ -30,6 +30,7 @@ from kvlife.server.server import arena_prefix
 from kvlife.server.stale_arenas import GRACE_S, sweep
 from kvlife.tiers.shm import Arena, held
 from tests.conftest import prompt_kv, tiny_identity
+from tests.helpers.shm_files import age, dead_pid, write_file
 from tests.server.conftest import ROOT, ServerProc, child_env, wait_for
 from tests.server.tenants import USER, as_, write_config
 
@@ -37,23 +38,6 @@ MiB = 1 << 20
 PREFIX = "kvlife-0123456789abcdef"
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (unshare, setuid)")
-
-
-def _dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-def _age(*paths: Path, seconds: float = 2 * GRACE_S) -> None:
-    then = time.time() - seconds
-    for p in paths:
-        os.utime(p, (then, then), follow_symlinks=False)
-
-
-def _file(path: Path, data: bytes = b"\1" * 4096) -> Path:
-    path.write_bytes(data)
-    return path
 
 
 def _shm(tmp_path: Path) -> tuple[Path, tuple[str, ...]]:
@@ -96,15 +80,15 @@ def _sweep_elsewhere(shm: Path, grace_s: float = 0.0) -> dict[str, object]:
 def test_a_directory_named_like_a_dead_arena_does_not_break_the_sweep(tmp_path: Path) -> None:
     """/dev/shm is world-writable: anyone can make a directory with an arena's name. The
     sweep may leave it, but must neither raise nor spare the real dead family beside it."""
-    dead = _dead_pid()
+    dead = dead_pid()
     d1 = tmp_path / f"{PREFIX}-{dead}"
     d1.mkdir()
     d2 = tmp_path / f"kvlife-fedcba9876543210-{dead}-buf-0011223344556677"
     d2.mkdir()
-    inside = _file(d2 / "inside")
-    _file(tmp_path / f"kvlife-fedcba9876543210-{dead}")
-    real = _file(tmp_path / f"kvlife-00000000000000ff-{dead}")
-    _age(d1, d2, real, tmp_path / f"kvlife-fedcba9876543210-{dead}")
+    inside = write_file(d2 / "inside")
+    write_file(tmp_path / f"kvlife-fedcba9876543210-{dead}")
+    real = write_file(tmp_path / f"kvlife-00000000000000ff-{dead}")
+    age(d1, d2, real, tmp_path / f"kvlife-fedcba9876543210-{dead}")
     swept = sweep(tmp_path)  # IsADirectoryError here stops every server's start
     assert inside.exists()  # never a tree removed
     assert not real.exists() and swept.files >= 1
@@ -114,9 +98,9 @@ def test_a_server_starts_beside_a_directory_named_like_a_dead_arena(tmp_path: Pa
     """The sweep runs first in Server.__init__, unguarded: one directory with a matching
     name in the shared-memory directory and no kvlife serve of any store starts."""
     shm, flags = _shm(tmp_path)
-    trap = shm / f"{PREFIX}-{_dead_pid()}"
+    trap = shm / f"{PREFIX}-{dead_pid()}"
     trap.mkdir()
-    _age(trap)
+    age(trap)
     server = ServerProc(tmp_path / "store", extra=flags)
     try:
         server.start()  # RuntimeError: kvlife serve exited (IsADirectoryError)
@@ -130,10 +114,10 @@ def test_a_server_starts_beside_a_directory_named_like_a_dead_arena(tmp_path: Pa
 def test_a_pid_beyond_pid_t_does_not_break_the_sweep(tmp_path: Path) -> None:
     """The name's pid is any run of digits: os.kill raises OverflowError for one that is
     no pid_t, and the sweep (so the server's start) with it."""
-    big = _file(tmp_path / f"{PREFIX}-99999999999999999999")
-    dead = _dead_pid()
-    real = _file(tmp_path / f"kvlife-00000000000000ff-{dead}")
-    _age(big, real)
+    big = write_file(tmp_path / f"{PREFIX}-99999999999999999999")
+    dead = dead_pid()
+    real = write_file(tmp_path / f"kvlife-00000000000000ff-{dead}")
+    age(big, real)
     sweep(tmp_path)
     assert not real.exists()  # the real dead family is still removed
 
@@ -145,8 +129,8 @@ def test_a_file_the_sweeper_may_not_remove_does_not_break_the_sweep(tmp_path: Pa
     shm = tmp_path / "sticky"
     shm.mkdir()
     os.chmod(shm, 0o1777)
-    dead = _dead_pid()
-    theirs = _file(shm / f"{PREFIX}-{dead}")  # root's, 0644: nobody may open, not unlink
+    dead = dead_pid()
+    theirs = write_file(shm / f"{PREFIX}-{dead}")  # root's, 0644: nobody may open, not unlink
     os.chmod(theirs, 0o644)
     code = textwrap.dedent(
         """
@@ -169,7 +153,7 @@ def test_a_file_the_sweeper_may_not_remove_does_not_break_the_sweep(tmp_path: Pa
         """
     )
     own = f"kvlife-00000000000000ff-{dead}"
-    _age(theirs)
+    age(theirs)
     out = subprocess.run(
         [sys.executable, "-c", code, str(shm), own],
         cwd=ROOT,
@@ -193,11 +177,11 @@ def test_links_named_like_a_dead_family_are_never_followed(tmp_path: Path) -> No
     shm.mkdir()
     victims = tmp_path / "victims"
     victims.mkdir()
-    victim = _file(victims / "precious", b"keep me" * 100)
+    victim = write_file(victims / "precious", b"keep me" * 100)
     vdir = victims / "dir"
     vdir.mkdir()
-    _file(vdir / "inside")
-    dead = _dead_pid()
+    write_file(vdir / "inside")
+    dead = dead_pid()
     links = {
         shm / f"{PREFIX}-{dead}": victim,  # the base arena a link
         shm / f"kvlife-fedcba9876543210-{dead}": victim,
@@ -206,7 +190,7 @@ def test_links_named_like_a_dead_family_are_never_followed(tmp_path: Path) -> No
     }
     for link, target in links.items():
         link.symlink_to(target)
-    _age(victim, vdir, *links)
+    age(victim, vdir, *links)
     for _ in range(2):
         sweep(shm, grace_s=0)
     assert victim.read_bytes() == b"keep me" * 100
@@ -229,7 +213,7 @@ def test_a_live_servers_files_are_spared_by_a_sweeper_in_another_pid_namespace(
             buf[:7] = np.frombuffer(b"payload", np.uint8)
             files = _family(shm, server)
             assert len(files) == 2, [p.name for p in files]
-            _age(*files, seconds=10 * GRACE_S)
+            age(*files, seconds=10 * GRACE_S)
             for _ in range(3):
                 got = _sweep_elsewhere(shm, grace_s=0)
                 assert got["files"] == 0, got
@@ -262,7 +246,7 @@ def test_a_live_tenant_servers_principal_arena_is_spared(tmp_path: Path) -> None
             files = _family(shm, server)
             names = [p.name for p in files]
             assert any("-t-bob" in n for n in names), names
-            _age(*files, seconds=10 * GRACE_S)
+            age(*files, seconds=10 * GRACE_S)
             assert _sweep_elsewhere(shm, grace_s=0)["files"] == 0
             assert sweep(shm, grace_s=0).files == 0
             assert all(p.exists() for p in files)
@@ -357,7 +341,7 @@ def test_a_process_whose_main_thread_exited_keeps_its_arena(tmp_path: Path) -> N
             what="the leader to be a zombie",
         )
         assert proc.poll() is None  # the process lives on
-        _age(base, seconds=10 * GRACE_S)
+        age(base, seconds=10 * GRACE_S)
         assert sweep(tmp_path, grace_s=0).files == 0 and base.exists()
     finally:
         proc.kill()
@@ -446,7 +430,7 @@ def test_clients_of_a_swept_dead_server_keep_their_bytes_and_get_no_wrong_kv(
         snapshot = raw.copy()
         files = _family(shm, victim)
         victim.kill()
-        _age(*files)
+        age(*files)
         other = ServerProc(tmp_path / "other", extra=flags).start()
         assert not any(p.exists() for p in files)  # swept
         assert "stale_arenas_removed" in other.log.read_text()
@@ -480,16 +464,16 @@ def test_clients_of_a_swept_dead_server_keep_their_bytes_and_get_no_wrong_kv(
 
 def test_many_dead_families_go_quickly_and_a_live_one_stays(tmp_path: Path) -> None:
     shm, _ = _shm(tmp_path)
-    dead = _dead_pid()
+    dead = dead_pid()
     count = 3000
     made = []
     for i in range(count):
         p = shm / f"kvlife-{i:016x}-{dead}"
         p.touch()
         made.append(p)
-    _age(*made)
-    live = Arena(shm / f"kvlife-{'f' * 16}-{_dead_pid()}", MiB)  # a dead pid, but locked
-    _age(live.path)
+    age(*made)
+    live = Arena(shm / f"kvlife-{'f' * 16}-{dead_pid()}", MiB)  # a dead pid, but locked
+    age(live.path)
     try:
         t0 = time.monotonic()
         swept = sweep(shm, grace_s=0)
@@ -501,7 +485,7 @@ def test_many_dead_families_go_quickly_and_a_live_one_stays(tmp_path: Path) -> N
         live.unlink()
 
 
-def test_sigkill_of_a_busy_server_then_a_sweep_leaves_no_file(tmp_path: Path) -> None:
+def test_sigkill_of_a_busy_server_then_a_sweep_leaves_nowrite_file(tmp_path: Path) -> None:
     """A killed server with several shared buffers: the next sweep takes every file of it
     and counts their bytes; the dead pid is reported once."""
     shm, flags = _shm(tmp_path)
@@ -514,7 +498,7 @@ def test_sigkill_of_a_busy_server_then_a_sweep_leaves_no_file(tmp_path: Path) ->
         os.kill(server.pid, signal.SIGKILL)
         assert server.proc is not None
         server.proc.wait()
-    _age(*files)
+    age(*files)
     swept = sweep(shm)
     assert swept.files == 4 and swept.servers == [server.pid]
     assert swept.nbytes >= 3 * MiB
@@ -523,11 +507,11 @@ def test_sigkill_of_a_busy_server_then_a_sweep_leaves_no_file(tmp_path: Path) ->
 
 def test_the_sweep_thread_safety_of_a_server_in_this_process(tmp_path: Path) -> None:
     """Sweeps from many threads at once over one dead family: each file is counted once."""
-    dead = _dead_pid()
-    files = [_file(tmp_path / f"{PREFIX}-{dead}")] + [
-        _file(tmp_path / f"{PREFIX}-{dead}-buf-{i:016x}") for i in range(50)
+    dead = dead_pid()
+    files = [write_file(tmp_path / f"{PREFIX}-{dead}")] + [
+        write_file(tmp_path / f"{PREFIX}-{dead}-buf-{i:016x}") for i in range(50)
     ]
-    _age(*files)
+    age(*files)
     totals: list[int] = []
     lock = threading.Lock()
 

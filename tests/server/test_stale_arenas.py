@@ -10,36 +10,18 @@ import gc
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from kvlife.server.server import arena_prefix
-from kvlife.server.stale_arenas import GRACE_S, sweep
+from kvlife.server.stale_arenas import sweep
 from kvlife.tiers.shm import Arena, held
+from tests.helpers.shm_files import age, dead_pid, write_file
 from tests.server.conftest import ServerProc, wait_for
 
 MiB = 1 << 20
 PREFIX = "kvlife-0123456789abcdef"
-
-
-def _dead_pid() -> int:
-    """The pid of a process that ran and was reaped."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-def _age(*paths: Path, seconds: float = 2 * GRACE_S) -> None:
-    then = time.time() - seconds
-    for p in paths:
-        os.utime(p, (then, then))
-
-
-def _file(path: Path, nbytes: int = 64 << 10) -> Path:
-    path.write_bytes(b"\1" * nbytes)
-    return path
 
 
 def test_arena_is_held_for_its_life(tmp_path: Path) -> None:
@@ -58,33 +40,33 @@ def test_arena_is_held_for_its_life(tmp_path: Path) -> None:
 
 
 def test_sweep_removes_a_dead_servers_family_only(tmp_path: Path) -> None:
-    dead = _dead_pid()
+    dead = dead_pid()
     family = [
-        _file(tmp_path / f"{PREFIX}-{dead}"),
-        _file(tmp_path / f"{PREFIX}-{dead}-t-alice"),
-        _file(tmp_path / f"{PREFIX}-{dead}-buf-00112233aabbccdd"),
+        write_file(tmp_path / f"{PREFIX}-{dead}"),
+        write_file(tmp_path / f"{PREFIX}-{dead}-t-alice"),
+        write_file(tmp_path / f"{PREFIX}-{dead}-buf-00112233aabbccdd"),
     ]
     others = [
-        _file(tmp_path / f"{PREFIX}-{os.getpid()}"),  # a live pid (a server without the lock)
-        _file(tmp_path / f"kvlife-floor-{dead}-123"),  # not a server's arena
-        _file(tmp_path / f"kvlife-{dead}"),
-        _file(tmp_path / "unrelated"),
+        write_file(tmp_path / f"{PREFIX}-{os.getpid()}"),  # a live pid (a server without the lock)
+        write_file(tmp_path / f"kvlife-floor-{dead}-123"),  # not a server's arena
+        write_file(tmp_path / f"kvlife-{dead}"),
+        write_file(tmp_path / "unrelated"),
     ]
-    _age(*family, *others)
+    age(*family, *others)
     swept = sweep(tmp_path)
     assert swept.files == 3 and swept.servers == [dead]
-    assert swept.nbytes >= 3 * (64 << 10)
+    assert swept.nbytes >= 3 * 4096
     assert not any(p.exists() for p in family)
     assert all(p.exists() for p in others)
     assert sweep(tmp_path).files == 0
 
 
 def test_sweep_spares_a_held_arena_and_young_files(tmp_path: Path) -> None:
-    dead = _dead_pid()
-    locked = _file(tmp_path / f"{PREFIX}-{dead}")
-    buf = _file(tmp_path / f"{PREFIX}-{dead}-buf-0011223344556677")
-    young = _file(tmp_path / f"kvlife-fedcba9876543210-{dead}")
-    _age(locked, buf)
+    dead = dead_pid()
+    locked = write_file(tmp_path / f"{PREFIX}-{dead}")
+    buf = write_file(tmp_path / f"{PREFIX}-{dead}-buf-0011223344556677")
+    young = write_file(tmp_path / f"kvlife-fedcba9876543210-{dead}")
+    age(locked, buf)
     fd = os.open(locked, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # a server in another pid namespace holds it
@@ -102,8 +84,8 @@ def test_sweep_counts_a_zombie_as_dead(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
         wait_for(lambda: Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1][0] == "Z")
-        f = _file(tmp_path / f"{PREFIX}-{proc.pid}")
-        _age(f)
+        f = write_file(tmp_path / f"{PREFIX}-{proc.pid}")
+        age(f)
         assert sweep(tmp_path).servers == [proc.pid]
     finally:
         proc.wait()
@@ -134,7 +116,7 @@ def test_killed_server_arena_is_removed_by_the_next_server_of_any_store(
         assert all(p.exists() and not held(p) for p in files), "a killed server's arena stays"
         live_files = _arenas(shm, alive.path, alive.pid)
         assert live_files and held(live_files[0])
-        _age(*files, *live_files)
+        age(*files, *live_files)
         third = ServerProc(tmp_path / "third", extra=flags).start()
         try:
             assert not any(p.exists() for p in files)
