@@ -61,13 +61,13 @@ def _sweep_elsewhere(shm: Path, grace_s: float = 0.0) -> dict[str, object]:
         _SWEEP + f"s = sweep(Path(sys.argv[1]), grace_s={grace_s}); "
         "print(json.dumps({'files': s.files, 'servers': s.servers}))"
     )
+    return _json_of(["unshare", "--pid", "--fork", sys.executable, "-c", code, str(shm)])
+
+
+def _json_of(argv: list[str]) -> dict[str, object]:
+    """What a child Python prints as its one JSON line (it must exit 0)."""
     out = subprocess.run(
-        ["unshare", "--pid", "--fork", sys.executable, "-c", code, str(shm)],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
+        argv, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0, out.stderr
     result: dict[str, object] = json.loads(out.stdout)
@@ -154,16 +154,7 @@ def test_a_file_the_sweeper_may_not_remove_does_not_break_the_sweep(tmp_path: Pa
     )
     own = f"kvlife-00000000000000ff-{dead}"
     age(theirs)
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(shm), own],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    result = json.loads(out.stdout)
+    result = _json_of([sys.executable, "-c", code, str(shm), own])
     assert "error" not in result, result
     assert theirs.exists()
     assert not (shm / own).exists() and result["files"] == 1  # its own dead family went
