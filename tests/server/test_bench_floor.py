@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from kvlife.bench.limits import raw_write
 from kvlife.bench.server.floor import FloorError, FloorServer
 from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.shm import SHM_DIR
+from tests.server.conftest import ROOT
 
 CHUNK = 256 << 10
 N = 3
@@ -94,3 +98,32 @@ def test_a_floor_server_killed_mid_run_is_a_clear_error_and_stop_cleans_up(
 def test_a_put_larger_than_the_shared_memory_is_refused(floor: FloorServer) -> None:
     with pytest.raises(ValueError, match="do not fit"):
         floor.put(_chunks(0) + _chunks(1), 0)
+
+
+def test_a_killed_bench_leaves_no_shared_memory_and_no_floor_server(tmp_path: Path) -> None:
+    """The shared memory's name is removed once both processes map it: a bench killed
+    with SIGKILL leaves no file holding memory, and its floor server, whose connection
+    closed, exits."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    code = (
+        "import sys, time; from pathlib import Path; "
+        "from kvlife.bench.server.floor import FloorServer; "
+        f"f = FloorServer(Path(sys.argv[1]), {N * CHUNK}); "
+        "print(f.proc.pid, flush=True); time.sleep(120)"
+    )
+    bench = subprocess.Popen(
+        [sys.executable, "-c", code, str(shm)], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        assert bench.stdout is not None
+        child = int(bench.stdout.readline())
+        assert not list(shm.iterdir())  # the floor is up: nothing under a name
+    finally:
+        bench.kill()
+        bench.wait()
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{child}").exists(), "the floor server outlived its bench"
+    assert not list(shm.iterdir())

@@ -84,6 +84,9 @@ class FloorServer:
                 stdin=subprocess.DEVNULL,
             )
             self.conn = self._connect(sock)
+            # both processes map it now (the server maps before it listens): its name
+            # is not needed, and a bench killed from here on leaves no memory behind
+            self.shm_path.unlink()
         except BaseException:
             self.stop()
             raise
