@@ -18,7 +18,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -453,7 +452,7 @@ def test_clients_of_a_swept_dead_server_keep_their_bytes_and_get_no_wrong_kv(
 # -- many files ----------------------------------------------------------------------------
 
 
-def test_many_dead_families_go_quickly_and_a_live_one_stays(tmp_path: Path) -> None:
+def test_many_dead_families_all_go_and_a_live_one_stays(tmp_path: Path) -> None:
     shm, _ = _shm(tmp_path)
     dead = dead_pid()
     count = 3000
@@ -466,17 +465,15 @@ def test_many_dead_families_go_quickly_and_a_live_one_stays(tmp_path: Path) -> N
     live = Arena(shm / f"kvlife-{'f' * 16}-{dead_pid()}", MiB)  # a dead pid, but locked
     age(live.path)
     try:
-        t0 = time.monotonic()
         swept = sweep(shm, grace_s=0)
-        took = time.monotonic() - t0
         assert swept.files == count and set(swept.servers) == {dead}  # one pid, many stores
-        assert took < 10, took
+        assert not [p for p in made if p.exists()]
         assert live.path.exists() and held(live.path)
     finally:
         live.unlink()
 
 
-def test_sigkill_of_a_busy_server_then_a_sweep_leaves_nowrite_file(tmp_path: Path) -> None:
+def test_sigkill_of_a_busy_server_then_a_sweep_leaves_no_file(tmp_path: Path) -> None:
     """A killed server with several shared buffers: the next sweep takes every file of it
     and counts their bytes; the dead pid is reported once."""
     shm, flags = _shm(tmp_path)
