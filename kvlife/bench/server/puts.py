@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.bench.limits import SplitSealer, memcpy, raw_write, sealed_copy
+from kvlife.bench.limits import SplitSealer, memcpy, raw_write, sealed_copy, tasks_cpu_seconds
 from kvlife.bench.server.config import ServerBenchConfig
 from kvlife.bench.server.floor import FloorServer
 from kvlife.bench.server.servers import direct_ok
@@ -35,6 +35,7 @@ def bench_put(
     raw_dir: Path | None,
     embedded: KVStore | None = None,
     floor: FloorServer | None = None,
+    server_pid: int | None = None,
 ) -> dict[str, Any]:
     """Put fresh prompts (invalidated after each, outside the timing); the limit is
     memcpy into warm DRAM, or (write-through server: ``raw_dir``) a raw write of the
@@ -48,7 +49,9 @@ def bench_put(
     while the server hashes, cannot beat). ``floor``: the same put through a bare server
     with no store, timed beside (:mod:`kvlife.bench.server.floor`): the server hashing
     what the notices say is written (``floor``), the client hashing as it copies and
-    sending the seals (``floor_sealed``)."""
+    sending the seals (``floor_sealed``). ``server_pid``: the CPU each put cost the
+    server (and the floor's server its put), beside its time (``server_cpu``: what
+    bounds a put whose server is busy for most of it)."""
     layout = chunk_layout(size)
     ident = bench_identity(layout)
     n = cfg.chunks_per_call
@@ -60,6 +63,7 @@ def bench_put(
     floored: list[float] = []
     floored_sealed: list[float] = []
     sealer = SplitSealer() if raw_dir is None else None
+    cpu = _ServerCpu(server_pid, floor.proc.pid if floor is not None and floor.proc else None)
     try:
         for rep in range(cfg.reps + 1):
             tokens, kv = prompt(layout, n, seed * 1000 + rep)
@@ -78,9 +82,12 @@ def bench_put(
                 if not notices:  # the commit hashes every chunk, as before issue 28
                     remote._puts.notice_bytes = 0
                 try:
+                    c0 = cpu.server() if notices else 0.0
                     t0 = time.perf_counter()
                     res = remote.put_prompt(ident, NS, tokens, chunks)
                     took = time.perf_counter() - t0
+                    if notices:
+                        cpu.served(cpu.server() - c0, took)
                 finally:
                     remote._puts.notice_bytes = least
                 if res.stored != n:
@@ -91,7 +98,10 @@ def bench_put(
             # the order alternates, so that neither side always finds the source in cache
             notice = remote._puts.notice_bytes
             if floor is not None and rep % 2:
-                t_floor, t_sealed_floor = floor.put(chunks, notice), floor.put(chunks, 0, True)
+                t_floor, t_sealed_floor = (
+                    cpu.floor_put(floor, chunks, notice),
+                    floor.put(chunks, 0, True),
+                )
             t_lim = limit_once() if rep % 2 else 0.0
             if raw_dir is None and rep % 2:  # DRAM: the same put without put_written too
                 unnoticed.append(put_once(False))
@@ -109,7 +119,8 @@ def bench_put(
                 embedded.invalidate(namespace=NS)
             if floor is not None:
                 if not rep % 2:
-                    t_sealed_floor, t_floor = floor.put(chunks, 0, True), floor.put(chunks, notice)
+                    t_sealed_floor = floor.put(chunks, 0, True)
+                    t_floor = cpu.floor_put(floor, chunks, notice)
                 if rep:
                     floored.append(t_floor)
                     floored_sealed.append(t_sealed_floor)
@@ -136,4 +147,47 @@ def bench_put(
     out = point(layout, n, served, limit, raw=raw_dir is not None, **others)
     if raw_dir is not None:
         out["direct_io"] = direct
+    if cpu.spent:
+        out["server_cpu"] = cpu.summary()
     return out
+
+
+class _ServerCpu:
+    """The CPU the server spent on each timed put (its threads' time, read before and
+    after the put, outside the timing), beside the put's time; the same for the floor's
+    server. Medians over the puts after the warm-up."""
+
+    def __init__(self, server_pid: int | None, floor_pid: int | None) -> None:
+        self.pid = server_pid
+        self.floor_pid = floor_pid if server_pid is not None else None
+        self.spent: list[tuple[float, float]] = []
+        self.floor_spent: list[float] = []
+
+    def server(self) -> float:
+        return tasks_cpu_seconds(self.pid) if self.pid is not None else 0.0
+
+    def served(self, cpu_s: float, wall_s: float) -> None:
+        if self.pid is not None:
+            self.spent.append((cpu_s, wall_s))
+
+    def floor_put(self, floor: FloorServer, chunks: list[np.ndarray], notice: int) -> float:
+        if self.floor_pid is None:
+            return floor.put(chunks, notice)
+        c0 = tasks_cpu_seconds(self.floor_pid)
+        took = floor.put(chunks, notice)
+        self.floor_spent.append(tasks_cpu_seconds(self.floor_pid) - c0)
+        return took
+
+    def summary(self) -> dict[str, float]:
+        """``ms_per_put`` (the server's CPU per put), ``busy`` (that CPU over the put's
+        time: near 1, the server's CPU bounds the put) and ``floor_ms_per_put``."""
+        timed = self.spent[1:] or self.spent
+        out = {
+            "ms_per_put": float(np.median([c for c, _ in timed])) * 1e3,
+            "busy": float(np.median([c / w for c, w in timed if w > 0])),
+        }
+        if self.floor_spent:
+            out["floor_ms_per_put"] = (
+                float(np.median(self.floor_spent[1:] or self.floor_spent)) * 1e3
+            )
+        return out

@@ -116,6 +116,15 @@ def format_report(r: dict[str, Any]) -> str:
                 f"{c['server_shared_us_per_chunk']:.0f}; raw read "
                 f"{c['client_raw_us_per_chunk']:.0f}, xxh3-128 {c['hash_us_per_chunk']:.0f}"
             )
+    for p in r.get("put_dram", []):
+        c = p.get("server_cpu")
+        if c:
+            floor = c.get("floor_ms_per_put")
+            lines.append(
+                f"DRAM puts of {p['chunk_bytes'] >> 10} KiB: the server's CPU per put "
+                f"{c['ms_per_put']:.2f} ms, busy {c['busy']:.2f} of the put's time"
+                + (f" (the floor's server {floor:.2f} ms)" if floor is not None else "")
+            )
     lines.append(_peer_report(r))
     return "\n".join(lines)
 

@@ -84,7 +84,7 @@ def _points(
     embedded = KVStore.open(work / "inproc", dram_bytes=dram, disk_bytes=0)
     try:
         result["put_dram"] = [
-            bench_put(cfg, remote, s, 20 + i, None, embedded, floor)
+            bench_put(cfg, remote, s, 20 + i, None, embedded, floor, main.proc.pid)
             for i, s in enumerate(cfg.sizes)
         ]
     finally:
