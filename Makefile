@@ -13,7 +13,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-vllm test-slow lint bench clean remote-deps
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py kvlife/native/_frames.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev,sim,engine,transforms,remote,ops]'

@@ -275,11 +275,11 @@ class _Feed:
         of raw reads (ordinary / shared buffers) to 0.69 / 0.80, 2 MiB loads stayed
         within the noise. In one process on two CPUs the chained reads at depth 2 kept
         two in flight and were faster than these (2 MiB x 32: 0.79 against 0.69)."""
-        if not _one_cpu():
-            return False
         items = list(self.queue)
         self.queue = iter(items)
         if not any(self._pipelinable(it) for it in items):
+            return False
+        if not _one_cpu() and not any(self._native(it) for it in items):
             return False
         try:
             self.pool.submit(self._pipeline, items)
@@ -293,6 +293,14 @@ class _Feed:
 
     def _pipelinable(self, it: _Item) -> bool:
         return isinstance(self.tiers[it.tier], PipelinedReads) and not it.rep.transform.framed
+
+    def _native(self, it: _Item) -> bool:
+        tier = self.tiers[it.tier]
+        return (
+            isinstance(tier, PipelinedReads)
+            and not it.rep.transform.framed
+            and tier.reads_runs_natively()
+        )
 
     def _pipeline(self, items: list[_Item]) -> None:
         """The pipelined load's task: every chunk completed exactly once, whatever

@@ -309,6 +309,12 @@ class PipelinedReads(ABC):
         ``done`` has returned, how many were read. ReplicaNotFound, raised before
         anything is read, when a key has no replica here."""
 
+    def reads_runs_natively(self) -> bool:
+        """Whether a run is read and verified outside the interpreter lock in one call
+        (no Python per chunk): then a load pipelines its runs on any number of CPUs,
+        not only on one (issue 28)."""
+        return False
+
 
 class ReportsLostReplicas(ABC):
     """Capability: the tier may drop replicas by itself (found corrupt by recovery,

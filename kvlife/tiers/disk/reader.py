@@ -54,6 +54,7 @@ from kvlife.tiers.disk.catalog import CatalogRow
 from kvlife.tiers.disk.counters import DiskStats
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.disk.frame import HEADER_BYTES
+from kvlife.tiers.disk.native_reads import read_frames, single_run, usable
 from kvlife.tiers.disk.segments import Segment, SegmentTable
 
 READ_HELPERS = 16
@@ -64,6 +65,10 @@ PIPELINE = 2
 callers share ``io_depth``: with one, a caller's checksum of frame i and its Python
 ran before the read of frame i + 1 was issued, so each caller left the device idle
 for that long per frame (issue 28)."""
+
+RUN_DEPTH = 1
+"""Reads in flight of one ``read_pipelined`` run on the native path (the Python path
+reads one at a time too): measured, issue 28."""
 
 CHECKERS = 4
 """Threads shared by all ``read_pipelined`` calls of a tier to verify the frames read
@@ -91,6 +96,11 @@ def _direct_runs(out: np.ndarray) -> list[np.ndarray] | None:
             return None
         return [out.reshape(-1).view(np.uint8)]
     return aligned_runs(out)
+
+
+def _kept(results: list[ReadResult], res: ReadResult) -> bool:
+    results.append(res)
+    return True
 
 
 @dataclass(slots=True)
@@ -171,6 +181,23 @@ class Reader:
                 self._new_arrays.take(round_up(row.nbytes)) if out is None else None
                 for row, _, out in plan
             ]
+            if len(plan) > 1 and usable(self.io):
+                runs = [_direct_runs(out) if out is not None else None for _, _, out in plan]
+                if all(single_run(out, r) for (_, _, out), r in zip(plan, runs, strict=True)):
+                    results: list[ReadResult] = []
+                    read_frames(
+                        rows,
+                        [seg for _, seg, _ in plan],
+                        [out for _, _, out in plan],
+                        runs,
+                        bodies,
+                        self._staging,
+                        share,
+                        got,
+                        self._where,
+                        lambda _, res: _kept(results, res),
+                    )
+                    return results
             return self._read_all(plan, bodies, got, share)
         finally:
             with table.lock:
@@ -218,6 +245,10 @@ class Reader:
                         f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
                         f"{row.dtype}{list(row.shape)}"
                     )
+            if usable(self.io):
+                runs = [_direct_runs(out) if out is not None else None for out in outs]
+                if all(single_run(out, r) for out, r in zip(outs, runs, strict=True)):
+                    return self._pipeline_native(rows, pinned, outs, runs, done, proceed, got)
             return self._pipeline(rows, pinned, outs, done, proceed, got)
         finally:
             with table.lock:
@@ -268,6 +299,63 @@ class Reader:
         if failed is not None:
             raise failed
         return read
+
+    def native(self) -> bool:
+        """Whether runs are read through the C extension (:mod:`.native_reads`)."""
+        return usable(self.io)
+
+    def _pipeline_native(
+        self,
+        rows: list[CatalogRow],
+        pinned: dict[int, Segment],
+        outs: Sequence[np.ndarray | None],
+        runs: list[list[np.ndarray] | None],
+        done: Callable[[int, ReadResult], None],
+        proceed: Callable[[], bool] | None,
+        got: list[int],
+    ) -> int:
+        """``read_pipelined`` through the C extension: the run read and verified in one
+        call outside the interpreter lock, each frame handed to ``done`` in this thread
+        as soon as it is verified, once its row was looked up again (and ``proceed``
+        asked): a frame whose row was deleted or replaced by then stops the run there,
+        it and the frames after it not given to ``done`` (the caller reads them one at
+        a time). A stricter rule than the Python path's look-up before each read: an
+        invalidation that lands while a frame is read is seen too."""
+        bodies = [
+            self._new_arrays.take(round_up(row.nbytes)) if out is None else None
+            for row, out in zip(rows, outs, strict=True)
+        ]
+        table = self._table
+        failed: list[BaseException] = []
+
+        def take(i: int, res: ReadResult) -> bool:
+            if i:
+                if proceed is not None and not proceed():
+                    return False
+                with table.lock:  # gone or replaced since: not handed out
+                    if table.rows.get(ChunkKey(rows[i].key)) is not rows[i]:
+                        return False
+            try:
+                done(i, res)
+            except BaseException as exc:  # raised once every frame taken was given
+                failed.append(exc)
+            return True
+
+        taken = read_frames(
+            rows,
+            [pinned[row.seg] for row in rows],
+            outs,
+            runs,
+            bodies,
+            self._staging,
+            RUN_DEPTH,
+            got,
+            self._where,
+            take,
+        )
+        if failed:
+            raise failed[0]
+        return taken
 
     def _read_all(
         self,

@@ -296,6 +296,9 @@ class DiskTier(
         (:meth:`Reader.read_pipelined <kvlife.tiers.disk.reader.Reader.read_pipelined>`)."""
         return self._reader.read_pipelined(keys, outs, done, proceed)
 
+    def reads_runs_natively(self) -> bool:
+        return self._reader.native()
+
     # ------------------------------------------------------------------ deletes and reclaim
 
     def delete(self, key: ChunkKey) -> int:

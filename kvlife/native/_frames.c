@@ -1,0 +1,277 @@
+/* kvlife._frames: read and verify a run of disk-tier frames outside the interpreter lock.
+ *
+ * One call reads every frame of a run (header and payload in one preadv each, on
+ * `depth` POSIX threads that take the frames in order) while the calling thread, the
+ * interpreter lock released, verifies each frame as soon as it has landed: its header
+ * against the bytes the catalog row says it was written with, its payload's xxh3-128
+ * against the row's checksum. So the checksum of frame i overlaps the reads of the
+ * frames after it, and no Python runs per frame (issue 28).
+ *
+ * The hash is xxhash's own XXH3_128bits, the function the `xxhash` Python package's
+ * extension exports (the same code that computed every stored checksum): its address
+ * is handed in by kvlife.native.frames, which checks it against xxhash's digest once.
+ * Nothing is decided here: each frame gets a status and the Python side turns it into
+ * the typed miss or the array it hands out.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/uio.h>
+
+typedef struct {
+    uint64_t low64;
+    uint64_t high64;
+} xxh128_t;
+
+typedef xxh128_t (*xxh3_128_fn)(const void *, size_t);
+
+enum { OK = 0, HEADER_DIFFERS = 1, CHECKSUM_MISMATCH = 2, TRUNCATED = 3, READ_ERROR = 4 };
+
+typedef struct {
+    int fd;
+    int64_t off;
+    Py_buffer hdr;   /* writable: the frame's header lands here */
+    Py_buffer body;  /* writable: the payload (padded to the alignment) lands here */
+    Py_buffer want;  /* the header bytes the row's frame was written with */
+    Py_buffer sum;   /* the row's xxh3-128, canonical (big-endian) 16 bytes */
+    Py_ssize_t nbytes;
+    int status;
+    int err;
+    Py_ssize_t got;
+    int landed;
+} frame_t;
+
+typedef struct {
+    frame_t *frames;
+    Py_ssize_t n;
+    Py_ssize_t next; /* the next frame a reader takes (under lock) */
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+} run_t;
+
+static uint64_t be64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+static void read_frame(frame_t *f) {
+    struct iovec iov[2];
+    int iovcnt = 1;
+    iov[0].iov_base = f->hdr.buf;
+    iov[0].iov_len = (size_t)f->hdr.len;
+    if (f->body.len > 0) {
+        iov[1].iov_base = f->body.buf;
+        iov[1].iov_len = (size_t)f->body.len;
+        iovcnt = 2;
+    }
+    ssize_t n;
+    do {
+        n = preadv(f->fd, iov, iovcnt, (off_t)f->off);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) {
+        f->status = READ_ERROR;
+        f->err = errno;
+        f->got = 0;
+        return;
+    }
+    f->got = (Py_ssize_t)n;
+    f->status = n < f->hdr.len + f->nbytes ? TRUNCATED : OK;
+}
+
+static void verify_frame(frame_t *f, xxh3_128_fn hash) {
+    if (f->status != OK) return;
+    if (f->want.len > f->hdr.len || memcmp(f->hdr.buf, f->want.buf, (size_t)f->want.len) != 0) {
+        f->status = HEADER_DIFFERS;
+        return;
+    }
+    xxh128_t h = hash(f->body.buf, (size_t)f->nbytes);
+    const unsigned char *s = (const unsigned char *)f->sum.buf;
+    if (h.high64 != be64(s) || h.low64 != be64(s + 8)) f->status = CHECKSUM_MISMATCH;
+}
+
+static void *reader(void *arg) {
+    run_t *r = (run_t *)arg;
+    for (;;) {
+        pthread_mutex_lock(&r->lock);
+        Py_ssize_t i = r->next++;
+        pthread_mutex_unlock(&r->lock);
+        if (i >= r->n) return NULL;
+        read_frame(&r->frames[i]);
+        pthread_mutex_lock(&r->lock);
+        r->frames[i].landed = 1;
+        pthread_cond_broadcast(&r->cond);
+        pthread_mutex_unlock(&r->lock);
+    }
+}
+
+static void release_frames(frame_t *frames, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_buffer *bufs[4] = {&frames[i].hdr, &frames[i].body, &frames[i].want, &frames[i].sum};
+        for (int b = 0; b < 4; b++)
+            if (bufs[b]->obj != NULL) PyBuffer_Release(bufs[b]);
+    }
+}
+
+/* Call on_frame(i, status, errno, bytes read) with the interpreter lock held; whether to
+ * go on (False, or an exception, stops the run). */
+static int deliver(PyObject *on_frame, Py_ssize_t i, frame_t *f, int *failed) {
+    PyObject *r = PyObject_CallFunction(on_frame, "niin", i, f->status, f->err, f->got);
+    if (r == NULL) {
+        *failed = 1;
+        return 0;
+    }
+    int go_on = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (go_on < 0) {
+        *failed = 1;
+        return 0;
+    }
+    return go_on;
+}
+
+/* read_run(frames, depth, hash_address, on_frame) -> frames taken
+ * frames: a sequence of (fd, offset, header, body, nbytes, header_want, checksum).
+ * on_frame(i, status, errno, bytes_read) -> bool is called in this thread, in order, as
+ * soon as frame i is verified (the reads of the frames after it go on meanwhile); a
+ * false return (frame i not taken) stops the run there: no further frame is read
+ * (reads in flight end), none delivered. An exception it raises stops the run the
+ * same way and is raised. Returns how many frames on_frame took. */
+static PyObject *read_run(PyObject *self, PyObject *args) {
+    PyObject *seq, *on_frame;
+    int depth;
+    unsigned long long hash_addr;
+    if (!PyArg_ParseTuple(args, "OiKO", &seq, &depth, &hash_addr, &on_frame)) return NULL;
+    if (depth < 1 || depth > 64) {
+        PyErr_Format(PyExc_ValueError, "depth %d is not in 1..64", depth);
+        return NULL;
+    }
+    if (hash_addr == 0) {
+        PyErr_SetString(PyExc_ValueError, "no xxh3-128 function address");
+        return NULL;
+    }
+    if (!PyCallable_Check(on_frame)) {
+        PyErr_SetString(PyExc_TypeError, "on_frame must be callable");
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(seq, "frames must be a sequence");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    frame_t *frames = PyMem_Calloc((size_t)(n ? n : 1), sizeof(frame_t));
+    if (frames == NULL) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t parsed = 0;
+    for (; parsed < n; parsed++) {
+        frame_t *f = &frames[parsed];
+        long long off;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, parsed), "iLw*w*ny*y*;a frame",
+                              &f->fd, &off, &f->hdr, &f->body, &f->nbytes, &f->want, &f->sum))
+            break;
+        f->off = off;
+        if (f->nbytes < 0 || f->nbytes > f->body.len || f->sum.len != 16 || off < 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "frame %zd: payload of %zd bytes in a buffer of %zd, checksum of %zd bytes",
+                         parsed, f->nbytes, f->body.len, f->sum.len);
+            parsed++;
+            break;
+        }
+    }
+    if (parsed < n || PyErr_Occurred()) {
+        release_frames(frames, parsed);
+        PyMem_Free(frames);
+        Py_DECREF(fast);
+        return NULL;
+    }
+    xxh3_128_fn hash = (xxh3_128_fn)(uintptr_t)hash_addr;
+    run_t run = {.frames = frames, .n = n, .next = 0};
+    pthread_mutex_init(&run.lock, NULL);
+    pthread_cond_init(&run.cond, NULL);
+    pthread_t threads[64];
+    int started = 0;
+    int failed = 0;
+    Py_ssize_t delivered = 0;
+
+    Py_BEGIN_ALLOW_THREADS
+    if (n > 1) {
+        int want = depth < n ? depth : (int)n;
+        for (; started < want; started++)
+            if (pthread_create(&threads[started], NULL, reader, &run) != 0) break;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (started == 0) {
+            read_frame(&frames[i]); /* one frame, or no thread could start: here */
+        } else {
+            pthread_mutex_lock(&run.lock);
+            while (!frames[i].landed) pthread_cond_wait(&run.cond, &run.lock);
+            pthread_mutex_unlock(&run.lock);
+        }
+        verify_frame(&frames[i], hash);
+        int go_on;
+        Py_BLOCK_THREADS
+        go_on = deliver(on_frame, i, &frames[i], &failed);
+        Py_UNBLOCK_THREADS
+        if (failed || !go_on) break;
+        delivered++;
+    }
+    pthread_mutex_lock(&run.lock);
+    run.next = n; /* the readers take no further frame */
+    pthread_mutex_unlock(&run.lock);
+    for (int t = 0; t < started; t++) pthread_join(threads[t], NULL);
+    Py_END_ALLOW_THREADS
+
+    pthread_cond_destroy(&run.cond);
+    pthread_mutex_destroy(&run.lock);
+    release_frames(frames, n);
+    PyMem_Free(frames);
+    Py_DECREF(fast);
+    if (failed) return NULL;
+    return PyLong_FromSsize_t(delivered);
+}
+
+/* xxh3_128(buffer, hash_address) -> canonical 16 bytes: the self-check of the address. */
+static PyObject *xxh3_128(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    unsigned long long hash_addr;
+    if (!PyArg_ParseTuple(args, "y*K", &data, &hash_addr)) return NULL;
+    if (hash_addr == 0) {
+        PyBuffer_Release(&data);
+        PyErr_SetString(PyExc_ValueError, "no xxh3-128 function address");
+        return NULL;
+    }
+    xxh128_t h = ((xxh3_128_fn)(uintptr_t)hash_addr)(data.buf, (size_t)data.len);
+    PyBuffer_Release(&data);
+    unsigned char b[16];
+    for (int i = 0; i < 8; i++) {
+        b[i] = (unsigned char)(h.high64 >> (56 - 8 * i));
+        b[8 + i] = (unsigned char)(h.low64 >> (56 - 8 * i));
+    }
+    return PyBytes_FromStringAndSize((const char *)b, 16);
+}
+
+static PyMethodDef methods[] = {
+    {"read_run", read_run, METH_VARARGS,
+     "read_run(frames, depth, hash_address, on_frame): read and verify frames without the GIL."},
+    {"xxh3_128", xxh3_128, METH_VARARGS, "xxh3_128(buffer, hash_address): canonical digest."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_frames", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__frames(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddIntConstant(m, "OK", OK) || PyModule_AddIntConstant(m, "HEADER_DIFFERS", HEADER_DIFFERS) ||
+        PyModule_AddIntConstant(m, "CHECKSUM_MISMATCH", CHECKSUM_MISMATCH) ||
+        PyModule_AddIntConstant(m, "TRUNCATED", TRUNCATED) ||
+        PyModule_AddIntConstant(m, "READ_ERROR", READ_ERROR)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,132 @@
+"""Reads of a run of disk-tier frames outside the interpreter lock (issue 28).
+
+:func:`read_run` hands a run of frames to the C extension ``kvlife.native._frames``:
+its threads read each frame (header and payload in one ``preadv``) while the calling
+thread, the interpreter lock released, verifies each as soon as it landed, the header
+against the bytes its catalog row says it was written with and the payload's xxh3-128
+against the row's checksum. No Python runs per frame, and the checksum of one frame
+overlaps the reads of the next.
+
+The hash is xxhash's own ``XXH3_128bits``, exported by the ``xxhash`` package's
+extension (the code that computed every stored checksum); its address is taken once
+with :mod:`ctypes` and checked against ``xxhash.xxh3_128_digest`` on sample inputs
+before the extension is used. Where the extension was not built (no C compiler at
+install time), the symbol is missing, the check fails, or ``KVLIFE_NATIVE=0`` is set,
+:func:`available` is False and the disk tier reads through its Python path, which
+gives the same results (the contract tests run both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from types import ModuleType
+
+import numpy as np
+import xxhash
+
+OK = 0
+HEADER_DIFFERS = 1
+CHECKSUM_MISMATCH = 2
+TRUNCATED = 3
+READ_ERROR = 4
+
+MAX_DEPTH = 64
+"""Reads in flight one call may use (threads it starts)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrameRead:
+    """One frame of a run to read: where it is, where it lands, what it must be."""
+
+    fd: int
+    offset: int
+    header: np.ndarray
+    """Writable, aligned: the frame's header lands here."""
+    body: np.ndarray
+    """Writable, aligned, a multiple of the alignment long: the payload lands here."""
+    nbytes: int
+    """The payload's length (the rest of ``body`` is padding)."""
+    header_want: bytes
+    """The header bytes the catalog row says the frame was written with."""
+    checksum: bytes
+    """The row's xxh3-128 of the payload (16 bytes, as ``xxhash`` digests)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrameOutcome:
+    status: int
+    """OK, HEADER_DIFFERS, CHECKSUM_MISMATCH, TRUNCATED or READ_ERROR."""
+    errno: int
+    """The read's errno (READ_ERROR only)."""
+    got: int
+    """Bytes the read returned."""
+
+
+def _hash_address() -> int:
+    """The address of ``XXH3_128bits`` in the xxhash package's extension (0: not found)."""
+    lib_path = getattr(getattr(xxhash, "_xxhash", None), "__file__", None)
+    if lib_path is None:
+        return 0
+    try:
+        fn = ctypes.CDLL(lib_path).XXH3_128bits
+    except (OSError, AttributeError):
+        return 0
+    return ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+
+@cache
+def _loaded() -> tuple[ModuleType, int] | None:
+    """The extension and the hash's address, checked; None when either is missing or
+    the address does not hash as xxhash does."""
+    if os.environ.get("KVLIFE_NATIVE", "1") == "0":
+        return None
+    try:
+        from kvlife.native import _frames  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    addr = _hash_address()
+    if not addr:
+        return None
+    rng = np.random.default_rng(28)
+    for n in (0, 1, 17, 240, 241, 4096, 1 << 20):
+        sample = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        if _frames.xxh3_128(sample, addr) != xxhash.xxh3_128_digest(sample):
+            return None
+    return _frames, addr
+
+
+def available() -> bool:
+    """Whether runs of frames are read by the extension (else the Python path)."""
+    return _loaded() is not None
+
+
+def read_run(
+    frames: Sequence[FrameRead], depth: int, on_frame: Callable[[int, FrameOutcome], bool]
+) -> int:
+    """Read and verify ``frames`` with up to ``depth`` reads in flight, the interpreter
+    lock released but for ``on_frame(i, outcome)``, called in this thread, in order, as
+    soon as frame ``i`` is verified (the reads after it go on meanwhile). It returns
+    whether it took the frame: False stops the run there (no further frame read, none
+    delivered), as does an exception it raises, which is raised here once the reads in
+    flight ended. Returns how many frames were taken. Raises RuntimeError when the
+    extension is not available (callers ask :func:`available` first) and ValueError for
+    a frame whose buffers do not fit it."""
+    loaded = _loaded()
+    if loaded is None:
+        raise RuntimeError("kvlife.native._frames is not available")
+    module, addr = loaded
+
+    def took(i: int, status: int, err: int, got: int) -> bool:
+        return on_frame(i, FrameOutcome(status, err, got))
+
+    taken: int = module.read_run(
+        [(f.fd, f.offset, f.header, f.body, f.nbytes, f.header_want, f.checksum) for f in frames],
+        max(1, min(depth, MAX_DEPTH)),
+        addr,
+        took,
+    )
+    return taken
