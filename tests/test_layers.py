@@ -23,8 +23,8 @@ imports nothing at module level (asserted below)."""
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("core",),
     # leaves over core: terminal tables, device models, the trace schema and importers,
-    # the operations primitives (structured logs, live figures)
-    ("report", "sim", "trace", "interpreters"),
+    # the operations primitives (structured logs, live figures), the compiled code
+    ("report", "sim", "trace", "interpreters", "native"),
     # building blocks; the global index on Redis is the shared tiers' index and sits
     # with them (record frames and tier names one way, invalidation rules the other);
     # tenancy (names, principals, scopes, quotas) is read by the store and the server

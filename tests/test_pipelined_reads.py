@@ -31,10 +31,12 @@ from hypothesis import strategies as st
 from kvlife.core.errors import ChecksumMismatch, ReplicaNotFound, StoreClosedError
 from kvlife.core.identity import PUBLIC, ChunkKey, ModelIdentity
 from kvlife.faults.damage import flip, scan_frames
+from kvlife.native import frames as native_frames
 from kvlife.store import KVStore, reads
 from kvlife.tiers.base import ReplicaMeta, Reservation, device_read_returned, when_read_returns
 from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
+from kvlife.tiers.disk import reader as disk_reader
 from kvlife.tiers.disk.catalog import CatalogRow
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.disk.frame import payload_checksum
@@ -87,11 +89,18 @@ class GatedIO(FileIO):
                 self.now -= 1
 
 
-@pytest.fixture(params=["chained", "one-cpu"])
+@pytest.fixture(params=["chained", "one-cpu", "native"])
 def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """How a load with a depth reads: chained (one chunk per task, the next submitted
-    from the read hook) or, as on one CPU, back to back in one task."""
+    from the read hook), as on one CPU back to back in one task, or (where the disk
+    tier reads runs through the C extension, on any number of CPUs) one native run
+    per task. The first two with the extension off; a tier whose reads go through a
+    test's FileIO subclass reads through Python in every mode."""
     monkeypatch.setattr(reads, "_one_cpu", lambda: request.param == "one-cpu")
+    if request.param != "native":
+        monkeypatch.setattr(disk_reader, "usable", lambda io: False)
+    elif not native_frames.available():
+        pytest.skip("kvlife.native._frames not built (tests/test_native_frames.py fails)")
     return str(request.param)
 
 
@@ -426,18 +435,22 @@ def test_a_replica_gone_from_the_disk_under_a_load_is_a_miss_from_there(
     bad=st.sets(st.integers(0, 4), max_size=2),
     depth=st.sampled_from([1, 2, 3]),
     buffers=st.booleans(),
+    native=st.booleans(),
 )
 def test_a_pipelined_load_agrees_with_a_synchronous_one(
-    n: int, bad: set[int], depth: int, buffers: bool
+    n: int, bad: set[int], depth: int, buffers: bool, native: bool
 ) -> None:
-    """As on one CPU: any damaged frames, any depth, buffers or not: the pipelined load
-    hands out exactly the chunks before the first damaged one, exact, counts that one
-    corrupt, leaves no pin; a synchronous load of the same prompt afterwards agrees."""
+    """As on one CPU (or natively): any damaged frames, any depth, buffers or not: the
+    pipelined load hands out exactly the chunks before the first damaged one, exact,
+    counts that one corrupt, leaves no pin; a synchronous load of the same prompt
+    afterwards agrees."""
     identity = tiny_identity()
     tokens, kv = prompt_kv(94 + n, n * N)
     bad = {b for b in bad if b < n}
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as mp:
         mp.setattr(reads, "_one_cpu", lambda: True)
+        if not native:  # the Python path's pipelined reads (else the extension's)
+            mp.setattr(disk_reader, "usable", lambda io: False)
         path = Path(tmp)
         with disk_only(path, FileIO(direct=False)) as store:
             keys = store.put_prompt(identity, PUBLIC, tokens, kv).keys

@@ -2,7 +2,8 @@
  *
  * One call reads every frame of a run (header and payload in one preadv each, on
  * `depth` POSIX threads that take the frames in order) while the calling thread, the
- * interpreter lock released, verifies each frame as soon as it has landed: its header
+ * interpreter lock released, verifies each frame as soon as it has landed (a reader
+ * with nothing left to read checks frames that landed beside it): its header
  * against the bytes the catalog row says it was written with, its payload's xxh3-128
  * against the row's checksum. So the checksum of frame i overlaps the reads of the
  * frames after it, and no Python runs per frame (issue 28).
@@ -42,13 +43,17 @@ typedef struct {
     int status;
     int err;
     Py_ssize_t got;
-    int landed;
+    int stage; /* READING, LANDED, CHECKING or CHECKED (under the run's lock) */
 } frame_t;
+
+enum { READING = 0, LANDED = 1, CHECKING = 2, CHECKED = 3 };
 
 typedef struct {
     frame_t *frames;
     Py_ssize_t n;
     Py_ssize_t next; /* the next frame a reader takes (under lock) */
+    Py_ssize_t unclaimed; /* frames before it are all claimed for checking (under lock) */
+    xxh3_128_fn hash;
     pthread_mutex_t lock;
     pthread_cond_t cond;
 } run_t;
@@ -94,19 +99,59 @@ static void verify_frame(frame_t *f, xxh3_128_fn hash) {
     if (h.high64 != be64(s) || h.low64 != be64(s + 8)) f->status = CHECKSUM_MISMATCH;
 }
 
+/* Check frame i, claimed (stage CHECKING) under the lock by the caller; the lock is
+ * released meanwhile and held again on return. */
+static void check_claimed(run_t *r, Py_ssize_t i) {
+    pthread_mutex_unlock(&r->lock);
+    verify_frame(&r->frames[i], r->hash);
+    pthread_mutex_lock(&r->lock);
+    r->frames[i].stage = CHECKED;
+    pthread_cond_broadcast(&r->cond);
+}
+
+/* A reader: reads the next frame while there is one to read, then checks frames that
+ * landed and nobody checks yet, so that the checksums of frames that landed together
+ * run side by side rather than one after another in the calling thread. */
 static void *reader(void *arg) {
     run_t *r = (run_t *)arg;
+    pthread_mutex_lock(&r->lock);
     for (;;) {
-        pthread_mutex_lock(&r->lock);
-        Py_ssize_t i = r->next++;
-        pthread_mutex_unlock(&r->lock);
-        if (i >= r->n) return NULL;
-        read_frame(&r->frames[i]);
-        pthread_mutex_lock(&r->lock);
-        r->frames[i].landed = 1;
-        pthread_cond_broadcast(&r->cond);
-        pthread_mutex_unlock(&r->lock);
+        if (r->next < r->n) {
+            Py_ssize_t i = r->next++;
+            pthread_mutex_unlock(&r->lock);
+            read_frame(&r->frames[i]);
+            pthread_mutex_lock(&r->lock);
+            r->frames[i].stage = LANDED;
+            pthread_cond_broadcast(&r->cond);
+            continue;
+        }
+        while (r->unclaimed < r->n && r->frames[r->unclaimed].stage != LANDED &&
+               r->frames[r->unclaimed].stage != READING)
+            r->unclaimed++;
+        Py_ssize_t j = -1;
+        for (Py_ssize_t k = r->unclaimed; k < r->n; k++)
+            if (r->frames[k].stage == LANDED) {
+                j = k;
+                break;
+            }
+        if (j < 0) break;
+        r->frames[j].stage = CHECKING;
+        check_claimed(r, j);
     }
+    pthread_mutex_unlock(&r->lock);
+    return NULL;
+}
+
+/* In the calling thread: frame i checked, by this thread if nobody claimed it. */
+static void await_checked(run_t *r, Py_ssize_t i) {
+    pthread_mutex_lock(&r->lock);
+    while (r->frames[i].stage == READING) pthread_cond_wait(&r->cond, &r->lock);
+    if (r->frames[i].stage == LANDED) {
+        r->frames[i].stage = CHECKING;
+        check_claimed(r, i);
+    }
+    while (r->frames[i].stage != CHECKED) pthread_cond_wait(&r->cond, &r->lock);
+    pthread_mutex_unlock(&r->lock);
 }
 
 static void release_frames(frame_t *frames, Py_ssize_t n) {
@@ -158,9 +203,11 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "on_frame must be callable");
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(seq, "frames must be a sequence");
+    /* a tuple of its own: a list the caller (or an item's __index__) changes while it
+     * is parsed cannot pull items from under this loop */
+    PyObject *fast = PySequence_Tuple(seq);
     if (fast == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = PyTuple_GET_SIZE(fast);
     frame_t *frames = PyMem_Calloc((size_t)(n ? n : 1), sizeof(frame_t));
     if (frames == NULL) {
         Py_DECREF(fast);
@@ -170,14 +217,38 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
     for (; parsed < n; parsed++) {
         frame_t *f = &frames[parsed];
         long long off;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, parsed), "iLw*w*ny*y*;a frame",
-                              &f->fd, &off, &f->hdr, &f->body, &f->nbytes, &f->want, &f->sum))
+        PyObject *item = PyTuple_GET_ITEM(fast, parsed);
+        if (!PyTuple_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "frame %zd is a %.100s, not a tuple", parsed,
+                         Py_TYPE(item)->tp_name);
             break;
+        }
+        if (!PyArg_ParseTuple(item, "iLw*w*ny*y*", &f->fd, &off, &f->hdr, &f->body, &f->nbytes,
+                              &f->want, &f->sum)) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_Format(type != NULL ? type : PyExc_TypeError, "frame %zd: %S", parsed,
+                         value != NULL ? value : Py_None);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            break;
+        }
         f->off = off;
-        if (f->nbytes < 0 || f->nbytes > f->body.len || f->sum.len != 16 || off < 0) {
+        const char *bad = NULL;
+        if (off < 0)
+            bad = "a negative offset";
+        else if (f->nbytes < 0)
+            bad = "a negative payload length";
+        else if (f->nbytes > f->body.len)
+            bad = "a payload longer than its buffer";
+        else if (f->sum.len != 16)
+            bad = "a checksum that is not 16 bytes";
+        if (bad != NULL) {
             PyErr_Format(PyExc_ValueError,
-                         "frame %zd: payload of %zd bytes in a buffer of %zd, checksum of %zd bytes",
-                         parsed, f->nbytes, f->body.len, f->sum.len);
+                         "frame %zd has %s (offset %lld, payload of %zd bytes in a buffer of "
+                         "%zd, checksum of %zd bytes)",
+                         parsed, bad, off, f->nbytes, f->body.len, f->sum.len);
             parsed++;
             break;
         }
@@ -189,7 +260,7 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
         return NULL;
     }
     xxh3_128_fn hash = (xxh3_128_fn)(uintptr_t)hash_addr;
-    run_t run = {.frames = frames, .n = n, .next = 0};
+    run_t run = {.frames = frames, .n = n, .next = 0, .unclaimed = 0, .hash = hash};
     pthread_mutex_init(&run.lock, NULL);
     pthread_cond_init(&run.cond, NULL);
     pthread_t threads[64];
@@ -204,14 +275,12 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
             if (pthread_create(&threads[started], NULL, reader, &run) != 0) break;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (started == 0) {
-            read_frame(&frames[i]); /* one frame, or no thread could start: here */
+        if (started == 0) { /* one frame, or no thread could start: all here */
+            read_frame(&frames[i]);
+            verify_frame(&frames[i], hash);
         } else {
-            pthread_mutex_lock(&run.lock);
-            while (!frames[i].landed) pthread_cond_wait(&run.cond, &run.lock);
-            pthread_mutex_unlock(&run.lock);
+            await_checked(&run, i);
         }
-        verify_frame(&frames[i], hash);
         int go_on;
         Py_BLOCK_THREADS
         go_on = deliver(on_frame, i, &frames[i], &failed);
@@ -220,7 +289,9 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
         delivered++;
     }
     pthread_mutex_lock(&run.lock);
-    run.next = n; /* the readers take no further frame */
+    run.next = n; /* the readers take no further frame, and check none landed so far */
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (frames[k].stage == LANDED) frames[k].stage = CHECKED;
     pthread_mutex_unlock(&run.lock);
     for (int t = 0; t < started; t++) pthread_join(threads[t], NULL);
     Py_END_ALLOW_THREADS

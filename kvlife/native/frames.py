@@ -115,6 +115,8 @@ def read_run(
     flight ended. Returns how many frames were taken. Raises RuntimeError when the
     extension is not available (callers ask :func:`available` first) and ValueError for
     a frame whose buffers do not fit it."""
+    if not callable(on_frame):
+        raise TypeError(f"on_frame must be callable, not {type(on_frame).__name__}")
     loaded = _loaded()
     if loaded is None:
         raise RuntimeError("kvlife.native._frames is not available")

@@ -31,11 +31,15 @@ from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.disk.frame import HEADER_BYTES
 from kvlife.tiers.disk.segments import Segment
 
+_PLAIN_PREADV = FileIO.preadv
+"""FileIO's own ``preadv``, as imported (a class-level patch replaces the attribute)."""
+
 
 def usable(io: FileIO) -> bool:
     """Whether reads through ``io`` may take the native path: its ``preadv`` is
-    FileIO's own (not a subclass's or a patched one: a test's faults go through it)."""
-    return getattr(io.preadv, "__func__", None) is FileIO.preadv and native.available()
+    FileIO's own (not a subclass's, not one patched on the object or the class: a
+    test's faults go through it)."""
+    return getattr(io.preadv, "__func__", None) is _PLAIN_PREADV and native.available()
 
 
 @dataclass(slots=True)

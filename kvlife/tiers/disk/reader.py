@@ -98,6 +98,20 @@ def _direct_runs(out: np.ndarray) -> list[np.ndarray] | None:
     return aligned_runs(out)
 
 
+def _check_out(row: CatalogRow, out: np.ndarray | None) -> None:
+    """InvalidArgument (before anything is read) for an output buffer that does not fit
+    its replica or cannot be written."""
+    if out is None:
+        return
+    if out.shape != row.shape or out.dtype != np.dtype(row.dtype):
+        raise InvalidArgument(
+            f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
+            f"{row.dtype}{list(row.shape)}"
+        )
+    if not out.flags.writeable:
+        raise InvalidArgument(f"output buffer {out.dtype}{list(out.shape)} is read-only")
+
+
 def _kept(results: list[ReadResult], res: ReadResult) -> bool:
     results.append(res)
     return True
@@ -168,11 +182,7 @@ class Reader:
                 for i, row in enumerate(rows)
             ]
             for row, _, out in plan:
-                if out is not None and (out.shape != row.shape or out.dtype != np.dtype(row.dtype)):
-                    raise InvalidArgument(
-                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
-                        f"{row.dtype}{list(row.shape)}"
-                    )
+                _check_out(row, out)
             # new arrays are mapped here, before any read: a mapping made on a helper
             # while the others' reads fault fresh pages in waits for all of them (the
             # process's memory map lock), 27 ms per 16 MiB array measured, 0.2x of the
@@ -240,11 +250,7 @@ class Reader:
         got: list[int] = []
         try:
             for row, out in zip(rows, outs, strict=True):
-                if out is not None and (out.shape != row.shape or out.dtype != np.dtype(row.dtype)):
-                    raise InvalidArgument(
-                        f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
-                        f"{row.dtype}{list(row.shape)}"
-                    )
+                _check_out(row, out)
             if usable(self.io):
                 runs = [_direct_runs(out) if out is not None else None for out in outs]
                 if all(single_run(out, r) for out, r in zip(outs, runs, strict=True)):

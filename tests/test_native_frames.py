@@ -1,0 +1,371 @@
+"""The disk tier's reads of a run of frames through the C extension (issue 28).
+
+``kvlife.native._frames`` reads and verifies a run of frames outside the interpreter
+lock; the Python path (``Reader._land`` / ``_check``) is the reference. The contract:
+for every frame, intact or damaged on disk (a payload byte, a header byte, a truncated
+segment), both paths hand out the same thing: the same bytes, or the same kind of
+typed miss with the same message; a run stops where its callback says; an exception
+in it is raised after the reads in flight ended; a row deleted or replaced while a
+run is read is not handed out. Damage is done to the real segment files.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlife.core.errors import ChecksumMismatch, ReplicaReadError
+from kvlife.core.identity import ChunkKey
+from kvlife.faults.damage import flip, truncate
+from kvlife.native import frames as native
+from kvlife.tiers.base import ReadResult, ReplicaMeta, Reservation
+from kvlife.tiers.buffers import aligned_empty
+from kvlife.tiers.disk import DiskTier, DiskTierConfig, native_reads
+from kvlife.tiers.disk import reader as reader_mod
+from kvlife.tiers.disk.frame import HEADER_BYTES, HEADER_USED
+
+T = TypeVar("T")
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("KVLIFE_NATIVE") == "0", reason="KVLIFE_NATIVE=0: the extension is off"
+)
+
+
+def test_the_extension_is_built_and_checked() -> None:
+    """``make`` builds it (setup.py): a machine without a C compiler reads through the
+    Python path, and this test says so rather than letting every other one pass on it."""
+    assert native.available(), (
+        "kvlife.native._frames was not built or failed its check against xxhash "
+        "(a C compiler is needed at install time: pip install -e . builds it)"
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=0, max_size=5000))
+def test_the_hash_address_hashes_as_xxhash(data: bytes) -> None:
+    loaded = native._loaded()
+    assert loaded is not None
+    module, addr = loaded
+    assert module.xxh3_128(data, addr) == xxhash.xxh3_128_digest(data)
+
+
+def _tier(path: Path, io_depth: int = 4) -> DiskTier:
+    return DiskTier(path, DiskTierConfig(64 << 20, direct_io=False, io_depth=io_depth))
+
+
+def _stored(
+    tier: DiskTier, sizes: list[int], seed: int = 0
+) -> tuple[list[ChunkKey], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    metas = [
+        ReplicaMeta(ChunkKey(bytes([seed % 256, i % 256, i // 256]) * 10 + b"nf"), "uint8", (n,))
+        for i, n in enumerate(sizes)
+    ]
+    res = tier.prepare_store(metas)
+    assert isinstance(res, Reservation)
+    tier.commit_store(res, arrays)
+    return [m.key for m in metas], arrays
+
+
+def _segment_path(tier: DiskTier, key: ChunkKey) -> tuple[Path, int, int]:
+    row = tier._table.row(key)
+    seg = tier._table.segments[row.seg]
+    return seg.path, row.off, row.nbytes
+
+
+@pytest.fixture
+def both_paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, bool]]:
+    """A switch between the two paths of one tier (``state["native"]``)."""
+    state = {"native": True}
+    usable = native_reads.usable
+    monkeypatch.setattr(reader_mod, "usable", lambda io: state["native"] and usable(io))
+    yield state
+
+
+def _note(into: list[T], item: T) -> bool:
+    into.append(item)
+    return True
+
+
+def _kind(r: ReadResult) -> tuple[str, str]:
+    if isinstance(r, np.ndarray):
+        return ("array", r.tobytes().hex()[:64] + str(r.nbytes))
+    return (type(r).__name__, str(r))
+
+
+DAMAGE = ["none", "payload", "header", "padding", "truncate"]
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    sizes=st.lists(st.integers(0, 3 * 4096 + 7), min_size=2, max_size=6),
+    damage=st.lists(st.sampled_from(DAMAGE), min_size=6, max_size=6),
+    where=st.integers(0, 1 << 30),
+    into_buffers=st.booleans(),
+)
+def test_both_paths_hand_out_the_same(
+    tmp_path_factory: pytest.TempPathFactory,
+    both_paths: dict[str, bool],
+    sizes: list[int],
+    damage: list[str],
+    where: int,
+    into_buffers: bool,
+) -> None:
+    """Random runs with random damage on disk: the native and the Python path return the
+    same arrays and the same typed misses (same messages); damage never comes back as
+    an array, and the intact frames come back whole."""
+    tier = _tier(tmp_path_factory.mktemp("nf"))
+    try:
+        keys, arrays = _stored(tier, sizes, seed=where % 251)
+        damaged: set[int] = set()
+        truncated_at: int | None = None
+        for i, key in enumerate(keys):
+            path, off, nbytes = _segment_path(tier, key)
+            what = damage[i]
+            if what == "payload" and nbytes:
+                flip(path, off + HEADER_BYTES + where % nbytes, 1)
+                damaged.add(i)
+            elif what == "header":
+                flip(path, off + where % HEADER_USED, 1)
+                damaged.add(i)
+            elif what == "padding" and nbytes % 4096:
+                flip(path, off + HEADER_BYTES + nbytes, 1)  # outside the payload: harmless
+            elif what == "truncate" and truncated_at is None and i == len(keys) - 1:
+                truncated_at = off + HEADER_BYTES + nbytes // 2
+                truncate(path, truncated_at)
+                damaged.add(i)
+        got: dict[bool, list[tuple[str, str]]] = {}
+        for native_on in (True, False):
+            both_paths["native"] = native_on
+            assert tier._reader.native() is native_on
+            outs = [np.zeros(n, np.uint8) for n in sizes] if into_buffers else None
+            res = tier.read_batch(keys, outs)
+            for i, r in enumerate(res):
+                if i in damaged:
+                    assert isinstance(r, ChecksumMismatch), (i, damage[i], r)
+                else:
+                    assert isinstance(r, np.ndarray) and np.array_equal(r, arrays[i]), (i, r)
+                    if not into_buffers:
+                        assert not r.flags.writeable
+            got[native_on] = [_kind(r) for r in res]
+        assert got[True] == got[False]
+    finally:
+        tier.close()
+
+
+def test_a_read_error_is_a_typed_miss_naming_the_errno(tmp_path: Path) -> None:
+    """A frame whose read fails (its fd closed under the tier) is READ_ERROR with the
+    errno, made a ReplicaReadError; the other frames of the run still verify."""
+    hdrs = aligned_empty(HEADER_BYTES * 2)
+    body = aligned_empty(4096)
+    data = np.arange(4096, dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * HEADER_BYTES + data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    frames = [
+        native.FrameRead(-1, 0, hdrs[:HEADER_BYTES], aligned_empty(4096), 4096, b"", b"\0" * 16),
+        native.FrameRead(
+            fd,
+            0,
+            hdrs[HEADER_BYTES:],
+            body,
+            4096,
+            b"\0" * 64,
+            xxhash.xxh3_128_digest(bytes(data)),
+        ),
+    ]
+    seen: list[native.FrameOutcome] = []
+    try:
+        assert native.read_run(frames, 2, lambda i, o: _note(seen, o)) == 2
+    finally:
+        os.close(fd)
+    assert seen[0].status == native.READ_ERROR and seen[0].errno == errno.EBADF
+    assert seen[1].status == native.OK and np.array_equal(body, data)
+
+
+def test_a_run_stops_where_its_callback_says_and_raises_what_it_raised(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    data = np.arange(4096, dtype=np.uint8)
+    path.write_bytes((b"\0" * HEADER_BYTES + data.tobytes()) * 8)
+    fd = os.open(path, os.O_RDONLY)
+    ck = xxhash.xxh3_128_digest(bytes(data))
+    hdrs = aligned_empty(HEADER_BYTES * 8)
+
+    def run() -> list[native.FrameRead]:
+        return [
+            native.FrameRead(
+                fd,
+                i * 2 * 4096,
+                hdrs[i * 4096 : (i + 1) * 4096],
+                aligned_empty(4096),
+                4096,
+                b"",
+                ck,
+            )
+            for i in range(8)
+        ]
+
+    try:
+        calls: list[int] = []
+        assert native.read_run(run(), 3, lambda i, o: _note(calls, i) and i < 2) == 2
+        assert calls == [0, 1, 2]  # frame 2 refused: the run ended there
+
+        def boom(i: int, o: native.FrameOutcome) -> bool:
+            if i == 4:
+                raise KeyError("from the callback")
+            return True
+
+        with pytest.raises(KeyError, match="from the callback"):
+            native.read_run(run(), 2, boom)
+    finally:
+        os.close(fd)
+
+
+def test_frames_that_do_not_fit_their_buffers_are_refused(tmp_path: Path) -> None:
+    hdr = aligned_empty(HEADER_BYTES)
+    body = aligned_empty(4096)
+    ok = [native.FrameRead(-1, 0, hdr, body, 4096, b"", b"\0" * 16)]
+    with pytest.raises(ValueError, match="payload of 4097 bytes in a buffer of 4096"):
+        native.read_run(
+            [native.FrameRead(-1, 0, hdr, body, 4097, b"", b"\0" * 16)], 1, lambda *_: True
+        )
+    with pytest.raises(ValueError, match="checksum of 15 bytes"):
+        native.read_run(
+            [native.FrameRead(-1, 0, hdr, body, 10, b"", b"\0" * 15)], 1, lambda *_: True
+        )
+    with pytest.raises(TypeError):  # a read-only buffer cannot be read into
+        native.read_run(
+            [
+                native.FrameRead(
+                    -1, 0, hdr, np.frombuffer(bytes(4096), np.uint8), 1, b"", b"\0" * 16
+                )
+            ],
+            1,
+            lambda *_: True,
+        )
+    with pytest.raises(TypeError, match="on_frame must be callable"):
+        native.read_run(ok, 1, None)  # type: ignore[arg-type]
+
+
+def test_read_pipelined_hands_out_no_frame_whose_row_was_deleted_during_the_run(
+    tmp_path: Path,
+) -> None:
+    """Frame 0's ``done`` deletes frame 2's replica (an invalidation racing the load):
+    frames 0 and 1 are handed out, frame 2 and the rest are not (the caller reads them
+    one at a time and finds them gone), whatever the reads had landed meanwhile."""
+    tier = _tier(tmp_path)
+    try:
+        assert tier._reader.native()
+        keys, arrays = _stored(tier, [8192] * 5)
+        handed: dict[int, ReadResult] = {}
+
+        def done(i: int, res: ReadResult) -> None:
+            handed[i] = res
+            if i == 0:
+                tier.delete(keys[2])
+
+        outs: list[np.ndarray | None] = [None] * 5
+        assert tier.read_pipelined(keys, outs, done) == 2
+        assert sorted(handed) == [0, 1]
+        for i in (0, 1):
+            r = handed[i]
+            assert isinstance(r, np.ndarray) and np.array_equal(r, arrays[i])
+    finally:
+        tier.close()
+
+
+def test_read_pipelined_raises_what_a_done_raised_after_handing_out_the_rest(
+    tmp_path: Path,
+) -> None:
+    tier = _tier(tmp_path)
+    try:
+        keys, _ = _stored(tier, [4096] * 4)
+        handed: list[int] = []
+
+        def done(i: int, res: ReadResult) -> None:
+            handed.append(i)
+            if i == 1:
+                raise RuntimeError("a done that fails")
+
+        with pytest.raises(RuntimeError, match="a done that fails"):
+            tier.read_pipelined(keys, [None] * 4, done)
+        assert handed == [0, 1, 2, 3]
+    finally:
+        tier.close()
+
+
+def test_many_threads_read_the_same_run_at_once(tmp_path: Path) -> None:
+    """Eight threads, each reading the same twelve frames (half into its own buffers)
+    many times: every result is the stored bytes."""
+    tier = _tier(tmp_path)
+    errors: list[BaseException] = []
+    try:
+        keys, arrays = _stored(tier, [4096 * (1 + i % 3) for i in range(12)])
+
+        def reader(t: int) -> None:
+            try:
+                for r in range(20):
+                    outs = [np.empty_like(a) if (t + r) % 2 else None for a in arrays]
+                    for got, want in zip(tier.read_batch(keys, outs), arrays, strict=True):
+                        assert isinstance(got, np.ndarray) and np.array_equal(got, want)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not any(th.is_alive() for th in threads)
+        assert not errors, errors[0]
+    finally:
+        tier.close()
+
+
+def test_a_frame_read_into_an_unaligned_buffer_is_staged_and_copied(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    try:
+        assert tier._reader.native()
+        keys, arrays = _stored(tier, [8192, 5000, 4096])
+        raw = [np.zeros(a.nbytes + 1, np.uint8) for a in arrays]
+        outs = [r[1:] for r in raw]  # one byte off any alignment
+        got = tier.read_batch(keys, outs)
+        for g, o, a in zip(got, outs, arrays, strict=True):
+            assert g is o and np.array_equal(o, a)
+    finally:
+        tier.close()
+
+
+def test_a_read_error_on_the_native_path_is_a_replica_read_error(tmp_path: Path) -> None:
+    """The segment's fd closed under the tier (as a failing device would): every frame
+    of the run is a ReplicaReadError naming the errno, none an array."""
+    tier = _tier(tmp_path)
+    try:
+        keys, _ = _stored(tier, [4096, 4096])
+        seg = tier._table.segments[tier._table.row(keys[0]).seg]
+        saved = os.dup(seg.fd)
+        os.close(seg.fd)
+        try:
+            got = tier.read_batch(keys)
+        finally:
+            os.dup2(saved, seg.fd)
+            os.close(saved)
+        for r in got:
+            assert isinstance(r, ReplicaReadError) and "Bad file descriptor" in str(r)
+    finally:
+        tier.close()
