@@ -6,7 +6,8 @@
  * with nothing left to read checks frames that landed beside it): its header
  * against the bytes the catalog row says it was written with, its payload's xxh3-128
  * against the row's checksum. So the checksum of frame i overlaps the reads of the
- * frames after it, and no Python runs per frame (issue 28).
+ * frames after it, and the only Python per frame is the caller's on_frame, called in
+ * order as each is verified (issue 28).
  *
  * The hash is xxhash's own XXH3_128bits, the function the `xxhash` Python package's
  * extension exports (the same code that computed every stored checksum): its address

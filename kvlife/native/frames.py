@@ -4,8 +4,8 @@
 its threads read each frame (header and payload in one ``preadv``) while the calling
 thread, the interpreter lock released, verifies each as soon as it landed, the header
 against the bytes its catalog row says it was written with and the payload's xxh3-128
-against the row's checksum. No Python runs per frame, and the checksum of one frame
-overlaps the reads of the next.
+against the row's checksum, then hands it to a callback in order. The only Python per
+frame is that callback, and the checksum of one frame overlaps the reads of the next.
 
 The hash is xxhash's own ``XXH3_128bits``, exported by the ``xxhash`` package's
 extension (the code that computed every stored checksum); its address is taken once
@@ -88,6 +88,10 @@ def _loaded() -> tuple[ModuleType, int] | None:
         from kvlife.native import _frames  # type: ignore[attr-defined]
     except ImportError:
         return None
+    statuses = (OK, HEADER_DIFFERS, CHECKSUM_MISMATCH, TRUNCATED, READ_ERROR)
+    names = ("OK", "HEADER_DIFFERS", "CHECKSUM_MISMATCH", "TRUNCATED", "READ_ERROR")
+    if tuple(getattr(_frames, name, None) for name in names) != statuses:
+        return None  # an extension built from another version of this file
     addr = _hash_address()
     if not addr:
         return None
