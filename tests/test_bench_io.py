@@ -149,8 +149,10 @@ def test_user_paths_are_reported_beside_their_limit_with_a_target(tmp_path: Path
 
 def test_machine_figures_say_how_they_read(tmp_path: Path) -> None:
     """The machine figures use O_DIRECT exactly where the directory takes it (tmpfs may
-    not: then buffered I/O, and the line says so); the scratch file is removed."""
+    not: then buffered I/O, and the line says so), say whether the disk tier reads in
+    native code; the scratch file is removed."""
     from kvlife.bench.limits import format_machine, machine_figures
+    from kvlife.native import frames
     from kvlife.tiers.disk.fileio import probe_direct_io
 
     dirs = [tmp_path]
@@ -163,6 +165,9 @@ def test_machine_figures_say_how_they_read(tmp_path: Path) -> None:
             assert fig["direct_io"] is probe_direct_io(where)
             label = "raw O_DIRECT" if fig["direct_io"] else "raw buffered"
             assert label in format_machine(fig)
+            assert fig["native_reads"] is frames.available()
+            said = "read natively" if fig["native_reads"] else "read through Python"
+            assert said in format_machine(fig)
             assert list(where.iterdir()) == []
     finally:
         for where in dirs[1:]:

@@ -190,6 +190,7 @@ def machine_figures(
 
     A scratch file is made in ``directory`` and removed.
     """
+    from kvlife.native import frames
     from kvlife.tiers.buffers import aligned_empty
     from kvlife.tiers.disk.fileio import probe_direct_io
 
@@ -223,6 +224,9 @@ def machine_figures(
         "bytes": nbytes,
         "block_bytes": block,
         "cpu_count": os.cpu_count() or 0,
+        # whether the disk tier reads runs of frames in native code here (docs/store.md):
+        # a machine without the extension reads through Python, and its ratios say so
+        "native_reads": frames.available(),
     }
 
 
@@ -240,6 +244,13 @@ def format_machine(fig: Mapping[str, object]) -> str:
         f"{fig['raw_write_gbps']:.2f} / read {fig['raw_read_gbps']:.2f} GB/s "
         f"({calls}), Python loop "
         f"{fig['python_loop_mips']:.1f} M iterations/s, {fig['cpu_count']} CPUs"
+        + (
+            ""
+            if "native_reads" not in fig
+            else ", disk frames read natively"
+            if fig["native_reads"]
+            else ", disk frames read through Python (no native extension)"
+        )
     )
 
 

@@ -10,7 +10,8 @@ from kvlife.bench.limits import MACHINE_KEYS
 
 def assert_machine_figures(doc: dict[str, object]) -> None:
     """``doc["machine"]`` holds memcpy, raw write and read GB/s and the Python loop's
-    speed, each a positive finite number, and says whether the raw I/O was O_DIRECT."""
+    speed, each a positive finite number, and says whether the raw I/O was O_DIRECT and
+    whether the disk tier read natively."""
     machine = doc["machine"]
     assert isinstance(machine, dict), machine
     for key in MACHINE_KEYS:
@@ -19,3 +20,4 @@ def assert_machine_figures(doc: dict[str, object]) -> None:
     assert isinstance(machine["direct_io"], bool)
     assert machine["bytes"] >= machine["block_bytes"] > 0
     assert machine["cpu_count"] >= 1
+    assert isinstance(machine["native_reads"], bool)
