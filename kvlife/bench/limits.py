@@ -249,7 +249,7 @@ def format_machine(fig: Mapping[str, object]) -> str:
             if "native_reads" not in fig
             else ", disk frames read natively"
             if fig["native_reads"]
-            else ", disk frames read through Python (no native extension)"
+            else ", disk frames read through Python (native extension off or not built)"
         )
     )
 
