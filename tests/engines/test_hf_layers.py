@@ -173,10 +173,12 @@ def test_a_group_late_after_the_forward_started_is_recomputed(
         assert isinstance(tier, ThrottledTier)
         group_bytes = 8 * eng.identity.layout.chunk_nbytes // 2  # 8 chunks of 2 of 4 layers
         chunk = group_bytes // 8
-        # group 0 passes in the burst (with half a chunk to spare, should a read of group
-        # 1 be charged first); group 1 then trickles at ~0.2 s a chunk while the model,
+        # group 0 passes in the burst (with two and a half chunks to spare, should reads
+        # of group 1 be charged first: with half a chunk, reads of group 1 charged before
+        # group 0's last made it late in 3 of 17 runs on a busy machine); group 1 then
+        # trickles at ~0.2 s a chunk (5.5 chunks past the burst: 1.1 s) while the model,
         # seeded for a fast disk, plans for microseconds: its deadline is the 0.6 s slack
-        tier.set_limits(chunk / 0.2, burst_bytes=group_bytes + chunk // 2)
+        tier.set_limits(chunk / 0.2, burst_bytes=group_bytes + 5 * chunk // 2)
         planned = PlannedEngine(eng, seeded_model(TPC, 1e-10), deadline_slack_s=0.6)
         out, done = planned.generate(ids, PUBLIC, max_new_tokens=12, policy=fixed(0, 8))
         cached = done.prefill.cached_tokens
