@@ -21,7 +21,7 @@ from typing import TypeVar
 import numpy as np
 import pytest
 import xxhash
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvlife.core.errors import ChecksumMismatch, ReplicaReadError
@@ -118,6 +118,7 @@ DAMAGE = ["none", "payload", "header", "padding", "truncate"]
     where=st.integers(0, 1 << 30),
     into_buffers=st.booleans(),
 )
+@example(sizes=[0, 0], damage=["none", "truncate"] + ["none"] * 4, where=0, into_buffers=False)
 def test_both_paths_hand_out_the_same(
     tmp_path_factory: pytest.TempPathFactory,
     both_paths: dict[str, bool],
@@ -146,7 +147,7 @@ def test_both_paths_hand_out_the_same(
             elif what == "padding" and nbytes % 4096:
                 flip(path, off + HEADER_BYTES + nbytes, 1)  # outside the payload: harmless
             elif what == "truncate" and truncated_at is None and i == len(keys) - 1:
-                truncated_at = off + HEADER_BYTES + nbytes // 2
+                truncated_at = off + (HEADER_BYTES + nbytes) // 2  # into the frame
                 truncate(path, truncated_at)
                 damaged.add(i)
         got: dict[bool, list[tuple[str, str]]] = {}
