@@ -116,6 +116,15 @@ def _check_out(row: CatalogRow, out: np.ndarray | None) -> None:
         raise InvalidArgument(f"output buffer {out.dtype}{list(out.shape)} is read-only")
 
 
+def _native_runs(outs: Sequence[np.ndarray | None]) -> list[list[np.ndarray] | None] | None:
+    """Each buffer's aligned pieces (None: no buffer, or one to stage), or None when a
+    buffer would land in several pieces (the native path reads into one)."""
+    runs = [_direct_runs(out) if out is not None else None for out in outs]
+    if all(single_run(out, r) for out, r in zip(outs, runs, strict=True)):
+        return runs
+    return None
+
+
 def _kept(results: list[ReadResult], res: ReadResult) -> bool:
     results.append(res)
     return True
@@ -196,8 +205,8 @@ class Reader:
                 for row, _, out in plan
             ]
             if len(plan) > 1 and usable(self.io):
-                runs = [_direct_runs(out) if out is not None else None for _, _, out in plan]
-                if all(single_run(out, r) for (_, _, out), r in zip(plan, runs, strict=True)):
+                runs = _native_runs([out for _, _, out in plan])
+                if runs is not None:
                     results: list[ReadResult] = []
                     read_frames(
                         rows,
@@ -256,8 +265,8 @@ class Reader:
             for row, out in zip(rows, outs, strict=True):
                 _check_out(row, out)
             if usable(self.io):
-                runs = [_direct_runs(out) if out is not None else None for out in outs]
-                if all(single_run(out, r) for out, r in zip(outs, runs, strict=True)):
+                runs = _native_runs(outs)
+                if runs is not None:
                     return self._pipeline_native(rows, pinned, outs, runs, done, proceed, got)
             return self._pipeline(rows, pinned, outs, done, proceed, got)
         finally:
