@@ -74,6 +74,16 @@ flight 0.545 / 0.628 against 0.542 / 0.646 at 2 MiB, 0.611 / 0.775 against 0.656
 0.780 at 16 MiB (and 0.548 / 0.655 against 0.570 / 0.667, 0.663 / 0.828 against
 0.748 / 0.832)."""
 
+BATCH_DEPTH = 2
+"""Reads in flight of one ``read_batch`` on the native path at most (its share of
+``io_depth`` when that is fewer). A batch of as many frames as reads in flight issues
+them all at once; on this virtual disk they end together and their checks run one
+after another after the last (docs/store.md). Measured (issue 28, 2026-12-04, machine
+alone, the tier's ``read_batch`` into buffers, depths alternated call by call, median
+ms): 4 x 2 MiB 2.98 / 2.88 / 3.28 at two / three / four in flight (and 2.81 against
+3.06 at two and four), 4 x 16 MiB 18.2 / 18.3 / 19.7, 16 x 2 MiB 10.4 / 10.2 / 10.4;
+one in flight 3.25, 19.7, 10.8."""
+
 CHECKERS = 4
 """Threads shared by all ``read_pipelined`` calls of a tier to verify the frames read
 (CPU only: a stalled device read elsewhere never holds one)."""
@@ -215,7 +225,7 @@ class Reader:
                         runs,
                         bodies,
                         self._staging,
-                        share,
+                        min(share, BATCH_DEPTH),
                         got,
                         self._where,
                         lambda _, res: _kept(results, res),
