@@ -75,14 +75,23 @@ flight 0.545 / 0.628 against 0.542 / 0.646 at 2 MiB, 0.611 / 0.775 against 0.656
 0.748 / 0.832)."""
 
 BATCH_DEPTH = 2
-"""Reads in flight of one ``read_batch`` on the native path at most (its share of
-``io_depth`` when that is fewer). A batch of as many frames as reads in flight issues
-them all at once; on this virtual disk they end together and their checks run one
-after another after the last (docs/store.md). Measured (issue 28, 2026-12-04, machine
+"""Reads in flight of one ``read_batch`` on the native path at most. A batch of as many
+frames as reads in flight issues them all at once; on this virtual disk they end
+together and their checks run one after another after the last (docs/store.md). Measured (issue 28, 2026-12-04, machine
 alone, the tier's ``read_batch`` into buffers, depths alternated call by call, median
 ms): 4 x 2 MiB 2.98 / 2.88 / 3.28 at two / three / four in flight (and 2.81 against
 3.06 at two and four), 4 x 16 MiB 18.2 / 18.3 / 19.7, 16 x 2 MiB 10.4 / 10.2 / 10.4;
-one in flight 3.25, 19.7, 10.8."""
+one in flight 3.25, 19.7, 10.8.
+
+Its share of ``io_depth`` when that is fewer, one at least: with four callers or more
+each keeps one read in flight (the native run still reads the next frame while the
+caller checks the last), so the device sees about ``io_depth`` or one per caller, as
+raw reads at that queue depth do, not two per caller (the Python path's
+:data:`PIPELINE`). Measured (2026-12-04, machine alone, T threads each looking up and
+loading 4-chunk prompts of 2 MiB from one store, 1 s slices alternated, 8-10 rounds):
+one per caller against two, 3.37 / 3.20 against 3.13 / 2.97 GB/s at T = 4, 3.14 /
+3.68 against 3.04 / 3.56 at T = 8 (two callers: two each either way, 2.72 against
+2.77)."""
 
 CHECKERS = 4
 """Threads shared by all ``read_pipelined`` calls of a tier to verify the frames read
@@ -198,6 +207,9 @@ class Reader:
             pinned = table.pin_rows(rows)
             self._callers += 1
             share = max(PIPELINE, self._io_depth // self._callers)
+            # the native run pipelines even with one read in flight (its reader thread
+            # reads on while this one checks): no floor of two per caller there
+            native_depth = max(1, min(BATCH_DEPTH, self._io_depth // self._callers))
         got: list[int] = []
         try:
             plan = [
@@ -225,7 +237,7 @@ class Reader:
                         runs,
                         bodies,
                         self._staging,
-                        min(share, BATCH_DEPTH),
+                        native_depth,
                         got,
                         self._where,
                         lambda _, res: _kept(results, res),
