@@ -77,11 +77,11 @@ flight 0.545 / 0.628 against 0.542 / 0.646 at 2 MiB, 0.611 / 0.775 against 0.656
 BATCH_DEPTH = 2
 """Reads in flight of one ``read_batch`` on the native path at most. A batch of as many
 frames as reads in flight issues them all at once; on this virtual disk they end
-together and their checks run one after another after the last (docs/store.md). Measured (issue 28, 2026-12-04, machine
-alone, the tier's ``read_batch`` into buffers, depths alternated call by call, median
-ms): 4 x 2 MiB 2.98 / 2.88 / 3.28 at two / three / four in flight (and 2.81 against
-3.06 at two and four), 4 x 16 MiB 18.2 / 18.3 / 19.7, 16 x 2 MiB 10.4 / 10.2 / 10.4;
-one in flight 3.25, 19.7, 10.8.
+together and their checks run one after another after the last (docs/store.md). Measured
+(issue 28, 2026-12-04, machine alone, the tier's ``read_batch`` into buffers, depths
+alternated call by call, median ms): 4 x 2 MiB 2.98 / 2.88 / 3.28 at two / three / four
+in flight (and 2.81 against 3.06 at two and four), 4 x 16 MiB 18.2 / 18.3 / 19.7, 16 x 2
+MiB 10.4 / 10.2 / 10.4; one in flight 3.25, 19.7, 10.8.
 
 Its share of ``io_depth`` when that is fewer, one at least: with four callers or more
 each keeps one read in flight (the native run still reads the next frame while the
