@@ -31,6 +31,7 @@ import blake3
 import numpy as np
 
 from kvlife.bench.limits import format_machine, machine_figures
+from kvlife.bench.remote_verified import BareVerified
 from kvlife.core.identity import ChunkKey
 from kvlife.faults.proxy import Fault, FaultProxy
 from kvlife.globalindex import IndexConfig
@@ -357,6 +358,11 @@ MOONCAKE_RAW_CALLS = {
     "(readers verify every byte as always)",
     "whole_batch": "kvlife's read_batch with read_group_bytes=0: one batch_get_into for "
     "the whole batch, every payload verified after",
+    "bare_verified": "the simplest verified store (kvlife.bench.remote_verified): the raw "
+    "calls with every payload's xxh3-128 taken and compared, nothing else; put: "
+    "batch_put_from on a worker thread while this one hashes; get: kvlife's fetch groups, "
+    "each hashed right after its batch_get_into (serial) or while the next is fetched "
+    "(pipelined); the better of the two is reported",
     "kvlife": "store (xxh3-128 of each payload and the publish calls, computed while "
     "batch_put_from runs, then the publish scripts) and read_batch into outs over the same "
     "reused buffer (batch_get_into per fetch group of about 8 MiB, one after the other, "
@@ -377,6 +383,24 @@ def _touch_segment(mc: Any, seg: int) -> None:
         names.append(name)
     if names:
         mc.batch_remove(names, True)
+
+
+def _bare_row(g: dict[str, float]) -> dict[str, float]:
+    """The bare verified calls of one size (:mod:`kvlife.bench.remote_verified`): their
+    put and get (the better of the two contestants) against the raw calls, and kvlife's
+    against them."""
+    put = max(g["bare_serial_put_gbps"], g["bare_pipelined_put_gbps"])
+    get = max(g["bare_serial_get_gbps"], g["bare_pipelined_get_gbps"])
+    return {
+        "put_gbps": put,
+        "get_gbps": get,
+        "serial_get_gbps": g["bare_serial_get_gbps"],
+        "pipelined_get_gbps": g["bare_pipelined_get_gbps"],
+        "put_ratio": put / g["raw_put_gbps"],
+        "get_ratio": get / g["raw_get_gbps"],
+        "kvlife_put_vs_bare": g["kvlife_put_gbps"] / put,
+        "kvlife_get_vs_bare": g["kvlife_get_gbps"] / get,
+    }
 
 
 def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]:
@@ -401,6 +425,7 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
         mc = tier.mc
         _touch_segment(mc, seg)
         reused: dict[int, np.ndarray] = {}
+        bare = BareVerified(mc, lambda names: mc.batch_remove(names, True))
 
         def zc_put(names: list[str], arrs: list[np.ndarray]) -> None:
             ptrs = [a.ctypes.data for a in arrs]
@@ -465,6 +490,7 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
                     zc_put, lambda ns, sz: zc_get_into(ns, sz, new=True), remove, size
                 ),
                 "raw_bytes": _raw_run(bytes_put, bytes_get, remove, size),
+                **bare.runs(size),
             }
             g, n, wrong, cpu = _contest(runs, size, total, reps)
             rows.append(
@@ -491,6 +517,7 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
                         "kvlife_get_gbps": g["kvlife_whole_get_gbps"],
                         "get_ratio": g["kvlife_whole_get_gbps"] / g["raw_get_gbps"],
                     },
+                    "bare_verified": _bare_row(g),
                     "bytes_api": {
                         "raw_put_gbps": g["raw_bytes_put_gbps"],
                         "raw_get_gbps": g["raw_bytes_get_gbps"],
@@ -502,6 +529,7 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
                     },
                 }
             )
+        bare.close()
         details = tier.details()
         tier.close()
         return {
@@ -603,6 +631,19 @@ def _table(result: dict[str, Any]) -> str:
                 f"({ba['put_ratio']:4.2f} / {ba['get_ratio']:4.2f})"
                 f"             {kc['kvlife_put_gbps']:6.2f} ({kc['put_ratio']:4.2f})"
             )
+    if mc.get("rows"):
+        lines.append(
+            "mooncake  size      bare verified put/get GB/s (of raw)   get serial / "
+            "pipelined GB/s   kvlife put/get of the bare verified"
+        )
+    for r in mc.get("rows", []):
+        v = r["bare_verified"]
+        lines.append(
+            f"mooncake  {r['size'] // KiB:6d}K   {v['put_gbps']:6.2f} / {v['get_gbps']:6.2f}"
+            f" ({v['put_ratio']:4.2f} / {v['get_ratio']:4.2f})"
+            f"             {v['serial_get_gbps']:6.2f} / {v['pipelined_get_gbps']:6.2f}"
+            f"             {v['kvlife_put_vs_bare']:4.2f} / {v['kvlife_get_vs_bare']:4.2f}"
+        )
     for r in mc.get("rows", []):
         c, n = r["cpu_ms"], r["objects"]
         lines.append(

@@ -41,6 +41,7 @@ def test_bench_remote_quick_writes_its_json(tmp_path: Path) -> None:
             "bytes_api",
             "known_checksum",
             "whole_batch",
+            "bare_verified",
             "kvlife",
         }
         assert mc["tier"]["corrupt"] == 0
@@ -50,8 +51,22 @@ def test_bench_remote_quick_writes_its_json(tmp_path: Path) -> None:
             "bytes_api",
             "known_checksum",
             "whole_batch",
+            "bare_verified",
             "cpu_ms",
         }
+        v = r["bare_verified"]
+        assert set(v) == {
+            "put_gbps",
+            "get_gbps",
+            "serial_get_gbps",
+            "pipelined_get_gbps",
+            "put_ratio",
+            "get_ratio",
+            "kvlife_put_vs_bare",
+            "kvlife_get_vs_bare",
+        }
+        assert v["get_gbps"] == max(v["serial_get_gbps"], v["pipelined_get_gbps"]) > 0
+        assert v["put_gbps"] > 0
         assert set(r["whole_batch"]) == {"kvlife_get_gbps", "get_ratio"}
         assert set(r["cpu_ms"]) == {"kvlife_put", "kvlife_get", "raw_put", "raw_get"}
         assert all(v >= 0 for v in r["cpu_ms"].values())

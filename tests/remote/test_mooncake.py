@@ -477,3 +477,33 @@ def test_mooncake_reads_fetched_ahead_under_overwrites_serve_one_version_whole(
         assert tier.details()["corrupt"] == 0
     finally:
         tier.close()
+
+
+@pytest.mark.skipif(not in_private_netns(), reason="runs inside the private namespace")
+def test_mooncake_bare_verified_calls_count_a_payload_that_is_not_what_was_put(
+    mooncake_master: MooncakeMaster, redis_server: RedisServer, index_ns: str
+) -> None:
+    """The bench's bare verified calls (kvlife/bench/remote_verified.py) hash every payload
+    it puts and gets against the digest of what it was asked to put: exact payloads
+    count nothing wrong in both of its get modes, and a payload changed after its digest
+    was taken is counted wrong on the put and on the get, so they cannot skip the work
+    they stand for."""
+    from kvlife.bench.remote_verified import BareVerified
+
+    tier = _tier(mooncake_master, redis_server, index_ns)
+    mc = tier.mc
+    bare = BareVerified(mc, lambda names: mc.batch_remove(names, True))
+    try:
+        size = 1 << 20
+        arrs = [np.random.default_rng(i).integers(0, 256, size, np.uint8) for i in range(20)]
+        runs = bare.runs(size)
+        assert set(runs) == {"bare_serial", "bare_pipelined"}
+        for rep, run in enumerate(runs.values()):
+            put_s, get_s, wrong, _, _ = run(arrs, rep)
+            assert wrong == 0 and put_s > 0 and get_s > 0
+        arrs[13][777] ^= 0xFF  # after the digests of this batch were taken
+        for rep, run in enumerate(runs.values(), start=2):
+            assert run(arrs, rep)[2] == 2  # its put and its get
+    finally:
+        bare.close()
+        tier.close()
