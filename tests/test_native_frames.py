@@ -50,6 +50,44 @@ def test_the_extension_is_built_and_checked() -> None:
     )
 
 
+def test_a_native_batch_keeps_its_share_of_io_depth_between_one_and_two(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads in flight of a native ``read_batch`` (issue 28, measured in reader.py's
+    BATCH_DEPTH): a caller alone keeps two however large ``io_depth`` is (not all its
+    frames at once), one at ``io_depth`` 1, and with four callers reading at once each
+    keeps one; the bytes are the stored ones at every depth."""
+    depths: list[int] = []
+    real = native_reads.read_frames
+
+    def spy(*args: object) -> None:
+        depths.append(args[6])  # type: ignore[arg-type]
+        real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reader_mod, "read_frames", spy)
+    for io_depth, want in ((4, 2), (8, 2), (2, 2), (1, 1)):
+        tier = _tier(tmp_path / f"d{io_depth}", io_depth=io_depth)
+        try:
+            keys, arrays = _stored(tier, [4096, 8192, 4096, 12288])
+            depths.clear()
+            got = tier.read_batch(keys, [np.empty_like(a) for a in arrays])
+            assert all(np.array_equal(g, a) for g, a in zip(got, arrays, strict=True))  # type: ignore[arg-type]
+            assert depths == [want], (io_depth, depths)
+        finally:
+            tier.close()
+    tier = _tier(tmp_path / "four", io_depth=4)
+    try:
+        keys, arrays = _stored(tier, [4096] * 6)
+        tier._reader._callers += 3  # three other callers in their reads meanwhile
+        depths.clear()
+        got = tier.read_batch(keys, None)
+        assert depths == [1]
+        assert all(np.array_equal(g, a) for g, a in zip(got, arrays, strict=True))  # type: ignore[arg-type]
+        tier._reader._callers -= 3
+    finally:
+        tier.close()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.binary(min_size=0, max_size=5000))
 def test_the_hash_address_hashes_as_xxhash(data: bytes) -> None:
