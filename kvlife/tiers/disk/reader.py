@@ -206,10 +206,11 @@ class Reader:
             rows = [table.row(k) for k in keys]
             pinned = table.pin_rows(rows)
             self._callers += 1
-            share = max(PIPELINE, self._io_depth // self._callers)
-            # the native run pipelines even with one read in flight (its reader thread
-            # reads on while this one checks): no floor of two per caller there
-            native_depth = max(1, min(BATCH_DEPTH, self._io_depth // self._callers))
+            fair = self._io_depth // self._callers
+        share = max(PIPELINE, fair)
+        # the native run pipelines even with one read in flight (its reader thread reads
+        # on while this one checks): no floor of two per caller there
+        native_depth = max(1, min(BATCH_DEPTH, fair))
         got: list[int] = []
         try:
             plan = [
