@@ -31,7 +31,6 @@ store's secret (:attr:`Namespace.salt_key`), so no client can compute it.
 from __future__ import annotations
 
 import array
-import enum
 import struct
 import sys
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ import blake3
 import msgpack
 import numpy as np
 
+from kvlife.core.enums import IdentityHashedEnum
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.sources import (
     SOURCES_TAG,
@@ -247,7 +247,7 @@ class ModelIdentity:
         return self._digest
 
 
-class NamespaceKind(enum.Enum):
+class NamespaceKind(IdentityHashedEnum):
     """Who may see a chunk."""
 
     PUBLIC = "public"

@@ -17,12 +17,11 @@ Only INDEXED objects may be served.
 
 from __future__ import annotations
 
-import enum
-
+from kvlife.core.enums import IdentityHashedEnum
 from kvlife.core.errors import IllegalTransition
 
 
-class ObjectState(enum.Enum):
+class ObjectState(IdentityHashedEnum):
     """States of a logical KV object."""
 
     TENTATIVE = "tentative"
@@ -32,7 +31,7 @@ class ObjectState(enum.Enum):
     DELETED = "deleted"
 
 
-class Move(enum.Enum):
+class Move(IdentityHashedEnum):
     """Every lifecycle move, object moves and replica moves alike."""
 
     # object moves
@@ -91,21 +90,27 @@ def is_object_move(move: Move) -> bool:
     return move not in REPLICA_MOVE_STATES
 
 
-def check_move(obj: str, state: ObjectState | None, move: Move) -> ObjectState | None:
+def check_move(obj: str | bytes, state: ObjectState | None, move: Move) -> ObjectState | None:
     """Return the state after ``move``; raise IllegalTransition if the table forbids it.
 
+    ``obj`` names the object in that error: a name, or its key (bytes, written in hex
+    only when the move is refused: the ledger checks every move of every request).
     ``state`` None means the object does not exist (only PUT and RECOVER are legal then).
     Replica moves return the state unchanged.
     """
     allowed = REPLICA_MOVE_STATES.get(move)
     if allowed is not None:
         if state is None or state not in allowed:
-            raise IllegalTransition(obj, _name(state), move.value)
+            raise _illegal(obj, state, move)
         return state
     after = TRANSITIONS.get((state, move))
     if after is None:
-        raise IllegalTransition(obj, _name(state), move.value)
+        raise _illegal(obj, state, move)
     return after
+
+
+def _illegal(obj: str | bytes, state: ObjectState | None, move: Move) -> IllegalTransition:
+    return IllegalTransition(obj.hex() if isinstance(obj, bytes) else obj, _name(state), move.value)
 
 
 def _name(state: ObjectState | None) -> str:

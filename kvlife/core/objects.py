@@ -3,7 +3,6 @@ its bytes, and the one address type of a prompt (:class:`PromptRef`)."""
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import NewType
@@ -11,6 +10,7 @@ from typing import NewType
 import msgpack
 import numpy as np
 
+from kvlife.core.enums import IdentityHashedEnum
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ROOT_PARENT, ChunkKey, ModelIdentity, Namespace, prompt_chunk_keys
 from kvlife.core.lifecycle import ObjectState
@@ -255,7 +255,7 @@ EXACT = Representation()
 """The engine's own bytes."""
 
 
-class ReplicaState(enum.Enum):
+class ReplicaState(IdentityHashedEnum):
     """Where one replica stands. Readers count separately (:attr:`Replica.pins`)."""
 
     WRITING = "writing"

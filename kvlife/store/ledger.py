@@ -41,7 +41,7 @@ class Ledger:
         transform: str = "exact",
     ) -> None:
         old_state = rec.state
-        new_state = check_move(rec.key.hex(), old_state, move)
+        new_state = check_move(rec.key, old_state, move)
         if new_state is not old_state:
             if new_state is ObjectState.TENTATIVE:
                 self.tentative += 1
