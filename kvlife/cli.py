@@ -462,6 +462,7 @@ BENCHES = {
     "vllm": "kvlife.bench.vllm",
     "vllm-trace": "kvlife.bench.vllm_trace",
     "server": "kvlife.bench.server",
+    "stages": "kvlife.bench.stages",
     "lmcache-mp": "kvlife.bench.peer_lmcache_mp",
     "tenant-arenas": "kvlife.bench.tenant_arenas",
     "invalidate": "kvlife.bench.invalidate",

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kvlife.bench.server.config import MiB, ServerBenchConfig
@@ -26,7 +26,17 @@ class BenchServer:
     longer than a Unix socket path may be (a deep work directory: pytest's under
     pytest-xdist, a user's ``--dir``)."""
 
-    def __init__(self, path: Path, dram: int, disk: int, shm: Path, *flags: str) -> None:
+    def __init__(
+        self,
+        path: Path,
+        dram: int,
+        disk: int,
+        shm: Path,
+        *flags: str,
+        launcher: Sequence[str] = ("-m", "kvlife.cli"),
+    ) -> None:
+        """``launcher``: how the child runs ``kvlife serve`` (its arguments follow; the
+        stages bench starts it under its probes)."""
         self.socket = path.parent / f"{path.name}.sock"
         self._sockdir: Path | None = None
         if len(os.fsencode(self.socket)) > MAX_SOCKET_PATH:
@@ -34,7 +44,7 @@ class BenchServer:
             self.socket = self._sockdir / "serve.sock"
         pid_file = path.parent / f"{path.name}.pid"
         cmd = [
-            sys.executable, "-m", "kvlife.cli", "serve", str(path), "--socket", str(self.socket),
+            sys.executable, *launcher, "serve", str(path), "--socket", str(self.socket),
             "--pid-file", str(pid_file), "--dram-bytes", str(dram), "--disk-bytes", str(disk),
             "--staging-bytes", str(max(128 * MiB, dram // 2)), "--shm-dir", str(shm), *flags,
         ]  # fmt: skip
