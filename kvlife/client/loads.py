@@ -51,6 +51,7 @@ from kvlife.core import errors
 from kvlife.core.identity import KEY_BYTES, ChunkKey, KVLayout
 from kvlife.core.objects import PromptRef, TierName
 from kvlife.core.payload import numpy_dtype
+from kvlife.native.spans import spans
 from kvlife.results import ChunkHit, LoadResult, LookupResult
 from kvlife.server import protocol
 from kvlife.transforms.contract import Accept
@@ -377,10 +378,10 @@ class Loads:
             return None
         dtype = numpy_dtype(layout.dtype)
         into: list[int] = []
-        for out in outs:
-            if out.shape != layout.chunk_shape or out.dtype != dtype or not out.flags.c_contiguous:
+        for out, span in zip(outs, spans(outs), strict=True):
+            if out.shape != layout.chunk_shape or out.dtype != dtype or not span.c_contiguous:
                 return None
-            addr = out.ctypes.data
+            addr = span.low
             for base, size, bid, _ in conn.buffers:
                 if base <= addr and addr + out.nbytes <= base + size:
                     into += [bid, addr - base]

@@ -326,10 +326,64 @@ static PyObject *xxh3_128(PyObject *self, PyObject *args) {
     return PyBytes_FromStringAndSize((const char *)b, 16);
 }
 
+/* spans(arrays) -> [(low, high, flags) or None]: each object's memory as np.byte_bounds
+ * gives it (the lowest byte's address and one past the highest; low == high when it
+ * holds no element), read through the buffer protocol in one call for a list of arrays
+ * (numpy's byte_bounds builds its __array_interface__ dict per array). flags: bit 0
+ * writable, bit 1 C-contiguous. None for an object that exports no strided buffer (the
+ * caller computes that one another way). */
+static PyObject *spans(PyObject *self, PyObject *arg) {
+    PyObject *fast = PySequence_Fast(arg, "spans() takes a sequence");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject *out = PyList_New(n);
+    if (out == NULL) {
+        Py_DECREF(fast);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *obj = PySequence_Fast_GET_ITEM(fast, i);
+        Py_buffer view;
+        PyObject *item;
+        if (PyObject_GetBuffer(obj, &view, PyBUF_RECORDS_RO) != 0) {
+            PyErr_Clear();
+            Py_INCREF(Py_None);
+            item = Py_None;
+        } else {
+            uintptr_t low = (uintptr_t)view.buf, high = (uintptr_t)view.buf;
+            int empty = 0;
+            for (int d = 0; d < view.ndim; d++) {
+                if (view.shape[d] == 0) empty = 1;
+            }
+            if (!empty) {
+                high += (uintptr_t)view.itemsize;
+                for (int d = 0; d < view.ndim; d++) {
+                    Py_ssize_t step = view.strides != NULL ? view.strides[d] : 0;
+                    Py_ssize_t reach = (view.shape[d] - 1) * step;
+                    if (reach < 0) low -= (uintptr_t)(-reach);
+                    else high += (uintptr_t)reach;
+                }
+            }
+            long flags = (view.readonly ? 0 : 1) | (PyBuffer_IsContiguous(&view, 'C') ? 2 : 0);
+            PyBuffer_Release(&view);
+            item = Py_BuildValue("(KKl)", (unsigned long long)low, (unsigned long long)high, flags);
+            if (item == NULL) {
+                Py_DECREF(out);
+                Py_DECREF(fast);
+                return NULL;
+            }
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    Py_DECREF(fast);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"read_run", read_run, METH_VARARGS,
      "read_run(frames, depth, hash_address, on_frame): read and verify frames without the GIL."},
     {"xxh3_128", xxh3_128, METH_VARARGS, "xxh3_128(buffer, hash_address): canonical digest."},
+    {"spans", spans, METH_O, "spans(arrays): [(low, high, flags) or None], as np.byte_bounds."},
     {NULL, NULL, 0, NULL},
 };
 

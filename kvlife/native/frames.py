@@ -90,7 +90,9 @@ def _loaded() -> tuple[ModuleType, int] | None:
         return None
     statuses = (OK, HEADER_DIFFERS, CHECKSUM_MISMATCH, TRUNCATED, READ_ERROR)
     names = ("OK", "HEADER_DIFFERS", "CHECKSUM_MISMATCH", "TRUNCATED", "READ_ERROR")
-    if tuple(getattr(_frames, name, None) for name in names) != statuses:
+    if tuple(getattr(_frames, name, None) for name in names) != statuses or not hasattr(
+        _frames, "spans"
+    ):
         return None  # an extension built from another version of this file
     addr = _hash_address()
     if not addr:
@@ -106,6 +108,13 @@ def _loaded() -> tuple[ModuleType, int] | None:
 def available() -> bool:
     """Whether runs of frames are read by the extension (else the Python path)."""
     return _loaded() is not None
+
+
+def native_module() -> ModuleType | None:
+    """The checked extension (its other helpers: :mod:`kvlife.native.spans`), or None
+    where :func:`available` is False."""
+    loaded = _loaded()
+    return loaded[0] if loaded is not None else None
 
 
 def read_run(

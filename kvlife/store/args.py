@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.array_utils import byte_bounds
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ChunkKey, ModelIdentity, Namespace
 from kvlife.core.objects import PromptRef
 from kvlife.core.sources import SourceSpan, check_spans
+from kvlife.native.spans import spans
 from kvlife.results import LookupResult
 from kvlife.transforms.contract import Accept
 
@@ -78,22 +78,25 @@ def check_outs(outs: Sequence[np.ndarray | None]) -> None:
     bytes in it (the same buffer passed twice, overlapping slices of one array). None
     entries (no buffer for that chunk) are skipped. Checked against the buffers nearest
     in address (sorted by their lowest byte, each against its predecessor and the one
-    reaching furthest so far): one exact test per buffer, not per pair."""
-    spans: list[tuple[int, int, int]] = []
+    reaching furthest so far): one exact test per buffer, not per pair. Where each lies
+    comes from :func:`kvlife.native.spans.spans`, every buffer in one call."""
+    given: list[tuple[int, np.ndarray]] = []
     for i, out in enumerate(outs):
         if out is None:
             continue
         if not isinstance(out, np.ndarray):
             raise InvalidArgument(f"output buffer {i} is a {type(out).__name__}, not an array")
-        if not out.flags.writeable:
+        given.append((i, out))
+    found: list[tuple[int, int, int]] = []
+    for (i, _), where in zip(given, spans([out for _, out in given]), strict=True):
+        if not where.writable:
             raise InvalidArgument(f"output buffer {i} is read-only")
-        if out.nbytes:
-            low, high = byte_bounds(out)
-            spans.append((low, high, i))
-    spans.sort()
+        if where.high > where.low:
+            found.append((where.low, where.high, i))
+    found.sort()
     prev: tuple[int, int, int] | None = None
     reach: tuple[int, int, int] | None = None
-    for span in spans:
+    for span in found:
         for other in {prev, reach}:
             if other is None or other[1] <= span[0]:
                 continue

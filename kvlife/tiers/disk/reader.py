@@ -41,6 +41,7 @@ import numpy as np
 
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaReadError
 from kvlife.core.identity import ChunkKey
+from kvlife.native.spans import Span, spans
 from kvlife.tiers.base import ReadResult, device_read_returned, read_only
 from kvlife.tiers.buffers import (
     ALIGN,
@@ -110,12 +111,14 @@ def _header_buffer() -> np.ndarray:
     return hdr
 
 
-def _direct_runs(out: np.ndarray) -> list[np.ndarray] | None:
+def _direct_runs(out: np.ndarray, span: Span | None = None) -> list[np.ndarray] | None:
     """``out``'s memory as the pieces a direct read lands in (:func:`aligned_runs`), the
     common case first: a C-contiguous aligned buffer is one piece, found without
-    walking its axes."""
-    if out.flags.c_contiguous:
-        if out.nbytes % ALIGN or out.ctypes.data % ALIGN:
+    walking its axes. ``span``: where ``out`` lies, if the caller has it already."""
+    if span is None:
+        span = spans([out])[0]
+    if span.c_contiguous:
+        if out.nbytes % ALIGN or span.low % ALIGN:
             return None
         return [out.reshape(-1).view(np.uint8)]
     return aligned_runs(out)
@@ -138,7 +141,8 @@ def _check_out(row: CatalogRow, out: np.ndarray | None) -> None:
 def _native_runs(outs: Sequence[np.ndarray | None]) -> list[list[np.ndarray] | None] | None:
     """Each buffer's aligned pieces (None: no buffer, or one to stage), or None when a
     buffer would land in several pieces (the native path reads into one)."""
-    runs = [_direct_runs(out) if out is not None else None for out in outs]
+    where = iter(spans([out for out in outs if out is not None]))  # one call for all
+    runs = [_direct_runs(out, next(where)) if out is not None else None for out in outs]
     if all(single_run(out, r) for out, r in zip(outs, runs, strict=True)):
         return runs
     return None

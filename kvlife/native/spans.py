@@ -1,0 +1,61 @@
+"""Where arrays lie in memory, several at once (issue 28).
+
+A load checks its output buffers before anything is read (writable, no two sharing
+memory: :func:`kvlife.store.args.check_outs`), a served load finds which of the
+session's shared buffers each lies in, and the disk tier checks that each is aligned
+for O_DIRECT. Each asked numpy per array (``np.byte_bounds``, ``ndarray.ctypes.data``:
+about 2.5 µs apiece, each building a dict or a ctypes object) and a served load paid it
+three times over for its four buffers, on a cache the load's bytes had just cooled (70-90
+µs of the client's 0.2 ms before its request left, measured with ``kvlife bench
+stages``). :func:`spans` reads them through the buffer protocol in one call of the disk
+tier's C extension (:mod:`kvlife.native._frames`), and through numpy, array by array,
+where the extension is not available or an array exports no strided buffer: the same
+answers either way (``tests/test_native_spans.py`` holds them to numpy's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+from numpy.lib.array_utils import byte_bounds
+
+from kvlife.native import frames
+
+WRITABLE = 1
+C_CONTIGUOUS = 2
+
+
+class Span(NamedTuple):
+    """An array's memory: ``low`` its lowest byte's address, ``high`` one past its
+    highest (``low == high``: it holds no element), and two of its flags."""
+
+    low: int
+    high: int
+    writable: bool
+    c_contiguous: bool
+
+
+def spans(arrays: Sequence[np.ndarray]) -> list[Span]:
+    """The :class:`Span` of each array, as ``np.byte_bounds`` and ``ndarray.flags`` give
+    them (an array with no element: ``low == high``)."""
+    module = frames.native_module()
+    found = module.spans(arrays) if module is not None else [None] * len(arrays)
+    out: list[Span] = []
+    for arr, got in zip(arrays, found, strict=True):
+        if got is None:
+            out.append(_numpy_span(arr))
+        else:
+            low, high, flags = got
+            out.append(Span(low, high, bool(flags & WRITABLE), bool(flags & C_CONTIGUOUS)))
+    return out
+
+
+def _numpy_span(arr: np.ndarray) -> Span:
+    flags = arr.flags
+    if arr.size == 0:
+        low = arr.__array_interface__["data"][0]
+        return Span(low, low, bool(flags.writeable), bool(flags.c_contiguous))
+    low, high = byte_bounds(arr)
+    return Span(low, high, bool(flags.writeable), bool(flags.c_contiguous))
