@@ -22,6 +22,7 @@ import atexit
 import functools
 import importlib
 import pickle
+import runpy
 import sys
 import threading
 import time
@@ -157,9 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     recorder = Recorder()
     recorder.install(SERVER_PROBES)
     atexit.register(recorder.dump, out)
-    from kvlife.cli import main as kvlife_main
-
-    return kvlife_main(args[1:])
+    # the command line run as a program in this process (as ``python -m kvlife.cli``
+    # would run it), not imported: a benchmark sits below the command line's layer
+    sys.argv = ["kvlife", *args[1:]]
+    runpy.run_module("kvlife.cli", run_name="__main__", alter_sys=True)
+    return 0
 
 
 if __name__ == "__main__":
