@@ -15,6 +15,7 @@ from kvlife.core.errors import InvalidArgument
 from kvlife.native import frames
 from kvlife.native.spans import Span, spans
 from kvlife.store.args import check_outs
+from tests.helpers.memory_oracle import self_overlaps
 
 needs_native = pytest.mark.skipif(not frames.available(), reason="extension not built")
 
@@ -110,16 +111,16 @@ def views_of_one_base(draw: st.DrawFn) -> list[np.ndarray]:
 def test_check_outs_refuses_exactly_what_numpy_says_overlaps_or_is_read_only(
     arrays: list[np.ndarray],
 ) -> None:
-    """The load's buffer check, on spans: read-only, or sharing memory with another
-    (views of one base array), is refused; anything else passes (np.shares_memory
-    decides overlaps exactly)."""
+    """The load's buffer check, on spans: read-only, sharing memory with another (views
+    of one base array) or with itself, is refused; anything else passes (np.shares_memory
+    and every element's bytes decide overlaps exactly)."""
     readonly = any(not a.flags.writeable for a in arrays)
     shared = any(
         a.size and b.size and np.shares_memory(a, b)
         for i, a in enumerate(arrays)
         for b in arrays[i + 1 :]
     )
-    if readonly or shared:
+    if readonly or shared or any(map(self_overlaps, arrays)):
         with pytest.raises(InvalidArgument):
             check_outs(arrays)
     else:

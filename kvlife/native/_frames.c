@@ -355,10 +355,12 @@ static PyObject *spans(PyObject *self, PyObject *arg) {
             for (int d = 0; d < view.ndim; d++) {
                 if (view.shape[d] == 0) empty = 1;
             }
-            if (!empty) {
+            if (!empty && view.strides == NULL) {
+                high += (uintptr_t)view.len; /* an exporter that gives no strides: C order */
+            } else if (!empty) {
                 high += (uintptr_t)view.itemsize;
                 for (int d = 0; d < view.ndim; d++) {
-                    Py_ssize_t step = view.strides != NULL ? view.strides[d] : 0;
+                    Py_ssize_t step = view.strides[d];
                     Py_ssize_t reach = (view.shape[d] - 1) * step;
                     if (reach < 0) low -= (uintptr_t)(-reach);
                     else high += (uintptr_t)reach;

@@ -23,9 +23,6 @@ from numpy.lib.array_utils import byte_bounds
 
 from kvlife.native import frames
 
-WRITABLE = 1
-C_CONTIGUOUS = 2
-
 
 class Span(NamedTuple):
     """An array's memory: ``low`` its lowest byte's address, ``high`` one past its
@@ -46,9 +43,12 @@ def spans(arrays: Sequence[np.ndarray]) -> list[Span]:
     for arr, got in zip(arrays, found, strict=True):
         if got is None:
             out.append(_numpy_span(arr))
-        else:
-            low, high, flags = got
-            out.append(Span(low, high, bool(flags & WRITABLE), bool(flags & C_CONTIGUOUS)))
+        else:  # the flags as numpy keeps them (its buffer export calls a broadcast
+            # array read-only that numpy only warns on writing, and any buffer of no
+            # bytes contiguous): two attribute reads, not the export's
+            low, high, _ = got
+            flags = arr.flags
+            out.append(Span(low, high, bool(flags.writeable), bool(flags.c_contiguous)))
     return out
 
 

@@ -222,11 +222,12 @@ class StoreAPI(Protocol[P]):
         request_id: str = "",
     ) -> LoadResult:
         """Load the hits of ``lookup`` in order, verified, into ``outs`` (one writable
-        buffer per hit, sharing no memory with another: else InvalidArgument, nothing
-        read) or new read-only arrays; framed replicas (a transforming tier's) are
-        verified and decoded into them. Each chunk is served from a replica the lookup's
-        ``accept`` takes. The first chunk that is gone or fails verification ends the
-        result; a corrupt replica is invalidated (reason ``corrupt``)."""
+        buffer per hit, sharing no memory with another or with itself: else
+        InvalidArgument, nothing read) or new read-only arrays; framed replicas (a
+        transforming tier's) are verified and decoded into them. Each chunk is served
+        from a replica the lookup's ``accept`` takes. The first chunk that is gone or
+        fails verification ends the result; a corrupt replica is invalidated (reason
+        ``corrupt``)."""
         args.outs(lookup, outs)
         return self._load(lookup, outs, request_id)
 

@@ -21,6 +21,7 @@ from kvlife.core.objects import PromptRef
 from kvlife.core.sources import SourceSpan, check_spans
 from kvlife.native.spans import spans
 from kvlife.results import LookupResult
+from kvlife.store.overlap import shared_pair
 from kvlife.transforms.contract import Accept
 
 
@@ -73,13 +74,13 @@ def outs(lookup: LookupResult, buffers: Sequence[np.ndarray] | None) -> None:
 
 
 def check_outs(outs: Sequence[np.ndarray | None]) -> None:
-    """Output buffers must be writable arrays and share no memory with one another: two
-    chunks read into one buffer would both report success with only the last one's
-    bytes in it (the same buffer passed twice, overlapping slices of one array). None
-    entries (no buffer for that chunk) are skipped. Checked against the buffers nearest
-    in address (sorted by their lowest byte, each against its predecessor and the one
-    reaching furthest so far): one exact test per buffer, not per pair. Where each lies
-    comes from :func:`kvlife.native.spans.spans`, every buffer in one call."""
+    """Output buffers must be writable arrays, share no memory with one another and not
+    with themselves: two chunks read into one buffer would both report success with only
+    the last one's bytes in it (the same buffer passed twice, overlapping slices of one
+    array), and a chunk read into a buffer whose elements overlap reads back wrong. None
+    entries (no buffer for that chunk) are skipped. Where each lies comes from
+    :func:`kvlife.native.spans.spans`, every buffer in one call; which share memory, from
+    :func:`kvlife.store.overlap.shared_pair` (exact, a sort when none overlap)."""
     given: list[tuple[int, np.ndarray]] = []
     for i, out in enumerate(outs):
         if out is None:
@@ -87,29 +88,23 @@ def check_outs(outs: Sequence[np.ndarray | None]) -> None:
         if not isinstance(out, np.ndarray):
             raise InvalidArgument(f"output buffer {i} is a {type(out).__name__}, not an array")
         given.append((i, out))
-    found: list[tuple[int, int, int]] = []
-    for (i, _), where in zip(given, spans([out for _, out in given]), strict=True):
-        if not where.writable:
+    arrays = [out for _, out in given]
+    where = spans(arrays)
+    for (i, _), span in zip(given, where, strict=True):
+        if not span.writable:
             raise InvalidArgument(f"output buffer {i} is read-only")
-        if where.high > where.low:
-            found.append((where.low, where.high, i))
-    found.sort()
-    prev: tuple[int, int, int] | None = None
-    reach: tuple[int, int, int] | None = None
-    for span in found:
-        for other in {prev, reach}:
-            if other is None or other[1] <= span[0]:
-                continue
-            a, b = outs[other[2]], outs[span[2]]
-            assert a is not None and b is not None
-            if np.shares_memory(a, b):
-                raise InvalidArgument(
-                    f"output buffers {other[2]} and {span[2]} share memory: each chunk "
-                    "needs a buffer of its own"
-                )
-        prev = span
-        if reach is None or span[1] > reach[1]:
-            reach = span
+    pair = shared_pair(arrays, where)
+    if pair is None:
+        return
+    a, b = given[pair[0]][0], given[pair[1]][0]
+    if a == b:
+        raise InvalidArgument(
+            f"output buffer {a} overlaps itself (two of its elements share memory): each "
+            "chunk needs memory of its own"
+        )
+    raise InvalidArgument(
+        f"output buffers {a} and {b} share memory: each chunk needs a buffer of its own"
+    )
 
 
 def depth(value: int | None) -> None:

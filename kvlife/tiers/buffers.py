@@ -75,6 +75,20 @@ def is_aligned(arr: np.ndarray, align: int = ALIGN) -> bool:
     return arr.ctypes.data % align == 0 and arr.nbytes % align == 0
 
 
+def contiguous_tail(arr: np.ndarray) -> tuple[int, int]:
+    """``(k, nbytes)``: ``arr``'s axes from ``k`` on are contiguous together, one run of
+    ``nbytes`` bytes for each index of the axes before ``k`` (axes of length 1 count as
+    contiguous; ``k == ndim``: each element is a run of its own)."""
+    nbytes = arr.itemsize
+    k = arr.ndim
+    for axis in range(arr.ndim - 1, -1, -1):
+        if arr.shape[axis] != 1 and arr.strides[axis] != nbytes:
+            break
+        nbytes *= arr.shape[axis]
+        k = axis
+    return k, nbytes
+
+
 def aligned_runs(arr: np.ndarray, max_runs: int = 1000) -> list[np.ndarray] | None:
     """``arr``'s memory as uint8 views in C order, one per contiguous trailing block, if
     every block is aligned for direct I/O and there are at most ``max_runs`` of them
@@ -83,13 +97,7 @@ def aligned_runs(arr: np.ndarray, max_runs: int = 1000) -> list[np.ndarray] | No
     A chunk slice of a per-layer KV buffer, ``buf[:, :, :, t0:t1, :]``, is such an array:
     a disk read can land in it directly instead of in a staging copy.
     """
-    expected = arr.itemsize
-    k = arr.ndim
-    for axis in range(arr.ndim - 1, -1, -1):
-        if arr.shape[axis] != 1 and arr.strides[axis] != expected:
-            break
-        expected *= arr.shape[axis]
-        k = axis
+    k, expected = contiguous_tail(arr)
     outer = arr.shape[:k]
     count = 1
     for d in outer:
