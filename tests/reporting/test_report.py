@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvlife.cli import main as kvlife_main
@@ -322,15 +322,20 @@ def test_bad_sizes_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str
     dram=st.integers(0, 6),
     disk=st.integers(0, 10),
 )
+@example(reqs=[[16, 21, 12, 12]], dram=0, disk=4)
 def test_ops_agree_with_the_run_for_any_trace(reqs: list[list[int]], dram: int, disk: int) -> None:
     """Whatever the requests and capacities, the moves cut per request add up to the
     run's own counts (loads from the SSD, promotions, demotions, placements)."""
     if dram + disk == 0:
         dram = 1
     b = TraceBuilder("hyp", 16)
+    # prefix-chained ids: a block's id names its whole prefix, one id per prefix (a hash
+    # cut to 16 bits gave two prefixes of one request the same id: [[16, 21, 12, 12]])
+    prefix_ids: dict[tuple[int, ...], int] = {}
     for i, ids in enumerate(reqs):
-        # prefix-chained ids: a block's id names its whole prefix
-        chain = [hash(tuple(ids[: k + 1])) & 0xFFFF for k in range(len(ids))]
+        chain = [
+            prefix_ids.setdefault(tuple(ids[: k + 1]), len(prefix_ids)) for k in range(len(ids))
+        ]
         b.add(float(i), 16 * len(chain), 1, chain)
     trace = b.build()
     rec = OpsRecorder()
