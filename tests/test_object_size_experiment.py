@@ -93,13 +93,12 @@ def test_a_chunk_hits_only_when_all_its_blocks_are_reusable() -> None:
     st.integers(1, 4),
 )
 def test_coarser_chunks_never_hit_more(prompts: list[list[int]], k: int) -> None:
-    # prefix-chained hash ids, as in the Mooncake trace: block i names the prefix up to i
+    # prefix-chained ids, as in the Mooncake trace: block i names the prefix up to i, one
+    # id per distinct prefix (a hash cut to 16 bits could give two prefixes one id)
+    prefix_ids: dict[tuple[int, ...], int] = {}
     reqs = []
     for p in prompts:
-        ids, acc = [], 0
-        for b in p:
-            acc = hash((acc, b)) & 0xFFFF
-            ids.append(acc)
+        ids = [prefix_ids.setdefault(tuple(p[: i + 1]), len(prefix_ids)) for i in range(len(p))]
         reqs.append((len(ids) * TRACE_BLOCK, ids))
     assert trace_hit_ratio(reqs, k) <= trace_hit_ratio(reqs, 1)
     if k % 2 == 0:
