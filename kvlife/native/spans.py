@@ -36,26 +36,23 @@ class Span(NamedTuple):
 
 def spans(arrays: Sequence[np.ndarray]) -> list[Span]:
     """The :class:`Span` of each array, as ``np.byte_bounds`` and ``ndarray.flags`` give
-    them (an array with no element: ``low == high``)."""
+    them (an array with no element: ``low == high``). The flags are numpy's own, read
+    from each array (numpy's buffer export calls a broadcast array read-only that numpy
+    only warns on writing, and any buffer of no bytes contiguous): only the bounds come
+    from the extension."""
     module = frames.native_module()
     found = module.spans(arrays) if module is not None else [None] * len(arrays)
     out: list[Span] = []
     for arr, got in zip(arrays, found, strict=True):
-        if got is None:
-            out.append(_numpy_span(arr))
-        else:  # the flags as numpy keeps them (its buffer export calls a broadcast
-            # array read-only that numpy only warns on writing, and any buffer of no
-            # bytes contiguous): two attribute reads, not the export's
-            low, high, _ = got
-            flags = arr.flags
-            out.append(Span(low, high, bool(flags.writeable), bool(flags.c_contiguous)))
+        low, high = _numpy_bounds(arr) if got is None else got[:2]
+        flags = arr.flags
+        out.append(Span(low, high, bool(flags.writeable), bool(flags.c_contiguous)))
     return out
 
 
-def _numpy_span(arr: np.ndarray) -> Span:
-    flags = arr.flags
+def _numpy_bounds(arr: np.ndarray) -> tuple[int, int]:
     if arr.size == 0:
-        low = arr.__array_interface__["data"][0]
-        return Span(low, low, bool(flags.writeable), bool(flags.c_contiguous))
+        low: int = arr.__array_interface__["data"][0]
+        return low, low
     low, high = byte_bounds(arr)
-    return Span(low, high, bool(flags.writeable), bool(flags.c_contiguous))
+    return low, high

@@ -100,14 +100,14 @@ class _Layouts:
     one buffer share theirs, so their runs differ by where each begins."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[object, ...], bool] = {}
+        self._may_overlap: dict[tuple[object, ...], bool] = {}
         self._runs: dict[tuple[object, ...], tuple[np.ndarray, int] | None] = {}
 
     def may_self_overlap(self, arr: np.ndarray) -> bool:
         key = (arr.shape, arr.strides, arr.itemsize)
-        got = self._free.get(key)
+        got = self._may_overlap.get(key)
         if got is None:
-            got = self._free[key] = _may_self_overlap(arr)
+            got = self._may_overlap[key] = _may_self_overlap(arr)
         return got
 
     def runs(self, arr: np.ndarray) -> tuple[np.ndarray, int] | None:
