@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -406,5 +406,76 @@ def test_a_read_error_on_the_native_path_is_a_replica_read_error(tmp_path: Path)
             os.close(saved)
         for r in got:
             assert isinstance(r, ReplicaReadError) and "Bad file descriptor" in str(r)
+    finally:
+        tier.close()
+
+
+def test_a_run_started_from_inside_another_run_reads_into_headers_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """A thread's runs share one buffer of frame headers (issue 28: one aligned
+    allocation per thread, not per run), but a run started from inside another run's
+    callback on the same thread (a ``take`` that reads again) gets one of its own: its
+    headers never land over those of the outer run's frames still being read and
+    checked, which would turn intact frames into misses. Both runs hand out every frame
+    whole; a thread's next run reuses the buffer; a run longer than the buffer kept
+    gets one of its own."""
+    tier = _tier(tmp_path / "t", io_depth=2)
+    try:
+        outer_keys, outer = _stored(tier, [4096, 8192, 4096, 12288, 4096], seed=1)
+        inner_keys, inner = _stored(tier, [8192, 4096, 4096, 4096, 8192], seed=2)
+        table = tier._table
+        reader = tier._reader
+
+        def run(keys: list[ChunkKey], take: Callable[[int, ReadResult], bool]) -> int:
+            rows = [table.row(k) for k in keys]
+            with table.lock:
+                pinned = table.pin_rows(rows)
+            try:
+                return native_reads.read_frames(
+                    rows,
+                    [pinned[r.seg] for r in rows],
+                    [None] * len(rows),
+                    [None] * len(rows),
+                    [aligned_empty(-(-r.nbytes // 4096) * 4096) for r in rows],
+                    reader._staging,
+                    1,
+                    [],
+                    reader._where,
+                    take,
+                )
+            finally:
+                with table.lock:
+                    table.unpin(pinned.values())
+
+        got_outer: list[ReadResult] = []
+        got_inner: list[ReadResult] = []
+        buffers: list[int] = []
+
+        def take_outer(i: int, res: ReadResult) -> bool:
+            got_outer.append(res)
+            if i == 0:  # the outer run's later frames are being read and checked now
+                buffers.append(id(native_reads._local.headers))
+                assert run(inner_keys, lambda _, r: _note(got_inner, r)) == len(inner_keys)
+            return True
+
+        assert run(outer_keys, take_outer) == len(outer_keys)
+        for got, want in ((got_outer, outer), (got_inner, inner)):
+            assert len(got) == len(want)
+            for g, w in zip(got, want, strict=True):
+                assert isinstance(g, np.ndarray) and np.array_equal(g, w), g
+        assert run(inner_keys, lambda _, r: True) == len(inner_keys)
+        assert id(native_reads._local.headers) == buffers[0]  # reused, not reallocated
+        # the rule itself, which the runs above need not race into: a nested run's room
+        # shares no byte with the outer one's
+        with native_reads._headers(3) as outer_room, native_reads._headers(3) as nested:
+            assert not np.shares_memory(outer_room, nested)
+            assert outer_room is native_reads._local.headers
+        many = native_reads.KEPT_HEADERS + 1
+        more_keys, more = _stored(tier, [4096] * many, seed=3)
+        got_more: list[ReadResult] = []
+        assert run(more_keys, lambda _, r: _note(got_more, r)) == many
+        assert all(np.array_equal(g, w) for g, w in zip(got_more, more, strict=True))  # type: ignore[arg-type]
+        assert id(native_reads._local.headers) == buffers[0]  # not grown past the bound
     finally:
         tier.close()

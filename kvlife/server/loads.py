@@ -217,25 +217,30 @@ class Loads:
         shm_tier = ctx.shm
         streamed: list[np.ndarray] = []
         kept = 0
+        # the arena offset of each extent read into, by its view's id (the views live in
+        # ``outs`` until the end: no other array shares their ids meanwhile)
+        where: dict[int, int] = {}
         if layout is None or all(shm_tier.contains(k) for k in keys):
             # every hit in DRAM (or no layout: fresh memory, copied below): the caller's
             # thread, no hand-offs to the I/O pool
             res = store.load(lookup, None, request_id=request_id)
         else:
-            dtype = numpy_dtype(layout.dtype)
-            outs = [
-                None
-                if shm_tier.contains(k)
-                else arena.alloc(layout.chunk_nbytes, dtype, layout.chunk_shape)
-                for k in keys
-            ]
+            missing = [i for i, k in enumerate(keys) if not shm_tier.contains(k)]
+            made = arena.alloc_many(
+                layout.chunk_nbytes, numpy_dtype(layout.dtype), layout.chunk_shape, len(missing)
+            )
+            # a chunk the arena had no room for is read into new memory (copied below)
+            outs: list[np.ndarray | None] = [None] * len(keys)
+            for i, (view, at) in zip(missing, made, strict=False):
+                outs[i] = view
+                where[id(view)] = at
             # reads in chunk order, few in flight: the client copies chunk i out of the
             # arena while chunk i + 1 is read (all at once they would finish together);
             # never fewer than two, so that the checksum of chunk i runs while chunk
             # i + 1 is read (one at a time, read and checksum ran one after the other)
             depth = read_depth(layout.chunk_nbytes)
             handle = store.load_async(lookup, outs, request_id=request_id, depth=depth)  # type: ignore[arg-type]
-            streamed = self._stream(handle) if args.get("stream") else []
+            streamed = self._stream(handle, where) if args.get("stream") else []
             res = handle.wait()
         grants: list[list[object]] = []
         # streamed chunks that the load's publication still counts (one invalidated
@@ -246,7 +251,9 @@ class Loads:
         confirmed = self._confirm(args.get("hints"), res.arrays, len(keys)) if not kept else 0
         held += res.arrays[:confirmed]
         for arr in res.arrays[kept + confirmed :]:
-            off = arena.offset_of(arr)
+            off = where.get(id(arr))
+            if off is None:
+                off = arena.offset_of(arr)
             if off is None:  # a disk read into fresh memory: into the arena for the client
                 dst = arena.alloc(arr.nbytes, arr.dtype, arr.shape)
                 if dst is None:
@@ -306,11 +313,12 @@ class Loads:
             n += 1
         return n
 
-    def _stream(self, handle: LoadProgress) -> list[np.ndarray]:
+    def _stream(self, handle: LoadProgress, where: dict[int, int]) -> list[np.ndarray]:
         """Send each chunk's grant as soon as it (and every chunk before it) verified, so
         the client copies chunk i while later chunks are still read. Only arena arrays
         are streamed; the first other one (or a miss) ends the stream, and the final
-        reply grants the rest.
+        reply grants the rest. ``where``: the offsets of the extents the load reads
+        into, by their views' ids (any other array's is looked up).
 
         Chunks verified once the load was published (every read finished) get no
         partial reply of their own (issue 28): the final reply follows at once, and
@@ -326,7 +334,9 @@ class Loads:
             arr = handle.chunk(i)
             if arr is None or handle.done():
                 break
-            off = ctx.arena.offset_of(arr)
+            off = where.get(id(arr))
+            if off is None:
+                off = ctx.arena.offset_of(arr)
             if off is None:
                 break
             sent.append(arr)

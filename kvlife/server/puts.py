@@ -82,8 +82,8 @@ class _Staged:
     layout: KVLayout
     refill: list[list[int]]
     """Extents staged for the client in place of those the new chunks take."""
-    offsets: list[int | None]
-    """The arena offset of each of :attr:`views` (found once: about 2 us each time)."""
+    offsets: list[int]
+    """The arena offset of each of :attr:`views` (kept with it since it was staged)."""
     new: list[ChunkKey | None]
     """The key of the new chunk each of :attr:`views` holds (None: a chunk the store
     holds already, whose extent stays staged)."""
@@ -100,9 +100,9 @@ class Puts:
     def __init__(self, ctx: SessionContext) -> None:
         self.ctx = ctx
         self.pending: dict[int, _Put] = {}
-        self.staged: dict[int, np.ndarray] = {}
-        """Arena extents staged for this session's next puts, by id (the client writes
-        them, a ``put`` adopts them; freed with the session)."""
+        self.staged: dict[int, tuple[np.ndarray, int]] = {}
+        """Arena extents staged for this session's next puts, and their offsets, by id
+        (the client writes them, a ``put`` adopts them; freed with the session)."""
         self.deferred: _Staged | None = None
         """A deferred ``put`` waiting for its ``put_commit`` (the client is copying)."""
         self.deferred_error: KVLifeError | None = None
@@ -153,21 +153,24 @@ class Puts:
         index = {k: i for i, k in enumerate(pending.keys)}
         views: list[np.ndarray] = []
         slots: list[list[int]] = []
+        made: list[tuple[np.ndarray, int]] = []
         try:
+            made = ctx.arena.alloc_many(
+                layout.chunk_nbytes, dtype, layout.chunk_shape, len(pending.items)
+            )
             for j, (rec, _) in enumerate(pending.items):
-                view = ctx.arena.alloc(layout.chunk_nbytes, dtype, layout.chunk_shape)
-                if view is None:
+                if j >= len(made):
                     raise StorageFullError(
                         f"{ctx.arena_text()} has no room to stage chunk {index[rec.key]} of "
                         f"this put ({ctx.arena.stats()})"
                     )
+                view, off = made[j]
                 pending.items[j] = (rec, view)
                 views.append(view)
-                off = ctx.arena.offset_of(view)
-                assert off is not None
                 slots.append([index[rec.key], off])
         except BaseException:
             views.clear()
+            made.clear()  # the extents go back to the arena with their last views
             pending.items[:] = [(rec, dummy) for rec, _ in pending.items]
             ctx.store.abort_put(pending, "no room to stage the put")
             raise
@@ -269,23 +272,30 @@ class Puts:
         """Up to ``count`` new staged extents of one chunk of ``layout`` ([id, offset]
         each), as far as the session's staging budget and the arena's room allow."""
         ctx = self.ctx
-        dtype = numpy_dtype(layout.dtype)
-        n = layout.chunk_nbytes
-        size = page_charge(n)
+        size = page_charge(layout.chunk_nbytes)
+        # charged at once when the budgets have room for all (the common case), else
+        # as many as fit, one by one: staging is best effort (a put without it takes
+        # two round trips)
+        charged = 0
+        if count > 0 and not ctx.closed:
+            if self._try_stage(size * count):
+                charged = count
+            else:
+                while charged < count and self._try_stage(size):
+                    charged += 1
+        if not charged:
+            return []
+        made = ctx.arena.alloc_many(
+            layout.chunk_nbytes, numpy_dtype(layout.dtype), layout.chunk_shape, charged
+        )
+        if len(made) < charged:  # the arena is full
+            self._unstage_bytes(size * (charged - len(made)))
         out: list[list[int]] = []
-        for _ in range(count):
-            if ctx.closed or not self._try_stage(size):
-                break  # staging is best effort: a put without it takes two round trips
-            view = ctx.arena.alloc(n, dtype, layout.chunk_shape)
-            if view is None:
-                self._unstage_bytes(size)
-                break
-            off = ctx.arena.offset_of(view)
-            assert off is not None
-            with ctx.lock:
+        with ctx.lock:
+            for view, off in made:
                 sid = ctx.new_id()
-                self.staged[sid] = view
-            out.append([sid, off])
+                self.staged[sid] = (view, off)
+                out.append([sid, off])
         return out
 
     def _try_stage(self, size: int) -> bool:
@@ -311,9 +321,9 @@ class Puts:
         """Staged extents the client was never told of (their put failed): freed."""
         with self.ctx.lock:
             views = [self.staged.pop(sid, None) for sid, _ in extents]
-        for view in views:
-            if view is not None:
-                self._unstage_bytes(page_charge(view.nbytes))
+        for held in views:
+            if held is not None:
+                self._unstage_bytes(page_charge(held[0].nbytes))
 
     def _begin_staged(self, args: dict[str, Any]) -> _Staged:
         ctx = self.ctx
@@ -324,17 +334,21 @@ class Puts:
         if len(ids) != nchunks or len(set(ids)) != len(ids):
             raise ProtocolError(f"{len(ids)} distinct staged extents for {nchunks} chunks")
         views: list[np.ndarray] = []
+        offsets: list[int] = []
+        dtype = numpy_dtype(layout.dtype)
         with ctx.lock:
             for sid in ids:
-                view = self.staged.get(sid)
-                if view is None:
+                held = self.staged.get(sid)
+                if held is None:
                     raise ProtocolError(f"session {ctx.sid} holds no staged extent {sid}")
-                if view.shape != layout.chunk_shape or view.dtype != numpy_dtype(layout.dtype):
+                view = held[0]
+                if view.shape != layout.chunk_shape or view.dtype != dtype:
                     raise ProtocolError(
                         f"staged extent {sid} is {view.dtype}{list(view.shape)}, not a chunk "
                         "of this put's layout"
                     )
                 views.append(view)
+                offsets.append(held[1])
             for sid in ids:  # the put owns them now; unused ones are staged again later
                 del self.staged[sid]
         # still the session's (put budget), no longer staged
@@ -347,14 +361,13 @@ class Puts:
         # replacements for the extents the new chunks will take, made now (a deferred put
         # is prepared while the client copies): the commit only hands them out
         refill = self._stage(layout, len(pending.items))
-        arena = ctx.arena
-        offsets = [arena.offset_of(v) for v in views]
         # the store took the extents themselves as the new chunks' arrays (no copy)
         by_id = {id(arr): rec.key for rec, arr in pending.items}
         new = [by_id.get(id(v)) for v in views]
         if sum(k is not None for k in new) != len(by_id):  # not the same objects: by offset
+            arena = ctx.arena
             keys = {arena.offset_of(arr): rec.key for rec, arr in pending.items}
-            new = [keys.get(off) if off is not None else None for off in offsets]
+            new = [keys.get(off) for off in offsets]
         return _Staged(pending, ids, views, layout, refill, offsets, new)
 
     def _finish_staged(self, staged: _Staged) -> dict[str, Any]:
@@ -378,8 +391,7 @@ class Puts:
                 if key is not None or ctx.closed:
                     gone += page_charge(view.nbytes)
                     continue  # a replica now (or the session ended): never staged again
-                assert off is not None
-                self.staged[sid] = view
+                self.staged[sid] = (view, off)
                 kept.append([sid, off])
         staged.views.clear()
         ctx.give({"put_bytes": gone})

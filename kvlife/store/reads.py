@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -83,10 +84,6 @@ READY = ReplicaState.READY
 EVICTING = ReplicaState.EVICTING
 
 
-_UNWAITED = threading.Event()
-"""The ``done`` of every synchronous load's chunk: nobody waits on it."""
-
-
 @dataclass(slots=True)
 class _Item:
     rec: ObjectRecord
@@ -96,10 +93,6 @@ class _Item:
     result: Outcome | None = None
     """The read's outcome; ReplicaNotFound when the replica was deleted under the read,
     UnknownTransform when its frame names a transform this reader lacks."""
-    done: threading.Event = _UNWAITED
-    """Set when the read finished: an Event of its own for an asynchronous load's chunk
-    (:class:`LoadHandle` waits on it), a shared one never waited on for a synchronous
-    load's (read in the caller's thread: one Event less to make per chunk)."""
     promotable: bool = False
     """Served from a tier after the first: its result may be promoted."""
     seal: bytes = b""
@@ -161,7 +154,10 @@ class LoadHandle(LoadCompletion):
         self._vanished = vanished
         self._request_id = request_id
         self._left = len(items)
-        self._lock = threading.Lock()
+        self._read = threading.Condition(threading.Lock())
+        """Notified as each chunk's read finishes (its item's ``result`` set): one
+        condition per load, not an Event per chunk (each Event is a Condition and a
+        lock to make; issue 28, a served load's set-up)."""
         if not items:
             self._publish()
 
@@ -177,11 +173,11 @@ class LoadHandle(LoadCompletion):
             if not isinstance(result, KVLifeError):  # a bug, not a miss: wait() raises it
                 self._error = self._error or result
             result = ReplicaReadError(item.rec.key.hex(), item.tier, f"read failed: {result}")
-        item.result = result
-        item.done.set()
-        with self._lock:
+        with self._read:
+            item.result = result
             self._left -= 1
             last = self._left == 0
+            self._read.notify_all()
         if last:
             self._publish()
 
@@ -201,17 +197,28 @@ class LoadHandle(LoadCompletion):
             raise InvalidArgument(f"chunk {i} is not in this load of {self._requested} hits")
         if i >= len(self._items):
             return None
-        for j in range(i + 1):
-            item = self._items[j]
-            if not item.done.wait(timeout):
-                raise TimeoutError(f"chunk {j} did not complete within {timeout} s")
-            if not isinstance(item.result, np.ndarray):
-                return None
-        res = self._items[i].result
+        with self._read:
+            for j in range(i + 1):
+                item = self._items[j]
+                if item.result is None and not self._read.wait_for(
+                    lambda item=item: item.result is not None,  # type: ignore[misc]
+                    timeout,
+                ):
+                    raise TimeoutError(f"chunk {j} did not complete within {timeout} s")
+                if not isinstance(item.result, np.ndarray):
+                    return None
+            res = self._items[i].result
         return res if isinstance(res, np.ndarray) else None
 
-    def _chunk_events(self) -> Iterable[threading.Event]:
-        return (item.done for item in self._items)
+    def completed(self) -> int:
+        """Leading chunks whose reads finished."""
+        n = 0
+        with self._read:
+            for item in self._items:
+                if item.result is None:
+                    break
+                n += 1
+        return n
 
 
 class _Feed:
@@ -443,12 +450,26 @@ class _Next:
         return feed is not None and feed.submit_next()
 
 
+AFFINITY_TTL_S = 1.0
+"""How long :func:`_one_cpu` reuses what it last read of the affinity (a system call of
+3-5 us per load otherwise; a process pinned later is seen within this)."""
+
+_affinity: list[float] = [-AFFINITY_TTL_S, 0.0]
+"""When the affinity was last read (``time.monotonic``) and whether it was one CPU."""
+
+
 def _one_cpu() -> bool:
-    """This thread may run on one CPU only (its affinity)."""
+    """This process may run on one CPU only (its affinity, read at most once per
+    :data:`AFFINITY_TTL_S`)."""
+    now = time.monotonic()
+    if now - _affinity[0] < AFFINITY_TTL_S:
+        return bool(_affinity[1])
     try:
-        return len(os.sched_getaffinity(0)) == 1
+        one = len(os.sched_getaffinity(0)) == 1
     except (AttributeError, OSError):  # no affinity on this platform
-        return False
+        one = False
+    _affinity[:] = [now, float(one)]
+    return one
 
 
 def _read_run(
@@ -624,10 +645,9 @@ class Reader:
     # ------------------------------------------------------------------ load
 
     def _start(
-        self, lookup: LookupResult, outs: Sequence[np.ndarray] | None, waited: bool
+        self, lookup: LookupResult, outs: Sequence[np.ndarray] | None
     ) -> tuple[list[_Item], int]:
-        """Pin the replica of each hit; ``waited``: each chunk gets an Event of its own
-        (an asynchronous load's). ``outs`` were checked by the store's ``load`` or
+        """Pin the replica of each hit. ``outs`` were checked by the store's ``load`` or
         ``load_async`` (:func:`kvlife.store.args.outs`), the only callers."""
         core = self.core
         core.check_open()
@@ -647,8 +667,6 @@ class Reader:
                     break
                 out = outs[i] if outs is not None else None
                 item = _Item(rec, tier, core.pin(rec, tier), out)
-                if waited:
-                    item.done = threading.Event()
                 item.promotable = tier != core.chain[0].name
                 items.append(item)
             core.delete_later(doomed)
@@ -658,7 +676,7 @@ class Reader:
         self, lookup: LookupResult, outs: Sequence[np.ndarray] | None, request_id: str
     ) -> LoadResult:
         """Read in the caller's thread, one batch per run of chunks in the same tier."""
-        items, vanished = self._start(lookup, outs, waited=False)
+        items, vanished = self._start(lookup, outs)
         verify = self.core.config.verify_dram_on_load
         try:
             i = 0
@@ -691,7 +709,7 @@ class Reader:
         if depth is not None and depth < 1:
             raise InvalidArgument(f"load depth must be >= 1, got {depth}")
         pool = self._io_pool()  # before pinning: a closing store refuses here
-        items, vanished = self._start(lookup, outs, waited=True)
+        items, vanished = self._start(lookup, outs)
         handle = LoadHandle(self, items, len(lookup.hits), vanished, request_id)
         feed = _Feed(pool, self.core, handle, items, depth is not None, self._open)
         if depth is not None and feed.pipelined():

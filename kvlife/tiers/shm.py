@@ -51,6 +51,7 @@ import numpy.typing as npt
 
 from kvlife.core.errors import InvalidArgument, NotPermitted, StorageFullError
 from kvlife.core.identity import ChunkKey
+from kvlife.native.spans import c_address
 from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads, read_only, sealed_meta
 from kvlife.tiers.buffers import ALIGN, advise_huge, round_up
 from kvlife.tiers.held import HeldTier
@@ -329,20 +330,45 @@ class Arena:
         """A writable view of a new extent shaped ``shape`` (None when none fits, or
         when the filesystem has no room for a sparse arena's pages of it). The extent is
         freed when the last view of it dies."""
+        got = self.alloc_many(nbytes, dtype, shape, 1)
+        return got[0][0] if got else None
+
+    def alloc_many(
+        self, nbytes: int, dtype: npt.DTypeLike, shape: tuple[int, ...], count: int
+    ) -> list[tuple[np.ndarray, int]]:
+        """Up to ``count`` new extents as :meth:`alloc` makes them, each with its offset
+        (fewer when the arena runs out of room): one lock for all, and no offset to
+        look up afterwards (a served put stages one per chunk; issue 28)."""
+        offs: list[int] = []
         with self._lock:
             self._drain()
-            off = self._alloc.alloc(nbytes)
-            if off is not None:
+            for _ in range(count):
+                off = self._alloc.alloc(nbytes)
+                if off is None:
+                    break
                 self._gen += 1
                 self._gens[off] = self._gen
-        if off is None:
-            return None
-        if self._fd >= 0 and not self._back(off, nbytes):  # a sparse arena
-            return None
-        raw = np.frombuffer(self.mmap, np.uint8, count=nbytes, offset=off)
-        fin = weakref.finalize(raw.base, self._free, off, nbytes)
-        fin.atexit = False
-        return raw.view(dtype).reshape(shape)
+                offs.append(off)
+        if self._fd >= 0:  # a sparse arena: its pages allocated before anyone writes
+            for i, off in enumerate(offs):
+                if not self._back(off, nbytes):
+                    self._give_back(offs[i + 1 :], nbytes)  # in order: the first fit
+                    del offs[i:]
+                    break
+        out = []
+        for off in offs:
+            raw = np.frombuffer(self.mmap, np.uint8, count=nbytes, offset=off)
+            fin = weakref.finalize(raw.base, self._free, off, nbytes)
+            fin.atexit = False
+            out.append((raw.view(dtype).reshape(shape), off))
+        return out
+
+    def _give_back(self, offs: list[int], nbytes: int) -> None:
+        """Extents allocated and never handed out (no view of them made)."""
+        with self._lock:
+            for off in offs:
+                self._alloc.free(off, nbytes)
+                self._gens.pop(off, None)
 
     def _back(self, offset: int, nbytes: int) -> bool:
         """Allocate the pages of a sparse arena's new extent before anyone writes it
@@ -390,10 +416,8 @@ class Arena:
 
     def offset_of(self, arr: np.ndarray) -> int | None:
         """Offset of ``arr``'s data in the arena if it is a contiguous view of it."""
-        addr = arr.ctypes.data
-        if not (self._base <= addr and addr + arr.nbytes <= self._base + self.size):
-            return None
-        if not arr.flags.c_contiguous:
+        addr = c_address(arr)
+        if addr is None or not (self._base <= addr and addr + arr.nbytes <= self._base + self.size):
             return None
         return addr - self._base
 

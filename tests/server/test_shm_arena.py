@@ -4,6 +4,7 @@ freed only when their last view dies, capacity enforced, adoption without a copy
 from __future__ import annotations
 
 import gc
+import itertools
 import subprocess
 from pathlib import Path
 
@@ -110,6 +111,25 @@ def test_shm_tier_adopts_sealed_extents_and_copies_others(tmp_path: Path) -> Non
     assert np.array_equal(tier.read(key(2)), other)
     tier.close()
     assert not (tmp_path / "arena").exists()
+
+
+def test_extents_made_in_a_batch_are_those_made_one_by_one(tmp_path: Path) -> None:
+    """``alloc_many``: each extent with its offset (no look-up after), disjoint, as many
+    as fit when the arena runs out (the rest of the batch not made), each freed when
+    its own last view dies."""
+    arena = Arena(tmp_path / "arena", 10 * ALIGN)
+    made = arena.alloc_many(3 * ALIGN - 5, np.uint8, (3 * ALIGN - 5,), 5)
+    assert len(made) == 3 and arena.extents == 3  # 3 pages each: the fourth does not fit
+    spans = sorted((off, off + 3 * ALIGN) for _, off in made)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    for view, off in made:
+        assert arena.offset_of(view) == off and view.flags.writeable
+    assert arena.alloc_many(ALIGN, np.uint8, (ALIGN,), 0) == []
+    view, off = made.pop(1)
+    del view
+    gc.collect()
+    assert arena.extents == 2
+    assert [o for _, o in arena.alloc_many(ALIGN, np.uint8, (ALIGN,), 1)] == [off]
 
 
 def test_arena_file_is_owner_only(tmp_path: Path) -> None:

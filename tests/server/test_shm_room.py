@@ -140,6 +140,39 @@ def test_a_sparse_arena_allocates_each_extents_pages_or_refuses_it_counted(
         arena.unlink()
 
 
+def test_a_batch_of_extents_of_a_sparse_arena_stops_at_the_first_without_room(
+    small_shm: Path,
+) -> None:
+    """``alloc_many`` (a served put's staged extents, issue 28) on a sparse arena larger
+    than the room: the extents whose pages fit come back in order with their offsets,
+    the first that does not fit is counted in ``arena_unbacked`` and the batch stops
+    there, every extent after it given back unseen (only the views handed out hold
+    any); a batch made again once they are dropped reuses their pages."""
+    arena = Arena(
+        small_shm / "t-carol",
+        8 * MiB,
+        populate_pages=False,
+        owner=Owner(os.geteuid(), os.getegid()),
+    )
+    try:
+        made = arena.alloc_many(MiB, "u1", (MiB,), 8)
+        assert 2 <= len(made) <= 4
+        assert arena.stats()["arena_unbacked"] == 1
+        assert arena.extents == len(made)  # the unbacked one and those after it: free
+        offsets = [off for _, off in made]
+        assert offsets == sorted(offsets) and len(set(offsets)) == len(offsets)
+        for view, off in made:
+            assert arena.offset_of(view) == off
+            view[:] = 1  # the pages are there: no fault
+        n = len(made)
+        made.clear()
+        del view  # the loop's last: every view dropped now
+        again = arena.alloc_many(MiB, "u1", (MiB,), n)
+        assert [off for _, off in again] == offsets
+    finally:
+        arena.unlink()
+
+
 def test_a_shared_buffer_the_filesystem_has_no_room_for_is_refused_typed_and_removed(
     small_shm: Path,
 ) -> None:

@@ -17,7 +17,9 @@ reads through it, on the Python path.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +42,33 @@ def usable(io: FileIO) -> bool:
     FileIO's own (not a subclass's, not one patched on the object or the class: a
     test's faults go through it)."""
     return getattr(io.preadv, "__func__", None) is _PLAIN_PREADV and native.available()
+
+
+KEPT_HEADERS = 64
+"""Frame headers' room a thread keeps between runs at most (256 KiB)."""
+
+_local = threading.local()
+
+
+@contextmanager
+def _headers(n: int) -> Iterator[np.ndarray]:
+    """Aligned room for ``n`` frame headers, for one run: this thread's buffer, grown
+    when a run needs more (up to :data:`KEPT_HEADERS`), unless a run of this thread is
+    using it (a ``take`` that reads again): one allocation per thread, not one per run
+    (an aligned allocation was 17 us of a served load's set-up; issue 28). Nothing
+    keeps a header once its frame was handed out."""
+    need = HEADER_BYTES * max(n, 1)
+    held: np.ndarray | None = getattr(_local, "headers", None)
+    if n > KEPT_HEADERS or getattr(_local, "busy", False):
+        yield aligned_empty(need)
+        return
+    if held is None or held.nbytes < need:
+        held = _local.headers = aligned_empty(need)
+    _local.busy = True
+    try:
+        yield held
+    finally:
+        _local.busy = False
 
 
 @dataclass(slots=True)
@@ -75,44 +104,44 @@ def read_frames(
     :func:`single_run`) or None (staged); ``bodies[i]``: a new array's memory where
     ``outs[i]`` is None. Bytes read are added to ``got`` for every frame handed out whose
     read returned whole. Returns how many frames were taken."""
-    hdrs = aligned_empty(HEADER_BYTES * len(rows))
-    planned: list[_Planned] = []
-    reads: list[native.FrameRead] = []
-    try:
-        for i, (row, seg, out) in enumerate(zip(rows, segs, outs, strict=True)):
-            staged = None
-            run = runs[i]
-            if out is not None and run is not None:
-                body = run[0]
-            elif out is not None:
-                staged = staging.get(round_up(row.nbytes))
-                body = staged[: round_up(row.nbytes)]
-            else:
-                taken = bodies[i]
-                assert taken is not None
-                body = taken[: round_up(row.nbytes)]
-            planned.append(_Planned(row, out, body[: row.nbytes], staged))
-            reads.append(
-                native.FrameRead(
-                    seg.fd,
-                    row.off,
-                    hdrs[i * HEADER_BYTES : (i + 1) * HEADER_BYTES],
-                    body,
-                    row.nbytes,
-                    row.header(),
-                    row.checksum,
+    with _headers(len(rows)) as hdrs:
+        planned: list[_Planned] = []
+        reads: list[native.FrameRead] = []
+        try:
+            for i, (row, seg, out) in enumerate(zip(rows, segs, outs, strict=True)):
+                staged = None
+                run = runs[i]
+                if out is not None and run is not None:
+                    body = run[0]
+                elif out is not None:
+                    staged = staging.get(round_up(row.nbytes))
+                    body = staged[: round_up(row.nbytes)]
+                else:
+                    taken = bodies[i]
+                    assert taken is not None
+                    body = taken[: round_up(row.nbytes)]
+                planned.append(_Planned(row, out, body[: row.nbytes], staged))
+                reads.append(
+                    native.FrameRead(
+                        seg.fd,
+                        row.off,
+                        hdrs[i * HEADER_BYTES : (i + 1) * HEADER_BYTES],
+                        body,
+                        row.nbytes,
+                        row.header(),
+                        row.checksum,
+                    )
                 )
-            )
 
-        def on_frame(i: int, o: native.FrameOutcome) -> bool:
-            hdr = hdrs[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
-            return take(i, _result(planned[i], o, hdr, got, where))
+            def on_frame(i: int, o: native.FrameOutcome) -> bool:
+                hdr = hdrs[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+                return take(i, _result(planned[i], o, hdr, got, where))
 
-        return native.read_run(reads, depth, on_frame)
-    finally:
-        for p in planned:
-            if p.staged is not None:
-                staging.put(p.staged)
+            return native.read_run(reads, depth, on_frame)
+        finally:
+            for p in planned:
+                if p.staged is not None:
+                    staging.put(p.staged)
 
 
 def _result(
