@@ -349,18 +349,25 @@ class Arena:
                 self._gen += 1
                 self._gens[off] = self._gen
                 offs.append(off)
-        if self._fd >= 0:  # a sparse arena: its pages allocated before anyone writes
-            for i, off in enumerate(offs):
-                if not self._back(off, nbytes):
-                    self._give_back(offs[i + 1 :], nbytes)  # in order: the first fit
-                    del offs[i:]
-                    break
+        for i, off in enumerate(offs):
+            # a sparse arena: its pages allocated before anyone writes (asked per extent:
+            # the first may find the filesystem cannot allocate ahead, and stop asking)
+            if self._fd >= 0 and not self._back(off, nbytes):
+                self._give_back(offs[i + 1 :], nbytes)  # in order: the first fit
+                del offs[i:]
+                break
         out = []
-        for off in offs:
-            raw = np.frombuffer(self.mmap, np.uint8, count=nbytes, offset=off)
-            fin = weakref.finalize(raw.base, self._free, off, nbytes)
-            fin.atexit = False
-            out.append((raw.view(dtype).reshape(shape), off))
+        try:
+            for off in offs:
+                raw = np.frombuffer(self.mmap, np.uint8, count=nbytes, offset=off)
+                view = raw.view(dtype).reshape(shape)
+                fin = weakref.finalize(raw.base, self._free, off, nbytes)
+                fin.atexit = False
+                out.append((view, off))
+        except BaseException:  # (a shape the bytes do not fill) no extent is lost
+            self._give_back(offs[len(out) :], nbytes)  # those with no view yet
+            out.clear()  # the others go back with their views
+            raise
         return out
 
     def _give_back(self, offs: list[int], nbytes: int) -> None:
