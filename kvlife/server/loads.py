@@ -50,6 +50,7 @@ from kvlife.server.buffers import SharedBuffer
 from kvlife.server.context import SessionContext
 from kvlife.server.limits import page_charge
 from kvlife.store.api import LoadProgress
+from kvlife.tiers.shm import Arena
 from kvlife.transforms.contract import Accept
 
 STREAM_BYTES_IN_FLIGHT = 2 << 20
@@ -251,9 +252,7 @@ class Loads:
         confirmed = self._confirm(args.get("hints"), res.arrays, len(keys)) if not kept else 0
         held += res.arrays[:confirmed]
         for arr in res.arrays[kept + confirmed :]:
-            off = where.get(id(arr))
-            if off is None:
-                off = arena.offset_of(arr)
+            off = _offset(arena, where, arr)
             if off is None:  # a disk read into fresh memory: into the arena for the client
                 dst = arena.alloc(arr.nbytes, arr.dtype, arr.shape)
                 if dst is None:
@@ -334,9 +333,7 @@ class Loads:
             arr = handle.chunk(i)
             if arr is None or handle.done():
                 break
-            off = where.get(id(arr))
-            if off is None:
-                off = ctx.arena.offset_of(arr)
+            off = _offset(ctx.arena, where, arr)
             if off is None:
                 break
             sent.append(arr)
@@ -408,6 +405,13 @@ class Loads:
             "vanished": res.vanished,
             "read_errors": res.read_errors,
         }
+
+
+def _offset(arena: Arena, where: dict[int, int], arr: np.ndarray) -> int | None:
+    """``arr``'s offset in ``arena``: from ``where`` (the extents a load read into, by
+    their views' ids) or looked up (None: not an extent of it)."""
+    off = where.get(id(arr))
+    return off if off is not None else arena.offset_of(arr)
 
 
 def read_depth(chunk_nbytes: int) -> int:

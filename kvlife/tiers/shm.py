@@ -374,8 +374,12 @@ class Arena:
         """Extents allocated and never handed out (no view of them made)."""
         with self._lock:
             for off in offs:
-                self._alloc.free(off, nbytes)
-                self._gens.pop(off, None)
+                self._free_extent(off, nbytes)
+
+    def _free_extent(self, offset: int, nbytes: int) -> None:
+        """An extent free again, its generation forgotten (the caller holds ``_lock``)."""
+        self._alloc.free(offset, nbytes)
+        self._gens.pop(offset, None)
 
     def _back(self, offset: int, nbytes: int) -> bool:
         """Allocate the pages of a sparse arena's new extent before anyone writes it
@@ -399,8 +403,7 @@ class Arena:
             return True
         except OSError:
             with self._lock:
-                self._alloc.free(offset, nbytes)
-                self._gens.pop(offset, None)
+                self._free_extent(offset, nbytes)
                 self.unbacked += 1
             return False
 
@@ -414,8 +417,7 @@ class Arena:
         freed = self._freed
         while freed:
             offset, nbytes = freed.popleft()
-            self._alloc.free(offset, nbytes)
-            self._gens.pop(offset, None)
+            self._free_extent(offset, nbytes)
 
     def generation(self, offset: int) -> int:
         """The generation of the extent allocated at ``offset`` now (0: none is)."""
