@@ -178,6 +178,9 @@ class StoreCounters:
     """Replicas not served because their transform or version is unknown to this reader."""
     corrupt_frames: int = 0
     """Transform frames that failed verification (counted in ``corrupt`` as well)."""
+    direct_loads: int = 0
+    """Chunks a client on the server's host read from their disk frames itself, the
+    store confirming them live in those frames (:mod:`kvlife.store.direct`)."""
     sealed_mismatch: int = 0
     """Replicas in memory (DRAM, the server's arena) whose bytes no longer matched the
     seal they were published with, found by a demotion, a flush, ``check`` or a verified

@@ -468,7 +468,7 @@ def test_a_run_started_from_inside_another_run_reads_into_headers_of_its_own(
         assert id(native_reads._local.headers) == buffers[0]  # reused, not reallocated
         # the rule itself, which the runs above need not race into: a nested run's room
         # shares no byte with the outer one's
-        with native_reads._headers(3) as outer_room, native_reads._headers(3) as nested:
+        with native_reads.headers(3) as outer_room, native_reads.headers(3) as nested:
             assert not np.shares_memory(outer_room, nested)
             assert outer_room is native_reads._local.headers
         many = native_reads.KEPT_HEADERS + 1

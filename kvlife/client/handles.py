@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvlife.client.direct import Frame
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ChunkKey, ModelIdentity
 from kvlife.core.objects import PromptRef
@@ -47,12 +48,16 @@ class RemoteLookup(LookupResult):
     identity: ModelIdentity | None = None
     hints: tuple[int, ...] = ()
     epoch: int = 0
+    frames: tuple[Frame | None, ...] = ()
+    """Each hit's disk frame, when the lookup asked for them (direct reads:
+    :mod:`kvlife.client.direct`)."""
 
     def sub(self, first: int, stop: int) -> RemoteLookup:
         hits = self.hits[first:stop]
         start = min(first, len(self.hits))
         hints = self.hints[2 * start : 2 * (start + len(hits))]
-        return dataclasses.replace(self, hits=hits, hints=hints)
+        frames = self.frames[start : start + len(hits)] if self.frames else ()
+        return dataclasses.replace(self, hits=hits, hints=hints, frames=frames)
 
 
 class RemoteLoadHandle(LoadCompletion):

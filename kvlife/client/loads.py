@@ -43,7 +43,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from kvlife.client import copies, replies
+from kvlife.client import copies, direct, replies
 from kvlife.client.connection import Connection
 from kvlife.client.handles import RemoteLoadHandle, RemoteLookup
 from kvlife.client.wire import Wire
@@ -115,8 +115,14 @@ def _lookup_fields(r: Any) -> tuple[int, str, tuple[int, ...]]:
 class Loads:
     """The client side of the load protocol on one :class:`Wire`."""
 
-    def __init__(self, wire: Wire) -> None:
+    def __init__(self, wire: Wire, direct_reads: bool = False) -> None:
         self.wire = wire
+        self.direct_reads = direct_reads
+        """Ask lookups for the disk hits' frames and read those here
+        (:mod:`kvlife.client.direct`)."""
+        self.direct_fallbacks = 0
+        """Chunks of direct loads this side did not keep (not verified here, or not
+        confirmed): each loaded through the server instead, which counts what it found."""
         self._known: dict[tuple[Any, ...], ChunkHit] = {}
         """Hit records answered before, by everything they say (:meth:`_hits`)."""
 
@@ -171,11 +177,24 @@ class Loads:
 
     def lookup(self, prompt: PromptRef, accept: Accept) -> RemoteLookup:
         args = protocol.encode_prompt(prompt)
+        opts: dict[str, Any] = {}
         if accept != Accept.EXACT:
-            args["opts"] = {"accept": protocol.encode_accept(accept)}
+            opts["accept"] = protocol.encode_accept(accept)
+        if self.direct_reads:
+            opts["direct"] = True
+        if opts:
+            args["opts"] = opts
         r, conn = self.wire.call_on("lookup", args)
         n = prompt.identity.layout.tokens_per_chunk
         total, refusal, hints = _lookup_fields(r)  # read before any record is kept
+        frames: tuple[direct.Frame | None, ...] = ()
+        if "frames" in r:
+            blob = r["keys"]
+            count = len(r["tiers"])
+            if not isinstance(blob, bytes) or len(blob) != KEY_BYTES * count:
+                raise errors.ProtocolError("lookup reply's keys do not match its tiers")
+            keys = [blob[i * KEY_BYTES : (i + 1) * KEY_BYTES] for i in range(count)]
+            frames = direct.parse_frames(r["frames"], keys)
         hits = self._hits(r["keys"], r["tiers"], r["forms"], prompt.start, n)
         return RemoteLookup(
             hits,
@@ -187,6 +206,7 @@ class Loads:
             prompt.identity,
             hints,
             conn.epoch,
+            frames,
         )
 
     def load(
@@ -201,6 +221,13 @@ class Loads:
             return LoadResult([], 0, 0)
         if not self.wire.mapped():  # a session that maps no arena: through the socket
             return copies.load_inline(self.wire, lookup, outs, request_id, on_chunk)
+        if (
+            isinstance(lookup, RemoteLookup)
+            and lookup.frames
+            and outs is not None
+            and direct.usable(lookup.frames, outs)
+        ):
+            return self._load_direct(lookup, outs, request_id, on_chunk)
         res = self._load_mapped(lookup, outs, request_id, on_chunk)
         got = res.loaded
         if got == len(hits) or not res.vanished or res.corrupt or not _tenant(self.wire):
@@ -227,6 +254,66 @@ class Loads:
             corrupt=rest.corrupt,
             vanished=rest.vanished,
             read_errors=res.read_errors + rest.read_errors,
+        )
+
+    def _load_direct(
+        self,
+        lookup: RemoteLookup,
+        outs: Sequence[np.ndarray],
+        request_id: str,
+        on_chunk: OnChunk | None,
+    ) -> LoadResult:
+        """Read the hits' disk frames here, verified, while the server confirms them
+        live in those frames; the leading chunks both verified and confirmed are
+        loaded, the rest through the server (:mod:`kvlife.client.direct`)."""
+        hits = lookup.hits
+        frames = [f for f in lookup.frames if f is not None]
+        n = len(hits)
+        args: dict[str, Any] = {
+            "keys": b"".join(h.key for h in hits),
+            "starts": [h.start for h in hits],
+            "chunks_total": lookup.chunks_total,
+            "direct": [x for f in frames for x in (f.seg, f.off)],
+        }
+        if request_id:
+            args["request_id"] = request_id
+        verified = [0]
+
+        def read(conn: Connection) -> None:
+            if conn.epoch == lookup.epoch:  # else another server: its frames are not these
+                verified[0] = direct.read_frames(frames, outs)
+            # after the request, before its reply is read: the server counts what was
+            # kept once it replied (the fewer of this and what it confirmed)
+            conn.sock.sendall(protocol.pack([0, "direct_kept", {"chunks": verified[0]}]))
+
+        r, _ = self.wire.call_on("load", args, None, read)
+        got = min(direct.confirmed(r, n), verified[0])
+        self.direct_fallbacks += n - got
+        if on_chunk is not None:
+            for i in range(got):
+                on_chunk(i, outs[i])
+        tiers: dict[str, int] = {}
+        for h in hits[:got]:
+            tiers[h.tier] = tiers.get(h.tier, 0) + 1
+        if got == n:
+            return LoadResult(list(outs), n, n, tiers=tiers)
+        # the rest through the server, which reads, verifies and counts what it finds
+        rest = self._load_mapped(
+            lookup.sub(got, n),
+            outs[got:],
+            request_id,
+            None if on_chunk is None else _shifted(on_chunk, got),
+        )
+        for tier, k in rest.tiers.items():
+            tiers[tier] = tiers.get(tier, 0) + k
+        return LoadResult(
+            list(outs[:got]) + rest.arrays,
+            got + rest.loaded,
+            n,
+            tiers=tiers,
+            corrupt=rest.corrupt,
+            vanished=rest.vanished,
+            read_errors=rest.read_errors,
         )
 
     def _load_mapped(

@@ -51,16 +51,26 @@ class RemoteStore(StoreAPI[RemotePendingPut]):
         timeout: float | None = 60.0,
         lazy: bool = False,
         token: str | None = None,
+        direct_reads: bool = False,
     ) -> None:
         """Connect to the server on ``socket_path`` (StoreUnavailable if it is not there;
         with ``lazy`` the first call connects instead, so a client may start first).
         ``token``: the principal this client is, on a server with principals where its
-        Unix credentials do not say (NotAuthenticated if the server refuses it)."""
+        Unix credentials do not say (NotAuthenticated if the server refuses it).
+        ``direct_reads``: loads of disk hits read their frames from the server's
+        segment files here, verified, while the server confirms them
+        (:mod:`kvlife.client.direct`; a server with principals names no frames, and
+        its loads go through it as before)."""
         self._wire = Wire(str(socket_path), timeout, token)
-        self._loads = Loads(self._wire)
+        self._loads = Loads(self._wire, direct_reads)
         self._puts = Puts(self._wire)
         if not lazy:
             self._wire.call("info", {})  # connect now: a wrong path fails here, typed
+
+    def direct_fallbacks(self) -> int:
+        """Chunks of this client's direct loads it did not keep (not verified here, or
+        not confirmed by the server), each loaded through the server instead."""
+        return self._loads.direct_fallbacks
 
     @property
     def socket_path(self) -> str:

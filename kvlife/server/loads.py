@@ -50,6 +50,7 @@ from kvlife.server.buffers import SharedBuffer
 from kvlife.server.context import SessionContext
 from kvlife.server.limits import page_charge
 from kvlife.store.api import LoadProgress
+from kvlife.store.direct import Confirmed, FrameHint
 from kvlife.tiers.shm import Arena
 from kvlife.transforms.contract import Accept
 
@@ -76,6 +77,8 @@ class Loads:
         self.ctx = ctx
         self.grants: dict[int, _Grant] = {}
         self.buffers: dict[int, SharedBuffer] = {}
+        self.confirmed: Confirmed | None = None
+        """The session's last direct load, until the client says what it kept."""
 
     def close(self) -> int:
         """Drop every grant and shared buffer; how many grants."""
@@ -98,6 +101,7 @@ class Loads:
         ctx = self.ctx
         p = ctx.prompt(args)
         opts = dict(args.get("opts", {}))
+        direct = bool(opts.pop("direct", False))
         if "accept" in opts:
             opts["accept"] = protocol.decode_accept(opts["accept"])
         res = ctx.lookup(p, **opts)  # the scopes its principal may read (context.py)
@@ -116,7 +120,7 @@ class Loads:
             if tiers.count(dram) != len(tiers):  # a hint only for a hit served from DRAM
                 where = [w if t == dram else _NO_HINT for w, t in zip(where, tiers, strict=True)]
             hints = list(chain.from_iterable(where))
-        return {
+        out = {
             "keys": b"".join(keys),
             # where each DRAM hit lies now (offset, generation; 0, 0 for other tiers): a
             # load may copy from there at once and have the server confirm it
@@ -131,10 +135,15 @@ class Loads:
             ],
             "refusal": res.refusal,
         }
+        if direct and arena is not None and hits:
+            out["frames"] = frame_fields(ctx.store.frame_hints(hits))
+        return out
 
     def load(self, args: dict[str, Any]) -> object:
         ctx = self.ctx
         keys, _ = load_keys(ctx, args)
+        if "direct" in args:
+            return self._confirm_direct(args, keys)
         layout = protocol.decode_layout(args["layout"]) if "layout" in args else None
         if layout is not None:
             ctx.fits(layout)
@@ -340,6 +349,29 @@ class Loads:
             ctx.part(protocol.part_reply(ctx.rid, [i, off, arr.dtype.str, list(arr.shape)]))
         return sent
 
+    def _confirm_direct(self, args: dict[str, Any], keys: list[ChunkKey]) -> object:
+        """The chunks a client reads from their disk frames itself (the frames its
+        lookup named): how many, from the first, are live in those frames now
+        (:mod:`kvlife.store.direct`). The load is counted when the client says how many
+        it kept (:meth:`direct_kept`, the frame that follows)."""
+        if not self.ctx.mapped:
+            raise ProtocolError("direct reads are for sessions that map the server's arena")
+        where = args["direct"]
+        if len(where) != 2 * len(keys):
+            raise ProtocolError(f"{len(where)} frame numbers for {len(keys)} keys")
+        frames = list(zip(where[0::2], where[1::2], strict=True))
+        found = self.ctx.store.confirm_direct(keys, frames, args.get("request_id", ""))
+        self.confirmed = found  # counted once the client says how many it kept
+        return {"confirmed": len(found.found)}
+
+    def direct_kept(self, args: dict[str, Any]) -> None:
+        """``direct_kept`` (no reply): how many chunks of its last direct load the client
+        verified; the first that many confirmed are counted as loaded. One told of no
+        direct load (or twice) counts nothing."""
+        found, self.confirmed = self.confirmed, None
+        if found is not None:
+            self.ctx.store.record_direct(found, args["chunks"])
+
     def _stream_into(self, handle: LoadProgress) -> int:
         """Send each chunk's number as soon as it (and every chunk before it) verified
         in the client's shared buffer, so the client may use it while later chunks are
@@ -412,6 +444,13 @@ def _offset(arena: Arena, where: dict[int, int], arr: np.ndarray) -> int | None:
     their views' ids) or looked up (None: not an extent of it)."""
     off = where.get(id(arr))
     return off if off is not None else arena.offset_of(arr)
+
+
+def frame_fields(found: list[FrameHint | None]) -> list[list[Any] | None]:
+    """A lookup reply's ``frames``: for each hit ``[path, segment, offset, header]`` of
+    its disk frame (the header: the used bytes a frame written for its row holds), or
+    nil (not on disk, not exact)."""
+    return [None if f is None else [f.path, f.row.seg, f.row.off, f.row.header()] for f in found]
 
 
 def read_depth(chunk_nbytes: int) -> int:

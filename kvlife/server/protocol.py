@@ -104,6 +104,10 @@ VERBS: dict[str, dict[str, Field]] = {
         "hints": Field("int_list", _OPT, 0, 1 << 21),
         # the chunks' bytes in the reply (a session that maps no arena: shm_copies)
         "inline": Field("bool", _OPT),
+        # the client read each chunk's disk frame itself: [segment, offset] of each, as
+        # the lookup named them; the server confirms how many are live there
+        # (kvlife.store.direct)
+        "direct": Field("int_list", _OPT, 0, 1 << 21),
     },
     "release": {"load": ID},
     "alloc_buffer": {"nbytes": Field("int", True, 1, 1 << 40)},
@@ -122,6 +126,9 @@ VERBS: dict[str, dict[str, Field]] = {
         "chained": Field("bool", _OPT),
     },
     "put_commit": {},
+    # the client of a direct load verified the first ``chunks`` frames it read (no
+    # reply wanted): the server counts those it confirmed (kvlife.store.direct)
+    "direct_kept": {"chunks": Field("int", True, 0, 1 << 21)},
     # the client of a deferred put wrote its first ``bytes`` bytes (no reply wanted)
     "put_written": {"bytes": Field("int", True, 1, 1 << 50)},
     # a put with its chunks' bytes (a session that maps no arena: server/shm_copies.py)
@@ -157,10 +164,12 @@ VERBS: dict[str, dict[str, Field]] = {
 }
 """Every verb and its arguments."""
 
-LOOKUP_OPTIONS: dict[str, Field] = {"accept": Field("accept")}
+LOOKUP_OPTIONS: dict[str, Field] = {"accept": Field("accept"), "direct": Field("bool")}
 """Options of ``lookup`` beyond the prompt, by name: each is validated here, decoded by
 the session and passed to ``KVStore.lookup`` as a keyword (``accept``: which replica
-representations the lookup takes, :func:`encode_accept`)."""
+representations the lookup takes, :func:`encode_accept`), but ``direct``, which the
+session answers itself: the reply names each disk hit's frame, for a client that reads
+it (:mod:`kvlife.store.direct`)."""
 
 
 @dataclass(frozen=True, slots=True)

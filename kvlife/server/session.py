@@ -196,6 +196,7 @@ class Session:
         self.handlers: dict[str, Callable[[dict[str, Any]], object]] = {
             "hello": self.hello,
             "lookup": self.loads.lookup,
+            "direct_kept": self.loads.direct_kept,
             "load": self.loads.load,
             "release": self.loads.release,
             "alloc_buffer": self.loads.alloc_buffer,

@@ -25,10 +25,11 @@ from kvlife.core.events import EventSink
 from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import ObjectState
 from kvlife.core.objects import PromptRef, TierName
-from kvlife.results import LoadResult, LookupResult, PutResult, StoreCounters, StoreInfo
-from kvlife.store import metrics
+from kvlife.results import ChunkHit, LoadResult, LookupResult, PutResult, StoreCounters, StoreInfo
+from kvlife.store import direct, metrics
 from kvlife.store.api import Criteria, Outs, StoreAPI
 from kvlife.store.config import GiB, StoreConfig
+from kvlife.store.direct import Confirmed, FrameHint
 from kvlife.store.invalidation import invalidate, orphaned
 from kvlife.store.lifecycle import close_store, open_store
 from kvlife.store.reads import LoadHandle, Reader
@@ -173,6 +174,21 @@ class KVStore(StoreAPI[PendingPut]):
         if got is None:
             raise InvalidArgument(f"store has no tier {name!r}; tiers: {list(self._core.tiers)}")
         return got
+
+    def frame_hints(self, hits: Sequence[ChunkHit]) -> list[FrameHint | None]:
+        """Each hit's disk frame, for a reader on this host (:mod:`kvlife.store.direct`)."""
+        return direct.frame_hints(self._core, hits)
+
+    def confirm_direct(
+        self, keys: Sequence[ChunkKey], frames: Sequence[tuple[int, int]], request_id: str = ""
+    ) -> Confirmed:
+        """The leading ``keys`` live in those disk frames now
+        (:func:`kvlife.store.direct.confirm`); :meth:`record_direct` counts the load."""
+        return direct.confirm(self._core, keys, frames, request_id)
+
+    def record_direct(self, confirmed: Confirmed, kept: int) -> int:
+        """Count a direct load whose first ``kept`` confirmed chunks the client kept."""
+        return direct.record(self._core, confirmed, kept)
 
     @property
     def tier_names(self) -> list[TierName]:

@@ -8,7 +8,7 @@ that is not counted, bad input a typed error, never a hang):
   ``chunk(i)``, ``completed()`` and ``wait()`` while reads finish in a random order, and
   while the store closes under a held read (a lost notify is a waiter still blocked
   after a bounded join);
-- the disk tier's per-thread header buffer (``native_reads._headers``): runs nested
+- the disk tier's per-thread header buffer (``native_reads.headers``): runs nested
   from inside ``take`` callbacks several levels deep, on several threads at once, runs
   whose ``take`` raises (the buffer must not stay marked busy), runs longer than
   ``KEPT_HEADERS``;

@@ -45,13 +45,17 @@ def bench_load(
     raw_dir: Path | None,
     server_pid: int | None = None,
     floor: FloorServer | None = None,
+    direct_client: RemoteStore | None = None,
 ) -> dict[str, Any]:
     """Load ``chunks_per_call`` chunks into preallocated buffers; the limit is memcpy of
     the same bytes from warm memory (DRAM) or raw reads of a file of them (disk:
     ``raw_dir`` given, the chunks flushed and evicted from DRAM first). With
     ``server_pid``, the CPU per chunk each side spent (``cpu``: :func:`_cpu_budget`).
     ``floor`` (disk only): the same load of the raw file through a bare server with no
-    store, timed beside (``floor``: :mod:`kvlife.bench.server.floor`)."""
+    store, timed beside (``floor``: :mod:`kvlife.bench.server.floor`). ``direct_client`` (disk
+    only): a client of the same server with direct reads, loading into its shared
+    buffers (``direct``: the client reads the frames itself while the server confirms
+    them, :mod:`kvlife.client.direct`)."""
     layout = chunk_layout(size)
     ident = bench_identity(layout)
     n = cfg.chunks_per_call
@@ -84,6 +88,17 @@ def bench_load(
         for i in range(n)
     ]
     served_shared: list[float] = []
+    direct_lk = direct_client.lookup(ident, NS, tokens) if direct_client is not None else None
+    direct_bufs: list[np.ndarray] = []
+    if direct_client is not None:
+        direct_raw = direct_client.alloc_buffer(total)
+        direct_bufs = [
+            direct_raw[i * layout.chunk_nbytes : (i + 1) * layout.chunk_nbytes]
+            .view(np.float16)
+            .reshape(layout.chunk_shape)
+            for i in range(n)
+        ]
+    served_direct: list[float] = []
     cpu = _CpuTally(server_pid)
     for rep in range(cfg.reps + 1):
         floor_first = (
@@ -96,14 +111,22 @@ def bench_load(
         # longer at 2 MiB from DRAM, whichever kind it was)
         took: dict[str, float] = {}
         got_by: dict[str, LoadResult] = {}
-        for phase in ("ordinary", "shared") if rep % 2 == 0 else ("shared", "ordinary"):
+        phases = ["ordinary", "shared"] + (["direct"] if direct_client is not None else [])
+        for phase in phases if rep % 2 == 0 else phases[::-1]:
             t0 = time.perf_counter()
-            got_by[phase] = remote.load(lk, outs if phase == "ordinary" else shared)
+            if phase == "direct":
+                assert direct_client is not None and direct_lk is not None
+                got_by[phase] = direct_client.load(direct_lk, direct_bufs)
+            else:
+                got_by[phase] = remote.load(lk, outs if phase == "ordinary" else shared)
             took[phase] = time.perf_counter() - t0
             cpu.stop(phase, rep > 0)
         res, res_shared = got_by["ordinary"], got_by["shared"]
         t, t_shared = took["ordinary"], took["shared"]
-        for got, bufs in ((res, outs), (res_shared, shared)):
+        checked = [(res, outs), (res_shared, shared)]
+        if direct_client is not None:
+            checked.append((got_by["direct"], direct_bufs))
+        for got, bufs in checked:
             same = rep > 0 or all(same_bits(o, c) for o, c in zip(bufs, chunks, strict=True))
             if got.loaded != n or not same:
                 raise RuntimeError(f"load served {got.loaded} of {n} chunks, or wrong bytes")
@@ -118,11 +141,19 @@ def bench_load(
             served.append(t)
             served_shared.append(t_shared)
             limit.append(t_lim)
-    del shared, shared_raw
+            if direct_client is not None:
+                served_direct.append(took["direct"])
+    del shared, shared_raw, direct_bufs
+    if direct_client is not None and direct_client.direct_fallbacks():
+        raise RuntimeError(
+            f"{direct_client.direct_fallbacks()} chunks of the direct loads went through the server"
+        )
     if raw_file is not None:
         raw_file.unlink(missing_ok=True)
     remote.invalidate(namespace=NS)
     others = {"floor": floored} if floored else {}
+    if served_direct:
+        others["direct"] = served_direct
     out = point(layout, n, served, limit, raw=raw_file is not None, shared=served_shared, **others)
     out["server_p99_ms"] = pct(served, 99) * 1e3
     if raw_file is not None:

@@ -13,6 +13,7 @@ _SERIES = (
     ("split", "ceiling: copy, seal on a 2nd thread"),
     ("unnoticed", "no put_written"),
     ("shared", "shared buffers"),
+    ("direct", "direct reads: the client reads the frames"),
     ("floor", "floor: a bare server, no store"),
     ("floor_sealed", "floor: a bare server, seals by the client"),
 )

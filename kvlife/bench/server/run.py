@@ -97,10 +97,14 @@ def _points(
     disk = BenchServer(work / "d", dram, 4 * dram, shm, *pin, "--no-promote", "--write-through")
     servers.append(disk)
     remote = disk.client()
-    result["load_disk"] = [
-        bench_load(cfg, remote, s, 30 + i, work, disk.proc.pid, floor)
-        for i, s in enumerate(cfg.sizes)
-    ]
+    direct = disk.client(direct_reads=True)
+    try:
+        result["load_disk"] = [
+            bench_load(cfg, remote, s, 30 + i, work, disk.proc.pid, floor, direct)
+            for i, s in enumerate(cfg.sizes)
+        ]
+    finally:
+        direct.close()
     result["put_write_through"] = [
         bench_put(cfg, remote, s, 40 + i, work) for i, s in enumerate(cfg.sizes)
     ]
@@ -115,7 +119,11 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     ]
     for key in ("load_dram", "load_disk", "put_dram", "put_write_through"):
         for p in r[key]:
-            for ratio, suffix in (("ratio", ""), ("ratio_shared", "_shared")):
+            for ratio, suffix in (
+                ("ratio", ""),
+                ("ratio_shared", "_shared"),
+                ("ratio_direct", "_direct"),
+            ):
                 if ratio in p:
                     out.append(
                         {

@@ -58,8 +58,8 @@ class BenchServer:
                 raise RuntimeError(f"kvlife serve did not start: {log.read_text()[-2000:]}")
             time.sleep(0.05)
 
-    def client(self) -> RemoteStore:
-        return RemoteStore(self.socket, timeout=300)
+    def client(self, direct_reads: bool = False) -> RemoteStore:
+        return RemoteStore(self.socket, timeout=300, direct_reads=direct_reads)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -51,7 +51,7 @@ _local = threading.local()
 
 
 @contextmanager
-def _headers(n: int) -> Iterator[np.ndarray]:
+def headers(n: int) -> Iterator[np.ndarray]:
     """Aligned room for ``n`` frame headers, for one run: this thread's buffer, grown
     when a run needs more (up to :data:`KEPT_HEADERS`), unless a run of this thread is
     using it (a ``take`` that reads again): one allocation per thread, not one per run
@@ -104,7 +104,7 @@ def read_frames(
     :func:`single_run`) or None (staged); ``bodies[i]``: a new array's memory where
     ``outs[i]`` is None. Bytes read are added to ``got`` for every frame handed out whose
     read returned whole. Returns how many frames were taken."""
-    with _headers(len(rows)) as hdrs:
+    with headers(len(rows)) as hdrs:
         planned: list[_Planned] = []
         reads: list[native.FrameRead] = []
         try:

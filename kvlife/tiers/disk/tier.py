@@ -63,6 +63,7 @@ from kvlife.tiers.base import (
 )
 from kvlife.tiers.buffers import ALIGN, StagingPool
 from kvlife.tiers.disk.audit import TierSource, audit
+from kvlife.tiers.disk.catalog import CatalogRow
 from kvlife.tiers.disk.compaction import Compactor
 from kvlife.tiers.disk.counters import DiskStats, LostReplicas
 from kvlife.tiers.disk.fileio import FileIO, probe_direct_io
@@ -71,7 +72,7 @@ from kvlife.tiers.disk.links import Links
 from kvlife.tiers.disk.reader import Reader
 from kvlife.tiers.disk.recovery import open_catalog, recover
 from kvlife.tiers.disk.repair import Repairs
-from kvlife.tiers.disk.segments import SegmentTable
+from kvlife.tiers.disk.segments import SegmentTable, segment_name
 from kvlife.tiers.disk.writer import Writer
 
 MiB = 1 << 20
@@ -298,6 +299,17 @@ class DiskTier(
 
     def reads_runs_natively(self) -> bool:
         return self._reader.native()
+
+    def frame_rows(self, keys: Sequence[ChunkKey]) -> list[CatalogRow | None]:
+        """The row of each key's frame as it is now (None: no replica here): where a
+        reader outside the tier finds the frame and what it must verify to (rows are
+        replaced, never changed: one handed out stays what it was)."""
+        with self._lock:
+            return [self._table.rows.get(k) for k in keys]
+
+    def segment_path(self, sid: int) -> Path:
+        """The file of segment ``sid`` (it may be gone by the time it is opened)."""
+        return self._segdir / segment_name(sid)
 
     # ------------------------------------------------------------------ deletes and reclaim
 

@@ -1,0 +1,280 @@
+"""Direct disk reads (issue 28): a client made with ``direct_reads`` reads its disk
+hits' frames from the server's segment files itself, verified, while the server
+confirms them live (kvlife.store.direct, kvlife.client.direct). Real servers, real
+segment files: a frame corrupted on the disk, an invalidation and a rewrite between
+the lookup and the load, buffers O_DIRECT cannot fill. Never a wrong byte kept."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlife.client import RemoteStore
+from kvlife.client.direct import parse_frames
+from kvlife.client.handles import RemoteLookup
+from kvlife.core.errors import ProtocolError
+from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
+from kvlife.tiers.disk.frame import HEADER_BYTES, HEADER_USED, FrameHeader, pack_header
+from tests.conftest import prompt_kv
+from tests.server.conftest import MiB, ServerProc
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", tokens_per_chunk=32)
+"""8 KiB chunks: a whole number of pages, as O_DIRECT reads them."""
+N = LAYOUT.tokens_per_chunk
+CHUNKS = 3
+
+
+def _identity() -> ModelIdentity:
+    return ModelIdentity(
+        layout=LAYOUT, model_id="direct", weights_digest="w0", tokenizer_digest="t0"
+    )
+
+
+@pytest.fixture
+def srv(tmp_path: Path) -> Iterator[ServerProc]:
+    """Every put written through to disk, no promotion: disk hits stay disk hits."""
+    server = ServerProc(
+        tmp_path / "store", dram=4 * MiB, extra=("--write-through", "--no-promote")
+    ).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def clients(srv: ServerProc) -> Iterator[tuple[RemoteStore, RemoteStore]]:
+    """(a plain client, a client with direct reads)."""
+    plain = srv.client()
+    mine = RemoteStore(srv.socket, timeout=30, direct_reads=True)
+    yield plain, mine
+    for c in (mine, plain):
+        with contextlib.suppress(Exception):
+            c.close()
+
+
+def _on_disk(plain: RemoteStore, seed: int) -> tuple[np.ndarray, list[np.ndarray]]:
+    """A prompt of CHUNKS chunks put, flushed and evicted from DRAM: its tokens and chunks."""
+    tokens, kv = prompt_kv(seed, CHUNKS * N, LAYOUT)
+    plain.put_prompt(_identity(), PUBLIC, tokens, kv)
+    plain.flush()
+    plain.evict("dram", 1 << 40)
+    chunks = [np.ascontiguousarray(kv[:, :, :, i * N : (i + 1) * N, :]) for i in range(CHUNKS)]
+    return tokens, chunks
+
+
+def _lookup(store: RemoteStore, tokens: np.ndarray) -> RemoteLookup:
+    lk = store.lookup(_identity(), PUBLIC, tokens)
+    assert isinstance(lk, RemoteLookup) and lk.tiers() == {"disk": CHUNKS}
+    return lk
+
+
+def _shared(store: RemoteStore) -> list[np.ndarray]:
+    raw = store.alloc_buffer(CHUNKS * LAYOUT.chunk_nbytes)
+    n = LAYOUT.chunk_nbytes
+    return [
+        raw[i * n : (i + 1) * n].view(np.float16).reshape(LAYOUT.chunk_shape) for i in range(CHUNKS)
+    ]
+
+
+def _aligned() -> list[np.ndarray]:
+    """Page-aligned buffers of the process's own memory (not the server's)."""
+    out = []
+    for _ in range(CHUNKS):
+        room = np.empty(LAYOUT.chunk_nbytes + 4096, np.uint8)
+        at = (-room.ctypes.data) % 4096
+        out.append(room[at : at + LAYOUT.chunk_nbytes].view(np.float16).reshape(LAYOUT.chunk_shape))
+    return out
+
+
+@pytest.mark.parametrize("where", ["shared", "own"])
+def test_a_direct_load_reads_the_frames_here_and_the_server_counts_it(
+    clients: tuple[RemoteStore, RemoteStore], where: str
+) -> None:
+    plain, mine = clients
+    tokens, chunks = _on_disk(plain, 1)
+    lk = _lookup(mine, tokens)
+    assert len(lk.frames) == CHUNKS and all(f is not None for f in lk.frames)
+    before = plain.counters
+    outs = _shared(mine) if where == "shared" else _aligned()
+    res = mine.load(lk, outs)
+    assert res.loaded == CHUNKS and res.tiers == {"disk": CHUNKS}
+    for got, want in zip(res.arrays, chunks, strict=True):
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    # counted once the server read the client's word of what it kept (the frame after
+    # the request): its own session's next request is answered after that
+    after = mine.counters
+    assert after.direct_loads - before.direct_loads == CHUNKS
+    assert after.loads - before.loads == 1
+    assert after.tier("disk").loaded - before.tier("disk").loaded == CHUNKS
+    assert mine.direct_fallbacks() == 0
+
+
+def test_a_plain_client_is_named_no_frames(clients: tuple[RemoteStore, RemoteStore]) -> None:
+    plain, _ = clients
+    tokens, chunks = _on_disk(plain, 2)
+    lk = _lookup(plain, tokens)
+    assert lk.frames == ()
+    outs = _shared(plain)
+    assert plain.load(lk, outs).loaded == CHUNKS
+    assert np.array_equal(outs[2].view(np.uint16), chunks[2].view(np.uint16))
+    assert plain.counters.direct_loads == 0
+
+
+def test_buffers_o_direct_cannot_fill_go_through_the_server(
+    clients: tuple[RemoteStore, RemoteStore],
+) -> None:
+    plain, mine = clients
+    tokens, chunks = _on_disk(plain, 3)
+    lk = _lookup(mine, tokens)
+    room = np.empty(CHUNKS * LAYOUT.chunk_nbytes + 4096 + 2, np.uint8)
+    at = (-room.ctypes.data) % 4096 + 2  # two bytes off a page
+    outs = [
+        room[at + i * LAYOUT.chunk_nbytes : at + (i + 1) * LAYOUT.chunk_nbytes]
+        .view(np.float16)
+        .reshape(LAYOUT.chunk_shape)
+        for i in range(CHUNKS)
+    ]
+    res = mine.load(lk, outs)
+    assert res.loaded == CHUNKS
+    for got, want in zip(outs, chunks, strict=True):
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert mine.counters.direct_loads == 0  # the server read them
+
+
+def _flip(path: str, at: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, at)
+        os.pwrite(fd, bytes([b[0] ^ 0x40]), at)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def test_a_frame_corrupted_on_disk_is_never_kept_and_the_server_counts_it(
+    clients: tuple[RemoteStore, RemoteStore],
+) -> None:
+    plain, mine = clients
+    tokens, chunks = _on_disk(plain, 4)
+    lk = _lookup(mine, tokens)
+    f = lk.frames[1]
+    assert f is not None
+    _flip(f.path, f.off + HEADER_BYTES + 100)  # a payload byte of chunk 1
+    outs = _shared(mine)
+    res = mine.load(lk, outs)
+    assert res.loaded == 1  # chunk 0 read here; chunk 1 failed here and at the server
+    assert np.array_equal(res.arrays[0].view(np.uint16), chunks[0].view(np.uint16))
+    assert res.corrupt == [lk.hits[1].key]
+    assert mine.direct_fallbacks() == CHUNKS - 1
+    c = mine.counters
+    assert c.direct_loads == 1 and c.corrupt == 1  # chunk 0 kept; chunk 1 caught twice
+
+
+def test_an_invalidation_between_lookup_and_load_is_a_miss(
+    clients: tuple[RemoteStore, RemoteStore],
+) -> None:
+    plain, mine = clients
+    tokens, _ = _on_disk(plain, 5)
+    lk = _lookup(mine, tokens)
+    assert plain.invalidate(namespace=PUBLIC) == CHUNKS
+    res = mine.load(lk, _shared(mine))
+    assert res.loaded == 0 and res.arrays == []
+    assert mine.counters.direct_loads == 0
+
+
+def test_a_chunk_rewritten_elsewhere_since_the_lookup_is_loaded_from_where_it_is_now(
+    clients: tuple[RemoteStore, RemoteStore],
+) -> None:
+    """The frames the lookup named still verify (their bytes are on the disk), but the
+    chunks live in other frames now: the server confirms none, and the load takes them
+    from where they are."""
+    plain, mine = clients
+    tokens, chunks = _on_disk(plain, 6)
+    lk = _lookup(mine, tokens)
+    plain.invalidate(namespace=PUBLIC)
+    _on_disk(plain, 6)  # the same chunks again, in new frames
+    fresh = _lookup(mine, tokens)
+    old = [(f.seg, f.off) for f in lk.frames if f is not None]
+    assert [(f.seg, f.off) for f in fresh.frames if f is not None] != old
+    res = mine.load(lk, _shared(mine))
+    assert res.loaded == CHUNKS
+    for got, want in zip(res.arrays, chunks, strict=True):
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert mine.direct_fallbacks() == CHUNKS
+    assert mine.counters.direct_loads == 0
+
+
+def test_a_segment_file_gone_since_the_lookup_goes_through_the_server(
+    clients: tuple[RemoteStore, RemoteStore], tmp_path: Path
+) -> None:
+    plain, mine = clients
+    tokens, chunks = _on_disk(plain, 7)
+    lk = _lookup(mine, tokens)
+    f = lk.frames[0]
+    assert f is not None
+    moved = tmp_path / "elsewhere"
+    os.rename(f.path, moved)  # as if compaction had removed it (the server keeps its fd)
+    try:
+        res = mine.load(lk, _shared(mine))
+    finally:
+        os.rename(moved, f.path)
+    assert res.loaded == CHUNKS  # the server still reads it through its open file
+    for got, want in zip(res.arrays, chunks, strict=True):
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert mine.direct_fallbacks() == CHUNKS
+    assert mine.counters.direct_loads == 0
+
+
+def _header(key: bytes) -> bytes:
+    buf = bytearray(HEADER_BYTES)
+    pack_header(
+        FrameHeader(key, 8192, b"c" * 16, "float16", (2, 2, 4, 32, 8), "exact"), memoryview(buf)
+    )
+    return bytes(buf[:HEADER_USED])
+
+
+def test_lookup_frames_are_checked_before_one_is_kept() -> None:
+    key, other = b"k" * 32, b"o" * 32
+    good = ["/seg/1", 1, 4096, _header(key)]
+    (frame,) = parse_frames([good], [key])
+    assert frame is not None and frame.nbytes == 8192 and frame.checksum == b"c" * 16
+    assert parse_frames([None], [key]) == (None,)
+    bad_header = bytearray(_header(key))
+    bad_header[30] ^= 1
+    for value in (
+        [["/seg/1", 1, 4096, _header(other)]],  # another chunk's frame
+        [["seg/1", 1, 4096, _header(key)]],  # a relative path
+        [["/seg/1", 1, 4097, _header(key)]],  # an offset O_DIRECT cannot read at
+        [["/seg/1", -1, 4096, _header(key)]],
+        [["/seg/1", 1, 4096, bytes(bad_header)]],  # a header that fails its checksum
+        [good, good],  # not one per hit
+        "frames",
+    ):
+        with pytest.raises(ProtocolError):
+            parse_frames(value, [key])
+
+
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.binary(max_size=300) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=_values, hits=st.integers(0, 3))
+def test_any_frames_value_is_parsed_or_refused_as_a_protocol_error(
+    value: object, hits: int
+) -> None:
+    keys = [bytes([i]) * 32 for i in range(hits)]
+    try:
+        frames = parse_frames(value, keys)
+    except ProtocolError:
+        return
+    assert len(frames) == hits
