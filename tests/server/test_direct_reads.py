@@ -21,9 +21,11 @@ from kvlife.client.direct import parse_frames
 from kvlife.client.handles import RemoteLookup
 from kvlife.core.errors import ProtocolError
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
+from kvlife.server import protocol
 from kvlife.tiers.disk.frame import HEADER_BYTES, HEADER_USED, FrameHeader, pack_header
 from tests.conftest import prompt_kv
 from tests.server.conftest import MiB, ServerProc
+from tests.server.tenants import TOKENS, USER, as_, write_config
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", tokens_per_chunk=32)
 """8 KiB chunks: a whole number of pages, as O_DIRECT reads them."""
@@ -278,3 +280,63 @@ def test_any_frames_value_is_parsed_or_refused_as_a_protocol_error(
     except ProtocolError:
         return
     assert len(frames) == hits
+
+
+def test_a_server_with_principals_names_no_frames(tmp_path: Path) -> None:
+    """Its segment files hold every tenant's frames: its clients load through it."""
+    config = write_config(tmp_path / "tenants.toml")
+    srv = ServerProc(
+        tmp_path / "store",
+        dram=4 * MiB,
+        extra=("--tenants", str(config), "--write-through", "--no-promote"),
+    ).start()
+    try:
+        alice = RemoteStore(srv.socket, timeout=30, token=TOKENS["alice"], direct_reads=True)
+        root = as_(srv, "root")
+        try:
+            tokens, kv = prompt_kv(8, CHUNKS * N, LAYOUT)
+            alice.put_prompt(_identity(), USER["alice"], tokens, kv)
+            root.flush()
+            root.evict("dram", 1 << 40)
+            lk = alice.lookup(_identity(), USER["alice"], tokens)
+            assert isinstance(lk, RemoteLookup) and lk.tiers() == {"disk": CHUNKS}
+            assert lk.frames == ()
+            res = alice.load(lk, _aligned())
+            assert res.loaded == CHUNKS
+            want = kv[:, :, :, N : 2 * N, :]
+            assert np.array_equal(res.arrays[1].view(np.uint16), want.view(np.uint16))
+            assert root.counters.direct_loads == 0
+        finally:
+            alice.close()
+            root.close()
+    finally:
+        srv.stop()
+
+
+def test_a_word_of_kept_chunks_counts_no_more_than_the_server_confirmed(
+    clients: tuple[RemoteStore, RemoteStore],
+) -> None:
+    plain, mine = clients
+    tokens, _ = _on_disk(plain, 9)
+    wire = mine._wire
+    # told of no direct load: nothing counted, no reply (the next call still pairs up)
+    wire.call_on("info", {}, None, lambda conn: conn.sock.sendall(_kept(10**6)))
+    assert mine.counters.direct_loads == 0
+    lk = _lookup(mine, tokens)
+    frames = [f for f in lk.frames if f is not None]
+    args = {
+        "keys": b"".join(h.key for h in lk.hits),
+        "starts": [h.start for h in lk.hits],
+        "chunks_total": lk.chunks_total,
+        # the last chunk named at another offset: two confirmed
+        "direct": [x for f in frames[:-1] for x in (f.seg, f.off)] + [frames[-1].seg, 0],
+    }
+    r, _ = wire.call_on("load", args, None, lambda conn: conn.sock.sendall(_kept(CHUNKS)))
+    assert r == {"confirmed": CHUNKS - 1}
+    assert mine.counters.direct_loads == CHUNKS - 1  # not the three the client claimed
+    wire.call_on("info", {}, None, lambda conn: conn.sock.sendall(_kept(CHUNKS)))
+    assert mine.counters.direct_loads == CHUNKS - 1  # told twice: counted once
+
+
+def _kept(n: int) -> bytes:
+    return protocol.pack([0, "direct_kept", {"chunks": n}])
