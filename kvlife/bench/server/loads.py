@@ -34,6 +34,7 @@ from kvlife.bench.server.workload import (
     split_chunks,
 )
 from kvlife.client import RemoteStore
+from kvlife.core.identity import KVLayout
 from kvlife.results import LoadResult
 
 
@@ -70,7 +71,6 @@ def bench_load(
     want = "disk" if raw_dir is not None else "dram"
     if lk.tiers() != {want: n}:
         raise RuntimeError(f"expected {n} hits in {want}, got {lk.tiers()}")
-    total = n * layout.chunk_nbytes
     served, limit = [], []
     raw_file = raw_dir / f"raw-{size}" if raw_dir is not None else None
     direct = raw_dir is not None and direct_ok(raw_dir)
@@ -80,24 +80,12 @@ def bench_load(
             floor.open_file(raw_file, direct)
     floored: list[float] = []
     flat = [o.view(np.uint8).reshape(-1) for o in outs]
-    shared_raw = remote.alloc_buffer(total)
-    shared = [
-        shared_raw[i * layout.chunk_nbytes : (i + 1) * layout.chunk_nbytes]
-        .view(np.float16)
-        .reshape(layout.chunk_shape)
-        for i in range(n)
-    ]
+    shared = shared_chunks(remote, layout, n)
     served_shared: list[float] = []
     direct_lk = direct_client.lookup(ident, NS, tokens) if direct_client is not None else None
     direct_bufs: list[np.ndarray] = []
     if direct_client is not None:
-        direct_raw = direct_client.alloc_buffer(total)
-        direct_bufs = [
-            direct_raw[i * layout.chunk_nbytes : (i + 1) * layout.chunk_nbytes]
-            .view(np.float16)
-            .reshape(layout.chunk_shape)
-            for i in range(n)
-        ]
+        direct_bufs = shared_chunks(direct_client, layout, n)
     served_direct: list[float] = []
     cpu = _CpuTally(server_pid)
     for rep in range(cfg.reps + 1):
@@ -143,7 +131,7 @@ def bench_load(
             limit.append(t_lim)
             if direct_client is not None:
                 served_direct.append(took["direct"])
-    del shared, shared_raw, direct_bufs
+    del shared, direct_bufs
     if direct_client is not None and direct_client.direct_fallbacks():
         raise RuntimeError(
             f"{direct_client.direct_fallbacks()} chunks of the direct loads went through the server"
@@ -164,6 +152,16 @@ def bench_load(
             "hash_us_per_chunk": hash_cpu_per_chunk(layout.chunk_nbytes, quick=cfg.quick) * 1e6
         }
     return out
+
+
+def shared_chunks(remote: RemoteStore, layout: KVLayout, n: int) -> list[np.ndarray]:
+    """``n`` chunk buffers of ``layout`` in one shared buffer of ``remote``'s session."""
+    raw = remote.alloc_buffer(n * layout.chunk_nbytes)
+    size = layout.chunk_nbytes
+    return [
+        raw[i * size : (i + 1) * size].view(np.float16).reshape(layout.chunk_shape)
+        for i in range(n)
+    ]
 
 
 class _CpuTally:
