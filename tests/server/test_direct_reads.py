@@ -7,6 +7,7 @@ the lookup and the load, buffers O_DIRECT cannot fill. Never a wrong byte kept."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -340,3 +341,21 @@ def test_a_word_of_kept_chunks_counts_no_more_than_the_server_confirmed(
 
 def _kept(n: int) -> bytes:
     return protocol.pack([0, "direct_kept", {"chunks": n}])
+
+
+def test_a_lookup_whose_frames_were_swapped_after_it_came_never_yields_another_chunks_bytes(
+    clients: tuple[RemoteStore, RemoteStore],
+) -> None:
+    """Hit 1 named by hit 0's whole frame (path, offset and header): the read verifies
+    (it is a good frame), but the server confirms no chunk in a frame that is not its
+    own, and the load takes chunk 1 from where it is."""
+    plain, mine = clients
+    tokens, chunks = _on_disk(plain, 10)
+    lk = _lookup(mine, tokens)
+    swapped = dataclasses.replace(lk, frames=(lk.frames[0], lk.frames[0], lk.frames[2]))
+    res = mine.load(swapped, _shared(mine))
+    assert res.loaded == CHUNKS
+    for got, want in zip(res.arrays, chunks, strict=True):
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    assert mine.direct_fallbacks() == CHUNKS - 1
+    assert mine.counters.direct_loads == 1
