@@ -15,7 +15,9 @@ keep a segment that compaction removed on the disk.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +71,7 @@ def parse_frames(value: object, keys: Sequence[bytes]) -> tuple[Frame | None, ..
         if not (
             type(path) is str
             and os.path.isabs(path)
+            and "\0" not in path
             and type(seg) is int
             and type(off) is int
             and seg >= 0
@@ -106,12 +109,21 @@ def usable(frames: Sequence[Frame | None], outs: Sequence[np.ndarray]) -> bool:
 
 
 def _open(path: str) -> int:
-    """``path`` for reading, O_DIRECT where its filesystem takes it."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    """``path`` for reading, O_DIRECT where its filesystem takes it; OSError unless it
+    is a regular file. Opened without blocking (a FIFO named there would wait for a
+    writer, the connection's lock held): a regular file's reads block as ever."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        return os.open(path, flags | getattr(os, "O_DIRECT", 0))
+        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
     except OSError:
-        return os.open(path, flags)
+        fd = os.open(path, flags)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_frames(frames: Sequence[Frame], outs: Sequence[np.ndarray]) -> int:
@@ -128,7 +140,7 @@ def read_frames(frames: Sequence[Frame], outs: Sequence[np.ndarray]) -> int:
                 if fd is None:
                     try:
                         fd = fds[f.path] = _open(f.path)
-                    except OSError:
+                    except (OSError, ValueError):
                         break  # gone since the lookup (compacted): the rest from the server
                 body = out.reshape(-1).view(np.uint8)
                 head = hdrs[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]

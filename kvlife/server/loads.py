@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.core.errors import ProtocolError
+from kvlife.core.errors import NotPermitted, ProtocolError
 from kvlife.core.identity import ChunkKey, KVLayout
 from kvlife.core.payload import numpy_dtype
 from kvlife.results import ChunkHit, LookupResult
@@ -135,12 +135,16 @@ class Loads:
             ],
             "refusal": res.refusal,
         }
-        if direct and arena is not None and hits:
+        if direct and direct_reads(ctx) and hits:
             out["frames"] = frame_fields(ctx.store.frame_hints(hits))
         return out
 
     def load(self, args: dict[str, Any]) -> object:
         ctx = self.ctx
+        # a direct load's confirmation counts only with the word that follows it: any
+        # load, refused or not, ends the one before (a raw client's word after a refused
+        # direct load would otherwise count an older one)
+        self.confirmed = None
         keys, _ = load_keys(ctx, args)
         if "direct" in args:
             return self._confirm_direct(args, keys)
@@ -354,8 +358,10 @@ class Loads:
         lookup named): how many, from the first, are live in those frames now
         (:mod:`kvlife.store.direct`). The load is counted when the client says how many
         it kept (:meth:`direct_kept`, the frame that follows)."""
-        if not self.ctx.mapped:
-            raise ProtocolError("direct reads are for sessions that map the server's arena")
+        if not direct_reads(self.ctx):
+            raise NotPermitted(
+                "direct reads are for sessions of a server without principals that map its arena"
+            )
         where = args["direct"]
         if len(where) != 2 * len(keys):
             raise ProtocolError(f"{len(where)} frame numbers for {len(keys)} keys")
@@ -444,6 +450,13 @@ def _offset(arena: Arena, where: dict[int, int], arr: np.ndarray) -> int | None:
     their views' ids) or looked up (None: not an extent of it)."""
     off = where.get(id(arr))
     return off if off is not None else arena.offset_of(arr)
+
+
+def direct_reads(ctx: SessionContext) -> bool:
+    """Whether a session may read disk frames itself: it maps the server's arena, and
+    the server has no principals (its segment files hold every tenant's frames; a
+    principal that maps an arena of its own must not be told where they are)."""
+    return ctx.mapped and ctx.tenancy is None
 
 
 def frame_fields(found: list[FrameHint | None]) -> list[list[Any] | None]:

@@ -308,8 +308,10 @@ class DiskTier(
             return [self._table.rows.get(k) for k in keys]
 
     def segment_path(self, sid: int) -> Path:
-        """The file of segment ``sid`` (it may be gone by the time it is opened)."""
-        return self._segdir / segment_name(sid)
+        """The file of segment ``sid``, an absolute path (a store opened by a relative
+        one is named to readers in other directories; it may be gone by the time it is
+        opened)."""
+        return self._segdir.absolute() / segment_name(sid)
 
     # ------------------------------------------------------------------ deletes and reclaim
 
