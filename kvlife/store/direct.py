@@ -95,16 +95,17 @@ def confirm(
     found: list[tuple[ObjectRecord, TierName]] = []
     with core.lock:
         core.check_open()
-        for key, (seg, off) in zip(keys, frames, strict=True):
+        rows = {name: tier.frame_rows(keys) for name, tier in disks.items()}  # one lock each
+        for i, (key, (seg, off)) in enumerate(zip(keys, frames, strict=True)):
             rec = core.index.get(key)
             if rec is None or rec.state is not INDEXED:
                 break
             where = None
-            for name, tier in disks.items():
+            for name in disks:
                 rep = rec.replicas.get(name)
                 if rep is None or not rep.readable or rep.transform != EXACT:
                     continue
-                row = tier.frame_rows([key])[0]
+                row = rows[name][i]
                 if row is not None and row.seg == seg and row.off == off:
                     where = name
                     break
