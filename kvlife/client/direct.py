@@ -6,18 +6,16 @@ A lookup asked with ``direct`` names each disk hit's frame: the segment file, th
 offset and the header the frame was written with (:func:`parse_frames` checks it once:
 its own checksum, the hit's key, an exact replica). A load of hits that are all named,
 into buffers O_DIRECT can fill (C-contiguous, aligned, the frame's dtype and shape),
-reads them with the extension's native run (:func:`read_frames`): the header read is
-compared byte for byte with the named one, and the payload's xxh3-128 with the checksum
-that header holds, while the load's one request asks the server to confirm them. Each
-segment file is opened for the load and closed after it: a descriptor kept open would
-keep a segment that compaction removed on the disk.
+starts reading them in the extension's threads (:func:`start_reads`) before the load's
+one request asks the server to confirm them, and verifies them (the header read compared
+byte for byte with the named one, the payload's xxh3-128 with the checksum that header
+holds) once the reply is in. Each segment file is opened for the load and closed after
+it: a descriptor kept open would keep a segment that compaction removed on the disk.
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,10 +26,8 @@ from kvlife.core import errors
 from kvlife.core.errors import StoreFormatError
 from kvlife.core.objects import EXACT
 from kvlife.native import frames as native
-from kvlife.native.spans import spans
 from kvlife.tiers.buffers import ALIGN
-from kvlife.tiers.disk.frame import HEADER_BYTES, HEADER_USED, FrameError, unpack_header
-from kvlife.tiers.disk.native_reads import headers
+from kvlife.tiers.disk.frame import HEADER_USED, FrameError, unpack_header
 
 DEPTH = 1
 """Frame reads in flight (the checksum of one overlaps the read of the next), as in the
@@ -93,74 +89,43 @@ def parse_frames(value: object, keys: Sequence[bytes]) -> tuple[Frame | None, ..
 
 
 def usable(frames: Sequence[Frame | None], outs: Sequence[np.ndarray]) -> bool:
-    """Whether a load of hits with these frames into ``outs`` can read them here: the
+    """Whether a load of hits with these frames into ``outs`` may read them here: the
     extension is built, every hit has a frame, and every buffer is its frame's payload
-    (dtype, shape), C-contiguous, writable and aligned for O_DIRECT (else the load goes
-    through the server, which stages such reads)."""
+    (dtype, shape). Whether O_DIRECT can fill each buffer (C-contiguous, writable, whole
+    aligned pages) the extension checks as it starts (:func:`start_reads`, ValueError:
+    the load goes through the server, which stages such reads)."""
     if not frames or len(frames) != len(outs) or not native.available():
         return False
     for f, out in zip(frames, outs, strict=True):
         if f is None or out.dtype != f.dtype or out.shape != f.shape or out.nbytes != f.nbytes:
             return False
-    for span, out in zip(spans(list(outs)), outs, strict=True):
-        if not (span.c_contiguous and span.writable) or span.low % ALIGN or out.nbytes % ALIGN:
-            return False
     return True
 
 
-def _open(path: str) -> int:
-    """``path`` for reading, O_DIRECT where its filesystem takes it; OSError unless it
-    is a regular file. Opened without blocking (a FIFO named there would wait for a
-    writer, the connection's lock held): a regular file's reads block as ever."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-    try:
-        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        fd = os.open(path, flags)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"{path} is not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+def start_reads(frames: Sequence[Frame], outs: Sequence[np.ndarray]) -> native.DirectRun:
+    """Start reading each frame into its buffer (:func:`usable` said they fit; a buffer
+    O_DIRECT cannot fill is ValueError, nothing read): the
+    extension opens each segment file once (O_DIRECT where it can, no link followed, a
+    regular file only, without blocking: a FIFO named there would wait for a writer)
+    and its threads read while the caller sends its request and reads the reply. Its
+    ``finish()`` verifies them in order: the header read byte for byte against the
+    named one, the payload's xxh3-128 against the checksum that header holds, and
+    returns how many from the first verified. A frame that does not (moved, torn,
+    rewritten, of another format), or whose file cannot be opened or read, ends it:
+    that chunk and the ones after it are left to the server."""
+    return native.start_direct(
+        [
+            (f.path, f.off, out, f.nbytes, f.header, f.checksum)
+            for f, out in zip(frames, outs, strict=True)
+        ],
+        DEPTH,
+    )
 
 
 def read_frames(frames: Sequence[Frame], outs: Sequence[np.ndarray]) -> int:
-    """Read and verify each frame into its buffer (:func:`usable` said they fit), in
-    order; how many from the first verified. A frame that does not (moved, torn,
-    rewritten, of another format), or whose file cannot be opened or read, ends it:
-    that chunk and the ones after it are left to the server."""
-    fds: dict[str, int] = {}
-    try:
-        reads: list[native.FrameRead] = []
-        with headers(len(frames)) as hdrs:
-            for i, (f, out) in enumerate(zip(frames, outs, strict=True)):
-                fd = fds.get(f.path)
-                if fd is None:
-                    try:
-                        fd = fds[f.path] = _open(f.path)
-                    except (OSError, ValueError):
-                        break  # gone since the lookup (compacted): the rest from the server
-                body = out.reshape(-1).view(np.uint8)
-                head = hdrs[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
-                reads.append(
-                    native.FrameRead(fd, f.off, head, body, f.nbytes, f.header, f.checksum)
-                )
-            if not reads:
-                return 0
-            try:
-                return native.read_run(reads, DEPTH, _whole)
-            except (OSError, ValueError):
-                return 0
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-
-
-def _whole(i: int, outcome: native.FrameOutcome) -> bool:
-    """A frame is taken when it read whole and matched its header and checksum."""
-    return outcome.status == native.OK
+    """:func:`start_reads` and its ``finish()`` at once: how many frames, from the first,
+    were read and verified into ``outs``."""
+    return start_reads(frames, outs).finish()
 
 
 def confirmed(r: Any, n: int) -> int:

@@ -269,6 +269,10 @@ class Loads:
         hits = lookup.hits
         frames = [f for f in lookup.frames if f is not None]
         n = len(hits)
+        try:  # the reads start first: they run while the request goes and the reply comes
+            run = direct.start_reads(frames, outs)
+        except ValueError:  # buffers O_DIRECT cannot fill (nothing read): the server stages
+            return self._load_mapped(lookup, outs, request_id, on_chunk)
         args: dict[str, Any] = {
             "keys": b"".join(h.key for h in hits),
             "starts": [h.start for h in hits],
@@ -279,17 +283,17 @@ class Loads:
             args["request_id"] = request_id
         verified = [0]
 
-        def read(conn: Connection) -> None:
+        def kept(conn: Connection) -> None:
+            # after the reply, under the connection's lock: the server counts what was
+            # kept (the fewer of this and what it confirmed) when it reads this word
             if conn.epoch == lookup.epoch:  # else another server: its frames are not these
-                try:
-                    verified[0] = direct.read_frames(frames, outs)
-                except (OSError, ValueError):
-                    verified[0] = 0  # the server reads them: never a load left half-told
-            # after the request, before its reply is read: the server counts what was
-            # kept once it replied (the fewer of this and what it confirmed)
+                verified[0] = run.finish()
             conn.sock.sendall(protocol.pack([0, "direct_kept", {"chunks": verified[0]}]))
 
-        r, _ = self.wire.call_on("load", args, None, read)
+        try:
+            r, _ = self.wire.call_on("load", args, after_reply=kept)
+        finally:
+            run.close()  # spent already unless the exchange failed: the reads end first
         got = min(direct.confirmed(r, n), verified[0])
         self.direct_fallbacks += n - got
         if on_chunk is not None:

@@ -171,11 +171,13 @@ class Wire:
         on_part: OnPart | None = None,
         after_send: OnConnection | None = None,
         before: OnConnection | None = None,
+        after_reply: OnConnection | None = None,
     ) -> tuple[Any, Connection]:
         """The result and the connection it came on: grants name offsets in that
         connection's arena (another thread may reconnect to a new server meanwhile).
         ``before`` runs on the connection first (under the same lock), ``after_send``
-        once the request is sent and before its reply is read."""
+        once the request is sent and before its reply is read, ``after_reply`` once a
+        result came (still under the lock: what it sends follows the request)."""
         if self.closed:
             raise errors.StoreClosedError(f"RemoteStore for {self.socket_path} is closed")
         with self.lock:
@@ -192,7 +194,12 @@ class Wire:
                         # closing the connection makes it do so
                         self.drop()
                         raise
-                return self.roundtrip(conn, verb, args, on_part, after_send), conn
+                result = self.roundtrip(conn, verb, args, on_part, after_send)
+                if after_reply is not None:
+                    conn.pending = True  # what it sends belongs to this exchange
+                    after_reply(conn)
+                    conn.pending = False
+                return result, conn
             except (OSError, ValueError, msgpack.UnpackException) as exc:
                 if not conn.pending:  # the exchange is complete: not the connection's
                     raise  # error (a reply's, or a copy's that failed meanwhile)

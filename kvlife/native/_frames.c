@@ -22,7 +22,11 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 typedef struct {
     uint64_t low64;
@@ -306,6 +310,300 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(delivered);
 }
 
+/* ---------------------------------------------------------------------------------
+ * A direct run (kvlife.client.direct): the frames a served lookup named, read by the
+ * client itself. start_direct opens the segment files and starts the reads at once,
+ * so that they run while the caller sends its request and reads the reply; finish()
+ * verifies them in order, as read_run does, and returns how many from the first
+ * verified. The run owns everything its reads write into until it is finished,
+ * closed or collected: the callers' buffers stay exported (numpy refuses to resize
+ * them), the headers land in memory of its own, and the files stay open. */
+
+typedef struct {
+    PyObject_HEAD
+    frame_t *frames;
+    Py_ssize_t n;       /* frames parsed (their buffers held) */
+    Py_ssize_t opened;  /* frames whose file opened: the run reads these */
+    int *fds;
+    int nfds;
+    unsigned char *headers;
+    run_t run;
+    pthread_t threads[64];
+    int started;
+    int sync_ready;     /* run.lock and run.cond initialised */
+    int busy;           /* a finish() is under way in some thread (under the GIL) */
+    int done;           /* stopped and released */
+} DirectRun;
+
+/* Stop the readers (no further frame read), wait for the reads in flight, close the
+ * files and free the headers; with the interpreter lock released by the caller. */
+static void direct_stop(DirectRun *d) {
+    if (d->sync_ready) {
+        pthread_mutex_lock(&d->run.lock);
+        d->run.next = d->run.n;
+        for (Py_ssize_t k = 0; k < d->run.n; k++)
+            if (d->frames[k].stage == LANDED) d->frames[k].stage = CHECKED;
+        pthread_mutex_unlock(&d->run.lock);
+    }
+    for (int t = 0; t < d->started; t++) pthread_join(d->threads[t], NULL);
+    d->started = 0;
+    for (int k = 0; k < d->nfds; k++) close(d->fds[k]);
+    d->nfds = 0;
+}
+
+/* With the interpreter lock held, after direct_stop. */
+static void direct_release(DirectRun *d) {
+    if (d->sync_ready) {
+        pthread_cond_destroy(&d->run.cond);
+        pthread_mutex_destroy(&d->run.lock);
+        d->sync_ready = 0;
+    }
+    if (d->frames != NULL) {
+        release_frames(d->frames, d->n);
+        PyMem_Free(d->frames);
+        d->frames = NULL;
+    }
+    PyMem_Free(d->fds);
+    d->fds = NULL;
+    free(d->headers);
+    d->headers = NULL;
+    d->done = 1;
+}
+
+static void direct_dealloc(DirectRun *d) {
+    if (!d->done) {
+        Py_BEGIN_ALLOW_THREADS
+        direct_stop(d);
+        Py_END_ALLOW_THREADS
+        direct_release(d);
+    }
+    Py_TYPE(d)->tp_free((PyObject *)d);
+}
+
+/* finish() -> how many frames, from the first, read whole and verified (the first that
+ * did not ends the count, and the reads after it are not started); the run is spent. */
+static PyObject *direct_finish(DirectRun *d, PyObject *Py_UNUSED(ignored)) {
+    if (d->done || d->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "this direct run is finished or being finished");
+        return NULL;
+    }
+    d->busy = 1;
+    Py_ssize_t good = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (; good < d->opened; good++) {
+        if (d->started == 0) {
+            read_frame(&d->frames[good]);
+            verify_frame(&d->frames[good], d->run.hash);
+        } else {
+            await_checked(&d->run, good);
+        }
+        if (d->frames[good].status != OK) break;
+    }
+    direct_stop(d);
+    Py_END_ALLOW_THREADS
+    direct_release(d);
+    d->busy = 0;
+    return PyLong_FromSsize_t(good);
+}
+
+/* close(): stop without verifying (the reads in flight end first); idempotent. */
+static PyObject *direct_close(DirectRun *d, PyObject *Py_UNUSED(ignored)) {
+    if (d->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "this direct run is being finished");
+        return NULL;
+    }
+    if (!d->done) {
+        d->busy = 1;
+        Py_BEGIN_ALLOW_THREADS
+        direct_stop(d);
+        Py_END_ALLOW_THREADS
+        direct_release(d);
+        d->busy = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *direct_reading(DirectRun *d, void *Py_UNUSED(closure)) {
+    return PyLong_FromSsize_t(d->done ? 0 : d->opened);
+}
+
+static PyMethodDef direct_methods[] = {
+    {"finish", (PyCFunction)direct_finish, METH_NOARGS,
+     "finish() -> frames verified from the first; the run is spent."},
+    {"close", (PyCFunction)direct_close, METH_NOARGS, "close(): stop without verifying."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef direct_getset[] = {
+    {"reading", (getter)direct_reading, NULL, "frames being read (0 once spent)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject DirectRunType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvlife.native._frames.DirectRun",
+    .tp_basicsize = sizeof(DirectRun),
+    .tp_dealloc = (destructor)direct_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A run of direct frame reads under way (start_direct).",
+    .tp_methods = direct_methods,
+    .tp_getset = direct_getset,
+};
+
+/* Open path (a str) for reading: O_DIRECT where its filesystem takes it, never following
+ * a link, without blocking (a FIFO would wait for a writer); -1 unless it is a regular
+ * file. */
+static int open_segment(PyObject *path) {
+    PyObject *encoded = NULL;
+    if (!PyUnicode_FSConverter(path, &encoded)) {
+        PyErr_Clear();
+        return -1;
+    }
+    const char *p = PyBytes_AS_STRING(encoded);
+    int fd = -1;
+    if ((Py_ssize_t)strlen(p) == PyBytes_GET_SIZE(encoded)) {
+        int flags = O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK;
+        fd = open(p, flags | O_DIRECT);
+        if (fd < 0 && errno == EINVAL) fd = open(p, flags);
+        struct stat st;
+        if (fd >= 0 && (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))) {
+            close(fd);
+            fd = -1;
+        }
+    }
+    Py_DECREF(encoded);
+    return fd;
+}
+
+/* start_direct(frames, depth, hash_address) -> DirectRun
+ * frames: a sequence of (path, offset, body, nbytes, header_want, checksum), path a
+ * str naming the segment file, body writable C-contiguous memory of whole aligned pages
+ * (else ValueError, nothing read). Each distinct path is opened once (see open_segment);
+ * the first frame whose file cannot be opened, and every frame after it, is not read
+ * (finish() counts no further). The reads start before this returns, on up to `depth`
+ * threads (at least one, so that even one frame is read while the caller goes on). */
+static PyObject *start_direct(PyObject *self, PyObject *args) {
+    PyObject *seq;
+    int depth;
+    unsigned long long hash_addr;
+    if (!PyArg_ParseTuple(args, "OiK", &seq, &depth, &hash_addr)) return NULL;
+    if (depth < 1 || depth > 64) {
+        PyErr_Format(PyExc_ValueError, "depth %d is not in 1..64", depth);
+        return NULL;
+    }
+    if (hash_addr == 0) {
+        PyErr_SetString(PyExc_ValueError, "no xxh3-128 function address");
+        return NULL;
+    }
+    PyObject *fast = PySequence_Tuple(seq);
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(fast);
+    DirectRun *d = PyObject_New(DirectRun, &DirectRunType);
+    if (d == NULL) {
+        Py_DECREF(fast);
+        return NULL;
+    }
+    d->frames = PyMem_Calloc((size_t)(n ? n : 1), sizeof(frame_t));
+    d->fds = PyMem_Calloc((size_t)(n ? n : 1), sizeof(int));
+    d->n = d->opened = 0;
+    d->nfds = d->started = d->sync_ready = d->busy = d->done = 0;
+    d->headers = NULL;
+    PyObject **paths = PyMem_Calloc((size_t)(n ? n : 1), sizeof(PyObject *));
+    if (d->frames == NULL || d->fds == NULL || paths == NULL ||
+        posix_memalign((void **)&d->headers, 4096, (size_t)(n ? n : 1) * 4096) != 0) {
+        d->headers = NULL;
+        PyMem_Free(paths);
+        Py_DECREF(fast);
+        Py_DECREF(d);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        frame_t *f = &d->frames[i];
+        long long off;
+        PyObject *item = PyTuple_GET_ITEM(fast, i);
+        if (!PyTuple_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "frame %zd is a %.100s, not a tuple", i,
+                         Py_TYPE(item)->tp_name);
+            break;
+        }
+        PyObject *body;
+        if (!PyArg_ParseTuple(item, "ULOny*y*", &paths[i], &off, &body, &f->nbytes, &f->want,
+                              &f->sum)) {
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            PyErr_Format(type != NULL ? type : PyExc_TypeError, "frame %zd: %S", i,
+                         value != NULL ? value : Py_None);
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            break;
+        }
+        if (PyObject_GetBuffer(body, &f->body, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) {
+            PyErr_Clear();
+            PyBuffer_Release(&f->want);
+            PyBuffer_Release(&f->sum);
+            PyErr_Format(PyExc_ValueError, "frame %zd's buffer is not writable C-contiguous memory",
+                         i);
+            break;
+        }
+        d->n = i + 1;
+        f->off = off;
+        const char *bad = NULL;
+        if (off < 0 || off % 4096)
+            bad = "an offset that is negative or not a multiple of 4096";
+        else if (f->nbytes < 0 || f->nbytes > f->body.len)
+            bad = "a payload length that is negative or longer than its buffer";
+        else if (f->body.len % 4096 || ((uintptr_t)f->body.buf) % 4096)
+            bad = "a buffer that is not whole aligned pages";
+        else if (f->sum.len != 16)
+            bad = "a checksum that is not 16 bytes";
+        else if (f->want.len > 4096)
+            bad = "a header longer than 4096 bytes";
+        if (bad != NULL) {
+            PyErr_Format(PyExc_ValueError, "frame %zd has %s", i, bad);
+            break;
+        }
+        f->hdr.buf = d->headers + i * 4096;
+        f->hdr.len = 4096;
+        f->hdr.obj = NULL; /* not a Python buffer: release_frames skips it */
+    }
+    if (PyErr_Occurred()) {
+        PyMem_Free(paths);
+        Py_DECREF(fast);
+        Py_DECREF(d); /* nothing started: dealloc releases what was parsed */
+        return NULL;
+    }
+    /* open each file once; frames from the first that cannot be opened are not read */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int fd = -1;
+        for (Py_ssize_t j = 0; j < i; j++) {
+            if (PyUnicode_Compare(paths[j], paths[i]) == 0) {
+                fd = d->frames[j].fd;
+                break;
+            }
+        }
+        if (fd < 0) {
+            fd = open_segment(paths[i]);
+            if (fd < 0) break;
+            d->fds[d->nfds++] = fd;
+        }
+        d->frames[i].fd = fd;
+        d->opened = i + 1;
+    }
+    PyMem_Free(paths);
+    Py_DECREF(fast);
+    d->run = (run_t){.frames = d->frames, .n = d->opened, .next = 0, .unclaimed = 0,
+                     .hash = (xxh3_128_fn)(uintptr_t)hash_addr};
+    pthread_mutex_init(&d->run.lock, NULL);
+    pthread_cond_init(&d->run.cond, NULL);
+    d->sync_ready = 1;
+    if (d->opened > 0) {
+        int want = depth < d->opened ? depth : (int)d->opened;
+        for (; d->started < want; d->started++)
+            if (pthread_create(&d->threads[d->started], NULL, reader, &d->run) != 0) break;
+    }
+    return (PyObject *)d;
+}
+
 /* xxh3_128(buffer, hash_address) -> canonical 16 bytes: the self-check of the address. */
 static PyObject *xxh3_128(PyObject *self, PyObject *args) {
     Py_buffer data;
@@ -381,10 +679,64 @@ static PyObject *spans(PyObject *self, PyObject *arg) {
     return out;
 }
 
+typedef struct {
+    uintptr_t low, high;
+} range_t;
+
+static int range_cmp(const void *a, const void *b) {
+    uintptr_t x = ((const range_t *)a)->low, y = ((const range_t *)b)->low;
+    return x < y ? -1 : x > y;
+}
+
+/* disjoint(arrays) -> bool: True when every object exports a writable C-contiguous
+ * buffer and no two of them share a byte (their byte ranges, sorted, do not overlap);
+ * False otherwise, which decides nothing: the caller then checks them one by one
+ * (kvlife.store.overlap). A load's output buffers are nearly always so, and this one
+ * call costs a fraction of the Python check (issue 28). */
+static PyObject *disjoint(PyObject *self, PyObject *arg) {
+    PyObject *fast = PySequence_Fast(arg, "disjoint() takes a sequence");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    range_t *r = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(range_t));
+    if (r == NULL) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t used = 0;
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < n && ok; i++) {
+        Py_buffer view;
+        /* not asked writable: numpy then exports a broadcast array it only warns on
+         * writing as read-only, without the warning (and the caller's check decides) */
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, i), &view, PyBUF_STRIDES) != 0) {
+            PyErr_Clear();
+            ok = 0;
+            break;
+        }
+        if (view.readonly || !PyBuffer_IsContiguous(&view, 'C'))
+            ok = 0;
+        else if (view.len > 0)
+            r[used++] = (range_t){(uintptr_t)view.buf, (uintptr_t)view.buf + (uintptr_t)view.len};
+        PyBuffer_Release(&view);
+    }
+    Py_DECREF(fast);
+    if (ok && used > 1) {
+        qsort(r, (size_t)used, sizeof(range_t), range_cmp);
+        for (Py_ssize_t i = 1; i < used && ok; i++)
+            if (r[i].low < r[i - 1].high) ok = 0;
+    }
+    PyMem_Free(r);
+    return PyBool_FromLong(ok);
+}
+
 static PyMethodDef methods[] = {
     {"read_run", read_run, METH_VARARGS,
      "read_run(frames, depth, hash_address, on_frame): read and verify frames without the GIL."},
+    {"start_direct", start_direct, METH_VARARGS,
+     "start_direct(frames, depth, hash_address): a DirectRun whose reads are under way."},
     {"xxh3_128", xxh3_128, METH_VARARGS, "xxh3_128(buffer, hash_address): canonical digest."},
+    {"disjoint", disjoint, METH_O,
+     "disjoint(arrays): whether all are writable, C-contiguous and share no byte."},
     {"spans", spans, METH_O, "spans(arrays): [(low, high, flags) or None], as np.byte_bounds."},
     {NULL, NULL, 0, NULL},
 };
@@ -392,6 +744,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_frames", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__frames(void) {
+    if (PyType_Ready(&DirectRunType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddIntConstant(m, "OK", OK) || PyModule_AddIntConstant(m, "HEADER_DIFFERS", HEADER_DIFFERS) ||

@@ -50,6 +50,15 @@ def spans(arrays: Sequence[np.ndarray]) -> list[Span]:
     return out
 
 
+def disjoint(arrays: Sequence[np.ndarray]) -> bool:
+    """True when every array is writable (numpy's flag and its buffer export agree),
+    C-contiguous, and no two share a byte, found in one call of the extension; False
+    decides nothing (the extension is not available, or some array is not so): the
+    caller checks them exactly (:func:`kvlife.store.overlap.shared_pair`)."""
+    module = frames.native_module()
+    return module is not None and bool(module.disjoint(arrays))
+
+
 def _numpy_bounds(arr: np.ndarray) -> tuple[int, int]:
     if arr.size == 0:
         low: int = arr.__array_interface__["data"][0]

@@ -19,7 +19,7 @@ from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ChunkKey, ModelIdentity, Namespace
 from kvlife.core.objects import PromptRef
 from kvlife.core.sources import SourceSpan, check_spans
-from kvlife.native.spans import spans
+from kvlife.native.spans import disjoint, spans
 from kvlife.results import LookupResult
 from kvlife.store.overlap import shared_pair
 from kvlife.transforms.contract import Accept
@@ -78,9 +78,11 @@ def check_outs(outs: Sequence[np.ndarray | None]) -> None:
     with themselves: two chunks read into one buffer would both report success with only
     the last one's bytes in it (the same buffer passed twice, overlapping slices of one
     array), and a chunk read into a buffer whose elements overlap reads back wrong. None
-    entries (no buffer for that chunk) are skipped. Where each lies comes from
-    :func:`kvlife.native.spans.spans`, every buffer in one call; which share memory, from
-    :func:`kvlife.store.overlap.shared_pair` (exact, a sort when none overlap)."""
+    entries (no buffer for that chunk) are skipped. Buffers that are all writable,
+    C-contiguous and disjoint pass in one native call (:func:`kvlife.native.spans.disjoint`);
+    otherwise where each lies comes from :func:`kvlife.native.spans.spans`, every buffer
+    in one call, and which share memory from :func:`kvlife.store.overlap.shared_pair`
+    (exact, a sort when none overlap)."""
     given: list[tuple[int, np.ndarray]] = []
     for i, out in enumerate(outs):
         if out is None:
@@ -89,6 +91,8 @@ def check_outs(outs: Sequence[np.ndarray | None]) -> None:
             raise InvalidArgument(f"output buffer {i} is a {type(out).__name__}, not an array")
         given.append((i, out))
     arrays = [out for _, out in given]
+    if disjoint(arrays):  # the common case, in one native call (issue 28)
+        return
     where = spans(arrays)
     for (i, _), span in zip(given, where, strict=True):
         if not span.writable:

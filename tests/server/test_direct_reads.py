@@ -23,6 +23,7 @@ from kvlife.client.handles import RemoteLookup
 from kvlife.core.errors import ProtocolError
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
 from kvlife.server import protocol
+from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.disk.frame import HEADER_BYTES, HEADER_USED, FrameHeader, pack_header
 from tests.conftest import prompt_kv
 from tests.server.conftest import MiB, ServerProc
@@ -143,11 +144,18 @@ def test_buffers_o_direct_cannot_fill_go_through_the_server(
         .reshape(LAYOUT.chunk_shape)
         for i in range(CHUNKS)
     ]
-    res = mine.load(lk, outs)
-    assert res.loaded == CHUNKS
-    for got, want in zip(outs, chunks, strict=True):
-        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    strided = [  # aligned, but every other element: not one run of bytes
+        aligned_empty(2 * LAYOUT.chunk_nbytes).view(np.float16)[::2].reshape(LAYOUT.chunk_shape)
+        for _ in range(CHUNKS)
+    ]
+    assert not strided[0].flags.c_contiguous
+    for bufs in (outs, strided):
+        res = mine.load(lk, bufs)
+        assert res.loaded == CHUNKS
+        for got, want in zip(bufs, chunks, strict=True):
+            assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
     assert mine.counters.direct_loads == 0  # the server read them
+    assert mine.direct_fallbacks() == 0  # not a direct load that fell back: none was tried
 
 
 def _flip(path: str, at: int) -> None:

@@ -1,0 +1,220 @@
+"""The extension's direct runs and its one-call overlap check (issue 28).
+
+``start_direct`` opens the segment files a served lookup named and starts reading the
+frames before it returns; ``finish()`` verifies them in order and counts the leading
+ones read whole and verified (``kvlife.client.direct`` keeps no more). The contract
+held here against real segment files: the bytes of every counted frame are the stored
+ones; a damaged payload or header, a truncated file, a file that cannot be opened
+(missing, a FIFO, a link, a NUL in its name) ends the count there; buffers O_DIRECT
+cannot fill are ValueError before anything is read; a run dropped, closed or finished
+twice neither crashes nor reads on. ``disjoint`` is held to the exact check
+(:func:`kvlife.store.overlap.shared_pair`) on arrays drawn by hypothesis.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlife.core.identity import ChunkKey
+from kvlife.faults.damage import flip, scan_frames, truncate
+from kvlife.native import frames as native
+from kvlife.native.spans import disjoint, spans
+from kvlife.store.overlap import shared_pair
+from kvlife.tiers.base import ReplicaMeta, Reservation
+from kvlife.tiers.buffers import aligned_empty
+from kvlife.tiers.disk import DiskTier, DiskTierConfig
+from kvlife.tiers.disk.frame import HEADER_BYTES, HEADER_USED, unpack_header
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="the extension is not built (KVLIFE_NATIVE=0 or no compiler)"
+)
+
+SIZES = [8192, 4096 * 5, 4096, 4096 * 3]
+
+
+def _frames(tmp_path: Path) -> tuple[list[native.DirectFrame], list[np.ndarray], list[bytes]]:
+    """Four frames stored by a real disk tier (closed after): each as a direct run
+    reads it, into its own aligned buffer, and the payloads stored."""
+    tier = DiskTier(tmp_path / "store" / "disk", DiskTierConfig(64 << 20, direct_io=False))
+    rng = np.random.default_rng(7)
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in SIZES]
+    metas = [
+        ReplicaMeta(ChunkKey(bytes([i]) * 30 + b"nd"), "uint8", (n,)) for i, n in enumerate(SIZES)
+    ]
+    res = tier.prepare_store(metas)
+    assert isinstance(res, Reservation)
+    tier.commit_store(res, arrays)
+    tier.close()
+    by_key = {f.key: f for f in scan_frames(tmp_path / "store")}
+    frames: list[native.DirectFrame] = []
+    outs = [aligned_empty(n) for n in SIZES]
+    for meta, out in zip(metas, outs, strict=True):
+        f = by_key[meta.key]
+        with open(f.segment, "rb") as fh:
+            fh.seek(f.offset)
+            header = fh.read(HEADER_USED)
+        h = unpack_header(header)
+        frames.append((str(f.segment.absolute()), f.offset, out, h.payload_len, header, h.checksum))
+    return frames, outs, [a.tobytes() for a in arrays]
+
+
+def _start(frames: list[native.DirectFrame]) -> native.DirectRun:
+    return native.start_direct(frames, 1)
+
+
+def test_a_run_reads_and_verifies_every_frame(tmp_path: Path) -> None:
+    frames, outs, stored = _frames(tmp_path)
+    run = _start(frames)
+    assert run.reading == len(frames)
+    assert run.finish() == len(frames)
+    assert [o.tobytes() for o in outs] == stored
+    assert run.reading == 0
+    with pytest.raises(RuntimeError, match="finished"):
+        run.finish()
+    run.close()  # idempotent once spent
+
+
+@pytest.mark.parametrize("part", ["payload", "header"])
+def test_a_damaged_frame_ends_the_count_there(tmp_path: Path, part: str) -> None:
+    frames, outs, stored = _frames(tmp_path)
+    path, off = frames[2][0], frames[2][1]
+    flip(Path(path), off + (HEADER_BYTES + 100 if part == "payload" else 40), 1)
+    assert _start(frames).finish() == 2
+    assert [o.tobytes() for o in outs[:2]] == stored[:2]
+
+
+def test_a_truncated_segment_ends_the_count_at_the_frame_it_cut(tmp_path: Path) -> None:
+    frames, _, _ = _frames(tmp_path)
+    path, off = frames[3][0], frames[3][1]
+    truncate(Path(path), off + HEADER_BYTES + 10)
+    assert _start(frames).finish() == 3
+
+
+def test_the_header_must_be_the_named_one_byte_for_byte(tmp_path: Path) -> None:
+    frames, _, _ = _frames(tmp_path)
+    p, off, out, n, header, checksum = frames[1]
+    frames[1] = (p, off, out, n, header[:-1] + bytes([header[-1] ^ 1]), checksum)
+    assert _start(frames).finish() == 1
+    frames, _, _ = _frames(tmp_path / "again")
+    p, off, out, n, header, checksum = frames[0]
+    frames[0] = (p, off, out, n, header, bytes(16))  # another checksum
+    assert _start(frames).finish() == 0
+
+
+@pytest.mark.parametrize("kind", ["missing", "fifo", "symlink", "nul", "directory"])
+def test_a_file_that_cannot_be_opened_as_a_regular_file_ends_the_count(
+    tmp_path: Path, kind: str
+) -> None:
+    frames, _, _ = _frames(tmp_path)
+    real = frames[0][0]
+    other = tmp_path / f"other-{kind}"
+    if kind == "fifo":
+        os.mkfifo(other)  # a reader opened without O_NONBLOCK would wait for a writer
+    elif kind == "symlink":
+        os.symlink(real, other)
+    elif kind == "directory":
+        other.mkdir()
+    name = str(other) + ("\0x" if kind == "nul" else "")
+    for i in (2, 3):
+        frames[i] = (name, *frames[i][1:])
+    run = _start(frames)
+    assert run.reading == 2
+    assert run.finish() == 2
+
+
+@pytest.mark.parametrize("fault", ["unaligned", "strided", "read-only", "offset", "short"])
+def test_buffers_and_offsets_o_direct_cannot_take_are_refused_before_a_read(
+    tmp_path: Path, fault: str
+) -> None:
+    frames, outs, _ = _frames(tmp_path)
+    p, off, out, n, header, checksum = frames[1]
+    if fault == "unaligned":
+        out = aligned_empty(out.nbytes + 4096)[8 : 8 + out.nbytes]
+    elif fault == "strided":
+        out = aligned_empty(2 * out.nbytes)[::2]
+    elif fault == "read-only":
+        out = aligned_empty(out.nbytes)
+        out.flags.writeable = False
+    elif fault == "offset":
+        off += 512
+    else:
+        n = out.nbytes + 1
+    frames[1] = (p, off, out, n, header, checksum)
+    outs[0][:] = 0xAB
+    with pytest.raises(ValueError, match="frame 1"):
+        _start(frames)
+    assert (outs[0] == 0xAB).all()  # nothing was read
+
+
+def test_a_run_dropped_or_closed_unfinished_ends_its_reads_and_lets_go(tmp_path: Path) -> None:
+    frames, outs, stored = _frames(tmp_path)
+    run = _start(frames)
+    del run  # its reads end before the collector lets go of the buffers
+    gc.collect()
+    run = _start(frames)
+    run.close()
+    run.close()
+    with pytest.raises(RuntimeError):
+        run.finish()
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        _start(frames).close()
+        _start(frames)  # dropped unfinished: joined and closed by the collector
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= fds  # no descriptor left open
+    assert _start(frames).finish() == len(frames)
+    assert [o.tobytes() for o in outs] == stored
+
+
+def test_an_empty_run_counts_nothing() -> None:
+    run = native.start_direct([], 1)
+    assert run.reading == 0
+    assert run.finish() == 0
+
+
+_shapes = st.tuples(st.integers(1, 6), st.integers(1, 6))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 40),  # start element in one base buffer
+            _shapes,
+            st.sampled_from(["c", "t", "step", "ro"]),
+        ),
+        min_size=0,
+        max_size=5,
+    ),
+    st.booleans(),
+)
+def test_disjoint_says_true_only_when_the_exact_check_finds_no_shared_byte(
+    picks: list[tuple[int, tuple[int, int], str]], separate: bool
+) -> None:
+    base = np.zeros(200, np.uint16)
+    arrays: list[np.ndarray] = []
+    for start, (a, b), kind in picks:
+        src = np.zeros(200, np.uint16) if separate else base
+        arr = src[start : start + a * b].reshape(a, b)
+        if kind == "t":
+            arr = arr.T
+        elif kind == "step":
+            arr = src[start : start + 2 * a * b : 2].reshape(a, b)
+        elif kind == "ro":
+            arr = arr.view()
+            arr.flags.writeable = False
+        arrays.append(arr)
+    got = disjoint(arrays)
+    exact_free = shared_pair(arrays, spans(arrays)) is None
+    all_fit = all(a.flags.writeable and a.flags.c_contiguous for a in arrays)
+    if got:
+        assert exact_free and all_fit
+    elif exact_free and all_fit:
+        pytest.fail(f"disjoint refused buffers that share no byte: {arrays!r}")
