@@ -104,7 +104,9 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
         assert "server_cpu" not in p
     # the protocol's floor, a bare server with no store, beside the DRAM puts and the
     # disk loads (kvlife/bench/server/floor.py)
-    for key, series in (("put_dram", ("floor", "floor_sealed")), ("load_disk", ("floor",))):
+    # and beside the disk loads the direct reads and their native-only ceiling
+    disk_series = ("floor", "direct", "verified")
+    for key, series in (("put_dram", ("floor", "floor_sealed")), ("load_disk", disk_series)):
         for p in r[key]:
             limit = p["memcpy_gbps" if key == "put_dram" else "raw_gbps"]
             for name in series:
@@ -113,6 +115,7 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     for key in ("load_dram", "put_write_through"):
         assert all("floor_gbps" not in p for p in r[key])
     assert "floor: a bare server, no store" in proc.stdout
+    assert "ceiling: the same reads verified, native only" in proc.stdout
     for p in r["put_write_through"]:  # no ceilings of a DRAM put there
         assert "sealed_gbps" not in p
     assert isinstance(r["shm_huge_pages"], bool)

@@ -34,8 +34,10 @@ from kvlife.bench.server.workload import (
     split_chunks,
 )
 from kvlife.client import RemoteStore
+from kvlife.client.direct import read_frames
+from kvlife.client.handles import RemoteLookup
 from kvlife.core.identity import KVLayout
-from kvlife.results import LoadResult
+from kvlife.results import LoadResult, LookupResult
 
 
 def bench_load(
@@ -87,6 +89,7 @@ def bench_load(
     if direct_client is not None:
         direct_bufs = shared_chunks(direct_client, layout, n)
     served_direct: list[float] = []
+    verified: list[float] = []
     cpu = _CpuTally(server_pid)
     for rep in range(cfg.reps + 1):
         floor_first = (
@@ -120,6 +123,8 @@ def bench_load(
                 raise RuntimeError(f"load served {got.loaded} of {n} chunks, or wrong bytes")
         t_lim = raw_read(raw_file, flat, direct) if raw_file is not None else memcpy(outs, chunks)
         cpu.stop("raw", rep > 0)
+        if direct_lk is not None and rep:
+            verified.append(_verified_read(direct_lk, direct_bufs))
         if floor is not None and raw_file is not None:
             # outside the CPU tally's phases; before the served loads every other time
             t_floor = floor_first if rep % 2 else floor.load(chunks)
@@ -142,6 +147,7 @@ def bench_load(
     others = {"floor": floored} if floored else {}
     if served_direct:
         others["direct"] = served_direct
+        others["verified"] = verified
     out = point(layout, n, served, limit, raw=raw_file is not None, shared=served_shared, **others)
     out["server_p99_ms"] = pct(served, 99) * 1e3
     if raw_file is not None:
@@ -152,6 +158,22 @@ def bench_load(
             "hash_us_per_chunk": hash_cpu_per_chunk(layout.chunk_nbytes, quick=cfg.quick) * 1e6
         }
     return out
+
+
+def _verified_read(lk: LookupResult, bufs: list[np.ndarray]) -> float:
+    """Seconds to read and verify the lookup's frames into ``bufs`` in the extension
+    alone (:func:`kvlife.client.direct.read_frames`: no request, no server, no load's
+    Python): the ceiling of any verified disk load here, the hash's memory traffic
+    beside the reads and the last frame's hash after them."""
+    if not isinstance(lk, RemoteLookup) or len(lk.frames) != len(bufs):
+        raise RuntimeError("the direct client's lookup named no frames for its disk hits")
+    frames = [f for f in lk.frames if f is not None]
+    t0 = time.perf_counter()
+    got = read_frames(frames, bufs)
+    took = time.perf_counter() - t0
+    if got != len(frames):
+        raise RuntimeError(f"{got} of {len(frames)} frames read and verified")
+    return took
 
 
 def shared_chunks(remote: RemoteStore, layout: KVLayout, n: int) -> list[np.ndarray]:

@@ -14,6 +14,7 @@ _SERIES = (
     ("unnoticed", "no put_written"),
     ("shared", "shared buffers"),
     ("direct", "direct reads: the client reads the frames"),
+    ("verified", "ceiling: the same reads verified, native only"),
     ("floor", "floor: a bare server, no store"),
     ("floor_sealed", "floor: a bare server, seals by the client"),
 )
