@@ -184,6 +184,37 @@ static int deliver(PyObject *on_frame, Py_ssize_t i, frame_t *f, int *failed) {
     return go_on;
 }
 
+/* The exception set while frame i was parsed, raised again with the frame named. */
+static void name_frame(Py_ssize_t i) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_Format(type != NULL ? type : PyExc_TypeError, "frame %zd: %S", i,
+                 value != NULL ? value : Py_None);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+}
+
+/* Whether frame i's item is a tuple (TypeError naming it if not). */
+static int is_frame_tuple(PyObject *item, Py_ssize_t i) {
+    if (PyTuple_Check(item)) return 1;
+    PyErr_Format(PyExc_TypeError, "frame %zd is a %.100s, not a tuple", i, Py_TYPE(item)->tp_name);
+    return 0;
+}
+
+/* Whether a run's depth and hash address can be used (ValueError if not). */
+static int run_settings_ok(int depth, unsigned long long hash_addr) {
+    if (depth < 1 || depth > 64) {
+        PyErr_Format(PyExc_ValueError, "depth %d is not in 1..64", depth);
+        return 0;
+    }
+    if (hash_addr == 0) {
+        PyErr_SetString(PyExc_ValueError, "no xxh3-128 function address");
+        return 0;
+    }
+    return 1;
+}
+
 /* read_run(frames, depth, hash_address, on_frame) -> frames taken
  * frames: a sequence of (fd, offset, header, body, nbytes, header_want, checksum).
  * on_frame(i, status, errno, bytes_read) -> bool is called in this thread, in order, as
@@ -196,14 +227,7 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
     int depth;
     unsigned long long hash_addr;
     if (!PyArg_ParseTuple(args, "OiKO", &seq, &depth, &hash_addr, &on_frame)) return NULL;
-    if (depth < 1 || depth > 64) {
-        PyErr_Format(PyExc_ValueError, "depth %d is not in 1..64", depth);
-        return NULL;
-    }
-    if (hash_addr == 0) {
-        PyErr_SetString(PyExc_ValueError, "no xxh3-128 function address");
-        return NULL;
-    }
+    if (!run_settings_ok(depth, hash_addr)) return NULL;
     if (!PyCallable_Check(on_frame)) {
         PyErr_SetString(PyExc_TypeError, "on_frame must be callable");
         return NULL;
@@ -223,20 +247,10 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
         frame_t *f = &frames[parsed];
         long long off;
         PyObject *item = PyTuple_GET_ITEM(fast, parsed);
-        if (!PyTuple_Check(item)) {
-            PyErr_Format(PyExc_TypeError, "frame %zd is a %.100s, not a tuple", parsed,
-                         Py_TYPE(item)->tp_name);
-            break;
-        }
+        if (!is_frame_tuple(item, parsed)) break;
         if (!PyArg_ParseTuple(item, "iLw*w*ny*y*", &f->fd, &off, &f->hdr, &f->body, &f->nbytes,
                               &f->want, &f->sum)) {
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_Format(type != NULL ? type : PyExc_TypeError, "frame %zd: %S", parsed,
-                         value != NULL ? value : Py_None);
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
+            name_frame(parsed);
             break;
         }
         f->off = off;
@@ -486,14 +500,7 @@ static PyObject *start_direct(PyObject *self, PyObject *args) {
     int depth;
     unsigned long long hash_addr;
     if (!PyArg_ParseTuple(args, "OiK", &seq, &depth, &hash_addr)) return NULL;
-    if (depth < 1 || depth > 64) {
-        PyErr_Format(PyExc_ValueError, "depth %d is not in 1..64", depth);
-        return NULL;
-    }
-    if (hash_addr == 0) {
-        PyErr_SetString(PyExc_ValueError, "no xxh3-128 function address");
-        return NULL;
-    }
+    if (!run_settings_ok(depth, hash_addr)) return NULL;
     PyObject *fast = PySequence_Tuple(seq);
     if (fast == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(fast);
@@ -520,21 +527,11 @@ static PyObject *start_direct(PyObject *self, PyObject *args) {
         frame_t *f = &d->frames[i];
         long long off;
         PyObject *item = PyTuple_GET_ITEM(fast, i);
-        if (!PyTuple_Check(item)) {
-            PyErr_Format(PyExc_TypeError, "frame %zd is a %.100s, not a tuple", i,
-                         Py_TYPE(item)->tp_name);
-            break;
-        }
+        if (!is_frame_tuple(item, i)) break;
         PyObject *body;
         if (!PyArg_ParseTuple(item, "ULOny*y*", &paths[i], &off, &body, &f->nbytes, &f->want,
                               &f->sum)) {
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_Format(type != NULL ? type : PyExc_TypeError, "frame %zd: %S", i,
-                         value != NULL ? value : Py_None);
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
+            name_frame(i);
             break;
         }
         if (PyObject_GetBuffer(body, &f->body, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) != 0) {
