@@ -78,6 +78,24 @@ def _lookup(store: RemoteStore, tokens: np.ndarray) -> RemoteLookup:
     return lk
 
 
+def test_load_async_reads_directly_too(clients: tuple[RemoteStore, RemoteStore]) -> None:
+    """``load_async`` runs the same load on the client's pool: each chunk is handed out
+    once read, verified and confirmed, and the server counts the direct loads."""
+    plain, mine = clients
+    tokens, chunks = _on_disk(plain, 21)
+    lk = _lookup(mine, tokens)
+    before = plain.counters.direct_loads
+    outs = _shared(mine)
+    handle = mine.load_async(lk, outs)
+    for i, want in enumerate(chunks):
+        got = handle.chunk(i, timeout=30)
+        assert got is not None and np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    res = handle.wait(timeout=30)
+    assert res.loaded == CHUNKS and res.tiers == {"disk": CHUNKS}
+    assert mine.counters.direct_loads - before == CHUNKS
+    assert mine.direct_fallbacks() == 0
+
+
 def _shared(store: RemoteStore) -> list[np.ndarray]:
     raw = store.alloc_buffer(CHUNKS * LAYOUT.chunk_nbytes)
     n = LAYOUT.chunk_nbytes
