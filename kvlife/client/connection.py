@@ -23,6 +23,31 @@ StagedShape = tuple[object, ...]
 """A chunk's dtype name and shape: the staged extents of one kind."""
 
 
+def _epochs() -> itertools.count[int]:
+    """Connection numbers from a random start (a lookup carried to another process
+    meets numbers of its own there), counted up in this process."""
+    return itertools.count(int.from_bytes(os.urandom(6), "little") << 16)
+
+
+_EPOCHS = _epochs()
+
+
+def _reseed() -> None:
+    global _EPOCHS
+    _EPOCHS = _epochs()  # a forked child does not count on from its parent's numbers
+
+
+os.register_at_fork(after_in_child=_reseed)
+
+
+def next_epoch() -> int:
+    """A number no other connection of this process had: every client's connections
+    share one count (two clients each on their first connection, to two servers that
+    took the same socket in turn, must not take each other's lookups for their own:
+    issue 28's red team)."""
+    return next(_EPOCHS)
+
+
 def error_from_reply(kind: object, message: object) -> KVLifeError:
     """The typed error the server named (RemoteError for a name this client lacks)."""
     cls = getattr(errors, str(kind), None)
@@ -76,7 +101,8 @@ class Connection:
         self.releases: list[int] = []
         """Load grants to give back with the next request."""
         self.epoch = 0
-        """Which connection of its RemoteStore this is (pending puts remember it)."""
+        """Which connection this is, unique in the process (:func:`next_epoch`; pending
+        puts and lookups remember it)."""
         self.buffers: list[tuple[int, int, int, mmap.mmap]] = []
         """Shared output buffers of this connection: (address, size, id, mapping)."""
         self.staged: dict[StagedShape, list[Any]] = {}

@@ -70,8 +70,8 @@ def parse_frames(value: object, keys: Sequence[bytes]) -> tuple[Frame | None, ..
             and "\0" not in path
             and type(seg) is int
             and type(off) is int
-            and seg >= 0
-            and off >= 0
+            and 0 <= seg < 1 << 63
+            and 0 <= off < 1 << 63
             and off % ALIGN == 0
             and type(header) is bytes
             and len(header) == HEADER_USED

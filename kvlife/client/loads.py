@@ -271,7 +271,8 @@ class Loads:
         n = len(hits)
         try:  # the reads start first: they run while the request goes and the reply comes
             run = direct.start_reads(frames, outs)
-        except ValueError:  # buffers O_DIRECT cannot fill (nothing read): the server stages
+        except (ValueError, OverflowError):  # buffers O_DIRECT cannot fill: nothing read
+            # (or a frame past what the extension takes): through the server, which stages
             return self._load_mapped(lookup, outs, request_id, on_chunk)
         args: dict[str, Any] = {
             "keys": b"".join(h.key for h in hits),

@@ -26,7 +26,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from kvlife.client.connection import Connection, error_from_reply
+from kvlife.client.connection import Connection, error_from_reply, next_epoch
 from kvlife.core import errors
 from kvlife.core.errors import KVLifeError, StoreUnavailable
 from kvlife.server import protocol
@@ -54,8 +54,11 @@ class Wire:
         """Sent in every ``hello`` (a reconnect authenticates again)."""
         self.conn: Connection | None = None
         self.epoch = 0
-        """How many connections this wire has made (pending puts and lookups remember
-        theirs: what a lost connection leased is gone)."""
+        """The number of this wire's current connection, unique in the process
+        (:func:`~kvlife.client.connection.next_epoch`): pending puts and lookups remember
+        theirs, and what they were told holds on that connection only (what a lost
+        connection leased is gone; another client's lookup names another server's
+        frames and arena)."""
         self.lock = threading.Lock()
         self.names: list[str] = []
         """The server's tier names, fastest first (from its ``hello``)."""
@@ -98,7 +101,7 @@ class Wire:
             raise
         conn.hello = hello
         self.names = list(hello["tiers"])
-        self.epoch += 1
+        self.epoch = next_epoch()
         conn.epoch = self.epoch
         self.conn = conn
         return conn

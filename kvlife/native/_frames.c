@@ -324,6 +324,25 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(delivered);
 }
 
+typedef struct {
+    uintptr_t low, high;
+} range_t;
+
+static int range_cmp(const void *a, const void *b) {
+    uintptr_t x = ((const range_t *)a)->low, y = ((const range_t *)b)->low;
+    return x < y ? -1 : x > y;
+}
+
+/* Whether the sorted ranges r[0..n) share a byte: the index of the later of a pair that
+ * does (in sorted order), or -1. */
+static Py_ssize_t overlapping(range_t *r, Py_ssize_t n) {
+    if (n < 2) return -1;
+    qsort(r, (size_t)n, sizeof(range_t), range_cmp);
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (r[i].low < r[i - 1].high) return i;
+    return -1;
+}
+
 /* ---------------------------------------------------------------------------------
  * A direct run (kvlife.client.direct): the frames a served lookup named, read by the
  * client itself. start_direct opens the segment files and starts the reads at once,
@@ -384,13 +403,41 @@ static void direct_release(DirectRun *d) {
     d->done = 1;
 }
 
-static void direct_dealloc(DirectRun *d) {
-    if (!d->done) {
-        Py_BEGIN_ALLOW_THREADS
-        direct_stop(d);
-        Py_END_ALLOW_THREADS
-        direct_release(d);
+/* The objects whose buffers the run holds (the callers' arrays, the headers and
+ * checksums it verifies against): a buffer that refers back to its run makes a cycle
+ * the collector must see. */
+static int direct_traverse(DirectRun *d, visitproc visit, void *arg) {
+    if (d->done || d->frames == NULL) return 0;
+    for (Py_ssize_t i = 0; i < d->n; i++) {
+        Py_VISIT(d->frames[i].body.obj);
+        Py_VISIT(d->frames[i].want.obj);
+        Py_VISIT(d->frames[i].sum.obj);
     }
+    return 0;
+}
+
+/* Stop a run no finish() is under way on and let go of everything it holds (the
+ * interpreter lock released while its reads end); nothing if it is spent. */
+static void direct_end(DirectRun *d) {
+    if (d->done || d->busy) return;
+    d->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    direct_stop(d);
+    Py_END_ALLOW_THREADS
+    direct_release(d);
+    d->busy = 0;
+}
+
+/* The collector breaks a cycle through the run: its reads end, its files close and its
+ * buffers go, as when it is closed. */
+static int direct_clear(DirectRun *d) {
+    direct_end(d);
+    return 0;
+}
+
+static void direct_dealloc(DirectRun *d) {
+    PyObject_GC_UnTrack(d);
+    direct_end(d);
     Py_TYPE(d)->tp_free((PyObject *)d);
 }
 
@@ -426,14 +473,7 @@ static PyObject *direct_close(DirectRun *d, PyObject *Py_UNUSED(ignored)) {
         PyErr_SetString(PyExc_RuntimeError, "this direct run is being finished");
         return NULL;
     }
-    if (!d->done) {
-        d->busy = 1;
-        Py_BEGIN_ALLOW_THREADS
-        direct_stop(d);
-        Py_END_ALLOW_THREADS
-        direct_release(d);
-        d->busy = 0;
-    }
+    direct_end(d);
     Py_RETURN_NONE;
 }
 
@@ -457,7 +497,10 @@ static PyTypeObject DirectRunType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvlife.native._frames.DirectRun",
     .tp_basicsize = sizeof(DirectRun),
     .tp_dealloc = (destructor)direct_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)direct_traverse,
+    .tp_clear = (inquiry)direct_clear,
+    .tp_free = PyObject_GC_Del,
     .tp_doc = "A run of direct frame reads under way (start_direct).",
     .tp_methods = direct_methods,
     .tp_getset = direct_getset,
@@ -504,7 +547,7 @@ static PyObject *start_direct(PyObject *self, PyObject *args) {
     PyObject *fast = PySequence_Tuple(seq);
     if (fast == NULL) return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(fast);
-    DirectRun *d = PyObject_New(DirectRun, &DirectRunType);
+    DirectRun *d = PyObject_GC_New(DirectRun, &DirectRunType);
     if (d == NULL) {
         Py_DECREF(fast);
         return NULL;
@@ -563,6 +606,19 @@ static PyObject *start_direct(PyObject *self, PyObject *args) {
         f->hdr.len = 4096;
         f->hdr.obj = NULL; /* not a Python buffer: release_frames skips it */
     }
+    if (!PyErr_Occurred() && n > 1) { /* two frames into one byte: one would be counted twice */
+        range_t *r = PyMem_Malloc((size_t)n * sizeof(range_t));
+        if (r == NULL) {
+            PyErr_NoMemory();
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++)
+                r[i] = (range_t){(uintptr_t)d->frames[i].body.buf,
+                                 (uintptr_t)d->frames[i].body.buf + (uintptr_t)d->frames[i].body.len};
+            if (overlapping(r, n) >= 0)
+                PyErr_SetString(PyExc_ValueError, "two frames' buffers share memory");
+            PyMem_Free(r);
+        }
+    }
     if (PyErr_Occurred()) {
         PyMem_Free(paths);
         Py_DECREF(fast);
@@ -598,6 +654,7 @@ static PyObject *start_direct(PyObject *self, PyObject *args) {
         for (; d->started < want; d->started++)
             if (pthread_create(&d->threads[d->started], NULL, reader, &d->run) != 0) break;
     }
+    PyObject_GC_Track(d);
     return (PyObject *)d;
 }
 
@@ -676,15 +733,6 @@ static PyObject *spans(PyObject *self, PyObject *arg) {
     return out;
 }
 
-typedef struct {
-    uintptr_t low, high;
-} range_t;
-
-static int range_cmp(const void *a, const void *b) {
-    uintptr_t x = ((const range_t *)a)->low, y = ((const range_t *)b)->low;
-    return x < y ? -1 : x > y;
-}
-
 /* disjoint(arrays) -> bool: True when every object exports a writable C-contiguous
  * buffer and no two of them share a byte (their byte ranges, sorted, do not overlap);
  * False otherwise, which decides nothing: the caller then checks them one by one
@@ -717,11 +765,7 @@ static PyObject *disjoint(PyObject *self, PyObject *arg) {
         PyBuffer_Release(&view);
     }
     Py_DECREF(fast);
-    if (ok && used > 1) {
-        qsort(r, (size_t)used, sizeof(range_t), range_cmp);
-        for (Py_ssize_t i = 1; i < used && ok; i++)
-            if (r[i].low < r[i - 1].high) ok = 0;
-    }
+    if (ok && overlapping(r, used) >= 0) ok = 0;
     PyMem_Free(r);
     return PyBool_FromLong(ok);
 }

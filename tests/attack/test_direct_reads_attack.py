@@ -35,6 +35,7 @@ from kvlife.tiers.disk.frame import HEADER_BYTES
 from kvlife.transforms.contract import Accept
 from tests.conftest import prompt_kv
 from tests.server.conftest import MiB, ServerProc
+from tests.server.direct_rig import client_pair, disk_server
 from tests.server.tenants import TOKENS, USER, as_, write_config
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", tokens_per_chunk=32)
@@ -60,14 +61,7 @@ def _ns(tag: str) -> Namespace:
 def _start(
     path: Path, disk: int = 64 * MiB, extra: tuple[str, ...] = (), dram: int = 4 * MiB
 ) -> ServerProc:
-    """Every put written through to disk, no promotion: disk hits stay disk hits."""
-    return ServerProc(
-        path,
-        dram=dram,
-        disk=disk,
-        staging=dram,
-        extra=("--write-through", "--no-promote", *extra),
-    ).start()
+    return disk_server(path, dram=dram, disk=disk, extra=extra)
 
 
 @pytest.fixture(scope="module")
@@ -81,12 +75,8 @@ def shared_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]
 @pytest.fixture
 def clients(shared_srv: ServerProc) -> Iterator[tuple[RemoteStore, RemoteStore]]:
     """(a plain client, a client with direct reads) of the shared server."""
-    plain = shared_srv.client()
-    mine = RemoteStore(shared_srv.socket, timeout=30, direct_reads=True)
-    yield plain, mine
-    for c in (mine, plain):
-        with contextlib.suppress(Exception):
-            c.close()
+    with client_pair(shared_srv) as pair:
+        yield pair
     assert shared_srv.alive()
 
 

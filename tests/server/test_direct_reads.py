@@ -6,7 +6,6 @@ the lookup and the load, buffers O_DIRECT cannot fill. Never a wrong byte kept."
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.disk.frame import HEADER_BYTES, HEADER_USED, FrameHeader, pack_header
 from tests.conftest import prompt_kv
 from tests.server.conftest import MiB, ServerProc
+from tests.server.direct_rig import client_pair, disk_server
 from tests.server.tenants import TOKENS, USER, as_, write_config
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", tokens_per_chunk=32)
@@ -43,23 +43,15 @@ def _identity() -> ModelIdentity:
 
 @pytest.fixture
 def srv(tmp_path: Path) -> Iterator[ServerProc]:
-    """Every put written through to disk, no promotion: disk hits stay disk hits."""
-    server = ServerProc(
-        tmp_path / "store", dram=4 * MiB, extra=("--write-through", "--no-promote")
-    ).start()
+    server = disk_server(tmp_path / "store")
     yield server
     server.stop()
 
 
 @pytest.fixture
 def clients(srv: ServerProc) -> Iterator[tuple[RemoteStore, RemoteStore]]:
-    """(a plain client, a client with direct reads)."""
-    plain = srv.client()
-    mine = RemoteStore(srv.socket, timeout=30, direct_reads=True)
-    yield plain, mine
-    for c in (mine, plain):
-        with contextlib.suppress(Exception):
-            c.close()
+    with client_pair(srv) as pair:
+        yield pair
 
 
 def _on_disk(plain: RemoteStore, seed: int) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -289,9 +281,13 @@ def test_lookup_frames_are_checked_before_one_is_kept() -> None:
             parse_frames(value, [key])
 
 
+def _nested(inner: st.SearchStrategy[object]) -> st.SearchStrategy[list[object]]:
+    return st.lists(inner, max_size=5)
+
+
 _values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.binary(max_size=300) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=5),
+    _nested,
     max_leaves=20,
 )
 
