@@ -104,10 +104,10 @@ def usable(frames: Sequence[Frame | None], outs: Sequence[np.ndarray]) -> bool:
 
 def start_reads(frames: Sequence[Frame], outs: Sequence[np.ndarray]) -> native.DirectRun:
     """Start reading each frame into its buffer (:func:`usable` said they fit; a buffer
-    O_DIRECT cannot fill is ValueError, nothing read): the
-    extension opens each segment file once (O_DIRECT where it can, no link followed, a
-    regular file only, without blocking: a FIFO named there would wait for a writer)
-    and its threads read while the caller sends its request and reads the reply. Its
+    O_DIRECT cannot fill is ValueError, nothing read): the extension opens each segment
+    file once (O_DIRECT where it can, no link followed, a regular file only, without
+    blocking: a FIFO named there would wait for a writer) and its threads read while
+    the caller sends its request and reads the reply. Its
     ``finish()`` verifies them in order: the header read byte for byte against the
     named one, the payload's xxh3-128 against the checksum that header holds, and
     returns how many from the first verified. A frame that does not (moved, torn,

@@ -9,9 +9,16 @@
  * frames after it, and the only Python per frame is the caller's on_frame, called in
  * order as each is verified (issue 28).
  *
- * The hash is xxhash's own XXH3_128bits, the function the `xxhash` Python package's
- * extension exports (the same code that computed every stored checksum): its address
- * is handed in by kvlife.native.frames, which checks it against xxhash's digest once.
+ * start_direct does the same in two steps for a served client's direct reads
+ * (kvlife.client.direct): it opens the segment files and starts the reads at once, and
+ * the DirectRun it returns verifies them when the caller asks (finish()), so that the
+ * reads run while the caller sends its request and reads the reply. disjoint() is the
+ * one-call fast path of a load's output-buffer check (kvlife.store.args.check_outs).
+ *
+ * The hash is xxhash's own XXH3_128bits (or its run-time dispatching entry), a function
+ * the `xxhash` Python package's extension exports (the same code that computed every
+ * stored checksum): its address is handed in by kvlife.native.frames, which checks it
+ * against xxhash's digest once.
  * Nothing is decided here: each frame gets a status and the Python side turns it into
  * the typed miss or the array it hands out.
  */
