@@ -21,7 +21,8 @@ Staged (``put_prompt`` once extents of the chunk shape are staged for this conne
    the put while this side copies every chunk into its extent.
    Every 2 MiB or so (a sixteenth of a large put), ``put_written`` (no reply) tells the
    server how many bytes are written: it hashes them (the seals) while the rest is
-   copied.
+   copied. In the last step the notices go at each half of what is left, down to 256
+   KiB (:func:`notice_points`), so that the commit hashes little after the last byte.
 3. ``put_commit`` is the one round trip: the server seals and adopts the extents of the
    new chunks; the extents of chunks it already held go back to the pool, with the
    replacements it staged for the adopted ones. A prepare that failed is raised here.
@@ -93,6 +94,26 @@ def notice_step(total: int, least: int = WRITTEN_NOTICE_BYTES) -> int:
     """Bytes copied between two ``put_written`` of a put of ``total`` bytes (``least``:
     at least that many; 0: none at all)."""
     return max(least, total // NOTICES_PER_PUT) if least > 0 else total + 1
+
+
+TAIL_NOTICE_BYTES = 256 << 10
+"""Within the last :func:`notice_step` of a put, ``put_written`` goes at each half of
+what is left, down to this many bytes: the commit hashes at most about this much after
+the last byte is written, instead of a whole step."""
+
+
+def notice_points(total: int, step: int, tail: int = TAIL_NOTICE_BYTES) -> list[int]:
+    """The bytes written at which a put of ``total`` bytes sends ``put_written``: every
+    ``step``, then at halves of the rest down to ``tail`` (none for a put of at most
+    one step: its server may still be preparing it when the last byte is written)."""
+    points = list(range(step, total, step))
+    if not points:
+        return []
+    at = points[-1]
+    while (total - at) // 2 >= tail:
+        at += (total - at) // 2
+        points.append(at)
+    return points
 
 
 def _shape_key(layout: KVLayout) -> StagedShape:
@@ -201,22 +222,26 @@ class Puts:
             if conn is not first:
                 raise StaleExtents  # reconnected since: nothing sent yet
             conn.sock.sendall(protocol.pack([0, "put", args]))
-            step = notice_step(layout.chunk_nbytes * len(chunks), self.notice_bytes)
-            rows = max(1, step // max(1, layout.chunk_nbytes // layout.chunk_shape[0]))
             total = len(chunks) * layout.chunk_nbytes
-            done = told = 0  # bytes copied, and since the server was last told
+            step = notice_step(total, self.notice_bytes)
+            points = iter(notice_points(total, step, TAIL_NOTICE_BYTES))
+            row = max(1, layout.chunk_nbytes // layout.chunk_shape[0])
+            most = max(1, step // row)  # rows copied at once
+            point = next(points, total)  # the next notice, in bytes copied
+            done = 0  # bytes copied
             for (_, off), chunk in zip(extents, chunks, strict=True):
                 dst = view(conn, off, dtype, layout.chunk_shape)
-                for r in range(0, len(chunk), rows):  # whole rows: contiguous in dst
-                    np.copyto(dst[r : r + rows], chunk[r : r + rows])
-                    n = dst[r : r + rows].nbytes
-                    done += n
-                    told += n
-                    if told >= step and done < total:
+                r = 0
+                while r < len(chunk):  # whole rows: contiguous in dst
+                    k = min(most, len(chunk) - r, max(1, -(-(point - done) // row)))
+                    np.copyto(dst[r : r + k], chunk[r : r + k])
+                    done += dst[r : r + k].nbytes
+                    r += k
+                    if done >= point and done < total:
                         # the server hashes what is written while we copy the rest
-                        msg = [0, "put_written", {"bytes": done}]
-                        conn.sock.sendall(protocol.pack(msg))
-                        told = 0
+                        conn.sock.sendall(protocol.pack([0, "put_written", {"bytes": done}]))
+                        while point <= done:
+                            point = next(points, total)
 
         try:
             r, conn = self.wire.call_on("put_commit", {}, before=write)

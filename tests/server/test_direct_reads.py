@@ -10,6 +10,7 @@ import dataclasses
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from kvlife.client import RemoteStore
 from kvlife.client.direct import parse_frames
 from kvlife.client.handles import RemoteLookup
-from kvlife.core.errors import ProtocolError
+from kvlife.core.errors import InvalidArgument, ProtocolError
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
 from kvlife.server import protocol
 from kvlife.tiers.buffers import aligned_empty
@@ -104,6 +105,44 @@ def _aligned() -> list[np.ndarray]:
         at = (-room.ctypes.data) % 4096
         out.append(room[at : at + LAYOUT.chunk_nbytes].view(np.float16).reshape(LAYOUT.chunk_shape))
     return out
+
+
+def test_buffers_a_direct_load_refuses_stay_as_they_were(
+    clients: tuple[RemoteStore, RemoteStore],
+) -> None:
+    """A direct-reads client's ``load`` into buffers sharing memory, one read-only, not
+    arrays at all or too few is InvalidArgument, and nothing was read into any of them
+    (no direct read started). Then the same load into good buffers is read directly
+    and exact."""
+    plain, mine = clients
+    tokens, chunks = _on_disk(plain, 31)
+    lk = _lookup(mine, tokens)
+    before = plain.counters.direct_loads
+    fill = np.float16(7.0)
+    one = _aligned()
+    ro = _aligned()
+    ro[2].flags.writeable = False
+    cases: dict[str, list[Any]] = {
+        "share memory": [one[0], one[1], one[0]],
+        "read-only": ro,
+        "not an array": [*one[:2], bytearray(LAYOUT.chunk_nbytes)],
+        "output buffers for": one[:2],
+    }
+    for why, outs in cases.items():
+        for o in outs:
+            if isinstance(o, np.ndarray) and o.flags.writeable:
+                o[...] = fill
+        with pytest.raises(InvalidArgument, match=why):
+            mine.load(lk, outs)
+        for o in outs:
+            if isinstance(o, np.ndarray) and o.flags.writeable:
+                assert (o == fill).all(), f"{why}: a refused load wrote into a buffer"
+    assert plain.counters.direct_loads == before
+    outs = _aligned()
+    res = mine.load(lk, outs)
+    assert res.loaded == CHUNKS and plain.counters.direct_loads == before + CHUNKS
+    for got, want in zip(outs, chunks, strict=True):
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
 @pytest.mark.parametrize("where", ["shared", "own"])

@@ -10,14 +10,17 @@ import os
 import signal
 import subprocess
 import sys
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from kvlife.client import RemoteStore
 from kvlife.core.errors import ProtocolError
-from kvlife.core.identity import PUBLIC, token_bytes
+from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity, token_bytes
 from kvlife.server import protocol
 from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.server.conftest import ROOT, ServerProc, child_env, quiet
@@ -230,6 +233,75 @@ def test_chunks_said_written_are_sealed_as_written(
     state = quiet(remote)
     assert state["unreplied_errors"] == 0 and state["internal_errors"] == 0
     _chunks_equal(remote, tokens, kv, 4)
+
+
+@given(
+    total=st.integers(min_value=0, max_value=1 << 32),
+    step=st.integers(min_value=1, max_value=1 << 30),
+    tail=st.integers(min_value=1, max_value=1 << 22),
+)
+def test_notice_points_step_then_halve_the_rest_down_to_the_tail(
+    total: int, step: int, tail: int
+) -> None:
+    """Every ``step`` bytes, then at halves of what is left down to ``tail``: increasing,
+    inside the put, and none at all for a put of at most one step."""
+    from kvlife.client.puts import notice_points
+
+    assume(total // step <= 4096)  # a put's notices are a sixteenth of it, or a row
+    points = notice_points(total, step, tail)
+    regular = list(range(step, total, step))
+    assert points[: len(regular)] == regular
+    if not regular:
+        assert points == []
+        return
+    assert all(0 < a < b < total for a, b in pairwise(points))
+    left = [total - p for p in points[len(regular) - 1 :]]
+    for before, after in pairwise(left):
+        assert after == before - before // 2  # each halves what was left
+    assert left[-1] // 2 < tail  # down to the tail, no further
+
+
+def test_the_last_step_of_a_put_is_told_in_halves(
+    remote: RemoteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a notice per chunk and a tail of 16 KiB, a put of four 128 KiB chunks tells
+    the server of 128, 256 and 384 KiB written, then of 448, 480 and 496 KiB: the commit
+    hashes the last 16 KiB only. The seals match the bytes and the chunks load exact."""
+    import kvlife.client.puts as client_puts
+
+    layout = KVLayout(
+        num_layers=16, num_kv_heads=2, head_dim=64, dtype="float16", tokens_per_chunk=16
+    )
+    ident = ModelIdentity(layout=layout, model_id="rows", weights_digest="w", tokenizer_digest="t")
+    size = layout.chunk_nbytes
+    assert size == 128 << 10
+    monkeypatch.setattr(remote._puts, "notice_bytes", size)
+    monkeypatch.setattr(client_puts, "TAIL_NOTICE_BYTES", 16 << 10)
+    rng = np.random.default_rng(5)
+
+    def kv(n: int) -> np.ndarray:
+        return rng.standard_normal((16, 2, 2, n, 64)).astype(np.float16)
+
+    remote.put_prompt(ident, PUBLIC, list(range(4 * N)), kv(4 * N))  # stages 4 extents
+    told: list[int] = []
+    pack = protocol.pack
+
+    def spy(msg: object) -> bytes:
+        if isinstance(msg, list) and msg[1] == "put_written":
+            told.append(msg[2]["bytes"])
+        return pack(msg)
+
+    tokens, data = list(range(100, 100 + 4 * N)), kv(4 * N)
+    monkeypatch.setattr(protocol, "pack", spy)
+    res = remote.put_prompt(ident, PUBLIC, tokens, data)
+    monkeypatch.setattr(protocol, "pack", pack)
+    assert res.stored == 4
+    assert told == [k << 10 for k in (128, 256, 384, 448, 480, 496)]
+    assert remote.check().clean
+    got = remote.load(remote.lookup(ident, PUBLIC, tokens))
+    assert got.loaded == 4
+    for i, a in enumerate(got.arrays):
+        assert np.array_equal(a.view(np.uint16), data[:, :, :, i * N : (i + 1) * N].view(np.uint16))
 
 
 def test_a_chunk_written_again_after_put_written_is_caught_by_its_seal(
