@@ -49,6 +49,7 @@ longer live (an invalidation took the pieces before it; docs/server.md, Limits).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -114,6 +115,64 @@ def notice_points(total: int, step: int, tail: int = TAIL_NOTICE_BYTES) -> list[
         at += (total - at) // 2
         points.append(at)
     return points
+
+
+def copy_telling(
+    dsts: Iterable[np.ndarray],
+    chunks: list[np.ndarray],
+    step: int,
+    points: list[int],
+    tell: Callable[[int], None],
+) -> None:
+    """Copy each chunk into its extent (C-contiguous, of the chunk's shape, taken from
+    ``dsts`` when its chunk's turn comes), in order, and ``tell`` how many bytes are
+    copied once past each of ``points`` (never at the end). Pieces are contiguous in the
+    extent: whole rows (layers), about ``step`` bytes at once; in the last ``step`` of
+    the put (the halved notices) pieces of whole heads (``[layer, k or v, heads]``) end
+    where a notice falls inside a row, so that the last notices of a put of large
+    chunks (a row of a 16 MiB chunk is 2 MiB) are told where they fall."""
+    if not chunks:
+        return
+    shape = chunks[0].shape
+    heads = shape[1] * shape[2]  # pieces of a row: [k or v, head]
+    unit = max(1, chunks[0].nbytes // (shape[0] * heads))  # bytes of one head
+    bulk = max(1, step // (unit * heads)) * heads  # whole rows, about a step
+    at = iter(points)
+    total = sum(c.nbytes for c in chunks)
+    fine = total - step  # from here on (the halved notices) pieces of whole heads
+    point = next(at, total)
+    done = 0
+    for dst, chunk in zip(dsts, chunks, strict=True):
+        u, units = 0, shape[0] * heads
+        while u < units:
+            need = max(1, -(-(point - done) // unit))  # heads up to the next notice
+            if done < fine:
+                need = -(-need // heads) * heads  # whole rows
+            k = min(bulk, units - u, need)
+            _copy_units(dst, chunk, u, u + k, shape[1], shape[2])
+            done += k * unit
+            u += k
+            if done >= point and done < total:
+                tell(done)
+                while point <= done:
+                    point = next(at, total)
+
+
+def _copy_units(dst: np.ndarray, src: np.ndarray, u0: int, u1: int, kv: int, heads: int) -> None:
+    """Copy heads ``u0`` to ``u1`` of a chunk (numbered row by row, k then v) into its
+    extent: whole rows at once, else the heads of one row's k or v at a time."""
+    per_row = kv * heads
+    while u0 < u1:
+        r, rest = divmod(u0, per_row)
+        if rest == 0 and u1 - u0 >= per_row:
+            k = (u1 - u0) // per_row
+            np.copyto(dst[r : r + k], src[r : r + k])
+            u0 += k * per_row
+            continue
+        j, h = divmod(rest, heads)
+        k = min(u1 - u0, heads - h)
+        np.copyto(dst[r, j, h : h + k], src[r, j, h : h + k])
+        u0 += k
 
 
 def _shape_key(layout: KVLayout) -> StagedShape:
@@ -224,24 +283,14 @@ class Puts:
             conn.sock.sendall(protocol.pack([0, "put", args]))
             total = len(chunks) * layout.chunk_nbytes
             step = notice_step(total, self.notice_bytes)
-            points = iter(notice_points(total, step, TAIL_NOTICE_BYTES))
-            row = max(1, layout.chunk_nbytes // layout.chunk_shape[0])
-            most = max(1, step // row)  # rows copied at once
-            point = next(points, total)  # the next notice, in bytes copied
-            done = 0  # bytes copied
-            for (_, off), chunk in zip(extents, chunks, strict=True):
-                dst = view(conn, off, dtype, layout.chunk_shape)
-                r = 0
-                while r < len(chunk):  # whole rows: contiguous in dst
-                    k = min(most, len(chunk) - r, max(1, -(-(point - done) // row)))
-                    np.copyto(dst[r : r + k], chunk[r : r + k])
-                    done += dst[r : r + k].nbytes
-                    r += k
-                    if done >= point and done < total:
-                        # the server hashes what is written while we copy the rest
-                        conn.sock.sendall(protocol.pack([0, "put_written", {"bytes": done}]))
-                        while point <= done:
-                            point = next(points, total)
+            points = notice_points(total, step, TAIL_NOTICE_BYTES)
+
+            def tell(done: int) -> None:
+                # the server hashes what is written while we copy the rest
+                conn.sock.sendall(protocol.pack([0, "put_written", {"bytes": done}]))
+
+            dsts = (view(conn, off, dtype, layout.chunk_shape) for _, off in extents)
+            copy_telling(dsts, chunks, step, points, tell)
 
         try:
             r, conn = self.wire.call_on("put_commit", {}, before=write)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvlife.client import RemoteStore
@@ -266,11 +266,13 @@ def test_the_last_step_of_a_put_is_told_in_halves(
 ) -> None:
     """With a notice per chunk and a tail of 16 KiB, a put of four 128 KiB chunks tells
     the server of 128, 256 and 384 KiB written, then of 448, 480 and 496 KiB: the commit
-    hashes the last 16 KiB only. The seals match the bytes and the chunks load exact."""
+    hashes the last 16 KiB only. A row of these chunks (a layer) is 64 KiB, so the last
+    two notices fall inside one: the copy goes in pieces of whole heads there. The
+    seals match the bytes and the chunks load exact."""
     import kvlife.client.puts as client_puts
 
     layout = KVLayout(
-        num_layers=16, num_kv_heads=2, head_dim=64, dtype="float16", tokens_per_chunk=16
+        num_layers=2, num_kv_heads=4, head_dim=64, dtype="float16", tokens_per_chunk=64
     )
     ident = ModelIdentity(layout=layout, model_id="rows", weights_digest="w", tokenizer_digest="t")
     size = layout.chunk_nbytes
@@ -279,10 +281,12 @@ def test_the_last_step_of_a_put_is_told_in_halves(
     monkeypatch.setattr(client_puts, "TAIL_NOTICE_BYTES", 16 << 10)
     rng = np.random.default_rng(5)
 
-    def kv(n: int) -> np.ndarray:
-        return rng.standard_normal((16, 2, 2, n, 64)).astype(np.float16)
+    n = layout.tokens_per_chunk
 
-    remote.put_prompt(ident, PUBLIC, list(range(4 * N)), kv(4 * N))  # stages 4 extents
+    def kv(tokens: int) -> np.ndarray:
+        return rng.standard_normal((2, 2, 4, tokens, 64)).astype(np.float16)
+
+    remote.put_prompt(ident, PUBLIC, list(range(4 * n)), kv(4 * n))  # stages 4 extents
     told: list[int] = []
     pack = protocol.pack
 
@@ -291,7 +295,7 @@ def test_the_last_step_of_a_put_is_told_in_halves(
             told.append(msg[2]["bytes"])
         return pack(msg)
 
-    tokens, data = list(range(100, 100 + 4 * N)), kv(4 * N)
+    tokens, data = list(range(100, 100 + 4 * n)), kv(4 * n)
     monkeypatch.setattr(protocol, "pack", spy)
     res = remote.put_prompt(ident, PUBLIC, tokens, data)
     monkeypatch.setattr(protocol, "pack", pack)
@@ -301,7 +305,48 @@ def test_the_last_step_of_a_put_is_told_in_halves(
     got = remote.load(remote.lookup(ident, PUBLIC, tokens))
     assert got.loaded == 4
     for i, a in enumerate(got.arrays):
-        assert np.array_equal(a.view(np.uint16), data[:, :, :, i * N : (i + 1) * N].view(np.uint16))
+        assert np.array_equal(a.view(np.uint16), data[:, :, :, i * n : (i + 1) * n].view(np.uint16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dims=st.tuples(*(st.integers(1, 4) for _ in range(5))),
+    count=st.integers(1, 4),
+    step=st.integers(1, 4096),
+    tail=st.integers(1, 1024),
+    seed=st.integers(0, 2**16),
+)
+def test_a_put_copies_every_byte_and_tells_each_notice_within_a_head_of_it(
+    dims: tuple[int, int, int, int, int], count: int, step: int, tail: int, seed: int
+) -> None:
+    """``copy_telling`` into C-contiguous extents from strided views of one KV tensor
+    (as ``put_prompt`` splits it): every byte lands where it belongs, the counts told
+    increase, none is the whole put, and each notice point is told within a row after
+    it, within a head once a count in the last step was told (the halved notices:
+    pieces of whole heads from there), or not at all where the next piece ends the
+    put."""
+    from kvlife.client.puts import copy_telling, notice_points
+
+    layers, kv, heads, tokens, dim = dims
+    data = np.random.default_rng(seed).integers(
+        0, 1 << 16, (layers, kv, heads, tokens * count, dim), np.uint16
+    )
+    chunks = [data[:, :, :, i * tokens : (i + 1) * tokens] for i in range(count)]
+    dsts = [np.zeros((layers, kv, heads, tokens, dim), np.uint16) for _ in range(count)]
+    total = data.nbytes
+    points = notice_points(total, step, tail)
+    told: list[int] = []
+    copy_telling(dsts, chunks, step, points, told.append)
+    for got, want in zip(dsts, chunks, strict=True):
+        assert np.array_equal(got, want)
+    assert told == sorted(set(told)) and all(0 < t < total for t in told)
+    head = tokens * dim * 2
+    row = kv * heads * head
+    for p in points:
+        after = [t for t in told if t >= p]
+        before = max((t for t in told if t < p), default=0)
+        near = head if before >= total - step else row  # copied by heads since then
+        assert (after and after[0] - p < near) or total - p < near, (p, told)
 
 
 def test_a_chunk_written_again_after_put_written_is_caught_by_its_seal(
