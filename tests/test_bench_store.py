@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvlife.bench import concurrency, overlap
@@ -56,7 +57,15 @@ def test_bench_concurrency_quick_writes_its_json(
         assert min(ratios) <= p["load_vs_raw_paired"] == pp["load_vs_raw"] <= max(ratios)
         assert p["load_vs_raw_writer_paired"] == pp["load_vs_raw_writer"] > 0
         assert p["disk_bytes_written"] >= 0
-    assert "paired: vs raw / vs raw+writer" in printed
+        # the verified ceiling: the readers' frames read and verified natively, no store
+        assert len(pp["verified_gbps"]) == pp["rounds"] and pp["verified_failed"] == 0
+        assert all(x > 0 for x in pp["verified_gbps"])
+        ratios = [a / b for a, b in zip(pp["verified_gbps"], pp["raw_gbps"], strict=True)]
+        assert min(ratios) <= pp["verified_vs_raw"] <= max(ratios)
+        ratios = [a / b for a, b in zip(pp["load_gbps"], pp["verified_gbps"], strict=True)]
+        assert min(ratios) <= pp["load_vs_verified"] <= max(ratios)
+        assert all(o.split(",").count("verified") == 1 for o in pp["order"])
+    assert "paired: vs raw / vs raw+writer" in printed and "verified ceiling" in printed
     assert {1, 2} <= {p["queue_depth"] for p in doc["raw"]["points"]}
     audit = doc["audit"]
     assert audit["errors"] == [], audit["errors"]
@@ -109,3 +118,54 @@ def test_bench_async_quick_writes_its_json(tmp_path: Path) -> None:
     assert all(v > 0 for v in doc["seconds"].values())
     assert doc["async_vs_max"] > 0 and doc["sync_vs_sum"] > 0
     assert not list(tmp_path.glob(".kvlife-bench-async-*"))
+
+
+def test_the_verified_ceiling_counts_only_frames_that_verify(tmp_path: Path) -> None:
+    """The concurrency bench's verified ceiling reads a prompt's own disk frames; a
+    frame damaged on the disk since they were named ends that prompt's read: it is
+    counted as failed and none of its bytes are counted. Hits that are not on disk
+    (DRAM) have no frames: RuntimeError, not a ceiling of something else."""
+    from kvlife.bench.concurrency_verified import prompt_frames, verified_slice
+    from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
+    from kvlife.native import frames as native
+    from kvlife.store import KVStore
+    from kvlife.tiers.buffers import aligned_empty
+    from kvlife.tiers.disk.frame import HEADER_BYTES
+
+    if not native.available():
+        pytest.skip("the native extension is not built")
+    layout = KVLayout(2, 2, 64, "float16", 16)  # 8 KiB chunks: whole pages
+    ident = ModelIdentity("ceiling", "w", "t", layout)
+    store = KVStore.open(tmp_path / "s", dram_bytes=1 << 20, disk_bytes=64 << 20)
+    try:
+        rng = np.random.default_rng(3)
+        tokens = rng.integers(0, 30000, 3 * 16)
+        kv = rng.standard_normal((2, 2, 2, 3 * 16, 64)).astype(np.float16)
+        store.put_prompt(ident, PUBLIC, tokens, kv)
+        with pytest.raises(RuntimeError, match="not exact disk frames"):
+            prompt_frames(store, ident, [tokens])  # still in DRAM only
+        store.flush()
+        store.evict("dram", 1 << 40)
+        (frames,) = prompt_frames(store, ident, [tokens])
+        assert len(frames) == 3
+        room = aligned_empty(3 * layout.chunk_nbytes)
+        n = layout.chunk_nbytes
+        outs = [
+            room[i * n : (i + 1) * n].view(np.float16).reshape(layout.chunk_shape) for i in range(3)
+        ]
+        gbps, failed = verified_slice([[frames]], [outs], 0.05)
+        assert gbps > 0 and failed == 0
+        for i, out in enumerate(outs):
+            assert np.array_equal(out, kv[:, :, :, i * 16 : (i + 1) * 16])
+        at = frames[1].off + HEADER_BYTES + 7  # one byte of chunk 1's payload
+        with open(frames[1].path, "r+b") as f:
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0xFF]))
+        gbps, failed = verified_slice([[frames]], [outs], 0.05)
+        # each pass: chunk 0 verified and counted, chunk 1 failed, chunk 2 after it
+        # not counted either
+        assert gbps > 0 and failed > 0 and failed % 2 == 0
+    finally:
+        store.close(flush=False)

@@ -28,10 +28,10 @@ told apart from a limit of the machine.
 Paired rounds (issue 28). The point above measures the loads for ``seconds`` and raw
 reads once, afterwards, apart from them; on a virtual disk whose read speed swings from
 one second to the next that ratio follows the swings. So each thread count is also
-measured in ``rounds`` rounds (:class:`PairedPoint`, ``points[].paired``), each three
-slices of ``slice_seconds`` in alternating order (even rounds raw, loads, raw+writer;
-odd rounds loads, raw+writer, raw), all reading the same prepared file (raw) or the
-same store (loads) with the same block size:
+measured in ``rounds`` rounds (:class:`PairedPoint`, ``points[].paired``), each four
+slices of ``slice_seconds`` in alternating order (even rounds raw, loads, verified,
+raw+writer; odd rounds loads, raw+writer, verified, raw), all reading the same prepared
+file (raw) or the same store (loads, verified) with the same block size:
 
 - ``raw``: raw reads at queue depth T alone (:class:`~kvlife.bench.concurrency_raw.RawFile`);
 - ``loads``: the loads of the point above (T readers, the writer demoting, the probe);
@@ -39,6 +39,11 @@ same store (loads) with the same block size:
   of the same block size and ``fdatasync``, same directory) paced at the bytes/s the
   store's writer wrote to the disk tier in that round's loads slice: the device's read
   limit under the same write load.
+
+- ``verified`` (issue 28, 2026-12-05): the readers' own disk frames read and verified
+  by the extension alone from T threads (:mod:`kvlife.bench.concurrency_verified`), no
+  store Python, no probe, beside the raw writer paced as for ``raw+writer``: the
+  ceiling of any verified load at queue depth T here under the same write load.
 
 ``load_vs_raw_paired`` is the median of the rounds' loads ÷ raw: **the same ratio as
 ``load_vs_raw``, and the target's**, measured so that the device's swings hit both
@@ -78,6 +83,7 @@ from pathlib import Path
 import numpy as np
 
 from kvlife.bench.concurrency_raw import RawFile, RawReadPoint, measure_raw_concurrency
+from kvlife.bench.concurrency_verified import prompt_frames, verified_slice
 from kvlife.bench.limits import (
     CpuTimes,
     cpu_ceiling,
@@ -197,6 +203,18 @@ class PairedPoint:
     raw_writer_vs_raw: float
     """What the write load costs the device's reads (median of the rounds)."""
     errors: list[str]
+    verified_gbps: list[float] = field(default_factory=list)
+    """The verified ceiling (:mod:`kvlife.bench.concurrency_verified`): the readers' own
+    disk frames read and verified by the extension alone from T threads, no store
+    Python, beside the raw writer at the round's pace (NaN: the extension is not built)."""
+    verified_failed: int = 0
+    """Frames of the verified slices that did not verify (moved since they were looked
+    up; not counted in ``verified_gbps``)."""
+    verified_vs_raw: float = float("nan")
+    """The ceiling ÷ raw reads alone (median of the rounds): with ``raw_writer_vs_raw``,
+    what verifying every byte costs at queue depth T here."""
+    load_vs_verified: float = float("nan")
+    """The loads under the verified ceiling: the store's own cost (median of the rounds)."""
 
 
 def _layout(cfg: ConcurrencyConfig) -> KVLayout:
@@ -579,11 +597,15 @@ def _paired(
     writer_kv: list[np.ndarray],
     rawfile: RawFile,
 ) -> PairedPoint:
-    """``cfg.rounds`` rounds of three slices of ``cfg.slice_seconds`` at ``threads``
-    (:class:`PairedPoint`): even rounds raw, loads, raw+writer; odd rounds loads,
-    raw+writer, raw (the raw writer's pace is always the one of the same round's loads)."""
+    """``cfg.rounds`` rounds of four slices of ``cfg.slice_seconds`` at ``threads``
+    (:class:`PairedPoint`): even rounds raw, loads, verified, raw+writer; odd rounds
+    loads, raw+writer, verified, raw (the raw writers' pace is always the one of the
+    same round's loads)."""
     rng = np.random.default_rng(threads)
     sliced = dataclasses.replace(cfg, seconds=cfg.slice_seconds)
+    frames = [prompt_frames(store, ident, [t for t, _ in readers[i]]) for i in range(threads)]
+    verified: list[float] = []
+    unverified = 0
     loads: list[float] = []
     raws: list[float] = []
     raw_ws: list[float] = []
@@ -592,11 +614,20 @@ def _paired(
     errors: list[str] = []
     orders: list[str] = []
     for r in range(cfg.rounds):
-        steps = ["raw", "loads", "raw+writer"] if r % 2 == 0 else ["loads", "raw+writer", "raw"]
+        steps = (
+            ["raw", "loads", "verified", "raw+writer"]
+            if r % 2 == 0
+            else ["loads", "raw+writer", "verified", "raw"]
+        )
         orders.append(",".join(steps))
         raw = raw_w = float("nan")
         for step in steps:
-            if step == "loads":
+            if step == "verified":  # beside the raw writer at this round's pace
+                with rawfile.writing(writer_bps[-1], cfg.chunks_per_prompt):
+                    gbps, failed = verified_slice(frames, outs, cfg.slice_seconds)
+                verified.append(gbps)
+                unverified += failed
+            elif step == "loads":
                 p = _point(
                     sliced, store, ident, readers, threads, probe_tokens, outs, writer_kv, 1 + r
                 )
@@ -634,6 +665,10 @@ def _paired(
         load_vs_raw_writer=_median([a / b for a, b in zip(loads, raw_ws, strict=True)]),
         raw_writer_vs_raw=_median([a / b for a, b in zip(raw_ws, raws, strict=True)]),
         errors=errors,
+        verified_gbps=verified,
+        verified_failed=unverified,
+        verified_vs_raw=_median([a / b for a, b in zip(verified, raws, strict=True)]),
+        load_vs_verified=_median([a / b for a, b in zip(loads, verified, strict=True)]),
     )
 
 
@@ -677,6 +712,14 @@ def format_report(result: dict[str, object]) -> str:
                 f"(raw writer {_gbps_list([b / 1e6 for b in pp['raw_writer_bps']], 0)}); "
                 f"raw+writer / raw {pp['raw_writer_vs_raw']:.2f}"
             )
+            if pp.get("verified_gbps"):
+                text += (
+                    f"\n        verified ceiling (beside the raw writer) "
+                    f"{_gbps_list(pp['verified_gbps'])} GB/s: "
+                    f"÷ raw {pp['verified_vs_raw']:.2f}, the loads ÷ it "
+                    f"{pp['load_vs_verified']:.2f}"
+                    + (f" ({pp['verified_failed']} frames moved)" if pp["verified_failed"] else "")
+                )
     text += (
         f"\nCPU ceiling: the ratio no verified load could pass on {result['cpus']} CPUs "
         f"(raw read + xxh3-128 at {result['hash_us_per_chunk']:.0f} µs/chunk, all CPUs); "

@@ -22,11 +22,12 @@ limit under a given write load (:class:`RawSlice`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -428,6 +429,34 @@ class RawFile:
             written_bytes=written[0],
             write_bps=written[0] / wall,
         )
+
+    @contextlib.contextmanager
+    def writing(self, bps: float, batch_blocks: int = 1) -> Iterator[list[int]]:
+        """The paced raw writer of :meth:`read_slice` on a thread of its own while the
+        block runs (none at 0 bytes/s): what it wrote, in bytes (a one-item list, read
+        after the block), beside whatever else the block measures."""
+        written = [0]
+        if bps <= 0:
+            yield written
+            return
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def writer() -> None:
+            try:
+                self._write_paced(bps, batch_blocks, stop, written)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=writer, daemon=True)
+        thread.start()
+        try:
+            yield written
+        finally:
+            stop.set()
+            thread.join()
+        if errors:
+            raise errors[0]
 
     def _write_paced(
         self, bps: float, batch_blocks: int, stop: threading.Event, written: list[int]
