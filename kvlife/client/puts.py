@@ -110,6 +110,7 @@ def notice_points(total: int, step: int, tail: int = TAIL_NOTICE_BYTES) -> list[
     points = list(range(step, total, step))
     if not points:
         return []
+    tail = max(1, tail)  # halving stops at a byte at the latest
     at = points[-1]
     while (total - at) // 2 >= tail:
         at += (total - at) // 2
