@@ -135,20 +135,20 @@ def copy_telling(
     if not chunks:
         return
     shape = chunks[0].shape
-    heads = shape[1] * shape[2]  # pieces of a row: [k or v, head]
-    unit = max(1, chunks[0].nbytes // (shape[0] * heads))  # bytes of one head
-    bulk = max(1, step // (unit * heads)) * heads  # whole rows, about a step
+    per_row = shape[1] * shape[2]  # heads in a row: [k or v, head]
+    unit = max(1, chunks[0].nbytes // (shape[0] * per_row))  # bytes of one head
+    bulk = max(1, step // (unit * per_row)) * per_row  # whole rows, about a step
     at = iter(points)
     total = sum(c.nbytes for c in chunks)
     fine = total - step  # from here on (the halved notices) pieces of whole heads
     point = next(at, total)
     done = 0
     for dst, chunk in zip(dsts, chunks, strict=True):
-        u, units = 0, shape[0] * heads
+        u, units = 0, shape[0] * per_row
         while u < units:
             need = max(1, -(-(point - done) // unit))  # heads up to the next notice
             if done < fine:
-                need = -(-need // heads) * heads  # whole rows
+                need = -(-need // per_row) * per_row  # whole rows
             k = min(bulk, units - u, need)
             _copy_units(dst, chunk, u, u + k, shape[1], shape[2])
             done += k * unit
