@@ -181,6 +181,10 @@ class StoreCounters:
     direct_loads: int = 0
     """Chunks a client on the server's host read from their disk frames itself, the
     store confirming them live in those frames (:mod:`kvlife.store.direct`)."""
+    frame_loads: int = 0
+    """Chunks a load read from their disk frames in the extension's run without pins or
+    the I/O pool (a server's loads with disk hits: :mod:`kvlife.store.frame_loads`);
+    counted in the tier's ``loaded`` as well."""
     sealed_mismatch: int = 0
     """Replicas in memory (DRAM, the server's arena) whose bytes no longer matched the
     seal they were published with, found by a demotion, a flush, ``check`` or a verified

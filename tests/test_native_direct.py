@@ -176,7 +176,41 @@ def test_a_run_dropped_or_closed_unfinished_ends_its_reads_and_lets_go(tmp_path:
 def test_an_empty_run_counts_nothing() -> None:
     run = native.start_direct([], 1)
     assert run.reading == 0
+    assert run.step() is False
     assert run.finish() == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    damaged=st.one_of(st.none(), st.integers(0, len(SIZES) - 1)),
+    part=st.sampled_from(["payload", "header"]),
+    steps=st.integers(0, len(SIZES) + 2),
+    depth=st.integers(1, 3),
+)
+def test_steps_verify_in_order_and_finish_counts_on_from_them(
+    tmp_path_factory: pytest.TempPathFactory,
+    damaged: int | None,
+    part: str,
+    steps: int,
+    depth: int,
+) -> None:
+    """``step()`` says True for each frame in order that verified, False from the first
+    damaged one on (and once every frame was stepped); ``finish()`` after any number of
+    steps counts the same leading frames as a run never stepped, and the bytes of each
+    counted frame are the stored ones."""
+    frames, outs, stored = _frames(tmp_path_factory.mktemp("steps"))
+    good = len(frames)
+    if damaged is not None:
+        path, off = frames[damaged][0], frames[damaged][1]
+        flip(Path(path), off + (HEADER_BYTES + 100 if part == "payload" else 40), 1)
+        good = damaged
+    run = native.start_direct(frames, depth)
+    said = [run.step() for _ in range(steps)]
+    assert said == [i < good for i in range(steps)]
+    assert run.finish() == good
+    assert [o.tobytes() for o in outs[:good]] == stored[:good]
+    with pytest.raises(RuntimeError, match="finished"):
+        run.step()
 
 
 _shapes = st.tuples(st.integers(1, 6), st.integers(1, 6))

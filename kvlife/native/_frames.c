@@ -371,8 +371,10 @@ typedef struct {
     pthread_t threads[64];
     int started;
     int sync_ready;     /* run.lock and run.cond initialised */
-    int busy;           /* a finish() is under way in some thread (under the GIL) */
+    int busy;           /* a step() or finish() is under way in some thread (under the GIL) */
     int done;           /* stopped and released */
+    Py_ssize_t good;    /* frames from the first verified by step() so far */
+    int failed;         /* a frame step() checked did not verify: no step goes further */
 } DirectRun;
 
 /* Stop the readers (no further frame read), wait for the reads in flight, close the
@@ -448,25 +450,56 @@ static void direct_dealloc(DirectRun *d) {
     Py_TYPE(d)->tp_free((PyObject *)d);
 }
 
+/* Frame i of an unspent run checked, in the calling thread with the interpreter lock
+ * released: read and verified here when the run started no thread, else awaited (and
+ * verified here if no reader claimed it). Whether it verified. */
+static int direct_check(DirectRun *d, Py_ssize_t i) {
+    if (d->started == 0) {
+        read_frame(&d->frames[i]);
+        verify_frame(&d->frames[i], d->run.hash);
+    } else {
+        await_checked(&d->run, i);
+    }
+    return d->frames[i].status == OK;
+}
+
+/* step() -> whether the next frame in order read whole and verified (False once one
+ * did not, or every opened frame was stepped); the reads after it go on. */
+static PyObject *direct_step(DirectRun *d, PyObject *Py_UNUSED(ignored)) {
+    if (d->done || d->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "this direct run is finished or being finished");
+        return NULL;
+    }
+    if (d->failed || d->good >= d->opened) Py_RETURN_FALSE;
+    d->busy = 1;
+    int ok;
+    Py_ssize_t i = d->good;
+    Py_BEGIN_ALLOW_THREADS
+    ok = direct_check(d, i);
+    Py_END_ALLOW_THREADS
+    d->busy = 0;
+    if (!ok) {
+        d->failed = 1;
+        Py_RETURN_FALSE;
+    }
+    d->good = i + 1;
+    Py_RETURN_TRUE;
+}
+
 /* finish() -> how many frames, from the first, read whole and verified (the first that
- * did not ends the count, and the reads after it are not started); the run is spent. */
+ * did not ends the count, and the reads after it are not started); the run is spent.
+ * Frames step() verified are counted without a second check. */
 static PyObject *direct_finish(DirectRun *d, PyObject *Py_UNUSED(ignored)) {
     if (d->done || d->busy) {
         PyErr_SetString(PyExc_RuntimeError, "this direct run is finished or being finished");
         return NULL;
     }
     d->busy = 1;
-    Py_ssize_t good = 0;
+    Py_ssize_t good = d->good;
+    int failed = d->failed;
     Py_BEGIN_ALLOW_THREADS
-    for (; good < d->opened; good++) {
-        if (d->started == 0) {
-            read_frame(&d->frames[good]);
-            verify_frame(&d->frames[good], d->run.hash);
-        } else {
-            await_checked(&d->run, good);
-        }
-        if (d->frames[good].status != OK) break;
-    }
+    for (; !failed && good < d->opened; good++)
+        if (!direct_check(d, good)) break;
     direct_stop(d);
     Py_END_ALLOW_THREADS
     direct_release(d);
@@ -489,6 +522,8 @@ static PyObject *direct_reading(DirectRun *d, void *Py_UNUSED(closure)) {
 }
 
 static PyMethodDef direct_methods[] = {
+    {"step", (PyCFunction)direct_step, METH_NOARGS,
+     "step() -> whether the next frame in order verified (False from the first that did not)."},
     {"finish", (PyCFunction)direct_finish, METH_NOARGS,
      "finish() -> frames verified from the first; the run is spent."},
     {"close", (PyCFunction)direct_close, METH_NOARGS, "close(): stop without verifying."},
@@ -562,7 +597,8 @@ static PyObject *start_direct(PyObject *self, PyObject *args) {
     d->frames = PyMem_Calloc((size_t)(n ? n : 1), sizeof(frame_t));
     d->fds = PyMem_Calloc((size_t)(n ? n : 1), sizeof(int));
     d->n = d->opened = 0;
-    d->nfds = d->started = d->sync_ready = d->busy = d->done = 0;
+    d->nfds = d->started = d->sync_ready = d->busy = d->done = d->failed = 0;
+    d->good = 0;
     d->headers = NULL;
     PyObject **paths = PyMem_Calloc((size_t)(n ? n : 1), sizeof(PyObject *));
     if (d->frames == NULL || d->fds == NULL || paths == NULL ||
@@ -798,7 +834,8 @@ PyMODINIT_FUNC PyInit__frames(void) {
     if (PyModule_AddIntConstant(m, "OK", OK) || PyModule_AddIntConstant(m, "HEADER_DIFFERS", HEADER_DIFFERS) ||
         PyModule_AddIntConstant(m, "CHECKSUM_MISMATCH", CHECKSUM_MISMATCH) ||
         PyModule_AddIntConstant(m, "TRUNCATED", TRUNCATED) ||
-        PyModule_AddIntConstant(m, "READ_ERROR", READ_ERROR)) {
+        PyModule_AddIntConstant(m, "READ_ERROR", READ_ERROR) ||
+        PyModule_AddIntConstant(m, "DIRECT_STEPS", 1)) {
         Py_DECREF(m);
         return NULL;
     }

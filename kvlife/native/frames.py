@@ -105,7 +105,7 @@ def _loaded() -> tuple[ModuleType, int] | None:
     statuses = (OK, HEADER_DIFFERS, CHECKSUM_MISMATCH, TRUNCATED, READ_ERROR)
     names = ("OK", "HEADER_DIFFERS", "CHECKSUM_MISMATCH", "TRUNCATED", "READ_ERROR")
     if tuple(getattr(_frames, name, None) for name in names) != statuses or not all(
-        hasattr(_frames, f) for f in ("spans", "start_direct", "disjoint")
+        hasattr(_frames, f) for f in ("spans", "start_direct", "disjoint", "DIRECT_STEPS")
     ):
         return None  # an extension built from another version of this file
     rng = np.random.default_rng(28)
@@ -169,10 +169,17 @@ class DirectRun(Protocol):
         """Frames being read (their files opened); 0 once the run is spent."""
         ...
 
+    def step(self) -> bool:
+        """Verify the next frame in order, the interpreter lock released (the reads
+        after it go on): whether it read whole and verified. False from the first that
+        did not, and once every frame was stepped; the run is not spent."""
+        ...
+
     def finish(self) -> int:
         """Verify the frames in order, the interpreter lock released; how many from the
         first read whole and verified (the first that did not ends it, and no read
-        after it starts). The run is spent: its files closed, its buffers let go."""
+        after it starts; frames ``step`` verified are not checked again). The run is
+        spent: its files closed, its buffers let go."""
         ...
 
     def close(self) -> None:

@@ -34,6 +34,8 @@ buffer and descriptor budgets), removed when freed or when the session ends.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -57,6 +59,11 @@ from kvlife.transforms.contract import Accept
 STREAM_BYTES_IN_FLIGHT = 2 << 20
 """Bytes of disk reads a streamed load keeps in flight (at least two chunks: the
 checksum of one overlaps the read of the next)."""
+
+FRAME_DEPTH = 1
+"""Frame reads in flight of a load into shared buffers read by the extension (its
+reader thread reads chunk i + 1 while this thread verifies chunk i), as a client's
+direct reads (:data:`kvlife.client.direct.DEPTH`)."""
 
 _NO_HINT = (0, 0)
 """The hint of a hit not in this session's arena."""
@@ -252,10 +259,9 @@ class Loads:
             # arena while chunk i + 1 is read (all at once they would finish together);
             # never fewer than two, so that the checksum of chunk i runs while chunk
             # i + 1 is read (one at a time, read and checksum ran one after the other)
-            depth = read_depth(layout.chunk_nbytes)
-            handle = store.load_async(lookup, outs, request_id=request_id, depth=depth)  # type: ignore[arg-type]
-            streamed = self._stream(handle, where) if args.get("stream") else []
-            res = handle.wait()
+            with self._disk_load(lookup, outs, layout, request_id) as handle:
+                streamed = self._stream(handle, where) if args.get("stream") else []
+                res = handle.wait()
         grants: list[list[object]] = []
         # streamed chunks that the load's publication still counts (one invalidated
         # meanwhile is not), chunks the client already copied from its lookup's hints,
@@ -324,6 +330,39 @@ class Loads:
                 break
             n += 1
         return n
+
+    @contextmanager
+    def _disk_load(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray | None],
+        layout: KVLayout,
+        request_id: str,
+    ) -> Iterator[LoadProgress]:
+        """A load with disk hits into ``outs`` (None: new memory), started: the leading
+        hits served exact from disk read from their frames by the extension from this
+        thread, without pins or the I/O pool (:mod:`kvlife.store.frame_loads`); where
+        it cannot (principals, a store that promotes disk hits), the store's
+        ``load_async`` with :func:`read_depth` in flight. Its reads have ended when
+        this exits, waited for or not (the buffers may go after it)."""
+        store = self.ctx.store
+        frames = (
+            store.load_frames(lookup, outs, request_id=request_id, depth=FRAME_DEPTH)
+            if self.ctx.tenancy is None
+            else None
+        )
+        if frames is None:
+            yield store.load_async(
+                lookup,
+                outs,  # type: ignore[arg-type]
+                request_id=request_id,
+                depth=read_depth(layout.chunk_nbytes),
+            )
+            return
+        try:
+            yield frames
+        finally:
+            frames.close()  # a no-op once waited
 
     def _stream(self, handle: LoadProgress, where: dict[int, int]) -> list[np.ndarray]:
         """Send each chunk's grant as soon as it (and every chunk before it) verified, so
@@ -425,14 +464,12 @@ class Loads:
         if all(self.ctx.shm.contains(h.key) for h in lookup.hits):
             res = store.load(lookup, outs, request_id=request_id)
         else:
-            # in chunk order, few in flight: chunk i is verified (and told to the
-            # client) while later ones are read; all at once, they finished together
-            # and their checksums ran one after another after the last read
-            depth = read_depth(layout.chunk_nbytes)
-            handle = store.load_async(lookup, outs, request_id=request_id, depth=depth)
-            if stream:
-                self._stream_into(handle)
-            res = handle.wait()
+            # in chunk order, few in flight: chunk i is verified (and told to the client)
+            # while later ones are read
+            with self._disk_load(lookup, outs, layout, request_id) as handle:
+                if stream:
+                    self._stream_into(handle)
+                res = handle.wait()
         return {
             "load": 0,
             "grants": [],

@@ -60,6 +60,7 @@ STORE_COUNTERS: dict[str, tuple[str, str]] = {
     "corrupt": ("corrupt_replicas", "replicas caught failing verification (dropped)"),
     "corrupt_frames": ("corrupt_frames", "transform frames that failed verification"),
     "direct_loads": ("direct_loaded_chunks", "chunks clients read from disk frames themselves"),
+    "frame_loads": ("frame_loaded_chunks", "chunks loads read from disk frames without pins"),
     "sealed_mismatch": ("sealed_mismatches", "replicas in memory changed after their seal"),
     "read_errors": ("read_errors", "chunk reads that failed with an I/O error (a miss)"),
     "vanished": ("vanished_chunks", "chunks invalidated or evicted between lookup and load"),

@@ -72,7 +72,7 @@ def frame_hints(core: StoreCore, hits: Sequence[ChunkHit]) -> list[FrameHint | N
         rows = tier.frame_rows([hits[i].key for i in mine])
         for i, row in zip(mine, rows, strict=True):
             if row is not None and row.transform == EXACT.name:
-                out[i] = FrameHint(row, str(tier.segment_path(row.seg)))
+                out[i] = FrameHint(row, tier.segment_file(row.seg))
     return out
 
 

@@ -20,16 +20,19 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
+
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.events import EventSink
 from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import ObjectState
 from kvlife.core.objects import PromptRef, TierName
 from kvlife.results import ChunkHit, LoadResult, LookupResult, PutResult, StoreCounters, StoreInfo
-from kvlife.store import direct, metrics
+from kvlife.store import args, direct, frame_loads, metrics
 from kvlife.store.api import Criteria, Outs, StoreAPI
 from kvlife.store.config import GiB, StoreConfig
 from kvlife.store.direct import Confirmed, FrameHint
+from kvlife.store.frame_loads import FrameLoad
 from kvlife.store.invalidation import invalidate, orphaned
 from kvlife.store.lifecycle import close_store, open_store
 from kvlife.store.reads import LoadHandle, Reader
@@ -185,6 +188,30 @@ class KVStore(StoreAPI[PendingPut]):
         """The leading ``keys`` live in those disk frames now
         (:func:`kvlife.store.direct.confirm`); :meth:`record_direct` counts the load."""
         return direct.confirm(self._core, keys, frames, request_id)
+
+    def load_frames(
+        self,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray | None],
+        *,
+        request_id: str = "",
+        depth: int = 1,
+    ) -> FrameLoad | None:
+        """Like :meth:`load_async` into ``outs``, with the leading hits served exact from
+        disk read from their frames by the extension in this thread's run (up to
+        ``depth`` reads in flight), without pins or the I/O pool; None where it cannot
+        (:func:`kvlife.store.frame_loads.start`): load through :meth:`load_async`. A hit
+        whose buffer is None is read into new memory, as is every hit after it. The
+        handle is for the calling thread alone."""
+        if len(outs) != len(lookup.hits):
+            raise InvalidArgument(f"{len(outs)} output buffers for {len(lookup.hits)} hits")
+        args.check_outs(outs)
+        args.depth(depth)
+
+        def rest(sub: LookupResult, tail: Sequence[np.ndarray | None]) -> LoadResult:
+            return self._reader.load(sub, tail, request_id)  # type: ignore[arg-type]
+
+        return frame_loads.start(self._core, lookup, outs, request_id, depth, rest)
 
     def record_direct(self, confirmed: Confirmed, kept: int) -> int:
         """Count a direct load whose first ``kept`` confirmed chunks the client kept."""

@@ -1,0 +1,242 @@
+"""Loads of disk frames read by the extension from the caller's thread (issue 28): the
+server's loads into a session's shared buffers.
+
+A served load into shared buffers went through the store's ``load_async``: pins, a load
+handle, one I/O-pool task per chunk, each finished read handing the next to another
+pool thread. Traced (docs/server.md), the first device read began about half a
+millisecond into the call and each next read 0.1 ms after the one before ended: a
+4 x 2 MiB load ran at 0.6 of raw reads where a client reading the same frames itself
+(:mod:`kvlife.store.direct`) ran at 0.8. Here the server does what that client does:
+
+1. :func:`start`, under the store's lock, finds the leading hits that are INDEXED and
+   served exact from a disk tier, and each one's frame (its catalog row): the chunk is
+   live in that frame at that moment, as a pin would have found it.
+2. The extension reads those frames into the caller's buffers on its own threads
+   (:func:`kvlife.native.frames.start_direct`) and verifies each in order when asked
+   (``step``): the header byte for byte against the row's, the payload's xxh3-128
+   against the row's checksum. A frame moved, compacted away, torn or overwritten
+   since step 1 does not verify.
+3. :meth:`FrameLoad.wait` publishes the load under the store's lock: the leading chunks
+   that verified and are still INDEXED are loaded (each with its LOAD in the ledger and
+   the tier's counters, as any load counts them); the first that is not ends that
+   part, and the rest of the hits go through the store's own ``load``, which reads,
+   verifies and counts what it finds (a corrupt frame counted and retired there, a
+   chunk invalidated meanwhile counted as vanished).
+
+So no chunk is served that was not live in the frame it was read from when the load
+began and still live when it was published, and whose bytes did not verify against
+that frame's row: the same promise as a pinned load, without the pins (a pin keeps a
+replica readable while it is read; here a replica deleted meanwhile fails to verify
+and the chunk goes through the store's load instead).
+
+Only where nothing else a load does is skipped: a store that promotes disk hits into
+its first tier loads through ``load_async`` (its promotion copies the replica it read);
+so do hits served from DRAM or from a transform's frame, from the first such hit on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvlife.core.errors import InvalidArgument
+from kvlife.core.lifecycle import Move, ObjectState
+from kvlife.core.objects import EXACT, ObjectRecord, TierName
+from kvlife.native import frames as native
+from kvlife.results import LoadResult, LookupResult
+from kvlife.store.core import StoreCore
+from kvlife.tiers.disk.tier import DiskTier
+
+INDEXED = ObjectState.INDEXED
+
+Loader = Callable[[LookupResult, Sequence[np.ndarray | None]], LoadResult]
+"""The store's own load of the hits that follow (its ``load`` with the request's id)."""
+
+
+class FrameLoad:
+    """A load whose leading chunks the extension reads from their disk frames
+    (:func:`start`); a :class:`~kvlife.store.api.LoadProgress` for one thread: the
+    caller that started it calls ``chunk``, ``done`` and ``wait``."""
+
+    def __init__(
+        self,
+        core: StoreCore,
+        lookup: LookupResult,
+        outs: Sequence[np.ndarray | None],
+        found: list[tuple[ObjectRecord, TierName]],
+        into: list[np.ndarray],
+        run: native.DirectRun,
+        request_id: str,
+        rest: Loader,
+    ) -> None:
+        self._core = core
+        self._lookup = lookup
+        self._outs = outs
+        self._found = found
+        self._into = into
+        """The buffers of the chunks read from frames (``outs``' first ones)."""
+        self._run = run
+        self._request_id = request_id
+        self._rest = rest
+        self._verified = 0
+        self._stopped = False
+        self._result: LoadResult | None = None
+
+    def __len__(self) -> int:
+        return len(self._lookup.hits)
+
+    def chunk(self, i: int, timeout: float | None = None) -> np.ndarray | None:
+        """Chunk ``i``'s buffer once it and every chunk before it verified in its frame,
+        None when one did not or chunk ``i`` is not read from a frame (the rest of the
+        load comes with ``wait``). ``timeout`` is not used: a read of the extension's
+        ends or fails on its own."""
+        n = len(self._lookup.hits)
+        if not 0 <= i < n:
+            raise InvalidArgument(f"chunk {i} is not in this load of {n} hits")
+        while self._verified <= i and not self._stopped and self._result is None:
+            if i >= len(self._found) or not self._run.step():
+                self._stopped = True
+                break
+            self._verified += 1
+        return self._into[i] if i < self._verified else None
+
+    def completed(self) -> int:
+        """Leading chunks verified so far."""
+        return self._verified
+
+    def done(self) -> bool:
+        """Whether every chunk read from a frame was checked (the rest, if any, is
+        loaded by ``wait``)."""
+        return self._result is not None or self._stopped or self._verified == len(self._found)
+
+    def wait(self, timeout: float | None = None) -> LoadResult:
+        """The load's result: the frames checked, the load published, the rest loaded
+        through the store (once; later calls return the same result)."""
+        if self._result is None:
+            verified = self._run.finish()  # the reads after the first failure never start
+            self._result = self._publish(min(verified, len(self._found)))
+        return self._result
+
+    def close(self) -> None:
+        """Stop the reads without publishing (the caller failed before ``wait``)."""
+        self._run.close()
+
+    def _publish(self, verified: int) -> LoadResult:
+        core, hits = self._core, self._lookup.hits
+        loaded = 0
+        with core.lock:
+            for rec, _ in self._found[:verified]:
+                if rec.state is not INDEXED:
+                    break  # invalidated since it was found: the store's load says so
+                loaded += 1
+            took = self._found[:loaded]
+            if loaded == len(hits):  # else the store's load of the rest counts the call
+                core.counters.loads += 1
+            tiers: dict[str, int] = {}
+            nbytes = 0
+            for rec, tier in took:
+                core.ledger.move(
+                    rec,
+                    Move.LOAD,
+                    tier=tier,
+                    nbytes=rec.nbytes,
+                    request_id=self._request_id,
+                    transform=EXACT.name,
+                )
+                tc = core.counters.tier(tier)
+                tc.loaded += 1
+                tc.bytes_loaded += rec.nbytes
+                nbytes += rec.nbytes
+                tiers[tier] = tiers.get(tier, 0) + 1
+            core.counters.bytes_loaded += nbytes
+            core.counters.frame_loads += loaded
+        arrays = self._into[:loaded]
+        if loaded == len(hits):
+            return LoadResult(
+                arrays, loaded, len(hits), tiers=tiers, representations=_exact(loaded)
+            )
+        rest = self._rest(self._lookup.sub(loaded, len(hits)), self._outs[loaded:])
+        for name, k in rest.tiers.items():
+            tiers[name] = tiers.get(name, 0) + k
+        forms = _exact(loaded)
+        for form, k in rest.representations.items():
+            forms[form] = forms.get(form, 0) + k
+        return LoadResult(
+            arrays + rest.arrays,
+            loaded + rest.loaded,
+            len(hits),
+            tiers=tiers,
+            corrupt=rest.corrupt,
+            vanished=rest.vanished,
+            read_errors=rest.read_errors,
+            unknown_transform=rest.unknown_transform,
+            decoded=rest.decoded,
+            representations=forms,
+        )
+
+
+def _exact(n: int) -> dict[str, int]:
+    return {EXACT.name: n} if n else {}
+
+
+def start(
+    core: StoreCore,
+    lookup: LookupResult,
+    outs: Sequence[np.ndarray | None],
+    request_id: str,
+    depth: int,
+    rest: Loader,
+) -> FrameLoad | None:
+    """Start a load whose leading hits are read from their disk frames by the extension
+    into ``outs`` (checked by the caller: one writable buffer per hit, disjoint; a hit
+    with None is read by the store's load into new memory, as is every hit after it), with
+    up to ``depth`` reads in flight; None where it cannot (the extension not built, a
+    store that promotes disk hits, a first hit not served exact from disk, buffers
+    O_DIRECT cannot fill): the caller loads through the store's ``load_async``."""
+    hits = lookup.hits
+    if not hits or not native.available():
+        return None
+    if core.config.promote_on_hit and len(core.chain) > 1:
+        return None
+    disks = {t.name: t for t in core.chain if isinstance(t, DiskTier)}
+    if not disks:
+        return None
+    keys = [h.key for h in hits]
+    found: list[tuple[ObjectRecord, TierName]] = []
+    frames: list[native.DirectFrame] = []
+    into: list[np.ndarray] = []
+    with core.lock:
+        core.check_open()
+        rows = {name: tier.frame_rows(keys) for name, tier in disks.items()}  # one lock each
+        for i, key in enumerate(keys):
+            rec = core.index.get(key)
+            if rec is None or rec.state is not INDEXED:
+                break
+            served = core.serving(rec, lookup.accept)
+            tier = served.tier
+            rep = served.replica
+            if tier not in disks or rep is None or rep.transform is not EXACT:
+                break
+            row = rows[tier][i]
+            out = outs[i]
+            if (
+                out is None  # no buffer for it (the caller's arena had no room): the rest
+                or row is None
+                or row.transform != EXACT.name
+                or row.nbytes != out.nbytes
+                or tuple(row.shape) != out.shape
+                or np.dtype(row.dtype) != out.dtype
+            ):
+                break
+            found.append((rec, tier))
+            into.append(out)
+            path = disks[tier].segment_file(row.seg)
+            frames.append((path, row.off, out, row.nbytes, row.header(), row.checksum))
+    if not found:
+        return None
+    try:
+        run = native.start_direct(frames, depth)
+    except (ValueError, OverflowError):  # buffers O_DIRECT cannot fill: nothing read
+        return None
+    return FrameLoad(core, lookup, outs, found, into, run, request_id, rest)

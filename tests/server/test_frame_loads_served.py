@@ -1,0 +1,133 @@
+"""A server's loads of disk hits read from their frames by the extension, without pins or
+the I/O pool (issue 28, kvlife.store.frame_loads): loads into a session's shared buffers
+and into arena extents (grants), streamed or not. Real ``kvlife serve`` processes, real
+segment files: the bytes are the stored ones, the server counts ``frame_loads`` and the
+tier's loads once, a frame corrupted on the disk is a counted miss with nothing after it
+kept, and a server that promotes disk hits loads them through its store's own path."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvlife.client import RemoteStore
+from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
+from kvlife.faults.damage import flip, scan_frames
+from kvlife.native import frames as native
+from kvlife.tiers.disk.frame import HEADER_BYTES
+from tests.conftest import prompt_kv
+from tests.server.conftest import MiB, ServerProc
+from tests.server.direct_rig import disk_server
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="the extension is not built (KVLIFE_NATIVE=0 or no compiler)"
+)
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", tokens_per_chunk=32)
+"""8 KiB chunks: a whole number of pages, as O_DIRECT reads them."""
+N = LAYOUT.tokens_per_chunk
+CHUNKS = 4
+IDENT = ModelIdentity(layout=LAYOUT, model_id="frames", weights_digest="w0", tokenizer_digest="t0")
+
+
+@pytest.fixture
+def srv(tmp_path: Path) -> Iterator[ServerProc]:
+    server = disk_server(tmp_path / "store")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(srv: ServerProc) -> Iterator[RemoteStore]:
+    c = srv.client()
+    yield c
+    c.close()
+
+
+def _on_disk(store: RemoteStore, seed: int) -> tuple[np.ndarray, list[bytes]]:
+    tokens, kv = prompt_kv(seed, CHUNKS * N, LAYOUT)
+    store.put_prompt(IDENT, PUBLIC, tokens, kv)
+    store.flush()
+    store.evict("dram", 1 << 40)
+    chunks = [np.ascontiguousarray(kv[:, :, :, i * N : (i + 1) * N, :]) for i in range(CHUNKS)]
+    return tokens, [c.tobytes() for c in chunks]
+
+
+def _shared(store: RemoteStore) -> list[np.ndarray]:
+    raw = store.alloc_buffer(CHUNKS * LAYOUT.chunk_nbytes)
+    n = LAYOUT.chunk_nbytes
+    return [
+        raw[i * n : (i + 1) * n].view(np.float16).reshape(LAYOUT.chunk_shape) for i in range(CHUNKS)
+    ]
+
+
+def _private() -> list[np.ndarray]:
+    return [np.empty(LAYOUT.chunk_shape, np.float16) for _ in range(CHUNKS)]
+
+
+@pytest.mark.parametrize("into", ["shared", "private"])
+@pytest.mark.parametrize("how", ["load", "load_async"])
+def test_disk_loads_read_frames_exact_and_count_once(
+    client: RemoteStore, into: str, how: str
+) -> None:
+    tokens, stored = _on_disk(client, 1)
+    for round_ in range(2):
+        lk = client.lookup(IDENT, PUBLIC, tokens)
+        assert lk.tiers() == {"disk": CHUNKS}
+        before = copy.deepcopy(client.counters)
+        outs = _shared(client) if into == "shared" else _private()
+        if how == "load":
+            res = client.load(lk, outs)
+        else:
+            handle = client.load_async(lk, outs)
+            for i in range(CHUNKS):
+                got = handle.chunk(i, timeout=30)
+                assert got is not None and got.tobytes() == stored[i]
+            res = handle.wait(timeout=30)
+        assert res.loaded == CHUNKS and res.tiers == {"disk": CHUNKS}, round_
+        assert [a.tobytes() for a in res.arrays] == stored
+        after = client.counters
+        assert after.frame_loads - before.frame_loads == CHUNKS
+        assert after.tier("disk").loaded - before.tier("disk").loaded == CHUNKS
+        assert after.loads - before.loads == 1
+        assert after.direct_loads == before.direct_loads == 0
+
+
+@pytest.mark.parametrize("into", ["shared", "private"])
+def test_a_corrupt_frame_is_a_counted_miss_with_nothing_after_it(
+    srv: ServerProc, client: RemoteStore, into: str
+) -> None:
+    tokens, stored = _on_disk(client, 2)
+    lk = client.lookup(IDENT, PUBLIC, tokens)
+    frame = {f.key: f for f in scan_frames(srv.path)}[lk.hits[1].key]
+    flip(frame.segment, frame.offset + HEADER_BYTES + 100, 1)
+    before = copy.deepcopy(client.counters)
+    outs = _shared(client) if into == "shared" else _private()
+    res = client.load(lk, outs)
+    assert res.loaded == 1 and res.corrupt == [lk.hits[1].key]
+    assert res.arrays[0].tobytes() == stored[0]
+    after = client.counters
+    assert after.corrupt - before.corrupt == 1
+    assert after.frame_loads - before.frame_loads == 1
+    assert len(client.lookup(IDENT, PUBLIC, tokens).hits) == 1  # retired
+
+
+def test_a_server_that_promotes_loads_disk_hits_through_its_store(tmp_path: Path) -> None:
+    server = ServerProc(
+        tmp_path / "store", dram=4 * MiB, disk=64 * MiB, staging=4 * MiB, extra=("--write-through",)
+    ).start()
+    try:
+        c = server.client()
+        tokens, stored = _on_disk(c, 3)
+        lk = c.lookup(IDENT, PUBLIC, tokens)
+        assert lk.tiers() == {"disk": CHUNKS}
+        res = c.load(lk, _shared(c))
+        assert res.loaded == CHUNKS and [a.tobytes() for a in res.arrays] == stored
+        assert c.counters.frame_loads == 0
+        c.close()
+    finally:
+        server.stop()
