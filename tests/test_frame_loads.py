@@ -9,7 +9,7 @@ extents use. Held against a real embedded store's disk tier and real segment fil
 - a chunk invalidated after the load started, or after its frame verified, is not
   counted (the publication re-checks), as a pinned load's publication would not;
 - hits served from DRAM, and buffers the run cannot fill, take the store's own load;
-- a store that promotes disk hits is not loaded this way (None);
+- a store that promotes disk hits has the chunks counted promoted after (pinned until);
 - a hypothesis property over per-chunk states (on disk, in DRAM, damaged, invalidated
   before or during the load) checks the result against a model.
 """
@@ -214,11 +214,29 @@ def test_dram_hits_and_unfillable_buffers_take_the_store_load(tmp_path: Path) ->
         store.close()
 
 
-def test_a_store_that_promotes_disk_hits_is_not_loaded_this_way(tmp_path: Path) -> None:
+def test_a_store_that_promotes_has_the_loaded_chunks_promoted(tmp_path: Path) -> None:
+    """The chunks a frame load counted are promoted into DRAM after it (each disk
+    replica pinned until the promotion read it); a chunk invalidated before the
+    publication is neither counted nor promoted."""
     store = _open(tmp_path / "s", promote=True)
     try:
-        tokens, _ = _on_disk(store, 6)
-        assert store.load_frames(_lookup(store, tokens), _outs()) is None
+        tokens, stored = _on_disk(store, 6)
+        lk = _lookup(store, tokens)
+        outs = _outs()
+        handle = store.load_frames(lk, outs)
+        assert handle is not None
+        assert all(handle.chunk(i) is not None for i in range(CHUNKS))
+        assert store.invalidate(prefix=lk.hits[3].key) == 1
+        res = handle.wait()
+        assert res.loaded == 3 and _bytes(outs[:3]) == stored[:3]
+        store.drain()
+        assert store.counters.promotions == 3
+        assert store.lookup(IDENT, PUBLIC, tokens).tiers() == {"dram": 3}
+        again = _outs(3)
+        res = store.load(store.lookup(IDENT, PUBLIC, tokens), again)
+        assert res.loaded == 3 and _bytes(again[:3]) == stored[:3]
+        audit = store.check()
+        assert audit.problems == [] and audit.ok == audit.rows > 0
     finally:
         store.close()
 

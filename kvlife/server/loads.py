@@ -342,7 +342,7 @@ class Loads:
         """A load with disk hits into ``outs`` (None: new memory), started: the leading
         hits served exact from disk read from their frames by the extension from this
         thread, without pins or the I/O pool (:mod:`kvlife.store.frame_loads`); where
-        it cannot (principals, a store that promotes disk hits), the store's
+        it cannot (principals, buffers O_DIRECT cannot fill), the store's
         ``load_async`` with :func:`read_depth` in flight. Its reads have ended when
         this exits, waited for or not (the buffers may go after it)."""
         store = self.ctx.store

@@ -29,9 +29,11 @@ that frame's row: the same promise as a pinned load, without the pins (a pin kee
 replica readable while it is read; here a replica deleted meanwhile fails to verify
 and the chunk goes through the store's load instead).
 
-Only where nothing else a load does is skipped: a store that promotes disk hits into
-its first tier loads through ``load_async`` (its promotion copies the replica it read);
-so do hits served from DRAM or from a transform's frame, from the first such hit on.
+A store that promotes disk hits into its first tier has them promoted as a pinned
+load's publication plans it: each loaded chunk's disk replica pinned at the
+publication until the promotion, on the store's background thread, read it again (the
+loaded buffers are the caller's). Hits served from DRAM or from a transform's frame go
+through the store's load, from the first such hit on.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from kvlife.core.objects import EXACT, ObjectRecord, TierName
 from kvlife.native import frames as native
 from kvlife.results import LoadResult, LookupResult
 from kvlife.store.core import StoreCore
+from kvlife.store.executor import execute
 from kvlife.tiers.disk.tier import DiskTier
 
 INDEXED = ObjectState.INDEXED
@@ -151,6 +154,7 @@ class FrameLoad:
                 tiers[tier] = tiers.get(tier, 0) + 1
             core.counters.bytes_loaded += nbytes
             core.counters.frame_loads += loaded
+            _promote_later(core, took)
         arrays = self._into[:loaded]
         if loaded == len(hits):
             return LoadResult(
@@ -176,6 +180,31 @@ class FrameLoad:
         )
 
 
+def _promote_later(core: StoreCore, took: list[tuple[ObjectRecord, TierName]]) -> None:
+    """Under the lock, at the publication: plan the promotion of the chunks just loaded
+    into the first tier, as a pinned load's publication does, each disk replica pinned
+    until the promotion (on the store's background thread, in its sequencer turn) read
+    it. The promotion reads the frame again: the loaded buffers are the caller's."""
+    first = core.chain[0].name
+    took = [(rec, tier) for rec, tier in took if tier != first]
+    if not took or not core.config.promote_on_hit or len(core.chain) < 2:
+        return
+    pinned = [(rec, core.pin(rec, tier)) for rec, tier in took]
+    core.placement.plan_promote([rec.key for rec, _ in took])
+    bound = core.residency.take()
+
+    def promote() -> None:
+        try:
+            execute(core, bound)
+        finally:  # inside the turn, so that drain() returns with the pins released
+            with core.lock:
+                for rec, rep in pinned:
+                    core.unpin(rec, rep)
+
+    # submitted under the lock with its ticket: background jobs run in ticket order
+    core.later(core.seq.take(), promote)
+
+
 def _exact(n: int) -> dict[str, int]:
     return {EXACT.name: n} if n else {}
 
@@ -192,12 +221,10 @@ def start(
     into ``outs`` (checked by the caller: one writable buffer per hit, disjoint; a hit
     with None is read by the store's load into new memory, as is every hit after it), with
     up to ``depth`` reads in flight; None where it cannot (the extension not built, a
-    store that promotes disk hits, a first hit not served exact from disk, buffers
-    O_DIRECT cannot fill): the caller loads through the store's ``load_async``."""
+    first hit not served exact from disk, buffers O_DIRECT cannot fill): the caller
+    loads through the store's ``load_async``."""
     hits = lookup.hits
     if not hits or not native.available():
-        return None
-    if core.config.promote_on_hit and len(core.chain) > 1:
         return None
     disks = {t.name: t for t in core.chain if isinstance(t, DiskTier)}
     if not disks:

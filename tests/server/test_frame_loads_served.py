@@ -3,7 +3,7 @@ the I/O pool (issue 28, kvlife.store.frame_loads): loads into a session's shared
 and into arena extents (grants), streamed or not. Real ``kvlife serve`` processes, real
 segment files: the bytes are the stored ones, the server counts ``frame_loads`` and the
 tier's loads once, a frame corrupted on the disk is a counted miss with nothing after it
-kept, and a server that promotes disk hits loads them through its store's own path."""
+kept, and a server that promotes disk hits promotes the chunks a frame load counted."""
 
 from __future__ import annotations
 
@@ -116,7 +116,9 @@ def test_a_corrupt_frame_is_a_counted_miss_with_nothing_after_it(
     assert len(client.lookup(IDENT, PUBLIC, tokens).hits) == 1  # retired
 
 
-def test_a_server_that_promotes_loads_disk_hits_through_its_store(tmp_path: Path) -> None:
+def test_a_server_that_promotes_has_the_frame_loaded_chunks_promoted(tmp_path: Path) -> None:
+    """A server that promotes disk hits (the default) reads them from their frames too,
+    then promotes them into DRAM: the next lookup finds them there."""
     server = ServerProc(
         tmp_path / "store", dram=4 * MiB, disk=64 * MiB, staging=4 * MiB, extra=("--write-through",)
     ).start()
@@ -127,7 +129,10 @@ def test_a_server_that_promotes_loads_disk_hits_through_its_store(tmp_path: Path
         assert lk.tiers() == {"disk": CHUNKS}
         res = c.load(lk, _shared(c))
         assert res.loaded == CHUNKS and [a.tobytes() for a in res.arrays] == stored
-        assert c.counters.frame_loads == 0
+        assert c.counters.frame_loads == CHUNKS
+        c.drain()
+        assert c.lookup(IDENT, PUBLIC, tokens).tiers() == {"dram": CHUNKS}
+        assert c.counters.promotions == CHUNKS
         c.close()
     finally:
         server.stop()
