@@ -124,18 +124,25 @@ def record(core: StoreCore, confirmed: Confirmed, kept: int) -> int:
     with core.lock:
         core.counters.loads += 1
         for rec, tier in took:
-            if rec.state is INDEXED:
-                core.ledger.move(
-                    rec,
-                    Move.LOAD,
-                    tier=tier,
-                    nbytes=rec.nbytes,
-                    request_id=confirmed.request_id,
-                    transform=EXACT.name,
-                )
-            tc = core.counters.tier(tier)
-            tc.loaded += 1
-            tc.bytes_loaded += rec.nbytes
-            core.counters.bytes_loaded += rec.nbytes
+            count_exact_load(core, rec, tier, confirmed.request_id)
             core.counters.direct_loads += 1
     return len(took)
+
+
+def count_exact_load(core: StoreCore, rec: ObjectRecord, tier: TierName, request_id: str) -> None:
+    """Under the store's lock: one chunk loaded exact from ``tier``'s frame, read outside
+    the store (a direct read, a frame load): its LOAD in the ledger while it is INDEXED
+    (a record that left the index takes no move), the tier's and the store's counts."""
+    if rec.state is INDEXED:
+        core.ledger.move(
+            rec,
+            Move.LOAD,
+            tier=tier,
+            nbytes=rec.nbytes,
+            request_id=request_id,
+            transform=EXACT.name,
+        )
+    tc = core.counters.tier(tier)
+    tc.loaded += 1
+    tc.bytes_loaded += rec.nbytes
+    core.counters.bytes_loaded += rec.nbytes

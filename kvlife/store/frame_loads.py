@@ -43,11 +43,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvlife.core.errors import InvalidArgument
-from kvlife.core.lifecycle import Move, ObjectState
+from kvlife.core.lifecycle import ObjectState
 from kvlife.core.objects import EXACT, ObjectRecord, TierName
 from kvlife.native import frames as native
 from kvlife.results import LoadResult, LookupResult
 from kvlife.store.core import StoreCore
+from kvlife.store.direct import count_exact_load
 from kvlife.store.executor import execute
 from kvlife.tiers.disk.tier import DiskTier
 
@@ -137,22 +138,9 @@ class FrameLoad:
             if loaded == len(hits):  # else the store's load of the rest counts the call
                 core.counters.loads += 1
             tiers: dict[str, int] = {}
-            nbytes = 0
             for rec, tier in took:
-                core.ledger.move(
-                    rec,
-                    Move.LOAD,
-                    tier=tier,
-                    nbytes=rec.nbytes,
-                    request_id=self._request_id,
-                    transform=EXACT.name,
-                )
-                tc = core.counters.tier(tier)
-                tc.loaded += 1
-                tc.bytes_loaded += rec.nbytes
-                nbytes += rec.nbytes
+                count_exact_load(core, rec, tier, self._request_id)
                 tiers[tier] = tiers.get(tier, 0) + 1
-            core.counters.bytes_loaded += nbytes
             core.counters.frame_loads += loaded
             _promote_later(core, took)
         arrays = self._into[:loaded]

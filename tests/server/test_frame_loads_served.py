@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvlife.bench.server.loads import shared_chunks
 from kvlife.client import RemoteStore
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
 from kvlife.faults.damage import flip, scan_frames
@@ -58,11 +59,7 @@ def _on_disk(store: RemoteStore, seed: int) -> tuple[np.ndarray, list[bytes]]:
 
 
 def _shared(store: RemoteStore) -> list[np.ndarray]:
-    raw = store.alloc_buffer(CHUNKS * LAYOUT.chunk_nbytes)
-    n = LAYOUT.chunk_nbytes
-    return [
-        raw[i * n : (i + 1) * n].view(np.float16).reshape(LAYOUT.chunk_shape) for i in range(CHUNKS)
-    ]
+    return shared_chunks(store, LAYOUT, CHUNKS)
 
 
 def _private() -> list[np.ndarray]:
