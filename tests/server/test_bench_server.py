@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvlife.native import frames as native_frames
 from tests.helpers.machine import assert_machine_figures
 from tests.server.conftest import ROOT, child_env
 
@@ -88,6 +89,10 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
             assert cpu[f"server_{phase}_us_per_chunk"] >= 0
         assert cpu["server_ordinary_us_per_chunk"] > 0  # the server read and hashed
         assert cpu["hash_us_per_chunk"] > 0
+        # every ordinary and shared load (the warm-up's too) read its frames without pins
+        calls = 2 * (r["config"]["reps"] + 1)
+        want = calls * p["chunks_per_call"] if native_frames.available() else 0
+        assert p["frame_loaded_chunks"] == want
     for p in r["put_dram"]:  # the same puts into an in-process store, beside
         assert p["inproc_gbps"] > 0
         assert abs(p["ratio_inproc"] - p["inproc_gbps"] / p["memcpy_gbps"]) < 1e-9

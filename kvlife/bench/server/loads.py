@@ -91,6 +91,7 @@ def bench_load(
     served_direct: list[float] = []
     verified: list[float] = []
     cpu = _CpuTally(server_pid)
+    frames_before = remote.counters.frame_loads
     for rep in range(cfg.reps + 1):
         floor_first = (
             floor.load(chunks) if floor is not None and raw_file is not None and rep % 2 else 0.0
@@ -137,6 +138,9 @@ def bench_load(
             if direct_client is not None:
                 served_direct.append(took["direct"])
     del shared, direct_bufs
+    # disk chunks the server read from their frames without pins (its loads with disk
+    # hits where the extension is built: kvlife.store.frame_loads), from both clients
+    frame_loads = remote.counters.frame_loads - frames_before
     if direct_client is not None and direct_client.direct_fallbacks():
         raise RuntimeError(
             f"{direct_client.direct_fallbacks()} chunks of the direct loads went through the server"
@@ -152,6 +156,7 @@ def bench_load(
     out["server_p99_ms"] = pct(served, 99) * 1e3
     if raw_file is not None:
         out["direct_io"] = direct
+        out["frame_loaded_chunks"] = frame_loads
     if server_pid is not None:
         chunks_timed = cfg.reps * n
         out["cpu"] = cpu.per_chunk(chunks_timed) | {

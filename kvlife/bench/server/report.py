@@ -117,6 +117,8 @@ def format_report(r: dict[str, Any]) -> str:
                 f"{c['client_shared_us_per_chunk']:.0f} + server "
                 f"{c['server_shared_us_per_chunk']:.0f}; raw read "
                 f"{c['client_raw_us_per_chunk']:.0f}, xxh3-128 {c['hash_us_per_chunk']:.0f}"
+                f"; chunks the server read from frames without pins: "
+                f"{p.get('frame_loaded_chunks', 0)}"
             )
     for p in r.get("put_dram", []):
         c = p.get("server_cpu")
