@@ -28,6 +28,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlife.core.errors import InvalidArgument
 from kvlife.core.events import MemorySink
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
 from kvlife.core.lifecycle import Move
@@ -387,3 +388,25 @@ def test_loads_racing_invalidations_and_reputs_count_only_stored_bytes(tmp_path:
     assert not errors, errors
     assert framed > 10 and loaded > 0
     assert store.counters.frame_loads > 0
+
+
+def test_chunk_after_wait_says_what_the_result_holds(tmp_path: Path) -> None:
+    """A chunk handed out by ``chunk`` and then invalidated before the publication is a
+    miss in the result, and ``chunk`` says so once the load is published."""
+    store = _open(tmp_path / "s")
+    try:
+        tokens, stored = _on_disk(store, 11)
+        lk = _lookup(store, tokens)
+        outs = _outs()
+        handle = store.load_frames(lk, outs)
+        assert handle is not None
+        assert handle.chunk(3) is outs[3]
+        store.invalidate(prefix=lk.hits[1].key)
+        res = handle.wait()
+        assert res.loaded == 1 and _bytes(outs[:1]) == stored[:1]
+        assert handle.chunk(0) is outs[0]
+        assert [handle.chunk(i) for i in range(1, CHUNKS)] == [None, None, None]
+        with pytest.raises(InvalidArgument):
+            handle.chunk(CHUNKS)
+    finally:
+        store.close()

@@ -1,7 +1,8 @@
 """Loads of disk frames read by the extension from the caller's thread (issue 28): the
-server's loads into a session's shared buffers.
+server's loads with disk hits, into a session's shared buffers or into arena extents
+for grants.
 
-A served load into shared buffers went through the store's ``load_async``: pins, a load
+A served load with disk hits went through the store's ``load_async``: pins, a load
 handle, one I/O-pool task per chunk, each finished read handing the next to another
 pool thread. Traced (docs/server.md), the first device read began about half a
 millisecond into the call and each next read 0.1 ms after the one before ended: a
@@ -93,12 +94,14 @@ class FrameLoad:
     def chunk(self, i: int, timeout: float | None = None) -> np.ndarray | None:
         """Chunk ``i``'s buffer once it and every chunk before it verified in its frame,
         None when one did not or chunk ``i`` is not read from a frame (the rest of the
-        load comes with ``wait``). ``timeout`` is not used: a read of the extension's
-        ends or fails on its own."""
+        load comes with ``wait``); once published, the result's array (None: a miss).
+        ``timeout`` is not used: a read of the extension's ends or fails on its own."""
         n = len(self._lookup.hits)
         if not 0 <= i < n:
             raise InvalidArgument(f"chunk {i} is not in this load of {n} hits")
-        while self._verified <= i and not self._stopped and self._result is None:
+        if self._result is not None:  # published: what the result holds
+            return self._result.arrays[i] if i < self._result.loaded else None
+        while self._verified <= i and not self._stopped:
             if i >= len(self._found) or not self._run.step():
                 self._stopped = True
                 break
@@ -231,7 +234,7 @@ def start(
             served = core.serving(rec, lookup.accept)
             tier = served.tier
             rep = served.replica
-            if tier not in disks or rep is None or rep.transform is not EXACT:
+            if tier not in disks or rep is None or rep.transform != EXACT:
                 break
             row = rows[tier][i]
             out = outs[i]
