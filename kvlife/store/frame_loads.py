@@ -17,12 +17,16 @@ millisecond into the call and each next read 0.1 ms after the one before ended: 
    (``step``): the header byte for byte against the row's, the payload's xxh3-128
    against the row's checksum. A frame moved, compacted away, torn or overwritten
    since step 1 does not verify.
-3. :meth:`FrameLoad.wait` publishes the load under the store's lock: the leading chunks
-   that verified and are still INDEXED are loaded (each with its LOAD in the ledger and
-   the tier's counters, as any load counts them); the first that is not ends that
-   part, and the rest of the hits go through the store's own ``load``, which reads,
-   verifies and counts what it finds (a corrupt frame counted and retired there, a
-   chunk invalidated meanwhile counted as vanished).
+3. :meth:`FrameLoad.wait` publishes the load: the leading chunks that verified and are
+   still INDEXED under the store's lock are loaded (each with its LOAD in the ledger
+   and the tier's counters, as any load counts them). A chunk that verified but left
+   the index since ends the result as vanished, as a pinned load's publication ends
+   it: it may have been handed out already (``chunk``), so nothing is read into its
+   buffer again. Otherwise the hits after the counted ones (a frame that did not
+   verify, a hit not read from a frame) go through the store's own ``load`` first,
+   which reads, verifies and counts what it finds (a corrupt frame counted and retired
+   there), and a load that raises counts nothing. A store closed first raises
+   StoreClosedError, as a pinned load does.
 
 So no chunk is served that was not live in the frame it was read from when the load
 began and still live when it was published, and whose bytes did not verify against
@@ -86,72 +90,102 @@ class FrameLoad:
         self._rest = rest
         self._verified = 0
         self._stopped = False
+        self._closed = False
         self._result: LoadResult | None = None
 
     def __len__(self) -> int:
         return len(self._lookup.hits)
 
     def chunk(self, i: int, timeout: float | None = None) -> np.ndarray | None:
-        """Chunk ``i``'s buffer once it and every chunk before it verified in its frame,
-        None when one did not or chunk ``i`` is not read from a frame (the rest of the
-        load comes with ``wait``); once published, the result's array (None: a miss).
-        ``timeout`` is not used: a read of the extension's ends or fails on its own."""
+        """Chunk ``i``'s buffer once it and every chunk before it verified in its frame;
+        a chunk not read from a frame (or after one that did not verify) waits for the
+        whole load (``wait``: the rest goes through the store) and is the result's
+        array, None for a miss. ``timeout`` is not used: a read of the extension's ends
+        or fails on its own."""
         n = len(self._lookup.hits)
         if not 0 <= i < n:
             raise InvalidArgument(f"chunk {i} is not in this load of {n} hits")
-        if self._result is not None:  # published: what the result holds
-            return self._result.arrays[i] if i < self._result.loaded else None
-        while self._verified <= i and not self._stopped:
-            if i >= len(self._found) or not self._run.step():
-                self._stopped = True
-                break
-            self._verified += 1
-        return self._into[i] if i < self._verified else None
+        if self._result is None:
+            while self._verified <= i and self._verified < len(self._found) and not self._stopped:
+                if not self._run.step():
+                    self._stopped = True
+                    break
+                self._verified += 1
+            if i < self._verified:
+                return self._into[i]
+        res = self.wait()
+        return res.arrays[i] if i < res.loaded else None
 
     def completed(self) -> int:
         """Leading chunks verified so far."""
         return self._verified
 
     def done(self) -> bool:
-        """Whether every chunk read from a frame was checked (the rest, if any, is
-        loaded by ``wait``)."""
-        return self._result is not None or self._stopped or self._verified == len(self._found)
+        """Whether the load was published (``wait``, or a ``chunk`` that waited for it):
+        a server streaming its chunks sends the last one read from a frame before that,
+        so the client copies it while the load is published."""
+        return self._result is not None
 
     def wait(self, timeout: float | None = None) -> LoadResult:
         """The load's result: the frames checked, the load published, the rest loaded
-        through the store (once; later calls return the same result)."""
+        through the store (once; later calls return the same result). StoreClosedError
+        when the store closed first (nothing counted); InvalidArgument after ``close``."""
         if self._result is None:
+            if self._closed:
+                raise InvalidArgument("this frame load was closed before it was waited for")
             verified = self._run.finish()  # the reads after the first failure never start
             self._result = self._publish(min(verified, len(self._found)))
         return self._result
 
     def close(self) -> None:
-        """Stop the reads without publishing (the caller failed before ``wait``)."""
+        """Stop the reads without publishing (the caller failed before ``wait``); a no-op
+        once waited."""
+        if self._result is None:
+            self._closed = True
         self._run.close()
 
     def _publish(self, verified: int) -> LoadResult:
+        """Count the leading chunks that verified and are INDEXED now (the load's
+        moment, under the lock). One that verified but left the index ends the result
+        as vanished, as a pinned load's publication does: it may have been handed out
+        (``chunk``), so its buffer is never read into again. Else the hits after the
+        counted ones go through the store's load first (a load that raises counts
+        nothing), then the counted ones are counted."""
         core, hits = self._core, self._lookup.hits
-        loaded = 0
+        n = len(hits)
         with core.lock:
+            core.check_open()  # a pinned load raises StoreClosedError too
+            loaded = 0
             for rec, _ in self._found[:verified]:
                 if rec.state is not INDEXED:
-                    break  # invalidated since it was found: the store's load says so
+                    break  # invalidated since it was found
                 loaded += 1
-            took = self._found[:loaded]
-            if loaded == len(hits):  # else the store's load of the rest counts the call
+        vanished = 1 if loaded < verified else 0
+        rest = None
+        if not vanished and loaded < n:
+            rest = self._rest(self._lookup.sub(loaded, n), self._outs[loaded:])
+        took = self._found[:loaded]
+        tiers: dict[str, int] = {}
+        with core.lock:
+            core.check_open()
+            if rest is None:  # else the store's load of the rest counted the call
                 core.counters.loads += 1
-            tiers: dict[str, int] = {}
+                core.counters.vanished += vanished
             for rec, tier in took:
                 count_exact_load(core, rec, tier, self._request_id)
                 tiers[tier] = tiers.get(tier, 0) + 1
             core.counters.frame_loads += loaded
             _promote_later(core, took)
         arrays = self._into[:loaded]
-        if loaded == len(hits):
+        if rest is None:
             return LoadResult(
-                arrays, loaded, len(hits), tiers=tiers, representations=_exact(loaded)
+                arrays,
+                loaded,
+                n,
+                tiers=tiers,
+                vanished=vanished,
+                representations=_exact(loaded),
             )
-        rest = self._rest(self._lookup.sub(loaded, len(hits)), self._outs[loaded:])
         for name, k in rest.tiers.items():
             tiers[name] = tiers.get(name, 0) + k
         forms = _exact(loaded)
@@ -160,7 +194,7 @@ class FrameLoad:
         return LoadResult(
             arrays + rest.arrays,
             loaded + rest.loaded,
-            len(hits),
+            n,
             tiers=tiers,
             corrupt=rest.corrupt,
             vanished=rest.vanished,
@@ -176,9 +210,20 @@ def _promote_later(core: StoreCore, took: list[tuple[ObjectRecord, TierName]]) -
     into the first tier, as a pinned load's publication does, each disk replica pinned
     until the promotion (on the store's background thread, in its sequencer turn) read
     it. The promotion reads the frame again: the loaded buffers are the caller's."""
+    if not core.config.promote_on_hit or len(core.chain) < 2:
+        return
     first = core.chain[0].name
-    took = [(rec, tier) for rec, tier in took if tier != first]
-    if not took or not core.config.promote_on_hit or len(core.chain) < 2:
+    # only chunks still INDEXED with their disk replica readable (one evicted from disk
+    # since, say into DRAM by another load's promotion, has nothing to promote from)
+    took = [
+        (rec, tier)
+        for rec, tier in took
+        if tier != first
+        and rec.state is INDEXED
+        and (rep := rec.replicas.get(tier)) is not None
+        and rep.readable
+    ]
+    if not took:
         return
     pinned = [(rec, core.pin(rec, tier)) for rec, tier in took]
     core.placement.plan_promote([rec.key for rec, _ in took])
