@@ -17,10 +17,7 @@ extents use. Held against a real embedded store's disk tier and real segment fil
 from __future__ import annotations
 
 import copy
-import random
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -338,64 +335,6 @@ def test_the_result_is_the_models_for_any_mix_of_chunk_states(
             assert after.frame_loads - before.frame_loads <= min(want, first_dram)
         finally:
             store.close()
-
-
-def test_loads_racing_invalidations_and_reputs_count_only_stored_bytes(tmp_path: Path) -> None:
-    """One thread loads the prompt through frame loads over and over while another
-    invalidates it and puts it again with other KV (the same keys) on a disk-only
-    store, whose compaction reclaims the invalidated frames meanwhile. Every chunk a
-    load counts holds the bytes of one of the two puts for that chunk, never a mix
-    inside a chunk, and the loads raise nothing."""
-    # no DRAM tier: every put lands on disk, every hit is a disk hit
-    store = KVStore.open(
-        tmp_path / "s",
-        dram_bytes=0,
-        disk_bytes=1 << 24,
-        segment_bytes=1 << 20,
-        promote_on_hit=False,
-    )
-    tokens, kv_a = _kv(9)
-    _, kv_b = _kv(10)
-    versions = [_chunks(kv_a), _chunks(kv_b)]
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    rng = random.Random(28)
-
-    def mutate() -> None:
-        try:
-            v = 0
-            while not stop.is_set():
-                store.invalidate(namespace=PUBLIC)
-                v ^= 1
-                store.put_prompt(IDENT, PUBLIC, tokens, kv_b if v else kv_a)
-                time.sleep(rng.uniform(0, 0.003))  # loads start, then race the next
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    store.put_prompt(IDENT, PUBLIC, tokens, kv_a)
-    writer = threading.Thread(target=mutate)
-    writer.start()
-    loaded = framed = 0
-    try:
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline and not errors:
-            lk = store.lookup(IDENT, PUBLIC, tokens)
-            if not lk.hits:
-                continue
-            outs = _outs(len(lk.hits))
-            handle = store.load_frames(lk, outs)
-            res = handle.wait() if handle is not None else store.load(lk, outs)
-            for i, a in enumerate(res.arrays):
-                assert a.tobytes() in (versions[0][i], versions[1][i]), i
-            loaded += res.loaded
-            framed += 0 if handle is None else 1
-    finally:
-        stop.set()
-        writer.join(timeout=30)
-        store.close()
-    assert not errors, errors
-    assert framed > 10 and loaded > 0
-    assert store.counters.frame_loads > 0
 
 
 def test_chunk_after_wait_says_what_the_result_holds(tmp_path: Path) -> None:

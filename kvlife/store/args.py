@@ -65,8 +65,9 @@ def accept(value: Accept) -> Accept:
     return value
 
 
-def outs(lookup: LookupResult, buffers: Sequence[np.ndarray] | None) -> None:
-    """One output buffer per hit, or none at all (each checked by :func:`check_outs`)."""
+def outs(lookup: LookupResult, buffers: Sequence[np.ndarray | None] | None) -> None:
+    """One output buffer per hit (None entries: no buffer for that hit), or none at all
+    (each checked by :func:`check_outs`)."""
     if buffers is not None and len(buffers) != len(lookup.hits):
         raise InvalidArgument(f"{len(buffers)} output buffers for {len(lookup.hits)} hits")
     if buffers is not None:

@@ -203,9 +203,7 @@ class KVStore(StoreAPI[PendingPut]):
         (:func:`kvlife.store.frame_loads.start`): load through :meth:`load_async`. A hit
         whose buffer is None is read into new memory, as is every hit after it. The
         handle is for the calling thread alone."""
-        if len(outs) != len(lookup.hits):
-            raise InvalidArgument(f"{len(outs)} output buffers for {len(lookup.hits)} hits")
-        args.check_outs(outs)
+        args.outs(lookup, outs)
         args.depth(depth)
 
         def rest(sub: LookupResult, tail: Sequence[np.ndarray | None]) -> LoadResult:

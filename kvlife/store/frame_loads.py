@@ -89,7 +89,6 @@ class FrameLoad:
         self._request_id = request_id
         self._rest = rest
         self._verified = 0
-        self._stopped = False
         self._closed = False
         self._result: LoadResult | None = None
 
@@ -106,9 +105,9 @@ class FrameLoad:
         if not 0 <= i < n:
             raise InvalidArgument(f"chunk {i} is not in this load of {n} hits")
         if self._result is None:
-            while self._verified <= i and self._verified < len(self._found) and not self._stopped:
+            # step() says False again once a frame failed: no state of its own here
+            while self._verified <= i and self._verified < len(self._found):
                 if not self._run.step():
-                    self._stopped = True
                     break
                 self._verified += 1
             if i < self._verified:
