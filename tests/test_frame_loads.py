@@ -17,6 +17,8 @@ extents use. Held against a real embedded store's disk tier and real segment fil
 from __future__ import annotations
 
 import copy
+import errno
+import os
 import tempfile
 from pathlib import Path
 
@@ -30,6 +32,7 @@ from kvlife.core.events import MemorySink
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
 from kvlife.core.lifecycle import Move
 from kvlife.faults.damage import flip, scan_frames
+from kvlife.faults.fileio import FaultyIO
 from kvlife.native import frames as native
 from kvlife.results import LookupResult
 from kvlife.store import KVStore
@@ -355,5 +358,77 @@ def test_chunk_after_wait_says_what_the_result_holds(tmp_path: Path) -> None:
         assert [handle.chunk(i) for i in range(1, CHUNKS)] == [None, None, None]
         with pytest.raises(InvalidArgument):
             handle.chunk(CHUNKS)
+    finally:
+        store.close()
+
+
+def test_an_embedded_load_into_aligned_buffers_reads_its_frames(tmp_path: Path) -> None:
+    """``KVStore.load`` into buffers O_DIRECT can fill takes the frame path: the stored
+    bytes in the caller's buffers, counted once (``frame_loads``, the tier's ``loaded``,
+    one LOAD each with the request's id, one ``loads``), and the extension's run closed
+    when it returns (no descriptor left open)."""
+    sink = MemorySink()
+    store = _open(tmp_path / "s", sink=sink)
+    try:
+        tokens, stored = _on_disk(store, 21)
+        lk = _lookup(store, tokens)
+        before = copy.deepcopy(store.counters)
+        fds = len(os.listdir("/proc/self/fd"))
+        sink.take()
+        outs = _outs()
+        res = store.load(lk, outs, request_id="e1")
+        assert res.loaded == CHUNKS and res.tiers == {"disk": CHUNKS}
+        assert all(a is o for a, o in zip(res.arrays, outs, strict=True))
+        assert _bytes(outs) == stored
+        after = store.counters
+        assert after.frame_loads - before.frame_loads == CHUNKS
+        assert after.tier("disk").loaded - before.tier("disk").loaded == CHUNKS
+        assert after.loads - before.loads == 1
+        loads = [e for e in sink.take() if e.kind == Move.LOAD.value]
+        assert [e.request_id for e in loads] == ["e1"] * CHUNKS
+        assert len(os.listdir("/proc/self/fd")) == fds
+        # buffers the run cannot fill (off a page): the store's own load, same bytes
+        shifted = [
+            aligned_empty(PAGE.chunk_nbytes + 16)[16:].view(np.float16).reshape(PAGE.chunk_shape)
+            for _ in range(CHUNKS)
+        ]
+        res = store.load(lk, shifted)
+        assert res.loaded == CHUNKS and _bytes(shifted) == stored
+        assert store.counters.frame_loads == after.frame_loads
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("how", ["frames", "load"])
+def test_a_store_whose_fileio_reads_another_way_is_never_read_around(
+    tmp_path: Path, how: str
+) -> None:
+    """A disk tier whose FileIO is not the plain one (a test's or the fault campaign's
+    faults, a stall) is read through it: no frame load goes around it, and an injected
+    read error is a counted miss of the store's load, not bytes read natively."""
+    io = FaultyIO()
+    store = KVStore.open(
+        tmp_path / "s",
+        dram_bytes=1 << 22,
+        disk_bytes=1 << 24,
+        segment_bytes=1 << 20,
+        promote_on_hit=False,
+        write_through=True,
+        fileio=io,
+    )
+    try:
+        tokens, stored = _on_disk(store, 22)
+        lk = _lookup(store, tokens)
+        if how == "frames":
+            assert store.load_frames(lk, _outs()) is None
+            res = store.load(lk, outs := _outs())
+            assert res.loaded == CHUNKS and _bytes(outs) == stored
+            assert io.calls.get("preadv", 0) >= 1  # read through the seam
+        else:
+            io.arm("preadv", errno.EIO)
+            res = store.load(lk, _outs())
+            assert res.loaded == 0 and res.read_errors == 1
+            assert io.injected.get("preadv", 0) >= 1
+        assert store.counters.frame_loads == 0
     finally:
         store.close()

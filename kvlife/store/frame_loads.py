@@ -1,6 +1,7 @@
 """Loads of disk frames read by the extension from the caller's thread (issue 28): the
 server's loads with disk hits, into a session's shared buffers or into arena extents
-for grants.
+for grants, and an embedded store's ``load`` into the caller's buffers (where they are
+whole aligned pages, and the disk tier reads through the plain FileIO).
 
 A served load with disk hits went through the store's ``load_async``: pins, a load
 handle, one I/O-pool task per chunk, each finished read handing the next to another
@@ -55,9 +56,15 @@ from kvlife.results import LoadResult, LookupResult
 from kvlife.store.core import StoreCore
 from kvlife.store.direct import count_exact_load
 from kvlife.store.executor import execute
+from kvlife.tiers.disk.native_reads import usable
 from kvlife.tiers.disk.tier import DiskTier
 
 INDEXED = ObjectState.INDEXED
+
+DEPTH = 1
+"""Frame reads in flight of an embedded store's ``load`` (its reader thread reads chunk
+i + 1 while the caller verifies chunk i), as the server's loads into shared buffers
+(:data:`kvlife.server.loads.FRAME_DEPTH`) and a client's direct reads."""
 
 Loader = Callable[[LookupResult, Sequence[np.ndarray | None]], LoadResult]
 """The store's own load of the hits that follow (its ``load`` with the request's id)."""
@@ -261,7 +268,9 @@ def start(
     hits = lookup.hits
     if not hits or not native.available():
         return None
-    disks = {t.name: t for t in core.chain if isinstance(t, DiskTier)}
+    # a tier whose FileIO reads another way (a test's or the campaign's faults, a
+    # stall) is read through it, by the store's load: never around it
+    disks = {t.name: t for t in core.chain if isinstance(t, DiskTier) and usable(t.io)}
     if not disks:
         return None
     keys = [h.key for h in hits]
