@@ -105,28 +105,14 @@ class KVStore(StoreAPI[PendingPut]):
         # leading disk hits into buffers O_DIRECT can fill: read from their frames in
         # this thread's run of the extension, without pins (kvlife.store.frame_loads)
         if outs is not None:
-            frames = frame_loads.start(
-                self._core,
-                lookup,
-                outs,
-                request_id,
-                frame_loads.DEPTH,
-                self._rest_loader(request_id),
-            )
+            core, depth = self._core, frame_loads.DEPTH
+            frames = frame_loads.start(core, lookup, outs, request_id, depth, self._reader)
             if frames is not None:
                 try:
                     return frames.wait()
                 finally:
                     frames.close()
         return self._reader.load(lookup, outs, request_id)
-
-    def _rest_loader(self, request_id: str) -> frame_loads.Loader:
-        """The store's own load of the hits a frame load leaves (with ``request_id``)."""
-
-        def rest(sub: LookupResult, tail: Sequence[np.ndarray | None]) -> LoadResult:
-            return self._reader.load(sub, tail, request_id)  # type: ignore[arg-type]
-
-        return rest
 
     def _load_async(
         self, lookup: LookupResult, outs: Outs, request_id: str, depth: int | None
@@ -229,9 +215,7 @@ class KVStore(StoreAPI[PendingPut]):
         handle is for the calling thread alone."""
         args.outs(lookup, outs)
         args.depth(depth)
-        return frame_loads.start(
-            self._core, lookup, outs, request_id, depth, self._rest_loader(request_id)
-        )
+        return frame_loads.start(self._core, lookup, outs, request_id, depth, self._reader)
 
     def record_direct(self, confirmed: Confirmed, kept: int) -> int:
         """Count a direct load whose first ``kept`` confirmed chunks the client kept."""

@@ -23,11 +23,15 @@ millisecond into the call and each next read 0.1 ms after the one before ended: 
    and the tier's counters, as any load counts them). A chunk that verified but left
    the index since ends the result as vanished, as a pinned load's publication ends
    it: it may have been handed out already (``chunk``), so nothing is read into its
-   buffer again. Otherwise the hits after the counted ones (a frame that did not
-   verify, a hit not read from a frame) go through the store's own ``load`` first,
-   which reads, verifies and counts what it finds (a corrupt frame counted and retired
-   there), and a load that raises counts nothing. A store closed first raises
-   StoreClosedError, as a pinned load does.
+   buffer again. Otherwise the hits after them (a frame that did not verify, a hit
+   not read from a frame) are read by the store's pinned load first (pinned, read and
+   verified, not yet published; a read that raises counts nothing loaded), and then
+   published with the frame-read chunks under one lock, where those are checked
+   INDEXED again: one invalidated (or put again with other KV) while the rest was read
+   ends the result there and the rest is given up unpublished, so a result never holds
+   chunks of two puts (the red team of 2026-12-05 found it did). The pinned load counts
+   what it finds (a corrupt frame counted and retired there). A store closed first
+   raises StoreClosedError, as a pinned load does.
 
 So no chunk is served that was not live in the frame it was read from when the load
 began and still live when it was published, and whose bytes did not verify against
@@ -44,7 +48,7 @@ through the store's load, from the first such hit on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -56,6 +60,7 @@ from kvlife.results import LoadResult, LookupResult
 from kvlife.store.core import StoreCore
 from kvlife.store.direct import count_exact_load
 from kvlife.store.executor import execute
+from kvlife.store.reads import Reader
 from kvlife.tiers.disk.native_reads import usable
 from kvlife.tiers.disk.tier import DiskTier
 
@@ -65,9 +70,6 @@ DEPTH = 1
 """Frame reads in flight of an embedded store's ``load`` (its reader thread reads chunk
 i + 1 while the caller verifies chunk i), as the server's loads into shared buffers
 (:data:`kvlife.server.loads.FRAME_DEPTH`) and a client's direct reads."""
-
-Loader = Callable[[LookupResult, Sequence[np.ndarray | None]], LoadResult]
-"""The store's own load of the hits that follow (its ``load`` with the request's id)."""
 
 
 class FrameLoad:
@@ -84,7 +86,7 @@ class FrameLoad:
         into: list[np.ndarray],
         run: native.DirectRun,
         request_id: str,
-        rest: Loader,
+        reader: Reader,
     ) -> None:
         self._core = core
         self._lookup = lookup
@@ -94,7 +96,8 @@ class FrameLoad:
         """The buffers of the chunks read from frames (``outs``' first ones)."""
         self._run = run
         self._request_id = request_id
-        self._rest = rest
+        self._reader = reader
+        """The store's pinned load, for the hits after the frame-read ones."""
         self._verified = 0
         self._closed = False
         self._result: LoadResult | None = None
@@ -153,30 +156,42 @@ class FrameLoad:
     def _publish(self, verified: int) -> LoadResult:
         """Count the leading chunks that verified and are INDEXED now (the load's
         moment, under the lock). One that verified but left the index ends the result
-        as vanished, as a pinned load's publication does: it may have been handed out
-        (``chunk``), so its buffer is never read into again. Else the hits after the
-        counted ones go through the store's load first (a load that raises counts
-        nothing), then the counted ones are counted."""
+        as vanished, as a pinned load's publication ends it: it may have been handed
+        out (``chunk``), so its buffer is never read into again. Else the hits after
+        the counted ones are read by the store's pinned load first (a read that raises
+        counts nothing loaded), and published with the frame-read chunks under one
+        lock, where those are checked INDEXED again: a chunk invalidated (or put again
+        with other KV) while the rest was read ends the result there, the rest given up
+        unread, so no result holds chunks of two puts."""
         core, hits = self._core, self._lookup.hits
         n = len(hits)
         with core.lock:
             core.check_open()  # a pinned load raises StoreClosedError too
-            loaded = 0
-            for rec, _ in self._found[:verified]:
-                if rec.state is not INDEXED:
-                    break  # invalidated since it was found
-                loaded += 1
-        vanished = 1 if loaded < verified else 0
-        rest = None
-        if not vanished and loaded < n:
-            rest = self._rest(self._lookup.sub(loaded, n), self._outs[loaded:])
-        took = self._found[:loaded]
-        tiers: dict[str, int] = {}
+            live = _live(self._found, verified)
+        read = None
+        if live == verified and live < n:
+            read = self._reader.read_pinned(self._lookup.sub(live, n), self._outs[live:])
         with core.lock:
-            core.check_open()
-            if rest is None:  # else the store's load of the rest counted the call
+            try:
+                core.check_open()
+            except BaseException:
+                if read is not None:
+                    self._reader.release(read[0])
+                raise
+            loaded = _live(self._found, live)  # again: the rest took a while
+            rest = None
+            if read is not None:
+                if loaded == live:
+                    rest = self._reader.publish(read[0], n - live, read[1], self._request_id)
+                else:
+                    self._reader.release(read[0])  # its call was counted among loads
+            else:
                 core.counters.loads += 1
+            vanished = 1 if loaded < (verified if read is None else live) else 0
+            if rest is None:
                 core.counters.vanished += vanished
+            took = self._found[:loaded]
+            tiers: dict[str, int] = {}
             for rec, tier in took:
                 count_exact_load(core, rec, tier, self._request_id)
                 tiers[tier] = tiers.get(tier, 0) + 1
@@ -209,6 +224,17 @@ class FrameLoad:
             decoded=rest.decoded,
             representations=forms,
         )
+
+
+def _live(found: list[tuple[ObjectRecord, TierName]], upto: int) -> int:
+    """Under the lock: how many of the first ``upto`` chunks found are INDEXED still,
+    in a row from the first."""
+    live = 0
+    for rec, _ in found[:upto]:
+        if rec.state is not INDEXED:
+            break  # invalidated since it was found
+        live += 1
+    return live
 
 
 def _promote_later(core: StoreCore, took: list[tuple[ObjectRecord, TierName]]) -> None:
@@ -257,14 +283,16 @@ def start(
     outs: Sequence[np.ndarray | None],
     request_id: str,
     depth: int,
-    rest: Loader,
+    reader: Reader,
 ) -> FrameLoad | None:
     """Start a load whose leading hits are read from their disk frames by the extension
     into ``outs`` (checked by the caller: one writable buffer per hit, disjoint; a hit
-    with None is read by the store's load into new memory, as is every hit after it), with
-    up to ``depth`` reads in flight; None where it cannot (the extension not built, a
-    first hit not served exact from disk, buffers O_DIRECT cannot fill): the caller
-    loads through the store's ``load_async``."""
+    with None is read by ``reader``, the store's pinned load, into new memory, as is
+    every hit after it), with up to ``depth`` reads in flight; None where it cannot (the
+    extension not built, a first hit not served exact from disk, buffers O_DIRECT cannot
+    fill, a buffer that does not fit its chunk): the caller loads through the store's
+    pinned load (``load`` or ``load_async``), which refuses a buffer that does not fit
+    before it reads into any buffer of that run."""
     hits = lookup.hits
     if not hits or not native.available():
         return None
@@ -291,15 +319,14 @@ def start(
                 break
             row = rows[tier][i]
             out = outs[i]
+            if out is None or row is None or row.transform != EXACT.name:
+                break  # no buffer (the caller's arena had no room), or not a frame: the rest
             if (
-                out is None  # no buffer for it (the caller's arena had no room): the rest
-                or row is None
-                or row.transform != EXACT.name
-                or row.nbytes != out.nbytes
+                row.nbytes != out.nbytes
                 or tuple(row.shape) != out.shape
                 or np.dtype(row.dtype) != out.dtype
             ):
-                break
+                return None  # refused by the pinned load, before any of it is read
             found.append((rec, tier))
             into.append(out)
             path = disks[tier].segment_file(row.seg)
@@ -310,4 +337,4 @@ def start(
         run = native.start_direct(frames, depth)
     except (ValueError, OverflowError):  # buffers O_DIRECT cannot fill: nothing read
         return None
-    return FrameLoad(core, lookup, outs, found, into, run, request_id, rest)
+    return FrameLoad(core, lookup, outs, found, into, run, request_id, reader)

@@ -676,7 +676,18 @@ class Reader:
         self, lookup: LookupResult, outs: Sequence[np.ndarray] | None, request_id: str
     ) -> LoadResult:
         """Read in the caller's thread, one batch per run of chunks in the same tier."""
-        items, vanished = self._start(lookup, outs)
+        items, vanished = self.read_pinned(lookup, outs)
+        return self.publish(items, len(lookup.hits), vanished, request_id)
+
+    def read_pinned(
+        self, lookup: LookupResult, outs: Sequence[np.ndarray | None] | None
+    ) -> tuple[list[_Item], int]:
+        """The reads of :meth:`load`, not published: the hits' replicas pinned (the call
+        counted among ``loads``) and read in the caller's thread, one batch per run of
+        chunks in the same tier. The caller publishes them (:meth:`publish`, under the
+        store's lock or not) or gives them up (:meth:`release`); a read that raises
+        leaves nothing pinned. Returns the items and how many hits were gone at once."""
+        items, vanished = self._start(lookup, outs)  # type: ignore[arg-type]
         verify = self.core.config.verify_dram_on_load
         try:
             i = 0
@@ -695,7 +706,12 @@ class Reader:
         except BaseException:
             self._unpin_all(items)
             raise
-        return self.publish(items, len(lookup.hits), vanished, request_id)
+        return items, vanished
+
+    def release(self, items: list[_Item]) -> None:
+        """Give up reads of :meth:`read_pinned` without publishing them: unpinned,
+        nothing counted loaded."""
+        self._unpin_all(items)
 
     def load_async(
         self,

@@ -383,6 +383,8 @@ def test_a_load_waited_after_the_store_closed_counts_nothing_lost(
     lk = _lookup(store, tokens)
     outs = _outs()
     threads = _tasks()
+    # process-wide pools started before (the lossless transform's, by another test) stay
+    pools = {t.name for t in threading.enumerate() if t.name.startswith("kvlife")}
     handle = store.load_frames(lk, outs)
     assert handle is not None
     assert all(handle.chunk(i) is not None for i in range(CHUNKS))
@@ -391,7 +393,9 @@ def test_a_load_waited_after_the_store_closed_counts_nothing_lost(
     with contextlib.suppress(StoreClosedError):
         res = handle.wait()
     time.sleep(0.2)  # a promotion submitted by the publication runs meanwhile
-    left = [t.name for t in threading.enumerate() if t.name.startswith("kvlife")]
+    left = [
+        t.name for t in threading.enumerate() if t.name.startswith("kvlife") and t.name not in pools
+    ]
     store = _open(path)
     try:
         life = store.info().lifetime_counters
@@ -418,10 +422,9 @@ def test_a_load_that_raises_counts_no_chunk_loaded(tmp_path: Path) -> None:
         plain = copy.deepcopy(store.counters)
         assert plain.tier("disk").loaded == before.tier("disk").loaded
         assert _loads_of(sink, "") == []
-        with pytest.raises(InvalidArgument):
-            handle = store.load_frames(lk, outs)
-            assert handle is not None
-            handle.wait()
+        # a buffer that does not fit its chunk: no frame load (the pinned load refuses
+        # it before reading into any buffer of its run), nothing counted
+        assert store.load_frames(lk, outs) is None
         after = store.counters
         assert _loads_of(sink, "") == [], "a LOAD in the ledger for a load that raised"
         assert after.tier("disk").loaded == plain.tier("disk").loaded
