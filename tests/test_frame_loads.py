@@ -37,6 +37,7 @@ from kvlife.native import frames as native
 from kvlife.results import LookupResult
 from kvlife.store import KVStore
 from kvlife.tiers.buffers import aligned_empty
+from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.disk.frame import HEADER_BYTES
 from tests.conftest import budget
 
@@ -64,7 +65,12 @@ def _chunks(kv: np.ndarray) -> list[bytes]:
     ]
 
 
-def _open(path: Path, promote: bool = False, sink: MemorySink | None = None) -> KVStore:
+def _open(
+    path: Path,
+    promote: bool = False,
+    sink: MemorySink | None = None,
+    fileio: FileIO | None = None,
+) -> KVStore:
     return KVStore.open(
         path,
         dram_bytes=1 << 22,
@@ -73,6 +79,7 @@ def _open(path: Path, promote: bool = False, sink: MemorySink | None = None) -> 
         promote_on_hit=promote,
         write_through=True,
         sink=sink,
+        fileio=fileio,
     )
 
 
@@ -407,15 +414,7 @@ def test_a_store_whose_fileio_reads_another_way_is_never_read_around(
     faults, a stall) is read through it: no frame load goes around it, and an injected
     read error is a counted miss of the store's load, not bytes read natively."""
     io = FaultyIO()
-    store = KVStore.open(
-        tmp_path / "s",
-        dram_bytes=1 << 22,
-        disk_bytes=1 << 24,
-        segment_bytes=1 << 20,
-        promote_on_hit=False,
-        write_through=True,
-        fileio=io,
-    )
+    store = _open(tmp_path / "s", fileio=io)
     try:
         tokens, stored = _on_disk(store, 22)
         lk = _lookup(store, tokens)

@@ -365,23 +365,11 @@ def test_a_transformed_disk_replica_is_never_read_as_an_exact_frame(tmp_path: Pa
 # --------------------------------------------------------------------------- the FileIO seam
 
 
-def _faulty_store(path: Path, io: FileIO) -> KVStore:
-    return KVStore.open(
-        path,
-        dram_bytes=1 << 22,
-        disk_bytes=1 << 24,
-        segment_bytes=1 << 20,
-        promote_on_hit=False,
-        write_through=True,
-        fileio=io,
-    )
-
-
 def test_a_stalled_fileio_holds_the_embedded_load(tmp_path: Path) -> None:
     """A FaultyIO stalling ``preadv``: the load into aligned buffers waits in the stall
     (it reads through the seam, never around it), then returns the stored bytes."""
     io = FaultyIO()
-    store = _faulty_store(tmp_path / "s", io)
+    store = _open(tmp_path / "s", fileio=io)
     try:
         tokens, stored = _on_disk(store, 34)
         lk = store.lookup(IDENT, PUBLIC, tokens)
