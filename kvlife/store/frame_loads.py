@@ -161,8 +161,9 @@ class FrameLoad:
         the counted ones are read by the store's pinned load first (a read that raises
         counts nothing loaded), and published with the frame-read chunks under one
         lock, where those are checked INDEXED again: a chunk invalidated (or put again
-        with other KV) while the rest was read ends the result there, the rest given up
-        unread, so no result holds chunks of two puts."""
+        with other KV) while the rest was read ends the result there, the rest's reads
+        given up unpublished (unpinned, not counted loaded), so no result holds chunks
+        of two puts."""
         core, hits = self._core, self._lookup.hits
         n = len(hits)
         with core.lock:
