@@ -188,7 +188,7 @@ class FrameLoad:
                     self._reader.release(read[0])  # its call was counted among loads
             else:
                 core.counters.loads += 1
-            vanished = 1 if loaded < (verified if read is None else live) else 0
+            vanished = 1 if loaded < verified else 0  # (a rest was read only if live == verified)
             if rest is None:
                 core.counters.vanished += vanished
             took = self._found[:loaded]
