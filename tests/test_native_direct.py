@@ -39,14 +39,17 @@ pytestmark = pytest.mark.skipif(
 SIZES = [8192, 4096 * 5, 4096, 4096 * 3]
 
 
-def _frames(tmp_path: Path) -> tuple[list[native.DirectFrame], list[np.ndarray], list[bytes]]:
-    """Four frames stored by a real disk tier (closed after): each as a direct run
-    reads it, into its own aligned buffer, and the payloads stored."""
+def _frames(
+    tmp_path: Path, sizes: list[int] = SIZES
+) -> tuple[list[native.DirectFrame], list[np.ndarray], list[bytes]]:
+    """Frames of ``sizes`` (whole pages; default four small ones) stored by a real disk
+    tier (closed after): each as a direct run reads it, into its own aligned buffer,
+    and the payloads stored."""
     tier = DiskTier(tmp_path / "store" / "disk", DiskTierConfig(64 << 20, direct_io=False))
     rng = np.random.default_rng(7)
-    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in SIZES]
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     metas = [
-        ReplicaMeta(ChunkKey(bytes([i]) * 30 + b"nd"), "uint8", (n,)) for i, n in enumerate(SIZES)
+        ReplicaMeta(ChunkKey(bytes([i]) * 30 + b"nd"), "uint8", (n,)) for i, n in enumerate(sizes)
     ]
     res = tier.prepare_store(metas)
     assert isinstance(res, Reservation)
@@ -54,7 +57,7 @@ def _frames(tmp_path: Path) -> tuple[list[native.DirectFrame], list[np.ndarray],
     tier.close()
     by_key = {f.key: f for f in scan_frames(tmp_path / "store")}
     frames: list[native.DirectFrame] = []
-    outs = [aligned_empty(n) for n in SIZES]
+    outs = [aligned_empty(n) for n in sizes]
     for meta, out in zip(metas, outs, strict=True):
         f = by_key[meta.key]
         with open(f.segment, "rb") as fh:
@@ -95,6 +98,46 @@ def test_a_truncated_segment_ends_the_count_at_the_frame_it_cut(tmp_path: Path) 
     path, off = frames[3][0], frames[3][1]
     truncate(Path(path), off + HEADER_BYTES + 10)
     assert _start(frames).finish() == 3
+
+
+BIG = [8192, 8 << 20]
+"""A run whose last frame is read in pieces (``read_split``): 4 MiB with the header,
+then 2 MiB, 1 MiB, 512 KiB and 512 KiB."""
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["none", "payload-first", "payload-edge", "payload-last", "header", "checksum", "truncate"],
+)
+def test_a_last_frame_read_in_pieces_counts_only_if_every_piece_verifies(
+    tmp_path: Path, damage: str
+) -> None:
+    """The run's last frame, larger than ``SPLIT_BYTES``, is read in pieces and hashed
+    as they land: a byte flipped in its first piece, on a piece's edge or in its last
+    byte, a header byte, a row naming another checksum, the file cut inside it: each
+    ends the count before it, as when the frame is verified whole; intact, its bytes
+    are the stored ones."""
+    frames, outs, stored = _frames(tmp_path, BIG)
+    path, off, _, nbytes, header, _ = frames[1]
+    where = {"payload-first": 0, "payload-edge": (4 << 20) - 1, "payload-last": nbytes - 1}
+    if damage in where:
+        flip(Path(path), off + HEADER_BYTES + where[damage], 1)
+    elif damage == "header":
+        flip(Path(path), off + 8, 1)
+    elif damage == "checksum":
+        frames[1] = (path, off, outs[1], nbytes, header, bytes(16))
+    elif damage == "truncate":
+        truncate(Path(path), off + HEADER_BYTES + (5 << 20))
+    for _ in range(3):  # until the caller reached the big frame while it was being read
+        before = native.streamed()
+        assert _start(frames).finish() == (2 if damage == "none" else 1)
+        assert outs[0].tobytes() == stored[0]
+        if damage == "none":
+            assert outs[1].tobytes() == stored[1]
+        if native.streamed() == before + 1:
+            break
+    else:
+        raise AssertionError("three runs and the 8 MiB frame was never verified as it landed")
 
 
 def test_the_header_must_be_the_named_one_byte_for_byte(tmp_path: Path) -> None:

@@ -97,6 +97,36 @@ def test_the_hash_address_hashes_as_xxhash(data: bytes) -> None:
     assert module.xxh3_128(data, addr) == xxhash.xxh3_128_digest(data)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.binary(min_size=0, max_size=5000), st.integers(1, 6000))
+def test_the_streaming_hash_hashes_as_xxhash_in_pieces_of_any_size(data: bytes, piece: int) -> None:
+    """The streaming xxh3-128 a split frame is verified with (set from the same xxhash
+    extension, checked at load): the digest of the bytes fed piece by piece is
+    xxhash's digest of them whole, for any piece size."""
+    module = native.native_module()
+    assert module is not None
+    assert module.xxh3_128_stream(data, piece) == xxhash.xxh3_128_digest(data)
+
+
+def test_the_streaming_hash_is_set_whole_or_not_at_all() -> None:
+    """``set_stream`` takes five addresses or five zeros (a partial set would call a
+    null function in a run); a run started without it verifies every frame whole."""
+    module = native.native_module()
+    assert module is not None
+    addrs = native._stream_addresses()
+    assert addrs is not None, "the xxhash extension exports no streaming xxh3-128"
+    with pytest.raises(ValueError, match="five"):
+        module.set_stream(addrs[0], 0, 0, 0, 0)
+    try:
+        module.set_stream(0, 0, 0, 0, 0)
+        with pytest.raises(ValueError, match="no streaming"):
+            module.xxh3_128_stream(b"abc", 1)
+    finally:
+        module.set_stream(*addrs)
+    with pytest.raises(ValueError, match="piece"):
+        module.xxh3_128_stream(b"abc", 0)
+
+
 def _tier(path: Path, io_depth: int = 4) -> DiskTier:
     return DiskTier(path, DiskTierConfig(64 << 20, direct_io=False, io_depth=io_depth))
 
@@ -203,6 +233,103 @@ def test_both_paths_hand_out_the_same(
                         assert not r.flags.writeable
             got[native_on] = [_kind(r) for r in res]
         assert got[True] == got[False]
+    finally:
+        tier.close()
+
+
+SPLIT_DAMAGE = ["none", "payload", "header", "padding", "truncate"]
+
+
+@pytest.fixture
+def streaming() -> Iterator[Callable[[bool], None]]:
+    """Turn the extension's streaming hash off and on (on again after the test)."""
+    module = native.native_module()
+    addrs = native._stream_addresses()
+    assert module is not None and addrs is not None
+
+    def switch(on: bool) -> None:
+        module.set_stream(*(addrs if on else (0, 0, 0, 0, 0)))
+
+    yield switch
+    switch(True)
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    first=st.integers(0, 3 * 4096),
+    last=st.integers(native.SPLIT_BYTES + 1, 3 * native.SPLIT_BYTES + 4095),
+    damage=st.sampled_from(SPLIT_DAMAGE),
+    where=st.integers(0, 1 << 30),
+)
+@example(first=4096, last=native.SPLIT_BYTES + 1, damage="payload", where=native.SPLIT_BYTES)
+@example(first=0, last=3 * native.SPLIT_BYTES, damage="truncate", where=0)
+@example(first=0, last=3 * native.SPLIT_BYTES, damage="payload", where=768 << 10)  # piece 2
+@example(first=0, last=3 * native.SPLIT_BYTES, damage="payload", where=(768 << 10) - 1)
+@example(first=0, last=3 * native.SPLIT_BYTES, damage="payload", where=3 * native.SPLIT_BYTES - 1)
+def test_a_last_frame_read_in_pieces_is_handed_out_as_the_python_path_hands_it_out(
+    tmp_path_factory: pytest.TempPathFactory,
+    both_paths: dict[str, bool],
+    streaming: Callable[[bool], None],
+    first: int,
+    last: int,
+    damage: str,
+    where: int,
+) -> None:
+    """A run's last frame larger than ``SPLIT_BYTES`` is read in pieces and hashed as
+    they land (``read_split``, ``stream_check``): damaged anywhere in any piece (a
+    payload byte, on either side of a piece's edge too, a header byte, the file cut
+    inside it) it is the same typed miss as the Python path's and as the native path's
+    without the streaming hash; intact or damaged only in its padding, the same bytes."""
+    tier = _tier(tmp_path_factory.mktemp("split"), io_depth=2)
+    try:
+        keys, arrays = _stored(tier, [first, last], seed=where % 251)
+        path, off, nbytes = _segment_path(tier, keys[1])
+        bad = damage not in ("none", "padding")
+        if damage == "payload":
+            flip(path, off + HEADER_BYTES + where % nbytes, 1)
+        elif damage == "header":
+            flip(path, off + where % HEADER_USED, 1)
+        elif damage == "padding" and nbytes % 4096:
+            flip(path, off + HEADER_BYTES + nbytes, 1)
+        elif damage == "truncate":
+            truncate(path, off + HEADER_BYTES + where % nbytes)
+        got = []
+        for native_on, stream_on in ((True, True), (True, False), (False, False)):
+            both_paths["native"] = native_on
+            streaming(stream_on)
+            res = tier.read_batch(keys, [np.zeros(first, np.uint8), np.zeros(last, np.uint8)])
+            assert isinstance(res[0], np.ndarray) and np.array_equal(res[0], arrays[0])
+            if bad:
+                assert isinstance(res[1], ChecksumMismatch), (damage, res[1])
+            else:
+                assert isinstance(res[1], np.ndarray) and np.array_equal(res[1], arrays[1])
+            got.append([_kind(r) for r in res])
+        assert got[0] == got[1] == got[2]
+    finally:
+        tier.close()
+
+
+def test_a_runs_large_last_frame_is_verified_as_its_pieces_land(tmp_path: Path) -> None:
+    """The streaming path is the one taken: a run whose last frame is several MiB (the
+    caller reaches it while it is still being read) counts as streamed, and the frames
+    come back whole; a run of frames of at most ``SPLIT_BYTES`` streams none."""
+    tier = _tier(tmp_path / "t", io_depth=2)
+    try:
+        keys, arrays = _stored(tier, [4096, 8 << 20])
+        before = native.streamed()
+        for _ in range(3):
+            res = tier.read_batch(keys, None)
+            assert all(np.array_equal(r, a) for r, a in zip(res, arrays, strict=True))  # type: ignore[arg-type]
+        assert native.streamed() > before
+        small, small_arrays = _stored(tier, [4096, native.SPLIT_BYTES], seed=3)
+        before = native.streamed()
+        res = tier.read_batch(small, None)
+        assert all(np.array_equal(r, a) for r, a in zip(res, small_arrays, strict=True))  # type: ignore[arg-type]
+        assert native.streamed() == before
     finally:
         tier.close()
 
