@@ -102,7 +102,7 @@ def test_a_truncated_segment_ends_the_count_at_the_frame_it_cut(tmp_path: Path) 
 
 BIG = [8192, 8 << 20]
 """A run whose last frame is read in pieces (``read_split``): 4 MiB with the header,
-then 2 MiB, 1 MiB, 512 KiB and 512 KiB."""
+then 2 MiB, 1 MiB, 512 KiB, 256 KiB and 256 KiB."""
 
 
 @pytest.mark.parametrize(
@@ -138,6 +138,54 @@ def test_a_last_frame_read_in_pieces_counts_only_if_every_piece_verifies(
             break
     else:
         raise AssertionError("three runs and the 8 MiB frame was never verified as it landed")
+
+
+@pytest.mark.parametrize("damage", ["none", "payload-last", "header"])
+def test_progress_tells_the_landed_bytes_of_a_frame_read_in_pieces_before_it_verified(
+    tmp_path: Path, damage: str
+) -> None:
+    """``progress(at_least)``: bytes of the next frame to step that landed and were
+    hashed (the stored ones), at least ``at_least`` while it is read, not yet verified:
+    ``step()`` still decides. 0 for a frame read whole, and for one whose header
+    differs (nothing of it is worth copying); a damaged last byte is told as landed,
+    then fails its step."""
+    frames, outs, stored = _frames(tmp_path, BIG)
+    path, off, _, nbytes, _, _ = frames[1]
+    if damage == "payload-last":
+        flip(Path(path), off + HEADER_BYTES + nbytes - 1, 1)
+    elif damage == "header":
+        flip(Path(path), off + 8, 1)
+    for _ in range(3):  # until frame 1 was still being read when asked
+        run = _start(frames)
+        assert run.progress(1) == 0  # frame 0 (8 KiB) is read whole
+        assert run.step()
+        got = run.progress(1)
+        if got == 0 and damage != "header":
+            run.close()  # it landed before it was asked for: verified whole by step
+            continue
+        if damage == "header":
+            assert got == 0
+            assert not run.step()
+            assert run.finish() == 1
+            return
+        assert 0 < got <= nbytes
+        assert outs[1].tobytes()[:got] == stored[1][:got]
+        more = run.progress(min(nbytes, got + 1))
+        # more landed; or its read ended meanwhile and it was verified: 0 if it failed
+        assert got <= more <= nbytes or (damage != "none" and more == 0)
+        assert run.step() is (damage == "none")
+        assert run.finish() == (2 if damage == "none" else 1)
+        if damage == "none":
+            assert outs[1].tobytes() == stored[1]
+        with pytest.raises(RuntimeError, match="finished"):
+            run.progress(1)
+        break
+    else:
+        raise AssertionError("three runs and frame 1 had always landed when asked")
+    run = _start(frames)
+    with pytest.raises(ValueError, match="at least one byte"):
+        run.progress(0)
+    run.close()
 
 
 def test_the_header_must_be_the_named_one_byte_for_byte(tmp_path: Path) -> None:

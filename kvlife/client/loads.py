@@ -354,19 +354,42 @@ class Loads:
             args["request_id"] = request_id
         arrays: list[np.ndarray] = []
         view = self.wire.view
+        landing = _Early()
 
         def take(conn: Connection, i: int, off: int, dtype: str, shape: Sequence[int]) -> None:
             src = view(conn, off, dtype, shape)
-            if outs is not None:
+            start, held = landing.taken(i, off, src)
+            if held is not None:  # its first bytes copied as they landed: the rest
+                _copy_bytes(held, src, start, src.nbytes)
+                out = held
+            elif outs is not None:
                 out = copies.copy_into(outs[i], src)
             else:
                 out = np.empty(src.shape, src.dtype)
                 np.copyto(out, src)
+            if outs is None:
                 out.flags.writeable = False
             del src
             arrays.append(out)
             if on_chunk is not None:
                 on_chunk(i, out)
+
+        def on_landed(conn: Connection, p: list[Any]) -> None:
+            # the first bytes of the chunk being read, landed but not verified yet:
+            # copied now, kept only if the chunk's own part follows (take)
+            i, off, dtype, shape, upto = replies.landed_part(p)
+            if i != len(arrays) or i >= len(hits):
+                raise errors.ProtocolError(f"landed bytes of chunk {i} out of order")
+            src = view(conn, off, dtype, shape)
+            if upto > src.nbytes:
+                raise errors.ProtocolError(
+                    f"landed part of {upto} bytes for a chunk of {src.nbytes}"
+                )
+            dst = landing.target(i, off, src, outs[i] if outs is not None else None)
+            if dst is not None:
+                _copy_bytes(dst, src, landing.upto, upto)
+                landing.upto = max(landing.upto, upto)
+            del src
 
         def part(conn: Connection, p: list[Any]) -> None:
             if "into" in args:
@@ -380,6 +403,9 @@ class Loads:
                 if on_chunk is not None:
                     on_chunk(i, outs[i])
                 return
+            if isinstance(p, list | tuple) and len(p) == 5:
+                on_landed(conn, list(p))
+                return
             # a chunk read from disk, sent as soon as it verified: copied while the
             # server reads the next ones
             i, off, dtype, shape = replies.part(p)
@@ -388,6 +414,8 @@ class Loads:
             take(conn, i, off, dtype, shape)
 
         args["stream"] = True
+        if outs is None or all(o.flags.c_contiguous for o in outs):
+            args["early"] = True  # landed bytes of a chunk being read copied meanwhile
         copied: list[np.ndarray] = []
         after = None
         if early is not None and outs is not None:
@@ -529,3 +557,48 @@ def _result(arrays: list[np.ndarray], done: replies.Outcome) -> LoadResult:
         vanished=done.vanished,
         read_errors=done.read_errors,
     )
+
+
+class _Early:
+    """The chunk whose landed bytes a streamed load copied before it verified (parts
+    ``[i, offset, dtype, shape, bytes]``): where they went and how many. Its own part
+    (``take``) copies only the rest, into the same array, if it names the same extent;
+    anything else starts that chunk's copy over."""
+
+    __slots__ = ("chunk", "dst", "off", "upto")
+
+    def __init__(self) -> None:
+        self.chunk = -1
+        self.off = -1
+        self.dst: np.ndarray | None = None
+        self.upto = 0
+
+    def target(
+        self, i: int, off: int, src: np.ndarray, out: np.ndarray | None
+    ) -> np.ndarray | None:
+        """The array chunk ``i``'s landed bytes go into (the caller's buffer, or a new
+        array), or None where they are not copied early (a buffer that does not fit
+        the chunk: its own part raises that)."""
+        if (i, off) != (self.chunk, self.off) or self.dst is None:
+            dst = out if out is not None else np.empty(src.shape, src.dtype)
+            fits = dst.shape == src.shape and dst.dtype == src.dtype and dst.flags.c_contiguous
+            self.chunk, self.off, self.upto = i, off, 0
+            self.dst = dst if fits and dst.flags.writeable else None
+        return self.dst
+
+    def taken(self, i: int, off: int, src: np.ndarray) -> tuple[int, np.ndarray | None]:
+        """Where chunk ``i``'s copy from ``src`` starts: after its early bytes, into
+        the array that holds them, when they were copied from that extent; else 0."""
+        held, upto = self.dst, self.upto
+        same = (i, off) == (self.chunk, self.off) and held is not None
+        self.chunk, self.off, self.dst, self.upto = -1, -1, None, 0
+        if not same or held is None or held.shape != src.shape or held.dtype != src.dtype:
+            return 0, None
+        return upto, held
+
+
+def _copy_bytes(dst: np.ndarray, src: np.ndarray, start: int, end: int) -> None:
+    """Bytes ``start`` to ``end`` of C-contiguous ``src`` into the same bytes of ``dst``."""
+    if end > start:
+        flat = dst.reshape(-1).view(np.uint8)
+        flat[start:end] = src.reshape(-1).view(np.uint8)[start:end]

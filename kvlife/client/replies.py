@@ -89,6 +89,23 @@ def part(p: Any) -> tuple[int, int, str, tuple[int, ...]]:
     return p[0], off, dtype, shape
 
 
+def landed_part(p: Any) -> tuple[int, int, str, tuple[int, ...], int]:
+    """A streamed chunk's landed bytes, told before it verified: [chunk number, offset,
+    dtype, shape, bytes landed] (bytes > 0)."""
+    if (
+        not isinstance(p, list | tuple)
+        or len(p) != 5
+        or type(p[0]) is not int
+        or type(p[4]) is not int
+        or p[4] <= 0
+    ):
+        raise ProtocolError(
+            f"load's landed part is not [chunk, offset, dtype, shape, bytes]: {p!r:.64}"
+        )
+    off, dtype, shape = extent(p[1:4], "load's landed part")
+    return p[0], off, dtype, shape, p[4]
+
+
 def part_into(p: Any) -> int:
     """A load into shared buffers' partial reply: [chunk number], the chunk verified in
     its buffer."""

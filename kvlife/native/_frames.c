@@ -59,6 +59,11 @@ typedef struct {
     int split;           /* read in pieces, each announced as it lands (see read_split) */
     int streamed;        /* being verified piece by piece as it lands (under the lock) */
     Py_ssize_t landed;   /* bytes of the body landed so far, of a split frame (under lock) */
+    /* the streaming hash of a streamed frame, kept between the caller's calls (only the
+     * caller that streams it touches these) */
+    void *st;
+    Py_ssize_t hashed; /* payload bytes hashed so far */
+    int header;        /* -1 not landed yet, 0 differs from the row's, 1 the same */
 } frame_t;
 
 enum { READING = 0, LANDED = 1, CHECKING = 2, CHECKED = 3 };
@@ -119,7 +124,7 @@ static Py_ssize_t frames_streamed; /* frames verified piece by piece (streamed()
 /* Bytes of the next piece of a split frame's body, of `rest` still to read (whole pages
  * but for the last piece, which takes the rest). */
 static Py_ssize_t piece_len(Py_ssize_t rest) {
-    if (rest <= 2 * PIECE_BYTES) return rest;
+    if (rest <= PIECE_BYTES) return rest;
     Py_ssize_t half = (rest / 2) & ~(Py_ssize_t)4095;
     return half < PIECE_BYTES ? PIECE_BYTES : half;
 }
@@ -219,52 +224,69 @@ static void verify_frame(frame_t *f, xxh3_128_fn hash) {
     if (!sum_same(f, hash(f->body.buf, (size_t)f->nbytes))) f->status = CHECKSUM_MISMATCH;
 }
 
-/* Verify split frame f as its pieces land, claimed by the caller (streamed), the run's
+/* Hash split frame f as its pieces land, claimed by the caller (streamed), the run's
  * lock held on entry and on return (released while hashing): its header once the first
- * piece landed, its payload piece by piece into one xxh3-128 state, the digest once the
- * reader is done with it. The frame is CHECKED on return, with the status verify_frame
- * would give it; or, where no state could be made, still unchecked and not streamed
- * (the caller verifies it whole). */
-static void stream_check(run_t *r, frame_t *f) {
+ * piece landed, its payload piece by piece into one xxh3-128 state kept with the frame.
+ * Returns once at least `until` payload bytes are hashed while the frame is still being
+ * read (its header the row's; 0: never), or the read ended: then the frame is verified
+ * (CHECKED, with the status verify_frame would give it). Where no state could be made,
+ * the frame is left unchecked and not streamed (the caller verifies it whole). */
+static void stream_check(run_t *r, frame_t *f, Py_ssize_t until) {
     const stream_t *fn = &r->stream;
-    void *st = fn->create();
-    if (st == NULL || fn->reset(st) != 0) {
-        if (st != NULL) fn->free(st);
-        f->streamed = 0;
-        return;
+    if (f->st == NULL) {
+        void *st = fn->create();
+        if (st == NULL || fn->reset(st) != 0) {
+            if (st != NULL) fn->free(st);
+            f->streamed = 0;
+            return;
+        }
+        f->st = st;
+        f->hashed = 0;
+        f->header = -1;
     }
-    Py_ssize_t hashed = 0;
-    int header = -1; /* not landed yet; then 0 (differs) or 1 (the same) */
     for (;;) {
         Py_ssize_t upto, landed;
         for (;;) {
             landed = f->landed;
             upto = landed < f->nbytes ? landed : f->nbytes;
             if (f->stage != READING) break;
-            if (header < 0 && landed > 0) break;
-            if (header == 1 && upto > hashed) break;
+            if (until > 0 && (f->header == 0 || f->hashed >= until)) return;
+            if (f->header < 0 && landed > 0) break;
+            if (f->header == 1 && upto > f->hashed) break;
             pthread_cond_wait(&r->cond, &r->lock);
         }
         int finished = f->stage != READING;
         pthread_mutex_unlock(&r->lock);
-        if (header < 0 && landed > 0) header = header_same(f);
-        if (header == 1 && upto > hashed) {
-            fn->update(st, (const char *)f->body.buf + hashed, (size_t)(upto - hashed));
-            hashed = upto;
+        if (f->header < 0 && landed > 0) f->header = header_same(f);
+        if (f->header == 1 && upto > f->hashed) {
+            fn->update(f->st, (const char *)f->body.buf + f->hashed, (size_t)(upto - f->hashed));
+            f->hashed = upto;
         }
         pthread_mutex_lock(&r->lock);
         if (finished) break;
     }
     if (f->status == OK) {
-        if (header != 1)
+        if (f->header != 1)
             f->status = HEADER_DIFFERS;
-        else if (hashed < f->nbytes || !sum_same(f, fn->digest(st)))
+        else if (f->hashed < f->nbytes || !sum_same(f, fn->digest(f->st)))
             f->status = CHECKSUM_MISMATCH;
     }
-    fn->free(st);
+    fn->free(f->st);
+    f->st = NULL;
     __atomic_fetch_add(&frames_streamed, 1, __ATOMIC_RELAXED);
     f->stage = CHECKED;
     pthread_cond_broadcast(&r->cond);
+}
+
+/* Free the streaming states a run's frames still hold (a run stopped between a
+ * progress() and the step() that would have finished the frame's hash). */
+static void free_streams(run_t *r) {
+    for (Py_ssize_t k = 0; k < r->n; k++) {
+        if (r->frames[k].st != NULL) {
+            r->stream.free(r->frames[k].st);
+            r->frames[k].st = NULL;
+        }
+    }
 }
 
 /* Mark the run's last frame split when it is larger than SPLIT_BYTES and the run has the
@@ -324,9 +346,9 @@ static void *reader(void *arg) {
 static void await_checked(run_t *r, Py_ssize_t i) {
     pthread_mutex_lock(&r->lock);
     frame_t *f = &r->frames[i];
-    if (f->split && f->stage == READING) { /* verified as it lands */
-        f->streamed = 1;
-        stream_check(r, f);
+    if (f->split && f->stage != CHECKED && (f->stage == READING || f->streamed)) {
+        f->streamed = 1; /* verified as it lands (or on from where progress() left it) */
+        stream_check(r, f, 0);
     }
     while (r->frames[i].stage == READING) pthread_cond_wait(&r->cond, &r->lock);
     if (r->frames[i].stage == LANDED) {
@@ -495,6 +517,7 @@ static PyObject *read_run(PyObject *self, PyObject *args) {
     for (int t = 0; t < started; t++) pthread_join(threads[t], NULL);
     Py_END_ALLOW_THREADS
 
+    free_streams(&run);
     pthread_cond_destroy(&run.cond);
     pthread_mutex_destroy(&run.lock);
     release_frames(frames, n);
@@ -569,6 +592,7 @@ static void direct_stop(DirectRun *d) {
 /* With the interpreter lock held, after direct_stop. */
 static void direct_release(DirectRun *d) {
     if (d->sync_ready) {
+        free_streams(&d->run);
         pthread_cond_destroy(&d->run.cond);
         pthread_mutex_destroy(&d->run.lock);
         d->sync_ready = 0;
@@ -659,6 +683,44 @@ static PyObject *direct_step(DirectRun *d, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_TRUE;
 }
 
+/* progress(at_least) -> bytes of the next frame to step that landed and were hashed,
+ * once at least `at_least` were or its read ended (then it is verified: its whole
+ * payload if it verified, 0 if not): not verified until step() says so. 0 where that
+ * frame is not split, was not being read when first asked (it is verified whole), its
+ * header differs, or no frame is left to step. Hashes what lands meanwhile, with the
+ * interpreter lock released, so a later step() only finishes the hash. */
+static PyObject *direct_progress(DirectRun *d, PyObject *arg) {
+    Py_ssize_t at_least = PyLong_AsSsize_t(arg);
+    if (at_least == -1 && PyErr_Occurred()) return NULL;
+    if (d->done || d->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "this direct run is finished or being finished");
+        return NULL;
+    }
+    if (at_least < 1) {
+        PyErr_Format(PyExc_ValueError, "progress(%zd): at least one byte", at_least);
+        return NULL;
+    }
+    if (d->failed || d->good >= d->opened || d->started == 0) return PyLong_FromLong(0);
+    frame_t *f = &d->frames[d->good];
+    if (!f->split) return PyLong_FromLong(0);
+    Py_ssize_t got = 0;
+    d->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&d->run.lock);
+    if (f->stage != CHECKED && (f->stage == READING || f->streamed)) {
+        f->streamed = 1;
+        stream_check(&d->run, f, at_least);
+        if (f->stage == CHECKED)
+            got = f->status == OK ? f->nbytes : 0;
+        else if (f->streamed && f->header == 1)
+            got = f->hashed;
+    }
+    pthread_mutex_unlock(&d->run.lock);
+    Py_END_ALLOW_THREADS
+    d->busy = 0;
+    return PyLong_FromSsize_t(got);
+}
+
 /* finish() -> how many frames, from the first, read whole and verified (the first that
  * did not ends the count, and the reads after it are not started); the run is spent.
  * Frames step() verified are counted without a second check. */
@@ -700,6 +762,8 @@ static PyMethodDef direct_methods[] = {
     {"finish", (PyCFunction)direct_finish, METH_NOARGS,
      "finish() -> frames verified from the first; the run is spent."},
     {"close", (PyCFunction)direct_close, METH_NOARGS, "close(): stop without verifying."},
+    {"progress", (PyCFunction)direct_progress, METH_O,
+     "progress(at_least): bytes of the next frame landed and hashed, not yet verified."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1069,6 +1133,7 @@ PyMODINIT_FUNC PyInit__frames(void) {
         PyModule_AddIntConstant(m, "TRUNCATED", TRUNCATED) ||
         PyModule_AddIntConstant(m, "READ_ERROR", READ_ERROR) ||
         PyModule_AddIntConstant(m, "DIRECT_STEPS", 1) ||
+        PyModule_AddIntConstant(m, "DIRECT_PROGRESS", 1) ||
         PyModule_AddIntConstant(m, "SPLIT_BYTES", (long)SPLIT_BYTES) ||
         PyModule_AddIntConstant(m, "PIECE_BYTES", (long)PIECE_BYTES)) {
         Py_DECREF(m);

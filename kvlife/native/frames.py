@@ -166,7 +166,15 @@ def _loaded() -> tuple[ModuleType, int] | None:
         or getattr(_frames, "SPLIT_BYTES", None) != SPLIT_BYTES
         or not all(
             hasattr(_frames, f)
-            for f in ("spans", "start_direct", "disjoint", "DIRECT_STEPS", "set_stream", "streamed")
+            for f in (
+                "spans",
+                "start_direct",
+                "disjoint",
+                "DIRECT_STEPS",
+                "DIRECT_PROGRESS",
+                "set_stream",
+                "streamed",
+            )
         )
     ):
         return None  # an extension built from another version of this file
@@ -244,6 +252,14 @@ class DirectRun(Protocol):
         """Verify the next frame in order, the interpreter lock released (the reads
         after it go on): whether it read whole and verified. False from the first that
         did not, and once every frame was stepped; the run is not spent."""
+        ...
+
+    def progress(self, at_least: int) -> int:
+        """Bytes of the next frame to step landed and hashed so far, once at least
+        ``at_least`` did or its read ended, the interpreter lock released (hashing
+        what lands meanwhile, as ``step`` would): not verified until ``step`` says so.
+        0 where that frame is not read in pieces (``SPLIT_BYTES``), already landed
+        whole, failed its header, or none is left to step."""
         ...
 
     def finish(self) -> int:

@@ -99,6 +99,9 @@ VERBS: dict[str, dict[str, Field]] = {
         "layout": Field("layout", _OPT),
         "into": Field("int_list", _OPT, 0, 1 << 21),
         "stream": Field("bool", _OPT),
+        # streamed: the landed bytes of the chunk being read may be told before it
+        # verified ([i, offset, dtype, shape, bytes] parts; kvlife.server.loads)
+        "early": Field("bool", _OPT),
         "request_id": Field("str", _OPT, 0, _MAX_STR),
         "accept": Field("accept", _OPT),
         "hints": Field("int_list", _OPT, 0, 1 << 21),

@@ -389,6 +389,8 @@ class StoreCore:
         doomed keys (and of their ancestors) that lead to nothing the index knows any
         more; a link that still leads to a chunk stays."""
         doomed = list(doomed)
+        if not doomed:  # nothing to delete, no link to forget (every put's commit: no lock)
+            return
         by_tier: dict[TierName, list[ChunkKey]] = {t.name: [] for t in self.chain}
         for tier_name, key in doomed:
             by_tier[tier_name].append(key)

@@ -125,6 +125,18 @@ class FrameLoad:
         res = self.wait()
         return res.arrays[i] if i < res.loaded else None
 
+    def landed(self, i: int, at_least: int) -> int:
+        """Bytes of chunk ``i``'s buffer landed from its frame so far, once at least
+        ``at_least`` did (or its read ended first), hashed but NOT verified yet: a
+        caller copying them out keeps the copy only if ``chunk(i)`` then returns this
+        buffer (a miss's buffer is never data). 0 where nothing can be told early:
+        ``i`` is not the next chunk to verify, or its frame is not read in pieces (the
+        run's last frame, larger than ``native.SPLIT_BYTES``), or it failed already.
+        The wait (the interpreter lock released) hashes what lands meanwhile."""
+        if self._result is not None or i != self._verified or i >= len(self._found):
+            return 0
+        return self._run.progress(at_least)
+
     def completed(self) -> int:
         """Leading chunks verified so far."""
         return self._verified

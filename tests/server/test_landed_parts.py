@@ -1,0 +1,193 @@
+"""A streamed load's landed bytes told before the chunk verified (issue 28): the chunk a
+frame load reads in pieces (the run's last, larger than ``native.SPLIT_BYTES``) has its
+landed bytes sent in parts ``[i, offset, dtype, shape, bytes]`` as they land, and the
+client copies them into the caller's buffer (or a new array) while the rest is read;
+its own part, once it verified, copies the rest. Real ``kvlife serve`` processes, real
+segment files. The contract: the bytes handed out are the stored ones; a chunk whose
+frame fails after its first bytes were copied is a counted miss, nothing of it kept;
+buffers the client cannot copy into byte by byte ask for no early parts; a malformed
+landed part is a ProtocolError."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvlife.client import RemoteStore, replies
+from kvlife.client import loads as client_loads
+from kvlife.core.errors import ProtocolError
+from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
+from kvlife.faults.damage import flip, scan_frames
+from kvlife.native import frames as native
+from kvlife.tiers.disk.frame import HEADER_BYTES
+from tests.conftest import prompt_kv
+from tests.server.conftest import MiB, ServerProc
+from tests.server.direct_rig import disk_server
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="the extension is not built (KVLIFE_NATIVE=0 or no compiler)"
+)
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype="float16", tokens_per_chunk=512)
+"""1 MiB chunks: the last frame of a load is read in pieces (more than SPLIT_BYTES)."""
+N = LAYOUT.tokens_per_chunk
+CHUNKS = 3
+IDENT = ModelIdentity(layout=LAYOUT, model_id="landed", weights_digest="w0", tokenizer_digest="t0")
+
+
+@pytest.fixture
+def srv(tmp_path: Path) -> Iterator[ServerProc]:
+    server = disk_server(tmp_path / "store", dram=8 * MiB, disk=64 * MiB)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(srv: ServerProc) -> Iterator[RemoteStore]:
+    c = srv.client()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def copied(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """The byte ranges the client copied out of extents in pieces (landed parts and the
+    rest after them), in order."""
+    seen: list[tuple[int, int]] = []
+    real = client_loads._copy_bytes
+
+    def spy(dst: np.ndarray, src: np.ndarray, start: int, end: int) -> None:
+        seen.append((start, end))
+        real(dst, src, start, end)
+
+    monkeypatch.setattr(client_loads, "_copy_bytes", spy)
+    return seen
+
+
+def _on_disk(store: RemoteStore, seed: int) -> tuple[np.ndarray, list[bytes]]:
+    tokens, kv = prompt_kv(seed, CHUNKS * N, LAYOUT)
+    store.put_prompt(IDENT, PUBLIC, tokens, kv)
+    store.flush()
+    store.evict("dram", 1 << 40)
+    chunks = [np.ascontiguousarray(kv[:, :, :, i * N : (i + 1) * N, :]) for i in range(CHUNKS)]
+    return tokens, [c.tobytes() for c in chunks]
+
+
+@pytest.mark.parametrize("into", ["buffers", "new arrays"])
+def test_the_last_chunks_landed_bytes_are_copied_before_it_verified(
+    client: RemoteStore, copied: list[tuple[int, int]], into: str
+) -> None:
+    """The load's last chunk arrives in pieces (landed parts, then the rest once it
+    verified), every byte the stored one; the chunks before it whole, as before."""
+    tokens, stored = _on_disk(client, 1)
+    size = len(stored[-1])
+    for _ in range(3):  # until the server reached the last frame while it was being read
+        copied.clear()
+        lk = client.lookup(IDENT, PUBLIC, tokens)
+        assert lk.tiers() == {"disk": CHUNKS}
+        outs = [np.zeros(LAYOUT.chunk_shape, np.float16) for _ in range(CHUNKS)]
+        res = client.load(lk, outs if into == "buffers" else None)
+        assert res.loaded == CHUNKS
+        assert [a.tobytes() for a in res.arrays] == stored
+        if into == "buffers":
+            assert all(a is o for a, o in zip(res.arrays, outs, strict=True))
+        else:
+            assert not any(a.flags.writeable for a in res.arrays)
+        if len(copied) >= 2:
+            break
+    else:
+        raise AssertionError(f"no landed part in three loads: {copied}")
+    # in order, contiguous, from 0 to the chunk's end: landed parts, then the rest
+    assert copied[0][0] == 0 and copied[-1][1] == size
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(copied))
+    assert copied[-1][1] - copied[-1][0] <= size // 2
+
+
+def test_a_chunk_whose_frame_fails_after_its_landed_bytes_were_copied_is_a_miss(
+    srv: ServerProc, client: RemoteStore, copied: list[tuple[int, int]]
+) -> None:
+    """The last payload byte of the last chunk's frame damaged on disk: its first bytes
+    land and are copied, then it fails its checksum: the load keeps the chunks before
+    it, counts it corrupt, and hands out nothing of it."""
+    tokens, stored = _on_disk(client, 2)
+    frames = sorted(scan_frames(srv.path), key=lambda f: (str(f.segment), f.offset))
+    last = frames[-1]
+    flip(last.segment, last.offset + HEADER_BYTES + len(stored[-1]) - 1, 1)
+    lk = client.lookup(IDENT, PUBLIC, tokens)
+    outs = [np.zeros(LAYOUT.chunk_shape, np.float16) for _ in range(CHUNKS)]
+    res = client.load(lk, outs)
+    assert res.loaded == CHUNKS - 1
+    assert [a.tobytes() for a in res.arrays] == stored[:-1]
+    assert len(res.corrupt) == 1
+    assert copied, "the damaged chunk's landed bytes were never copied"
+    assert copied[-1][1] < len(stored[-1])  # only landed parts: no rest after them
+
+
+def test_buffers_the_client_cannot_copy_into_by_bytes_ask_for_no_landed_parts(
+    client: RemoteStore, copied: list[tuple[int, int]]
+) -> None:
+    """A buffer that is not C-contiguous (a transposed view): the client does not ask for
+    landed parts, and the chunks are copied whole, every byte the stored one."""
+    tokens, stored = _on_disk(client, 3)
+    lk = client.lookup(IDENT, PUBLIC, tokens)
+    shape = LAYOUT.chunk_shape
+    outs = [np.zeros(shape[::-1], np.float16).T for _ in range(CHUNKS)]
+    assert not outs[0].flags.c_contiguous
+    res = client.load(lk, outs)
+    assert res.loaded == CHUNKS
+    assert [np.ascontiguousarray(a).tobytes() for a in res.arrays] == stored
+    assert copied == []
+
+
+@given(
+    st.one_of(
+        st.none(),
+        st.integers(),
+        st.lists(st.one_of(st.integers(-2, 1 << 40), st.text(max_size=3)), max_size=6),
+        st.tuples(
+            st.integers(-1, 3),
+            st.integers(-1, 1 << 20),
+            st.just("<f2"),
+            st.just([2, 2]),
+            st.integers(-1, 64),
+        ),
+    )
+)
+def test_a_landed_part_that_is_not_chunk_offset_dtype_shape_bytes_is_a_protocol_error(
+    p: object,
+) -> None:
+    """Whatever the server sends as a landed part: five fields of the right kinds with
+    a count of bytes > 0, or ProtocolError (never another exception)."""
+    try:
+        i, off, dtype, shape, upto = replies.landed_part(p)
+    except ProtocolError:
+        return
+    assert isinstance(i, int) and off >= 0 and upto > 0 and dtype and isinstance(shape, tuple)
+
+
+def test_the_rest_is_copied_after_landed_bytes_only_from_the_same_extent() -> None:
+    """The client's bookkeeping of a chunk's landed bytes (``_Early``): the rest starts
+    after them only for the same chunk and extent; another extent (the chunk re-read
+    elsewhere) or another chunk starts over at byte 0."""
+    src = np.arange(16, dtype=np.float16).reshape(4, 4)
+    out = np.zeros_like(src)
+    early = client_loads._Early()
+    dst = early.target(2, 4096, src, out)
+    assert dst is out
+    early.upto = 10
+    assert early.taken(2, 8192, src) == (0, None)  # another extent
+    dst = early.target(2, 4096, src, out)
+    early.upto = 10
+    assert early.taken(3, 4096, src) == (0, None)  # another chunk
+    early.target(2, 4096, src, out)
+    early.upto = 10
+    start, held = early.taken(2, 4096, src)
+    assert start == 10 and held is out
+    assert early.target(0, 0, src, np.zeros((4, 4), np.float32)) is None  # does not fit
+    assert early.target(0, 0, src, np.zeros((4, 4), np.float16).T) is None  # not C order
