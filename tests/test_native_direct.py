@@ -146,9 +146,9 @@ def test_progress_tells_the_landed_bytes_of_a_frame_read_in_pieces_before_it_ver
 ) -> None:
     """``progress(at_least)``: bytes of the next frame to step that landed and were
     hashed (the stored ones), at least ``at_least`` while it is read, not yet verified:
-    ``step()`` still decides. 0 for a frame read whole, and for one whose header
-    differs (nothing of it is worth copying); a damaged last byte is told as landed,
-    then fails its step."""
+    ``step()`` still decides. All of a frame read whole once it landed; 0 for a frame
+    whose header differs (nothing of it is worth copying); a damaged last byte is told
+    as landed, then fails its step."""
     frames, outs, stored = _frames(tmp_path, BIG)
     path, off, _, nbytes, _, _ = frames[1]
     if damage == "payload-last":
@@ -157,7 +157,8 @@ def test_progress_tells_the_landed_bytes_of_a_frame_read_in_pieces_before_it_ver
         flip(Path(path), off + 8, 1)
     for _ in range(3):  # until frame 1 was still being read when asked
         run = _start(frames)
-        assert run.progress(1) == 0  # frame 0 (8 KiB) is read whole
+        assert run.progress(1) == 8192  # frame 0 is read whole: all of it once it landed
+        assert outs[0].tobytes() == stored[0]
         assert run.step()
         got = run.progress(1)
         if got == 0 and damage != "header":
@@ -185,6 +186,31 @@ def test_progress_tells_the_landed_bytes_of_a_frame_read_in_pieces_before_it_ver
     run = _start(frames)
     with pytest.raises(ValueError, match="at least one byte"):
         run.progress(0)
+    run.close()
+
+
+@pytest.mark.parametrize("damage", ["none", "payload", "header", "truncate"])
+def test_progress_of_a_frame_read_whole_is_all_of_it_once_landed_unless_its_read_failed(
+    tmp_path: Path, damage: str
+) -> None:
+    """A frame read whole (not split): ``progress`` says all of its payload once it
+    landed whole with the row's header (a damaged payload byte too: only ``step``
+    hashes), 0 where its header differs or the file ends inside it."""
+    frames, outs, stored = _frames(tmp_path)
+    path, off, _, nbytes, _, _ = frames[1]
+    if damage == "payload":
+        flip(Path(path), off + HEADER_BYTES + 5, 1)
+    elif damage == "header":
+        flip(Path(path), off + 8, 1)
+    elif damage == "truncate":
+        truncate(Path(path), off + HEADER_BYTES + 10)
+    run = _start(frames)
+    assert run.step()
+    got = run.progress(1)
+    assert got == (0 if damage in ("header", "truncate") else nbytes)
+    if damage == "none":
+        assert outs[1].tobytes() == stored[1]
+    assert run.step() is (damage == "none")
     run.close()
 
 

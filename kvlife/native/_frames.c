@@ -683,12 +683,14 @@ static PyObject *direct_step(DirectRun *d, PyObject *Py_UNUSED(ignored)) {
     Py_RETURN_TRUE;
 }
 
-/* progress(at_least) -> bytes of the next frame to step that landed and were hashed,
- * once at least `at_least` were or its read ended (then it is verified: its whole
- * payload if it verified, 0 if not): not verified until step() says so. 0 where that
- * frame is not split, was not being read when first asked (it is verified whole), its
- * header differs, or no frame is left to step. Hashes what lands meanwhile, with the
- * interpreter lock released, so a later step() only finishes the hash. */
+/* progress(at_least) -> bytes of the next frame to step that landed, not verified until
+ * step() says so. A split frame: those hashed so far, once at least `at_least` were or
+ * its read ended (then it is verified: its whole payload if it verified, 0 if not),
+ * hashing what lands meanwhile, so a later step() only finishes the hash. A frame read
+ * whole: its whole payload once it landed whole (at_least aside). 0 where its header
+ * differs or its read failed, where a split frame was not being read when first asked
+ * (it is verified whole), or where no frame is left to step. The interpreter lock is
+ * released while it waits. */
 static PyObject *direct_progress(DirectRun *d, PyObject *arg) {
     Py_ssize_t at_least = PyLong_AsSsize_t(arg);
     if (at_least == -1 && PyErr_Occurred()) return NULL;
@@ -702,12 +704,15 @@ static PyObject *direct_progress(DirectRun *d, PyObject *arg) {
     }
     if (d->failed || d->good >= d->opened || d->started == 0) return PyLong_FromLong(0);
     frame_t *f = &d->frames[d->good];
-    if (!f->split) return PyLong_FromLong(0);
     Py_ssize_t got = 0;
     d->busy = 1;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&d->run.lock);
-    if (f->stage != CHECKED && (f->stage == READING || f->streamed)) {
+    if (!f->split) { /* read whole: its payload once it landed, read whole, its header the row's */
+        while (f->stage == READING || f->stage == CHECKING)
+            pthread_cond_wait(&d->run.cond, &d->run.lock);
+        if (f->status == OK && (f->stage == CHECKED || header_same(f))) got = f->nbytes;
+    } else if (f->stage != CHECKED && (f->stage == READING || f->streamed)) {
         f->streamed = 1;
         stream_check(&d->run, f, at_least);
         if (f->stage == CHECKED)

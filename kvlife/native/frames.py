@@ -255,11 +255,12 @@ class DirectRun(Protocol):
         ...
 
     def progress(self, at_least: int) -> int:
-        """Bytes of the next frame to step landed and hashed so far, once at least
-        ``at_least`` did or its read ended, the interpreter lock released (hashing
-        what lands meanwhile, as ``step`` would): not verified until ``step`` says so.
-        0 where that frame is not read in pieces (``SPLIT_BYTES``), already landed
-        whole, failed its header, or none is left to step."""
+        """Bytes of the next frame to step that landed, not verified until ``step`` says
+        so, the interpreter lock released while it waits. A frame read in pieces
+        (``SPLIT_BYTES``): those hashed so far, once at least ``at_least`` were or its
+        read ended (hashing what lands meanwhile, as ``step`` would). A frame read
+        whole: its whole payload once it landed. 0 where its header differs or its read
+        failed, a frame in pieces landed before it was asked, or none is left."""
         ...
 
     def finish(self) -> int:

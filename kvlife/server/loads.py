@@ -394,12 +394,14 @@ class Loads:
         before the publication: the client copies it meanwhile (sent with the final
         reply instead, 4 x 2 MiB loads took 0.24-0.30 ms longer in two paired runs).
 
-        ``early`` (the client asked for it): the chunk whose frame is read in pieces (a
-        frame load's last, :class:`~kvlife.store.frame_loads.FrameLoad.landed`) has its
-        landed bytes told as they land, before it verified, in parts ``[i, offset,
-        dtype, shape, bytes]``: the client copies them into the caller's buffer while
-        the rest is read, and keeps the copy only if chunk ``i``'s own part follows
-        (the last :data:`EARLY_REST` bytes or fewer are copied after it)."""
+        ``early`` (the client asked for it): each chunk a frame load reads has its
+        landed bytes told before it verified
+        (:meth:`~kvlife.store.frame_loads.FrameLoad.landed`), in parts ``[i, offset,
+        dtype, shape, bytes]``: a frame read whole once it landed, the one read in
+        pieces (the run's last) as they land. The client copies them into the caller's
+        buffer while the server verifies them and reads on, and keeps the copy only if
+        chunk ``i``'s own part follows (the last :data:`EARLY_REST` bytes or fewer of a
+        frame read in pieces are copied after it)."""
         ctx = self.ctx
         sent: list[np.ndarray] = []
         if ctx.part is None or not ctx.rid:
@@ -423,9 +425,9 @@ class Loads:
         self, landed: Callable[[int, int], int], i: int, out: np.ndarray, off: int | None
     ) -> None:
         """Parts telling the client how many bytes of chunk ``i`` landed in its extent
-        (``out``, at ``off``), at each half of what is left, until at most
-        :data:`EARLY_REST` are left or its frame was not read in pieces (``landed``
-        says 0): bytes the frame's hash has taken, not yet verified."""
+        (``out``, at ``off``), not yet verified: all of a frame read whole once it
+        landed; of one read in pieces, at each half of what is left until at most
+        :data:`EARLY_REST` are (``landed`` says 0: none, its read or header failed)."""
         ctx = self.ctx
         if off is None or ctx.part is None:
             return

@@ -129,10 +129,11 @@ class FrameLoad:
         """Bytes of chunk ``i``'s buffer landed from its frame so far, once at least
         ``at_least`` did (or its read ended first), hashed but NOT verified yet: a
         caller copying them out keeps the copy only if ``chunk(i)`` then returns this
-        buffer (a miss's buffer is never data). 0 where nothing can be told early:
-        ``i`` is not the next chunk to verify, or its frame is not read in pieces (the
-        run's last frame, larger than ``native.SPLIT_BYTES``), or it failed already.
-        The wait (the interpreter lock released) hashes what lands meanwhile."""
+        buffer (a miss's buffer is never data). A frame read in pieces (the run's last,
+        larger than ``native.SPLIT_BYTES``) tells them as they land (the wait hashes
+        what lands meanwhile); one read whole, all of them once it landed, before its
+        hash. 0 where nothing can be told early: ``i`` is not the next chunk to verify,
+        or its read or header failed already."""
         if self._result is not None or i != self._verified or i >= len(self._found):
             return 0
         return self._run.progress(at_least)

@@ -56,14 +56,14 @@ def client(srv: ServerProc) -> Iterator[RemoteStore]:
 
 
 @pytest.fixture
-def copied(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+def copied(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
     """The byte ranges the client copied out of extents in pieces (landed parts and the
-    rest after them), in order."""
-    seen: list[tuple[int, int]] = []
+    rest after them), in order: (the destination's data address, start, end)."""
+    seen: list[tuple[int, int, int]] = []
     real = client_loads._copy_bytes
 
     def spy(dst: np.ndarray, src: np.ndarray, start: int, end: int) -> None:
-        seen.append((start, end))
+        seen.append((dst.ctypes.data, start, end))
         real(dst, src, start, end)
 
     monkeypatch.setattr(client_loads, "_copy_bytes", spy)
@@ -80,14 +80,16 @@ def _on_disk(store: RemoteStore, seed: int) -> tuple[np.ndarray, list[bytes]]:
 
 
 @pytest.mark.parametrize("into", ["buffers", "new arrays"])
-def test_the_last_chunks_landed_bytes_are_copied_before_it_verified(
-    client: RemoteStore, copied: list[tuple[int, int]], into: str
+def test_landed_bytes_are_copied_before_the_chunk_verified(
+    client: RemoteStore, copied: list[tuple[int, int, int]], into: str
 ) -> None:
-    """The load's last chunk arrives in pieces (landed parts, then the rest once it
-    verified), every byte the stored one; the chunks before it whole, as before."""
+    """Each chunk's bytes are copied once they landed, before it verified: a chunk read
+    whole in one landed part (its own part copies nothing more), the last one, read in
+    pieces, in landed parts at halves of what is left and the rest after it verified;
+    every byte handed out is the stored one."""
     tokens, stored = _on_disk(client, 1)
     size = len(stored[-1])
-    for _ in range(3):  # until the server reached the last frame while it was being read
+    for _ in range(3):  # until the server reached the last frame while it was read
         copied.clear()
         lk = client.lookup(IDENT, PUBLIC, tokens)
         assert lk.tiers() == {"disk": CHUNKS}
@@ -99,18 +101,22 @@ def test_the_last_chunks_landed_bytes_are_copied_before_it_verified(
             assert all(a is o for a, o in zip(res.arrays, outs, strict=True))
         else:
             assert not any(a.flags.writeable for a in res.arrays)
-        if len(copied) >= 2:
+        by_chunk = [[(a, b) for d, a, b in copied if d == arr.ctypes.data] for arr in res.arrays]
+        for ranges in by_chunk[:-1]:  # read whole: landed whole, nothing left after
+            assert ranges == [(0, size), (size, size)]
+        last = [r for r in by_chunk[-1] if r[0] < r[1]]
+        if len(last) >= 2:  # a landed part at half of it (512 KiB), the rest after
             break
     else:
-        raise AssertionError(f"no landed part in three loads: {copied}")
+        raise AssertionError(f"the last chunk never came in landed pieces: {copied}")
     # in order, contiguous, from 0 to the chunk's end: landed parts, then the rest
-    assert copied[0][0] == 0 and copied[-1][1] == size
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(copied))
-    assert copied[-1][1] - copied[-1][0] <= size // 2
+    assert last[0][0] == 0 and last[-1][1] == size
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(last))
+    assert last[-1][1] - last[-1][0] <= size // 2
 
 
 def test_a_chunk_whose_frame_fails_after_its_landed_bytes_were_copied_is_a_miss(
-    srv: ServerProc, client: RemoteStore, copied: list[tuple[int, int]]
+    srv: ServerProc, client: RemoteStore, copied: list[tuple[int, int, int]]
 ) -> None:
     """The last payload byte of the last chunk's frame damaged on disk: its first bytes
     land and are copied, then it fails its checksum: the load keeps the chunks before
@@ -125,12 +131,13 @@ def test_a_chunk_whose_frame_fails_after_its_landed_bytes_were_copied_is_a_miss(
     assert res.loaded == CHUNKS - 1
     assert [a.tobytes() for a in res.arrays] == stored[:-1]
     assert len(res.corrupt) == 1
-    assert copied, "the damaged chunk's landed bytes were never copied"
-    assert copied[-1][1] < len(stored[-1])  # only landed parts: no rest after them
+    damaged = [(a, b) for d, a, b in copied if d == outs[-1].ctypes.data]
+    assert damaged, "the damaged chunk's landed bytes were never copied"
+    assert damaged[-1][1] < len(stored[-1])  # only landed parts: no rest after them
 
 
 def test_buffers_the_client_cannot_copy_into_by_bytes_ask_for_no_landed_parts(
-    client: RemoteStore, copied: list[tuple[int, int]]
+    client: RemoteStore, copied: list[tuple[int, int, int]]
 ) -> None:
     """A buffer that is not C-contiguous (a transposed view): the client does not ask for
     landed parts, and the chunks are copied whole, every byte the stored one."""
