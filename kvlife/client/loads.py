@@ -456,6 +456,10 @@ class Loads:
                 if on_chunk is not None:
                     for i, a in enumerate(arrays):
                         on_chunk(i, a)
+            # landed bytes count only for the chunk whose own part followed them: a chunk
+            # granted here failed its frame after they were told, and was read again
+            # (maybe into the same extent, maybe from another replica): copied whole
+            landing.forget()
             for j, (off, dtype, shape) in enumerate(grants):
                 take(conn, reply.streamed + confirmed + j, off, dtype, shape)
         finally:
@@ -573,13 +577,24 @@ class _Early:
         self.dst: np.ndarray | None = None
         self.upto = 0
 
+    def forget(self) -> None:
+        """No landed bytes held (the next copy of any chunk starts at byte 0)."""
+        self.chunk, self.off, self.dst, self.upto = -1, -1, None, 0
+
     def target(
         self, i: int, off: int, src: np.ndarray, out: np.ndarray | None
     ) -> np.ndarray | None:
         """The array chunk ``i``'s landed bytes go into (the caller's buffer, or a new
         array), or None where they are not copied early (a buffer that does not fit
-        the chunk: its own part raises that)."""
-        if (i, off) != (self.chunk, self.off) or self.dst is None:
+        the chunk: its own part raises that). A part naming another chunk, extent,
+        dtype or shape than the bytes held starts over."""
+        held = self.dst
+        if (
+            (i, off) != (self.chunk, self.off)
+            or held is None
+            or held.shape != src.shape
+            or held.dtype != src.dtype
+        ):
             dst = out if out is not None else np.empty(src.shape, src.dtype)
             fits = dst.shape == src.shape and dst.dtype == src.dtype and dst.flags.c_contiguous
             self.chunk, self.off, self.upto = i, off, 0
@@ -587,11 +602,12 @@ class _Early:
         return self.dst
 
     def taken(self, i: int, off: int, src: np.ndarray) -> tuple[int, np.ndarray | None]:
-        """Where chunk ``i``'s copy from ``src`` starts: after its early bytes, into
-        the array that holds them, when they were copied from that extent; else 0."""
+        """Where chunk ``i``'s copy from ``src`` starts: after its landed bytes, into
+        the array that holds them, when they were copied from that extent as that
+        dtype and shape; else 0. Nothing is held after."""
         held, upto = self.dst, self.upto
         same = (i, off) == (self.chunk, self.off) and held is not None
-        self.chunk, self.off, self.dst, self.upto = -1, -1, None, 0
+        self.forget()
         if not same or held is None or held.shape != src.shape or held.dtype != src.dtype:
             return 0, None
         return upto, held

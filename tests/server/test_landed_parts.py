@@ -180,8 +180,10 @@ def test_a_landed_part_that_is_not_chunk_offset_dtype_shape_bytes_is_a_protocol_
 
 def test_the_rest_is_copied_after_landed_bytes_only_from_the_same_extent() -> None:
     """The client's bookkeeping of a chunk's landed bytes (``_Early``): the rest starts
-    after them only for the same chunk and extent; another extent (the chunk re-read
-    elsewhere) or another chunk starts over at byte 0."""
+    after them only for the same chunk, extent, dtype and shape; another extent (the
+    chunk re-read elsewhere), another chunk, another shape, or the final reply's grants
+    (``forget``: a chunk granted there failed its frame and was read again) start over
+    at byte 0."""
     src = np.arange(16, dtype=np.float16).reshape(4, 4)
     out = np.zeros_like(src)
     early = client_loads._Early()
@@ -196,5 +198,14 @@ def test_the_rest_is_copied_after_landed_bytes_only_from_the_same_extent() -> No
     early.upto = 10
     start, held = early.taken(2, 4096, src)
     assert start == 10 and held is out
+    early.target(2, 4096, src, out)
+    early.upto = 10
+    early.forget()  # the final reply's grants: a chunk granted there is copied whole
+    assert early.taken(2, 4096, src) == (0, None)
+    early.target(2, 4096, src, out)
+    early.upto = 10
+    wider = np.zeros(32, np.float16)  # the same extent named with another shape
+    assert early.target(2, 4096, wider, None) is not out
+    assert early.upto == 0
     assert early.target(0, 0, src, np.zeros((4, 4), np.float32)) is None  # does not fit
     assert early.target(0, 0, src, np.zeros((4, 4), np.float16).T) is None  # not C order
