@@ -10,7 +10,11 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from kvlife.client import RemoteStore
+from kvlife.core.identity import PUBLIC, ModelIdentity
+from tests.conftest import prompt_kv
 from tests.server.conftest import MiB, ServerProc
 
 
@@ -35,3 +39,18 @@ def client_pair(srv: ServerProc) -> Iterator[tuple[RemoteStore, RemoteStore]]:
         for c in (mine, plain):
             with contextlib.suppress(Exception):
                 c.close()
+
+
+def put_on_disk(
+    store: RemoteStore, ident: ModelIdentity, chunks: int, seed: int
+) -> tuple[np.ndarray, list[bytes]]:
+    """A prompt of ``chunks`` full chunks put, flushed to disk and evicted from DRAM (its
+    hits are disk hits): its tokens and each chunk's stored bytes."""
+    layout = ident.layout
+    n = layout.tokens_per_chunk
+    tokens, kv = prompt_kv(seed, chunks * n, layout)
+    store.put_prompt(ident, PUBLIC, tokens, kv)
+    store.flush()
+    store.evict("dram", 1 << 40)
+    parts = [np.ascontiguousarray(kv[:, :, :, i * n : (i + 1) * n, :]) for i in range(chunks)]
+    return tokens, [c.tobytes() for c in parts]

@@ -20,9 +20,8 @@ from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
 from kvlife.faults.damage import flip, scan_frames
 from kvlife.native import frames as native
 from kvlife.tiers.disk.frame import HEADER_BYTES
-from tests.conftest import prompt_kv
 from tests.server.conftest import MiB, ServerProc
-from tests.server.direct_rig import disk_server
+from tests.server.direct_rig import disk_server, put_on_disk
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="the extension is not built (KVLIFE_NATIVE=0 or no compiler)"
@@ -50,12 +49,7 @@ def client(srv: ServerProc) -> Iterator[RemoteStore]:
 
 
 def _on_disk(store: RemoteStore, seed: int) -> tuple[np.ndarray, list[bytes]]:
-    tokens, kv = prompt_kv(seed, CHUNKS * N, LAYOUT)
-    store.put_prompt(IDENT, PUBLIC, tokens, kv)
-    store.flush()
-    store.evict("dram", 1 << 40)
-    chunks = [np.ascontiguousarray(kv[:, :, :, i * N : (i + 1) * N, :]) for i in range(CHUNKS)]
-    return tokens, [c.tobytes() for c in chunks]
+    return put_on_disk(store, IDENT, CHUNKS, seed)
 
 
 def _shared(store: RemoteStore) -> list[np.ndarray]:
