@@ -944,6 +944,16 @@ static PyObject *start_direct(PyObject *self, PyObject *args) {
     return (PyObject *)d;
 }
 
+/* An xxh3-128 digest as xxhash's canonical (big-endian) 16 bytes. */
+static PyObject *canonical(xxh128_t h) {
+    unsigned char b[16];
+    for (int i = 0; i < 8; i++) {
+        b[i] = (unsigned char)(h.high64 >> (56 - 8 * i));
+        b[8 + i] = (unsigned char)(h.low64 >> (56 - 8 * i));
+    }
+    return PyBytes_FromStringAndSize((const char *)b, 16);
+}
+
 /* xxh3_128(buffer, hash_address) -> canonical 16 bytes: the self-check of the address. */
 static PyObject *xxh3_128(PyObject *self, PyObject *args) {
     Py_buffer data;
@@ -956,12 +966,7 @@ static PyObject *xxh3_128(PyObject *self, PyObject *args) {
     }
     xxh128_t h = ((xxh3_128_fn)(uintptr_t)hash_addr)(data.buf, (size_t)data.len);
     PyBuffer_Release(&data);
-    unsigned char b[16];
-    for (int i = 0; i < 8; i++) {
-        b[i] = (unsigned char)(h.high64 >> (56 - 8 * i));
-        b[8 + i] = (unsigned char)(h.low64 >> (56 - 8 * i));
-    }
-    return PyBytes_FromStringAndSize((const char *)b, 16);
+    return canonical(h);
 }
 
 /* set_stream(create, free, reset, update, digest): the addresses of xxhash's streaming
@@ -1005,12 +1010,7 @@ static PyObject *xxh3_128_stream(PyObject *self, PyObject *args) {
     xxh128_t h = stream_fns.digest(st);
     stream_fns.free(st);
     PyBuffer_Release(&data);
-    unsigned char b[16];
-    for (int i = 0; i < 8; i++) {
-        b[i] = (unsigned char)(h.high64 >> (56 - 8 * i));
-        b[8 + i] = (unsigned char)(h.low64 >> (56 - 8 * i));
-    }
-    return PyBytes_FromStringAndSize((const char *)b, 16);
+    return canonical(h);
 }
 
 /* streamed() -> frames verified piece by piece as they landed, in this process. */
