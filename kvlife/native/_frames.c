@@ -105,9 +105,9 @@ static uint64_t be64(const unsigned char *p) {
 
 static stream_t stream_fns; /* as set_stream set them (a run copies them as it starts) */
 
-static int stream_ready(void) {
-    return stream_fns.create && stream_fns.free && stream_fns.reset && stream_fns.update &&
-           stream_fns.digest;
+/* Whether all five streaming functions are set (a run without them verifies whole). */
+static int stream_complete(const stream_t *fn) {
+    return fn->create && fn->free && fn->reset && fn->update && fn->digest;
 }
 
 static Py_ssize_t frames_streamed; /* frames verified piece by piece (streamed()) */
@@ -293,8 +293,7 @@ static void free_streams(run_t *r) {
  * streaming hash, before any reader starts: the frames before it are hashed while the
  * next is read, its own hash is what is left after the last read. */
 static void split_last(run_t *r) {
-    const stream_t *fn = &r->stream;
-    if (r->n < 1 || !(fn->create && fn->free && fn->reset && fn->update && fn->digest)) return;
+    if (r->n < 1 || !stream_complete(&r->stream)) return;
     frame_t *f = &r->frames[r->n - 1];
     if (f->body.len > SPLIT_BYTES && f->nbytes > 0) f->split = 1;
 }
@@ -992,7 +991,7 @@ static PyObject *xxh3_128_stream(PyObject *self, PyObject *args) {
     Py_buffer data;
     Py_ssize_t piece;
     if (!PyArg_ParseTuple(args, "y*n", &data, &piece)) return NULL;
-    if (!stream_ready() || piece < 1) {
+    if (!stream_complete(&stream_fns) || piece < 1) {
         PyBuffer_Release(&data);
         PyErr_SetString(PyExc_ValueError, "no streaming xxh3-128 set, or a piece < 1 byte");
         return NULL;

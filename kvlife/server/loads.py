@@ -408,7 +408,7 @@ class Loads:
             return sent
         landed = handle.landed if early and isinstance(handle, FrameLoad) else None
         for i in range(len(handle)):
-            out = outs[i] if i < len(outs) else None
+            out = outs[i]  # one per hit (None: read into new memory)
             if landed is not None and out is not None:
                 self._tell_landed(landed, i, out, _offset(ctx.arena, where, out))
             arr = handle.chunk(i)
