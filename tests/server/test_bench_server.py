@@ -109,8 +109,9 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
         assert "server_cpu" not in p
     # the protocol's floor, a bare server with no store, beside the DRAM puts and the
     # disk loads (kvlife/bench/server/floor.py)
-    # and beside the disk loads the direct reads and their native-only ceiling
-    disk_series = ("floor", "direct", "verified")
+    # and beside the disk loads the direct reads and their native-only ceiling, and the
+    # ceiling of a load into the caller's own buffers (raw reads, each piece copied out)
+    disk_series = ("floor", "direct", "verified", "copied")
     for key, series in (("put_dram", ("floor", "floor_sealed")), ("load_disk", disk_series)):
         for p in r[key]:
             limit = p["memcpy_gbps" if key == "put_dram" else "raw_gbps"]
@@ -119,6 +120,8 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
                 assert abs(p[f"ratio_{name}"] - p[f"{name}_gbps"] / limit) < 1e-9
     for key in ("load_dram", "put_write_through"):
         assert all("floor_gbps" not in p for p in r[key])
+    assert all("copied_gbps" not in p for p in r["load_dram"])  # no reads to copy beside
+    assert "ceiling: raw reads, each piece copied out + hashed beside" in proc.stdout
     assert "floor: a bare server, no store" in proc.stdout
     assert "ceiling: the same reads verified, native only" in proc.stdout
     for p in r["put_write_through"]:  # no ceilings of a DRAM put there

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvlife.bench.limits import (
+    ReadCopier,
     hash_cpu_per_chunk,
     memcpy,
     process_cpu,
@@ -58,7 +59,9 @@ def bench_load(
     store, timed beside (``floor``: :mod:`kvlife.bench.server.floor`). ``direct_client`` (disk
     only): a client of the same server with direct reads, loading into its shared
     buffers (``direct``: the client reads the frames itself while the server confirms
-    them, :mod:`kvlife.client.direct`)."""
+    them, :mod:`kvlife.client.direct`). Disk only, beside them: ``copied``, the ceiling
+    of any served load into the caller's own buffers (raw reads of the same file, each
+    piece copied out and hashed as it lands: :class:`~kvlife.bench.limits.ReadCopier`)."""
     layout = chunk_layout(size)
     ident = bench_identity(layout)
     n = cfg.chunks_per_call
@@ -90,53 +93,70 @@ def bench_load(
         direct_bufs = shared_chunks(direct_client, layout, n)
     served_direct: list[float] = []
     verified: list[float] = []
+    copied: list[float] = []
+    copies = out_buffers(layout, n) if raw_file is not None else []
+    # the ceiling of a load into the caller's own buffers: the better of one copier and
+    # two (at 16 MiB two did 0.81 of raw against 0.75-0.78, at 2 MiB no better)
+    copiers = [ReadCopier(copiers=c) for c in (1, 2)] if raw_file is not None else []
     cpu = _CpuTally(server_pid)
     frames_before = remote.counters.frame_loads
-    for rep in range(cfg.reps + 1):
-        floor_first = (
-            floor.load(chunks) if floor is not None and raw_file is not None and rep % 2 else 0.0
-        )
-        cpu.start()
-        # the two loads in turn, first one then the other, so that neither always
-        # follows the other: the server handles the release of the load before while
-        # the next one's request waits (a load right after another took 60-70 us
-        # longer at 2 MiB from DRAM, whichever kind it was)
-        took: dict[str, float] = {}
-        got_by: dict[str, LoadResult] = {}
-        phases = ["ordinary", "shared"] + (["direct"] if direct_client is not None else [])
-        for phase in phases if rep % 2 == 0 else phases[::-1]:
-            t0 = time.perf_counter()
-            if phase == "direct":
-                assert direct_client is not None and direct_lk is not None
-                got_by[phase] = direct_client.load(direct_lk, direct_bufs)
-            else:
-                got_by[phase] = remote.load(lk, outs if phase == "ordinary" else shared)
-            took[phase] = time.perf_counter() - t0
-            cpu.stop(phase, rep > 0)
-        res, res_shared = got_by["ordinary"], got_by["shared"]
-        t, t_shared = took["ordinary"], took["shared"]
-        checked = [(res, outs), (res_shared, shared)]
-        if direct_client is not None:
-            checked.append((got_by["direct"], direct_bufs))
-        for got, bufs in checked:
-            same = rep > 0 or all(same_bits(o, c) for o, c in zip(bufs, chunks, strict=True))
-            if got.loaded != n or not same:
-                raise RuntimeError(f"load served {got.loaded} of {n} chunks, or wrong bytes")
-        t_lim = raw_read(raw_file, flat, direct) if raw_file is not None else memcpy(outs, chunks)
-        cpu.stop("raw", rep > 0)
-        if direct_lk is not None and rep:
-            verified.append(_verified_read(direct_lk, direct_bufs))
-        if floor is not None and raw_file is not None:
-            # outside the CPU tally's phases; before the served loads every other time
-            t_floor = floor_first if rep % 2 else floor.load(chunks)
-            if rep:
-                floored.append(t_floor)
-        if rep:  # the first is a warm-up
-            served.append(t)
-            served_shared.append(t_shared)
-            limit.append(t_lim)
+    try:
+        for rep in range(cfg.reps + 1):
+            floor_first = (
+                floor.load(chunks)
+                if floor is not None and raw_file is not None and rep % 2
+                else 0.0
+            )
+            cpu.start()
+            # the two loads in turn, first one then the other, so that neither always
+            # follows the other: the server handles the release of the load before while
+            # the next one's request waits (a load right after another took 60-70 us
+            # longer at 2 MiB from DRAM, whichever kind it was)
+            took: dict[str, float] = {}
+            got_by: dict[str, LoadResult] = {}
+            phases = ["ordinary", "shared"] + (["direct"] if direct_client is not None else [])
+            for phase in phases if rep % 2 == 0 else phases[::-1]:
+                t0 = time.perf_counter()
+                if phase == "direct":
+                    assert direct_client is not None and direct_lk is not None
+                    got_by[phase] = direct_client.load(direct_lk, direct_bufs)
+                else:
+                    got_by[phase] = remote.load(lk, outs if phase == "ordinary" else shared)
+                took[phase] = time.perf_counter() - t0
+                cpu.stop(phase, rep > 0)
+            res, res_shared = got_by["ordinary"], got_by["shared"]
+            t, t_shared = took["ordinary"], took["shared"]
+            checked = [(res, outs), (res_shared, shared)]
             if direct_client is not None:
-                served_direct.append(took["direct"])
+                checked.append((got_by["direct"], direct_bufs))
+            for got, bufs in checked:
+                same = rep > 0 or all(same_bits(o, c) for o, c in zip(bufs, chunks, strict=True))
+                if got.loaded != n or not same:
+                    raise RuntimeError(f"load served {got.loaded} of {n} chunks, or wrong bytes")
+            t_lim = (
+                raw_read(raw_file, flat, direct) if raw_file is not None else memcpy(outs, chunks)
+            )
+            cpu.stop("raw", rep > 0)
+            if copiers and raw_file is not None:  # the first round warms their buffers
+                t_copied = min(c.read_copy(raw_file, outs, copies, direct) for c in copiers)
+                if rep:
+                    copied.append(t_copied)
+            if direct_lk is not None and rep:
+                verified.append(_verified_read(direct_lk, direct_bufs))
+            if floor is not None and raw_file is not None:
+                # outside the CPU tally's phases; before the served loads every other time
+                t_floor = floor_first if rep % 2 else floor.load(chunks)
+                if rep:
+                    floored.append(t_floor)
+            if rep:  # the first is a warm-up
+                served.append(t)
+                served_shared.append(t_shared)
+                limit.append(t_lim)
+                if direct_client is not None:
+                    served_direct.append(took["direct"])
+    finally:
+        for c in copiers:
+            c.close()
     del shared, direct_bufs
     # disk chunks the server read from their frames without pins (its loads with disk
     # hits where the extension is built: kvlife.store.frame_loads), from both clients
@@ -149,6 +169,8 @@ def bench_load(
         raw_file.unlink(missing_ok=True)
     remote.invalidate(namespace=NS)
     others = {"floor": floored} if floored else {}
+    if copied:
+        others["copied"] = copied
     if served_direct:
         others["direct"] = served_direct
         others["verified"] = verified

@@ -15,6 +15,7 @@ _SERIES = (
     ("shared", "shared buffers"),
     ("direct", "direct reads: the client reads the frames"),
     ("verified", "ceiling: the same reads verified, native only"),
+    ("copied", "ceiling: raw reads, each piece copied out + hashed beside"),
     ("floor", "floor: a bare server, no store"),
     ("floor_sealed", "floor: a bare server, seals by the client"),
 )

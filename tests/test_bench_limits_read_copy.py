@@ -1,0 +1,112 @@
+"""The ceiling of a served disk load into the caller's own buffers that ``kvlife bench
+server`` measures beside its disk loads (:class:`kvlife.bench.limits.ReadCopier`): it
+reads every byte from the file, copies every byte into the caller's buffer and hashes
+every byte there, once, or it is not that ceiling."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvlife.bench.limits import ReadCopier
+
+
+def _file(tmp_path: Path, sizes: list[int], seed: int) -> tuple[Path, list[bytes]]:
+    rng = np.random.default_rng(seed)
+    blobs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    path = tmp_path / "objects"
+    path.write_bytes(b"".join(blobs))
+    return path, blobs
+
+
+class _Spy:
+    """Where each hash call read (buffer address, length), from any thread."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, int]] = []
+        self.lock = threading.Lock()
+        self.real = xxhash.xxh3_128_digest
+
+    def __call__(self, data: memoryview) -> bytes:
+        arr = np.frombuffer(data, np.uint8)
+        with self.lock:
+            self.spans.append((arr.ctypes.data, arr.nbytes))
+        return self.real(data)
+
+    def covered_once(self, outs: list[np.ndarray]) -> bool:
+        """Every byte of ``outs`` hashed exactly once, nothing else hashed."""
+        hits = [np.zeros(o.nbytes, np.int32) for o in outs]
+        for addr, n in self.spans:
+            for o, h in zip(outs, hits, strict=True):
+                base = o.ctypes.data
+                if base <= addr < base + o.nbytes:
+                    assert addr + n <= base + o.nbytes
+                    h[addr - base : addr - base + n] += 1
+                    break
+            else:
+                return False  # hashed something that is not a copy in the outs
+        return all((h == 1).all() for h in hits)
+
+
+@pytest.mark.parametrize("copiers", [1, 2])
+@pytest.mark.parametrize(
+    ("sizes", "piece"),
+    [
+        ([1 << 16, 3 * 4096, 4096], 4096),
+        ([5 * 4096, 2 * 4096], 3 * 4096),
+        ([1 << 20], 1 << 22),
+        ([9 * 4096 + 100], 4 * 4096),
+    ],
+)
+def test_every_byte_is_read_copied_out_and_hashed_there_once(
+    tmp_path: Path, sizes: list[int], piece: int, copiers: int
+) -> None:
+    path, blobs = _file(tmp_path, sizes, 1)
+    stage = [np.zeros(n, np.uint8) for n in sizes]
+    outs = [np.zeros(n, np.uint8) for n in sizes]
+    spy = _Spy()
+    with mock.patch.object(xxhash, "xxh3_128_digest", spy), ReadCopier(piece, copiers) as rc:
+        assert rc.read_copy(path, stage, outs, direct=False) > 0
+        assert [o.tobytes() for o in outs] == blobs
+        assert spy.covered_once(outs)
+        assert max(n for _, n in spy.spans) <= piece
+        # a second call on the same threads reads the file again
+        for o in outs:
+            o[:] = 0
+        spy.spans.clear()
+        rc.read_copy(path, stage, outs, direct=False)
+        assert [o.tobytes() for o in outs] == blobs
+        assert spy.covered_once(outs)
+
+
+@pytest.mark.parametrize("copiers", [1, 2])
+def test_a_short_file_raises_and_the_next_call_still_works(tmp_path: Path, copiers: int) -> None:
+    path, blobs = _file(tmp_path, [3 * 4096], 2)
+    stage = [np.zeros(4 * 4096, np.uint8)]
+    outs = [np.zeros(4 * 4096, np.uint8)]
+    with ReadCopier(2 * 4096, copiers) as rc:
+        with pytest.raises(OSError, match="short raw read"):
+            rc.read_copy(path, stage, outs, direct=False)
+        fits = [np.zeros(3 * 4096, np.uint8)]
+        copied = [np.zeros(3 * 4096, np.uint8)]
+        rc.read_copy(path, fits, copied, direct=False)  # nothing of the failed call left
+        assert copied[0].tobytes() == blobs[0]
+
+
+def test_buffers_that_do_not_pair_odd_pieces_and_copiers_are_refused(tmp_path: Path) -> None:
+    path, _ = _file(tmp_path, [4096], 3)
+    with pytest.raises(ValueError, match="4 KiB pages"):
+        ReadCopier(1000)
+    with pytest.raises(ValueError, match="1 or 2"):
+        ReadCopier(4096, copiers=3)
+    with ReadCopier(4096) as rc:
+        with pytest.raises(ValueError, match="equal sizes"):
+            rc.read_copy(path, [np.zeros(4096, np.uint8)], [np.zeros(2048, np.uint8)], False)
+        strided = np.zeros((4096, 2), np.uint8)[:, 0]
+        with pytest.raises(ValueError, match="C-contiguous"):
+            rc.read_copy(path, [np.zeros(4096, np.uint8)], [strided], False)
