@@ -121,6 +121,10 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     for key in ("load_dram", "put_write_through"):
         assert all("floor_gbps" not in p for p in r[key])
     assert all("copied_gbps" not in p for p in r["load_dram"])  # no reads to copy beside
+    for p in r["load_disk"]:  # each kind of load against its own ceiling
+        assert abs(p["ordinary_of_copied"] - p["server_gbps"] / p["copied_gbps"]) < 1e-9
+        assert abs(p["shared_of_verified"] - p["shared_gbps"] / p["verified_gbps"]) < 1e-9
+    assert "against their ceilings: into the caller's buffers" in proc.stdout
     assert "ceiling: raw reads, each piece copied out + hashed beside" in proc.stdout
     assert "floor: a bare server, no store" in proc.stdout
     assert "ceiling: the same reads verified, native only" in proc.stdout

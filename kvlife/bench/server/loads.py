@@ -176,6 +176,10 @@ def bench_load(
         others["verified"] = verified
     out = point(layout, n, served, limit, raw=raw_file is not None, shared=served_shared, **others)
     out["server_p99_ms"] = pct(served, 99) * 1e3
+    if copied:  # the loads into the caller's buffers against their own ceiling
+        out["ordinary_of_copied"] = out["server_gbps"] / out["copied_gbps"]
+    if verified:  # the loads into shared buffers against theirs
+        out["shared_of_verified"] = out["shared_gbps"] / out["verified_gbps"]
     if raw_file is not None:
         out["direct_io"] = direct
         out["frame_loaded_chunks"] = frame_loads

@@ -121,6 +121,14 @@ def format_report(r: dict[str, Any]) -> str:
                 f"; chunks the server read from frames without pins: "
                 f"{p.get('frame_loaded_chunks', 0)}"
             )
+    for p in r.get("load_disk", []):
+        if "ordinary_of_copied" in p and "shared_of_verified" in p:
+            lines.append(
+                f"disk loads of {p['chunk_bytes'] >> 10} KiB against their ceilings: into "
+                f"the caller's buffers {p['ordinary_of_copied']:.2f} of raw reads with the "
+                f"copy out beside them, into shared buffers {p['shared_of_verified']:.2f} "
+                "of the same reads verified natively"
+            )
     for p in r.get("put_dram", []):
         c = p.get("server_cpu")
         if c:
