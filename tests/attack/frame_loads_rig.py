@@ -12,10 +12,12 @@ loads meanwhile run through. Nothing else in the server is changed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -136,3 +138,16 @@ class GatedServer(ServerProc):
 
     def tasks(self) -> int:
         return len(os.listdir(f"/proc/{self.pid}/task"))
+
+
+@contextlib.contextmanager
+def gated_server(root: Path, *, dram: int, disk: int) -> Iterator[GatedServer]:
+    """A started gated, write-through, non-promoting server in ``root`` (its store and
+    gate there), disarmed and stopped after."""
+    srv = GatedServer(root / "store", root / "gate", promote=False, dram=dram, disk=disk)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.disarm()
+        srv.stop()

@@ -72,7 +72,7 @@ from kvlife.store import KVStore
 from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.disk import DiskTier
 from kvlife.tiers.disk.frame import frame_room
-from tests.attack.frame_loads_rig import GatedServer
+from tests.attack.frame_loads_rig import GatedServer, gated_server
 from tests.conftest import prompt_kv
 from tests.server import test_frame_loads_served as served
 from tests.server.conftest import ClientProc, MiB, quiet, wait_for
@@ -868,14 +868,8 @@ SERVED_CHUNKS = served.CHUNKS
 def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedServer]:
     """One gated, write-through, non-promoting server for the served tests that keep it
     alive (each on prompts of its own)."""
-    root = tmp_path_factory.mktemp("gated")
-    srv = GatedServer(root / "store", root / "gate", promote=False, dram=4 * MiB, disk=64 * MiB)
-    srv.start()
-    try:
+    with gated_server(tmp_path_factory.mktemp("gated"), dram=4 * MiB, disk=64 * MiB) as srv:
         yield srv
-    finally:
-        srv.disarm()
-        srv.stop()
 
 
 @contextlib.contextmanager

@@ -36,10 +36,10 @@ from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
 from kvlife.faults.damage import flip, scan_frames
 from kvlife.native import frames as native
 from kvlife.results import ChunkHit, LookupResult
-from tests.attack.frame_loads_rig import GatedServer
+from tests.attack.frame_loads_rig import GatedServer, gated_server
 from tests.conftest import prompt_kv
 from tests.server.conftest import MiB, ServerProc
-from tests.server.direct_rig import disk_server
+from tests.server.direct_rig import copy_spy, disk_server
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="the extension is not built (KVLIFE_NATIVE=0 or no compiler)"
@@ -82,15 +82,7 @@ def _put(
 @pytest.fixture
 def copied(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
     """(destination address, start, end) of every piecewise copy the client made."""
-    seen: list[tuple[int, int, int]] = []
-    real = client_loads._copy_bytes
-
-    def spy(dst: np.ndarray, src: np.ndarray, start: int, end: int) -> None:
-        seen.append((dst.ctypes.data, start, end))
-        real(dst, src, start, end)
-
-    monkeypatch.setattr(client_loads, "_copy_bytes", spy)
-    return seen
+    return copy_spy(monkeypatch)
 
 
 # --------------------------------------------------------------------------- re-read
@@ -101,14 +93,8 @@ MB_IDENT = _ident(MB_LAYOUT, "landed-attack-gated")
 
 @pytest.fixture(scope="module")
 def gated(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatedServer]:
-    root = tmp_path_factory.mktemp("landed-gated")
-    srv = GatedServer(root / "store", root / "gate", promote=False, dram=16 * MiB, disk=96 * MiB)
-    srv.start()
-    try:
+    with gated_server(tmp_path_factory.mktemp("landed-gated"), dram=16 * MiB, disk=96 * MiB) as srv:
         yield srv
-    finally:
-        srv.disarm()
-        srv.stop()
 
 
 @pytest.mark.parametrize("change", ["healed", "reput_other"])

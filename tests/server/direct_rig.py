@@ -1,8 +1,9 @@
 """Set-up shared by the tests of direct disk reads (tests/server/test_direct_reads.py
 and the red teams tests/attack/test_direct_reads_attack.py and
-tests/attack/test_direct_run_attack.py): a real ``kvlife serve`` whose puts are written
-through to disk with no promotion, so that disk hits stay disk hits, and a pair of
-clients of it, one plain and one with direct reads."""
+tests/attack/test_direct_run_attack.py) and of served frame loads: a real ``kvlife
+serve`` whose puts are written through to disk with no promotion, so that disk hits
+stay disk hits, a pair of clients of it, one plain and one with direct reads, and a
+spy on the client's piecewise copies (landed parts)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from kvlife.client import RemoteStore
+from kvlife.client import loads as client_loads
 from kvlife.core.identity import PUBLIC, ModelIdentity
 from tests.conftest import prompt_kv
 from tests.server.conftest import MiB, ServerProc
@@ -54,3 +57,18 @@ def put_on_disk(
     store.evict("dram", 1 << 40)
     parts = [np.ascontiguousarray(kv[:, :, :, i * n : (i + 1) * n, :]) for i in range(chunks)]
     return tokens, [c.tobytes() for c in parts]
+
+
+def copy_spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
+    """The byte ranges the client copies out of extents in pieces from now on (landed
+    parts and the rest after them), in order: (the destination's data address, start,
+    end), filled as the client copies."""
+    seen: list[tuple[int, int, int]] = []
+    real = client_loads._copy_bytes
+
+    def spy(dst: np.ndarray, src: np.ndarray, start: int, end: int) -> None:
+        seen.append((dst.ctypes.data, start, end))
+        real(dst, src, start, end)
+
+    monkeypatch.setattr(client_loads, "_copy_bytes", spy)
+    return seen

@@ -27,7 +27,7 @@ from kvlife.faults.damage import flip, scan_frames
 from kvlife.native import frames as native
 from kvlife.tiers.disk.frame import HEADER_BYTES
 from tests.server.conftest import MiB, ServerProc
-from tests.server.direct_rig import disk_server, put_on_disk
+from tests.server.direct_rig import copy_spy, disk_server, put_on_disk
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="the extension is not built (KVLIFE_NATIVE=0 or no compiler)"
@@ -58,15 +58,7 @@ def client(srv: ServerProc) -> Iterator[RemoteStore]:
 def copied(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int]]:
     """The byte ranges the client copied out of extents in pieces (landed parts and the
     rest after them), in order: (the destination's data address, start, end)."""
-    seen: list[tuple[int, int, int]] = []
-    real = client_loads._copy_bytes
-
-    def spy(dst: np.ndarray, src: np.ndarray, start: int, end: int) -> None:
-        seen.append((dst.ctypes.data, start, end))
-        real(dst, src, start, end)
-
-    monkeypatch.setattr(client_loads, "_copy_bytes", spy)
-    return seen
+    return copy_spy(monkeypatch)
 
 
 def _on_disk(store: RemoteStore, seed: int) -> tuple[np.ndarray, list[bytes]]:
