@@ -120,6 +120,10 @@ class Loads:
         self.direct_reads = direct_reads
         """Ask lookups for the disk hits' frames and read those here
         (:mod:`kvlife.client.direct`)."""
+        self.early = True
+        """Ask a served load into C-contiguous buffers (or new arrays) for its chunks'
+        landed bytes before they verify, to copy them meanwhile (False: each chunk is
+        copied once it verified; ``kvlife bench server`` times both, paired)."""
         self.direct_fallbacks = 0
         """Chunks of direct loads this side did not keep (not verified here, or not
         confirmed): each loaded through the server instead, which counts what it found."""
@@ -414,7 +418,7 @@ class Loads:
             take(conn, i, off, dtype, shape)
 
         args["stream"] = True
-        if outs is None or all(o.flags.c_contiguous for o in outs):
+        if self.early and (outs is None or all(o.flags.c_contiguous for o in outs)):
             args["early"] = True  # landed bytes of a chunk being read copied meanwhile
         copied: list[np.ndarray] = []
         after = None

@@ -89,8 +89,9 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
             assert cpu[f"server_{phase}_us_per_chunk"] >= 0
         assert cpu["server_ordinary_us_per_chunk"] > 0  # the server read and hashed
         assert cpu["hash_us_per_chunk"] > 0
-        # every ordinary and shared load (the warm-up's too) read its frames without pins
-        calls = 2 * (r["config"]["reps"] + 1)
+        # every ordinary load (with landed parts and without) and shared load, the
+        # warm-up's too, read its frames without pins
+        calls = 3 * (r["config"]["reps"] + 1)
         want = calls * p["chunks_per_call"] if native_frames.available() else 0
         assert p["frame_loaded_chunks"] == want
     for p in r["put_dram"]:  # the same puts into an in-process store, beside
@@ -111,7 +112,7 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     # disk loads (kvlife/bench/server/floor.py)
     # and beside the disk loads the direct reads and their native-only ceiling, and the
     # ceiling of a load into the caller's own buffers (raw reads, each piece copied out)
-    disk_series = ("floor", "direct", "verified", "copied")
+    disk_series = ("floor", "direct", "verified", "copied", "no_landed")
     for key, series in (("put_dram", ("floor", "floor_sealed")), ("load_disk", disk_series)):
         for p in r[key]:
             limit = p["memcpy_gbps" if key == "put_dram" else "raw_gbps"]
@@ -125,6 +126,10 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
         assert abs(p["ordinary_of_copied"] - p["server_gbps"] / p["copied_gbps"]) < 1e-9
         assert abs(p["shared_of_verified"] - p["shared_gbps"] / p["verified_gbps"]) < 1e-9
     assert "against their ceilings: into the caller's buffers" in proc.stdout
+    # the ordinary loads without landed parts, round by round beside them
+    assert all(0 < p["landed_time_ratio"] < 10 for p in r["load_disk"])
+    assert "the caller's buffers, no landed parts" in proc.stdout
+    assert all("no_landed_gbps" not in p for p in r["load_dram"])
     assert "ceiling: raw reads, each piece copied out + hashed beside" in proc.stdout
     assert "floor: a bare server, no store" in proc.stdout
     assert "ceiling: the same reads verified, native only" in proc.stdout

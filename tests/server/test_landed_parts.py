@@ -138,6 +138,27 @@ def test_buffers_the_client_cannot_copy_into_by_bytes_ask_for_no_landed_parts(
     assert copied == []
 
 
+def test_a_client_that_turns_landed_parts_off_copies_each_chunk_once_verified(
+    client: RemoteStore, copied: list[tuple[int, int, int]]
+) -> None:
+    """``early`` off (what ``kvlife bench server`` times beside): C-contiguous buffers,
+    yet no landed part is asked for or copied, every byte handed out the stored one;
+    on again, the next load copies landed parts."""
+    tokens, stored = _on_disk(client, 4)
+    lk = client.lookup(IDENT, PUBLIC, tokens)
+    outs = [np.zeros(LAYOUT.chunk_shape, np.float16) for _ in range(CHUNKS)]
+    client._loads.early = False
+    res = client.load(lk, outs)
+    assert res.loaded == CHUNKS and [a.tobytes() for a in res.arrays] == stored
+    assert copied == []
+    client._loads.early = True
+    for o in outs:
+        o[...] = 0
+    res = client.load(client.lookup(IDENT, PUBLIC, tokens), outs)
+    assert res.loaded == CHUNKS and [a.tobytes() for a in res.arrays] == stored
+    assert copied  # landed parts, then the rest
+
+
 @given(
     st.one_of(
         st.none(),

@@ -61,7 +61,10 @@ def bench_load(
     buffers (``direct``: the client reads the frames itself while the server confirms
     them, :mod:`kvlife.client.direct`). Disk only, beside them: ``copied``, the ceiling
     of any served load into the caller's own buffers (raw reads of the same file, each
-    piece copied out and hashed as it lands: :class:`~kvlife.bench.limits.ReadCopier`)."""
+    piece copied out and hashed as it lands: :class:`~kvlife.bench.limits.ReadCopier`),
+    and ``no_landed``, the ordinary load again without landed parts (the client copies
+    each chunk once it verified), in the same rounds (``landed_time_ratio``: the median
+    of each round's time with them over without)."""
     layout = chunk_layout(size)
     ident = bench_identity(layout)
     n = cfg.chunks_per_call
@@ -92,6 +95,7 @@ def bench_load(
     if direct_client is not None:
         direct_bufs = shared_chunks(direct_client, layout, n)
     served_direct: list[float] = []
+    served_late: list[float] = []
     verified: list[float] = []
     copied: list[float] = []
     copies = out_buffers(layout, n) if raw_file is not None else []
@@ -115,11 +119,19 @@ def bench_load(
             took: dict[str, float] = {}
             got_by: dict[str, LoadResult] = {}
             phases = ["ordinary", "shared"] + (["direct"] if direct_client is not None else [])
+            if raw_file is not None:  # the same ordinary load without landed parts, paired
+                phases.insert(1, "ordinary_late")
             for phase in phases if rep % 2 == 0 else phases[::-1]:
                 t0 = time.perf_counter()
                 if phase == "direct":
                     assert direct_client is not None and direct_lk is not None
                     got_by[phase] = direct_client.load(direct_lk, direct_bufs)
+                elif phase == "ordinary_late":
+                    remote._loads.early = False
+                    try:
+                        got_by[phase] = remote.load(lk, outs)
+                    finally:
+                        remote._loads.early = True
                 else:
                     got_by[phase] = remote.load(lk, outs if phase == "ordinary" else shared)
                 took[phase] = time.perf_counter() - t0
@@ -127,6 +139,8 @@ def bench_load(
             res, res_shared = got_by["ordinary"], got_by["shared"]
             t, t_shared = took["ordinary"], took["shared"]
             checked = [(res, outs), (res_shared, shared)]
+            if "ordinary_late" in got_by:
+                checked.append((got_by["ordinary_late"], outs))
             if direct_client is not None:
                 checked.append((got_by["direct"], direct_bufs))
             for got, bufs in checked:
@@ -154,6 +168,8 @@ def bench_load(
                 limit.append(t_lim)
                 if direct_client is not None:
                     served_direct.append(took["direct"])
+                if "ordinary_late" in took:
+                    served_late.append(took["ordinary_late"])
     finally:
         for c in copiers:
             c.close()
@@ -171,6 +187,8 @@ def bench_load(
     others = {"floor": floored} if floored else {}
     if copied:
         others["copied"] = copied
+    if served_late:
+        others["no_landed"] = served_late
     if served_direct:
         others["direct"] = served_direct
         others["verified"] = verified
@@ -180,6 +198,10 @@ def bench_load(
         out["ordinary_of_copied"] = out["server_gbps"] / out["copied_gbps"]
     if verified:  # the loads into shared buffers against theirs
         out["shared_of_verified"] = out["shared_gbps"] / out["verified_gbps"]
+    if served_late:  # what landed parts gain, paired round by round
+        out["landed_time_ratio"] = float(
+            np.median([a / b for a, b in zip(served, served_late, strict=True)])
+        )
     if raw_file is not None:
         out["direct_io"] = direct
         out["frame_loaded_chunks"] = frame_loads

@@ -13,6 +13,7 @@ _SERIES = (
     ("split", "ceiling: copy, seal on a 2nd thread"),
     ("unnoticed", "no put_written"),
     ("shared", "shared buffers"),
+    ("no_landed", "the caller's buffers, no landed parts"),
     ("direct", "direct reads: the client reads the frames"),
     ("verified", "ceiling: the same reads verified, native only"),
     ("copied", "ceiling: raw reads, each piece copied out + hashed beside"),
@@ -128,6 +129,11 @@ def format_report(r: dict[str, Any]) -> str:
                 f"the caller's buffers {p['ordinary_of_copied']:.2f} of raw reads with the "
                 f"copy out beside them, into shared buffers {p['shared_of_verified']:.2f} "
                 "of the same reads verified natively"
+                + (
+                    f"; landed parts took {p['landed_time_ratio']:.3f} of the time without"
+                    if "landed_time_ratio" in p
+                    else ""
+                )
             )
     for p in r.get("put_dram", []):
         c = p.get("server_cpu")
