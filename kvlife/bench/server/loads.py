@@ -120,7 +120,11 @@ def bench_load(
             got_by: dict[str, LoadResult] = {}
             phases = ["ordinary", "shared"] + (["direct"] if direct_client is not None else [])
             if raw_file is not None:  # the same ordinary load without landed parts, paired
-                phases.insert(1, "ordinary_late")
+                # and each of the two first, second, third and last once in four rounds
+                # (a load first after the raw reads, or right after another, is slower)
+                phases[1:1] = ["ordinary_late"]
+                if rep % 4 >= 2:
+                    phases[:2] = phases[1::-1]
             for phase in phases if rep % 2 == 0 else phases[::-1]:
                 t0 = time.perf_counter()
                 if phase == "direct":
