@@ -4,7 +4,9 @@ Raw sequential writes and reads of a batch of objects (O_DIRECT where the direct
 allows it), ``np.copyto`` into warm buffers, and copies into freshly allocated arrays
 (the first-touch page faults any allocating path pays), and the same copies sealed
 (xxh3-128) on one thread or with the hash on a second thread (:func:`sealed_copy`,
-:class:`SplitSealer`: the ceilings of a verified put). Used by ``kvlife bench io``,
+:class:`SplitSealer`: the ceilings of a verified put), and raw reads with each piece
+copied out and hashed as it lands (:class:`ReadCopier`: the ceiling of a served load
+into the caller's own buffers). Used by ``kvlife bench io``,
 ``kvlife bench ttft`` and ``kvlife bench server``.
 
 :func:`machine_figures` measures the machine itself, the same way in every benchmark
