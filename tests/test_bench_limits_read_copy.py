@@ -14,6 +14,8 @@ import pytest
 import xxhash
 
 from kvlife.bench.limits import ReadCopier
+from kvlife.tiers.buffers import aligned_empty
+from kvlife.tiers.disk.fileio import probe_direct_io
 
 
 def _file(tmp_path: Path, sizes: list[int], seed: int) -> tuple[Path, list[bytes]]:
@@ -110,3 +112,23 @@ def test_buffers_that_do_not_pair_odd_pieces_and_copiers_are_refused(tmp_path: P
         strided = np.zeros((4096, 2), np.uint8)[:, 0]
         with pytest.raises(ValueError, match="C-contiguous"):
             rc.read_copy(path, [np.zeros(4096, np.uint8)], [strided], False)
+
+
+@pytest.mark.parametrize("copiers", [1, 2])
+def test_o_direct_reads_into_aligned_stage_buffers_copy_every_byte(
+    tmp_path: Path, copiers: int
+) -> None:
+    """The way ``kvlife bench server`` runs it: O_DIRECT reads (where the directory
+    takes them) into page-aligned stage buffers, pieces of 4 MiB, objects of 1 and 6 MiB
+    (one read, and a read of 4 MiB then one of 2)."""
+    if not probe_direct_io(tmp_path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    sizes = [1 << 20, 6 << 20]
+    path, blobs = _file(tmp_path, sizes, 4)
+    stage = [aligned_empty(n) for n in sizes]
+    outs = [np.zeros(n, np.uint8) for n in sizes]
+    spy = _Spy()
+    with mock.patch.object(xxhash, "xxh3_128_digest", spy), ReadCopier(copiers=copiers) as rc:
+        assert rc.read_copy(path, stage, outs, direct=True) > 0
+    assert [o.tobytes() for o in outs] == blobs
+    assert spy.covered_once(outs)
