@@ -106,20 +106,25 @@ def test_a_chunk_whose_frame_fails_after_its_landed_bytes_were_copied_is_a_miss(
 ) -> None:
     """The last payload byte of the last chunk's frame damaged on disk: its first bytes
     land and are copied, then it fails its checksum: the load keeps the chunks before
-    it, counts it corrupt, and hands out nothing of it."""
-    tokens, stored = _on_disk(client, 2)
-    frames = sorted(scan_frames(srv.path), key=lambda f: (str(f.segment), f.offset))
-    last = frames[-1]
-    flip(last.segment, last.offset + HEADER_BYTES + len(stored[-1]) - 1, 1)
-    lk = client.lookup(IDENT, PUBLIC, tokens)
-    outs = [np.zeros(LAYOUT.chunk_shape, np.float16) for _ in range(CHUNKS)]
-    res = client.load(lk, outs)
-    assert res.loaded == CHUNKS - 1
-    assert [a.tobytes() for a in res.arrays] == stored[:-1]
-    assert len(res.corrupt) == 1
-    damaged = [(a, b) for d, a, b in copied if d == outs[-1].ctypes.data]
-    assert damaged, "the damaged chunk's landed bytes were never copied"
-    assert damaged[-1][1] < len(stored[-1])  # only landed parts: no rest after them
+    it, counts it corrupt, and hands out nothing of it. (The server tells landed parts
+    of the frame only if it asks while the frame is read; a busy machine gets a few
+    prompts, each load held to the contract.)"""
+    for attempt in range(5):
+        copied.clear()
+        tokens, stored = _on_disk(client, 2 + 100 * attempt)
+        lk = client.lookup(IDENT, PUBLIC, tokens)
+        last = {f.key: f for f in scan_frames(srv.path)}[lk.hits[-1].key]
+        flip(last.segment, last.offset + HEADER_BYTES + len(stored[-1]) - 1, 1)
+        outs = [np.zeros(LAYOUT.chunk_shape, np.float16) for _ in range(CHUNKS)]
+        res = client.load(lk, outs)
+        assert res.loaded == CHUNKS - 1
+        assert [a.tobytes() for a in res.arrays] == stored[:-1]
+        assert len(res.corrupt) == 1
+        damaged = [(a, b) for d, a, b in copied if d == outs[-1].ctypes.data]
+        if damaged:
+            assert damaged[-1][1] < len(stored[-1])  # only landed parts: no rest after them
+            return
+    raise AssertionError("five loads and the damaged chunk's landed bytes were never copied")
 
 
 def test_buffers_the_client_cannot_copy_into_by_bytes_ask_for_no_landed_parts(
