@@ -163,10 +163,27 @@ def test_a_corrupt_group_after_the_forward_started_is_recomputed(
 def test_a_group_late_after_the_forward_started_is_recomputed(
     tiny: LoadedModel, tmp_path: Path
 ) -> None:
+    """Group 0 lands within the deadline, group 1 trickles in far past it: the forward
+    that started on group 0 is abandoned at group 1 and those chunks are recomputed,
+    the outputs exact. Group 0 lands in time only if the machine gives its loads a
+    fraction of the 0.6 s slack: a machine so busy that it does not (the suite beside
+    two CPU hogs on two vCPUs) gets three fresh stores, each run held to exact outputs
+    and a complete fallback."""
     rng = np.random.default_rng(5)
     ids = rng.integers(0, 512, 8 * TPC + 9).tolist()
     want, full = _want(tiny, ids, 12)
-    with throttled_store(tmp_path) as store:
+    for attempt in range(3):
+        if _late_group_run(tiny, tmp_path / f"try{attempt}", ids, want, full):
+            return
+    raise AssertionError("three runs and group 0 never landed within its 0.6 s slack")
+
+
+def _late_group_run(
+    tiny: LoadedModel, path: Path, ids: list[int], want: list[int], full: Any
+) -> bool:
+    """One run of the test above; whether group 0 landed in time (then every check of
+    the test was made)."""
+    with throttled_store(path) as store:
         eng = HFEngine.for_model(tiny, store, tokens_per_chunk=TPC, layer_groups=2)
         eng.generate(ids, PUBLIC, max_new_tokens=1)
         tier = store.tier("disk")
@@ -184,10 +201,16 @@ def test_a_group_late_after_the_forward_started_is_recomputed(
         cached = done.prefill.cached_tokens
         assert _exact(done.prefill.logits, full, cached) <= 1e-4
         assert out == want
-        assert done.layered and done.abandoned_layer == 2, "group 0 should land, group 1 not"
-        assert planned.counters.timeouts == 1 and planned.counters.abandoned == 1
-        assert done.loaded < 8 and done.loaded + done.fallback == 8
+        assert done.loaded + done.fallback == 8
         assert cached == done.loaded * TPC
+        # group 1 (layers 2-3) is always late; group 0 (layers 0-1) too on a busy machine
+        assert done.abandoned_layer in (0, 2), done.abandoned_layer
+        if done.abandoned_layer == 0:  # all of it recomputed, exact
+            assert planned.settle(30.0)
+            return False
+        assert done.layered, "group 0 should land, group 1 not"
+        assert planned.counters.timeouts == 1 and planned.counters.abandoned == 1
+        assert done.loaded < 8
         # the abandoned loads end on their own; then every group lands in time
         assert planned.settle(30.0)
         tier.set_limits(0.0)
@@ -195,6 +218,7 @@ def test_a_group_late_after_the_forward_started_is_recomputed(
         out2, again = planned.generate(ids, PUBLIC, max_new_tokens=12, policy=fixed(0, 8))
         assert again.loaded == 8 and again.abandoned_layer == -1 and out2 == want
         assert time.monotonic() < deadline
+        return True
 
 
 def test_the_layered_crossover_variant_writes_its_json_and_plot(tmp_path: Path) -> None:
