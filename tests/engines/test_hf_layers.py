@@ -166,9 +166,9 @@ def test_a_group_late_after_the_forward_started_is_recomputed(
     """Group 0 lands within the deadline, group 1 trickles in far past it: the forward
     that started on group 0 is abandoned at group 1 and those chunks are recomputed,
     the outputs exact. Group 0 lands in time only if the machine gives its loads a
-    fraction of the 0.6 s slack: a machine so busy that it does not (the suite beside
-    two CPU hogs on two vCPUs) gets three fresh stores, each run held to exact outputs
-    and a complete fallback."""
+    fraction of the 0.6 s slack: a machine so busy that it does not (the suite with
+    three workers beside a busy loop, on two vCPUs) gets three fresh stores, each run
+    held to exact outputs and a complete fallback."""
     rng = np.random.default_rng(5)
     ids = rng.integers(0, 512, 8 * TPC + 9).tolist()
     want, full = _want(tiny, ids, 12)
