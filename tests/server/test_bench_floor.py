@@ -11,12 +11,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from kvlife.bench.limits import raw_write
 from kvlife.bench.server.floor import FloorError, FloorServer
+from kvlife.bench.server.run import add_round_trip_bounds
 from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.shm import SHM_DIR
 from tests.server.conftest import ROOT
@@ -93,6 +95,45 @@ def test_a_floor_server_killed_mid_run_is_a_clear_error_and_stop_cleans_up(
         f.stop()
     assert not f.shm_path.exists()
     assert f.proc is not None and f.proc.returncode is not None
+
+
+def test_round_trips_are_timed_both_ways_and_a_put_after_them_still_lands(
+    floor: FloorServer,
+) -> None:
+    rt = floor.round_trips(rounds=5, gap_s=0.001)
+    assert rt["rounds"] == 5 and rt["gap_ms"] == 1.0
+    assert 0 < rt["hot_us"] < 1e6 and 0 < rt["idle_us"] <= rt["idle_p90_us"] < 1e6
+    # the pings left nothing unread on the connection: the next reply is a put's seals
+    chunks = _chunks(3)
+    floor.put(chunks, 0)
+    assert bytes(floor.shm[: N * CHUNK]) == b"".join(c.tobytes() for c in chunks)
+
+
+def test_a_round_trip_to_a_killed_floor_server_is_a_clear_error() -> None:
+    f = FloorServer(SHM_DIR, N * CHUNK)
+    try:
+        assert f.proc is not None
+        os.kill(f.proc.pid, signal.SIGKILL)
+        f.proc.wait(timeout=10)
+        with pytest.raises(FloorError):
+            f.round_trips(rounds=1, gap_s=0)
+    finally:
+        f.stop()
+
+
+def test_the_round_trip_bound_is_the_limit_time_over_itself_plus_one_round_trip() -> None:
+    r: dict[str, Any] = {
+        "round_trip": {"idle_us": 100.0},
+        "put_dram": [{"chunk_bytes": 1 << 20, "chunks_per_call": 4, "memcpy_gbps": 4.194304}],
+        "load_disk": [{"chunk_bytes": 1 << 20, "chunks_per_call": 2, "raw_gbps": 2.097152}],
+        "put_write_through": [{"chunk_bytes": 1 << 20, "chunks_per_call": 1}],  # no limit
+    }
+    add_round_trip_bounds(r)
+    # 4 MiB at 4.194304 GB/s is 1 ms: 1 / 1.1; 2 MiB at 2.097152 GB/s the same
+    assert abs(r["put_dram"][0]["round_trip_bound"] - 1 / 1.1) < 1e-9
+    assert abs(r["load_disk"][0]["round_trip_bound"] - 1 / 1.1) < 1e-9
+    assert "round_trip_bound" not in r["put_write_through"][0]
+    add_round_trip_bounds({"put_dram": []})  # no round trip measured: nothing to add
 
 
 def test_a_put_larger_than_the_shared_memory_is_refused(floor: FloorServer) -> None:

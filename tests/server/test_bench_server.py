@@ -136,6 +136,14 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     for p in r["put_write_through"]:  # no ceilings of a DRAM put there
         assert "sealed_gbps" not in p
     assert isinstance(r["shm_huge_pages"], bool)
+    rt = r["round_trip"]  # one idle round trip to the bare server, and what it bounds
+    assert rt["rounds"] == 40 and rt["hot_us"] > 0 and 0 < rt["idle_us"] <= rt["idle_p90_us"]
+    for key, limit in (("put_dram", "memcpy_gbps"), ("load_disk", "raw_gbps")):
+        for p in r[key] + (r["put_write_through"] if key == "load_disk" else []):
+            t = p["chunk_bytes"] * p["chunks_per_call"] / (p[limit] * 1e9)
+            assert abs(p["round_trip_bound"] - t / (t + rt["idle_us"] / 1e6)) < 1e-9
+    assert "one round trip to a bare server on the server's CPU" in proc.stdout
+    assert "plus that round trip, as a ratio" in proc.stdout
     assert {"shm_dir", "server_cpus", "client_cpus"} <= set(r["config"])
     names = {t["name"] for t in r["targets"]}
     assert {

@@ -41,6 +41,11 @@ SEAL_PIECE_BYTES = 512 << 10
 """A put that seals on the client side copies and hashes this many bytes at a time, so
 that the hash reads what the copy just wrote from the cache."""
 
+ROUND_TRIPS = 200
+"""Round trips :meth:`FloorServer.round_trips` times each way (idle, back to back)."""
+ROUND_TRIP_GAP_S = 0.002
+"""Idleness before each idle round trip: about the gap between two calls of a bench."""
+
 START_TIMEOUT_S = 30.0
 CALL_TIMEOUT_S = 60.0
 
@@ -194,6 +199,42 @@ class FloorServer:
         got = self._seals(len(chunks))
         took = time.perf_counter() - t0
         self._check(got, chunks, "load")
+        return took
+
+    def round_trips(
+        self, rounds: int = ROUND_TRIPS, gap_s: float = ROUND_TRIP_GAP_S
+    ) -> dict[str, float]:
+        """One request and its one-byte reply, no work between: the least any served
+        call pays beside its data (a message's way to the server's CPU and back, each
+        side woken from a blocking read). ``idle_us``: the median after ``gap_s`` of
+        idleness before each (as a call after the one before finished: both sides
+        asleep); ``hot_us``: back to back; ``idle_p90_us`` beside."""
+        idle: list[float] = []
+        hot: list[float] = []
+        for _ in range(rounds):
+            time.sleep(gap_s)
+            idle.append(self._ping())
+        for _ in range(rounds):
+            hot.append(self._ping())
+        return {
+            "idle_us": float(np.median(idle)) * 1e6,
+            "idle_p90_us": float(np.percentile(idle, 90)) * 1e6,
+            "hot_us": float(np.median(hot)) * 1e6,
+            "gap_ms": gap_s * 1e3,
+            "rounds": rounds,
+        }
+
+    def _ping(self) -> float:
+        assert self.conn is not None
+        t0 = time.perf_counter()
+        self._send(b"N")
+        try:
+            got = self.conn.recv(1)
+        except OSError as exc:
+            raise FloorError(f"the floor server did not answer: {exc}") from None
+        took = time.perf_counter() - t0
+        if got != b"n":
+            raise FloorError("the floor server closed the connection (it failed: see its stderr)")
         return took
 
     def _fits(self, nbytes: int) -> None:

@@ -17,6 +17,8 @@ byte and two integers):
 - ``L`` (chunk bytes, chunks): read the file's first chunks into the shared memory,
   the reads issued back to back in this thread, each chunk hashed by a helper thread as
   soon as its read returned; the reply is their seals.
+- ``N``: a no-op; the reply is one byte (``kvlife bench server`` times the round
+  trip: :meth:`~kvlife.bench.server.floor.FloorServer.round_trips`).
 - ``Q``: exit.
 """
 
@@ -101,6 +103,8 @@ def serve(sock_path: str, shm_path: str, shm_bytes: int) -> None:
             src = os.open(path, os.O_RDONLY | (os.O_DIRECT if b else 0))
         elif op == b"L" and src >= 0:
             conn.sendall(_load(src, shm, a, b, helper))
+        elif op == b"N":
+            conn.sendall(b"n")
         elif op == b"Q":
             break
         else:

@@ -144,8 +144,34 @@ def format_report(r: dict[str, Any]) -> str:
                 f"{c['ms_per_put']:.2f} ms, busy {c['busy']:.2f} of the put's time"
                 + (f" (the floor's server {floor:.2f} ms)" if floor is not None else "")
             )
+    lines += _round_trip_report(r)
     lines.append(_peer_report(r))
     return "\n".join(lines)
+
+
+def _round_trip_report(r: dict[str, Any]) -> list[str]:
+    """The idle round trip and, per point, the ratio a served call could reach with
+    nothing but its limit's time and that one round trip."""
+    rt = r.get("round_trip")
+    if not rt:
+        return []
+    out = [
+        f"one round trip to a bare server on the server's CPU: {rt['idle_us']:.0f} µs "
+        f"after {rt['gap_ms']:g} ms idle (p90 {rt['idle_p90_us']:.0f}), "
+        f"{rt['hot_us']:.0f} µs back to back"
+    ]
+    bounds = [
+        f"{key.replace('_', ' ')} {p['chunk_bytes'] >> 10} KiB {p['round_trip_bound']:.2f}"
+        for key in ("put_dram", "load_disk", "put_write_through")
+        for p in r.get(key, [])
+        if "round_trip_bound" in p
+    ]
+    if bounds:
+        out.append(
+            "the limit's time plus that round trip, as a ratio (no served call passes it): "
+            + ", ".join(bounds)
+        )
+    return out
 
 
 def _peer_report(r: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvlife.bench.limits import machine_figures
 from kvlife.bench.server.config import TARGETS, MiB, ServerBenchConfig
-from kvlife.bench.server.floor import FloorServer
+from kvlife.bench.server.floor import ROUND_TRIPS, FloorServer
 from kvlife.bench.server.loads import bench_load, bench_verified
 from kvlife.bench.server.lookup import bench_lookup
 from kvlife.bench.server.peer import peer_lmcache
@@ -76,6 +76,7 @@ def _points(
     result["config"]["directory"] = str(base)
     result["config"]["shm_dir"] = str(shm)
     result["machine"] = machine_figures(work, quick=cfg.quick)
+    result["round_trip"] = floor.round_trips(rounds=40 if cfg.quick else ROUND_TRIPS)
     result["shm_huge_pages"] = huge_pages(shm)
     result["lookup"] = bench_lookup(cfg, work, remote, main.proc.pid)
     result["load_dram"] = [
@@ -109,7 +110,30 @@ def _points(
         bench_put(cfg, remote, s, 40 + i, work) for i, s in enumerate(cfg.sizes)
     ]
     remote.close()
+    add_round_trip_bounds(result)
     return result
+
+
+def add_round_trip_bounds(r: dict[str, Any]) -> None:
+    """Each put and disk load point's ``round_trip_bound``: its ratio if the served call
+    took its limit's time (memcpy or raw reads of the call's bytes) plus one idle round
+    trip to a bare server and nothing else, no byte verified. No synchronous served call
+    passes it on this machine: it must move the bytes and hear the server once."""
+    rt = r.get("round_trip")
+    if not rt:
+        return
+    extra = rt["idle_us"] / 1e6
+    for key, limit in (
+        ("put_dram", "memcpy_gbps"),
+        ("load_disk", "raw_gbps"),
+        ("put_write_through", "raw_gbps"),
+    ):
+        for p in r.get(key, []):
+            gbps = p.get(limit)
+            if not gbps:
+                continue
+            t = p["chunk_bytes"] * p["chunks_per_call"] / (gbps * 1e9)
+            p["round_trip_bound"] = t / (t + extra)
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
