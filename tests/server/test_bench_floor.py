@@ -81,16 +81,18 @@ def test_a_floor_load_of_other_bytes_raises(floor: FloorServer, tmp_path: Path) 
         floor.load(_chunks(2))
 
 
-def test_a_floor_server_killed_mid_run_is_a_clear_error_and_stop_cleans_up(
-    tmp_path: Path,
-) -> None:
+@pytest.mark.parametrize("call", ["put", "round_trips"])
+def test_a_floor_server_killed_mid_run_is_a_clear_error_and_stop_cleans_up(call: str) -> None:
     f = FloorServer(SHM_DIR, N * CHUNK)
     try:
         assert f.proc is not None
         os.kill(f.proc.pid, signal.SIGKILL)
         f.proc.wait(timeout=10)
         with pytest.raises(FloorError):
-            f.put(_chunks(0), 0)
+            if call == "put":
+                f.put(_chunks(0), 0)
+            else:
+                f.round_trips(rounds=1, gap_s=0)
     finally:
         f.stop()
     assert not f.shm_path.exists()
@@ -107,18 +109,6 @@ def test_round_trips_are_timed_both_ways_and_a_put_after_them_still_lands(
     chunks = _chunks(3)
     floor.put(chunks, 0)
     assert bytes(floor.shm[: N * CHUNK]) == b"".join(c.tobytes() for c in chunks)
-
-
-def test_a_round_trip_to_a_killed_floor_server_is_a_clear_error() -> None:
-    f = FloorServer(SHM_DIR, N * CHUNK)
-    try:
-        assert f.proc is not None
-        os.kill(f.proc.pid, signal.SIGKILL)
-        f.proc.wait(timeout=10)
-        with pytest.raises(FloorError):
-            f.round_trips(rounds=1, gap_s=0)
-    finally:
-        f.stop()
 
 
 def test_the_round_trip_bound_is_the_limit_time_over_itself_plus_one_round_trip() -> None:
