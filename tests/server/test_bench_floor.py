@@ -113,7 +113,7 @@ def test_round_trips_are_timed_both_ways_and_a_put_after_them_still_lands(
 
 def test_the_round_trip_bound_is_the_limit_time_over_itself_plus_one_round_trip() -> None:
     r: dict[str, Any] = {
-        "round_trip": {"idle_us": 100.0},
+        "round_trip": {"idle_us": 100.0, "hot_us": 50.0},
         "put_dram": [{"chunk_bytes": 1 << 20, "chunks_per_call": 4, "memcpy_gbps": 4.194304}],
         "load_disk": [{"chunk_bytes": 1 << 20, "chunks_per_call": 2, "raw_gbps": 2.097152}],
         "put_write_through": [{"chunk_bytes": 1 << 20, "chunks_per_call": 1}],  # no limit
@@ -122,6 +122,7 @@ def test_the_round_trip_bound_is_the_limit_time_over_itself_plus_one_round_trip(
     # 4 MiB at 4.194304 GB/s is 1 ms: 1 / 1.1; 2 MiB at 2.097152 GB/s the same
     assert abs(r["put_dram"][0]["round_trip_bound"] - 1 / 1.1) < 1e-9
     assert abs(r["load_disk"][0]["round_trip_bound"] - 1 / 1.1) < 1e-9
+    assert abs(r["put_dram"][0]["round_trip_bound_hot"] - 1 / 1.05) < 1e-9
     assert "round_trip_bound" not in r["put_write_through"][0]
     add_round_trip_bounds({"put_dram": []})  # no round trip measured: nothing to add
 

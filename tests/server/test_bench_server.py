@@ -142,8 +142,9 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
         for p in r[key] + (r["put_write_through"] if key == "load_disk" else []):
             t = p["chunk_bytes"] * p["chunks_per_call"] / (p[limit] * 1e9)
             assert abs(p["round_trip_bound"] - t / (t + rt["idle_us"] / 1e6)) < 1e-9
+            assert abs(p["round_trip_bound_hot"] - t / (t + rt["hot_us"] / 1e6)) < 1e-9
     assert "one round trip to a bare server on the server's CPU" in proc.stdout
-    assert "plus that round trip, as a ratio" in proc.stdout
+    assert "the limit's time plus one round trip, idle / back to back" in proc.stdout
     assert {"shm_dir", "server_cpus", "client_cpus"} <= set(r["config"])
     names = {t["name"] for t in r["targets"]}
     assert {

@@ -150,8 +150,8 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def _round_trip_report(r: dict[str, Any]) -> list[str]:
-    """The idle round trip and, per point, the ratio a served call could reach with
-    nothing but its limit's time and that one round trip."""
+    """The round trip to the bare server and, per point, the ratio a served call could
+    reach with nothing but its limit's time and one round trip (idle, back to back)."""
     rt = r.get("round_trip")
     if not rt:
         return []
@@ -161,15 +161,16 @@ def _round_trip_report(r: dict[str, Any]) -> list[str]:
         f"{rt['hot_us']:.0f} µs back to back"
     ]
     bounds = [
-        f"{key.replace('_', ' ')} {p['chunk_bytes'] >> 10} KiB {p['round_trip_bound']:.2f}"
+        f"{key.replace('_', ' ')} {p['chunk_bytes'] >> 10} KiB "
+        f"{p['round_trip_bound']:.2f} / {p['round_trip_bound_hot']:.2f}"
         for key in ("put_dram", "load_disk", "put_write_through")
         for p in r.get(key, [])
         if "round_trip_bound" in p
     ]
     if bounds:
         out.append(
-            "the limit's time plus that round trip, as a ratio (no served call passes it): "
-            + ", ".join(bounds)
+            "the limit's time plus one round trip, idle / back to back, as a ratio (a call "
+            "that sleeps while it waits cannot pass the first): " + ", ".join(bounds)
         )
     return out
 
