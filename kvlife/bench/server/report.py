@@ -165,7 +165,7 @@ def _round_trip_report(r: dict[str, Any]) -> list[str]:
         f"{p['round_trip_bound']:.2f} / {p['round_trip_bound_hot']:.2f}"
         for key in ("put_dram", "load_disk", "put_write_through")
         for p in r.get(key, [])
-        if "round_trip_bound" in p
+        if "round_trip_bound" in p and "round_trip_bound_hot" in p
     ]
     if bounds:
         out.append(
