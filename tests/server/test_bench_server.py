@@ -8,6 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from kvlife.bench.server.cli import build_parser
 from kvlife.native import frames as native_frames
 from tests.helpers.machine import assert_machine_figures
 from tests.server.conftest import ROOT, child_env
@@ -23,6 +26,8 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
             "bench",
             "server",
             "--quick",
+            "--rounds",
+            "3",
             "--json",
             str(out),
             "--dir",
@@ -136,6 +141,7 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     for p in r["put_write_through"]:  # no ceilings of a DRAM put there
         assert "sealed_gbps" not in p
     assert isinstance(r["shm_huge_pages"], bool)
+    assert r["config"]["reps"] == 3 and "rounds per load and put point: 3" in proc.stdout
     rt = r["round_trip"]  # one idle round trip to the bare server, and what it bounds
     assert rt["rounds"] == 40 and rt["hot_us"] > 0 and 0 < rt["idle_us"] <= rt["idle_p90_us"]
     for key, limit in (("put_dram", "memcpy_gbps"), ("load_disk", "raw_gbps")):
@@ -178,3 +184,18 @@ def test_a_bench_server_under_a_deep_directory_serves_on_a_short_socket(tmp_path
     finally:
         server.stop()
     assert not server.socket.parent.exists()
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "ten", "1.5", "1001"])
+def test_bench_server_refuses_a_round_count_that_is_not_1_to_1000(
+    bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--rounds", bad])
+    assert exc.value.code == 2
+    assert "--rounds" in capsys.readouterr().err
+
+
+def test_bench_server_takes_a_round_count() -> None:
+    assert build_parser().parse_args(["--rounds", "40"]).rounds == 40
+    assert build_parser().parse_args([]).rounds is None

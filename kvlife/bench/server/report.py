@@ -107,6 +107,7 @@ def format_report(r: dict[str, Any]) -> str:
     cpus = r["config"]["server_cpus"]
     where = f"server on CPU {cpus}, client on {r['config']['client_cpus']}" if cpus else "no"
     lines.append(f"pinning: {where}")
+    lines.append(f"rounds per load and put point: {r['config']['reps']} (medians reported)")
     if "machine" in r:
         lines.append(format_machine(r["machine"]))
     for p in r.get("load_disk", []):
