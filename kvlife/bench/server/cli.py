@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds",
         type=_rounds,
         default=None,
-        help="timed rounds of each load and put point, the median reported (default 10; "
+        help="timed rounds of each load and put point, the median reported (default 40; "
         "--quick 2): more rounds, steadier medians, a longer run",
     )
     p.add_argument("--worker", nargs=5, default=None, help=argparse.SUPPRESS)

@@ -26,8 +26,12 @@ class ServerBenchConfig:
     """Chunk sizes of the load and put points."""
     chunks_per_call: int = 4
     """Chunks per load or put call."""
-    reps: int = 10
-    """Repetitions per point (the median is reported)."""
+    reps: int = 40
+    """Timed rounds per load and put point (the median is reported). Forty since
+    2026-12-06: medians of ten moved by 0.1-0.15 between runs minutes apart; of forty,
+    two runs a minute apart agreed within 0.035 on every disk load and put point (a
+    third, minutes later, moved the 2 MiB loads by 0.1 again: the device's pace moves
+    too). A run takes about a minute instead of half."""
     lookup_chunks: int = 128
     lookup_reps: int = 400
     clients: tuple[int, ...] = (1, 2, 4)
