@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated object sizes (default 256KiB,2MiB,16MiB; --quick 16KiB,64KiB)",
     )
     p.add_argument("--batch", type=int, help="objects per batch (default 64; --quick 4)")
-    p.add_argument("--repeat", type=int, help="repetitions per size (default 5; --quick 2)")
+    p.add_argument("--repeat", type=int, help="repetitions per size (default 15; --quick 2)")
     p.add_argument("--peer", choices=PEERS, help="also run the workload through a peer")
     p.add_argument("--lookup-iters", type=int, help="timed lookups (default 300)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and batches (for tests)")
