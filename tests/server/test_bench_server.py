@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvlife.bench.server.cli import build_parser
+from kvlife.bench.server.config import ROUND_TRIP_POINTS
+from kvlife.bench.server.floor import QUICK_ROUND_TRIPS
 from kvlife.native import frames as native_frames
 from tests.helpers.machine import assert_machine_figures
 from tests.server.conftest import ROOT, child_env
@@ -143,9 +145,18 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     assert isinstance(r["shm_huge_pages"], bool)
     assert r["config"]["reps"] == 3 and "rounds per load and put point: 3" in proc.stdout
     rt = r["round_trip"]  # one idle round trip to the bare server, and what it bounds
-    assert rt["rounds"] == 40 and rt["hot_us"] > 0 and 0 < rt["idle_us"] <= rt["idle_p90_us"]
-    for key, limit in (("put_dram", "memcpy_gbps"), ("load_disk", "raw_gbps")):
-        for p in r[key] + (r["put_write_through"] if key == "load_disk" else []):
+    assert (
+        rt["rounds"] == QUICK_ROUND_TRIPS
+        and rt["hot_us"] > 0
+        and 0 < rt["idle_us"] <= rt["idle_p90_us"]
+    )
+    assert ROUND_TRIP_POINTS == (
+        ("put_dram", "memcpy_gbps"),
+        ("load_disk", "raw_gbps"),
+        ("put_write_through", "raw_gbps"),
+    )
+    for key, limit in ROUND_TRIP_POINTS:
+        for p in r[key]:
             t = p["chunk_bytes"] * p["chunks_per_call"] / (p[limit] * 1e9)
             assert abs(p["round_trip_bound"] - t / (t + rt["idle_us"] / 1e6)) < 1e-9
             assert abs(p["round_trip_bound_hot"] - t / (t + rt["hot_us"] / 1e6)) < 1e-9

@@ -6,6 +6,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MiB = 1 << 20
+ROUND_TRIP_POINTS = (
+    ("put_dram", "memcpy_gbps"),
+    ("load_disk", "raw_gbps"),
+    ("put_write_through", "raw_gbps"),
+)
+"""The points given a round-trip bound, each with the limit its time is taken from
+(:func:`kvlife.bench.server.run.add_round_trip_bounds`, printed by the report)."""
+
 TARGETS = {
     "lookup_median": 2.0,
     "lookup_p99": 2.0,

@@ -43,6 +43,8 @@ that the hash reads what the copy just wrote from the cache."""
 
 ROUND_TRIPS = 200
 """Round trips :meth:`FloorServer.round_trips` times each way (idle, back to back)."""
+QUICK_ROUND_TRIPS = 40
+"""The same in a ``--quick`` run."""
 ROUND_TRIP_GAP_S = 0.002
 """Idleness before each idle round trip: about the gap between two calls of a bench."""
 

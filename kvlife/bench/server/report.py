@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvlife.bench.limits import format_machine
+from kvlife.bench.server.config import ROUND_TRIP_POINTS
 from kvlife.report import format_table
 
 _SERIES = (
@@ -164,7 +165,7 @@ def _round_trip_report(r: dict[str, Any]) -> list[str]:
     bounds = [
         f"{key.replace('_', ' ')} {p['chunk_bytes'] >> 10} KiB "
         f"{p['round_trip_bound']:.2f} / {p['round_trip_bound_hot']:.2f}"
-        for key in ("put_dram", "load_disk", "put_write_through")
+        for key, _ in ROUND_TRIP_POINTS
         for p in r.get(key, [])
         if "round_trip_bound" in p and "round_trip_bound_hot" in p
     ]

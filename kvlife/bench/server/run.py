@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from kvlife.bench.limits import machine_figures
-from kvlife.bench.server.config import TARGETS, MiB, ServerBenchConfig
-from kvlife.bench.server.floor import ROUND_TRIPS, FloorServer
+from kvlife.bench.server.config import ROUND_TRIP_POINTS, TARGETS, MiB, ServerBenchConfig
+from kvlife.bench.server.floor import QUICK_ROUND_TRIPS, ROUND_TRIPS, FloorServer
 from kvlife.bench.server.loads import bench_load, bench_verified
 from kvlife.bench.server.lookup import bench_lookup
 from kvlife.bench.server.peer import peer_lmcache
@@ -76,7 +76,7 @@ def _points(
     result["config"]["directory"] = str(base)
     result["config"]["shm_dir"] = str(shm)
     result["machine"] = machine_figures(work, quick=cfg.quick)
-    result["round_trip"] = floor.round_trips(rounds=40 if cfg.quick else ROUND_TRIPS)
+    result["round_trip"] = floor.round_trips(QUICK_ROUND_TRIPS if cfg.quick else ROUND_TRIPS)
     result["shm_huge_pages"] = huge_pages(shm)
     result["lookup"] = bench_lookup(cfg, work, remote, main.proc.pid)
     result["load_dram"] = [
@@ -124,11 +124,7 @@ def add_round_trip_bounds(r: dict[str, Any]) -> None:
     rt = r.get("round_trip")
     if not rt:
         return
-    for key, limit in (
-        ("put_dram", "memcpy_gbps"),
-        ("load_disk", "raw_gbps"),
-        ("put_write_through", "raw_gbps"),
-    ):
+    for key, limit in ROUND_TRIP_POINTS:
         for p in r.get(key, []):
             gbps = p.get(limit)
             if not gbps:
