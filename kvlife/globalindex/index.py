@@ -220,7 +220,9 @@ class GlobalIndex:
                 sent = time.monotonic()
                 try:
                     deadline = self.health.call("renew lease", lambda: self._renew(cur))
-                    self._lease = Lease(self.host, cur.token, int(deadline), sent + ttl_s)
+                    self._lease = Lease(
+                        self.host, cur.token, int(deadline), sent + ttl_s, cur.incarnation
+                    )
                     self.counters.leases_renewed += 1
                     return self._lease
                 except RedisError as exc:  # lost: fall through to a new lease
@@ -228,6 +230,17 @@ class GlobalIndex:
                         raise
             self._lease = None
             return self._acquire()
+
+    def still(self, lease: Lease) -> Lease:
+        """The lease a write prepared under ``lease`` publishes with, asked after a
+        :meth:`refresh`: ``lease`` itself, unless the index lost its state since it was
+        granted (another incarnation: its token went with it); then the lease a write
+        prepared now would take (:meth:`lease`). A lease revoked, superseded or expired
+        stays what it is: the publish refuses it."""
+        with self._lock:
+            if lease.incarnation == self._incarnation:
+                return lease
+        return self.lease()
 
     def _renew(self, cur: Lease) -> int:
         args = [self.host, cur.token, self.config.lease_ttl_ms]
@@ -277,7 +290,7 @@ class GlobalIndex:
         except RedisError as exc:
             raise LeaseError(f"host {self.host} cannot get a lease: {exc}") from exc
         self._observe(_text(inc), buckets)
-        lease = Lease(self.host, int(token), int(deadline), sent + ttl / 1000)
+        lease = Lease(self.host, int(token), int(deadline), sent + ttl / 1000, _text(inc))
         self._lease = lease
         self.counters.leases_acquired += 1
         return lease

@@ -24,6 +24,9 @@ class Lease:
     local_deadline: float
     """The same expiry on this host's monotonic clock (taken conservatively, when the
     request was sent)."""
+    incarnation: str = ""
+    """The index's incarnation the token was granted under (an index that loses its
+    state loses its tokens with it)."""
 
     def remaining_s(self) -> float:
         return self.local_deadline - time.monotonic()

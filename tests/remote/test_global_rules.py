@@ -23,7 +23,9 @@ from kvlife.core.objects import ObjectInfo
 from kvlife.faults.proxy import Fault, FaultProxy
 from kvlife.globalindex import GlobalIndex, Health, IndexConfig
 from kvlife.tiers.base import ReplicaMeta, Reservation
+from kvlife.tiers.mooncake import MooncakeTier
 from kvlife.tiers.mooncake.server import MooncakeMaster
+from kvlife.tiers.redis.published import PublishedTier
 from kvlife.tiers.redis.server import RedisClusterServers, RedisServer
 from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.remote.fleet import (
@@ -211,6 +213,69 @@ def test_an_index_that_lost_its_state_is_new_to_every_host(
         put(b, 7)  # the new index works as any other
         b.flush()
         assert served(d, 7) == 4
+    finally:
+        fleet.close()
+
+
+def _one_write(t: PublishedTier, seed: int) -> tuple[ReplicaMeta, np.ndarray, Reservation]:
+    """A prepared write of one replica (its meta, its payload, the reservation)."""
+    key = ChunkKey(bytes([seed]) * 32)
+    arr = np.random.default_rng(seed).standard_normal(4096).astype(np.float16)
+    meta = ReplicaMeta(key, "float16", (4096,), "exact", b"info")
+    res = t.prepare_store([meta])
+    assert isinstance(res, Reservation)
+    return meta, arr, res
+
+
+def test_a_write_prepared_before_the_index_lost_its_state_publishes_under_its_new_lease(
+    tmp_path: Path, kind: str, private: RedisServer, request: pytest.FixtureRequest
+) -> None:
+    """The index's refresh runs in the commit, beside the payloads' transfer (issue 28),
+    not in the prepare: a write whose index was emptied between the two takes the new
+    index's lease (as a write prepared after the loss would), instead of publishing under a
+    token no bucket knows any more. A lease superseded, revoked or expired within one
+    incarnation is still refused (test_leases.py)."""
+    fleet = Fleet(tmp_path, kind, private.url, "renew", _master(kind, request))
+    try:
+        t = shared_of(fleet.host("a"))
+        meta, arr, res = _one_write(t, 41)
+        before = res.state.lease
+        raw = redis.Redis.from_url(private.url)
+        raw.flushall()  # the index loses its state: its tokens and fences with it
+        raw.close()
+        t.commit_store(res, [arr])
+        after = res.state.lease
+        assert after.incarnation and after.incarnation != before.incarnation
+        assert t.details()["index_resets"] == 1
+        got = t.read(meta.key)
+        assert np.array_equal(got, arr)
+    finally:
+        fleet.close()
+
+
+def test_an_index_unreachable_at_the_commit_leaves_no_payload_and_no_record(
+    tmp_path: Path, kind: str, private: RedisServer, request: pytest.FixtureRequest
+) -> None:
+    """The commit reads the index's state while the payloads move (issue 28): when that
+    read fails, the write raises, publishes nothing and removes what it transferred."""
+    port = int(private.url.rsplit(":", 1)[1].split("/")[0])
+    fleet = Fleet(tmp_path, kind, private.url, "cut", _master(kind, request))
+    try:
+        with FaultProxy(("127.0.0.1", port)) as proxy:
+            url = f"redis://127.0.0.1:{proxy.port}/0"
+            t = shared_of(fleet.host("a", url=url, socket_timeout_s=1.0))
+            meta, arr, res = _one_write(t, 42)
+            proxy.set(Fault.partition())
+            with pytest.raises(RemoteTierError):
+                t.commit_store(res, [arr])
+            proxy.set(Fault.none())
+            assert t.used_bytes == 0 and t.details()["publish_failed"] == 1
+            if isinstance(t, MooncakeTier):
+                assert t.mc.is_exist(t._location(meta.key, res.state)) != 1
+            reader = shared_of(fleet.host("b"))
+            assert retrying(lambda: reader.probe([meta.key], [meta.info])) == []
+            assert retrying(lambda: t.store([meta], [arr]))  # the index is back: it publishes
+            assert np.array_equal(t.read(meta.key), arr)
     finally:
         fleet.close()
 

@@ -208,9 +208,10 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
     ) -> list[RemoteRecord]:
         """Payloads go to Mooncake (under names no reader knows yet) on a worker thread
-        while this one computes their checksums (xxh3 and Mooncake's copy both release
-        the GIL); then the index's publish script checks the lease and writes the records
-        that name them."""
+        while this one reads the index's state (:meth:`_refreshed`) and computes their
+        checksums (redis-py's socket, xxh3 and Mooncake's copy all release the GIL);
+        then the index's publish script checks the lease and writes the records that
+        name them."""
         self._reap()
         last = {m.key: i for i, m in enumerate(metas)}
         if len(last) < len(metas):  # one key twice in a batch: the last one wins
@@ -218,11 +219,13 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
             metas, payloads = [metas[i] for i in keep], [payloads[i] for i in keep]
         locations = [self._location(m.key, pending) for m in metas]
         if not sum(a.nbytes for a in payloads):  # nothing to move: no thread
+            self._refreshed(pending)
             self._put_payloads(locations, payloads)
             records = self._records_for(pending, metas, payloads)
         else:
             put = self._pool.submit(self._put_payloads, locations, payloads)
             try:
+                self._refreshed(pending)
                 records = self._records_for(pending, metas, payloads)
                 plan = self._publish_plan(pending, records)  # still beside the copy
             except BaseException:

@@ -66,6 +66,7 @@ class RedisTier(PublishedTier):
         self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
     ) -> list[RemoteRecord]:
         idx = self.index
+        self._refreshed(pending)
         lease = pending.lease
         staged = [idx.staging_key(m.key, pending.nonce) for m in metas]
 
