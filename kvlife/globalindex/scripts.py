@@ -250,6 +250,31 @@ return old
 """
 )
 
+PUBLISH_RECORDS_ALL = (
+    _NOW
+    + _BUCKET
+    + """
+-- KEYS: the fence hash of every bucket the batch touches, then its record keys (one
+-- server: the *_ALL scripts)   ARGV: host, token, how many fence hashes, one record per
+-- record key.  The lease check of PUBLISH_STAGED in each of those buckets first, then
+-- every record written: the whole batch or nothing, in one script where PUBLISH_RECORDS
+-- takes one per bucket. Returns the records replaced ('' where none), in order.
+local now = now_ms()
+local token = tonumber(ARGV[2])
+local fences = tonumber(ARGV[3])
+for i = 1, fences do
+  local bad = held(KEYS[i], ARGV[1], token, now)
+  if bad then return bad end
+end
+local old = {}
+for i = fences + 1, #KEYS do
+  old[i - fences] = redis.call('GET', KEYS[i]) or ''
+  redis.call('SET', KEYS[i], ARGV[i - fences + 3])
+end
+return old
+"""
+)
+
 UNPUBLISH = (
     _NOW
     + _BUCKET

@@ -280,6 +280,38 @@ def test_an_index_unreachable_at_the_commit_leaves_no_payload_and_no_record(
         fleet.close()
 
 
+def test_a_batch_refused_in_one_of_its_buckets_publishes_nothing(fleet: Fleet) -> None:
+    """A batch over several buckets whose lease one bucket no longer holds (a token
+    superseded there alone) is refused whole: no record of it visible to a reader, its
+    Mooncake payloads removed; the next batch, under a fresh lease, publishes. On one
+    server the Mooncake tier publishes a batch in one script (PUBLISH_RECORDS_ALL)."""
+    t = shared_of(fleet.host("a"))
+    keys = [ChunkKey(bytes([0, i]) * 16) for i in range(6)]  # first two bytes: six buckets
+    arrs = [np.full(2048, i, np.float16) for i in range(6)]
+    metas = [ReplicaMeta(k, "float16", (2048,), "exact", b"info") for k in keys]
+    res = t.prepare_store(metas)
+    assert isinstance(res, Reservation)
+    idx = t.index
+    assert len({idx.tag(k) for k in keys}) == 6
+    raw = redis.Redis.from_url(fleet.url)
+    raw.hset(idx.fence_key(keys[3]), f"t:{res.state.lease.host}", res.state.lease.token + 99)
+    try:
+        with pytest.raises(LeaseError, match="KVLLOST"):
+            t.commit_store(res, arrs)
+        records = [idx.record_key(k) for k in keys]
+        assert raw.exists(*records) == 0, "part of a refused batch was published"
+        assert t.used_bytes == 0 and not any(t.contains(k) for k in keys)
+        if isinstance(t, MooncakeTier):
+            assert all(t.mc.is_exist(t._location(k, res.state)) != 1 for k in keys)
+        idx.drop_lease()  # the bucket's lease is another's now: a new token everywhere
+        assert t.store(metas, arrs)
+        assert raw.exists(*records) == 6
+    finally:
+        raw.close()
+    for k, a in zip(keys, arrs, strict=True):
+        assert np.array_equal(t.read(k), a)
+
+
 def test_an_emptied_index_drops_what_hosts_adopted(
     tmp_path: Path, kind: str, private: RedisServer, request: pytest.FixtureRequest
 ) -> None:

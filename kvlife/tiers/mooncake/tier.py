@@ -263,24 +263,31 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         return records
 
     def _publish_plan(self, pending: _Pending, records: list[RemoteRecord]) -> _PublishPlan:
-        """The ``PUBLISH_RECORDS`` calls of ``records``, one per bucket: its record
-        indices, keys (fence hash, record keys) and arguments (host, token, encoded
-        records). Built while the payloads are copied (about 4 µs a record), so that
-        only the round trip follows the copy."""
+        """The publish calls of ``records``: on one server one ``PUBLISH_RECORDS_ALL``
+        (every bucket's lease check, then every record: the batch or nothing), on a
+        cluster one ``PUBLISH_RECORDS`` per bucket; each call's record indices, keys
+        and arguments (host, token, encoded records). Built while the payloads are
+        copied (about 4 µs a record), so that only the round trip follows the copy."""
         idx = self.index
         lease = pending.lease
         by_tag: dict[str, list[int]] = {}
         for i, rec in enumerate(records):
             by_tag.setdefault(idx.tag(rec.header.key), []).append(i)
+        if idx.standalone and by_tag:
+            keys = [idx.fence_key(records[at[0]].header.key) for at in by_tag.values()]
+            keys += [idx.record_key(rec.header.key) for rec in records]
+            args: list[object] = [lease.host, lease.token, len(by_tag)]
+            args += [rec.encode() for rec in records]
+            return _PublishPlan([list(range(len(records)))], [(keys, args)], "PUBLISH_RECORDS_ALL")
         groups = list(by_tag.values())
         calls: list[tuple[list[str], list[object]]] = []
         for at in groups:
             keys = [idx.fence_key(records[at[0]].header.key)]
             keys += [idx.record_key(records[i].header.key) for i in at]
-            args: list[object] = [lease.host, lease.token]
+            args = [lease.host, lease.token]
             args += [records[i].encode() for i in at]
             calls.append((keys, args))
-        return _PublishPlan(groups, calls)
+        return _PublishPlan(groups, calls, "PUBLISH_RECORDS")
 
     def _publish(
         self,
@@ -289,8 +296,9 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         put: list[str],
         plan: _PublishPlan | None = None,
     ) -> None:
-        """One ``PUBLISH_RECORDS`` per bucket (fence and lease checked once per bucket),
-        pipelined; the records it replaced name payloads that are removed after."""
+        """The publish calls of :meth:`_publish_plan` (fence and lease checked once per
+        bucket), pipelined; the records they replaced name payloads that are removed
+        after."""
         idx = self.index
         if plan is None:
             plan = self._publish_plan(pending, records)
@@ -300,7 +308,7 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
             for attempt in (0, 1):
                 pipe = self.client.pipeline(transaction=False)
                 for keys, args in plan.calls:
-                    idx.evalsha(pipe, "PUBLISH_RECORDS", keys, args)
+                    idx.evalsha(pipe, plan.script, keys, args)
                 res = list(pipe.execute(raise_on_error=False))
                 if attempt == 0 and any(isinstance(r, NoScriptError) for r in res):
                     idx._sha.clear()  # a restarted server lost its scripts: load, redo
@@ -485,12 +493,14 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
 
 @dataclass(frozen=True, slots=True)
 class _PublishPlan:
-    """The ``PUBLISH_RECORDS`` calls of one batch (:meth:`MooncakeTier._publish_plan`)."""
+    """The publish calls of one batch (:meth:`MooncakeTier._publish_plan`)."""
 
     groups: list[list[int]]
-    """Record indices per bucket."""
+    """Record indices per call (a bucket, or the whole batch on one server)."""
     calls: list[tuple[list[str], list[object]]]
-    """Keys and arguments of each bucket's script call."""
+    """Keys and arguments of each call."""
+    script: str
+    """``PUBLISH_RECORDS`` (one call per bucket) or ``PUBLISH_RECORDS_ALL`` (one)."""
 
 
 class _Doomed:
