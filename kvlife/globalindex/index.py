@@ -92,12 +92,21 @@ class IndexConfig:
         return self.host or default_host_id()
 
 
+REFRESH_OVERTAKEN = 64
+"""Reads one :meth:`GlobalIndex.refresh` sends again because a later read's reply was
+taken in before its own (other threads refreshing meanwhile) before it gives up."""
+
+
 @dataclass(slots=True)
 class IndexCounters:
     leases_acquired: int = 0
     leases_renewed: int = 0
     publishes_refused: int = 0
-    """Publications the fencing check rejected (stale token, expired lease)."""
+    """Publications the fencing check rejected (stale token, expired lease, a lease of
+    an index that lost its state since)."""
+    stale_replies: int = 0
+    """Replies about the index's identity not taken in: a reply to a later read was
+    taken in first (:meth:`GlobalIndex._observe`)."""
     rules_seen: int = 0
     refused_by_rule: int = 0
     """Remote objects not served because an invalidation rule covers them."""
@@ -137,6 +146,10 @@ class GlobalIndex:
         self._lease: Lease | None = None
         self._incarnation = ""
         """Incarnation last read (empty: never read)."""
+        self._reads = 0
+        """Reads of the index's identity sent so far (numbered as sent)."""
+        self._seen = 0
+        """The number of the newest read whose reply was taken in (:meth:`_observe`)."""
         self._epoch = 0
         """Every rule up to this epoch of ``_incarnation`` was recorded before it was read."""
         self._rules: dict[int, InvalidationRule] = {}
@@ -231,16 +244,24 @@ class GlobalIndex:
             self._lease = None
             return self._acquire()
 
-    def still(self, lease: Lease) -> Lease:
-        """The lease a write prepared under ``lease`` publishes with, asked after a
-        :meth:`refresh`: ``lease`` itself, unless the index lost its state since it was
-        granted (another incarnation: its token went with it); then the lease a write
-        prepared now would take (:meth:`lease`). A lease revoked, superseded or expired
-        stays what it is: the publish refuses it."""
+    def check_current(self, lease: Lease) -> None:
+        """LeaseError (counted as ``publishes_refused``) when this host saw the index
+        lose its state since ``lease`` was granted (another incarnation; no I/O), asked
+        by a write right before it publishes. The lease's token went with the old
+        index, and the new one counts tokens from 1 again: once this host took a lease
+        there, a token of the lost index could match it in every bucket, and a write
+        prepared before the loss (its lease perhaps revoked, expired or fenced by a rule
+        of the lost index) would publish. A lease revoked, superseded or expired within
+        one incarnation is left to the publish script, on the index's own clock."""
         with self._lock:
-            if lease.incarnation == self._incarnation:
-                return lease
-        return self.lease()
+            now = self._incarnation
+        if lease.incarnation and now and lease.incarnation != now:
+            raise self.refused(
+                RedisError(
+                    f"KVLRESET lease granted by index incarnation {lease.incarnation}, "
+                    f"which lost its state (now {now})"
+                )
+            )
 
     def _renew(self, cur: Lease) -> int:
         args = [self.host, cur.token, self.config.lease_ttl_ms]
@@ -255,6 +276,8 @@ class GlobalIndex:
         sent = time.monotonic()
         ttl = self.config.lease_ttl_ms
         cfg = [_fresh_id(), self.config.buckets]
+        self._reads += 1
+        seq = self._reads
         try:
             if self.standalone:
                 token, inc, buckets, deadline = self.health.call(
@@ -289,7 +312,7 @@ class GlobalIndex:
                 deadline = granted[-1]
         except RedisError as exc:
             raise LeaseError(f"host {self.host} cannot get a lease: {exc}") from exc
-        self._observe(_text(inc), buckets)
+        self._observe(_text(inc), buckets, seq)  # the lock was held since it was sent
         lease = Lease(self.host, int(token), int(deadline), sent + ttl / 1000, _text(inc))
         self._lease = lease
         self.counters.leases_acquired += 1
@@ -348,7 +371,9 @@ class GlobalIndex:
         """Read the index's incarnation and epoch and any rules not read yet;
         IndexUnreachable when the index cannot be read (the caller serves nothing
         remote), IndexMismatch when its bucket count is not this host's."""
-        for _ in range(3):
+        losses = overtaken = 0
+        while losses < 3 and overtaken < REFRESH_OVERTAKEN:
+            seq = self._begin_read()
             try:
                 inc, buckets, epoch = self.health.call(
                     "read index",
@@ -361,16 +386,20 @@ class GlobalIndex:
                 inc = _text(inc)
                 epoch = int(epoch)
                 with self._lock:
-                    self._observe(inc, buckets)
+                    if not self._observe(inc, buckets, seq):
+                        overtaken += 1  # an older reply than one taken in: read again
+                        continue
                     missing = [e for e in range(1, epoch + 1) if e not in self._rules]
                 got = self._read_rules(inc, missing)
             except _Reset:
+                losses += 1
                 continue  # the index lost its state between two reads: read it again
             except RemoteTierError as exc:
                 self.counters.unreachable += 1
                 raise IndexUnreachable(f"global index unreachable: {exc}") from exc
             with self._lock:
                 if self._incarnation != inc:
+                    losses += 1
                     continue
                 self._rules.update(got)
                 self._epoch = max(self._epoch, epoch)
@@ -378,7 +407,8 @@ class GlobalIndex:
                 self.counters.rules_seen = len(self._rules)
             return
         self.counters.unreachable += 1
-        raise IndexUnreachable("global index unreachable: it keeps losing its state")
+        why = "it keeps losing its state" if losses >= 3 else "other reads keep overtaking"
+        raise IndexUnreachable(f"global index unreachable: {why}")
 
     def _read_rules(self, inc: str, epochs: list[int]) -> dict[int, InvalidationRule]:
         got: dict[int, InvalidationRule] = {}
@@ -408,13 +438,28 @@ class GlobalIndex:
                 got[e] = rule
         return got
 
-    def _observe(self, incarnation: str, buckets: object) -> None:
-        """Take in the index's identity (called with the lock held)."""
+    def _begin_read(self) -> int:
+        """The number of a read of the index's identity about to be sent: replies are
+        taken in only in the order their reads were sent (:meth:`_observe`)."""
+        with self._lock:
+            self._reads += 1
+            return self._reads
+
+    def _observe(self, incarnation: str, buckets: object, seq: int) -> bool:
+        """Take in the index's identity from the reply to read ``seq`` (called with the
+        lock held); False, nothing taken in, when a reply to a later read was taken in
+        already. Without that a reply read before the index lost its state and taken in
+        after a reply read since rolled the host back to the lost incarnation, its rules
+        cleared (found by a red team, 2026-12-06)."""
         if int(_text(buckets)) != self.config.buckets:
             raise IndexMismatch(
                 f"index {self.config.namespace!r} spreads keys over {_text(buckets)} buckets; "
                 f"this host is configured with buckets={self.config.buckets}"
             )
+        if seq < self._seen:
+            self.counters.stale_replies += 1
+            return False
+        self._seen = seq
         if self._incarnation and incarnation != self._incarnation:
             self.counters.index_resets += 1
             log.warning(
@@ -430,6 +475,7 @@ class GlobalIndex:
             self._applied = 0
             self._lease = None  # its token came from a counter that is gone
         self._incarnation = incarnation
+        return True
 
     @property
     def epoch(self) -> int:
@@ -513,6 +559,7 @@ class GlobalIndex:
             model=model,
             keep_weights_digest=keep_weights_digest,
         )
+        seq = self._begin_read()
         try:
             inc, buckets, epoch = self.health.call(
                 "record invalidation",
@@ -531,10 +578,11 @@ class GlobalIndex:
             raise
         inc = _text(inc)
         with self._lock:
-            self._observe(inc, buckets)
+            self._observe(inc, buckets, seq)
             rule = dataclasses.replace(probe, epoch=int(epoch), incarnation=inc)
-            self._rules[rule.epoch] = rule
-            self._epoch = max(self._epoch, rule.epoch)
+            if inc == self._incarnation:  # else a rule of an index that lost its state since
+                self._rules[rule.epoch] = rule
+                self._epoch = max(self._epoch, rule.epoch)
         return rule
 
     # ------------------------------------------------------------------ keys of the idx tag

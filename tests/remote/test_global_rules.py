@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -227,28 +227,80 @@ def _one_write(t: PublishedTier, seed: int) -> tuple[ReplicaMeta, np.ndarray, Re
     return meta, arr, res
 
 
-def test_a_write_prepared_before_the_index_lost_its_state_publishes_under_its_new_lease(
-    tmp_path: Path, kind: str, private: RedisServer, request: pytest.FixtureRequest
+@pytest.mark.parametrize("revoked", [False, True])
+def test_a_write_prepared_before_the_index_was_emptied_is_refused_whatever_its_token(
+    tmp_path: Path, kind: str, private: RedisServer, request: pytest.FixtureRequest, revoked: bool
 ) -> None:
-    """The index's refresh runs in the commit, beside the payloads' transfer (issue 28),
-    not in the prepare: a write whose index was emptied between the two takes the new
-    index's lease (as a write prepared after the loss would), instead of publishing under a
-    token no bucket knows any more. A lease superseded, revoked or expired within one
-    incarnation is still refused (test_leases.py)."""
+    """A write prepared under a lease of an index that then lost its state (after
+    revoking the host, or not), committed once the host took a lease of the new index
+    whose token has the same number (tokens count from 1 again): refused before its
+    publish script (KVLRESET), nothing published, its payloads removed; the next write
+    publishes. Without the check every bucket of the new index took the old token."""
     fleet = Fleet(tmp_path, kind, private.url, "renew", _master(kind, request))
     try:
         t = shared_of(fleet.host("a"))
         meta, arr, res = _one_write(t, 41)
-        before = res.state.lease
+        if revoked:
+            index_of(fleet.host("admin")).revoke("a", ban_ms=60_000)
         raw = redis.Redis.from_url(private.url)
-        raw.flushall()  # the index loses its state: its tokens and fences with it
+        raw.flushall()  # the index loses its state: its tokens, fences and bans with it
+        t.index.refresh()
+        again = t.index.lease()  # another of the host's threads takes a lease there
+        assert again.token == res.state.lease.token  # the premise: the same number
+        with pytest.raises(LeaseError, match="KVLRESET"):
+            t.commit_store(res, [arr])
+        assert raw.exists(t.index.record_key(meta.key)) == 0
         raw.close()
-        t.commit_store(res, [arr])
-        after = res.state.lease
-        assert after.incarnation and after.incarnation != before.incarnation
-        assert t.details()["index_resets"] == 1
-        got = t.read(meta.key)
-        assert np.array_equal(got, arr)
+        assert t.used_bytes == 0 and not t.contains(meta.key)
+        assert t.index.counters.publishes_refused == 1
+        if isinstance(t, MooncakeTier):
+            assert t.mc.is_exist(t._location(meta.key, res.state)) != 1
+        assert t.store([meta], [arr])  # a write prepared now publishes
+        assert np.array_equal(t.read(meta.key), arr)
+    finally:
+        fleet.close()
+
+
+def test_a_reply_read_before_the_index_lost_its_state_never_rolls_a_host_back(
+    tmp_path: Path, kind: str, private: RedisServer, request: pytest.FixtureRequest
+) -> None:
+    """Two threads of one host refresh: one's reply was read before the index lost its
+    state and is taken in after the other's, read since. It is not taken in (replies are
+    taken in in the order their reads were sent): the host stays on the new incarnation,
+    counts one reset, and its rules and stamps are the new index's. Found by a red team:
+    the stale reply rolled the host back to the lost incarnation, its rules cleared."""
+    fleet = Fleet(tmp_path, kind, private.url, "stale", _master(kind, request))
+    try:
+        c = index_of(fleet.host("c"))
+        c.refresh()
+        lost = c.incarnation
+        real = c.run_script
+        read, release = threading.Event(), threading.Event()
+        held = [True]
+
+        def slow(name: str, keys: Sequence[str], args: Sequence[object]) -> object:
+            out = real(name, keys, args)
+            if name == "STATE" and held[0]:
+                held[0] = False
+                read.set()
+                release.wait(10)  # the reply waits here, read before the loss
+            return out
+
+        c.run_script = slow  # type: ignore[method-assign]
+        late = threading.Thread(target=c.refresh)
+        late.start()
+        assert read.wait(10)
+        raw = redis.Redis.from_url(private.url)
+        raw.flushall()  # the index loses its state
+        raw.close()
+        c.refresh()  # another thread of the host reads the new index first
+        new = c.incarnation
+        assert new != lost
+        release.set()
+        late.join(10)
+        assert c.incarnation == new, "a stale reply rolled the host back to the lost index"
+        assert c.counters.index_resets == 1 and c.counters.stale_replies == 1
+        assert c.stamp().incarnation == new
     finally:
         fleet.close()
 
@@ -256,8 +308,8 @@ def test_a_write_prepared_before_the_index_lost_its_state_publishes_under_its_ne
 def test_an_index_unreachable_at_the_commit_leaves_no_payload_and_no_record(
     tmp_path: Path, kind: str, private: RedisServer, request: pytest.FixtureRequest
 ) -> None:
-    """The commit reads the index's state while the payloads move (issue 28): when that
-    read fails, the write raises, publishes nothing and removes what it transferred."""
+    """The index cut off after the prepare: the commit raises, publishes nothing and
+    removes what it transferred; once the index is back the write publishes."""
     port = int(private.url.rsplit(":", 1)[1].split("/")[0])
     fleet = Fleet(tmp_path, kind, private.url, "cut", _master(kind, request))
     try:

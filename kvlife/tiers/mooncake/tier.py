@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import numpy as np
 from redis.exceptions import NoScriptError, RedisError
 
-from kvlife.core.errors import ChecksumMismatch, InvalidArgument, RemoteTierError
+from kvlife.core.errors import ChecksumMismatch, InvalidArgument, LeaseError, RemoteTierError
 from kvlife.core.identity import ChunkKey
 from kvlife.globalindex import GlobalIndex, Health, IndexConfig, RemoteRecord
 from kvlife.globalindex.health import REFUSALS
@@ -208,10 +208,9 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
     ) -> list[RemoteRecord]:
         """Payloads go to Mooncake (under names no reader knows yet) on a worker thread
-        while this one reads the index's state (:meth:`_refreshed`) and computes their
-        checksums (redis-py's socket, xxh3 and Mooncake's copy all release the GIL);
-        then the index's publish script checks the lease and writes the records that
-        name them."""
+        while this one computes their checksums (xxh3 and Mooncake's copy both release
+        the GIL); then the index's publish script checks the lease and writes the records
+        that name them."""
         self._reap()
         last = {m.key: i for i, m in enumerate(metas)}
         if len(last) < len(metas):  # one key twice in a batch: the last one wins
@@ -219,13 +218,11 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
             metas, payloads = [metas[i] for i in keep], [payloads[i] for i in keep]
         locations = [self._location(m.key, pending) for m in metas]
         if not sum(a.nbytes for a in payloads):  # nothing to move: no thread
-            self._refreshed(pending)
             self._put_payloads(locations, payloads)
             records = self._records_for(pending, metas, payloads)
         else:
             put = self._pool.submit(self._put_payloads, locations, payloads)
             try:
-                self._refreshed(pending)
                 records = self._records_for(pending, metas, payloads)
                 plan = self._publish_plan(pending, records)  # still beside the copy
             except BaseException:
@@ -303,6 +300,11 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         if plan is None:
             plan = self._publish_plan(pending, records)
         groups = plan.groups
+        try:
+            self._current(pending)
+        except LeaseError:
+            self._remove(put)
+            raise
 
         def run() -> list[Any]:
             for attempt in (0, 1):

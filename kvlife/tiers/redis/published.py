@@ -163,10 +163,10 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
     def _write(
         self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
     ) -> list[RemoteRecord]:
-        """Write payloads and their records (:meth:`_records_for`, after
-        :meth:`_refreshed`); a record is visible only with its payload. Returns the
-        records published. Raise LeaseError (refused) or RemoteTierError; on failure
-        unpublish what can be."""
+        """Write payloads and their records (:meth:`_records_for`; :meth:`_current`
+        right before publishing); a record is visible only with its payload. Returns
+        the records published. Raise LeaseError (refused) or RemoteTierError; on
+        failure unpublish what can be."""
 
     @abstractmethod
     def _fetch(
@@ -182,17 +182,13 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         ``records[i]``, under this host's lease: :meth:`_delete_records`) and then the
         payloads of those removed."""
 
-    def _refreshed(self, pending: _Pending) -> None:
-        """What a write does before it makes its records (each tier's :meth:`_write`, as
-        early as its payloads' transfer allows): read the index's state
-        (:meth:`GlobalIndex.refresh`; IndexUnreachable), and if the index lost its state
-        since the write's lease was granted (its tokens went with it), publish under the
-        lease a write prepared now would take instead of one every bucket refuses.
-
-        It was the prepare's (:meth:`prepare_store`) until 2026-12-06: a round trip before
-        the payloads moved, 0.47 ms of a 9.1 ms Mooncake put of 16 x 4 MiB (issue 28)."""
-        self.index.refresh()
-        pending.lease = self.index.still(pending.lease)
+    def _current(self, pending: _Pending) -> None:
+        """What a write does right before its publish script: LeaseError (counted) if
+        this host saw the index lose its state since the write's lease was granted
+        (:meth:`GlobalIndex.check_current`; no I/O). The script alone could not tell:
+        the new index counts tokens from 1 again, and once this host took a lease there
+        (another of its threads) a token of the lost index could match it."""
+        self.index.check_current(pending.lease)
 
     def _location(self, key: ChunkKey, pending: _Pending) -> str:
         """Where a new payload goes, recorded in its record ("" when beside it)."""
@@ -345,8 +341,7 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                 return CapacityShortfall(over)
             self._reserved += need
         try:
-            # the index's refresh (a round trip) waits for the commit, which runs it
-            # beside the payloads' transfer where the tier can (_refreshed)
+            self.index.refresh()  # an index that lost its state: its leases went with it
             lease = self.index.lease()
         except BaseException:
             with self._lock:

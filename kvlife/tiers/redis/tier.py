@@ -66,7 +66,6 @@ class RedisTier(PublishedTier):
         self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
     ) -> list[RemoteRecord]:
         idx = self.index
-        self._refreshed(pending)
         lease = pending.lease
         staged = [idx.staging_key(m.key, pending.nonce) for m in metas]
 
@@ -111,6 +110,7 @@ class RedisTier(PublishedTier):
                 return res
             raise AssertionError("unreachable")
 
+        self._current(pending)  # the staged payloads expire unpublished
         results = self.health.call("publish", run)
         errors = [r for r in results if isinstance(r, Exception)]
         if not errors:
