@@ -364,6 +364,24 @@ def test_a_batch_refused_in_one_of_its_buckets_publishes_nothing(fleet: Fleet) -
         assert np.array_equal(t.read(k), a)
 
 
+def test_a_batch_naming_a_key_twice_publishes_the_last_one(fleet: Fleet) -> None:
+    """One key twice in a batch (beside another key of its bucket): the last payload
+    wins, every record of the batch is published and reads back exact, the counters
+    count replicas, not entries. Found by a red team: the Redis tier's publish script
+    renamed the first staged frame, failed on the second and left the records before
+    it visible after a failed write."""
+    t = shared_of(fleet.host("a"))
+    k1 = ChunkKey(bytes([0, 1]) * 16)
+    k2 = ChunkKey(bytes([0, 1]) + bytes([9]) * 30)
+    assert t.index.tag(k1) == t.index.tag(k2)
+    metas = [ReplicaMeta(k, "float16", (64,), "exact", b"info") for k in (k2, k1, k1)]
+    arrs = [np.full(64, v, np.float16) for v in (1, 2, 3)]
+    assert t.store(metas, arrs)
+    assert np.array_equal(t.read(k2), arrs[0]) and np.array_equal(t.read(k1), arrs[2])
+    d = t.details()
+    assert d["published"] == 2 and d["publish_failed"] == 0 and d["corrupt"] == 0
+
+
 def test_an_emptied_index_drops_what_hosts_adopted(
     tmp_path: Path, kind: str, private: RedisServer, request: pytest.FixtureRequest
 ) -> None:

@@ -212,10 +212,6 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         the GIL); then the index's publish script checks the lease and writes the records
         that name them."""
         self._reap()
-        last = {m.key: i for i, m in enumerate(metas)}
-        if len(last) < len(metas):  # one key twice in a batch: the last one wins
-            keep = sorted(last.values())
-            metas, payloads = [metas[i] for i in keep], [payloads[i] for i in keep]
         locations = [self._location(m.key, pending) for m in metas]
         if not sum(a.nbytes for a in payloads):  # nothing to move: no thread
             self._put_payloads(locations, payloads)

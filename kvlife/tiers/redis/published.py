@@ -135,6 +135,19 @@ class _Pending:
     nonce: str
 
 
+def _last_of_each(
+    metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
+) -> tuple[Sequence[ReplicaMeta], list[np.ndarray]]:
+    """A batch with one key at most once: where a key comes twice the last one wins (a
+    Redis tier's publish script renamed the first staged frame and then failed on the
+    second, leaving the records before it visible: found by a red team, 2026-12-06)."""
+    last = {m.key: i for i, m in enumerate(metas)}
+    if len(last) == len(metas):
+        return metas, payloads
+    keep = sorted(last.values())
+    return [metas[i] for i in keep], [payloads[i] for i in keep]
+
+
 class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
     """Base of tiers whose replicas are published under a :class:`GlobalIndex`."""
 
@@ -362,10 +375,12 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                     f"lease of {pending.lease.host} (token {pending.lease.token}) expired "
                     "before the write: not published"
                 )
-            arrays = [np.ascontiguousarray(a) for a in payloads]
-            written = self._write(pending, reservation.metas, arrays)
+            metas, arrays = _last_of_each(
+                reservation.metas, [np.ascontiguousarray(a) for a in payloads]
+            )
+            written = self._write(pending, metas, arrays)
         except BaseException:
-            self.counters.publish_failed += len(reservation.metas)
+            self.counters.publish_failed += len({m.key for m in reservation.metas})
             self.cancel_store(reservation)
             raise
         with self._lock:
@@ -375,7 +390,7 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
                 self._held[key] = rec
                 self._gone.discard(key)
             reservation.done = True
-        self.counters.published += len(reservation.metas)
+        self.counters.published += len(written)
 
     def cancel_store(self, reservation: Reservation) -> None:
         with self._lock:
