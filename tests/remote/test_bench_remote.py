@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from kvlife.cli import main
 from tests.helpers.machine import assert_machine_figures
 
@@ -90,3 +92,13 @@ def test_bench_remote_quick_writes_its_json(tmp_path: Path) -> None:
     for f in faults.values():
         assert f["wrong_bytes"] == 0 and 0.0 <= f["hit_ratio"] <= 1.0
     assert faults["none"]["hit_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("reps", ["0", "-3", "1001", "two"])
+def test_bench_remote_refuses_a_repetition_count_it_cannot_run(
+    reps: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "remote", "--reps", reps])
+    assert exc.value.code == 2
+    assert "--reps" in capsys.readouterr().err
