@@ -30,6 +30,7 @@ from typing import Any
 import blake3
 import numpy as np
 
+from kvlife.bench.counts import count_arg
 from kvlife.bench.limits import format_machine, machine_figures
 from kvlife.bench.remote_verified import BareVerified
 from kvlife.core.identity import ChunkKey
@@ -677,23 +678,12 @@ def _table(result: dict[str, Any]) -> str:
 MAX_REPS = 1000
 
 
-def _reps(text: str) -> int:
-    """A count of timed repetitions: a whole number from 1 to MAX_REPS."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--reps takes a whole number, not {text!r}") from None
-    if not 1 <= n <= MAX_REPS:
-        raise argparse.ArgumentTypeError(f"--reps must be 1 to {MAX_REPS}, not {n}")
-    return n
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvlife bench remote", description=__doc__.split("\n")[0])
     p.add_argument("--json", type=Path, help="write the results as JSON here")
     p.add_argument(
         "--reps",
-        type=_reps,
+        type=count_arg("--reps", MAX_REPS),
         default=REPS,
         help=f"timed repetitions of each contestant and size, the median reported "
         f"(default {REPS}; --quick 1)",

@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from kvlife.bench.counts import count_arg
 from kvlife.bench.server.config import ServerBenchConfig
 from kvlife.bench.server.report import format_report
 from kvlife.bench.server.run import run_server_bench
@@ -43,24 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-peer", action="store_true", help="do not run LMCache's MP mode beside")
     p.add_argument(
         "--rounds",
-        type=_rounds,
+        type=count_arg("--rounds", MAX_ROUNDS),
         default=None,
         help="timed rounds of each load and put point, the median reported (default 40; "
         "--quick 2): more rounds, steadier medians, a longer run",
     )
     p.add_argument("--worker", nargs=5, default=None, help=argparse.SUPPRESS)
     return p
-
-
-def _rounds(text: str) -> int:
-    """A count of timed rounds: a whole number from 1 to MAX_ROUNDS."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--rounds takes a whole number, not {text!r}") from None
-    if not 1 <= n <= MAX_ROUNDS:
-        raise argparse.ArgumentTypeError(f"--rounds must be 1 to {MAX_ROUNDS}, not {n}")
-    return n
 
 
 MAX_ROUNDS = 1000
