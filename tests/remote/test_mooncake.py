@@ -15,16 +15,23 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import blake3
 import numpy as np
 import pytest
+import redis
 import xxhash
 
-from kvlife.core.errors import ChecksumMismatch, ReplicaNotFound, ReplicaReadError
+from kvlife.core.errors import (
+    ChecksumMismatch,
+    RemoteTierError,
+    ReplicaNotFound,
+    ReplicaReadError,
+)
 from kvlife.core.identity import ChunkKey
 from kvlife.globalindex import IndexConfig, RemoteRecord
-from kvlife.tiers.base import ReplicaMeta
+from kvlife.tiers.base import ReplicaMeta, Reservation
 from kvlife.tiers.mooncake import MooncakeConfig, MooncakeTier
 from kvlife.tiers.mooncake.server import MooncakeMaster, in_private_netns, netns_command
 from kvlife.tiers.mooncake.tier import _schedule
@@ -506,4 +513,73 @@ def test_mooncake_bare_verified_calls_count_a_payload_that_is_not_what_was_put(
             assert run(arrs, rep)[2] == 2  # its put and its get
     finally:
         bare.close()
+        tier.close()
+
+
+class _ReplyLost:
+    """A pipeline whose ``execute`` runs its commands (or, ``runs=False``, sends
+    nothing) and then fails as a connection cut before the replies does."""
+
+    def __init__(self, pipe: Any, runs: bool) -> None:
+        self._pipe = pipe
+        self._runs = runs
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        if self._runs:
+            self._pipe.execute(*args, **kwargs)
+        raise redis.exceptions.ConnectionError("connection cut before the replies (test)")
+
+
+@pytest.mark.skipif(not in_private_netns(), reason="runs inside the private namespace")
+@pytest.mark.parametrize("ran", [True, False])
+def test_mooncake_publish_of_unknown_outcome_never_leaves_a_record_without_its_payload(
+    mooncake_master: MooncakeMaster, redis_server: RedisServer, index_ns: str, ran: bool
+) -> None:
+    """The connection fails after the publish scripts were sent: whether they ran
+    (``ran``) or not, the write raises and keeps its payloads (a record may name them:
+    one naming a removed payload was a miss for every host that adopted it, found by a
+    red team); once the index answers again the records still the write's are taken
+    back and the payloads no record names are removed; the write then publishes."""
+    tier = _tier(mooncake_master, redis_server, index_ns)
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        arrs = _chunks(4, 1 << 16)
+        metas = [ReplicaMeta(k(i), "float16", a.shape, "exact", b"i") for i, a in enumerate(arrs)]
+        res = tier.prepare_store(metas)
+        assert isinstance(res, Reservation)
+        real = tier.client.pipeline
+        armed = [True]
+
+        def pipeline(*args: Any, **kwargs: Any) -> Any:
+            pipe = real(*args, **kwargs)
+            if armed[0]:  # the first pipeline of the commit is its publish
+                armed[0] = False
+                return _ReplyLost(pipe, ran)
+            return pipe
+
+        tier.client.pipeline = pipeline
+        try:
+            with pytest.raises(RemoteTierError):
+                tier.commit_store(res, arrs)
+        finally:
+            tier.client.pipeline = real
+        names = [tier.index.record_key(m.key) for m in metas]
+        locs = [tier._location(m.key, res.state) for m in metas]
+        assert raw.exists(*names) == (4 if ran else 0)
+        assert [tier.mc.is_exist(loc) for loc in locs] == [1] * 4  # kept until known
+        assert tier.details()["unknown_pending"] == 1
+        assert tier.settle_removals(timeout_s=10) == 0  # once the index's backoff is over
+        assert raw.exists(*names) == 0
+        assert all(tier.mc.is_exist(loc) != 1 for loc in locs)
+        d = tier.details()
+        assert d["publishes_unknown"] == 4 and d["unknown_taken_back"] == (4 if ran else 0)
+        assert d["publish_failed"] == 4 and tier.used_bytes == 0
+        assert tier.store(metas, arrs)
+        for m, a in zip(metas, arrs, strict=True):
+            assert np.array_equal(tier.read(m.key), a)
+    finally:
+        raw.close()
         tier.close()

@@ -148,6 +148,11 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         )
         self.mc_health = Health(f"mooncake store {name}", base_s=backoff_s)
         self.doomed = _Doomed(config.read_lease_s)
+        self._unknown: list[tuple[list[RemoteRecord], list[str]]] = []
+        """Publishes whose outcome is unknown (the connection failed after the scripts
+        were sent): their records and payload names, settled by :meth:`_settle_unknown`."""
+        self._unknown_lock = threading.Lock()
+        self.unknown_counts = {"publishes_unknown": 0, "unknown_taken_back": 0}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvlife-{name}-put")
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix=f"kvlife-{name}-get")
 
@@ -302,8 +307,11 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
             self._remove(put)
             raise
 
+        sent = [False]
+
         def run() -> list[Any]:
             for attempt in (0, 1):
+                sent[0] = True
                 pipe = self.client.pipeline(transaction=False)
                 for keys, args in plan.calls:
                     idx.evalsha(pipe, plan.script, keys, args)
@@ -316,6 +324,12 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
 
         try:
             results = self.health.call("publish", run)
+        except RemoteTierError:
+            if sent[0]:  # the scripts may have run, only their replies lost: settle later
+                self._outcome_unknown(records, put)
+            else:  # refused before anything was sent (the index's backoff)
+                self._remove(put)
+            raise
         except BaseException:
             self._remove(put)
             raise
@@ -365,18 +379,68 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         self.doomed.add([loc for loc, rc in zip(locs, rcs, strict=True) if rc not in GONE_OK])
 
     def settle_removals(self, timeout_s: float) -> int:
-        """Retry deferred removals until none is left or ``timeout_s`` passed (waiting
-        for readers' leases to lapse); returns how many are still pending."""
+        """Retry deferred removals (and settle publishes of unknown outcome) until none
+        is left or ``timeout_s`` passed (waiting for readers' leases to lapse, the
+        index's backoff); returns how many are still pending."""
         end = time.monotonic() + timeout_s
         while True:
             self._reap()
-            left = self.doomed.pending()
+            with self._unknown_lock:
+                left = self.doomed.pending() + len(self._unknown)
             if not left or time.monotonic() >= end:
                 return left
             time.sleep(min(0.05, max(0.0, end - time.monotonic())))
 
+    def _outcome_unknown(self, records: list[RemoteRecord], put: list[str]) -> None:
+        """A publish whose connection failed after its scripts were sent: its records
+        may be visible, so their payloads stay (a record naming a removed payload would
+        be a miss for every host that adopts it) until :meth:`_settle_unknown` knows."""
+        with self._unknown_lock:
+            self._unknown.append((list(records), list(put)))
+            self.unknown_counts["publishes_unknown"] += len(records)
+
+    def _settle_unknown(self) -> None:
+        """Settle publishes whose outcome was unknown: read their records back; take
+        back (a fenced delete) those that are still this write's, and remove the
+        payloads no record names. A record the delete could not take back (this host's
+        lease refused) stays with its payload: complete and verified, never wrong. One
+        the index cannot be read for is tried again at the next write."""
+        with self._unknown_lock:
+            todo, self._unknown = self._unknown, []
+        left: list[tuple[list[RemoteRecord], list[str]]] = []
+        for records, put in todo:
+            keys = [ChunkKey(r.header.key) for r in records]
+            try:
+                now = self._records(keys)
+                ours = [
+                    i
+                    for i, rec in enumerate(now)
+                    if isinstance(rec, RemoteRecord) and rec.location == put[i]
+                ]
+                taken = (
+                    self._delete_records(
+                        [keys[i] for i in ours], [records[i] for i in ours], frames=False
+                    )
+                    if ours
+                    else []
+                )
+            except RemoteTierError:
+                left.append((records, put))
+                continue
+            gone = {ours[j] for j in taken}
+            named = set(ours) - gone
+            self._remove([loc for i, loc in enumerate(put) if i not in named])
+            with self._unknown_lock:
+                self.unknown_counts["unknown_taken_back"] += len(gone)
+        if left:
+            with self._unknown_lock:
+                self._unknown[:0] = left
+
     def _reap(self, everything: bool = False) -> None:
-        """Retry removals whose read lease should have lapsed by now."""
+        """Settle publishes of unknown outcome (:meth:`_settle_unknown`); retry removals whose
+        read lease should have lapsed by now."""
+        if self._unknown:
+            self._settle_unknown()
         due = self.doomed.due(everything)
         if not due:
             return
@@ -486,7 +550,9 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         self._remove([records[i].location for i in deleted if records[i].location])
 
     def details(self) -> dict[str, Any]:
-        return {**super().details(), **self.doomed.counters()}
+        with self._unknown_lock:
+            unknown = {**self.unknown_counts, "unknown_pending": len(self._unknown)}
+        return {**super().details(), **self.doomed.counters(), **unknown}
 
 
 @dataclass(frozen=True, slots=True)
