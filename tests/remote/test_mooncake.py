@@ -25,12 +25,13 @@ import xxhash
 
 from kvlife.core.errors import (
     ChecksumMismatch,
+    LeaseError,
     RemoteTierError,
     ReplicaNotFound,
     ReplicaReadError,
 )
 from kvlife.core.identity import ChunkKey
-from kvlife.globalindex import IndexConfig, RemoteRecord
+from kvlife.globalindex import GlobalIndex, IndexConfig, RemoteRecord
 from kvlife.tiers.base import ReplicaMeta, Reservation
 from kvlife.tiers.mooncake import MooncakeConfig, MooncakeTier
 from kvlife.tiers.mooncake.server import MooncakeMaster, in_private_netns, netns_command
@@ -580,6 +581,59 @@ def test_mooncake_publish_of_unknown_outcome_never_leaves_a_record_without_its_p
         assert tier.store(metas, arrs)
         for m, a in zip(metas, arrs, strict=True):
             assert np.array_equal(tier.read(m.key), a)
+    finally:
+        raw.close()
+        tier.close()
+
+
+@pytest.mark.skipif(not in_private_netns(), reason="runs inside the private namespace")
+def test_mooncake_take_back_of_unknown_outcome_keeps_the_payloads_its_records_name(
+    mooncake_master: MooncakeMaster,
+    redis_server: RedisServer,
+    index_ns: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cluster path (one publish script per bucket, forced here on one server): one
+    bucket refuses the batch, another published it, and the take-back of the published
+    bucket loses its replies. The payloads its records may name stay until settled
+    (before, every payload of the batch was removed under those records: found by a red
+    team); then no record and no payload of the batch remain."""
+    monkeypatch.setattr(GlobalIndex, "standalone", property(lambda self: False))
+    tier = _tier(mooncake_master, redis_server, index_ns)
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        keys = [ChunkKey(bytes([0, 1]) * 16), ChunkKey(bytes([0, 2]) * 16)]  # two buckets
+        arrs = _chunks(2, 1 << 16)
+        metas = [
+            ReplicaMeta(key, "float16", a.shape, "exact", b"i")
+            for key, a in zip(keys, arrs, strict=True)
+        ]
+        res = tier.prepare_store(metas)
+        assert isinstance(res, Reservation)
+        lease = res.state.lease
+        raw.hset(tier.index.fence_key(keys[1]), f"t:{lease.host}", lease.token + 99)
+        real = tier.client.pipeline
+        calls = [0]
+
+        def pipeline(*args: Any, **kwargs: Any) -> Any:
+            pipe = real(*args, **kwargs)
+            calls[0] += 1
+            return _ReplyLost(pipe, True) if calls[0] == 2 else pipe  # 2: the take-back
+
+        tier.client.pipeline = pipeline
+        try:
+            with pytest.raises(LeaseError, match="KVLLOST"):
+                tier.commit_store(res, arrs)
+        finally:
+            tier.client.pipeline = real
+        names = [tier.index.record_key(key) for key in keys]
+        locs = [tier._location(key, res.state) for key in keys]
+        assert raw.exists(*names) == 0  # the take-back ran, only its replies were lost
+        assert tier.mc.is_exist(locs[0]) == 1  # kept: its outcome was unknown
+        assert tier.details()["unknown_pending"] == 1
+        assert tier.settle_removals(timeout_s=10) == 0
+        assert all(tier.mc.is_exist(loc) != 1 for loc in locs)
+        assert tier.details()["publishes_unknown"] == 1
     finally:
         raw.close()
         tier.close()

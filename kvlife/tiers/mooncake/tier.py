@@ -152,6 +152,8 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         """Publishes whose outcome is unknown (the connection failed after the scripts
         were sent): their records and payload names, settled by :meth:`_settle_unknown`."""
         self._unknown_lock = threading.Lock()
+        self._settling = 0
+        """Entries of :attr:`_unknown` a :meth:`_settle_unknown` took and is settling."""
         self.unknown_counts = {"publishes_unknown": 0, "unknown_taken_back": 0}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvlife-{name}-put")
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix=f"kvlife-{name}-get")
@@ -324,14 +326,11 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
 
         try:
             results = self.health.call("publish", run)
-        except RemoteTierError:
+        except BaseException:
             if sent[0]:  # the scripts may have run, only their replies lost: settle later
                 self._outcome_unknown(records, put)
             else:  # refused before anything was sent (the index's backoff)
                 self._remove(put)
-            raise
-        except BaseException:
-            self._remove(put)
             raise
         replaced: list[str] = []
         for reply in results:
@@ -346,15 +345,17 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
             done = [
                 i for at, r in zip(groups, results, strict=True) if isinstance(r, list) for i in at
             ]
-            with contextlib.suppress(RemoteTierError):
+            try:
                 taken = self._delete_records(
                     [ChunkKey(records[i].header.key) for i in done],
                     [records[i] for i in done],
                     frames=False,
                 )
-                kept = set(done) - {done[j] for j in taken}
-                put = [loc for i, loc in enumerate(put) if i not in kept]  # still named
-            self._remove(put)
+                kept = set(done) - {done[j] for j in taken}  # still named: they stay
+            except RemoteTierError:  # the take-back's own outcome is unknown: settle later
+                self._outcome_unknown([records[i] for i in done], [put[i] for i in done])
+                kept = set(done)
+            self._remove([loc for i, loc in enumerate(put) if i not in kept])
             self._remove(replaced)  # their records are gone too
             first = errors[0]
             if isinstance(first, RedisError) and str(first).startswith(REFUSALS):
@@ -386,7 +387,7 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         while True:
             self._reap()
             with self._unknown_lock:
-                left = self.doomed.pending() + len(self._unknown)
+                left = self.doomed.pending() + len(self._unknown) + self._settling
             if not left or time.monotonic() >= end:
                 return left
             time.sleep(min(0.05, max(0.0, end - time.monotonic())))
@@ -407,34 +408,40 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         the index cannot be read for is tried again at the next write."""
         with self._unknown_lock:
             todo, self._unknown = self._unknown, []
+            took = len(todo)
+            self._settling += took
         left: list[tuple[list[RemoteRecord], list[str]]] = []
-        for records, put in todo:
-            keys = [ChunkKey(r.header.key) for r in records]
-            try:
-                now = self._records(keys)
-                ours = [
-                    i
-                    for i, rec in enumerate(now)
-                    if isinstance(rec, RemoteRecord) and rec.location == put[i]
-                ]
-                taken = (
-                    self._delete_records(
-                        [keys[i] for i in ours], [records[i] for i in ours], frames=False
+        try:
+            while todo:
+                records, put = todo[0]
+                keys = [ChunkKey(r.header.key) for r in records]
+                try:
+                    now = self._records(keys)
+                    ours = [
+                        i
+                        for i, rec in enumerate(now)
+                        if isinstance(rec, RemoteRecord) and rec.location == put[i]
+                    ]
+                    taken = (
+                        self._delete_records(
+                            [keys[i] for i in ours], [records[i] for i in ours], frames=False
+                        )
+                        if ours
+                        else []
                     )
-                    if ours
-                    else []
-                )
-            except RemoteTierError:
-                left.append((records, put))
-                continue
-            gone = {ours[j] for j in taken}
-            named = set(ours) - gone
-            self._remove([loc for i, loc in enumerate(put) if i not in named])
+                except RemoteTierError:
+                    left.append(todo.pop(0))
+                    continue
+                todo.pop(0)
+                gone = {ours[j] for j in taken}
+                named = set(ours) - gone  # the delete was refused: the record keeps its payload
+                self._remove([loc for i, loc in enumerate(put) if i not in named])
+                with self._unknown_lock:
+                    self.unknown_counts["unknown_taken_back"] += len(gone)
+        finally:  # what was not settled (an index still unreachable, an error) stays
             with self._unknown_lock:
-                self.unknown_counts["unknown_taken_back"] += len(gone)
-        if left:
-            with self._unknown_lock:
-                self._unknown[:0] = left
+                self._unknown[:0] = left + todo
+                self._settling -= took
 
     def _reap(self, everything: bool = False) -> None:
         """Settle publishes of unknown outcome (:meth:`_settle_unknown`); retry removals whose
@@ -551,7 +558,8 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
 
     def details(self) -> dict[str, Any]:
         with self._unknown_lock:
-            unknown = {**self.unknown_counts, "unknown_pending": len(self._unknown)}
+            pending = len(self._unknown) + self._settling
+            unknown = {**self.unknown_counts, "unknown_pending": pending}
         return {**super().details(), **self.doomed.counters(), **unknown}
 
 
