@@ -298,9 +298,12 @@ def test_mooncake_takes_the_checksum_a_payload_is_known_by_or_checks_it(
                 key, "float16", a.shape, "exact", b"i", checksum=checksum, verify_checksum=verify
             )
 
-        with pytest.raises(ChecksumMismatch):
-            tier.store([meta(k1, wrong, True)], [a])
+        res = tier.prepare_store([meta(k1, wrong, True)])
+        assert isinstance(res, Reservation)
+        with pytest.raises(ChecksumMismatch):  # found beside the copy, which went ahead
+            tier.commit_store(res, [a])
         assert not tier.contains(k1) and tier.used_bytes == 0
+        assert tier.mc.is_exist(tier._location(k1, res.state)) != 1  # and was removed
         assert tier.details()["publish_failed"] == 1
         tier.store([meta(k2, right, True)], [a])
         tier.store([meta(k3)], [a])
@@ -311,6 +314,43 @@ def test_mooncake_takes_the_checksum_a_payload_is_known_by_or_checks_it(
         assert all(isinstance(g, np.ndarray) and np.array_equal(g, a) for g in got[:2])
         assert isinstance(got[2], ChecksumMismatch), "a wrong checksum taken as given is a miss"
         assert tier.details()["corrupt"] == 1
+    finally:
+        tier.close()
+
+
+@pytest.mark.skipif(not in_private_netns(), reason="runs inside the private namespace")
+def test_mooncake_copy_that_fails_beside_the_records_leaves_nothing(
+    mooncake_master: MooncakeMaster, redis_server: RedisServer, index_ns: str
+) -> None:
+    """The copy runs on a worker while the writer's thread builds the records: a batch
+    Mooncake cannot place (320 MiB into segments of 128 MiB: a real refusal, not a
+    stub) raises a typed error, publishes no record, leaves no payload of the batch
+    behind (the part Mooncake did place is removed) and charges nothing; the tier
+    writes again at once."""
+    config = MooncakeConfig(
+        mooncake_master.master, mooncake_master.metadata, segment_bytes=128 << 20
+    )
+    tier = MooncakeTier(
+        config, RedisEndpoint(url=redis_server.url), 1 << 30, index=IndexConfig(namespace=index_ns)
+    )
+    try:
+        arrs = [np.full(8 << 20, i, np.float16) for i in range(20)]  # 16 MiB each
+        keys = [k(60 + i) for i in range(20)]
+        metas = [
+            ReplicaMeta(key, "float16", a.shape, "exact", b"i")
+            for key, a in zip(keys, arrs, strict=True)
+        ]
+        res = tier.prepare_store(metas)
+        assert isinstance(res, Reservation)
+        with pytest.raises(RemoteTierError, match="batch_put_from"):
+            tier.commit_store(res, arrs)
+        assert tier.used_bytes == 0 and tier.details()["publish_failed"] == 20
+        assert not any(tier.contains(key) for key in keys)
+        assert all(tier.mc.is_exist(tier._location(key, res.state)) != 1 for key in keys)
+        (small,) = _chunks(1, 1 << 12)
+        meta = ReplicaMeta(k(80), "float16", small.shape, "exact", b"i")
+        assert tier.store([meta], [small])
+        assert np.array_equal(tier.read(meta.key), small)
     finally:
         tier.close()
 
