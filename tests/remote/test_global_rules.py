@@ -27,6 +27,7 @@ from kvlife.tiers.mooncake import MooncakeTier
 from kvlife.tiers.mooncake.server import MooncakeMaster
 from kvlife.tiers.redis.published import PublishedTier
 from kvlife.tiers.redis.server import RedisClusterServers, RedisServer
+from kvlife.tiers.redis.unsettled import UnknownOutcomes
 from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.remote.fleet import (
     ACME,
@@ -42,6 +43,7 @@ from tests.remote.fleet import (
     shared_kind,
     shared_of,
 )
+from tests.remote.replies import losing
 
 T = TypeVar("T")
 
@@ -332,6 +334,101 @@ def test_an_index_unreachable_at_the_commit_leaves_no_payload_and_no_record(
             assert np.array_equal(t.read(meta.key), arr)
     finally:
         fleet.close()
+
+
+@pytest.mark.parametrize("ran", [True, False])
+def test_a_publish_whose_replies_are_lost_is_taken_back_once_the_index_answers(
+    fleet: Fleet, ran: bool
+) -> None:
+    """The connection fails after the publish script was sent, and it ran (``ran``) or
+    not: the write raises; once the index answers, the record still the write's is
+    taken back (a fenced delete: on Redis with its frame), counted, and the write then
+    publishes. Before 2026-12-06 the Redis tier left such a record visible, held by no
+    host and never deleted by its writer (docs/remote.md, Limits)."""
+    t = shared_of(fleet.host("a"))
+    meta, arr, res = _one_write(t, 43)
+    real = t.index.client.pipeline
+    t.index.client.pipeline = losing(real, 1, ran)  # the publish
+    try:
+        with pytest.raises(RemoteTierError):
+            t.commit_store(res, [arr])
+    finally:
+        t.index.client.pipeline = real
+    idx = t.index
+    raw = redis.Redis.from_url(fleet.url)
+    try:
+        assert raw.exists(idx.record_key(meta.key)) == (1 if ran else 0)
+        assert t.details()["unknown_pending"] == 1
+        assert t.settle_removals(timeout_s=10) == 0  # once the index's backoff is over
+        assert raw.exists(idx.record_key(meta.key), idx.frame_key(meta.key)) == 0
+        d = t.details()
+        assert d["publishes_unknown"] == 1 and d["unknown_taken_back"] == (1 if ran else 0)
+        assert d["publish_failed"] == 1 and t.used_bytes == 0
+        assert t.store([meta], [arr])
+        assert np.array_equal(t.read(meta.key), arr)
+    finally:
+        raw.close()
+
+
+def test_settling_a_lost_publish_spares_the_same_record_published_again(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A publish whose replies were lost (it ran), then the same bytes published again
+    under the same lease before the first is settled (another thread's write; the
+    settle at the write's start is held off here to make that order certain): on Redis
+    the two records are byte for byte the same. Settling the first must not take back
+    the second, which its host holds: the replica stays and reads back."""
+    t = shared_of(fleet.host("a"))
+    meta, arr, res = _one_write(t, 44)
+    real = t.index.client.pipeline
+    t.index.client.pipeline = losing(real, 1, True)
+    try:
+        with pytest.raises(RemoteTierError):
+            t.commit_store(res, [arr])
+    finally:
+        t.index.client.pipeline = real
+    with monkeypatch.context() as m:
+        m.setattr(UnknownOutcomes, "settle", lambda self, settle_one: None)
+        assert retrying(lambda: t.store([meta], [arr]))
+    assert t.settle_removals(timeout_s=10) == 0
+    assert t.details()["unknown_taken_back"] == 0
+    assert t.contains(meta.key) and np.array_equal(t.read(meta.key), arr)
+
+
+def test_a_take_back_whose_replies_are_lost_is_settled_later(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch over two buckets, one of which refuses it (one publish script per
+    bucket: a cluster, forced here on one server for the Mooncake tier): the bucket
+    that published is taken back, and that take-back's replies are lost. The write
+    raises the refusal; the records are settled later, none left. Before 2026-12-06
+    the Redis tier ignored the failed take-back (records left, held by no host)."""
+    monkeypatch.setattr(GlobalIndex, "standalone", property(lambda self: False))
+    t = shared_of(fleet.host("a"))
+    keys = [ChunkKey(bytes([0, 1]) * 16), ChunkKey(bytes([0, 2]) * 16)]  # two buckets
+    arrs = [np.full(2048, i, np.float16) for i in range(2)]
+    metas = [ReplicaMeta(k, "float16", (2048,), "exact", b"info") for k in keys]
+    res = t.prepare_store(metas)
+    assert isinstance(res, Reservation)
+    lease = res.state.lease
+    raw = redis.Redis.from_url(fleet.url)
+    try:
+        raw.hset(t.index.fence_key(keys[1]), f"t:{lease.host}", lease.token + 99)
+        real = t.index.client.pipeline
+        t.index.client.pipeline = losing(real, 2, True)  # take-back
+        try:
+            with pytest.raises(LeaseError, match="KVLLOST"):
+                t.commit_store(res, arrs)
+        finally:
+            t.index.client.pipeline = real
+        names = [t.index.record_key(k) for k in keys]
+        assert raw.exists(*names) == 0  # the take-back ran, only its replies were lost
+        assert t.details()["unknown_pending"] == 1
+        assert t.settle_removals(timeout_s=10) == 0
+        assert raw.exists(*names, *[t.index.frame_key(k) for k in keys]) == 0
+        assert t.details()["publishes_unknown"] == 1 and t.used_bytes == 0
+    finally:
+        raw.close()
 
 
 def test_a_batch_refused_in_one_of_its_buckets_publishes_nothing(fleet: Fleet) -> None:

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import blake3
 import numpy as np
@@ -38,6 +37,7 @@ from kvlife.tiers.mooncake.server import MooncakeMaster, in_private_netns, netns
 from kvlife.tiers.mooncake.tier import _schedule
 from kvlife.tiers.redis import RedisEndpoint
 from kvlife.tiers.redis.server import RedisServer
+from tests.remote.replies import losing
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -557,23 +557,6 @@ def test_mooncake_bare_verified_calls_count_a_payload_that_is_not_what_was_put(
         tier.close()
 
 
-class _ReplyLost:
-    """A pipeline whose ``execute`` runs its commands (or, ``runs=False``, sends
-    nothing) and then fails as a connection cut before the replies does."""
-
-    def __init__(self, pipe: Any, runs: bool) -> None:
-        self._pipe = pipe
-        self._runs = runs
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._pipe, name)
-
-    def execute(self, *args: Any, **kwargs: Any) -> Any:
-        if self._runs:
-            self._pipe.execute(*args, **kwargs)
-        raise redis.exceptions.ConnectionError("connection cut before the replies (test)")
-
-
 @pytest.mark.skipif(not in_private_netns(), reason="runs inside the private namespace")
 @pytest.mark.parametrize("ran", [True, False])
 def test_mooncake_publish_of_unknown_outcome_never_leaves_a_record_without_its_payload(
@@ -592,16 +575,7 @@ def test_mooncake_publish_of_unknown_outcome_never_leaves_a_record_without_its_p
         res = tier.prepare_store(metas)
         assert isinstance(res, Reservation)
         real = tier.client.pipeline
-        armed = [True]
-
-        def pipeline(*args: Any, **kwargs: Any) -> Any:
-            pipe = real(*args, **kwargs)
-            if armed[0]:  # the first pipeline of the commit is its publish
-                armed[0] = False
-                return _ReplyLost(pipe, ran)
-            return pipe
-
-        tier.client.pipeline = pipeline
+        tier.client.pipeline = losing(real, 1, ran)  # the commit's first: its publish
         try:
             with pytest.raises(RemoteTierError):
                 tier.commit_store(res, arrs)
@@ -653,14 +627,7 @@ def test_mooncake_take_back_of_unknown_outcome_keeps_the_payloads_its_records_na
         lease = res.state.lease
         raw.hset(tier.index.fence_key(keys[1]), f"t:{lease.host}", lease.token + 99)
         real = tier.client.pipeline
-        calls = [0]
-
-        def pipeline(*args: Any, **kwargs: Any) -> Any:
-            pipe = real(*args, **kwargs)
-            calls[0] += 1
-            return _ReplyLost(pipe, True) if calls[0] == 2 else pipe  # 2: the take-back
-
-        tier.client.pipeline = pipeline
+        tier.client.pipeline = losing(real, 2, True)  # 2: the take-back
         try:
             with pytest.raises(LeaseError, match="KVLLOST"):
                 tier.commit_store(res, arrs)

@@ -148,13 +148,6 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         )
         self.mc_health = Health(f"mooncake store {name}", base_s=backoff_s)
         self.doomed = _Doomed(config.read_lease_s)
-        self._unknown: list[tuple[list[RemoteRecord], list[str]]] = []
-        """Publishes whose outcome is unknown (the connection failed after the scripts
-        were sent): their records and payload names, settled by :meth:`_settle_unknown`."""
-        self._unknown_lock = threading.Lock()
-        self._settling = 0
-        """Entries of :attr:`_unknown` a :meth:`_settle_unknown` took and is settling."""
-        self.unknown_counts = {"publishes_unknown": 0, "unknown_taken_back": 0}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kvlife-{name}-put")
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix=f"kvlife-{name}-get")
 
@@ -328,7 +321,7 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
             results = self.health.call("publish", run)
         except BaseException:
             if sent[0]:  # the scripts may have run, only their replies lost: settle later
-                self._outcome_unknown(records, put)
+                self.unknown.add(records, put)
             else:  # refused before anything was sent (the index's backoff)
                 self._remove(put)
             raise
@@ -353,7 +346,7 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
                 )
                 kept = set(done) - {done[j] for j in taken}  # still named: they stay
             except RemoteTierError:  # the take-back's own outcome is unknown: settle later
-                self._outcome_unknown([records[i] for i in done], [put[i] for i in done])
+                self.unknown.add([records[i] for i in done], [put[i] for i in done])
                 kept = set(done)
             self._remove([loc for i, loc in enumerate(put) if i not in kept])
             self._remove(replaced)  # their records are gone too
@@ -379,75 +372,39 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
             rcs = [-1] * len(locs)
         self.doomed.add([loc for loc, rc in zip(locs, rcs, strict=True) if rc not in GONE_OK])
 
-    def settle_removals(self, timeout_s: float) -> int:
-        """Retry deferred removals (and settle publishes of unknown outcome) until none
-        is left or ``timeout_s`` passed (waiting for readers' leases to lapse, the
-        index's backoff); returns how many are still pending."""
-        end = time.monotonic() + timeout_s
-        while True:
-            self._reap()
-            with self._unknown_lock:
-                left = self.doomed.pending() + len(self._unknown) + self._settling
-            if not left or time.monotonic() >= end:
-                return left
-            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+    def _settle_failures(self) -> None:
+        self._reap()
 
-    def _outcome_unknown(self, records: list[RemoteRecord], put: list[str]) -> None:
-        """A publish whose connection failed after its scripts were sent: its records
-        may be visible, so their payloads stay (a record naming a removed payload would
-        be a miss for every host that adopts it) until :meth:`_settle_unknown` knows."""
-        with self._unknown_lock:
-            self._unknown.append((list(records), list(put)))
-            self.unknown_counts["publishes_unknown"] += len(records)
+    def _unsettled(self) -> int:
+        return self.doomed.pending() + self.unknown.pending()
 
-    def _settle_unknown(self) -> None:
-        """Settle publishes whose outcome was unknown: read their records back; take
-        back (a fenced delete) those that are still this write's, and remove the
-        payloads no record names. A record the delete could not take back (this host's
-        lease refused) stays with its payload: complete and verified, never wrong. One
-        the index cannot be read for is tried again at the next write."""
-        with self._unknown_lock:
-            todo, self._unknown = self._unknown, []
-            took = len(todo)
-            self._settling += took
-        left: list[tuple[list[RemoteRecord], list[str]]] = []
-        try:
-            while todo:
-                records, put = todo[0]
-                keys = [ChunkKey(r.header.key) for r in records]
-                try:
-                    now = self._records(keys)
-                    ours = [
-                        i
-                        for i, rec in enumerate(now)
-                        if isinstance(rec, RemoteRecord) and rec.location == put[i]
-                    ]
-                    taken = (
-                        self._delete_records(
-                            [keys[i] for i in ours], [records[i] for i in ours], frames=False
-                        )
-                        if ours
-                        else []
-                    )
-                except RemoteTierError:
-                    left.append(todo.pop(0))
-                    continue
-                todo.pop(0)
-                gone = {ours[j] for j in taken}
-                named = set(ours) - gone  # the delete was refused: the record keeps its payload
-                self._remove([loc for i, loc in enumerate(put) if i not in named])
-                with self._unknown_lock:
-                    self.unknown_counts["unknown_taken_back"] += len(gone)
-        finally:  # what was not settled (an index still unreachable, an error) stays
-            with self._unknown_lock:
-                self._unknown[:0] = left + todo
-                self._settling -= took
+    def _settle_one(self, records: list[RemoteRecord], put: list[str]) -> int:
+        """Read a write's records back; take back (a fenced delete) those that are
+        still this write's, and remove the payloads no record names. A record the
+        delete could not take back (this host's lease refused) stays with its payload:
+        complete and verified, never wrong."""
+        keys = [ChunkKey(r.header.key) for r in records]
+        now = self._records(keys)
+        ours = [
+            i
+            for i, rec in enumerate(now)
+            if isinstance(rec, RemoteRecord) and rec.location == put[i]
+        ]
+        taken = (
+            self._delete_records([keys[i] for i in ours], [records[i] for i in ours], frames=False)
+            if ours
+            else []
+        )
+        gone = {ours[j] for j in taken}
+        named = set(ours) - gone  # the delete was refused: the record keeps its payload
+        self._remove([loc for i, loc in enumerate(put) if i not in named])
+        return len(gone)
 
     def _reap(self, everything: bool = False) -> None:
-        """Settle publishes of unknown outcome (:meth:`_settle_unknown`); retry removals whose
-        read lease should have lapsed by now."""
-        if self._unknown:
-            self._settle_unknown()
+        """Settle publishes of unknown outcome (:meth:`_settle_one`); retry removals
+        whose read lease should have lapsed by now."""
+        if self.unknown:
+            self.unknown.settle(self._settle_one)
         due = self.doomed.due(everything)
         if not due:
             return
@@ -557,10 +514,7 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         self._remove([records[i].location for i in deleted if records[i].location])
 
     def details(self) -> dict[str, Any]:
-        with self._unknown_lock:
-            pending = len(self._unknown) + self._settling
-            unknown = {**self.unknown_counts, "unknown_pending": pending}
-        return {**super().details(), **self.doomed.counters(), **unknown}
+        return {**super().details(), **self.doomed.counters()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ count against it; other hosts' objects do not. ``replica_keys`` lists those repl
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from abc import abstractmethod
 from collections.abc import Generator, Sequence
@@ -66,6 +67,7 @@ from kvlife.tiers.base import (
     Tier,
     check_payloads,
 )
+from kvlife.tiers.redis.unsettled import UnknownOutcomes
 
 
 @dataclass(slots=True)
@@ -169,6 +171,9 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         """Held replicas found deleted or replaced by another host, not yet reported."""
         self._reserved = 0
         self._lock = threading.Lock()
+        self.unknown = UnknownOutcomes()
+        """Writes whose publish had an unknown outcome, until settled
+        (:meth:`_settle_one`)."""
 
     # ------------------------------------------------------------------ payload store
 
@@ -188,6 +193,32 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         """The payload bytes behind each record (None: gone; an exception: I/O error).
         A tier may read straight into a record's ``out`` (C-contiguous, of its size) and
         return a view of it; the bytes are verified after, either way."""
+
+    def settle_removals(self, timeout_s: float) -> int:
+        """Settle what failures left to settle (writes of unknown outcome; on Mooncake,
+        removals deferred too) until none is left or ``timeout_s`` passed (the index's
+        backoff, readers' leases); returns how many are still pending."""
+        end = time.monotonic() + timeout_s
+        while True:
+            self._settle_failures()
+            left = self._unsettled()
+            if not left or time.monotonic() >= end:
+                return left
+            time.sleep(min(0.05, max(0.0, end - time.monotonic())))
+
+    def _settle_failures(self) -> None:
+        """Settle the writes of unknown outcome (at each write, and by the above)."""
+        if self.unknown:
+            self.unknown.settle(self._settle_one)
+
+    def _unsettled(self) -> int:
+        return self.unknown.pending()
+
+    @abstractmethod
+    def _settle_one(self, records: list[RemoteRecord], payloads: list[str]) -> int:
+        """Settle one write of unknown outcome (:mod:`kvlife.tiers.redis.unsettled`): take
+        back the records still the write's (a fenced delete), remove the payloads no
+        record names; how many records it took back. RemoteTierError: try later."""
 
     @abstractmethod
     def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord]) -> None:
@@ -629,6 +660,7 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
             **asdict(self.counters),
             **asdict(self.health.counters),
             **asdict(self.index.counters),
+            **self.unknown.counts(),
         }
 
     # ------------------------------------------------------------------ SharedTier

@@ -8,7 +8,9 @@ and then renames the bucket's staged payloads into place and writes their record
 atomically on the node that owns the bucket. A read is one ``MGET record frame`` per
 replica (pipelined), verified against the record. A delete is one ``UNPUBLISH`` script
 per bucket, under the lease, removing a record and its frame only if the record is
-still the one the deleter held.
+still the one the deleter held. A publish (or the take-back of a batch part of which
+published) whose replies are lost is settled at the next write
+(:mod:`kvlife.tiers.redis.unsettled`).
 """
 
 from __future__ import annotations
@@ -60,11 +62,14 @@ class RedisTier(PublishedTier):
         )
 
     def close(self) -> None:
+        with contextlib.suppress(RemoteTierError):  # one try; left visible, never wrong
+            self._settle_failures()
         self.client.close()
 
     def _write(
         self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
     ) -> list[RemoteRecord]:
+        self._settle_failures()
         idx = self.index
         lease = pending.lease
         staged = [idx.staging_key(m.key, pending.nonce) for m in metas]
@@ -89,8 +94,11 @@ class RedisTier(PublishedTier):
             by_tag.setdefault(idx.tag(m.key), []).append(i)
         groups = list(by_tag.values())
 
+        sent = [False]
+
         def run() -> list[Any]:
             for attempt in (0, 1):
+                sent[0] = True
                 pipe = self.client.pipeline(transaction=False)
                 for at in groups:  # one script per bucket: fence and lease checked once
                     keys: list[str] = [idx.fence_key(metas[at[0]].key)]
@@ -111,7 +119,12 @@ class RedisTier(PublishedTier):
             raise AssertionError("unreachable")
 
         self._current(pending)  # the staged payloads expire unpublished
-        results = self.health.call("publish", run)
+        try:
+            results = self.health.call("publish", run)
+        except BaseException:
+            if sent[0]:  # the scripts may have run, only their replies lost: settle later
+                self.unknown.add(records, [])
+            raise
         errors = [r for r in results if isinstance(r, Exception)]
         if not errors:
             return records
@@ -122,10 +135,10 @@ class RedisTier(PublishedTier):
             for i in at
         ]
         if done:  # the batch is all or nothing: take back what did publish (fenced)
-            with contextlib.suppress(
-                RemoteTierError
-            ):  # complete, verified objects: visible, but never wrong
+            try:
                 self._unpublish([ChunkKey(metas[i].key) for i in done], [records[i] for i in done])
+            except RemoteTierError:  # the take-back's own outcome is unknown: settle later
+                self.unknown.add([records[i] for i in done], [])
         first = errors[0]
         if isinstance(first, RedisError) and str(first).startswith(REFUSALS):
             raise idx.refused(first)
@@ -196,6 +209,18 @@ class RedisTier(PublishedTier):
                 )
             results.append(self._settle(k, rec, frame, out))
         return results
+
+    def _settle_one(self, records: list[RemoteRecord], payloads: list[str]) -> int:
+        """Take back the records of a write of unknown outcome that are still its own,
+        with their frames (a fenced delete compares each record's bytes); the staged
+        frames of records never published expire (``STAGING_TTL_MS``). A record this
+        host holds now is spared: a later write of the same bytes under the same token
+        (another thread's) published a record equal to this one, and holds it."""
+        with self._lock:
+            held = [self._held.get(ChunkKey(r.header.key)) for r in records]
+        mine = [r for r, h in zip(records, held, strict=True) if h is None or h.blob() != r.blob()]
+        keys = [ChunkKey(r.header.key) for r in mine]
+        return len(self._delete_records(keys, mine, frames=True)) if mine else 0
 
     def _unpublish(self, keys: Sequence[ChunkKey], records: Sequence[RemoteRecord]) -> None:
         self._delete_records(keys, records, frames=True)  # record and frame: one slot
