@@ -21,7 +21,7 @@ from kvlife.core.errors import InvalidArgument, LeaseError, RemoteTierError
 from kvlife.core.identity import ROOT_PARENT, ChunkKey, Namespace, NamespaceKind
 from kvlife.core.objects import ObjectInfo
 from kvlife.faults.proxy import Fault, FaultProxy
-from kvlife.globalindex import GlobalIndex, Health, IndexConfig
+from kvlife.globalindex import GlobalIndex, Health, IndexConfig, RemoteRecord
 from kvlife.tiers.base import ReplicaMeta, Reservation
 from kvlife.tiers.mooncake import MooncakeTier
 from kvlife.tiers.mooncake.server import MooncakeMaster
@@ -393,6 +393,69 @@ def test_settling_a_lost_publish_spares_the_same_record_published_again(
     assert t.settle_removals(timeout_s=10) == 0
     assert t.details()["unknown_taken_back"] == 0
     assert t.contains(meta.key) and np.array_equal(t.read(meta.key), arr)
+
+
+def test_a_write_waits_for_a_settlement_under_way_and_keeps_its_replica(fleet: Fleet) -> None:
+    """A publish whose replies were lost (it ran) is being settled by another thread's
+    write (held inside its fenced delete here, the delete itself unchanged) when this
+    thread stores the same bytes under the same lease: the store waits until the
+    settlement is done, then publishes; its replica is held, present and read back.
+    Before, the store published meanwhile and the settlement's delete, comparing equal
+    bytes, took the new replica (found by a red team, 2026-12-06)."""
+    t = shared_of(fleet.host("a"))
+    meta, arr, res = _one_write(t, 46)
+    real = t.index.client.pipeline
+    t.index.client.pipeline = losing(real, 1, True)
+    try:
+        with pytest.raises(RemoteTierError):
+            t.commit_store(res, [arr])
+    finally:
+        t.index.client.pipeline = real
+    time.sleep(0.5)  # the index's backoff after the cut is over
+    _, other_arr, other_res = _one_write(t, 47)
+    at_delete, go = threading.Event(), threading.Event()
+    real_delete = t._delete_records
+
+    def held_open(
+        keys: Sequence[ChunkKey], records: Sequence[RemoteRecord], frames: bool
+    ) -> list[int]:
+        if threading.current_thread().name == "settler" and not at_delete.is_set():
+            at_delete.set()
+            assert go.wait(20)
+        return real_delete(keys, records, frames)
+
+    t._delete_records = held_open  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+
+    def run(fn: Callable[[], object]) -> Callable[[], None]:
+        def body() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+
+        return body
+
+    settler = threading.Thread(
+        target=run(lambda: t.commit_store(other_res, [other_arr])), name="settler"
+    )
+    settler.start()
+    assert at_delete.wait(20)  # the settlement read what the host holds; about to delete
+    again = threading.Thread(target=run(lambda: t.store([meta], [arr])))
+    again.start()
+    again.join(0.5)
+    assert again.is_alive(), "a write published while a settlement was under way"
+    go.set()
+    settler.join(20)
+    again.join(20)
+    assert errors == []
+    raw = redis.Redis.from_url(fleet.url)
+    try:
+        assert raw.exists(t.index.record_key(meta.key)) == 1
+    finally:
+        raw.close()
+    assert meta.key in t.replica_keys() and np.array_equal(t.read(meta.key), arr)
+    assert t.details()["unknown_taken_back"] == 1  # the lost publish's, before the new one
 
 
 def test_a_take_back_whose_replies_are_lost_is_settled_later(

@@ -155,6 +155,7 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         self._pool.shutdown(wait=True)
         self._readers.shutdown(wait=True)
         with contextlib.suppress(RemoteTierError):
+            self._settle_failures()
             self._reap(everything=True)
         self.mc.close()
         self.client.close()
@@ -373,6 +374,7 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         self.doomed.add([loc for loc, rc in zip(locs, rcs, strict=True) if rc not in GONE_OK])
 
     def _settle_failures(self) -> None:
+        super()._settle_failures()
         self._reap()
 
     def _unsettled(self) -> int:
@@ -401,10 +403,7 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         return len(gone)
 
     def _reap(self, everything: bool = False) -> None:
-        """Settle publishes of unknown outcome (:meth:`_settle_one`); retry removals
-        whose read lease should have lapsed by now."""
-        if self.unknown:
-            self.unknown.settle(self._settle_one)
+        """Retry removals whose read lease should have lapsed by now."""
         due = self.doomed.due(everything)
         if not due:
             return

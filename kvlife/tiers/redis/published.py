@@ -67,7 +67,7 @@ from kvlife.tiers.base import (
     Tier,
     check_payloads,
 )
-from kvlife.tiers.redis.unsettled import UnknownOutcomes
+from kvlife.tiers.redis.unsettled import SettleGate, UnknownOutcomes
 
 
 @dataclass(slots=True)
@@ -174,6 +174,7 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         self.unknown = UnknownOutcomes()
         """Writes whose publish had an unknown outcome, until settled
         (:meth:`_settle_one`)."""
+        self._gate = SettleGate()
 
     # ------------------------------------------------------------------ payload store
 
@@ -207,9 +208,13 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
             time.sleep(min(0.05, max(0.0, end - time.monotonic())))
 
     def _settle_failures(self) -> None:
-        """Settle the writes of unknown outcome (at each write, and by the above)."""
-        if self.unknown:
-            self.unknown.settle(self._settle_one)
+        """Settle the writes of unknown outcome (at each write, and by the above), when
+        no write of this tier is in flight (:class:`SettleGate`)."""
+        if not self.unknown:
+            return
+        with self._gate.settling() as now:
+            if now:
+                self.unknown.settle(self._settle_one)
 
     def _unsettled(self) -> int:
         return self.unknown.pending()
@@ -409,18 +414,20 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
             metas, arrays = _last_of_each(
                 reservation.metas, [np.ascontiguousarray(a) for a in payloads]
             )
-            written = self._write(pending, metas, arrays)
+            self._settle_failures()
+            with self._gate.writing():  # no settlement until the records are held
+                written = self._write(pending, metas, arrays)
+                with self._lock:
+                    self._reserved -= reservation.nbytes
+                    for rec in written:
+                        key = ChunkKey(rec.header.key)
+                        self._held[key] = rec
+                        self._gone.discard(key)
+                    reservation.done = True
         except BaseException:
             self.counters.publish_failed += len({m.key for m in reservation.metas})
             self.cancel_store(reservation)
             raise
-        with self._lock:
-            self._reserved -= reservation.nbytes
-            for rec in written:
-                key = ChunkKey(rec.header.key)
-                self._held[key] = rec
-                self._gone.discard(key)
-            reservation.done = True
         self.counters.published += len(written)
 
     def cancel_store(self, reservation: Reservation) -> None:

@@ -69,7 +69,6 @@ class RedisTier(PublishedTier):
     def _write(
         self, pending: _Pending, metas: Sequence[ReplicaMeta], payloads: list[np.ndarray]
     ) -> list[RemoteRecord]:
-        self._settle_failures()
         idx = self.index
         lease = pending.lease
         staged = [idx.staging_key(m.key, pending.nonce) for m in metas]
@@ -215,7 +214,8 @@ class RedisTier(PublishedTier):
         with their frames (a fenced delete compares each record's bytes); the staged
         frames of records never published expire (``STAGING_TTL_MS``). A record this
         host holds now is spared: a later write of the same bytes under the same token
-        (another thread's) published a record equal to this one, and holds it."""
+        (another thread's) published a record equal to this one, and holds it (no
+        write is in flight meanwhile: :class:`~kvlife.tiers.redis.unsettled.SettleGate`)."""
         with self._lock:
             held = [self._held.get(ChunkKey(r.header.key)) for r in records]
         mine = [r for r, h in zip(records, held, strict=True) if h is None or h.blob() != r.blob()]

@@ -8,12 +8,21 @@ read the index again (:meth:`UnknownOutcomes.settle`, at the tier's next write, 
 records that are still the write's, and removes the payloads no record names. The
 same holds for the take-back of a batch part of which published, when the take-back's
 own replies are lost. Thread-safe.
+
+A settlement never runs beside a write of the same tier (:class:`SettleGate`): on the
+Redis tier two writes of the same bytes under the same lease publish records equal byte
+for byte, and the fenced delete of one would take the other; so a settlement spares
+the records its host holds, and a write waits for a settlement under way, which runs
+only while no write is between its publish and its host holding the records (found by a
+red team, 2026-12-06: a settlement in one thread took a replica another thread had
+just published).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from kvlife.core.errors import RemoteTierError
 from kvlife.globalindex import RemoteRecord
@@ -83,3 +92,44 @@ class UnknownOutcomes:
                 "unknown_taken_back": self.taken_back,
                 "unknown_pending": pending,
             }
+
+
+class SettleGate:
+    """Keeps one tier's writes (from before their publish until their host holds the
+    records) and its settlements apart. Writes run beside each other; a write waits
+    for a settlement under way; a settlement runs only when no write is in flight,
+    else it is skipped (tried again at the next write or ``settle_removals``)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._writes = 0
+        self._settling = False
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[None]:
+        with self._cond:
+            while self._settling:
+                self._cond.wait()
+            self._writes += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writes -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def settling(self) -> Iterator[bool]:
+        """Yields whether the settlement may run now (no write in flight, no other
+        settlement); writes wait until it is done."""
+        with self._cond:
+            now = not self._writes and not self._settling
+            if now:
+                self._settling = True
+        try:
+            yield now
+        finally:
+            if now:
+                with self._cond:
+                    self._settling = False
+                    self._cond.notify_all()
