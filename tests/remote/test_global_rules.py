@@ -336,6 +336,20 @@ def test_an_index_unreachable_at_the_commit_leaves_no_payload_and_no_record(
         fleet.close()
 
 
+def _commit_losing_replies(
+    t: PublishedTier, res: Reservation, arrs: list[np.ndarray], ran: bool
+) -> None:
+    """Commit ``res`` through a publish whose replies are lost (the script ran, or not:
+    ``ran``): the commit raises RemoteTierError."""
+    real = t.index.client.pipeline
+    t.index.client.pipeline = losing(real, 1, ran)
+    try:
+        with pytest.raises(RemoteTierError):
+            t.commit_store(res, arrs)
+    finally:
+        t.index.client.pipeline = real
+
+
 @pytest.mark.parametrize("ran", [True, False])
 def test_a_publish_whose_replies_are_lost_is_taken_back_once_the_index_answers(
     fleet: Fleet, ran: bool
@@ -347,13 +361,7 @@ def test_a_publish_whose_replies_are_lost_is_taken_back_once_the_index_answers(
     host and never deleted by its writer (docs/remote.md, Limits)."""
     t = shared_of(fleet.host("a"))
     meta, arr, res = _one_write(t, 43)
-    real = t.index.client.pipeline
-    t.index.client.pipeline = losing(real, 1, ran)  # the publish
-    try:
-        with pytest.raises(RemoteTierError):
-            t.commit_store(res, [arr])
-    finally:
-        t.index.client.pipeline = real
+    _commit_losing_replies(t, res, [arr], ran=ran)
     idx = t.index
     raw = redis.Redis.from_url(fleet.url)
     try:
@@ -380,13 +388,7 @@ def test_settling_a_lost_publish_spares_the_same_record_published_again(
     the second, which its host holds: the replica stays and reads back."""
     t = shared_of(fleet.host("a"))
     meta, arr, res = _one_write(t, 44)
-    real = t.index.client.pipeline
-    t.index.client.pipeline = losing(real, 1, True)
-    try:
-        with pytest.raises(RemoteTierError):
-            t.commit_store(res, [arr])
-    finally:
-        t.index.client.pipeline = real
+    _commit_losing_replies(t, res, [arr], ran=True)
     with monkeypatch.context() as m:
         m.setattr(UnknownOutcomes, "settle", lambda self, settle_one: None)
         assert retrying(lambda: t.store([meta], [arr]))
@@ -404,13 +406,7 @@ def test_a_write_waits_for_a_settlement_under_way_and_keeps_its_replica(fleet: F
     bytes, took the new replica (found by a red team, 2026-12-06)."""
     t = shared_of(fleet.host("a"))
     meta, arr, res = _one_write(t, 46)
-    real = t.index.client.pipeline
-    t.index.client.pipeline = losing(real, 1, True)
-    try:
-        with pytest.raises(RemoteTierError):
-            t.commit_store(res, [arr])
-    finally:
-        t.index.client.pipeline = real
+    _commit_losing_replies(t, res, [arr], ran=True)
     time.sleep(0.5)  # the index's backoff after the cut is over
     _, other_arr, other_res = _one_write(t, 47)
     at_delete, go = threading.Event(), threading.Event()
