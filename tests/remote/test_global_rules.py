@@ -7,6 +7,7 @@ from tests/remote/test_mooncake.py)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -452,6 +453,35 @@ def test_a_write_waits_for_a_settlement_under_way_and_keeps_its_replica(fleet: F
         raw.close()
     assert meta.key in t.replica_keys() and np.array_equal(t.read(meta.key), arr)
     assert t.details()["unknown_taken_back"] == 1  # the lost publish's, before the new one
+
+
+def test_a_store_closed_with_a_lost_publish_unsettled_logs_it(
+    tmp_path: Path,
+    kind: str,
+    private: RedisServer,
+    request: pytest.FixtureRequest,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A publish whose replies were lost, and the index cut off before the store
+    closes: ``close`` tries once, returns, and logs what it leaves unsettled (the
+    record, if published, stays visible: complete and verified). Before, it said
+    nothing."""
+    port = int(private.url.rsplit(":", 1)[1].split("/")[0])
+    fleet = Fleet(tmp_path, kind, private.url, "closing", _master(kind, request))
+    try:
+        with FaultProxy(("127.0.0.1", port)) as proxy:
+            url = f"redis://127.0.0.1:{proxy.port}/0"
+            store = fleet.host("a", url=url, socket_timeout_s=1.0)
+            t = shared_of(store)
+            _, arr, res = _one_write(t, 48)
+            _commit_losing_replies(t, res, [arr], ran=True)
+            proxy.set(Fault.partition())
+            with caplog.at_level(logging.WARNING, logger="kvlife.tiers.redis.published"):
+                store.close(flush=False)
+            assert "1 writes of unknown outcome unsettled" in caplog.text
+            assert t.unknown.pending() == 1
+    finally:
+        fleet.close()
 
 
 def test_a_take_back_whose_replies_are_lost_is_settled_later(

@@ -154,8 +154,8 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self._readers.shutdown(wait=True)
+        self._settle_at_close()
         with contextlib.suppress(RemoteTierError):
-            self._settle_failures()
             self._reap(everything=True)
         self.mc.close()
         self.client.close()

@@ -24,6 +24,8 @@ count against it; other hosts' objects do not. ``replica_keys`` lists those repl
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 import uuid
@@ -98,6 +100,8 @@ class RemoteCounters:
 
 FETCHES = 4
 """Fetches of one payload in one read, the first included (:meth:`PublishedTier._settle`)."""
+
+log = logging.getLogger(__name__)
 
 Payload = memoryview | bytes | Exception | None
 """A fetched payload: its bytes (not verified yet), None (gone), an exception (I/O)."""
@@ -218,6 +222,20 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
 
     def _unsettled(self) -> int:
         return self.unknown.pending()
+
+    def _settle_at_close(self) -> None:
+        """One try at settling; what is left is logged (its records, if published,
+        stay visible: complete and verified, held by no host)."""
+        with contextlib.suppress(RemoteTierError):
+            self._settle_failures()
+        left = self.unknown.pending()
+        if left:
+            log.warning(
+                "%s closed with %d writes of unknown outcome unsettled: their records, if "
+                "published, stay visible (complete, verified, held by no host)",
+                self.name,
+                left,
+            )
 
     @abstractmethod
     def _settle_one(self, records: list[RemoteRecord], payloads: list[str]) -> int:

@@ -15,7 +15,6 @@ published) whose replies are lost is settled at the next write
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,8 +61,7 @@ class RedisTier(PublishedTier):
         )
 
     def close(self) -> None:
-        with contextlib.suppress(RemoteTierError):  # one try; left visible, never wrong
-            self._settle_failures()
+        self._settle_at_close()
         self.client.close()
 
     def _write(
