@@ -211,8 +211,8 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         """Payloads go to Mooncake (under names no reader knows yet) on a worker thread
         while this one computes their checksums (xxh3 and Mooncake's copy both release
         the GIL); then the index's publish script checks the lease and writes the records
-        that name them."""
-        self._reap()
+        that name them. (``commit_store`` retried the due removals just before:
+        :meth:`_settle_failures`.)"""
         locations = [self._location(m.key, pending) for m in metas]
         if not sum(a.nbytes for a in payloads):  # nothing to move: no thread
             self._put_payloads(locations, payloads)
