@@ -24,11 +24,9 @@ from kvlife.core.errors import InvalidArgument, StoreFormatError
 from kvlife.core.objects import EpochStamp, ObjectInfo
 from kvlife.tiers.base import ReplicaMeta
 from kvlife.tiers.disk.frame import (
-    HEADER_BYTES,
-    HEADER_USED,
     FrameError,
     FrameHeader,
-    pack_header,
+    header_used,
     parts_checksum,
     unpack_header,
 )
@@ -119,13 +117,11 @@ class RemoteRecord:
         return self.raw or self.encode()
 
     def encode(self) -> bytes:
-        hdr = bytearray(HEADER_BYTES)
-        pack_header(self.header, memoryview(hdr))
         body = bytes(
             msgpack.packb(
                 [
                     _RECORD_VERSION,
-                    bytes(hdr[:HEADER_USED]),
+                    header_used(self.header),
                     self.info,
                     self.host,
                     self.token,

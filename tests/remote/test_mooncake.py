@@ -32,6 +32,7 @@ from kvlife.core.errors import (
 from kvlife.core.identity import ChunkKey
 from kvlife.globalindex import GlobalIndex, IndexConfig, RemoteRecord
 from kvlife.tiers.base import ReplicaMeta, Reservation
+from kvlife.tiers.disk.frame import payload_checksum
 from kvlife.tiers.mooncake import MooncakeConfig, MooncakeTier
 from kvlife.tiers.mooncake.server import MooncakeMaster, in_private_netns, netns_command
 from kvlife.tiers.mooncake.tier import _schedule
@@ -351,6 +352,46 @@ def test_mooncake_copy_that_fails_beside_the_records_leaves_nothing(
         meta = ReplicaMeta(k(80), "float16", small.shape, "exact", b"i")
         assert tier.store([meta], [small])
         assert np.array_equal(tier.read(meta.key), small)
+    finally:
+        tier.close()
+
+
+@pytest.mark.skipif(not in_private_netns(), reason="runs inside the private namespace")
+def test_mooncake_write_with_checksums_known_never_waits_for_a_copy_refused(
+    mooncake_master: MooncakeMaster, redis_server: RedisServer, index_ns: str
+) -> None:
+    """A write whose checksums are all known lets the worker reach the copy before it
+    builds the records; a copy refused before it starts (Mooncake's backoff after a
+    failure) still ends the write at once, typed, with nothing published or charged,
+    and once the backoff is over the same write publishes."""
+    tier = _tier(mooncake_master, redis_server, index_ns)
+    try:
+        arrs = _chunks(8, 1 << 14)
+        keys = [k(90 + i) for i in range(8)]
+        metas = [
+            ReplicaMeta(key, "float16", a.shape, "exact", b"i", checksum=payload_checksum(a))
+            for key, a in zip(keys, arrs, strict=True)
+        ]
+        tier.mc_health.base_s = 0.5
+        tier.mc_health.failed("a failed call: backoff")
+        outcome: list[BaseException | bool] = []
+
+        def write() -> None:
+            try:
+                outcome.append(tier.store(metas, arrs))
+            except BaseException as exc:  # examined below
+                outcome.append(exc)
+
+        t = threading.Thread(target=write)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "the write waited for a copy that never started"
+        assert isinstance(outcome[0], RemoteTierError) and "unhealthy" in str(outcome[0])
+        assert tier.used_bytes == 0 and not any(tier.contains(key) for key in keys)
+        time.sleep(tier.mc_health.retry_in() + 0.01)
+        assert tier.store(metas, arrs)
+        got = tier.read_batch(keys)
+        assert all(np.array_equal(g, a) for g, a in zip(got, arrs, strict=True))
     finally:
         tier.close()
 

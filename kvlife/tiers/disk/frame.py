@@ -126,6 +126,13 @@ def parts_checksum(parts: list[np.ndarray]) -> bytes:
 
 def pack_header(h: FrameHeader, out: memoryview) -> None:
     """Write the header into the first HEADER_BYTES of ``out`` (the rest zeroed)."""
+    out[:HEADER_USED] = header_used(h)
+    out[HEADER_USED:HEADER_BYTES] = bytes(HEADER_BYTES - HEADER_USED)
+
+
+def header_used(h: FrameHeader) -> bytes:
+    """The header's first HEADER_USED bytes (its fields and their checksum): what
+    :func:`pack_header` writes before the zeroed rest, and what a remote record holds."""
     if len(h.shape) > MAX_NDIM:
         raise ValueError(f"replica has {len(h.shape)} dimensions, frames hold {MAX_NDIM}")
     shape = list(h.shape) + [0] * (MAX_NDIM - len(h.shape))
@@ -141,9 +148,7 @@ def pack_header(h: FrameHeader, out: memoryview) -> None:
         *shape,
         h.transform.encode(),
     )
-    out[: len(body)] = body
-    out[len(body) : HEADER_USED] = _HCHECK.pack(xxhash.xxh3_64_intdigest(body))
-    out[HEADER_USED:HEADER_BYTES] = bytes(HEADER_BYTES - HEADER_USED)
+    return body + _HCHECK.pack(xxhash.xxh3_64_intdigest(body))
 
 
 def unpack_header(buf: memoryview | bytes) -> FrameHeader:

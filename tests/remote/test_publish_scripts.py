@@ -1,0 +1,113 @@
+"""The publish scripts against a real Redis: each record key gets its record and the
+reply names, in order, the record each key held before ('' where none), whatever the
+batch's size (the scripts swap records a thousand keys at a time) and whatever it
+replaced; a lease that does not hold publishes nothing."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import blake3
+import pytest
+import redis
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from kvlife.globalindex import IndexConfig
+from kvlife.tiers.redis import RedisEndpoint, RedisTier
+from kvlife.tiers.redis.server import RedisServer
+
+SIZES = st.one_of(st.sampled_from([1, 999, 1000, 1001, 2000, 2001]), st.integers(1, 2100))
+
+
+def _keys(n: int, salt: int) -> list[bytes]:
+    return [blake3.blake3(b"pub%d:%d" % (salt, i)).digest() for i in range(n)]
+
+
+@pytest.fixture
+def published(redis_server: RedisServer, index_ns: str) -> Iterator[tuple[RedisTier, redis.Redis]]:
+    t = RedisTier(
+        RedisEndpoint(url=redis_server.url), 1 << 24, index=IndexConfig(namespace=index_ns)
+    )
+    raw = redis.Redis.from_url(redis_server.url)
+    yield t, raw
+    raw.close()
+    t.close()
+
+
+@settings(
+    max_examples=20,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    n=SIZES,
+    pattern=st.sampled_from(["none", "all", "every third", "drawn"]),
+    per_bucket=st.booleans(),
+    salt=st.integers(0, 1 << 30),
+)
+@example(n=2001, pattern="all", per_bucket=False, salt=1)  # three swaps of a thousand
+@example(n=1001, pattern="every third", per_bucket=False, salt=2)
+def test_publish_swaps_every_record_and_names_what_it_replaced(
+    published: tuple[RedisTier, redis.Redis], n: int, pattern: str, per_bucket: bool, salt: int
+) -> None:
+    tier, raw = published
+    idx = tier.index
+    idx.refresh()
+    lease = idx.lease()
+    keys = _keys(n, salt)
+    drawn = random.Random(salt)
+    held = [
+        pattern == "all"
+        or (pattern == "every third" and i % 3 == 0)
+        or (pattern == "drawn" and drawn.random() < 0.5)
+        for i in range(n)
+    ]
+    old = {key: b"old-%d" % i for i, (key, h) in enumerate(zip(keys, held, strict=True)) if h}
+    if old:
+        raw.mset({idx.record_key(key): rec for key, rec in old.items()})
+    new = {key: b"new-%d-%d" % (salt, i) for i, key in enumerate(keys)}
+    replies: dict[bytes, bytes] = {}
+    if per_bucket:
+        by_tag: dict[str, list[bytes]] = {}
+        for key in keys:
+            by_tag.setdefault(idx.tag(key), []).append(key)
+        for group in by_tag.values():
+            got = idx.run_script(
+                "PUBLISH_RECORDS",
+                [idx.fence_key(group[0])] + [idx.record_key(key) for key in group],
+                [lease.host, lease.token, *(new[key] for key in group)],
+            )
+            replies.update(zip(group, got, strict=True))
+    else:
+        fences = sorted({idx.fence_key(key) for key in keys})
+        got = idx.run_script(
+            "PUBLISH_RECORDS_ALL",
+            fences + [idx.record_key(key) for key in keys],
+            [lease.host, lease.token, len(fences), *(new[key] for key in keys)],
+        )
+        replies.update(zip(keys, got, strict=True))
+    assert len(replies) == n
+    assert all(replies[key] == old.get(key, b"") for key in keys)
+    stored = raw.mget([idx.record_key(key) for key in keys])
+    assert stored == [new[key] for key in keys]
+    raw.delete(*(idx.record_key(key) for key in keys))
+
+
+def test_publish_under_a_lease_that_does_not_hold_writes_nothing(
+    published: tuple[RedisTier, redis.Redis],
+) -> None:
+    tier, raw = published
+    idx = tier.index
+    idx.refresh()
+    lease = idx.lease()
+    keys = _keys(1500, 7)
+    fences = sorted({idx.fence_key(key) for key in keys})
+    with pytest.raises(redis.ResponseError, match="KVLLOST"):
+        idx.run_script(
+            "PUBLISH_RECORDS_ALL",
+            fences + [idx.record_key(key) for key in keys],
+            [lease.host, lease.token + 1, len(fences), *(b"r" for _ in keys)],
+        )
+    assert raw.exists(*(idx.record_key(key) for key in keys)) == 0
