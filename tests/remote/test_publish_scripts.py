@@ -1,22 +1,28 @@
-"""The publish scripts against a real Redis: each record key gets its record and the
-reply names, in order, the record each key held before ('' where none), whatever the
-batch's size (the scripts swap records a thousand keys at a time) and whatever it
-replaced; a lease that does not hold publishes nothing."""
+"""Publishing against a real Redis. The scripts: each record key gets its record and
+the reply names, in order, the record each key held before ('' where none), whatever
+the batch's size (the scripts swap records a thousand keys at a time) and whatever it
+replaced; a lease that does not hold publishes nothing. The Redis tier's writes: more
+writers at once than it has threads sending payloads all publish exact bytes."""
 
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Iterator
 
 import blake3
+import numpy as np
 import pytest
 import redis
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from kvlife.core.identity import ChunkKey
 from kvlife.globalindex import IndexConfig
+from kvlife.tiers.base import ReplicaMeta
 from kvlife.tiers.redis import RedisEndpoint, RedisTier
 from kvlife.tiers.redis.server import RedisServer
+from kvlife.tiers.redis.tier import SENDERS
 
 SIZES = st.one_of(st.sampled_from([1, 999, 1000, 1001, 2000, 2001]), st.integers(1, 2100))
 
@@ -111,3 +117,42 @@ def test_publish_under_a_lease_that_does_not_hold_writes_nothing(
             [lease.host, lease.token + 1, len(fences), *(b"r" for _ in keys)],
         )
     assert raw.exists(*(idx.record_key(key) for key in keys)) == 0
+
+
+def test_writers_beyond_the_send_threads_all_publish_exact_bytes(
+    published: tuple[RedisTier, redis.Redis],
+) -> None:
+    """Each write sends its payloads on one of the tier's sender threads while its own
+    thread hashes them: three times as many writers as senders, at once, each publish
+    and read back their own bytes."""
+    tier, _ = published
+    writers = 3 * SENDERS
+    batches = {
+        w: [
+            np.random.default_rng(w * 10 + i).standard_normal(1 << 16).astype(np.float16)
+            for i in range(6)
+        ]
+        for w in range(writers)
+    }
+    keys = {w: [ChunkKey(k) for k in _keys(6, 1000 + w)] for w in range(writers)}
+    start = threading.Barrier(writers)
+    failures: list[BaseException] = []
+
+    def write(w: int) -> None:
+        metas = [ReplicaMeta(key, "float16", (1 << 16,), "exact", b"i") for key in keys[w]]
+        start.wait(10)
+        try:
+            assert tier.store(metas, batches[w])
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and not failures, failures
+    for w in range(writers):
+        got = tier.read_batch(keys[w])
+        for g, a in zip(got, batches[w], strict=True):
+            assert isinstance(g, np.ndarray) and np.array_equal(g, a)

@@ -2,10 +2,11 @@
 
 A put pipelines, per replica, a ``SET`` of the payload under a staging name (expiring,
 so a writer that dies leaves nothing visible; sent from the payload's own buffer, see
-:func:`send_sets`), then one ``PUBLISH_STAGED`` script per hash-tag bucket, which checks
-that the host holds its lease there (token and deadline, on the bucket node's clock)
-and then renames the bucket's staged payloads into place and writes their records,
-atomically on the node that owns the bucket. A read is one ``MGET record frame`` per
+:func:`send_sets`, on one of the tier's sender threads while the writer's thread hashes
+the payloads and builds the publish calls), then one ``PUBLISH_STAGED`` script per
+hash-tag bucket, which checks that the host holds its lease there (token and deadline,
+on the bucket node's clock) and then renames the bucket's staged payloads into place
+and writes their records, atomically on the node that owns the bucket. A read is one ``MGET record frame`` per
 replica (pipelined), verified against the record. A delete is one ``UNPUBLISH`` script
 per bucket, under the lease, removing a record and its frame only if the record is
 still the one the deleter held. A publish (or the take-back of a batch part of which
@@ -16,6 +17,7 @@ published) whose replies are lost is settled at the next write
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -40,6 +42,9 @@ from kvlife.tiers.redis.published import PublishedTier, _Pending
 STAGING_TTL_MS = 120_000
 """A staged payload not published within this expires (its writer died or was cut)."""
 
+SENDERS = 4
+"""Threads sending the payloads of writes (one per write in flight, up to this many)."""
+
 
 class RedisTier(PublishedTier):
     """Replicas in Redis (one server or a cluster), shared by every host of the index."""
@@ -59,8 +64,10 @@ class RedisTier(PublishedTier):
         super().__init__(
             name, capacity_bytes, GlobalIndex(self.client, index or IndexConfig(), health), health
         )
+        self._senders = ThreadPoolExecutor(SENDERS, thread_name_prefix=f"kvlife-{name}-send")
 
     def close(self) -> None:
+        self._senders.shutdown(wait=True)
         self._settle_at_close()
         self.client.close()
 
@@ -79,17 +86,30 @@ class RedisTier(PublishedTier):
                 pipe.set(name, arr.data.cast("B"), px=STAGING_TTL_MS)
             return list(pipe.execute(raise_on_error=False))
 
-        records = self._records_for(pending, metas, payloads)
-        staged_res = self.health.call("stage", stage)
+        # The payloads go out on a worker while this thread hashes them (both release
+        # the GIL) and builds the publish calls; a hash that raises still waits for the
+        # send, which reads them.
+        sending = self._senders.submit(self.health.call, "stage", stage)
+        try:
+            records = self._records_for(pending, metas, payloads)
+            by_tag: dict[str, list[int]] = {}
+            for i, m in enumerate(metas):
+                by_tag.setdefault(idx.tag(m.key), []).append(i)
+            groups = list(by_tag.values())
+            calls: list[tuple[list[str], list[object]]] = []
+            for at in groups:  # one script per bucket: fence and lease checked once
+                keys: list[str] = [idx.fence_key(metas[at[0]].key)]
+                for i in at:
+                    k = metas[i].key
+                    keys += [idx.record_key(k), staged[i], idx.frame_key(k)]
+                calls.append((keys, [lease.host, lease.token] + [records[i].encode() for i in at]))
+        finally:
+            wait([sending])
+        staged_res = sending.result()
         failed = [r for r in staged_res if isinstance(r, Exception)]
         if failed:
             self.health.failed(f"stage: {failed[0]}")
             raise RemoteTierError(f"{self.name}: staging payloads failed: {failed[0]}")
-
-        by_tag: dict[str, list[int]] = {}
-        for i, m in enumerate(metas):
-            by_tag.setdefault(idx.tag(m.key), []).append(i)
-        groups = list(by_tag.values())
 
         sent = [False]
 
@@ -97,17 +117,8 @@ class RedisTier(PublishedTier):
             for attempt in (0, 1):
                 sent[0] = True
                 pipe = self.client.pipeline(transaction=False)
-                for at in groups:  # one script per bucket: fence and lease checked once
-                    keys: list[str] = [idx.fence_key(metas[at[0]].key)]
-                    for i in at:
-                        k = metas[i].key
-                        keys += [idx.record_key(k), staged[i], idx.frame_key(k)]
-                    idx.evalsha(
-                        pipe,
-                        "PUBLISH_STAGED",
-                        keys,
-                        [lease.host, lease.token] + [records[i].encode() for i in at],
-                    )
+                for keys, args in calls:
+                    idx.evalsha(pipe, "PUBLISH_STAGED", keys, args)
                 res = list(pipe.execute(raise_on_error=False))
                 if attempt == 0 and any(isinstance(r, NoScriptError) for r in res):
                     idx._sha.clear()  # a restarted server lost its scripts: load, redo
