@@ -155,7 +155,10 @@ class GlobalIndex:
         self._rules: dict[int, InvalidationRule] = {}
         self._complete = 0
         """Every rule up to this epoch is in ``_rules`` (a rule this host recorded may be
-        there before the ones below it are read)."""
+        there before the ones below it are read): a refresh reads only the rules after
+        it, so its cost does not grow with the rules of the index's life."""
+        self._top = 0
+        """The newest epoch in ``_rules``."""
         self._applied_incarnation = ""
         self._applied = 0
         """The store applied every rule of ``_applied_incarnation`` up to this epoch."""
@@ -389,7 +392,9 @@ class GlobalIndex:
                     if not self._observe(inc, buckets, seq):
                         overtaken += 1  # an older reply than one taken in: read again
                         continue
-                    missing = [e for e in range(1, epoch + 1) if e not in self._rules]
+                    missing = [
+                        e for e in range(self._complete + 1, epoch + 1) if e not in self._rules
+                    ]
                 got = self._read_rules(inc, missing)
             except _Reset:
                 losses += 1
@@ -402,6 +407,7 @@ class GlobalIndex:
                     losses += 1
                     continue
                 self._rules.update(got)
+                self._top = max(self._top, *got, 0)
                 self._epoch = max(self._epoch, epoch)
                 self._complete = max(self._complete, epoch)
                 self.counters.rules_seen = len(self._rules)
@@ -470,6 +476,7 @@ class GlobalIndex:
                 self._incarnation,
             )
             self._rules.clear()
+            self._top = 0
             self._epoch = 0
             self._complete = 0
             self._applied = 0
@@ -522,7 +529,8 @@ class GlobalIndex:
             if not rec.incarnation or rec.incarnation != self._incarnation:
                 self.counters.refused_incarnation += 1
                 return False
-            rules = [r for e, r in self._rules.items() if e > rec.epoch]
+            newer = (self._rules.get(e) for e in range(max(0, rec.epoch) + 1, self._top + 1))
+            rules = [r for r in newer if r is not None]
         for rule in rules:
             if rule.matches(rec.header.key, info, lineage):
                 self.counters.refused_by_rule += 1
@@ -582,6 +590,7 @@ class GlobalIndex:
             rule = dataclasses.replace(probe, epoch=int(epoch), incarnation=inc)
             if inc == self._incarnation:  # else a rule of an index that lost its state since
                 self._rules[rule.epoch] = rule
+                self._top = max(self._top, rule.epoch)
                 self._epoch = max(self._epoch, rule.epoch)
         return rule
 

@@ -484,6 +484,34 @@ def test_a_store_closed_with_a_lost_publish_unsettled_logs_it(
         fleet.close()
 
 
+def test_a_write_the_tier_cannot_take_is_a_typed_error_that_leaves_nothing(
+    fleet: Fleet,
+) -> None:
+    """A replica of more dimensions than a record's header holds is refused before
+    anything is sent (InvalidArgument: nothing staged or put, nothing charged, the tier
+    still healthy); a write after the tier closed is a RemoteTierError at once. Found by
+    a red team (2026-12-06): the first raised a bare ValueError from the record's
+    encoding once that moved beside the send, the second the thread pool's
+    RuntimeError."""
+    store = fleet.host("a")
+    t = shared_of(store)
+    shape = (1,) * 8 + (16,)
+    meta = ReplicaMeta(ChunkKey(bytes([9]) * 32), "float16", shape, "exact", b"info")
+    with pytest.raises(InvalidArgument, match="9 dimensions"):
+        t.store([meta], [np.ones(shape, np.float16)])
+    assert t.used_bytes == 0 and t.health.healthy and t.unknown.pending() == 0
+    assert not t.index.client.keys("*:s:*"), "a payload was staged"
+    arr = np.random.default_rng(50).standard_normal(4096).astype(np.float16)
+    assert t.store([_one_write_meta(50)], [arr])  # the tier writes on
+    store.close(flush=False)
+    with pytest.raises(RemoteTierError, match="closed"):
+        t.store([_one_write_meta(51)], [arr])
+
+
+def _one_write_meta(seed: int) -> ReplicaMeta:
+    return ReplicaMeta(ChunkKey(bytes([seed]) * 32), "float16", (4096,), "exact", b"info")
+
+
 def test_a_take_back_whose_replies_are_lost_is_settled_later(
     fleet: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -101,6 +101,29 @@ def test_publish_swaps_every_record_and_names_what_it_replaced(
     raw.delete(*(idx.record_key(key) for key in keys))
 
 
+def test_a_key_named_twice_reads_as_two_swaps_in_order(
+    published: tuple[RedisTier, redis.Redis],
+) -> None:
+    """The tiers never name a key twice in one publish (the last of each is kept), but
+    the script answers as a GET and a SET per key would: the second record replaced
+    the first, the last one stays; across the thousand-key boundary too."""
+    tier, raw = published
+    idx = tier.index
+    idx.refresh()
+    lease = idx.lease()
+    keys = _keys(1200, 99)
+    twice = keys[5]
+    raw.set(idx.record_key(twice), b"OLD")
+    names = [idx.record_key(key) for key in keys] + [idx.record_key(twice)] * 2
+    records = [b"r%d" % i for i in range(len(names))]
+    fences = sorted({idx.fence_key(key) for key in keys})
+    got = idx.run_script(
+        "PUBLISH_RECORDS_ALL", fences + names, [lease.host, lease.token, len(fences), *records]
+    )
+    assert got[5] == b"OLD" and got[-2] == records[5] and got[-1] == records[-2]
+    assert got[:5] == [b""] * 5 and raw.get(idx.record_key(twice)) == records[-1]
+
+
 def test_publish_under_a_lease_that_does_not_hold_writes_nothing(
     published: tuple[RedisTier, redis.Redis],
 ) -> None:

@@ -228,7 +228,10 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
             records = self._records_for(pending, metas, payloads)
         else:
             copying = threading.Event()
-            put = self._pool.submit(self._copy, locations, payloads, copying)
+            try:
+                put = self._pool.submit(self._copy, locations, payloads, copying)
+            except RuntimeError as exc:  # the pool was shut down
+                raise RemoteTierError(f"{self.name} is closed: nothing written") from exc
             if not any(_hashes(m) for m in metas):
                 # Records with every checksum known are pure Python, which would keep
                 # the GIL from the worker until the switch interval (5 ms) forced it

@@ -69,6 +69,7 @@ from kvlife.tiers.base import (
     Tier,
     check_payloads,
 )
+from kvlife.tiers.disk.frame import MAX_NDIM
 from kvlife.tiers.redis.unsettled import SettleGate, UnknownOutcomes
 
 
@@ -421,6 +422,12 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
             raise InvalidArgument("reservation already completed")
         try:
             check_payloads(reservation.metas, payloads)
+            for m in reservation.metas:
+                if len(m.shape) > MAX_NDIM:
+                    raise InvalidArgument(
+                        f"replica {m.key.hex()[:16]}… has {len(m.shape)} dimensions; a "
+                        f"record's header holds at most {MAX_NDIM}"
+                    )
             pending = reservation.state
             assert isinstance(pending, _Pending)
             if pending.lease.remaining_s() <= 0:

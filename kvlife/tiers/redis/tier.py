@@ -6,11 +6,11 @@ so a writer that dies leaves nothing visible; sent from the payload's own buffer
 the payloads and builds the publish calls), then one ``PUBLISH_STAGED`` script per
 hash-tag bucket, which checks that the host holds its lease there (token and deadline,
 on the bucket node's clock) and then renames the bucket's staged payloads into place
-and writes their records, atomically on the node that owns the bucket. A read is one ``MGET record frame`` per
-replica (pipelined), verified against the record. A delete is one ``UNPUBLISH`` script
-per bucket, under the lease, removing a record and its frame only if the record is
-still the one the deleter held. A publish (or the take-back of a batch part of which
-published) whose replies are lost is settled at the next write
+and writes their records, atomically on the node that owns the bucket. A read is one
+``MGET record frame`` per replica (pipelined), verified against the record. A delete is
+one ``UNPUBLISH`` script per bucket, under the lease, removing a record and its frame
+only if the record is still the one the deleter held. A publish (or the take-back of a
+batch part of which published) whose replies are lost is settled at the next write
 (:mod:`kvlife.tiers.redis.unsettled`).
 """
 
@@ -89,7 +89,10 @@ class RedisTier(PublishedTier):
         # The payloads go out on a worker while this thread hashes them (both release
         # the GIL) and builds the publish calls; a hash that raises still waits for the
         # send, which reads them.
-        sending = self._senders.submit(self.health.call, "stage", stage)
+        try:
+            sending = self._senders.submit(self.health.call, "stage", stage)
+        except RuntimeError as exc:  # the pool was shut down
+            raise RemoteTierError(f"{self.name} is closed: nothing written") from exc
         try:
             records = self._records_for(pending, metas, payloads)
             by_tag: dict[str, list[int]] = {}
