@@ -500,7 +500,8 @@ def test_a_write_the_tier_cannot_take_is_a_typed_error_that_leaves_nothing(
     with pytest.raises(InvalidArgument, match="9 dimensions"):
         t.store([meta], [np.ones(shape, np.float16)])
     assert t.used_bytes == 0 and t.health.healthy and t.unknown.pending() == 0
-    assert not t.index.client.keys("*:s:*"), "a payload was staged"
+    staged = t.index.client.keys(f"{{kvl:{t.index.config.namespace}:b*}}:s:*")
+    assert not staged, "a payload was staged"
     arr = np.random.default_rng(50).standard_normal(4096).astype(np.float16)
     assert t.store([_one_write_meta(50)], [arr])  # the tier writes on
     store.close(flush=False)
