@@ -169,6 +169,14 @@ class GlobalIndex:
     def tag(self, key: bytes) -> str:
         return self._tags[int.from_bytes(key[:2], "big") % len(self._tags)]
 
+    def buckets_of(self, keys: Sequence[bytes]) -> list[list[int]]:
+        """The indices of ``keys`` grouped by hash-tag bucket (one cluster slot each),
+        buckets in the order their first key comes, indices in order."""
+        by_tag: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_tag.setdefault(self.tag(key), []).append(i)
+        return list(by_tag.values())
+
     def record_key(self, key: bytes) -> str:
         return f"{self.tag(key)}:m:{key.hex()}"
 

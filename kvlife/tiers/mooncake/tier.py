@@ -291,16 +291,13 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         copied (about 4 µs a record), so that only the round trip follows the copy."""
         idx = self.index
         lease = pending.lease
-        by_tag: dict[str, list[int]] = {}
-        for i, rec in enumerate(records):
-            by_tag.setdefault(idx.tag(rec.header.key), []).append(i)
-        if idx.standalone and by_tag:
-            keys = [idx.fence_key(records[at[0]].header.key) for at in by_tag.values()]
+        groups = idx.buckets_of([rec.header.key for rec in records])
+        if idx.standalone and groups:
+            keys = [idx.fence_key(records[at[0]].header.key) for at in groups]
             keys += [idx.record_key(rec.header.key) for rec in records]
-            args: list[object] = [lease.host, lease.token, len(by_tag)]
+            args: list[object] = [lease.host, lease.token, len(groups)]
             args += [rec.encode() for rec in records]
             return _PublishPlan([list(range(len(records)))], [(keys, args)], "PUBLISH_RECORDS_ALL")
-        groups = list(by_tag.values())
         calls: list[tuple[list[str], list[object]]] = []
         for at in groups:
             keys = [idx.fence_key(records[at[0]].header.key)]

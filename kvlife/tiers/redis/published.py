@@ -281,10 +281,7 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         nothing; a record published since by another host is kept; both are counted
         (``deletes_refused``), neither is an error."""
         idx = self.index
-        by_tag: dict[str, list[int]] = {}
-        for i, k in enumerate(keys):
-            by_tag.setdefault(idx.tag(k), []).append(i)
-        todo = list(by_tag.values())
+        todo = idx.buckets_of(keys)
         deleted: list[int] = []
         for _ in (0, 1):
             try:
@@ -342,17 +339,15 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         """The records of ``keys``: one ``MGET`` per hash-tag bucket (one cluster slot
         each), pipelined."""
         idx = self.index
-        by_tag: dict[str, list[int]] = {}
-        for i, k in enumerate(keys):
-            by_tag.setdefault(idx.tag(k), []).append(i)
+        groups = idx.buckets_of(keys)
 
         def run() -> list[Any]:
             pipe = idx.client.pipeline(transaction=False)
-            for at in by_tag.values():
+            for at in groups:
                 pipe.execute_command("MGET", *(idx.record_key(keys[i]) for i in at))
             replies = pipe.execute()
             blobs: list[Any] = [None] * len(keys)
-            for at, reply in zip(by_tag.values(), replies, strict=True):
+            for at, reply in zip(groups, replies, strict=True):
                 if not isinstance(reply, list) or len(reply) != len(at):
                     raise ValueError(f"MGET of {len(at)} records answered {type(reply).__name__}")
                 for i, blob in zip(at, reply, strict=True):

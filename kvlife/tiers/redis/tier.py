@@ -95,10 +95,7 @@ class RedisTier(PublishedTier):
             raise RemoteTierError(f"{self.name} is closed: nothing written") from exc
         try:
             records = self._records_for(pending, metas, payloads)
-            by_tag: dict[str, list[int]] = {}
-            for i, m in enumerate(metas):
-                by_tag.setdefault(idx.tag(m.key), []).append(i)
-            groups = list(by_tag.values())
+            groups = idx.buckets_of([m.key for m in metas])
             calls: list[tuple[list[str], list[object]]] = []
             for at in groups:  # one script per bucket: fence and lease checked once
                 keys: list[str] = [idx.fence_key(metas[at[0]].key)]
