@@ -49,6 +49,7 @@ from kvlife.globalindex import scripts
 from kvlife.globalindex.health import REFUSALS, Health
 from kvlife.globalindex.lease import Lease
 from kvlife.globalindex.record import RemoteRecord
+from kvlife.globalindex.rule_index import RuleIndex
 from kvlife.globalindex.rules import InvalidationRule, RuleSync
 
 log = logging.getLogger(__name__)
@@ -152,13 +153,12 @@ class GlobalIndex:
         """The number of the newest read whose reply was taken in (:meth:`_observe`)."""
         self._epoch = 0
         """Every rule up to this epoch of ``_incarnation`` was recorded before it was read."""
-        self._rules: dict[int, InvalidationRule] = {}
+        self._rules = RuleIndex()
+        """Every rule read or recorded, filed for :meth:`admissible`."""
         self._complete = 0
         """Every rule up to this epoch is in ``_rules`` (a rule this host recorded may be
         there before the ones below it are read): a refresh reads only the rules after
         it, so its cost does not grow with the rules of the index's life."""
-        self._top = 0
-        """The newest epoch in ``_rules``."""
         self._applied_incarnation = ""
         self._applied = 0
         """The store applied every rule of ``_applied_incarnation`` up to this epoch."""
@@ -414,8 +414,8 @@ class GlobalIndex:
                 if self._incarnation != inc:
                     losses += 1
                     continue
-                self._rules.update(got)
-                self._top = max(self._top, *got, 0)
+                for rule in got.values():
+                    self._rules.add(rule)
                 self._epoch = max(self._epoch, epoch)
                 self._complete = max(self._complete, epoch)
                 self.counters.rules_seen = len(self._rules)
@@ -484,7 +484,6 @@ class GlobalIndex:
                 self._incarnation,
             )
             self._rules.clear()
-            self._top = 0
             self._epoch = 0
             self._complete = 0
             self._applied = 0
@@ -537,13 +536,10 @@ class GlobalIndex:
             if not rec.incarnation or rec.incarnation != self._incarnation:
                 self.counters.refused_incarnation += 1
                 return False
-            newer = (self._rules.get(e) for e in range(max(0, rec.epoch) + 1, self._top + 1))
-            rules = [r for r in newer if r is not None]
-        for rule in rules:
-            if rule.matches(rec.header.key, info, lineage):
-                self.counters.refused_by_rule += 1
-                return False
-        return True
+            if self._rules.covering(rec.epoch, rec.header.key, info, lineage) is None:
+                return True
+            self.counters.refused_by_rule += 1
+            return False
 
     def invalidate(
         self,
@@ -597,8 +593,7 @@ class GlobalIndex:
             self._observe(inc, buckets, seq)
             rule = dataclasses.replace(probe, epoch=int(epoch), incarnation=inc)
             if inc == self._incarnation:  # else a rule of an index that lost its state since
-                self._rules[rule.epoch] = rule
-                self._top = max(self._top, rule.epoch)
+                self._rules.add(rule)
                 self._epoch = max(self._epoch, rule.epoch)
         return rule
 
