@@ -65,7 +65,9 @@ class RemoteStore(StoreAPI[RemotePendingPut]):
         self._loads = Loads(self._wire, direct_reads)
         self._puts = Puts(self._wire)
         if not lazy:
-            self._wire.call("info", {})  # connect now: a wrong path fails here, typed
+            # connect now: a wrong path fails here, typed. Its hello only: an ``info``
+            # here had the server collect its whole heap at every client's connect
+            self._wire.connect()
 
     def direct_fallbacks(self) -> int:
         """Chunks of this client's direct loads it did not keep (not verified here, or
@@ -186,7 +188,7 @@ class RemoteStore(StoreAPI[RemotePendingPut]):
     @property
     def tier_names(self) -> list[TierName]:
         if self._wire.conn is None:
-            self._wire.call("info", {})
+            self._wire.connect()
         return [TierName(n) for n in self._wire.names]
 
     def close(self, *, flush: bool = False) -> None:

@@ -217,6 +217,14 @@ class Wire:
                     self.drop()
                 raise
 
+    def connect(self) -> None:
+        """Connect now if not connected (its ``hello`` only: a wrong path, a server
+        that sheds the client or refuses its token fails here, typed)."""
+        if self.closed:
+            raise errors.StoreClosedError(f"RemoteStore for {self.socket_path} is closed")
+        with self.lock:
+            self.connected()
+
     def put_share(self) -> int:
         """Bytes of the arena this client's puts may hold at once (its server's
         ``--session-put-share``, from its ``hello``; 0 if it named none)."""

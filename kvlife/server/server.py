@@ -53,6 +53,7 @@ from kvlife.report import format_bytes
 from kvlife.server import protocol
 from kvlife.server.address import check_bindable
 from kvlife.server.context import UNKNOWN_PEER, PartSender, Peer
+from kvlife.server.heap import WHOLE_EVERY_S, HeapPolicy
 from kvlife.server.limits import Account, Limits
 from kvlife.server.live import LiveFigures
 from kvlife.server.reader import BodyTimeout, Discarded, FrameReader, peek_rid
@@ -123,6 +124,9 @@ class ServeConfig:
     """Serve Prometheus metrics on ``http://HOST:PORT/metrics`` (port 0: a free one;
     None: no metrics)."""
     log_json: bool = False
+    gc_whole_every_s: float = WHOLE_EVERY_S
+    """Seconds between whole collections of the server process's garbage (0: the
+    collector as Python leaves it; :mod:`kvlife.server.heap`)."""
     """Log lines as JSON objects (:mod:`kvlife.core.logs`)."""
     events: Path | None = None
     """Write the store's lifecycle events to this file (schema v1, docs/events.md:
@@ -770,7 +774,13 @@ def run(cfg: ServeConfig) -> int:
     logs = configure(sys.stderr, json_lines=cfg.log_json)
     try:
         server = Server(cfg, stop=stop)
-        server.serve_forever()
+        heap = HeapPolicy(cfg.gc_whole_every_s).start() if cfg.gc_whole_every_s > 0 else None
+        server.state.heap = heap
+        try:
+            server.serve_forever()
+        finally:
+            if heap is not None:
+                heap.stop()
     finally:
         logs.close()
     return 0

@@ -50,6 +50,7 @@ from kvlife.core.identity import KEY_BYTES, ChunkKey, Namespace
 from kvlife.core.sources import Source
 from kvlife.server import protocol
 from kvlife.server.context import UNKNOWN_PEER, PartSender, Peer, SessionContext
+from kvlife.server.heap import HeapPolicy
 from kvlife.server.identities import IdentityCache
 from kvlife.server.limits import INFINITE, Account, Ledger, Limits, budgets
 from kvlife.server.live import LATENCY_BOUNDS, LiveFigures
@@ -97,6 +98,9 @@ class ServerState:
         self.identities = IdentityCache(self.limits.identity_cache_bytes)
         """Model identities decoded once, for every session (``--identity-cache-bytes``)."""
         self.sessions: dict[int, Session] = {}
+        self.heap: HeapPolicy | None = None
+        """The collector's policy of the process serving (set by ``kvlife serve``;
+        None: Python's collector as it is)."""
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
         self.released_puts = 0
@@ -145,8 +149,13 @@ class ServerState:
     def snapshot(self) -> dict[str, Any]:
         """Leases and arena figures (``state``; tests check no lease outlives its client).
         Collects garbage first: an extent whose last view sits in a reference cycle (a
-        traceback's frame) is freed by the collector, not by reference counting."""
-        gc.collect()
+        traceback's frame) is freed by the collector, not by reference counting: the
+        whole collection where the collector's policy freezes (a frozen cycle is not
+        walked by the others)."""
+        if self.heap is not None:
+            self.heap.whole()
+        else:
+            gc.collect()
         with self.lock:
             sessions = list(self.sessions.values())
         info = self.store.info()
@@ -425,6 +434,7 @@ class Session:
             },
             "latency_bounds": list(LATENCY_BOUNDS),
             "latency": server.live.latencies(),
+            "gc": server.heap.figures() if server.heap is not None else {},
             "events": [
                 {
                     "seq": e.seq,

@@ -46,6 +46,7 @@ staging_bytes = "16MiB"
 cpus = "0"
 metrics = ":0"
 log_json = true
+gc_whole_every_s = 300
 
 [server.limits]
 max_connections = 64
@@ -93,6 +94,7 @@ MUTATIONS = [
     ('cpus = "0"', 'cpus = "x-y"', "server.cpus"),
     ('metrics = ":0"', 'metrics = "127.0.0.1:http"', "server.metrics"),
     ("log_json = true", 'log_json = "yes"', "server.log_json"),
+    ("gc_whole_every_s = 300", "gc_whole_every_s = -1", "server.gc_whole_every_s"),
     ("max_connections = 64", "max_connections = -1", "server.limits.max_connections"),
     ("body_timeout_s = 10.0", 'body_timeout_s = "soon"', "server.limits.body_timeout_s"),
     ('organisation = "acme"', 'organisation = "a b"', "server.principals.alice.organisation"),

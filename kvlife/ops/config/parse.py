@@ -503,9 +503,12 @@ class _Reader:
         events = self.kv_events(t["kv_events"]) if "kv_events" in t else None
         metrics = self.metrics(t)
         log_json = self.value(t, path, "log_json", bool, False)
+        whole = self.value(t, path, "gc_whole_every_s", float, ServerSettings().gc_whole_every_s)
+        if isinstance(whole, float) and not whole >= 0:
+            whole = self.bad((*path, "gc_whole_every_s"), f"must be >= 0, got {whole!r}")
         event_log = self.value(t, path, "events", str, None)
         parts = (socket, staging, shm_dir, pid_file, cpus, limits, principals, events)
-        if any(p is BAD for p in (*parts, metrics, log_json, event_log)):
+        if any(p is BAD for p in (*parts, metrics, log_json, event_log, whole)):
             return BAD
         assert isinstance(limits, Limits) and isinstance(cpus, tuple)
         assert not isinstance(principals, _Bad) and not isinstance(events, _Bad)
@@ -522,6 +525,7 @@ class _Reader:
             kv_events=events,
             metrics=metrics,
             log_json=log_json,
+            gc_whole_every_s=whole,
             events=self.file_path(event_log) if event_log else None,
         )
 
@@ -766,6 +770,7 @@ _SERVER_KEYS = {
     "kv_events",
     "metrics",
     "log_json",
+    "gc_whole_every_s",
     "events",
 }
 _DURABLE_KINDS = frozenset({"disk", "redis", "mooncake"})

@@ -52,6 +52,9 @@ class ServerSettings:
     """Serve Prometheus metrics at this ``HOST:PORT`` (``--metrics``); None: none."""
     log_json: bool = False
     """Log one JSON object per line (``--log-json``)."""
+    gc_whole_every_s: float = 600.0
+    """Seconds between whole collections of the server's garbage (``--gc-whole-every``;
+    0: the collector as Python leaves it)."""
     events: Path | None = None
     """The store's lifecycle event log (``--events``); None: none."""
 

@@ -67,6 +67,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         "kv_events": _kv_events(server.kv_events, args),
         "metrics": _metrics_address(args.metrics if args.metrics is not None else server.metrics),
         "log_json": server.log_json if args.log_json is None else bool(args.log_json),
+        "gc_whole_every_s": server.gc_whole_every_s
+        if args.gc_whole_every is None
+        else args.gc_whole_every,
         "events": Path(args.events) if args.events else server.events,
     }
     if file is None:
