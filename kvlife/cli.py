@@ -486,6 +486,7 @@ BENCHES = {
     "lmcache-mp": "kvlife.bench.peer_lmcache_mp",
     "tenant-arenas": "kvlife.bench.tenant_arenas",
     "invalidate": "kvlife.bench.invalidate",
+    "pauses": "kvlife.bench.pauses",
     "shares": "kvlife.bench.shares",
     "replay": "kvlife.bench.replay",
 }
