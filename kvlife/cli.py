@@ -238,13 +238,17 @@ def _forward(module: str, argv: Sequence[str]) -> int:
     return result
 
 
-def _non_negative_seconds(text: str) -> float:
+def _whole_every_seconds(text: str) -> float:
+    from kvlife.server.heap import MAX_WHOLE_EVERY_S
+
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"seconds must be >= 0, got {text!r}")
+    if not 0 <= value <= MAX_WHOLE_EVERY_S:
+        raise argparse.ArgumentTypeError(
+            f"seconds must be >= 0 and at most {MAX_WHOLE_EVERY_S:g}, got {text!r}"
+        )
     return value
 
 
@@ -357,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gc-whole-every",
-        type=_non_negative_seconds,
+        type=_whole_every_seconds,
         default=None,
         metavar="SECONDS",
         help="the server freezes what survives each full garbage collection, so that the "

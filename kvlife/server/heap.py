@@ -49,14 +49,19 @@ policy (whose longest pauses were 120-766 ms)."""
 
 WHOLE_EVERY_S = 600.0
 """Seconds between whole collections (the longest a frozen cycle's memory waits)."""
+MAX_WHOLE_EVERY_S = 86_400.0 * 365
+"""The longest interval taken (a year; a longer wait overflows the timer's clock)."""
 
 
 class HeapPolicy:
     """Freeze the survivors of every full collection; a whole collection on a timer."""
 
     def __init__(self, whole_every_s: float = WHOLE_EVERY_S) -> None:
-        if not whole_every_s > 0:
-            raise ValueError(f"whole_every_s must be > 0, got {whole_every_s!r}")
+        if not 0 < whole_every_s <= MAX_WHOLE_EVERY_S:
+            raise ValueError(
+                f"whole_every_s must be > 0 and at most {MAX_WHOLE_EVERY_S:g}, got "
+                f"{whole_every_s!r}"
+            )
         self.whole_every_s = whole_every_s
         self.full_collections = 0
         """Full collections that froze their survivors."""
@@ -66,6 +71,10 @@ class HeapPolicy:
         """Objects the whole collections found unreachable (frozen cycles among them)."""
         self.last_whole_ms = 0.0
         self._stop = threading.Event()
+        self._whole = threading.Lock()
+        """One whole collection at a time (the timer's, ``info``'s, a full arena's): a
+        collection asked for while another runs would return at once, collecting
+        nothing."""
         self._thread: threading.Thread | None = None
         self._thresholds = gc.get_threshold()
 
@@ -100,13 +109,14 @@ class HeapPolicy:
     def whole(self) -> int:
         """Collect everything, frozen or not, then freeze the survivors; the number of
         unreachable objects found."""
-        t0 = time.perf_counter()
-        gc.unfreeze()
-        found = gc.collect()
-        gc.freeze()
-        self.last_whole_ms = (time.perf_counter() - t0) * 1e3
-        self.whole_collections += 1
-        self.whole_collected += found
+        with self._whole:
+            t0 = time.perf_counter()
+            gc.unfreeze()
+            found = gc.collect()
+            gc.freeze()
+            self.last_whole_ms = (time.perf_counter() - t0) * 1e3
+            self.whole_collections += 1
+            self.whole_collected += found
         return found
 
     def _whole_loop(self) -> None:

@@ -155,9 +155,12 @@ class Puts:
         slots: list[list[int]] = []
         made: list[tuple[np.ndarray, int]] = []
         try:
-            made = ctx.arena.alloc_many(
-                layout.chunk_nbytes, dtype, layout.chunk_shape, len(pending.items)
-            )
+            need = len(pending.items)
+            made = ctx.arena.alloc_many(layout.chunk_nbytes, dtype, layout.chunk_shape, need)
+            if len(made) < need and ctx.server.reclaim():  # extents only garbage held
+                made += ctx.arena.alloc_many(
+                    layout.chunk_nbytes, dtype, layout.chunk_shape, need - len(made)
+                )
             for j, (rec, _) in enumerate(pending.items):
                 if j >= len(made):
                     raise StorageFullError(
@@ -235,7 +238,10 @@ class Puts:
         try:
             self.deferred = self._begin_staged(args)
         except KVLifeError as exc:
-            self.deferred_error = exc
+            # kept without its traceback: its frames hold the staged extents the put
+            # named, and kept here they would outlive the session in a reference cycle
+            # (the session, this error, its frames) that only the collector frees
+            self.deferred_error = exc.with_traceback(None)
         return None
 
     def put_written(self, args: dict[str, Any]) -> None:
@@ -260,7 +266,10 @@ class Puts:
         staged, error = self.deferred, self.deferred_error
         self.deferred, self.deferred_error = None, None
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                error = None  # no reference cycle through this frame
         if staged is None:
             raise ProtocolError(f"session {self.ctx.sid} has no deferred put to commit")
         # the rest of the chunk the notices stopped in is hashed from where they stopped

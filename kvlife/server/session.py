@@ -62,6 +62,10 @@ from kvlife.store.facade import KVStore
 from kvlife.tenancy.policy import ADMIN_VERBS, WITHHELD, Tenancy
 from kvlife.tiers.shm import Arena, ShmTier
 
+RECLAIM_EVERY_S = 10.0
+"""The most often a full arena makes the server collect its garbage (a whole collection
+of a heap of 256,000 chunks takes about 0.6 s)."""
+
 
 class ServerState:
     """What every session shares: the store, its shared-memory tier, the live sessions,
@@ -108,16 +112,44 @@ class ServerState:
         self.released_loads = 0
         """Load grants dropped because their client went away."""
         self.events: dict[str, int] = dict.fromkeys(
-            ("accept_errors", "body_timeouts", "unreplied_errors", "internal_errors"), 0
+            (
+                "accept_errors",
+                "body_timeouts",
+                "unreplied_errors",
+                "internal_errors",
+                "arena_reclaims",
+            ),
+            0,
         )
         """``accept_errors``: accept calls that failed (descriptors ran out: the server
         shed a connection instead of ending); ``body_timeouts``: connections ended by the
         body deadline; ``unreplied_errors``: failed requests that asked for no reply
-        (rid 0); ``internal_errors``: handler bugs (logged, RemoteError)."""
+        (rid 0); ``internal_errors``: handler bugs (logged, RemoteError);
+        ``arena_reclaims``: collections run because a put found the arena full
+        (:meth:`reclaim`)."""
+        self._reclaimed = float("-inf")
+        """When :meth:`reclaim` last collected (``time.monotonic``)."""
 
     def count(self, event: str) -> None:
         with self.lock:
             self.events[event] += 1
+
+    def reclaim(self) -> bool:
+        """Collect the garbage that may hold arena extents (an extent whose last view
+        sits in a reference cycle, a traceback's frame), at most once every
+        :data:`RECLAIM_EVERY_S`: a put the arena has no room for tries once more after
+        it. Whether it ran (counted ``arena_reclaims``)."""
+        now = time.monotonic()
+        with self.lock:
+            if now - self._reclaimed < RECLAIM_EVERY_S:
+                return False
+            self._reclaimed = now
+            self.events["arena_reclaims"] += 1
+        if self.heap is not None:
+            self.heap.whole()
+        else:
+            gc.collect()
+        return True
 
     def open_session(
         self,
@@ -435,6 +467,7 @@ class Session:
             "latency_bounds": list(LATENCY_BOUNDS),
             "latency": server.live.latencies(),
             "gc": server.heap.figures() if server.heap is not None else {},
+            "arena": server.arena.stats(),  # no collection first: what is held now
             "events": [
                 {
                     "seq": e.seq,

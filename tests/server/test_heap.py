@@ -3,7 +3,8 @@ full collection is frozen, so later full collections walk only what is new; garb
 made since is still collected; a cycle frozen while it lived is collected by the whole
 collection, on its timer; ``stop`` gives the collector back as it was. Then a real
 ``kvlife serve``: the policy is on by default, its figures in ``stats``, off with
-``--gc-whole-every 0``; a bad value is named."""
+``--gc-whole-every 0``; a bad value is named. A put that finds the arena full of
+garbage-held extents collects once and goes on."""
 
 from __future__ import annotations
 
@@ -15,11 +16,17 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from kvlife.core.identity import PUBLIC
+from kvlife.core.errors import StorageFullError
+from kvlife.core.identity import PUBLIC, token_bytes
+from kvlife.server import protocol
 from kvlife.server.heap import HeapPolicy
-from tests.conftest import prompt_kv, tiny_identity
+from kvlife.server.server import ServeConfig, open_store
+from kvlife.server.session import ServerState
+from kvlife.tiers.shm import ShmTier
+from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.server.conftest import ROOT, ServerProc, child_env
 
 
@@ -111,19 +118,72 @@ def test_kvlife_serve_freezes_by_default_and_not_with_zero(tmp_path: Path) -> No
 
 def test_a_bad_gc_whole_every_is_named(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "kvlife.cli", "serve", str(tmp_path / "s")]
-    for bad in ("-1", "soon"):
+    for bad in ("-1", "soon", "inf", "nan", "1e10"):  # a timer past a year overflows
         out = subprocess.run(
             [*cmd, "--gc-whole-every", bad], cwd=ROOT, env=child_env(), capture_output=True
         )
         assert out.returncode != 0
         assert b"--gc-whole-every" in out.stderr
     config = tmp_path / "kvlife.toml"
-    config.write_text(f'[store]\npath = "{tmp_path / "s"}"\n[server]\ngc_whole_every_s = -5\n')
-    out = subprocess.run(
-        [sys.executable, "-m", "kvlife.cli", "config", "check", str(config)],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
+    for bad in ("-5", "inf", "nan"):
+        config.write_text(
+            f'[store]\npath = "{tmp_path / "s"}"\n[server]\ngc_whole_every_s = {bad}\n'
+        )
+        out = subprocess.run(
+            [sys.executable, "-m", "kvlife.cli", "config", "check", str(config)],
+            cwd=ROOT,
+            env=child_env(),
+            capture_output=True,
+        )
+        assert out.returncode != 0
+        assert b"gc_whole_every_s" in out.stdout + out.stderr
+    for bad_s in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="whole_every_s"):
+            HeapPolicy(whole_every_s=bad_s)
+
+
+def test_a_put_that_finds_the_arena_full_of_garbage_collects_once_and_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Extents whose last views sit in an unreachable reference cycle are garbage the
+    collector has not freed yet: a put that finds no room collects once and takes them
+    (counted ``arena_reclaims``); another within ``RECLAIM_EVERY_S`` finds the arena
+    full, typed, and collects nothing."""
+    store = open_store(
+        ServeConfig(tmp_path / "s", dram_bytes=1 << 20, disk_bytes=0, staging_bytes=1 << 20)
     )
-    assert out.returncode != 0
-    assert b"gc_whole_every_s" in out.stdout + out.stderr
+    shm = store.tier("dram")
+    assert isinstance(shm, ShmTier)
+    state = ServerState(store, shm, "none")
+    session = state.open_session()
+    args = {
+        "identity": protocol.encode_identity(tiny_identity()),
+        "namespace": str(PUBLIC),
+        "tokens": token_bytes(prompt_kv(5, 3 * TINY.tokens_per_chunk)[0]),
+    }
+
+    def fill_with_garbage() -> None:
+        made = state.arena.alloc_many(TINY.chunk_nbytes, np.float16, TINY.chunk_shape, 1 << 20)
+        assert made
+        holder = _Node()
+        holder.other = holder  # a cycle: only the collector frees it
+        holder.views = made  # type: ignore[attr-defined]
+
+    was = gc.isenabled()
+    gc.disable()  # no collection but the one the put makes
+    try:
+        fill_with_garbage()
+        reply = session.handle("prepare_put", args)
+        assert isinstance(reply, dict) and len(reply["slots"]) == 3
+        assert state.events["arena_reclaims"] == 1
+        session.handle("abort_put", {"put": reply["put"]})
+        fill_with_garbage()
+        with pytest.raises(StorageFullError, match="no room to stage chunk"):
+            session.handle("prepare_put", args)
+        assert state.events["arena_reclaims"] == 1  # at most once every RECLAIM_EVERY_S
+    finally:
+        if was:
+            gc.enable()
+        gc.collect()
+        state.close_session(session)
+        store.close()

@@ -6,15 +6,20 @@ is a typed error that takes none of them."""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import numpy as np
 import pytest
 
 from kvlife.client import RemoteStore
+from kvlife.client import puts as client_puts
+from kvlife.client.puts import copy_telling
 from kvlife.core.errors import ProtocolError
 from kvlife.core.identity import PUBLIC, token_bytes
 from kvlife.server import protocol
 from tests.conftest import TINY, prompt_kv, tiny_identity
-from tests.server.conftest import quiet
+from tests.server.conftest import ServerProc, quiet, wait_for
 
 N = TINY.tokens_per_chunk
 
@@ -91,3 +96,59 @@ def test_a_put_of_another_dtype_on_staged_extents_is_a_typed_error_that_takes_no
     tokens, kv = prompt_kv(73, 2 * N)
     remote.put_prompt(ident, PUBLIC, tokens, kv)
     _same(remote, tokens, kv, 2)
+
+
+def test_a_deferred_put_that_fails_its_prepare_holds_no_extent_after_its_session(
+    server: ServerProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deferred put naming its staged extents and an id the session does not hold
+    fails typed at its commit; when its session ends the extents it named go back to
+    the arena at once. Its error was kept with its traceback, whose frames held them in
+    a reference cycle that only the collector freed (after a full collection froze it:
+    up to ``--gc-whole-every``), so other clients' puts found the arena full (found by
+    a red team, 2026-12-06). Checked with ``stats``, which collects nothing."""
+    ident = tiny_identity()
+    with server.client() as observer:
+        for attempt in range(3):
+            attacker = server.client()
+            attacker.put_prompt(ident, PUBLIC, *prompt_kv(80 + attempt, 2 * N))  # stages 2
+            real = attacker._puts.take_staged
+
+            def plus_unknown(shape: object, count: int, real: Any = real) -> Any:
+                got = real(shape, count - 1)
+                assert got is not None
+                conn, extents = got
+                return conn, [*extents, [999_999, extents[0][1]]]
+
+            monkeypatch.setattr(attacker._puts, "take_staged", plus_unknown)
+
+            def freeze_first(*args: Any, copy: Any = copy_telling, **kw: Any) -> None:
+                # once the server has failed the deferred put's prepare (its frames are
+                # read in order; a moment is ample), a whole collection (info) freezes
+                # what is live, the put's error among it
+                time.sleep(0.3)
+                observer.server_info()
+                copy(*args, **kw)
+
+            monkeypatch.setattr(client_puts, "copy_telling", freeze_first)
+            with pytest.raises(ProtocolError, match="no staged extent 999999"):
+                attacker.put_prompt(ident, PUBLIC, *prompt_kv(90 + attempt, 2 * N))
+            attacker.close()
+            monkeypatch.undo()
+        quiet_stats = _settled_stats(observer)
+        dram = next(t for t in quiet_stats["tiers"] if t["name"] == "dram")
+        # every extent in use is a replica's: none held by a failed put's error
+        assert quiet_stats["arena"]["arena_used_bytes"] == dram["used_bytes"]
+        assert quiet_stats["arena"]["arena_extents"] == 6  # three puts of two chunks
+
+
+def _settled_stats(store: RemoteStore) -> dict[str, Any]:
+    """``stats`` once only this connection remains (no collection on the way)."""
+    box: dict[str, Any] = {}
+
+    def settled() -> bool:
+        box.update(store.server_stats())
+        return bool(box["sessions"] == 1)
+
+    wait_for(settled, what="one session left")
+    return box
