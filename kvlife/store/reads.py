@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -79,6 +80,7 @@ Outcome = ReadResult | ReplicaNotFound | UnknownTransform | StoreClosedError
 """A chunk's read: the array, or why it is a miss (StoreClosedError: never read, the
 store closed first)."""
 
+E = TypeVar("E", bound=BaseException)
 INDEXED = ObjectState.INDEXED
 READY = ReplicaState.READY
 EVICTING = ReplicaState.EVICTING
@@ -173,6 +175,8 @@ class LoadHandle(LoadCompletion):
             if not isinstance(result, KVLifeError):  # a bug, not a miss: wait() raises it
                 self._error = self._error or result
             result = ReplicaReadError(item.rec.key.hex(), item.tier, f"read failed: {result}")
+        if isinstance(result, BaseException):
+            _bare(result)
         with self._read:
             item.result = result
             self._left -= 1
@@ -494,7 +498,7 @@ def _read_run(
         try:
             got.append(_decoded(it, read([key], [out])[0], rates, tier.name))
         except ReplicaNotFound as exc:
-            got.append(exc)
+            got.append(_bare(exc))
             break  # the first miss ends the result: later chunks are not read
     return got
 
@@ -509,7 +513,7 @@ def _decoded(it: _Item, res: ReadResult, rates: DecodeRates, where: TierName) ->
     try:
         got = decode_replica(it.rec, it.rep, res, it.out, where, rates)
     except (ChecksumMismatch, UnknownTransform) as exc:
-        return exc
+        return _bare(exc)
     bad = _as_recorded(it.rec, got, where)
     if not isinstance(bad, np.ndarray) or it.out is not None:
         return bad
@@ -899,3 +903,18 @@ def _hit(
         decode,
         rates.estimate(form.name, decode) if decode else 0.0,
     )
+
+
+def _bare(exc: E) -> E:
+    """Drop the tracebacks of a miss kept as a chunk's result (and of the errors it was
+    raised from): their frames hold the load's items and buffers, in a reference cycle
+    through the item that only the collector frees (a served load's buffers are arena
+    extents or a client's shared memory). A bug's error keeps its own (``wait`` raises
+    it)."""
+    seen: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen:
+        seen.add(id(at))
+        at.__traceback__ = None
+        at = at.__cause__ or at.__context__
+    return exc
