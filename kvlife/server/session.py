@@ -178,13 +178,15 @@ class ServerState:
             self.released_puts += puts
             self.released_loads += loads
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, whole: bool = True) -> dict[str, Any]:
         """Leases and arena figures (``state``; tests check no lease outlives its client).
         Collects garbage first: an extent whose last view sits in a reference cycle (a
-        traceback's frame) is freed by the collector, not by reference counting: the
-        whole collection where the collector's policy freezes (a frozen cycle is not
-        walked by the others)."""
-        if self.heap is not None:
+        traceback's frame) is freed by the collector, not by reference counting. With
+        the collector's policy, ``whole``: the whole collection (a frozen cycle is not
+        walked by the others; ``state``), else an ordinary one, which walks only what
+        is not frozen (``info``: an operator's look at a live server does not stop it
+        for a walk of every object, 1.1-1.4 s at 256,000 chunks)."""
+        if self.heap is not None and whole:
             self.heap.whole()
         else:
             gc.collect()
@@ -424,7 +426,7 @@ class Session:
         if tenancy is not None and (principal is None or not principal.admin):
             return self._tenant_info()
         out = self.server.store.info().to_json()
-        out["server"] = {"socket": self.server.socket_path, **self.server.snapshot()}
+        out["server"] = {"socket": self.server.socket_path, **self.server.snapshot(whole=False)}
         if tenancy is not None:
             out["principals"] = tenancy.counters.every()
             out["shares"] = self.server.store.share_figures()

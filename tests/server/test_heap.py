@@ -107,11 +107,17 @@ def test_kvlife_serve_freezes_by_default_and_not_with_zero(tmp_path: Path) -> No
             with srv.client() as c:
                 assert c.put_prompt(tiny_identity(), PUBLIC, tokens, kv).stored == 4
                 figures = c.server_stats()["gc"]
+                c.server_info()  # an ordinary collection: walks only what is not frozen
+                after_info = c.server_stats()["gc"]
+                c.server_state()  # the whole collection: leases and extents exact
+                after_state = c.server_stats()["gc"]
             if frozen:
                 assert figures["gc_frozen_objects"] > 0
                 assert figures["gc_whole_collections"] == 0  # not due for ten minutes
+                assert after_info["gc_whole_collections"] == 0
+                assert after_state["gc_whole_collections"] == 1
             else:
-                assert figures == {}
+                assert figures == after_info == after_state == {}
         finally:
             assert srv.stop() == 0
 
