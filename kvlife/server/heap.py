@@ -43,9 +43,9 @@ FULL_EVERY = 1
 """A full collection may follow every collection of the middle generation (Python's
 default: every tenth), as long as a quarter more objects lived long since the last
 (Python's own rule): each then walks what one middle collection promoted, not ten.
-Measured (docs/server.md, "Collector pauses"): the served puts' p99 4.2-7.8 ms at
-32,000-256,000 chunks, against 9.5-15.3 ms with every tenth, 5.6-7.5 ms without the
-policy (whose longest pauses were 120-766 ms)."""
+Measured (docs/server.md, "Collector pauses"): the served puts' p99 4.6-10.4 ms at
+32,000-256,000 chunks in three ``kvlife bench pauses`` runs, as without the policy
+(whose longest puts took up to 975 ms); 9.5-15.3 ms with every tenth (scratch)."""
 
 WHOLE_EVERY_S = 600.0
 """Seconds between whole collections (the longest a frozen cycle's memory waits)."""
@@ -72,7 +72,7 @@ class HeapPolicy:
         self.last_whole_ms = 0.0
         self._stop = threading.Event()
         self._whole = threading.Lock()
-        """One whole collection at a time (the timer's, ``info``'s, a full arena's): a
+        """One whole collection at a time (the timer's, ``state``'s, a full arena's): a
         collection asked for while another runs would return at once, collecting
         nothing."""
         self._thread: threading.Thread | None = None
