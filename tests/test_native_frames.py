@@ -321,9 +321,14 @@ def test_a_runs_large_last_frame_is_verified_as_its_pieces_land(tmp_path: Path) 
     try:
         keys, arrays = _stored(tier, [4096, 8 << 20])
         before = native.streamed()
-        for _ in range(3):
+        # streamed when the caller reaches the last frame while it is still being read:
+        # a caller that a busy machine keeps off the CPU until the read is done checks
+        # it whole instead (one CI run on 2026-12-06 did so three times in a row)
+        for _ in range(30):
             res = tier.read_batch(keys, None)
             assert all(np.array_equal(r, a) for r, a in zip(res, arrays, strict=True))  # type: ignore[arg-type]
+            if native.streamed() > before:
+                break
         assert native.streamed() > before
         small, small_arrays = _stored(tier, [4096, native.SPLIT_BYTES], seed=3)
         before = native.streamed()
