@@ -239,16 +239,15 @@ def _forward(module: str, argv: Sequence[str]) -> int:
 
 
 def _whole_every_seconds(text: str) -> float:
-    from kvlife.server.heap import MAX_WHOLE_EVERY_S
+    from kvlife.server.heap import whole_every_problem
 
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 <= value <= MAX_WHOLE_EVERY_S:
-        raise argparse.ArgumentTypeError(
-            f"seconds must be >= 0 and at most {MAX_WHOLE_EVERY_S:g}, got {text!r}"
-        )
+    problem = whole_every_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(f"seconds {problem}")
     return value
 
 

@@ -53,15 +53,23 @@ MAX_WHOLE_EVERY_S = 86_400.0 * 365
 """The longest interval taken (a year; a longer wait overflows the timer's clock)."""
 
 
+def whole_every_problem(seconds: float) -> str:
+    """Why ``seconds`` cannot be ``--gc-whole-every`` / ``gc_whole_every_s`` (empty: it
+    can; 0 leaves Python's collector as it is)."""
+    if not 0 <= seconds <= MAX_WHOLE_EVERY_S:
+        return f"must be >= 0 and at most {MAX_WHOLE_EVERY_S:g}, got {seconds!r}"
+    return ""
+
+
 class HeapPolicy:
     """Freeze the survivors of every full collection; a whole collection on a timer."""
 
     def __init__(self, whole_every_s: float = WHOLE_EVERY_S) -> None:
-        if not 0 < whole_every_s <= MAX_WHOLE_EVERY_S:
-            raise ValueError(
-                f"whole_every_s must be > 0 and at most {MAX_WHOLE_EVERY_S:g}, got "
-                f"{whole_every_s!r}"
-            )
+        problem = whole_every_problem(whole_every_s) or (
+            "" if whole_every_s > 0 else "must be > 0 (0: no policy at all)"
+        )
+        if problem:
+            raise ValueError(f"whole_every_s {problem}")
         self.whole_every_s = whole_every_s
         self.full_collections = 0
         """Full collections that froze their survivors."""

@@ -124,10 +124,10 @@ class ServeConfig:
     """Serve Prometheus metrics on ``http://HOST:PORT/metrics`` (port 0: a free one;
     None: no metrics)."""
     log_json: bool = False
+    """Log lines as JSON objects (:mod:`kvlife.core.logs`)."""
     gc_whole_every_s: float = WHOLE_EVERY_S
     """Seconds between whole collections of the server process's garbage (0: the
     collector as Python leaves it; :mod:`kvlife.server.heap`)."""
-    """Log lines as JSON objects (:mod:`kvlife.core.logs`)."""
     events: Path | None = None
     """Write the store's lifecycle events to this file (schema v1, docs/events.md:
     JSON lines appended to, so a restarted server continues its log; ``.parquet``

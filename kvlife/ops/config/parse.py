@@ -36,7 +36,7 @@ from kvlife.ops.config.schema import (
 )
 from kvlife.ops.kv_events import KVEventsConfig
 from kvlife.server.address import parse_address
-from kvlife.server.heap import MAX_WHOLE_EVERY_S
+from kvlife.server.heap import whole_every_problem
 from kvlife.server.limits import Limits
 from kvlife.store.config import StoreConfig
 from kvlife.tenancy.names import check_name
@@ -505,11 +505,8 @@ class _Reader:
         metrics = self.metrics(t)
         log_json = self.value(t, path, "log_json", bool, False)
         whole = self.value(t, path, "gc_whole_every_s", float, ServerSettings().gc_whole_every_s)
-        if isinstance(whole, float) and not 0 <= whole <= MAX_WHOLE_EVERY_S:
-            whole = self.bad(
-                (*path, "gc_whole_every_s"),
-                f"must be >= 0 and at most {MAX_WHOLE_EVERY_S:g}, got {whole!r}",
-            )
+        if isinstance(whole, float) and (problem := whole_every_problem(whole)):
+            whole = self.bad((*path, "gc_whole_every_s"), problem)
         event_log = self.value(t, path, "events", str, None)
         parts = (socket, staging, shm_dir, pid_file, cpus, limits, principals, events)
         if any(p is BAD for p in (*parts, metrics, log_json, event_log, whole)):
