@@ -10,7 +10,8 @@ staged for the chunk shape):
 1. ``prepare_put`` sends the prompt; the server creates the TENTATIVE objects, reserves
    one arena extent per chunk it lacks and replies with their offsets (and, when asked
    with ``stage``, extents staged for this connection's next puts of that shape).
-2. This side copies each new chunk into its extent (a failed copy aborts the put).
+2. This side copies each new chunk into its extent (a failed copy aborts the put), by
+   non-temporal stores where it is large (:func:`kvlife.native.copies.stream_copy`).
 3. ``commit_put`` (or ``abort_put``) names the put; the server seals the extents and
    commits them, adopted as the DRAM replicas without a copy.
 
@@ -68,6 +69,7 @@ from kvlife.core.errors import (
 )
 from kvlife.core.identity import KVLayout
 from kvlife.core.objects import PromptRef
+from kvlife.native.copies import stream_copy
 from kvlife.results import PutResult
 from kvlife.server import protocol
 from kvlife.server.limits import page_charge
@@ -167,12 +169,12 @@ def _copy_units(dst: np.ndarray, src: np.ndarray, u0: int, u1: int, kv: int, hea
         r, rest = divmod(u0, per_row)
         if rest == 0 and u1 - u0 >= per_row:
             k = (u1 - u0) // per_row
-            np.copyto(dst[r : r + k], src[r : r + k])
+            stream_copy(dst[r : r + k], src[r : r + k])
             u0 += k * per_row
             continue
         j, h = divmod(rest, heads)
         k = min(u1 - u0, heads - h)
-        np.copyto(dst[r, j, h : h + k], src[r, j, h : h + k])
+        stream_copy(dst[r, j, h : h + k], src[r, j, h : h + k])
         u0 += k
 
 
@@ -376,7 +378,7 @@ class Puts:
         dtype = chunks[0].dtype.str if chunks else "u1"
         try:
             for index, off in reply.slots:
-                np.copyto(self.wire.view(conn, off, dtype, layout.chunk_shape), chunks[index])
+                stream_copy(self.wire.view(conn, off, dtype, layout.chunk_shape), chunks[index])
                 pending.stored_chunks.append(index)
         except BaseException:
             with contextlib.suppress(KVLifeError):

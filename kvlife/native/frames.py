@@ -174,6 +174,7 @@ def _loaded() -> tuple[ModuleType, int] | None:
                 "DIRECT_PROGRESS",
                 "set_stream",
                 "streamed",
+                "stream_copy",
             )
         )
     ):

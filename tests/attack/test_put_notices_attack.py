@@ -31,6 +31,7 @@ import kvlife.client.puts as client_puts
 from kvlife.client import RemoteStore
 from kvlife.client.puts import copy_telling, notice_points, notice_step
 from kvlife.core.identity import PUBLIC, ChunkKey, KVLayout, ModelIdentity
+from kvlife.native.copies import stream_copy
 from kvlife.results import PutResult
 from kvlife.server import protocol
 from kvlife.server.puts import _hash_written, _Staged
@@ -82,9 +83,9 @@ def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.
 
 
 class _Recorder:
-    """numpy for kvlife/client/puts.py: every ``copyto`` is checked to write the next
-    bytes of the put in order (its destination a contiguous run of one extent starting
-    where the copy before ended) and recorded; the rest is numpy."""
+    """The copy of kvlife/client/puts.py (its ``stream_copy``): every call is checked to
+    write the next bytes of the put in order (its destination a contiguous run of one
+    extent starting where the copy before ended) and recorded."""
 
     def __init__(self, dsts: list[np.ndarray]) -> None:
         self.dsts = dsts
@@ -150,11 +151,11 @@ def _check_copy_telling(
         told.append(done)
         rec.told = done
 
-    setattr(client_puts, "np", rec)  # noqa: B010 - mypy: the module does not export np
+    setattr(client_puts, "stream_copy", rec.copyto)  # noqa: B010 - not exported
     try:
         copy_telling(iter(dsts), chunks, step, points, tell)
     finally:
-        setattr(client_puts, "np", np)  # noqa: B010
+        setattr(client_puts, "stream_copy", stream_copy)  # noqa: B010
     assert rec.end == total, "every byte copied"
     assert np.array_equal(buf, want), "every byte where it belongs"
     # every point is told at or after it, or only the end of the put passes it
@@ -411,7 +412,7 @@ def _staged_put(
 
     with monkeypatch.context() as m:
         m.setattr(wire, "view", spy_view)
-        m.setattr(client_puts, "np", Numpy())
+        m.setattr(client_puts, "stream_copy", Numpy.copyto)
         m.setattr(protocol, "pack", spy_pack)
         res = remote.put_prompt(ident, PUBLIC, tokens, kv)
     assert len(extents) == nchunks and pos["end"] == total, "the staged path, every byte"

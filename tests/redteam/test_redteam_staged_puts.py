@@ -148,7 +148,7 @@ class Numpy:
         real(dst, src)
 
 
-client_puts.np = Numpy()
+client_puts.stream_copy = Numpy.copyto
 r.put_prompt(tiny_identity(), PUBLIC, *prompt_kv(95, 3 * n))
 print("not killed", flush=True)
 """

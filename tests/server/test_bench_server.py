@@ -107,11 +107,15 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
         # the verified put's ceilings: a copy and its seal, one thread or two
         assert p["sealed_gbps"] > 0 and p["split_gbps"] > 0
         assert abs(p["ratio_sealed"] - p["sealed_gbps"] / p["memcpy_gbps"]) < 1e-9
+        # the client's own copy alone (streaming stores), and the put against it
+        assert p["stream_gbps"] > 0
+        assert abs(p["of_stream"] - p["server_gbps"] / p["stream_gbps"]) < 1e-9
         # what the put cost the server's CPU, beside its time (issue 28)
         c = p["server_cpu"]
         assert c["ms_per_put"] > 0 and c["floor_ms_per_put"] > 0
         assert 0 < c["busy"] < 5  # CPU seconds over wall seconds of one put
     assert "ceiling: copy + seal, one thread" in proc.stdout
+    assert "of the client's streaming copy of the same bytes alone" in proc.stdout
     assert "the server's CPU per put" in proc.stdout
     for p in r["put_write_through"]:
         assert "server_cpu" not in p

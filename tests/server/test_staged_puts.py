@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from kvlife.client import RemoteStore
 from kvlife.core.errors import ProtocolError
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity, token_bytes
+from kvlife.native.copies import stream_copy
 from kvlife.server import protocol
 from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.server.conftest import ROOT, ServerProc, child_env, quiet
@@ -375,8 +376,8 @@ def test_a_chunk_written_again_after_put_written_is_caught_by_its_seal(
     rewritten: list[bool] = []
 
     class Numpy:
-        """numpy for client/puts.py, whose copyto rewrites chunk 0 in its extent once
-        the last chunk's copy starts and the server has taken the notices before (a
+        """The copy of client/puts.py (its stream_copy), which rewrites chunk 0 in its
+        extent once the last chunk's copy starts and the server has taken the notices before (a
         request with a reply on the same connection: the server answers in order)."""
 
         def __getattr__(self, name: str) -> object:
@@ -393,10 +394,10 @@ def test_a_chunk_written_again_after_put_written_is_caught_by_its_seal(
             real(dst, src)
 
     monkeypatch.setattr(wire, "view", spy_view)
-    monkeypatch.setattr(client_puts, "np", Numpy())
+    monkeypatch.setattr(client_puts, "stream_copy", Numpy.copyto)
     tokens, kv = prompt_kv(71, 3 * N)
     res = remote.put_prompt(ident, PUBLIC, tokens, kv)
-    monkeypatch.setattr(client_puts, "np", np)
+    monkeypatch.setattr(client_puts, "stream_copy", stream_copy)
     monkeypatch.setattr(wire, "view", view)
     assert res.stored == 3 and len(extents) == 3 and rewritten, "the staged path"
     report = remote.check()
@@ -432,8 +433,8 @@ def test_the_commit_hashes_a_chunk_the_notices_stopped_in_from_where_they_stoppe
     last_rows: list[int] = []
 
     class Numpy:
-        """numpy for client/puts.py, whose copyto of the last chunk's last row first
-        rewrites that chunk's first row, once the server has taken its notice (a request
+        """The copy of client/puts.py (its stream_copy), which for the last chunk's last
+        row first rewrites that chunk's first row, once the server has taken its notice (a request
         with a reply on the same connection: the server answers in order)."""
 
         def __getattr__(self, name: str) -> object:
@@ -459,12 +460,12 @@ def test_the_commit_hashes_a_chunk_the_notices_stopped_in_from_where_they_stoppe
         return pack(msg)
 
     monkeypatch.setattr(wire, "view", spy_view)
-    monkeypatch.setattr(client_puts, "np", Numpy())
+    monkeypatch.setattr(client_puts, "stream_copy", Numpy.copyto)
     monkeypatch.setattr(protocol, "pack", spy)
     tokens, kv = prompt_kv(81, 3 * N)
     res = remote.put_prompt(ident, PUBLIC, tokens, kv)
     monkeypatch.setattr(protocol, "pack", pack)
-    monkeypatch.setattr(client_puts, "np", np)
+    monkeypatch.setattr(client_puts, "stream_copy", stream_copy)
     monkeypatch.setattr(wire, "view", view)
     assert res.stored == 3 and len(extents) == 3 and len(last_rows) == rows, "the staged path"
     size = TINY.chunk_nbytes
@@ -498,7 +499,7 @@ def test_a_client_killed_between_its_deferred_put_and_the_commit_leaves_nothing(
         "        if len(calls) == 3:  # the put and a notice went out before\n"
         "            print('copying', flush=True); sys.stdin.read()\n"
         "        np.copyto(dst, src)\n"
-        "cp.np = Numpy()\n"
+        "cp.stream_copy = Numpy.copyto\n"
         "r.put_prompt(tiny_identity(), PUBLIC, *prompt_kv(53, n))\n"
     )
     child = client_process(server, code, b"copying")
@@ -539,9 +540,9 @@ def test_an_invalidation_while_a_deferred_put_is_copied_stores_none_of_it(
         calls: list[int] = []
 
         class Numpy:
-            """numpy for client/puts.py: once its put and a notice were taken (a request
-            with a reply on the same connection: the server answers in order), the other
-            client invalidates the namespace, then the copy goes on."""
+            """The copy of client/puts.py (its stream_copy): once its put and a notice were
+            taken (a request with a reply on the same connection: the server answers in
+            order), the other client invalidates the namespace, then the copy goes on."""
 
             def __getattr__(self, name: str) -> object:
                 return getattr(np, name)
@@ -556,10 +557,10 @@ def test_an_invalidation_while_a_deferred_put_is_copied_stores_none_of_it(
                     other.invalidate(namespace=PUBLIC)
                 real(dst, src)
 
-        monkeypatch.setattr(client_puts, "np", Numpy())
+        monkeypatch.setattr(client_puts, "stream_copy", Numpy.copyto)
         tokens, kv = prompt_kv(91, 3 * N)
         res = remote.put_prompt(ident, PUBLIC, tokens, kv)
-        monkeypatch.setattr(client_puts, "np", np)
+        monkeypatch.setattr(client_puts, "stream_copy", stream_copy)
         assert len(calls) > 3, "the staged path"
         assert res.stored == 0 and res.tokens_stored_or_present == 0
         assert remote.lookup(ident, PUBLIC, tokens).hits == []

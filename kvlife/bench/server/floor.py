@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from kvlife.native.copies import stream_copy
 from kvlife.tiers.base import seal_of
 
 HEADER = struct.Struct("<cQQ")
@@ -146,7 +147,9 @@ class FloorServer:
 
     def put(self, chunks: list[np.ndarray], notice: int, client_seals: bool = False) -> float:
         """Seconds of one put of ``chunks`` (equal sizes, C-contiguous), copied into the
-        shared memory in order, one reply of seals at the end (checked after). The
+        shared memory in order (as kvlife's client copies a staged put:
+        :func:`~kvlife.native.copies.stream_copy`), one reply of seals at the end
+        (checked after). The
         server hashes them, told every ``notice`` bytes (0: never, it hashes all at the
         commit); or, ``client_seals``, this side hashes each piece of
         :data:`SEAL_PIECE_BYTES` right after copying it (from the cache) and sends the
@@ -167,7 +170,10 @@ class FloorServer:
             for off in range(0, size, step):
                 end = min(size, off + step)
                 dst = self.shm[i * size + off : i * size + end]
-                np.copyto(dst, src[off:end])
+                if client_seals:  # hashed next, from this core's cache
+                    np.copyto(dst, src[off:end])
+                else:  # as kvlife's client copies a staged put
+                    stream_copy(dst, src[off:end])
                 done += end - off
                 told += end - off
                 if client_seals:

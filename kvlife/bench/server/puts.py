@@ -9,7 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from kvlife.bench.limits import SplitSealer, memcpy, raw_write, sealed_copy, tasks_cpu_seconds
+from kvlife.bench.limits import (
+    SplitSealer,
+    memcpy,
+    raw_write,
+    sealed_copy,
+    streamed,
+    tasks_cpu_seconds,
+)
 from kvlife.bench.server.config import ServerBenchConfig
 from kvlife.bench.server.floor import FloorServer
 from kvlife.bench.server.servers import direct_ok
@@ -60,6 +67,7 @@ def bench_put(
     served, limit, inproc, unnoticed = [], [], [], []
     sealed: list[float] = []
     split: list[float] = []
+    stream: list[float] = []
     floored: list[float] = []
     floored_sealed: list[float] = []
     sealer = SplitSealer() if raw_dir is None else None
@@ -126,9 +134,11 @@ def bench_put(
                     floored_sealed.append(t_sealed_floor)
             if sealer is not None:  # the ceilings, on the same (warm) sources
                 t_sealed, t_split = sealed_copy(dsts, chunks), sealer.copy(dsts, chunks)
+                t_stream = streamed(dsts, chunks)
                 if rep:
                     sealed.append(t_sealed)
                     split.append(t_split)
+                    stream.append(t_stream)
             if rep:
                 served.append(t)
                 limit.append(t_lim)
@@ -141,10 +151,12 @@ def bench_put(
     if unnoticed:
         others["unnoticed"] = unnoticed[1:]
     if sealed:
-        others |= {"sealed": sealed, "split": split}
+        others |= {"sealed": sealed, "split": split, "stream": stream}
     if floored:
         others |= {"floor": floored, "floor_sealed": floored_sealed}
     out = point(layout, n, served, limit, raw=raw_dir is not None, **others)
+    if stream:  # the put against the client's own copy alone (streaming stores)
+        out["of_stream"] = out["server_gbps"] / out["stream_gbps"]
     if raw_dir is not None:
         out["direct_io"] = direct
     if cpu.spent:

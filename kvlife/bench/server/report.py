@@ -12,6 +12,7 @@ _SERIES = (
     ("inproc", "in-process store"),
     ("sealed", "ceiling: copy + seal, one thread"),
     ("split", "ceiling: copy, seal on a 2nd thread"),
+    ("stream", "the client's copy alone: streaming stores"),
     ("unnoticed", "no put_written"),
     ("shared", "shared buffers"),
     ("no_landed", "the caller's buffers, no landed parts"),
@@ -138,6 +139,11 @@ def format_report(r: dict[str, Any]) -> str:
                 )
             )
     for p in r.get("put_dram", []):
+        if "of_stream" in p:
+            lines.append(
+                f"DRAM puts of {p['chunk_bytes'] >> 10} KiB: {p['of_stream']:.2f} of the "
+                "client's streaming copy of the same bytes alone"
+            )
         c = p.get("server_cpu")
         if c:
             floor = c.get("floor_ms_per_put")

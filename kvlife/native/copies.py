@@ -1,0 +1,49 @@
+"""A served put's copy into the arena, by non-temporal stores (issue 28).
+
+A client writes a staged put's chunks into arena extents that the server then hashes
+from memory, in another process on another CPU. ``np.copyto`` (glibc's ``memcpy``,
+which streams only past hundreds of MiB) reads each destination line into this core's
+cache before writing it: three bytes of memory traffic per byte copied, and the copy
+evicts what the cache held. The extension's ``stream_copy`` writes whole lines without
+reading them first (SSE2 non-temporal stores, the interpreter lock released): two bytes
+per byte. Measured (scratch, 2-vCPU machine alone, 4-chunk served puts alternated put
+by put with ``np.copyto``): 16 MiB chunks 7.8-8.3 ms against 10.4-11.1 ms, 2 MiB
+1.45-1.84 ms against 1.52-2.08 ms, 1 MiB 4% faster; a copy of 4 x 16 MiB alone 17.4
+GB/s against 11.4-12.5.
+
+Small pieces, and where the extension is not available, go through ``np.copyto``
+(the same bytes either way: ``tests/test_native_copies.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvlife.native import frames
+
+STREAM_BYTES = 64 << 10
+"""Pieces at least this large are streamed (a smaller one is a tail of whole heads: the
+call's own cost would show)."""
+
+
+def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``np.copyto(dst, src)``, by non-temporal stores where ``dst`` and ``src`` are
+    C-contiguous arrays of one dtype and shape, ``dst`` writable, at least
+    :data:`STREAM_BYTES`, the extension is available and numpy exports their buffers;
+    otherwise ``np.copyto`` itself (with its errors)."""
+    module = frames.native_module()
+    if (
+        module is not None
+        and dst.nbytes >= STREAM_BYTES
+        and dst.dtype == src.dtype
+        and dst.shape == src.shape
+        and dst.flags.writeable
+        and dst.flags.c_contiguous
+        and src.flags.c_contiguous
+    ):
+        try:
+            module.stream_copy(dst, src)
+            return
+        except (BufferError, TypeError, ValueError):
+            pass  # a dtype numpy exports no buffer of: refused before any byte moved
+    np.copyto(dst, src)

@@ -1,0 +1,106 @@
+"""``stream_copy`` (a served put's copy into the arena, kvlife/native/copies.py) gives
+``np.copyto``'s bytes and errors, streamed or not."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from kvlife.native import frames
+from kvlife.native.copies import STREAM_BYTES, stream_copy
+
+needs_native = pytest.mark.skipif(not frames.available(), reason="no C extension built")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    nbytes=st.sampled_from([0, 1, 15, 63, 64, 65, 4095, STREAM_BYTES - 1, STREAM_BYTES])
+    | st.integers(STREAM_BYTES, 3 * STREAM_BYTES + 77),
+    dst_at=st.integers(0, 31),
+    src_at=st.integers(0, 31),
+    dtype=st.sampled_from(["u1", "<f2", "<f4"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_copy_is_copyto_s_at_any_size_and_alignment(
+    nbytes: int, dst_at: int, src_at: int, dtype: str, seed: int
+) -> None:
+    """Every size around the streaming threshold and the 16-byte and 64-byte steps of
+    the streaming loop, at every misalignment of either side: the bytes copyto gives,
+    and nothing written past the destination's ends."""
+    item = np.dtype(dtype).itemsize
+    n = nbytes // item
+    rng = np.random.default_rng(seed)
+    src_mem = rng.integers(0, 256, n * item + 64, dtype=np.uint8)
+    src = src_mem[src_at : src_at + n * item].view(dtype)
+    dst_mem = np.full(n * item + 64, 0xA5, np.uint8)
+    dst = dst_mem[dst_at : dst_at + n * item].view(dtype)
+    want = dst_mem.copy()
+    want[dst_at : dst_at + n * item] = src_mem[src_at : src_at + n * item]
+    stream_copy(dst, src)
+    assert np.array_equal(dst_mem, want)
+
+
+@needs_native
+def test_large_copies_are_streamed_and_small_ones_are_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces from STREAM_BYTES up go to the extension; smaller ones, arrays that are
+    not C-contiguous and differing shapes go to np.copyto (with its broadcasting)."""
+    module = frames.native_module()
+    calls: list[int] = []
+
+    class Counting:
+        def stream_copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+            calls.append(dst.nbytes)
+            assert module is not None
+            module.stream_copy(dst, src)
+
+    monkeypatch.setattr(frames, "native_module", lambda: Counting())
+    big = np.arange(STREAM_BYTES, dtype=np.uint8)
+    out = np.zeros_like(big)
+    stream_copy(out, big)
+    assert calls == [STREAM_BYTES] and np.array_equal(out, big)
+    stream_copy(out[:100], big[:100])
+    strided = np.zeros((2, STREAM_BYTES), np.uint8)[:, ::2]
+    stream_copy(strided, np.ones((2, STREAM_BYTES // 2), np.uint8))
+    row = np.arange(STREAM_BYTES, dtype=np.uint8)
+    grid = np.zeros((2, STREAM_BYTES), np.uint8)
+    stream_copy(grid, row)  # broadcast, as np.copyto does
+    assert calls == [STREAM_BYTES]
+    assert (strided == 1).all() and (grid == row).all()
+
+
+@needs_native
+def test_overlapping_buffers_copy_as_copyto_does() -> None:
+    """A source and destination that share bytes: the result np.copyto gives (the
+    extension moves them, it does not stream them)."""
+    mem = np.arange(4 * STREAM_BYTES, dtype=np.uint8)
+    want = mem.copy()
+    np.copyto(want[100 : 100 + 2 * STREAM_BYTES], want[: 2 * STREAM_BYTES].copy())
+    stream_copy(mem[100 : 100 + 2 * STREAM_BYTES], mem[: 2 * STREAM_BYTES])
+    assert np.array_equal(mem, want)
+
+
+def test_errors_are_copyto_s() -> None:
+    """A read-only destination or shapes that do not broadcast: np.copyto's ValueError,
+    before any byte moved."""
+    src = np.ones(STREAM_BYTES, np.uint8)
+    ro = np.zeros(STREAM_BYTES, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError):
+        stream_copy(ro, src)
+    assert not ro.any()
+    dst = np.zeros(STREAM_BYTES + 1, np.uint8)
+    with pytest.raises(ValueError):
+        stream_copy(dst, src)
+    assert not dst.any()
+
+
+@needs_native
+def test_the_extension_refuses_buffers_of_two_lengths() -> None:
+    module = frames.native_module()
+    assert module is not None
+    dst = np.zeros(STREAM_BYTES, np.uint8)
+    with pytest.raises(ValueError, match="stream_copy"):
+        module.stream_copy(dst, np.ones(STREAM_BYTES - 1, np.uint8))
+    assert not dst.any()
