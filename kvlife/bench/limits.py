@@ -333,7 +333,8 @@ def machine_figures(
     directory: Path, quick: bool = False, best_of: int = 3
 ) -> dict[str, float | int | bool]:
     """The machine's own speeds, measured the same way by every ``kvlife bench``, so that
-    the ratios of two machines can be compared: memcpy (``np.copyto`` into a warm buffer),
+    the ratios of two machines can be compared: memcpy (``np.copyto`` into a warm buffer)
+    and the streaming copy of a served put's client (:func:`streamed`),
     raw sequential write (``pwrite`` of MACHINE_BLOCK from aligned memory, then
     ``fdatasync``) and raw read of the same file, O_DIRECT where ``directory`` allows it,
     and a Python loop's speed. Each is the best of ``best_of`` tries (GB/s = 1e9 B/s).
@@ -358,6 +359,7 @@ def machine_figures(
     path = Path(name)
     try:
         copy = min(memcpy([dst], [src]) for _ in range(best_of))
+        stream = min(streamed([dst], [src]) for _ in range(best_of))
         write = min(raw_write(path, srcs, direct) for _ in range(best_of))
         read = min(raw_read(path, dsts, direct) for _ in range(best_of))
     finally:
@@ -367,6 +369,9 @@ def machine_figures(
     loop_iters = PYTHON_LOOP_ITERS // 10 if quick else PYTHON_LOOP_ITERS
     return {
         "memcpy_gbps": nbytes / copy / 1e9,
+        # the copy a served put's client makes (non-temporal stores): memcpy is not the
+        # fastest copy of a buffer larger than the cache here
+        "stream_copy_gbps": nbytes / stream / 1e9,
         "raw_write_gbps": nbytes / write / 1e9,
         "raw_read_gbps": nbytes / read / 1e9,
         "python_loop_mips": max(python_loop_mips(loop_iters) for _ in range(best_of)),
@@ -380,7 +385,13 @@ def machine_figures(
     }
 
 
-MACHINE_KEYS = ("memcpy_gbps", "raw_write_gbps", "raw_read_gbps", "python_loop_mips")
+MACHINE_KEYS = (
+    "memcpy_gbps",
+    "stream_copy_gbps",
+    "raw_write_gbps",
+    "raw_read_gbps",
+    "python_loop_mips",
+)
 """The figures every benchmark's JSON carries under ``"machine"``."""
 
 
@@ -390,7 +401,13 @@ def format_machine(fig: Mapping[str, object]) -> str:
     block = fig.get("block_bytes")
     calls = f"{block / (1 << 20):g} MiB calls" if isinstance(block, int) else "calls"
     return (
-        f"machine: memcpy {fig['memcpy_gbps']:.2f} GB/s, {raw} write "
+        f"machine: memcpy {fig['memcpy_gbps']:.2f} GB/s"
+        + (
+            f" (streaming stores {fig['stream_copy_gbps']:.2f})"
+            if "stream_copy_gbps" in fig
+            else ""
+        )
+        + f", {raw} write "
         f"{fig['raw_write_gbps']:.2f} / read {fig['raw_read_gbps']:.2f} GB/s "
         f"({calls}), Python loop "
         f"{fig['python_loop_mips']:.1f} M iterations/s, {fig['cpu_count']} CPUs"

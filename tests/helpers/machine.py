@@ -9,9 +9,9 @@ from kvlife.bench.limits import MACHINE_KEYS
 
 
 def assert_machine_figures(doc: dict[str, object]) -> None:
-    """``doc["machine"]`` holds memcpy, raw write and read GB/s and the Python loop's
-    speed, each a positive finite number, and says whether the raw I/O was O_DIRECT and
-    whether the disk tier read natively."""
+    """``doc["machine"]`` holds memcpy, the streaming copy, raw write and read GB/s and
+    the Python loop's speed, each a positive finite number, and says whether the raw I/O
+    was O_DIRECT and whether the disk tier read natively."""
     machine = doc["machine"]
     assert isinstance(machine, dict), machine
     for key in MACHINE_KEYS:
