@@ -104,3 +104,25 @@ def test_the_extension_refuses_buffers_of_two_lengths() -> None:
     with pytest.raises(ValueError, match="stream_copy"):
         module.stream_copy(dst, np.ones(STREAM_BYTES - 1, np.uint8))
     assert not dst.any()
+
+
+def test_a_source_that_is_not_an_array_is_copyto_s() -> None:
+    """A list, a scalar or a bytes-backed memoryview as the source: what np.copyto
+    makes of it, bytes or error (the extension takes arrays only)."""
+    sources: list[object] = [
+        [7] * STREAM_BYTES,
+        3,
+        np.uint8(5),
+        memoryview(bytes(range(256)) * (STREAM_BYTES // 256)),
+    ]
+    for src in sources:
+        want = np.zeros(STREAM_BYTES, np.uint8)
+        got = np.zeros(STREAM_BYTES, np.uint8)
+        try:
+            np.copyto(want, src)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            with pytest.raises(type(exc)):
+                stream_copy(got, src)  # type: ignore[arg-type]
+        else:
+            stream_copy(got, src)  # type: ignore[arg-type]
+        assert np.array_equal(got, want), type(src)

@@ -28,14 +28,17 @@ call's own cost would show)."""
 
 def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
     """``np.copyto(dst, src)``, by non-temporal stores where ``dst`` and ``src`` are
-    C-contiguous arrays of one dtype and shape, ``dst`` writable, at least
-    :data:`STREAM_BYTES`, the extension is available and numpy exports their buffers;
-    otherwise ``np.copyto`` itself (with its errors)."""
+    C-contiguous arrays of one dtype and shape that holds no Python objects (a byte
+    copy of a reference is not a copy: numpy exports such arrays' buffers all the
+    same), ``dst`` writable, at least :data:`STREAM_BYTES`, the extension is available
+    and numpy exports their buffers; otherwise ``np.copyto`` itself (with its errors)."""
     module = frames.native_module()
     if (
         module is not None
+        and isinstance(src, np.ndarray)
         and dst.nbytes >= STREAM_BYTES
         and dst.dtype == src.dtype
+        and not dst.dtype.hasobject  # references: numpy copies them, counted
         and dst.shape == src.shape
         and dst.flags.writeable
         and dst.flags.c_contiguous
