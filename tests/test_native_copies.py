@@ -126,3 +126,42 @@ def test_a_source_that_is_not_an_array_is_copyto_s() -> None:
         else:
             stream_copy(got, src)  # type: ignore[arg-type]
         assert np.array_equal(got, want), type(src)
+
+
+@needs_native
+@settings(max_examples=60, deadline=None)
+@given(
+    layers=st.integers(1, 3),
+    heads=st.integers(1, 4),
+    tokens=st.integers(1, 96),
+    head_dim=st.sampled_from([8, 64, 128]),
+    dtype=st.sampled_from(["u1", "<f2", "<f4"]),
+    cut=st.data(),
+)
+def test_a_chunk_cut_from_one_kv_tensor_is_streamed_exactly(
+    layers: int, heads: int, tokens: int, head_dim: int, dtype: str, cut: st.DataObject
+) -> None:
+    """A chunk that is a slice of the whole prompt's KV tensor ([layers, 2, heads, T,
+    head_dim] cut along T, as put_prompt cuts one tensor): strided, each (layer, k or v,
+    head) a contiguous run. The extension streams it when every run is at least
+    STREAM_RUN bytes (it says False otherwise, and np.copyto does it); the bytes are
+    np.copyto's either way."""
+    total = tokens + cut.draw(st.integers(0, 40))
+    start = cut.draw(st.integers(0, total - tokens))
+    rng = np.random.default_rng(tokens * 7919 + head_dim)
+    kv = rng.integers(0, 256, (layers, 2, heads, total, head_dim * np.dtype(dtype).itemsize), "u1")
+    whole = kv.view(dtype)
+    chunk = whole[:, :, :, start : start + tokens]
+    dst = np.zeros(chunk.shape, dtype)
+    module = frames.native_module()
+    assert module is not None
+    run = tokens * head_dim * np.dtype(dtype).itemsize
+    streamed = module.stream_copy(dst, chunk)
+    assert streamed is (
+        run >= frames.STREAM_RUN or (total == tokens and dst.nbytes >= frames.STREAM_RUN)
+    )
+    if not streamed:
+        assert not dst.any()
+        stream_copy(dst, chunk)
+    # as bytes: random bytes are NaNs as floats
+    assert np.array_equal(dst.view(np.uint8), np.ascontiguousarray(chunk).view(np.uint8))

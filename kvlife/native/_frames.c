@@ -14,7 +14,8 @@
  * the DirectRun it returns verifies them when the caller asks (finish()), so that the
  * reads run while the caller sends its request and reads the reply. disjoint() is the
  * one-call fast path of a load's output-buffer check (kvlife.store.args.check_outs).
- * stream_copy() is a served put's copy into the arena by non-temporal stores.
+ * stream_copy() is a served put's copy into the arena by non-temporal stores (the
+ * source may be strided: a chunk cut from one KV tensor).
  *
  * The hash is xxhash's own XXH3_128bits (or its run-time dispatching entry), a function
  * the `xxhash` Python package's extension exports (the same code that computed every
@@ -1113,15 +1114,21 @@ static PyObject *disjoint(PyObject *self, PyObject *arg) {
     return PyBool_FromLong(ok);
 }
 
-/* stream_copy(dst, src): copy src's bytes into dst (two C-contiguous buffers of one
- * length, dst writable) with the interpreter lock released, by non-temporal stores
- * where the build has SSE2 (every x86-64): the destination's lines are written without
- * being read first (a cached store reads each line before it writes it) and without
- * displacing the cache, so a large copy moves two bytes per byte instead of three. The
- * bytes are the same either way; the store fence makes them visible to other threads
- * and processes, as memcpy's are, before the call returns. What a served put's client
- * copies into the arena (the server hashes it from memory, not from this core's cache);
- * kvlife.native.spans.stream_copy decides when to call it. */
+/* stream_copy(dst, src) -> bool: copy src's bytes into dst with the interpreter lock
+ * released, by non-temporal stores where the build has SSE2 (every x86-64): the
+ * destination's lines are written without being read first (a cached store reads each
+ * line before it writes it) and without displacing the cache, so a large copy moves two
+ * bytes per byte instead of three. dst is a writable C-contiguous buffer; src any
+ * strided buffer of the same length whose elements, in C order, are dst's (numpy
+ * exports a slice of a larger array so: a chunk cut from one KV tensor); its innermost
+ * contiguous run must be at least STREAM_RUN bytes. False, and nothing copied, where it
+ * is not, or where src and dst share memory: the caller copies another way. The store
+ * fence makes the bytes visible to other threads and processes, as memcpy's are,
+ * before the call returns. What a served put's client copies into the arena (the
+ * server hashes it from memory, not from this core's cache); kvlife.native.copies
+ * decides when to call it. */
+#define STREAM_RUN 1024
+
 static void copy_streaming(char *dst, const char *src, size_t n) {
 #if defined(__SSE2__)
     size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
@@ -1138,7 +1145,6 @@ static void copy_streaming(char *dst, const char *src, size_t n) {
         _mm_stream_si128((__m128i *)(dst + i + 32), c);
         _mm_stream_si128((__m128i *)(dst + i + 48), d);
     }
-    _mm_sfence();
     memcpy(dst + i, src + i, n - i);
 #else
     memcpy(dst, src, n);
@@ -1146,31 +1152,67 @@ static void copy_streaming(char *dst, const char *src, size_t n) {
 }
 
 static PyObject *stream_copy(PyObject *self, PyObject *args) {
+    PyObject *dst_obj, *src_obj;
+    if (!PyArg_ParseTuple(args, "OO", &dst_obj, &src_obj)) return NULL;
     Py_buffer dst, src;
-    if (!PyArg_ParseTuple(args, "w*y*", &dst, &src)) return NULL;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_STRIDES) != 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
     if (dst.len != src.len) {
         PyErr_Format(PyExc_ValueError, "stream_copy of %zd bytes into %zd", src.len, dst.len);
         PyBuffer_Release(&dst);
         PyBuffer_Release(&src);
         return NULL;
     }
-    char *d = (char *)dst.buf;
-    const char *from = (const char *)src.buf;
-    size_t n = (size_t)dst.len;
-    Py_BEGIN_ALLOW_THREADS
-    if (d < from + n && from < d + n)
-        memmove(d, from, n); /* overlapping: numpy's copyto semantics, no streaming */
-    else
-        copy_streaming(d, from, n);
-    Py_END_ALLOW_THREADS
+    int ndim = src.ndim;
+    Py_ssize_t run = src.itemsize; /* the innermost contiguous run of src, in bytes */
+    int outer = ndim;              /* the axes above it */
+    int empty = src.len == 0;
+    uintptr_t low = (uintptr_t)src.buf, high = (uintptr_t)src.buf + (uintptr_t)src.itemsize;
+    for (int d = 0; d < ndim; d++) {
+        Py_ssize_t reach = (src.shape[d] - 1) * src.strides[d];
+        if (src.shape[d] == 0) empty = 1;
+        if (reach < 0) low -= (uintptr_t)(-reach);
+        else high += (uintptr_t)reach;
+    }
+    while (outer > 0 && src.strides[outer - 1] == run) {
+        run *= src.shape[outer - 1];
+        outer--;
+    }
+    if (ndim == 0) run = src.len;
+    uintptr_t dlow = (uintptr_t)dst.buf, dhigh = dlow + (uintptr_t)dst.len;
+    int ok = !empty && outer <= 64 && run >= STREAM_RUN && (dhigh <= low || high <= dlow);
+    if (ok) {
+        char *out = (char *)dst.buf;
+        const char *base = (const char *)src.buf;
+        Py_ssize_t idx[64] = {0};
+        Py_ssize_t rows = 1;
+        for (int d = 0; d < outer; d++) rows *= src.shape[d];
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            Py_ssize_t at = 0;
+            for (int d = 0; d < outer; d++) at += idx[d] * src.strides[d];
+            copy_streaming(out + r * run, base + at, (size_t)run);
+            for (int d = outer - 1; d >= 0; d--) { /* the next row, in C order */
+                if (++idx[d] < src.shape[d]) break;
+                idx[d] = 0;
+            }
+        }
+#if defined(__SSE2__)
+        _mm_sfence();
+#endif
+        Py_END_ALLOW_THREADS
+    }
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(ok);
 }
 
 static PyMethodDef methods[] = {
     {"stream_copy", stream_copy, METH_VARARGS,
-     "stream_copy(dst, src): src's bytes into dst by non-temporal stores, without the GIL."},
+     "stream_copy(dst, src) -> bool: src into C-contiguous dst by streaming stores, no GIL."},
     {"read_run", read_run, METH_VARARGS,
      "read_run(frames, depth, hash_address, on_frame): read and verify frames without the GIL."},
     {"start_direct", start_direct, METH_VARARGS,
@@ -1200,7 +1242,8 @@ PyMODINIT_FUNC PyInit__frames(void) {
         PyModule_AddIntConstant(m, "DIRECT_STEPS", 1) ||
         PyModule_AddIntConstant(m, "DIRECT_PROGRESS", 1) ||
         PyModule_AddIntConstant(m, "SPLIT_BYTES", (long)SPLIT_BYTES) ||
-        PyModule_AddIntConstant(m, "PIECE_BYTES", (long)PIECE_BYTES)) {
+        PyModule_AddIntConstant(m, "PIECE_BYTES", (long)PIECE_BYTES) ||
+        PyModule_AddIntConstant(m, "STREAM_RUN", STREAM_RUN)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -7,12 +7,14 @@ cache before writing it: three bytes of memory traffic per byte copied, and the 
 evicts what the cache held. The extension's ``stream_copy`` writes whole lines without
 reading them first (SSE2 non-temporal stores, the interpreter lock released): two bytes
 per byte. Measured (scratch, 2-vCPU machine alone, 4-chunk served puts alternated put
-by put with ``np.copyto``): 16 MiB chunks 7.8-8.3 ms against 10.4-11.1 ms, 2 MiB
-1.45-1.84 ms against 1.52-2.08 ms, 1 MiB 4% faster; a copy of 4 x 16 MiB alone 17.4
-GB/s against 11.4-12.5.
+by put with ``np.copyto``): 16 MiB chunks 7.4-8.3 ms against 9.9-11.1 ms, 2 MiB within
+2% either way in three runs of four, 1 MiB 4% faster; a copy of 4 x 16 MiB alone 17.4
+GB/s against 11.4-12.5. A chunk cut from one KV tensor (strided) is streamed run by
+run: 2 MiB 1.5-2.0 ms against 3.2-5.1 ms, 16 MiB 7.1-9.2 against 11.1-13.1 ms.
 
-Small pieces, and where the extension is not available, go through ``np.copyto``
-(the same bytes either way: ``tests/test_native_copies.py``).
+Small pieces, sources whose contiguous runs are short or that share memory with the
+destination, and everything where the extension is not available go through
+``np.copyto`` (the same bytes either way: ``tests/test_native_copies.py``).
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ call's own cost would show)."""
 
 def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
     """``np.copyto(dst, src)``, by non-temporal stores where ``dst`` and ``src`` are
-    C-contiguous arrays of one dtype and shape that holds no Python objects (a byte
-    copy of a reference is not a copy: numpy exports such arrays' buffers all the
-    same), ``dst`` writable, at least :data:`STREAM_BYTES`, the extension is available
-    and numpy exports their buffers; otherwise ``np.copyto`` itself (with its errors)."""
+    arrays of one dtype and shape that holds no Python objects (a byte copy of a
+    reference is not a copy: numpy exports such arrays' buffers all the same), ``dst``
+    writable, C-contiguous and at least :data:`STREAM_BYTES`, ``src`` contiguous or
+    strided with runs of at least 1 KiB (``STREAM_RUN``: a chunk cut from one KV
+    tensor), sharing no memory with ``dst``, and the extension is available; otherwise
+    ``np.copyto`` itself (with its errors)."""
     module = frames.native_module()
     if (
         module is not None
@@ -42,11 +46,10 @@ def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
         and dst.shape == src.shape
         and dst.flags.writeable
         and dst.flags.c_contiguous
-        and src.flags.c_contiguous
     ):
         try:
-            module.stream_copy(dst, src)
-            return
+            if module.stream_copy(dst, src):
+                return  # streamed; False: a short run or shared memory, nothing copied
         except (BufferError, TypeError, ValueError):
             pass  # a dtype numpy exports no buffer of: refused before any byte moved
     np.copyto(dst, src)

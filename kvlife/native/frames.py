@@ -46,6 +46,11 @@ only the last piece's hash follows the run's last byte, not the whole frame's (1
 of a 16 MiB frame). The frames before it are hashed while the next one is read."""
 
 
+STREAM_RUN = 1024
+"""The shortest contiguous run of a strided source the extension's ``stream_copy``
+streams (:mod:`kvlife.native.copies`); a build with another value is another version."""
+
+
 @dataclass(frozen=True, slots=True)
 class FrameRead:
     """One frame of a run to read: where it is, where it lands, what it must be."""
@@ -164,6 +169,7 @@ def _loaded() -> tuple[ModuleType, int] | None:
     if (
         tuple(getattr(_frames, name, None) for name in names) != statuses
         or getattr(_frames, "SPLIT_BYTES", None) != SPLIT_BYTES
+        or getattr(_frames, "STREAM_RUN", None) != STREAM_RUN
         or not all(
             hasattr(_frames, f)
             for f in (

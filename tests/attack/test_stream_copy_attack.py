@@ -68,9 +68,11 @@ class _Counting:
         self.module = module
         self.calls: list[int] = []
 
-    def stream_copy(self, dst: Any, src: Any) -> None:
-        self.calls.append(int(dst.nbytes))
-        self.module.stream_copy(dst, src)
+    def stream_copy(self, dst: Any, src: Any) -> bool:
+        streamed = bool(self.module.stream_copy(dst, src))
+        if streamed:
+            self.calls.append(int(dst.nbytes))
+        return streamed
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.module, name)
@@ -247,8 +249,10 @@ def test_odd_memory_layouts_and_owners_match_copyto_in_bytes_and_errors(
 @needs_native
 def test_the_extension_itself_refuses_what_it_cannot_copy_before_writing() -> None:
     """The extension called directly (as copies.py does): a read-only or
-    non-contiguous destination, a non-contiguous source, lengths that differ, a str:
-    each a TypeError/BufferError/ValueError (what copies.py catches) and no byte moved."""
+    non-contiguous destination, lengths that differ, a str: each a
+    TypeError/BufferError/ValueError (what copies.py catches) and no byte moved; a
+    source whose contiguous runs are shorter than STREAM_RUN, or that shares memory
+    with the destination: False (copies.py then calls np.copyto), no byte moved."""
     module = frames.native_module()
     assert module is not None
     src = np.ones(STREAM_BYTES, np.uint8)
@@ -258,13 +262,16 @@ def test_the_extension_itself_refuses_what_it_cannot_copy_before_writing() -> No
     for dst, s in (
         (ro, src),
         (strided[::2], src),
-        (np.zeros(STREAM_BYTES, np.uint8), strided[::2]),
         (np.zeros(STREAM_BYTES, np.uint8), np.ones(STREAM_BYTES + 1, np.uint8)),
         (np.zeros(STREAM_BYTES, np.uint8), "x" * STREAM_BYTES),
         (bytes(STREAM_BYTES), src),
     ):
         with pytest.raises((TypeError, BufferError, ValueError)):
             module.stream_copy(dst, s)
+    out = np.zeros(STREAM_BYTES, np.uint8)
+    assert module.stream_copy(out, np.ones(2 * STREAM_BYTES, np.uint8)[::2]) is False
+    assert not out.any()
+    assert module.stream_copy(strided[1 : STREAM_BYTES + 1], strided[:STREAM_BYTES]) is False
     assert not ro.any() and not strided.any()
 
 
