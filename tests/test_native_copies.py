@@ -165,3 +165,19 @@ def test_a_chunk_cut_from_one_kv_tensor_is_streamed_exactly(
         stream_copy(dst, chunk)
     # as bytes: random bytes are NaNs as floats
     assert np.array_equal(dst.view(np.uint8), np.ascontiguousarray(chunk).view(np.uint8))
+
+
+@needs_native
+def test_axes_of_length_one_merge_into_the_run_whatever_their_stride() -> None:
+    """A length-1 axis adds no element, so its stride (numpy keeps odd ones on arrays
+    that are not C-contiguous) does not cut the contiguous run: 4 x 512 bytes across
+    two such axes are one run of 2 KiB, streamed."""
+    base = np.arange(3 * 9000 + 4096, dtype=np.uint64).view(np.uint8)
+    src = np.lib.stride_tricks.as_strided(
+        base[200:], (3, 1, 4, 1, 512), (9000, -77, 512, 3, 1), writeable=False
+    )
+    dst = np.zeros(src.shape, np.uint8)
+    module = frames.native_module()
+    assert module is not None
+    assert module.stream_copy(dst, src) is True
+    assert np.array_equal(dst, src)

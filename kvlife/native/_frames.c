@@ -1166,7 +1166,8 @@ static PyObject *stream_copy(PyObject *self, PyObject *args) {
         PyBuffer_Release(&src);
         return NULL;
     }
-    int ndim = src.ndim;
+    /* an exporter that gives no strides (ctypes does) is C-contiguous: one run */
+    int ndim = src.strides != NULL ? src.ndim : 0;
     Py_ssize_t run = src.itemsize; /* the innermost contiguous run of src, in bytes */
     int outer = ndim;              /* the axes above it */
     int empty = src.len == 0;
@@ -1177,11 +1178,16 @@ static PyObject *stream_copy(PyObject *self, PyObject *args) {
         if (reach < 0) low -= (uintptr_t)(-reach);
         else high += (uintptr_t)reach;
     }
-    while (outer > 0 && src.strides[outer - 1] == run) {
+    /* trailing axes merge into the run while each one's stride is the run so far (an
+     * axis of length 1 merges whatever its stride: it adds no element) */
+    while (outer > 0 && (src.shape[outer - 1] == 1 || src.strides[outer - 1] == run)) {
         run *= src.shape[outer - 1];
         outer--;
     }
-    if (ndim == 0) run = src.len;
+    if (ndim == 0) {
+        run = src.len;
+        high = (uintptr_t)src.buf + (uintptr_t)src.len;
+    }
     uintptr_t dlow = (uintptr_t)dst.buf, dhigh = dlow + (uintptr_t)dst.len;
     int ok = !empty && outer <= 64 && run >= STREAM_RUN && (dhigh <= low || high <= dlow);
     if (ok) {
