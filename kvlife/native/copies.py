@@ -10,7 +10,7 @@ per byte. Measured (scratch, 2-vCPU machine alone, 4-chunk served puts alternate
 by put with ``np.copyto``): 16 MiB chunks 7.4-8.3 ms against 9.9-11.1 ms, 2 MiB within
 2% either way in three runs of four, 1 MiB 4% faster; a copy of 4 x 16 MiB alone 17.4
 GB/s against 11.4-12.5. A chunk cut from one KV tensor (strided) is streamed run by
-run: 2 MiB 1.5-2.0 ms against 3.2-5.1 ms, 16 MiB 7.1-9.2 against 11.1-13.1 ms.
+run: 2 MiB 1.35-2.03 ms against 1.59-5.09 ms, 16 MiB 7.1-9.2 against 10.1-13.1 ms.
 
 Small pieces, sources whose contiguous runs are short or that share memory with the
 destination, and everything where the extension is not available go through
