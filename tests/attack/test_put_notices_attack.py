@@ -17,7 +17,6 @@ notice settings pushed to their ends."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from itertools import pairwise
 from typing import Any
 
@@ -36,7 +35,8 @@ from kvlife.results import PutResult
 from kvlife.server import protocol
 from kvlife.server.puts import _hash_written, _Staged
 from kvlife.store.writes import PendingPut
-from tests.server.conftest import ServerProc, quiet
+from tests.attack.served import identities, served
+from tests.server.conftest import quiet
 
 MiB = 1 << 20
 
@@ -316,34 +316,8 @@ def test_the_server_seals_a_chunk_with_the_hash_of_its_bytes_whatever_the_notice
 # --------------------------------------------------------------------------- served
 
 
-@pytest.fixture(scope="module")
-def notice_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = ServerProc(
-        tmp_path_factory.mktemp("put-notices") / "srv", dram=64 * MiB, staging=32 * MiB
-    ).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture
-def remote(notice_server: ServerProc) -> Iterator[RemoteStore]:
-    store = notice_server.client()
-    try:
-        yield store
-    finally:
-        store.close()
-
-
-_models = iter(range(1 << 30))
-
-
-def _identity(layout: KVLayout) -> ModelIdentity:
-    """A model no other test of the module puts (keys never collide between tests)."""
-    return ModelIdentity(
-        layout=layout, model_id=f"notices-{next(_models)}", weights_digest="w", tokenizer_digest="t"
-    )
+server, remote = served("put-notices", dram=64 * MiB, staging=32 * MiB)
+_identity = identities("notices")
 
 
 def _staged_put(

@@ -34,8 +34,6 @@ from __future__ import annotations
 import gc
 import mmap
 import os
-import subprocess
-import sys
 import tempfile
 import textwrap
 import threading
@@ -51,42 +49,21 @@ from kvlife.client import RemoteStore
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
 from kvlife.native import frames
 from kvlife.native.copies import STREAM_BYTES, stream_copy
-from kvlife.server import protocol
-from tests.server.conftest import ROOT, ServerProc, child_env, quiet
+from tests.attack.served import identities, served
+from tests.attack.stream_rig import (
+    Counting,
+    child_finishes,
+    counted,
+    file_mmap,
+    needs_native,
+    sent_verbs,
+)
+from tests.server.conftest import ROOT, ServerProc, quiet
 
 MiB = 1 << 20
+counting = counted()
 GUARD = 128
 """Bytes of sentinel on each side of a destination (any write there is a bug)."""
-
-needs_native = pytest.mark.skipif(not frames.available(), reason="no C extension built")
-
-
-class _Counting:
-    """The extension, its ``stream_copy`` calls counted (every other name delegated)."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        self.calls: list[int] = []
-
-    def stream_copy(self, dst: Any, src: Any) -> bool:
-        streamed = bool(self.module.stream_copy(dst, src))
-        if streamed:
-            self.calls.append(int(dst.nbytes))
-        return streamed
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.module, name)
-
-
-@pytest.fixture
-def counting(monkeypatch: pytest.MonkeyPatch) -> _Counting:
-    """The extension as copies.py sees it, counting the copies it streams."""
-    module = frames.native_module()
-    if module is None:
-        pytest.skip("no C extension built")
-    wrapper = _Counting(module)
-    monkeypatch.setattr(frames, "native_module", lambda: wrapper)
-    return wrapper
 
 
 def _outcome(fn: Callable[[], object]) -> str:
@@ -131,7 +108,7 @@ SIZES = [STREAM_BYTES + d for d in (-130, -1, 0, 1, 15, 16, 17, 63, 64, 65, 130)
 @needs_native
 @pytest.mark.parametrize("dt", DTYPES, ids=str)
 def test_every_dtype_size_and_misalignment_gives_copyto_s_bytes_and_nothing_outside(
-    dt: np.dtype[Any], counting: _Counting
+    dt: np.dtype[Any], counting: Counting
 ) -> None:
     """Random bytes (every bit pattern: NaN payloads, bools that are not 0 or 1, bad
     datetimes) at sizes around the streaming threshold and the 16- and 64-byte steps of
@@ -178,17 +155,6 @@ def test_overlapping_and_adjacent_buffers_give_copyto_s_bytes(
     assert np.array_equal(mem, want)
 
 
-def _file_mmap(nbytes: int, access: int = mmap.ACCESS_WRITE) -> mmap.mmap:
-    """A mapping of a fresh file of ``nbytes`` zero bytes (the file already unlinked)."""
-    fd, path = tempfile.mkstemp(prefix="stream-copy-")
-    try:
-        os.ftruncate(fd, nbytes)
-        return mmap.mmap(fd, nbytes, access=access)
-    finally:
-        os.close(fd)
-        os.unlink(path)
-
-
 def _odd_pairs() -> Iterator[tuple[str, Callable[[], np.ndarray], object]]:
     """(what, a fresh destination, the source): sides np.copyto takes but the streaming
     path must either stream exactly or leave to np.copyto."""
@@ -213,9 +179,9 @@ def _odd_pairs() -> Iterator[tuple[str, Callable[[], np.ndarray], object]]:
     yield "bytearray source", lambda: np.zeros(n, np.uint8), np.frombuffer(bytearray(src), np.uint8)
     yield "bytearray destination", lambda: np.frombuffer(bytearray(n), np.uint8), src
     yield "bytes destination (read-only)", lambda: np.frombuffer(bytes(n), np.uint8), src
-    mm = _file_mmap(n)
+    mm = file_mmap(n)
     yield "mmap destination", lambda: np.frombuffer(mm, np.uint8), src
-    mro = _file_mmap(n, mmap.ACCESS_READ)
+    mro = file_mmap(n, mmap.ACCESS_READ)
     yield "read-only mmap source", lambda: np.zeros(n, np.uint8), np.frombuffer(mro, np.uint8)
     yield "read-only mmap destination", lambda: np.frombuffer(mro, np.uint8), src
     half = src[: n // 2 * 2].view("<f2")
@@ -230,7 +196,7 @@ def _odd_pairs() -> Iterator[tuple[str, Callable[[], np.ndarray], object]]:
 
 @needs_native
 def test_odd_memory_layouts_and_owners_match_copyto_in_bytes_and_errors(
-    counting: _Counting,
+    counting: Counting,
 ) -> None:
     """Views of mmaps (writable and read-only), bytearray- and bytes-backed arrays,
     read-only sources, reversed, Fortran-ordered, broadcast and 0-byte arrays, casts and
@@ -355,17 +321,7 @@ def test_arrays_of_references_are_copied_as_copyto_copies_them(kind: str) -> Non
     strings pointed into the source's allocator (MemoryError on read). np.copyto takes
     the references. Run in a child process (the corruption would take pytest down);
     such arrays now go to np.copyto (``dst.dtype.hasobject``)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _REFS_CHILD, kind],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0 and "done" in proc.stdout, (
-        f"{kind}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
-    )
+    child_finishes(_REFS_CHILD, kind)
 
 
 # --------------------------------------------------------------------- concurrency
@@ -381,7 +337,7 @@ def test_a_second_thread_cannot_free_what_a_copy_without_the_gil_reads_or_writes
     and the last copy's bytes are exact. np.copyto, alternated with it, is treated the
     same."""
     n = 8 * MiB
-    mm = _file_mmap(n)
+    mm = file_mmap(n)
     dst = np.frombuffer(mm, np.uint8)
     want = np.random.default_rng(1).integers(0, 256, n, np.uint8)
     box = [want.copy()]
@@ -494,37 +450,8 @@ def test_threads_streaming_into_one_mapping_at_once_each_land_their_own_bytes() 
 # ------------------------------------------------------------------------- served
 
 
-@pytest.fixture(scope="module")
-def stream_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = ServerProc(
-        tmp_path_factory.mktemp("stream-copy") / "srv",
-        dram=96 * MiB,
-        disk=128 * MiB,
-        staging=48 * MiB,
-    ).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture
-def remote(stream_server: ServerProc) -> Iterator[RemoteStore]:
-    store = stream_server.client()
-    try:
-        yield store
-    finally:
-        store.close()
-
-
-_models = iter(range(1 << 30))
-
-
-def _identity(layout: KVLayout) -> ModelIdentity:
-    """A model no other test of the module puts (keys never collide between tests)."""
-    return ModelIdentity(
-        layout=layout, model_id=f"stream-{next(_models)}", weights_digest="w", tokenizer_digest="t"
-    )
+server, remote = served("stream-copy", dram=96 * MiB, disk=128 * MiB, staging=48 * MiB)
+_identity = identities("stream")
 
 
 _HELD = {"bfloat16": "<u2", "float8_e4m3fn": "u1", "float8_e5m2": "u1"}
@@ -561,20 +488,6 @@ def _kv(layout: KVLayout, nchunks: int, form: str, seed: int) -> tuple[object, n
             t = t.view(torch.bfloat16)
         return t, full
     return full, full
-
-
-def _verbs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The verbs this client sends, in order, from now on."""
-    sent: list[str] = []
-    pack = protocol.pack
-
-    def spy(msg: object) -> bytes:
-        if isinstance(msg, list) and len(msg) > 1 and isinstance(msg[1], str):
-            sent.append(msg[1])
-        return pack(msg)
-
-    monkeypatch.setattr(protocol, "pack", spy)
-    return sent
 
 
 def _loads_exact(remote: RemoteStore, ident: ModelIdentity, tokens: list[int], full: Any) -> None:
@@ -655,7 +568,7 @@ SERVED = [
 def test_served_puts_streamed_into_the_arena_load_exact_and_audit_clean(
     remote: RemoteStore,
     monkeypatch: pytest.MonkeyPatch,
-    counting: _Counting,
+    counting: Counting,
     layout: KVLayout,
     nchunks: int,
     form: str,
@@ -667,7 +580,7 @@ def test_served_puts_streamed_into_the_arena_load_exact_and_audit_clean(
     loads back byte for byte."""
     ident = _identity(layout)
     n = layout.tokens_per_chunk
-    verbs = _verbs(monkeypatch)
+    verbs = sent_verbs(monkeypatch)
     puts: list[tuple[list[int], np.ndarray]] = []
     for k in range(3):
         tokens = list(range(100_000 * k, 100_000 * k + nchunks * n))
@@ -690,7 +603,7 @@ def test_served_puts_streamed_into_the_arena_load_exact_and_audit_clean(
 
 @needs_native
 def test_a_chunk_streamed_again_after_its_notice_is_caught_by_its_seal(
-    remote: RemoteStore, monkeypatch: pytest.MonkeyPatch, counting: _Counting
+    remote: RemoteStore, monkeypatch: pytest.MonkeyPatch, counting: Counting
 ) -> None:
     """With the streaming copy on (rows of 64 KiB, a notice after each): once the last
     chunk's copy begins and the server has taken the notices before, chunk 0 is written
@@ -729,7 +642,7 @@ def test_a_chunk_streamed_again_after_its_notice_is_caught_by_its_seal(
             rewritten.append(len(counting.calls) - before)
         stream_copy(dst, src)
 
-    verbs = _verbs(monkeypatch)
+    verbs = sent_verbs(monkeypatch)
     monkeypatch.setattr(wire, "view", spy_view)
     monkeypatch.setattr(client_puts, "stream_copy", copy)
     second, _ = _kv(layout, 3, "chunks", seed=2)
@@ -787,21 +700,11 @@ print("done", flush=True)
 """
 
 
-def test_a_client_without_the_extension_puts_the_same_bytes(stream_server: ServerProc) -> None:
+def test_a_client_without_the_extension_puts_the_same_bytes(server: ServerProc) -> None:
     """KVLIFE_NATIVE=0 in a client process: copies.py has no extension and copies with
     np.copyto; its two-phase and staged puts through the same server load back exact
     and the audit is clean."""
-    env = child_env()
-    env["KVLIFE_NATIVE"] = "0"
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_NO_NATIVE_CHILD), str(stream_server.socket)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-3000:]
+    child_finishes(textwrap.dedent(_NO_NATIVE_CHILD), str(server.socket), native=False, timeout=120)
 
 
 def test_the_built_extension_carries_stream_copy() -> None:

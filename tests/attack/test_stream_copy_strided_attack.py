@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import gc
 import mmap
-import subprocess
-import sys
 import tempfile
 import textwrap
 import threading
@@ -53,19 +51,26 @@ import pytest
 from numpy.lib.stride_tricks import as_strided
 
 from kvlife.client import RemoteStore
-from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
+from kvlife.core.identity import PUBLIC, KVLayout
 from kvlife.native import frames
 from kvlife.native.copies import STREAM_BYTES, stream_copy
-from kvlife.server import protocol
-from tests.server.conftest import ROOT, ServerProc, child_env, quiet
+from tests.attack.served import identities, served
+from tests.attack.stream_rig import (
+    Counting,
+    child_finishes,
+    counted,
+    file_mmap,
+    needs_native,
+    sent_verbs,
+)
+from tests.server.conftest import quiet
 
 MiB = 1 << 20
+counting = counted()
 GUARD = 96
 """Bytes of sentinel on each side of a destination (a write there is a bug)."""
 RUN = 1024
 """``STREAM_RUN`` as the commit defines it (checked against the module below)."""
-
-needs_native = pytest.mark.skipif(not frames.available(), reason="no C extension built")
 
 
 @pytest.fixture
@@ -75,34 +80,6 @@ def native() -> Any:
         pytest.skip("no C extension built")
     assert module.STREAM_RUN == RUN == frames.STREAM_RUN
     return module
-
-
-class _Counting:
-    """The extension as copies.py sees it: its streamed copies counted (bytes, whether
-    the source was C-contiguous) and its refusals, every other name delegated."""
-
-    def __init__(self, module: Any) -> None:
-        self.module = module
-        self.calls: list[tuple[int, bool]] = []
-        self.refused = 0
-
-    def stream_copy(self, dst: Any, src: Any) -> bool:
-        streamed = bool(self.module.stream_copy(dst, src))
-        if streamed:
-            self.calls.append((int(dst.nbytes), bool(src.flags.c_contiguous)))
-        else:
-            self.refused += 1
-        return streamed
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.module, name)
-
-
-@pytest.fixture
-def counting(monkeypatch: pytest.MonkeyPatch, native: Any) -> _Counting:
-    wrapper = _Counting(native)
-    monkeypatch.setattr(frames, "native_module", lambda: wrapper)
-    return wrapper
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:
@@ -461,7 +438,7 @@ _OVERLAPS = list(_overlap_cases(32 * 2048))
 @needs_native
 @pytest.mark.parametrize("case", range(len(_OVERLAPS)), ids=[w for w, _, _ in _OVERLAPS])
 def test_sources_in_the_destination_s_own_buffer_give_copyto_s_result(
-    native: Any, counting: _Counting, case: int
+    native: Any, counting: Counting, case: int
 ) -> None:
     """dst a C-contiguous slice of one buffer, src a strided view of the same buffer
     (sharing dst's bytes, its span meeting dst's without a byte shared, or clear of
@@ -550,18 +527,8 @@ def test_sources_flush_against_inaccessible_pages_are_read_within_their_elements
     an element (a span or run computed wrong for negative strides, a 64-byte load past
     a run's end) faults. Also destinations flush against a guard. Run in a child (a
     fault would take pytest down): it finishes, every copy exact or refused."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _FENCED_CHILD],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0 and "done" in proc.stdout, (
-        f"exit {proc.returncode}\n{proc.stdout[-1000:]}\n{proc.stderr[-2000:]}"
-    )
-    assert int(proc.stdout.split()[-1]) > 50
+    out = child_finishes(_FENCED_CHILD)
+    assert int(out.split()[-1]) > 50
 
 
 _NO_STRIDES_CHILD = r"""
@@ -608,21 +575,11 @@ def test_the_extension_survives_buffers_that_export_no_strides(kind: str) -> Non
     ``test_the_extension_itself_refuses_what_it_cannot_copy_before_writing``) is an
     error or False and nothing written, or the bytes: never a crash. Not reachable
     through ``kvlife.native.copies.stream_copy`` (ndarrays only). Run in a child."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _NO_STRIDES_CHILD, kind],
-        cwd=ROOT,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0 and "done" in proc.stdout, (
-        f"{kind}: exit {proc.returncode}\n{proc.stdout[-1000:]}\n{proc.stderr[-2000:]}"
-    )
+    child_finishes(_NO_STRIDES_CHILD, kind)
 
 
 @needs_native
-def test_an_ndarray_over_a_ctypes_buffer_is_copied_exactly(counting: _Counting) -> None:
+def test_an_ndarray_over_a_ctypes_buffer_is_copied_exactly(counting: Counting) -> None:
     """The same ctypes memory wrapped as an ndarray (what copies.py is given): numpy
     exports its strides, so it is streamed, strided or not, exactly."""
     import ctypes
@@ -676,12 +633,6 @@ def test_a_thread_writing_the_source_cannot_make_the_copy_write_outside(native: 
     assert native.stream_copy(dst, src) and np.array_equal(dst, src)
 
 
-def _file_mmap(nbytes: int) -> mmap.mmap:
-    with tempfile.TemporaryFile() as f:
-        f.truncate(nbytes)
-        return mmap.mmap(f.fileno(), nbytes)
-
-
 @needs_native
 def test_mmaps_behind_a_strided_source_and_its_destination_stay_while_it_copies() -> None:
     """The source is a reversed, stepped view of one mmap, the destination a view of
@@ -689,7 +640,7 @@ def test_mmaps_behind_a_strided_source_and_its_destination_stay_while_it_copies(
     without the GIL: every try is a BufferError (the copy's exports, and the arrays',
     hold them), no crash, the last copy exact."""
     n = 8 * MiB
-    smm, dmm = _file_mmap(2 * n), _file_mmap(n)
+    smm, dmm = file_mmap(2 * n), file_mmap(n)
     whole = np.frombuffer(smm, np.uint8).reshape(-1, 2, 4096)
     whole[:] = np.random.default_rng(3).integers(0, 256, whole.shape, np.uint8)
     src = whole[::-1, 1]
@@ -758,39 +709,8 @@ def test_dropping_every_reference_during_a_strided_copy_keeps_the_memory() -> No
 # ------------------------------------------------------------------------- served
 
 
-@pytest.fixture(scope="module")
-def strided_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    srv = ServerProc(
-        tmp_path_factory.mktemp("stream-strided") / "srv",
-        dram=64 * MiB,
-        disk=96 * MiB,
-        staging=32 * MiB,
-    ).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture
-def remote(strided_server: ServerProc) -> Iterator[RemoteStore]:
-    store = strided_server.client()
-    try:
-        yield store
-    finally:
-        store.close()
-
-
-_models = iter(range(1 << 30))
-
-
-def _identity(layout: KVLayout) -> ModelIdentity:
-    return ModelIdentity(
-        layout=layout,
-        model_id=f"strided-{next(_models)}",
-        weights_digest="w",
-        tokenizer_digest="t",
-    )
+server, remote = served("stream-strided", dram=64 * MiB, disk=96 * MiB, staging=32 * MiB)
+_identity = identities("strided")
 
 
 _NP = {"float16": "<f2", "float32": "<f4", "uint8": "u1", "int8": "i1"}
@@ -843,19 +763,6 @@ def _run_of(full: np.ndarray, n: int) -> int:
     return _longest_run(full[:, :, :, :n])
 
 
-def _verbs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    sent: list[str] = []
-    pack = protocol.pack
-
-    def spy(msg: object) -> bytes:
-        if isinstance(msg, list) and len(msg) > 1 and isinstance(msg[1], str):
-            sent.append(msg[1])
-        return pack(msg)
-
-    monkeypatch.setattr(protocol, "pack", spy)
-    return sent
-
-
 def _layout(L: int, H: int, D: int, dtype: str, n: int) -> KVLayout:
     return KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype=dtype, tokens_per_chunk=n)
 
@@ -892,7 +799,7 @@ SERVED = [
 def test_served_puts_of_one_kv_tensor_load_exact_and_audit_clean(
     remote: RemoteStore,
     monkeypatch: pytest.MonkeyPatch,
-    counting: _Counting,
+    counting: Counting,
     layout: KVLayout,
     nchunks: int,
     form: str,
@@ -904,7 +811,7 @@ def test_served_puts_of_one_kv_tensor_load_exact_and_audit_clean(
     for byte and the audit is clean."""
     ident = _identity(layout)
     n = layout.tokens_per_chunk
-    verbs = _verbs(monkeypatch)
+    verbs = sent_verbs(monkeypatch)
     puts: list[tuple[list[int], np.ndarray]] = []
     for k in range(2):
         ntokens = nchunks * n + min(3, n - 1)  # a partial chunk left off the end
@@ -916,7 +823,7 @@ def test_served_puts_of_one_kv_tensor_load_exact_and_audit_clean(
         assert res.stored == nchunks
         streamed = counting.calls[before:]
         if run >= RUN:  # strided pieces among them (a chunk is a slice of the tensor)
-            assert any(not contiguous for _, contiguous in streamed), (form, run)
+            assert not all(counting.contiguous[before:]), (form, run)
         else:
             assert not streamed, (form, run, streamed)
         if run < RUN and layout.chunk_nbytes >= STREAM_BYTES:
