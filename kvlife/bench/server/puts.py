@@ -52,8 +52,12 @@ def bench_put(
     commit, as before issue 28), interleaved, to show what the notices gain; and beside
     them the two ceilings of a verified put with no bookkeeping at all: the copy and its
     seal on one thread (``sealed``: what an in-process put cannot beat) and with the seal
-    on a second thread, MiB by MiB (``split``: what the served put, the client copying
-    while the server hashes, cannot beat). ``floor``: the same put through a bare server
+    on a second thread, MiB by MiB (``split``: the served put's split of the work, the
+    client copying while the server hashes; the served put, whose notices the server
+    hashes as they come, passed it at 16 MiB once both copies streamed, so it is a
+    reference, not a bound); and the client's streaming copy alone (``stream``: the
+    machine's fastest copy of those bytes, ``of_stream`` the put against it). ``floor``:
+    the same put through a bare server
     with no store, timed beside (:mod:`kvlife.bench.server.floor`): the server hashing
     what the notices say is written (``floor``), the client hashing as it copies and
     sending the seals (``floor_sealed``). ``server_pid``: the CPU each put cost the

@@ -11,7 +11,7 @@ from kvlife.report import format_table
 _SERIES = (
     ("inproc", "in-process store"),
     ("sealed", "ceiling: copy + seal, one thread"),
-    ("split", "ceiling: copy, seal on a 2nd thread"),
+    ("split", "copy, seal on a 2nd thread MiB by MiB (a reference)"),
     ("stream", "the client's copy alone: streaming stores"),
     ("unnoticed", "no put_written"),
     ("shared", "shared buffers"),
