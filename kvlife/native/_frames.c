@@ -1022,6 +1022,26 @@ static PyObject *streamed(PyObject *self, PyObject *Py_UNUSED(ignored)) {
     return PyLong_FromSsize_t(__atomic_load_n(&frames_streamed, __ATOMIC_RELAXED));
 }
 
+/* The bytes a buffer's elements lie in: [*low, *high), the lowest byte's address and
+ * one past the highest (low == high when it holds no element); an exporter that gives
+ * no strides is C-contiguous. What np.byte_bounds gives. */
+static void byte_span(const Py_buffer *view, uintptr_t *low, uintptr_t *high) {
+    *low = *high = (uintptr_t)view->buf;
+    for (int d = 0; d < view->ndim; d++) {
+        if (view->shape[d] == 0) return;
+    }
+    if (view->strides == NULL) {
+        *high += (uintptr_t)view->len;
+        return;
+    }
+    *high += (uintptr_t)view->itemsize;
+    for (int d = 0; d < view->ndim; d++) {
+        Py_ssize_t reach = (view->shape[d] - 1) * view->strides[d];
+        if (reach < 0) *low -= (uintptr_t)(-reach);
+        else *high += (uintptr_t)reach;
+    }
+}
+
 /* spans(arrays) -> [(low, high, flags) or None]: each object's memory as np.byte_bounds
  * gives it (the lowest byte's address and one past the highest; low == high when it
  * holds no element), read through the buffer protocol in one call for a list of arrays
@@ -1046,22 +1066,8 @@ static PyObject *spans(PyObject *self, PyObject *arg) {
             Py_INCREF(Py_None);
             item = Py_None;
         } else {
-            uintptr_t low = (uintptr_t)view.buf, high = (uintptr_t)view.buf;
-            int empty = 0;
-            for (int d = 0; d < view.ndim; d++) {
-                if (view.shape[d] == 0) empty = 1;
-            }
-            if (!empty && view.strides == NULL) {
-                high += (uintptr_t)view.len; /* an exporter that gives no strides: C order */
-            } else if (!empty) {
-                high += (uintptr_t)view.itemsize;
-                for (int d = 0; d < view.ndim; d++) {
-                    Py_ssize_t step = view.strides[d];
-                    Py_ssize_t reach = (view.shape[d] - 1) * step;
-                    if (reach < 0) low -= (uintptr_t)(-reach);
-                    else high += (uintptr_t)reach;
-                }
-            }
+            uintptr_t low, high;
+            byte_span(&view, &low, &high);
             long flags = (view.readonly ? 0 : 1) | (PyBuffer_IsContiguous(&view, 'C') ? 2 : 0);
             PyBuffer_Release(&view);
             item = Py_BuildValue("(KKl)", (unsigned long long)low, (unsigned long long)high, flags);
@@ -1166,30 +1172,20 @@ static PyObject *stream_copy(PyObject *self, PyObject *args) {
         PyBuffer_Release(&src);
         return NULL;
     }
+    uintptr_t low, high;
+    byte_span(&src, &low, &high);
     /* an exporter that gives no strides (ctypes does) is C-contiguous: one run */
-    int ndim = src.strides != NULL ? src.ndim : 0;
-    Py_ssize_t run = src.itemsize; /* the innermost contiguous run of src, in bytes */
-    int outer = ndim;              /* the axes above it */
-    int empty = src.len == 0;
-    uintptr_t low = (uintptr_t)src.buf, high = (uintptr_t)src.buf + (uintptr_t)src.itemsize;
-    for (int d = 0; d < ndim; d++) {
-        Py_ssize_t reach = (src.shape[d] - 1) * src.strides[d];
-        if (src.shape[d] == 0) empty = 1;
-        if (reach < 0) low -= (uintptr_t)(-reach);
-        else high += (uintptr_t)reach;
-    }
+    int outer = src.strides != NULL ? src.ndim : 0; /* the axes above the run */
+    Py_ssize_t run = outer ? src.itemsize : src.len; /* src's innermost contiguous run */
     /* trailing axes merge into the run while each one's stride is the run so far (an
      * axis of length 1 merges whatever its stride: it adds no element) */
     while (outer > 0 && (src.shape[outer - 1] == 1 || src.strides[outer - 1] == run)) {
         run *= src.shape[outer - 1];
         outer--;
     }
-    if (ndim == 0) {
-        run = src.len;
-        high = (uintptr_t)src.buf + (uintptr_t)src.len;
-    }
     uintptr_t dlow = (uintptr_t)dst.buf, dhigh = dlow + (uintptr_t)dst.len;
-    int ok = !empty && outer <= 64 && run >= STREAM_RUN && (dhigh <= low || high <= dlow);
+    int ok = src.len > 0 && low < high && outer <= 64 && run >= STREAM_RUN &&
+             (dhigh <= low || high <= dlow);
     if (ok) {
         char *out = (char *)dst.buf;
         const char *base = (const char *)src.buf;

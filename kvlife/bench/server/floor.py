@@ -149,10 +149,9 @@ class FloorServer:
         """Seconds of one put of ``chunks`` (equal sizes, C-contiguous), copied into the
         shared memory in order (as kvlife's client copies a staged put:
         :func:`~kvlife.native.copies.stream_copy`), one reply of seals at the end
-        (checked after). The
-        server hashes them, told every ``notice`` bytes (0: never, it hashes all at the
-        commit); or, ``client_seals``, this side hashes each piece of
-        :data:`SEAL_PIECE_BYTES` right after copying it (from the cache) and sends the
+        (checked after). The server hashes them, told every ``notice`` bytes (0: never,
+        it hashes all at the commit); or, ``client_seals``, this side hashes each piece
+        of :data:`SEAL_PIECE_BYTES` right after copying it (from the cache) and sends the
         seals with the commit (the server only takes them)."""
         size = chunks[0].nbytes
         total = size * len(chunks)
