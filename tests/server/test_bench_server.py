@@ -114,11 +114,19 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
         c = p["server_cpu"]
         assert c["ms_per_put"] > 0 and c["floor_ms_per_put"] > 0
         assert 0 < c["busy"] < 5  # CPU seconds over wall seconds of one put
+        # and the server's time in the store's prepare and its commit, per put: both
+        # inside the put's own time (the reply follows both handlers; medians, so a
+        # margin)
+        h = p["server_halves"]
+        put_ms = 1e3 * p["chunks_per_call"] * p["chunk_bytes"] / (p["server_gbps"] * 1e9)
+        assert h["prepare_ms"] > 0 and h["commit_ms"] > 0
+        assert h["prepare_ms"] + h["commit_ms"] < 2 * put_ms
     assert "ceiling: copy + seal, one thread" in proc.stdout
     assert "of the client's streaming copy of the same bytes alone" in proc.stdout
     assert "the server's CPU per put" in proc.stdout
+    assert "in put_commit (the last hash and the store's commit" in proc.stdout
     for p in r["put_write_through"]:
-        assert "server_cpu" not in p
+        assert "server_cpu" not in p and "server_halves" not in p
     # the protocol's floor, a bare server with no store, beside the DRAM puts and the
     # disk loads (kvlife/bench/server/floor.py)
     # and beside the disk loads the direct reads and their native-only ceiling, and the

@@ -62,7 +62,9 @@ def bench_put(
     what the notices say is written (``floor``), the client hashing as it copies and
     sending the seals (``floor_sealed``). ``server_pid``: the CPU each put cost the
     server (and the floor's server its put), beside its time (``server_cpu``: what
-    bounds a put whose server is busy for most of it)."""
+    bounds a put whose server is busy for most of it). DRAM puts: the server's time in
+    each half of the put, the store's prepare and its commit (``server_halves``,
+    :class:`_StoreHalves`)."""
     layout = chunk_layout(size)
     ident = bench_identity(layout)
     n = cfg.chunks_per_call
@@ -75,6 +77,7 @@ def bench_put(
     floored: list[float] = []
     floored_sealed: list[float] = []
     sealer = SplitSealer() if raw_dir is None else None
+    halves = _StoreHalves(remote) if raw_dir is None else None
     cpu = _ServerCpu(server_pid, floor.proc.pid if floor is not None and floor.proc else None)
     try:
         for rep in range(cfg.reps + 1):
@@ -105,6 +108,8 @@ def bench_put(
                 if res.stored != n:
                     raise RuntimeError(f"put stored {res.stored} of {n} chunks")
                 remote.invalidate(namespace=NS)
+                if halves is not None:
+                    halves.after_put(notices)
                 return took
 
             # the order alternates, so that neither side always finds the source in cache
@@ -165,7 +170,46 @@ def bench_put(
         out["direct_io"] = direct
     if cpu.spent:
         out["server_cpu"] = cpu.summary()
+    if halves is not None and halves.per_put:
+        out["server_halves"] = halves.summary()
     return out
+
+
+class _StoreHalves:
+    """The server's time in each half of a timed put, from its own latency histograms
+    (``stats``, read after each put's invalidation, outside the timing: no request
+    between two reads but one put and its invalidation): the ``put`` verb (the store's
+    prepare, the replacement extents staged; while the client copies) and ``put_commit``
+    (what the notices left to hash, the store's commit, the reply built; after the last
+    byte is copied). Beside the server's CPU per put (:class:`_ServerCpu`), the rest of
+    it is hashing what the notices said was written and reading the requests."""
+
+    HALVES = ("store_prepare", "store_commit")
+
+    def __init__(self, remote: RemoteStore) -> None:
+        self.remote = remote
+        self.per_put: list[tuple[float, ...]] = []
+        self.last = self._sums()
+
+    def _sums(self) -> tuple[float, ...]:
+        latency = self.remote.server_stats(events=0)["latency"]
+        return tuple(float(latency[h]["sum"]) for h in self.HALVES)
+
+    def after_put(self, timed: bool) -> None:
+        """Read the sums after a put and its invalidation; ``timed``: the put is one
+        of the point's (with notices), kept."""
+        now = self._sums()
+        if timed:
+            self.per_put.append(tuple(b - a for a, b in zip(self.last, now, strict=True)))
+        self.last = now
+
+    def summary(self) -> dict[str, float]:
+        """``prepare_ms`` and ``commit_ms``: medians per put after the warm-up."""
+        timed = self.per_put[1:] or self.per_put
+        return {
+            "prepare_ms": float(np.median([t[0] for t in timed])) * 1e3,
+            "commit_ms": float(np.median([t[1] for t in timed])) * 1e3,
+        }
 
 
 class _ServerCpu:

@@ -152,6 +152,14 @@ def format_report(r: dict[str, Any]) -> str:
                 f"{c['ms_per_put']:.2f} ms, busy {c['busy']:.2f} of the put's time"
                 + (f" (the floor's server {floor:.2f} ms)" if floor is not None else "")
             )
+        h = p.get("server_halves")
+        if h:
+            lines.append(
+                f"DRAM puts of {p['chunk_bytes'] >> 10} KiB: the server's time per put in "
+                f"the put verb (the store's prepare, while the client copies) "
+                f"{h['prepare_ms']:.2f} ms, in put_commit (the last hash and the store's "
+                f"commit, after the copy) {h['commit_ms']:.2f} ms"
+            )
     lines += _round_trip_report(r)
     lines.append(_peer_report(r))
     return "\n".join(lines)
