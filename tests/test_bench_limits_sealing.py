@@ -4,6 +4,7 @@ copy every byte and hash every byte, or they are not the ceiling of a verified p
 
 from __future__ import annotations
 
+import threading
 from unittest import mock
 
 import numpy as np
@@ -26,7 +27,10 @@ def test_the_split_sealer_copies_and_hashes_every_byte(piece: int) -> None:
     real = xxhash.xxh3_128_digest
 
     def spy(data: memoryview) -> bytes:
-        hashed.append(bytes(data))
+        # the sealer's own calls only: the first copy may load the native extension,
+        # which checks its hash against this function on samples of its own
+        if threading.current_thread().name == "split-sealer":
+            hashed.append(bytes(data))
         return real(data)
 
     with mock.patch.object(xxhash, "xxh3_128_digest", spy), SplitSealer(piece) as sealer:

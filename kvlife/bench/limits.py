@@ -32,7 +32,7 @@ import resource
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,12 +73,21 @@ def raw_read(path: Path, outs: Sequence[np.ndarray], direct: bool) -> float:
         os.close(fd)
 
 
-def memcpy(dst: Sequence[np.ndarray], src: Sequence[np.ndarray]) -> float:
-    """Seconds to ``np.copyto`` each source object into its (warm) destination."""
+def _each(
+    dst: Sequence[np.ndarray],
+    src: Sequence[np.ndarray],
+    op: Callable[[np.ndarray, np.ndarray], object],
+) -> float:
+    """Seconds to run ``op(d, s)`` on each destination and its source, in order."""
     t0 = time.perf_counter()
     for d, s in zip(dst, src, strict=True):
-        np.copyto(d, s)
+        op(d, s)
     return time.perf_counter() - t0
+
+
+def memcpy(dst: Sequence[np.ndarray], src: Sequence[np.ndarray]) -> float:
+    """Seconds to ``np.copyto`` each source object into its (warm) destination."""
+    return _each(dst, src, np.copyto)
 
 
 def streamed(dst: Sequence[np.ndarray], src: Sequence[np.ndarray]) -> float:
@@ -88,10 +97,7 @@ def streamed(dst: Sequence[np.ndarray], src: Sequence[np.ndarray]) -> float:
     copy of those bytes, beside :func:`memcpy`."""
     from kvlife.native.copies import stream_copy
 
-    t0 = time.perf_counter()
-    for d, s in zip(dst, src, strict=True):
-        stream_copy(d, s)
-    return time.perf_counter() - t0
+    return _each(dst, src, stream_copy)
 
 
 def sealed_copy(dst: Sequence[np.ndarray], src: Sequence[np.ndarray]) -> float:
@@ -100,11 +106,11 @@ def sealed_copy(dst: Sequence[np.ndarray], src: Sequence[np.ndarray]) -> float:
     the least a verified put does on one CPU with a copy and a hash call."""
     from kvlife.tiers.base import seal_of
 
-    t0 = time.perf_counter()
-    for d, s in zip(dst, src, strict=True):
+    def copy_and_seal(d: np.ndarray, s: np.ndarray) -> None:
         np.copyto(d, s)
         seal_of(d)
-    return time.perf_counter() - t0
+
+    return _each(dst, src, copy_and_seal)
 
 
 class SplitSealer:
