@@ -27,7 +27,11 @@ engine-core and worker processes; counters then stay in those processes),
 (``{"max_new_tokens": n, "turns": t, "users": u}``: the demo's chat workload).
 ``reset_before``: indexes of requests before which the run calls
 ``llm.reset_prefix_cache(reset_connector=True)`` (vLLM's prefix-cache reset, passed on to
-the connector); what each returned is recorded as ``resets``.
+the connector); what each returned is recorded as ``resets``. Before each, the puts of
+the requests served so far are waited for (in one engine process), so that what a reset
+takes is what those requests stored: vLLM does not wait for them, and a reset that
+overtakes a put's write-through copy leaves that copy unmade (the object it was for is
+gone), which a test of each chunk's lifecycle would see as a copy missing.
 ``imports``: modules imported before the engine starts (``kvlife.faults.throttle``
 registers the ``throttled-disk`` tier kind a ``kvlife.config`` may name).
 ``prefill_profile``: ``{"out": PATH, "points": [[start, length], ...], "repeats": n}``:
@@ -222,6 +226,16 @@ def _keys(spec: dict[str, Any]) -> list[list[str]]:
     return []
 
 
+def _settle_puts() -> None:
+    """Wait for the committed puts of this process's connectors (none with
+    ``multiprocess``: their workers are in other processes)."""
+    from kvlife.engines.vllm.connector import live_connectors
+
+    for conn in live_connectors():
+        if conn.worker is not None:
+            conn.worker.drain()
+
+
 def connector_counters() -> dict[str, Any]:
     """The connectors' counters of this process (worker, store, scheduler) and the
     worker's timings; the worker's committed puts drained first."""
@@ -314,6 +328,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         reset_before = set(spec.get("reset_before", ()))
         for i, r in enumerate(spec["requests"]):
             if i in reset_before:
+                _settle_puts()
                 resets.append(bool(llm.reset_prefix_cache(reset_connector=True)))
             args = (list(r["tokens"]), int(r.get("max_tokens", 16)), r.get("cache_salt"))
             try:
