@@ -17,6 +17,18 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     collect_ignore_glob = ["test_*.py"]
 
+    class _NeedsVLLM(pytest.Module):
+        """A test file named on the command line (collect_ignore_glob spares those)
+        under an interpreter without vLLM: skipped, with the reason, not an import
+        error."""
+
+        def collect(self) -> list[pytest.Item]:
+            pytest.skip("needs vLLM: run it with .venv-vllm/bin/python (make test-vllm)")
+
+    def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Module:
+        return _NeedsVLLM.from_parent(parent, path=module_path)
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
