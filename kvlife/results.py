@@ -193,6 +193,10 @@ class StoreCounters:
     """Lost disk segment files rebuilt from parity at open (``segment_parity``)."""
     segments_unrecoverable: int = 0
     """Lost disk segment files parity could not rebuild (their rows are quarantined)."""
+    write_through_failed: int = 0
+    """New chunks of write-through puts taken out of service because the put could not
+    make them (or the chunks it found indexed) durable; the put raised, and each has an
+    ``invalidate`` event whose reason is ``write-through failed``."""
     per_tier: dict[str, TierCounters] = field(default_factory=dict)
     """Counters of each tier, by tier name."""
 

@@ -51,6 +51,10 @@ STORE_COUNTERS: dict[str, tuple[str, str]] = {
     "chunks_stored": ("chunks_stored", "chunks newly stored by puts"),
     "chunks_already_present": ("chunks_already_present", "chunks a put found indexed"),
     "chunks_dropped": ("chunks_dropped", "chunks a put could not place in any tier"),
+    "write_through_failed": (
+        "write_through_failed_chunks",
+        "new chunks of write-through puts dropped because they could not be made durable",
+    ),
     "lookups": ("lookups", "lookups"),
     "lookup_chunks_hit": ("lookup_hit_chunks", "chunks lookups found indexed"),
     "lookup_chunks_miss": ("lookup_miss_chunks", "chunks lookups did not find"),

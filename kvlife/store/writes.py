@@ -25,6 +25,7 @@ from kvlife.core.errors import (
     PartialChunkError,
     ReplicaNotFound,
     StorageFullError,
+    StorePathError,
 )
 from kvlife.core.identity import ChunkKey, KVLayout
 from kvlife.core.lifecycle import Move, ObjectState
@@ -53,6 +54,8 @@ class PendingPut:
     present: int = 0
     in_flight: int = 0
     """Chunks another pending put is writing (one object per key)."""
+    present_recs: list[ObjectRecord] = field(default_factory=list)
+    """Write-through: the objects the put found indexed (its ``present`` chunks)."""
     done: bool = False
     seals: dict[ChunkKey, bytes] = field(default_factory=dict)
     """The xxh3-128 of new chunks' arrays, hashed by the writer as they were written
@@ -104,6 +107,8 @@ class Writer:
                 rec = core.index.get(key)
                 if rec is not None and rec.state is INDEXED:
                     pending.present += 1  # touched at commit, in prompt order
+                    if core.config.write_through:
+                        pending.present_recs.append(rec)
                 elif rec is not None:
                     pending.in_flight += 1  # one object per key: the other put writes it
                 else:
@@ -133,10 +138,19 @@ class Writer:
             keep = {id(r) for r in fresh}
             _, placed = core.placement.plan_put(pending.keys, [r.key for r in fresh])
             wt = Plan()
+            borrowed: list[ObjectRecord] = []
             if core.config.write_through:
                 live = [k for k in pending.keys if _live(core, k)]
+                # chunks found indexed whose durable copy another put is still writing:
+                # this put's promise rests on that copy (checked after its turn)
+                durable = core.durable[0]
+                borrowed = [
+                    r
+                    for r in pending.present_recs
+                    if r.state is INDEXED and durable in r.replicas and not r.readable_in(durable)
+                ]
                 wt = core.placement.plan_copies(
-                    live, core.durable[0], "write-through", protected=pending.keys
+                    live, durable, "write-through", protected=pending.keys
                 )
             core.placement.touch_in_order(pending.keys, placed)
             bound = core.residency.take()
@@ -155,9 +169,14 @@ class Writer:
                 protect=set(pending.keys),
                 seals=pending.seals,
             )
-        wt_errors = out.copy_errors("write-through")
-        if core.config.write_through and (not wt.complete or wt_errors):
-            self._undo_write_through(fresh, wt_errors)
+            if core.config.write_through:
+                # in this put's turn: a later put that found these chunks indexed sees
+                # them durable or already gone, never in between
+                wt_errors = out.copy_errors("write-through")
+                with core.lock:
+                    lost = [r for r in borrowed if not _durable(core, r)]
+                if not wt.complete or wt_errors or lost:
+                    self._undo_write_through(fresh, wt_errors, lost)
         if out.failed_places:
             raise next(iter(out.failed_places.values()))
         if out.errors:
@@ -183,20 +202,31 @@ class Writer:
             keys=pending.keys,
         )
 
-    def _undo_write_through(self, fresh: list[ObjectRecord], errors: list[Exception]) -> None:
-        """Not durable means not stored: the put's new chunks go, and the error is raised."""
+    def _undo_write_through(
+        self, fresh: list[ObjectRecord], errors: list[Exception], lost: list[ObjectRecord]
+    ) -> None:
+        """Not durable means not stored: every new chunk of the put goes (those a first
+        copy batch made durable too), each counted and explained, and the error is
+        raised. Runs in the put's sequencer turn. ``lost``: chunks the put found indexed
+        whose durable copy, another put's, did not happen (it failed, or they were taken
+        meanwhile): the put cannot promise its prompt durable either."""
         core = self.core
         doomed: list[tuple[TierName, ChunkKey]] = []
         durable = core.durable[0]
         with core.lock:
             for rec in fresh:
-                if rec.state is INDEXED and not rec.readable_in(durable):
+                if rec.state is INDEXED:
                     doomed += core.retire(rec, Move.INVALIDATE, "write-through failed")
-            ticket = core.seq.take()
-        with core.seq.turn(ticket):
-            core.delete_replicas(doomed)
+                    core.counters.write_through_failed += 1
+        core.delete_replicas(doomed)
         if errors:
             raise errors[0]
+        if lost:
+            raise StorePathError(
+                f"write-through: {len(lost)} chunk(s) of this prompt that another write was "
+                f"making durable in tier {durable} of {core.path} were not (its copy failed, "
+                "or they were invalidated meanwhile); nothing of this put was stored"
+            )
         raise StorageFullError(
             f"tier {durable} of {core.path} cannot hold the put's chunks even after eviction "
             "(write-through: nothing of the put was stored)"
@@ -309,6 +339,11 @@ _FLUSH_TRIES = 3
 def _still_tentative(pending: PendingPut) -> list[ObjectRecord]:
     """The put's new objects no invalidation took out of service meanwhile."""
     return [r for r, _ in pending.items if r.state is TENTATIVE]
+
+
+def _durable(core: StoreCore, rec: ObjectRecord) -> bool:
+    """Whether the object is still indexed and readable in the first durable tier."""
+    return rec.state is INDEXED and rec.readable_in(core.durable[0])
 
 
 def _live(core: StoreCore, key: ChunkKey) -> bool:
