@@ -341,6 +341,7 @@ def invalidate(core: StoreCore, criteria: Criteria) -> int:
         except RemoteTierError as exc:  # applied here all the same, then raised
             failed = exc
     with core.lock:
+        core.check_open()  # before anything is retired: a closed store gives no ticket
         count, doomed = apply_scopes(core, [scope])
         ticket = core.seq.take()
         # until this returns, puts prepared meanwhile are covered as they are made

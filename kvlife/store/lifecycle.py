@@ -82,8 +82,14 @@ def close_store(store: OpenStore, writer: Writer, reader: Reader, *, flush: bool
             writer.flush()
         metrics.save_lifetime(core, store.lifetime_base)
     finally:
-        core.closed = True
+        with core.lock:  # a locked section that found the store open may take a ticket
+            core.closed = True
+            core.seq.close(f"store {core.path} is closed")
         errors: list[BaseException] = []
+        try:  # plans that took a ticket before run to their end before the tiers close
+            core.stop_background()
+        except BaseException as exc:
+            errors.append(exc)
         for release in (core.ledger.flush, *(t.close for t in core.chain)):
             try:
                 release()

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
 
-from kvlife.core.errors import StoreLockedError, StorePathError
+from kvlife.core.errors import StoreClosedError, StoreLockedError, StorePathError
 
 _HELD_HERE: dict[str, int] = {}
 """Store directories this process holds open (resolved path -> holder pid)."""
@@ -72,9 +72,15 @@ class Sequencer:
         self._cond = threading.Condition()
         self._next = 0
         self._serving = 0
+        self._closed = ""
+        """Why no ticket is given any more (empty: open)."""
 
     def take(self) -> int:
+        """The next ticket; StoreClosedError once :meth:`close` was called (a plan made
+        after its store began to close never runs on tiers that are closing)."""
         with self._cond:
+            if self._closed:
+                raise StoreClosedError(self._closed)
             ticket = self._next
             self._next += 1
             return ticket
@@ -90,6 +96,11 @@ class Sequencer:
             with self._cond:
                 self._serving += 1
                 self._cond.notify_all()
+
+    def close(self, reason: str) -> None:
+        """Give no ticket any more (``reason``: the error's text); those given still run."""
+        with self._cond:
+            self._closed = reason
 
     def idle(self) -> bool:
         with self._cond:

@@ -133,6 +133,7 @@ class Writer:
         core = self.core
         core.check_open()
         with core.lock:
+            core.check_open()  # closed now: no ticket (see Sequencer.take); checked first
             self._finish(pending)
             fresh = _still_tentative(pending)  # an invalidation took the others
             keep = {id(r) for r in fresh}
@@ -287,6 +288,7 @@ class Writer:
             return 0, [], None
         durable = core.durable[0]
         with core.lock:
+            core.check_open()
             keys = [r.key for r in core.index if r.state is INDEXED and durable not in r.replicas]
             plan = core.placement.plan_copies(keys, durable, "flush")
             bound = core.residency.take()
@@ -318,6 +320,7 @@ class Writer:
         if not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidArgument(f"cannot free {nbytes!r} bytes (need an int >= 0)")
         with core.lock:
+            core.check_open()
             if tier not in core.tiers:
                 raise InvalidArgument(f"store has no tier {tier!r}; tiers: {list(core.tiers)}")
             core.placement.plan_evict(tier, nbytes, core.protected(()))
