@@ -99,8 +99,8 @@ def execute(
         if isinstance(action, Place):
             keys = protect if protect is not None else {b.rec.key for b in group}
             _place(core, action.tier, group, payloads or {}, request_id, keys, out, seals)
-        elif isinstance(action, Copy):  # protects its batch
-            _copy(core, action.src, action.dst, group, sources or {}, fresh, out)
+        elif isinstance(action, Copy):  # protects its batch (and ``protect``)
+            _copy(core, action.src, action.dst, group, sources or {}, fresh, out, protect)
         elif isinstance(action, Evict):
             _evict(core, action.tier, group, out)
         # Drop and Reject were fully applied when planned (nothing physical to do)
@@ -298,7 +298,10 @@ def _copy(
     sources: dict[ChunkKey, tuple[np.ndarray, Representation, bytes]],
     fresh: set[ChunkKey],
     out: Outcome,
+    protect: set[ChunkKey] | None = None,
 ) -> None:
+    """Copy ``group`` from ``src`` into ``dst``; room made for it there never takes the
+    batch or ``protect`` (a write-through put's whole prompt)."""
     with core.lock:  # objects invalidated since the plan was made need no copy
         todo = [b for b in group if _planned(b, dst)]
         held = {b.rec.key: _form_in(b.rec, src) for b in todo}
@@ -338,7 +341,7 @@ def _copy(
                 dst,
                 recs,
                 [got[r.key][0] for r in recs],
-                {r.key for r in recs},
+                {r.key for r in recs}.union(protect or ()),
                 adopt=src != core.chain[0].name and not handed,
                 forms=[got[r.key][1] for r in recs],
                 # the source's checksum names these bytes only in the source's form (a

@@ -54,8 +54,9 @@ class PendingPut:
     present: int = 0
     in_flight: int = 0
     """Chunks another pending put is writing (one object per key)."""
-    present_recs: list[ObjectRecord] = field(default_factory=list)
-    """Write-through: the objects the put found indexed (its ``present`` chunks)."""
+    wt_seen: int = 0
+    """Write-through: ``write_through_failed`` when the put was prepared (a failure
+    since may have taken chunks of its prompt it found indexed or in flight)."""
     done: bool = False
     seals: dict[ChunkKey, bytes] = field(default_factory=dict)
     """The xxh3-128 of new chunks' arrays, hashed by the writer as they were written
@@ -101,14 +102,13 @@ class Writer:
             core.check_open()
             core.counters.puts += 1
             pending = PendingPut(keys, n, request_id)
+            pending.wt_seen = core.counters.write_through_failed
             prev = prompt.parent
             deps = record_sources(core, prompt, len(keys))
             for i, (key, arr) in enumerate(zip(keys, chunks, strict=True)):
                 rec = core.index.get(key)
                 if rec is not None and rec.state is INDEXED:
                     pending.present += 1  # touched at commit, in prompt order
-                    if core.config.write_through:
-                        pending.present_recs.append(rec)
                 elif rec is not None:
                     pending.in_flight += 1  # one object per key: the other put writes it
                 else:
@@ -139,19 +139,10 @@ class Writer:
             keep = {id(r) for r in fresh}
             _, placed = core.placement.plan_put(pending.keys, [r.key for r in fresh])
             wt = Plan()
-            borrowed: list[ObjectRecord] = []
             if core.config.write_through:
                 live = [k for k in pending.keys if _live(core, k)]
-                # chunks found indexed whose durable copy another put is still writing:
-                # this put's promise rests on that copy (checked after its turn)
-                durable = core.durable[0]
-                borrowed = [
-                    r
-                    for r in pending.present_recs
-                    if r.state is INDEXED and durable in r.replicas and not r.readable_in(durable)
-                ]
                 wt = core.placement.plan_copies(
-                    live, durable, "write-through", protected=pending.keys
+                    live, core.durable[0], "write-through", protected=pending.keys
                 )
             core.placement.touch_in_order(pending.keys, placed)
             bound = core.residency.take()
@@ -175,9 +166,9 @@ class Writer:
                 # them durable or already gone, never in between
                 wt_errors = out.copy_errors("write-through")
                 with core.lock:
-                    lost = [r for r in borrowed if not _durable(core, r)]
+                    lost = _not_durable(core, pending)
                 if not wt.complete or wt_errors or lost:
-                    self._undo_write_through(fresh, wt_errors, lost)
+                    self._undo_write_through(fresh, wt_errors, wt.complete, lost)
         if out.failed_places:
             raise next(iter(out.failed_places.values()))
         if out.errors:
@@ -204,13 +195,16 @@ class Writer:
         )
 
     def _undo_write_through(
-        self, fresh: list[ObjectRecord], errors: list[Exception], lost: list[ObjectRecord]
+        self,
+        fresh: list[ObjectRecord],
+        errors: list[Exception],
+        complete: bool,
+        lost: list[ChunkKey],
     ) -> None:
         """Not durable means not stored: every new chunk of the put goes (those a first
         copy batch made durable too), each counted and explained, and the error is
-        raised. Runs in the put's sequencer turn. ``lost``: chunks the put found indexed
-        whose durable copy, another put's, did not happen (it failed, or they were taken
-        meanwhile): the put cannot promise its prompt durable either."""
+        raised. Runs in the put's sequencer turn. ``lost``: chunks of the prompt the put
+        cannot promise durable (:func:`_not_durable`)."""
         core = self.core
         doomed: list[tuple[TierName, ChunkKey]] = []
         durable = core.durable[0]
@@ -222,15 +216,15 @@ class Writer:
         core.delete_replicas(doomed)
         if errors:
             raise errors[0]
-        if lost:
-            raise StorePathError(
-                f"write-through: {len(lost)} chunk(s) of this prompt that another write was "
-                f"making durable in tier {durable} of {core.path} were not (its copy failed, "
-                "or they were invalidated meanwhile); nothing of this put was stored"
+        if not complete:
+            raise StorageFullError(
+                f"tier {durable} of {core.path} cannot hold the put's chunks even after "
+                "eviction (write-through: nothing of the put was stored)"
             )
-        raise StorageFullError(
-            f"tier {durable} of {core.path} cannot hold the put's chunks even after eviction "
-            "(write-through: nothing of the put was stored)"
+        raise StorePathError(
+            f"write-through: {len(lost)} chunk(s) of this prompt are not durable in tier "
+            f"{durable} of {core.path} (the copy of another write this put counted on "
+            "failed, or making room evicted them); nothing of this put was stored"
         )
 
     def abort_put(self, pending: PendingPut, reason: str) -> None:
@@ -344,9 +338,25 @@ def _still_tentative(pending: PendingPut) -> list[ObjectRecord]:
     return [r for r, _ in pending.items if r.state is TENTATIVE]
 
 
-def _durable(core: StoreCore, rec: ObjectRecord) -> bool:
-    """Whether the object is still indexed and readable in the first durable tier."""
-    return rec.state is INDEXED and rec.readable_in(core.durable[0])
+def _not_durable(core: StoreCore, pending: PendingPut) -> list[ChunkKey]:
+    """Write-through, at the end of the put's own turn (under the lock): the chunks of
+    its prompt it cannot promise durable. An indexed chunk not readable in the durable
+    tier (another write's copy it counted on failed; or making room for its own copies
+    evicted it there). A chunk gone since a write-through failed in this store: that
+    failure may have taken it (another put's copy this one found indexed or in flight);
+    one an invalidation alone took is not a failure (the put then covers less). A chunk
+    another pending put is writing is that put's promise."""
+    durable = core.durable[0]
+    failed_since = core.counters.write_through_failed != pending.wt_seen
+    lost: list[ChunkKey] = []
+    for key in pending.keys:
+        rec = core.index.get(key)
+        if rec is None or (rec.state is not INDEXED and rec.state is not TENTATIVE):
+            if failed_since:
+                lost.append(key)
+        elif rec.state is INDEXED and not rec.readable_in(durable):
+            lost.append(key)
+    return lost
 
 
 def _live(core: StoreCore, key: ChunkKey) -> bool:
