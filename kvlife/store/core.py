@@ -13,8 +13,9 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -230,6 +231,13 @@ class StoreCore:
         (``kvlife bench invalidate``: from an invalidation's call to its last stale
         byte freed, per tier)."""
         self.closed = False
+        self.closing = False
+        """``close`` has begun: no put is prepared or committed any more."""
+        self.close_done = threading.Event()
+        """Set when ``close`` has released everything (a second ``close`` waits for it)."""
+        self._readers: dict[int, int] = {}
+        """Reads under way (:meth:`reading`), by thread."""
+        self._no_readers = threading.Condition(self.lock)
         self._bg: ThreadPoolExecutor | None = None
         self._bg_lock = threading.Lock()
 
@@ -316,6 +324,42 @@ class StoreCore:
         if self.closed:
             raise StoreClosedError(f"store {self.path} is closed")
 
+    def check_accepting_puts(self) -> None:
+        """StoreClosedError once ``close`` has begun (call under the lock): a put made
+        while close flushes would be acknowledged in DRAM only, then lost."""
+        if self.closing or self.closed:
+            raise StoreClosedError(f"store {self.path} is closed (or closing)")
+
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """A read of the tiers in the caller's thread (a load's reads, an audit): refused
+        once the store is closed; ``close`` waits for those under way before it closes
+        the tiers (a read resumed on a closed segment file could read whatever file
+        took its descriptor)."""
+        me = threading.get_ident()
+        with self.lock:
+            self.check_open()
+            self._readers[me] = self._readers.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                left = self._readers[me] - 1
+                if left:
+                    self._readers[me] = left
+                else:
+                    del self._readers[me]
+                    self._no_readers.notify_all()
+
+    def wait_readers(self) -> None:
+        """Wait until no :meth:`reading` of another thread is under way (after the store
+        was marked closed, none starts; a close from inside a read, a progress callback,
+        does not wait for itself)."""
+        me = threading.get_ident()
+        with self.lock:
+            while any(t != me for t in self._readers):
+                self._no_readers.wait()
+
     def protected(self, keys: Iterable[ChunkKey]) -> set[ChunkKey]:
         """``keys`` plus every pinned or unsettled key: no eviction may take them."""
         out = set(keys)
@@ -357,30 +401,29 @@ class StoreCore:
         """Run ``job`` in the background thread in ``ticket``'s sequencer turn. Call under
         the lock right after taking the ticket: the one background thread runs jobs in
         the order they were submitted, which must be ticket order."""
-        with self._bg_lock:
-            if self._bg is None:
-                self._bg = ThreadPoolExecutor(1, thread_name_prefix="kvlife-bg")
-            bg = self._bg
 
         def run() -> None:
             with self.seq.turn(ticket):
                 job()
 
-        bg.submit(run)
+        with self._bg_lock:  # submitted under it: stop_background cannot shut it between
+            if self._bg is None:
+                self._bg = ThreadPoolExecutor(1, thread_name_prefix="kvlife-bg")
+            self._bg.submit(run)
 
     def delete_later(self, doomed: list[tuple[TierName, ChunkKey]]) -> None:
         """Physical deletes for a reader, who must not wait for pending plans. Call under
         the lock, where the objects were retired: deletes go by key, so they must run
         before any later plan could write the key again."""
-        if doomed:
+        if doomed and not self.closed:  # closed: found again at the next open
             self.later(self.seq.take(), lambda: self.delete_replicas(doomed))
 
     def stop_background(self) -> None:
         self.seq.wait_idle()
         with self._bg_lock:
-            if self._bg is not None:
-                self._bg.shutdown(wait=True)
-            self._bg = None
+            bg, self._bg = self._bg, None
+        if bg is not None:  # a job it runs may submit another: to a new one
+            bg.shutdown(wait=True)
 
     def delete_replicas(self, doomed: Iterable[tuple[TierName, ChunkKey]]) -> None:
         """Physical deletes (outside the lock, in a sequencer turn), batched per tier;

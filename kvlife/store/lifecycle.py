@@ -70,12 +70,17 @@ def open_store(
 
 def close_store(store: OpenStore, writer: Writer, reader: Reader, *, flush: bool) -> None:
     """Flush (unless ``flush=False``), then release files, threads and the lock; the
-    first error is raised once everything is released. A second call does nothing."""
+    first error is raised once everything is released. A second call (from any thread)
+    waits for the first to finish, then does nothing."""
     core = store.core
-    if core.closed:
+    with core.lock:  # from here on no put is prepared or committed (StoreClosedError)
+        second = core.closing
+        core.closing = True
+    if second:  # another call closes it: wait for that one
+        core.close_done.wait()
         return
-    writer.abort_all("store closed")
     try:
+        writer.abort_all("store closed")
         reader.close()
         writer.close()
         if flush:
@@ -86,8 +91,9 @@ def close_store(store: OpenStore, writer: Writer, reader: Reader, *, flush: bool
             core.closed = True
             core.seq.close(f"store {core.path} is closed")
         errors: list[BaseException] = []
-        try:  # plans that took a ticket before run to their end before the tiers close
+        try:  # plans that took a ticket before, and reads under way, end before the tiers
             core.stop_background()
+            core.wait_readers()
         except BaseException as exc:
             errors.append(exc)
         for release in (core.ledger.flush, *(t.close for t in core.chain)):
@@ -101,5 +107,6 @@ def close_store(store: OpenStore, writer: Writer, reader: Reader, *, flush: bool
             except (KVLifeError, OSError) as exc:
                 errors.append(exc)
         drop_dir_lock(store.path, store.lockfile)
+        core.close_done.set()
         if errors:
             raise errors[0]

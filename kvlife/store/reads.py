@@ -691,6 +691,12 @@ class Reader:
         chunks in the same tier. The caller publishes them (:meth:`publish`, under the
         store's lock or not) or gives them up (:meth:`release`); a read that raises
         leaves nothing pinned. Returns the items and how many hits were gone at once."""
+        with self.core.reading():
+            return self._read_pinned(lookup, outs)
+
+    def _read_pinned(
+        self, lookup: LookupResult, outs: Sequence[np.ndarray | None] | None
+    ) -> tuple[list[_Item], int]:
         items, vanished = self._start(lookup, outs)  # type: ignore[arg-type]
         verify = self.core.config.verify_dram_on_load
         try:
@@ -813,7 +819,7 @@ class Reader:
                 out.vanished = 0
             core.counters.vanished += out.vanished
             core.counters.bytes_loaded += sum(a.nbytes for a in out.arrays)
-            if promote and core.config.promote_on_hit and len(core.chain) > 1:
+            if promote and core.config.promote_on_hit and len(core.chain) > 1 and not core.closed:
                 core.placement.plan_promote([it.rec.key for it in promote])
                 bound = core.residency.take()
                 owned = {

@@ -90,11 +90,11 @@ def audit(core: StoreCore, fix: bool, progress: Callable[[int], object] | None) 
     """Audit every tier that can be audited, beside serving (see the module docstring);
     what the audit dropped (a DRAM replica that failed its seal, bad rows a fix
     deleted) is taken in as lost replicas."""
-    core.check_open()
     report = AuditReport()
-    for tier in core.chain:
-        if isinstance(tier, SupportsAudit):
-            report.merge(tier.check(fix=fix, progress=progress))
+    with core.reading():  # close waits for it: the tiers stay open under the audit
+        for tier in core.chain:
+            if isinstance(tier, SupportsAudit):
+                report.merge(tier.check(fix=fix, progress=progress))
     with core.lock:
         core.delete_later(core.reap_lost())
     return report

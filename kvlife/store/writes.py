@@ -99,7 +99,7 @@ class Writer:
         n = layout.tokens_per_chunk
         born = creation_stamp(core)  # before the lock: the first one may read the index
         with core.lock:
-            core.check_open()
+            core.check_accepting_puts()
             core.counters.puts += 1
             pending = PendingPut(keys, n, request_id)
             pending.wt_seen = core.counters.write_through_failed
@@ -133,7 +133,7 @@ class Writer:
         core = self.core
         core.check_open()
         with core.lock:
-            core.check_open()  # closed now: no ticket (see Sequencer.take); checked first
+            core.check_accepting_puts()  # before anything changes: closing gives no ticket
             self._finish(pending)
             fresh = _still_tentative(pending)  # an invalidation took the others
             keep = {id(r) for r in fresh}
