@@ -29,6 +29,7 @@ RATIO_KEYS = ("disk_store_vs_raw", "disk_load_vs_raw", "mem_put_vs_memcpy", "mem
 USER_PATH_KEYS = ("disk_store_unaligned_vs_raw", "disk_writeback_vs_raw", "disk_load_new_vs_raw")
 SEAL_KEYS = ("mem_get_verified_vs_memcpy", "disk_writeback_sealed_vs_raw")
 SEAL_DIAGNOSTICS = ("seal_vs_memcpy", "mem_put_seal_share", "mem_get_verified_vs_get")
+DEVICE_DIAGNOSTICS = ("disk_store_device_share", "disk_store_device_vs_raw")
 
 
 def _positive_finite(x: object) -> bool:
@@ -48,8 +49,10 @@ def test_quick_run_writes_json_of_the_right_shape(tmp_path: Path, capsys, monkey
         for key in RATIO_KEYS + USER_PATH_KEYS + SEAL_KEYS:
             assert _positive_finite(doc["ratios"][label][key]), (label, key)
         assert _positive_finite(doc["diagnostics"][label]["disk_load_new_first_vs_raw"])
-        for key in SEAL_DIAGNOSTICS:
+        for key in SEAL_DIAGNOSTICS + DEVICE_DIAGNOSTICS:
             assert _positive_finite(doc["diagnostics"][label][key]), (label, key)
+        # the device's write calls are part of the store's time, not more
+        assert doc["diagnostics"][label]["disk_store_device_share"] <= 1.0
         assert _positive_finite(doc["kvlife"][label]["seal_gbps"])
         for key in ("memcpy_gbps", "raw_write_gbps", "raw_read_gbps"):
             assert _positive_finite(doc["limits"][label][key]), (label, key)
@@ -68,6 +71,7 @@ def test_quick_run_writes_json_of_the_right_shape(tmp_path: Path, capsys, monkey
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".kvlife-bench-io-")]
     printed = capsys.readouterr().out
     assert "disk store (aligned)" in printed and "lookup of a 128-chunk prompt" in printed
+    assert "disk store time inside the device's write calls" in printed
     assert "DRAM seal (xxh3-128)" in printed and "demotion (seal verified)" in printed
     assert "machine: memcpy" in printed and "Python loop" in printed
     assert "lookup ÷ its chunk keys alone" in printed

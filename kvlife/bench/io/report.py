@@ -150,6 +150,14 @@ def format_report(result: dict[str, object]) -> str:
         for label, d in diag.items()
     )
     lines.append(f"DRAM seal (xxh3-128): {seal}")
+    split = ", ".join(
+        f"{label} {100 * d['disk_store_device_share']:.0f}% (raw ÷ those calls "
+        f"{d['disk_store_device_vs_raw']:.2f})"
+        for label, d in diag.items()
+        if "disk_store_device_share" in d
+    )
+    if split:
+        lines.append(f"disk store time inside the device's write calls: {split}")
     first = ", ".join(f"{label} {d['disk_load_new_first_vs_raw']:.2f}" for label, d in diag.items())
     lines.append(
         "disk load new arrays, first repetition (no recycled memory yet) ÷ raw read: " + first

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from kvlife.bench.io.config import SCHEMA_VERSION, GiB, IOBenchConfig, MiB, size_label
 from kvlife.bench.io.datapath import DataPathRun, bench_size
+from kvlife.bench.io.device_time import DeviceTimedIO
 from kvlife.bench.io.lookup import bench_lookup
 from kvlife.bench.io.summary import SizeSummary, summarise, targets
 from kvlife.bench.limits import machine_figures
@@ -92,6 +93,7 @@ def _run(config: IOBenchConfig, workdir: Path, peer_error: str) -> dict[str, obj
         store_dir,
         DiskTierConfig(capacity_bytes=4 * n * footprint("disk", biggest) + GiB, direct_io=direct),
         name="bench-disk",
+        fileio=DeviceTimedIO(direct),
     )
     peers: dict[str, object] = {}
     bar = tqdm(

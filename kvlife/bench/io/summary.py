@@ -99,6 +99,10 @@ def summarise(size: int, n: int, s: dict[str, list[float]]) -> SizeSummary:
             "alloc_copy_vs_memcpy": ratio("alloc_copy", "memcpy"),
             # the very first load into new arrays finds no recycled memory
             "disk_load_new_first_vs_raw": s["raw_read"][0] / s["disk_load_new"][0],
+            # a disk store's time inside the device's write calls (pwritev, fdatasync),
+            # and the raw write against those calls alone (paired): where the store's
+            # ratio is lost, around the device or in it
+            **_device_split(s),
         },
         peer=peer,
     )
@@ -148,3 +152,16 @@ def targets(
         }
     )
     return out
+
+
+def _device_split(s: dict[str, list[float]]) -> dict[str, float]:
+    """``disk_store_device_share`` and ``disk_store_device_vs_raw`` where the run timed
+    the device's write calls (empty otherwise)."""
+    device = s.get("disk_store_device")
+    if not device:
+        return {}
+    store, raw = s["disk_store"], s["raw_write"]
+    return {
+        "disk_store_device_share": _median([d / t for d, t in zip(device, store, strict=True)]),
+        "disk_store_device_vs_raw": _median([r / d for r, d in zip(raw, device, strict=True)]),
+    }
