@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvlife.core.errors import KVLifeError, StorePathError
+from kvlife.core.errors import KVLifeError, StoreClosedError, StorePathError
 from kvlife.core.events import MemorySink
 from kvlife.core.identity import PUBLIC, ChunkKey, ModelIdentity
 from kvlife.faults.fileio import FaultyIO, Stall
@@ -266,14 +266,13 @@ def test_close_from_another_thread_waits_for_a_held_write_through_copy(
         assert again.check().problems == []
 
 
-def test_a_put_committed_while_close_flushes_is_durable_or_refused(
+def test_a_put_made_while_close_flushes_is_refused_and_the_flush_holds(
     tmp_path: Path, identity: ModelIdentity
 ) -> None:
     """``close(flush=True)`` holds its flush's copy (DRAM-only chunks: their disk replicas
-    were evicted) while another thread commits a write-through put, whose own copy is
-    held in turn. Whatever the order, the late put either returns a PutResult whose
-    chunks a reopen loads bit-exact, or raises a typed error and leaves nothing; close
-    never raises an untyped exception and never hangs."""
+    were evicted) while another thread puts a write-through prompt. Close has begun, so
+    the put is refused (StoreClosedError, typed) and leaves nothing; close returns once
+    its copy is let go, and what it flushed is durable."""
     old_tokens, old_kv = prompt_kv(30, 4 * N)
     tokens, kv = prompt_kv(31, 4 * N)
     io = FaultyIO()
@@ -281,32 +280,24 @@ def test_a_put_committed_while_close_flushes_is_durable_or_refused(
     assert store.put_prompt(identity, PUBLIC, old_tokens, old_kv).stored == 4
     assert store.evict("disk", 1 << 30) > 0  # DRAM-only now: close's flush copies them
     flush_copy = io.stall("pwritev", path=SEG)
-    late_copy: Stall | None = None
     closer: _Call | None = None
     try:
         closer = _Call(lambda: store.close(flush=True))
         assert flush_copy.wait_entered(), "close's flush never copied the DRAM-only chunks"
-        late_copy = io.stall("fdatasync", path=SEG)
-        pending = store.prepare_put(identity, PUBLIC, tokens, kv)
-        late = _Call(lambda: store.commit_put(pending))
-        flush_copy.release()
-        late_copy.wait_entered(10)  # where it is held, if it got that far
-        late_copy.release()
+        late = _Call(lambda: store.put_prompt(identity, PUBLIC, tokens, kv))
         late.join()
+        assert isinstance(late.error, StoreClosedError), late.error or late.result
+        assert _blocked(closer)  # still holding its flush
+        flush_copy.release()
         closer.join()
     finally:
-        _release(flush_copy, *([late_copy] if late_copy else []))
+        _release(flush_copy)
         if closer is None:
             store.close(flush=False)
-    assert closer.error is None or isinstance(closer.error, KVLifeError), repr(closer.error)
-    assert late.error is None or isinstance(late.error, KVLifeError), repr(late.error)
+    assert closer.error is None, repr(closer.error)
     with _reopen(tmp_path) as again:
         _assert_loads_exactly(again, identity, old_tokens, old_kv, 4)  # the flush held
-        if late.error is None:
-            assert isinstance(late.result, PutResult) and late.result.stored == 4
-            _assert_loads_exactly(again, identity, tokens, kv, 4)
-        else:
-            assert again.lookup(identity, PUBLIC, tokens).tokens == 0
+        assert again.lookup(identity, PUBLIC, tokens).tokens == 0
         assert again.check().problems == []
 
 
