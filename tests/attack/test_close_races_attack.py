@@ -43,6 +43,10 @@ from kvlife.faults.fileio import FaultyIO
 from kvlife.results import LoadResult, PutResult
 from kvlife.store import KVStore
 from tests.conftest import TINY, prompt_kv
+from tests.helpers.store_threads import Call as _Call
+from tests.helpers.store_threads import blocked as _blocked
+from tests.helpers.store_threads import chunk_of as _chunk
+from tests.helpers.store_threads import wait_until as _wait
 
 N = TINY.tokens_per_chunk
 SEG = "seg-*"
@@ -71,43 +75,6 @@ def _open(
     )
 
 
-class _Call:
-    """A store call on a thread of its own; its result or exception kept."""
-
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self.result: object = None
-        self.error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self.result = fn()
-            except BaseException as exc:  # reported by the test
-                self.error = exc
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def join(self, timeout_s: float = 15.0) -> None:
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "a store call never returned (deadlock?)"
-
-    def done(self, timeout_s: float) -> bool:
-        self.thread.join(timeout_s)
-        return not self.thread.is_alive()
-
-
-def _blocked(call: _Call, settle_s: float = 0.3) -> bool:
-    """Whether ``call`` is still running after a moment (it waits for a held call)."""
-    return not call.done(settle_s)
-
-
-def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 def _is_closed(store: KVStore) -> bool:
     """Close has marked the store closed (its public calls refuse from here on)."""
     try:
@@ -115,10 +82,6 @@ def _is_closed(store: KVStore) -> bool:
     except StoreClosedError:
         return True
     return False
-
-
-def _chunk(kv: np.ndarray, i: int) -> np.ndarray:
-    return np.ascontiguousarray(kv[:, :, :, i * N : (i + 1) * N, :])
 
 
 def _on_disk(

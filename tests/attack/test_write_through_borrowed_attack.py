@@ -21,9 +21,8 @@ then a reopen through a plain FileIO stands in for a crash.
 from __future__ import annotations
 
 import errno
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +35,11 @@ from kvlife.faults.fileio import FaultyIO, Stall
 from kvlife.results import PutResult
 from kvlife.store import KVStore
 from tests.conftest import TINY, prompt_kv
+from tests.helpers.store_threads import Call as _Call
+from tests.helpers.store_threads import assert_loads_exactly as _assert_loads_exactly
+from tests.helpers.store_threads import blocked as _blocked
+from tests.helpers.store_threads import release as _release
+from tests.helpers.store_threads import wait_until as _wait
 from tests.helpers.workload import disk_of
 
 N = TINY.tokens_per_chunk
@@ -69,69 +73,13 @@ def _reopen(path: Path, *, disk: int = 16 << 20, segment: int = 1 << 20) -> KVSt
     return KVStore.open(path, dram_bytes=1 << 20, disk_bytes=disk, segment_bytes=segment)
 
 
-class _Call:
-    """A store call on a thread of its own; its result or exception kept."""
-
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self.result: object = None
-        self.error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self.result = fn()
-            except BaseException as exc:  # reported by the test
-                self.error = exc
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def join(self, timeout_s: float = 30.0) -> None:
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "a store call never returned (deadlock?)"
-
-    def alive(self) -> bool:
-        return self.thread.is_alive()
-
-
-def _blocked(call: _Call, settle_s: float = 0.3) -> bool:
-    """Whether ``call`` is still running after a moment (it waits for the held copy)."""
-    call.thread.join(settle_s)
-    return call.alive()
-
-
-def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
-def _chunk(kv: np.ndarray, i: int) -> np.ndarray:
-    return np.ascontiguousarray(kv[:, :, :, i * N : (i + 1) * N, :])
-
-
 def _head(tokens: np.ndarray, kv: np.ndarray, chunks: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens[: chunks * N], kv[:, :, :, : chunks * N, :]
-
-
-def _assert_loads_exactly(
-    store: KVStore, identity: ModelIdentity, tokens: np.ndarray, kv: np.ndarray, chunks: int
-) -> None:
-    got = store.get(identity, PUBLIC, tokens)
-    assert got.loaded == chunks, (got.loaded, chunks)
-    for i, arr in enumerate(got.arrays):
-        assert np.array_equal(arr, _chunk(kv, i)), f"chunk {i} served other KV"
 
 
 def _on_disk(store: KVStore, keys: Sequence[bytes]) -> list[bool]:
     disk = disk_of(store)
     return [disk.contains(ChunkKey(k)) for k in keys]
-
-
-def _release(*stalls: Stall | None) -> None:
-    for s in stalls:
-        if s is not None:
-            s.release()
 
 
 def _reasons(sink: MemorySink) -> dict[str, list[tuple[str, str]]]:

@@ -14,8 +14,6 @@ an invalidation of part of the prompt) and checks what the store promised.
 from __future__ import annotations
 
 import errno
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,10 +23,16 @@ import pytest
 from kvlife.core.errors import KVLifeError, StoreClosedError, StorePathError
 from kvlife.core.events import MemorySink
 from kvlife.core.identity import PUBLIC, ChunkKey, ModelIdentity
-from kvlife.faults.fileio import FaultyIO, Stall
+from kvlife.faults.fileio import FaultyIO
 from kvlife.results import PutResult
 from kvlife.store import KVStore
 from tests.conftest import TINY, prompt_kv
+from tests.helpers.store_threads import Call as _Call
+from tests.helpers.store_threads import assert_loads_exactly as _assert_loads_exactly
+from tests.helpers.store_threads import blocked as _blocked
+from tests.helpers.store_threads import chunk_of as _chunk
+from tests.helpers.store_threads import release as _release
+from tests.helpers.store_threads import wait_until as _wait
 from tests.helpers.workload import disk_of
 
 N = TINY.tokens_per_chunk
@@ -66,47 +70,6 @@ def _reopen(path: Path, **kw: int) -> KVStore:
     )
 
 
-class _Call:
-    """A store call on a thread of its own; its result or exception kept."""
-
-    def __init__(self, fn: Callable[[], object]) -> None:
-        self.result: object = None
-        self.error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self.result = fn()
-            except BaseException as exc:  # reported by the test
-                self.error = exc
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def join(self, timeout_s: float = 30.0) -> None:
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "a store call never returned (deadlock?)"
-
-    def alive(self) -> bool:
-        return self.thread.is_alive()
-
-
-def _blocked(call: _Call, settle_s: float = 0.3) -> bool:
-    """Whether ``call`` is still running after a moment (it waits for the held copy)."""
-    call.thread.join(settle_s)
-    return call.alive()
-
-
-def _wait(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
-def _chunk(kv: np.ndarray, i: int) -> np.ndarray:
-    return np.ascontiguousarray(kv[:, :, :, i * N : (i + 1) * N, :])
-
-
 def _moves(sink: MemorySink) -> dict[str, list[tuple[str, str]]]:
     """Each chunk's events in order, as (kind, reason); an offload as ``offload>disk``."""
     kinds: dict[str, list[tuple[str, str]]] = {}
@@ -114,20 +77,6 @@ def _moves(sink: MemorySink) -> dict[str, list[tuple[str, str]]]:
         kind = f"{e.kind}>{e.dst_tier}" if e.dst_tier else e.kind
         kinds.setdefault(e.key, []).append((kind, e.reason))
     return kinds
-
-
-def _assert_loads_exactly(
-    store: KVStore, identity: ModelIdentity, tokens: np.ndarray, kv: np.ndarray, chunks: int
-) -> None:
-    got = store.get(identity, PUBLIC, tokens)
-    assert got.loaded == chunks, (got.loaded, chunks)
-    for i, arr in enumerate(got.arrays):
-        assert np.array_equal(arr, _chunk(kv, i)), f"chunk {i} served other KV"
-
-
-def _release(*stalls: Stall) -> None:
-    for s in stalls:
-        s.release()
 
 
 # --------------------------------------------------------------------------- 1. a failed copy

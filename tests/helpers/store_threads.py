@@ -1,0 +1,80 @@
+"""Store calls on threads of their own, for the attack tests that hold a call in the
+file seam (``FaultyIO.stall``) and let another run meanwhile: the call's result or
+exception kept, joins bounded, stalls released."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvlife.core.identity import PUBLIC, ModelIdentity
+from kvlife.faults.fileio import Stall
+from kvlife.store import KVStore
+from tests.conftest import TINY
+
+N = TINY.tokens_per_chunk
+
+
+class Call:
+    """A store call on a thread of its own; its result or exception kept."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.result: object = None
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self.result = fn()
+            except BaseException as exc:  # reported by the test
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self, timeout_s: float = 30.0) -> None:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "a store call never returned (deadlock?)"
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def done(self, timeout_s: float) -> bool:
+        """Whether the call has returned, waiting at most ``timeout_s`` for it."""
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
+
+
+def blocked(call: Call, settle_s: float = 0.3) -> bool:
+    """Whether ``call`` is still running after a moment (it waits for something held)."""
+    call.thread.join(settle_s)
+    return call.alive()
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def release(*stalls: Stall | None) -> None:
+    for s in stalls:
+        if s is not None:
+            s.release()
+
+
+def chunk_of(kv: np.ndarray, i: int) -> np.ndarray:
+    """Chunk ``i`` of a TINY prompt's KV."""
+    return np.ascontiguousarray(kv[:, :, :, i * N : (i + 1) * N, :])
+
+
+def assert_loads_exactly(
+    store: KVStore, identity: ModelIdentity, tokens: np.ndarray, kv: np.ndarray, chunks: int
+) -> None:
+    got = store.get(identity, PUBLIC, tokens)
+    assert got.loaded == chunks, (got.loaded, chunks)
+    for i, arr in enumerate(got.arrays):
+        assert np.array_equal(arr, chunk_of(kv, i)), f"chunk {i} served other KV"
