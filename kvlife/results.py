@@ -193,6 +193,9 @@ class StoreCounters:
     """Lost disk segment files rebuilt from parity at open (``segment_parity``)."""
     segments_unrecoverable: int = 0
     """Lost disk segment files parity could not rebuild (their rows are quarantined)."""
+    events_dropped: int = 0
+    """Lifecycle events the store's event sink failed to take (its ``emit`` raised): the
+    moves themselves happened; the event log misses these."""
     write_through_failed: int = 0
     """New chunks of write-through puts taken out of service because the put could not
     make them (or the chunks it found indexed) durable; the put raised, and each has an

@@ -51,6 +51,10 @@ STORE_COUNTERS: dict[str, tuple[str, str]] = {
     "chunks_stored": ("chunks_stored", "chunks newly stored by puts"),
     "chunks_already_present": ("chunks_already_present", "chunks a put found indexed"),
     "chunks_dropped": ("chunks_dropped", "chunks a put could not place in any tier"),
+    "events_dropped": (
+        "events_dropped",
+        "lifecycle events the event sink failed to take (the moves happened)",
+    ),
     "write_through_failed": (
         "write_through_failed_chunks",
         "new chunks of write-through puts dropped because they could not be made durable",

@@ -1,8 +1,15 @@
 """The ledger: every lifecycle move of the store goes through :meth:`Ledger.move`, which
-checks it against the transition table, counts TENTATIVE objects and emits the event."""
+checks it against the transition table, counts TENTATIVE objects and emits the event.
+
+A sink whose ``emit`` raises (an event file on a full disk, a subscriber's bug) never
+stops a move: the move is the store's state, applied before the event is built, and a
+move left half-done under the index lock (an object written but never indexed, its put
+never finished) would wedge the store. The event is dropped instead, counted in
+``events_dropped``, and the first failure logged."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -10,6 +17,8 @@ from kvlife.core.events import ChunkFacts, DetailedSink, EventSink, LifecycleEve
 from kvlife.core.lifecycle import Move, ObjectState, check_move
 from kvlife.core.objects import ObjectRecord
 from kvlife.results import StoreCounters
+
+log = logging.getLogger(__name__)
 
 
 class Ledger:
@@ -67,12 +76,22 @@ class Ledger:
                 reason=reason,
                 request_id=request_id,
             )
-            if self._detailed is not None:
-                info = rec.info
-                facts = ChunkFacts(bytes(info.parent), info.ntokens, info.adapter_id)
-                self._detailed.emit_detailed(event, facts)
-            else:
-                self.sink.emit(event)
+            try:
+                if self._detailed is not None:
+                    info = rec.info
+                    facts = ChunkFacts(bytes(info.parent), info.ntokens, info.adapter_id)
+                    self._detailed.emit_detailed(event, facts)
+                else:
+                    self.sink.emit(event)
+            except Exception as exc:  # the move stands; the log misses it (counted)
+                self.counters.events_dropped += 1
+                if self.counters.events_dropped == 1:
+                    log.warning(
+                        "kvlife: the event sink failed (%s: %s); events are dropped and "
+                        "counted in events_dropped, the store goes on",
+                        type(exc).__name__,
+                        exc,
+                    )
 
     def flush(self) -> None:
         self.sink.flush()
