@@ -71,6 +71,17 @@ def identity() -> ModelIdentity:
     return tiny_identity()
 
 
+@pytest.fixture
+def server_hashes_puts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staged puts in this process tell the server what is written (``put_written``)
+    and the server hashes it, instead of the client sealing each chunk as it copies it:
+    the path of a put larger than ``SEAL_PUT_BYTES`` and of a client without the
+    extension (kvlife/client/puts.py)."""
+    import kvlife.client.puts as client_puts
+
+    monkeypatch.setattr(client_puts, "SEAL_PUT_BYTES", -1)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Leave no killed server's arena in shared memory: crash tests SIGKILL servers, and a
     killed server cannot remove its files (kvlife.server.stale_arenas). Once, by the

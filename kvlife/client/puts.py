@@ -20,13 +20,18 @@ Staged (``put_prompt`` once extents of the chunk shape are staged for this conne
 1. One staged extent per chunk is taken from this connection's pool.
 2. A deferred ``put`` naming them goes out with no reply wanted; the server prepares
    the put while this side copies every chunk into its extent.
-   Every 2 MiB or so (a sixteenth of a large put), ``put_written`` (no reply) tells the
-   server how many bytes are written: it hashes them (the seals) while the rest is
-   copied. In the last step the notices go at each half of what is left, down to 256
-   KiB (:func:`notice_points`), so that the commit hashes little after the last byte.
+   A put of at most :data:`SEAL_PUT_BYTES` is hashed here as it is copied, each block
+   hashed and then copied from this core's cache (:func:`kvlife.native.copies.copy_sealed`,
+   where the extension can), and its seals go with ``put_commit``. A larger one (or
+   without the extension): every 2 MiB or so (a sixteenth of a large put),
+   ``put_written`` (no reply) tells the server how many bytes are written: it hashes them
+   (the seals) while the rest is copied. In the last step the notices go at each half
+   of what is left, down to 256 KiB (:func:`notice_points`), so that the commit hashes
+   little after the last byte.
 3. ``put_commit`` is the one round trip: the server seals and adopts the extents of the
-   new chunks; the extents of chunks it already held go back to the pool, with the
-   replacements it staged for the adopted ones. A prepare that failed is raised here.
+   new chunks (with the seals it was sent, or those it hashed); the extents of chunks it
+   already held go back to the pool, with the replacements it staged for the adopted
+   ones. A prepare that failed is raised here.
 
 A copy that fails after the deferred ``put`` went out drops the connection (the server
 aborts the put with the session). Extents taken from a connection that another thread
@@ -69,7 +74,7 @@ from kvlife.core.errors import (
 )
 from kvlife.core.identity import KVLayout
 from kvlife.core.objects import PromptRef
-from kvlife.native.copies import stream_copy
+from kvlife.native.copies import copy_sealed, sealing, stream_copy
 from kvlife.results import PutResult
 from kvlife.server import protocol
 from kvlife.server.limits import page_charge
@@ -87,6 +92,22 @@ memcpy against 0.36 / 0.36 / 0.37, the server's CPU per put 2.05-2.25 ms against
 (about 80 us of its CPU here), more than hashing a MiB less at the commit saves; 4 MiB
 was worse again at 2 MiB chunks (0.38), and at 16 MiB chunks the step stays a
 sixteenth of the put (4 MiB: 0.75, against 0.72 at 8 MiB and 0.67 at 16)."""
+
+SEAL_PUT_BYTES = 32 << 20
+"""A staged put of at most this many bytes is sealed here, as it is copied
+(:func:`~kvlife.native.copies.copy_sealed`, where the extension can), and its seals go
+with ``put_commit``: the server hashes nothing. A larger one tells the server what is
+written (``put_written``) and the server hashes it beside the copy.
+
+Why (issue 28, 2026-12-07, scratch A/B on the 2-vCPU machine alone: one server pinned
+to one vCPU, the client on the other, 40-60 puts of 4 chunks each way, alternated put
+by put): the server's CPU per put fell from 2.7-3.5 ms to 0.75-1.25 ms at every size,
+and the put took 0.77 / 0.88 / 0.89 of the time with 1 / 2 / 4 MiB chunks (the server,
+which prepares the put and hashes on one vCPU, was what the put waited for), 0.99 at 8
+MiB and 1.05 at 16 MiB (there the hashing copy, at about 1.4x a streaming copy's time,
+is what the put waits for, and the server's hash beside the streaming copy costs the
+put nothing). With several clients on one server, the server's CPU is shared, and the
+seals cost it nothing at any size."""
 
 NOTICES_PER_PUT = 16
 """At most about this many ``put_written`` per put: each costs a message here and a
@@ -187,6 +208,10 @@ class Puts:
 
     def __init__(self, wire: Wire) -> None:
         self.wire = wire
+        self.seal_copies = True
+        """A staged put's chunks are hashed here as they are copied (where the extension
+        can, :func:`kvlife.native.copies.sealing`) and the seals sent with its commit;
+        False: the server hashes them (``put_written`` notices, :attr:`notice_bytes`)."""
         self.notice_bytes = WRITTEN_NOTICE_BYTES
         """The least bytes copied between two ``put_written`` of a staged put (0: none,
         the server hashes every chunk at the commit; ``kvlife bench server`` measures
@@ -278,13 +303,21 @@ class Puts:
         args["staged"] = [sid for sid, _ in extents]
         args["deferred"] = True
         view = self.wire.view
+        commit: dict[str, Any] = {}
+        total = len(chunks) * layout.chunk_nbytes
+        sealing_here = self.seal_copies and total <= SEAL_PUT_BYTES and sealing()
 
         def write(conn: Connection) -> None:
             # the put goes first (no reply): the server prepares it while we copy
             if conn is not first:
                 raise StaleExtents  # reconnected since: nothing sent yet
             conn.sock.sendall(protocol.pack([0, "put", args]))
-            total = len(chunks) * layout.chunk_nbytes
+            dsts = (view(conn, off, dtype, layout.chunk_shape) for _, off in extents)
+            if sealing_here:  # each chunk hashed as it is copied: the server hashes nothing
+                commit["seals"] = b"".join(
+                    copy_sealed(dst, c) for dst, c in zip(dsts, chunks, strict=True)
+                )
+                return
             step = notice_step(total, self.notice_bytes)
             points = notice_points(total, step, TAIL_NOTICE_BYTES)
 
@@ -292,11 +325,10 @@ class Puts:
                 # the server hashes what is written while we copy the rest
                 conn.sock.sendall(protocol.pack([0, "put_written", {"bytes": done}]))
 
-            dsts = (view(conn, off, dtype, layout.chunk_shape) for _, off in extents)
             copy_telling(dsts, chunks, step, points, tell)
 
         try:
-            r, conn = self.wire.call_on("put_commit", {}, before=write)
+            r, conn = self.wire.call_on("put_commit", commit, before=write)
         except StaleExtents:  # the extents were another connection's: the two-phase put
             del args["staged"], args["deferred"]
             args["stage"] = len(chunks)

@@ -1157,20 +1157,31 @@ static void copy_streaming(char *dst, const char *src, size_t n) {
 #endif
 }
 
-static PyObject *stream_copy(PyObject *self, PyObject *args) {
-    PyObject *dst_obj, *src_obj;
-    if (!PyArg_ParseTuple(args, "OO", &dst_obj, &src_obj)) return NULL;
+/* Blocks a sealed copy hashes and then copies (from this core's cache, just read). */
+#define SEALED_BLOCK (32 << 10)
+
+static void copy_hashing(char *dst, const char *src, size_t n, void *state, xxh_update_fn update) {
+    for (size_t at = 0; at < n; at += SEALED_BLOCK) {
+        size_t len = n - at < SEALED_BLOCK ? n - at : SEALED_BLOCK;
+        update(state, src + at, len);
+        copy_streaming(dst + at, src + at, len);
+    }
+}
+
+/* The copy of stream_copy (its arguments, its checks), each run hashed into `state`
+ * as it is copied when `state` is not NULL. 1: copied; 0: refused, nothing copied. */
+static int stream_into(PyObject *dst_obj, PyObject *src_obj, void *state, xxh_update_fn update) {
     Py_buffer dst, src;
-    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) != 0) return -1;
     if (PyObject_GetBuffer(src_obj, &src, PyBUF_STRIDES) != 0) {
         PyBuffer_Release(&dst);
-        return NULL;
+        return -1;
     }
     if (dst.len != src.len) {
         PyErr_Format(PyExc_ValueError, "stream_copy of %zd bytes into %zd", src.len, dst.len);
         PyBuffer_Release(&dst);
         PyBuffer_Release(&src);
-        return NULL;
+        return -1;
     }
     uintptr_t low, high;
     byte_span(&src, &low, &high);
@@ -1196,7 +1207,8 @@ static PyObject *stream_copy(PyObject *self, PyObject *args) {
         for (Py_ssize_t r = 0; r < rows; r++) {
             Py_ssize_t at = 0;
             for (int d = 0; d < outer; d++) at += idx[d] * src.strides[d];
-            copy_streaming(out + r * run, base + at, (size_t)run);
+            if (state != NULL) copy_hashing(out + r * run, base + at, (size_t)run, state, update);
+            else copy_streaming(out + r * run, base + at, (size_t)run);
             for (int d = outer - 1; d >= 0; d--) { /* the next row, in C order */
                 if (++idx[d] < src.shape[d]) break;
                 idx[d] = 0;
@@ -1209,10 +1221,48 @@ static PyObject *stream_copy(PyObject *self, PyObject *args) {
     }
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
-    return PyBool_FromLong(ok);
+    return ok;
+}
+
+static PyObject *stream_copy(PyObject *self, PyObject *args) {
+    PyObject *dst_obj, *src_obj;
+    if (!PyArg_ParseTuple(args, "OO", &dst_obj, &src_obj)) return NULL;
+    int ok = stream_into(dst_obj, src_obj, NULL, NULL);
+    return ok < 0 ? NULL : PyBool_FromLong(ok);
+}
+
+/* copy_sealed(dst, src) -> 16 bytes or None: stream_copy's copy, with the xxh3-128 of
+ * the bytes copied (canonical, as xxhash's digest() gives it) taken as they pass: each
+ * block of src hashed, then copied from this core's cache, so the seal costs no second
+ * pass over memory. None, nothing copied, where stream_copy would refuse or no
+ * streaming hash is set: the caller copies and hashes another way. The seal is of the
+ * bytes read from src; a caller that changes src meanwhile gets a seal its copy fails
+ * where seals are verified (a miss, never a wrong hit). What a served put's client
+ * sends with its commit instead of the server hashing the arena (issue 28). */
+static PyObject *copy_sealed(PyObject *self, PyObject *args) {
+    PyObject *dst_obj, *src_obj;
+    if (!PyArg_ParseTuple(args, "OO", &dst_obj, &src_obj)) return NULL;
+    stream_t fn = stream_fns;
+    if (!stream_complete(&fn)) Py_RETURN_NONE;
+    void *st = fn.create();
+    if (st == NULL || fn.reset(st) != 0) {
+        if (st != NULL) fn.free(st);
+        return PyErr_NoMemory();
+    }
+    int ok = stream_into(dst_obj, src_obj, st, fn.update);
+    if (ok <= 0) {
+        fn.free(st);
+        if (ok < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    xxh128_t h = fn.digest(st);
+    fn.free(st);
+    return canonical(h);
 }
 
 static PyMethodDef methods[] = {
+    {"copy_sealed", copy_sealed, METH_VARARGS,
+     "copy_sealed(dst, src) -> 16 bytes or None: stream_copy, hashed (xxh3-128) as it copies."},
     {"stream_copy", stream_copy, METH_VARARGS,
      "stream_copy(dst, src) -> bool: src into C-contiguous dst by streaming stores, no GIL."},
     {"read_run", read_run, METH_VARARGS,

@@ -19,7 +19,10 @@ destination, and everything where the extension is not available go through
 
 from __future__ import annotations
 
+from functools import cache
+
 import numpy as np
+import xxhash
 
 from kvlife.native import frames
 
@@ -53,3 +56,44 @@ def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
         except (BufferError, TypeError, ValueError):
             pass  # a dtype numpy exports no buffer of: refused before any byte moved
     np.copyto(dst, src)
+
+
+@cache
+def sealing() -> bool:
+    """Whether :func:`copy_sealed` hashes as it copies here (the extension and its
+    streaming hash are available, tried once on a block): a served put's client then
+    seals its chunks itself."""
+    module = frames.native_module()
+    if module is None:
+        return False
+    src = np.arange(STREAM_BYTES, dtype=np.uint8)
+    seal = module.copy_sealed(np.empty_like(src), src)
+    return seal is not None and bytes(seal) == bytes(xxhash.xxh3_128_digest(src.data))
+
+
+def copy_sealed(dst: np.ndarray, src: np.ndarray) -> bytes:
+    """:func:`stream_copy`, and the xxh3-128 of the bytes copied (canonical, as
+    ``xxhash``'s ``digest()`` gives it): by the extension's ``copy_sealed``, which hashes
+    each block of ``src`` and then copies it from this core's cache (no second pass over
+    memory), where :func:`stream_copy` would stream and the extension has the streaming
+    hash; otherwise copied, then ``dst`` hashed (the bytes as they landed). What a
+    served put's client sends with its commit as the seals of its chunks."""
+    module = frames.native_module()
+    if (
+        module is not None
+        and isinstance(src, np.ndarray)
+        and dst.nbytes >= STREAM_BYTES
+        and dst.dtype == src.dtype
+        and not dst.dtype.hasobject
+        and dst.shape == src.shape
+        and dst.flags.writeable
+        and dst.flags.c_contiguous
+    ):
+        try:
+            seal = module.copy_sealed(dst, src)
+        except (BufferError, TypeError, ValueError):
+            seal = None  # refused before any byte moved
+        if seal is not None:
+            return bytes(seal)
+    stream_copy(dst, src)
+    return bytes(xxhash.xxh3_128_digest(np.ascontiguousarray(dst).reshape(-1).view(np.uint8).data))

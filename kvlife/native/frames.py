@@ -181,6 +181,7 @@ def _loaded() -> tuple[ModuleType, int] | None:
                 "set_stream",
                 "streamed",
                 "stream_copy",
+                "copy_sealed",
             )
         )
     ):

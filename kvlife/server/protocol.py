@@ -42,10 +42,11 @@ from kvlife.server.limits import MAX_REQUEST, Limits
 from kvlife.transforms.base import ErrorBound, Exactness
 from kvlife.transforms.contract import Accept
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """2: lookups carry an ``accept`` and answer each hit's representation. 3: lookups
 answer where DRAM hits lie (hints), loads may carry them back (the client copied from
-there already); the one-round-trip ``put`` into staged extents."""
+there already); the one-round-trip ``put`` into staged extents. 4: ``put_commit`` may carry
+the chunks' seals, hashed by the client as it copied them."""
 MAX_MESSAGE = MAX_REQUEST
 """Largest frame either side accepts (a 1M-token prompt is 4 MiB of token ids); a
 server may be set to accept less (``--max-request-bytes``)."""
@@ -87,6 +88,8 @@ PROMPT: dict[str, Field] = {
     "prefix_tokens": Field("bytes", _OPT, hi=MAX_MESSAGE),
 }
 ID = Field("int", True, 1, _MAX_ID)
+MAX_SEALS_BYTES = 16 << 20
+"""The longest ``seals`` of a ``put_commit`` (16 bytes a chunk: a million chunks)."""
 
 VERBS: dict[str, dict[str, Field]] = {
     # token: who the client is, where its Unix credentials do not say (kvlife.tenancy)
@@ -128,7 +131,10 @@ VERBS: dict[str, dict[str, Field]] = {
         "deferred": Field("bool", _OPT),
         "chained": Field("bool", _OPT),
     },
-    "put_commit": {},
+    # seals: the xxh3-128 of each chunk of the put as the client copied it (16 bytes
+    # each, in order; kvlife.native.copies.copy_sealed): taken as the new chunks' seals
+    # instead of hashing the arena (kvlife.server.puts)
+    "put_commit": {"seals": Field("bytes", _OPT, 16, MAX_SEALS_BYTES)},
     # the client of a direct load verified the first ``chunks`` frames it read (no
     # reply wanted): the server counts those it confirmed (kvlife.store.direct)
     "direct_kept": {"chunks": Field("int", True, 0, 1 << 21)},

@@ -264,6 +264,13 @@ class Puts:
 
     def put_commit(self, args: dict[str, Any]) -> object:
         staged, error = self.deferred, self.deferred_error
+        seals = args.get("seals")
+        if staged is not None and seals is not None and len(seals) != 16 * len(staged.views):
+            self._drop_deferred("its commit named the wrong number of seals")
+            raise ProtocolError(
+                f"put_commit with {len(seals)} bytes of seals; the put has "
+                f"{len(staged.views)} chunks (16 bytes each)"
+            )
         self.deferred, self.deferred_error = None, None
         if error is not None:
             try:
@@ -272,6 +279,8 @@ class Puts:
                 error = None  # no reference cycle through this frame
         if staged is None:
             raise ProtocolError(f"session {self.ctx.sid} has no deferred put to commit")
+        if seals is not None:  # the client's: the chunks the notices left unhashed
+            _take_seals(staged, seals)
         # the rest of the chunk the notices stopped in is hashed from where they stopped
         # (the tier would hash that chunk whole again), the chunks after it whole
         _hash_written(staged, sum(v.nbytes for v in staged.views))
@@ -412,6 +421,19 @@ class Puts:
         return out
 
 
+def _take_seals(staged: _Staged, seals: bytes) -> None:
+    """The client's seals (16 bytes a chunk, in order; length checked by the caller) for
+    the new chunks not hashed whole here already: the xxh3-128 of each chunk's bytes as
+    it copied them. A seal that is not its chunk's bytes is caught where seals are
+    verified (a copy to disk, ``check``, a load with ``--verify-dram-on-load``) and the
+    object invalidated, as after a write past the commit: never served as verified
+    elsewhere, never persisted."""
+    got = staged.pending.seals
+    for i, key in enumerate(staged.new):
+        if key is not None and key not in got:
+            got[key] = bytes(seals[16 * i : 16 * i + 16])
+
+
 def _hash_written(staged: _Staged, upto: int) -> None:
     """Hash the new chunks' bytes of ``staged`` from where its hashing stopped up to
     byte ``upto`` of its chunks in order (``upto`` checked by the caller); a chunk
@@ -422,7 +444,7 @@ def _hash_written(staged: _Staged, upto: int) -> None:
         i, at = divmod(staged.written, size)
         end = min(upto, (i + 1) * size) - i * size
         key = staged.new[i]
-        if key is not None:  # a new chunk (the store holds the others already)
+        if key is not None and (at or key not in pending.seals):  # a new chunk unsealed
             if at == 0:
                 staged.hashing = xxhash.xxh3_128()
             flat = views[i].reshape(-1).view(np.uint8)

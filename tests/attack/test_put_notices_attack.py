@@ -38,6 +38,8 @@ from kvlife.store.writes import PendingPut
 from tests.attack.served import identities, served
 from tests.server.conftest import quiet
 
+pytestmark = pytest.mark.usefixtures("server_hashes_puts")  # the notices' path
+
 MiB = 1 << 20
 
 

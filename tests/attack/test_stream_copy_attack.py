@@ -60,6 +60,8 @@ from tests.attack.stream_rig import (
 )
 from tests.server.conftest import ROOT, ServerProc, quiet
 
+pytestmark = pytest.mark.usefixtures("server_hashes_puts")  # the notices' path
+
 MiB = 1 << 20
 counting = counted()
 GUARD = 128

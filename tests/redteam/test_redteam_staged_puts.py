@@ -47,6 +47,7 @@ BAD = [0, -1, -(1 << 40), 4 * SIZE + 1, 1 << 50, (1 << 50) + 1, 1 << 62, "12", 1
 beyond a put of 4 chunks, huge, not an int."""
 
 
+@pytest.mark.usefixtures("server_hashes_puts")
 def test_bad_and_disordered_notices_never_change_what_is_sealed(
     server: ServerProc, remote: RemoteStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -125,6 +126,7 @@ from tests.conftest import prompt_kv, tiny_identity, TINY
 n = TINY.tokens_per_chunk
 r = RemoteStore(sys.argv[1])
 r._puts.notice_bytes = 1
+r._puts.seal_copies = False  # the server hashes what the notices tell
 client_puts.NOTICES_PER_PUT = 1 << 30  # a notice per row
 r.put_prompt(tiny_identity(), PUBLIC, *prompt_kv(94, 3 * n))  # stages 3 extents
 real = np.copyto

@@ -198,6 +198,7 @@ def test_extents_of_a_replaced_connection_fall_back_to_the_two_phase_put(
     assert quiet(remote)["staged"] == 2  # the new session's, from the fallback's prepare
 
 
+@pytest.mark.usefixtures("server_hashes_puts")
 def test_chunks_said_written_are_sealed_as_written(
     remote: RemoteStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -262,6 +263,7 @@ def test_notice_points_step_then_halve_the_rest_down_to_the_tail(
     assert left[-1] // 2 < tail  # down to the tail, no further
 
 
+@pytest.mark.usefixtures("server_hashes_puts")
 def test_the_last_step_of_a_put_is_told_in_halves(
     remote: RemoteStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -350,6 +352,7 @@ def test_a_put_copies_every_byte_and_tells_each_notice_within_a_head_of_it(
         assert (after and after[0] - p < near) or total - p < near, (p, told)
 
 
+@pytest.mark.usefixtures("server_hashes_puts")
 def test_a_chunk_written_again_after_put_written_is_caught_by_its_seal(
     remote: RemoteStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -405,6 +408,7 @@ def test_a_chunk_written_again_after_put_written_is_caught_by_its_seal(
     assert len(report.problems) == 1 and "after it was sealed" in report.problems[0]
 
 
+@pytest.mark.usefixtures("server_hashes_puts")
 def test_the_commit_hashes_a_chunk_the_notices_stopped_in_from_where_they_stopped(
     remote: RemoteStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -490,6 +494,7 @@ def test_a_client_killed_between_its_deferred_put_and_the_commit_leaves_nothing(
         "r = RemoteStore(sys.argv[1]); n = 3 * TINY.tokens_per_chunk\n"
         "r.put_prompt(tiny_identity(), PUBLIC, *prompt_kv(52, n))  # stages 3 extents\n"
         "r._puts.notice_bytes = 1; cp.NOTICES_PER_PUT = 1 << 30  # a notice per row\n"
+        "r._puts.seal_copies = False  # the server hashes what the notices tell\n"
         "calls = []\n"
         "class Numpy:\n"
         "    def __getattr__(self, name): return getattr(np, name)\n"
@@ -519,6 +524,7 @@ def test_a_client_killed_between_its_deferred_put_and_the_commit_leaves_nothing(
         watcher.close()
 
 
+@pytest.mark.usefixtures("server_hashes_puts")
 def test_an_invalidation_while_a_deferred_put_is_copied_stores_none_of_it(
     server: ServerProc, monkeypatch: pytest.MonkeyPatch
 ) -> None:
