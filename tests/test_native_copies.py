@@ -1,5 +1,6 @@
 """``stream_copy`` (a served put's copy into the arena, kvlife/native/copies.py) gives
-``np.copyto``'s bytes and errors, streamed or not."""
+``np.copyto``'s bytes and errors, streamed or not; ``copy_sealed`` the same bytes and
+their seal."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 
 from kvlife.native import frames
-from kvlife.native.copies import STREAM_BYTES, stream_copy
+from kvlife.native.copies import STREAM_BYTES, copy_sealed, sealing, stream_copy
+from kvlife.tiers.base import seal_of
 
 needs_native = pytest.mark.skipif(not frames.available(), reason="no C extension built")
 
@@ -181,3 +183,64 @@ def test_axes_of_length_one_merge_into_the_run_whatever_their_stride() -> None:
     assert module is not None
     assert module.stream_copy(dst, src) is True
     assert np.array_equal(dst, src)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    nbytes=st.sampled_from([1, 63, STREAM_BYTES - 1, STREAM_BYTES, 32 << 10])
+    | st.integers(STREAM_BYTES, 5 * STREAM_BYTES + 77),
+    dst_at=st.integers(0, 31),
+    src_at=st.integers(0, 31),
+    dtype=st.sampled_from(["u1", "<f2", "<f4"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_sealed_copy_is_copyto_s_bytes_and_their_xxh3_128(
+    nbytes: int, dst_at: int, src_at: int, dtype: str, seed: int
+) -> None:
+    """``copy_sealed`` gives ``np.copyto``'s bytes and the seal a tier would take of
+    them (``seal_of``: xxh3-128 of the bytes in C order) at every size around the
+    streaming threshold and the 32 KiB hashing blocks, at every misalignment, hashed as
+    it copies where the extension is built and after the copy where not."""
+    item = np.dtype(dtype).itemsize
+    n = max(1, nbytes // item)
+    rng = np.random.default_rng(seed)
+    src_mem = rng.integers(0, 256, n * item + 64, dtype=np.uint8)
+    src = src_mem[src_at : src_at + n * item].view(dtype)
+    dst_mem = np.full(n * item + 64, 0xA5, np.uint8)
+    dst = dst_mem[dst_at : dst_at + n * item].view(dtype)
+    want = dst_mem.copy()
+    want[dst_at : dst_at + n * item] = src_mem[src_at : src_at + n * item]
+    seal = copy_sealed(dst, src)
+    assert np.array_equal(dst_mem, want), "the bytes copyto gives, nothing past the ends"
+    assert seal == seal_of(np.ascontiguousarray(src)) == seal_of(dst)
+
+
+@needs_native
+def test_a_sealed_copy_of_a_strided_chunk_seals_its_c_order_bytes() -> None:
+    """A chunk cut from one KV tensor (runs of one head's tokens, strided between): the
+    extension hashes run by run, in C order, the same digest as the chunk made
+    contiguous; and where it refuses (runs under 1 KiB) the fallback seals the same."""
+    rng = np.random.default_rng(7)
+    kv = rng.integers(0, 1 << 15, (4, 2, 4, 512, 64), dtype=np.uint16).view(np.float16)
+    for chunk in (kv[:, :, :, 128:256], kv[:, :, :, 3:4], kv[::-1, :, ::-1, 256:384]):
+        dst = np.empty(chunk.shape, chunk.dtype)
+        seal = copy_sealed(dst, chunk)
+        assert np.array_equal(dst.view(np.uint16), chunk.view(np.uint16))
+        assert seal == seal_of(np.ascontiguousarray(chunk))
+    assert sealing(), "the extension is built: puts are sealed by the client"
+
+
+def test_without_the_extension_puts_are_not_sealed_by_the_client(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No extension: ``sealing()`` says so (a served put then tells the server what it
+    wrote) and ``copy_sealed`` still gives the bytes and their seal."""
+    monkeypatch.setattr(frames, "native_module", lambda: None)
+    sealing.cache_clear()
+    try:
+        assert not sealing()
+        src = np.arange(STREAM_BYTES, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        assert copy_sealed(dst, src) == seal_of(src) and np.array_equal(dst, src)
+    finally:
+        sealing.cache_clear()

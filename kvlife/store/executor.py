@@ -62,9 +62,9 @@ class Outcome:
     """New objects now indexed."""
     failed_places: dict[ChunkKey, Exception] = field(default_factory=dict)
     failed_copies: list[tuple[Copy, Exception]] = field(default_factory=list)
-    unsealed: list[ChunkKey] = field(default_factory=list)
+    unsealed: dict[ChunkKey, ChecksumMismatch] = field(default_factory=dict)
     """Copies given up because their source replica failed its seal (counted corrupt and
-    dropped, not failed writes)."""
+    dropped, not failed writes), with what the check found."""
     errors: list[Exception] = field(default_factory=list)
     """Failed placements and deletes, in order (the first is what a caller raises).
     Failed copies are outcomes, counted and listed in ``failed_copies``."""
@@ -100,7 +100,10 @@ def execute(
             keys = protect if protect is not None else {b.rec.key for b in group}
             _place(core, action.tier, group, payloads or {}, request_id, keys, out, seals)
         elif isinstance(action, Copy):  # protects its batch (and ``protect``)
-            _copy(core, action.src, action.dst, group, sources or {}, fresh, out, protect)
+            # a seal the caller vouched for was not hashed from the replica's bytes by
+            # this store: checked like an older replica's before it becomes durable
+            unhashed = fresh - set(seals or ())
+            _copy(core, action.src, action.dst, group, sources or {}, unhashed, out, protect)
         elif isinstance(action, Evict):
             _evict(core, action.tier, group, out)
         # Drop and Reject were fully applied when planned (nothing physical to do)
@@ -301,7 +304,8 @@ def _copy(
     protect: set[ChunkKey] | None = None,
 ) -> None:
     """Copy ``group`` from ``src`` into ``dst``; room made for it there never takes the
-    batch or ``protect`` (a write-through put's whole prompt)."""
+    batch or ``protect`` (a write-through put's whole prompt). ``fresh``: replicas this
+    plan placed and sealed from their own bytes (no need to verify them again)."""
     with core.lock:  # objects invalidated since the plan was made need no copy
         todo = [b for b in group if _planned(b, dst)]
         held = {b.rec.key: _form_in(b.rec, src) for b in todo}
@@ -421,7 +425,7 @@ def _source_changed(
         core.placement.release(rec.key, action.dst)
         core.residency.settle(rec, rep, None)
     # not a failed copy (nothing of it was written): a corrupt replica, its own outcome
-    out.unsealed.append(rec.key)
+    out.unsealed[rec.key] = exc
     core.counters.sealed_mismatch += 1
     return core.drop_corrupt(rec, src, f"corrupt: {exc} (found by {action.reason})")
 

@@ -164,7 +164,11 @@ class Writer:
             if core.config.write_through:
                 # in this put's turn: a later put that found these chunks indexed sees
                 # them durable or already gone, never in between
-                wt_errors = out.copy_errors("write-through")
+                # its own chunks whose seal failed as they were copied (bytes written
+                # after they were sealed, or seals a writer sent that are not theirs)
+                wt_errors = out.copy_errors("write-through") + [
+                    out.unsealed[k] for k in pending.keys if k in out.unsealed
+                ]
                 with core.lock:
                     lost = _not_durable(core, pending)
                 if not wt.complete or wt_errors or lost:

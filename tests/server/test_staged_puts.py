@@ -19,7 +19,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvlife.client import RemoteStore
-from kvlife.core.errors import ProtocolError
+from kvlife.core.errors import ChecksumMismatch, ProtocolError
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity, token_bytes
 from kvlife.native.copies import stream_copy
 from kvlife.server import protocol
@@ -580,3 +580,133 @@ def test_an_invalidation_while_a_deferred_put_is_copied_stores_none_of_it(
     finally:
         remote.close()
         other.close()
+
+
+def _spy_verbs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
+    """Every request this process sends, (verb, args), from now on."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+    pack = protocol.pack
+
+    def spy(msg: object) -> bytes:
+        if isinstance(msg, list) and len(msg) == 3:
+            sent.append((msg[1], dict(msg[2])))
+        return pack(msg)
+
+    monkeypatch.setattr(protocol, "pack", spy)
+    return sent
+
+
+def test_a_staged_put_is_sealed_by_the_client_and_the_server_hashes_nothing(
+    remote: RemoteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged put within ``SEAL_PUT_BYTES`` (where the extension seals as it copies)
+    sends no ``put_written`` and a ``put_commit`` with one seal per chunk, each the
+    xxh3-128 of that chunk's bytes; the server takes them (its chunks verify: the audit
+    is clean) and they load exact. One larger than it tells the server what is written
+    instead, as before."""
+    import kvlife.client.puts as client_puts
+    from kvlife.native.copies import sealing
+    from kvlife.tiers.base import seal_of
+
+    if not sealing():
+        pytest.skip("no extension: the client does not seal")
+    ident = tiny_identity()
+    remote.put_prompt(ident, PUBLIC, *prompt_kv(80, 3 * N))  # stages 3 extents
+    sent = _spy_verbs(monkeypatch)
+    tokens, kv = prompt_kv(81, 3 * N)
+    assert remote.put_prompt(ident, PUBLIC, tokens, kv).stored == 3
+    verbs = [v for v, _ in sent]
+    assert verbs == ["put", "put_commit"], verbs
+    seals = sent[1][1]["seals"]
+    want = [seal_of(np.ascontiguousarray(kv[:, :, :, i * N : (i + 1) * N])) for i in range(3)]
+    assert seals == b"".join(want)
+    assert remote.check().clean
+    _chunks_equal(remote, tokens, kv, 3)
+    # above the threshold: notices, no seals
+    monkeypatch.setattr(client_puts, "SEAL_PUT_BYTES", 3 * TINY.chunk_nbytes - 1)
+    monkeypatch.setattr(remote._puts, "notice_bytes", 1)
+    monkeypatch.setattr(client_puts, "NOTICES_PER_PUT", 1 << 30)
+    sent.clear()
+    tokens, kv = prompt_kv(82, 3 * N)
+    assert remote.put_prompt(ident, PUBLIC, tokens, kv).stored == 3
+    assert "put_written" in [v for v, _ in sent]
+    assert "seals" not in sent[-1][1]
+    assert remote.check().clean
+    _chunks_equal(remote, tokens, kv, 3)
+
+
+def test_seals_of_the_wrong_length_are_a_typed_error_and_the_put_leaves_nothing(
+    remote: RemoteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``put_commit`` whose seals are not 16 bytes per chunk is a ProtocolError: the
+    put is aborted (no TENTATIVE chunk, nothing indexed), no arena extent is lost, and
+    the session goes on (the same prompt is stored whole by the next put)."""
+    import kvlife.client.puts as client_puts
+    from kvlife.native.copies import sealing
+
+    if not sealing():
+        pytest.skip("no extension: the client does not seal")
+    ident = tiny_identity()
+    remote.put_prompt(ident, PUBLIC, *prompt_kv(83, 3 * N))  # stages 3 extents
+    before = quiet(remote)
+    real = client_puts.copy_sealed
+    monkeypatch.setattr(client_puts, "copy_sealed", lambda d, s: real(d, s)[:15])
+    tokens, kv = prompt_kv(84, 3 * N)
+    with pytest.raises(ProtocolError, match="seals"):
+        remote.put_prompt(ident, PUBLIC, tokens, kv)
+    monkeypatch.setattr(client_puts, "copy_sealed", real)
+    state = quiet(remote)
+    assert state["tentative"] == 0 and state["puts"] == 0
+    assert state["shm_replicas"] == before["shm_replicas"] == 3
+    assert remote.lookup(ident, PUBLIC, tokens).hits == []
+    assert remote.put_prompt(ident, PUBLIC, tokens, kv).stored == 3
+    assert remote.check().clean
+    _chunks_equal(remote, tokens, kv, 3)
+    state = quiet(remote)
+    assert state["internal_errors"] == 0
+
+
+def test_a_seal_that_is_not_the_bytes_is_caught_and_never_served_as_verified(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that sends seals its chunks do not have (a bug, or a lie): the DRAM tier
+    takes them as given, as it takes the bytes, but they are caught wherever a seal is
+    verified. With ``--verify-dram-on-load`` the load misses (counted) instead of
+    serving them; the audit reports them; and a write-through server refuses the put
+    (nothing of it stored, nothing on disk)."""
+    import kvlife.client.puts as client_puts
+    from kvlife.native.copies import sealing
+
+    if not sealing():
+        pytest.skip("no extension: the client does not seal")
+    real = client_puts.copy_sealed
+
+    def lying(dst: np.ndarray, src: np.ndarray) -> bytes:
+        return bytes(b ^ 1 for b in real(dst, src))
+
+    ident = tiny_identity()
+    for flags in (("--verify-dram-on-load",), ("--write-through",)):
+        srv = ServerProc(tmp_path / flags[0].strip("-"), extra=flags).start()
+        store = srv.client()
+        try:
+            store.put_prompt(ident, PUBLIC, *prompt_kv(85, 3 * N))  # stages 3 extents
+            monkeypatch.setattr(client_puts, "copy_sealed", lying)
+            tokens, kv = prompt_kv(86, 3 * N)
+            if flags[0] == "--write-through":
+                with pytest.raises(ChecksumMismatch, match="sealed"):
+                    store.put_prompt(ident, PUBLIC, tokens, kv)
+                monkeypatch.setattr(client_puts, "copy_sealed", real)
+                assert store.lookup(ident, PUBLIC, tokens).hits == []
+                state = quiet(store)
+                assert state["tentative"] == 0
+                continue
+            assert store.put_prompt(ident, PUBLIC, tokens, kv).stored == 3
+            monkeypatch.setattr(client_puts, "copy_sealed", real)
+            got = store.load(store.lookup(ident, PUBLIC, tokens))
+            assert got.loaded == 0, "a chunk whose seal fails is a miss, never served"
+            assert store.lookup(ident, PUBLIC, tokens).hits == [], "invalidated"
+            assert store.counters.sealed_mismatch >= 1
+        finally:
+            monkeypatch.setattr(client_puts, "copy_sealed", real)
+            store.close()
+            srv.stop()
