@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kvlife.client import RemoteStore
 from kvlife.core.errors import ChecksumMismatch, ProtocolError
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity, token_bytes
-from kvlife.native.copies import stream_copy
+from kvlife.native.copies import copy_sealed, stream_copy
 from kvlife.server import protocol
 from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.server.conftest import ROOT, ServerProc, child_env, quiet
@@ -649,7 +649,7 @@ def test_seals_of_the_wrong_length_are_a_typed_error_and_the_put_leaves_nothing(
     ident = tiny_identity()
     remote.put_prompt(ident, PUBLIC, *prompt_kv(83, 3 * N))  # stages 3 extents
     before = quiet(remote)
-    real = client_puts.copy_sealed
+    real = copy_sealed
     monkeypatch.setattr(client_puts, "copy_sealed", lambda d, s: real(d, s)[:15])
     tokens, kv = prompt_kv(84, 3 * N)
     with pytest.raises(ProtocolError, match="seals"):
@@ -679,13 +679,14 @@ def test_a_seal_that_is_not_the_bytes_is_caught_and_never_served_as_verified(
 
     if not sealing():
         pytest.skip("no extension: the client does not seal")
-    real = client_puts.copy_sealed
+    real = copy_sealed
 
     def lying(dst: np.ndarray, src: np.ndarray) -> bytes:
         return bytes(b ^ 1 for b in real(dst, src))
 
     ident = tiny_identity()
-    for flags in (("--verify-dram-on-load",), ("--write-through",)):
+    runs: list[tuple[str, ...]] = [("--verify-dram-on-load",), ("--write-through",)]
+    for flags in runs:
         srv = ServerProc(tmp_path / flags[0].strip("-"), extra=flags).start()
         store = srv.client()
         try:
