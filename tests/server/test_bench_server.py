@@ -107,6 +107,10 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
         # the verified put's ceilings: a copy and its seal, one thread or two
         assert p["sealed_gbps"] > 0 and p["split_gbps"] > 0
         assert abs(p["ratio_sealed"] - p["sealed_gbps"] / p["memcpy_gbps"]) < 1e-9
+        # the same puts hashed by the server: told by put_written, and at the commit
+        for name in ("server_hashed", "unnoticed"):
+            assert p[f"{name}_gbps"] > 0
+            assert abs(p[f"ratio_{name}"] - p[f"{name}_gbps"] / p["memcpy_gbps"]) < 1e-9
         # the client's own copy alone (streaming stores), and the put against it
         assert p["stream_gbps"] > 0
         assert abs(p["of_stream"] - p["server_gbps"] / p["stream_gbps"]) < 1e-9

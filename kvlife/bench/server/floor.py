@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from kvlife.native.copies import stream_copy
+from kvlife.native.copies import copy_sealed, sealing, stream_copy
 from kvlife.tiers.base import seal_of
 
 HEADER = struct.Struct("<cQQ")
@@ -150,8 +150,10 @@ class FloorServer:
         shared memory in order (as kvlife's client copies a staged put:
         :func:`~kvlife.native.copies.stream_copy`), one reply of seals at the end
         (checked after). The server hashes them, told every ``notice`` bytes (0: never,
-        it hashes all at the commit); or, ``client_seals``, this side hashes each piece
-        of :data:`SEAL_PIECE_BYTES` right after copying it (from the cache) and sends the
+        it hashes all at the commit); or, ``client_seals``, this side hashes each chunk
+        as it copies it, as kvlife's client does
+        (:func:`~kvlife.native.copies.copy_sealed`; without the extension, each piece of
+        :data:`SEAL_PIECE_BYTES` right after copying it, from the cache) and sends the
         seals with the commit (the server only takes them)."""
         size = chunks[0].nbytes
         total = size * len(chunks)
@@ -161,10 +163,14 @@ class FloorServer:
         flat = [c.reshape(-1).view(np.uint8) for c in chunks]
         step = SEAL_PIECE_BYTES if client_seals else notice if notice > 0 else size
         seals: list[bytes] = []
+        hashing_copy = client_seals and sealing()
         t0 = time.perf_counter()
         self._send(b"P", size, len(chunks))
         done = told = 0
         for i, src in enumerate(flat):
+            if hashing_copy:  # as kvlife's client seals a put: hashed as it is copied
+                seals.append(copy_sealed(self.shm[i * size : (i + 1) * size], src))
+                continue
             hashing = xxhash.xxh3_128()
             for off in range(0, size, step):
                 end = min(size, off + step)

@@ -47,9 +47,12 @@ def bench_put(
     """Put fresh prompts (invalidated after each, outside the timing); the limit is
     memcpy into warm DRAM, or (write-through server: ``raw_dir``) a raw write of the
     same bytes plus fdatasync. ``embedded``: the same puts into an in-process store too
-    (what the store core costs without the server). DRAM puts are timed once more
-    without ``put_written`` notices (``unnoticed``: the server hashes every chunk at the
-    commit, as before issue 28), interleaved, to show what the notices gain; and beside
+    (what the store core costs without the server). A put within the client's
+    ``SEAL_PUT_BYTES`` is sealed by the client as it copies (kvlife/client/puts.py). DRAM
+    puts are timed twice more with the server hashing the chunks, interleaved: told by
+    ``put_written`` notices as the client copies (``server_hashed``: how every put was
+    made before 2026-12-07, and still above the threshold), and without the notices
+    (``unnoticed``: every chunk at the commit, as before issue 28); and beside
     them the two ceilings of a verified put with no bookkeeping at all: the copy and its
     seal on one thread (``sealed``: what an in-process put cannot beat) and with the seal
     on a second thread, MiB by MiB (``split``: the served put's split of the work, the
@@ -71,6 +74,7 @@ def bench_put(
     dsts = out_buffers(layout, n)
     direct = raw_dir is not None and direct_ok(raw_dir)
     served, limit, inproc, unnoticed = [], [], [], []
+    hashed: list[float] = []
     sealed: list[float] = []
     split: list[float] = []
     stream: list[float] = []
@@ -91,25 +95,31 @@ def bench_put(
                 return memcpy(dsts, chunks)
 
             def put_once(
-                notices: bool, tokens: list[int] = tokens, chunks: list[np.ndarray] = chunks
+                how: str = "", tokens: list[int] = tokens, chunks: list[np.ndarray] = chunks
             ) -> float:
-                least = remote._puts.notice_bytes
-                if not notices:  # the commit hashes every chunk, as before issue 28
-                    remote._puts.notice_bytes = 0
+                """One timed put: as the client makes it (``how`` empty), or with the
+                server hashing the chunks (``server_hashed``: told by ``put_written``,
+                no seals from the client; ``unnoticed``: every chunk at the commit)."""
+                puts = remote._puts
+                least, sealing = puts.notice_bytes, puts.seal_copies
+                if how:
+                    puts.seal_copies = False
+                if how == "unnoticed":  # the commit hashes every chunk, as before issue 28
+                    puts.notice_bytes = 0
                 try:
-                    c0 = cpu.server() if notices else 0.0
+                    c0 = cpu.server() if not how else 0.0
                     t0 = time.perf_counter()
                     res = remote.put_prompt(ident, NS, tokens, chunks)
                     took = time.perf_counter() - t0
-                    if notices:
+                    if not how:
                         cpu.served(cpu.server() - c0, took)
                 finally:
-                    remote._puts.notice_bytes = least
+                    puts.notice_bytes, puts.seal_copies = least, sealing
                 if res.stored != n:
                     raise RuntimeError(f"put stored {res.stored} of {n} chunks")
                 remote.invalidate(namespace=NS)
                 if halves is not None:
-                    halves.after_put(notices)
+                    halves.after_put(not how)
                 return took
 
             # the order alternates, so that neither side always finds the source in cache
@@ -120,11 +130,13 @@ def bench_put(
                     floor.put(chunks, 0, True),
                 )
             t_lim = limit_once() if rep % 2 else 0.0
-            if raw_dir is None and rep % 2:  # DRAM: the same put without put_written too
-                unnoticed.append(put_once(False))
-            t = put_once(True)
+            if raw_dir is None and rep % 2:  # DRAM: the same put hashed by the server too
+                unnoticed.append(put_once("unnoticed"))
+                hashed.append(put_once("server_hashed"))
+            t = put_once()
             if raw_dir is None and not rep % 2:
-                unnoticed.append(put_once(False))
+                hashed.append(put_once("server_hashed"))
+                unnoticed.append(put_once("unnoticed"))
             if not rep % 2:
                 t_lim = limit_once()
             if embedded is not None:
@@ -159,6 +171,7 @@ def bench_put(
     others = {"inproc": inproc[1:]} if inproc else {}  # the first is a warm-up
     if unnoticed:
         others["unnoticed"] = unnoticed[1:]
+        others["server_hashed"] = hashed[1:]
     if sealed:
         others |= {"sealed": sealed, "split": split, "stream": stream}
     if floored:
