@@ -330,16 +330,18 @@ def decode_request(body: bytes, limits: Limits = DEFAULT_LIMITS) -> Request:
     try:
         return Request(rid, verb, check_args(verb, args))
     except ProtocolError as exc:
-        raise Rejected(rid, exc) from None
+        raise Rejected(rid, exc, verb if type(verb) is str else "") from None
 
 
 class Rejected(ProtocolError):
     """A request whose id is known but whose verb or arguments are bad: the error reply
-    goes to that id (a client waiting for it gets it)."""
+    goes to that id (a client waiting for it gets it). ``verb``: the verb it named, when
+    that is a string (the session undoes what a refused ``put_commit`` leaves)."""
 
-    def __init__(self, rid: int, error: ProtocolError) -> None:
+    def __init__(self, rid: int, error: ProtocolError, verb: str = "") -> None:
         super().__init__(str(error))
         self.rid = rid
+        self.verb = verb
 
 
 # ---------------------------------------------------------------------- identity

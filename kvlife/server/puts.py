@@ -323,6 +323,12 @@ class Puts:
     def _unstage_bytes(self, size: int) -> None:
         self.ctx.give({"staged_bytes": size, "put_bytes": size})
 
+    def refuse_commit(self, reason: str) -> None:
+        """The ``put_commit`` of the deferred put was refused before it was handled: the
+        put is aborted (and a prepare's error, which that commit would have raised,
+        forgotten)."""
+        self._drop_deferred(reason)
+
     def _drop_deferred(self, reason: str) -> None:
         staged, self.deferred, self.deferred_error = self.deferred, None, None
         if staged is not None:
