@@ -80,11 +80,33 @@ def test_an_event_file_on_a_full_disk_drops_events_not_the_store(
         owed = _workload(store, identity)
         assert store.counters.events_dropped > 0
     finally:
-        try:  # the sink's flush at close may say the log is incomplete, once all is released
-            store.close()
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC, exc
+        dropped = store.counters.events_dropped
+        store.close()  # the sink's failing flush is counted, never raised
+    assert store.counters.events_dropped == dropped + 1, "the flush's loss counted"
     _reopened(tmp_path, identity, owed)
+
+
+class _FlushFails(JsonlSink):
+    """An event file whose flush fails (a disk that filled, a file system gone)."""
+
+    def flush(self) -> None:
+        raise OSError(errno.EIO, "the event log's device failed")
+
+
+def test_a_sink_whose_flush_fails_at_close_loses_its_events_counted_not_the_store(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """Close flushes the sink last: its failure is the event log's, counted in
+    ``events_dropped`` and logged, and close raises nothing for it (every tier is closed,
+    the lock released: the store reopens with every prompt)."""
+    sink = _FlushFails(tmp_path / "events.jsonl")
+    store = KVStore.open(tmp_path / "s", dram_bytes=16 * 2048, disk_bytes=16 << 20, sink=sink)
+    owed = _workload(store, identity)
+    assert store.counters.events_dropped == 0
+    store.close()
+    assert store.counters.events_dropped == 1
+    sink.close()
+    _reopened(tmp_path / "s", identity, owed)
 
 
 @pytest.mark.parametrize(

@@ -94,4 +94,17 @@ class Ledger:
                     )
 
     def flush(self) -> None:
-        self.sink.flush()
+        """Flush the sink. A sink whose flush fails (an event file on a full disk) lost
+        the events it held: counted as one more in ``events_dropped`` (how many it held is
+        the sink's to know) and logged; the store's own state is unaffected, so a close
+        goes on and raises nothing for it."""
+        try:
+            self.sink.flush()
+        except Exception as exc:
+            self.counters.events_dropped += 1
+            log.warning(
+                "kvlife: the event sink failed to flush (%s: %s); the events it held are "
+                "lost (counted in events_dropped)",
+                type(exc).__name__,
+                exc,
+            )
