@@ -20,6 +20,7 @@ destination, and everything where the extension is not available go through
 from __future__ import annotations
 
 from functools import cache
+from types import ModuleType
 
 import numpy as np
 import xxhash
@@ -31,14 +32,11 @@ STREAM_BYTES = 64 << 10
 call's own cost would show)."""
 
 
-def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """``np.copyto(dst, src)``, by non-temporal stores where ``dst`` and ``src`` are
-    arrays of one dtype and shape that holds no Python objects (a byte copy of a
-    reference is not a copy: numpy exports such arrays' buffers all the same), ``dst``
-    writable, C-contiguous and at least :data:`STREAM_BYTES`, ``src`` contiguous or
-    strided with runs of at least 1 KiB (``STREAM_RUN``: a chunk cut from one KV
-    tensor), sharing no memory with ``dst``, and the extension is available; otherwise
-    ``np.copyto`` itself (with its errors)."""
+def _streaming(dst: np.ndarray, src: object) -> ModuleType | None:
+    """The extension, where it may stream ``src`` into ``dst``: arrays of one dtype and
+    shape that holds no Python objects (a byte copy of a reference is not a copy: numpy
+    exports such arrays' buffers all the same), ``dst`` writable, C-contiguous and at
+    least :data:`STREAM_BYTES` (the extension checks the rest: runs, shared memory)."""
     module = frames.native_module()
     if (
         module is not None
@@ -50,6 +48,20 @@ def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
         and dst.flags.writeable
         and dst.flags.c_contiguous
     ):
+        return module
+    return None
+
+
+def stream_copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``np.copyto(dst, src)``, by non-temporal stores where ``dst`` and ``src`` are
+    arrays of one dtype and shape that holds no Python objects (a byte copy of a
+    reference is not a copy: numpy exports such arrays' buffers all the same), ``dst``
+    writable, C-contiguous and at least :data:`STREAM_BYTES`, ``src`` contiguous or
+    strided with runs of at least 1 KiB (``STREAM_RUN``: a chunk cut from one KV
+    tensor), sharing no memory with ``dst``, and the extension is available; otherwise
+    ``np.copyto`` itself (with its errors)."""
+    module = _streaming(dst, src)
+    if module is not None:
         try:
             if module.stream_copy(dst, src):
                 return  # streamed; False: a short run or shared memory, nothing copied
@@ -78,17 +90,8 @@ def copy_sealed(dst: np.ndarray, src: np.ndarray) -> bytes:
     memory), where :func:`stream_copy` would stream and the extension has the streaming
     hash; otherwise copied, then ``dst`` hashed (the bytes as they landed). What a
     served put's client sends with its commit as the seals of its chunks."""
-    module = frames.native_module()
-    if (
-        module is not None
-        and isinstance(src, np.ndarray)
-        and dst.nbytes >= STREAM_BYTES
-        and dst.dtype == src.dtype
-        and not dst.dtype.hasobject
-        and dst.shape == src.shape
-        and dst.flags.writeable
-        and dst.flags.c_contiguous
-    ):
+    module = _streaming(dst, src)
+    if module is not None:
         try:
             seal = module.copy_sealed(dst, src)
         except (BufferError, TypeError, ValueError):
