@@ -102,8 +102,8 @@ def execute(
         elif isinstance(action, Copy):  # protects its batch (and ``protect``)
             # a seal the caller vouched for was not hashed from the replica's bytes by
             # this store: checked like an older replica's before it becomes durable
-            unhashed = fresh - set(seals or ())
-            _copy(core, action.src, action.dst, group, sources or {}, unhashed, out, protect)
+            hashed_here = fresh - set(seals or ())
+            _copy(core, action.src, action.dst, group, sources or {}, hashed_here, out, protect)
         elif isinstance(action, Evict):
             _evict(core, action.tier, group, out)
         # Drop and Reject were fully applied when planned (nothing physical to do)
