@@ -16,6 +16,23 @@ from kvlife.tiers.base import seal_of
 needs_native = pytest.mark.skipif(not frames.available(), reason="no C extension built")
 
 
+def _misaligned(
+    n: int, dtype: str, dst_at: int, src_at: int, seed: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``n`` random items of ``dtype`` at byte ``src_at`` of a buffer, a destination for
+    them at byte ``dst_at`` of another filled with 0xA5 (64 bytes of guard in all), that
+    whole buffer, and what it must hold after a correct copy."""
+    item = np.dtype(dtype).itemsize
+    rng = np.random.default_rng(seed)
+    src_mem = rng.integers(0, 256, n * item + 64, dtype=np.uint8)
+    src = src_mem[src_at : src_at + n * item].view(dtype)
+    dst_mem = np.full(n * item + 64, 0xA5, np.uint8)
+    dst = dst_mem[dst_at : dst_at + n * item].view(dtype)
+    want = dst_mem.copy()
+    want[dst_at : dst_at + n * item] = src_mem[src_at : src_at + n * item]
+    return src, dst, dst_mem, want
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     nbytes=st.sampled_from([0, 1, 15, 63, 64, 65, 4095, STREAM_BYTES - 1, STREAM_BYTES])
@@ -31,15 +48,9 @@ def test_the_copy_is_copyto_s_at_any_size_and_alignment(
     """Every size around the streaming threshold and the 16-byte and 64-byte steps of
     the streaming loop, at every misalignment of either side: the bytes copyto gives,
     and nothing written past the destination's ends."""
-    item = np.dtype(dtype).itemsize
-    n = nbytes // item
-    rng = np.random.default_rng(seed)
-    src_mem = rng.integers(0, 256, n * item + 64, dtype=np.uint8)
-    src = src_mem[src_at : src_at + n * item].view(dtype)
-    dst_mem = np.full(n * item + 64, 0xA5, np.uint8)
-    dst = dst_mem[dst_at : dst_at + n * item].view(dtype)
-    want = dst_mem.copy()
-    want[dst_at : dst_at + n * item] = src_mem[src_at : src_at + n * item]
+    src, dst, dst_mem, want = _misaligned(
+        nbytes // np.dtype(dtype).itemsize, dtype, dst_at, src_at, seed
+    )
     stream_copy(dst, src)
     assert np.array_equal(dst_mem, want)
 
@@ -201,15 +212,8 @@ def test_a_sealed_copy_is_copyto_s_bytes_and_their_xxh3_128(
     them (``seal_of``: xxh3-128 of the bytes in C order) at every size around the
     streaming threshold and the 32 KiB hashing blocks, at every misalignment, hashed as
     it copies where the extension is built and after the copy where not."""
-    item = np.dtype(dtype).itemsize
-    n = max(1, nbytes // item)
-    rng = np.random.default_rng(seed)
-    src_mem = rng.integers(0, 256, n * item + 64, dtype=np.uint8)
-    src = src_mem[src_at : src_at + n * item].view(dtype)
-    dst_mem = np.full(n * item + 64, 0xA5, np.uint8)
-    dst = dst_mem[dst_at : dst_at + n * item].view(dtype)
-    want = dst_mem.copy()
-    want[dst_at : dst_at + n * item] = src_mem[src_at : src_at + n * item]
+    n = max(1, nbytes // np.dtype(dtype).itemsize)
+    src, dst, dst_mem, want = _misaligned(n, dtype, dst_at, src_at, seed)
     seal = copy_sealed(dst, src)
     assert np.array_equal(dst_mem, want), "the bytes copyto gives, nothing past the ends"
     assert seal == seal_of(np.ascontiguousarray(src)) == seal_of(dst)
