@@ -364,6 +364,11 @@ MOONCAKE_RAW_CALLS = {
     "batch_put_from on a worker thread while this one hashes; get: kvlife's fetch groups, "
     "each hashed right after its batch_get_into (serial) or while the next is fetched "
     "(pipelined); the better of the two is reported",
+    "bare_published": "the bare verified put (pipelined) and then one MSET of one record "
+    "per payload (its digest and length) to the Redis server beside: the least a put that "
+    "other hosts find only once its payload is whole adds to its copy (no lease, no fence)",
+    "put_in_halves": "the raw put in two batch_put_from calls, one per half of the batch: "
+    "what a put pays to do anything (publish the first half) between two parts of its copy",
     "kvlife": "store (xxh3-128 of each payload and the publish calls, computed while "
     "batch_put_from runs, then the publish scripts) and read_batch into outs over the same "
     "reused buffer (batch_get_into per fetch group of about 8 MiB, one after the other, "
@@ -401,6 +406,22 @@ def _bare_row(g: dict[str, float]) -> dict[str, float]:
         "get_ratio": get / g["raw_get_gbps"],
         "kvlife_put_vs_bare": g["kvlife_put_gbps"] / put,
         "kvlife_get_vs_bare": g["kvlife_get_gbps"] / get,
+        "published_put_gbps": g["bare_published_put_gbps"],
+        "kvlife_put_vs_published": g["kvlife_put_gbps"] / g["bare_published_put_gbps"],
+    }
+
+
+def _halves_row(g: dict[str, float], n: int, size: int) -> dict[str, float]:
+    """The raw put of one size in two calls against one call: ``second_call_ms``, what
+    a put pays (per batch) to stop its copy half-way, e.g. to publish the first half's
+    records while the second half is copied (the publish it would hide is the round
+    trip of the bare published put over the bare verified one)."""
+    one = n * size / g["raw_put_gbps"] / 1e9
+    two = n * size / g["raw_halves_put_gbps"] / 1e9
+    return {
+        "raw_put_gbps": g["raw_halves_put_gbps"],
+        "of_one_call": g["raw_halves_put_gbps"] / g["raw_put_gbps"],
+        "second_call_ms": (two - one) * 1e3,
     }
 
 
@@ -426,12 +447,20 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
         mc = tier.mc
         _touch_segment(mc, seg)
         reused: dict[int, np.ndarray] = {}
-        bare = BareVerified(mc, lambda names: mc.batch_remove(names, True))
+        records = RedisEndpoint(url=server.url).connect()
+        bare = BareVerified(mc, lambda names: mc.batch_remove(names, True), records)
 
         def zc_put(names: list[str], arrs: list[np.ndarray]) -> None:
             ptrs = [a.ctypes.data for a in arrs]
             rcs = mc.batch_put_from(names, ptrs, [a.nbytes for a in arrs])
             assert all(rc == 0 for rc in rcs), rcs
+
+        def zc_put_halves(names: list[str], arrs: list[np.ndarray]) -> None:
+            """The same put in two calls, one per half of the batch: what a put pays to
+            do anything between two parts of its copy (a publish of the first half)."""
+            half = (len(arrs) + 1) // 2
+            for part in (slice(0, half), slice(half, None)):
+                zc_put(names[part], arrs[part])
 
         def zc_get_into(names: list[str], size: int, new: bool) -> list[np.ndarray]:
             n = len(names)
@@ -491,6 +520,9 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
                     zc_put, lambda ns, sz: zc_get_into(ns, sz, new=True), remove, size
                 ),
                 "raw_bytes": _raw_run(bytes_put, bytes_get, remove, size),
+                "raw_halves": _raw_run(
+                    zc_put_halves, lambda ns, sz: zc_get_into(ns, sz, new=False), remove, size
+                ),
                 **bare.runs(size),
             }
             g, n, wrong, cpu = _contest(runs, size, total, reps)
@@ -519,6 +551,7 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
                         "get_ratio": g["kvlife_whole_get_gbps"] / g["raw_get_gbps"],
                     },
                     "bare_verified": _bare_row(g),
+                    "put_in_halves": _halves_row(g, n, size),
                     "bytes_api": {
                         "raw_put_gbps": g["raw_bytes_put_gbps"],
                         "raw_get_gbps": g["raw_bytes_get_gbps"],
@@ -531,6 +564,7 @@ def _mooncake_section(sizes: list[int], total: int, reps: int) -> dict[str, Any]
                 }
             )
         bare.close()
+        records.close()
         details = tier.details()
         tier.close()
         return {
@@ -651,6 +685,14 @@ def _table(result: dict[str, Any]) -> str:
             f" ({v['put_ratio']:4.2f} / {v['get_ratio']:4.2f})"
             f"             {v['serial_get_gbps']:6.2f} / {v['pipelined_get_gbps']:6.2f}"
             f"             {v['kvlife_put_vs_bare']:4.2f} / {v['kvlife_get_vs_bare']:4.2f}"
+        )
+    for r in mc.get("rows", []):
+        v, h = r["bare_verified"], r["put_in_halves"]
+        lines.append(
+            f"mooncake  {r['size'] // KiB:6d}K   put with a publish after it (bare verified +"
+            f" one MSET of its records) {v['published_put_gbps']:5.2f} GB/s, kvlife"
+            f" {v['kvlife_put_vs_published']:4.2f} of it; the raw put in two calls"
+            f" {h['of_one_call']:4.2f} of one (the second call {h['second_call_ms']:+.2f} ms)"
         )
     for r in mc.get("rows", []):
         c, n = r["cpu_ms"], r["objects"]

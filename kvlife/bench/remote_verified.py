@@ -12,6 +12,11 @@ what kvlife's bookkeeping costs is told apart from what the verification costs.
 - get, ``pipelined``: the next group fetched on a worker thread while this thread hashes
   the last one.
 
+``bare_published`` is the pipelined contestant whose put also publishes one record per
+payload (its digest and length) in one ``MSET`` to the Redis server beside, after the
+copy: the least a put that other hosts find only once its payload is whole must add to
+the copy (no lease, no fence, no bucket: kvlife's publish checks them all in its script).
+
 A verified get reads every byte once more than a copy does; on a machine whose memory
 bandwidth the copy fills, that read costs time. The better of the two gets is reported
 (``bare_verified`` in each row); it is no ceiling: kvlife's tier, which fetches ahead
@@ -38,9 +43,14 @@ class BareVerified:
     """The two bare verified contestants over one Mooncake client (``mc``); :meth:`close`
     stops the worker thread."""
 
-    def __init__(self, mc: Any, remove: Callable[[list[str]], None]) -> None:
+    def __init__(
+        self, mc: Any, remove: Callable[[list[str]], None], records: Any | None = None
+    ) -> None:
         self.mc = mc
         self.remove = remove
+        self.records = records
+        """A redis-py client the ``bare_published`` contestant publishes its records to
+        (None: no such contestant)."""
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvlife-bare")
         self._buf = np.zeros(0, np.uint8)
         self._sums: tuple[int, list[bytes]] = (0, [])
@@ -49,10 +59,13 @@ class BareVerified:
         self.pool.shutdown(wait=True)
 
     def runs(self, size: int) -> dict[str, Round]:
-        return {
+        runs = {
             "bare_serial": self._run(size, pipelined=False),
             "bare_pipelined": self._run(size, pipelined=True),
         }
+        if self.records is not None:
+            runs["bare_published"] = self._run(size, pipelined=True, published=True)
+        return runs
 
     def _digests(self, arrs: list[np.ndarray]) -> list[bytes]:
         """The payloads' digests, computed once per batch of arrays (untimed)."""
@@ -78,6 +91,16 @@ class BareVerified:
         if any(rc != 0 for rc in rcs):
             raise RuntimeError(f"mooncake batch_put_from returned {rcs[:4]}")
         return wrong
+
+    def _publish(self, names: list[str], arrs: list[np.ndarray], want: list[bytes]) -> None:
+        """One record per payload, its digest and length, in one ``MSET``."""
+        assert self.records is not None
+        self.records.mset(
+            {
+                f"bare-record:{name}": digest + a.nbytes.to_bytes(8, "little")
+                for name, a, digest in zip(names, arrs, want, strict=True)
+            }
+        )
 
     def _get(self, names: list[str], size: int, want: list[bytes], pipelined: bool) -> int:
         """The payloads got into one reused buffer group by group, each hashed once its
@@ -117,16 +140,20 @@ class BareVerified:
             wrong += check(group, rcs)
         return wrong
 
-    def _run(self, size: int, pipelined: bool) -> Round:
+    def _run(self, size: int, pipelined: bool, published: bool = False) -> Round:
         def run(arrs: list[np.ndarray], rep: int) -> tuple[float, float, int, float, float]:
             want = self._digests(arrs)
             names = [f"bare:{size}:{rep}:{i}" for i in range(len(arrs))]
             c0, t0 = time.process_time(), time.perf_counter()
             wrong = self._put(names, arrs, want)
+            if published:
+                self._publish(names, arrs, want)
             c1, t1 = time.process_time(), time.perf_counter()
             wrong += self._get(names, size, want, pipelined)
             c2, t2 = time.process_time(), time.perf_counter()
             self.remove(names)
+            if published and self.records is not None:
+                self.records.delete(*(f"bare-record:{name}" for name in names))
             return t1 - t0, t2 - t1, wrong, c1 - c0, c2 - c1
 
         return run

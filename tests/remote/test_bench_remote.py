@@ -44,6 +44,8 @@ def test_bench_remote_quick_writes_its_json(tmp_path: Path) -> None:
             "known_checksum",
             "whole_batch",
             "bare_verified",
+            "bare_published",
+            "put_in_halves",
             "kvlife",
         }
         assert mc["tier"]["corrupt"] == 0
@@ -54,6 +56,7 @@ def test_bench_remote_quick_writes_its_json(tmp_path: Path) -> None:
             "known_checksum",
             "whole_batch",
             "bare_verified",
+            "put_in_halves",
             "cpu_ms",
         }
         v = r["bare_verified"]
@@ -66,9 +69,14 @@ def test_bench_remote_quick_writes_its_json(tmp_path: Path) -> None:
             "get_ratio",
             "kvlife_put_vs_bare",
             "kvlife_get_vs_bare",
+            "published_put_gbps",
+            "kvlife_put_vs_published",
         }
         assert v["get_gbps"] == max(v["serial_get_gbps"], v["pipelined_get_gbps"]) > 0
-        assert v["put_gbps"] > 0
+        assert v["put_gbps"] > 0 and v["published_put_gbps"] > 0
+        h = r["put_in_halves"]
+        assert set(h) == {"raw_put_gbps", "of_one_call", "second_call_ms"}
+        assert h["raw_put_gbps"] > 0 and h["of_one_call"] > 0
         assert set(r["whole_batch"]) == {"kvlife_get_gbps", "get_ratio"}
         assert set(r["cpu_ms"]) == {"kvlife_put", "kvlife_get", "raw_put", "raw_get"}
         assert all(v >= 0 for v in r["cpu_ms"].values())
