@@ -29,6 +29,7 @@ from kvlife.index.prefix import ObjectIndex
 from kvlife.placement import Action, Copy, Drop, Evict, Place, Placement, Reject, TierSlot
 from kvlife.policy.base import EvictionPolicy, make_policy
 from kvlife.policy.shares import TenantShares
+from kvlife.store.callbacks import Callbacks
 from kvlife.store.config import StoreConfig
 from kvlife.store.forms import DecodeRates, contract_of, encoded_nbytes, tier_transform
 from kvlife.store.ledger import Ledger
@@ -191,7 +192,9 @@ class StoreCore:
         self.lock = threading.RLock()
         self.seq = Sequencer()
         self.index = ObjectIndex()
-        self.ledger = Ledger(sink)
+        self.callbacks = Callbacks()
+        """Whether a thread is inside a callback of this store's (:mod:`kvlife.store.callbacks`)."""
+        self.ledger = Ledger(sink, self.callbacks)
         self.counters = self.ledger.counters
         self.chain = chain
         self.tiers: dict[TierName, Tier] = {t.name: t for t in chain}

@@ -17,6 +17,7 @@ from kvlife.core.events import ChunkFacts, DetailedSink, EventSink, LifecycleEve
 from kvlife.core.lifecycle import Move, ObjectState, check_move
 from kvlife.core.objects import ObjectRecord
 from kvlife.results import StoreCounters
+from kvlife.store.callbacks import Callbacks
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +25,11 @@ log = logging.getLogger(__name__)
 class Ledger:
     """Moves, events and counters of one store (callers hold the store's index lock)."""
 
-    def __init__(self, sink: EventSink | None) -> None:
+    def __init__(self, sink: EventSink | None, callbacks: Callbacks | None = None) -> None:
         self.sink: EventSink = sink if sink is not None else NullSink()
+        self.callbacks = callbacks if callbacks is not None else Callbacks()
+        """Marks this thread inside the sink's ``emit`` (a ``close()`` from there closes on
+        a thread of its own: :mod:`kvlife.store.callbacks`)."""
         self._emitting = not isinstance(self.sink, NullSink)
         kinds = self.sink.kinds()
         self._wanted = None if kinds is None else frozenset(m for m in Move if m.value in kinds)
@@ -76,6 +80,7 @@ class Ledger:
                 reason=reason,
                 request_id=request_id,
             )
+            self.callbacks.enter()
             try:
                 if self._detailed is not None:
                     info = rec.info
@@ -92,6 +97,8 @@ class Ledger:
                         type(exc).__name__,
                         exc,
                     )
+            finally:
+                self.callbacks.leave()
 
     def flush(self) -> None:
         """Flush the sink. A sink whose flush fails (an event file on a full disk) lost

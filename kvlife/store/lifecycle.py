@@ -11,6 +11,8 @@ files with parity while the lock is still held, then drop the lock. The facade
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -27,6 +29,8 @@ from kvlife.store.writes import Writer
 from kvlife.tiers.base import Tier
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.registry import TierContext, build_tier
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -71,8 +75,22 @@ def open_store(
 def close_store(store: OpenStore, writer: Writer, reader: Reader, *, flush: bool) -> None:
     """Flush (unless ``flush=False``), then release files, threads and the lock; the
     first error is raised once everything is released. A second call (from any thread)
-    waits for the first to finish, then does nothing."""
+    waits for the first to finish, then does nothing.
+
+    Called from inside a callback the store is running (an event sink's ``emit``,
+    ``check()``'s ``progress``: :mod:`kvlife.store.callbacks`), the close cannot wait for
+    the call that runs the callback: it runs on a thread of its own, started here, and
+    this call returns at once. The store then closes as a close from another thread
+    does, once the calls under way (that one too) have ended; a later ``close()`` waits
+    for it, and an error of that close is logged."""
     core = store.core
+    if core.callbacks.inside():
+        threading.Thread(
+            target=_close_logged,
+            args=(store, writer, reader, flush),
+            name="kvlife-close",
+        ).start()
+        return
     with core.lock:  # from here on no put is prepared or committed (StoreClosedError)
         second = core.closing
         core.closing = True
@@ -110,3 +128,17 @@ def close_store(store: OpenStore, writer: Writer, reader: Reader, *, flush: bool
         core.close_done.set()
         if errors:
             raise errors[0]
+
+
+def _close_logged(store: OpenStore, writer: Writer, reader: Reader, flush: bool) -> None:
+    """:func:`close_store` on its own thread (a close asked from inside a callback): its
+    error has no caller to go to, so it is logged."""
+    try:
+        close_store(store, writer, reader, flush=flush)
+    except BaseException as exc:
+        log.error(
+            "kvlife: closing %s (asked from inside a callback) failed: %s: %s",
+            store.path,
+            type(exc).__name__,
+            exc,
+        )

@@ -91,6 +91,7 @@ def audit(core: StoreCore, fix: bool, progress: Callable[[int], object] | None) 
     what the audit dropped (a DRAM replica that failed its seal, bad rows a fix
     deleted) is taken in as lost replicas."""
     report = AuditReport()
+    progress = core.callbacks.wrap(progress)  # a close() from it closes on another thread
     with core.reading():  # close waits for it: the tiers stay open under the audit
         for tier in core.chain:
             if isinstance(tier, SupportsAudit):
