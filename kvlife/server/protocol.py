@@ -330,18 +330,26 @@ def decode_request(body: bytes, limits: Limits = DEFAULT_LIMITS) -> Request:
     try:
         return Request(rid, verb, check_args(verb, args))
     except ProtocolError as exc:
-        raise Rejected(rid, exc, verb if type(verb) is str else "") from None
+        put = args.get("put") if type(args) is dict else None
+        raise Rejected(
+            rid, exc, verb if type(verb) is str else "", put if type(put) is int else None
+        ) from None
 
 
 class Rejected(ProtocolError):
     """A request whose id is known but whose verb or arguments are bad: the error reply
     goes to that id (a client waiting for it gets it). ``verb``: the verb it named, when
-    that is a string (the session undoes what a refused ``put_commit`` leaves)."""
+    that is a string; ``put``: the pending put it named, when that is an int (the
+    session undoes what a refused ``put_commit``, ``commit_put`` or ``abort_put``
+    leaves)."""
 
-    def __init__(self, rid: int, error: ProtocolError, verb: str = "") -> None:
+    def __init__(
+        self, rid: int, error: ProtocolError, verb: str = "", put: int | None = None
+    ) -> None:
         super().__init__(str(error))
         self.rid = rid
         self.verb = verb
+        self.put = put
 
 
 # ---------------------------------------------------------------------- identity

@@ -201,13 +201,15 @@ class Puts:
             self._done(put)
 
     def abort_put(self, args: dict[str, Any]) -> object:
-        put = self._take(args["put"])
+        self._abort(self._take(args["put"]), args.get("reason", "aborted by caller"))
+        return None
+
+    def _abort(self, put: _Put, reason: str) -> None:
         put.views.clear()
         try:
-            self.ctx.store.abort_put(put.pending, args.get("reason", "aborted by caller"))
+            self.ctx.store.abort_put(put.pending, reason)
         finally:
             self._done(put)
-        return None
 
     def _take(self, pid: int) -> _Put:
         with self.ctx.lock:
@@ -328,6 +330,14 @@ class Puts:
         put is aborted (and a prepare's error, which that commit would have raised,
         forgotten)."""
         self._drop_deferred(reason)
+
+    def refuse_pending(self, pid: int, reason: str) -> None:
+        """A ``commit_put`` or ``abort_put`` naming pending put ``pid`` was refused
+        before it was handled: that put is aborted (none of this session's: nothing)."""
+        with self.ctx.lock:
+            put = self.pending.pop(pid, None)
+        if put is not None:
+            self._abort(put, reason)
 
     def _drop_deferred(self, reason: str) -> None:
         staged, self.deferred, self.deferred_error = self.deferred, None, None

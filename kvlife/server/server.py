@@ -537,7 +537,7 @@ class Server:
         try:
             req = protocol.decode_request(body, self.cfg.limits)
         except protocol.Rejected as exc:
-            session.refused(exc.verb, exc)
+            session.refused(exc.verb, exc, exc.put)
             return self._error(exc.rid, exc)
         except protocol.DecodeLimit as exc:
             # refused before it was built, so its rid is read from its first bytes

@@ -262,14 +262,17 @@ class Session:
             "stats": self.stats,
         }
 
-    def refused(self, verb: str, error: Exception) -> None:
+    def refused(self, verb: str, error: Exception, put: int | None = None) -> None:
         """A request of ``verb`` this session sent was refused before any handler ran
         (its arguments failed the protocol's checks). A ``put_commit`` so refused aborts
-        the deferred put it would have committed: the client was told the put failed, and
-        its chunks must not stay TENTATIVE (holding the prompt and the session's budget)
-        until the session's next put or its end."""
+        the deferred put it would have committed, and a ``commit_put`` or ``abort_put``
+        the pending put it names (``put``, when its id was an int): the client was told
+        the put failed, and its chunks must not stay TENTATIVE (holding the prompt and
+        the session's budget) until the session's next put or its end."""
         if verb == "put_commit":
             self.puts.refuse_commit(f"its put_commit was refused: {error}")
+        elif verb in ("commit_put", "abort_put") and put is not None:
+            self.puts.refuse_pending(put, f"its {verb} was refused: {error}")
 
     def handle(self, verb: str, args: dict[str, Any], rid: int = 0) -> object:
         self.ctx.rid = rid

@@ -666,6 +666,31 @@ def test_seals_of_the_wrong_length_are_a_typed_error_and_the_put_leaves_nothing(
     assert state["internal_errors"] == 0
 
 
+@pytest.mark.parametrize("verb", ["commit_put", "abort_put"])
+def test_a_refused_commit_or_abort_of_a_pending_put_aborts_it(
+    remote: RemoteStore, verb: str
+) -> None:
+    """A two-phase put's ``commit_put`` (or ``abort_put``) whose arguments the decoder
+    refuses (an unknown field beside a valid put id) is a ProtocolError, and the pending
+    put it names is aborted: nothing TENTATIVE, its budget back (``puts`` 0), the prompt
+    stored whole by the next put. Before 2026-12-07 the put stayed pending, its chunks
+    TENTATIVE, until the session ended."""
+    ident = tiny_identity()
+    tokens, kv = prompt_kv(87, 3 * N)
+    pending = remote.prepare_put(ident, PUBLIC, tokens, kv)
+    assert quiet(remote)["tentative"] == 3
+    with pytest.raises(ProtocolError, match="bogus"):
+        remote._wire.call(verb, {"put": pending.put, "bogus": 1})
+    state = quiet(remote)
+    assert state["tentative"] == 0 and state["puts"] == 0, state
+    with pytest.raises(ProtocolError, match="no pending put"):
+        remote._wire.call("commit_put", {"put": pending.put})
+    res = remote.put_prompt(ident, PUBLIC, tokens, kv)
+    assert res.stored == 3 and res.in_flight == 0, res
+    _chunks_equal(remote, tokens, kv, 3)
+    assert quiet(remote)["internal_errors"] == 0
+
+
 def test_a_seal_that_is_not_the_bytes_is_caught_and_never_served_as_verified(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
