@@ -238,6 +238,8 @@ class StoreCore:
         """``close`` has begun: no put is prepared or committed any more."""
         self.close_done = threading.Event()
         """Set when ``close`` has released everything (a second ``close`` waits for it)."""
+        self.closer: threading.Thread | None = None
+        """The thread of a close asked from inside a callback (:mod:`kvlife.store.lifecycle`)."""
         self._readers: dict[int, int] = {}
         """Reads under way (:meth:`reading`), by thread."""
         self._no_readers = threading.Condition(self.lock)

@@ -105,6 +105,7 @@ class Ledger:
         the events it held: counted as one more in ``events_dropped`` (how many it held is
         the sink's to know) and logged; the store's own state is unaffected, so a close
         goes on and raises nothing for it."""
+        self.callbacks.enter()  # the sink's code: a close() from it closes on another thread
         try:
             self.sink.flush()
         except Exception as exc:
@@ -115,3 +116,5 @@ class Ledger:
                 type(exc).__name__,
                 exc,
             )
+        finally:
+            self.callbacks.leave()

@@ -11,6 +11,7 @@ files with parity while the lock is still held, then drop the lock. The facade
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -85,17 +86,16 @@ def close_store(store: OpenStore, writer: Writer, reader: Reader, *, flush: bool
     for it, and an error of that close is logged."""
     core = store.core
     if core.callbacks.inside():
-        threading.Thread(
-            target=_close_logged,
-            args=(store, writer, reader, flush),
-            name="kvlife-close",
-        ).start()
+        _close_later(store, writer, reader, flush)
         return
     with core.lock:  # from here on no put is prepared or committed (StoreClosedError)
         second = core.closing
         core.closing = True
-    if second:  # another call closes it: wait for that one
+    if second:  # another call closes it: wait for that one (and, deferred, its log)
         core.close_done.wait()
+        closer = core.closer
+        if closer is not None and closer is not threading.current_thread():
+            closer.join()
         return
     try:
         writer.abort_all("store closed")
@@ -128,6 +128,30 @@ def close_store(store: OpenStore, writer: Writer, reader: Reader, *, flush: bool
         core.close_done.set()
         if errors:
             raise errors[0]
+
+
+def _close_later(store: OpenStore, writer: Writer, reader: Reader, flush: bool) -> None:
+    """Start :func:`close_store` on a thread of its own (a close asked from inside a
+    callback). Not a daemon, whatever the caller's thread is: a daemon would be dropped
+    at exit, its close never run. And joined by the interpreter's shutdown before
+    ``concurrent.futures`` stops taking work (its exit hook runs in the same list, after
+    the ones registered later): a close still running then would find the disk tier's
+    I/O pool refusing its flush's writes."""
+    core = store.core
+    closer = threading.Thread(
+        target=_close_logged,
+        args=(store, writer, reader, flush),
+        name="kvlife-close",
+        daemon=False,
+    )
+    with core.lock:
+        if core.closer is None:
+            core.closer = closer  # the first: what a later close() joins
+    closer.start()
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        with contextlib.suppress(RuntimeError):  # already shutting down: nothing to add
+            register(closer.join)
 
 
 def _close_logged(store: OpenStore, writer: Writer, reader: Reader, flush: bool) -> None:

@@ -25,6 +25,7 @@ from kvlife.core.errors import (
     PartialChunkError,
     ReplicaNotFound,
     StorageFullError,
+    StoreClosedError,
     StorePathError,
 )
 from kvlife.core.identity import ChunkKey, KVLayout
@@ -72,17 +73,22 @@ class Writer:
         self._pending: dict[int, PendingPut] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._shut = False
+        """The pool was shut by :meth:`close`: no other is started."""
 
     def put_async(self, pending: PendingPut) -> Future[PutResult]:
         """``commit_put`` on a background thread (puts run one plan at a time anyway)."""
         self.core.check_open()
         with self._pool_lock:
+            if self._shut:  # closing: a pool started now would outlive the store
+                raise StoreClosedError(f"store {self.core.path} is closed (or closing)")
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlife-put")
             return self._pool.submit(self.commit_put, pending)
 
     def close(self) -> None:
         with self._pool_lock:
+            self._shut = True
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self._pool = None
