@@ -63,6 +63,7 @@ from kvlife.results import LoadResult, PutResult
 from kvlife.store import KVStore
 from tests.conftest import TINY, prompt_kv
 from tests.helpers.store_threads import Call as _Call
+from tests.helpers.store_threads import CloseOnce
 from tests.helpers.store_threads import blocked as _blocked
 from tests.helpers.store_threads import chunk_of as _chunk
 from tests.helpers.store_threads import wait_until as _wait
@@ -447,19 +448,10 @@ def test_progress_closing_during_check_fix_of_a_damaged_frame(
     damaged = next(f for f in frames if f.key == keys[1])
     flip(damaged.segment, damaged.payload_offset + 11, 4)
     store = _open(path, dram_bytes=0)
-    calls: list[BaseException | None] = []
-
-    def progress(_: int) -> None:
-        if not calls:
-            try:
-                store.close(flush=False)
-                calls.append(None)
-            except BaseException as exc:  # reported below
-                calls.append(exc)
-
+    progress = CloseOnce(store)
     checking = _Call(lambda: store.check(fix=True, progress=progress))
     checking.join(10)
-    assert calls == [None], calls
+    assert progress.calls == [None], progress.calls
     _typed(checking.error)
     if checking.error is None:
         report: Any = checking.result

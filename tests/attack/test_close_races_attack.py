@@ -47,6 +47,7 @@ from kvlife.results import LoadResult, PutResult
 from kvlife.store import KVStore
 from tests.conftest import TINY, prompt_kv
 from tests.helpers.store_threads import Call as _Call
+from tests.helpers.store_threads import CloseOnce
 from tests.helpers.store_threads import blocked as _blocked
 from tests.helpers.store_threads import chunk_of as _chunk
 from tests.helpers.store_threads import wait_until as _wait
@@ -577,16 +578,7 @@ def test_check_racing_close_reports_no_false_problems(
         closing.join()
         assert closing.error is None, repr(closing.error)
     else:
-        closed: list[BaseException | None] = []
-
-        def progress(_: int) -> None:
-            if not closed:
-                try:
-                    store.close(flush=False)
-                    closed.append(None)
-                except BaseException as exc:  # reported below
-                    closed.append(exc)
-
+        progress = CloseOnce(store)
         checking = _Call(lambda: store.check(progress=progress))
     checking.join()
     if how == "progress-callback":
@@ -594,7 +586,7 @@ def test_check_racing_close_reports_no_false_problems(
         # called from, which went on over closed tiers and reported healthy replicas as
         # problems.) From inside the callback close() returns at once and closes on a
         # thread of its own once the audit has ended; a later close() waits for it.
-        assert closed == [None], closed
+        assert progress.calls == [None], progress.calls
         store.close(flush=False)
     _reopen_clean(tmp_path / "s", identity, [(tokens, kv, 2)])
     if checking.error is not None:

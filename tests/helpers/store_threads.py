@@ -18,6 +18,24 @@ from tests.conftest import TINY
 N = TINY.tokens_per_chunk
 
 
+class CloseOnce:
+    """A callback (``check()``'s ``progress``) that closes ``store`` the first time it is
+    called; ``calls`` keeps what that ``close()`` did (None, or its exception)."""
+
+    def __init__(self, store: KVStore, flush: bool = False) -> None:
+        self.store = store
+        self.flush = flush
+        self.calls: list[BaseException | None] = []
+
+    def __call__(self, _: object) -> None:
+        if not self.calls:
+            try:
+                self.store.close(flush=self.flush)
+                self.calls.append(None)
+            except BaseException as exc:  # reported by the test
+                self.calls.append(exc)
+
+
 class Call:
     """A store call on a thread of its own; its result or exception kept."""
 
