@@ -97,7 +97,7 @@ class BareVerified:
         assert self.records is not None
         self.records.mset(
             {
-                f"bare-record:{name}": digest + a.nbytes.to_bytes(8, "little")
+                _record_key(name): digest + a.nbytes.to_bytes(8, "little")
                 for name, a, digest in zip(names, arrs, want, strict=True)
             }
         )
@@ -153,7 +153,12 @@ class BareVerified:
             c2, t2 = time.process_time(), time.perf_counter()
             self.remove(names)
             if published and self.records is not None:
-                self.records.delete(*(f"bare-record:{name}" for name in names))
+                self.records.delete(*(_record_key(name) for name in names))
             return t1 - t0, t2 - t1, wrong, c1 - c0, c2 - c1
 
         return run
+
+
+def _record_key(name: str) -> str:
+    """The Redis key of the ``bare_published`` record of payload ``name``."""
+    return f"bare-record:{name}"

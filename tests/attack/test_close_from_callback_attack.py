@@ -46,7 +46,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -64,8 +64,11 @@ from kvlife.store import KVStore
 from tests.conftest import TINY, prompt_kv
 from tests.helpers.store_threads import Call as _Call
 from tests.helpers.store_threads import CloseOnce
+from tests.helpers.store_threads import assert_exact as _exact
 from tests.helpers.store_threads import blocked as _blocked
 from tests.helpers.store_threads import chunk_of as _chunk
+from tests.helpers.store_threads import open_small as _open
+from tests.helpers.store_threads import reopen_clean as _reopen_clean
 from tests.helpers.store_threads import wait_until as _wait
 
 N = TINY.tokens_per_chunk
@@ -73,48 +76,6 @@ SEG = "seg-*"
 STALL_S = 10.0
 """A held seam call fails with ETIMEDOUT after this long (a broken test cannot hang)."""
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _open(
-    path: Path,
-    io: FaultyIO | None = None,
-    *,
-    sink: EventSink | None = None,
-    promote: bool = False,
-    write_through: bool = False,
-    dram_bytes: int = 1 << 20,
-) -> KVStore:
-    return KVStore.open(
-        path,
-        dram_bytes=dram_bytes,
-        disk_bytes=16 << 20,
-        segment_bytes=1 << 20,
-        promote_on_hit=promote,
-        write_through=write_through,
-        sink=sink,
-        fileio=io,
-    )
-
-
-def _exact(arrays: list[np.ndarray], kv: np.ndarray) -> None:
-    for i, arr in enumerate(arrays):
-        assert np.array_equal(arr, _chunk(kv, i)), f"chunk {i} served other KV"
-
-
-def _reopen_clean(
-    path: Path,
-    identity: ModelIdentity,
-    prompts: Sequence[tuple[np.ndarray, np.ndarray, int | None]],
-) -> None:
-    """The directory reopens, audits clean, and serves each prompt's ``n`` chunks exact
-    (``n`` None: any number of leading chunks, each exact)."""
-    with _open(path) as again:
-        assert again.check().problems == []
-        for tokens, kv, n in prompts:
-            got = again.get(identity, PUBLIC, tokens)
-            if n is not None:
-                assert got.loaded == n, (got.loaded, n)
-            _exact(got.arrays, kv)
 
 
 def _kvlife_threads() -> list[threading.Thread]:

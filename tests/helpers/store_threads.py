@@ -6,16 +6,63 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
+from kvlife.core.events import EventSink
 from kvlife.core.identity import PUBLIC, ModelIdentity
-from kvlife.faults.fileio import Stall
+from kvlife.faults.fileio import FaultyIO, Stall
 from kvlife.store import KVStore
 from tests.conftest import TINY
 
 N = TINY.tokens_per_chunk
+
+
+def open_small(
+    path: Path,
+    io: FaultyIO | None = None,
+    *,
+    sink: EventSink | None = None,
+    promote: bool = False,
+    write_through: bool = False,
+    dram_bytes: int = 1 << 20,
+) -> KVStore:
+    """The small store of the close-race attacks: DRAM over a 16 MiB disk tier of 1 MiB
+    segments (``io``: the file seam, to stall or fail its calls)."""
+    return KVStore.open(
+        path,
+        dram_bytes=dram_bytes,
+        disk_bytes=16 << 20,
+        segment_bytes=1 << 20,
+        promote_on_hit=promote,
+        write_through=write_through,
+        sink=sink,
+        fileio=io,
+    )
+
+
+def assert_exact(arrays: list[np.ndarray], kv: np.ndarray) -> None:
+    """Each array is the chunk of ``kv`` at its position."""
+    for i, arr in enumerate(arrays):
+        assert np.array_equal(arr, chunk_of(kv, i)), f"chunk {i} served other KV"
+
+
+def reopen_clean(
+    path: Path,
+    identity: ModelIdentity,
+    prompts: Sequence[tuple[np.ndarray, np.ndarray, int | None]],
+) -> None:
+    """The directory reopens (:func:`open_small`), audits clean, and serves each prompt's
+    ``n`` chunks exact (``n`` None: any number of leading chunks, each exact)."""
+    with open_small(path) as again:
+        assert again.check().problems == []
+        for tokens, kv, n in prompts:
+            got = again.get(identity, PUBLIC, tokens)
+            if n is not None:
+                assert got.loaded == n, (got.loaded, n)
+            assert_exact(got.arrays, kv)
 
 
 class CloseOnce:
