@@ -31,6 +31,9 @@ from kvlife.tiers.base import ReplicaMeta, Reservation
 from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
 from kvlife.tiers.disk.frame import HEADER_BYTES, HEADER_USED, unpack_header
+from tests.helpers.pieces import small_pieces
+
+__all__ = ["small_pieces"]  # a fixture: pieces of 256 KiB in these tests
 
 pytestmark = pytest.mark.skipif(
     not native.available(), reason="the extension is not built (KVLIFE_NATIVE=0 or no compiler)"
@@ -101,7 +104,8 @@ def test_a_truncated_segment_ends_the_count_at_the_frame_it_cut(tmp_path: Path) 
 
 
 BIG = [8192, 8 << 20]
-"""A run whose last frame is read in pieces (``read_split``): 4 MiB with the header,
+"""A run whose last frame is read in pieces (``read_split``, pieces of at least 256 KiB
+here): 4 MiB with the header,
 then 2 MiB, 1 MiB, 512 KiB, 256 KiB and 256 KiB."""
 
 

@@ -33,8 +33,11 @@ from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.disk import DiskTier, DiskTierConfig, native_reads
 from kvlife.tiers.disk import reader as reader_mod
 from kvlife.tiers.disk.frame import HEADER_BYTES, HEADER_USED
+from tests.helpers.pieces import PIECE, SPLIT, small_pieces
 
 T = TypeVar("T")
+
+__all__ = ["small_pieces"]  # a fixture: pieces of 256 KiB in these tests
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("KVLIFE_NATIVE") == "0", reason="KVLIFE_NATIVE=0: the extension is off"
@@ -261,15 +264,15 @@ def streaming() -> Iterator[Callable[[bool], None]]:
 )
 @given(
     first=st.integers(0, 3 * 4096),
-    last=st.integers(native.SPLIT_BYTES + 1, 3 * native.SPLIT_BYTES + 4095),
+    last=st.integers(SPLIT + 1, 3 * SPLIT + 4095),
     damage=st.sampled_from(SPLIT_DAMAGE),
     where=st.integers(0, 1 << 30),
 )
-@example(first=4096, last=native.SPLIT_BYTES + 1, damage="payload", where=native.SPLIT_BYTES)
-@example(first=0, last=3 * native.SPLIT_BYTES, damage="truncate", where=0)
-@example(first=0, last=3 * native.SPLIT_BYTES, damage="payload", where=768 << 10)  # piece 2
-@example(first=0, last=3 * native.SPLIT_BYTES, damage="payload", where=(768 << 10) - 1)
-@example(first=0, last=3 * native.SPLIT_BYTES, damage="payload", where=3 * native.SPLIT_BYTES - 1)
+@example(first=4096, last=SPLIT + 1, damage="payload", where=SPLIT)
+@example(first=0, last=3 * SPLIT, damage="truncate", where=0)
+@example(first=0, last=3 * SPLIT, damage="payload", where=768 << 10)  # piece 2
+@example(first=0, last=3 * SPLIT, damage="payload", where=(768 << 10) - 1)
+@example(first=0, last=3 * SPLIT, damage="payload", where=3 * SPLIT - 1)
 def test_a_last_frame_read_in_pieces_is_handed_out_as_the_python_path_hands_it_out(
     tmp_path_factory: pytest.TempPathFactory,
     both_paths: dict[str, bool],
@@ -313,13 +316,17 @@ def test_a_last_frame_read_in_pieces_is_handed_out_as_the_python_path_hands_it_o
         tier.close()
 
 
-def test_a_runs_large_last_frame_is_verified_as_its_pieces_land(tmp_path: Path) -> None:
-    """The streaming path is the one taken: a run whose last frame is several MiB (the
-    caller reaches it while it is still being read) counts as streamed, and the frames
-    come back whole; a run of frames of at most ``SPLIT_BYTES`` streams none."""
+@pytest.mark.parametrize("piece", [PIECE, native.DEFAULT_PIECE], ids=["small", "default"])
+def test_a_runs_large_last_frame_is_verified_as_its_pieces_land(tmp_path: Path, piece: int) -> None:
+    """The streaming path is the one taken: a run whose last frame is several pieces
+    (the caller reaches it while it is still being read) counts as streamed, and the
+    frames come back whole; a run of frames of at most two pieces streams none. With
+    the pieces these tests use and with the extension's default (2 MiB: frames of up
+    to 4 MiB read whole)."""
+    native.set_piece(piece)  # the fixture sets the default back after the test
     tier = _tier(tmp_path / "t", io_depth=2)
     try:
-        keys, arrays = _stored(tier, [4096, 8 << 20])
+        keys, arrays = _stored(tier, [4096, max(8 << 20, 4 * piece)])
         before = native.streamed()
         # streamed when the caller reaches the last frame while it is still being read:
         # a caller that a busy machine keeps off the CPU until the read is done checks
@@ -330,13 +337,24 @@ def test_a_runs_large_last_frame_is_verified_as_its_pieces_land(tmp_path: Path) 
             if native.streamed() > before:
                 break
         assert native.streamed() > before
-        small, small_arrays = _stored(tier, [4096, native.SPLIT_BYTES], seed=3)
+        small, small_arrays = _stored(tier, [4096, 2 * piece], seed=3)
         before = native.streamed()
         res = tier.read_batch(small, None)
         assert all(np.array_equal(r, a) for r, a in zip(res, small_arrays, strict=True))  # type: ignore[arg-type]
         assert native.streamed() == before
     finally:
         tier.close()
+
+
+def test_the_piece_is_whole_pages_of_at_least_64_kib() -> None:
+    """``set_piece`` refuses a size that is not whole pages or below 64 KiB (nothing
+    changed), and returns the size it replaced."""
+    assert native.set_piece(PIECE) == PIECE  # the fixture's
+    for bad in (0, -4096, 4096, (64 << 10) - 4096, (64 << 10) + 1, 1 << 40 | 1):
+        with pytest.raises(ValueError, match="multiple of 4096"):
+            native.set_piece(bad)
+    assert native.set_piece(64 << 10) == PIECE
+    assert native.set_piece(native.DEFAULT_PIECE) == 64 << 10
 
 
 def test_a_read_error_is_a_typed_miss_naming_the_errno(tmp_path: Path) -> None:

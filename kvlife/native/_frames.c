@@ -98,6 +98,7 @@ typedef struct {
     Py_ssize_t unclaimed; /* frames before it are all claimed for checking (under lock) */
     xxh3_128_fn hash;
     stream_t stream; /* the streaming hash of its split frame (copied as the run starts) */
+    Py_ssize_t piece; /* its split frame's smallest piece (piece_bytes as the run starts) */
     pthread_mutex_t lock;
     pthread_cond_t cond;
 } run_t;
@@ -120,18 +121,21 @@ static Py_ssize_t frames_streamed; /* frames verified piece by piece (streamed()
 /* A run's last frame is read in pieces, each verified as it lands, so that only the
  * hash of its last piece follows its last byte instead of the whole frame's (issue 28:
  * 1.3 ms of a 16 MiB frame; the frames before it are hashed while the next one is
- * read). The pieces halve what is left, down to PIECE_BYTES: the reads stay large
- * (a raw O_DIRECT read here runs a few per cent slower in 2 MiB calls than in 16 MiB
- * ones) and the last one is small. Frames of at most SPLIT_BYTES are read whole. */
-#define PIECE_BYTES ((Py_ssize_t)256 << 10)
-#define SPLIT_BYTES (2 * PIECE_BYTES)
+ * read). The pieces halve what is left, down to the piece size: each read costs the
+ * device a fixed time (60-85 us here at one in flight, 2026-12-07: 8 MiB in 256 KiB
+ * reads took 1.7x as long as in 2 MiB ones), more than the hash a halving saves below
+ * a few MiB (xxh3-128 runs at about 19 GB/s: 1 MiB in 55 us). Frames of at most twice
+ * the piece size are read whole. The size is set by kvlife.native.frames (set_piece,
+ * DEFAULT_PIECE there); a run copies it as it starts. */
+#define MIN_PIECE ((Py_ssize_t)64 << 10)
+static Py_ssize_t piece_bytes = (Py_ssize_t)2 << 20;
 
 /* Bytes of the next piece of a split frame's body, of `rest` still to read (whole pages
- * but for the last piece, which takes the rest). */
-static Py_ssize_t piece_len(Py_ssize_t rest) {
-    if (rest <= PIECE_BYTES) return rest;
+ * but for the last piece, which takes the rest), in pieces of at least `piece`. */
+static Py_ssize_t piece_len(Py_ssize_t rest, Py_ssize_t piece) {
+    if (rest <= piece) return rest;
     Py_ssize_t half = (rest / 2) & ~(Py_ssize_t)4095;
-    return half < PIECE_BYTES ? PIECE_BYTES : half;
+    return half < piece ? piece : half;
 }
 
 static ssize_t preadv_retrying(int fd, struct iovec *iov, int iovcnt, off_t at) {
@@ -149,7 +153,7 @@ static ssize_t preadv_retrying(int fd, struct iovec *iov, int iovcnt, off_t at) 
 static void read_split(frame_t *f, run_t *r) {
     Py_ssize_t done = 0, got = 0;
     while (done < f->body.len) {
-        Py_ssize_t len = piece_len(f->body.len - done);
+        Py_ssize_t len = piece_len(f->body.len - done, r->piece);
         struct iovec iov[2];
         int cnt = 0;
         off_t at = (off_t)f->off + (off_t)f->hdr.len + (off_t)done;
@@ -294,13 +298,14 @@ static void free_streams(run_t *r) {
     }
 }
 
-/* Mark the run's last frame split when it is larger than SPLIT_BYTES and the run has the
+/* Mark the run's last frame split when it is larger than two pieces and the run has the
  * streaming hash, before any reader starts: the frames before it are hashed while the
  * next is read, its own hash is what is left after the last read. */
 static void split_last(run_t *r) {
+    r->piece = __atomic_load_n(&piece_bytes, __ATOMIC_RELAXED);
     if (r->n < 1 || !stream_complete(&r->stream)) return;
     frame_t *f = &r->frames[r->n - 1];
-    if (f->body.len > SPLIT_BYTES && f->nbytes > 0) f->split = 1;
+    if (f->body.len > 2 * r->piece && f->nbytes > 0) f->split = 1;
 }
 
 /* Check frame i, claimed (stage CHECKING) under the lock by the caller; the lock is
@@ -1260,7 +1265,23 @@ static PyObject *copy_sealed(PyObject *self, PyObject *args) {
     return canonical(h);
 }
 
+/* set_piece(n) -> the size it replaces: the smallest piece a run's last frame is read
+ * in (frames of at most twice it are read whole), for runs started after it; a multiple
+ * of 4096 of at least MIN_PIECE. */
+static PyObject *set_piece(PyObject *self, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < MIN_PIECE || n % 4096) {
+        PyErr_Format(PyExc_ValueError, "a piece of %zd bytes: not a multiple of 4096 of at least %zd",
+                     n, (Py_ssize_t)MIN_PIECE);
+        return NULL;
+    }
+    return PyLong_FromSsize_t(__atomic_exchange_n(&piece_bytes, n, __ATOMIC_RELAXED));
+}
+
 static PyMethodDef methods[] = {
+    {"set_piece", set_piece, METH_O,
+     "set_piece(n) -> previous: the smallest piece of a run's last frame read in pieces."},
     {"copy_sealed", copy_sealed, METH_VARARGS,
      "copy_sealed(dst, src) -> 16 bytes or None: stream_copy, hashed (xxh3-128) as it copies."},
     {"stream_copy", stream_copy, METH_VARARGS,
@@ -1293,8 +1314,7 @@ PyMODINIT_FUNC PyInit__frames(void) {
         PyModule_AddIntConstant(m, "READ_ERROR", READ_ERROR) ||
         PyModule_AddIntConstant(m, "DIRECT_STEPS", 1) ||
         PyModule_AddIntConstant(m, "DIRECT_PROGRESS", 1) ||
-        PyModule_AddIntConstant(m, "SPLIT_BYTES", (long)SPLIT_BYTES) ||
-        PyModule_AddIntConstant(m, "PIECE_BYTES", (long)PIECE_BYTES) ||
+        PyModule_AddIntConstant(m, "MIN_PIECE", (long)MIN_PIECE) ||
         PyModule_AddIntConstant(m, "STREAM_RUN", STREAM_RUN)) {
         Py_DECREF(m);
         return NULL;

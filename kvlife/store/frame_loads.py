@@ -130,7 +130,7 @@ class FrameLoad:
         ``at_least`` did (or its read ended first), hashed but NOT verified yet: a
         caller copying them out keeps the copy only if ``chunk(i)`` then returns this
         buffer (a miss's buffer is never data). A frame read in pieces (the run's last,
-        larger than ``native.SPLIT_BYTES``) tells them as they land (the wait hashes
+        larger than twice ``native.DEFAULT_PIECE``) tells them as they land (the wait hashes
         what lands meanwhile); one read whole, all of them once it landed, before its
         hash. 0 where nothing can be told early: ``i`` is not the next chunk to verify,
         or its read or header failed already."""

@@ -61,9 +61,10 @@ from kvlife.store import KVStore
 from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.disk import DiskTier
 from kvlife.tiers.disk.frame import HEADER_BYTES
+from tests.helpers.pieces import PIECE, SPLIT, small_pieces
 from tests.test_native_frames import _segment_path, _stored, _tier, both_paths, streaming
 
-__all__ = ["both_paths", "streaming"]  # fixtures used here
+__all__ = ["both_paths", "small_pieces", "streaming"]  # fixtures used here
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("KVLIFE_NATIVE") == "0" or not native.available(),
@@ -71,8 +72,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 PAGE = 4096
-SPLIT = native.SPLIT_BYTES
-PIECE = SPLIT // 2
 WANT = 96
 """Bytes of a frame's header the row names (the rest of the page is not compared)."""
 OK, HEADER_DIFFERS, CHECKSUM_MISMATCH, TRUNCATED = (
