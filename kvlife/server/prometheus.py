@@ -59,6 +59,10 @@ STORE_COUNTERS: dict[str, tuple[str, str]] = {
         "write_through_failed_chunks",
         "new chunks of write-through puts dropped because they could not be made durable",
     ),
+    "deletes_failed": (
+        "deletes_failed_replicas",
+        "replicas out of service whose delete failed (retried at close)",
+    ),
     "lookups": ("lookups", "lookups"),
     "lookup_chunks_hit": ("lookup_hit_chunks", "chunks lookups found indexed"),
     "lookup_chunks_miss": ("lookup_miss_chunks", "chunks lookups did not find"),

@@ -194,6 +194,9 @@ class StoreCore:
         self.index = ObjectIndex()
         self.callbacks = Callbacks()
         """Whether a thread is inside a callback of this store's (:mod:`kvlife.store.callbacks`)."""
+        self.undeleted: list[tuple[TierName, ChunkKey]] = []
+        """Replicas out of service whose physical delete failed, retried at close
+        (:mod:`kvlife.store.deletes`; under the lock)."""
         self.ledger = Ledger(sink, self.callbacks)
         self.counters = self.ledger.counters
         self.chain = chain

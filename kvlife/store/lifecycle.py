@@ -20,7 +20,7 @@ from typing import IO
 
 from kvlife.core.errors import KVLifeError
 from kvlife.core.events import EventSink
-from kvlife.store import metrics, protection
+from kvlife.store import deletes, metrics, protection
 from kvlife.store.config import StoreConfig
 from kvlife.store.core import StoreCore
 from kvlife.store.lock import drop_dir_lock, take_dir_lock
@@ -112,6 +112,7 @@ def close_store(store: OpenStore, writer: Writer, reader: Reader, *, flush: bool
         try:  # plans that took a ticket before, and reads under way, end before the tiers
             core.stop_background()
             core.wait_readers()
+            deletes.retry_kept(core)
         except BaseException as exc:
             errors.append(exc)
         for release in (core.ledger.flush, *(t.close for t in core.chain)):

@@ -35,6 +35,7 @@ from kvlife.core.payload import as_numpy, check_chunk, numpy_dtype
 from kvlife.placement import Evict, Plan, Reject
 from kvlife.results import PutResult
 from kvlife.store.core import StoreCore
+from kvlife.store.deletes import delete_or_keep
 from kvlife.store.executor import execute
 from kvlife.store.invalidation import covered_at_birth, raced_a_rule, record_sources
 from kvlife.store.shared import creation_stamp, stamp_moved
@@ -223,7 +224,7 @@ class Writer:
                 if rec.state is INDEXED:
                     doomed += core.retire(rec, Move.INVALIDATE, "write-through failed")
                     core.counters.write_through_failed += 1
-        core.delete_replicas(doomed)
+        delete_or_keep(core, doomed)  # a failure here is not the put's error
         if errors:
             raise errors[0]
         if not complete:

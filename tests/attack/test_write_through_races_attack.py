@@ -539,3 +539,129 @@ def test_a_write_through_put_failing_in_its_second_copy_batch_stores_none_of_it(
         store.close(flush=False)
     with _reopen(tmp_path / "real", dram=8 << 20, disk=BIG * 8192) as again:
         assert again.lookup(identity, PUBLIC, tokens).tokens == 0
+
+
+def test_a_failed_undo_of_a_write_through_put_raises_the_puts_error_and_leaves_it_unserved(
+    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The double fault: the second copy batch's fdatasync fails, and the undo's delete
+    of the 64 frames the first batch made durable fails too (the disk tier's catalog
+    raises). The put still raises its own typed error (the write's, not the delete's),
+    every new chunk is counted in ``write_through_failed`` and unserved, the failed
+    delete is counted and logged, and a restart does not serve the put that failed:
+    its frames are deleted once the disk tier can, never indexed again."""
+    dry = _SyncLog()
+    store, tokens, kv = _full_store(tmp_path / "dry", identity, dry)
+    with store:
+        before = len(dry.synced)
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+        syncs = [n for n in dry.synced[before:] if n.startswith("seg-")]
+    io = FaultyIO()
+    store, tokens, kv = _full_store(tmp_path / "real", identity, io)
+    disk = disk_of(store)
+    real_delete = disk.delete_forgetting
+    failed: list[int] = []
+
+    def failing_delete(keys: list[ChunkKey], forget: list[bytes]) -> list[int]:
+        if io.injected and not failed:  # the undo's, after the failed fdatasync
+            failed.append(len(keys))
+            raise OSError(errno.EIO, "catalog write failed (injected)")
+        return real_delete(keys, forget)
+
+    monkeypatch.setattr(disk, "delete_forgetting", failing_delete)
+    try:
+        io.arm("fdatasync", errno.EIO, after=len(syncs) - 1, once=True, path=SEG)
+        with pytest.raises(KVLifeError, match="writing 36 replicas"):
+            store.put_prompt(identity, PUBLIC, tokens, kv)
+        assert failed == [64], "the undo's delete of the first batch's frames"
+        assert store.lookup(identity, PUBLIC, tokens).tokens == 0
+        counters = store.counters.as_dict()
+        assert counters["write_through_failed"] == BIG
+        assert counters["deletes_failed"] == 64
+    finally:
+        store.close(flush=False)  # retries the delete (it succeeds now)
+    with _reopen(tmp_path / "real", dram=8 << 20, disk=BIG * 8192) as again:
+        assert again.lookup(identity, PUBLIC, tokens).tokens == 0
+
+
+def test_a_delete_that_fails_at_close_too_leaves_the_frames_for_the_next_open(
+    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The undo's delete failing every time, the close's retry too: the close raises
+    nothing for it (logged), and the next open finds the first batch's frames again,
+    each chunk served with the bytes the put wrote (never other bytes); a key put
+    again before the close is never deleted by the retry."""
+    dry = _SyncLog()
+    store, tokens, kv = _full_store(tmp_path / "dry", identity, dry)
+    with store:
+        before = len(dry.synced)
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+        syncs = [n for n in dry.synced[before:] if n.startswith("seg-")]
+    io = FaultyIO()
+    store, tokens, kv = _full_store(tmp_path / "real", identity, io)
+    disk = disk_of(store)
+    real_delete = disk.delete_forgetting
+
+    def failing_delete(keys: list[ChunkKey], forget: list[bytes]) -> list[int]:
+        if io.injected:
+            raise OSError(errno.EIO, "catalog write failed (injected)")
+        return real_delete(keys, forget)
+
+    monkeypatch.setattr(disk, "delete_forgetting", failing_delete)
+    try:
+        io.arm("fdatasync", errno.EIO, after=len(syncs) - 1, once=True, path=SEG)
+        with pytest.raises(KVLifeError, match="writing 36 replicas"):
+            store.put_prompt(identity, PUBLIC, tokens, kv)
+        assert store.counters.as_dict()["deletes_failed"] == 64
+    finally:
+        store.close(flush=False)
+    with _reopen(tmp_path / "real", dram=8 << 20, disk=BIG * 8192) as again:
+        hit = again.lookup(identity, PUBLIC, tokens)
+        assert hit.tokens > 0  # found again: the frames a first batch made durable
+        got = again.load(hit)
+        for i, arr in enumerate(got.arrays):
+            want = np.ascontiguousarray(kv[:, :, :, i * N : (i + 1) * N, :])
+            assert np.array_equal(arr, want)
+
+
+def test_the_close_never_deletes_a_key_put_again_since_its_delete_failed(
+    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deletes go by key: a chunk whose delete failed and that a later put stored again
+    holds that put's replica under the same key. The undo's delete fails once; the
+    prompt's first ten chunks are put again (without a failure) before the close; the
+    close's retry skips those keys and deletes the rest, and the next open serves those
+    ten chunks, exact, and none after them."""
+    dry = _SyncLog()
+    store, tokens, kv = _full_store(tmp_path / "dry", identity, dry)
+    with store:
+        before = len(dry.synced)
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+        syncs = [n for n in dry.synced[before:] if n.startswith("seg-")]
+    io = FaultyIO()
+    store, tokens, kv = _full_store(tmp_path / "real", identity, io)
+    disk = disk_of(store)
+    real_delete = disk.delete_forgetting
+    failed: list[int] = []
+
+    def failing_delete(keys: list[ChunkKey], forget: list[bytes]) -> list[int]:
+        if io.injected and not failed:
+            failed.append(len(keys))
+            raise OSError(errno.EIO, "catalog write failed (injected)")
+        return real_delete(keys, forget)
+
+    monkeypatch.setattr(disk, "delete_forgetting", failing_delete)
+    try:
+        io.arm("fdatasync", errno.EIO, after=len(syncs) - 1, once=True, path=SEG)
+        with pytest.raises(KVLifeError, match="writing 36 replicas"):
+            store.put_prompt(identity, PUBLIC, tokens, kv)
+        assert failed == [64]
+        # the first ten chunks again (the undeleted frames hold disk room meanwhile)
+        head_tokens, head_kv = tokens[: 10 * N], kv[:, :, :, : 10 * N, :]
+        assert store.put_prompt(identity, PUBLIC, head_tokens, head_kv).stored == 10
+        assert store.counters.as_dict()["deletes_failed"] == 64  # kept for the close
+    finally:
+        store.close(flush=False)
+    with _reopen(tmp_path / "real", dram=8 << 20, disk=BIG * 8192) as again:
+        assert again.lookup(identity, PUBLIC, tokens).tokens == 10 * N
+        _assert_loads_exactly(again, identity, head_tokens, head_kv, 10)

@@ -1,0 +1,63 @@
+"""Physical deletes that failed on a path with an error of its own to raise.
+
+A write-through put whose copy failed takes its new chunks out of service and deletes
+the replicas a first copy batch made durable (``Writer._undo_write_through``). When
+that delete fails too (the disk tier's catalog cannot be written), the put still
+raises its own typed error, not the delete's; the chunks are already out of service,
+so nothing serves them in this process. Their frames would be found again by the next
+open (their bytes are the ones written and verify, but the put that wrote them said
+nothing was stored). So the failure is logged, counted in ``deletes_failed``, and the
+deletes are kept: the close retries those whose key no record names any more (a key
+put again since holds another put's replica there; deletes go by key). A delete that
+fails at close too leaves the frames for the next open, logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from kvlife.core.errors import KVLifeError
+from kvlife.core.identity import ChunkKey
+from kvlife.core.objects import TierName
+from kvlife.store.core import StoreCore
+
+log = logging.getLogger(__name__)
+
+
+def delete_or_keep(core: StoreCore, doomed: Iterable[tuple[TierName, ChunkKey]]) -> None:
+    """``core.delete_replicas(doomed)`` (in the caller's sequencer turn); a failure is
+    logged and counted, and the deletes are kept for :func:`retry_kept` at close."""
+    doomed = list(doomed)
+    try:
+        core.delete_replicas(doomed)
+    except (KVLifeError, OSError) as exc:
+        left = [(t, k) for t, k in doomed if core.tiers[t].contains(k)]
+        with core.lock:
+            core.counters.deletes_failed += len(left)
+            core.undeleted += left
+        log.warning(
+            "deleting %d replicas taken out of service failed (retried at close): %s",
+            len(left),
+            exc,
+        )
+
+
+def retry_kept(core: StoreCore) -> None:
+    """At close, once no plan or read runs: delete the kept replicas whose key no record
+    names; a failure is logged (the next open finds those frames again)."""
+    with core.lock:
+        todo = [(t, k) for t, k in core.undeleted if core.index.get(k) is None]
+        core.undeleted = []
+    if not todo:
+        return
+    try:
+        core.delete_replicas(todo)
+    except (KVLifeError, OSError) as exc:
+        log.error(
+            "deleting %d replicas taken out of service failed again at close: the next "
+            "open of %s finds them again: %s",
+            len(todo),
+            core.path,
+            exc,
+        )
