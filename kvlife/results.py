@@ -201,9 +201,9 @@ class StoreCounters:
     make them (or the chunks it found indexed) durable; the put raised, and each has an
     ``invalidate`` event whose reason is ``write-through failed``."""
     deletes_failed: int = 0
-    """Replicas taken out of service whose physical delete failed where the caller had
-    an error of its own to raise (a write-through put's undo): logged, retried at close
-    for keys no record names (:mod:`kvlife.store.deletes`)."""
+    """Replicas taken out of service whose physical delete failed (an invalidation's,
+    a write-through put's undo): logged, retried at close for keys no record names
+    (:mod:`kvlife.store.deletes`)."""
     per_tier: dict[str, TierCounters] = field(default_factory=dict)
     """Counters of each tier, by tier name."""
 

@@ -1,4 +1,9 @@
-"""Physical deletes that failed on a path with an error of its own to raise.
+"""Physical deletes of replicas already out of service that failed.
+
+An invalidation retires its chunks and then deletes their replicas; when the delete
+fails, the invalidation holds in this process and the caller gets a typed
+``StorePathError`` saying that the replicas are still on disk until the close deletes
+them (the next open would find them again).
 
 A write-through put whose copy failed takes its new chunks out of service and deletes
 the replicas a first copy batch made durable (``Writer._undo_write_through``). When
@@ -25,12 +30,16 @@ from kvlife.store.core import StoreCore
 log = logging.getLogger(__name__)
 
 
-def delete_or_keep(core: StoreCore, doomed: Iterable[tuple[TierName, ChunkKey]]) -> None:
+def delete_or_keep(
+    core: StoreCore, doomed: Iterable[tuple[TierName, ChunkKey]]
+) -> KVLifeError | OSError | None:
     """``core.delete_replicas(doomed)`` (in the caller's sequencer turn); a failure is
-    logged and counted, and the deletes are kept for :func:`retry_kept` at close."""
+    logged and counted, the deletes are kept for :func:`retry_kept` at close, and the
+    failure is returned (the caller says what it means for its own call)."""
     doomed = list(doomed)
     try:
         core.delete_replicas(doomed)
+        return None
     except (KVLifeError, OSError) as exc:
         left = [(t, k) for t, k in doomed if core.tiers[t].contains(k)]
         with core.lock:
@@ -41,6 +50,7 @@ def delete_or_keep(core: StoreCore, doomed: Iterable[tuple[TierName, ChunkKey]])
             len(left),
             exc,
         )
+        return exc
 
 
 def retry_kept(core: StoreCore) -> None:

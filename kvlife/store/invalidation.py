@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlife.core.errors import IndexUnreachable, InvalidArgument, RemoteTierError
+from kvlife.core.errors import IndexUnreachable, InvalidArgument, RemoteTierError, StorePathError
 from kvlife.core.identity import ROOT_PARENT, ChunkKey, Namespace
 from kvlife.core.lifecycle import Move, ObjectState
 from kvlife.core.objects import ObjectInfo, ObjectRecord, PromptRef, TierName
@@ -37,6 +37,7 @@ from kvlife.core.sources import MAX_VERSION, Source
 from kvlife.globalindex.rules import InvalidationRule
 from kvlife.store.api import Criteria
 from kvlife.store.core import StoreCore
+from kvlife.store.deletes import delete_or_keep
 from kvlife.tiers.base import SharedTier
 
 LIVE = (ObjectState.INDEXED, ObjectState.COMMITTED, ObjectState.TENTATIVE)
@@ -348,10 +349,17 @@ def invalidate(core: StoreCore, criteria: Criteria) -> int:
         core.invalidating.append(scope)
     try:
         with core.seq.turn(ticket):
-            core.delete_replicas(doomed)
+            left = delete_or_keep(core, doomed)
     finally:
         with core.lock:
             core.invalidating.remove(scope)
+    if left is not None:
+        raise StorePathError(
+            f"invalidation applied in this process ({count} objects), but deleting their "
+            f"replicas failed: {left}. The close retries; until then the next open of "
+            f"{core.path} would find them again"
+            + ("" if failed is None else f"; the global index could not record it: {failed}")
+        ) from left
     if failed is not None:
         raise IndexUnreachable(
             f"invalidation applied on this host only ({count} objects): the global "
