@@ -9,7 +9,7 @@ the error said), each with its own bytes. Real files, a real store reopened."""
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +40,7 @@ def _failing(store: KVStore, times: int) -> Callable[[], int]:
     real = disk.delete_forgetting
     failed = [0]
 
-    def delete(keys: list[ChunkKey], forget: list[bytes]) -> list[int]:
+    def delete(keys: Sequence[ChunkKey], forget: Sequence[bytes]) -> list[int]:
         if failed[0] < times:
             failed[0] += 1
             raise OSError(errno.EIO, "catalog write failed (injected)")
