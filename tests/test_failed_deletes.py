@@ -17,9 +17,11 @@ import pytest
 
 from kvlife.core.errors import StorePathError
 from kvlife.core.identity import PUBLIC, ChunkKey, ModelIdentity
+from kvlife.faults.damage import flip, scan_frames
 from kvlife.store import KVStore
+from kvlife.tiers.disk.frame import HEADER_BYTES
 from tests.conftest import TINY, prompt_kv
-from tests.helpers.store_threads import assert_loads_exactly
+from tests.helpers.store_threads import assert_loads_exactly, wait_until
 from tests.helpers.workload import disk_of
 
 N = TINY.tokens_per_chunk
@@ -107,3 +109,30 @@ def test_the_close_leaves_a_chunk_put_again_since_its_delete_failed(
     with KVStore.open(tmp_path / "s", dram_bytes=1 << 20, disk_bytes=16 << 20) as again:
         assert again.lookup(identity, PUBLIC, tokens).tokens == 2 * N
         assert_loads_exactly(again, identity, head_tokens, head_kv, 2)
+
+
+def test_a_background_delete_that_fails_is_counted_not_lost(
+    tmp_path: Path, identity: ModelIdentity
+) -> None:
+    """A load finds a disk frame damaged: the chunk is a counted miss, and the delete of
+    its replica runs on the store's background thread. That delete failing was lost
+    with its job; now it is counted, and the close deletes the frame."""
+    store, tokens, _kv = _on_disk(tmp_path / "s", identity)
+    try:
+        store.evict("dram", 1 << 40)
+        keys = [h.key for h in store.lookup(identity, PUBLIC, tokens).hits]
+        frames = {f.key: f for f in scan_frames(tmp_path / "s")}
+        bad = frames[keys[2]]
+        flip(bad.segment, bad.offset + HEADER_BYTES + 5, 1)
+        failed = _failing(store, 1)
+        got = store.get(identity, PUBLIC, tokens)
+        assert got.loaded == 2 and got.corrupt
+        store.drain()
+        store.lookup(identity, PUBLIC, tokens)  # reaps what the load found lost
+        wait_until(lambda: failed() == 1, what="the background delete")
+        wait_until(lambda: store.counters.as_dict()["deletes_failed"] == 1, what="counted")
+    finally:
+        store.close()
+    with KVStore.open(tmp_path / "s", dram_bytes=1 << 20, disk_bytes=16 << 20) as again:
+        assert again.lookup(identity, PUBLIC, tokens).tokens == 2 * N
+        assert not disk_of(again).contains(keys[2])  # its row deleted by the close

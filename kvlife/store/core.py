@@ -29,6 +29,7 @@ from kvlife.index.prefix import ObjectIndex
 from kvlife.placement import Action, Copy, Drop, Evict, Place, Placement, Reject, TierSlot
 from kvlife.policy.base import EvictionPolicy, make_policy
 from kvlife.policy.shares import TenantShares
+from kvlife.store import deletes
 from kvlife.store.callbacks import Callbacks
 from kvlife.store.config import StoreConfig
 from kvlife.store.forms import DecodeRates, contract_of, encoded_nbytes, tier_transform
@@ -424,7 +425,7 @@ class StoreCore:
         the lock, where the objects were retired: deletes go by key, so they must run
         before any later plan could write the key again."""
         if doomed and not self.closed:  # closed: found again at the next open
-            self.later(self.seq.take(), lambda: self.delete_replicas(doomed))
+            self.later(self.seq.take(), lambda: deletes.delete_or_keep(self, doomed))
 
     def stop_background(self) -> None:
         self.seq.wait_idle()

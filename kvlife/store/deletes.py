@@ -15,17 +15,24 @@ nothing was stored). So the failure is logged, counted in ``deletes_failed``, an
 deletes are kept: the close retries those whose key no record names any more (a key
 put again since holds another put's replica there; deletes go by key). A delete that
 fails at close too leaves the frames for the next open, logged.
+
+The deletes a load left to the store's background thread (``StoreCore.delete_later``:
+replicas a reader found retired) go the same way: a failure there had no caller and
+was lost with its job.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from kvlife.core.errors import KVLifeError
 from kvlife.core.identity import ChunkKey
 from kvlife.core.objects import TierName
-from kvlife.store.core import StoreCore
+
+if TYPE_CHECKING:  # the core runs these for its background deletes
+    from kvlife.store.core import StoreCore
 
 log = logging.getLogger(__name__)
 
