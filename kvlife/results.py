@@ -202,8 +202,8 @@ class StoreCounters:
     ``invalidate`` event whose reason is ``write-through failed``."""
     deletes_failed: int = 0
     """Replicas taken out of service whose physical delete failed (an invalidation's,
-    a write-through put's undo): logged, retried at close for keys no record names
-    (:mod:`kvlife.store.deletes`)."""
+    a write-through put's undo, a flush copy's, a background one): logged, retried at
+    close (:mod:`kvlife.store.deletes`)."""
     per_tier: dict[str, TierCounters] = field(default_factory=dict)
     """Counters of each tier, by tier name."""
 

@@ -12,8 +12,9 @@ raises its own typed error, not the delete's; the chunks are already out of serv
 so nothing serves them in this process. Their frames would be found again by the next
 open (their bytes are the ones written and verify, but the put that wrote them said
 nothing was stored). So the failure is logged, counted in ``deletes_failed``, and the
-deletes are kept: the close retries those whose key no record names any more (a key
-put again since holds another put's replica there; deletes go by key). A delete that
+deletes are kept: the close retries each, once, unless a record names its key with a
+replica in that tier (a key put again since and written there holds that put's
+replica under the key; deletes go by key). A delete that
 fails at close too leaves the frames for the next open, logged.
 
 The deletes a load left to the store's background thread (``StoreCore.delete_later``:
@@ -61,10 +62,11 @@ def delete_or_keep(
 
 
 def retry_kept(core: StoreCore) -> None:
-    """At close, once no plan or read runs: delete the kept replicas whose key no record
-    names; a failure is logged (the next open finds those frames again)."""
+    """At close, once no plan or read runs: delete each kept replica once, unless a
+    record names its key with a replica in that tier (:func:`_holds`); a failure is
+    logged (the next open finds those frames again)."""
     with core.lock:
-        todo = [(t, k) for t, k in core.undeleted if core.index.get(k) is None]
+        todo = [(t, k) for t, k in dict.fromkeys(core.undeleted) if not _holds(core, t, k)]
         core.undeleted = []
     if not todo:
         return
@@ -78,3 +80,12 @@ def retry_kept(core: StoreCore) -> None:
             core.path,
             exc,
         )
+
+
+def _holds(core: StoreCore, tier: TierName, key: ChunkKey) -> bool:
+    """Whether a record names ``key`` with a replica in ``tier`` (under the lock): that
+    replica was written after the one kept, under the same key, and is the tier's now.
+    A record without one there (a key put again and held in DRAM only) leaves the kept
+    replica the tier's: it goes, or the next open would serve the bytes it held."""
+    rec = core.index.get(key)
+    return rec is not None and tier in rec.replicas

@@ -34,11 +34,13 @@ from kvlife.core.errors import (
     ReplicaNotFound,
     ReplicaReadError,
     StorageFullError,
+    StorePathError,
 )
 from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import Move, ObjectState
 from kvlife.core.objects import EXACT, ObjectRecord, Replica, ReplicaState, Representation, TierName
 from kvlife.placement import Copy, Evict, Place
+from kvlife.store import deletes
 from kvlife.store.core import Bound, StoreCore
 from kvlife.store.forms import Converted, convert, meta_for
 from kvlife.tiers.base import (
@@ -262,7 +264,7 @@ def _place(
             tier.keep_edges(links)
         except (KVLifeError, OSError) as exc:
             out.errors.append(exc)
-    core.delete_replicas(gone)
+    deletes.delete_or_keep(core, gone)  # out of service already: a failure is kept
 
 
 def _sealed(core: StoreCore, tier_name: TierName, key: ChunkKey, rep: Replica) -> None:
@@ -382,7 +384,7 @@ def _copy(
                 doomed += _source_changed(core, b, src, mismatch, out)
         for b in todo:
             doomed += _publish_copy(core, b, error, out, written.get(b.rec.key))
-    core.delete_replicas(doomed)
+    deletes.delete_or_keep(core, doomed)  # out of service already: a failure is kept
 
 
 def _checked_by(core: StoreCore, target: Tier, dst: TierName, form: Representation) -> bool:
@@ -510,10 +512,11 @@ def _evict(core: StoreCore, tier_name: TierName, group: list[Bound], out: Outcom
             if rep is not None and rep.state is ReplicaState.EVICTING:
                 rep.state = ReplicaState.LEAVING
     keys = [b.rec.key for b in group]
-    try:
-        core.delete_replicas([(tier_name, k) for k in keys])
-    except (KVLifeError, OSError) as exc:
-        out.errors.append(exc)
+    failed = deletes.delete_or_keep(core, [(tier_name, k) for k in keys])
+    if failed is not None:  # their room is not free: the plan's error, typed
+        out.errors.append(
+            StorePathError(f"evicting {len(keys)} replicas from tier {tier_name}: {failed}")
+        )
     with core.lock:
         for b in group:
             rep = b.replica
