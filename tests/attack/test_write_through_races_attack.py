@@ -14,7 +14,7 @@ an invalidation of part of the prompt) and checks what the store promised.
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -509,6 +509,17 @@ def _full_store(
     return store, tokens, kv
 
 
+def _segment_syncs(path: Path, identity: ModelIdentity) -> list[str]:
+    """The segment files a BIG-chunk put into a full store fdatasyncs, in order (the
+    same steps once, to find the last copy batch's fdatasync)."""
+    dry = _SyncLog()
+    store, tokens, kv = _full_store(path, identity, dry)
+    with store:
+        before = len(dry.synced)
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+        return [n for n in dry.synced[before:] if n.startswith("seg-")]
+
+
 def test_a_write_through_put_failing_in_its_second_copy_batch_stores_none_of_it(
     tmp_path: Path, identity: ModelIdentity
 ) -> None:
@@ -517,12 +528,7 @@ def test_a_write_through_put_failing_in_its_second_copy_batch_stores_none_of_it(
     in two batches (64, 36) with evictions between them, each its own write; the
     fdatasync of the second batch fails. The put raises, yet chunks 1-64 stay indexed,
     served and durable (a reopen serves 64 of the 100 chunks of a put that failed)."""
-    dry = _SyncLog()  # the same steps once, to find the last batch's fdatasync
-    store, tokens, kv = _full_store(tmp_path / "dry", identity, dry)
-    with store:
-        before = len(dry.synced)
-        store.put_prompt(identity, PUBLIC, tokens, kv)
-        syncs = [n for n in dry.synced[before:] if n.startswith("seg-")]
+    syncs = _segment_syncs(tmp_path / "dry", identity)
     assert len(syncs) >= 2
 
     io = FaultyIO()
@@ -541,6 +547,33 @@ def test_a_write_through_put_failing_in_its_second_copy_batch_stores_none_of_it(
         assert again.lookup(identity, PUBLIC, tokens).tokens == 0
 
 
+def _failed_undo(
+    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch, times: int
+) -> tuple[KVStore, np.ndarray, np.ndarray, list[int]]:
+    """A full store whose next BIG-chunk write-through put fails in its second copy
+    batch's fdatasync, and whose disk deletes after that fault fail ``times`` times
+    (the undo's first): the store, the put's tokens and KV, and the sizes of the deletes
+    that failed. The put has raised its own error already."""
+    syncs = _segment_syncs(tmp_path / "dry", identity)
+    io = FaultyIO()
+    store, tokens, kv = _full_store(tmp_path / "real", identity, io)
+    disk = disk_of(store)
+    real_delete = disk.delete_forgetting
+    failed: list[int] = []
+
+    def failing_delete(keys: Sequence[ChunkKey], forget: Sequence[bytes]) -> list[int]:
+        if io.injected and len(failed) < times:  # the undo's, after the failed fdatasync
+            failed.append(len(keys))
+            raise OSError(errno.EIO, "catalog write failed (injected)")
+        return real_delete(keys, forget)
+
+    monkeypatch.setattr(disk, "delete_forgetting", failing_delete)
+    io.arm("fdatasync", errno.EIO, after=len(syncs) - 1, once=True, path=SEG)
+    with pytest.raises(KVLifeError, match="writing 36 replicas"):
+        store.put_prompt(identity, PUBLIC, tokens, kv)
+    return store, tokens, kv, failed
+
+
 def test_a_failed_undo_of_a_write_through_put_raises_the_puts_error_and_leaves_it_unserved(
     tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -549,30 +582,9 @@ def test_a_failed_undo_of_a_write_through_put_raises_the_puts_error_and_leaves_i
     raises). The put still raises its own typed error (the write's, not the delete's),
     every new chunk is counted in ``write_through_failed`` and unserved, the failed
     delete is counted and logged, and a restart does not serve the put that failed:
-    its frames are deleted once the disk tier can, never indexed again."""
-    dry = _SyncLog()
-    store, tokens, kv = _full_store(tmp_path / "dry", identity, dry)
-    with store:
-        before = len(dry.synced)
-        store.put_prompt(identity, PUBLIC, tokens, kv)
-        syncs = [n for n in dry.synced[before:] if n.startswith("seg-")]
-    io = FaultyIO()
-    store, tokens, kv = _full_store(tmp_path / "real", identity, io)
-    disk = disk_of(store)
-    real_delete = disk.delete_forgetting
-    failed: list[int] = []
-
-    def failing_delete(keys: list[ChunkKey], forget: list[bytes]) -> list[int]:
-        if io.injected and not failed:  # the undo's, after the failed fdatasync
-            failed.append(len(keys))
-            raise OSError(errno.EIO, "catalog write failed (injected)")
-        return real_delete(keys, forget)
-
-    monkeypatch.setattr(disk, "delete_forgetting", failing_delete)
+    its frames are deleted by the close, never indexed again."""
+    store, tokens, _, failed = _failed_undo(tmp_path, identity, monkeypatch, 1)
     try:
-        io.arm("fdatasync", errno.EIO, after=len(syncs) - 1, once=True, path=SEG)
-        with pytest.raises(KVLifeError, match="writing 36 replicas"):
-            store.put_prompt(identity, PUBLIC, tokens, kv)
         assert failed == [64], "the undo's delete of the first batch's frames"
         assert store.lookup(identity, PUBLIC, tokens).tokens == 0
         counters = store.counters.as_dict()
@@ -589,29 +601,9 @@ def test_a_delete_that_fails_at_close_too_leaves_the_frames_for_the_next_open(
 ) -> None:
     """The undo's delete failing every time, the close's retry too: the close raises
     nothing for it (logged), and the next open finds the first batch's frames again,
-    each chunk served with the bytes the put wrote (never other bytes); a key put
-    again before the close is never deleted by the retry."""
-    dry = _SyncLog()
-    store, tokens, kv = _full_store(tmp_path / "dry", identity, dry)
-    with store:
-        before = len(dry.synced)
-        store.put_prompt(identity, PUBLIC, tokens, kv)
-        syncs = [n for n in dry.synced[before:] if n.startswith("seg-")]
-    io = FaultyIO()
-    store, tokens, kv = _full_store(tmp_path / "real", identity, io)
-    disk = disk_of(store)
-    real_delete = disk.delete_forgetting
-
-    def failing_delete(keys: list[ChunkKey], forget: list[bytes]) -> list[int]:
-        if io.injected:
-            raise OSError(errno.EIO, "catalog write failed (injected)")
-        return real_delete(keys, forget)
-
-    monkeypatch.setattr(disk, "delete_forgetting", failing_delete)
+    each chunk served with the bytes the put wrote (never other bytes)."""
+    store, tokens, kv, _ = _failed_undo(tmp_path, identity, monkeypatch, 1 << 30)
     try:
-        io.arm("fdatasync", errno.EIO, after=len(syncs) - 1, once=True, path=SEG)
-        with pytest.raises(KVLifeError, match="writing 36 replicas"):
-            store.put_prompt(identity, PUBLIC, tokens, kv)
         assert store.counters.as_dict()["deletes_failed"] == 64
     finally:
         store.close(flush=False)
@@ -620,8 +612,7 @@ def test_a_delete_that_fails_at_close_too_leaves_the_frames_for_the_next_open(
         assert hit.tokens > 0  # found again: the frames a first batch made durable
         got = again.load(hit)
         for i, arr in enumerate(got.arrays):
-            want = np.ascontiguousarray(kv[:, :, :, i * N : (i + 1) * N, :])
-            assert np.array_equal(arr, want)
+            assert np.array_equal(arr, _chunk(kv, i))
 
 
 def test_the_close_never_deletes_a_key_put_again_since_its_delete_failed(
@@ -632,29 +623,8 @@ def test_the_close_never_deletes_a_key_put_again_since_its_delete_failed(
     prompt's first ten chunks are put again (without a failure) before the close; the
     close's retry skips those keys and deletes the rest, and the next open serves those
     ten chunks, exact, and none after them."""
-    dry = _SyncLog()
-    store, tokens, kv = _full_store(tmp_path / "dry", identity, dry)
-    with store:
-        before = len(dry.synced)
-        store.put_prompt(identity, PUBLIC, tokens, kv)
-        syncs = [n for n in dry.synced[before:] if n.startswith("seg-")]
-    io = FaultyIO()
-    store, tokens, kv = _full_store(tmp_path / "real", identity, io)
-    disk = disk_of(store)
-    real_delete = disk.delete_forgetting
-    failed: list[int] = []
-
-    def failing_delete(keys: list[ChunkKey], forget: list[bytes]) -> list[int]:
-        if io.injected and not failed:
-            failed.append(len(keys))
-            raise OSError(errno.EIO, "catalog write failed (injected)")
-        return real_delete(keys, forget)
-
-    monkeypatch.setattr(disk, "delete_forgetting", failing_delete)
+    store, tokens, kv, failed = _failed_undo(tmp_path, identity, monkeypatch, 1)
     try:
-        io.arm("fdatasync", errno.EIO, after=len(syncs) - 1, once=True, path=SEG)
-        with pytest.raises(KVLifeError, match="writing 36 replicas"):
-            store.put_prompt(identity, PUBLIC, tokens, kv)
         assert failed == [64]
         # the first ten chunks again (the undeleted frames hold disk room meanwhile)
         head_tokens, head_kv = tokens[: 10 * N], kv[:, :, :, : 10 * N, :]
