@@ -33,7 +33,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from kvlife.core.errors import InvalidArgument, KVLifeError, RemoteTierError
+from kvlife.core.errors import InvalidArgument, RemoteTierError
 from kvlife.core.identity import ChunkKey
 from kvlife.core.lifecycle import Move, ObjectState
 from kvlife.core.objects import (
@@ -117,8 +117,7 @@ def consult_shared(
                 break
             kept += 1
         hits = hits[:kept]
-        if doomed:
-            core.later(core.seq.take(), lambda: _delete_quietly(core, doomed))
+        core.delete_later(doomed)  # a failure is kept, counted and retried at close
         # What this host holds in the shared tier changes in plan order: the lookup
         # forgets and adopts in a turn of its own, after every delete planned before it
         # (by this lookup's rules or anything else). Deletes go by key: one that ran
@@ -163,15 +162,6 @@ def _drop_gone(
         if rec.state is ObjectState.INDEXED and not any(r.lasting for r in rec.replicas.values()):
             doomed += core.retire(rec, Move.INVALIDATE, "shared replica gone")
     return doomed
-
-
-def _delete_quietly(core: StoreCore, doomed: list[tuple[TierName, ChunkKey]]) -> None:
-    """Physical deletes of replicas already out of service (background): a failure
-    leaves garbage no lookup serves (a rule covers it, or nothing indexes it), logged."""
-    try:
-        core.delete_replicas(doomed)
-    except (KVLifeError, OSError) as exc:
-        log.warning("deleting %d invalidated replicas failed: %s", len(doomed), exc)
 
 
 def _probe(
