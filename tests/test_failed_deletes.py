@@ -8,19 +8,18 @@ the error said), each with its own bytes. Real files, a real store reopened."""
 
 from __future__ import annotations
 
-import errno
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvlife.core.errors import StorePathError
-from kvlife.core.identity import PUBLIC, ChunkKey, ModelIdentity
+from kvlife.core.identity import PUBLIC, ModelIdentity
 from kvlife.faults.damage import flip, scan_frames
 from kvlife.store import KVStore
 from kvlife.tiers.disk.frame import HEADER_BYTES
 from tests.conftest import TINY, prompt_kv
+from tests.helpers.failing_deletes import fail_deletes
 from tests.helpers.store_threads import assert_loads_exactly, wait_until
 from tests.helpers.workload import disk_of
 
@@ -36,36 +35,20 @@ def _on_disk(path: Path, identity: ModelIdentity) -> tuple[KVStore, np.ndarray, 
     return store, tokens, kv
 
 
-def _failing(store: KVStore, times: int) -> Callable[[], int]:
-    """Make the disk tier's next ``times`` deletes raise EIO; how many have failed."""
-    disk = disk_of(store)
-    real = disk.delete_forgetting
-    failed = [0]
-
-    def delete(keys: Sequence[ChunkKey], forget: Sequence[bytes]) -> list[int]:
-        if failed[0] < times:
-            failed[0] += 1
-            raise OSError(errno.EIO, "catalog write failed (injected)")
-        return real(keys, forget)
-
-    disk.delete_forgetting = delete  # type: ignore[method-assign]
-    return lambda: failed[0]
-
-
 @pytest.mark.parametrize("how", ["namespace", "prefix"])
 def test_an_invalidation_whose_delete_fails_is_a_typed_error_and_the_close_deletes_them(
     tmp_path: Path, identity: ModelIdentity, how: str
 ) -> None:
     store, tokens, _kv = _on_disk(tmp_path / "s", identity)
     try:
-        failed = _failing(store, 1)
+        failed = fail_deletes(store, 1)
         first = store.lookup(identity, PUBLIC, tokens).hits[0].key
         with pytest.raises(StorePathError, match="deleting their replicas failed"):
             if how == "namespace":
                 store.invalidate(namespace=PUBLIC)
             else:
                 store.invalidate(prefix=first)
-        assert failed() == 1
+        assert failed == [CHUNKS]
         assert store.lookup(identity, PUBLIC, tokens).tokens == 0  # it holds here
         assert store.counters.as_dict()["deletes_failed"] == CHUNKS  # the disk replicas
     finally:
@@ -80,7 +63,7 @@ def test_a_delete_that_fails_at_close_too_leaves_the_chunks_for_the_next_open(
     """What the error said: the next open finds them again, each with its own bytes."""
     store, tokens, kv = _on_disk(tmp_path / "s", identity)
     try:
-        _failing(store, 2)
+        fail_deletes(store, 2)
         with pytest.raises(StorePathError, match="the next open"):
             store.invalidate(namespace=PUBLIC)
         assert store.lookup(identity, PUBLIC, tokens).tokens == 0
@@ -98,7 +81,7 @@ def test_the_close_leaves_a_chunk_put_again_since_its_delete_failed(
     only the four no record names, and the next open serves the two, exact."""
     store, tokens, kv = _on_disk(tmp_path / "s", identity)
     try:
-        _failing(store, 1)
+        fail_deletes(store, 1)
         with pytest.raises(StorePathError):
             store.invalidate(namespace=PUBLIC)
         head_tokens, head_kv = tokens[: 2 * N], kv[:, :, :, : 2 * N, :]
@@ -124,12 +107,12 @@ def test_a_background_delete_that_fails_is_counted_not_lost(
         frames = {f.key: f for f in scan_frames(tmp_path / "s")}
         bad = frames[keys[2]]
         flip(bad.segment, bad.offset + HEADER_BYTES + 5, 1)
-        failed = _failing(store, 1)
+        failed = fail_deletes(store, 1)
         got = store.get(identity, PUBLIC, tokens)
         assert got.loaded == 2 and got.corrupt
         store.drain()
         store.lookup(identity, PUBLIC, tokens)  # reaps what the load found lost
-        wait_until(lambda: failed() == 1, what="the background delete")
+        wait_until(lambda: failed == [1], what="the background delete")
         wait_until(lambda: store.counters.as_dict()["deletes_failed"] == 1, what="counted")
     finally:
         store.close()

@@ -36,6 +36,7 @@ from kvlife.faults.fileio import FaultyIO
 from kvlife.store import KVStore
 from kvlife.tiers.disk.frame import HEADER_BYTES
 from tests.conftest import TINY, prompt_kv
+from tests.helpers.failing_deletes import fail_deletes
 from tests.helpers.store_threads import Call, assert_loads_exactly, chunk_of, wait_until
 from tests.helpers.workload import disk_of
 
@@ -46,23 +47,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _open(path: Path, *, disk: int = 16 << 20) -> KVStore:
     return KVStore.open(path, dram_bytes=1 << 20, disk_bytes=disk, segment_bytes=1 << 20)
-
-
-def _failing(store: KVStore, times: int, exc: BaseException | None = None) -> list[int]:
-    """The disk tier's next ``times`` deletes raise (EIO unless ``exc``); returns the
-    list of key counts of the deletes that failed."""
-    disk = disk_of(store)
-    real = disk.delete_forgetting
-    failed: list[int] = []
-
-    def delete(keys: Sequence[ChunkKey], forget: Sequence[bytes]) -> list[int]:
-        if len(failed) < times:
-            failed.append(len(keys))
-            raise exc if exc is not None else OSError(errno.EIO, "catalog write failed (inj)")
-        return real(keys, forget)
-
-    disk.delete_forgetting = delete  # type: ignore[method-assign]
-    return failed
 
 
 def _other(kv: np.ndarray) -> np.ndarray:
@@ -96,7 +80,7 @@ def test_a_key_whose_delete_fails_twice_is_deleted_by_the_close_without_an_error
 ) -> None:
     store = _open(tmp_path / "s")
     tokens, kv = _put_flushed(store, identity, 1)
-    failed = _failing(store, 2)
+    failed = fail_deletes(store, 2)
     with pytest.raises(StorePathError):
         store.invalidate(namespace=PUBLIC)
     # put again (a new frame replaces the kept one's row), invalidated again: fails again
@@ -119,7 +103,7 @@ def test_a_reput_held_only_in_dram_never_brings_back_the_invalidated_bytes(
 ) -> None:
     store = _open(tmp_path / "s")
     tokens, old = _put_flushed(store, identity, 2)
-    _failing(store, 1)
+    fail_deletes(store, 1)
     with pytest.raises(StorePathError, match="The close retries"):
         store.invalidate(namespace=PUBLIC)
     new = _other(old)
@@ -142,7 +126,7 @@ def test_a_reput_invalidated_again_before_the_close_is_gone_at_the_next_open(
     store = _open(tmp_path / "s")
     tokens, old = _put_flushed(store, identity, 3)
     keys = [h.key for h in store.lookup(identity, PUBLIC, tokens).hits]
-    _failing(store, 1)
+    fail_deletes(store, 1)
     with pytest.raises(StorePathError):
         store.invalidate(namespace=PUBLIC)
     assert store.put_prompt(identity, PUBLIC, tokens, _other(old)).stored == CHUNKS
@@ -163,7 +147,7 @@ def test_a_reput_flushed_beside_the_kept_frame_is_served_exact_here_and_after_re
     re-put's bytes, never the invalidated ones."""
     store = _open(tmp_path / "s")
     tokens, old = _put_flushed(store, identity, 4)
-    _failing(store, 1)
+    fail_deletes(store, 1)
     with pytest.raises(StorePathError):
         store.invalidate(namespace=PUBLIC)
     new = _other(old)
@@ -184,7 +168,7 @@ def test_a_reput_demoted_to_disk_by_eviction_is_served_exact(
     the kept frames of the same keys."""
     store = _open(tmp_path / "s")
     tokens, old = _put_flushed(store, identity, 5)
-    _failing(store, 1)
+    fail_deletes(store, 1)
     with pytest.raises(StorePathError):
         store.invalidate(namespace=PUBLIC)
     new = _other(old)
@@ -206,7 +190,7 @@ def test_either_close_deletes_the_kept_replicas(
     ns = Namespace(NamespaceKind.USER, "keep")
     assert store.put_prompt(identity, ns, other, other_kv).stored == CHUNKS
     store.flush()
-    _failing(store, 1)
+    fail_deletes(store, 1)
     with pytest.raises(StorePathError):
         store.invalidate(namespace=PUBLIC)
     assert store.counters.as_dict()["deletes_failed"] == CHUNKS
@@ -227,10 +211,10 @@ def test_a_retry_at_close_raising_an_untyped_error_still_releases_the_store(
     next open finds the kept frames again, with their own bytes."""
     store = _open(tmp_path / "s")
     tokens, kv = _put_flushed(store, identity, 7)
-    failed = _failing(store, 1)
+    failed = fail_deletes(store, 1)
     with pytest.raises(StorePathError):
         store.invalidate(namespace=PUBLIC)
-    _failing(store, 1, RuntimeError("bug in the catalog (injected)"))
+    fail_deletes(store, 1, exc=RuntimeError("bug in the catalog (injected)"))
     with pytest.raises(RuntimeError, match="injected"):
         store.close()
     assert failed == [CHUNKS]
@@ -272,7 +256,7 @@ def test_the_kept_frames_hold_disk_room_until_the_close_which_fails_typed(
     disk_room = CHUNKS * 8192
     store = _open(tmp_path / "s", disk=disk_room)
     tokens, _kv = _put_flushed(store, identity, 9)
-    _failing(store, 1)
+    fail_deletes(store, 1)
     with pytest.raises(StorePathError):
         store.invalidate(namespace=PUBLIC)
     t2, kv2 = prompt_kv(90, CHUNKS * N)
@@ -300,7 +284,7 @@ def test_a_background_delete_failing_then_the_key_put_again_keeps_the_new_frame(
     frames = {f.key: f for f in scan_frames(tmp_path / "s")}
     bad = frames[keys[1]]
     flip(bad.segment, bad.offset + HEADER_BYTES + 5, 1)
-    failed = _failing(store, 1)
+    failed = fail_deletes(store, 1)
     got = store.get(identity, PUBLIC, tokens)
     assert got.loaded == 1 and got.corrupt
     store.drain()
@@ -339,7 +323,7 @@ def test_a_flush_copy_invalidated_mid_write_whose_delete_fails_raises_typed(
         assert stall.wait_entered(), "the flush never reached the disk"
         inv = Call(lambda: store.invalidate(namespace=PUBLIC))  # waits for the flush's turn
         wait_until(lambda: store.lookup(identity, PUBLIC, tokens).tokens == 0, what="retired")
-        failed = _failing(store, 2)  # the copy's delete, then the invalidation's
+        failed = fail_deletes(store, 2)  # the copy's delete, then the invalidation's
     finally:
         stall.release()
     flush.join()
@@ -360,6 +344,7 @@ from pathlib import Path
 from kvlife.core.identity import PUBLIC
 from kvlife.store import KVStore
 from tests.conftest import TINY, prompt_kv, tiny_identity
+from tests.helpers.failing_deletes import fail_deletes
 from tests.helpers.workload import disk_of
 N = TINY.tokens_per_chunk
 path, mode = Path(sys.argv[1]), sys.argv[2]
@@ -507,7 +492,7 @@ def test_a_failed_invalidation_holds_in_process_for_every_read(
     brings the kept frames back into service."""
     store = _open(tmp_path / "s")
     tokens, _kv = _put_flushed(store, identity, 12)
-    _failing(store, 1)
+    fail_deletes(store, 1)
     with pytest.raises(StorePathError):
         store.invalidate(prefix=store.lookup(identity, PUBLIC, tokens).hits[0].key)
     store.evict("dram", 1 << 40)

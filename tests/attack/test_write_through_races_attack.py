@@ -14,7 +14,7 @@ an invalidation of part of the prompt) and checks what the store promised.
 from __future__ import annotations
 
 import errno
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ from kvlife.faults.fileio import FaultyIO
 from kvlife.results import PutResult
 from kvlife.store import KVStore
 from tests.conftest import TINY, prompt_kv
+from tests.helpers.failing_deletes import fail_deletes
 from tests.helpers.store_threads import Call as _Call
 from tests.helpers.store_threads import assert_loads_exactly as _assert_loads_exactly
 from tests.helpers.store_threads import blocked as _blocked
@@ -548,7 +549,7 @@ def test_a_write_through_put_failing_in_its_second_copy_batch_stores_none_of_it(
 
 
 def _failed_undo(
-    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch, times: int
+    tmp_path: Path, identity: ModelIdentity, times: int
 ) -> tuple[KVStore, np.ndarray, np.ndarray, list[int]]:
     """A full store whose next BIG-chunk write-through put fails in its second copy
     batch's fdatasync, and whose disk deletes after that fault fail ``times`` times
@@ -557,17 +558,8 @@ def _failed_undo(
     syncs = _segment_syncs(tmp_path / "dry", identity)
     io = FaultyIO()
     store, tokens, kv = _full_store(tmp_path / "real", identity, io)
-    disk = disk_of(store)
-    real_delete = disk.delete_forgetting
-    failed: list[int] = []
-
-    def failing_delete(keys: Sequence[ChunkKey], forget: Sequence[bytes]) -> list[int]:
-        if io.injected and len(failed) < times:  # the undo's, after the failed fdatasync
-            failed.append(len(keys))
-            raise OSError(errno.EIO, "catalog write failed (injected)")
-        return real_delete(keys, forget)
-
-    monkeypatch.setattr(disk, "delete_forgetting", failing_delete)
+    # the undo's deletes, after the failed fdatasync (the evictions before it succeed)
+    failed = fail_deletes(store, times, armed=lambda: bool(io.injected))
     io.arm("fdatasync", errno.EIO, after=len(syncs) - 1, once=True, path=SEG)
     with pytest.raises(KVLifeError, match="writing 36 replicas"):
         store.put_prompt(identity, PUBLIC, tokens, kv)
@@ -575,7 +567,7 @@ def _failed_undo(
 
 
 def test_a_failed_undo_of_a_write_through_put_raises_the_puts_error_and_leaves_it_unserved(
-    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, identity: ModelIdentity
 ) -> None:
     """The double fault: the second copy batch's fdatasync fails, and the undo's delete
     of the 64 frames the first batch made durable fails too (the disk tier's catalog
@@ -583,7 +575,7 @@ def test_a_failed_undo_of_a_write_through_put_raises_the_puts_error_and_leaves_i
     every new chunk is counted in ``write_through_failed`` and unserved, the failed
     delete is counted and logged, and a restart does not serve the put that failed:
     its frames are deleted by the close, never indexed again."""
-    store, tokens, _, failed = _failed_undo(tmp_path, identity, monkeypatch, 1)
+    store, tokens, _, failed = _failed_undo(tmp_path, identity, 1)
     try:
         assert failed == [64], "the undo's delete of the first batch's frames"
         assert store.lookup(identity, PUBLIC, tokens).tokens == 0
@@ -597,12 +589,12 @@ def test_a_failed_undo_of_a_write_through_put_raises_the_puts_error_and_leaves_i
 
 
 def test_a_delete_that_fails_at_close_too_leaves_the_frames_for_the_next_open(
-    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, identity: ModelIdentity
 ) -> None:
     """The undo's delete failing every time, the close's retry too: the close raises
     nothing for it (logged), and the next open finds the first batch's frames again,
     each chunk served with the bytes the put wrote (never other bytes)."""
-    store, tokens, kv, _ = _failed_undo(tmp_path, identity, monkeypatch, 1 << 30)
+    store, tokens, kv, _ = _failed_undo(tmp_path, identity, 1 << 30)
     try:
         assert store.counters.as_dict()["deletes_failed"] == 64
     finally:
@@ -616,14 +608,14 @@ def test_a_delete_that_fails_at_close_too_leaves_the_frames_for_the_next_open(
 
 
 def test_the_close_never_deletes_a_key_put_again_since_its_delete_failed(
-    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, identity: ModelIdentity
 ) -> None:
     """Deletes go by key: a chunk whose delete failed and that a later put stored again
     holds that put's replica under the same key. The undo's delete fails once; the
     prompt's first ten chunks are put again (without a failure) before the close; the
     close's retry skips those keys and deletes the rest, and the next open serves those
     ten chunks, exact, and none after them."""
-    store, tokens, kv, failed = _failed_undo(tmp_path, identity, monkeypatch, 1)
+    store, tokens, kv, failed = _failed_undo(tmp_path, identity, 1)
     try:
         assert failed == [64]
         # the first ten chunks again (the undeleted frames hold disk room meanwhile)
