@@ -37,16 +37,18 @@ from kvlife.store import KVStore
 from kvlife.tiers.disk.frame import HEADER_BYTES
 from tests.conftest import TINY, prompt_kv
 from tests.helpers.failing_deletes import fail_deletes
-from tests.helpers.store_threads import Call, assert_loads_exactly, chunk_of, wait_until
+from tests.helpers.store_threads import (
+    Call,
+    assert_loads_exactly,
+    chunk_of,
+    open_small,
+    wait_until,
+)
 from tests.helpers.workload import disk_of
 
 N = TINY.tokens_per_chunk
 CHUNKS = 4
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _open(path: Path, *, disk: int = 16 << 20) -> KVStore:
-    return KVStore.open(path, dram_bytes=1 << 20, disk_bytes=disk, segment_bytes=1 << 20)
 
 
 def _other(kv: np.ndarray) -> np.ndarray:
@@ -78,7 +80,7 @@ def _put_flushed(
 def test_a_key_whose_delete_fails_twice_is_deleted_by_the_close_without_an_error(
     tmp_path: Path, identity: ModelIdentity
 ) -> None:
-    store = _open(tmp_path / "s")
+    store = open_small(tmp_path / "s")
     tokens, kv = _put_flushed(store, identity, 1)
     failed = fail_deletes(store, 2)
     with pytest.raises(StorePathError):
@@ -94,14 +96,14 @@ def test_a_key_whose_delete_fails_twice_is_deleted_by_the_close_without_an_error
         store.close()  # the retry succeeds now: it must delete them, raising nothing
     except BaseException as exc:
         pytest.fail(f"close raised {type(exc).__name__}: {exc!r}")
-    with _open(tmp_path / "s") as again:
+    with open_small(tmp_path / "s") as again:
         assert again.lookup(identity, PUBLIC, tokens).tokens == 0
 
 
 def test_a_reput_held_only_in_dram_never_brings_back_the_invalidated_bytes(
     tmp_path: Path, identity: ModelIdentity
 ) -> None:
-    store = _open(tmp_path / "s")
+    store = open_small(tmp_path / "s")
     tokens, old = _put_flushed(store, identity, 2)
     fail_deletes(store, 1)
     with pytest.raises(StorePathError, match="The close retries"):
@@ -110,7 +112,7 @@ def test_a_reput_held_only_in_dram_never_brings_back_the_invalidated_bytes(
     assert store.put_prompt(identity, PUBLIC, tokens, new).stored == CHUNKS
     assert_loads_exactly(store, identity, tokens, new, CHUNKS)  # in process: right
     store.close(flush=False)  # the re-put is volatile; the close "retries" the delete
-    with _open(tmp_path / "s") as again:
+    with open_small(tmp_path / "s") as again:
         _never_serves(again, identity, tokens, old)
 
 
@@ -123,7 +125,7 @@ def test_a_reput_invalidated_again_before_the_close_is_gone_at_the_next_open(
     """The re-put (DRAM only) is invalidated again with a working delete: that delete
     finds only its DRAM replica; the old frame is still kept, and now no record names
     its key, so the close deletes it."""
-    store = _open(tmp_path / "s")
+    store = open_small(tmp_path / "s")
     tokens, old = _put_flushed(store, identity, 3)
     keys = [h.key for h in store.lookup(identity, PUBLIC, tokens).hits]
     fail_deletes(store, 1)
@@ -134,7 +136,7 @@ def test_a_reput_invalidated_again_before_the_close_is_gone_at_the_next_open(
     assert store.lookup(identity, PUBLIC, tokens).tokens == 0
     assert all(disk_of(store).contains(k) for k in keys)  # the kept frames, still
     store.close(flush=False)
-    with _open(tmp_path / "s") as again:
+    with open_small(tmp_path / "s") as again:
         assert again.lookup(identity, PUBLIC, tokens).tokens == 0
 
 
@@ -145,7 +147,7 @@ def test_a_reput_flushed_beside_the_kept_frame_is_served_exact_here_and_after_re
     """The re-put's frame replaces the kept frame's row: from DRAM, from disk after the
     DRAM replicas are evicted, and after the close (either flavour) and a reopen, the
     re-put's bytes, never the invalidated ones."""
-    store = _open(tmp_path / "s")
+    store = open_small(tmp_path / "s")
     tokens, old = _put_flushed(store, identity, 4)
     fail_deletes(store, 1)
     with pytest.raises(StorePathError):
@@ -157,7 +159,7 @@ def test_a_reput_flushed_beside_the_kept_frame_is_served_exact_here_and_after_re
     store.evict("dram", 1 << 40)
     assert_loads_exactly(store, identity, tokens, new, CHUNKS)  # from disk now
     store.close(flush=flush)
-    with _open(tmp_path / "s") as again:
+    with open_small(tmp_path / "s") as again:
         assert_loads_exactly(again, identity, tokens, new, CHUNKS)
 
 
@@ -166,7 +168,7 @@ def test_a_reput_demoted_to_disk_by_eviction_is_served_exact(
 ) -> None:
     """No flush: the DRAM eviction demotes the re-put onto the disk that still holds
     the kept frames of the same keys."""
-    store = _open(tmp_path / "s")
+    store = open_small(tmp_path / "s")
     tokens, old = _put_flushed(store, identity, 5)
     fail_deletes(store, 1)
     with pytest.raises(StorePathError):
@@ -176,7 +178,7 @@ def test_a_reput_demoted_to_disk_by_eviction_is_served_exact(
     store.evict("dram", 1 << 40)
     assert_loads_exactly(store, identity, tokens, new, CHUNKS)
     store.close(flush=False)
-    with _open(tmp_path / "s") as again:
+    with open_small(tmp_path / "s") as again:
         assert_loads_exactly(again, identity, tokens, new, CHUNKS)
 
 
@@ -184,7 +186,7 @@ def test_a_reput_demoted_to_disk_by_eviction_is_served_exact(
 def test_either_close_deletes_the_kept_replicas(
     tmp_path: Path, identity: ModelIdentity, flush: bool
 ) -> None:
-    store = _open(tmp_path / "s")
+    store = open_small(tmp_path / "s")
     tokens, _kv = _put_flushed(store, identity, 6)
     other, other_kv = prompt_kv(60, CHUNKS * N)
     ns = Namespace(NamespaceKind.USER, "keep")
@@ -195,7 +197,7 @@ def test_either_close_deletes_the_kept_replicas(
         store.invalidate(namespace=PUBLIC)
     assert store.counters.as_dict()["deletes_failed"] == CHUNKS
     store.close(flush=flush)
-    with _open(tmp_path / "s") as again:
+    with open_small(tmp_path / "s") as again:
         assert again.lookup(identity, PUBLIC, tokens).tokens == 0
         got = again.get(identity, ns, other)
         assert got.loaded == CHUNKS
@@ -209,7 +211,7 @@ def test_a_retry_at_close_raising_an_untyped_error_still_releases_the_store(
     """The close's retry raises RuntimeError (a bug under the disk tier): the close
     raises it, but only after every tier is closed and the directory lock dropped; the
     next open finds the kept frames again, with their own bytes."""
-    store = _open(tmp_path / "s")
+    store = open_small(tmp_path / "s")
     tokens, kv = _put_flushed(store, identity, 7)
     failed = fail_deletes(store, 1)
     with pytest.raises(StorePathError):
@@ -218,7 +220,7 @@ def test_a_retry_at_close_raising_an_untyped_error_still_releases_the_store(
     with pytest.raises(RuntimeError, match="injected"):
         store.close()
     assert failed == [CHUNKS]
-    with _open(tmp_path / "s") as again:  # the lock was dropped
+    with open_small(tmp_path / "s") as again:  # the lock was dropped
         assert again.lookup(identity, PUBLIC, tokens).tokens == CHUNKS * N
         assert_loads_exactly(again, identity, tokens, kv, CHUNKS)
 
@@ -228,7 +230,7 @@ def test_a_delete_failing_after_its_commit_counts_nothing_kept(
 ) -> None:
     """The catalog delete commits, then the call raises: the replicas are gone, so
     ``deletes_failed`` must not count them and the close has nothing to retry."""
-    store = _open(tmp_path / "s")
+    store = open_small(tmp_path / "s")
     tokens, _kv = _put_flushed(store, identity, 8)
     disk = disk_of(store)
     real = disk.delete_forgetting
@@ -242,7 +244,7 @@ def test_a_delete_failing_after_its_commit_counts_nothing_kept(
         store.invalidate(namespace=PUBLIC)
     assert store.counters.as_dict()["deletes_failed"] == 0
     store.close()
-    with _open(tmp_path / "s") as again:
+    with open_small(tmp_path / "s") as again:
         assert again.lookup(identity, PUBLIC, tokens).tokens == 0
 
 
@@ -254,7 +256,7 @@ def test_the_kept_frames_hold_disk_room_until_the_close_which_fails_typed(
     StorageFullError; nothing served is ever other bytes, and the next open serves
     neither prompt (the first deleted, the second never durable)."""
     disk_room = CHUNKS * 8192
-    store = _open(tmp_path / "s", disk=disk_room)
+    store = open_small(tmp_path / "s", disk_bytes=disk_room)
     tokens, _kv = _put_flushed(store, identity, 9)
     fail_deletes(store, 1)
     with pytest.raises(StorePathError):
@@ -266,7 +268,7 @@ def test_the_kept_frames_hold_disk_room_until_the_close_which_fails_typed(
     assert_loads_exactly(store, identity, t2, kv2, CHUNKS)
     with pytest.raises(StorageFullError):
         store.close()
-    with _open(tmp_path / "s", disk=disk_room) as again:
+    with open_small(tmp_path / "s", disk_bytes=disk_room) as again:
         assert again.lookup(identity, PUBLIC, tokens).tokens == 0
         assert again.lookup(identity, PUBLIC, t2).tokens == 0
 
@@ -277,7 +279,7 @@ def test_a_background_delete_failing_then_the_key_put_again_keeps_the_new_frame(
     """A damaged frame found by a load: its delete (background thread) fails and is
     kept; the prompt is put again with other bytes and flushed: the close must not
     delete the new frame, and the next open serves the new bytes, all of them."""
-    store = _open(tmp_path / "s")
+    store = open_small(tmp_path / "s")
     tokens, old = _put_flushed(store, identity, 10)
     store.evict("dram", 1 << 40)
     keys = [h.key for h in store.lookup(identity, PUBLIC, tokens).hits]
@@ -296,7 +298,7 @@ def test_a_background_delete_failing_then_the_key_put_again_keeps_the_new_frame(
     assert res.stored + res.already_present == CHUNKS
     store.flush()
     store.close()
-    with _open(tmp_path / "s") as again:
+    with open_small(tmp_path / "s") as again:
         got = again.get(identity, PUBLIC, tokens)
         assert got.loaded >= 2
         for i, arr in enumerate(got.arrays):  # each chunk one put's exact bytes
@@ -332,7 +334,7 @@ def test_a_flush_copy_invalidated_mid_write_whose_delete_fails_raises_typed(
     assert isinstance(inv.error, StorePathError)
     disk.delete_forgetting = real  # type: ignore[method-assign]
     store.close()
-    with _open(tmp_path / "s") as again:
+    with open_small(tmp_path / "s") as again:
         assert again.lookup(identity, PUBLIC, tokens).tokens == 0
     assert flush.error is None or isinstance(flush.error, KVLifeError), repr(flush.error)
 
@@ -392,7 +394,7 @@ def test_a_crash_before_the_close_serves_one_puts_exact_bytes(
     assert "StorePathError" in out.stdout
     tokens, old = prompt_kv(11, CHUNKS * N)
     want = old if mode == "none" else _other(old)
-    with _open(tmp_path / "s") as again:
+    with open_small(tmp_path / "s") as again:
         assert_loads_exactly(again, identity, tokens, want, CHUNKS)
 
 
@@ -406,7 +408,7 @@ def test_threads_invalidating_and_putting_while_deletes_fail(
     after a reopen is its prompt's exact bytes."""
     users = [Namespace(NamespaceKind.USER, f"u{i}") for i in range(3)]
     prompts = {s: prompt_kv(200 + s, CHUNKS * N) for s in range(6)}
-    store = _open(tmp_path / "s")
+    store = open_small(tmp_path / "s")
     for seed, (tokens, kv) in prompts.items():  # on disk before the threads start
         store.put_prompt(identity, users[seed % 3], tokens, kv)
     store.flush()
@@ -478,7 +480,7 @@ def test_threads_invalidating_and_putting_while_deletes_fail(
     disk.delete_forgetting = real  # type: ignore[method-assign]
     store.flush()
     store.close()
-    with _open(tmp_path / "s") as again:
+    with open_small(tmp_path / "s") as again:
         for seed, (tokens, kv) in prompts.items():
             got = again.get(identity, users[seed % 3], tokens)
             for i, arr in enumerate(got.arrays):
@@ -490,7 +492,7 @@ def test_a_failed_invalidation_holds_in_process_for_every_read(
 ) -> None:
     """Until the close, neither lookup, get, load after DRAM eviction, nor an audit
     brings the kept frames back into service."""
-    store = _open(tmp_path / "s")
+    store = open_small(tmp_path / "s")
     tokens, _kv = _put_flushed(store, identity, 12)
     fail_deletes(store, 1)
     with pytest.raises(StorePathError):
@@ -505,5 +507,5 @@ def test_a_failed_invalidation_holds_in_process_for_every_read(
         store.close()
     except KVLifeError as exc:  # pragma: no cover - a finding
         pytest.fail(f"close raised {exc!r}")
-    with _open(tmp_path / "s") as again:
+    with open_small(tmp_path / "s") as again:
         assert again.lookup(identity, PUBLIC, tokens).tokens == 0

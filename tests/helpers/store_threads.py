@@ -28,13 +28,14 @@ def open_small(
     promote: bool = False,
     write_through: bool = False,
     dram_bytes: int = 1 << 20,
+    disk_bytes: int = 16 << 20,
 ) -> KVStore:
-    """The small store of the close-race attacks: DRAM over a 16 MiB disk tier of 1 MiB
-    segments (``io``: the file seam, to stall or fail its calls)."""
+    """The small store of the close-race and failed-delete attacks: DRAM over a 16 MiB
+    disk tier of 1 MiB segments (``io``: the file seam, to stall or fail its calls)."""
     return KVStore.open(
         path,
         dram_bytes=dram_bytes,
-        disk_bytes=16 << 20,
+        disk_bytes=disk_bytes,
         segment_bytes=1 << 20,
         promote_on_hit=promote,
         write_through=write_through,
