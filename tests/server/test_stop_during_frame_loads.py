@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvlife.bench.server.loads import shared_chunks
 from kvlife.client import RemoteStore
 from kvlife.core.errors import StoreUnavailable
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
@@ -56,16 +57,10 @@ def _loader(
         errors.append(exc)
         return
     try:
-        shape = LAYOUT.chunk_shape
         if kind == "ordinary":
-            outs = [np.zeros(shape, np.float16) for _ in range(CHUNKS)]
-        else:
-            raw = store.alloc_buffer(CHUNKS * LAYOUT.chunk_nbytes)
-            size = LAYOUT.chunk_nbytes
-            outs = [
-                raw[i * size : (i + 1) * size].view(np.float16).reshape(shape)
-                for i in range(CHUNKS)
-            ]
+            outs = [np.zeros(LAYOUT.chunk_shape, np.float16) for _ in range(CHUNKS)]
+        else:  # chunk views of one shared buffer of the session
+            outs = shared_chunks(store, LAYOUT, CHUNKS)
         while not stop.is_set():
             lk = store.lookup(IDENT, PUBLIC, tokens)
             res = store.load(lk, outs)
