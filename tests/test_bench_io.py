@@ -176,3 +176,30 @@ def test_machine_figures_say_how_they_read(tmp_path: Path) -> None:
     finally:
         for where in dirs[1:]:
             shutil.rmtree(where, ignore_errors=True)
+
+
+def test_machine_figures_say_how_idle_cpus_wait(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cpuidle driver and haltpoll's polling time are read from the kernel's files
+    (None where a file is missing or says nothing readable) and printed with the
+    machine line."""
+    from kvlife.bench import limits
+
+    driver, poll = tmp_path / "current_driver", tmp_path / "guest_halt_poll_ns"
+    monkeypatch.setattr(limits, "CPUIDLE", driver)
+    monkeypatch.setattr(limits, "HALT_POLL", poll)
+    assert limits.idle_wait() == {"cpuidle_driver": None, "halt_poll_ns": None}
+    driver.write_text("haltpoll\n")
+    poll.write_text("200000\n")
+    said = limits.idle_wait()
+    assert said == {"cpuidle_driver": "haltpoll", "halt_poll_ns": 200000}
+    fig = limits.machine_figures(tmp_path, quick=True, best_of=1)
+    assert fig["cpuidle_driver"] == "haltpoll" and fig["halt_poll_ns"] == 200000
+    assert "idle CPUs: haltpoll, polling 200 µs before they halt" in limits.format_machine(fig)
+    poll.write_text("not a number")
+    driver.write_text("acpi_idle")
+    fig = limits.machine_figures(tmp_path, quick=True, best_of=1)
+    assert fig["halt_poll_ns"] is None
+    line = limits.format_machine(fig)
+    assert line.endswith("idle CPUs: acpi_idle") and "polling" not in line

@@ -337,13 +337,15 @@ def python_loop_mips(iters: int = PYTHON_LOOP_ITERS) -> float:
 
 def machine_figures(
     directory: Path, quick: bool = False, best_of: int = 3
-) -> dict[str, float | int | bool]:
+) -> dict[str, float | int | bool | str | None]:
     """The machine's own speeds, measured the same way by every ``kvlife bench``, so that
     the ratios of two machines can be compared: memcpy (``np.copyto`` into a warm buffer)
     and the streaming copy of a served put's client (:func:`streamed`),
     raw sequential write (``pwrite`` of MACHINE_BLOCK from aligned memory, then
     ``fdatasync``) and raw read of the same file, O_DIRECT where ``directory`` allows it,
     and a Python loop's speed. Each is the best of ``best_of`` tries (GB/s = 1e9 B/s).
+    Beside them, how an idle CPU waits (:func:`idle_wait`): on a VM whose idle vCPUs
+    halt at once, every wake-up of a waiting thread costs a VM exit.
 
     A scratch file is made in ``directory`` and removed.
     """
@@ -388,7 +390,40 @@ def machine_figures(
         # whether the disk tier reads runs of frames in native code here (docs/store.md):
         # a machine without the extension reads through Python, and its ratios say so
         "native_reads": frames.available(),
+    } | idle_wait()
+
+
+CPUIDLE = Path("/sys/devices/system/cpu/cpuidle/current_driver")
+HALT_POLL = Path("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+
+
+def idle_wait() -> dict[str, str | int | None]:
+    """How this machine's idle CPUs wait: the cpuidle driver (``cpuidle_driver``; None
+    where the kernel does not say) and, under ``haltpoll`` (a KVM guest), how long an
+    idle vCPU polls before it halts (``halt_poll_ns``; None elsewhere). With 0 every
+    wait that finds its CPU idle ends in a VM exit and a wake-up by the host: a round
+    trip to a server back to back took 76-99 µs here against 13-18 µs with 300 µs of
+    polling, though the served loads' and puts' ratios stayed within their spread
+    (docs/operations.md, "Idle CPUs on a VM")."""
+    return {
+        "cpuidle_driver": _read_text(CPUIDLE),
+        "halt_poll_ns": _read_int(HALT_POLL),
     }
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _read_int(path: Path) -> int | None:
+    text = _read_text(path)
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 MACHINE_KEYS = (
@@ -424,7 +459,17 @@ def format_machine(fig: Mapping[str, object]) -> str:
             if fig["native_reads"]
             else ", disk frames read through Python (native extension off or not built)"
         )
+        + _idle_text(fig)
     )
+
+
+def _idle_text(fig: Mapping[str, object]) -> str:
+    driver, poll = fig.get("cpuidle_driver"), fig.get("halt_poll_ns")
+    if not isinstance(driver, str):
+        return ""
+    if isinstance(poll, int):
+        return f", idle CPUs: {driver}, polling {poll / 1000:g} µs before they halt"
+    return f", idle CPUs: {driver}"
 
 
 # ---------------------------------------------------------------------- CPU budget

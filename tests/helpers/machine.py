@@ -11,7 +11,7 @@ from kvlife.bench.limits import MACHINE_KEYS
 def assert_machine_figures(doc: dict[str, object]) -> None:
     """``doc["machine"]`` holds memcpy, the streaming copy, raw write and read GB/s and
     the Python loop's speed, each a positive finite number, and says whether the raw I/O
-    was O_DIRECT and whether the disk tier read natively."""
+    was O_DIRECT, whether the disk tier read natively and how idle CPUs wait."""
     machine = doc["machine"]
     assert isinstance(machine, dict), machine
     for key in MACHINE_KEYS:
@@ -21,3 +21,5 @@ def assert_machine_figures(doc: dict[str, object]) -> None:
     assert machine["bytes"] >= machine["block_bytes"] > 0
     assert machine["cpu_count"] >= 1
     assert isinstance(machine["native_reads"], bool)
+    assert machine["cpuidle_driver"] is None or isinstance(machine["cpuidle_driver"], str)
+    assert machine["halt_poll_ns"] is None or isinstance(machine["halt_poll_ns"], int)
