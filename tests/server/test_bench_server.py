@@ -13,6 +13,7 @@ import pytest
 from kvlife.bench.server.cli import build_parser
 from kvlife.bench.server.config import ROUND_TRIP_POINTS
 from kvlife.bench.server.floor import QUICK_ROUND_TRIPS
+from kvlife.bench.server.run import CEILING_BOUNDS
 from kvlife.native import frames as native_frames
 from tests.helpers.machine import assert_machine_figures
 from tests.server.conftest import ROOT, child_env
@@ -176,6 +177,12 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
             t = p["chunk_bytes"] * p["chunks_per_call"] / (p[limit] * 1e9)
             assert abs(p["round_trip_bound"] - t / (t + rt["idle_us"] / 1e6)) < 1e-9
             assert abs(p["round_trip_bound_hot"] - t / (t + rt["hot_us"] / 1e6)) < 1e-9
+    for p in r["load_disk"]:  # each ceiling's time plus one idle round trip
+        raw_t = p["chunk_bytes"] * p["chunks_per_call"] / (p["raw_gbps"] * 1e9)
+        for ceiling, bound in CEILING_BOUNDS:
+            t = p["chunk_bytes"] * p["chunks_per_call"] / (p[f"{ceiling}_gbps"] * 1e9)
+            assert abs(p[bound] - raw_t / (t + rt["idle_us"] / 1e6)) < 1e-9
+    assert "the most a served load reaches (its ceiling's time plus one round" in proc.stdout
     assert "one round trip to a bare server on the server's CPU" in proc.stdout
     assert "the limit's time plus one round trip, idle / back to back" in proc.stdout
     assert {"shm_dir", "server_cpus", "client_cpus"} <= set(r["config"])

@@ -19,7 +19,10 @@ store and the machine's limits, measured in the same run.
   ``"round_trip"``, and each DRAM put and disk load point's ``round_trip_bound`` (and
   ``round_trip_bound_hot``): its ratio if the call took only its limit's time plus one
   round trip after idleness (back to back); a served call that sleeps while it waits
-  cannot pass the first (:func:`.run.add_round_trip_bounds`).
+  cannot pass the first (:func:`.run.add_round_trip_bounds`); each disk load point's
+  ``shared_bound`` and ``ordinary_bound``: the same with its ceiling's time (the reads
+  verified natively; raw reads with the copy out beside them) in place of the raw
+  reads', what no served load of that kind passes with every byte verified.
 
 Targets (issue 10): lookup <= 2x in-process (median and P99); DRAM load >= 0.8x memcpy,
 disk load >= 0.85x raw; put >= 0.8x memcpy, write-through put >= 0.85x raw. A benchmark,

@@ -139,6 +139,13 @@ def format_report(r: dict[str, Any]) -> str:
                     else ""
                 )
             )
+        if "shared_bound" in p and "ordinary_bound" in p:
+            lines.append(
+                f"disk loads of {p['chunk_bytes'] >> 10} KiB, the most a served load reaches "
+                "(its ceiling's time plus one round trip after idleness): into the "
+                f"caller's buffers {p['ordinary_bound']:.2f}, into shared buffers "
+                f"{p['shared_bound']:.2f} of raw reads"
+            )
     for p in r.get("put_dram", []):
         if "of_stream" in p:
             lines.append(

@@ -132,6 +132,30 @@ def add_round_trip_bounds(r: dict[str, Any]) -> None:
             t = p["chunk_bytes"] * p["chunks_per_call"] / (gbps * 1e9)
             p["round_trip_bound"] = t / (t + rt["idle_us"] / 1e6)
             p["round_trip_bound_hot"] = t / (t + rt["hot_us"] / 1e6)
+    for p in r.get("load_disk", []):
+        _ceiling_bounds(p, rt["idle_us"] / 1e6)
+
+
+CEILING_BOUNDS = (("verified", "shared_bound"), ("copied", "ordinary_bound"))
+"""A disk load point's ceilings, each with the bound it gives (:func:`_ceiling_bounds`):
+the reads verified natively for a load into shared buffers, the raw reads with the copy
+out beside them for one into the caller's own buffers."""
+
+
+def _ceiling_bounds(p: dict[str, Any], round_trip_s: float) -> None:
+    """A disk load point's ``shared_bound`` and ``ordinary_bound``: its ratio if the
+    served call took its ceiling's time (``verified_gbps``, ``copied_gbps``: what no
+    served design of that kind passes with every byte verified) plus one round trip
+    after idleness, and nothing else. A target above the bound is held by the bound."""
+    raw = p.get("raw_gbps")
+    if not raw:
+        return
+    nbytes = p["chunk_bytes"] * p["chunks_per_call"]
+    for ceiling, name in CEILING_BOUNDS:
+        gbps = p.get(f"{ceiling}_gbps")
+        if gbps:
+            t = nbytes / (gbps * 1e9)
+            p[name] = nbytes / (raw * 1e9) / (t + round_trip_s)
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
