@@ -417,11 +417,7 @@ class Loads:
                 raise errors.ProtocolError(f"streamed chunk {i} out of order")
             take(conn, i, off, dtype, shape)
 
-        # partial replies: chunks copied out here as they verify, or told to on_chunk; a
-        # load into shared buffers with no on_chunk has nothing to do with them (each
-        # cost a send on the server between two chunks' checks and a wake-up here: 2-4%
-        # of a 4 x 2 MiB disk load, paired scratch runs on 2026-12-07)
-        args["stream"] = "into" not in args or on_chunk is not None
+        args["stream"] = True
         if self.early and (outs is None or all(o.flags.c_contiguous for o in outs)):
             args["early"] = True  # landed bytes of a chunk being read copied meanwhile
         copied: list[np.ndarray] = []

@@ -23,7 +23,6 @@ from kvlife.results import LookupResult
 from kvlife.server import protocol
 from tests.conftest import TINY, prompt_kv, tiny_identity
 from tests.server.conftest import MiB, ServerProc, quiet, wait_for
-from tests.server.direct_rig import disk_server, put_on_disk
 
 N = TINY.tokens_per_chunk
 
@@ -96,60 +95,6 @@ def test_loads_land_in_shared_buffers_from_dram_and_disk(remote: RemoteStore) ->
     assert quiet(remote)["buffers"] == 1
     remote.close()
     wait_for(lambda: not files[0].exists(), what="the buffer file to go with the connection")
-
-
-def test_a_load_into_shared_buffers_asks_for_parts_only_with_on_chunk(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A disk load into shared buffers asks for partial replies only where the caller
-    gave ``on_chunk`` (told each chunk in order as it verified); without it the server
-    sends the final reply alone, and the bytes are the store's either way."""
-    srv = disk_server(tmp_path / "s")  # no promotion: disk hits stay disk hits
-    remote = srv.client()
-    try:
-        ident = tiny_identity()
-        tokens, stored = put_on_disk(remote, ident, 3, seed=24)
-        raw = remote.alloc_buffer(3 * 4096)
-        n = TINY.chunk_nbytes
-        outs = [
-            raw[i * 4096 : i * 4096 + n].view(np.float16).reshape(TINY.chunk_shape)
-            for i in range(3)
-        ]
-        wire = remote._loads.wire
-        asked: list[bool] = []
-        parts: list[int] = []
-        call_on = wire.call_on
-
-        def spy(verb: str, args: dict[str, Any], part: Any = None, after: Any = None) -> Any:
-            if verb == "load":
-                asked.append(bool(args.get("stream")))
-                if part is not None:
-                    inner = part
-
-                    def part(conn: Any, p: Any) -> None:
-                        parts.append(1)
-                        inner(conn, p)
-
-            return call_on(verb, args, part, after)
-
-        monkeypatch.setattr(wire, "call_on", spy)
-        told: list[int] = []
-        for on_chunk in (None, lambda i, arr: told.append(i)):
-            for o in outs:
-                o[...] = 0
-            lk = remote.lookup(ident, PUBLIC, tokens)
-            assert lk.tiers() == {"disk": 3}
-            got = remote._loads.load(lk, outs, "", on_chunk)
-            assert got.loaded == 3 and got.tiers == {"disk": 3}
-            assert [o.tobytes() for o in outs] == stored
-            if on_chunk is None:
-                assert asked == [False] and parts == [] and told == []
-        assert asked == [False, True]
-        assert told == [0, 1, 2]
-        assert len(parts) <= 3  # chunks verified after the last read ride in the reply
-    finally:
-        remote.close()
-        srv.stop()
 
 
 def test_buffers_outside_shared_memory_take_the_grant_path(remote: RemoteStore) -> None:
