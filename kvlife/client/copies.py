@@ -17,6 +17,7 @@ from kvlife.client.handles import RemoteLookup
 from kvlife.client.wire import Wire
 from kvlife.core.errors import InvalidArgument, ProtocolError
 from kvlife.core.identity import ChunkKey, KVLayout
+from kvlife.native.copies import stream_copy
 from kvlife.results import LoadResult, LookupResult, PutResult
 from kvlife.server import protocol
 from kvlife.server.limits import page_charge
@@ -122,11 +123,12 @@ def _inline(r: Any, hits: int) -> list[tuple[str, tuple[int, ...], bytes]]:
 
 def copy_into(out: np.ndarray, src: np.ndarray) -> np.ndarray:
     """``src`` copied into the caller's output buffer ``out`` (returned), which must have
-    the replica's shape and dtype (InvalidArgument, naming both, if not)."""
+    the replica's shape and dtype (InvalidArgument, naming both, if not); by streaming
+    stores where it can (:func:`kvlife.native.copies.stream_copy`)."""
     if out.shape != src.shape or out.dtype != src.dtype:
         raise InvalidArgument(
             f"output buffer {out.dtype}{list(out.shape)} does not fit replica "
             f"{src.dtype}{list(src.shape)}"
         )
-    np.copyto(out, src)
+    stream_copy(out, src)
     return out

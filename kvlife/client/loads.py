@@ -51,6 +51,7 @@ from kvlife.core import errors
 from kvlife.core.identity import KEY_BYTES, ChunkKey, KVLayout
 from kvlife.core.objects import PromptRef, TierName
 from kvlife.core.payload import numpy_dtype
+from kvlife.native.copies import stream_copy
 from kvlife.native.spans import spans
 from kvlife.results import ChunkHit, LoadResult, LookupResult
 from kvlife.server import protocol
@@ -431,7 +432,7 @@ class Loads:
                 if conn.epoch != epoch:
                     return  # another server's arena since the lookup: nothing is copied
                 for out, (off, dtype) in zip(dst, early, strict=True):
-                    np.copyto(out, view(conn, off, dtype, out.shape))
+                    stream_copy(out, view(conn, off, dtype, out.shape))
                     copied.append(out)
 
         r, conn = self.wire.call_on("load", args, part, after)
@@ -618,7 +619,8 @@ class _Early:
 
 
 def _copy_bytes(dst: np.ndarray, src: np.ndarray, start: int, end: int) -> None:
-    """Bytes ``start`` to ``end`` of C-contiguous ``src`` into the same bytes of ``dst``."""
+    """Bytes ``start`` to ``end`` of C-contiguous ``src`` into the same bytes of ``dst``
+    (C-contiguous too), by streaming stores where it can."""
     if end > start:
         flat = dst.reshape(-1).view(np.uint8)
-        flat[start:end] = src.reshape(-1).view(np.uint8)[start:end]
+        stream_copy(flat[start:end], src.reshape(-1).view(np.uint8)[start:end])

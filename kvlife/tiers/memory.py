@@ -24,6 +24,9 @@ import xxhash
 
 from kvlife.core.errors import InvalidArgument
 from kvlife.core.identity import ChunkKey
+from kvlife.native.copies import copy_sealed as native_copy_sealed
+from kvlife.native.copies import sealing as native_sealing
+from kvlife.native.copies import stream_copy
 from kvlife.tiers.base import (
     ReplicaMeta,
     Reservation,
@@ -87,13 +90,18 @@ class _BufferPool:
 
 def copy_sealed(raw: np.ndarray, arr: np.ndarray, block: int = SEAL_BLOCK) -> bytes:
     """Copy ``arr`` into the aligned bytes ``raw`` and return the xxh3-128 of the copy
-    (:func:`~kvlife.tiers.base.seal_of` of ``raw``, the same digest), hashing each block
-    of at most ``block`` bytes right after copying it, so that the hash reads it from
+    (:func:`~kvlife.tiers.base.seal_of` of ``raw``, the same digest). Where the native
+    extension can (:func:`kvlife.native.copies.copy_sealed`: a chunk larger than
+    ``block`` whose contiguous runs are at least 1 KiB), it hashes each block and then
+    streams it from the cache, the interpreter lock released; else each block of at most
+    ``block`` bytes is hashed right after it is copied, so that the hash reads it from
     cache, not back from memory."""
     dst = raw.view(arr.dtype).reshape(arr.shape)
     if arr.nbytes <= block:
         np.copyto(dst, arr)
         return seal_of(raw)
+    if native_sealing():
+        return native_copy_sealed(dst, arr)
     h = xxhash.xxh3_128()
     if arr.flags.c_contiguous:  # byte ranges: the fewest Python steps per block
         src, out = arr.reshape(-1).view(np.uint8).data, raw.data
@@ -160,7 +168,7 @@ class MemoryTier(HeldTier[_Held]):
                 self._pool.shrink(self.capacity_bytes - self._used - self._reserved)
             for meta, arr, raw in zip(reservation.metas, payloads, raws, strict=True):
                 if meta.checksum and not meta.verify_checksum:  # vouched for: no hash
-                    np.copyto(raw.view(arr.dtype).reshape(arr.shape), arr)
+                    stream_copy(raw.view(arr.dtype).reshape(arr.shape), arr)
                     seal = meta.checksum
                 else:
                     seal = self._seal(meta, raw, copy_sealed(raw, arr))

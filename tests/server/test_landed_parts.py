@@ -26,6 +26,7 @@ from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
 from kvlife.faults.damage import flip, scan_frames
 from kvlife.native import frames as native
 from kvlife.tiers.disk.frame import HEADER_BYTES
+from tests.conftest import prompt_kv
 from tests.server.conftest import MiB, ServerProc
 from tests.server.direct_rig import copy_spy, disk_server, put_on_disk
 
@@ -226,3 +227,47 @@ def test_the_rest_is_copied_after_landed_bytes_only_from_the_same_extent() -> No
     assert early.upto == 0
     assert early.target(0, 0, src, np.zeros((4, 4), np.float32)) is None  # does not fit
     assert early.target(0, 0, src, np.zeros((4, 4), np.float16).T) is None  # not C order
+
+
+def test_a_load_into_the_callers_buffers_copies_out_by_streaming_stores(
+    client: RemoteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every byte a disk load hands to the caller's own (C-contiguous) buffers is copied
+    out of the arena by the extension's streaming copy (landed parts and whole chunks
+    alike), and is the stored byte; a DRAM load copied from the lookup's hints too."""
+    module = native.native_module()
+    if module is None:
+        pytest.skip("the native extension is not built")
+    streamed: list[int] = []
+    real = module.stream_copy
+
+    class Counting:
+        def __getattr__(self, name: str) -> object:
+            return getattr(module, name)
+
+        def stream_copy(self, dst: np.ndarray, src: np.ndarray) -> bool:
+            done = bool(real(dst, src))
+            if done:
+                streamed.append(np.asarray(dst).nbytes)
+            return done
+
+    monkeypatch.setattr(native, "native_module", lambda: Counting())
+    tokens, stored = _on_disk(client, 5)
+    lk = client.lookup(IDENT, PUBLIC, tokens)
+    outs = [np.zeros(LAYOUT.chunk_shape, np.float16) for _ in range(CHUNKS)]
+    streamed.clear()  # the put's own copies
+    res = client.load(lk, outs)
+    assert res.loaded == CHUNKS and res.tiers == {"disk": CHUNKS}
+    assert [o.tobytes() for o in outs] == stored
+    # the tail of a chunk shorter than a streamed piece is copied by np.copyto
+    assert sum(streamed) >= CHUNKS * LAYOUT.chunk_nbytes - CHUNKS * (64 << 10)
+    tokens, kv = prompt_kv(6, CHUNKS * N, LAYOUT)
+    client.put_prompt(IDENT, PUBLIC, tokens, kv)  # in DRAM (and written through)
+    lk = client.lookup(IDENT, PUBLIC, tokens)
+    assert lk.tiers() == {"dram": CHUNKS}
+    streamed.clear()
+    res = client.load(lk, outs)
+    assert res.loaded == CHUNKS
+    for i, o in enumerate(outs):
+        assert np.array_equal(o, kv[:, :, :, i * N : (i + 1) * N])
+    assert sum(streamed) == CHUNKS * LAYOUT.chunk_nbytes

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import fields, replace
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -89,3 +90,26 @@ def test_a_sealed_meta_keeps_every_field_but_the_seal_links_and_verification() -
 def test_dtype_name_is_numpys_name() -> None:
     for dt in (np.float16, np.float32, np.uint8, np.int64, ">f4"):
         assert dtype_name(np.dtype(dt)) == np.dtype(dt).name
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("cut", ["contiguous", "token slice"])
+def test_a_chunk_larger_than_a_block_seals_the_same_either_way(
+    native: bool, cut: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk larger than a block is copied and sealed by the extension (each block
+    hashed, then streamed) where it can, else block by block in Python: the same bytes
+    and the same seal, the one-shot xxh3-128 of the chunk's C-order bytes."""
+    from kvlife.native.copies import sealing
+    from kvlife.tiers import memory
+
+    if native and not sealing():
+        pytest.skip("the native extension's sealed copy is not available")
+    if not native:
+        monkeypatch.setattr(memory, "native_sealing", lambda: False)
+    kv = np.random.default_rng(7).integers(0, 1 << 15, (4, 2, 4, 512, 64), np.uint16)
+    chunk = kv if cut == "contiguous" else kv[:, :, :, 128:384]
+    assert chunk.nbytes > SEAL_BLOCK
+    raw = aligned_empty(chunk.nbytes)
+    assert copy_sealed(raw, chunk) == seal_of(np.ascontiguousarray(chunk))
+    assert np.array_equal(raw.view(np.uint16).reshape(chunk.shape), chunk)
