@@ -126,6 +126,12 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
         put_ms = 1e3 * p["chunks_per_call"] * p["chunk_bytes"] / (p["server_gbps"] * 1e9)
         assert h["prepare_ms"] > 0 and h["commit_ms"] > 0
         assert h["prepare_ms"] + h["commit_ms"] < 2 * put_ms
+    for p in r["load_dram"]:  # the DRAM loads against a streaming copy of their bytes
+        assert p["stream_gbps"] > 0
+        assert abs(p["of_stream"] - p["server_gbps"] / p["stream_gbps"]) < 1e-9
+        assert abs(p["shared_of_stream"] - p["shared_gbps"] / p["stream_gbps"]) < 1e-9
+    assert all("stream_gbps" not in p for p in r["load_disk"])
+    assert "of a streaming copy of the same bytes alone" in proc.stdout
     assert "ceiling: copy + seal, one thread" in proc.stdout
     assert "of the client's streaming copy of the same bytes alone" in proc.stdout
     assert "the server's CPU per put" in proc.stdout

@@ -3,7 +3,9 @@ store and the machine's limits, measured in the same run.
 
 - lookup of a 128-chunk prompt through the server vs in-process (median, P99);
 - load of 2 MiB and 16 MiB chunks from the server's DRAM tier into a client buffer vs
-  ``memcpy`` of the same bytes, and from its disk tier vs raw O_DIRECT reads: into
+  ``memcpy`` of the same bytes (and, beside it, vs a streaming copy of them, ``of_stream``
+  and ``shared_of_stream``: the loads copy by streaming stores and pass memcpy), and
+  from its disk tier vs raw O_DIRECT reads: into
   ordinary buffers (the grant path: one copy from the arena) and into shared buffers
   from ``RemoteStore.alloc_buffer`` (the data lands there, no copy by the client);
 - put through the server vs ``memcpy`` into DRAM, and with write-through vs a raw

@@ -17,6 +17,7 @@ from kvlife.bench.limits import (
     process_cpu,
     raw_read,
     raw_write,
+    streamed,
     tasks_cpu_seconds,
 )
 from kvlife.bench.server.config import ServerBenchConfig
@@ -98,6 +99,7 @@ def bench_load(
     served_late: list[float] = []
     verified: list[float] = []
     copied: list[float] = []
+    streams: list[float] = []
     copies = out_buffers(layout, n) if raw_file is not None else []
     # the ceiling of a load into the caller's own buffers: the better of one copier and
     # two (at 16 MiB two did 0.81 of raw against 0.75-0.78, at 2 MiB no better)
@@ -155,6 +157,8 @@ def bench_load(
                 raw_read(raw_file, flat, direct) if raw_file is not None else memcpy(outs, chunks)
             )
             cpu.stop("raw", rep > 0)
+            if raw_file is None and rep:  # the machine's fastest copy of the same bytes
+                streams.append(streamed(outs, chunks))
             if copiers and raw_file is not None:  # the first round warms their buffers
                 t_copied = min(c.read_copy(raw_file, outs, copies, direct) for c in copiers)
                 if rep:
@@ -196,7 +200,12 @@ def bench_load(
     if served_direct:
         others["direct"] = served_direct
         others["verified"] = verified
+    if streams:
+        others["stream"] = streams
     out = point(layout, n, served, limit, raw=raw_file is not None, shared=served_shared, **others)
+    if streams:  # DRAM: the loads against the streaming copy (memcpy is not the fastest)
+        out["of_stream"] = out["server_gbps"] / out["stream_gbps"]
+        out["shared_of_stream"] = out["shared_gbps"] / out["stream_gbps"]
     out["server_p99_ms"] = pct(served, 99) * 1e3
     if copied:  # the loads into the caller's buffers against their own ceiling
         out["ordinary_of_copied"] = out["server_gbps"] / out["copied_gbps"]

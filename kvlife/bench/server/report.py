@@ -12,7 +12,7 @@ _SERIES = (
     ("inproc", "in-process store"),
     ("sealed", "ceiling: copy + seal, one thread"),
     ("split", "copy, seal on a 2nd thread MiB by MiB (a reference)"),
-    ("stream", "the client's copy alone: streaming stores"),
+    ("stream", "the same bytes copied alone, streaming stores"),
     ("server_hashed", "seals hashed by the server (put_written)"),
     ("unnoticed", "hashed by the server at the commit (no put_written)"),
     ("shared", "shared buffers"),
@@ -145,6 +145,13 @@ def format_report(r: dict[str, Any]) -> str:
                 "(its ceiling's time plus one round trip after idleness): into the "
                 f"caller's buffers {p['ordinary_bound']:.2f}, into shared buffers "
                 f"{p['shared_bound']:.2f} of raw reads"
+            )
+    for p in r.get("load_dram", []):
+        if "of_stream" in p:
+            lines.append(
+                f"DRAM loads of {p['chunk_bytes'] >> 10} KiB: {p['of_stream']:.2f} into the "
+                f"caller's buffers, {p['shared_of_stream']:.2f} into shared buffers, of a "
+                "streaming copy of the same bytes alone"
             )
     for p in r.get("put_dram", []):
         if "of_stream" in p:
