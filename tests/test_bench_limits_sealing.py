@@ -12,6 +12,7 @@ import pytest
 import xxhash
 
 from kvlife.bench.limits import SplitSealer, sealed_copy
+from kvlife.native import copies as native_copies
 
 
 def _objects(sizes: list[int], seed: int) -> list[np.ndarray]:
@@ -43,13 +44,22 @@ def test_the_split_sealer_copies_and_hashes_every_byte(piece: int) -> None:
 
 
 def test_the_one_thread_ceiling_copies_and_seals_every_object() -> None:
-    src = _objects([4096, 777], 2)
+    src = _objects([1 << 17, 4096, 777], 2)
     dst = [np.zeros_like(s) for s in src]
-    sealed: list[bytes] = []
-    with mock.patch("kvlife.tiers.base.seal_of", side_effect=lambda a: sealed.append(a.tobytes())):
+    sealed: list[tuple[bytes, bytes]] = []
+    real = native_copies.copy_sealed
+
+    def spy(d: np.ndarray, s: np.ndarray) -> bytes:
+        seal = real(d, s)
+        sealed.append((d.tobytes(), seal))
+        return seal
+
+    with mock.patch.object(native_copies, "copy_sealed", spy):
         assert sealed_copy(dst, src) > 0
-    assert [np.array_equal(d, s) for d, s in zip(dst, src, strict=True)] == [True, True]
-    assert sealed == [s.tobytes() for s in src]
+    assert [np.array_equal(d, s) for d, s in zip(dst, src, strict=True)] == [True] * 3
+    # every object copied and sealed once, in order, with the digest of its bytes
+    assert [b for b, _ in sealed] == [s.tobytes() for s in src]
+    assert [seal for _, seal in sealed] == [xxhash.xxh3_128_digest(s.tobytes()) for s in src]
 
 
 def test_the_split_sealer_refuses_a_destination_it_could_not_write_in_place() -> None:

@@ -101,16 +101,12 @@ def streamed(dst: Sequence[np.ndarray], src: Sequence[np.ndarray]) -> float:
 
 
 def sealed_copy(dst: Sequence[np.ndarray], src: Sequence[np.ndarray]) -> float:
-    """Seconds to copy each source object into its (warm) destination and take the
-    destination's seal (xxh3-128, :func:`~kvlife.tiers.base.seal_of`) on this thread:
-    the least a verified put does on one CPU with a copy and a hash call."""
-    from kvlife.tiers.base import seal_of
-
-    def copy_and_seal(d: np.ndarray, s: np.ndarray) -> None:
-        np.copyto(d, s)
-        seal_of(d)
-
-    return _each(dst, src, copy_and_seal)
+    """Seconds to copy each source object into its (warm) destination and seal it
+    (xxh3-128) on this thread, as fast as the machine can (:func:`_copy_sealed`): the
+    least a verified put does on one CPU. With ``np.copyto`` and a hash of the copy
+    here, the in-process 16 MiB put, which seals by the extension, passed it (0.92
+    against 0.67 of memcpy, 2026-12-07)."""
+    return _each(dst, src, _copy_sealed)
 
 
 class SplitSealer:
