@@ -35,6 +35,7 @@ from kvlife.store import KVStore
 from kvlife.tiers.base import seal_of
 from kvlife.tiers.memory import MemoryTier
 from tests.conftest import prompt_kv
+from tests.helpers.stream_spy import count_streamed
 from tests.server.conftest import MiB, ServerProc
 from tests.server.direct_rig import disk_server, put_on_disk
 
@@ -112,21 +113,7 @@ def streamed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Bytes the extension's stream_copy copied in this process from now on."""
     module = native.native_module()
     assert module is not None
-    seen: list[int] = []
-    real = module.stream_copy
-
-    class Counting:
-        def __getattr__(self, name: str) -> object:
-            return getattr(module, name)
-
-        def stream_copy(self, dst: np.ndarray, src: np.ndarray) -> bool:
-            done = bool(real(dst, src))
-            if done:
-                seen.append(np.asarray(dst).nbytes)
-            return done
-
-    monkeypatch.setattr(native, "native_module", lambda: Counting())
-    return seen
+    return count_streamed(monkeypatch, module)
 
 
 @pytest.fixture

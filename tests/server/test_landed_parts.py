@@ -27,6 +27,7 @@ from kvlife.faults.damage import flip, scan_frames
 from kvlife.native import frames as native
 from kvlife.tiers.disk.frame import HEADER_BYTES
 from tests.conftest import prompt_kv
+from tests.helpers.stream_spy import count_streamed
 from tests.server.conftest import MiB, ServerProc
 from tests.server.direct_rig import copy_spy, disk_server, put_on_disk
 
@@ -238,20 +239,7 @@ def test_a_load_into_the_callers_buffers_copies_out_by_streaming_stores(
     module = native.native_module()
     if module is None:
         pytest.skip("the native extension is not built")
-    streamed: list[int] = []
-    real = module.stream_copy
-
-    class Counting:
-        def __getattr__(self, name: str) -> object:
-            return getattr(module, name)
-
-        def stream_copy(self, dst: np.ndarray, src: np.ndarray) -> bool:
-            done = bool(real(dst, src))
-            if done:
-                streamed.append(np.asarray(dst).nbytes)
-            return done
-
-    monkeypatch.setattr(native, "native_module", lambda: Counting())
+    streamed = count_streamed(monkeypatch, module)
     tokens, stored = _on_disk(client, 5)
     lk = client.lookup(IDENT, PUBLIC, tokens)
     outs = [np.zeros(LAYOUT.chunk_shape, np.float16) for _ in range(CHUNKS)]
