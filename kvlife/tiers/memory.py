@@ -90,12 +90,13 @@ class _BufferPool:
 
 def copy_sealed(raw: np.ndarray, arr: np.ndarray, block: int = SEAL_BLOCK) -> bytes:
     """Copy ``arr`` into the aligned bytes ``raw`` and return the xxh3-128 of the copy
-    (:func:`~kvlife.tiers.base.seal_of` of ``raw``, the same digest). Where the native
-    extension can (:func:`kvlife.native.copies.copy_sealed`: a chunk larger than
-    ``block`` whose contiguous runs are at least 1 KiB), it hashes each block and then
-    streams it from the cache, the interpreter lock released; else each block of at most
-    ``block`` bytes is hashed right after it is copied, so that the hash reads it from
-    cache, not back from memory."""
+    (:func:`~kvlife.tiers.base.seal_of` of ``raw``, the same digest). A chunk larger
+    than ``block``, where the extension's sealed copy is available, goes to
+    :func:`kvlife.native.copies.copy_sealed`: each block hashed and then streamed from
+    the cache, the interpreter lock released (a source whose contiguous runs are under
+    1 KiB, which the extension refuses, is copied and then hashed whole). Without the
+    extension each block of at most ``block`` bytes is hashed right after it is copied,
+    so that the hash reads it from cache, not back from memory."""
     dst = raw.view(arr.dtype).reshape(arr.shape)
     if arr.nbytes <= block:
         np.copyto(dst, arr)
