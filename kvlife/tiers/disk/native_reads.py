@@ -26,6 +26,7 @@ import numpy as np
 
 from kvlife.core.errors import ChecksumMismatch, ReplicaReadError
 from kvlife.native import frames as native
+from kvlife.native.copies import stream_copy
 from kvlife.tiers.base import ReadResult, read_only
 from kvlife.tiers.buffers import StagingPool, aligned_empty, round_up
 from kvlife.tiers.disk.catalog import CatalogRow
@@ -171,5 +172,5 @@ def _result(
     if p.out is None:  # a new array: read-only from the start, for good
         return read_only(p.payload).view(np.dtype(row.dtype)).reshape(row.shape)
     if p.staged is not None:
-        np.copyto(p.out, p.payload.view(np.dtype(row.dtype)).reshape(row.shape))
+        stream_copy(p.out, p.payload.view(np.dtype(row.dtype)).reshape(row.shape))
     return p.out

@@ -41,6 +41,7 @@ import numpy as np
 
 from kvlife.core.errors import ChecksumMismatch, InvalidArgument, ReplicaReadError
 from kvlife.core.identity import ChunkKey
+from kvlife.native.copies import stream_copy
 from kvlife.native.spans import Span, spans
 from kvlife.tiers.base import ReadResult, device_read_returned, read_only
 from kvlife.tiers.buffers import (
@@ -532,7 +533,7 @@ class Reader:
             if out is None:  # a new array: read-only from the start, for good
                 return read_only(payload[0]).view(np.dtype(row.dtype)).reshape(row.shape)
             if landed.staged is not None:
-                np.copyto(out, payload[0].view(np.dtype(row.dtype)).reshape(row.shape))
+                stream_copy(out, payload[0].view(np.dtype(row.dtype)).reshape(row.shape))
             return out
         finally:
             if landed.staged is not None:

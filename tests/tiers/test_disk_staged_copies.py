@@ -1,0 +1,184 @@
+"""The disk tier's copies through its aligned staging buffers (issue 28): a payload in
+memory O_DIRECT cannot take is copied into a staging buffer by the extension's streaming
+copy, hashed as it is copied (``copy_sealed``) unless its checksum is given; a frame read
+for a buffer O_DIRECT cannot fill lands in a staging buffer and is streamed out only once
+it verified. What is checked: the bytes and checksums that land, that the streaming
+copies did the copying, and that a staging copy whose bytes differ from what was hashed
+is never read back as data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvlife.core.errors import ChecksumMismatch
+from kvlife.core.identity import ChunkKey
+from kvlife.faults.fileio import FaultyIO
+from kvlife.native import frames as native
+from kvlife.tiers.base import ReplicaMeta
+from kvlife.tiers.disk import DiskTier, DiskTierConfig
+from kvlife.tiers.disk.fileio import FileIO
+from kvlife.tiers.disk.frame import HEADER_BYTES
+from tests.helpers.stream_spy import count_native
+
+MiB = 1 << 20
+SIZE = 2 * MiB + 12_288  # whole pages, larger than a copy's block; not a multiple of 2 MiB
+
+
+@pytest.fixture
+def module() -> ModuleType:
+    mod = native.native_module()
+    if mod is None:
+        pytest.skip("the native extension is not built")
+    return mod
+
+
+def _unaligned(nbytes: int, seed: int) -> np.ndarray:
+    """``nbytes`` random bytes whose data pointer is 64 bytes past a page boundary."""
+    raw = np.empty(nbytes + 2 * 4096, np.uint8)
+    at = (-raw.ctypes.data) % 4096 + 64
+    out = raw[at : at + nbytes]
+    out[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    return out
+
+
+def _key(i: int) -> ChunkKey:
+    return ChunkKey(bytes([i]) * 32)
+
+
+def _seal(a: np.ndarray) -> bytes:
+    return bytes(xxhash.xxh3_128_digest(a.data))
+
+
+def _tier(tmp_path: Path, io: FileIO | None = None) -> DiskTier:
+    return DiskTier(tmp_path / "disk", DiskTierConfig(64 * MiB, direct_io=True), fileio=io)
+
+
+def test_an_unaligned_payload_is_sealed_as_it_is_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: ModuleType
+) -> None:
+    payloads = [_unaligned(SIZE, i) for i in range(3)]
+    seen = count_native(monkeypatch, module)
+    tier = _tier(tmp_path)
+    try:
+        metas = [ReplicaMeta(_key(i), "uint8", (SIZE,)) for i in range(3)]
+        assert tier.store(metas, payloads)
+        # each payload copied and hashed in one pass, nothing streamed without its hash
+        assert seen == {"copy_sealed": [SIZE] * 3, "stream_copy": []}
+        for i, p in enumerate(payloads):
+            assert tier.meta(_key(i)).checksum == _seal(p)
+        got = tier.read_batch([_key(i) for i in range(3)])
+        for g, p in zip(got, payloads, strict=True):
+            assert isinstance(g, np.ndarray) and np.array_equal(g, p)
+    finally:
+        tier.close()
+
+
+def test_a_given_checksum_is_kept_and_the_payload_only_streamed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: ModuleType
+) -> None:
+    p = _unaligned(SIZE, 7)
+    seen = count_native(monkeypatch, module)
+    tier = _tier(tmp_path)
+    try:
+        assert tier.store([ReplicaMeta(_key(1), "uint8", (SIZE,), checksum=_seal(p))], [p])
+        assert seen == {"copy_sealed": [], "stream_copy": [SIZE]}
+        assert tier.meta(_key(1)).checksum == _seal(p)
+        (got,) = tier.read_batch([_key(1)])
+        assert isinstance(got, np.ndarray) and np.array_equal(got, p)
+    finally:
+        tier.close()
+
+
+def test_a_seal_to_verify_that_the_bytes_do_not_match_stores_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: ModuleType
+) -> None:
+    p = _unaligned(SIZE, 8)
+    wrong = _seal(p[::-1].copy())
+    seen = count_native(monkeypatch, module)
+    tier = _tier(tmp_path)
+    try:
+        meta = ReplicaMeta(_key(2), "uint8", (SIZE,), checksum=wrong, verify_checksum=True)
+        with pytest.raises(ChecksumMismatch, match="changed in memory"):
+            tier.store([meta], [p])
+        assert seen["copy_sealed"] == [SIZE]  # hashed as it was copied, then compared
+        assert not tier.contains(_key(2)) and tier.used_bytes == 0
+        # the same payload with its own seal goes in
+        ok = ReplicaMeta(_key(2), "uint8", (SIZE,), checksum=_seal(p), verify_checksum=True)
+        assert tier.store([ok], [p])
+        (got,) = tier.read_batch([_key(2)])
+        assert isinstance(got, np.ndarray) and np.array_equal(got, p)
+    finally:
+        tier.close()
+
+
+def test_bytes_that_changed_after_their_hash_are_never_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: ModuleType
+) -> None:
+    """The caller's bytes change between a block's hash and its copy (here: the staging
+    copy altered after ``copy_sealed`` took the seal): the frame is written with a
+    checksum its bytes do not have, and every read of it fails its check: a miss, never
+    the bytes."""
+
+    def flip(dst: np.ndarray) -> None:
+        flat = dst.reshape(-1).view(np.uint8)
+        flat[SIZE // 2] ^= 0xFF
+
+    p = _unaligned(SIZE, 9)
+    count_native(monkeypatch, module, after_sealed=flip)
+    tier = _tier(tmp_path)
+    try:
+        assert tier.store([ReplicaMeta(_key(3), "uint8", (SIZE,))], [p])
+        out = np.full(SIZE, 0x5A, np.uint8)
+        (got,) = tier.read_batch([_key(3)], [out])
+        assert isinstance(got, ChecksumMismatch)
+        assert (out == 0x5A).all()  # nothing of the frame reached the caller's buffer
+        (fresh,) = tier.read_batch([_key(3)])
+        assert isinstance(fresh, ChecksumMismatch)
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_a_read_into_an_unaligned_buffer_is_streamed_out_once_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: ModuleType, path: str
+) -> None:
+    """Both read paths: the extension's runs, and the tier's own reader (taken for a
+    FileIO whose reads a test may fault)."""
+    io = FaultyIO(direct=True) if path == "python" else None
+    tier = _tier(tmp_path, io)
+    try:
+        payloads = [_unaligned(SIZE, 20 + i) for i in range(3)]
+        metas = [ReplicaMeta(_key(10 + i), "uint8", (SIZE,)) for i in range(3)]
+        assert tier.store(metas, payloads)
+        outs = [_unaligned(SIZE, 40 + i) for i in range(3)]
+        seen = count_native(monkeypatch, module)
+        got = tier.read_batch([m.key for m in metas], outs)
+        for g, o, p in zip(got, outs, payloads, strict=True):
+            assert g is o and np.array_equal(o, p)
+        assert seen["stream_copy"] == [SIZE] * 3
+        # a frame whose bytes changed on disk: its buffer is left as it was
+        (row,) = tier.frame_rows([metas[1].key])
+        assert row is not None
+        at = row.off + HEADER_BYTES + 100  # a byte of the payload
+        with open(tier.segment_file(row.seg), "r+b") as fh:
+            fh.seek(at)
+            byte = fh.read(1)
+            fh.seek(at)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+            fh.flush()
+            os.fsync(fh.fileno())
+        before = [o.copy() for o in outs]
+        for o in outs:
+            o[:] = 0x33
+        got = tier.read_batch([m.key for m in metas], outs)
+        assert isinstance(got[1], ChecksumMismatch)
+        assert (outs[1] == 0x33).all()
+        assert np.array_equal(outs[0], before[0]) and np.array_equal(outs[2], before[2])
+    finally:
+        tier.close()
