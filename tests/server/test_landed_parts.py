@@ -205,7 +205,7 @@ def test_the_rest_is_copied_after_landed_bytes_only_from_the_same_extent() -> No
     at byte 0."""
     src = np.arange(16, dtype=np.float16).reshape(4, 4)
     out = np.zeros_like(src)
-    early = client_loads._Early()
+    early = client_loads._Early(lambda shape, dtype: np.empty(shape, dtype))
     dst = early.target(2, 4096, src, out)
     assert dst is out
     early.upto = 10
