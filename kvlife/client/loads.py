@@ -36,6 +36,7 @@ Copies: one per chunk (arena to buffer) in a and c, none in b.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from collections.abc import Callable, Sequence
@@ -142,9 +143,8 @@ class Loads:
         page of their chunks in (fresh memory, first touched by the copy, ran at a
         fifth of memcpy here; ``kvlife bench io``, "copy into freshly allocated
         arrays")."""
-        return (
-            self._new_arrays.take(int(np.prod(shape)) * dtype.itemsize).view(dtype).reshape(shape)
-        )
+        nbytes = math.prod(shape) * dtype.itemsize
+        return self._new_arrays.take(nbytes).view(dtype).reshape(shape)
 
     def _hits(
         self, blob: bytes, tiers: list[int], forms: list[list[Any]], start: int, n: int
@@ -360,12 +360,16 @@ class Loads:
             "accept": protocol.encode_accept(lookup.accept),
         }
         early = None
+        fresh: list[np.ndarray] | None = None
         epoch = lookup.epoch if isinstance(lookup, RemoteLookup) else -1
         if isinstance(lookup, RemoteLookup) and lookup.identity is not None:
             # the layout lets the server read disk hits straight into arena extents
             args["layout"] = protocol.encode_layout(lookup.identity.layout)
             if outs is not None:  # all in DRAM: copied here from the hints, any buffers
                 early = self._hinted(lookup, outs, args)
+            else:  # new arrays: the same, into arrays taken now where every hit is hinted
+                fresh = self._fresh(lookup)
+                early = self._hinted(lookup, fresh, args) if fresh is not None else None
             if outs is not None and early is None:
                 into = self._targets(outs, lookup.identity.layout)
                 if into is not None:
@@ -438,8 +442,8 @@ class Loads:
             args["early"] = True  # landed bytes of a chunk being read copied meanwhile
         copied: list[np.ndarray] = []
         after = None
-        if early is not None and outs is not None:
-            dst = outs
+        dst = outs if outs is not None else fresh
+        if early is not None and dst is not None:
 
             def after(conn: Connection) -> None:
                 # copy every DRAM hit from where the lookup saw it while the server
@@ -473,6 +477,9 @@ class Loads:
                     confirmed = 0  # and this client did not copy: they are a miss
                     grants = []
                 arrays += copied[:confirmed]
+                if outs is None:  # new arrays, handed out read-only
+                    for a in arrays:
+                        a.flags.writeable = False
                 if on_chunk is not None:
                     for i, a in enumerate(arrays):
                         on_chunk(i, a)
@@ -494,6 +501,22 @@ class Loads:
         fut = self.wire.pool().submit(self.load, lookup, outs, request_id, handle._chunk_done)
         fut.add_done_callback(handle._finish)
         return handle
+
+    def _fresh(self, lookup: RemoteLookup) -> list[np.ndarray] | None:
+        """New arrays for a load without buffers whose every hit the lookup on this
+        connection placed in DRAM (:meth:`_hinted` copies into them from the hints
+        while the server confirms, as into a caller's buffers); None otherwise (the
+        grant path takes a new array per chunk granted). Those a load does not hand
+        out go back to the pool with their last reference."""
+        hints, conn = lookup.hints, self.wire.conn
+        n = len(lookup.hits)
+        if lookup.identity is None or conn is None or conn.epoch != lookup.epoch:
+            return None
+        if len(hints) != 2 * n or not all(hints[1::2]):
+            return None
+        layout = lookup.identity.layout
+        dtype = numpy_dtype(layout.dtype)
+        return [self.new_array(layout.chunk_shape, dtype) for _ in range(n)]
 
     def _hinted(
         self, lookup: RemoteLookup, outs: Sequence[np.ndarray], args: dict[str, Any]

@@ -89,6 +89,9 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     for key in ("load_dram", "load_disk"):
         for p in r[key]:
             assert p["shared_gbps"] > 0 and p["ratio_shared"] > 0
+            # loads without buffers (new arrays from the client's pool), beside
+            assert p["new_gbps"] > 0
+            assert abs(p["ratio_new"] - p["new_gbps"] / p["server_gbps"] * p["ratio"]) < 1e-9
     assert "CPU µs per chunk" in proc.stdout
     for p in r["load_disk"]:  # the CPU each side spent per chunk (issue 28)
         cpu = p["cpu"]
@@ -97,9 +100,9 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
             assert cpu[f"server_{phase}_us_per_chunk"] >= 0
         assert cpu["server_ordinary_us_per_chunk"] > 0  # the server read and hashed
         assert cpu["hash_us_per_chunk"] > 0
-        # every ordinary load (with landed parts and without) and shared load, the
-        # warm-up's too, read its frames without pins
-        calls = 3 * (r["config"]["reps"] + 1)
+        # every ordinary load (with landed parts and without), shared load and load
+        # into new arrays, the warm-up's too, read its frames without pins
+        calls = 4 * (r["config"]["reps"] + 1)
         want = calls * p["chunks_per_call"] if native_frames.available() else 0
         assert p["frame_loaded_chunks"] == want
     for p in r["put_dram"]:  # the same puts into an in-process store, beside
@@ -130,8 +133,10 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
         assert p["stream_gbps"] > 0
         assert abs(p["of_stream"] - p["server_gbps"] / p["stream_gbps"]) < 1e-9
         assert abs(p["shared_of_stream"] - p["shared_gbps"] / p["stream_gbps"]) < 1e-9
+        assert abs(p["new_of_stream"] - p["new_gbps"] / p["stream_gbps"]) < 1e-9
     assert all("stream_gbps" not in p for p in r["load_disk"])
     assert "of a streaming copy of the same bytes alone" in proc.stdout
+    assert "no buffers: new arrays" in proc.stdout and "into new arrays, of a" in proc.stdout
     assert "ceiling: copy + seal, one thread" in proc.stdout
     assert "of the client's streaming copy of the same bytes alone" in proc.stdout
     assert "the server's CPU per put" in proc.stdout

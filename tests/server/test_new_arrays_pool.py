@@ -146,3 +146,26 @@ def test_a_disk_load_without_buffers_copies_landed_bytes_into_pool_memory(
     finally:
         c.close()
         srv.stop()
+
+
+def test_a_chunk_replaced_between_lookup_and_load_is_never_handed_out_stale(
+    client: RemoteStore,
+) -> None:
+    """DRAM hits of a load without buffers are copied from the lookup's hints into
+    new arrays while the server confirms them: a prompt invalidated and put again with
+    other bytes after the lookup gives a miss or the bytes stored now, never the old."""
+    tokens, old = _put(client, 9)
+    for round_ in range(6):
+        lk = client.lookup(IDENT, PUBLIC, tokens)
+        assert lk.tiers() == {"dram": CHUNKS}
+        client.invalidate(namespace=PUBLIC)
+        _, kv = prompt_kv(100 + round_, CHUNKS * N, LAYOUT)
+        client.put_prompt(IDENT, PUBLIC, tokens, kv)  # the same keys, other bytes
+        new = [np.ascontiguousarray(kv[:, :, :, i * N : (i + 1) * N]) for i in range(CHUNKS)]
+        res = client.load(lk)
+        for i, got in enumerate(res.arrays):
+            assert not got.flags.writeable
+            assert np.array_equal(got, new[i]) and not np.array_equal(got, old[i])
+        old = new
+        del res
+        gc.collect()

@@ -91,6 +91,7 @@ def bench_load(
     flat = [o.view(np.uint8).reshape(-1) for o in outs]
     shared = shared_chunks(remote, layout, n)
     served_shared: list[float] = []
+    served_new: list[float] = []
     direct_lk = direct_client.lookup(ident, NS, tokens) if direct_client is not None else None
     direct_bufs: list[np.ndarray] = []
     if direct_client is not None:
@@ -120,7 +121,9 @@ def bench_load(
             # longer at 2 MiB from DRAM, whichever kind it was)
             took: dict[str, float] = {}
             got_by: dict[str, LoadResult] = {}
-            phases = ["ordinary", "shared"] + (["direct"] if direct_client is not None else [])
+            phases = ["ordinary", "shared", "new"] + (
+                ["direct"] if direct_client is not None else []
+            )
             if raw_file is not None:  # the same ordinary load without landed parts, paired
                 # and each of the two first, second, third and last once in four rounds
                 # (a load first after the raw reads, or right after another, is slower)
@@ -132,6 +135,8 @@ def bench_load(
                 if phase == "direct":
                     assert direct_client is not None and direct_lk is not None
                     got_by[phase] = direct_client.load(direct_lk, direct_bufs)
+                elif phase == "new":  # no buffers: new arrays (the vLLM worker's loads)
+                    got_by[phase] = remote.load(lk)
                 elif phase == "ordinary_late":
                     remote._loads.early = False
                     try:
@@ -149,10 +154,13 @@ def bench_load(
                 checked.append((got_by["ordinary_late"], outs))
             if direct_client is not None:
                 checked.append((got_by["direct"], direct_bufs))
+            checked.append((got_by["new"], list(got_by["new"].arrays)))
             for got, bufs in checked:
                 same = rep > 0 or all(same_bits(o, c) for o, c in zip(bufs, chunks, strict=True))
                 if got.loaded != n or not same:
                     raise RuntimeError(f"load served {got.loaded} of {n} chunks, or wrong bytes")
+            # the new arrays dropped: their memory goes back to the client's pool
+            del got, bufs, checked, got_by
             t_lim = (
                 raw_read(raw_file, flat, direct) if raw_file is not None else memcpy(outs, chunks)
             )
@@ -173,6 +181,7 @@ def bench_load(
             if rep:  # the first is a warm-up
                 served.append(t)
                 served_shared.append(t_shared)
+                served_new.append(took["new"])
                 limit.append(t_lim)
                 if direct_client is not None:
                     served_direct.append(took["direct"])
@@ -193,6 +202,7 @@ def bench_load(
         raw_file.unlink(missing_ok=True)
     remote.invalidate(namespace=NS)
     others = {"floor": floored} if floored else {}
+    others["new"] = served_new
     if copied:
         others["copied"] = copied
     if served_late:
@@ -206,6 +216,7 @@ def bench_load(
     if streams:  # DRAM: the loads against the streaming copy (memcpy is not the fastest)
         out["of_stream"] = out["server_gbps"] / out["stream_gbps"]
         out["shared_of_stream"] = out["shared_gbps"] / out["stream_gbps"]
+        out["new_of_stream"] = out["new_gbps"] / out["stream_gbps"]
     out["server_p99_ms"] = pct(served, 99) * 1e3
     if copied:  # the loads into the caller's buffers against their own ceiling
         out["ordinary_of_copied"] = out["server_gbps"] / out["copied_gbps"]

@@ -16,6 +16,7 @@ _SERIES = (
     ("server_hashed", "seals hashed by the server (put_written)"),
     ("unnoticed", "hashed by the server at the commit (no put_written)"),
     ("shared", "shared buffers"),
+    ("new", "no buffers: new arrays"),
     ("no_landed", "the caller's buffers, no landed parts"),
     ("direct", "direct reads: the client reads the frames"),
     ("verified", "ceiling: the same reads verified, native only"),
@@ -150,7 +151,8 @@ def format_report(r: dict[str, Any]) -> str:
         if "of_stream" in p:
             lines.append(
                 f"DRAM loads of {p['chunk_bytes'] >> 10} KiB: {p['of_stream']:.2f} into the "
-                f"caller's buffers, {p['shared_of_stream']:.2f} into shared buffers, of a "
+                f"caller's buffers, {p['shared_of_stream']:.2f} into shared buffers, "
+                f"{p.get('new_of_stream', float('nan')):.2f} into new arrays, of a "
                 "streaming copy of the same bytes alone"
             )
     for p in r.get("put_dram", []):
