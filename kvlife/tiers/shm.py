@@ -51,6 +51,7 @@ import numpy.typing as npt
 
 from kvlife.core.errors import InvalidArgument, NotPermitted, StorageFullError
 from kvlife.core.identity import ChunkKey
+from kvlife.native.copies import copy_sealed, stream_copy
 from kvlife.native.spans import c_address
 from kvlife.tiers.base import ReplicaMeta, Reservation, check_payloads, read_only, sealed_meta
 from kvlife.tiers.buffers import ALIGN, advise_huge, round_up
@@ -523,22 +524,24 @@ class ShmTier(HeldTier[_Held]):
         try:
             check_payloads(reservation.metas, payloads)
             homes = [self._home(meta) for meta in reservation.metas]
-            # each replica's extent: (array, arena, offset); a copy its home arena had
-            # no room for went to the tier's own (overflow)
+            # each replica's extent: (array, arena, offset, the hash of a copy made as it
+            # was copied); a copy its home arena had no room for went to the tier's own
+            # (overflow)
             placed = [
-                self._into_arena(arena, arr) for arena, arr in zip(homes, payloads, strict=True)
+                self._into_arena(arena, arr, _hash_copy(meta))
+                for meta, arena, arr in zip(reservation.metas, homes, payloads, strict=True)
             ]
             # sealed as published (the xxh3-128 of the extent's bytes, or the checksum
             # the store vouches for); kept as a read-only export of the extent
             seals = [
-                self._seal(meta, arr)
-                for meta, (arr, _, _) in zip(reservation.metas, placed, strict=True)
+                self._seal(meta, arr, hashed)
+                for meta, (arr, _, _, hashed) in zip(reservation.metas, placed, strict=True)
             ]
         except BaseException:
             self.cancel_store(reservation)
             raise
         held = []
-        for meta, (arr, arena, off), seal in zip(reservation.metas, placed, seals, strict=True):
+        for meta, (arr, arena, off, _), seal in zip(reservation.metas, placed, seals, strict=True):
             sealed = sealed_meta(meta, seal)
             held.append(_Held(sealed, read_only(arr), (off, arena.generation(off)), arena))
         self._install(reservation, held)
@@ -551,13 +554,18 @@ class ShmTier(HeldTier[_Held]):
         home = self.home(meta) if self.home is not None else None
         return home if home is not None else self.arena
 
-    def _into_arena(self, arena: Arena, arr: np.ndarray) -> tuple[np.ndarray, Arena, int]:
-        """The replica's extent holding ``arr``: the array, its arena and its offset
-        there (``arr`` itself where it is a sealed extent of ``arena``, else a copy)."""
+    def _into_arena(
+        self, arena: Arena, arr: np.ndarray, hash_copy: bool
+    ) -> tuple[np.ndarray, Arena, int, bytes]:
+        """The replica's extent holding ``arr``: the array, its arena, its offset there
+        (``arr`` itself where it is a sealed extent of ``arena``, else a copy) and, for
+        a copy with ``hash_copy``, the xxh3-128 of the bytes copied (else empty). A copy
+        streams into the extent by the extension, each block hashed first where asked
+        (:func:`kvlife.native.copies.copy_sealed`: the source is read once)."""
         off = arena.offset_of(arr)
         if off is not None and not arr.flags.writeable:
             self.adopted += 1  # a sealed extent (a put a client wrote): no copy
-            return arr, arena, off
+            return arr, arena, off, b""
         dst = arena.alloc(arr.nbytes, arr.dtype, arr.shape)
         if dst is None and arena is not self.arena:
             # a tenant's arena is full: the tier's own, which no client maps, holds it
@@ -570,11 +578,15 @@ class ShmTier(HeldTier[_Held]):
             raise StorageFullError(
                 f"arena {arena.path} has no free extent of {arr.nbytes} bytes ({arena.stats()})"
             )
-        np.copyto(dst, arr)
+        hashed = b""
+        if hash_copy:
+            hashed = copy_sealed(dst, arr)
+        else:
+            stream_copy(dst, arr)
         dst.flags.writeable = False
         at = arena.offset_of(dst)
         assert at is not None  # an extent of the arena it was allocated in
-        return dst, arena, at
+        return dst, arena, at, hashed
 
     def hint(self, key: ChunkKey, arena: Arena | None = None) -> tuple[int, int] | None:
         """Where the replica of ``key`` lies now in ``arena`` (default: the tier's own):
@@ -619,3 +631,9 @@ class ShmTier(HeldTier[_Held]):
             self._held.clear()
         for arena in self.all_arenas():
             arena.unlink()
+
+
+def _hash_copy(meta: ReplicaMeta) -> bool:
+    """Whether a copy of the replica into an extent is hashed as it is copied: unless
+    the store vouches for its checksum (a replica verified where it came from)."""
+    return not meta.checksum or meta.verify_checksum

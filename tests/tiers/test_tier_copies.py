@@ -1,13 +1,15 @@
-"""The disk tier's copies through its aligned staging buffers (issue 28): a payload in
-memory O_DIRECT cannot take is copied into a staging buffer by the extension's streaming
-copy, hashed as it is copied (``copy_sealed``) unless its checksum is given; a frame read
-for a buffer O_DIRECT cannot fill lands in a staging buffer and is streamed out only once
-it verified. What is checked: the bytes and checksums that land, that the streaming
-copies did the copying, and that a staging copy whose bytes differ from what was hashed
-is never read back as data."""
+"""The tiers' bulk copies by the extension (issue 28). The disk tier: a payload in
+memory O_DIRECT cannot take is copied into an aligned staging buffer by the streaming
+copy, hashed as it is copied (``copy_sealed``) unless its checksum is given; a frame
+read for a buffer O_DIRECT cannot fill lands in a staging buffer and is streamed out only
+once it verified. The shared-memory DRAM tier: a replica that is not already one of its
+sealed extents is copied into one the same way. What is checked: the bytes and
+checksums that land, that the streaming copies did the copying, and that a copy whose
+bytes differ from what was hashed is never read back as data."""
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 from types import ModuleType
@@ -24,6 +26,7 @@ from kvlife.tiers.base import ReplicaMeta
 from kvlife.tiers.disk import DiskTier, DiskTierConfig
 from kvlife.tiers.disk.fileio import FileIO
 from kvlife.tiers.disk.frame import HEADER_BYTES
+from kvlife.tiers.shm import ShmTier
 from tests.helpers.stream_spy import count_native
 
 MiB = 1 << 20
@@ -180,5 +183,61 @@ def test_a_read_into_an_unaligned_buffer_is_streamed_out_once_verified(
         assert isinstance(got[1], ChecksumMismatch)
         assert (outs[1] == 0x33).all()
         assert np.array_equal(outs[0], before[0]) and np.array_equal(outs[2], before[2])
+    finally:
+        tier.close()
+
+
+# ---------------------------------------------------------------- the served DRAM tier
+
+
+def test_a_copy_into_the_arena_is_sealed_as_it_is_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: ModuleType
+) -> None:
+    """The shared-memory DRAM tier copies a replica that is not already one of its
+    sealed extents (a promotion, a put through the socket) into an extent by the
+    extension: hashed as it is copied where it seals the bytes itself, streamed alone
+    where the store vouches for the checksum; a seal to verify that the bytes do not
+    match stores nothing and frees the extent."""
+    tier = ShmTier(8 * MiB, "dram", tmp_path / "arena", MiB)
+    try:
+        seen = count_native(monkeypatch, module)
+        a, b, c = (_unaligned(SIZE, 60 + i) for i in range(3))
+        assert tier.store([ReplicaMeta(_key(1), "uint8", (SIZE,))], [a])
+        assert seen == {"copy_sealed": [SIZE], "stream_copy": []}
+        assert tier.meta(_key(1)).checksum == _seal(a)
+        assert tier.store([ReplicaMeta(_key(2), "uint8", (SIZE,), checksum=_seal(b))], [b])
+        assert seen["stream_copy"] == [SIZE] and tier.meta(_key(2)).checksum == _seal(b)
+        for k, want in ((1, a), (2, b)):
+            got = tier.read(_key(k))
+            assert np.array_equal(got, want) and not got.flags.writeable
+        del got
+        gc.collect()
+        used = tier.arena.used_bytes
+        bad = ReplicaMeta(_key(3), "uint8", (SIZE,), checksum=_seal(a), verify_checksum=True)
+        with pytest.raises(ChecksumMismatch):
+            tier.store([bad], [c])
+        gc.collect()
+        assert not tier.contains(_key(3)) and tier.arena.used_bytes == used
+    finally:
+        tier.close()
+
+
+def test_bytes_changed_after_their_hash_fail_the_arena_replicas_seal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: ModuleType
+) -> None:
+    """A replica copied into the arena whose bytes differ from what was hashed (the
+    caller's bytes changed between a block's hash and its copy) fails its seal where
+    seals are verified: never served as sealed."""
+
+    def flip(dst: np.ndarray) -> None:
+        dst.reshape(-1).view(np.uint8)[SIZE // 3] ^= 0x0F
+
+    tier = ShmTier(8 * MiB, "dram", tmp_path / "arena", MiB)
+    try:
+        count_native(monkeypatch, module, after_sealed=flip)
+        p = _unaligned(SIZE, 70)
+        assert tier.store([ReplicaMeta(_key(4), "uint8", (SIZE,))], [p])
+        (got,) = tier.read_verified([_key(4)])
+        assert isinstance(got, ChecksumMismatch)
     finally:
         tier.close()
