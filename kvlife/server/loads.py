@@ -46,6 +46,7 @@ import numpy as np
 from kvlife.core.errors import NotPermitted, ProtocolError
 from kvlife.core.identity import ChunkKey, KVLayout
 from kvlife.core.payload import numpy_dtype
+from kvlife.native.copies import stream_copy
 from kvlife.results import ChunkHit, LookupResult
 from kvlife.server import protocol
 from kvlife.server.buffers import SharedBuffer
@@ -286,7 +287,7 @@ class Loads:
                 dst = arena.alloc(arr.nbytes, arr.dtype, arr.shape)
                 if dst is None:
                     break  # no room to hand it over: the rest is a miss
-                np.copyto(dst, arr)
+                stream_copy(dst, arr)
                 arr = dst
                 off = arena.offset_of(arr)
                 assert off is not None

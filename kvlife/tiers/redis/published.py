@@ -58,6 +58,7 @@ from kvlife.globalindex import (
 )
 from kvlife.globalindex.health import REFUSALS
 from kvlife.globalindex.record import RecordError
+from kvlife.native.copies import stream_copy
 from kvlife.tiers.base import (
     CapacityShortfall,
     Durability,
@@ -641,7 +642,7 @@ class PublishedTier(Tier, SharedTier, SupportsBatchDelete):
         if out is None:
             return arr
         if not (out.flags.c_contiguous and arr.ctypes.data == out.ctypes.data):
-            np.copyto(out, arr)  # else the tier read straight into ``out``
+            stream_copy(out, arr)  # else the tier read straight into ``out``
         return out
 
     def delete(self, key: ChunkKey) -> int:
