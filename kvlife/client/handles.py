@@ -85,7 +85,13 @@ class RemoteLoadHandle(LoadCompletion):
         if exc is not None:
             self._error = exc
         else:
-            self._result = fut.result()
+            res = fut.result()
+            # from now on ``chunk`` says what the result says: a chunk handed out while
+            # the load ran (streamed once it verified) that the load's publication no
+            # longer counts (invalidated meanwhile) is a miss, as in the result
+            got = min(res.loaded, self._requested)
+            self._arrays = [*res.arrays[:got], *[None] * (self._requested - got)]
+            self._result = res
         self._finished.set()
         for ev in self._events:
             ev.set()

@@ -578,7 +578,8 @@ class Loads:
 
 NEW_ARRAYS_KEEP_BYTES = 256 << 20
 """Idle memory a client keeps at most for the new arrays of its loads without buffers
-(never more than it had handed out at once: :class:`~kvlife.tiers.buffers.RecyclingPool`)."""
+(never more than it had taken from the pool at once, the arrays a load from DRAM takes
+before the server confirms them included: :class:`~kvlife.tiers.buffers.RecyclingPool`)."""
 
 KNOWN_HITS = 1 << 14
 """Hit records a client keeps to answer repeated lookups with (:meth:`Loads._hits`):
