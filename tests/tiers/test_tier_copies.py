@@ -58,42 +58,40 @@ def _seal(a: np.ndarray) -> bytes:
     return bytes(xxhash.xxh3_128_digest(a.data))
 
 
+def _reads_back(tier: DiskTier, keys: list[ChunkKey], payloads: list[np.ndarray]) -> None:
+    """Each key's replica is sealed with its payload's xxh3-128 and reads back as it."""
+    for k, p in zip(keys, payloads, strict=True):
+        assert tier.meta(k).checksum == _seal(p)
+    for got, p in zip(tier.read_batch(keys), payloads, strict=True):
+        assert isinstance(got, np.ndarray) and np.array_equal(got, p)
+
+
 def _tier(tmp_path: Path, io: FileIO | None = None) -> DiskTier:
     return DiskTier(tmp_path / "disk", DiskTierConfig(64 * MiB, direct_io=True), fileio=io)
 
 
-def test_an_unaligned_payload_is_sealed_as_it_is_copied(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: ModuleType
+@pytest.mark.parametrize("checksum", ["hashed here", "given"])
+def test_an_unaligned_payload_is_copied_by_the_extension(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: ModuleType, checksum: str
 ) -> None:
+    """Each payload copied once: hashed as it is copied (nothing streamed without its
+    hash), or, its checksum given, only streamed (and the checksum kept)."""
     payloads = [_unaligned(SIZE, i) for i in range(3)]
+    given = checksum == "given"
     seen = count_native(monkeypatch, module)
     tier = _tier(tmp_path)
     try:
-        metas = [ReplicaMeta(_key(i), "uint8", (SIZE,)) for i in range(3)]
+        metas = [
+            ReplicaMeta(_key(i), "uint8", (SIZE,), checksum=_seal(p) if given else b"")
+            for i, p in enumerate(payloads)
+        ]
         assert tier.store(metas, payloads)
-        # each payload copied and hashed in one pass, nothing streamed without its hash
-        assert seen == {"copy_sealed": [SIZE] * 3, "stream_copy": []}
-        for i, p in enumerate(payloads):
-            assert tier.meta(_key(i)).checksum == _seal(p)
-        got = tier.read_batch([_key(i) for i in range(3)])
-        for g, p in zip(got, payloads, strict=True):
-            assert isinstance(g, np.ndarray) and np.array_equal(g, p)
-    finally:
-        tier.close()
-
-
-def test_a_given_checksum_is_kept_and_the_payload_only_streamed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: ModuleType
-) -> None:
-    p = _unaligned(SIZE, 7)
-    seen = count_native(monkeypatch, module)
-    tier = _tier(tmp_path)
-    try:
-        assert tier.store([ReplicaMeta(_key(1), "uint8", (SIZE,), checksum=_seal(p))], [p])
-        assert seen == {"copy_sealed": [], "stream_copy": [SIZE]}
-        assert tier.meta(_key(1)).checksum == _seal(p)
-        (got,) = tier.read_batch([_key(1)])
-        assert isinstance(got, np.ndarray) and np.array_equal(got, p)
+        copied = {
+            "copy_sealed": [] if given else [SIZE] * 3,
+            "stream_copy": [SIZE] * 3 if given else [],
+        }
+        assert seen == copied
+        _reads_back(tier, [m.key for m in metas], payloads)
     finally:
         tier.close()
 
@@ -114,8 +112,7 @@ def test_a_seal_to_verify_that_the_bytes_do_not_match_stores_nothing(
         # the same payload with its own seal goes in
         ok = ReplicaMeta(_key(2), "uint8", (SIZE,), checksum=_seal(p), verify_checksum=True)
         assert tier.store([ok], [p])
-        (got,) = tier.read_batch([_key(2)])
-        assert isinstance(got, np.ndarray) and np.array_equal(got, p)
+        _reads_back(tier, [_key(2)], [p])
     finally:
         tier.close()
 
