@@ -10,7 +10,8 @@ shared output buffers (the server side is :mod:`kvlife.server.loads`).
    three ways, chosen here:
 
    a. *hinted* (every hit a DRAM replica with a hint from this connection, the caller's
-      buffers fitting the layout): the hints go with the request, and while the server
+      buffers fitting the layout, or no buffers: new arrays taken from the client's
+      pool first, :meth:`Loads._fresh`): the hints go with the request, and while the server
       pins the replicas this side copies each chunk from where the lookup saw it. The
       reply says how many leading chunks the server *confirmed* (the extent still holds
       that replica: same offset, same generation); the rest come as grants.
@@ -31,7 +32,9 @@ shared output buffers (the server side is :mod:`kvlife.server.loads`).
 3. The grant (what the server pinned for a, c) is released with the next request, or
    at once when a copy failed (:meth:`~kvlife.client.wire.Wire.release`).
 
-Copies: one per chunk (arena to buffer) in a and c, none in b.
+Copies: one per chunk (arena to buffer) in a and c, none in b. A load without buffers
+hands out read-only arrays from the client's pool (:meth:`Loads.new_array`): their memory
+goes back to it when the caller drops the last view of one.
 """
 
 from __future__ import annotations
