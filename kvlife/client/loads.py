@@ -10,8 +10,8 @@ shared output buffers (the server side is :mod:`kvlife.server.loads`).
    three ways, chosen here:
 
    a. *hinted* (every hit a DRAM replica with a hint from this connection, the caller's
-      buffers fitting the layout, or no buffers: new arrays taken from the client's
-      pool first, :meth:`Loads._fresh`): the hints go with the request, and while the server
+      buffers fitting the layout, or no buffers: new arrays taken from the client's pool
+      first, :meth:`Loads._fresh`): the hints go with the request, and while the server
       pins the replicas this side copies each chunk from where the lookup saw it. The
       reply says how many leading chunks the server *confirmed* (the extent still holds
       that replica: same offset, same generation); the rest come as grants.
@@ -511,15 +511,20 @@ class Loads:
         while the server confirms, as into a caller's buffers); None otherwise (the
         grant path takes a new array per chunk granted). Those a load does not hand
         out go back to the pool with their last reference."""
-        hints, conn = lookup.hints, self.wire.conn
         n = len(lookup.hits)
-        if lookup.identity is None or conn is None or conn.epoch != lookup.epoch:
-            return None
-        if len(hints) != 2 * n or not all(hints[1::2]):
+        if lookup.identity is None or not self._all_hinted(lookup, n):
             return None
         layout = lookup.identity.layout
         dtype = numpy_dtype(layout.dtype)
         return [self.new_array(layout.chunk_shape, dtype) for _ in range(n)]
+
+    def _all_hinted(self, lookup: RemoteLookup, n: int) -> bool:
+        """Whether the lookup, made on this connection, placed each of ``n`` hits in
+        DRAM (a hint, generation nonzero, for each)."""
+        hints, conn = lookup.hints, self.wire.conn
+        if conn is None or conn.epoch != lookup.epoch or len(hints) != 2 * n:
+            return False
+        return all(hints[1::2])
 
     def _hinted(
         self, lookup: RemoteLookup, outs: Sequence[np.ndarray], args: dict[str, Any]
@@ -527,17 +532,14 @@ class Loads:
         """(offset, dtype) of each hit when every hit is a DRAM replica whose place the
         lookup on this connection named and every buffer fits it (the hints go into
         ``args``); else None (the load takes the grant path)."""
+        if lookup.identity is None or not self._all_hinted(lookup, len(outs)):
+            return None
         hints = lookup.hints
-        conn = self.wire.conn
-        if conn is None or conn.epoch != lookup.epoch or len(hints) != 2 * len(outs):
-            return None
-        if lookup.identity is None:
-            return None
         layout = lookup.identity.layout
         dtype = numpy_dtype(layout.dtype)
         early: list[tuple[int, str]] = []
         for i, out in enumerate(outs):
-            if not hints[2 * i + 1] or out.shape != layout.chunk_shape or out.dtype != dtype:
+            if out.shape != layout.chunk_shape or out.dtype != dtype:
                 return None
             early.append((hints[2 * i], dtype.str))
         args["hints"] = list(hints)

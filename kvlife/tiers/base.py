@@ -99,6 +99,12 @@ class ReplicaMeta:
             raise InvalidArgument(f"replica shape {self.shape} has a negative dimension")
 
     @property
+    def checksum_given(self) -> bool:
+        """Whether a write takes ``checksum`` as given: known and not to be verified, so
+        the payload is not hashed (else it is: its checksum unknown, or to be checked)."""
+        return bool(self.checksum) and not self.verify_checksum
+
+    @property
     def nbytes(self) -> int:
         n = numpy_dtype(self.dtype).itemsize
         for d in self.shape:

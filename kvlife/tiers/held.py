@@ -233,7 +233,7 @@ class HeldTier(
         """The seal of a replica being published: the checksum its writer vouches for,
         else ``hashed`` (the tier's own hash of the bytes, made while copying) or a hash
         now; with ``verify_checksum`` the bytes must match the writer's checksum."""
-        if meta.checksum and not meta.verify_checksum:
+        if meta.checksum_given:
             return meta.checksum
         seal = hashed or seal_of(array)
         if meta.verify_checksum and meta.checksum and seal != meta.checksum:

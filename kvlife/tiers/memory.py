@@ -168,7 +168,7 @@ class MemoryTier(HeldTier[_Held]):
                 # pool whenever a batch filled the tier, and every put paid fresh pages.
                 self._pool.shrink(self.capacity_bytes - self._used - self._reserved)
             for meta, arr, raw in zip(reservation.metas, payloads, raws, strict=True):
-                if meta.checksum and not meta.verify_checksum:  # vouched for: no hash
+                if meta.checksum_given:  # vouched for: no hash
                     stream_copy(raw.view(arr.dtype).reshape(arr.shape), arr)
                     seal = meta.checksum
                 else:

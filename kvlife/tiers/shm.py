@@ -528,7 +528,7 @@ class ShmTier(HeldTier[_Held]):
             # was copied); a copy its home arena had no room for went to the tier's own
             # (overflow)
             placed = [
-                self._into_arena(arena, arr, _hash_copy(meta))
+                self._into_arena(arena, arr, not meta.checksum_given)
                 for meta, arena, arr in zip(reservation.metas, homes, payloads, strict=True)
             ]
             # sealed as published (the xxh3-128 of the extent's bytes, or the checksum
@@ -631,9 +631,3 @@ class ShmTier(HeldTier[_Held]):
             self._held.clear()
         for arena in self.all_arenas():
             arena.unlink()
-
-
-def _hash_copy(meta: ReplicaMeta) -> bool:
-    """Whether a copy of the replica into an extent is hashed as it is copied: unless
-    the store vouches for its checksum (a replica verified where it came from)."""
-    return not meta.checksum or meta.verify_checksum

@@ -258,7 +258,7 @@ class Writer:
         """
         n = u8.nbytes
         staged: np.ndarray | None = None
-        given = bool(meta.checksum) and not meta.verify_checksum
+        given = meta.checksum_given
         hashed = b""
         if is_aligned(u8):
             body = u8

@@ -232,7 +232,7 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
                 put = self._pool.submit(self._copy, locations, payloads, copying)
             except RuntimeError as exc:  # the pool was shut down
                 raise RemoteTierError(f"{self.name} is closed: nothing written") from exc
-            if not any(_hashes(m) for m in metas):
+            if all(m.checksum_given for m in metas):
                 # Records with every checksum known are pure Python, which would keep
                 # the GIL from the worker until the switch interval (5 ms) forced it
                 # out: its copy began 2 ms late (median, 256 records). Let it reach
@@ -268,7 +268,7 @@ class MooncakeTier(PublishedTier, ChecksumsWrites):
         records: list[RemoteRecord] = []
         for m, a in zip(metas, payloads, strict=True):
             known = m.checksum
-            if _hashes(m):
+            if not m.checksum_given:
                 hashed = payload_checksum(a)
                 if known and hashed != known:
                     raise ChecksumMismatch(
@@ -689,12 +689,6 @@ NOT_FOUND = -704
 HAS_LEASE = -706
 """Mooncake's OBJECT_HAS_LEASE: a reader holds the object; removed later."""
 GONE_OK = (0, NOT_FOUND)
-
-
-def _hashes(meta: ReplicaMeta) -> bool:
-    """Whether the write hashes the payload of ``meta`` (its checksum unknown, or to
-    be verified)."""
-    return not meta.checksum or meta.verify_checksum
 
 
 def _sizes(arrays: Sequence[np.ndarray]) -> list[int]:
