@@ -128,14 +128,19 @@ def dram_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
         srv.stop()
 
 
-@pytest.fixture(scope="module")
-def dram(dram_srv: ServerProc) -> Iterator[RemoteStore]:
-    c = dram_srv.client()
+def _client_of(srv: ServerProc) -> Iterator[RemoteStore]:
+    """A client of ``srv``, closed after (a server a test killed: closed as it can)."""
+    c = srv.client()
     try:
         yield c
     finally:
         with contextlib.suppress(KVLifeError):
             c.close()
+
+
+@pytest.fixture(scope="module")
+def dram(dram_srv: ServerProc) -> Iterator[RemoteStore]:
+    yield from _client_of(dram_srv)
 
 
 @pytest.fixture(scope="module")
@@ -149,12 +154,7 @@ def disk_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
 
 @pytest.fixture(scope="module")
 def disk(disk_srv: ServerProc) -> Iterator[RemoteStore]:
-    c = disk_srv.client()
-    try:
-        yield c
-    finally:
-        with contextlib.suppress(KVLifeError):
-            c.close()
+    yield from _client_of(disk_srv)
 
 
 def _on_disk(store: RemoteStore) -> None:
