@@ -83,18 +83,26 @@ def close_store(store: OpenStore, writer: Writer, reader: Reader, *, flush: bool
     the call that runs the callback: it runs on a thread of its own, started here, and
     this call returns at once. The store then closes as a close from another thread
     does, once the calls under way (that one too) have ended; a later ``close()`` waits
-    for it, and an error of that close is logged."""
+    for it (even one that reaches the store before that thread has begun: the close
+    asked first is the one that runs, with the flush it asked for), and an error of that
+    close is logged."""
     core = store.core
     if core.callbacks.inside():
         _close_later(store, writer, reader, flush)
         return
+    me = threading.current_thread()
     with core.lock:  # from here on no put is prepared or committed (StoreClosedError)
-        second = core.closing
-        core.closing = True
+        # a close asked from inside a callback before this one owns the store from the
+        # moment it was asked, though its thread may not have begun: this later close
+        # waits for it (else it would close first, and without the flush that one asked)
+        asked = core.closer is not None and core.closer is not me
+        second = core.closing or asked
+        if not second:
+            core.closing = True
     if second:  # another call closes it: wait for that one (and, deferred, its log)
         core.close_done.wait()
         closer = core.closer
-        if closer is not None and closer is not threading.current_thread():
+        if closer is not None and closer is not me:
             closer.join()
         return
     try:
@@ -146,9 +154,16 @@ def _close_later(store: OpenStore, writer: Writer, reader: Reader, flush: bool) 
         daemon=False,
     )
     with core.lock:
-        if core.closer is None:
-            core.closer = closer  # the first: what a later close() joins
-    closer.start()
+        first = core.closer is None
+        if first:
+            core.closer = closer  # the first: what a later close() waits for and joins
+    try:
+        closer.start()
+    except BaseException:  # no thread (the interpreter is exiting): a later close closes
+        if first:
+            with core.lock:
+                core.closer = None
+        raise
     register = getattr(threading, "_register_atexit", None)
     if register is not None:
         with contextlib.suppress(RuntimeError):  # already shutting down: nothing to add

@@ -563,6 +563,38 @@ def test_callback_close_held_in_its_flush_makes_a_later_close_wait(
     _reopen_clean(tmp_path / "s", identity, [(*p0, 4), (*p1, 4)])
 
 
+def test_a_later_close_that_runs_first_still_waits_for_the_flush_asked_before_it(
+    tmp_path: Path, identity: ModelIdentity, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sink asks ``close(flush=True)`` on a put's 'index'; the thread that runs it is
+    slow to begin (held 0.3 s here, a loaded machine's scheduling), and the main
+    thread's ``close(flush=False)``, asked after it, reaches the store first. That
+    later close waits for the one asked before it, so the flush asked runs: the reopen
+    serves the prompt from disk. (Until 2026-12-07 the later close took the store and
+    closed it without the flush; the deferred one found it closing and did nothing:
+    seen as a flaky failure of the EIO test below under a full test run.)"""
+    from kvlife.store import lifecycle
+
+    original = lifecycle._close_logged
+
+    def slow_start(*args: Any) -> None:
+        time.sleep(0.3)
+        original(*args)
+
+    monkeypatch.setattr(lifecycle, "_close_logged", slow_start)
+    before = set(threading.enumerate())
+    sink = _CloseOn(_kind("index"), flush=True)
+    store = _open(tmp_path / "s", sink=sink)
+    sink.store = store
+    tokens, kv = prompt_kv(163, 4 * N)
+    assert store.put_prompt(identity, PUBLIC, tokens, kv).stored == 4
+    assert sink.fired.is_set() and sink.errors == [], sink.errors
+    _closed_later(store, flush=False)
+    assert store._core.close_done.is_set()
+    _no_kvlife_threads(before)
+    _reopen_clean(tmp_path / "s", identity, [(tokens, kv, 4)])
+
+
 def test_callback_close_during_a_close_from_another_thread(
     tmp_path: Path, identity: ModelIdentity
 ) -> None:
