@@ -84,21 +84,21 @@ def close_store(store: OpenStore, writer: Writer, reader: Reader, *, flush: bool
     this call returns at once. The store then closes as a close from another thread
     does, once the calls under way (that one too) have ended; a later ``close()`` waits
     for it (even one that reaches the store before that thread has begun: the close
-    asked first is the one that runs, with the flush it asked for), and an error of that
-    close is logged."""
+    asked first is the one that runs, with the flush it asked for; a close asked from a
+    callback once one was asked returns at once), and an error of that close is
+    logged."""
     core = store.core
     if core.callbacks.inside():
         _close_later(store, writer, reader, flush)
         return
     me = threading.current_thread()
     with core.lock:  # from here on no put is prepared or committed (StoreClosedError)
-        # a close asked from inside a callback before this one owns the store from the
-        # moment it was asked, though its thread may not have begun: this later close
-        # waits for it (else it would close first, and without the flush that one asked)
-        asked = core.closer is not None and core.closer is not me
-        second = core.closing or asked
-        if not second:
-            core.closing = True
+        # a close asked from inside a callback owns the store from the moment it was
+        # asked (``closing`` set then, :func:`_close_later`): its own thread goes on,
+        # any other close waits for it
+        owner = core.closer is me
+        second = core.closing and not owner
+        core.closing = True
     if second:  # another call closes it: wait for that one (and, deferred, its log)
         core.close_done.wait()
         closer = core.closer
@@ -154,16 +154,22 @@ def _close_later(store: OpenStore, writer: Writer, reader: Reader, flush: bool) 
         daemon=False,
     )
     with core.lock:
-        first = core.closer is None
-        if first:
-            core.closer = closer  # the first: what a later close() waits for and joins
-    try:
-        closer.start()
-    except BaseException:  # no thread (the interpreter is exiting): a later close closes
-        if first:
-            with core.lock:
-                core.closer = None
-        raise
+        if core.closing:
+            # a close began or was asked before this one: that one runs (a second close
+            # waits for the first, which a callback cannot do: it returns now)
+            return
+        # the close is this one's from now on: puts are refused from here (as by a
+        # close on any thread), and a later close() waits for this thread and joins it.
+        # Started under the lock, so that no other thread sees the close asked and its
+        # thread not started: one that cannot start gives the store back untouched.
+        core.closing = True
+        core.closer = closer
+        try:
+            closer.start()
+        except BaseException:  # no thread (the interpreter is exiting): nothing asked
+            core.closing = False
+            core.closer = None
+            raise
     register = getattr(threading, "_register_atexit", None)
     if register is not None:
         with contextlib.suppress(RuntimeError):  # already shutting down: nothing to add
