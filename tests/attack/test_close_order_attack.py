@@ -47,10 +47,10 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -183,6 +183,51 @@ def _base(store: KVStore, identity: ModelIdentity, seed: int) -> tuple[Prompt, P
     return on_disk, in_dram
 
 
+class _Rig(NamedTuple):
+    """A store held for the tests of sections 1-3: every closer thread held at its start,
+    ``close_done`` watched, one prompt on disk and one acknowledged in DRAM only."""
+
+    hold: _Held
+    before: set[threading.Thread]
+    path: Path
+    store: KVStore
+    watched: _Watched
+    prompts: tuple[Prompt, Prompt]
+
+
+def _rig(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    identity: ModelIdentity,
+    sink: _Shots,
+    seed: int,
+    io: FaultyIO | None = None,
+) -> _Rig:
+    hold = _Held(monkeypatch)
+    before = set(threading.enumerate())
+    path = tmp_path / "s"
+    store = open_small(path, io, sink=sink)
+    watched = _Watched(store)
+    return _Rig(hold, before, path, store, watched, _base(store, identity, seed))
+
+
+def _first_held_later_waits(
+    hold: _Held, sink: _Shots, store: KVStore, put: Callable[[], object]
+) -> None:
+    """The sink asks ``close(flush=True)`` on ``put``'s 'index' (its thread held); the
+    main thread's ``close(flush=False)`` does not return while it is held, and returns
+    once it was released and the store is closed."""
+    try:
+        sink.arm(store, True)
+        put()
+        assert hold.entered[0].wait(DONE_S)
+        main = _later(store, False)
+        assert not main.done(0.1), "a later close returned while the first was held"
+    finally:
+        hold.release_all()
+    _ended(main, store, "the main thread's close")
+
+
 @contextlib.contextmanager
 def _start_fails(hold: bool) -> Iterator[tuple[threading.Event, threading.Event]]:
     """``Thread.start`` of the first ``kvlife-close`` thread raises RuntimeError (no
@@ -230,13 +275,10 @@ def test_the_close_asked_first_runs_with_its_flush_whatever_the_order_after_it(
     holds the DRAM-only prompt iff the first close asked a flush (the later
     ``flush=True`` never ran over a ``flush=False`` asked first, nor a ``flush=False``
     over a ``flush=True``)."""
-    hold = _Held(monkeypatch)
-    before = set(threading.enumerate())
     sink = _Shots()
-    path = tmp_path / "s"
-    store = open_small(path, sink=sink)
-    watched = _Watched(store)
-    on_disk, in_dram = _base(store, identity, 300)
+    hold, before, path, store, watched, (on_disk, in_dram) = _rig(
+        monkeypatch, tmp_path, identity, sink, 300
+    )
     main: Call | None = None
     checking: Call | None = None
     progress = CloseOnce(store, flush=not first_flush)
@@ -279,13 +321,10 @@ def test_the_thread_that_ran_the_callback_closing_next_waits_for_the_flush(
     put returned, closes with ``flush=False``: its close waits (does not begin, does not
     return) while the closer is held, then returns once the store is closed; the reopen
     holds the DRAM-only prompts (the flush asked first ran)."""
-    hold = _Held(monkeypatch)
-    before = set(threading.enumerate())
     sink = _Shots()
-    path = tmp_path / "s"
-    store = open_small(path, sink=sink)
-    _Watched(store)
-    on_disk, in_dram = _base(store, identity, 310)
+    hold, before, path, store, _, (on_disk, in_dram) = _rig(
+        monkeypatch, tmp_path, identity, sink, 310
+    )
     last = prompt_kv(312, 4 * N)
 
     def put_then_close() -> None:
@@ -336,22 +375,12 @@ def test_close_from_the_sinks_flush_inside_a_held_close_with_a_later_close_waiti
     which closes again (``flush=False``, deferred as a callback). Every close ends, the
     main one only once the store is closed, no thread is left, and the flush asked
     first ran (the DRAM-only prompt is on disk after the reopen)."""
-    hold = _Held(monkeypatch)
-    before = set(threading.enumerate())
     sink = _FlushCloses()
-    path = tmp_path / "s"
-    store = open_small(path, sink=sink)
-    _Watched(store)
-    on_disk, in_dram = _base(store, identity, 320)
-    try:
-        sink.arm(store, True)
-        assert store.put_prompt(identity, PUBLIC, *prompt_kv(322, 4 * N)).stored == 4
-        assert hold.entered[0].wait(DONE_S)
-        main = _later(store, False)
-        assert not main.done(0.1), "a later close returned while the first was held"
-    finally:
-        hold.release_all()
-    _ended(main, store, "the main thread's close")
+    hold, before, path, store, _, (on_disk, in_dram) = _rig(
+        monkeypatch, tmp_path, identity, sink, 320
+    )
+    last = prompt_kv(322, 4 * N)
+    _first_held_later_waits(hold, sink, store, lambda: store.put_prompt(identity, PUBLIC, *last))
     assert sink.from_flush == [None], sink.from_flush
     _no_kvlife_threads(before)
     _served(path, identity, [(on_disk, 4), (in_dram, 4)])
@@ -364,13 +393,8 @@ def test_loads_racing_a_held_close_and_its_release_serve_exact_or_typed(
     the store is closed); ``check()`` runs while the closer is held and the main
     thread's ``close(flush=False)`` waits (clean or typed); the closer (``flush=True``)
     is released under the loads. Everything ends; the reopen holds the DRAM-only prompt."""
-    hold = _Held(monkeypatch)
-    before = set(threading.enumerate())
     sink = _Shots()
-    path = tmp_path / "s"
-    store = open_small(path, sink=sink)
-    _Watched(store)
-    prompts = _base(store, identity, 330)
+    hold, before, path, store, _, prompts = _rig(monkeypatch, tmp_path, identity, sink, 330)
     stop = threading.Event()
     served = [0]
 
@@ -464,25 +488,17 @@ def test_deferred_close_that_fails_after_a_later_close_came_first_is_logged_once
     the deferred close's flush fails: the later close returns without raising once the
     store is closed, the error (EIO, naming the store) is logged once, the directory
     lock is dropped and the reopen audits clean."""
-    hold = _Held(monkeypatch)
-    before = set(threading.enumerate())
     io = FaultyIO()
     sink = _Shots()
-    path = tmp_path / "s"
-    store = open_small(path, io, sink=sink)
-    _Watched(store)
-    on_disk, in_dram = _base(store, identity, 350)
+    hold, before, path, store, _, (on_disk, in_dram) = _rig(
+        monkeypatch, tmp_path, identity, sink, 350, io
+    )
     io.arm("pwritev", errno.EIO, path=SEG)
     with caplog.at_level(logging.ERROR, logger="kvlife.store.lifecycle"):
-        try:
-            sink.arm(store, True)
-            store.put_prompt(identity, PUBLIC, *prompt_kv(352, 4 * N))
-            assert hold.entered[0].wait(DONE_S)
-            main = _later(store, False)
-            assert not main.done(0.1), "a later close returned while the first was held"
-        finally:
-            hold.release_all()
-        _ended(main, store, "the main thread's close")
+        last = prompt_kv(352, 4 * N)
+        _first_held_later_waits(
+            hold, sink, store, lambda: store.put_prompt(identity, PUBLIC, *last)
+        )
         _no_kvlife_threads(before)
     assert io.injected.get("pwritev", 0) >= 1, "the flush asked first never wrote"
     logged = [r.getMessage() for r in caplog.records if "inside a callback" in r.getMessage()]
