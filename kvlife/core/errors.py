@@ -50,6 +50,13 @@ class StoreClosedError(KVLifeError):
     """An operation on a store that has been closed."""
 
 
+class CloseNotStarted(KVLifeError, RuntimeError):
+    """A ``close()`` asked from inside a callback (a sink's ``emit``, ``check``'s
+    progress) could not start the thread it closes the store on (the interpreter is
+    exiting, or no thread can be made): nothing was closed, the store is still open and
+    a later ``close()`` from outside the callback closes it."""
+
+
 class StorageFullError(KVLifeError, OSError):
     """The device ran out of space (ENOSPC) or the tier's byte budget cannot hold the data."""
 

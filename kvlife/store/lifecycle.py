@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from kvlife.core.errors import KVLifeError
+from kvlife.core.errors import CloseNotStarted, KVLifeError
 from kvlife.core.events import EventSink
 from kvlife.store import deletes, metrics, protection
 from kvlife.store.config import StoreConfig
@@ -166,10 +166,16 @@ def _close_later(store: OpenStore, writer: Writer, reader: Reader, flush: bool) 
         core.closer = closer
         try:
             closer.start()
-        except BaseException:  # no thread (the interpreter is exiting): nothing asked
+        except BaseException as exc:  # no thread (the interpreter is exiting): nothing asked
             core.closing = False
             core.closer = None
-            raise
+            if not isinstance(exc, RuntimeError):
+                raise
+            raise CloseNotStarted(
+                f"close() of {store.path} asked from inside a callback could not start its "
+                f"closing thread ({exc}); nothing was closed: the store is still open, "
+                "close it from outside the callback"
+            ) from exc
     register = getattr(threading, "_register_atexit", None)
     if register is not None:
         with contextlib.suppress(RuntimeError):  # already shutting down: nothing to add

@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pytest
 
-from kvlife.core.errors import KVLifeError, StoreClosedError
+from kvlife.core.errors import CloseNotStarted, KVLifeError, StoreClosedError
 from kvlife.core.events import LifecycleEvent
 from kvlife.core.identity import PUBLIC, ModelIdentity
 from kvlife.faults.fileio import FaultyIO
@@ -534,7 +534,8 @@ def test_closer_thread_that_cannot_start_leaves_the_close_to_a_later_one(
             store.check(progress=progress)
             asked = progress.calls
         assert entered.is_set(), "no closer thread was started"
-    assert len(asked) == 1 and isinstance(asked[0], RuntimeError), asked
+    assert len(asked) == 1 and isinstance(asked[0], CloseNotStarted), asked
+    assert isinstance(asked[0].__cause__, RuntimeError) and "still open" in str(asked[0])
     main = _later(store, False)
     try:
         assert main.done(DONE_S), "a later close hung after the closer thread failed to start"
@@ -579,7 +580,7 @@ def test_a_close_waiting_while_the_closer_thread_fails_to_start_still_ends(
             wait_until(lambda: watched.waiters >= 1 or core.closing, "the close to wait", DONE_S)
             gate.set()
             checking.join(DONE_S)
-        assert len(progress.calls) == 1 and isinstance(progress.calls[0], RuntimeError)
+        assert len(progress.calls) == 1 and isinstance(progress.calls[0], CloseNotStarted)
         assert waiting.done(DONE_S), "the waiting close never returned"
         if waiter == "main-thread-close":
             assert waiting.error is None, repr(waiting.error)
