@@ -149,3 +149,6 @@ def test_a_quick_run_lays_out_real_served_calls(tmp_path: Path) -> None:
     store = _stage(put, "store commit #0")
     assert prepared["end_us"] <= commit["start_us"] <= store["start_us"] < commit["end_us"]
     assert "served DRAM put" in done.stdout and "native frame reads started #0" in done.stdout
+    # a new prompt before each put, as kvlife bench server makes them (not four reused)
+    assert r["config"]["reuse_prompts"] is False
+    assert "(a new prompt each)" in done.stdout

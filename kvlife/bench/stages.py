@@ -12,7 +12,11 @@ end:
 - ``load_shared``: a 4-chunk prompt loaded from disk into the session's shared buffers;
 - ``load_ordinary``: the same into the caller's own buffers (grants, a copy here);
 - ``put``: a 4-chunk prompt put into DRAM through staged extents (invalidated after
-  each, outside the call).
+  each, outside the call). Each put's prompt is generated just before it, outside the
+  call, as ``kvlife bench server`` makes its puts' (its bytes just written, the caches
+  as that bench leaves them); ``--reuse-prompts`` puts four prompts in turn instead,
+  made once: a warmer layout (every Python step of a put measured 4-7x faster on warm
+  caches than right after its prompt's 8 MiB were generated, issue 28, 2026-12-07).
 
 Every stamp is ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: one clock for both
 processes). A probe's record belongs to the call during which it returned; the n-th
@@ -73,6 +77,8 @@ class StagesConfig:
     shm_dir: Path | None = None
     huge: bool = True
     pin: bool = True
+    reuse_prompts: bool = False
+    """Puts of four prompts made once, in turn (else a new prompt before each put)."""
 
 
 Window = tuple[str, float, float]
@@ -163,11 +169,14 @@ def _loads(cfg: StagesConfig, remote: RemoteStore, windows: list[Window]) -> Non
 def _puts(cfg: StagesConfig, remote: RemoteStore, windows: list[Window]) -> None:
     layout = chunk_layout(cfg.chunk_bytes)
     ident = bench_identity(layout)
-    prompts = [prompt(layout, CHUNKS, 100 + s) for s in range(4)]
-    pool = [(t, split_chunks(kv, layout, CHUNKS)) for t, kv in prompts]
+    def made(seed: int) -> tuple[list[int], list[np.ndarray]]:
+        tokens, kv = prompt(layout, CHUNKS, seed)
+        return tokens, split_chunks(kv, layout, CHUNKS)
+
+    pool = [made(100 + s) for s in range(4)] if cfg.reuse_prompts else []
     for i in range(cfg.calls + 2):
-        tokens, chunks = pool[i % len(pool)]
         time.sleep(cfg.gap_ms / 1000)
+        tokens, chunks = pool[i % len(pool)] if pool else made(100 + i)
         t0 = time.perf_counter()
         res = remote.put_prompt(ident, NS, tokens, chunks)
         if i >= 2:  # the first puts stage extents for the next: not timed
@@ -225,9 +234,12 @@ def format_report(r: dict[str, Any]) -> str:
     lines = []
     for kind in KINDS:
         k = r["kinds"][kind]
+        title = TITLES[kind]
+        if kind == "put":
+            reused = r["config"].get("reuse_prompts", False)
+            title += " (four prompts in turn)" if reused else " (a new prompt each)"
         lines.append(
-            f"{TITLES[kind]}, {CHUNKS} x {mib:g} MiB: {k['call_us']:.0f} µs median "
-            f"({k['calls']} calls)"
+            f"{title}, {CHUNKS} x {mib:g} MiB: {k['call_us']:.0f} µs median ({k['calls']} calls)"
         )
         lines.append(f"  {'stage':40s} {'start µs':>9s} {'end µs':>9s} {'calls':>6s}")
         for s in k["stages"]:
@@ -253,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--no-pin", action="store_true", help="leave the servers and this process unpinned"
     )
+    p.add_argument(
+        "--reuse-prompts",
+        action="store_true",
+        help="put four prompts made once, in turn (default: a new one before each put, "
+        "as kvlife bench server does)",
+    )
     args = p.parse_args(argv)
     if args.calls < 2 or args.chunk_mib <= 0 or args.gap < 0:
         p.error("--calls must be >= 2, --chunk-mib > 0 and --gap >= 0")
@@ -265,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         shm_dir=args.shm_dir,
         huge=not args.no_huge,
         pin=not args.no_pin,
+        reuse_prompts=args.reuse_prompts,
     )
     result = run_stages(cfg)
     print(format_report(result))
