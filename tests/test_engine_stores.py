@@ -76,6 +76,7 @@ def test_a_store_held_by_another_process_is_refused_naming_the_way_out(tmp_path:
         ({"kvlife.path": "a", "kvlife.dram_mib": -1}, "kvlife.dram_mib"),
         ({"kvlife.path": "a", "kvlife.write_through": "yes"}, "write_through"),
         ({"kvlife.socket": "s", "kvlife.events": "e.jsonl"}, "embedded store"),
+        ({"kvlife.socket": "s", "kvlife.direct_reads": "yes"}, "direct_reads"),
     ],
 )
 def test_bad_addresses_are_typed_errors(extra: dict[str, object], match: str) -> None:

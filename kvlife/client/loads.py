@@ -244,13 +244,10 @@ class Loads:
             return LoadResult([], 0, 0)
         if not self.wire.mapped():  # a session that maps no arena: through the socket
             return copies.load_inline(self.wire, lookup, outs, request_id, on_chunk)
-        if (
-            isinstance(lookup, RemoteLookup)
-            and lookup.frames
-            and outs is not None
-            and direct.usable(lookup.frames, outs)
-        ):
-            return self._load_direct(lookup, outs, request_id, on_chunk)
+        if isinstance(lookup, RemoteLookup) and lookup.frames:
+            targets = outs if outs is not None else self._direct_arrays(lookup)
+            if targets is not None and direct.usable(lookup.frames, targets):
+                return self._load_direct(lookup, targets, request_id, on_chunk)
         res = self._load_mapped(lookup, outs, request_id, on_chunk)
         got = res.loaded
         if got == len(hits) or not res.vanished or res.corrupt or not _tenant(self.wire):
@@ -504,6 +501,19 @@ class Loads:
         fut = self.wire.pool().submit(self.load, lookup, outs, request_id, handle._chunk_done)
         fut.add_done_callback(handle._finish)
         return handle
+
+    def _direct_arrays(self, lookup: RemoteLookup) -> list[np.ndarray] | None:
+        """New arrays from this client's pool (page-aligned: O_DIRECT fills them) for a
+        direct load without buffers whose every hit names its frame; None where a hit
+        names none (the load goes through the server). The load hands out those it
+        kept or the server filled; the others go back to the pool with their last
+        reference."""
+        n = len(lookup.hits)
+        if lookup.identity is None or len(lookup.frames) != n or None in lookup.frames:
+            return None
+        layout = lookup.identity.layout
+        dtype = numpy_dtype(layout.dtype)
+        return [self.new_array(layout.chunk_shape, dtype) for _ in range(n)]
 
     def _fresh(self, lookup: RemoteLookup) -> list[np.ndarray] | None:
         """New arrays for a load without buffers whose every hit the lookup on this

@@ -245,10 +245,14 @@ def test_frames_mutated_to_name_anything_else_never_keep_wrong_bytes(
     assert mine.direct_fallbacks() - fallbacks == CHUNKS - kept
     assert after.tier("disk").loaded - before.tier("disk").loaded == CHUNKS  # each once
     assert after.corrupt == before.corrupt  # nothing on the disk was wrong
-    # the session is in step: a plain load on it pairs up and counts nothing direct
+    # the session is in step: a fresh lookup's load without buffers (read directly
+    # into new arrays since 2026-12-07) pairs up and counts its own chunks, no more
+    more = mine.direct_fallbacks()
     again = mine.load(mine.lookup(_identity(), ns, tokens), None)
+    assert again.loaded == CHUNKS
     _check_prefix(again.arrays, chunks)
-    assert mine.counters.direct_loads == after.direct_loads
+    assert mine.counters.direct_loads == after.direct_loads + CHUNKS
+    assert mine.direct_fallbacks() == more
 
 
 def test_a_frame_named_at_a_fifo_does_not_hang_the_load(

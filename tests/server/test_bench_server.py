@@ -147,7 +147,7 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     # disk loads (kvlife/bench/server/floor.py)
     # and beside the disk loads the direct reads and their native-only ceiling, and the
     # ceiling of a load into the caller's own buffers (raw reads, each piece copied out)
-    disk_series = ("floor", "direct", "verified", "copied", "no_landed")
+    disk_series = ("floor", "direct", "direct_new", "verified", "copied", "no_landed")
     for key, series in (("put_dram", ("floor", "floor_sealed")), ("load_disk", disk_series)):
         for p in r[key]:
             limit = p["memcpy_gbps" if key == "put_dram" else "raw_gbps"]
@@ -168,6 +168,8 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     assert "ceiling: raw reads, each piece copied out + hashed beside" in proc.stdout
     assert "floor: a bare server, no store" in proc.stdout
     assert "ceiling: the same reads verified, native only" in proc.stdout
+    assert "direct reads into new arrays (the vLLM worker's loads)" in proc.stdout
+    assert any(t["name"].endswith("KiB_direct_new") for t in r["targets"])
     for p in r["put_write_through"]:  # no ceilings of a DRAM put there
         assert "sealed_gbps" not in p
     assert isinstance(r["shm_huge_pages"], bool)

@@ -71,15 +71,24 @@ def _lookup(store: RemoteStore, tokens: np.ndarray) -> RemoteLookup:
     return lk
 
 
-def test_load_async_reads_directly_too(clients: tuple[RemoteStore, RemoteStore]) -> None:
+def _outs(store: RemoteStore, bufs: str) -> list[np.ndarray] | None:
+    """The shared buffers of ``store``'s session, or none (``new``: the load reads into
+    arrays of the client's pool and hands them out)."""
+    return _shared(store) if bufs == "shared" else None
+
+
+BUFS = pytest.mark.parametrize("bufs", ["shared", "new"])
+
+
+@BUFS
+def test_load_async_reads_directly_too(clients: tuple[RemoteStore, RemoteStore], bufs: str) -> None:
     """``load_async`` runs the same load on the client's pool: each chunk is handed out
     once read, verified and confirmed, and the server counts the direct loads."""
     plain, mine = clients
     tokens, chunks = _on_disk(plain, 21)
     lk = _lookup(mine, tokens)
     before = plain.counters.direct_loads
-    outs = _shared(mine)
-    handle = mine.load_async(lk, outs)
+    handle = mine.load_async(lk, _outs(mine, bufs))
     for i, want in enumerate(chunks):
         got = handle.chunk(i, timeout=30)
         assert got is not None and np.array_equal(got.view(np.uint16), want.view(np.uint16))
@@ -146,7 +155,7 @@ def test_buffers_a_direct_load_refuses_stay_as_they_were(
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
-@pytest.mark.parametrize("where", ["shared", "own"])
+@pytest.mark.parametrize("where", ["shared", "own", "new"])
 def test_a_direct_load_reads_the_frames_here_and_the_server_counts_it(
     clients: tuple[RemoteStore, RemoteStore], where: str
 ) -> None:
@@ -155,11 +164,14 @@ def test_a_direct_load_reads_the_frames_here_and_the_server_counts_it(
     lk = _lookup(mine, tokens)
     assert len(lk.frames) == CHUNKS and all(f is not None for f in lk.frames)
     before = plain.counters
-    outs = _shared(mine) if where == "shared" else _aligned()
+    # "new": no buffers (what the vLLM worker asks): read into arrays of the client's
+    # pool, page-aligned, which the load hands out
+    outs = _shared(mine) if where == "shared" else _aligned() if where == "own" else None
     res = mine.load(lk, outs)
     assert res.loaded == CHUNKS and res.tiers == {"disk": CHUNKS}
     for got, want in zip(res.arrays, chunks, strict=True):
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+        assert got.flags.writeable and got.shape == LAYOUT.chunk_shape
     # counted once the server read the client's word of what it kept (the frame after
     # the request): its own session's next request is answered after that
     after = mine.counters
@@ -218,8 +230,10 @@ def _flip(path: str, at: int) -> None:
         os.close(fd)
 
 
+@BUFS
 def test_a_frame_corrupted_on_disk_is_never_kept_and_the_server_counts_it(
     clients: tuple[RemoteStore, RemoteStore],
+    bufs: str,
 ) -> None:
     plain, mine = clients
     tokens, chunks = _on_disk(plain, 4)
@@ -227,8 +241,7 @@ def test_a_frame_corrupted_on_disk_is_never_kept_and_the_server_counts_it(
     f = lk.frames[1]
     assert f is not None
     _flip(f.path, f.off + HEADER_BYTES + 100)  # a payload byte of chunk 1
-    outs = _shared(mine)
-    res = mine.load(lk, outs)
+    res = mine.load(lk, _outs(mine, bufs))
     assert res.loaded == 1  # chunk 0 read here; chunk 1 failed here and at the server
     assert np.array_equal(res.arrays[0].view(np.uint16), chunks[0].view(np.uint16))
     assert res.corrupt == [lk.hits[1].key]
@@ -237,20 +250,24 @@ def test_a_frame_corrupted_on_disk_is_never_kept_and_the_server_counts_it(
     assert c.direct_loads == 1 and c.corrupt == 1  # chunk 0 kept; chunk 1 caught twice
 
 
+@BUFS
 def test_an_invalidation_between_lookup_and_load_is_a_miss(
     clients: tuple[RemoteStore, RemoteStore],
+    bufs: str,
 ) -> None:
     plain, mine = clients
     tokens, _ = _on_disk(plain, 5)
     lk = _lookup(mine, tokens)
     assert plain.invalidate(namespace=PUBLIC) == CHUNKS
-    res = mine.load(lk, _shared(mine))
+    res = mine.load(lk, _outs(mine, bufs))
     assert res.loaded == 0 and res.arrays == []
     assert mine.counters.direct_loads == 0
 
 
+@BUFS
 def test_a_chunk_rewritten_elsewhere_since_the_lookup_is_loaded_from_where_it_is_now(
     clients: tuple[RemoteStore, RemoteStore],
+    bufs: str,
 ) -> None:
     """The frames the lookup named still verify (their bytes are on the disk), but the
     chunks live in other frames now: the server confirms none, and the load takes them
@@ -263,7 +280,7 @@ def test_a_chunk_rewritten_elsewhere_since_the_lookup_is_loaded_from_where_it_is
     fresh = _lookup(mine, tokens)
     old = [(f.seg, f.off) for f in lk.frames if f is not None]
     assert [(f.seg, f.off) for f in fresh.frames if f is not None] != old
-    res = mine.load(lk, _shared(mine))
+    res = mine.load(lk, _outs(mine, bufs))
     assert res.loaded == CHUNKS
     for got, want in zip(res.arrays, chunks, strict=True):
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
@@ -421,3 +438,33 @@ def test_a_lookup_whose_frames_were_swapped_after_it_came_never_yields_another_c
         assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
     assert mine.direct_fallbacks() == CHUNKS - 1
     assert mine.counters.direct_loads == 1
+
+
+@pytest.mark.parametrize("asked", [None, True, False])
+def test_the_vllm_connectors_store_reads_directly_unless_told_not_to(
+    clients: tuple[RemoteStore, RemoteStore], srv: ServerProc, asked: bool | None
+) -> None:
+    """The store a vLLM connector opens on ``kvlife.socket`` asks for frames and reads
+    its disk hits itself by default (into arrays of its own, the worker's loads having
+    no buffers); ``kvlife.direct_reads: false`` loads them through the server."""
+    from kvlife.engines.vllm.stores import StoreAddress, open_store
+
+    plain, _ = clients
+    tokens, chunks = _on_disk(plain, 41)
+    extra: dict[str, object] = {"kvlife.socket": str(srv.socket)}
+    if asked is not None:
+        extra["kvlife.direct_reads"] = asked
+    lease = open_store(StoreAddress.from_extra_config(extra))
+    try:
+        store = lease.store
+        lk = store.lookup(_identity(), PUBLIC, tokens)
+        before = plain.counters.direct_loads
+        res = store.load(lk, None)
+        assert res.loaded == CHUNKS
+        for got, want in zip(res.arrays, chunks, strict=True):
+            assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+        direct = asked is not False
+        assert isinstance(lk, RemoteLookup) and bool(lk.frames) == direct
+        assert plain.counters.direct_loads - before == (CHUNKS if direct else 0)
+    finally:
+        lease.release()

@@ -60,7 +60,8 @@ def bench_load(
     store, timed beside (``floor``: :mod:`kvlife.bench.server.floor`). ``direct_client`` (disk
     only): a client of the same server with direct reads, loading into its shared
     buffers (``direct``: the client reads the frames itself while the server confirms
-    them, :mod:`kvlife.client.direct`). Disk only, beside them: ``copied``, the ceiling
+    them, :mod:`kvlife.client.direct`) and without buffers (``direct_new``: into new
+    arrays of its pool, as the vLLM worker's loads). Disk only, beside them: ``copied``, the ceiling
     of any served load into the caller's own buffers (raw reads of the same file, each
     piece copied out and hashed as it lands: :class:`~kvlife.bench.limits.ReadCopier`),
     and ``no_landed``, the ordinary load again without landed parts (the client copies
@@ -97,6 +98,7 @@ def bench_load(
     if direct_client is not None:
         direct_bufs = shared_chunks(direct_client, layout, n)
     served_direct: list[float] = []
+    served_direct_new: list[float] = []
     served_late: list[float] = []
     verified: list[float] = []
     copied: list[float] = []
@@ -122,7 +124,7 @@ def bench_load(
             took: dict[str, float] = {}
             got_by: dict[str, LoadResult] = {}
             phases = ["ordinary", "shared", "new"] + (
-                ["direct"] if direct_client is not None else []
+                ["direct", "direct_new"] if direct_client is not None else []
             )
             if raw_file is not None:  # the same ordinary load without landed parts, paired
                 # and each of the two first, second, third and last once in four rounds
@@ -135,6 +137,9 @@ def bench_load(
                 if phase == "direct":
                     assert direct_client is not None and direct_lk is not None
                     got_by[phase] = direct_client.load(direct_lk, direct_bufs)
+                elif phase == "direct_new":  # no buffers: read into the client's new arrays
+                    assert direct_client is not None and direct_lk is not None
+                    got_by[phase] = direct_client.load(direct_lk)
                 elif phase == "new":  # no buffers: new arrays (the vLLM worker's loads)
                     got_by[phase] = remote.load(lk)
                 elif phase == "ordinary_late":
@@ -154,6 +159,7 @@ def bench_load(
                 checked.append((got_by["ordinary_late"], outs))
             if direct_client is not None:
                 checked.append((got_by["direct"], direct_bufs))
+                checked.append((got_by["direct_new"], list(got_by["direct_new"].arrays)))
             checked.append((got_by["new"], list(got_by["new"].arrays)))
             for got, bufs in checked:
                 same = rep > 0 or all(same_bits(o, c) for o, c in zip(bufs, chunks, strict=True))
@@ -185,6 +191,7 @@ def bench_load(
                 limit.append(t_lim)
                 if direct_client is not None:
                     served_direct.append(took["direct"])
+                    served_direct_new.append(took["direct_new"])
                 if "ordinary_late" in took:
                     served_late.append(took["ordinary_late"])
     finally:
@@ -209,6 +216,7 @@ def bench_load(
         others["no_landed"] = served_late
     if served_direct:
         others["direct"] = served_direct
+        others["direct_new"] = served_direct_new
         others["verified"] = verified
     if streams:
         others["stream"] = streams

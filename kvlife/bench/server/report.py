@@ -19,6 +19,7 @@ _SERIES = (
     ("new", "no buffers: new arrays"),
     ("no_landed", "the caller's buffers, no landed parts"),
     ("direct", "direct reads: the client reads the frames"),
+    ("direct_new", "direct reads into new arrays (the vLLM worker's loads)"),
     ("verified", "ceiling: the same reads verified, native only"),
     ("copied", "ceiling: raw reads, each piece copied out + hashed beside"),
     ("floor", "floor: a bare server, no store"),

@@ -169,6 +169,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
                 ("ratio", ""),
                 ("ratio_shared", "_shared"),
                 ("ratio_direct", "_direct"),
+                ("ratio_direct_new", "_direct_new"),
             ):
                 if ratio in p:
                     out.append(

@@ -82,6 +82,13 @@ class StoreAddress:
     """Served store with principals (``kvlife serve --tenants``): a file holding the
     token of the principal the engine is, where its Unix user does not say which (a
     file, not the token itself: vLLM logs its connector config)."""
+    direct_reads: bool = True
+    """Served store: the workers read their disk hits' frames from the server's segment
+    files themselves, verified, while the server confirms them
+    (``RemoteStore(direct_reads=True)``, docs/server.md, "Direct disk reads"); a server
+    with principals names no frames, and a frame this process cannot open or verify is
+    loaded through the server. ``kvlife.direct_reads: false`` loads every disk hit
+    through the server."""
 
     def __post_init__(self) -> None:
         if bool(self.socket) == bool(self.path):
@@ -95,6 +102,8 @@ class StoreAddress:
                 "kvlife.events logs the events of an embedded store (kvlife.path); a "
                 "served store's events are the server's, its clients do not see them"
             )
+        if not isinstance(self.direct_reads, bool):
+            raise InvalidArgument(f"kvlife.direct_reads must be a bool, got {self.direct_reads!r}")
         if self.token_file and not self.socket:
             raise InvalidArgument(
                 "kvlife.token_file names a principal of a served store (kvlife.socket); "
@@ -143,6 +152,7 @@ class StoreAddress:
             write_through=wt,
             events=str(extra.get("kvlife.events", "") or ""),
             token_file=str(extra.get("kvlife.token_file", "") or ""),
+            direct_reads=extra.get("kvlife.direct_reads", True),
         )
 
     @classmethod
@@ -156,15 +166,16 @@ class StoreAddress:
         socket = str(extra.get("kvlife.socket", "") or "")
         path = str(extra.get("kvlife.path", "") or "")
         events = str(extra.get("kvlife.events", "") or "")
+        direct = extra.get("kvlife.direct_reads", True)
         if socket or path:  # named explicitly: over the file's choice
             store = config.store if path else None
-            return cls(socket=socket, path=path, store=store, events=events)
+            return cls(socket=socket, path=path, store=store, events=events, direct_reads=direct)
         mode = extra.get("kvlife.store") or ("served" if config.server else "embedded")
         if mode == "served":
             if config.server is None:
                 raise InvalidArgument(f"{config.source}: kvlife.store 'served' needs [server]")
             sock = config.server.socket or config.store_path() / "serve.sock"
-            return cls(socket=str(sock), events=events)
+            return cls(socket=str(sock), events=events, direct_reads=direct)
         if mode != "embedded":
             raise InvalidArgument(f"kvlife.store must be 'served' or 'embedded', got {mode!r}")
         return cls(path=str(config.store_path()), store=config.store, events=events)
@@ -273,7 +284,9 @@ def open_store(address: StoreAddress) -> StoreLease:
     if address.socket:
         from kvlife.client import RemoteStore
 
-        remote: StoreAPI = RemoteStore(address.socket, token=address.token())
+        remote: StoreAPI = RemoteStore(
+            address.socket, token=address.token(), direct_reads=address.direct_reads
+        )
         return StoreLease(remote, address)
     path = Path(address.path).resolve()
     with _EMBEDDED_LOCK:
