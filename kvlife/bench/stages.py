@@ -169,6 +169,7 @@ def _loads(cfg: StagesConfig, remote: RemoteStore, windows: list[Window]) -> Non
 def _puts(cfg: StagesConfig, remote: RemoteStore, windows: list[Window]) -> None:
     layout = chunk_layout(cfg.chunk_bytes)
     ident = bench_identity(layout)
+
     def made(seed: int) -> tuple[list[int], list[np.ndarray]]:
         tokens, kv = prompt(layout, CHUNKS, seed)
         return tokens, split_chunks(kv, layout, CHUNKS)
