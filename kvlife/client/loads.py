@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -133,6 +134,9 @@ class Loads:
         self.direct_fallbacks = 0
         """Chunks of direct loads this side did not keep (not verified here, or not
         confirmed): each loaded through the server instead, which counts what it found."""
+        self._fallbacks_lock = threading.Lock()
+        """Direct loads run on several threads at once (``load_async``): each adds its
+        fallbacks under it."""
         self._known: dict[tuple[Any, ...], ChunkHit] = {}
         """Hit records answered before, by everything they say (:meth:`_hits`)."""
         self._new_arrays = RecyclingPool(NEW_ARRAYS_KEEP_BYTES)
@@ -245,9 +249,13 @@ class Loads:
         if not self.wire.mapped():  # a session that maps no arena: through the socket
             return copies.load_inline(self.wire, lookup, outs, request_id, on_chunk)
         if isinstance(lookup, RemoteLookup) and lookup.frames:
-            targets = outs if outs is not None else self._direct_arrays(lookup)
-            if targets is not None and direct.usable(lookup.frames, targets):
-                return self._load_direct(lookup, targets, request_id, on_chunk)
+            if outs is not None:
+                if direct.usable(lookup.frames, outs):
+                    return self._load_direct(lookup, outs, request_id, on_chunk)
+            else:
+                fresh = self._direct_arrays(lookup)
+                if fresh is not None and direct.usable(lookup.frames, fresh):
+                    return self._load_direct_new(lookup, fresh, request_id, on_chunk)
         res = self._load_mapped(lookup, outs, request_id, on_chunk)
         got = res.loaded
         if got == len(hits) or not res.vanished or res.corrupt or not _tenant(self.wire):
@@ -316,7 +324,8 @@ class Loads:
         finally:
             run.close()  # spent already unless the exchange failed: the reads end first
         got = min(direct.confirmed(r, n), verified[0])
-        self.direct_fallbacks += n - got
+        with self._fallbacks_lock:
+            self.direct_fallbacks += n - got
         if on_chunk is not None:
             for i in range(got):
                 on_chunk(i, outs[i])
@@ -501,6 +510,28 @@ class Loads:
         fut = self.wire.pool().submit(self.load, lookup, outs, request_id, handle._chunk_done)
         fut.add_done_callback(handle._finish)
         return handle
+
+    def _load_direct_new(
+        self,
+        lookup: RemoteLookup,
+        fresh: list[np.ndarray],
+        request_id: str,
+        on_chunk: OnChunk | None,
+    ) -> LoadResult:
+        """A direct load without buffers into ``fresh`` (:meth:`_direct_arrays`): each
+        array is handed out read-only, as every load without buffers hands them out,
+        once its chunk is in (verified here and confirmed, or filled by the server)."""
+
+        def sealed(i: int, a: np.ndarray | None) -> None:
+            if a is not None:
+                a.flags.writeable = False
+            if on_chunk is not None:
+                on_chunk(i, a)
+
+        res = self._load_direct(lookup, fresh, request_id, sealed)
+        for a in res.arrays:
+            a.flags.writeable = False
+        return res
 
     def _direct_arrays(self, lookup: RemoteLookup) -> list[np.ndarray] | None:
         """New arrays from this client's pool (page-aligned: O_DIRECT fills them) for a
