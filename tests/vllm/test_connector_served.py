@@ -67,3 +67,46 @@ def test_multiprocess_vllm_shares_a_served_store(
     second = run_engine(spec, tmp_path, "served-2")  # a new engine, the same server
     assert second["requests"][0]["cached_tokens"] == 4 * CHUNK
     assert second["requests"][0]["output_ids"] == a["output_ids"]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_worker_reads_its_disk_hits_directly_unless_told_not_to(
+    server: Path, tiny_model: Path, tmp_path: Path, direct: bool
+) -> None:
+    """The prompt's chunks evicted from the server's DRAM between two engines: the
+    second engine's worker loads them from disk, by default reading their frames itself
+    (into new arrays, verified, confirmed by the server: the server counts direct
+    loads); ``kvlife.direct_reads: false`` loads them through the server. The same
+    tokens either way."""
+    from kvlife.client import RemoteStore
+
+    spec = _spec(tiny_model, None, [{"tokens": P1, "max_tokens": NEW}])
+    spec |= {
+        "multiprocess": True,
+        "kvlife": {
+            "kvlife.socket": str(server),
+            "kvlife.chunk_tokens": CHUNK,
+            "kvlife.direct_reads": direct,
+        },
+    }
+    first = run_engine(spec, tmp_path, "disk-1")["requests"][0]
+    admin = RemoteStore(server, timeout=60)
+    try:
+        admin.flush()
+        admin.evict("dram", 1 << 40)
+        before = admin.counters
+        second = run_engine(spec, tmp_path, "disk-2")["requests"][0]
+        # the worker's word of what it kept is counted when the server reads it, after
+        # the load's reply: a little later than the engine's exit, seen from this session
+        deadline = time.monotonic() + 10
+        after = admin.counters
+        while after.direct_loads - before.direct_loads < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            after = admin.counters
+    finally:
+        admin.close()
+    assert second["cached_tokens"] == 4 * CHUNK
+    assert second["output_ids"] == first["output_ids"]
+    loaded = after.tier("disk").loaded - before.tier("disk").loaded
+    assert loaded == 4  # the four full chunks before the last token, from disk
+    assert after.direct_loads - before.direct_loads == (4 if direct else 0)
