@@ -123,3 +123,14 @@ def test_kvlife_events_logs_the_embedded_stores_events_once_per_process(
     again.release()
     assert len(log.read_text().splitlines()) > len(records)
     close_all()
+
+
+def test_the_scheduler_side_opens_a_served_store_without_direct_reads() -> None:
+    """``kvlife.direct_reads`` (default true) is for the workers, which load; the
+    scheduler side only counts hits, and its lookups would name frames it never reads."""
+    worker = StoreAddress.from_extra_config({"kvlife.socket": "s"})
+    assert worker.direct_reads is True
+    scheduler = worker.for_scheduler()
+    assert scheduler.direct_reads is False and scheduler.socket == "s"
+    off = StoreAddress.from_extra_config({"kvlife.socket": "s", "kvlife.direct_reads": False})
+    assert off.direct_reads is False and off.for_scheduler().direct_reads is False

@@ -121,7 +121,10 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "fails its request instead of being recomputed",
                 self._kv_transfer_config.kv_load_failure_policy,
             )
-        self.lease: StoreLease = open_store(StoreAddress.from_extra_config(extra, file))
+        address = StoreAddress.from_extra_config(extra, file)
+        if role == KVConnectorRole.SCHEDULER:  # it counts hits and loads nothing
+            address = address.for_scheduler()
+        self.lease: StoreLease = open_store(address)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         try:

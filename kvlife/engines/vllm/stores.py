@@ -32,7 +32,7 @@ from __future__ import annotations
 import atexit
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +109,13 @@ class StoreAddress:
                 "kvlife.token_file names a principal of a served store (kvlife.socket); "
                 "an embedded store (kvlife.path) has no principals"
             )
+
+    def for_scheduler(self) -> StoreAddress:
+        """This address as the scheduler side opens it: without direct reads. Its
+        lookups only count hits (it loads nothing), and a lookup that names its disk
+        hits' frames costs the server and the client more (a 128-chunk prompt all on
+        disk: 1.28 ms against 0.55 ms, 2026-12-07)."""
+        return replace(self, direct_reads=False)
 
     def token(self) -> str | None:
         """The token in :attr:`token_file` (None: none named)."""
