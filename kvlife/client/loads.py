@@ -542,9 +542,7 @@ class Loads:
         n = len(lookup.hits)
         if lookup.identity is None or len(lookup.frames) != n or None in lookup.frames:
             return None
-        layout = lookup.identity.layout
-        dtype = numpy_dtype(layout.dtype)
-        return [self.new_array(layout.chunk_shape, dtype) for _ in range(n)]
+        return self._chunk_arrays(lookup.identity.layout, n)
 
     def _fresh(self, lookup: RemoteLookup) -> list[np.ndarray] | None:
         """New arrays for a load without buffers whose every hit the lookup on this
@@ -555,7 +553,10 @@ class Loads:
         n = len(lookup.hits)
         if lookup.identity is None or not self._all_hinted(lookup, n):
             return None
-        layout = lookup.identity.layout
+        return self._chunk_arrays(lookup.identity.layout, n)
+
+    def _chunk_arrays(self, layout: KVLayout, n: int) -> list[np.ndarray]:
+        """``n`` new arrays of one chunk of ``layout`` each, from this client's pool."""
         dtype = numpy_dtype(layout.dtype)
         return [self.new_array(layout.chunk_shape, dtype) for _ in range(n)]
 
