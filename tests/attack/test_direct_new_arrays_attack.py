@@ -31,7 +31,6 @@ from kvlife.client import loads as client_loads
 from kvlife.client.handles import RemoteLookup
 from kvlife.core.errors import KVLifeError, StoreUnavailable
 from kvlife.core.identity import KVLayout, ModelIdentity, Namespace, NamespaceKind
-from kvlife.engines.vllm.stores import StoreAddress, open_store
 from kvlife.tiers.disk.frame import HEADER_BYTES
 from tests.conftest import prompt_kv
 from tests.server.conftest import MiB, ServerProc
@@ -768,32 +767,9 @@ def test_a_stalled_server_times_the_load_out_typed_and_recycles_nothing_in_fligh
                 c.close()
 
 
-@pytest.mark.parametrize("setting", [None, True, False])
-def test_the_vllm_store_reads_directly_by_default(
-    clients: tuple[RemoteStore, RemoteStore], shared_srv: ServerProc, setting: bool | None
-) -> None:
-    plain, _ = clients
-    ns = _ns(f"vllm-{setting}")
-    tokens, want = _put_on_disk(plain, ns, 980)
-    extra: dict[str, Any] = {"kvlife.socket": str(shared_srv.socket)}
-    if setting is not None:
-        extra["kvlife.direct_reads"] = setting
-    lease = open_store(StoreAddress.from_extra_config(extra))
-    try:
-        store = lease.store
-        assert isinstance(store, RemoteStore)
-        store.info()
-        before = plain.counters.direct_loads
-        lk = _lookup(store, ns, tokens)
-        res = store.load(lk, None)
-        assert res.loaded == CHUNKS
-        _check(res.arrays, want)
-        store.info()
-        direct = setting is not False
-        assert plain.counters.direct_loads - before == (CHUNKS if direct else 0)
-        assert bool(lk.frames) == direct
-    finally:
-        lease.release()
+# The vLLM connector's store reading directly by default (and not with
+# kvlife.direct_reads false): tests/server/test_direct_reads.py,
+# test_the_vllm_connectors_store_reads_directly_unless_told_not_to.
 
 
 class _DyingRun:
