@@ -64,8 +64,11 @@ checksum of one overlaps the read of the next)."""
 
 FRAME_DEPTH = 1
 """Frame reads in flight of a load into shared buffers read by the extension (its
-reader thread reads chunk i + 1 while this thread verifies chunk i), as a client's
-direct reads (:data:`kvlife.client.direct.DEPTH`)."""
+reader thread reads chunk i + 1 while this thread verifies chunk i). Four, as a
+client's direct reads keep (:data:`kvlife.client.direct.DEPTH`), measured slower here
+at every chunk size from 256 KiB to 16 MiB with the server on one vCPU: the reads
+finish together, so the client's copies start later, and the readers' checks take the
+server's vCPU (docs/data-path-log.md, "The server's frame reads at four in flight")."""
 
 EARLY_REST = 512 << 10
 """A streamed chunk's landed bytes are told early (``early`` loads) until at most this

@@ -36,6 +36,7 @@ from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
 from kvlife.faults.damage import flip, scan_frames
 from kvlife.native import frames as native
 from kvlife.results import ChunkHit, LookupResult
+from kvlife.server.loads import FRAME_DEPTH
 from tests.attack.frame_loads_rig import GatedServer, gated_server
 from tests.conftest import prompt_kv
 from tests.server.conftest import MiB, ServerProc
@@ -114,8 +115,10 @@ def test_a_chunk_reread_into_its_extent_after_its_frame_failed_keeps_no_landed_b
     )
     # The server tells chunk 0's landed bytes only if it asks for them before a reader
     # thread of the run, idle once every frame is read, has hashed the frame and found
-    # it damaged (then it tells nothing and the attack does not happen): three frames
-    # keep the reader busy a while, and a busy machine gets a few tries.
+    # it damaged (then it tells nothing and the attack does not happen). A reader takes
+    # the next frame to read before any check: three frames per reader (FRAME_DEPTH of
+    # them) keep every reader reading a while after chunk 0 landed, and a busy machine
+    # gets a few tries.
     for attempt in range(ATTEMPTS):
         copied.clear()
         if _reread_after_failed_frame(gated, change, into, base + 100 * attempt, copied):
@@ -138,7 +141,7 @@ def _reread_after_failed_frame(
 ) -> bool:
     """One load of the attack above, its every chunk checked against the live KV;
     whether the landed bytes of chunk 0 were copied (the attack happened)."""
-    n = 3
+    n = 3 * FRAME_DEPTH
     with contextlib.ExitStack() as stack:
         mine = gated.client()
         other = gated.client()
