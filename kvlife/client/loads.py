@@ -39,6 +39,7 @@ goes back to it when the caller drops the last view of one.
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import os
@@ -62,6 +63,8 @@ from kvlife.results import ChunkHit, LoadResult, LookupResult
 from kvlife.server import protocol
 from kvlife.tiers.buffers import RecyclingPool
 from kvlife.transforms.contract import Accept
+
+log = logging.getLogger("kvlife.client")
 
 OnChunk = Callable[[int, np.ndarray | None], None]
 """Told of each chunk as soon as it is in its buffer (an asynchronous load's handle)."""
@@ -134,6 +137,11 @@ class Loads:
         self.direct_fallbacks = 0
         """Chunks of direct loads this side did not keep (not verified here, or not
         confirmed): each loaded through the server instead, which counts what it found."""
+        self.direct_off: str | None = None
+        """Why this client stopped asking for frames (``direct_reads`` turned False): a
+        load found the server's segment files out of its reach
+        (:func:`kvlife.client.direct.unreachable`); None while it reads them, or was
+        not asked to."""
         self._fallbacks_lock = threading.Lock()
         """Direct loads run on several threads at once (``load_async``): each adds its
         fallbacks under it."""
@@ -301,6 +309,10 @@ class Loads:
             run = direct.start_reads(frames, outs)
         except (ValueError, OverflowError):  # buffers O_DIRECT cannot fill: nothing read
             # (or a frame past what the extension takes): through the server, which stages
+            return self._load_mapped(lookup, outs, request_id, on_chunk)
+        if run.reading == 0:  # not one segment file opened here: nothing to confirm
+            run.close()
+            self._none_opened(frames[0].path, n)
             return self._load_mapped(lookup, outs, request_id, on_chunk)
         args: dict[str, Any] = {
             "keys": b"".join(h.key for h in hits),
@@ -510,6 +522,25 @@ class Loads:
         fut = self.wire.pool().submit(self.load, lookup, outs, request_id, handle._chunk_done)
         fut.add_done_callback(handle._finish)
         return handle
+
+    def _none_opened(self, path: str, n: int) -> None:
+        """A direct load of ``n`` chunks whose first segment file (``path``) did not
+        open here goes through the server; where the server's segment files are out of
+        this process's reach altogether, this client stops asking for frames (each
+        lookup that names them costs more, each load a refused start), logged once and
+        said by :attr:`direct_off`."""
+        why = direct.unreachable(path)
+        with self._fallbacks_lock:
+            self.direct_fallbacks += n
+            if why is None or not self.direct_reads:
+                return
+            self.direct_off = why
+            self.direct_reads = False
+        log.warning(
+            "direct reads off: the server's segment files are out of this process's "
+            "reach (%s); its disk hits load through the server",
+            why,
+        )
 
     def _load_direct_new(
         self,

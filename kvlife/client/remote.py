@@ -74,6 +74,13 @@ class RemoteStore(StoreAPI[RemotePendingPut]):
         not confirmed by the server), each loaded through the server instead."""
         return self._loads.direct_fallbacks
 
+    def direct_reads_off(self) -> str | None:
+        """Why this client, made with ``direct_reads``, stopped reading disk frames
+        itself: a load found the server's segment files out of this process's reach
+        (another mount namespace, another user's files), and its loads go through the
+        server since. None while it reads them (or was not asked to)."""
+        return self._loads.direct_off
+
     @property
     def socket_path(self) -> str:
         return self._wire.socket_path

@@ -43,9 +43,13 @@ class ServerProc:
         extra: tuple[str, ...] = (),
         default_socket: bool = False,
         nofile: int | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> None:
         self.path = path
         self.nofile = nofile
+        self.prefix = prefix
+        """Words before the server's command (it must exec the rest: the PID is the
+        server's), e.g. a private mount namespace's (:mod:`tests.server.direct_rig`)."""
         """RLIMIT_NOFILE of the server (soft and hard: it cannot raise it)."""
         self.default_socket = default_socket
         """Serve on ``PATH/serve.sock`` (no ``--socket``)."""
@@ -66,6 +70,7 @@ class ServerProc:
     def start(self) -> ServerProc:
         self.pid_file.unlink(missing_ok=True)
         cmd = [
+            *self.prefix,
             sys.executable,
             "-m",
             "kvlife.cli",

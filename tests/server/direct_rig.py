@@ -8,6 +8,8 @@ spy on the client's piecewise copies (landed parts)."""
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,13 +24,43 @@ from tests.server.conftest import MiB, ServerProc
 
 
 def disk_server(
-    path: Path, *, dram: int = 4 * MiB, disk: int = 64 * MiB, extra: tuple[str, ...] = ()
+    path: Path,
+    *,
+    dram: int = 4 * MiB,
+    disk: int = 64 * MiB,
+    extra: tuple[str, ...] = (),
+    prefix: tuple[str, ...] = (),
 ) -> ServerProc:
     """A started server at ``path``: write-through, no promotion (its staging as large
     as its DRAM)."""
     return ServerProc(
-        path, dram=dram, disk=disk, staging=dram, extra=("--write-through", "--no-promote", *extra)
+        path,
+        dram=dram,
+        disk=disk,
+        staging=dram,
+        extra=("--write-through", "--no-promote", *extra),
+        prefix=prefix,
     ).start()
+
+
+OUT_OF_REACH = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="a server in a private mount namespace: root and unshare(1)",
+)
+
+
+def out_of_reach_server(path: Path) -> ServerProc:
+    """A :func:`disk_server` in a private mount namespace where its folder ``path`` is a
+    bind mount of a hidden folder beside it: its segment files are there, and here
+    ``path`` is an empty folder (a worker in a container without the server's
+    volume). Its socket and arena are outside ``path``, reachable from here."""
+    hidden = path.parent / f".{path.name}-hidden"
+    hidden.mkdir()
+    path.mkdir()
+    # sh's $0 is the hidden folder, $1 the store's; "$@" after the shift, the server
+    mount = 'mount --bind "$0" "$1" && shift && exec "$@"'
+    ns = ("unshare", "--mount", "--propagation", "private", "sh", "-c", mount)
+    return disk_server(path, prefix=(*ns, str(hidden), str(path)))
 
 
 @contextlib.contextmanager
