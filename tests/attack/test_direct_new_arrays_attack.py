@@ -779,6 +779,10 @@ class _DyingRun:
     def __init__(self, run: Any, srv: ServerProc) -> None:
         self.run, self.srv = run, srv
 
+    @property
+    def reading(self) -> int:
+        return int(self.run.reading)
+
     def finish(self) -> int:
         self.srv.kill()
         return int(self.run.finish())
