@@ -152,7 +152,12 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             )
         if tenancy == "per_request":
             raise InvalidArgument(f"kvlife.tenancy per_request cannot be served: {NO_TENANT}")
-        self.lease: StoreLease = open_store(StoreAddress.from_extra_config(extra))
+        # without direct reads: each page loads into a buffer of its own that O_DIRECT
+        # cannot fill (then copied into the host pool's layout), so a direct load would
+        # only go through the server after a refused start, and every existence check's
+        # lookup would name frames for nothing (docs/vllm.md, "SGLang")
+        address = StoreAddress.from_extra_config(extra).for_scheduler()
+        self.lease: StoreLease = open_store(address)
         self.store = self.lease.store
         self.principal = served_principal(self.store)
         """The principal this engine is to a ``kvlife serve --tenants`` ("": none)."""

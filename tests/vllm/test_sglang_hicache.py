@@ -289,3 +289,37 @@ def test_a_multi_tenant_configuration_it_cannot_carry_is_refused(tmp_path: Path)
             assert hit.hits == []
     finally:
         srv.stop()
+
+
+def test_a_served_backend_asks_for_no_frames_even_with_direct_reads_on(tmp_path: Path) -> None:
+    """With ``kvlife.socket`` and ``kvlife.direct_reads`` true the backend's store still
+    reads no disk frame itself: each page loads into a buffer of its own that O_DIRECT
+    cannot fill, so its lookups (every ``exists``) name no frames; the pages, put,
+    flushed and evicted to the server's disk, come back exact through the server."""
+    from kvlife.client.handles import RemoteLookup
+    from tests.server.direct_rig import disk_server
+
+    srv = disk_server(tmp_path / "store")
+    try:
+        served = _extra(tmp_path / "unused", **{"kvlife.direct_reads": True})
+        del served["kvlife.path"]
+        served["kvlife.socket"] = str(srv.socket)
+        pool = HostPool("layer_first")
+        _fill(pool, 11)
+        original = pool.first_pages(4).clone()
+        backend = _backend(pool, served)
+        idx = torch.arange(0, 4 * PAGE)
+        assert all(backend.batch_set_v1(HASHES, idx))
+        backend.store.flush()
+        backend.store.evict("dram", 1 << 40)
+        lk = backend._lookup(HASHES[0], backend._scope())
+        assert isinstance(lk, RemoteLookup) and lk.tiers() == {"disk": 1}
+        assert lk.frames == ()
+        assert backend.batch_exists(HASHES) == 4
+        pool.kv_buffer.zero_()
+        assert backend.batch_get_v1(HASHES, idx) == [True] * 4
+        assert torch.equal(pool.first_pages(4), original)
+        assert backend.store.counters.direct_loads == 0
+        backend.close()
+    finally:
+        srv.stop()

@@ -114,7 +114,8 @@ class StoreAddress:
         """This address as the scheduler side opens it: without direct reads. Its
         lookups only count hits (it loads nothing), and a lookup that names its disk
         hits' frames costs the server and the client more (a 128-chunk prompt all on
-        disk: 1.28 ms against 0.55 ms, 2026-12-07)."""
+        disk: 1.28 ms against 0.55 ms, 2026-12-07). The SGLang backend opens its store
+        so too: it loads into buffers direct reads cannot fill."""
         return replace(self, direct_reads=False)
 
     def token(self) -> str | None:
