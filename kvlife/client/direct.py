@@ -15,6 +15,7 @@ it: a descriptor kept open would keep a segment that compaction removed on the d
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Sequence
@@ -132,6 +133,11 @@ def start_reads(frames: Sequence[Frame], outs: Sequence[np.ndarray]) -> native.D
     )
 
 
+PASSING = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
+"""Errors of an open that say nothing of where the files are (this process or the
+machine out of descriptors or memory for a moment): they turn no direct reads off."""
+
+
 def unreachable(path: str) -> str | None:
     """Why this process cannot read the server's segment files at all, asked where a
     load's run opened none (its first frame's file, ``path``, did not open): the file's
@@ -139,19 +145,19 @@ def unreachable(path: str) -> str | None:
     container without its volume, another host), or the file is there and will not
     open or is not a regular file (another user's, a link). None where only the file is
     gone (a segment compacted away since the lookup: the next lookup names others) or
-    it opens now."""
+    it opens now, or failed for a reason of the moment (:data:`PASSING`)."""
     folder = os.path.dirname(path)
     try:
         if not stat.S_ISDIR(os.stat(folder).st_mode):
             return f"{folder} is not a folder here"
     except OSError as exc:
-        return f"{folder}: {exc.strerror or exc}"
+        return None if exc.errno in PASSING else f"{folder}: {exc.strerror or exc}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        return f"{path}: {exc.strerror or exc}"
+        return None if exc.errno in PASSING else f"{path}: {exc.strerror or exc}"
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return f"{path} is not a regular file"

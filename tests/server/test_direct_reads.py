@@ -7,7 +7,10 @@ the lookup and the load, buffers O_DIRECT cannot fill. Never a wrong byte kept."
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -331,6 +334,26 @@ def test_unreachable_tells_a_segment_folder_out_of_reach_from_a_file_gone(tmp_pa
     for folder in (tmp_path / "elsewhere" / "segments", tmp_path / "a-file"):
         why = unreachable(str(folder / "00000001.seg"))
         assert why is not None and str(folder) in why, why
+    # a process out of descriptors for a moment: that says nothing of where files are
+    code = (
+        "import os, resource, sys\n"
+        "from kvlife.client.direct import unreachable\n"
+        "n = len(os.listdir('/proc/self/fd'))\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (n - 1, n - 1))\n"
+        "try:\n"
+        "    os.open(sys.argv[1], os.O_RDONLY)\n"
+        "    print('opened')\n"
+        "except OSError as exc:\n"
+        "    print(exc.errno, unreachable(sys.argv[1]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(segs / "00000001.seg")],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    ).stdout.split()
+    assert out == [str(errno.EMFILE), "None"], out
 
 
 @OUT_OF_REACH
