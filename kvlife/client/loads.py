@@ -312,7 +312,7 @@ class Loads:
             return self._load_mapped(lookup, outs, request_id, on_chunk)
         if run.reading == 0:  # not one segment file opened here: nothing to confirm
             run.close()
-            self._none_opened(frames[0].path, n)
+            self._none_opened(lookup, frames[0].path, n)
             return self._load_mapped(lookup, outs, request_id, on_chunk)
         args: dict[str, Any] = {
             "keys": b"".join(h.key for h in hits),
@@ -523,13 +523,16 @@ class Loads:
         fut.add_done_callback(handle._finish)
         return handle
 
-    def _none_opened(self, path: str, n: int) -> None:
+    def _none_opened(self, lookup: RemoteLookup, path: str, n: int) -> None:
         """A direct load of ``n`` chunks whose first segment file (``path``) did not
         open here goes through the server; where the server's segment files are out of
         this process's reach altogether, this client stops asking for frames (each
         lookup that names them costs more, each load a refused start), logged once and
-        said by :attr:`direct_off`."""
-        why = direct.unreachable(path)
+        said by :attr:`direct_off`. A lookup answered on an earlier connection says
+        nothing of the server now (its store may have moved since)."""
+        conn = self.wire.conn
+        now = conn is not None and conn.epoch == lookup.epoch
+        why = direct.unreachable(path) if now else None
         with self._fallbacks_lock:
             self.direct_fallbacks += n
             if why is None or not self.direct_reads:
