@@ -130,7 +130,7 @@ def test_the_scheduler_side_opens_a_served_store_without_direct_reads() -> None:
     scheduler side only counts hits, and its lookups would name frames it never reads."""
     worker = StoreAddress.from_extra_config({"kvlife.socket": "s"})
     assert worker.direct_reads is True
-    scheduler = worker.for_scheduler()
+    scheduler = worker.without_direct_reads()
     assert scheduler.direct_reads is False and scheduler.socket == "s"
     off = StoreAddress.from_extra_config({"kvlife.socket": "s", "kvlife.direct_reads": False})
-    assert off.direct_reads is False and off.for_scheduler().direct_reads is False
+    assert off.direct_reads is False and off.without_direct_reads().direct_reads is False

@@ -156,7 +156,7 @@ class KVLifeHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         # cannot fill (then copied into the host pool's layout), so a direct load would
         # only go through the server after a refused start, and every existence check's
         # lookup would name frames for nothing (docs/vllm.md, "SGLang")
-        address = StoreAddress.from_extra_config(extra).for_scheduler()
+        address = StoreAddress.from_extra_config(extra).without_direct_reads()
         self.lease: StoreLease = open_store(address)
         self.store = self.lease.store
         self.principal = served_principal(self.store)

@@ -123,7 +123,7 @@ class KVLifeConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         address = StoreAddress.from_extra_config(extra, file)
         if role == KVConnectorRole.SCHEDULER:  # it counts hits and loads nothing
-            address = address.for_scheduler()
+            address = address.without_direct_reads()
         self.lease: StoreLease = open_store(address)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None

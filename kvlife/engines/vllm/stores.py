@@ -110,12 +110,12 @@ class StoreAddress:
                 "an embedded store (kvlife.path) has no principals"
             )
 
-    def for_scheduler(self) -> StoreAddress:
-        """This address as the scheduler side opens it: without direct reads. Its
-        lookups only count hits (it loads nothing), and a lookup that names its disk
-        hits' frames costs the server and the client more (a 128-chunk prompt all on
-        disk: 1.28 ms against 0.55 ms, 2026-12-07). The SGLang backend opens its store
-        so too: it loads into buffers direct reads cannot fill."""
+    def without_direct_reads(self) -> StoreAddress:
+        """This address for a store whose lookups should name no disk frames: one
+        that loads nothing (the vLLM scheduler side only counts hits) or only into
+        buffers direct reads cannot fill (the SGLang backend). A lookup that names its
+        disk hits' frames costs the server and the client more (a 128-chunk prompt all
+        on disk: 1.28 ms against 0.55 ms, 2026-12-07)."""
         return replace(self, direct_reads=False)
 
     def token(self) -> str | None:
