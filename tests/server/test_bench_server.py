@@ -147,7 +147,7 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
     # disk loads (kvlife/bench/server/floor.py)
     # and beside the disk loads the direct reads and their native-only ceiling, and the
     # ceiling of a load into the caller's own buffers (raw reads, each piece copied out)
-    disk_series = ("floor", "direct", "direct_new", "verified", "copied", "no_landed")
+    disk_series = ("floor", "direct", "direct_new", "verified", "copied", "no_landed", "frames_raw")
     for key, series in (("put_dram", ("floor", "floor_sealed")), ("load_disk", disk_series)):
         for p in r[key]:
             limit = p["memcpy_gbps" if key == "put_dram" else "raw_gbps"]
@@ -161,6 +161,13 @@ def test_bench_server_quick_writes_json(tmp_path: Path) -> None:
         assert abs(p["ordinary_of_copied"] - p["server_gbps"] / p["copied_gbps"]) < 1e-9
         assert abs(p["shared_of_verified"] - p["shared_gbps"] / p["verified_gbps"]) < 1e-9
     assert "against their ceilings: into the caller's buffers" in proc.stdout
+    # and each load against raw reads of the very bytes it reads, where the frames lie
+    for p in r["load_disk"]:
+        for name in ("server", "shared", "direct", "verified"):
+            got = p[f"{name}_of_frames_raw"]
+            assert abs(got - p[f"{name}_gbps"] / p["frames_raw_gbps"]) < 1e-9
+    assert "against raw reads of the frames' own bytes" in proc.stdout
+    assert all("frames_raw_gbps" not in p for p in r["load_dram"])
     # the ordinary loads without landed parts, round by round beside them
     assert all(0 < p["landed_time_ratio"] < 10 for p in r["load_disk"])
     assert "the caller's buffers, no landed parts" in proc.stdout

@@ -15,6 +15,7 @@ from kvlife.bench.limits import (
     hash_cpu_per_chunk,
     memcpy,
     process_cpu,
+    raw_frame_reads,
     raw_read,
     raw_write,
     streamed,
@@ -40,6 +41,7 @@ from kvlife.client.direct import read_frames
 from kvlife.client.handles import RemoteLookup
 from kvlife.core.identity import KVLayout
 from kvlife.results import LoadResult, LookupResult
+from kvlife.tiers.buffers import ALIGN, aligned_empty
 
 
 def bench_load(
@@ -98,6 +100,10 @@ def bench_load(
     if direct_client is not None:
         direct_bufs = shared_chunks(direct_client, layout, n)
     served_direct: list[float] = []
+    # the raw reads of the frames' own bytes (the direct client's lookup names them)
+    frame_places = _frame_places(direct_lk) if raw_file is not None else []
+    heads = [aligned_empty(ALIGN) for _ in frame_places]
+    frames_raw: list[float] = []
     served_direct_new: list[float] = []
     served_late: list[float] = []
     verified: list[float] = []
@@ -167,10 +173,20 @@ def bench_load(
                     raise RuntimeError(f"load served {got.loaded} of {n} chunks, or wrong bytes")
             # the new arrays dropped: their memory goes back to the client's pool
             del got, bufs, checked, got_by
+            # beside the raw file's reads, before and after them in turn: the raw reads
+            # of the same bytes where the store's frames hold them
+            frames_first = bool(frame_places) and rep % 2 == 1
+            t_frames = raw_frame_reads(frame_places, heads, flat) if frames_first else 0.0
+            cpu.stop("frames_raw", False)
             t_lim = (
                 raw_read(raw_file, flat, direct) if raw_file is not None else memcpy(outs, chunks)
             )
             cpu.stop("raw", rep > 0)
+            if frame_places and not frames_first:
+                t_frames = raw_frame_reads(frame_places, heads, flat)
+                cpu.stop("frames_raw", False)
+            if frame_places and rep:
+                frames_raw.append(t_frames)
             if raw_file is None and rep:  # the machine's fastest copy of the same bytes
                 streams.append(streamed(outs, chunks))
             if copiers and raw_file is not None:  # the first round warms their buffers
@@ -220,6 +236,8 @@ def bench_load(
         others["verified"] = verified
     if streams:
         others["stream"] = streams
+    if frames_raw:
+        others["frames_raw"] = frames_raw
     out = point(layout, n, served, limit, raw=raw_file is not None, shared=served_shared, **others)
     if streams:  # DRAM: the loads against the streaming copy (memcpy is not the fastest)
         out["of_stream"] = out["server_gbps"] / out["stream_gbps"]
@@ -230,6 +248,10 @@ def bench_load(
         out["ordinary_of_copied"] = out["server_gbps"] / out["copied_gbps"]
     if verified:  # the loads into shared buffers against theirs
         out["shared_of_verified"] = out["shared_gbps"] / out["verified_gbps"]
+    if frames_raw:  # each load against raw reads of the very bytes it reads
+        for name in ("server", "shared", "new", "direct", "direct_new", "verified"):
+            if f"{name}_gbps" in out:
+                out[f"{name}_of_frames_raw"] = out[f"{name}_gbps"] / out["frames_raw_gbps"]
     if served_late:  # what landed parts gain, paired round by round
         out["landed_time_ratio"] = float(
             np.median([a / b for a, b in zip(served, served_late, strict=True)])
@@ -259,6 +281,14 @@ def _verified_read(lk: LookupResult, bufs: list[np.ndarray]) -> float:
     if got != len(frames):
         raise RuntimeError(f"{got} of {len(frames)} frames read and verified")
     return took
+
+
+def _frame_places(lk: LookupResult | None) -> list[tuple[str, int]]:
+    """Where each disk hit's frame lies (segment file, offset), from a direct client's
+    lookup; none without one (no direct client: the point has no ``frames_raw``)."""
+    if not isinstance(lk, RemoteLookup) or any(f is None for f in lk.frames):
+        return []
+    return [(f.path, f.off) for f in lk.frames if f is not None]
 
 
 def shared_chunks(remote: RemoteStore, layout: KVLayout, n: int) -> list[np.ndarray]:

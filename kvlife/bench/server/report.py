@@ -22,6 +22,7 @@ _SERIES = (
     ("direct_new", "direct reads into new arrays (the vLLM worker's loads)"),
     ("verified", "ceiling: the same reads verified, native only"),
     ("copied", "ceiling: raw reads, each piece copied out + hashed beside"),
+    ("frames_raw", "raw reads of the frames' own bytes, nothing verified"),
     ("floor", "floor: a bare server, no store"),
     ("floor_sealed", "floor: a bare server, seals by the client"),
 )
@@ -138,6 +139,19 @@ def format_report(r: dict[str, Any]) -> str:
                 + (
                     f"; landed parts took {p['landed_time_ratio']:.3f} of the time without"
                     if "landed_time_ratio" in p
+                    else ""
+                )
+            )
+        if "server_of_frames_raw" in p:
+            lines.append(
+                f"disk loads of {p['chunk_bytes'] >> 10} KiB against raw reads of the frames' "
+                f"own bytes (those at {p['ratio_frames_raw']:.2f} of the raw file's): into "
+                f"the caller's buffers {p['server_of_frames_raw']:.2f}, into shared buffers "
+                f"{p['shared_of_frames_raw']:.2f}"
+                + (
+                    f", read directly {p['direct_of_frames_raw']:.2f}, the same reads "
+                    f"verified natively {p['verified_of_frames_raw']:.2f}"
+                    if "direct_of_frames_raw" in p and "verified_of_frames_raw" in p
                     else ""
                 )
             )
