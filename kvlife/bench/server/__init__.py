@@ -25,6 +25,11 @@ store and the machine's limits, measured in the same run.
   ``shared_bound`` and ``ordinary_bound``: the same with its ceiling's time (the reads
   verified natively; raw reads with the copy out beside them) in place of the raw
   reads', what no served load of that kind passes with every byte verified.
+- beside each disk load point's raw reads of the bench's own file, raw reads of the
+  frames the loads read, where the store wrote them (``frames_raw_gbps``, its speed
+  against the raw file's ``ratio_frames_raw``, and each load against it,
+  ``<load>_of_frames_raw``): the same bytes at another place on the disk can read at
+  another speed, so this tells the frames' place from the store's work.
 
 Targets (issue 10): lookup <= 2x in-process (median and P99); DRAM load >= 0.8x memcpy,
 disk load >= 0.85x raw; put >= 0.8x memcpy, write-through put >= 0.85x raw. A benchmark,
