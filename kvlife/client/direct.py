@@ -32,7 +32,9 @@ from kvlife.tiers.buffers import ALIGN
 from kvlife.tiers.disk.frame import HEADER_USED, FrameError, unpack_header
 
 DEPTH = 4
-"""Frame reads in flight (the checksum of one overlaps the reads after it).
+"""The most frame reads in flight (the checksum of one overlaps the reads after it):
+runs of chunks smaller than :data:`LARGE_CHUNK` keep this many, runs of larger ones
+:data:`LARGE_DEPTH` (:func:`depth_for`).
 
 4, not 1 (issue 28, 2026-12-07, one server pinned to CPU 1, this client on CPU 0, loads
 without buffers of a prompt's disk hits, depths alternated load by load with the same
@@ -43,6 +45,23 @@ x 4 0.87 / 0.97 / 0.95 (0.69), 16 MiB x 4 0.94 at every depth (0.92). At one rea
 flight this device's fixed cost per read (60-85 µs) is paid chunk after chunk, and
 loads of chunks of 1 MiB or less read directly were slower than through the server,
 whose reads of such chunks overlap."""
+
+LARGE_CHUNK = 2 << 20
+"""Chunks of at least this many bytes are read :data:`LARGE_DEPTH` at a time."""
+
+LARGE_DEPTH = 2
+"""Frame reads in flight for chunks of :data:`LARGE_CHUNK` and more.
+
+Two, not four (2026-12-08, the slower machine of issue 28: the extension's verified
+reads of a prompt's frames alone, into a shared buffer on a huge-page tmpfs, depths
+alternated run by run with raw reads of the same frames, 40 rounds; ratios of those
+raw reads at depth 1 / 2 / 4): 256 KiB x 32 0.95 / 1.08 / 1.21, 1 MiB x 8 0.96 / 1.06 /
+1.01, 2 MiB x 4 0.90 / 0.94 / 0.83, 16 MiB x 4 0.92 / 0.92 / 0.85. Four large reads in
+flight finish together, and the checksums of all but the first wait for the last read
+instead of overlapping the reads after them (each read's bytes come from memory, not
+from the caches: a 2 MiB hash right after its read took 150-216 µs, as long as one of
+memory the caches had dropped, 196-214 µs). The earlier figures agree at 2 MiB (0.97
+at depth 2, 0.95 at 4) and found no depth better at 16 MiB."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +77,13 @@ class Frame:
     nbytes: int
     dtype: np.dtype[Any]
     shape: tuple[int, ...]
+
+
+def depth_for(frames: Sequence[Frame]) -> int:
+    """Frame reads in flight for a run of ``frames``: :data:`DEPTH`, or
+    :data:`LARGE_DEPTH` where its largest frame is of :data:`LARGE_CHUNK` or more."""
+    largest = max((f.nbytes for f in frames), default=0)
+    return LARGE_DEPTH if largest >= LARGE_CHUNK else DEPTH
 
 
 def parse_frames(value: object, keys: Sequence[bytes]) -> tuple[Frame | None, ...]:
@@ -129,7 +155,7 @@ def start_reads(frames: Sequence[Frame], outs: Sequence[np.ndarray]) -> native.D
             (f.path, f.off, out, f.nbytes, f.header, f.checksum)
             for f, out in zip(frames, outs, strict=True)
         ],
-        DEPTH,
+        depth_for(frames),
     )
 
 

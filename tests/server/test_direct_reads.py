@@ -21,7 +21,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlife.client import RemoteStore
-from kvlife.client.direct import parse_frames, unreachable
+from kvlife.client.direct import (
+    DEPTH,
+    LARGE_CHUNK,
+    LARGE_DEPTH,
+    depth_for,
+    parse_frames,
+    unreachable,
+)
 from kvlife.client.handles import RemoteLookup
 from kvlife.core.errors import InvalidArgument, ProtocolError
 from kvlife.core.identity import PUBLIC, KVLayout, ModelIdentity
@@ -30,7 +37,13 @@ from kvlife.tiers.buffers import aligned_empty
 from kvlife.tiers.disk.frame import HEADER_BYTES, HEADER_USED, FrameHeader, pack_header
 from tests.conftest import prompt_kv
 from tests.server.conftest import MiB, ServerProc
-from tests.server.direct_rig import OUT_OF_REACH, client_pair, disk_server, out_of_reach_server
+from tests.server.direct_rig import (
+    OUT_OF_REACH,
+    client_pair,
+    disk_server,
+    out_of_reach_server,
+    put_on_disk,
+)
 from tests.server.tenants import TOKENS, USER, as_, write_config
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", tokens_per_chunk=32)
@@ -183,6 +196,48 @@ def test_a_direct_load_reads_the_frames_here_and_the_server_counts_it(
     assert after.loads - before.loads == 1
     assert after.tier("disk").loaded - before.tier("disk").loaded == CHUNKS
     assert mine.direct_fallbacks() == 0
+
+
+BIG = KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, dtype="float16", tokens_per_chunk=256)
+"""2 MiB chunks: read :data:`LARGE_DEPTH` at a time (smaller ones :data:`DEPTH`)."""
+
+
+@BUFS
+def test_large_chunks_are_read_two_at_a_time_exact_and_counted(tmp_path: Path, bufs: str) -> None:
+    """A run of 2 MiB frames keeps fewer reads in flight than one of small frames (four
+    large reads finish together and their checksums then wait for the last); read so,
+    a direct load of five of them is exact, read here and counted by the server."""
+    assert BIG.chunk_nbytes == LARGE_CHUNK and LARGE_DEPTH < DEPTH
+    ident = ModelIdentity(
+        layout=BIG, model_id="direct-big", weights_digest="w", tokenizer_digest="t"
+    )
+    srv = disk_server(tmp_path / "store", dram=16 * MiB)
+    try:
+        with client_pair(srv) as (plain, mine):
+            n = 5
+            tokens, want = put_on_disk(plain, ident, n, 61)
+            lk = mine.lookup(ident, PUBLIC, tokens)
+            assert isinstance(lk, RemoteLookup) and lk.tiers() == {"disk": n}
+            frames = [f for f in lk.frames if f is not None]
+            assert len(frames) == n and depth_for(frames) == LARGE_DEPTH
+            small = _lookup(mine, _on_disk(plain, 62)[0])
+            assert depth_for([f for f in small.frames if f is not None]) == DEPTH
+            before = mine.counters.direct_loads
+            outs = None
+            if bufs == "shared":
+                raw = mine.alloc_buffer(n * BIG.chunk_nbytes)
+                size = BIG.chunk_nbytes
+                outs = [
+                    raw[i * size : (i + 1) * size].view(np.float16).reshape(BIG.chunk_shape)
+                    for i in range(n)
+                ]
+            res = mine.load(lk, outs)
+            assert res.loaded == n and res.tiers == {"disk": n}
+            assert [a.tobytes() for a in res.arrays] == want
+            assert mine.direct_fallbacks() == 0
+            assert mine.counters.direct_loads - before == n
+    finally:
+        srv.stop()
 
 
 def test_a_plain_client_is_named_no_frames(clients: tuple[RemoteStore, RemoteStore]) -> None:
