@@ -41,7 +41,8 @@ from kvlife.client.direct import read_frames
 from kvlife.client.handles import RemoteLookup
 from kvlife.core.identity import KVLayout
 from kvlife.results import LoadResult, LookupResult
-from kvlife.tiers.buffers import ALIGN, aligned_empty
+from kvlife.tiers.buffers import aligned_empty
+from kvlife.tiers.disk.frame import HEADER_BYTES
 
 
 def bench_load(
@@ -102,7 +103,7 @@ def bench_load(
     served_direct: list[float] = []
     # the raw reads of the frames' own bytes (the direct client's lookup names them)
     frame_places = _frame_places(direct_lk) if raw_file is not None else []
-    heads = [aligned_empty(ALIGN) for _ in frame_places]
+    heads = [aligned_empty(HEADER_BYTES) for _ in frame_places]
     frames_raw: list[float] = []
     served_direct_new: list[float] = []
     served_late: list[float] = []
