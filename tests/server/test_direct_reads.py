@@ -114,11 +114,12 @@ def test_load_async_reads_directly_too(clients: tuple[RemoteStore, RemoteStore],
     assert mine.direct_fallbacks() == 0
 
 
-def _shared(store: RemoteStore) -> list[np.ndarray]:
-    raw = store.alloc_buffer(CHUNKS * LAYOUT.chunk_nbytes)
-    n = LAYOUT.chunk_nbytes
+def _shared(store: RemoteStore, layout: KVLayout = LAYOUT, count: int = CHUNKS) -> list[np.ndarray]:
+    """``count`` chunk buffers of ``layout`` in one shared buffer of ``store``'s session."""
+    raw = store.alloc_buffer(count * layout.chunk_nbytes)
+    n = layout.chunk_nbytes
     return [
-        raw[i * n : (i + 1) * n].view(np.float16).reshape(LAYOUT.chunk_shape) for i in range(CHUNKS)
+        raw[i * n : (i + 1) * n].view(np.float16).reshape(layout.chunk_shape) for i in range(count)
     ]
 
 
@@ -223,15 +224,7 @@ def test_large_chunks_are_read_two_at_a_time_exact_and_counted(tmp_path: Path, b
             small = _lookup(mine, _on_disk(plain, 62)[0])
             assert depth_for([f for f in small.frames if f is not None]) == DEPTH
             before = mine.counters.direct_loads
-            outs = None
-            if bufs == "shared":
-                raw = mine.alloc_buffer(n * BIG.chunk_nbytes)
-                size = BIG.chunk_nbytes
-                outs = [
-                    raw[i * size : (i + 1) * size].view(np.float16).reshape(BIG.chunk_shape)
-                    for i in range(n)
-                ]
-            res = mine.load(lk, outs)
+            res = mine.load(lk, _shared(mine, BIG, n) if bufs == "shared" else None)
             assert res.loaded == n and res.tiers == {"disk": n}
             assert [a.tobytes() for a in res.arrays] == want
             assert mine.direct_fallbacks() == 0
